@@ -1,0 +1,123 @@
+"""Write and re-validate a model folder: model.onnx, weights.pt and manifest.json."""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+
+import mhaserve
+from mhaserve.model import MultiHeadAttention, load_weights, save_weights
+
+from .manifest import (
+    MANIFEST_FORMAT,
+    METADATA_PREFIX,
+    MODEL_FILE,
+    WEIGHTS_FILE,
+    read_manifest,
+    write_manifest,
+)
+from .onnx_export import DEFAULT_OPSET, check_onnx, export_onnx, save_onnx
+from .validate import TOLERANCE, validate
+
+_ONNX_DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.BOOL: "bool"}
+
+
+def describe_tensors(values) -> list[dict]:
+    """Name, dtype and shape (dynamic dims by name) of graph inputs or outputs."""
+    described = []
+    for value in values:
+        tensor_type = value.type.tensor_type
+        dims = [d.dim_param if d.dim_param else d.dim_value for d in tensor_type.shape.dim]
+        dtype = _ONNX_DTYPES.get(tensor_type.elem_type, onnx.TensorProto.DataType.Name(tensor_type.elem_type))
+        described.append({"name": value.name, "dtype": dtype, "shape": dims})
+    return described
+
+
+def export_model_dir(
+    module: MultiHeadAttention,
+    out_dir: str | Path,
+    *,
+    opset: int = DEFAULT_OPSET,
+    source: dict | None = None,
+    name: str = "mha",
+    validation_seed: int | None = None,
+    report: Callable[[str], None] | None = None,
+) -> dict:
+    """Export, check, validate and write ``out_dir``; returns the manifest ("valid" says if it passed).
+
+    A folder whose validation failed is still written, for inspection, with "valid": false.
+    """
+    out_dir = Path(out_dir)
+    module = module.eval()
+    started = time.perf_counter()
+    onnx_model = export_onnx(module, opset)
+    check_onnx(onnx_model)
+    if validation_seed is None:
+        validation_seed = int(np.random.SeedSequence().entropy % 2**32)
+    results = validate(module, onnx_model.SerializeToString(), seed=validation_seed, report=report)
+    passed = all(r.passed for r in results)
+
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "name": name,
+        "valid": passed,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "config": {"d_model": module.d_model, "num_heads": module.num_heads, "d_k": module.d_k}
+        | (source or {}),
+        "files": {"model": MODEL_FILE, "weights": WEIGHTS_FILE},
+        "inputs": describe_tensors(onnx_model.graph.input),
+        "outputs": describe_tensors(onnx_model.graph.output),
+        "mask": "0/False = may not attend; rank 4 [B|1, 1, Lq|1, Lk]; a fully masked query row gives zeros",
+        "opset": opset,
+        "exporter": "torch.onnx (TorchScript)",
+        "versions": {
+            "mhaserve": mhaserve.__version__,
+            "torch": torch.__version__,
+            "onnx": onnx.__version__,
+            "onnxruntime": ort.__version__,
+        },
+        "validation": {
+            "passed": passed,
+            "tolerance_max_abs": TOLERANCE,
+            "seed": validation_seed,
+            "cases": [r.as_dict() for r in results],
+        },
+        "export_seconds": round(time.perf_counter() - started, 2),
+    }
+    metadata = {
+        "name": name,
+        "d_model": module.d_model,
+        "num_heads": module.num_heads,
+        "opset": opset,
+        "valid": passed,
+        "mask": manifest["mask"],
+        "torch_version": torch.__version__,
+        "mhaserve_version": mhaserve.__version__,
+    }
+    onnx.helper.set_model_props(onnx_model, {METADATA_PREFIX + k: str(v) for k, v in metadata.items()})
+    onnx_model.producer_name = "mhaserve"
+    onnx_model.producer_version = mhaserve.__version__
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_onnx(onnx_model, out_dir / MODEL_FILE)
+    save_weights(module, out_dir / WEIGHTS_FILE)
+    write_manifest(out_dir, manifest)  # last: a folder with a manifest is complete
+    return manifest
+
+
+def revalidate_model_dir(
+    model_dir: str | Path, seed: int | None = None, report: Callable[[str], None] | None = None
+) -> bool:
+    """Re-run the validation matrix on an existing folder, against its own weights."""
+    model_dir = Path(model_dir)
+    read_manifest(model_dir)
+    module = load_weights(model_dir / WEIGHTS_FILE)
+    results = validate(module, str(model_dir / MODEL_FILE), seed=seed, report=report)
+    return all(r.passed for r in results)

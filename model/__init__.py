@@ -1,0 +1,25 @@
+"""The multi-head attention module (torch). Nothing on the serving path imports this package."""
+
+from .mha import (
+    DEFAULT_D_MODEL,
+    DEFAULT_NUM_HEADS,
+    DEFAULT_SEED,
+    MultiHeadAttention,
+    attention_mask_4d,
+    causal_mask,
+)
+from .weights import from_torch_mha, load_weights, save_weights, seeded_module, to_torch_mha
+
+__all__ = [
+    "DEFAULT_D_MODEL",
+    "DEFAULT_NUM_HEADS",
+    "DEFAULT_SEED",
+    "MultiHeadAttention",
+    "attention_mask_4d",
+    "causal_mask",
+    "from_torch_mha",
+    "load_weights",
+    "save_weights",
+    "seeded_module",
+    "to_torch_mha",
+]

@@ -1,0 +1,116 @@
+"""The multi-head attention module served by mhaserve.
+
+softmax(Q K^T / sqrt(d_k)) V per head, with separate W_q, W_k, W_v, W_o projections (each
+``nn.Linear(d_model, d_model)`` with bias), heads concatenated before W_o.
+
+Masks follow one rule everywhere: a mask value of 0 (or False) means "may not attend".
+A query row whose keys are all masked gets attention weights of zero and an output of zero
+(plain softmax would give NaN there).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+DEFAULT_D_MODEL = 512
+DEFAULT_NUM_HEADS = 8
+DEFAULT_SEED = 0
+
+
+class MultiHeadAttention(nn.Module):
+    """Scaled dot-product attention over ``num_heads`` heads of size ``d_model // num_heads``."""
+
+    def __init__(self, d_model: int = DEFAULT_D_MODEL, num_heads: int = DEFAULT_NUM_HEADS, dropout: float = 0.0):
+        super().__init__()
+        if d_model <= 0 or num_heads <= 0:
+            raise ValueError(f"d_model and num_heads must be positive, got d_model={d_model}, num_heads={num_heads}")
+        if d_model % num_heads != 0:
+            raise ValueError(
+                f"d_model must be divisible by num_heads: d_model={d_model}, num_heads={num_heads} "
+                f"leaves a remainder of {d_model % num_heads}"
+            )
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        self.d_model = d_model
+        self.num_heads = num_heads
+        self.d_k = d_model // num_heads
+        self.W_q = nn.Linear(d_model, d_model)
+        self.W_k = nn.Linear(d_model, d_model)
+        self.W_v = nn.Linear(d_model, d_model)
+        self.W_o = nn.Linear(d_model, d_model)
+        # Applied to the attention weights in training only; eval() and export leave it out.
+        self.attn_dropout = nn.Dropout(dropout)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attend from ``query`` [B, Lq, d_model] to ``key``/``value`` [B, Lk, d_model].
+
+        ``key`` absent means self-attention (key = value = query); ``value`` absent means value = key.
+        ``mask`` (bool or integer, 0 = may not attend) is [B, Lk] (key padding), [B, Lq, Lk] or
+        anything that broadcasts to [B, h, Lq, Lk]. Returns ``(output [B, Lq, d_model],
+        attn_weights [B, h, Lq, Lk])``.
+        """
+        if key is None:
+            key = query
+        if value is None:
+            value = key
+        q = self._split_heads(self.W_q(query))
+        k = self._split_heads(self.W_k(key))
+        v = self._split_heads(self.W_v(value))
+
+        scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(self.d_k)
+        if mask is None:
+            weights = torch.softmax(scores, dim=-1)
+        else:
+            allowed = attention_mask_4d(mask)
+            weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+            # A row with every key masked is NaN after softmax; it is exactly the masked entries,
+            # so zeroing them defines that row as zeros and leaves every other row unchanged.
+            weights = weights.masked_fill(~allowed, 0.0)
+        context = torch.matmul(self.attn_dropout(weights), v)
+        output = self.W_o(self._merge_heads(context))
+        if mask is not None:
+            # Zero the output of a query row that no head may attend from (W_o alone would give its bias).
+            attends = allowed.any(dim=-1).any(dim=1)  # [B or 1, Lq or 1]
+            output = output * attends.unsqueeze(-1).to(output.dtype)
+        return output, weights
+
+    def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
+        # [B, L, d_model] -> [B, h, L, d_k]; -1 keeps B and L symbolic in an export.
+        return x.unflatten(-1, (self.num_heads, self.d_k)).transpose(1, 2)
+
+    def _merge_heads(self, x: torch.Tensor) -> torch.Tensor:
+        # [B, h, L, d_k] -> [B, L, d_model]
+        return x.transpose(1, 2).flatten(-2)
+
+
+def attention_mask_4d(mask: torch.Tensor) -> torch.Tensor:
+    """A boolean "may attend" mask of rank 4, broadcastable to [B, h, Lq, Lk].
+
+    Rank 2 is key padding [B, Lk]; rank 3 is [B, Lq, Lk]; rank 4 is taken as [B, h, Lq, Lk].
+    """
+    allowed = mask if mask.dtype == torch.bool else mask != 0
+    if allowed.dim() == 2:
+        return allowed[:, None, None, :]
+    if allowed.dim() == 3:
+        return allowed[:, None, :, :]
+    if allowed.dim() == 4:
+        return allowed
+    raise ValueError(f"mask must have rank 2 ([B, Lk]), 3 ([B, Lq, Lk]) or 4 ([B, h, Lq, Lk]), got shape {tuple(mask.shape)}")
+
+
+def causal_mask(q_len: int, kv_len: int | None = None, device: torch.device | None = None) -> torch.Tensor:
+    """A [1, Lq, Lk] bool mask letting query i attend to keys 0..i (aligned at the end when Lk > Lq)."""
+    kv_len = q_len if kv_len is None else kv_len
+    offset = kv_len - q_len
+    rows = torch.arange(q_len, device=device)[:, None]
+    cols = torch.arange(kv_len, device=device)[None, :]
+    return (cols <= rows + offset).unsqueeze(0)
