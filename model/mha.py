@@ -75,6 +75,7 @@ class MultiHeadAttention(nn.Module):
             # A row with every key masked is NaN after softmax; it is exactly the masked entries,
             # so zeroing them defines that row as zeros and leaves every other row unchanged.
             weights = weights.masked_fill(~allowed, 0.0)
+        # Dropout (training only) acts on what multiplies V; the returned weights stay the softmax.
         context = torch.matmul(self.attn_dropout(weights), v)
         output = self.W_o(self._merge_heads(context))
         if mask is not None:

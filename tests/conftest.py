@@ -1,0 +1,25 @@
+"""Shared fixtures: small seeded models and their exports, made once per test session."""
+
+from __future__ import annotations
+
+import pytest
+
+SMALL_D_MODEL, SMALL_HEADS = 64, 4
+
+
+@pytest.fixture(scope="session")
+def small_module():
+    from mhaserve.model import seeded_module
+
+    return seeded_module(SMALL_D_MODEL, SMALL_HEADS, seed=1)
+
+
+@pytest.fixture(scope="session")
+def small_model_dir(tmp_path_factory, small_module):
+    """A validated export of the small module (the matrix runs in about a second at this size)."""
+    from mhaserve.export.model_dir import export_model_dir
+
+    out = tmp_path_factory.mktemp("small") / "mha"
+    manifest = export_model_dir(small_module, out, source={"seed": 1}, validation_seed=0, report=lambda _: None)
+    assert manifest["valid"], "the fixture model failed validation"
+    return out

@@ -1,0 +1,233 @@
+"""The ONNX export: the folder it writes, the graph's signature, and each torch 2.13 exporter trap.
+
+Every trap test runs the exported graph in ONNX Runtime at the shape that the trap would break.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+
+from mhaserve.export.model_dir import export_model_dir, revalidate_model_dir
+from mhaserve.export.onnx_export import check_onnx, export_onnx
+from mhaserve.export.validate import ValidationCase, validate, validation_cases
+
+from .conftest import SMALL_D_MODEL, SMALL_HEADS
+
+D = SMALL_D_MODEL
+
+
+@pytest.fixture(scope="module")
+def session(small_model_dir):
+    return ort.InferenceSession(str(small_model_dir / "model.onnx"), providers=["CPUExecutionProvider"])
+
+
+def infer(session, query, key=None, value=None, mask=None):
+    key = query if key is None else key
+    value = key if value is None else value
+    if mask is None:
+        mask = np.ones((1, 1, 1, key.shape[1]), dtype=bool)
+    return session.run(None, {"query": query, "key": key, "value": value, "mask": mask})
+
+
+def eager(module, query, key=None, value=None, mask=None):
+    with torch.no_grad():
+        out, attn = module(*(None if a is None else torch.from_numpy(a) for a in (query, key, value, mask)))
+    return out.numpy(), attn.numpy()
+
+
+def assert_same(got, want, atol=1e-5):
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape
+        np.testing.assert_allclose(g, w, rtol=0, atol=atol)
+
+
+def rand(*shape, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
+
+
+def test_folder_holds_one_onnx_file_weights_and_manifest(small_model_dir):
+    # The dynamo exporter writes weights to model.onnx.data by default; our folder has no such file.
+    assert sorted(p.name for p in small_model_dir.iterdir()) == ["manifest.json", "model.onnx", "weights.pt"]
+    model = onnx.load(str(small_model_dir / "model.onnx"), load_external_data=False)
+    assert all(t.data_location != onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
+
+
+def test_manifest_describes_the_model(small_model_dir):
+    manifest = json.loads((small_model_dir / "manifest.json").read_text())
+    assert manifest["valid"] is True
+    assert manifest["config"] == {"d_model": D, "num_heads": SMALL_HEADS, "d_k": D // SMALL_HEADS, "seed": 1}
+    assert manifest["inputs"] == [
+        {"name": "query", "dtype": "float32", "shape": ["batch", "q_len", D]},
+        {"name": "key", "dtype": "float32", "shape": ["batch", "kv_len", D]},
+        {"name": "value", "dtype": "float32", "shape": ["batch", "kv_len", D]},
+        {"name": "mask", "dtype": "bool", "shape": ["mask_batch", 1, "mask_q_len", "kv_len"]},
+    ]
+    assert manifest["outputs"] == [
+        {"name": "output", "dtype": "float32", "shape": ["batch", "q_len", D]},
+        {"name": "attn_weights", "dtype": "float32", "shape": ["batch", SMALL_HEADS, "q_len", "kv_len"]},
+    ]
+    assert manifest["opset"] == 17
+    assert set(manifest["versions"]) == {"mhaserve", "torch", "onnx", "onnxruntime"}
+    assert manifest["versions"]["torch"].startswith("2.13.0")
+    cases = manifest["validation"]["cases"]
+    assert len(cases) == len(validation_cases()) and all(c["passed"] for c in cases)
+    assert max(c["output_max_abs"] for c in cases) <= 1e-5
+
+
+def test_onnx_metadata_describes_the_model_alone(small_model_dir):
+    model = onnx.load(str(small_model_dir / "model.onnx"))
+    props = {p.key: p.value for p in model.metadata_props}
+    assert props["mhaserve.d_model"] == str(D)
+    assert props["mhaserve.num_heads"] == str(SMALL_HEADS)
+    assert props["mhaserve.opset"] == "17"
+    assert props["mhaserve.valid"] == "True"
+    assert props["mhaserve.name"] == "mha"
+    # and ONNX Runtime exposes them to a server that never loads onnx or torch
+    meta = ort.InferenceSession(str(small_model_dir / "model.onnx")).get_modelmeta().custom_metadata_map
+    assert meta["mhaserve.d_model"] == str(D)
+
+
+def test_checker_and_shape_inference_pass(small_model_dir):
+    check_onnx(onnx.load(str(small_model_dir / "model.onnx")))
+
+
+def test_trap_size_one_dims_are_not_baked_in(session, small_module):
+    # Batch 1 and length 1 run, and the declared dims stay symbolic.
+    for b, lq, lk in [(1, 1, 1), (1, 1, 9), (1, 9, 1), (4, 1, 1), (3, 17, 2)]:
+        q, kv = rand(b, lq, D, seed=b), rand(b, lk, D, seed=lk)
+        assert_same(infer(session, q, kv), eager(small_module, q, kv))
+    for value in session.get_inputs()[:3]:
+        assert all(isinstance(dim, str) for dim in value.shape[:2]), value
+
+
+def test_trap_key_is_its_own_input_not_tied_to_query(session, small_model_dir, small_module):
+    # Exporting mha(x, x, x) would tie Lk to Lq and never read `key`.
+    model = onnx.load(str(small_model_dir / "model.onnx"))
+    consumed = {name for node in model.graph.node for name in node.input}
+    assert {"query", "key", "value", "mask"} <= consumed
+    q, k, v = rand(2, 3, D, seed=1), rand(2, 8, D, seed=2), rand(2, 8, D, seed=3)
+    got = infer(session, q, k, v)
+    assert got[1].shape == (2, SMALL_HEADS, 3, 8)
+    assert_same(got, eager(small_module, q, k, v))
+    # a different key changes the answer
+    assert not np.allclose(infer(session, q, rand(2, 8, D, seed=4), v)[0], got[0])
+
+
+def test_trap_batch_size_comes_from_query_not_mask(session, small_module):
+    # A mask of batch 1 (shared by every row of the batch) must not set the graph's batch size.
+    q = rand(3, 5, D, seed=5)
+    causal = np.tril(np.ones((5, 5), dtype=bool))[None]  # [1, Lq, Lk]
+    got = infer(session, q, mask=causal[:, None])
+    assert got[0].shape == (3, 5, D)
+    assert_same(got, eager(small_module, q, q, q, causal))
+
+
+def test_trap_key_padding_and_full_masks_both_accepted(session, small_module):
+    # A graph declaring [B, 1, 1, Lk] would reject [B, 1, Lq, Lk], and the reverse.
+    q, kv = rand(2, 4, D, seed=6), rand(2, 6, D, seed=7)
+    padding = np.array([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]], dtype=bool)
+    assert_same(infer(session, q, kv, mask=padding[:, None, None, :]), eager(small_module, q, kv, kv, padding))
+    full = np.random.default_rng(8).random((2, 4, 6)) < 0.6
+    full[:, :, 0] = True
+    assert_same(infer(session, q, kv, mask=full[:, None]), eager(small_module, q, kv, kv, full))
+
+
+def test_fully_masked_row_is_zero_in_the_export_too(session, small_module):
+    q = rand(1, 3, D, seed=9)
+    allowed = np.ones((1, 3, 3), dtype=bool)
+    allowed[0, 1] = False
+    out, attn = infer(session, q, mask=allowed[:, None])
+    assert np.all(out[0, 1] == 0) and np.all(attn[0, :, 1] == 0) and not np.isnan(out).any()
+    assert_same((out, attn), eager(small_module, q, q, q, allowed))
+
+
+def test_validation_catches_perturbed_weights(small_module):
+    wrong = export_onnx(small_module)
+    for tensor in wrong.graph.initializer:
+        if tensor.dims == [D, D]:  # one projection matrix
+            w = onnx.numpy_helper.to_array(tensor).copy()
+            w[0, 0] += 1e-2
+            tensor.CopyFrom(onnx.numpy_helper.from_array(w, tensor.name))
+            break
+    cases = [ValidationCase(2, 5, 5, "none"), ValidationCase(1, 1, 1, "causal")]
+    results = validate(small_module, wrong.SerializeToString(), cases, seed=0, report=lambda _: None)
+    assert not all(r.passed for r in results)
+
+
+def test_validation_catches_a_static_shape_export(small_module, tmp_path):
+    from mhaserve.export.onnx_export import example_inputs
+
+    path = tmp_path / "static.onnx"
+    torch.onnx.export(
+        small_module, example_inputs(D), str(path), dynamo=False, input_names=["query", "key", "value", "mask"],
+        output_names=["output", "attn_weights"],
+    )
+    results = validate(small_module, str(path), seed=0, report=lambda _: None)
+    failed = [r for r in results if not r.passed]
+    assert failed and all(r.error for r in failed)
+    # only the example's own shapes could pass
+    assert all((r.case.batch, r.case.q_len, r.case.kv_len) == (2, 5, 7) for r in results if r.passed)
+
+
+def test_failed_validation_marks_the_folder_not_valid(small_module, tmp_path, monkeypatch):
+    import mhaserve.export.model_dir as model_dir
+
+    real_export = model_dir.export_onnx
+
+    def export_with_wrong_bias(module, opset):
+        model = real_export(module, opset)
+        bias = next(t for t in model.graph.initializer if t.dims == [D])
+        b = onnx.numpy_helper.to_array(bias) + 1.0
+        bias.CopyFrom(onnx.numpy_helper.from_array(b, bias.name))
+        return model
+
+    monkeypatch.setattr(model_dir, "export_onnx", export_with_wrong_bias)
+    manifest = export_model_dir(small_module, tmp_path / "bad", validation_seed=0, report=lambda _: None)
+    assert manifest["valid"] is False and manifest["validation"]["passed"] is False
+    assert not revalidate_model_dir(tmp_path / "bad", seed=0, report=lambda _: None)
+
+
+def run_cli(*args, timeout=300):
+    return subprocess.run(
+        [sys.executable, "-m", "mhaserve.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_cli_export_then_validate(tmp_path):
+    out = tmp_path / "cli"
+    done = run_cli("export", "--d-model", "32", "--heads", "2", "--seed", "4", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    assert "[ 68/68]" in done.stderr and "68 passed, 0 failed" in done.stderr
+    assert json.loads((out / "manifest.json").read_text())["config"]["seed"] == 4
+
+    done = run_cli("validate", str(out), "--seed", "3")
+    assert done.returncode == 0, done.stderr
+    assert "68 passed, 0 failed" in done.stderr
+
+
+def test_cli_validate_fails_on_a_tampered_model(tmp_path, small_model_dir):
+    import shutil
+
+    folder = tmp_path / "tampered"
+    shutil.copytree(small_model_dir, folder)
+    model = onnx.load(str(folder / "model.onnx"))
+    w = next(t for t in model.graph.initializer if t.dims == [D, D])
+    arr = onnx.numpy_helper.to_array(w) * 1.01
+    w.CopyFrom(onnx.numpy_helper.from_array(arr, w.name))
+    onnx.save(model, str(folder / "model.onnx"))
+    done = run_cli("validate", str(folder), "--seed", "0")
+    assert done.returncode == 1
+    assert "FAIL" in done.stderr
+
+
+def test_cli_rejects_bad_sizes(tmp_path):
+    done = run_cli("export", "--d-model", "100", "--heads", "3", "--out", str(tmp_path / "x"))
+    assert done.returncode != 0 and "divisible by num_heads" in done.stderr
