@@ -113,7 +113,8 @@ def run_case(
     except Exception as exc:  # an export that cannot run this shape fails the case, not the run
         return CaseResult(case, nan, nan, nan, nan, passed=False, error=str(exc).splitlines()[0][:300])
     if got_out.shape != tuple(want_out.shape) or got_attn.shape != tuple(want_attn.shape):
-        error = f"shapes {got_out.shape}, {got_attn.shape}; expected {tuple(want_out.shape)}, {tuple(want_attn.shape)}"
+        expected = (tuple(want_out.shape), tuple(want_attn.shape))
+        error = f"shapes {got_out.shape}, {got_attn.shape}; expected {expected[0]}, {expected[1]}"
         return CaseResult(case, nan, nan, nan, nan, passed=False, error=error)
     out_abs, out_rel = _errors(got_out, want_out.numpy())
     attn_abs, attn_rel = _errors(got_attn, want_attn.numpy())
@@ -127,8 +128,7 @@ def format_row(index: int, total: int, result: CaseResult) -> str:
         f"[{index:>3}/{total}] {c.kind:<5} B={c.batch:<2} Lq={c.q_len:<4} Lk={c.kv_len:<4} mask={c.mask:<11} "
         f"output abs {result.output_max_abs:8.1e} rel {result.output_max_rel:8.1e}  "
         f"attn abs {result.attn_max_abs:8.1e} rel {result.attn_max_rel:8.1e}  "
-        f"{'pass' if result.passed else 'FAIL'}"
-        + (f"  ({result.error})" if result.error else "")
+        f"{'pass' if result.passed else 'FAIL'}" + (f"  ({result.error})" if result.error else "")
     )
 
 
@@ -151,5 +151,6 @@ def validate(
         results.append(result)
         report(format_row(index, len(cases), result))
     failed = sum(not r.passed for r in results)
-    report(f"validation: {len(results) - failed} passed, {failed} failed (tolerance: max abs error <= {TOLERANCE:g})")
+    passed = len(results) - failed
+    report(f"validation: {passed} passed, {failed} failed (tolerance: max abs error <= {TOLERANCE:g})")
     return results

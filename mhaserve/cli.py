@@ -17,10 +17,14 @@ def _add_export(sub) -> None:
     p.add_argument("--heads", type=int, default=8, help="number of heads; must divide d-model (default 8)")
     weights = p.add_mutually_exclusive_group()
     weights.add_argument("--seed", type=int, default=0, help="seed of the default initialisation (default 0)")
-    weights.add_argument("--weights", type=Path, help="weights file written by mhaserve (overrides sizes and seed)")
+    weights.add_argument(
+        "--weights", type=Path, help="weights file written by mhaserve (overrides sizes and seed)"
+    )
     p.add_argument("--opset", type=int, default=None, help="ONNX opset (default 17)")
     p.add_argument("--name", default="mha", help="model name the server registers (default mha)")
-    p.add_argument("--validation-seed", type=int, default=None, help="seed of the validation inputs (default random)")
+    p.add_argument(
+        "--validation-seed", type=int, default=None, help="seed of the validation inputs (default random)"
+    )
     p.set_defaults(run=_run_export)
 
 

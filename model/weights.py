@@ -13,7 +13,7 @@ from .mha import DEFAULT_D_MODEL, DEFAULT_NUM_HEADS, DEFAULT_SEED, MultiHeadAtte
 def seeded_module(
     d_model: int = DEFAULT_D_MODEL, num_heads: int = DEFAULT_NUM_HEADS, seed: int = DEFAULT_SEED
 ) -> MultiHeadAttention:
-    """The module with nn.Linear's default initialisation drawn from a fixed seed (same weights every time)."""
+    """The module with nn.Linear's default initialisation drawn from a fixed seed: same weights every time."""
     generator_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)
