@@ -69,8 +69,7 @@ def export_model_dir(
         "name": name,
         "valid": passed,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "config": {"d_model": module.d_model, "num_heads": module.num_heads, "d_k": module.d_k}
-        | (source or {}),
+        "config": {"d_model": module.d_model, "num_heads": module.num_heads, "d_k": module.d_k} | (source or {}),
         "files": {"model": MODEL_FILE, "weights": WEIGHTS_FILE},
         "inputs": describe_tensors(onnx_model.graph.input),
         "outputs": describe_tensors(onnx_model.graph.output),

@@ -6,6 +6,8 @@ Each subcommand imports what it needs when it runs, so ``serve`` and ``infer`` n
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -17,14 +19,10 @@ def _add_export(sub) -> None:
     p.add_argument("--heads", type=int, default=8, help="number of heads; must divide d-model (default 8)")
     weights = p.add_mutually_exclusive_group()
     weights.add_argument("--seed", type=int, default=0, help="seed of the default initialisation (default 0)")
-    weights.add_argument(
-        "--weights", type=Path, help="weights file written by mhaserve (overrides sizes and seed)"
-    )
+    weights.add_argument("--weights", type=Path, help="weights file written by mhaserve (overrides sizes and seed)")
     p.add_argument("--opset", type=int, default=None, help="ONNX opset (default 17)")
     p.add_argument("--name", default="mha", help="model name the server registers (default mha)")
-    p.add_argument(
-        "--validation-seed", type=int, default=None, help="seed of the validation inputs (default random)"
-    )
+    p.add_argument("--validation-seed", type=int, default=None, help="seed of the validation inputs (default random)")
     p.set_defaults(run=_run_export)
 
 
@@ -70,11 +68,139 @@ def _run_validate(args) -> int:
     return 0 if revalidate_model_dir(args.model_dir, seed=args.seed) else 1
 
 
+def default_model_dir() -> Path:
+    """Where ``serve`` keeps the embedded default model: $MHASERVE_CACHE, else the user's cache folder."""
+    root = (
+        os.environ.get("MHASERVE_CACHE")
+        or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mhaserve"
+    )
+    return Path(root) / "models" / "mha-d512-h8-seed0"
+
+
+def ensure_default_model() -> Path:
+    """Export the default model once; later calls find it valid in the cache and return at once."""
+    from mhaserve.export.manifest import ModelDirError, read_manifest
+
+    model_dir = default_model_dir()
+    try:
+        if read_manifest(model_dir).get("valid"):
+            return model_dir
+    except ModelDirError:
+        pass
+    print(f"no default model in {model_dir} yet: exporting it once (needs the 'export' extra)", file=sys.stderr)
+    # In a child process, so the serving process never imports torch.
+    done = subprocess.run([sys.executable, "-m", "mhaserve.cli", "export", "--out", str(model_dir)])
+    if done.returncode != 0:
+        raise SystemExit(f"exporting the default model failed (exit {done.returncode})")
+    return model_dir
+
+
+def _add_serve(sub) -> None:
+    from mhaserve.server.config import add_server_arguments
+
+    p = sub.add_parser("serve", help="serve a model folder over gRPC (default: the embedded default model)")
+    add_server_arguments(p)
+    p.set_defaults(run=_run_serve)
+
+
+def _run_serve(args) -> int:
+    from mhaserve.server.app import run
+    from mhaserve.server.config import settings_from_args
+
+    settings = settings_from_args(args)
+    model_dir = settings.model_dir or ensure_default_model()
+    return run(settings, model_dir)
+
+
+def _add_infer(sub) -> None:
+    p = sub.add_parser("infer", help="call a server with random or .npy inputs; print shapes and latency")
+    p.add_argument("--url", default="127.0.0.1:8001")
+    p.add_argument("--model", default="mha")
+    p.add_argument("--batch", type=int, default=1, help="batch of the random inputs")
+    p.add_argument("--q-len", type=int, default=16, help="query length of the random inputs")
+    p.add_argument("--kv-len", type=int, default=None, help="key/value length: cross-attention (default self)")
+    for name in ("query", "key", "value", "mask"):
+        p.add_argument(f"--{name}", type=Path, help=f"{name} from a .npy file")
+    p.add_argument("--no-weights", action="store_true", help="ask for the output only")
+    p.add_argument("--repeat", type=int, default=1, help="calls to time (default 1)")
+    p.add_argument("--timeout", type=float, default=30.0, help="deadline per call, seconds")
+    p.add_argument("--save", type=Path, help="write inputs and outputs to this .npz")
+    p.add_argument("--heatmap", type=Path, help="write one head's attention weights to this .png")
+    p.add_argument("--head", type=int, default=0, help="head for --heatmap (default 0)")
+    p.add_argument("--item", type=int, default=0, help="batch item for --heatmap (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    p.set_defaults(run=_run_infer)
+
+
+def _run_infer(args) -> int:
+    import time
+
+    import grpc
+    import numpy as np
+
+    from mhaserve.client import Client
+
+    with Client(args.url, args.model) as client:
+        try:
+            d_model = client.metadata(timeout=args.timeout).inputs[0].shape[-1]
+        except grpc.RpcError as error:
+            print(
+                f"cannot reach model '{args.model}' at {args.url}: {error.code().name}: {error.details()}",
+                file=sys.stderr,
+            )
+            return 1
+        rng = np.random.default_rng(args.seed)
+        arrays = {
+            name: np.load(getattr(args, name)) for name in ("query", "key", "value", "mask") if getattr(args, name)
+        }
+        if "query" not in arrays:
+            arrays["query"] = rng.standard_normal((args.batch, args.q_len, d_model), dtype=np.float32)
+        if args.kv_len and "key" not in arrays:
+            batch = arrays["query"].shape[0]
+            arrays["key"] = rng.standard_normal((batch, args.kv_len, d_model), dtype=np.float32)
+            arrays["value"] = rng.standard_normal((batch, args.kv_len, d_model), dtype=np.float32)
+        latencies = []
+        try:
+            for _ in range(max(1, args.repeat)):
+                started = time.perf_counter()
+                result = client.infer(**arrays, attn_weights=not args.no_weights, timeout=args.timeout)
+                latencies.append((time.perf_counter() - started) * 1000)
+        except grpc.RpcError as error:
+            print(f"{error.code().name}: {error.details()}", file=sys.stderr)
+            return 1
+    shapes = ", ".join(f"{k} {list(v.shape)} {v.dtype}" for k, v in arrays.items())
+    print(f"inputs: {shapes}")
+    print(f"output: {list(result.output.shape)}", end="")
+    print(f"  attn_weights: {list(result.attn_weights.shape)}" if result.attn_weights is not None else "")
+    lat = np.array(latencies)
+    print(
+        f"latency ms over {len(lat)} calls: p50 {np.percentile(lat, 50):.3f}  p90 {np.percentile(lat, 90):.3f}  "
+        f"min {lat.min():.3f}  max {lat.max():.3f} (first call included)"
+    )
+    if args.save:
+        outputs = {"output": result.output}
+        if result.attn_weights is not None:
+            outputs["attn_weights"] = result.attn_weights
+        np.savez(args.save, **arrays, **outputs)
+        print(f"saved {args.save}")
+    if args.heatmap:
+        if result.attn_weights is None:
+            print("--heatmap needs the attention weights (drop --no-weights)", file=sys.stderr)
+            return 1
+        from mhaserve.heatmap import write_heatmap
+
+        write_heatmap(result.attn_weights[args.item, args.head], args.heatmap)
+        print(f"wrote {args.heatmap} (item {args.item}, head {args.head})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mhaserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _add_export(sub)
     _add_validate(sub)
+    _add_serve(sub)
+    _add_infer(sub)
     return parser
 
 

@@ -23,14 +23,10 @@ DEFAULT_SEED = 0
 class MultiHeadAttention(nn.Module):
     """Scaled dot-product attention over ``num_heads`` heads of size ``d_model // num_heads``."""
 
-    def __init__(
-        self, d_model: int = DEFAULT_D_MODEL, num_heads: int = DEFAULT_NUM_HEADS, dropout: float = 0.0
-    ):
+    def __init__(self, d_model: int = DEFAULT_D_MODEL, num_heads: int = DEFAULT_NUM_HEADS, dropout: float = 0.0):
         super().__init__()
         if d_model <= 0 or num_heads <= 0:
-            raise ValueError(
-                f"d_model and num_heads must be positive, got d_model={d_model}, num_heads={num_heads}"
-            )
+            raise ValueError(f"d_model and num_heads must be positive, got d_model={d_model}, num_heads={num_heads}")
         if d_model % num_heads != 0:
             raise ValueError(
                 f"d_model must be divisible by num_heads: d_model={d_model}, num_heads={num_heads} "
@@ -109,9 +105,7 @@ def attention_mask_4d(mask: torch.Tensor) -> torch.Tensor:
         return allowed[:, None, :, :]
     if allowed.dim() == 4:
         return allowed
-    raise ValueError(
-        f"mask must have rank 2 ([B, Lk]), 3 ([B, Lq, Lk]) or 4 ([B, h, Lq, Lk]); got {tuple(mask.shape)}"
-    )
+    raise ValueError(f"mask must have rank 2 ([B, Lk]), 3 ([B, Lq, Lk]) or 4 ([B, h, Lq, Lk]); got {tuple(mask.shape)}")
 
 
 def causal_mask(q_len: int, kv_len: int | None = None, device: torch.device | None = None) -> torch.Tensor:

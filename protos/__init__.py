@@ -1,0 +1,1 @@
+"""The Open Inference Protocol (KServe v2) with Triton extensions: .proto sources and generated stubs."""

@@ -134,9 +134,7 @@ def test_trap_key_padding_and_full_masks_both_accepted(session, small_module):
     # A graph declaring [B, 1, 1, Lk] would reject [B, 1, Lq, Lk], and the reverse.
     q, kv = rand(2, 4, D, seed=6), rand(2, 6, D, seed=7)
     padding = np.array([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]], dtype=bool)
-    assert_same(
-        infer(session, q, kv, mask=padding[:, None, None, :]), eager(small_module, q, kv, kv, padding)
-    )
+    assert_same(infer(session, q, kv, mask=padding[:, None, None, :]), eager(small_module, q, kv, kv, padding))
     full = np.random.default_rng(8).random((2, 4, 6)) < 0.6
     full[:, :, 0] = True
     assert_same(infer(session, q, kv, mask=full[:, None]), eager(small_module, q, kv, kv, full))

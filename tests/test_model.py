@@ -111,18 +111,14 @@ def test_matches_torch_multihead_attention_with_same_weights():
     out, attn = run(m, q, kv, kv, padding)
     with torch.no_grad():
         # nn.MultiheadAttention's boolean masks mean True = masked: the opposite of ours.
-        t_out, t_attn = torch_mha(
-            q, kv, kv, key_padding_mask=~padding, need_weights=True, average_attn_weights=False
-        )
+        t_out, t_attn = torch_mha(q, kv, kv, key_padding_mask=~padding, need_weights=True, average_attn_weights=False)
     torch.testing.assert_close(out, t_out, rtol=0, atol=1e-5)
     torch.testing.assert_close(attn, t_attn, rtol=0, atol=1e-5)
 
     causal = causal_mask(10)
     out, attn = run(m, q, q, q, causal)
     with torch.no_grad():
-        t_out, t_attn = torch_mha(
-            q, q, q, attn_mask=~causal[0], need_weights=True, average_attn_weights=False
-        )
+        t_out, t_attn = torch_mha(q, q, q, attn_mask=~causal[0], need_weights=True, average_attn_weights=False)
     torch.testing.assert_close(out, t_out, rtol=0, atol=1e-5)
     torch.testing.assert_close(attn, t_attn, rtol=0, atol=1e-5)
 

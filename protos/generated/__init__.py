@@ -1,0 +1,1 @@
+"""Generated protobuf and gRPC stubs (protos/generate.py). Never edited by hand."""

@@ -1,0 +1,135 @@
+"""The server process: bind, report NOT_SERVING, load and warm the model, report SERVING, drain on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import ctypes.util
+import logging
+import signal
+import sys
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from mhaserve.export.manifest import ModelDirError, read_manifest
+from mhaserve.protos.generated import grpc_service_pb2 as pb
+from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
+
+from .config import ServerSettings
+from .dataplane import DataPlane
+from .grpc_servicer import InferenceServicer
+from .session import DeviceUnavailable
+
+log = logging.getLogger("mhaserve.server")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
+
+
+def tune_malloc() -> None:
+    """Keep large response buffers in the heap instead of fresh mmap()s.
+
+    Serialising an 8 MiB response measured about 15 ms with glibc's defaults (each buffer a new
+    mmap, page-faulted and zeroed) and about 1.5 ms with these thresholds raised.
+    """
+    libc_name = ctypes.util.find_library("c")
+    if not libc_name or not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(libc_name)
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        libc.mallopt(m_mmap_threshold, 32 << 20)  # glibc's maximum for this threshold
+        libc.mallopt(m_trim_threshold, 256 << 20)
+    except (OSError, AttributeError):  # not glibc: leave the allocator alone
+        pass
+
+
+async def serve(settings: ServerSettings, model_dir) -> int:
+    """Run until SIGTERM or SIGINT; return the exit code."""
+    dataplane = DataPlane(settings, model_dir)
+    health_servicer = health.aio.HealthServicer()
+    # The port is bound before the model loads (health says NOT_SERVING meanwhile), so the message
+    # limit comes from the manifest's sizes rather than the session.
+    try:
+        config = read_manifest(model_dir)["config"]
+    except ModelDirError as error:
+        log.error("cannot serve: %s", error)
+        return 3
+    message_limit = settings.message_limit_bytes(config["d_model"], config["num_heads"])
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", message_limit),
+            ("grpc.max_send_message_length", message_limit),
+            ("grpc.max_concurrent_streams", settings.max_concurrent_streams),
+            ("grpc.so_reuseport", 0),
+        ]
+    )
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(dataplane), server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        server,
+    )
+    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    if port == 0:
+        log.error("could not bind %s:%s", settings.host, settings.port)
+        return 2
+    for service in ("", SERVICE_NAME):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.start()
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+
+    try:
+        session = await asyncio.to_thread(dataplane.load)
+    except (ModelDirError, DeviceUnavailable, ValueError) as error:
+        log.error("cannot serve: %s", error)
+        await server.stop(0)
+        return 3
+    for service in ("", SERVICE_NAME):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    info = session.info
+    log.info(
+        "serving model=%s d_model=%d heads=%d opset=%s provider=%s intra_op_threads=%d workers=%d "
+        "max_message_bytes=%d address=%s:%d",
+        info.name,
+        info.d_model,
+        info.num_heads,
+        info.opset,
+        session.provider,
+        session.intra_op_threads,
+        settings.inference_workers,
+        message_limit,
+        settings.host,
+        port,
+    )
+
+    stop_task = asyncio.create_task(stop.wait())
+    done_task = asyncio.create_task(server.wait_for_termination())
+    await asyncio.wait({stop_task, done_task}, return_when=asyncio.FIRST_COMPLETED)
+    if stop.is_set():
+        log.info(
+            "shutting down: NOT_SERVING, refusing new requests, %.1f s for in-flight ones",
+            settings.grace_seconds,
+        )
+        # In-flight requests keep running; the ready RPCs and health report the drain.
+        dataplane.draining = True
+        await health_servicer.enter_graceful_shutdown()
+        await server.stop(settings.grace_seconds)
+    await asyncio.to_thread(dataplane.shutdown)
+    log.info("stopped")
+    return 0
+
+
+def run(settings: ServerSettings, model_dir) -> int:
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    tune_malloc()
+    return asyncio.run(serve(settings, model_dir))

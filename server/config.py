@@ -1,0 +1,101 @@
+"""Every server knob in one place: a default, a command-line flag, and an MHASERVE_* environment variable.
+
+Precedence: flag, then environment variable, then default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+ENV_PREFIX = "MHASERVE_"
+
+
+@dataclass
+class ServerSettings:
+    model_dir: Path | None = None  # None: the embedded default model, exported once into the cache
+    host: str = "127.0.0.1"
+    port: int = 8001  # 0 picks a free port; the start-up line names it
+    device: str = "auto"  # auto | cpu | cuda
+    intra_op_threads: int = 0  # ONNX Runtime threads per run; 0 = one per core
+    inference_workers: int = 1  # runs at once; more than one only helps with spare cores
+    max_batch_size: int = 32
+    max_q_len: int = 512
+    max_kv_len: int = 512
+    max_message_bytes: int = 0  # 0 = just enough for the largest request/response the limits allow
+    max_concurrent_streams: int = 128  # per connection
+    grace_seconds: float = 10.0  # SIGTERM: how long in-flight requests may take to finish
+    warmup: bool = True
+    log_level: str = "INFO"
+
+    HELP = {
+        "model_dir": "model folder written by 'mhaserve export' (default: the embedded default model)",
+        "host": "address to listen on",
+        "port": "gRPC port (0 = any free port)",
+        "device": "auto: CUDA when really usable, else CPU with a warning; cuda: refuse to start without it",
+        "intra_op_threads": "ONNX Runtime threads per run (0 = one per core)",
+        "inference_workers": "model runs allowed at once",
+        "max_batch_size": "largest batch a request may carry (RESOURCE_EXHAUSTED beyond)",
+        "max_q_len": "longest query a request may carry",
+        "max_kv_len": "longest key/value a request may carry",
+        "max_message_bytes": "gRPC message size limit, both ways (0 = derived from the limits above)",
+        "max_concurrent_streams": "concurrent RPCs per client connection",
+        "grace_seconds": "on SIGTERM/SIGINT, time for in-flight requests to finish",
+        "warmup": "run the model before reporting ready",
+        "log_level": "DEBUG, INFO, WARNING or ERROR",
+    }
+
+    def message_limit_bytes(self, d_model: int, num_heads: int) -> int:
+        """The configured limit, or the size of the largest request or response the limits allow."""
+        if self.max_message_bytes:
+            return self.max_message_bytes
+        b, lq, lk = self.max_batch_size, self.max_q_len, self.max_kv_len
+        request = 4 * b * d_model * (lq + 2 * lk) + 8 * b * lq * lk  # FP32 q/k/v, INT64 mask at worst
+        response = 4 * b * lq * d_model + 4 * b * num_heads * lq * lk
+        return max(request, response) + (1 << 20)  # + headroom for the protobuf envelope
+
+
+def _parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _converter(field_type):
+    return {"int": int, "float": float, "bool": _parse_bool, "str": str}.get(field_type, Path)
+
+
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    """One --flag per setting; its default comes from the environment variable if set."""
+    defaults = ServerSettings()
+    for f in fields(ServerSettings):
+        env = ENV_PREFIX + f.name.upper()
+        convert = _converter(f.type if isinstance(f.type, str) else f.type.__name__)
+        default = getattr(defaults, f.name)
+        if env in os.environ:
+            try:
+                default = convert(os.environ[env])
+            except (ValueError, argparse.ArgumentTypeError) as exc:
+                parser.error(f"{env}={os.environ[env]!r}: {exc}")
+        parser.add_argument(
+            "--" + f.name.replace("_", "-"),
+            dest=f.name,
+            type=convert,
+            default=default,
+            help=f"{ServerSettings.HELP[f.name]} [env {env}; default {getattr(defaults, f.name)}]",
+        )
+
+
+def settings_from_args(args: argparse.Namespace) -> ServerSettings:
+    settings = ServerSettings(**{f.name: getattr(args, f.name) for f in fields(ServerSettings)})
+    if settings.device not in ("auto", "cpu", "cuda"):
+        raise SystemExit(f"--device must be auto, cpu or cuda, got {settings.device!r}")
+    for name in ("max_batch_size", "max_q_len", "max_kv_len", "inference_workers"):
+        if getattr(settings, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be at least 1")
+    return settings

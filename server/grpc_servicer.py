@@ -1,0 +1,152 @@
+"""gRPC transport for the Open Inference Protocol: protobuf in, codec + data plane, protobuf out."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import grpc
+
+import mhaserve
+from mhaserve.protos.generated import grpc_service_pb2 as pb
+from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
+from mhaserve.protos.generated import model_config_pb2 as mc
+
+from .codec import RequestError, decode_infer_request, encode_infer_response
+from .dataplane import DataPlane
+
+log = logging.getLogger("mhaserve.server")
+
+PLATFORM = "onnxruntime_onnx"
+EXTENSIONS = ["model_configuration", "statistics"]
+
+
+def _tensors(d_model: int, num_heads: int):
+    """(name, datatype, shape, optional) of inputs, then outputs; -1 is a dynamic dim."""
+    inputs = [
+        ("query", "FP32", [-1, -1, d_model], False),
+        ("key", "FP32", [-1, -1, d_model], True),
+        ("value", "FP32", [-1, -1, d_model], True),
+        # [batch, q_len, kv_len]; key padding [batch, kv_len] is accepted too
+        ("mask", "BOOL", [-1, -1, -1], True),
+    ]
+    outputs = [("output", "FP32", [-1, -1, d_model]), ("attn_weights", "FP32", [-1, num_heads, -1, -1])]
+    return inputs, outputs
+
+
+class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, dataplane: DataPlane):
+        self.dataplane = dataplane
+
+    async def _check_model(self, name: str, version: str, context) -> None:
+        signature = self.dataplane.signature
+        if signature is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+        if name != signature.name:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"unknown model '{name}'; this server serves '{signature.name}'"
+            )
+        if version not in ("", signature.version):
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"model '{name}' has no version '{version}'; available: '{signature.version}'",
+            )
+
+    async def ServerLive(self, request, context):
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request, context):
+        return pb.ServerReadyResponse(ready=self.dataplane.reports_ready)
+
+    async def ModelReady(self, request, context):
+        await self._check_model(request.name, request.version, context)
+        return pb.ModelReadyResponse(ready=self.dataplane.reports_ready)
+
+    async def ServerMetadata(self, request, context):
+        return pb.ServerMetadataResponse(name="mhaserve", version=mhaserve.__version__, extensions=EXTENSIONS)
+
+    async def ModelMetadata(self, request, context):
+        await self._check_model(request.name, request.version, context)
+        s = self.dataplane.signature
+        inputs, outputs = _tensors(s.d_model, s.num_heads)
+        tensor = pb.ModelMetadataResponse.TensorMetadata
+        return pb.ModelMetadataResponse(
+            name=s.name,
+            versions=[s.version],
+            platform=PLATFORM,
+            inputs=[tensor(name=n, datatype=t, shape=shape) for n, t, shape, _ in inputs],
+            outputs=[tensor(name=n, datatype=t, shape=shape) for n, t, shape in outputs],
+        )
+
+    async def ModelConfig(self, request, context):
+        await self._check_model(request.name, request.version, context)
+        s = self.dataplane.signature
+        inputs, outputs = _tensors(s.d_model, s.num_heads)
+        data_type = {"FP32": mc.TYPE_FP32, "BOOL": mc.TYPE_BOOL}
+        config = mc.ModelConfig(
+            name=s.name,
+            platform=PLATFORM,
+            backend="onnxruntime",
+            # 0: the batch dim is part of every shape, as in the metadata (no implicit batching).
+            max_batch_size=0,
+            input=[mc.ModelInput(name=n, data_type=data_type[t], dims=shape, optional=o) for n, t, shape, o in inputs],
+            output=[mc.ModelOutput(name=n, data_type=data_type[t], dims=shape) for n, t, shape in outputs],
+            default_model_filename="model.onnx",
+        )
+        return pb.ModelConfigResponse(config=config)
+
+    async def ModelStatistics(self, request, context):
+        signature = self.dataplane.signature
+        if request.name:
+            await self._check_model(request.name, request.version, context)
+        if signature is None:
+            return pb.ModelStatisticsResponse()
+        s = self.dataplane.stats
+
+        def duration(d):
+            return pb.StatisticDuration(count=d.count, ns=d.ns)
+
+        with s.lock:
+            stats = pb.ModelStatistics(
+                name=signature.name,
+                version=signature.version,
+                last_inference=s.last_inference_ms,
+                inference_count=s.inference_count,
+                execution_count=s.execution_count,
+                inference_stats=pb.InferStatistics(
+                    success=duration(s.success),
+                    fail=duration(s.fail),
+                    queue=duration(s.queue),
+                    compute_infer=duration(s.compute_infer),
+                ),
+                batch_stats=[
+                    pb.InferBatchStatistics(batch_size=b, compute_infer=duration(d))
+                    for b, d in sorted(s.batch_sizes.items())
+                ],
+            )
+        return pb.ModelStatisticsResponse(model_stats=[stats])
+
+    async def _infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
+        started = time.perf_counter_ns()
+        try:
+            signature = self.dataplane.require_ready()
+            attention_request = decode_infer_request(request, signature, self.dataplane.limits)
+        except RequestError:
+            self.dataplane.record_refusal(time.perf_counter_ns() - started)
+            raise
+        outputs = await self.dataplane.infer(attention_request)
+        return encode_infer_response(attention_request, signature, outputs)
+
+    async def ModelInfer(self, request, context):
+        try:
+            return await self._infer(request)
+        except RequestError as error:
+            await context.abort(error.code, error.message)
+
+    async def ModelStreamInfer(self, request_iterator, context):
+        # Answers in request order; a refused request answers with error_message and the stream goes on.
+        async for request in request_iterator:
+            try:
+                yield pb.ModelStreamInferResponse(infer_response=await self._infer(request))
+            except RequestError as error:
+                yield pb.ModelStreamInferResponse(error_message=f"{error.code.name}: {error.message}")

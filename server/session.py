@@ -1,0 +1,114 @@
+"""One ONNX Runtime session for an exported MHA model, on the device that is really usable."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from mhaserve.export.manifest import METADATA_PREFIX, MODEL_FILE, ModelDirError, read_manifest
+
+log = logging.getLogger("mhaserve.server")
+
+CUDA = "CUDAExecutionProvider"
+CPU = "CPUExecutionProvider"
+
+
+class DeviceUnavailable(RuntimeError):
+    """--device cuda was asked for and the CUDA provider is not active in a session."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the server tells clients about the model, read from the ONNX file's metadata."""
+
+    name: str
+    d_model: int
+    num_heads: int
+    opset: str
+    path: Path
+
+
+def _session_options(intra_op_threads: int, inter_op_threads: int) -> ort.SessionOptions:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = intra_op_threads
+    options.inter_op_num_threads = inter_op_threads
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    return options
+
+
+class AttentionSession:
+    """Runs the exported graph. ``run`` is thread-safe (ONNX Runtime sessions are)."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        device: str = "auto",
+        intra_op_threads: int = 0,
+        inter_op_threads: int = 1,
+    ):
+        model_dir = Path(model_dir)
+        manifest = read_manifest(model_dir)
+        if not manifest.get("valid"):
+            raise ModelDirError(
+                f"{model_dir}: the export failed validation (manifest 'valid' is false); "
+                f"re-export it or check it with 'mhaserve validate {model_dir}'"
+            )
+        path = model_dir / MODEL_FILE
+        if device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
+        self.intra_op_threads = intra_op_threads or os.cpu_count() or 1
+        options = _session_options(self.intra_op_threads, inter_op_threads)
+        self._session = self._create(path, options, device)
+        self.provider = self._session.get_providers()[0]
+        meta = self._session.get_modelmeta().custom_metadata_map
+        try:
+            self.info = ModelInfo(
+                name=meta.get(METADATA_PREFIX + "name", manifest.get("name", "mha")),
+                d_model=int(meta[METADATA_PREFIX + "d_model"]),
+                num_heads=int(meta[METADATA_PREFIX + "num_heads"]),
+                opset=meta.get(METADATA_PREFIX + "opset", "?"),
+                path=path,
+            )
+        except KeyError as missing:
+            raise ModelDirError(f"{path}: metadata_props lacks {missing}; export it with 'mhaserve export'") from None
+
+    @staticmethod
+    def _create(path: Path, options: ort.SessionOptions, device: str) -> ort.InferenceSession:
+        if device == "cpu":
+            return ort.InferenceSession(str(path), options, providers=[CPU])
+        if CUDA in ort.get_available_providers():
+            # onnxruntime-gpu lists CUDA as available even when its libraries cannot load; the
+            # session then quietly runs on CPU, so the only proof is the session's own providers.
+            # ONNX Runtime logs its failed CUDA load as two errors; our one warning below says it plainly.
+            ort.set_default_logger_severity(4)
+            try:
+                session = ort.InferenceSession(str(path), options, providers=[CUDA, CPU])
+            finally:
+                ort.set_default_logger_severity(2)
+            if session.get_providers()[0] == CUDA:
+                return session
+            reason = "the CUDA provider did not load (CUDA or cuDNN libraries missing, or no GPU)"
+        else:
+            reason = f"this onnxruntime build has no CUDA provider (providers: {ort.get_available_providers()})"
+        if device == "cuda":
+            raise DeviceUnavailable(f"--device cuda: {reason}")
+        log.warning("CUDA is not usable, serving on CPU: %s", reason)
+        return ort.InferenceSession(str(path), options, providers=[CPU])
+
+    def run(self, output_names, query, key, value, mask) -> list[np.ndarray]:
+        return self._session.run(list(output_names), {"query": query, "key": key, "value": value, "mask": mask})
+
+    def warm_up(self) -> None:
+        """Run once at a few shapes so the first client does not pay for ONNX Runtime's lazy set-up."""
+        d = self.info.d_model
+        rng = np.random.default_rng(0)
+        for batch, q_len, kv_len in ((1, 16, 16), (2, 64, 32)):
+            q = rng.standard_normal((batch, q_len, d), dtype=np.float32)
+            kv = rng.standard_normal((batch, kv_len, d), dtype=np.float32)
+            mask = np.ones((1, 1, 1, kv_len), dtype=bool)
+            self.run(("output", "attn_weights"), q, kv, kv, mask)
