@@ -27,7 +27,7 @@ class ServerSettings:
     max_message_bytes: int = 0  # 0 = just enough for the largest request/response the limits allow
     max_concurrent_streams: int = 128  # per connection
     grace_seconds: float = 10.0  # SIGTERM: how long in-flight requests may take to finish
-    warmup: bool = True
+    warmup_runs: int = 2  # model runs at each warm-up shape before reporting ready (0 = none)
     log_level: str = "INFO"
 
     HELP = {
@@ -43,7 +43,7 @@ class ServerSettings:
         "max_message_bytes": "gRPC message size limit, both ways (0 = derived from the limits above)",
         "max_concurrent_streams": "concurrent RPCs per client connection",
         "grace_seconds": "on SIGTERM/SIGINT, time for in-flight requests to finish",
-        "warmup": "run the model before reporting ready",
+        "warmup_runs": "model runs at each warm-up shape before reporting ready (0 = none)",
         "log_level": "DEBUG, INFO, WARNING or ERROR",
     }
 

@@ -69,8 +69,7 @@ class DataPlane:
     def load(self) -> AttentionSession:
         """Create the session and warm it up (blocking: call from a thread)."""
         session = AttentionSession(self.model_dir, self.settings.device, self.settings.intra_op_threads)
-        if self.settings.warmup:
-            session.warm_up()
+        session.warm_up(self.settings.warmup_runs)
         self.session = session
         self.signature = ModelSignature(session.info.name, MODEL_VERSION, session.info.d_model, session.info.num_heads)
         self.ready = True

@@ -23,3 +23,16 @@ def small_model_dir(tmp_path_factory, small_module):
     manifest = export_model_dir(small_module, out, source={"seed": 1}, validation_seed=0, report=lambda _: None)
     assert manifest["valid"], "the fixture model failed validation"
     return out
+
+
+# Limits small enough that tests can cross them cheaply.
+TEST_SERVER_ARGS = ("--max-batch-size", "8", "--max-q-len", "64", "--max-kv-len", "64", "--warmup-runs", "1")
+
+
+@pytest.fixture(scope="session")
+def server(small_model_dir):
+    """One real server process on a free 127.0.0.1 port, shared by the tests that only talk to it."""
+    from .server_process import ServerProcess
+
+    with ServerProcess(small_model_dir, *TEST_SERVER_ARGS) as process:
+        yield process

@@ -1,0 +1,85 @@
+"""Start a real `mhaserve serve` process on 127.0.0.1 and stop it; its log is kept for assertions."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+SERVING_LINE = re.compile(r"serving model=.* address=([\d.]+):(\d+)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, model_dir: Path, *args: str, port: int = 0, env: dict | None = None):
+        self.command = [
+            sys.executable, "-m", "mhaserve.cli", "serve", "--model-dir", str(model_dir),
+            "--host", "127.0.0.1", "--port", str(port), *args,
+        ]  # fmt: skip
+        self.env = {**os.environ, **(env or {})}
+        self.lines: list[str] = []
+        self.port = port
+        self.proc: subprocess.Popen | None = None
+        self._serving = threading.Event()
+
+    @property
+    def url(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    def start(self, wait: bool = True, timeout: float = 60.0) -> ServerProcess:
+        self.proc = subprocess.Popen(self.command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=self.env)
+        threading.Thread(target=self._read_log, daemon=True).start()
+        if wait:
+            self.wait_serving(timeout)
+        return self
+
+    def _read_log(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.append(line)
+            match = SERVING_LINE.search(line)
+            if match:
+                self.port = int(match.group(2))
+                self._serving.set()
+
+    def wait_serving(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not self._serving.wait(0.05):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"server did not start (exit {self.proc.poll()}):\n{self.log}")
+
+    def signal(self, signum=signal.SIGTERM) -> None:
+        self.proc.send_signal(signum)
+
+    def wait_exit(self, timeout: float = 30.0) -> int:
+        return self.proc.wait(timeout)
+
+    def stop(self) -> int | None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode if self.proc else None
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()

@@ -1,0 +1,162 @@
+"""Every malformed request gets a precise status naming the tensor, what was expected and what came;
+the server keeps serving afterwards."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+
+from mhaserve.client import build_infer_request
+from mhaserve.protos.generated import grpc_service_pb2 as pb
+from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
+
+from .conftest import SMALL_D_MODEL
+
+D = SMALL_D_MODEL
+INVALID, NOT_FOUND, EXHAUSTED = (
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+)
+
+
+def q(b=1, n=4, d=D, value=0.5):
+    return np.full((b, n, d), value, dtype=np.float32)
+
+
+def good():
+    return build_infer_request("mha", q())
+
+
+def edited(edit):
+    request = good()
+    edit(request)
+    return request
+
+
+def with_inputs(*tensors):
+    """A request from (name, datatype, shape, raw bytes) tuples."""
+    request = pb.ModelInferRequest(model_name="mha")
+    for name, datatype, shape, raw in tensors:
+        request.inputs.add(name=name, datatype=datatype, shape=shape)
+        request.raw_input_contents.append(raw)
+    return request
+
+
+def fp32(shape, value=0.5):
+    return ("FP32", shape, np.full(shape, value, dtype=np.float32).tobytes())
+
+
+def typed_query(field, values, datatype="FP32", shape=(1, 1, D)):
+    request = pb.ModelInferRequest(model_name="mha")
+    tensor = request.inputs.add(name="query", datatype=datatype, shape=shape)
+    getattr(tensor.contents, field).extend(values)
+    return request
+
+
+def set_shape(request, index, shape):
+    del request.inputs[index].shape[:]
+    request.inputs[index].shape.extend(shape)
+
+
+def nan_query():
+    x = q()
+    x[0, 1, 2] = np.nan
+    return build_infer_request("mha", x)
+
+
+def inf_key():
+    k = q(n=3)
+    k[0, 0, 0] = np.inf
+    return build_infer_request("mha", q(), key=k, value=q(n=3))
+
+
+MALFORMED = {
+    "unknown model": (edited(lambda r: setattr(r, "model_name", "gpt")), NOT_FOUND, ["'gpt'", "'mha'"]),
+    "unknown version": (edited(lambda r: setattr(r, "model_version", "3")), NOT_FOUND, ["version '3'", "'1'"]),
+    "missing query": (with_inputs(("key", *fp32((1, 4, D)))), INVALID, ["'query' is missing"]),
+    "query FP64": (with_inputs(("query", "FP64", (1, 4, D), q().astype(np.float64).tobytes())), INVALID,
+                   ["'query'", "'FP64'", "FP32"]),
+    "query rank 2": (with_inputs(("query", *fp32((4, D)))), INVALID, ["'query'", f"[4, {D}]", "rank 3"]),
+    "query wrong d_model": (with_inputs(("query", *fp32((1, 4, D + 2)))), INVALID,
+                            ["'query'", f"last dim {D + 2}", f"d_model {D}"]),
+    "raw bytes too short": (edited(lambda r: r.raw_input_contents.__setitem__(0, b"\0" * 12)), INVALID,
+                            ["'query'", "12 bytes", f"expected {4 * 4 * D}"]),
+    "raw contents count": (edited(lambda r: r.raw_input_contents.append(b"")), INVALID,
+                           ["raw_input_contents holds 2 entries for 1 inputs"]),
+    "batch mismatch": (build_infer_request("mha", q(b=2), key=q(b=3), value=q(b=3)), INVALID,
+                       ["'key'", "batch 3", "expected 2"]),
+    "value length": (build_infer_request("mha", q(), key=q(n=5), value=q(n=6)), INVALID,
+                     ["'value'", "length 6", "expected 5"]),
+    "value without key": (with_inputs(("query", *fp32((1, 4, D))), ("value", *fp32((1, 4, D)))), INVALID,
+                          ["'value' is given without 'key'"]),
+    "mask shape": (build_infer_request("mha", q(), mask=np.ones((1, 3), dtype=bool)), INVALID,
+                   ["'mask'", "[1, 3]", "[1, 4] (key padding)"]),
+    "mask rank 4": (build_infer_request("mha", q(), mask=np.ones((1, 1, 4, 4), dtype=bool)), INVALID,
+                    ["'mask'", "[1, 1, 4, 4]"]),
+    "mask FP32": (build_infer_request("mha", q(), mask=np.ones((1, 4), dtype=np.float32)), INVALID,
+                  ["'mask'", "'FP32'", "BOOL"]),
+    "unknown input": (with_inputs(("query", *fp32((1, 4, D))), ("bias", *fp32((1, 4, D)))), INVALID,
+                      ["unknown input 'bias'", "query, key, value, mask"]),
+    "duplicate input": (with_inputs(("query", *fp32((1, 4, D))), ("query", *fp32((1, 4, D)))), INVALID,
+                        ["'query' is given more than once"]),
+    "raw and typed mixed": (edited(lambda r: r.inputs[0].contents.fp32_contents.append(1.0)), INVALID,
+                            ["'query'", "typed contents", "raw_input_contents"]),
+    "typed count": (typed_query("fp32_contents", [0.5] * 3), INVALID,
+                    ["'query'", "3 values in contents.fp32_contents", f"expected {D}"]),
+    "typed wrong field": (typed_query("int64_contents", [1] * D), INVALID,
+                          ["'query'", "contents.fp32_contents", "got contents.int64_contents"]),
+    "unknown datatype": (with_inputs(("query", "FOO", (1, 4, D), b"")), INVALID, ["'query'", "'FOO'"]),
+    "negative dim": (edited(lambda r: set_shape(r, 0, [1, -4, D])), INVALID, ["'query'", "negative"]),
+    "zero length": (with_inputs(("query", *fp32((1, 0, D)))), INVALID, ["'query'", "at least 1"]),
+    "NaN in query": (nan_query(), INVALID, ["'query'", "1 non-finite"]),
+    "Inf in key": (inf_key(), INVALID, ["'key'", "1 non-finite"]),
+    "unknown output": (edited(lambda r: r.outputs.add(name="logits")), INVALID,
+                       ["requested output 'logits'", "output, attn_weights"]),
+    "duplicate output": (edited(lambda r: r.outputs.add(name="output")), INVALID, ["more than once"]),
+    "batch over limit": (build_infer_request("mha", q(b=9, n=1)), EXHAUSTED, ["'query'", "batch 9", "max_batch_size=8"]),
+    "q_len over limit": (build_infer_request("mha", q(n=65)), EXHAUSTED, ["q_len 65", "max_q_len=64"]),
+    "kv_len over limit": (build_infer_request("mha", q(), key=q(n=70)), EXHAUSTED, ["kv_len 70", "max_kv_len=64"]),
+}
+
+
+@pytest.fixture(scope="module")
+def stub(server):
+    with grpc.insecure_channel(server.url) as channel:
+        yield pb_grpc.GRPCInferenceServiceStub(channel)
+
+
+def test_the_matrix_is_large():
+    assert len(MALFORMED) >= 20
+
+
+@pytest.mark.parametrize("name", MALFORMED)
+def test_malformed_request_gets_a_precise_status(stub, name):
+    request, code, fragments = MALFORMED[name]
+    with pytest.raises(grpc.RpcError) as error:
+        stub.ModelInfer(request, timeout=10)
+    assert error.value.code() == code, error.value.details()
+    for fragment in fragments:
+        assert fragment in error.value.details()
+
+
+def test_after_every_malformed_request_a_good_one_is_served(stub, server):
+    for request, _, _ in MALFORMED.values():
+        with pytest.raises(grpc.RpcError):
+            stub.ModelInfer(request, timeout=10)
+    response = stub.ModelInfer(good(), timeout=10)
+    assert [o.name for o in response.outputs] == ["output", "attn_weights"]
+    assert server.proc.poll() is None
+
+
+def test_a_message_over_the_size_limit_is_resource_exhausted(small_model_dir):
+    from .server_process import ServerProcess
+
+    with ServerProcess(small_model_dir, "--max-message-bytes", "100000", "--warmup-runs", "0") as server:
+        with grpc.insecure_channel(server.url) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as error:
+                stub.ModelInfer(build_infer_request("mha", q(n=200)), timeout=10)
+            assert error.value.code() == EXHAUSTED
+            assert stub.ModelInfer(build_infer_request("mha", q(n=2)), timeout=10).outputs

@@ -1,0 +1,143 @@
+"""The server's life: NOT_SERVING until loaded and warmed, then SERVING; on SIGTERM under load every accepted
+request is answered, new ones are refused, and the process exits 0. Message limits fit the largest request."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from mhaserve.client import AsyncClient, Client, build_infer_request
+from mhaserve.protos.generated import grpc_service_pb2 as pb
+from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
+
+from .conftest import SMALL_D_MODEL
+from .server_process import ServerProcess, free_port
+
+D = SMALL_D_MODEL
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def test_health_is_not_serving_until_warm_then_serving(small_model_dir):
+    port = free_port()
+    # ~4000 warm-up runs keep the model loading for about a second: long enough to watch.
+    process = ServerProcess(small_model_dir, "--warmup-runs", "4000", port=port).start(wait=False)
+    observed = []  # (health status, ServerReady) pairs, in order
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and (not observed or observed[-1][0] != SERVING):
+                try:
+                    status = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status
+                    ready = stub.ServerReady(pb.ServerReadyRequest(), timeout=1).ready
+                    observed.append((status, ready))
+                except grpc.RpcError as error:
+                    assert error.code() == grpc.StatusCode.UNAVAILABLE  # not bound yet
+                time.sleep(0.01)
+            # while loading, inference is refused as UNAVAILABLE rather than left hanging
+        assert observed[0] == (NOT_SERVING, False), observed[:3]
+        assert observed[-1] == (SERVING, True)
+        first_serving = observed.index((SERVING, True))
+        assert all(o == (NOT_SERVING, False) for o in observed[:first_serving])
+        process.wait_serving()
+    finally:
+        process.stop()
+
+
+def test_inference_while_loading_is_unavailable(small_model_dir):
+    port = free_port()
+    process = ServerProcess(small_model_dir, "--warmup-runs", "4000", port=port).start(wait=False)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            health.Check(health_pb2.HealthCheckRequest(), timeout=30, wait_for_ready=True)
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as error:
+                stub.ModelInfer(build_infer_request("mha", np.zeros((1, 2, D), np.float32)), timeout=5)
+            assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "not ready" in error.value.details() or "loading" in error.value.details()
+    finally:
+        process.stop()
+
+
+def test_sigterm_under_load_answers_every_accepted_request(small_model_dir, small_module):
+    server = ServerProcess(
+        small_model_dir, "--max-batch-size", "32", "--max-q-len", "512", "--grace-seconds", "30", "--warmup-runs", "0"
+    ).start()
+    rng = np.random.default_rng(0)
+    queries = [rng.standard_normal((16, 384, D), dtype=np.float32) for _ in range(24)]
+
+    finished_at = []
+
+    async def timed_infer(client, x):
+        result = await client.infer(x, attn_weights=False, timeout=60)
+        finished_at.append(time.monotonic())
+        return result
+
+    async def load():
+        nonlocal signalled_at
+        async with AsyncClient(server.url) as client:
+            calls = [asyncio.ensure_future(timed_infer(client, x)) for x in queries]
+            await asyncio.sleep(0.5)  # every call is on the server now, most still queued
+            signalled_at = time.monotonic()
+            server.signal()
+            await asyncio.sleep(0.2)
+            health = health_pb2_grpc.HealthStub(client._channel)
+            try:
+                late_status = (await health.Check(health_pb2.HealthCheckRequest(), timeout=5)).status
+            except grpc.aio.AioRpcError as error:
+                late_status = error.code()
+            results = await asyncio.gather(*calls, return_exceptions=True)
+            return results, late_status
+
+    signalled_at = None
+    try:
+        results, late_status = asyncio.run(load())
+        errors = [r for r in results if isinstance(r, BaseException)]
+        assert not errors, errors[:3]
+        # the signal really came under load: requests were still being answered after it
+        assert sum(t > signalled_at for t in finished_at) >= 5
+        with torch.no_grad():
+            for x, result in zip(queries[:3] + queries[-3:], results[:3] + results[-3:], strict=True):
+                np.testing.assert_allclose(result.output, small_module(torch.from_numpy(x))[0].numpy(), atol=1e-5)
+        # after SIGTERM: not serving (or the port already closed to new calls)
+        assert late_status in (NOT_SERVING, grpc.StatusCode.UNAVAILABLE)
+        assert server.wait_exit(60) == 0
+        assert "shutting down" in server.log and "stopped" in server.log
+        # and nothing new is accepted once it is gone
+        with Client(server.url) as client, pytest.raises(grpc.RpcError) as error:
+            client.infer(queries[0], timeout=2)
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        server.stop()
+
+
+def test_sigint_also_stops_cleanly(small_model_dir):
+    import signal
+
+    server = ServerProcess(small_model_dir, "--warmup-runs", "0").start()
+    server.signal(signal.SIGINT)
+    assert server.wait_exit(30) == 0
+
+
+def test_default_limits_carry_the_largest_request_and_response(small_model_dir, small_module):
+    # [1, 512, 512] with weights: the response is over gRPC's default 4 MiB.
+    with ServerProcess(small_model_dir, "--warmup-runs", "0") as server:
+        x = np.random.default_rng(1).standard_normal((1, 512, D), dtype=np.float32)
+        with Client(server.url) as client:
+            result = client.infer(x)
+        assert result.attn_weights.shape == (1, 4, 512, 512)  # 4 MiB of weights alone
+        with torch.no_grad():
+            np.testing.assert_allclose(result.attn_weights, small_module(torch.from_numpy(x))[1].numpy(), atol=1e-5)
+        # a channel with gRPC's default limits cannot receive it: the reason the client raises its own
+        with grpc.insecure_channel(server.url) as channel:
+            with pytest.raises(grpc.RpcError) as error:
+                pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(build_infer_request("mha", x), timeout=30)
+            assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

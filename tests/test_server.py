@@ -1,0 +1,254 @@
+"""The gRPC server, called over loopback by the project's clients: answers equal eager PyTorch, the protocol
+RPCs, requested outputs, streaming, statistics, device choice, and a server process that never loads torch."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from mhaserve.client import AsyncClient, Client, build_infer_request
+from mhaserve.protos.generated import grpc_service_pb2 as pb
+from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
+
+from .conftest import SMALL_D_MODEL, SMALL_HEADS
+from .server_process import ServerProcess
+
+D, H = SMALL_D_MODEL, SMALL_HEADS
+
+
+def eager(module, query, key=None, value=None, mask=None):
+    with torch.no_grad():
+        out, attn = module(*(None if a is None else torch.from_numpy(np.asarray(a)) for a in (query, key, value, mask)))
+    return out.numpy(), attn.numpy()
+
+
+def rand(*shape, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
+
+
+def cases():
+    """(query, key, value, mask): batch 1, length 1, Lq != Lk, key padding, a full mask with a fully masked row."""
+    padding = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=bool)
+    full = np.random.default_rng(1).random((2, 6, 6)) < 0.7
+    full[:, :, 0] = True
+    full[1, 3, :] = False
+    return [
+        (rand(1, 1, D, seed=1), None, None, None),
+        (rand(1, 16, D, seed=2), None, None, None),
+        (rand(2, 3, D, seed=3), rand(2, 9, D, seed=4), rand(2, 9, D, seed=5), None),
+        (rand(3, 4, D, seed=6), rand(3, 5, D, seed=7), rand(3, 5, D, seed=8), padding),
+        (rand(2, 6, D, seed=9), None, None, full),
+        (rand(1, 1, D, seed=10), rand(1, 7, D, seed=11), None, np.array([[1, 1, 0, 0, 0, 0, 1]], dtype=np.int32)),
+    ]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with Client(server.url) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def stub(server):
+    with grpc.insecure_channel(server.url) as channel:
+        yield pb_grpc.GRPCInferenceServiceStub(channel)
+
+
+@pytest.mark.parametrize("index", range(len(cases())))
+def test_client_answers_equal_eager(client, small_module, index):
+    query, key, value, mask = cases()[index]
+    result = client.infer(query, key, value, mask)
+    want_out, want_attn = eager(small_module, query, key, value, mask)
+    assert result.output.shape == want_out.shape and result.attn_weights.shape == want_attn.shape
+    np.testing.assert_allclose(result.output, want_out, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(result.attn_weights, want_attn, rtol=0, atol=1e-5)
+
+
+def test_async_client_answers_equal_eager(server, small_module):
+    async def main():
+        async with AsyncClient(server.url) as client:
+            return await asyncio.gather(*(client.infer(q, k, v, m) for q, k, v, m in cases()))
+
+    for (query, key, value, mask), result in zip(cases(), asyncio.run(main()), strict=True):
+        want_out, want_attn = eager(small_module, query, key, value, mask)
+        np.testing.assert_allclose(result.output, want_out, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(result.attn_weights, want_attn, rtol=0, atol=1e-5)
+
+
+def test_typed_contents_are_accepted(stub, small_module):
+    query = rand(1, 3, D, seed=12)
+    request = pb.ModelInferRequest(model_name="mha")
+    tensor = request.inputs.add(name="query", datatype="FP32", shape=query.shape)
+    tensor.contents.fp32_contents.extend(query.ravel().tolist())
+    mask = request.inputs.add(name="mask", datatype="BOOL", shape=[1, 3])
+    mask.contents.bool_contents.extend([True, True, False])
+    response = stub.ModelInfer(request)
+    # responses always use raw_output_contents
+    assert [o.name for o in response.outputs] == ["output", "attn_weights"] and len(response.raw_output_contents) == 2
+    out = np.frombuffer(response.raw_output_contents[0], dtype=np.float32).reshape(1, 3, D)
+    np.testing.assert_allclose(out, eager(small_module, query, mask=np.array([[1, 1, 0]], dtype=bool))[0], atol=1e-5)
+
+
+def test_only_the_requested_outputs_are_returned(stub, client):
+    query = rand(1, 8, D, seed=13)
+    response = stub.ModelInfer(build_infer_request("mha", query, attn_weights=False))
+    assert [o.name for o in response.outputs] == ["output"] and len(response.raw_output_contents) == 1
+    request = build_infer_request("mha", query)
+    del request.outputs[:]
+    request.outputs.add(name="attn_weights")
+    response = stub.ModelInfer(request)
+    assert [o.name for o in response.outputs] == ["attn_weights"]
+    assert list(response.outputs[0].shape) == [1, H, 8, 8]
+    result = client.infer(query, attn_weights=False)
+    assert result.attn_weights is None and result.output.shape == (1, 8, D)
+
+
+def test_liveness_readiness_and_server_metadata(stub):
+    assert stub.ServerLive(pb.ServerLiveRequest()).live
+    assert stub.ServerReady(pb.ServerReadyRequest()).ready
+    assert stub.ModelReady(pb.ModelReadyRequest(name="mha")).ready
+    assert stub.ModelReady(pb.ModelReadyRequest(name="mha", version="1")).ready
+    meta = stub.ServerMetadata(pb.ServerMetadataRequest())
+    assert meta.name == "mhaserve" and "model_configuration" in meta.extensions
+
+
+def test_model_metadata_has_dynamic_dims_as_minus_one(stub):
+    meta = stub.ModelMetadata(pb.ModelMetadataRequest(name="mha"))
+    assert meta.name == "mha" and list(meta.versions) == ["1"] and meta.platform == "onnxruntime_onnx"
+    inputs = {t.name: (t.datatype, list(t.shape)) for t in meta.inputs}
+    assert inputs == {
+        "query": ("FP32", [-1, -1, D]),
+        "key": ("FP32", [-1, -1, D]),
+        "value": ("FP32", [-1, -1, D]),
+        "mask": ("BOOL", [-1, -1, -1]),
+    }
+    outputs = {t.name: (t.datatype, list(t.shape)) for t in meta.outputs}
+    assert outputs == {"output": ("FP32", [-1, -1, D]), "attn_weights": ("FP32", [-1, H, -1, -1])}
+
+
+def test_model_config_describes_the_model(stub):
+    config = stub.ModelConfig(pb.ModelConfigRequest(name="mha")).config
+    assert (config.name, config.platform, config.max_batch_size) == ("mha", "onnxruntime_onnx", 0)
+    assert [(i.name, list(i.dims), i.optional) for i in config.input] == [
+        ("query", [-1, -1, D], False),
+        ("key", [-1, -1, D], True),
+        ("value", [-1, -1, D], True),
+        ("mask", [-1, -1, -1], True),
+    ]
+    assert [(o.name, list(o.dims)) for o in config.output] == [("output", [-1, -1, D]), ("attn_weights", [-1, H, -1, -1])]
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda s: s.ModelReady(pb.ModelReadyRequest(name="nope")),
+        lambda s: s.ModelMetadata(pb.ModelMetadataRequest(name="nope")),
+        lambda s: s.ModelConfig(pb.ModelConfigRequest(name="mha", version="7")),
+        lambda s: s.ModelStatistics(pb.ModelStatisticsRequest(name="nope")),
+    ],
+)
+def test_unknown_model_or_version_is_not_found(stub, call):
+    with pytest.raises(grpc.RpcError) as error:
+        call(stub)
+    assert error.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_stream_infer_answers_in_order_and_survives_a_bad_request(stub, small_module):
+    good = rand(1, 4, D, seed=14)
+    bad = build_infer_request("mha", rand(1, 4, D + 1, seed=15))
+    requests = [build_infer_request("mha", good, request_id="a"), bad, build_infer_request("mha", good, request_id="c")]
+    responses = list(stub.ModelStreamInfer(iter(requests)))
+    assert len(responses) == 3
+    assert responses[0].infer_response.id == "a" and responses[2].infer_response.id == "c"
+    assert "INVALID_ARGUMENT" in responses[1].error_message and "d_model" in responses[1].error_message
+    out = np.frombuffer(responses[2].infer_response.raw_output_contents[0], dtype=np.float32).reshape(1, 4, D)
+    np.testing.assert_allclose(out, eager(small_module, good)[0], atol=1e-5)
+
+
+def test_statistics_count_inferences(stub, client):
+    def stats():
+        return stub.ModelStatistics(pb.ModelStatisticsRequest(name="mha")).model_stats[0]
+
+    before = stats()
+    client.infer(rand(3, 2, D, seed=16))
+    with pytest.raises(grpc.RpcError):
+        client.infer(rand(1, 2, D + 1, seed=17))
+    after = stats()
+    assert after.inference_count - before.inference_count == 3
+    assert after.execution_count - before.execution_count == 1
+    assert after.inference_stats.success.count - before.inference_stats.success.count == 1
+    assert after.inference_stats.fail.count - before.inference_stats.fail.count == 1
+    assert after.last_inference > 0
+
+
+def test_reflection_lists_the_services(server):
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    with grpc.insecure_channel(server.url) as channel:
+        services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
+    assert {"inference.GRPCInferenceService", "grpc.health.v1.Health"} <= services
+
+
+def test_health_service_reports_serving(server):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(server.url) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "inference.GRPCInferenceService"):
+            status = health.Check(health_pb2.HealthCheckRequest(service=service)).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_the_serving_process_never_loads_torch(server):
+    maps = open(f"/proc/{server.proc.pid}/maps").read()
+    assert "onnxruntime" in maps  # the check can see what the process loaded
+    assert "libtorch" not in maps and "/torch/" not in maps
+
+
+def test_start_up_line_names_model_provider_threads_and_address(server):
+    line = next(line for line in server.lines if "serving model=" in line)
+    for part in ("model=mha", f"d_model={D}", "opset=17", "provider=", "intra_op_threads=", f"address={server.url}"):
+        assert part in line
+
+
+def test_device_auto_without_cuda_serves_on_cpu_with_one_warning(server):
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("this onnxruntime has no CUDA provider at all")
+    line = next(line for line in server.lines if "serving model=" in line)
+    if "provider=CUDAExecutionProvider" in line:
+        pytest.skip("CUDA is usable here")
+    assert "provider=CPUExecutionProvider" in line
+    assert sum("CUDA is not usable" in line for line in server.lines) == 1
+
+
+def test_device_cuda_refuses_to_start_without_cuda(small_model_dir):
+    import onnxruntime as ort
+
+    process = ServerProcess(small_model_dir, "--device", "cuda").start(wait=False)
+    code = process.wait_exit(60)
+    if code is None or "provider=CUDAExecutionProvider" in process.log:
+        process.stop()
+        pytest.skip("CUDA is usable here")
+    assert code != 0
+    assert "--device cuda" in process.log and "CUDA" in process.log
+    assert "CUDAExecutionProvider" in ort.get_available_providers() or "no CUDA provider" in process.log
+
+
+def test_refuses_a_folder_whose_validation_failed(tmp_path, small_model_dir):
+    import json
+    import shutil
+
+    folder = tmp_path / "invalid"
+    shutil.copytree(small_model_dir, folder)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["valid"] = False
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    process = ServerProcess(folder).start(wait=False)
+    assert process.wait_exit(60) != 0
+    assert "failed validation" in process.log
