@@ -42,7 +42,9 @@ class ServerProcess:
         return "".join(self.lines)
 
     def start(self, wait: bool = True, timeout: float = 60.0) -> ServerProcess:
-        self.proc = subprocess.Popen(self.command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=self.env)
+        self.proc = subprocess.Popen(
+            self.command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=self.env
+        )
         threading.Thread(target=self._read_log, daemon=True).start()
         if wait:
             self.wait_serving(timeout)

@@ -139,7 +139,10 @@ def test_model_config_describes_the_model(stub):
         ("value", [-1, -1, D], True),
         ("mask", [-1, -1, -1], True),
     ]
-    assert [(o.name, list(o.dims)) for o in config.output] == [("output", [-1, -1, D]), ("attn_weights", [-1, H, -1, -1])]
+    assert [(o.name, list(o.dims)) for o in config.output] == [
+        ("output", [-1, -1, D]),
+        ("attn_weights", [-1, H, -1, -1]),
+    ]
 
 
 @pytest.mark.parametrize(

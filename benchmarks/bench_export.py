@@ -1,0 +1,107 @@
+"""Eager PyTorch vs ONNX Runtime on the exported graph, side by side in one run, and both vs the FLOP floor.
+
+    flock /tmp/bench.lock .venv/bin/python benchmarks/bench_export.py [--threads 2] [--reps 200]
+
+For each (B, L, d, h): self-attention, median time per call of eager (torch, eval, no_grad) and of
+ORT (CPU provider), measured in alternating rounds so both see the same machine noise. The floor is
+the FLOP count (8 B L d^2 + 4 B L^2 d) over this machine's measured large-GEMM rate at the same threads.
+Not a test: it prints numbers; BENCHMARKS.md records them with this command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import onnxruntime as ort
+import torch
+
+from mhaserve.export.onnx_export import export_onnx
+from mhaserve.model import seeded_module
+
+SHAPES = [(1, 16, 512, 8), (1, 128, 512, 8), (8, 128, 512, 8), (1, 512, 512, 8), (1, 128, 768, 12), (1, 128, 4096, 32)]
+
+
+def gemm_rate(threads: int, n: int = 2048, reps: int = 10) -> float:
+    """FLOP/s of a large float32 matmul (torch's BLAS, the same one eager uses)."""
+    torch.set_num_threads(threads)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - t)
+    return 2 * n**3 / min(times)
+
+
+def flops(b, seq_len, d):
+    return 8 * b * seq_len * d * d + 4 * b * seq_len * seq_len * d
+
+
+def time_calls(fn, n):
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def measure(shape, threads, reps, rounds=10):
+    b, seq_len, d, h = shape
+    module = seeded_module(d, h)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    session = ort.InferenceSession(export_onnx(module).SerializeToString(), options, providers=["CPUExecutionProvider"])
+    x = np.random.default_rng(0).standard_normal((b, seq_len, d), dtype=np.float32)
+    mask = np.ones((1, 1, 1, seq_len), dtype=bool)
+    feeds = {"query": x, "key": x, "value": x, "mask": mask}
+    tx = torch.from_numpy(x)
+
+    def eager():
+        with torch.no_grad():
+            module(tx, tx, tx)
+
+    def onnx():
+        session.run(None, feeds)
+
+    per_round = max(1, reps // rounds)
+    eager_times, ort_times = [], []
+    for fn in (eager, onnx):  # warm-up
+        time_calls(fn, 5)
+    for _ in range(rounds):
+        eager_times += time_calls(eager, per_round)
+        ort_times += time_calls(onnx, per_round)
+    return statistics.median(eager_times), statistics.median(ort_times)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=200)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    rate = gemm_rate(args.threads)
+    print(f"torch {torch.__version__}, onnxruntime {ort.__version__}, threads {args.threads}")
+    print(f"large-GEMM rate (2048^3 float32): {rate / 1e9:.1f} GFLOP/s")
+    header = ("B", "L", "d", "h", "eager ms", "ORT ms", "ORT/eager", "floor ms", "ORT/floor")
+    print("{:>2} {:>4} {:>5} {:>3} | {:>9} {:>9} {:>9} | {:>9} {:>9}".format(*header))
+    for shape in SHAPES:
+        reps = args.reps if shape[2] < 4096 else max(20, args.reps // 10)
+        eager_s, ort_s = measure(shape, args.threads, reps)
+        floor_s = flops(shape[0], shape[1], shape[2]) / rate
+        b, seq_len, d, h = shape
+        print(
+            f"{b:>2} {seq_len:>4} {d:>5} {h:>3} | {eager_s * 1e3:9.3f} {ort_s * 1e3:9.3f} {ort_s / eager_s:9.2f} | "
+            f"{floor_s * 1e3:9.3f} {ort_s / floor_s:9.2f}",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()

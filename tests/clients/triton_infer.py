@@ -1,0 +1,80 @@
+"""Call an mhaserve server with tritonclient.grpc, unmodified, the way a Triton user would.
+
+Runs in its own process: tritonclient registers the same protobuf messages (package inference) as
+mhaserve's stubs, and one process cannot hold both. Usage:
+    python triton_infer.py URL IN.npz OUT.npz sync|aio
+IN.npz holds case<i>_<input> arrays; OUT.npz gets case<i>_output and case<i>_attn_weights, plus a
+'metadata_shapes' and 'config_max_batch_size' entry read through tritonclient.
+"""
+
+import asyncio
+import sys
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as aioclient
+from tritonclient.utils import np_to_triton_dtype
+
+
+def build(module, arrays):
+    inputs = []
+    for name, array in arrays.items():
+        tensor = module.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    outputs = [module.InferRequestedOutput("output"), module.InferRequestedOutput("attn_weights")]
+    return inputs, outputs
+
+
+def cases(data):
+    grouped = {}
+    for key in data.files:
+        case, name = key.split("_", 1)
+        grouped.setdefault(case, {})[name] = data[key]
+    return grouped
+
+
+def run_sync(url, grouped):
+    client = grpcclient.InferenceServerClient(url)
+    assert client.is_server_live() and client.is_server_ready() and client.is_model_ready("mha")
+    results = {}
+    meta = client.get_model_metadata("mha", as_json=True)
+    results["metadata_shapes"] = np.array([int(d) for t in meta["inputs"] for d in t["shape"]])
+    results["config_max_batch_size"] = np.array(
+        client.get_model_config("mha", as_json=True)["config"].get("max_batch_size", 0)
+    )
+    for case, arrays in grouped.items():
+        inputs, outputs = build(grpcclient, arrays)
+        result = client.infer("mha", inputs, outputs=outputs)
+        results[f"{case}_output"] = result.as_numpy("output")
+        results[f"{case}_attn_weights"] = result.as_numpy("attn_weights")
+    stats = client.get_inference_statistics("mha", as_json=True)
+    results["inference_count"] = np.array(int(stats["model_stats"][0].get("inference_count", 0)))
+    return results
+
+
+async def run_aio(url, grouped):
+    client = aioclient.InferenceServerClient(url)
+    assert await client.is_model_ready("mha")
+    results = {}
+    calls = {}
+    for case, arrays in grouped.items():
+        inputs, outputs = build(aioclient, arrays)
+        calls[case] = client.infer("mha", inputs, outputs=outputs)
+    answers = await asyncio.gather(*calls.values())
+    for case, result in zip(calls, answers, strict=True):
+        results[f"{case}_output"] = result.as_numpy("output")
+        results[f"{case}_attn_weights"] = result.as_numpy("attn_weights")
+    await client.close()
+    return results
+
+
+def main():
+    url, path_in, path_out, mode = sys.argv[1:5]
+    grouped = cases(np.load(path_in))
+    results = run_sync(url, grouped) if mode == "sync" else asyncio.run(run_aio(url, grouped))
+    np.savez(path_out, **results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""Unmodified Triton clients against mhaserve: tritonclient.grpc (sync and aio), each in its own process."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from .conftest import SMALL_D_MODEL, SMALL_HEADS
+
+D = SMALL_D_MODEL
+SCRIPT = Path(__file__).parent / "clients" / "triton_infer.py"
+
+# Looked up, not imported: its protobuf messages would clash with mhaserve's in this process.
+if importlib.util.find_spec("tritonclient") is None:
+    pytest.skip("tritonclient is not installed (it comes with the test extra)", allow_module_level=True)
+
+
+def cases():
+    rng = np.random.default_rng(3)
+    padding = np.array([[1, 1, 0, 0, 0], [1, 1, 1, 1, 1]], dtype=bool)
+    return {
+        "batch1len1": {"query": rng.standard_normal((1, 1, D), dtype=np.float32)},
+        "self": {"query": rng.standard_normal((2, 7, D), dtype=np.float32)},
+        "cross": {
+            "query": rng.standard_normal((2, 3, D), dtype=np.float32),
+            "key": rng.standard_normal((2, 5, D), dtype=np.float32),
+            "value": rng.standard_normal((2, 5, D), dtype=np.float32),
+            "mask": padding,
+        },
+    }
+
+
+def run_triton_client(server, tmp_path, mode):
+    path_in, path_out = tmp_path / "in.npz", tmp_path / f"out-{mode}.npz"
+    np.savez(path_in, **{f"{case}_{name}": a for case, arrays in cases().items() for name, a in arrays.items()})
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), server.url, str(path_in), str(path_out), mode],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    return np.load(path_out)
+
+
+@pytest.mark.parametrize("mode", ["sync", "aio"])
+def test_tritonclient_answers_equal_eager(server, small_module, tmp_path, mode):
+    results = run_triton_client(server, tmp_path, mode)
+    for case, arrays in cases().items():
+        with torch.no_grad():
+            args = [
+                None if arrays.get(n) is None else torch.from_numpy(arrays[n])
+                for n in ("query", "key", "value", "mask")
+            ]
+            want_out, want_attn = small_module(*args)
+        np.testing.assert_allclose(results[f"{case}_output"], want_out.numpy(), rtol=0, atol=1e-5)
+        np.testing.assert_allclose(results[f"{case}_attn_weights"], want_attn.numpy(), rtol=0, atol=1e-5)
+
+
+def test_tritonclient_reads_metadata_config_and_statistics(server, tmp_path):
+    results = run_triton_client(server, tmp_path, "sync")
+    assert results["metadata_shapes"].tolist() == [-1, -1, D] * 3 + [-1, -1, -1]
+    assert int(results["config_max_batch_size"]) == 0
+    assert int(results["inference_count"]) >= 5
+    assert results["cross_attn_weights"].shape == (2, SMALL_HEADS, 3, 5)
