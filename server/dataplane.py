@@ -35,18 +35,60 @@ class Duration:
 
 
 @dataclass
+class BatchStatistics:
+    compute_input: Duration = field(default_factory=Duration)
+    compute_infer: Duration = field(default_factory=Duration)
+    compute_output: Duration = field(default_factory=Duration)
+
+
+@dataclass
 class ModelStatistics:
     """Counters in the shape of Triton's statistics extension (durations in nanoseconds)."""
 
     success: Duration = field(default_factory=Duration)
     fail: Duration = field(default_factory=Duration)
     queue: Duration = field(default_factory=Duration)
+    compute_input: Duration = field(default_factory=Duration)  # decoding and validating the request
     compute_infer: Duration = field(default_factory=Duration)
+    compute_output: Duration = field(default_factory=Duration)  # encoding the response
     inference_count: int = 0  # batch elements inferred
     execution_count: int = 0  # model runs
     last_inference_ms: int = 0
-    batch_sizes: dict[int, Duration] = field(default_factory=dict)
+    batch_sizes: dict[int, BatchStatistics] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def record_success(self, batch_size: int, timing: RequestTiming) -> None:
+        with self.lock:
+            self.success.add(timing.total_ns)
+            self.queue.add(timing.queue_ns)
+            self.compute_input.add(timing.input_ns)
+            self.compute_infer.add(timing.infer_ns)
+            self.compute_output.add(timing.output_ns)
+            self.inference_count += batch_size
+            self.execution_count += 1
+            self.last_inference_ms = int(time.time() * 1000)
+            per_batch = self.batch_sizes.setdefault(batch_size, BatchStatistics())
+            per_batch.compute_input.add(timing.input_ns)
+            per_batch.compute_infer.add(timing.infer_ns)
+            per_batch.compute_output.add(timing.output_ns)
+
+    def record_failure(self, ns: int) -> None:
+        with self.lock:
+            self.fail.add(ns)
+
+
+@dataclass
+class RequestTiming:
+    """Where one request's time went, in nanoseconds."""
+
+    input_ns: int = 0
+    queue_ns: int = 0
+    infer_ns: int = 0
+    output_ns: int = 0
+
+    @property
+    def total_ns(self) -> int:
+        return self.input_ns + self.queue_ns + self.infer_ns + self.output_ns
 
 
 class ModelNotReady(RequestError):
@@ -85,24 +127,17 @@ class DataPlane:
             raise ModelNotReady(self.signature.name if self.signature else "model")
         return self.signature
 
-    async def infer(self, request: AttentionRequest) -> dict[str, np.ndarray]:
+    async def infer(self, request: AttentionRequest, timing: RequestTiming) -> dict[str, np.ndarray]:
+        """Run the model off the event loop; fills ``timing``'s queue and infer times."""
         self.require_ready()
         loop = asyncio.get_running_loop()
         queued = time.perf_counter_ns()
         try:
             outputs, started, finished = await loop.run_in_executor(self._executor, self._run, request)
         except Exception:
-            self._record_failure(time.perf_counter_ns() - queued)
+            self.stats.record_failure(time.perf_counter_ns() - queued)
             raise
-        with self.stats.lock:
-            s = self.stats
-            s.queue.add(started - queued)
-            s.compute_infer.add(finished - started)
-            s.success.add(finished - queued)
-            s.inference_count += request.batch_size
-            s.execution_count += 1
-            s.last_inference_ms = int(time.time() * 1000)
-            s.batch_sizes.setdefault(request.batch_size, Duration()).add(finished - started)
+        timing.queue_ns, timing.infer_ns = started - queued, finished - started
         return outputs
 
     def _run(self, request: AttentionRequest):
@@ -110,13 +145,6 @@ class DataPlane:
         # attn_weights is computed either way (output depends on it); only fetch what was asked.
         arrays = self.session.run(request.outputs, request.query, request.key, request.value, request.mask)
         return dict(zip(request.outputs, arrays, strict=True)), started, time.perf_counter_ns()
-
-    def record_refusal(self, ns: int) -> None:
-        self._record_failure(ns)
-
-    def _record_failure(self, ns: int) -> None:
-        with self.stats.lock:
-            self.stats.fail.add(ns)
 
     def shutdown(self) -> None:
         self.ready = False  # loaded and warmed: requests are served

@@ -13,7 +13,7 @@ from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
 from mhaserve.protos.generated import model_config_pb2 as mc
 
 from .codec import RequestError, decode_infer_request, encode_infer_response
-from .dataplane import DataPlane
+from .dataplane import DataPlane, RequestTiming
 
 log = logging.getLogger("mhaserve.server")
 
@@ -117,10 +117,17 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                     success=duration(s.success),
                     fail=duration(s.fail),
                     queue=duration(s.queue),
+                    compute_input=duration(s.compute_input),
                     compute_infer=duration(s.compute_infer),
+                    compute_output=duration(s.compute_output),
                 ),
                 batch_stats=[
-                    pb.InferBatchStatistics(batch_size=b, compute_infer=duration(d))
+                    pb.InferBatchStatistics(
+                        batch_size=b,
+                        compute_input=duration(d.compute_input),
+                        compute_infer=duration(d.compute_infer),
+                        compute_output=duration(d.compute_output),
+                    )
                     for b, d in sorted(s.batch_sizes.items())
                 ],
             )
@@ -128,14 +135,20 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def _infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
         started = time.perf_counter_ns()
+        timing = RequestTiming()
         try:
             signature = self.dataplane.require_ready()
             attention_request = decode_infer_request(request, signature, self.dataplane.limits)
         except RequestError:
-            self.dataplane.record_refusal(time.perf_counter_ns() - started)
+            self.dataplane.stats.record_failure(time.perf_counter_ns() - started)
             raise
-        outputs = await self.dataplane.infer(attention_request)
-        return encode_infer_response(attention_request, signature, outputs)
+        timing.input_ns = time.perf_counter_ns() - started
+        outputs = await self.dataplane.infer(attention_request, timing)
+        encode_started = time.perf_counter_ns()
+        response = encode_infer_response(attention_request, signature, outputs)
+        timing.output_ns = time.perf_counter_ns() - encode_started
+        self.dataplane.stats.record_success(attention_request.batch_size, timing)
+        return response
 
     async def ModelInfer(self, request, context):
         try:

@@ -1,0 +1,150 @@
+"""Server latency at concurrency 1 against its two parts: in-process ORT and a bare gRPC echo.
+
+    flock /tmp/bench.lock .venv/bin/python benchmarks/bench_server.py [--model-dir DIR] [--calls 2000]
+
+For each shape ([1,16,512] and [1,128,512], attention weights requested), in alternating rounds:
+- ORT: session.run in this process (same threads as the server);
+- echo: a bare grpc.aio server in its own process that answers every ModelInfer with the server's
+  own response bytes for that request, unparsed: the cost of gRPC and the bytes alone;
+- server: mhaserve serve.
+Echo and server are called by the same client code (build request, call, parse with np.frombuffer).
+The client runs on the same 2 cores as the server; its own cost is in both echo and server figures.
+Prints p50/p99 per variant and server p50 / (ORT p50 + echo p50). Not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+SHAPES = [(1, 16, 512), (1, 128, 512)]
+INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
+
+
+def echo_server(port: int, response_dir: Path) -> None:
+    """Serve ModelInfer from raw bytes: the recorded response for a request of that size."""
+    responses = {int(p.stem): p.read_bytes() for p in response_dir.glob("*.bin")}
+
+    async def infer(request: bytes, context) -> bytes:
+        return responses[len(request)]
+
+    async def main():
+        server = grpc.aio.server(
+            options=[("grpc.max_receive_message_length", 1 << 30), ("grpc.max_send_message_length", 1 << 30)]
+        )
+        handler = grpc.method_handlers_generic_handler(
+            "inference.GRPCInferenceService", {"ModelInfer": grpc.unary_unary_rpc_method_handler(infer)}
+        )
+        server.add_generic_rpc_handlers((handler,))
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        print("echo ready", flush=True)
+        await server.wait_for_termination()
+
+    asyncio.run(main())
+
+
+def percentile(values, q):
+    return float(np.percentile(np.array(values) * 1e3, q))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-dir", type=Path, default=None, help="default: the embedded default model")
+    parser.add_argument("--calls", type=int, default=2000, help="calls per variant and shape")
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--echo-server", nargs=2, metavar=("PORT", "DIR"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.echo_server:
+        echo_server(int(args.echo_server[0]), Path(args.echo_server[1]))
+        return
+
+    import tempfile
+
+    import onnxruntime as ort
+    from server_process import ServerProcess, free_port
+
+    from mhaserve.cli import ensure_default_model
+    from mhaserve.client import _channel_options, build_infer_request, parse_infer_response
+    from mhaserve.protos.generated import grpc_service_pb2 as pb
+
+    model_dir = args.model_dir or ensure_default_model()
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = args.threads
+    options.inter_op_num_threads = 1
+    session = ort.InferenceSession(str(model_dir / "model.onnx"), options, providers=["CPUExecutionProvider"])
+
+    server = ServerProcess(model_dir, "--intra-op-threads", str(args.threads)).start()
+    tmp = Path(tempfile.mkdtemp())
+    requests, channel = {}, grpc.insecure_channel(server.url, options=_channel_options(1 << 30))
+    infer = channel.unary_unary(INFER_METHOD)  # bytes in, bytes out: same path for server and echo
+    for shape in SHAPES:
+        x = np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
+        request = build_infer_request("mha", x)
+        requests[shape] = (x, request)
+        raw = request.SerializeToString()
+        (tmp / f"{len(raw)}.bin").write_bytes(infer(raw))
+    echo_port = free_port()
+    echo = subprocess.Popen(
+        [sys.executable, __file__, "--echo-server", str(echo_port), str(tmp)], stdout=subprocess.PIPE, text=True
+    )
+    echo.stdout.readline()
+    echo_channel = grpc.insecure_channel(f"127.0.0.1:{echo_port}", options=_channel_options(1 << 30))
+    echo_infer = echo_channel.unary_unary(INFER_METHOD)
+
+    def client_call(call, request):
+        def once():
+            response = pb.ModelInferResponse.FromString(call(request.SerializeToString()))
+            parse_infer_response(response)
+
+        return once
+
+    print(f"onnxruntime {ort.__version__}, server and ORT at {args.threads} threads, client on the same cores")
+    print(f"{'shape':<14} {'variant':<7} {'p50 ms':>8} {'p99 ms':>8}")
+    try:
+        for shape in SHAPES:
+            x, request = requests[shape]
+            mask = np.ones((1, 1, 1, shape[1]), dtype=bool)
+            variants = {
+                "ORT": lambda x=x, mask=mask: session.run(None, {"query": x, "key": x, "value": x, "mask": mask}),
+                "echo": client_call(echo_infer, request),
+                "server": client_call(infer, request),
+            }
+            times = {name: [] for name in variants}
+            for fn in variants.values():
+                for _ in range(50):
+                    fn()
+            per_round = max(1, args.calls // args.rounds)
+            for _ in range(args.rounds):
+                for name, fn in variants.items():
+                    for _ in range(per_round):
+                        t = time.perf_counter()
+                        fn()
+                        times[name].append(time.perf_counter() - t)
+            label = str(list(shape))
+            for name in variants:
+                p50, p99 = percentile(times[name], 50), percentile(times[name], 99)
+                print(f"{label:<14} {name:<7} {p50:8.3f} {p99:8.3f}")
+            ratio = statistics.median(times["server"]) / (
+                statistics.median(times["ORT"]) + statistics.median(times["echo"])
+            )
+            print(f"{str(list(shape)):<14} server p50 / (ORT p50 + echo p50) = {ratio:.2f}", flush=True)
+    finally:
+        echo.terminate()
+        server.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""Triton's perf_analyzer, unmodified, drives the server for a few seconds (installed by
+tests/tools/install_perf_analyzer.sh, part of the README's test command)."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from .conftest import SMALL_D_MODEL
+
+D = SMALL_D_MODEL
+RUN = Path(os.environ.get("PERF_ANALYZER", Path(__file__).resolve().parents[1] / ".tools/perf_analyzer/run"))
+
+
+@pytest.mark.skipif(not RUN.exists(), reason=f"perf_analyzer is not installed at {RUN}")
+def test_perf_analyzer_measures_the_server(server, tmp_path):
+    report = tmp_path / "pa.csv"
+    command = [
+        str(RUN), "-m", "mha", "-i", "grpc", "-u", server.url,
+        # Its default random FP32 data holds NaN/Inf bit patterns, which the server refuses by design.
+        "--input-data", "zero",
+        "--shape", f"query:1,16,{D}", "--shape", f"key:1,16,{D}", "--shape", f"value:1,16,{D}",
+        "--shape", "mask:1,16,16",
+        "--concurrency-range", "1:2", "--measurement-interval", "1000", "-f", str(report),
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = list(csv.DictReader(report.open()))
+    assert [int(r["Concurrency"]) for r in rows] == [1, 2]
+    assert all(float(r["Inferences/Second"]) > 0 for r in rows)
+    assert "Server side statistics" not in done.stderr
