@@ -212,3 +212,10 @@ def test_a_message_over_the_size_limit_is_resource_exhausted(small_model_dir):
                 stub.ModelInfer(build_infer_request("mha", q(n=200)), timeout=10)
             assert error.value.code() == EXHAUSTED
             assert stub.ModelInfer(build_infer_request("mha", q(n=2)), timeout=10).outputs
+
+
+def test_huge_finite_values_are_accepted(stub):
+    # Their float32 sum overflows to Inf; they are still finite inputs and must be served.
+    x = np.full((1, 4, D), 3e38, dtype=np.float32)
+    response = stub.ModelInfer(build_infer_request("mha", x), timeout=10)
+    assert [o.name for o in response.outputs] == ["output", "attn_weights"]
