@@ -30,6 +30,6 @@ def test_perf_analyzer_measures_the_server(server, tmp_path):
     done = subprocess.run(command, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = list(csv.DictReader(report.open()))
-    assert [int(r["Concurrency"]) for r in rows] == [1, 2]
+    assert sorted(int(r["Concurrency"]) for r in rows) == [1, 2]  # rows come ordered by throughput
     assert all(float(r["Inferences/Second"]) > 0 for r in rows)
     assert "Server side statistics" not in done.stderr
