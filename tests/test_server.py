@@ -255,3 +255,45 @@ def test_refuses_a_folder_whose_validation_failed(tmp_path, small_model_dir):
     process = ServerProcess(folder).start(wait=False)
     assert process.wait_exit(60) != 0
     assert "failed validation" in process.log
+
+
+def test_infer_cli_prints_shapes_saves_npz_and_draws_a_heatmap(server, small_module, tmp_path):
+    import subprocess
+    import sys
+    import zlib
+
+    saved, png = tmp_path / "out.npz", tmp_path / "head1.png"
+    done = subprocess.run(
+        [sys.executable, "-m", "mhaserve.cli", "infer", "--url", server.url, "--batch", "2", "--q-len", "5",
+         "--kv-len", "9", "--repeat", "3", "--save", str(saved), "--heatmap", str(png), "--head", "1", "--item", "1"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert f"output: [2, 5, {D}]  attn_weights: [2, {H}, 5, 9]" in done.stdout
+    assert "latency ms over 3 calls" in done.stdout
+    data = np.load(saved)
+    want_out, want_attn = eager(small_module, data["query"], data["key"], data["value"])
+    np.testing.assert_allclose(data["output"], want_out, atol=1e-5)
+    np.testing.assert_allclose(data["attn_weights"], want_attn, atol=1e-5)
+    raw = png.read_bytes()
+    assert raw[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = int.from_bytes(raw[16:20], "big"), int.from_bytes(raw[20:24], "big")
+    assert (height, width) == (5 * (256 // 9), 9 * (256 // 9))  # Lq x Lk cells, enlarged
+    idat = raw[raw.index(b"IDAT") + 4 : raw.index(b"IEND") - 8]
+    pixels = np.frombuffer(zlib.decompress(idat), dtype=np.uint8).reshape(height, 1 + width * 3)[:, 1:]
+    # the brightest cell is where that head's weight is largest
+    cell = 256 // 9
+    row, col = np.unravel_index(np.argmax(data["attn_weights"][1, 1]), (5, 9))
+    assert tuple(pixels.reshape(height, width, 3)[row * cell, col * cell]) == (253, 231, 37)
+
+
+def test_infer_cli_reports_a_refusal_clearly(server):
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "mhaserve.cli", "infer", "--url", server.url, "--q-len", "65"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert "RESOURCE_EXHAUSTED" in done.stderr and "max_q_len=64" in done.stderr
