@@ -122,18 +122,20 @@ def _check_typed_contents_field(tensor) -> None:
             )
 
 
+def check_model(name: str, version: str, model: ModelSignature) -> None:
+    """NOT_FOUND unless ``name`` is the served model and ``version`` is empty or its version."""
+    if name != model.name:
+        raise RequestError(grpc.StatusCode.NOT_FOUND, f"unknown model '{name}'; this server serves '{model.name}'")
+    if version not in ("", model.version):
+        raise RequestError(
+            grpc.StatusCode.NOT_FOUND,
+            f"model '{model.name}' has no version '{version}'; available: '{model.version}'",
+        )
+
+
 def decode_infer_request(request: pb.ModelInferRequest, model: ModelSignature, limits: Limits) -> AttentionRequest:
     """Validate ``request`` against the model and the limits; raise RequestError on the first problem."""
-    if request.model_name != model.name:
-        raise RequestError(
-            grpc.StatusCode.NOT_FOUND,
-            f"unknown model '{request.model_name}'; this server serves '{model.name}'",
-        )
-    if request.model_version not in ("", model.version):
-        raise RequestError(
-            grpc.StatusCode.NOT_FOUND,
-            f"model '{model.name}' has no version '{request.model_version}'; available: '{model.version}'",
-        )
+    check_model(request.model_name, request.model_version, model)
 
     raw_contents = request.raw_input_contents
     if raw_contents and len(raw_contents) != len(request.inputs):

@@ -12,7 +12,7 @@ from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
 from mhaserve.protos.generated import model_config_pb2 as mc
 
-from .codec import RequestError, decode_infer_request, encode_infer_response
+from .codec import RequestError, check_model, decode_infer_request, encode_infer_response
 from .dataplane import DataPlane, RequestTiming
 
 log = logging.getLogger("mhaserve.server")
@@ -42,15 +42,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         signature = self.dataplane.signature
         if signature is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
-        if name != signature.name:
-            await context.abort(
-                grpc.StatusCode.NOT_FOUND, f"unknown model '{name}'; this server serves '{signature.name}'"
-            )
-        if version not in ("", signature.version):
-            await context.abort(
-                grpc.StatusCode.NOT_FOUND,
-                f"model '{name}' has no version '{version}'; available: '{signature.version}'",
-            )
+        try:
+            check_model(name, version, signature)
+        except RequestError as error:
+            await context.abort(error.code, error.message)
 
     async def ServerLive(self, request, context):
         return pb.ServerLiveResponse(live=True)
