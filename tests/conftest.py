@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 SMALL_D_MODEL, SMALL_HEADS = 64, 4
+
+
+def eager(module, query, key=None, value=None, mask=None):
+    """The module's (output, attn_weights) as numpy, for numpy inputs: the reference answer."""
+    import torch
+
+    with torch.no_grad():
+        out, attn = module(*(None if a is None else torch.from_numpy(np.asarray(a)) for a in (query, key, value, mask)))
+    return out.numpy(), attn.numpy()
+
+
+def rand(*shape, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ from mhaserve.export.model_dir import export_model_dir, revalidate_model_dir
 from mhaserve.export.onnx_export import check_onnx, export_onnx
 from mhaserve.export.validate import ValidationCase, validate, validation_cases
 
-from .conftest import SMALL_D_MODEL, SMALL_HEADS
+from .conftest import SMALL_D_MODEL, SMALL_HEADS, eager, rand
 
 D = SMALL_D_MODEL
 
@@ -37,20 +37,10 @@ def infer(session, query, key=None, value=None, mask=None):
     return session.run(None, {"query": query, "key": key, "value": value, "mask": mask})
 
 
-def eager(module, query, key=None, value=None, mask=None):
-    with torch.no_grad():
-        out, attn = module(*(None if a is None else torch.from_numpy(a) for a in (query, key, value, mask)))
-    return out.numpy(), attn.numpy()
-
-
 def assert_same(got, want, atol=1e-5):
     for g, w in zip(got, want, strict=True):
         assert g.shape == w.shape
         np.testing.assert_allclose(g, w, rtol=0, atol=atol)
-
-
-def rand(*shape, seed=0):
-    return np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
 
 
 def test_folder_holds_one_onnx_file_weights_and_manifest(small_model_dir):

@@ -8,26 +8,15 @@ import asyncio
 import grpc
 import numpy as np
 import pytest
-import torch
 
 from mhaserve.client import AsyncClient, Client, build_infer_request
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
 
-from .conftest import SMALL_D_MODEL, SMALL_HEADS
+from .conftest import SMALL_D_MODEL, SMALL_HEADS, eager, rand
 from .server_process import ServerProcess
 
 D, H = SMALL_D_MODEL, SMALL_HEADS
-
-
-def eager(module, query, key=None, value=None, mask=None):
-    with torch.no_grad():
-        out, attn = module(*(None if a is None else torch.from_numpy(np.asarray(a)) for a in (query, key, value, mask)))
-    return out.numpy(), attn.numpy()
-
-
-def rand(*shape, seed=0):
-    return np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
 
 
 def cases():
