@@ -90,12 +90,19 @@ async def serve(settings: ServerSettings, model_dir) -> int:
         log.error("cannot serve: %s", error)
         await server.stop(0)
         return 3
+    try:
+        metrics_address = f"{settings.host}:{dataplane.start_metrics()}" if settings.metrics_port >= 0 else "off"
+    except OSError as error:
+        log.error("could not start the metrics endpoint on %s:%s: %s", settings.host, settings.metrics_port, error)
+        await server.stop(0)
+        return 2
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     info = session.info
     log.info(
         "serving model=%s d_model=%d heads=%d opset=%s provider=%s intra_op_threads=%d workers=%d "
-        "max_message_bytes=%d address=%s:%d",
+        "batching=%s max_batch_size=%d max_queue_delay_us=%d max_queue_size=%d max_message_bytes=%d "
+        "metrics=%s address=%s:%d",
         info.name,
         info.d_model,
         info.num_heads,
@@ -103,7 +110,12 @@ async def serve(settings: ServerSettings, model_dir) -> int:
         session.provider,
         session.intra_op_threads,
         settings.inference_workers,
+        "on" if settings.dynamic_batching else "off",
+        settings.max_batch_size,
+        settings.max_queue_delay_us,
+        settings.max_queue_size,
         message_limit,
+        metrics_address,
         settings.host,
         port,
     )

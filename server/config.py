@@ -21,13 +21,17 @@ class ServerSettings:
     device: str = "auto"  # auto | cpu | cuda
     intra_op_threads: int = 0  # ONNX Runtime threads per run; 0 = one per core
     inference_workers: int = 1  # runs at once; more than one only helps with spare cores
-    max_batch_size: int = 32
+    max_batch_size: int = 32  # rows per request, and per merged run
+    dynamic_batching: bool = True
+    max_queue_delay_us: int = 0  # 0: greedy, a free worker takes what is queued at once
+    max_queue_size: int = 256  # requests waiting; beyond it RESOURCE_EXHAUSTED at once
     max_q_len: int = 512
     max_kv_len: int = 512
     max_message_bytes: int = 0  # 0 = just enough for the largest request/response the limits allow
     max_concurrent_streams: int = 128  # per connection
     grace_seconds: float = 10.0  # SIGTERM: how long in-flight requests may take to finish
     warmup_runs: int = 2  # model runs at each warm-up shape before reporting ready (0 = none)
+    metrics_port: int = 8002  # Prometheus endpoint; 0 = any free port, -1 = none
     log_level: str = "INFO"
 
     HELP = {
@@ -37,13 +41,19 @@ class ServerSettings:
         "device": "auto: CUDA when really usable, else CPU with a warning; cuda: refuse to start without it",
         "intra_op_threads": "ONNX Runtime threads per run (0 = one per core)",
         "inference_workers": "model runs allowed at once",
-        "max_batch_size": "largest batch a request may carry (RESOURCE_EXHAUSTED beyond)",
+        "max_batch_size": "largest batch a request may carry (RESOURCE_EXHAUSTED beyond); also the most rows "
+        "dynamic batching merges into one run",
+        "dynamic_batching": "merge concurrent requests, of any lengths, into one model run",
+        "max_queue_delay_us": "how long a partial batch may wait for more requests (0 = run at once when a "
+        "worker is free; batches still form under load)",
+        "max_queue_size": "requests allowed to wait for a worker; beyond it RESOURCE_EXHAUSTED at once",
         "max_q_len": "longest query a request may carry",
         "max_kv_len": "longest key/value a request may carry",
         "max_message_bytes": "gRPC message size limit, both ways (0 = derived from the limits above)",
         "max_concurrent_streams": "concurrent RPCs per client connection",
         "grace_seconds": "on SIGTERM/SIGINT, time for in-flight requests to finish",
         "warmup_runs": "model runs at each warm-up shape before reporting ready (0 = none)",
+        "metrics_port": "Prometheus metrics port on the same host (0 = any free port, -1 = no endpoint)",
         "log_level": "DEBUG, INFO, WARNING or ERROR",
     }
 
@@ -95,7 +105,9 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     settings = ServerSettings(**{f.name: getattr(args, f.name) for f in fields(ServerSettings)})
     if settings.device not in ("auto", "cpu", "cuda"):
         raise SystemExit(f"--device must be auto, cpu or cuda, got {settings.device!r}")
-    for name in ("max_batch_size", "max_q_len", "max_kv_len", "inference_workers"):
+    for name in ("max_batch_size", "max_q_len", "max_kv_len", "inference_workers", "max_queue_size"):
         if getattr(settings, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be at least 1")
+    if settings.max_queue_delay_us < 0:
+        raise SystemExit("--max-queue-delay-us must be 0 or more")
     return settings

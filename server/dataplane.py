@@ -1,11 +1,10 @@
-"""The data plane: model state (loading, ready), inference off the event loop, and statistics.
+"""The data plane: model state (loading, ready), batched inference off the event loop, statistics and metrics.
 
 Plain Python and numpy: the gRPC layer decodes requests before they get here and encodes after.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
@@ -13,10 +12,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
-import numpy as np
 
+from .batcher import Batcher, BatchResult
 from .codec import AttentionRequest, Limits, ModelSignature, RequestError
 from .config import ServerSettings
+from .metrics import Metrics
 from .session import AttentionSession
 
 log = logging.getLogger("mhaserve.server")
@@ -51,26 +51,29 @@ class ModelStatistics:
     compute_input: Duration = field(default_factory=Duration)  # decoding and validating the request
     compute_infer: Duration = field(default_factory=Duration)
     compute_output: Duration = field(default_factory=Duration)  # encoding the response
-    inference_count: int = 0  # batch elements inferred
-    execution_count: int = 0  # model runs
+    inference_count: int = 0  # rows (batch elements) inferred
+    execution_count: int = 0  # model runs; fewer than requests when batching merges them
     last_inference_ms: int = 0
-    batch_sizes: dict[int, BatchStatistics] = field(default_factory=dict)
+    batch_sizes: dict[int, BatchStatistics] = field(default_factory=dict)  # per rows in one run
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def record_success(self, batch_size: int, timing: RequestTiming) -> None:
+    def record_success(self, rows: int, timing: RequestTiming) -> None:
         with self.lock:
             self.success.add(timing.total_ns)
             self.queue.add(timing.queue_ns)
             self.compute_input.add(timing.input_ns)
             self.compute_infer.add(timing.infer_ns)
             self.compute_output.add(timing.output_ns)
-            self.inference_count += batch_size
-            self.execution_count += 1
+            self.inference_count += rows
             self.last_inference_ms = int(time.time() * 1000)
-            per_batch = self.batch_sizes.setdefault(batch_size, BatchStatistics())
-            per_batch.compute_input.add(timing.input_ns)
-            per_batch.compute_infer.add(timing.infer_ns)
-            per_batch.compute_output.add(timing.output_ns)
+
+    def record_execution(self, run: BatchResult) -> None:
+        with self.lock:
+            self.execution_count += 1
+            per_batch = self.batch_sizes.setdefault(run.batch_size, BatchStatistics())
+            per_batch.compute_input.add(run.merge_ns)
+            per_batch.compute_infer.add(run.model_ns)
+            per_batch.compute_output.add(run.split_ns)
 
     def record_failure(self, ns: int) -> None:
         with self.lock:
@@ -104,9 +107,20 @@ class DataPlane:
         self.signature: ModelSignature | None = None
         self.limits = Limits(settings.max_batch_size, settings.max_q_len, settings.max_kv_len)
         self.stats = ModelStatistics()
+        self.metrics: Metrics | None = None
         self.ready = False  # loaded and warmed: requests are served
         self.draining = False  # shutting down: in-flight requests finish, ready RPCs say no
         self._executor = ThreadPoolExecutor(settings.inference_workers, thread_name_prefix="mhaserve-infer")
+        self.batcher = Batcher(
+            self._run_model,
+            self._executor,
+            workers=settings.inference_workers,
+            max_batch_size=settings.max_batch_size,
+            max_queue_size=settings.max_queue_size,
+            max_queue_delay_s=settings.max_queue_delay_us / 1e6,
+            enabled=settings.dynamic_batching,
+            on_batch=self._on_batch,
+        )
 
     def load(self) -> AttentionSession:
         """Create the session and warm it up (blocking: call from a thread)."""
@@ -116,6 +130,11 @@ class DataPlane:
         self.signature = ModelSignature(session.info.name, MODEL_VERSION, session.info.d_model, session.info.num_heads)
         self.ready = True
         return session
+
+    def start_metrics(self) -> int:
+        """The Prometheus endpoint on its own port (after load: labels name the model); returns the port."""
+        self.metrics = Metrics(self.signature.name, self.signature.version, lambda: self.batcher.queue_depth)
+        return self.metrics.serve(self.settings.host, self.settings.metrics_port)
 
     @property
     def reports_ready(self) -> bool:
@@ -127,26 +146,32 @@ class DataPlane:
             raise ModelNotReady(self.signature.name if self.signature else "model")
         return self.signature
 
-    async def infer(self, request: AttentionRequest, timing: RequestTiming) -> dict[str, np.ndarray]:
-        """Run the model off the event loop; fills ``timing``'s queue and infer times."""
+    async def infer(self, request: AttentionRequest, timing: RequestTiming, timeout_s: float | None = None):
+        """The request's outputs, computed in a (possibly merged) run; fills ``timing``'s queue and infer times."""
         self.require_ready()
-        loop = asyncio.get_running_loop()
-        queued = time.perf_counter_ns()
-        try:
-            outputs, started, finished = await loop.run_in_executor(self._executor, self._run, request)
-        except Exception:
-            self.stats.record_failure(time.perf_counter_ns() - queued)
-            raise
-        timing.queue_ns, timing.infer_ns = started - queued, finished - started
-        return outputs
+        answer = await self.batcher.submit(request, timeout_s)
+        timing.queue_ns, timing.infer_ns = answer.queue_ns, answer.infer_ns
+        return answer.outputs
 
-    def _run(self, request: AttentionRequest):
-        started = time.perf_counter_ns()
-        # attn_weights is computed either way (output depends on it); only fetch what was asked.
-        arrays = self.session.run(request.outputs, request.query, request.key, request.value, request.mask)
-        return dict(zip(request.outputs, arrays, strict=True)), started, time.perf_counter_ns()
+    def record(self, status: str, rows: int, timing: RequestTiming) -> None:
+        """One request's fate, for the statistics RPC and the metrics endpoint."""
+        if status == "OK":
+            self.stats.record_success(rows, timing)
+        else:
+            self.stats.record_failure(timing.total_ns)
+        if self.metrics is not None:
+            self.metrics.request_done(status, rows, timing.total_ns / 1e9, timing.queue_ns / 1e9, timing.infer_ns / 1e9)
+
+    def _run_model(self, output_names, query, key, value, mask):
+        return self.session.run(output_names, query, key, value, mask)
+
+    def _on_batch(self, run: BatchResult) -> None:
+        self.stats.record_execution(run)
+        if self.metrics is not None:
+            self.metrics.batch_done(run.batch_size)
 
     def shutdown(self) -> None:
-        self.ready = False  # loaded and warmed: requests are served
-        self.draining = False  # shutting down: in-flight requests finish, ready RPCs say no
+        self.ready = False
         self._executor.shutdown(wait=True)
+        if self.metrics is not None:
+            self.metrics.close()

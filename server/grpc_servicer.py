@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -128,33 +129,46 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             )
         return pb.ModelStatisticsResponse(model_stats=[stats])
 
-    async def _infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
+    async def _infer(self, request: pb.ModelInferRequest, context) -> pb.ModelInferResponse:
         started = time.perf_counter_ns()
         timing = RequestTiming()
+        rows = 0
+        status = "UNKNOWN"
         try:
             signature = self.dataplane.require_ready()
             attention_request = decode_infer_request(request, signature, self.dataplane.limits)
-        except RequestError:
-            self.dataplane.stats.record_failure(time.perf_counter_ns() - started)
+            rows = attention_request.batch_size
+            timing.input_ns = time.perf_counter_ns() - started
+            outputs = await self.dataplane.infer(attention_request, timing, context.time_remaining())
+            encode_started = time.perf_counter_ns()
+            response = encode_infer_response(attention_request, signature, outputs)
+            timing.output_ns = time.perf_counter_ns() - encode_started
+            status = "OK"
+            return response
+        except RequestError as error:
+            status = error.code.name
             raise
-        timing.input_ns = time.perf_counter_ns() - started
-        outputs = await self.dataplane.infer(attention_request, timing)
-        encode_started = time.perf_counter_ns()
-        response = encode_infer_response(attention_request, signature, outputs)
-        timing.output_ns = time.perf_counter_ns() - encode_started
-        self.dataplane.stats.record_success(attention_request.batch_size, timing)
-        return response
+        except asyncio.CancelledError:
+            status = grpc.StatusCode.CANCELLED.name  # the client went away or its deadline passed
+            raise
+        finally:
+            if status != "OK":
+                timing.input_ns = time.perf_counter_ns() - started - timing.queue_ns - timing.infer_ns
+            self.dataplane.record(status, rows, timing)
 
     async def ModelInfer(self, request, context):
         try:
-            return await self._infer(request)
+            return await self._infer(request, context)
         except RequestError as error:
             await context.abort(error.code, error.message)
+        except Exception as error:  # a bug or a runtime failure: say so, keep serving
+            log.exception("inference failed")
+            await context.abort(grpc.StatusCode.INTERNAL, f"inference failed: {type(error).__name__}: {error}")
 
     async def ModelStreamInfer(self, request_iterator, context):
         # Answers in request order; a refused request answers with error_message and the stream goes on.
         async for request in request_iterator:
             try:
-                yield pb.ModelStreamInferResponse(infer_response=await self._infer(request))
+                yield pb.ModelStreamInferResponse(infer_response=await self._infer(request, context))
             except RequestError as error:
                 yield pb.ModelStreamInferResponse(error_message=f"{error.code.name}: {error.message}")

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 SERVING_LINE = re.compile(r"serving model=.* address=([\d.]+):(\d+)")
+METRICS_ADDRESS = re.compile(r" metrics=([\d.]+:\d+) ")
 
 
 def free_port() -> int:
@@ -25,11 +26,12 @@ class ServerProcess:
     def __init__(self, model_dir: Path, *args: str, port: int = 0, env: dict | None = None):
         self.command = [
             sys.executable, "-m", "mhaserve.cli", "serve", "--model-dir", str(model_dir),
-            "--host", "127.0.0.1", "--port", str(port), *args,
+            "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0", *args,
         ]  # fmt: skip
         self.env = {**os.environ, **(env or {})}
         self.lines: list[str] = []
         self.port = port
+        self.metrics_url: str | None = None
         self.proc: subprocess.Popen | None = None
         self._serving = threading.Event()
 
@@ -55,6 +57,8 @@ class ServerProcess:
             self.lines.append(line)
             match = SERVING_LINE.search(line)
             if match:
+                metrics = METRICS_ADDRESS.search(line)
+                self.metrics_url = f"http://{metrics.group(1)}/metrics" if metrics else None
                 self.port = int(match.group(2))
                 self._serving.set()
 

@@ -1,0 +1,298 @@
+"""Dynamic batching: concurrent requests merged into one model run, whatever their lengths.
+
+Requests of different ``Lq``/``Lk`` share a run: queries and keys are zero-padded to the longest,
+the padded keys are masked out, and each request's rows are cut back out of the results. A padded
+query row has every key masked, which the model defines as zeros, so padding never makes NaN.
+
+Scheduling is greedy: whenever a worker is free it takes everything queued, up to the batch limit.
+At low load a request runs at once (no added latency); under load requests pile up while a run is
+in progress and the next run takes them all. ``max_queue_delay`` optionally holds a partial batch
+back for more company, as Triton's ``max_queue_delay_microseconds`` does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from .codec import AttentionRequest, RequestError
+
+
+class QueueFull(RequestError):
+    def __init__(self, limit: int):
+        super().__init__(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"the request queue is full ({limit} requests waiting, limit max_queue_size={limit}); retry later",
+        )
+
+
+class DeadlineExpiredInQueue(RequestError):
+    def __init__(self, waited_s: float):
+        super().__init__(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            f"the deadline passed after {waited_s * 1000:.1f} ms in the queue; the request was not computed",
+        )
+
+
+@dataclass
+class Merged:
+    """Several requests as one set of model inputs, and where each request's rows lie."""
+
+    query: np.ndarray
+    key: np.ndarray
+    value: np.ndarray
+    mask: np.ndarray
+    outputs: tuple[str, ...]
+    parts: list[tuple[int, int, int, int]]  # (first row, batch, q_len, kv_len) per request
+
+
+def _is_unmasked(mask: np.ndarray) -> bool:
+    """The placeholder for a request without a mask: [1, 1, 1, Lk], all True."""
+    return mask.shape[0] == 1 and mask.shape[2] == 1 and bool(mask.all())
+
+
+def merge(requests: list[AttentionRequest]) -> Merged:
+    """Stack requests along the batch axis, padding lengths to the longest (see the module doc)."""
+    first = requests[0]
+    outputs = tuple(name for name in ("output", "attn_weights") if any(name in r.outputs for r in requests))
+    parts, row = [], 0
+    for r in requests:
+        parts.append((row, r.batch_size, r.query.shape[1], r.key.shape[1]))
+        row += r.batch_size
+    if len(requests) == 1:
+        return Merged(first.query, first.key, first.value, first.mask, outputs, parts)
+
+    q_len = max(p[2] for p in parts)
+    kv_len = max(p[3] for p in parts)
+    same_lengths = all(p[2] == q_len and p[3] == kv_len for p in parts)
+    self_attention = all(r.key is r.query and r.value is r.query for r in requests)
+
+    if same_lengths:
+        query = np.concatenate([r.query for r in requests])
+        key = query if self_attention else np.concatenate([r.key for r in requests])
+        value = query if self_attention else np.concatenate([r.value for r in requests])
+    else:
+        d_model = first.query.shape[2]
+        query = np.zeros((row, q_len, d_model), np.float32)
+        key = np.zeros((row, kv_len, d_model), np.float32)
+        value = key if self_attention else np.zeros((row, kv_len, d_model), np.float32)
+        for r, (start, batch, lq, lk) in zip(requests, parts, strict=True):
+            query[start : start + batch, :lq] = r.query
+            key[start : start + batch, :lk] = r.key
+            if not self_attention:
+                value[start : start + batch, :lk] = r.value
+
+    if same_lengths and all(_is_unmasked(r.mask) for r in requests):
+        mask = first.mask  # nothing masked anywhere: the cheap broadcast mask serves all
+    else:
+        mask = np.zeros((row, 1, q_len, kv_len), dtype=bool)  # padding: may not attend
+        for r, (start, batch, lq, lk) in zip(requests, parts, strict=True):
+            mask[start : start + batch, :, :lq, :lk] = r.mask
+    return Merged(query, key, value, mask, outputs, parts)
+
+
+def split(merged: Merged, results: dict[str, np.ndarray], request_outputs: list[tuple[str, ...]]):
+    """Each request's own rows of the merged results, holding only the outputs it asked for."""
+    answers = []
+    for (start, batch, lq, lk), wanted in zip(merged.parts, request_outputs, strict=True):
+        rows = slice(start, start + batch)
+        answer = {}
+        if "output" in wanted:
+            answer["output"] = results["output"][rows, :lq]
+        if "attn_weights" in wanted:
+            answer["attn_weights"] = results["attn_weights"][rows, :, :lq, :lk]
+        answers.append(answer)
+    return answers
+
+
+@dataclass
+class BatchResult:
+    """What one merged run produced, with its timing, for statistics and metrics."""
+
+    answers: list[dict[str, np.ndarray]]
+    batch_size: int  # rows
+    started_ns: int
+    finished_ns: int
+    merge_ns: int
+    model_ns: int
+    split_ns: int
+
+
+@dataclass
+class _Pending:
+    request: AttentionRequest
+    future: asyncio.Future
+    enqueued_ns: int
+    deadline: float | None  # time.monotonic() by which the answer is due; None: no deadline
+
+
+@dataclass
+class BatcherCounters:
+    """Requests that left the queue without being computed."""
+
+    expired: int = 0
+    cancelled: int = 0
+    rejected: int = 0  # queue full
+
+
+@dataclass
+class Answer:
+    """One request's outputs and where its time went (ns)."""
+
+    outputs: dict[str, np.ndarray]
+    queue_ns: int  # enqueued until its run started
+    infer_ns: int  # its run: merge, model, split
+    batch_size: int  # rows of the run it was part of
+
+
+RunModel = Callable[[tuple[str, ...], np.ndarray, np.ndarray, np.ndarray, np.ndarray], list[np.ndarray]]
+
+
+class Batcher:
+    """Queue and scheduler; runs on the event loop, hands model runs to ``executor``.
+
+    ``max_batch_size`` bounds the rows of one run (a request with that many rows runs alone);
+    ``enabled=False`` runs every request on its own. ``on_batch`` sees every finished run.
+    """
+
+    def __init__(
+        self,
+        run_model: RunModel,
+        executor: Executor,
+        *,
+        workers: int,
+        max_batch_size: int,
+        max_queue_size: int,
+        max_queue_delay_s: float = 0.0,
+        enabled: bool = True,
+        on_batch: Callable[[BatchResult], None] | None = None,
+    ):
+        self._run_model = run_model
+        self._executor = executor
+        self._idle_workers = workers
+        self.max_batch_size = max_batch_size
+        self.max_queue_size = max_queue_size
+        self.max_queue_delay_s = max_queue_delay_s
+        self.enabled = enabled
+        self._on_batch = on_batch
+        self._queue: deque[_Pending] = deque()
+        self._timer: asyncio.TimerHandle | None = None
+        self.counters = BatcherCounters()
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    async def submit(self, request: AttentionRequest, timeout_s: float | None = None):
+        """The request's Answer, once the run it was merged into is done.
+
+        Raises QueueFull at once when the queue is full, DeadlineExpiredInQueue when ``timeout_s``
+        passes before a worker takes it. Cancelling the caller drops the request from the queue.
+        """
+        if len(self._queue) >= self.max_queue_size:
+            self.counters.rejected += 1
+            raise QueueFull(self.max_queue_size)
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        pending = _Pending(request, loop.create_future(), time.perf_counter_ns(), deadline)
+        self._queue.append(pending)
+        self._dispatch()
+        return await pending.future
+
+    def _dispatch(self) -> None:
+        while self._idle_workers and self._queue:
+            if self._should_wait():
+                return
+            batch = self._take()
+            if batch:
+                self._idle_workers -= 1
+                run = asyncio.get_running_loop().run_in_executor(self._executor, self._run, batch)
+                run.add_done_callback(functools.partial(self._finished, batch))
+
+    def _should_wait(self) -> bool:
+        """With a queue delay, a partial batch waits until its oldest request has waited that long."""
+        if not self.enabled or self.max_queue_delay_s <= 0:
+            return False
+        rows = sum(p.request.batch_size for p in self._queue if not p.future.done())
+        if rows >= self.max_batch_size:
+            return False
+        waited = (time.perf_counter_ns() - self._queue[0].enqueued_ns) / 1e9
+        if waited >= self.max_queue_delay_s:
+            return False
+        if self._timer is None:
+            loop = asyncio.get_running_loop()
+            self._timer = loop.call_later(self.max_queue_delay_s - waited, self._on_timer)
+        return True
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._dispatch()
+
+    def _take(self) -> list[_Pending]:
+        """Pop the next batch: skip cancelled requests, fail expired ones, stop at the row limit."""
+        batch, rows = [], 0
+        now = time.monotonic()
+        while self._queue:
+            pending = self._queue[0]
+            if pending.future.done():  # the caller was cancelled (client gone or gave up)
+                self._queue.popleft()
+                self.counters.cancelled += 1
+                continue
+            if pending.deadline is not None and now >= pending.deadline:
+                self._queue.popleft()
+                self.counters.expired += 1
+                waited = (time.perf_counter_ns() - pending.enqueued_ns) / 1e9
+                pending.future.set_exception(DeadlineExpiredInQueue(waited))
+                continue
+            if batch and (not self.enabled or rows + pending.request.batch_size > self.max_batch_size):
+                break
+            self._queue.popleft()
+            batch.append(pending)
+            rows += pending.request.batch_size
+        return batch
+
+    def _run(self, batch: list[_Pending]) -> BatchResult:
+        """In a worker thread: merge, run the model, split."""
+        started = time.perf_counter_ns()
+        requests = [p.request for p in batch]
+        merged = merge(requests)
+        merged_at = time.perf_counter_ns()
+        arrays = self._run_model(merged.outputs, merged.query, merged.key, merged.value, merged.mask)
+        ran_at = time.perf_counter_ns()
+        answers = split(merged, dict(zip(merged.outputs, arrays, strict=True)), [r.outputs for r in requests])
+        finished = time.perf_counter_ns()
+        rows = merged.query.shape[0]
+        return BatchResult(answers, rows, started, finished, merged_at - started, ran_at - merged_at, finished - ran_at)
+
+    def _finished(self, batch: list[_Pending], done) -> None:
+        self._idle_workers += 1
+        error = done.exception()
+        if error is None:
+            result: BatchResult = done.result()
+            if self._on_batch is not None:
+                self._on_batch(result)
+            for pending, answer in zip(batch, result.answers, strict=True):
+                if not pending.future.done():
+                    queue_ns = result.started_ns - pending.enqueued_ns
+                    infer_ns = result.finished_ns - result.started_ns
+                    pending.future.set_result(Answer(answer, queue_ns, infer_ns, result.batch_size))
+        else:
+            for pending in batch:
+                if not pending.future.done():
+                    pending.future.set_exception(error)
+        self._dispatch()
+
+    def fail_all(self, error: Exception) -> None:
+        """Shutting down: answer whatever is still queued."""
+        while self._queue:
+            pending = self._queue.popleft()
+            if not pending.future.done():
+                pending.future.set_exception(error)
