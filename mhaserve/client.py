@@ -97,6 +97,11 @@ class Client:
     def metadata(self, timeout=None) -> pb.ModelMetadataResponse:
         return self._stub.ModelMetadata(pb.ModelMetadataRequest(name=self.model), timeout=timeout)
 
+    def statistics(self, timeout=None) -> pb.ModelStatistics:
+        """The server's counters for this model (Triton's statistics extension)."""
+        request = pb.ModelStatisticsRequest(name=self.model)
+        return self._stub.ModelStatistics(request, timeout=timeout).model_stats[0]
+
     def close(self) -> None:
         self._channel.close()
 

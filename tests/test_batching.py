@@ -1,0 +1,208 @@
+"""Dynamic batching: requests of different lengths, masks and outputs share a model run and each gets its
+own unbatched answer; the queue is bounded; expired and cancelled requests are never computed."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from mhaserve.client import AsyncClient, Client
+from mhaserve.server.batcher import merge, split
+from mhaserve.server.codec import AttentionRequest
+from mhaserve.server.session import AttentionSession
+
+from .conftest import SMALL_D_MODEL, eager, rand
+from .server_process import ServerProcess
+
+D = SMALL_D_MODEL
+
+
+def mixed_requests(count: int, seed: int = 0):
+    """(query, key, value, mask, attn_weights): lengths 1..48, self- and cross-attention, with and without masks."""
+    rng = np.random.default_rng(seed)
+    requests = []
+    for i in range(count):
+        batch, q_len = int(rng.integers(1, 4)), int(rng.integers(1, 49))
+        query = rand(batch, q_len, D, seed=1000 * seed + i)
+        key = value = None
+        kv_len = q_len
+        if i % 3 == 1:  # cross-attention
+            kv_len = int(rng.integers(1, 49))
+            key, value = rand(batch, kv_len, D, seed=7 + i), rand(batch, kv_len, D, seed=11 + i)
+        mask = None
+        if i % 4 == 2:  # key padding
+            mask = rng.random((batch, kv_len)) < 0.7
+            mask[:, 0] = True
+        elif i % 4 == 3:  # full mask with a fully masked row
+            mask = (rng.random((batch, q_len, kv_len)) < 0.6).astype(np.int32)
+            mask[:, :, 0] = 1
+            mask[0, q_len // 2, :] = 0
+        requests.append((query, key, value, mask, i % 5 != 4))
+    return requests
+
+
+def as_attention_request(query, key, value, mask, attn_weights) -> AttentionRequest:
+    key = query if key is None else key
+    value = key if value is None else value
+    kv_len = key.shape[1]
+    if mask is None:
+        served_mask = np.ones((1, 1, 1, kv_len), dtype=bool)
+    elif mask.ndim == 2:
+        served_mask = mask[:, None, None, :] != 0
+    else:
+        served_mask = mask[:, None] != 0
+    outputs = ("output", "attn_weights") if attn_weights else ("output",)
+    return AttentionRequest("", query, key, value, served_mask, outputs)
+
+
+def test_merged_run_gives_each_request_its_unbatched_answer(small_model_dir):
+    session = AttentionSession(small_model_dir, device="cpu", intra_op_threads=1)
+    requests = [as_attention_request(*r) for r in mixed_requests(12)]
+    merged = merge(requests)
+    assert merged.query.shape[0] == sum(r.batch_size for r in requests)
+    assert merged.query.shape[1] == max(r.query.shape[1] for r in requests)
+    arrays = session.run(merged.outputs, merged.query, merged.key, merged.value, merged.mask)
+    answers = split(merged, dict(zip(merged.outputs, arrays, strict=True)), [r.outputs for r in requests])
+    for request, answer in zip(requests, answers, strict=True):
+        alone = dict(zip(request.outputs, session.run(request.outputs, request.query, request.key, request.value,
+                                                      request.mask), strict=True))  # fmt: skip
+        assert answer.keys() == alone.keys()
+        for name in alone:
+            assert answer[name].shape == alone[name].shape
+            assert np.isfinite(answer[name]).all()
+            np.testing.assert_allclose(answer[name], alone[name], rtol=0, atol=1e-5)
+
+
+def test_equal_lengths_without_masks_merge_without_padding():
+    requests = [as_attention_request(rand(2, 8, D, seed=s), None, None, None, True) for s in range(3)]
+    merged = merge(requests)
+    assert merged.query.shape == (6, 8, D)
+    assert merged.key is merged.query  # self-attention stays one array
+    assert merged.mask.shape == (1, 1, 1, 8) and merged.mask.all()
+
+
+@pytest.fixture(scope="module")
+def batching_server(small_model_dir):
+    # A 30 ms queue delay makes merging certain in a test; the default (0) merges only under load.
+    args = ("--max-batch-size", "64", "--max-q-len", "64", "--max-kv-len", "64", "--max-queue-delay-us", "30000")
+    with ServerProcess(small_model_dir, *args, "--warmup-runs", "1") as process:
+        yield process
+
+
+def test_concurrent_mixed_lengths_each_equal_eager(batching_server, small_module):
+    requests = mixed_requests(24, seed=3)
+
+    async def call_all():
+        async with AsyncClient(batching_server.url) as client:
+            return await asyncio.gather(
+                *(client.infer(q, k, v, m, attn_weights=w, timeout=60) for q, k, v, m, w in requests)
+            )
+
+    with Client(batching_server.url) as client:
+        before = client.statistics()
+        results = asyncio.run(call_all())
+        after = client.statistics()
+    for (query, key, value, mask, weights), result in zip(requests, results, strict=True):
+        want_out, want_attn = eager(small_module, query, key, value, mask)
+        np.testing.assert_allclose(result.output, want_out, rtol=0, atol=1e-5)
+        if weights:
+            np.testing.assert_allclose(result.attn_weights, want_attn, rtol=0, atol=1e-5)
+        else:
+            assert result.attn_weights is None
+    runs = after.execution_count - before.execution_count
+    rows = after.inference_count - before.inference_count
+    assert rows == sum(q.shape[0] for q, *_ in requests)
+    assert runs < len(requests) // 2, f"{len(requests)} concurrent requests took {runs} runs: not merged"
+    assert any(b.batch_size > 3 for b in after.batch_stats)  # more rows than any one request has
+
+
+def test_batching_off_runs_each_request_alone(small_model_dir):
+    with ServerProcess(small_model_dir, "--dynamic-batching", "false", "--warmup-runs", "0") as server:
+        requests = mixed_requests(8, seed=5)
+
+        async def call_all():
+            async with AsyncClient(server.url) as client:
+                return await asyncio.gather(*(client.infer(q, k, v, m, timeout=60) for q, k, v, m, _ in requests))
+
+        results = asyncio.run(call_all())
+        with Client(server.url) as client:
+            stats = client.statistics()
+    assert len(results) == 8 and stats.execution_count == 8
+
+
+# Slow enough (about 20-60 ms a run at d_model 64) that a queue builds behind it.
+def slow_query(seed=0):
+    return rand(16, 384, D, seed=seed)
+
+
+def test_full_queue_refuses_at_once_and_serves_what_it_accepted(small_model_dir, small_module):
+    args = ("--max-queue-size", "2", "--max-batch-size", "16", "--max-q-len", "384", "--max-kv-len", "384")
+    with ServerProcess(small_model_dir, *args, "--warmup-runs", "0") as server:
+        queries = [slow_query(seed) for seed in range(12)]
+
+        async def timed(client, query):
+            started = time.perf_counter()
+            try:
+                result = await client.infer(query, attn_weights=False, timeout=120)
+                return "OK", result, time.perf_counter() - started
+            except grpc.aio.AioRpcError as error:
+                return error.code(), error.details(), time.perf_counter() - started
+
+        async def call_all():
+            async with AsyncClient(server.url) as client:
+                return await asyncio.gather(*(timed(client, q) for q in queries))
+
+        outcomes = asyncio.run(call_all())
+        with Client(server.url) as client:
+            stats = client.statistics()
+            assert client.infer(rand(1, 4, D)).output.shape == (1, 4, D)  # still serving
+    refused = [o for o in outcomes if o[0] == grpc.StatusCode.RESOURCE_EXHAUSTED]
+    served = [(q, o) for q, o in zip(queries, outcomes, strict=True) if o[0] == "OK"]
+    assert len(refused) + len(served) == len(queries), [o[0] for o in outcomes]
+    assert refused and served
+    assert all("queue is full" in details and "max_queue_size=2" in details for _, details, _ in refused)
+    slowest_served = max(seconds for _, (_, _, seconds) in served)
+    assert all(seconds < slowest_served for *_, seconds in refused)  # refused at once, not after waiting
+    for query, (_, result, _) in served:
+        np.testing.assert_allclose(result.output, eager(small_module, query)[0], rtol=0, atol=1e-5)
+    assert stats.inference_count == 16 * len(served)  # the refused ones were never computed
+
+
+@pytest.mark.parametrize("fault", ["deadline", "cancel"])
+def test_expired_or_cancelled_requests_leave_the_queue_uncomputed(small_model_dir, fault):
+    args = ("--max-batch-size", "16", "--max-q-len", "384", "--max-kv-len", "384", "--dynamic-batching", "false")
+    with ServerProcess(small_model_dir, *args, "--warmup-runs", "0") as server:
+
+        async def scenario():
+            async with AsyncClient(server.url) as client:
+                # Eight slow requests occupy the one worker for a while; the victims queue behind them.
+                busy = [
+                    asyncio.create_task(client.infer(slow_query(s), attn_weights=False, timeout=120)) for s in range(8)
+                ]
+                await asyncio.sleep(0.05)
+                if fault == "deadline":
+                    victims = [client.infer(rand(1, 4, D), timeout=0.05) for _ in range(5)]
+                    outcomes = await asyncio.gather(*victims, return_exceptions=True)
+                    codes = {e.code() for e in outcomes}
+                    assert codes == {grpc.StatusCode.DEADLINE_EXCEEDED}, codes
+                else:
+                    victims = [asyncio.create_task(client.infer(rand(1, 4, D), timeout=60)) for _ in range(5)]
+                    await asyncio.sleep(0.05)
+                    for task in victims:
+                        task.cancel()
+                    outcomes = await asyncio.gather(*victims, return_exceptions=True)
+                    assert all(isinstance(o, asyncio.CancelledError) for o in outcomes), outcomes
+                return await asyncio.gather(*busy)
+
+        busy_results = asyncio.run(scenario())
+        with Client(server.url) as client:
+            stats = client.statistics()
+            assert client.infer(rand(1, 4, D)).output.shape == (1, 4, D)
+    assert len(busy_results) == 8
+    # Only the eight slow requests (16 rows each) were ever computed; the five victims were dropped.
+    assert stats.inference_count == 8 * 16
+    assert stats.execution_count == 8
