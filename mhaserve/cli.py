@@ -1,4 +1,4 @@
-"""The ``mhaserve`` command: export, validate, serve, infer.
+"""The ``mhaserve`` command: export, validate, serve, infer, bench.
 
 Each subcommand imports what it needs when it runs, so ``serve`` and ``infer`` never load torch.
 """
@@ -194,6 +194,94 @@ def _run_infer(args) -> int:
     return 0
 
 
+def _int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def _float_list(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x]
+
+
+def _length_range(text: str) -> tuple[int, int]:
+    low, _, high = text.partition("..")
+    low, high = int(low), int(high or low)
+    if not 1 <= low <= high:
+        raise argparse.ArgumentTypeError(f"expected LEN or MIN..MAX with 1 <= MIN <= MAX, got {text!r}")
+    return low, high
+
+
+def _add_bench(sub) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="load-test a server: closed-loop concurrency sweep or open-loop rates; table, JSON/CSV, plots",
+    )
+    p.add_argument("--url", default="127.0.0.1:8001")
+    p.add_argument("--model", default="mha")
+    load = p.add_mutually_exclusive_group()
+    load.add_argument(
+        "--concurrency", type=_int_list, default=None, help="closed loop: e.g. 1,4,16,64 (default 1,4,16)"
+    )
+    load.add_argument("--rate", type=_float_list, default=None, help="open loop: requests/s, e.g. 100,200,400")
+    p.add_argument("--batch", type=int, default=1, help="batch of each request (default 1)")
+    p.add_argument("--lengths", type=_length_range, default=(16, 16), help="sequence length, or MIN..MAX drawn "
+                   "uniformly per request (default 16)")  # fmt: skip
+    p.add_argument("--no-weights", action="store_true", help="ask for the output only, not attn_weights")
+    p.add_argument("--duration", type=float, default=10.0, help="measured seconds per point (default 10)")
+    p.add_argument("--warmup", type=float, default=2.0, help="seconds per point before measuring (default 2)")
+    p.add_argument("--processes", type=int, default=None, help="client processes (default: cores, at most 4)")
+    p.add_argument("--timeout", type=float, default=60.0, help="deadline per request, seconds")
+    p.add_argument("--json", type=Path, help="write the results as JSON")
+    p.add_argument("--csv", type=Path, help="write the results as CSV")
+    p.add_argument("--plot-dir", type=Path, help="write latency_percentiles.png and latency_histogram.png here")
+    p.set_defaults(run=_run_bench)
+
+
+def _run_bench(args) -> int:
+    import grpc
+
+    from mhaserve import bench_report as report
+    from mhaserve.client import Client
+    from mhaserve.loadgen import LoadGenerator, Point, Workload, default_processes
+
+    with Client(args.url, args.model) as client:
+        try:
+            d_model = client.metadata(timeout=10).inputs[0].shape[-1]
+        except grpc.RpcError as error:
+            print(f"cannot reach model '{args.model}' at {args.url}: {error.code().name}: {error.details()}",
+                  file=sys.stderr)  # fmt: skip
+            return 1
+    workload = Workload(d_model, args.batch, *args.lengths, attn_weights=not args.no_weights, model=args.model)
+    if args.rate:
+        points = [Point("open", rate, args.duration, args.warmup) for rate in args.rate]
+    else:
+        points = [Point("closed", c, args.duration, args.warmup) for c in (args.concurrency or [1, 4, 16])]
+    processes = args.processes or default_processes()
+    weights = "with attn_weights" if workload.attn_weights else "output only"
+    title = f"{args.url} {args.model} {workload.shape_text} {weights}"
+    print(f"mhaserve bench: {title}; {len(points)} points x ({args.warmup:g} s warm-up + {args.duration:g} s), "
+          f"up to {processes} client processes", file=sys.stderr)  # fmt: skip
+    results = []
+    print(report.table_header())
+    with LoadGenerator(args.url, processes, args.timeout) as generator:
+        for i, point in enumerate(points, 1):
+            print(f"[{i}/{len(points)}] {point.label} ...", file=sys.stderr, flush=True)
+            results.append(generator.measure(workload, point))
+            print(report.table_row(results[-1]), flush=True)
+    for line in report.notes(results):
+        print(line)
+    meta = {"url": args.url, "model": args.model, "processes": processes, "title": title}
+    if args.json:
+        report.write_json(results, args.json, meta)
+        print(f"wrote {args.json}", file=sys.stderr)
+    if args.csv:
+        report.write_csv(results, args.csv)
+        print(f"wrote {args.csv}", file=sys.stderr)
+    if args.plot_dir:
+        for path in report.plot(results, args.plot_dir, title):
+            print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mhaserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -201,6 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_validate(sub)
     _add_serve(sub)
     _add_infer(sub)
+    _add_bench(sub)
     return parser
 
 

@@ -28,7 +28,9 @@ class ServerSettings:
     max_q_len: int = 512
     max_kv_len: int = 512
     max_message_bytes: int = 0  # 0 = just enough for the largest request/response the limits allow
-    max_concurrent_streams: int = 128  # per connection
+    # Per connection. Above max_queue_size, so a burst meets the queue (RESOURCE_EXHAUSTED, which names the
+    # limit) before HTTP/2 refuses streams (the client sees UNAVAILABLE "Stream removed").
+    max_concurrent_streams: int = 1024
     grace_seconds: float = 10.0  # SIGTERM: how long in-flight requests may take to finish
     warmup_runs: int = 2  # model runs at each warm-up shape before reporting ready (0 = none)
     metrics_port: int = 8002  # Prometheus endpoint; 0 = any free port, -1 = none

@@ -1,0 +1,103 @@
+"""What ``mhaserve bench`` shows and writes: a terminal table, JSON or CSV, and PNG plots."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+from .loadgen import PointResult
+
+COLUMNS = ("load", "req/s", "p50 ms", "p90 ms", "p95 ms", "p99 ms", "max ms", "errors", "client cpu")
+
+
+def table_header() -> str:
+    return "  ".join(f"{c:>15}" if i == 0 else f"{c:>9}" for i, c in enumerate(COLUMNS))
+
+
+def table_row(r: PointResult) -> str:
+    lat = r.latency_ms
+    errors = ",".join(f"{k}:{v}" for k, v in sorted(r.errors.items())) or "0"
+    cells = [f"{r.point.label:>15}", f"{r.throughput:9.1f}"]
+    cells += [f"{lat[k]:9.3f}" for k in ("p50", "p90", "p95", "p99", "max")]
+    cells += [f"{errors:>9}", f"{r.client_cpu_cores:8.2f}c" + ("!" if r.client_bound else " ")]
+    return "  ".join(cells)
+
+
+def notes(results: list[PointResult]) -> list[str]:
+    lines = []
+    if any(r.client_bound for r in results):
+        lines.append(
+            "! client-bound: a client process used most of a core (or an open-loop send left >50 ms late); "
+            "those points measure the client too. Use more --processes or run the client elsewhere."
+        )
+    dropped = sum(r.dropped for r in results)
+    if dropped:
+        lines.append(f"! open loop: {dropped} sends skipped with too many requests outstanding (server overloaded)")
+    return lines
+
+
+def write_json(results: list[PointResult], path: Path, meta: dict) -> None:
+    path.write_text(json.dumps({"meta": meta, "points": [r.row() for r in results]}, indent=2) + "\n")
+
+
+def write_csv(results: list[PointResult], path: Path) -> None:
+    rows = [r.row() for r in results]
+    for row in rows:
+        row["errors_by_status"] = ";".join(f"{k}:{v}" for k, v in sorted(row["errors_by_status"].items()))
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def plot(results: list[PointResult], out_dir: Path, title: str) -> list[Path]:
+    """Latency percentiles against throughput and against load, and a latency histogram per point."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as missing:
+        raise SystemExit("plots need matplotlib: pip install 'mhaserve[bench]'") from missing
+    import numpy as np
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    xlabel = "concurrency" if results[0].point.mode == "closed" else "offered rate (req/s)"
+    fig, (by_throughput, by_load) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for q in ("p50", "p90", "p99", "max"):
+        ys = [r.latency_ms[q] for r in results]
+        by_throughput.plot([r.throughput for r in results], ys, marker="o", label=q)
+        by_load.plot([r.point.load for r in results], ys, marker="o", label=q)
+    by_throughput.set_xlabel("throughput (req/s)")
+    by_load.set_xlabel(xlabel)
+    by_load.set_xscale("log", base=2) if results[0].point.mode == "closed" and len(results) > 1 else None
+    for ax in (by_throughput, by_load):
+        ax.set_ylabel("latency (ms)")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    written.append(out_dir / "latency_percentiles.png")
+    fig.savefig(written[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    finite = [r for r in results if r.latencies_ms.size]
+    if finite:
+        low = max(min(r.latencies_ms.min() for r in finite), 1e-3)
+        high = max(r.latencies_ms.max() for r in finite)
+        bins = np.geomspace(low, high * 1.01, 60)
+        for r in finite:
+            ax.hist(r.latencies_ms, bins=bins, histtype="step", label=r.point.label)
+        ax.set_xscale("log")
+    ax.set_xlabel("latency (ms)")
+    ax.set_ylabel("requests")
+    ax.legend()
+    ax.set_title(title)
+    fig.tight_layout()
+    written.append(out_dir / "latency_histogram.png")
+    fig.savefig(written[-1], dpi=110)
+    plt.close(fig)
+    return written

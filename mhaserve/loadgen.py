@@ -1,0 +1,272 @@
+"""The load generator behind ``mhaserve bench``: closed and open loop, spread over client processes.
+
+Closed loop: ``concurrency`` callers, each sending its next request when the last one returns.
+Open loop: requests sent on a fixed schedule (``rate`` per second) whatever the server does, and
+latency counted from the *scheduled* send time, so a stalled server shows up as queueing delay
+instead of being hidden by the client waiting with it (coordinated omission).
+
+Each client process prebuilds its requests, so the loop itself only sends, waits and records, and
+reports its own CPU time: a client near one core per process is the bottleneck, not the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import resource
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+PERCENTILES = (50, 90, 95, 99)
+OPEN_LOOP_MAX_OUTSTANDING = 4096  # a server this far behind has failed the point anyway
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What each request looks like. Lengths are drawn uniformly from [min_len, max_len]."""
+
+    d_model: int
+    batch: int = 1
+    min_len: int = 16
+    max_len: int = 16
+    attn_weights: bool = True
+    model: str = "mha"
+    distinct_requests: int = 64  # prebuilt per process; drawn round-robin
+
+    @property
+    def shape_text(self) -> str:
+        length = str(self.min_len) if self.min_len == self.max_len else f"{self.min_len}..{self.max_len}"
+        return f"[{self.batch},{length},{self.d_model}]"
+
+
+@dataclass(frozen=True)
+class Point:
+    """One measured point: closed loop at ``concurrency`` or open loop at ``rate`` requests/s."""
+
+    mode: str  # "closed" | "open"
+    load: float  # concurrency, or requests per second
+    duration_s: float
+    warmup_s: float
+
+    @property
+    def label(self) -> str:
+        return f"concurrency {int(self.load)}" if self.mode == "closed" else f"rate {self.load:g}/s"
+
+
+@dataclass
+class WorkerResult:
+    latencies_ns: np.ndarray  # successful requests completed in the measured window
+    errors: dict[str, int]  # gRPC status name -> count, measured window
+    window_s: float
+    cpu_s: float  # this process's user + system time in the window
+    behind_ms: float = 0.0  # open loop: how late the worst send left (the client falling behind)
+    dropped: int = 0  # open loop: sends skipped because too many were outstanding
+
+
+@dataclass
+class PointResult:
+    point: Point
+    workload: Workload
+    processes: int
+    count: int
+    throughput: float  # successful requests per second
+    latency_ms: dict[str, float]  # p50, p90, p95, p99, max, mean
+    errors: dict[str, int]
+    client_cpu_cores: float  # all client processes together
+    client_bound: bool
+    behind_ms: float
+    dropped: int
+    latencies_ms: np.ndarray = field(repr=False)
+
+    def row(self) -> dict:
+        """A flat record for JSON and CSV."""
+        return {
+            "mode": self.point.mode,
+            "load": self.point.load,
+            "shape": self.workload.shape_text,
+            "attn_weights": self.workload.attn_weights,
+            "processes": self.processes,
+            "duration_s": self.point.duration_s,
+            "requests": self.count,
+            "throughput_per_s": round(self.throughput, 2),
+            **{f"{k}_ms": round(v, 4) for k, v in self.latency_ms.items()},
+            "errors": sum(self.errors.values()),
+            "errors_by_status": dict(self.errors),
+            "client_cpu_cores": round(self.client_cpu_cores, 3),
+            "client_bound": self.client_bound,
+            "open_loop_behind_ms": round(self.behind_ms, 3),
+            "open_loop_dropped": self.dropped,
+        }
+
+
+def _requests(w: Workload, seed: int):
+    from mhaserve.client import build_infer_request
+
+    rng = np.random.default_rng(seed)
+    built = []
+    for _ in range(w.distinct_requests):
+        length = int(rng.integers(w.min_len, w.max_len + 1))
+        query = rng.standard_normal((w.batch, length, w.d_model), dtype=np.float32)
+        built.append(build_infer_request(w.model, query, attn_weights=w.attn_weights))
+    return built
+
+
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+async def _drive(url: str, workload: Workload, point: Point, share: float, seed: int, timeout_s: float):
+    import grpc
+
+    from mhaserve.client import DEFAULT_MAX_MESSAGE_BYTES, _channel_options
+    from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
+
+    requests = _requests(workload, seed)
+    latencies: list[int] = []
+    errors: dict[str, int] = {}
+    async with grpc.aio.insecure_channel(url, options=_channel_options(DEFAULT_MAX_MESSAGE_BYTES)) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        await stub.ServerLive(_live_request(), timeout=30, wait_for_ready=True)
+        start = time.perf_counter_ns()
+        measure_from = start + int(point.warmup_s * 1e9)
+        end = measure_from + int(point.duration_s * 1e9)
+        cpu_at_start: list[float] = []
+
+        async def call(request, sent_ns: int) -> None:
+            try:
+                await stub.ModelInfer(request, timeout=timeout_s)
+                status = "OK"
+            except grpc.aio.AioRpcError as error:
+                status = error.code().name
+            done = time.perf_counter_ns()
+            if sent_ns >= measure_from and done <= end:
+                if status == "OK":
+                    latencies.append(done - sent_ns)
+                else:
+                    errors[status] = errors.get(status, 0) + 1
+
+        async def mark_window() -> None:
+            await asyncio.sleep(max(0.0, (measure_from - time.perf_counter_ns()) / 1e9))
+            cpu_at_start.append(_cpu_seconds())
+
+        marker = asyncio.create_task(mark_window())
+        behind_ns, dropped = 0, 0
+        if point.mode == "closed":
+
+            async def caller(index: int) -> None:
+                i = index
+                while (now := time.perf_counter_ns()) < end:
+                    await call(requests[i % len(requests)], now)
+                    i += 1
+
+            await asyncio.gather(*(caller(i) for i in range(int(share))))
+        else:
+            interval_ns = int(1e9 / share)
+            outstanding: set[asyncio.Task] = set()
+            next_send = start + int(interval_ns * (seed % 997) / 997)  # processes out of phase
+            i = 0
+            while next_send < end:
+                delay = next_send - time.perf_counter_ns()
+                if delay > 0:
+                    await asyncio.sleep(delay / 1e9)
+                else:
+                    behind_ns = max(behind_ns, -delay) if next_send >= measure_from else behind_ns
+                if len(outstanding) >= OPEN_LOOP_MAX_OUTSTANDING:
+                    dropped += next_send >= measure_from
+                else:
+                    task = asyncio.create_task(call(requests[i % len(requests)], next_send))
+                    outstanding.add(task)
+                    task.add_done_callback(outstanding.discard)
+                i += 1
+                next_send += interval_ns
+            if outstanding:
+                await asyncio.wait(outstanding, timeout=timeout_s)
+        await marker
+        cpu = _cpu_seconds() - cpu_at_start[0]
+    return WorkerResult(np.asarray(latencies, dtype=np.int64), errors, point.duration_s, cpu, behind_ns / 1e6, dropped)
+
+
+def _live_request():
+    from mhaserve.protos.generated import grpc_service_pb2 as pb
+
+    return pb.ServerLiveRequest()
+
+
+def run_worker(url: str, workload: Workload, point: Point, share: float, seed: int, timeout_s: float) -> WorkerResult:
+    """One client process's part of a point (runs in a child process)."""
+    return asyncio.run(_drive(url, workload, point, share, seed, timeout_s))
+
+
+def summarize(point: Point, workload: Workload, parts: list[WorkerResult]) -> PointResult:
+    latencies = np.concatenate([p.latencies_ns for p in parts]) / 1e6 if parts else np.zeros(0)
+    errors: dict[str, int] = {}
+    for part in parts:
+        for status, n in part.errors.items():
+            errors[status] = errors.get(status, 0) + n
+    if latencies.size:
+        latency = {f"p{q}": float(np.percentile(latencies, q)) for q in PERCENTILES}
+        latency |= {"max": float(latencies.max()), "mean": float(latencies.mean())}
+    else:
+        latency = {k: float("nan") for k in (*(f"p{q}" for q in PERCENTILES), "max", "mean")}
+    cpu_cores = sum(p.cpu_s for p in parts) / point.duration_s
+    # A client process near a full core cannot send faster: the figures then measure the client.
+    client_bound = any(p.cpu_s / point.duration_s > 0.85 for p in parts) or max(p.behind_ms for p in parts) > 50
+    return PointResult(
+        point=point,
+        workload=workload,
+        processes=len(parts),
+        count=int(latencies.size),
+        throughput=latencies.size / point.duration_s,
+        latency_ms=latency,
+        errors=errors,
+        client_cpu_cores=cpu_cores,
+        client_bound=client_bound,
+        behind_ms=max(p.behind_ms for p in parts),
+        dropped=sum(p.dropped for p in parts),
+        latencies_ms=latencies,
+    )
+
+
+def shares(point: Point, processes: int) -> list[float]:
+    """Split a point's load over client processes: whole callers for closed loop, rate for open loop."""
+    if point.mode == "closed":
+        count = min(processes, int(point.load))
+        base, extra = divmod(int(point.load), count)
+        return [base + (i < extra) for i in range(count)]
+    return [point.load / processes] * processes
+
+
+class LoadGenerator:
+    """A pool of client processes, reused across points (each costs ~0.5 s to start)."""
+
+    def __init__(self, url: str, processes: int, timeout_s: float = 60.0):
+        self.url = url
+        self.processes = processes
+        self.timeout_s = timeout_s
+        # spawn, not fork: gRPC's threads do not survive a fork.
+        self._pool = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"))
+
+    def measure(self, workload: Workload, point: Point) -> PointResult:
+        futures = [
+            self._pool.submit(run_worker, self.url, workload, point, share, seed=1 + i, timeout_s=self.timeout_s)
+            for i, share in enumerate(shares(point, self.processes))
+        ]
+        return summarize(point, workload, [f.result() for f in futures])
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def default_processes() -> int:
+    return max(1, min(4, os.cpu_count() or 1))

@@ -1,0 +1,57 @@
+"""`mhaserve bench` against a real server: closed and open loop, errors counted by status, JSON, CSV, plots."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+
+SHORT = ("--duration", "1", "--warmup", "0.3", "--processes", "2")
+
+
+def bench(server, *args, timeout=120):
+    command = [sys.executable, "-m", "mhaserve.cli", "bench", "--url", server.url, *SHORT, *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+
+
+def test_closed_loop_sweep_writes_table_json_csv_and_plots(server, tmp_path):
+    done = bench(
+        server, "--concurrency", "1,4", "--lengths", "4..32", "--json", str(tmp_path / "r.json"),
+        "--csv", str(tmp_path / "r.csv"), "--plot-dir", str(tmp_path / "plots"),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "concurrency 1" in done.stdout and "concurrency 4" in done.stdout and "p99 ms" in done.stdout
+    assert "[2/2] concurrency 4" in done.stderr  # progress
+    report = json.loads((tmp_path / "r.json").read_text())
+    points = report["points"]
+    assert [p["load"] for p in points] == [1, 4]
+    for p in points:
+        assert p["mode"] == "closed" and p["shape"] == "[1,4..32,64]" and p["errors"] == 0
+        assert p["requests"] > 0 and p["throughput_per_s"] > 0
+        assert 0 < p["p50_ms"] <= p["p90_ms"] <= p["p95_ms"] <= p["p99_ms"] <= p["max_ms"]
+        assert p["client_cpu_cores"] > 0
+    assert points[1]["processes"] == 2 and points[0]["processes"] == 1  # one caller needs one process
+    rows = list(csv.DictReader((tmp_path / "r.csv").open()))
+    assert [float(r["load"]) for r in rows] == [1, 4]
+    for name in ("latency_percentiles.png", "latency_histogram.png"):
+        assert (tmp_path / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_open_loop_holds_the_offered_rate(server, tmp_path):
+    done = bench(server, "--rate", "50", "--no-weights", "--json", str(tmp_path / "r.json"))
+    assert done.returncode == 0, done.stderr
+    (point,) = json.loads((tmp_path / "r.json").read_text())["points"]
+    assert point["mode"] == "open" and point["attn_weights"] is False and point["errors"] == 0
+    # 50/s for 1 s: the schedule, not the server, sets the count (a few land outside the window).
+    assert 40 <= point["requests"] <= 55, point
+
+
+def test_refused_requests_are_counted_by_status(server, tmp_path):
+    # The session server allows batch 8: every batch-9 request is RESOURCE_EXHAUSTED.
+    done = bench(server, "--concurrency", "2", "--batch", "9", "--json", str(tmp_path / "r.json"))
+    assert done.returncode == 0, done.stderr
+    (point,) = json.loads((tmp_path / "r.json").read_text())["points"]
+    assert point["requests"] == 0 and point["errors"] > 0
+    assert set(point["errors_by_status"]) == {"RESOURCE_EXHAUSTED"}
+    assert "RESOURCE_EXHAUSTED:" in done.stdout
