@@ -62,7 +62,8 @@ async def serve(settings: ServerSettings, model_dir) -> int:
             ("grpc.max_receive_message_length", message_limit),
             ("grpc.max_send_message_length", message_limit),
             ("grpc.max_concurrent_streams", settings.max_concurrent_streams),
-            ("grpc.so_reuseport", 0),
+            # Off by default, so a second server on a taken port fails loudly instead of sharing it.
+            ("grpc.so_reuseport", int(settings.reuse_port)),
         ]
     )
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(dataplane), server)

@@ -31,6 +31,7 @@ class ServerSettings:
     # Per connection. Above max_queue_size, so a burst meets the queue (RESOURCE_EXHAUSTED, which names the
     # limit) before HTTP/2 refuses streams (the client sees UNAVAILABLE "Stream removed").
     max_concurrent_streams: int = 1024
+    reuse_port: bool = False  # let several server processes share the port (SO_REUSEPORT)
     grace_seconds: float = 10.0  # SIGTERM: how long in-flight requests may take to finish
     warmup_runs: int = 2  # model runs at each warm-up shape before reporting ready (0 = none)
     metrics_port: int = 8002  # Prometheus endpoint; 0 = any free port, -1 = none
@@ -53,6 +54,8 @@ class ServerSettings:
         "max_kv_len": "longest key/value a request may carry",
         "max_message_bytes": "gRPC message size limit, both ways (0 = derived from the limits above)",
         "max_concurrent_streams": "concurrent RPCs per client connection",
+        "reuse_port": "share the port with other mhaserve processes (SO_REUSEPORT): the kernel spreads "
+        "connections over them, one Python event loop per core",
         "grace_seconds": "on SIGTERM/SIGINT, time for in-flight requests to finish",
         "warmup_runs": "model runs at each warm-up shape before reporting ready (0 = none)",
         "metrics_port": "Prometheus metrics port on the same host (0 = any free port, -1 = no endpoint)",
