@@ -1,0 +1,271 @@
+"""Serving benchmark, one run: eager PyTorch, in-process ORT, mhaserve with batching off and on, and
+the peers (PyTriton and MLServer from ../shared/peers), all driven by the same client.
+
+    ../shared/peers/setup_peers.sh    # once, with PEERS_DIR=/tmp/peers/.peers
+    .venv/bin/python benchmarks/bench_serving.py --peers-dir /tmp/peers/.peers --out bench-results
+
+Shapes [1,16,512] and [1,128,512] with attention weights, concurrency 1, 4, 16; then a mixed-length
+run (16..128) at concurrency 16 with `mhaserve bench` (plots in --out). Every timed step holds
+/tmp/bench.lock; the peers' start script takes the lock itself, so this script never holds it
+across one. The peers serve a single-input (self-attention) export of the *same* module and
+weights, since they take one input; mhaserve serves its own export.
+
+The common client is the peers' loadgen.py (tritonclient.grpc threads over client processes), so
+every server pays the same client cost. Prints markdown tables and the issue targets as ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+PEERS_SCRIPTS = (ROOT / ".." / "shared" / "peers").resolve()
+LOCK = os.environ.get("BENCH_LOCK", "/tmp/bench.lock")
+SHAPES = ("1,16,512", "1,128,512")
+CONCURRENCY = (1, 4, 16)
+MHASERVE_PORT = 8201
+
+
+@contextmanager
+def bench_lock():
+    with open(LOCK, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def log(message: str) -> None:
+    print(f"[bench_serving] {message}", file=sys.stderr, flush=True)
+
+
+def export_peer_model(module, path: Path) -> None:
+    """The same module as a one-input self-attention graph: x -> (output, attn_weights)."""
+    import torch
+
+    class SelfAttention(torch.nn.Module):
+        def __init__(self, mha):
+            super().__init__()
+            self.mha = mha
+
+        def forward(self, x):
+            return self.mha(x, x, x)
+
+    x = torch.randn(2, 5, module.d_model)
+    torch.onnx.export(
+        SelfAttention(module).eval(), (x,), str(path), input_names=["x"], output_names=["output", "attn_weights"],
+        dynamic_axes={"x": {0: "batch", 1: "seq"}, "output": {0: "batch", 1: "seq"},
+                      "attn_weights": {0: "batch", 2: "seq", 3: "seq"}},
+        opset_version=17, dynamo=False,
+    )  # fmt: skip
+
+
+def in_process(module, model_dir: Path, threads: int, runs: int = 300) -> list[dict]:
+    """Eager and ORT latency and serial throughput at each shape, same threads for both."""
+    import torch
+
+    from mhaserve.server.session import AttentionSession
+
+    torch.set_num_threads(threads)
+    session = AttentionSession(model_dir, device="cpu", intra_op_threads=threads)
+    rows = []
+    for shape in SHAPES:
+        b, length, d = map(int, shape.split(","))
+        x = np.random.default_rng(0).standard_normal((b, length, d), dtype=np.float32)
+        mask = np.ones((1, 1, 1, length), dtype=bool)
+        xt = torch.from_numpy(x)
+
+        def eager_run(xt=xt):
+            with torch.inference_mode():
+                module(xt, xt, xt)
+
+        def ort_run(x=x, mask=mask):
+            session.run(("output", "attn_weights"), x, x, x, mask)
+
+        for name, fn in (("eager", eager_run), ("ort", ort_run)):
+            for _ in range(20):
+                fn()
+            times = []
+            started = time.perf_counter()
+            for _ in range(runs):
+                t = time.perf_counter_ns()
+                fn()
+                times.append(time.perf_counter_ns() - t)
+            elapsed = time.perf_counter() - started
+            times = np.array(times) / 1e3
+            rows.append({"variant": name, "shape": shape, "threads": threads, "p50_us": float(np.median(times)),
+                         "p99_us": float(np.percentile(times, 99)), "infer_per_s": runs / elapsed})  # fmt: skip
+    return rows
+
+
+class MhaServer:
+    def __init__(self, model_dir: Path, *args: str):
+        self.command = [sys.executable, "-m", "mhaserve.cli", "serve", "--model-dir", str(model_dir),
+                        "--port", str(MHASERVE_PORT), "--metrics-port", "-1", *args]  # fmt: skip
+
+    def __enter__(self):
+        self.log_path = Path(f"/tmp/bench_serving_mhaserve_{os.getpid()}.log")
+        self.proc = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=self.log_path.open("w"))
+        deadline = time.monotonic() + 120
+        while "serving model=" not in self.log_path.read_text():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"mhaserve did not start:\n{self.log_path.read_text()}")
+            time.sleep(0.1)
+        return self
+
+    def __exit__(self, *exc):
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+def loadgen(peers_dir: Path, label: str, url: str, input_name: str, seconds: float, out: Path) -> None:
+    """The peers' loadgen.py over the shape x concurrency matrix, each point under the lock."""
+    python = peers_dir / "venv" / "bin" / "python"
+    for shape in SHAPES:
+        for c in CONCURRENCY:
+            command = ["flock", LOCK, str(python), str(PEERS_SCRIPTS / "loadgen.py"), "--url", url, "--model", "mha",
+                       "--input", input_name, "--outputs", "output,attn_weights", "--shape", shape, "-c", str(c),
+                       "--seconds", str(seconds), "--warmup", "1.5", "--label", label, "--json", str(out)]  # fmt: skip
+            done = subprocess.run(
+                command, capture_output=True, text=True, env={**os.environ, "PEERS_DIR": str(peers_dir)}
+            )
+            print(done.stdout.strip() or done.stderr[-2000:], file=sys.stderr, flush=True)
+
+
+def start_peer(peers_dir: Path, name: str, url: str, *command: str, env: dict | None = None) -> bool:
+    environment = {**os.environ, "PEERS_DIR": str(peers_dir), **(env or {})}
+    done = subprocess.run([str(PEERS_SCRIPTS / "start_peer.sh"), name, url, *command], capture_output=True,
+                          text=True, env=environment)  # fmt: skip
+    log(f"{name}: {done.stdout.strip()} {done.stderr.strip()[-500:]}")
+    return done.returncode == 0 and "ALL OK" in done.stdout
+
+
+def stop_peer(peers_dir: Path, name: str) -> None:
+    subprocess.run([str(PEERS_SCRIPTS / "stop_peer.sh"), name], env={**os.environ, "PEERS_DIR": str(peers_dir)},
+                   capture_output=True)  # fmt: skip
+
+
+def mixed_lengths(model_dir: Path, seconds: float, out_dir: Path) -> dict:
+    with MhaServer(model_dir):
+        command = [sys.executable, "-m", "mhaserve.cli", "bench", "--url", f"127.0.0.1:{MHASERVE_PORT}",
+                   "--concurrency", "16", "--lengths", "16..128", "--duration", str(seconds), "--warmup", "1.5",
+                   "--json", str(out_dir / "mixed.json"), "--plot-dir", str(out_dir / "mixed-plots")]  # fmt: skip
+        with bench_lock():
+            done = subprocess.run(command, capture_output=True, text=True)
+        print(done.stdout, file=sys.stderr)
+    return json.loads((out_dir / "mixed.json").read_text())["points"][0]
+
+
+def report(inproc: list[dict], served: list[dict], mixed: dict | None) -> None:
+    print("\n### In process (2 threads)\n")
+    print("| variant | shape | p50 ms | p99 ms | infer/s (serial) |\n|---|---|---|---|---|")
+    for r in inproc:
+        print(f"| {r['variant']} | [{r['shape']}] | {r['p50_us'] / 1e3:.3f} | {r['p99_us'] / 1e3:.3f} "
+              f"| {r['infer_per_s']:.0f} |")  # fmt: skip
+    print("\n### Served (client: peers' loadgen.py, same machine)\n")
+    print("| server | shape | concurrency | infer/s | p50 ms | p90 ms | p99 ms | errors |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in served:
+        print(f"| {r['label']} | [{r['shape']}] | {r['concurrency']} | {r['infer_per_s']:.0f} | "
+              f"{r.get('p50_us', float('nan')) / 1e3:.2f} | {r.get('p90_us', float('nan')) / 1e3:.2f} | "
+              f"{r.get('p99_us', float('nan')) / 1e3:.2f} | {r['errors']} |")  # fmt: skip
+    if mixed:
+        print(f"\nMixed lengths 16..128, concurrency 16 (mhaserve bench): {mixed['throughput_per_s']:.0f} infer/s, "
+              f"p50 {mixed['p50_ms']:.2f} ms, p99 {mixed['p99_ms']:.2f} ms, errors {mixed['errors']}")  # fmt: skip
+
+    def point(label, shape, c):
+        return next((r for r in served if r["label"] == label and r["shape"] == shape and r["concurrency"] == c), None)
+
+    def ort(shape):
+        return next(r for r in inproc if r["variant"] == "ort" and r["shape"] == shape)
+
+    peers = ("pytriton-batch", "mlserver")
+    print("\n### Targets (ratios from this run)\n")
+    on, off = point("mhaserve-batch", "1,128,512", 16), point("mhaserve-nobatch", "1,128,512", 16)
+    best = max((point(p, "1,128,512", 16) for p in peers if point(p, "1,128,512", 16)),
+               key=lambda r: r["infer_per_s"], default=None)  # fmt: skip
+    if on:
+        print(f"- [1,128,512] c=16: mhaserve / in-process ORT throughput = "
+              f"{on['infer_per_s'] / ort('1,128,512')['infer_per_s']:.2f} (target >= 0.8)")  # fmt: skip
+        if best:
+            print(f"- [1,128,512] c=16: mhaserve / best peer ({best['label']}) = "
+                  f"{on['infer_per_s'] / best['infer_per_s']:.2f} (target >= 1.5)")  # fmt: skip
+    on, off = point("mhaserve-batch", "1,16,512", 16), point("mhaserve-nobatch", "1,16,512", 16)
+    best = max((point(p, "1,16,512", 16) for p in peers if point(p, "1,16,512", 16)),
+               key=lambda r: r["infer_per_s"], default=None)  # fmt: skip
+    if on and off:
+        print(f"- [1,16,512] c=16: batching on / off = {on['infer_per_s'] / off['infer_per_s']:.2f} (target >= 1.5)")
+    if on and best:
+        print(f"- [1,16,512] c=16: mhaserve / best peer ({best['label']}) = "
+              f"{on['infer_per_s'] / best['infer_per_s']:.2f} (target >= 1.7)")  # fmt: skip
+    c1 = point("mhaserve-batch", "1,16,512", 1)
+    best_c1 = min((point(p, "1,16,512", 1) for p in peers if point(p, "1,16,512", 1)),
+                  key=lambda r: r["p50_us"], default=None)  # fmt: skip
+    if c1:
+        print(f"- [1,16,512] c=1: mhaserve p99 / p50 = {c1['p99_us'] / c1['p50_us']:.2f} (target <= 2)")
+        if best_c1:
+            print(f"- [1,16,512] c=1: mhaserve p50 / best peer p50 ({best_c1['label']}) = "
+                  f"{c1['p50_us'] / best_c1['p50_us']:.2f} (target <= 0.5)")  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--peers-dir", type=Path, default=None, help="work folder of ../shared/peers (set up)")
+    parser.add_argument("--seconds", type=float, default=4.0, help="measured seconds per point")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=Path("bench-results"))
+    parser.add_argument("--skip-peers", action="store_true")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    from mhaserve.cli import ensure_default_model
+    from mhaserve.model import seeded_module
+
+    model_dir = ensure_default_model()
+    module = seeded_module(512, 8, seed=0).eval()  # the weights of the default model
+    peer_model = args.out / "mha_single_input.onnx"
+    export_peer_model(module, peer_model)
+
+    log("in-process eager and ORT")
+    with bench_lock():
+        inproc = in_process(module, model_dir, args.threads)
+    served_file = args.out / "served.jsonl"
+    served_file.unlink(missing_ok=True)
+    threads = ("--intra-op-threads", str(args.threads))
+    for label, extra in (("mhaserve-nobatch", ("--dynamic-batching", "false")), ("mhaserve-batch", ())):
+        log(label)
+        with MhaServer(model_dir, *threads, *extra):
+            loadgen(args.peers_dir, label, f"127.0.0.1:{MHASERVE_PORT}", "query", args.seconds, served_file)
+    if args.peers_dir and not args.skip_peers:
+        peer_env = {"MODEL": str(peer_model.resolve()), "INPUT_NAME": "x", "ORT_INTRA_OP_THREADS": str(args.threads)}
+        for name, url, command in (
+            ("pytriton-batch", "127.0.0.1:8001", ("serve_pytriton.sh",)),
+            ("mlserver", "127.0.0.1:8081", ("serve_mlserver.sh", "nobatch")),
+        ):
+            log(name)
+            # MLServer in-process (PARALLEL_WORKERS=0), as the peers' README runs it.
+            env = {**peer_env, "PARALLEL_WORKERS": "0"} if name == "mlserver" else peer_env
+            if start_peer(args.peers_dir, name, url, *command, env=env):
+                loadgen(args.peers_dir, name, url, "x", args.seconds, served_file)
+            stop_peer(args.peers_dir, name)
+    served = [json.loads(line) for line in served_file.read_text().splitlines()]
+    log("mixed lengths")
+    mixed = mixed_lengths(model_dir, args.seconds, args.out)
+    (args.out / "inproc.json").write_text(json.dumps(inproc, indent=1))
+    report(inproc, served, mixed)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
