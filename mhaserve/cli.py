@@ -1,4 +1,4 @@
-"""The ``mhaserve`` command: export, validate, serve, infer, bench.
+"""The ``mhaserve`` command: export, validate, serve, infer, bench, health.
 
 Each subcommand imports what it needs when it runs, so ``serve`` and ``infer`` never load torch.
 """
@@ -194,6 +194,29 @@ def _run_infer(args) -> int:
     return 0
 
 
+def _add_health(sub) -> None:
+    p = sub.add_parser("health", help="ask a server's grpc.health.v1 service; exit 0 only when SERVING")
+    p.add_argument("--url", default="127.0.0.1:8001")
+    p.add_argument("--timeout", type=float, default=3.0)
+    p.set_defaults(run=_run_health)
+
+
+def _run_health(args) -> int:
+    """For container healthchecks and scripts: one line, and the exit status says it."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(args.url) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=args.timeout)
+        except grpc.RpcError as error:
+            print(f"{args.url}: {error.code().name}", file=sys.stderr)
+            return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(f"{args.url}: {status}")
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
 def _int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
@@ -290,6 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_infer(sub)
     _add_bench(sub)
+    _add_health(sub)
     return parser
 
 

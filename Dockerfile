@@ -1,0 +1,55 @@
+# mhaserve images, one file, three targets:
+#   server      ONNX Runtime + grpcio + numpy + mhaserve; no torch (the serving path never imports it)
+#   export      server + torch (CPU build) + onnx: writes a validated model folder
+#   server-gpu  server with onnxruntime-gpu[cuda,cudnn]: CUDA and cuDNN come from PyPI, no CUDA base image;
+#               the server still checks that the CUDA provider is really active (--device cuda refuses otherwise)
+# BASE_IMAGE: any Debian-like image with python3 (>= 3.10), venv and pip.
+ARG BASE_IMAGE=python:3.11-slim-bookworm
+
+FROM ${BASE_IMAGE} AS base
+ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:$PATH
+RUN python3 -m venv /opt/venv \
+ && useradd --system --create-home --uid 10001 --home-dir /home/mhaserve mhaserve \
+ && mkdir -p /models && chown mhaserve /models
+WORKDIR /opt/mhaserve
+COPY pyproject.toml README.md ./
+COPY mhaserve ./mhaserve
+COPY model ./model
+COPY export ./export
+COPY server ./server
+COPY protos ./protos
+
+FROM base AS server
+RUN pip install . && pip check
+USER mhaserve
+# gRPC and Prometheus metrics
+EXPOSE 8001 8002
+ENV MHASERVE_HOST=0.0.0.0 MHASERVE_MODEL_DIR=/models/mha
+HEALTHCHECK --interval=5s --timeout=4s --start-period=60s --retries=3 CMD ["mhaserve", "health", "--url", "127.0.0.1:8001"]
+# SIGTERM drains: health NOT_SERVING, in-flight requests finish within MHASERVE_GRACE_SECONDS.
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["mhaserve"]
+CMD ["serve"]
+
+FROM base AS export
+# torch must be the CPU build: from PyPI it pulls gigabytes of CUDA packages. Wheels put in
+# docker/wheels/ (for example a local torch-2.13.0+cpu wheel) are used first; otherwise
+# TORCH_INDEX_URL (PyTorch's CPU index) supplies it.
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+COPY docker/wheels/ /tmp/wheels/
+RUN pip install --find-links /tmp/wheels --extra-index-url "${TORCH_INDEX_URL}" ".[export]" \
+ && rm -rf /tmp/wheels
+USER mhaserve
+ENTRYPOINT ["mhaserve"]
+CMD ["export", "--out", "/models/mha"]
+
+FROM base AS server-gpu
+RUN pip install ".[gpu]"
+USER mhaserve
+EXPOSE 8001 8002
+ENV MHASERVE_HOST=0.0.0.0 MHASERVE_MODEL_DIR=/models/mha MHASERVE_DEVICE=cuda
+HEALTHCHECK --interval=5s --timeout=4s --start-period=90s --retries=3 CMD ["mhaserve", "health", "--url", "127.0.0.1:8001"]
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["mhaserve"]
+CMD ["serve"]

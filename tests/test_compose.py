@@ -1,0 +1,230 @@
+"""The docker compose deployment, for real: a Docker engine this test starts, images built from the project's
+Dockerfile, `up` until healthy, answers through the published port equal to eager PyTorch, metrics, the
+loadtest profile, a draining stop, and `down -v` leaving nothing behind.
+
+No registry can be reached from here, so the base image is made with debootstrap (and cached in the
+test's own Docker data root between runs); it trusts the host's CA certificates so builds reach PyPI
+through this machine's proxy. The project's Dockerfile knows nothing of this: it only takes BASE_IMAGE.
+Needs root, dockerd, compose and debootstrap (tests/tools/install_docker.sh); skipped without them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from .conftest import eager, rand
+from .server_process import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCKER_ROOT = Path(os.environ.get("MHASERVE_TEST_DOCKER_ROOT", Path.home() / ".cache" / "mhaserve-test-docker"))
+BASE_IMAGE = "mhaserve-test-base:bookworm"
+DEBIAN_MIRROR = os.environ.get("MHASERVE_TEST_DEBIAN_MIRROR", "http://deb.debian.org/debian")
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or not (shutil.which("dockerd") and shutil.which("debootstrap")),
+    reason="needs root, dockerd and debootstrap (bash tests/tools/install_docker.sh)",
+)
+
+
+class Docker:
+    def __init__(self, env: dict, compose: list[str]):
+        self.env = env
+        self.compose_command = compose
+
+    def run(self, *args, timeout=120, check=True, env=None, input=None) -> subprocess.CompletedProcess:
+        done = subprocess.run(
+            args, env={**self.env, **(env or {})}, capture_output=True, text=True, timeout=timeout, input=input
+        )
+        if check and done.returncode != 0:
+            raise AssertionError(f"{' '.join(map(str, args))} exited {done.returncode}:\n{done.stdout[-4000:]}"
+                                 f"\n{done.stderr[-4000:]}")  # fmt: skip
+        return done
+
+    def docker(self, *args, **kw):
+        return self.run("docker", *args, **kw)
+
+
+def _compose_command(env) -> list[str]:
+    if subprocess.run(["docker", "compose", "version"], env=env, capture_output=True).returncode == 0:
+        return ["docker", "compose"]
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    pytest.skip("neither `docker compose` nor docker-compose is installed")
+
+
+@pytest.fixture(scope="module")
+def docker_engine():
+    """A dockerd of the test's own (own socket and data root), stopped at the end."""
+    DOCKER_ROOT.mkdir(parents=True, exist_ok=True)
+    socket = DOCKER_ROOT / "docker.sock"
+    env = {**os.environ, "DOCKER_HOST": f"unix://{socket}"}
+    log = (DOCKER_ROOT / "dockerd.log").open("w")
+    daemon = subprocess.Popen(
+        ["dockerd", "--host", f"unix://{socket}", "--data-root", str(DOCKER_ROOT / "data"),
+         "--exec-root", str(DOCKER_ROOT / "exec"), "--pidfile", str(DOCKER_ROOT / "dockerd.pid")],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while subprocess.run(["docker", "info"], env=env, capture_output=True).returncode != 0:
+            if daemon.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"dockerd did not start:\n{(DOCKER_ROOT / 'dockerd.log').read_text()[-3000:]}")
+            time.sleep(0.2)
+        yield Docker(env, _compose_command(env))
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        try:
+            daemon.wait(60)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+            daemon.wait()
+        log.close()
+
+
+def _make_base_image(docker: Docker, work: Path) -> None:
+    """debootstrap a minimal bookworm with python3, trusting the host's CA certificates, and import it."""
+    rootfs = work / "rootfs"
+    include = "python3,python3-venv,python3-pip,ca-certificates"
+    subprocess.run(["debootstrap", "--variant=minbase", f"--include={include}", "bookworm", str(rootfs),
+                    DEBIAN_MIRROR], check=True, capture_output=True, timeout=900)  # fmt: skip
+    for cert in Path("/usr/local/share/ca-certificates").glob("*.crt"):
+        shutil.copy(cert, rootfs / "usr/local/share/ca-certificates" / cert.name)
+    subprocess.run(["chroot", str(rootfs), "update-ca-certificates"], check=True, capture_output=True)
+    (rootfs / "etc/pip.conf").write_text("[global]\ncert = /etc/ssl/certs/ca-certificates.crt\n")
+    shutil.rmtree(rootfs / "var/cache/apt/archives", ignore_errors=True)
+    tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
+    subprocess.run(["docker", "import", "-", BASE_IMAGE], stdin=tar.stdout, env=docker.env, check=True,
+                   capture_output=True, timeout=600)  # fmt: skip
+    tar.wait()
+    shutil.rmtree(rootfs, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def base_image(docker_engine, tmp_path_factory):
+    if docker_engine.docker("image", "inspect", BASE_IMAGE, check=False).returncode != 0:
+        _make_base_image(docker_engine, tmp_path_factory.mktemp("debootstrap"))
+    return BASE_IMAGE
+
+
+@pytest.fixture(scope="module")
+def torch_wheel_in_context():
+    """The local CPU torch wheel, handed to the export image's build through docker/wheels/."""
+    wheels = ROOT / "docker" / "wheels"
+    if not list(wheels.glob("torch-2.13.0*.whl")):
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(wheels),
+                        "torch==2.13.0"], check=True, timeout=600)  # fmt: skip
+    return wheels
+
+
+@pytest.fixture(scope="module")
+def stack(docker_engine, base_image, torch_wheel_in_context):
+    """Compose settings for this run: its own project name and free loopback ports."""
+    project = f"mhaserve-test-{os.getpid()}"
+    env = {
+        "MHASERVE_BASE_IMAGE": base_image,
+        "MHASERVE_TAG": "test",
+        "MHASERVE_GRPC_PORT": str(free_port()),
+        "MHASERVE_METRICS_HOST_PORT": str(free_port()),
+        "MHASERVE_TORCH_INDEX_URL": "https://pypi.org/simple",  # the wheel in docker/wheels is used
+        "MHASERVE_HEALTH_INTERVAL": "1s",
+        "MHASERVE_LOADTEST_CONCURRENCY": "1,4",
+        "MHASERVE_LOADTEST_SECONDS": "2",
+        "MHASERVE_LOADTEST_LENGTHS": "8..64",
+    }
+
+    def compose(*args, timeout=300, check=True):
+        command = [*docker_engine.compose_command, "-p", project, "-f", str(ROOT / "docker-compose.yml"), *args]
+        return docker_engine.run(*command, timeout=timeout, check=check, env=env)
+
+    yield compose, env, project
+    compose("--profile", "loadtest", "--profile", "gpu", "down", "-v", "--remove-orphans", check=False)
+
+
+def _container(docker: Docker, project: str, service: str) -> str:
+    ids = docker.docker("ps", "-aq", "--filter", f"label=com.docker.compose.project={project}",
+                        "--filter", f"label=com.docker.compose.service={service}").stdout.split()  # fmt: skip
+    assert len(ids) == 1, f"{service}: {ids}"
+    return ids[0]
+
+
+def _wait_healthy(docker: Docker, container: str, timeout: float = 240) -> float:
+    started = time.monotonic()
+    while True:
+        state = json.loads(docker.docker("inspect", "--format", "{{json .State}}", container).stdout)
+        if state.get("Health", {}).get("Status") == "healthy":
+            return time.monotonic() - started
+        assert state["Status"] == "running", state
+        assert time.monotonic() - started < timeout, f"not healthy after {timeout} s: {state.get('Health')}"
+        time.sleep(0.5)
+
+
+def test_gpu_profile_config_reserves_an_nvidia_device(docker_engine, stack):
+    compose, _, _ = stack
+    config = compose("--profile", "gpu", "config").stdout
+    assert "server-gpu:" in config and "driver: nvidia" in config and "gpu" in config
+    assert "MHASERVE_DEVICE: cuda" in config
+    assert "condition: service_completed_successfully" in config
+    assert "127.0.0.1:" in config and "0.0.0.0:" not in config.split("ports:")[1].split("\n\n")[0]
+
+
+def test_compose_up_serves_eager_answers_then_drains_and_leaves_nothing(docker_engine, stack):
+    from mhaserve.client import Client
+    from mhaserve.model import seeded_module
+
+    compose, env, project = stack
+    docker = docker_engine
+    build = compose("build", "export", "server", timeout=1500)
+    assert build.returncode == 0
+    user = docker.docker("image", "inspect", "--format", "{{.Config.User}}", "mhaserve-server:test").stdout.strip()
+    assert user == "mhaserve"  # not root
+    has_torch = "import importlib.util as u; print(u.find_spec('torch') is not None)"
+    torch_in_server = docker.docker("run", "--rm", "--entrypoint", "python", "mhaserve-server:test", "-c", has_torch)
+    assert torch_in_server.stdout.strip() == "False"
+
+    compose("up", "-d", "server", timeout=600)
+    export = _container(docker, project, "export")
+    export_state = json.loads(docker.docker("inspect", "--format", "{{json .State}}", export).stdout)
+    assert export_state["Status"] == "exited" and export_state["ExitCode"] == 0
+    server = _container(docker, project, "server")
+    _wait_healthy(docker, server)
+
+    url = f"127.0.0.1:{env['MHASERVE_GRPC_PORT']}"
+    module = seeded_module(512, 8, seed=0)  # the default model the export service writes
+    query, key = rand(2, 7, 512, seed=1), rand(2, 11, 512, seed=2)
+    with Client(url) as client:
+        result = client.infer(query, key, key)
+    want_out, want_attn = eager(module, query, key, key)
+    np.testing.assert_allclose(result.output, want_out, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(result.attn_weights, want_attn, rtol=0, atol=1e-5)
+
+    metrics_url = f"http://127.0.0.1:{env['MHASERVE_METRICS_HOST_PORT']}/metrics"
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        assert 'mhaserve_inference_request_total{model="mha",version="1",status="OK"} 1.0' in response.read().decode()
+
+    loadtest = compose("--profile", "loadtest", "run", "--rm", "loadtest", timeout=300)
+    assert "concurrency 4" in loadtest.stdout, loadtest.stdout + loadtest.stderr
+    rows = [line for line in loadtest.stdout.splitlines() if line.strip().startswith("concurrency")]
+    assert len(rows) == 2 and all(row.split()[9] == "0" for row in rows), rows  # errors column
+
+    compose("stop", "server", timeout=120)
+    stopped = json.loads(docker.docker("inspect", "--format", "{{json .State}}", server).stdout)
+    assert stopped["ExitCode"] == 0, stopped
+    logs = docker.docker("logs", server).stderr
+    assert "shutting down" in logs and "stopped" in logs
+
+    compose("--profile", "loadtest", "down", "-v", timeout=120)
+    leftovers = docker.docker("ps", "-aq", "--filter", f"label=com.docker.compose.project={project}").stdout.split()
+    assert leftovers == []
+    volumes = docker.docker("volume", "ls", "-q", "--filter", f"label=com.docker.compose.project={project}").stdout
+    assert volumes.split() == []
