@@ -21,6 +21,21 @@ def rand(*shape, seed=0):
     return np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
 
 
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    """A Prometheus endpoint's samples, {(sample name, sorted labels): value}, from one GET."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
 @pytest.fixture(scope="session")
 def small_module():
     from mhaserve.model import seeded_module

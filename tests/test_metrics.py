@@ -2,30 +2,16 @@
 
 from __future__ import annotations
 
-import urllib.request
-
 import grpc
 import numpy as np
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from mhaserve.client import Client
 
-from .conftest import SMALL_D_MODEL, rand
+from .conftest import SMALL_D_MODEL, rand, scrape
 from .server_process import ServerProcess
 
 D = SMALL_D_MODEL
-
-
-def scrape(url: str) -> dict[tuple[str, tuple], float]:
-    """{(sample name, sorted labels): value} from one GET of the endpoint."""
-    with urllib.request.urlopen(url, timeout=10) as response:
-        text = response.read().decode()
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return samples
 
 
 def test_metrics_count_requests_rows_runs_and_latency(small_model_dir):

@@ -286,3 +286,16 @@ def test_infer_cli_reports_a_refusal_clearly(server):
     )  # fmt: skip
     assert done.returncode == 1
     assert "RESOURCE_EXHAUSTED" in done.stderr and "max_q_len=64" in done.stderr
+
+
+def test_health_command_says_serving_or_fails(server):
+    import subprocess
+    import sys
+
+    from .server_process import free_port
+
+    command = [sys.executable, "-m", "mhaserve.cli", "health", "--url"]
+    serving = subprocess.run([*command, server.url], capture_output=True, text=True, timeout=60)
+    assert serving.returncode == 0 and "SERVING" in serving.stdout
+    nobody = subprocess.run([*command, f"127.0.0.1:{free_port()}", "--timeout", "1"], capture_output=True, text=True)
+    assert nobody.returncode == 1 and "UNAVAILABLE" in nobody.stderr
