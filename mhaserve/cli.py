@@ -23,6 +23,7 @@ def _add_export(sub) -> None:
     p.add_argument("--opset", type=int, default=None, help="ONNX opset (default 17)")
     p.add_argument("--name", default="mha", help="model name the server registers (default mha)")
     p.add_argument("--validation-seed", type=int, default=None, help="seed of the validation inputs (default random)")
+    p.add_argument("--triton-repo", type=Path, help="also write a Triton model repository (config.pbtxt, 1/model.onnx)")
     p.set_defaults(run=_run_export)
 
 
@@ -52,6 +53,10 @@ def _run_export(args) -> int:
     )
     verdict = "valid" if manifest["valid"] else "NOT valid (validation failed)"
     print(f"wrote {args.out} in {manifest['export_seconds']} s: {verdict}", file=sys.stderr)
+    if manifest["valid"] and args.triton_repo:
+        from mhaserve.export.triton_repo import write_triton_repo
+
+        print(f"wrote Triton model {write_triton_repo(args.out, args.triton_repo)}", file=sys.stderr)
     return 0 if manifest["valid"] else 1
 
 

@@ -225,3 +225,42 @@ def test_cli_validate_fails_on_a_tampered_model(tmp_path, small_model_dir):
 def test_cli_rejects_bad_sizes(tmp_path):
     done = run_cli("export", "--d-model", "100", "--heads", "3", "--out", str(tmp_path / "x"))
     assert done.returncode != 0 and "divisible by num_heads" in done.stderr
+
+
+def test_triton_repo_describes_the_exported_model(small_model_dir, tmp_path):
+    import onnxruntime as ort
+    from google.protobuf import text_format
+
+    from mhaserve.export.triton_repo import write_triton_repo
+    from mhaserve.protos.generated import model_config_pb2 as mc
+
+    target = write_triton_repo(small_model_dir, tmp_path / "repo", max_batch_size=16)
+    assert target == tmp_path / "repo" / "mha"
+    assert (target / "1" / "model.onnx").read_bytes() == (small_model_dir / "model.onnx").read_bytes()
+    config = text_format.Parse((target / "config.pbtxt").read_text(), mc.ModelConfig())
+    assert (config.name, config.platform, config.max_batch_size) == ("mha", "onnxruntime_onnx", 16)
+    assert config.HasField("dynamic_batching")
+
+    # Every graph input and output, in name and type, with the graph's dims less the batch dim.
+    session = ort.InferenceSession(str(target / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
+    onnx_type = {"tensor(float)": mc.TYPE_FP32, "tensor(bool)": mc.TYPE_BOOL}
+
+    def dims(shape):
+        return [d if isinstance(d, int) else -1 for d in shape[1:]]
+
+    graph = {t.name: (onnx_type[t.type], dims(t.shape)) for t in (*session.get_inputs(), *session.get_outputs())}
+    described = {t.name: (t.data_type, list(t.dims)) for t in (*config.input, *config.output)}
+    assert described == graph
+    assert described["query"] == (mc.TYPE_FP32, [-1, SMALL_D_MODEL])
+    assert described["attn_weights"] == (mc.TYPE_FP32, [SMALL_HEADS, -1, -1])
+
+
+def test_export_cli_writes_a_triton_repo(tmp_path):
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "mhaserve.cli", "export", "--d-model", "32", "--heads", "2", "--out",
+               str(tmp_path / "mha"), "--triton-repo", str(tmp_path / "repo"), "--validation-seed", "0"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "dims: 32" in (tmp_path / "repo" / "mha" / "config.pbtxt").read_text()
