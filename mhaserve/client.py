@@ -34,6 +34,9 @@ def _channel_options(max_message_bytes: int):
     return [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
+        # A name with several addresses (replicas behind one DNS name, e.g. dns:///server:8001 in a
+        # compose network) gets a connection to each and calls spread over them; one address: no change.
+        ("grpc.lb_policy_name", "round_robin"),
     ]
 
 

@@ -130,7 +130,7 @@ def torch_wheel_in_context():
 def stack(docker_engine, base_image, torch_wheel_in_context):
     """Compose settings for this run: its own project name and free loopback ports."""
     project = f"mhaserve-test-{os.getpid()}"
-    env = {
+    settings = {
         "MHASERVE_BASE_IMAGE": base_image,
         "MHASERVE_TAG": "test",
         "MHASERVE_GRPC_PORT": str(free_port()),
@@ -142,11 +142,11 @@ def stack(docker_engine, base_image, torch_wheel_in_context):
         "MHASERVE_LOADTEST_LENGTHS": "8..64",
     }
 
-    def compose(*args, timeout=300, check=True):
+    def compose(*args, timeout=300, check=True, env=None):
         command = [*docker_engine.compose_command, "-p", project, "-f", str(ROOT / "docker-compose.yml"), *args]
-        return docker_engine.run(*command, timeout=timeout, check=check, env=env)
+        return docker_engine.run(*command, timeout=timeout, check=check, env={**settings, **(env or {})})
 
-    yield compose, env, project
+    yield compose, settings, project
     compose("--profile", "loadtest", "--profile", "gpu", "down", "-v", "--remove-orphans", check=False)
 
 
@@ -228,3 +228,28 @@ def test_compose_up_serves_eager_answers_then_drains_and_leaves_nothing(docker_e
     assert leftovers == []
     volumes = docker.docker("volume", "ls", "-q", "--filter", f"label=com.docker.compose.project={project}").stdout
     assert volumes.split() == []
+
+
+def test_two_replicas_both_serve_a_round_robin_client(docker_engine, stack):
+    compose, _, project = stack
+    docker = docker_engine
+    # Empty host ports: each replica publishes on its own ephemeral loopback port (no clash).
+    scale_env = {"MHASERVE_GRPC_PORT": "", "MHASERVE_METRICS_HOST_PORT": ""}
+    compose("build", "export", "server", timeout=1500)  # cached by the test above
+    compose("up", "-d", "--scale", "server=2", "server", timeout=600, env=scale_env)
+    replicas = docker.docker("ps", "-q", "--filter", f"label=com.docker.compose.project={project}",
+                             "--filter", "label=com.docker.compose.service=server").stdout.split()  # fmt: skip
+    assert len(replicas) == 2
+    for replica in replicas:
+        _wait_healthy(docker, replica)
+
+    # The project's client inside the compose network: one DNS name, two addresses, round robin.
+    bench = compose("--profile", "loadtest", "run", "--rm", "loadtest", "bench", "--url", "dns:///server:8001",
+                    "--concurrency", "4", "--duration", "2", "--warmup", "0.5", "--processes", "1",
+                    timeout=300, env=scale_env)  # fmt: skip
+    assert "concurrency 4" in bench.stdout, bench.stdout + bench.stderr
+    count = "from mhaserve.client import Client; print(Client('127.0.0.1:8001').statistics().inference_count)"
+    served = [int(docker.docker("exec", replica, "python", "-c", count).stdout) for replica in replicas]
+    assert all(n > 0 for n in served), served
+    assert min(served) > 0.25 * sum(served), served  # spread, not one replica taking nearly all
+    compose("--profile", "loadtest", "down", "-v", timeout=120, env=scale_env)
