@@ -23,6 +23,8 @@ COPY protos ./protos
 FROM base AS server
 RUN pip install . && pip check
 USER mhaserve
+# Out of the source tree, so `python -c "import mhaserve"` finds the installed package.
+WORKDIR /home/mhaserve
 # gRPC and Prometheus metrics
 EXPOSE 8001 8002
 ENV MHASERVE_HOST=0.0.0.0 MHASERVE_MODEL_DIR=/models/mha
@@ -41,12 +43,14 @@ COPY docker/wheels/ /tmp/wheels/
 RUN pip install --find-links /tmp/wheels --extra-index-url "${TORCH_INDEX_URL}" ".[export]" \
  && rm -rf /tmp/wheels
 USER mhaserve
+WORKDIR /home/mhaserve
 ENTRYPOINT ["mhaserve"]
 CMD ["export", "--out", "/models/mha"]
 
 FROM base AS server-gpu
 RUN pip install ".[gpu]"
 USER mhaserve
+WORKDIR /home/mhaserve
 EXPOSE 8001 8002
 ENV MHASERVE_HOST=0.0.0.0 MHASERVE_MODEL_DIR=/models/mha MHASERVE_DEVICE=cuda
 HEALTHCHECK --interval=5s --timeout=4s --start-period=90s --retries=3 CMD ["mhaserve", "health", "--url", "127.0.0.1:8001"]
