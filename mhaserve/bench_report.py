@@ -72,7 +72,8 @@ def plot(results: list[PointResult], out_dir: Path, title: str) -> list[Path]:
         by_load.plot([r.point.load for r in results], ys, marker="o", label=q)
     by_throughput.set_xlabel("throughput (req/s)")
     by_load.set_xlabel(xlabel)
-    by_load.set_xscale("log", base=2) if results[0].point.mode == "closed" and len(results) > 1 else None
+    if results[0].point.mode == "closed" and len(results) > 1:
+        by_load.set_xscale("log", base=2)
     for ax in (by_throughput, by_load):
         ax.set_ylabel("latency (ms)")
         ax.grid(True, alpha=0.3)

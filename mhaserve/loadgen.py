@@ -61,7 +61,6 @@ class Point:
 class WorkerResult:
     latencies_ns: np.ndarray  # successful requests completed in the measured window
     errors: dict[str, int]  # gRPC status name -> count, measured window
-    window_s: float
     cpu_s: float  # this process's user + system time in the window
     behind_ms: float = 0.0  # open loop: how late the worst send left (the client falling behind)
     dropped: int = 0  # open loop: sends skipped because too many were outstanding
@@ -124,6 +123,7 @@ async def _drive(url: str, workload: Workload, point: Point, share: float, seed:
     import grpc
 
     from mhaserve.client import DEFAULT_MAX_MESSAGE_BYTES, _channel_options
+    from mhaserve.protos.generated import grpc_service_pb2 as pb
     from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
 
     requests = _requests(workload, seed)
@@ -131,7 +131,7 @@ async def _drive(url: str, workload: Workload, point: Point, share: float, seed:
     errors: dict[str, int] = {}
     async with grpc.aio.insecure_channel(url, options=_channel_options(DEFAULT_MAX_MESSAGE_BYTES)) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
-        await stub.ServerLive(_live_request(), timeout=30, wait_for_ready=True)
+        await stub.ServerLive(pb.ServerLiveRequest(), timeout=30, wait_for_ready=True)
         start = time.perf_counter_ns()
         measure_from = start + int(point.warmup_s * 1e9)
         end = measure_from + int(point.duration_s * 1e9)
@@ -188,13 +188,7 @@ async def _drive(url: str, workload: Workload, point: Point, share: float, seed:
                 await asyncio.wait(outstanding, timeout=timeout_s)
         await marker
         cpu = _cpu_seconds() - cpu_at_start[0]
-    return WorkerResult(np.asarray(latencies, dtype=np.int64), errors, point.duration_s, cpu, behind_ns / 1e6, dropped)
-
-
-def _live_request():
-    from mhaserve.protos.generated import grpc_service_pb2 as pb
-
-    return pb.ServerLiveRequest()
+    return WorkerResult(np.asarray(latencies, dtype=np.int64), errors, cpu, behind_ns / 1e6, dropped)
 
 
 def run_worker(url: str, workload: Workload, point: Point, share: float, seed: int, timeout_s: float) -> WorkerResult:

@@ -135,22 +135,12 @@ class _Pending:
 
 
 @dataclass
-class BatcherCounters:
-    """Requests that left the queue without being computed."""
-
-    expired: int = 0
-    cancelled: int = 0
-    rejected: int = 0  # queue full
-
-
-@dataclass
 class Answer:
     """One request's outputs and where its time went (ns)."""
 
     outputs: dict[str, np.ndarray]
     queue_ns: int  # enqueued until its run started
     infer_ns: int  # its run: merge, model, split
-    batch_size: int  # rows of the run it was part of
 
 
 RunModel = Callable[[tuple[str, ...], np.ndarray, np.ndarray, np.ndarray, np.ndarray], list[np.ndarray]]
@@ -185,7 +175,6 @@ class Batcher:
         self._on_batch = on_batch
         self._queue: deque[_Pending] = deque()
         self._timer: asyncio.TimerHandle | None = None
-        self.counters = BatcherCounters()
 
     @property
     def queue_depth(self) -> int:
@@ -198,7 +187,6 @@ class Batcher:
         passes before a worker takes it. Cancelling the caller drops the request from the queue.
         """
         if len(self._queue) >= self.max_queue_size:
-            self.counters.rejected += 1
             raise QueueFull(self.max_queue_size)
         loop = asyncio.get_running_loop()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -244,11 +232,9 @@ class Batcher:
             pending = self._queue[0]
             if pending.future.done():  # the caller was cancelled (client gone or gave up)
                 self._queue.popleft()
-                self.counters.cancelled += 1
                 continue
             if pending.deadline is not None and now >= pending.deadline:
                 self._queue.popleft()
-                self.counters.expired += 1
                 waited = (time.perf_counter_ns() - pending.enqueued_ns) / 1e9
                 pending.future.set_exception(DeadlineExpiredInQueue(waited))
                 continue
@@ -283,16 +269,9 @@ class Batcher:
                 if not pending.future.done():
                     queue_ns = result.started_ns - pending.enqueued_ns
                     infer_ns = result.finished_ns - result.started_ns
-                    pending.future.set_result(Answer(answer, queue_ns, infer_ns, result.batch_size))
+                    pending.future.set_result(Answer(answer, queue_ns, infer_ns))
         else:
             for pending in batch:
                 if not pending.future.done():
                     pending.future.set_exception(error)
         self._dispatch()
-
-    def fail_all(self, error: Exception) -> None:
-        """Shutting down: answer whatever is still queued."""
-        while self._queue:
-            pending = self._queue.popleft()
-            if not pending.future.done():
-                pending.future.set_exception(error)

@@ -15,12 +15,9 @@ Durations are in seconds, Prometheus' base unit, rather than Triton's microsecon
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-
-log = logging.getLogger("mhaserve.server")
 
 # 50 µs .. ~3 s, roughly x2 apart: covers a [1,16,512] run and a long queue under overload.
 LATENCY_BUCKETS = (5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)

@@ -10,12 +10,12 @@ import grpc
 import numpy as np
 import pytest
 
-from mhaserve.client import AsyncClient, Client
+from mhaserve.client import AsyncClient, Client, build_infer_request
 from mhaserve.server.batcher import merge, split
-from mhaserve.server.codec import AttentionRequest
+from mhaserve.server.codec import AttentionRequest, Limits, ModelSignature, decode_infer_request
 from mhaserve.server.session import AttentionSession
 
-from .conftest import SMALL_D_MODEL, eager, rand
+from .conftest import SMALL_D_MODEL, SMALL_HEADS, eager, rand
 from .server_process import ServerProcess
 
 D = SMALL_D_MODEL
@@ -46,17 +46,9 @@ def mixed_requests(count: int, seed: int = 0):
 
 
 def as_attention_request(query, key, value, mask, attn_weights) -> AttentionRequest:
-    key = query if key is None else key
-    value = key if value is None else value
-    kv_len = key.shape[1]
-    if mask is None:
-        served_mask = np.ones((1, 1, 1, kv_len), dtype=bool)
-    elif mask.ndim == 2:
-        served_mask = mask[:, None, None, :] != 0
-    else:
-        served_mask = mask[:, None] != 0
-    outputs = ("output", "attn_weights") if attn_weights else ("output",)
-    return AttentionRequest("", query, key, value, served_mask, outputs)
+    """Decoded as the server decodes it: the client's request through the codec."""
+    request = build_infer_request("mha", query, key, value, mask, attn_weights)
+    return decode_infer_request(request, ModelSignature("mha", "1", D, SMALL_HEADS), Limits(64, 64, 64))
 
 
 def test_merged_run_gives_each_request_its_unbatched_answer(small_model_dir):
