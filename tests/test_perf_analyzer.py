@@ -26,10 +26,14 @@ def test_perf_analyzer_measures_the_server(server, tmp_path):
         "--shape", f"query:1,16,{D}", "--shape", f"key:1,16,{D}", "--shape", f"value:1,16,{D}",
         "--shape", "mask:1,16,16",
         "--concurrency-range", "1:2", "--measurement-interval", "1000", "-f", str(report),
+        # This checks behaviour, not speed: on a shared 2-core box windows vary by more than its default
+        # 10%, and it then gives up ("Failed to obtain stable measurement"). Accept any variation.
+        "--stability-percentage", "1000", "--max-trials", "3",
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = list(csv.DictReader(report.open()))
-    assert sorted(int(r["Concurrency"]) for r in rows) == [1, 2]  # rows come ordered by throughput
+    concurrencies = sorted(int(r["Concurrency"]) for r in rows)  # rows come ordered by throughput
+    assert concurrencies == [1, 2], done.stdout[-3000:] + done.stderr[-3000:]
     assert all(float(r["Inferences/Second"]) > 0 for r in rows)
     assert "Server side statistics" not in done.stderr
