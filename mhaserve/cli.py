@@ -117,9 +117,36 @@ def _run_serve(args) -> int:
     return run(settings, model_dir)
 
 
+def _add_connection_arguments(p) -> None:
+    """Where the server is and how to reach it: the same flags for every command that calls one."""
+    p.add_argument("--url", default="127.0.0.1:8001", help="server address host:port (default 127.0.0.1:8001)")
+    p.add_argument("--tls", action="store_true", help="connect with TLS, checking the server against the system's "
+                   "CA roots (implied by --tls-ca)")  # fmt: skip
+    p.add_argument("--tls-ca", type=Path, help="PEM CA bundle that signed the server's certificate (turns TLS on)")
+    p.add_argument("--tls-cert", type=Path, help="PEM client certificate, for a server with mutual TLS")
+    p.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
+    p.add_argument("--tls-server-name", help="name to check the server's certificate against (default: the URL's host)")
+    p.add_argument("--token-file", type=Path, help="file holding the bearer token (default: $MHASERVE_TOKEN if set)")
+
+
+def _connection(args):
+    """(TLS or None, token or None) from the connection flags."""
+    from mhaserve.client import TLS, read_token
+
+    tls = None
+    if args.tls or args.tls_ca or args.tls_cert or args.tls_key:
+        if (args.tls_cert is None) != (args.tls_key is None):
+            raise SystemExit("--tls-cert and --tls-key go together")
+        tls = TLS(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
+    try:
+        return tls, read_token(args.token_file)
+    except OSError as error:
+        raise SystemExit(f"cannot read --token-file {args.token_file}: {error.strerror}") from None
+
+
 def _add_infer(sub) -> None:
     p = sub.add_parser("infer", help="call a server with random or .npy inputs; print shapes and latency")
-    p.add_argument("--url", default="127.0.0.1:8001")
+    _add_connection_arguments(p)
     p.add_argument("--model", default="mha")
     p.add_argument("--batch", type=int, default=1, help="batch of the random inputs")
     p.add_argument("--q-len", type=int, default=16, help="query length of the random inputs")
@@ -145,7 +172,8 @@ def _run_infer(args) -> int:
 
     from mhaserve.client import Client
 
-    with Client(args.url, args.model) as client:
+    tls, token = _connection(args)
+    with Client(args.url, args.model, tls=tls, token=token) as client:
         try:
             d_model = client.metadata(timeout=args.timeout).inputs[0].shape[-1]
         except grpc.RpcError as error:
@@ -201,7 +229,7 @@ def _run_infer(args) -> int:
 
 def _add_health(sub) -> None:
     p = sub.add_parser("health", help="ask a server's grpc.health.v1 service; exit 0 only when SERVING")
-    p.add_argument("--url", default="127.0.0.1:8001")
+    _add_connection_arguments(p)
     p.add_argument("--timeout", type=float, default=3.0)
     p.set_defaults(run=_run_health)
 
@@ -211,7 +239,10 @@ def _run_health(args) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(args.url) as channel:
+    from mhaserve.client import open_channel
+
+    tls, _ = _connection(args)  # health needs no token
+    with open_channel(args.url, tls) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=args.timeout)
         except grpc.RpcError as error:
@@ -243,7 +274,7 @@ def _add_bench(sub) -> None:
         "bench",
         help="load-test a server: closed-loop concurrency sweep or open-loop rates; table, JSON/CSV, plots",
     )
-    p.add_argument("--url", default="127.0.0.1:8001")
+    _add_connection_arguments(p)
     p.add_argument("--model", default="mha")
     load = p.add_mutually_exclusive_group()
     load.add_argument(
@@ -271,7 +302,8 @@ def _run_bench(args) -> int:
     from mhaserve.client import Client
     from mhaserve.loadgen import LoadGenerator, Point, Workload, default_processes
 
-    with Client(args.url, args.model) as client:
+    tls, token = _connection(args)
+    with Client(args.url, args.model, tls=tls, token=token) as client:
         try:
             d_model = client.metadata(timeout=10).inputs[0].shape[-1]
         except grpc.RpcError as error:
@@ -290,7 +322,7 @@ def _run_bench(args) -> int:
           f"up to {processes} client processes", file=sys.stderr)  # fmt: skip
     results = []
     print(report.table_header())
-    with LoadGenerator(args.url, processes, args.timeout) as generator:
+    with LoadGenerator(args.url, processes, args.timeout, tls=tls, token=token) as generator:
         for i, point in enumerate(points, 1):
             print(f"[{i}/{len(points)}] {point.label} ...", file=sys.stderr, flush=True)
             results.append(generator.measure(workload, point))

@@ -4,12 +4,19 @@
         result = client.infer(query)              # self-attention
         result.output, result.attn_weights        # numpy arrays
 
+Against a server with TLS and a bearer token:
+
+    Client("host:8001", tls=TLS(ca="ca.pem"), token="...")              # verify the server
+    Client("host:8001", tls=TLS(ca="ca.pem", cert="me.pem", key="me.key"))  # mutual TLS
+
 Works against any Open Inference Protocol server serving the same model signature.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -21,6 +28,50 @@ from mhaserve.server.codec import DATATYPES, datatype_of
 # Large enough for any response of the server's default limits (32 x 512 x 512 with weights);
 # gRPC's own default of 4 MiB fails at [1, 512, 512] with weights.
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
+
+
+TOKEN_ENV = "MHASERVE_TOKEN"  # the bearer token the CLI sends when --token-file is not given
+
+
+@dataclass(frozen=True)
+class TLS:
+    """How the client checks the server, and proves itself when the server asks (mutual TLS)."""
+
+    ca: str | Path | None = None  # PEM roots that signed the server's certificate (None: the system's roots)
+    cert: str | Path | None = None  # the client's certificate chain, for servers that verify clients
+    key: str | Path | None = None  # its private key
+    server_name: str | None = None  # the name to check the certificate against, when the URL's host differs
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("a client certificate needs both cert and key")
+
+        def read(path):
+            return Path(path).read_bytes() if path is not None else None
+
+        return grpc.ssl_channel_credentials(read(self.ca), read(self.key), read(self.cert))
+
+
+def read_token(token_file: str | Path | None = None) -> str | None:
+    """The bearer token from a file, else from $MHASERVE_TOKEN, else None (whitespace around it dropped)."""
+    if token_file is not None:
+        return Path(token_file).read_text().strip()
+    return os.environ.get(TOKEN_ENV, "").strip() or None
+
+
+def open_channel(url: str, tls: TLS | None = None, max_message_bytes: int = 1 << 30, aio: bool = False):
+    """A channel to ``url``: TLS when ``tls`` is given, plain text otherwise."""
+    options = _channel_options(max_message_bytes)
+    if tls is not None and tls.server_name:
+        options.append(("grpc.ssl_target_name_override", tls.server_name))
+    grpc_module = grpc.aio if aio else grpc
+    if tls is None:
+        return grpc_module.insecure_channel(url, options=options)
+    return grpc_module.secure_channel(url, tls.credentials(), options=options)
+
+
+def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
+    return (("authorization", f"Bearer {token}"),) if token else None
 
 
 @dataclass
@@ -80,30 +131,38 @@ class Client:
         url: str = "127.0.0.1:8001",
         model: str = "mha",
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        *,
+        tls: TLS | None = None,
+        token: str | None = None,
     ):
         self.model = model
-        self._channel = grpc.insecure_channel(url, options=_channel_options(max_message_bytes))
+        self._channel = open_channel(url, tls, max_message_bytes)
         self._stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
+        self._metadata = auth_metadata(token)
 
     def infer(
         self, query, key=None, value=None, mask=None, attn_weights=True, timeout=None, request_id=""
     ) -> InferResult:
         request = build_infer_request(self.model, query, key, value, mask, attn_weights, request_id)
-        return parse_infer_response(self._stub.ModelInfer(request, timeout=timeout))
+        return parse_infer_response(self._stub.ModelInfer(request, timeout=timeout, metadata=self._metadata))
 
     def ready(self, timeout=None) -> bool:
-        return self._stub.ModelReady(pb.ModelReadyRequest(name=self.model), timeout=timeout).ready
+        return self._stub.ModelReady(
+            pb.ModelReadyRequest(name=self.model), timeout=timeout, metadata=self._metadata
+        ).ready
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         grpc.channel_ready_future(self._channel).result(timeout=timeout)
 
     def metadata(self, timeout=None) -> pb.ModelMetadataResponse:
-        return self._stub.ModelMetadata(pb.ModelMetadataRequest(name=self.model), timeout=timeout)
+        return self._stub.ModelMetadata(
+            pb.ModelMetadataRequest(name=self.model), timeout=timeout, metadata=self._metadata
+        )
 
     def statistics(self, timeout=None) -> pb.ModelStatistics:
         """The server's counters for this model (Triton's statistics extension)."""
         request = pb.ModelStatisticsRequest(name=self.model)
-        return self._stub.ModelStatistics(request, timeout=timeout).model_stats[0]
+        return self._stub.ModelStatistics(request, timeout=timeout, metadata=self._metadata).model_stats[0]
 
     def close(self) -> None:
         self._channel.close()
@@ -123,22 +182,30 @@ class AsyncClient:
         url: str = "127.0.0.1:8001",
         model: str = "mha",
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        *,
+        tls: TLS | None = None,
+        token: str | None = None,
     ):
         self.model = model
-        self._channel = grpc.aio.insecure_channel(url, options=_channel_options(max_message_bytes))
+        self._channel = open_channel(url, tls, max_message_bytes, aio=True)
         self._stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
+        self._metadata = auth_metadata(token)
 
     async def infer(
         self, query, key=None, value=None, mask=None, attn_weights=True, timeout=None, request_id=""
     ) -> InferResult:
         request = build_infer_request(self.model, query, key, value, mask, attn_weights, request_id)
-        return parse_infer_response(await self._stub.ModelInfer(request, timeout=timeout))
+        return parse_infer_response(await self._stub.ModelInfer(request, timeout=timeout, metadata=self._metadata))
 
     async def ready(self, timeout=None) -> bool:
-        return (await self._stub.ModelReady(pb.ModelReadyRequest(name=self.model), timeout=timeout)).ready
+        return (
+            await self._stub.ModelReady(pb.ModelReadyRequest(name=self.model), timeout=timeout, metadata=self._metadata)
+        ).ready
 
     async def metadata(self, timeout=None) -> pb.ModelMetadataResponse:
-        return await self._stub.ModelMetadata(pb.ModelMetadataRequest(name=self.model), timeout=timeout)
+        return await self._stub.ModelMetadata(
+            pb.ModelMetadataRequest(name=self.model), timeout=timeout, metadata=self._metadata
+        )
 
     async def close(self) -> None:
         await self._channel.close()

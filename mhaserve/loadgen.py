@@ -119,19 +119,20 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-async def _drive(url: str, workload: Workload, point: Point, share: float, seed: int, timeout_s: float):
+async def _drive(url: str, workload: Workload, point: Point, share: float, seed: int, timeout_s: float, tls, token):
     import grpc
 
-    from mhaserve.client import DEFAULT_MAX_MESSAGE_BYTES, _channel_options
+    from mhaserve.client import auth_metadata, open_channel
     from mhaserve.protos.generated import grpc_service_pb2 as pb
     from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
 
     requests = _requests(workload, seed)
     latencies: list[int] = []
     errors: dict[str, int] = {}
-    async with grpc.aio.insecure_channel(url, options=_channel_options(DEFAULT_MAX_MESSAGE_BYTES)) as channel:
+    metadata = auth_metadata(token)
+    async with open_channel(url, tls, aio=True) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
-        await stub.ServerLive(pb.ServerLiveRequest(), timeout=30, wait_for_ready=True)
+        await stub.ServerLive(pb.ServerLiveRequest(), timeout=30, wait_for_ready=True, metadata=metadata)
         start = time.perf_counter_ns()
         measure_from = start + int(point.warmup_s * 1e9)
         end = measure_from + int(point.duration_s * 1e9)
@@ -139,7 +140,7 @@ async def _drive(url: str, workload: Workload, point: Point, share: float, seed:
 
         async def call(request, sent_ns: int) -> None:
             try:
-                await stub.ModelInfer(request, timeout=timeout_s)
+                await stub.ModelInfer(request, timeout=timeout_s, metadata=metadata)
                 status = "OK"
             except grpc.aio.AioRpcError as error:
                 status = error.code().name
@@ -191,9 +192,11 @@ async def _drive(url: str, workload: Workload, point: Point, share: float, seed:
     return WorkerResult(np.asarray(latencies, dtype=np.int64), errors, cpu, behind_ns / 1e6, dropped)
 
 
-def run_worker(url: str, workload: Workload, point: Point, share: float, seed: int, timeout_s: float) -> WorkerResult:
+def run_worker(
+    url: str, workload: Workload, point: Point, share: float, seed: int, timeout_s: float, tls=None, token=None
+) -> WorkerResult:
     """One client process's part of a point (runs in a child process)."""
-    return asyncio.run(_drive(url, workload, point, share, seed, timeout_s))
+    return asyncio.run(_drive(url, workload, point, share, seed, timeout_s, tls, token))
 
 
 def summarize(point: Point, workload: Workload, parts: list[WorkerResult]) -> PointResult:
@@ -238,8 +241,9 @@ def shares(point: Point, processes: int) -> list[float]:
 class LoadGenerator:
     """A pool of client processes, reused across points (each costs ~0.5 s to start)."""
 
-    def __init__(self, url: str, processes: int, timeout_s: float = 60.0):
+    def __init__(self, url: str, processes: int, timeout_s: float = 60.0, tls=None, token: str | None = None):
         self.url = url
+        self.tls, self.token = tls, token
         self.processes = processes
         self.timeout_s = timeout_s
         # spawn, not fork: gRPC's threads do not survive a fork.
@@ -247,7 +251,7 @@ class LoadGenerator:
 
     def measure(self, workload: Workload, point: Point) -> PointResult:
         futures = [
-            self._pool.submit(run_worker, self.url, workload, point, share, seed=1 + i, timeout_s=self.timeout_s)
+            self._pool.submit(run_worker, self.url, workload, point, share, 1 + i, self.timeout_s, self.tls, self.token)
             for i, share in enumerate(shares(point, self.processes))
         ]
         return summarize(point, workload, [f.result() for f in futures])

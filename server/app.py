@@ -20,6 +20,7 @@ from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
 from .config import ServerSettings
 from .dataplane import DataPlane
 from .grpc_servicer import InferenceServicer
+from .security import BearerTokenInterceptor, SecurityConfigError, load_token, server_credentials
 from .session import DeviceUnavailable
 
 log = logging.getLogger("mhaserve.server")
@@ -57,14 +58,23 @@ async def serve(settings: ServerSettings, model_dir) -> int:
         log.error("cannot serve: %s", error)
         return 3
     message_limit = settings.message_limit_bytes(config["d_model"], config["num_heads"])
+    try:
+        credentials = server_credentials(settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file)
+        token = load_token(settings.auth_token_file)
+    except SecurityConfigError as error:
+        log.error("cannot serve: %s", error)
+        return 2
+    if token is not None and credentials is None and settings.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("a bearer token over plain text can be read by anyone on the network: use TLS as well")
     server = grpc.aio.server(
+        interceptors=[BearerTokenInterceptor(token, dataplane.record_unauthenticated)] if token else [],
         options=[
             ("grpc.max_receive_message_length", message_limit),
             ("grpc.max_send_message_length", message_limit),
             ("grpc.max_concurrent_streams", settings.max_concurrent_streams),
             # Off by default, so a second server on a taken port fails loudly instead of sharing it.
             ("grpc.so_reuseport", int(settings.reuse_port)),
-        ]
+        ],
     )
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(dataplane), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -72,7 +82,8 @@ async def serve(settings: ServerSettings, model_dir) -> int:
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
         server,
     )
-    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    address = f"{settings.host}:{settings.port}"
+    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if port == 0:
         log.error("could not bind %s:%s", settings.host, settings.port)
         return 2
@@ -103,7 +114,8 @@ async def serve(settings: ServerSettings, model_dir) -> int:
     log.info(
         "serving model=%s d_model=%d heads=%d opset=%s provider=%s intra_op_threads=%d workers=%d "
         "batching=%s max_batch_size=%d max_queue_delay_us=%d max_queue_size=%d max_message_bytes=%d "
-        "metrics=%s address=%s:%d",
+        "max_inflight_bytes=%d "
+        "tls=%s auth=%s metrics=%s address=%s:%d",
         info.name,
         info.d_model,
         info.num_heads,
@@ -116,6 +128,9 @@ async def serve(settings: ServerSettings, model_dir) -> int:
         settings.max_queue_delay_us,
         settings.max_queue_size,
         message_limit,
+        settings.max_inflight_bytes,
+        ("mutual" if settings.tls_client_ca_file else "on") if credentials else "off",
+        "token" if token else "off",
         metrics_address,
         settings.host,
         port,

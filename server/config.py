@@ -32,6 +32,13 @@ class ServerSettings:
     # limit) before HTTP/2 refuses streams (the client sees UNAVAILABLE "Stream removed").
     max_concurrent_streams: int = 1024
     reuse_port: bool = False  # let several server processes share the port (SO_REUSEPORT)
+    # Every request queued or running counts its inputs and outputs; beyond this RESOURCE_EXHAUSTED, so a
+    # burst of large requests meets a clear refusal rather than the kernel's out-of-memory killer.
+    max_inflight_bytes: int = 1 << 30
+    tls_cert_file: Path | None = None  # with tls_key_file: TLS on the gRPC port
+    tls_key_file: Path | None = None
+    tls_client_ca_file: Path | None = None  # mutual TLS: clients must present a certificate signed by this CA
+    auth_token_file: Path | None = None  # bearer token required on every RPC but health (or $MHASERVE_AUTH_TOKEN)
     grace_seconds: float = 10.0  # SIGTERM: how long in-flight requests may take to finish
     warmup_runs: int = 2  # model runs at each warm-up shape before reporting ready (0 = none)
     metrics_port: int = 8002  # Prometheus endpoint; 0 = any free port, -1 = none
@@ -56,6 +63,13 @@ class ServerSettings:
         "max_concurrent_streams": "concurrent RPCs per client connection",
         "reuse_port": "share the port with other mhaserve processes (SO_REUSEPORT): the kernel spreads "
         "connections over them, one Python event loop per core",
+        "max_inflight_bytes": "memory that queued and running requests may hold (inputs + outputs); beyond it "
+        "RESOURCE_EXHAUSTED at once",
+        "tls_cert_file": "PEM certificate (chain) of the gRPC port; with --tls-key-file turns TLS on",
+        "tls_key_file": "PEM private key of --tls-cert-file",
+        "tls_client_ca_file": "PEM CA bundle; clients must present a certificate it signed (mutual TLS)",
+        "auth_token_file": "file holding the bearer token every RPC but health must carry (or set "
+        "$MHASERVE_AUTH_TOKEN; none: no token)",
         "grace_seconds": "on SIGTERM/SIGINT, time for in-flight requests to finish",
         "warmup_runs": "model runs at each warm-up shape before reporting ready (0 = none)",
         "metrics_port": "Prometheus metrics port on the same host (0 = any free port, -1 = no endpoint)",
@@ -81,8 +95,12 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+def _optional_path(text: str) -> Path | None:
+    return Path(text) if text else None  # empty (an unset compose variable): not given
+
+
 def _converter(field_type):
-    return {"int": int, "float": float, "bool": _parse_bool, "str": str}.get(field_type, Path)
+    return {"int": int, "float": float, "bool": _parse_bool, "str": str}.get(field_type, _optional_path)
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
@@ -110,7 +128,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     settings = ServerSettings(**{f.name: getattr(args, f.name) for f in fields(ServerSettings)})
     if settings.device not in ("auto", "cpu", "cuda"):
         raise SystemExit(f"--device must be auto, cpu or cuda, got {settings.device!r}")
-    for name in ("max_batch_size", "max_q_len", "max_kv_len", "inference_workers", "max_queue_size"):
+    for name in ("max_batch_size", "max_q_len", "max_kv_len", "inference_workers", "max_queue_size",
+                 "max_inflight_bytes"):  # fmt: skip
         if getattr(settings, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be at least 1")
     if settings.max_queue_delay_us < 0:

@@ -99,6 +99,26 @@ class ModelNotReady(RequestError):
         super().__init__(grpc.StatusCode.UNAVAILABLE, f"model '{name}' is not ready (loading or shutting down)")
 
 
+class InflightBytesExceeded(RequestError):
+    def __init__(self, held: int, needed: int, limit: int):
+        super().__init__(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"this request needs {needed} bytes (inputs + outputs) while requests in flight hold {held}; "
+            f"together over the limit max_inflight_bytes={limit}; retry later",
+        )
+
+
+def footprint_bytes(request: AttentionRequest, num_heads: int) -> int:
+    """Memory a request holds while queued and run: its decoded inputs and the outputs it asked for."""
+    inputs = {id(a): a.nbytes for a in (request.query, request.key, request.value, request.mask)}
+    b, q_len, d_model = request.query.shape
+    kv_len = request.key.shape[1]
+    outputs = 4 * b * q_len * d_model  # output is always computed
+    if "attn_weights" in request.outputs:
+        outputs += 4 * b * num_heads * q_len * kv_len
+    return sum(inputs.values()) + outputs
+
+
 class DataPlane:
     def __init__(self, settings: ServerSettings, model_dir):
         self.settings = settings
@@ -110,6 +130,7 @@ class DataPlane:
         self.metrics: Metrics | None = None
         self.ready = False  # loaded and warmed: requests are served
         self.draining = False  # shutting down: in-flight requests finish, ready RPCs say no
+        self.inflight_bytes = 0  # footprint_bytes of the requests queued or running (event loop only)
         self._executor = ThreadPoolExecutor(settings.inference_workers, thread_name_prefix="mhaserve-infer")
         self.batcher = Batcher(
             self._run_model,
@@ -133,7 +154,9 @@ class DataPlane:
 
     def start_metrics(self) -> int:
         """The Prometheus endpoint on its own port (after load: labels name the model); returns the port."""
-        self.metrics = Metrics(self.signature.name, self.signature.version, lambda: self.batcher.queue_depth)
+        self.metrics = Metrics(
+            self.signature.name, self.signature.version, lambda: self.batcher.queue_depth, lambda: self.inflight_bytes
+        )
         return self.metrics.serve(self.settings.host, self.settings.metrics_port)
 
     @property
@@ -147,9 +170,21 @@ class DataPlane:
         return self.signature
 
     async def infer(self, request: AttentionRequest, timing: RequestTiming, timeout_s: float | None = None):
-        """The request's outputs, computed in a (possibly merged) run; fills ``timing``'s queue and infer times."""
-        self.require_ready()
-        answer = await self.batcher.submit(request, timeout_s)
+        """The request's outputs, computed in a (possibly merged) run; fills ``timing``'s queue and infer times.
+
+        Refuses at once (RESOURCE_EXHAUSTED) when the request would take the memory held by requests in
+        flight over ``max_inflight_bytes``, or when the queue is full.
+        """
+        signature = self.require_ready()
+        needed = footprint_bytes(request, signature.num_heads)
+        limit = self.settings.max_inflight_bytes
+        if self.inflight_bytes + needed > limit:
+            raise InflightBytesExceeded(self.inflight_bytes, needed, limit)
+        self.inflight_bytes += needed
+        try:
+            answer = await self.batcher.submit(request, timeout_s)
+        finally:
+            self.inflight_bytes -= needed
         timing.queue_ns, timing.infer_ns = answer.queue_ns, answer.infer_ns
         return answer.outputs
 
@@ -161,6 +196,11 @@ class DataPlane:
             self.stats.record_failure(timing.total_ns)
         if self.metrics is not None:
             self.metrics.request_done(status, rows, timing.total_ns / 1e9, timing.queue_ns / 1e9, timing.infer_ns / 1e9)
+
+    def record_unauthenticated(self, method: str) -> None:
+        log.debug("refused %s: missing or wrong bearer token", method)
+        if self.metrics is not None:
+            self.metrics.unauthenticated()
 
     def _run_model(self, output_names, query, key, value, mask):
         return self.session.run(output_names, query, key, value, mask)

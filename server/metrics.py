@@ -9,6 +9,8 @@ nv_inference_queue_duration_us       mhaserve_inference_queue_duration_seconds (
 nv_inference_compute_infer_duration  mhaserve_inference_compute_infer_duration_seconds (histogram)
 nv_inference_pending_request_count   mhaserve_inference_pending_request_count (queue depth)
 (batch sizes)                        mhaserve_inference_batch_size (histogram of rows per run)
+(memory held by requests)            mhaserve_inference_inflight_bytes (inputs + outputs, queued or running)
+(refused credentials)                mhaserve_unauthenticated_request_total
 
 Durations are in seconds, Prometheus' base unit, rather than Triton's microsecond counters.
 """
@@ -25,7 +27,9 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 class Metrics:
-    def __init__(self, model: str, version: str, queue_depth: Callable[[], int]):
+    def __init__(
+        self, model: str, version: str, queue_depth: Callable[[], int], inflight_bytes: Callable[[], int] = lambda: 0
+    ):
         self.registry = CollectorRegistry()
         labels = ("model", "version")
         self._label_values = (model, version)
@@ -60,6 +64,18 @@ class Metrics:
             "mhaserve_inference_pending_request_count", "Requests waiting in the queue", labels, registry=self.registry
         )
         pending.labels(model, version).set_function(queue_depth)
+        held = Gauge(
+            "mhaserve_inference_inflight_bytes",
+            "Bytes held by queued and running requests (inputs and requested outputs)",
+            labels,
+            registry=self.registry,
+        )
+        held.labels(model, version).set_function(inflight_bytes)
+        self._unauthenticated = Counter(
+            "mhaserve_unauthenticated_request",
+            "RPCs refused for a missing or wrong bearer token",
+            registry=self.registry,
+        )
         self.server = None
 
     def request_done(self, status: str, rows: int = 0, total_s=None, queue_s=None, compute_s=None) -> None:
@@ -72,6 +88,9 @@ class Metrics:
             self._request_seconds.observe(total_s)
             self._queue_seconds.observe(queue_s)
             self._compute_seconds.observe(compute_s)
+
+    def unauthenticated(self) -> None:
+        self._unauthenticated.inc()
 
     def batch_done(self, rows: int) -> None:
         self._exec_count.inc()
