@@ -15,11 +15,10 @@ from grpc_reflection.v1alpha import reflection
 
 from mhaserve.export.manifest import ModelDirError, read_manifest
 from mhaserve.protos.generated import grpc_service_pb2 as pb
-from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
 
 from .config import ServerSettings
 from .dataplane import DataPlane
-from .grpc_servicer import InferenceServicer
+from .grpc_servicer import InferenceServicer, add_inference_service
 from .security import BearerTokenInterceptor, SecurityConfigError, load_token, server_credentials
 from .session import DeviceUnavailable
 
@@ -76,7 +75,7 @@ async def serve(settings: ServerSettings, model_dir) -> int:
             ("grpc.so_reuseport", int(settings.reuse_port)),
         ],
     )
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(dataplane), server)
+    add_inference_service(InferenceServicer(dataplane), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),

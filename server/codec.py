@@ -108,6 +108,17 @@ def _tensor_array(tensor, raw: bytes | None) -> np.ndarray:
             f"input '{name}': {len(values)} values in contents.{contents_field}, "
             f"expected {count} ({tensor.datatype} {_shape_text(shape)})"
         )
+    if dtype.kind in "iu" and dtype.itemsize < 4 and values:
+        # int_contents/uint_contents carry 32-bit values; INT8/UINT8 hold less, and numpy would raise.
+        wide = np.asarray(values, dtype=np.int64)
+        info = np.iinfo(dtype)
+        low, high = int(wide.min()), int(wide.max())
+        if low < info.min or high > info.max:
+            bad = low if low < info.min else high
+            raise invalid(
+                f"input '{name}': value {bad} in contents.{contents_field} is out of range for "
+                f"{tensor.datatype} [{info.min}, {info.max}]"
+            )
     return np.asarray(values, dtype=dtype).reshape(shape)
 
 
@@ -229,8 +240,9 @@ def _check_sequence(array, name, d_model, batch, length=None) -> tuple[int, int]
 def _check_finite(array: np.ndarray, name: str) -> None:
     # Any NaN or Inf poisons a sum, which needs no temporary array; only a non-finite sum (a bad
     # value, or finite values overflowing float32) pays for the exact count.
-    if np.isfinite(array.sum()):
-        return
+    with np.errstate(over="ignore", invalid="ignore"):
+        if np.isfinite(array.sum()):
+            return
     bad = int(array.size - np.count_nonzero(np.isfinite(array)))
     if bad:
         raise invalid(f"input '{name}': {bad} non-finite values (NaN or Inf); expected finite FP32 values")

@@ -7,6 +7,7 @@ import logging
 import time
 
 import grpc
+from google.protobuf.message import DecodeError
 
 import mhaserve
 from mhaserve.protos.generated import grpc_service_pb2 as pb
@@ -172,3 +173,61 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 yield pb.ModelStreamInferResponse(infer_response=await self._infer(request, context))
             except RequestError as error:
                 yield pb.ModelStreamInferResponse(error_message=f"{error.code.name}: {error.message}")
+
+
+def _parsing_unary(behavior, request_class):
+    async def handle(raw: bytes, context):
+        try:
+            request = request_class.FromString(raw)
+        except DecodeError:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _undecodable(request_class, raw))
+        return await behavior(request, context)
+
+    return handle
+
+
+def _parsing_stream(behavior, request_class):
+    async def handle(raw_iterator, context):
+        async def requests():
+            async for raw in raw_iterator:
+                try:
+                    yield request_class.FromString(raw)
+                except DecodeError:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _undecodable(request_class, raw))
+
+        async for response in behavior(requests(), context):
+            yield response
+
+    return handle
+
+
+def _undecodable(request_class, raw: bytes) -> str:
+    return f"the request ({len(raw)} bytes) is not a valid {request_class.DESCRIPTOR.full_name} protobuf message"
+
+
+def add_inference_service(servicer: InferenceServicer, server) -> None:
+    """Register the service as the generated ``add_..._to_server`` does, but parse requests here.
+
+    gRPC answers UNKNOWN ("Exception deserializing request") for bytes that are no protobuf message
+    of the method's type; parsing in the handler gives such a request INVALID_ARGUMENT, like any
+    other malformed request.
+    """
+    service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    handlers = {}
+    for method in service.methods:
+        request_class = getattr(pb, method.input_type.name)
+        serialize = getattr(pb, method.output_type.name).SerializeToString
+        behavior = getattr(servicer, method.name)
+        if method.client_streaming and method.server_streaming:
+            handler = grpc.stream_stream_rpc_method_handler(
+                _parsing_stream(behavior, request_class), response_serializer=serialize
+            )
+        elif not (method.client_streaming or method.server_streaming):
+            handler = grpc.unary_unary_rpc_method_handler(
+                _parsing_unary(behavior, request_class), response_serializer=serialize
+            )
+        else:  # the protocol has no such RPC; refuse to guess
+            raise TypeError(f"{method.full_name}: half-streaming RPCs are not handled")
+        handlers[method.name] = handler
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)

@@ -55,6 +55,13 @@ def typed_query(field, values, datatype="FP32", shape=(1, 1, D)):
     return request
 
 
+def typed_mask(datatype, field, values):
+    """A typed-contents request: query of 4 rows, and a [1, 4] mask with ``values``."""
+    request = typed_query("fp32_contents", [0.5] * 4 * D, shape=(1, 4, D))
+    getattr(request.inputs.add(name="mask", datatype=datatype, shape=(1, 4)).contents, field).extend(values)
+    return request
+
+
 def set_shape(request, index, shape):
     del request.inputs[index].shape[:]
     request.inputs[index].shape.extend(shape)
@@ -151,6 +158,11 @@ MALFORMED = {
         typed_query("int64_contents", [1] * D),
         INVALID,
         ["'query'", "contents.fp32_contents", "got contents.int64_contents"],
+    ),
+    "typed INT8 mask out of range": (
+        typed_mask("INT8", "int_contents", [1, 1, 300, 0]),
+        INVALID,
+        ["'mask'", "value 300", "out of range for INT8 [-128, 127]"],
     ),
     "unknown datatype": (with_inputs(("query", "FOO", (1, 4, D), b"")), INVALID, ["'query'", "'FOO'"]),
     "negative dim": (edited(lambda r: set_shape(r, 0, [1, -4, D])), INVALID, ["'query'", "negative"]),
