@@ -73,6 +73,11 @@ async def serve(settings: ServerSettings, model_dir) -> int:
             ("grpc.max_concurrent_streams", settings.max_concurrent_streams),
             # Off by default, so a second server on a taken port fails loudly instead of sharing it.
             ("grpc.so_reuseport", int(settings.reuse_port)),
+            ("grpc.keepalive_time_ms", int(settings.keepalive_time_s * 1000)),
+            ("grpc.keepalive_timeout_ms", int(settings.keepalive_timeout_s * 1000)),
+            ("grpc.http2.ping_timeout_ms", int(settings.keepalive_timeout_s * 1000)),
+            ("grpc.keepalive_permit_without_calls", 1),  # a dead idle connection is found too
+            ("grpc.http2.max_pings_without_data", 0),
         ],
     )
     add_inference_service(InferenceServicer(dataplane), server)

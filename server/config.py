@@ -39,6 +39,10 @@ class ServerSettings:
     tls_key_file: Path | None = None
     tls_client_ca_file: Path | None = None  # mutual TLS: clients must present a certificate signed by this CA
     auth_token_file: Path | None = None  # bearer token required on every RPC but health (or $MHASERVE_AUTH_TOKEN)
+    # A client that stops answering HTTP/2 pings (vanished without closing, a network partition) has its
+    # connection closed, and its calls cancelled, after keepalive_time_s + keepalive_timeout_s.
+    keepalive_time_s: float = 30.0
+    keepalive_timeout_s: float = 10.0
     grace_seconds: float = 10.0  # SIGTERM: how long in-flight requests may take to finish
     warmup_runs: int = 2  # model runs at each warm-up shape before reporting ready (0 = none)
     metrics_port: int = 8002  # Prometheus endpoint; 0 = any free port, -1 = none
@@ -70,6 +74,8 @@ class ServerSettings:
         "tls_client_ca_file": "PEM CA bundle; clients must present a certificate it signed (mutual TLS)",
         "auth_token_file": "file holding the bearer token every RPC but health must carry (or set "
         "$MHASERVE_AUTH_TOKEN; none: no token)",
+        "keepalive_time_s": "ping each client connection after this many idle seconds",
+        "keepalive_timeout_s": "close a connection whose ping is not answered within this many seconds",
         "grace_seconds": "on SIGTERM/SIGINT, time for in-flight requests to finish",
         "warmup_runs": "model runs at each warm-up shape before reporting ready (0 = none)",
         "metrics_port": "Prometheus metrics port on the same host (0 = any free port, -1 = no endpoint)",
@@ -132,6 +138,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
                  "max_inflight_bytes"):  # fmt: skip
         if getattr(settings, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be at least 1")
+    if settings.keepalive_time_s <= 0 or settings.keepalive_timeout_s <= 0:
+        raise SystemExit("--keepalive-time-s and --keepalive-timeout-s must be more than 0")
     if settings.max_queue_delay_us < 0:
         raise SystemExit("--max-queue-delay-us must be 0 or more")
     return settings

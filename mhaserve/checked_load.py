@@ -1,0 +1,244 @@
+"""Load that checks its answers: the core of the soak, overload and fault runs (tests and scripts).
+
+Every request is distinct (random lengths, some cross-attention, some masks, some without weights),
+carries an id, and is remembered; a sample of answers is recomputed alone on an in-process ONNX
+Runtime session of the same model file and compared. Statuses are counted by code, so "zero
+unexpected errors" and "every accepted request answered correctly" are figures, not impressions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from mhaserve.client import TLS, AsyncClient, InferResult
+
+
+@dataclass(frozen=True)
+class Shapes:
+    d_model: int
+    min_len: int = 1
+    max_len: int = 64
+    max_batch: int = 2
+    cross_fraction: float = 0.3  # requests with their own key/value of another length
+    mask_fraction: float = 0.3  # requests with a key-padding mask
+    no_weights_fraction: float = 0.3  # requests asking for the output only
+
+
+@dataclass
+class Call:
+    """One request as sent: its inputs, and what came back."""
+
+    query: np.ndarray
+    key: np.ndarray | None
+    value: np.ndarray | None
+    mask: np.ndarray | None
+    attn_weights: bool
+    status: str = ""
+    details: str = ""  # the server's message when refused
+    latency_s: float = 0.0
+    result: InferResult | None = None
+
+
+def make_call(rng: np.random.Generator, shapes: Shapes) -> Call:
+    b = int(rng.integers(1, shapes.max_batch + 1))
+    lq = int(rng.integers(shapes.min_len, shapes.max_len + 1))
+    query = rng.standard_normal((b, lq, shapes.d_model), dtype=np.float32)
+    key = value = None
+    lk = lq
+    if rng.random() < shapes.cross_fraction:
+        lk = int(rng.integers(shapes.min_len, shapes.max_len + 1))
+        key = rng.standard_normal((b, lk, shapes.d_model), dtype=np.float32)
+        value = rng.standard_normal((b, lk, shapes.d_model), dtype=np.float32)
+    mask = None
+    if rng.random() < shapes.mask_fraction:
+        mask = rng.random((b, lk)) < 0.8
+        mask[:, 0] = True
+    return Call(query, key, value, mask, attn_weights=bool(rng.random() >= shapes.no_weights_fraction))
+
+
+class Reference:
+    """The model file run alone, in process, on the CPU: what each request's answer must be."""
+
+    def __init__(self, model_dir: Path):
+        from mhaserve.server.session import AttentionSession
+
+        self.session = AttentionSession(Path(model_dir), "cpu", intra_op_threads=1)
+
+    def answer(self, call: Call) -> tuple[np.ndarray, np.ndarray]:
+        key = call.query if call.key is None else call.key
+        value = key if call.value is None else call.value
+        b, lq, _ = call.query.shape
+        lk = key.shape[1]
+        mask = np.ones((1, 1, 1, lk), dtype=bool) if call.mask is None else call.mask[:, None, None, :].astype(bool)
+        output, weights = self.session.run(["output", "attn_weights"], call.query, key, value, mask)
+        return output, weights
+
+
+def mismatch(call: Call, reference: Reference, atol: float = 1e-4) -> str | None:
+    """None when ``call``'s answer equals the reference; else what differs."""
+    want_out, want_attn = reference.answer(call)
+    got = call.result
+    if got.output is None or got.output.shape != want_out.shape:
+        return f"output shape {None if got.output is None else got.output.shape}, expected {want_out.shape}"
+    error = float(np.max(np.abs(got.output - want_out)))
+    if error > atol:
+        return f"output differs by {error:.3g}"
+    if call.attn_weights:
+        if got.attn_weights is None or got.attn_weights.shape != want_attn.shape:
+            return f"attn_weights shape {getattr(got.attn_weights, 'shape', None)}, expected {want_attn.shape}"
+        error = float(np.max(np.abs(got.attn_weights - want_attn)))
+        if error > atol:
+            return f"attn_weights differ by {error:.3g}"
+    elif got.attn_weights is not None:
+        return "attn_weights returned though not requested"
+    return None
+
+
+@dataclass
+class LoadReport:
+    requests: int = 0
+    statuses: Counter = field(default_factory=Counter)
+    checked: int = 0
+    mismatches: list[str] = field(default_factory=list)
+    elapsed_s: float = 0.0
+    latencies_s: dict[str, list[float]] = field(default_factory=dict)  # by status
+    rss_samples_mib: list[float] = field(default_factory=list)
+
+    def latency_ms(self, status: str, q: float) -> float:
+        values = self.latencies_s.get(status)
+        return float(np.percentile(values, q) * 1000) if values else float("nan")
+
+    def summary(self) -> str:
+        statuses = ", ".join(f"{code} {n}" for code, n in sorted(self.statuses.items()))
+        lines = [
+            f"requests {self.requests} in {self.elapsed_s:.1f} s ({self.requests / max(self.elapsed_s, 1e-9):.0f}/s): "
+            f"{statuses}",
+            f"answers checked against the reference: {self.checked}, mismatches {len(self.mismatches)}",
+        ]
+        for status in sorted(self.latencies_s):
+            p50, p99, top = (self.latency_ms(status, q) for q in (50, 99, 100))
+            lines.append(f"latency {status}: p50 {p50:.1f} ms, p99 {p99:.1f} ms, max {top:.1f} ms")
+        if self.rss_samples_mib:
+            first, last, peak = self.rss_samples_mib[0], self.rss_samples_mib[-1], max(self.rss_samples_mib)
+            lines.append(
+                f"server RSS after warm-up {first:.0f} MiB, at the end {last:.0f} MiB "
+                f"(growth {last - first:+.0f} MiB), peak {peak:.0f} MiB"
+            )
+        return "\n".join(lines)
+
+
+def rss_mib(pid: int) -> float:
+    """Resident memory of a process on this machine (Linux /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+async def run_checked_load(
+    url: str,
+    shapes: Shapes,
+    requests: int,
+    concurrency: int,
+    reference: Reference | None = None,
+    check_every: int = 50,
+    timeout_s: float = 60.0,
+    seed: int = 0,
+    rss: Callable[[], float] | None = None,
+    rss_after: int | None = None,
+    tls: TLS | None = None,
+    token: str | None = None,
+) -> LoadReport:
+    """``requests`` calls from ``concurrency`` callers on one channel; every ``check_every``-th OK answer
+    (and the first) is compared with ``reference``. ``rss`` is sampled once ``rss_after`` requests are
+    done (the warm-up) and then every tenth of the run."""
+    report = LoadReport()
+    rng = np.random.default_rng(seed)
+    sent = 0
+    rss_after = requests // 10 if rss_after is None else rss_after
+    rss_step = max(1, (requests - rss_after) // 10)
+    ok_seen = 0
+
+    async with AsyncClient(url, tls=tls, token=token) as client:
+
+        async def caller() -> None:
+            nonlocal sent, ok_seen
+            while sent < requests:
+                sent += 1
+                call = make_call(rng, shapes)
+                started = time.perf_counter()
+                try:
+                    call.result = await client.infer(
+                        call.query, call.key, call.value, call.mask, call.attn_weights, timeout=timeout_s
+                    )
+                    call.status = "OK"
+                except grpc.aio.AioRpcError as error:
+                    call.status = error.code().name
+                call.latency_s = time.perf_counter() - started
+                report.requests += 1
+                report.statuses[call.status] += 1
+                report.latencies_s.setdefault(call.status, []).append(call.latency_s)
+                if call.status == "OK":
+                    if reference is not None and ok_seen % check_every == 0:
+                        report.checked += 1
+                        problem = mismatch(call, reference)
+                        if problem:
+                            report.mismatches.append(problem)
+                    ok_seen += 1
+                done = report.requests
+                if rss is not None and done >= rss_after and (done - rss_after) % rss_step == 0:
+                    report.rss_samples_mib.append(rss())
+
+        started = time.perf_counter()
+        await asyncio.gather(*(caller() for _ in range(concurrency)))
+        report.elapsed_s = time.perf_counter() - started
+    if rss is not None:
+        report.rss_samples_mib.append(rss())
+    return report
+
+
+async def burst(
+    url: str,
+    calls: list[Call],
+    timeout_s: float = 60.0,
+    rate: float | None = None,
+    tls: TLS | None = None,
+    token: str | None = None,
+) -> LoadReport:
+    """Send every call at once, or ``rate`` per second on schedule (open loop), on one channel, and wait
+    for all: the overload pattern. Latency counts from the scheduled send time."""
+    report = LoadReport()
+    async with AsyncClient(url, tls=tls, token=token) as client:
+        await client.ready(timeout=30)
+
+        async def one(call: Call, at: float) -> None:
+            delay = at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            started = at
+            try:
+                call.result = await client.infer(
+                    call.query, call.key, call.value, call.mask, call.attn_weights, timeout=timeout_s
+                )
+                call.status = "OK"
+            except grpc.aio.AioRpcError as error:
+                call.status, call.details = error.code().name, error.details() or ""
+            call.latency_s = time.perf_counter() - started
+
+        started = time.perf_counter()
+        interval = 1 / rate if rate else 0.0
+        await asyncio.gather(*(one(call, started + i * interval) for i, call in enumerate(calls)))
+        report.elapsed_s = time.perf_counter() - started
+    for call in calls:
+        report.requests += 1
+        report.statuses[call.status] += 1
+        report.latencies_s.setdefault(call.status, []).append(call.latency_s)
+    return report

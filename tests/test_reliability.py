@@ -1,0 +1,249 @@
+"""Reliability under load and faults, against real server processes: a soak with checked answers and
+bounded memory, overload bursts that get fast refusals while accepted requests complete correctly, and
+clients that vanish, stall or fall silent without holding the server's resources.
+
+The long forms (100k-request soak, bigger bursts) are `benchmarks/reliability.py`; figures in README.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from mhaserve.checked_load import Reference, Shapes, burst, make_call, mismatch, rss_mib, run_checked_load
+from mhaserve.client import Client
+
+from .conftest import SMALL_D_MODEL, TEST_SERVER_ARGS, rand, scrape
+from .server_process import ServerProcess
+
+SOAK_REQUESTS = int(os.environ.get("MHASERVE_SOAK_REQUESTS", "4000"))
+
+
+@pytest.fixture(scope="module")
+def reference(small_model_dir):
+    return Reference(small_model_dir)
+
+
+def pending_and_held(server) -> tuple[float, float]:
+    samples = scrape(server.metrics_url)
+    labels = (("model", "mha"), ("version", "1"))
+    return (
+        samples[("mhaserve_inference_pending_request_count", labels)],
+        samples[("mhaserve_inference_inflight_bytes", labels)],
+    )
+
+
+def wait_until_idle(server, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while pending_and_held(server) != (0, 0):
+        assert time.monotonic() < deadline, f"still holding (pending, bytes): {pending_and_held(server)}"
+        time.sleep(0.1)
+
+
+def test_soak_mixed_lengths_zero_errors_checked_answers_bounded_memory(small_model_dir, reference):
+    with ServerProcess(small_model_dir, *TEST_SERVER_ARGS) as server:
+        report = asyncio.run(
+            run_checked_load(
+                server.url,
+                Shapes(SMALL_D_MODEL, 1, 64),
+                requests=SOAK_REQUESTS,
+                concurrency=32,
+                reference=reference,
+                check_every=20,
+                rss=lambda: rss_mib(server.proc.pid),
+            )
+        )
+        print("\n" + report.summary())
+        assert dict(report.statuses) == {"OK": SOAK_REQUESTS}
+        assert report.checked >= SOAK_REQUESTS // 20 and report.mismatches == []
+        growth = report.rss_samples_mib[-1] - report.rss_samples_mib[0]
+        assert growth < 64, report.summary()  # a leak of even 16 KiB per request would pass 64 MiB
+        wait_until_idle(server)
+
+
+def test_burst_over_capacity_gets_fast_refusals_and_correct_answers(small_model_dir, reference):
+    # One request per run, eight waiting at most: a burst of 600 is far over what the queue takes.
+    args = (*TEST_SERVER_ARGS, "--max-queue-size", "8", "--inference-workers", "1", "--dynamic-batching", "false")
+    with ServerProcess(small_model_dir, *args) as server:
+        rng = np.random.default_rng(7)
+        calls = [make_call(rng, Shapes(SMALL_D_MODEL, 32, 64, max_batch=8)) for _ in range(600)]
+        report = asyncio.run(burst(server.url, calls, timeout_s=60))
+        print("\n" + report.summary())
+        assert set(report.statuses) == {"OK", "RESOURCE_EXHAUSTED"}, report.statuses
+        assert report.statuses["OK"] >= 8 and report.statuses["RESOURCE_EXHAUSTED"] >= 1
+        refusals = {call.details for call in calls if call.status == "RESOURCE_EXHAUSTED"}
+        assert all("max_queue_size=8" in text for text in refusals), refusals
+        problems = [p for call in calls if call.status == "OK" and (p := mismatch(call, reference))]
+        assert problems == []
+        assert server.proc.poll() is None
+        wait_until_idle(server)
+        with Client(server.url) as client:
+            assert client.infer(rand(1, 3, SMALL_D_MODEL), timeout=10).output.shape == (1, 3, SMALL_D_MODEL)
+
+
+def test_burst_of_large_requests_is_held_to_the_memory_budget(small_model_dir, reference):
+    # Each request [8, 64, 64] with weights holds about 0.8 MB; the budget admits about five at once.
+    budget = 4 << 20
+    args = (*TEST_SERVER_ARGS, "--max-inflight-bytes", str(budget), "--inference-workers", "1")
+    with ServerProcess(small_model_dir, *args) as server:
+        rng = np.random.default_rng(8)
+        shapes = Shapes(SMALL_D_MODEL, 64, 64, max_batch=8, no_weights_fraction=0, cross_fraction=0)
+        calls = [make_call(rng, shapes) for _ in range(60)]
+        report = asyncio.run(burst(server.url, calls))
+        assert set(report.statuses) == {"OK", "RESOURCE_EXHAUSTED"}, report.statuses
+        problems = [p for call in calls if call.status == "OK" and (p := mismatch(call, reference))]
+        assert problems == []
+        refusals = {call.details for call in calls if call.status == "RESOURCE_EXHAUSTED"}
+        assert refusals and all(f"max_inflight_bytes={budget}" in text for text in refusals), refusals
+        wait_until_idle(server)
+
+
+VANISHING_CLIENT = """
+import sys, time, numpy as np, grpc
+from mhaserve.client import build_infer_request
+from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
+stub = pb_grpc.GRPCInferenceServiceStub(grpc.insecure_channel(sys.argv[1]))
+query = np.random.default_rng(0).standard_normal((16, 256, 64), dtype=np.float32)
+calls = [stub.ModelInfer.future(build_infer_request("mha", query, attn_weights=False), timeout=120)
+         for _ in range(200)]
+calls[0].result()
+print("answered", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_client_frees_its_queue_places_and_its_requests_are_not_computed(small_model_dir):
+    args = ("--max-batch-size", "16", "--max-q-len", "256", "--max-kv-len", "256", "--inference-workers", "1",
+            "--dynamic-batching", "false", "--warmup-runs", "0")  # fmt: skip
+    with ServerProcess(small_model_dir, *args) as server:
+        client = subprocess.Popen([sys.executable, "-c", VANISHING_CLIENT, server.url], stdout=subprocess.PIPE,
+                                  text=True)  # fmt: skip
+        try:
+            assert client.stdout.readline().strip() == "answered"
+            client.send_signal(signal.SIGKILL)  # 199 requests still queued or running
+            client.wait(10)
+        finally:
+            client.kill()
+        wait_until_idle(server)
+        samples = scrape(server.metrics_url)
+        by_status = {dict(k[1])["status"]: v for k, v in samples.items() if k[0] == "mhaserve_inference_request_total"}
+        assert by_status.get("CANCELLED", 0) > 0, by_status
+        assert by_status.get("OK", 0) + by_status["CANCELLED"] <= 200, by_status  # some never left the client
+        with Client(server.url) as fresh:
+            # One model run per computed request (batching off, one worker): the cancelled ones were dropped
+            # unrun, but for the one that was running when its client died.
+            runs = fresh.statistics(timeout=10).execution_count
+            assert by_status.get("OK", 0) <= runs <= by_status.get("OK", 0) + 1, (runs, by_status)
+            assert fresh.infer(rand(1, 3, SMALL_D_MODEL), timeout=10).output.shape == (1, 3, SMALL_D_MODEL)
+
+
+class FreezingProxy:
+    """A loopback TCP proxy that can go silent both ways without closing: a network partition."""
+
+    def __init__(self, upstream_port: int):
+        self.upstream_port = upstream_port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.frozen = threading.Event()
+        self.upstream_closed = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                downstream, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            threading.Thread(target=self._pump, args=(downstream, upstream, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, downstream, True), daemon=True).start()
+
+    def _pump(self, source: socket.socket, target: socket.socket, from_server: bool) -> None:
+        while True:
+            try:
+                data = source.recv(65536)
+            except OSError:
+                data = b""
+            if not data:
+                if from_server:
+                    self.upstream_closed.set()  # the server hung up on the silent client
+                return
+            if not self.frozen.is_set():
+                try:
+                    target.sendall(data)
+                except OSError:
+                    return
+            # frozen: swallow it (the server's pings never reach the client, nor the client's acks it)
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_a_silent_client_connection_is_closed_by_keepalive_and_its_calls_dropped(small_model_dir):
+    args = (*TEST_SERVER_ARGS, "--keepalive-time-s", "1", "--keepalive-timeout-s", "1")
+    with ServerProcess(small_model_dir, *args) as server:
+        proxy = FreezingProxy(server.port)
+        try:
+            with Client(f"127.0.0.1:{proxy.port}") as client:
+                assert client.infer(rand(1, 4, SMALL_D_MODEL), timeout=10).output is not None
+                proxy.frozen.set()
+                frozen_at = time.monotonic()
+                # Nothing reaches either side now; the server must notice on its own and hang up.
+                assert proxy.upstream_closed.wait(30), "the server kept the silent connection open"
+                print(f"\nsilent connection closed by the server after {time.monotonic() - frozen_at:.1f} s")
+        finally:
+            proxy.close()
+        wait_until_idle(server)
+        with Client(server.url) as direct:
+            assert direct.infer(rand(1, 3, SMALL_D_MODEL), timeout=10).output.shape == (1, 3, SMALL_D_MODEL)
+
+
+def test_stalled_connections_do_not_keep_others_from_being_served(server):
+    stalled = []
+    try:
+        for i in range(200):
+            sock = socket.create_connection(("127.0.0.1", server.port))
+            if i % 2:
+                sock.sendall(b"PRI * HTTP/2.0\r\n")  # half a connection preface, then nothing
+            stalled.append(sock)
+        with Client(server.url) as client:
+            started = time.monotonic()
+            result = client.infer(rand(2, 5, SMALL_D_MODEL), timeout=10)
+            assert result.output.shape == (2, 5, SMALL_D_MODEL)
+            assert time.monotonic() - started < 10
+    finally:
+        for sock in stalled:
+            sock.close()
+
+
+def test_calls_over_the_stream_limit_are_refused_before_any_work_and_the_rest_served(small_model_dir):
+    from mhaserve.client import AsyncClient
+
+    with ServerProcess(small_model_dir, *TEST_SERVER_ARGS, "--max-concurrent-streams", "4") as server:
+
+        async def many():
+            async with AsyncClient(server.url) as client:
+                return await asyncio.gather(
+                    *(client.infer(rand(1, 8, SMALL_D_MODEL, seed=i), timeout=30) for i in range(40)),
+                    return_exceptions=True,
+                )
+
+        results = asyncio.run(many())
+        refused = [r for r in results if isinstance(r, BaseException)]
+        # HTTP/2 refuses the excess streams (RST_STREAM REFUSED_STREAM): the client sees UNAVAILABLE, the
+        # handler never ran, and the call is safe to retry.
+        assert all(r.code() == grpc.StatusCode.UNAVAILABLE and "RST_STREAM" in r.details() for r in refused)
+        served = len(results) - len(refused)
+        assert served >= 4
+        with Client(server.url) as client:
+            assert client.statistics(timeout=10).inference_stats.success.count == served
