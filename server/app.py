@@ -148,12 +148,18 @@ async def serve(settings: ServerSettings, model_dir) -> int:
             "shutting down: NOT_SERVING, refusing new requests, %.1f s for in-flight ones",
             settings.grace_seconds,
         )
-        # In-flight requests keep running; the ready RPCs and health report the drain.
+        # In-flight requests keep running; the ready RPCs and health report the drain, and new calls get
+        # UNAVAILABLE "shutting down" (retryable) from the handler. The port stays open for drain_seconds
+        # first: calls that had reached gRPC but not yet a handler would otherwise be cut off by the
+        # server's stop with a bare CANCELLED, which clients do not retry.
         dataplane.draining = True
         await health_servicer.enter_graceful_shutdown()
+        await asyncio.sleep(settings.drain_seconds)
         await server.stop(settings.grace_seconds)
     await asyncio.to_thread(dataplane.shutdown)
-    log.info("stopped")
+    # Calls still inside the handler when the grace period ended were cut off: say how many.
+    outcomes = ", ".join(f"{status} {n}" for status, n in sorted(dataplane.outcomes.items())) or "none"
+    log.info("stopped: inference calls by status: %s; %d in flight at exit", outcomes, dataplane.requests_in_flight)
     return 0
 
 

@@ -43,6 +43,7 @@ class ServerSettings:
     # connection closed, and its calls cancelled, after keepalive_time_s + keepalive_timeout_s.
     keepalive_time_s: float = 30.0
     keepalive_timeout_s: float = 10.0
+    drain_seconds: float = 1.0  # SIGTERM: refuse new calls with a retryable status this long before closing
     grace_seconds: float = 10.0  # SIGTERM: how long in-flight requests may take to finish
     warmup_runs: int = 2  # model runs at each warm-up shape before reporting ready (0 = none)
     metrics_port: int = 8002  # Prometheus endpoint; 0 = any free port, -1 = none
@@ -76,6 +77,8 @@ class ServerSettings:
         "$MHASERVE_AUTH_TOKEN; none: no token)",
         "keepalive_time_s": "ping each client connection after this many idle seconds",
         "keepalive_timeout_s": "close a connection whose ping is not answered within this many seconds",
+        "drain_seconds": "on SIGTERM/SIGINT, keep the port open this long, refusing new calls with UNAVAILABLE "
+        "(retryable), before closing it",
         "grace_seconds": "on SIGTERM/SIGINT, time for in-flight requests to finish",
         "warmup_runs": "model runs at each warm-up shape before reporting ready (0 = none)",
         "metrics_port": "Prometheus metrics port on the same host (0 = any free port, -1 = no endpoint)",
@@ -138,6 +141,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
                  "max_inflight_bytes"):  # fmt: skip
         if getattr(settings, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be at least 1")
+    if settings.drain_seconds < 0 or settings.grace_seconds < 0:
+        raise SystemExit("--drain-seconds and --grace-seconds must be 0 or more")
     if settings.keepalive_time_s <= 0 or settings.keepalive_timeout_s <= 0:
         raise SystemExit("--keepalive-time-s and --keepalive-timeout-s must be more than 0")
     if settings.max_queue_delay_us < 0:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -99,6 +100,13 @@ class ModelNotReady(RequestError):
         super().__init__(grpc.StatusCode.UNAVAILABLE, f"model '{name}' is not ready (loading or shutting down)")
 
 
+class ShuttingDown(RequestError):
+    def __init__(self):
+        super().__init__(
+            grpc.StatusCode.UNAVAILABLE, "the server is shutting down and takes no new requests; retry elsewhere"
+        )
+
+
 class InflightBytesExceeded(RequestError):
     def __init__(self, held: int, needed: int, limit: int):
         super().__init__(
@@ -131,6 +139,8 @@ class DataPlane:
         self.ready = False  # loaded and warmed: requests are served
         self.draining = False  # shutting down: in-flight requests finish, ready RPCs say no
         self.inflight_bytes = 0  # footprint_bytes of the requests queued or running (event loop only)
+        self.requests_in_flight = 0  # inference calls inside the handler (event loop only)
+        self.outcomes: Counter[str] = Counter()  # inference calls by final status since start
         self._executor = ThreadPoolExecutor(settings.inference_workers, thread_name_prefix="mhaserve-infer")
         self.batcher = Batcher(
             self._run_model,
@@ -165,6 +175,8 @@ class DataPlane:
         return self.ready and not self.draining
 
     def require_ready(self) -> ModelSignature:
+        if self.draining:
+            raise ShuttingDown()
         if not self.ready or self.signature is None:
             raise ModelNotReady(self.signature.name if self.signature else "model")
         return self.signature

@@ -135,6 +135,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         timing = RequestTiming()
         rows = 0
         status = "UNKNOWN"
+        self.dataplane.requests_in_flight += 1
         try:
             signature = self.dataplane.require_ready()
             attention_request = decode_infer_request(request, signature, self.dataplane.limits)
@@ -153,6 +154,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             status = grpc.StatusCode.CANCELLED.name  # the client went away or its deadline passed
             raise
         finally:
+            self.dataplane.requests_in_flight -= 1
+            self.dataplane.outcomes[status] += 1
             if status != "OK":
                 timing.input_ns = time.perf_counter_ns() - started - timing.queue_ns - timing.infer_ns
             self.dataplane.record(status, rows, timing)

@@ -116,7 +116,10 @@ def test_sigterm_under_load_answers_every_accepted_request(small_model_dir, smal
         # after SIGTERM: not serving (or the port already closed to new calls)
         assert late_status in (NOT_SERVING, grpc.StatusCode.UNAVAILABLE)
         assert server.wait_exit(60) == 0
-        assert "shutting down" in server.log and "stopped" in server.log
+        assert (
+            "shutting down" in server.log
+            and "stopped: inference calls by status: OK 24; 0 in flight at exit" in server.log
+        )
         # and nothing new is accepted once it is gone
         with Client(server.url) as client, pytest.raises(grpc.RpcError) as error:
             client.infer(queries[0], timeout=2)
