@@ -64,7 +64,8 @@ def main() -> int:
     parser.add_argument("--check-every", type=int, default=100)
     parser.add_argument("--burst", type=int, default=2000)
     parser.add_argument("--burst-queue", type=int, default=64)
-    parser.add_argument("--overload-rate", type=float, default=2000.0)
+    # Requests are made up front (about 0.3 MB each at 512 wide): rate x seconds of them must fit in memory.
+    parser.add_argument("--overload-rate", type=float, default=300.0)
     parser.add_argument("--overload-seconds", type=float, default=10.0)
     args = parser.parse_args()
 
