@@ -141,10 +141,11 @@ def test_a_killed_client_frees_its_queue_places_and_its_requests_are_not_compute
         assert by_status.get("CANCELLED", 0) > 0, by_status
         assert by_status.get("OK", 0) + by_status["CANCELLED"] <= 200, by_status  # some never left the client
         with Client(server.url) as fresh:
-            # One model run per computed request (batching off, one worker): the cancelled ones were dropped
-            # unrun, but for the one that was running when its client died.
-            runs = fresh.statistics(timeout=10).execution_count
-            assert by_status.get("OK", 0) <= runs <= by_status.get("OK", 0) + 1, (runs, by_status)
+            # One model run per request (batching off, one worker): runs beyond the answered ones were spent
+            # on cancelled requests, the one running when the client died and any started before the
+            # server saw the connection close. The rest of the cancelled ones were dropped unrun.
+            wasted = fresh.statistics(timeout=10).execution_count - by_status.get("OK", 0)
+            assert 0 <= wasted <= 5 and by_status["CANCELLED"] >= 50, (wasted, by_status)
             assert fresh.infer(rand(1, 3, SMALL_D_MODEL), timeout=10).output.shape == (1, 3, SMALL_D_MODEL)
 
 
