@@ -112,6 +112,11 @@ class LoadReport:
     latencies_s: dict[str, list[float]] = field(default_factory=dict)  # by status
     rss_samples_mib: list[float] = field(default_factory=list)
 
+    def add(self, call: Call) -> None:
+        self.requests += 1
+        self.statuses[call.status] += 1
+        self.latencies_s.setdefault(call.status, []).append(call.latency_s)
+
     def latency_ms(self, status: str, q: float) -> float:
         values = self.latencies_s.get(status)
         return float(np.percentile(values, q) * 1000) if values else float("nan")
@@ -141,6 +146,19 @@ def rss_mib(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+async def send(client: AsyncClient, call: Call, timeout_s: float, sent_at: float | None = None) -> None:
+    """Make ``call`` and fill in its status, details, result and latency (from ``sent_at`` when given)."""
+    started = time.perf_counter() if sent_at is None else sent_at
+    try:
+        call.result = await client.infer(
+            call.query, call.key, call.value, call.mask, call.attn_weights, timeout=timeout_s
+        )
+        call.status = "OK"
+    except grpc.aio.AioRpcError as error:
+        call.status, call.details = error.code().name, error.details() or ""
+    call.latency_s = time.perf_counter() - started
 
 
 async def run_checked_load(
@@ -174,18 +192,8 @@ async def run_checked_load(
             while sent < requests:
                 sent += 1
                 call = make_call(rng, shapes)
-                started = time.perf_counter()
-                try:
-                    call.result = await client.infer(
-                        call.query, call.key, call.value, call.mask, call.attn_weights, timeout=timeout_s
-                    )
-                    call.status = "OK"
-                except grpc.aio.AioRpcError as error:
-                    call.status = error.code().name
-                call.latency_s = time.perf_counter() - started
-                report.requests += 1
-                report.statuses[call.status] += 1
-                report.latencies_s.setdefault(call.status, []).append(call.latency_s)
+                await send(client, call, timeout_s)
+                report.add(call)
                 if call.status == "OK":
                     if reference is not None and ok_seen % check_every == 0:
                         report.checked += 1
@@ -223,22 +231,12 @@ async def burst(
             delay = at - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            started = at
-            try:
-                call.result = await client.infer(
-                    call.query, call.key, call.value, call.mask, call.attn_weights, timeout=timeout_s
-                )
-                call.status = "OK"
-            except grpc.aio.AioRpcError as error:
-                call.status, call.details = error.code().name, error.details() or ""
-            call.latency_s = time.perf_counter() - started
+            await send(client, call, timeout_s, sent_at=at)
 
         started = time.perf_counter()
         interval = 1 / rate if rate else 0.0
         await asyncio.gather(*(one(call, started + i * interval) for i, call in enumerate(calls)))
         report.elapsed_s = time.perf_counter() - started
     for call in calls:
-        report.requests += 1
-        report.statuses[call.status] += 1
-        report.latencies_s.setdefault(call.status, []).append(call.latency_s)
+        report.add(call)
     return report

@@ -59,7 +59,9 @@ def read_token(token_file: str | Path | None = None) -> str | None:
     return os.environ.get(TOKEN_ENV, "").strip() or None
 
 
-def open_channel(url: str, tls: TLS | None = None, max_message_bytes: int = 1 << 30, aio: bool = False):
+def open_channel(
+    url: str, tls: TLS | None = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, aio: bool = False
+):
     """A channel to ``url``: TLS when ``tls`` is given, plain text otherwise."""
     options = _channel_options(max_message_bytes)
     if tls is not None and tls.server_name:
@@ -123,8 +125,10 @@ def parse_infer_response(response: pb.ModelInferResponse) -> InferResult:
     return InferResult(arrays.get("output"), arrays.get("attn_weights"), response.id)
 
 
-class Client:
-    """Blocking client. ``infer`` raises grpc.RpcError with the server's status on refusal."""
+class _Connection:
+    """What both clients hold: the channel (plain or TLS), the stub and the token metadata."""
+
+    _aio = False
 
     def __init__(
         self,
@@ -136,9 +140,13 @@ class Client:
         token: str | None = None,
     ):
         self.model = model
-        self._channel = open_channel(url, tls, max_message_bytes)
+        self._channel = open_channel(url, tls, max_message_bytes, aio=self._aio)
         self._stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
         self._metadata = auth_metadata(token)
+
+
+class Client(_Connection):
+    """Blocking client. ``infer`` raises grpc.RpcError with the server's status on refusal."""
 
     def infer(
         self, query, key=None, value=None, mask=None, attn_weights=True, timeout=None, request_id=""
@@ -174,22 +182,10 @@ class Client:
         self.close()
 
 
-class AsyncClient:
+class AsyncClient(_Connection):
     """asyncio client with the same calls as Client."""
 
-    def __init__(
-        self,
-        url: str = "127.0.0.1:8001",
-        model: str = "mha",
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        *,
-        tls: TLS | None = None,
-        token: str | None = None,
-    ):
-        self.model = model
-        self._channel = open_channel(url, tls, max_message_bytes, aio=True)
-        self._stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
-        self._metadata = auth_metadata(token)
+    _aio = True
 
     async def infer(
         self, query, key=None, value=None, mask=None, attn_weights=True, timeout=None, request_id=""

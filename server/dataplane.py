@@ -201,7 +201,8 @@ class DataPlane:
         return answer.outputs
 
     def record(self, status: str, rows: int, timing: RequestTiming) -> None:
-        """One request's fate, for the statistics RPC and the metrics endpoint."""
+        """One request's fate, for the statistics RPC, the metrics endpoint and the stop line."""
+        self.outcomes[status] += 1
         if status == "OK":
             self.stats.record_success(rows, timing)
         else:

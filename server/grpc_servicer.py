@@ -155,7 +155,6 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             raise
         finally:
             self.dataplane.requests_in_flight -= 1
-            self.dataplane.outcomes[status] += 1
             if status != "OK":
                 timing.input_ns = time.perf_counter_ns() - started - timing.queue_ns - timing.infer_ns
             self.dataplane.record(status, rows, timing)

@@ -80,11 +80,12 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
-        if method.startswith(OPEN_SERVICES) or self._authorized(handler_call_details.invocation_metadata):
-            return await continuation(handler_call_details)
         handler = await continuation(handler_call_details)
-        if handler is None:  # unknown method: let gRPC answer UNIMPLEMENTED
-            return None
+        # None: an unknown method, which gRPC answers UNIMPLEMENTED.
+        if handler is None or method.startswith(OPEN_SERVICES):
+            return handler
+        if self._authorized(handler_call_details.invocation_metadata):
+            return handler
         self._on_refusal(method)
         return _refusing_handler(handler)
 

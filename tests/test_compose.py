@@ -263,9 +263,7 @@ class EagerReference:
         self.module = module
 
     def answer(self, call):
-        key = call.query if call.key is None else call.key
-        value = key if call.value is None else call.value
-        return eager(self.module, call.query, key, value, call.mask)
+        return eager(self.module, call.query, call.key, call.value, call.mask)  # key None: self-attention
 
 
 def test_sigterm_under_load_loses_nothing_and_sigkill_is_restarted(docker_engine, stack):
