@@ -25,9 +25,6 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-
 SHAPES = [(1, 16, 512), (1, 128, 512)]
 INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
 
@@ -74,11 +71,11 @@ def main():
     import tempfile
 
     import onnxruntime as ort
-    from server_process import ServerProcess, free_port
 
     from mhaserve.cli import ensure_default_model
     from mhaserve.client import _channel_options, build_infer_request, parse_infer_response
     from mhaserve.protos.generated import grpc_service_pb2 as pb
+    from mhaserve.server_process import ServerProcess, free_port
 
     model_dir = args.model_dir or ensure_default_model()
     options = ort.SessionOptions()

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
+from mhaserve.server_process import ServerProcess
+
 ROOT = Path(__file__).resolve().parents[1]
 PEERS_SCRIPTS = (ROOT / ".." / "shared" / "peers").resolve()
 LOCK = os.environ.get("BENCH_LOCK", "/tmp/bench.lock")
@@ -114,29 +116,21 @@ class MhaServer:
 
     def __init__(self, model_dir: Path, *args: str, instances: int = 1):
         reuse = ("--reuse-port", "true") if instances > 1 else ()
-        self.command = [sys.executable, "-m", "mhaserve.cli", "serve", "--model-dir", str(model_dir),
-                        "--port", str(MHASERVE_PORT), "--metrics-port", "-1", *reuse, *args]  # fmt: skip
-        self.instances = instances
+        args = ("--metrics-port", "-1", *reuse, *args)
+        self.servers = [ServerProcess(model_dir, *args, port=MHASERVE_PORT) for _ in range(instances)]
 
     def __enter__(self):
-        self.procs, self.logs = [], []
-        for i in range(self.instances):
-            path = Path(f"/tmp/bench_serving_mhaserve_{os.getpid()}_{i}.log")
-            self.logs.append(path)
-            self.procs.append(subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=path.open("w")))
-        deadline = time.monotonic() + 120
-        while not all("serving model=" in path.read_text() for path in self.logs):
-            if any(p.poll() is not None for p in self.procs) or time.monotonic() > deadline:
-                self.__exit__()
-                raise RuntimeError("mhaserve did not start:\n" + "\n".join(p.read_text() for p in self.logs))
-            time.sleep(0.1)
+        try:
+            for server in self.servers:
+                server.start(timeout=120)
+        except RuntimeError:
+            self.__exit__()
+            raise
         return self
 
     def __exit__(self, *exc):
-        for proc in self.procs:
-            proc.terminate()
-        for proc in self.procs:
-            proc.wait(30)
+        for server in self.servers:
+            server.stop()
 
 
 def loadgen(peers_dir: Path, label: str, url: str, input_name: str, seconds: float, out: Path) -> None:

@@ -8,7 +8,11 @@
    compared; server RSS sampled after the first tenth (warm-up) and through the run.
 2. Overload: a burst of --burst requests at once against a queue of --burst-queue, then an open-loop
    run at --overload-rate requests/s for --overload-seconds: refusals (RESOURCE_EXHAUSTED) against
-   answers, their latencies, and every answer checked.
+   answers, their latencies, and every answer checked. One client process sends all of it, so it
+   shows the behaviour, not how fast a refusal is.
+3. Refusal speed: open loop at --refusal-rate requests/s of [1, --refusal-length, d_model] from
+   --refusal-processes client processes (mhaserve bench's load generator), against a queue of
+   --burst-queue; the server with --inference-nice 10 (the default) and 0, in alternating rounds.
 Client and server share this machine's cores; the client's own CPU time is printed.
 """
 
@@ -16,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import re
 import resource
-import subprocess
 import sys
 import time
 from contextlib import nullcontext
@@ -27,28 +29,18 @@ from pathlib import Path
 import numpy as np
 
 from mhaserve.checked_load import Reference, Shapes, burst, make_call, mismatch, rss_mib, run_checked_load
+from mhaserve.server_process import ServerProcess
 
-SERVING = re.compile(r"serving model=.* address=([\d.]+):(\d+)")
 
+class Server(ServerProcess):
+    """``mhaserve serve`` for one part of the run; its stop line (calls by status) is printed at the end."""
 
-class Server:
     def __init__(self, model_dir: Path, *args: str):
-        self.command = [sys.executable, "-m", "mhaserve.cli", "serve", "--model-dir", str(model_dir),
-                        "--port", "0", "--metrics-port", "-1", *args]  # fmt: skip
-
-    def __enter__(self):
-        self.proc = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        for line in self.proc.stderr:
-            match = SERVING.search(line)
-            if match:
-                self.url = f"{match.group(1)}:{match.group(2)}"
-                return self
-        raise RuntimeError(f"the server did not start (exit {self.proc.wait()})")
+        super().__init__(model_dir, "--metrics-port", "-1", *args)
 
     def __exit__(self, *exc):
-        self.proc.terminate()
-        tail = self.proc.communicate(timeout=60)[1]
-        print("  server: " + next((line for line in tail.splitlines() if "stopped:" in line), "(no stop line)"))
+        self.stop()
+        print(f"  server: {self.stop_line}")
 
 
 def client_cpu_s() -> float:
@@ -68,6 +60,11 @@ def main() -> int:
     # Requests are made up front (about 0.3 MB each at 512 wide): rate x seconds of them must fit in memory.
     parser.add_argument("--overload-rate", type=float, default=300.0)
     parser.add_argument("--overload-seconds", type=float, default=10.0)
+    parser.add_argument("--refusal-rate", type=float, default=400.0, help="0 skips part 3")
+    parser.add_argument("--refusal-length", type=int, default=128)
+    parser.add_argument("--refusal-seconds", type=float, default=8.0)
+    parser.add_argument("--refusal-rounds", type=int, default=2)
+    parser.add_argument("--refusal-processes", type=int, default=2)
     args = parser.parse_args()
 
     from mhaserve.cli import ensure_default_model
@@ -125,9 +122,42 @@ def main() -> int:
         print(f"  client CPU {client_cpu_s() - cpu:.0f} s over {wall:.0f} s (the sender shares the cores)")
         open_ok = set(report.statuses) <= {"OK", "RESOURCE_EXHAUSTED"} and not problems
 
+    refusal_ok = refusal_speed(model_dir, d_model, args) if args.refusal_rate else True
+
     print(f"\nsoak {'passed' if soak_ok else 'FAILED'}, burst {'passed' if burst_ok else 'FAILED'}, "
-          f"open-loop overload {'passed' if open_ok else 'FAILED'}")  # fmt: skip
-    return 0 if soak_ok and burst_ok and open_ok else 1
+          f"open-loop overload {'passed' if open_ok else 'FAILED'}, "
+          f"refusal speed {'passed' if refusal_ok else 'FAILED'}")  # fmt: skip
+    return 0 if soak_ok and burst_ok and open_ok and refusal_ok else 1
+
+
+def refusal_speed(model_dir: Path, d_model: int, args) -> bool:
+    """Part 3: how fast the excess is refused, and what the accepted requests see, at each --inference-nice."""
+    from mhaserve.loadgen import LoadGenerator, Point, Workload
+
+    length = args.refusal_length
+    workload = Workload(d_model, 1, length, length)
+    point = Point("open", args.refusal_rate, args.refusal_seconds, warmup_s=2.0)
+    print(f"\n3. refusal speed: open loop at {args.refusal_rate:g}/s of [1,{length},{d_model}] with attn_weights, "
+          f"{args.refusal_processes} client processes, --max-queue-size {args.burst_queue}")  # fmt: skip
+    refused_p50: dict[int, list[float]] = {10: [], 0: []}
+    statuses_ok = True
+    for round_ in range(1, args.refusal_rounds + 1):
+        for nice in refused_p50:
+            extra = ("--max-queue-size", str(args.burst_queue), "--inference-nice", str(nice))
+            with Server(model_dir, *extra) as server, LoadGenerator(server.url, args.refusal_processes) as load:
+                r = load.measure(workload, point)
+            refused = r.error_latency_ms.get("RESOURCE_EXHAUSTED", {"p50": float("nan"), "p99": float("nan")})
+            refused_p50[nice].append(refused["p50"])
+            others = {status: n for status, n in r.errors.items() if status != "RESOURCE_EXHAUSTED"}
+            statuses_ok &= not others
+            print(f"  round {round_}, --inference-nice {nice:2d}: OK {r.throughput:.0f}/s "
+                  f"(p50 {r.latency_ms['p50']:.0f} ms, p99 {r.latency_ms['p99']:.0f} ms); "
+                  f"refused {r.errors.get('RESOURCE_EXHAUSTED', 0)} in p50 {refused['p50']:.1f} ms, "
+                  f"p99 {refused['p99']:.1f} ms; other errors {others or 0}; "
+                  f"client {r.client_cpu_cores:.2f} cores")  # fmt: skip
+    low, same = (float(np.median(refused_p50[n])) for n in (10, 0))
+    print(f"  median refusal p50: {low:.1f} ms at nice 10, {same:.1f} ms at nice 0 (ratio {low / same:.2f})")
+    return statuses_ok
 
 
 if __name__ == "__main__":

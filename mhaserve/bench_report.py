@@ -31,6 +31,12 @@ def notes(results: list[PointResult]) -> list[str]:
             "! client-bound: a client process used most of a core (or an open-loop send left >50 ms late); "
             "those points measure the client too. Use more --processes or run the client elsewhere."
         )
+    for r in results:
+        for status, latency in sorted(r.error_latency_ms.items()):
+            lines.append(
+                f"{r.point.label}: {r.errors[status]} {status} answered in p50 {latency['p50']:.3f} ms, "
+                f"p99 {latency['p99']:.3f} ms, max {latency['max']:.3f} ms"
+            )
     dropped = sum(r.dropped for r in results)
     if dropped:
         lines.append(f"! open loop: {dropped} sends skipped with too many requests outstanding (server overloaded)")
@@ -45,6 +51,9 @@ def write_csv(results: list[PointResult], path: Path) -> None:
     rows = [r.row() for r in results]
     for row in rows:
         row["errors_by_status"] = ";".join(f"{k}:{v}" for k, v in sorted(row["errors_by_status"].items()))
+        row["error_latency_ms"] = ";".join(
+            f"{k}:p50={v['p50']:.3f},p99={v['p99']:.3f}" for k, v in sorted(row["error_latency_ms"].items())
+        )
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()

@@ -60,7 +60,7 @@ class Point:
 @dataclass
 class WorkerResult:
     latencies_ns: np.ndarray  # successful requests completed in the measured window
-    errors: dict[str, int]  # gRPC status name -> count, measured window
+    error_latencies_ns: dict[str, np.ndarray]  # gRPC status name -> latencies of refused requests, measured window
     cpu_s: float  # this process's user + system time in the window
     behind_ms: float = 0.0  # open loop: how late the worst send left (the client falling behind)
     dropped: int = 0  # open loop: sends skipped because too many were outstanding
@@ -75,6 +75,7 @@ class PointResult:
     throughput: float  # successful requests per second
     latency_ms: dict[str, float]  # p50, p90, p95, p99, max, mean
     errors: dict[str, int]
+    error_latency_ms: dict[str, dict[str, float]]  # per status: how fast refusals came back (p50, p99, max)
     client_cpu_cores: float  # all client processes together
     client_bound: bool
     behind_ms: float
@@ -95,6 +96,7 @@ class PointResult:
             **{f"{k}_ms": round(v, 4) for k, v in self.latency_ms.items()},
             "errors": sum(self.errors.values()),
             "errors_by_status": dict(self.errors),
+            "error_latency_ms": self.error_latency_ms,
             "client_cpu_cores": round(self.client_cpu_cores, 3),
             "client_bound": self.client_bound,
             "open_loop_behind_ms": round(self.behind_ms, 3),
@@ -128,7 +130,7 @@ async def _drive(url: str, workload: Workload, point: Point, share: float, seed:
 
     requests = _requests(workload, seed)
     latencies: list[int] = []
-    errors: dict[str, int] = {}
+    errors: dict[str, list[int]] = {}
     metadata = auth_metadata(token)
     async with open_channel(url, tls, aio=True) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
@@ -146,10 +148,7 @@ async def _drive(url: str, workload: Workload, point: Point, share: float, seed:
                 status = error.code().name
             done = time.perf_counter_ns()
             if sent_ns >= measure_from and done <= end:
-                if status == "OK":
-                    latencies.append(done - sent_ns)
-                else:
-                    errors[status] = errors.get(status, 0) + 1
+                (latencies if status == "OK" else errors.setdefault(status, [])).append(done - sent_ns)
 
         async def mark_window() -> None:
             await asyncio.sleep(max(0.0, (measure_from - time.perf_counter_ns()) / 1e9))
@@ -189,7 +188,8 @@ async def _drive(url: str, workload: Workload, point: Point, share: float, seed:
                 await asyncio.wait(outstanding, timeout=timeout_s)
         await marker
         cpu = _cpu_seconds() - cpu_at_start[0]
-    return WorkerResult(np.asarray(latencies, dtype=np.int64), errors, cpu, behind_ns / 1e6, dropped)
+    refused = {status: np.asarray(values, dtype=np.int64) for status, values in errors.items()}
+    return WorkerResult(np.asarray(latencies, dtype=np.int64), refused, cpu, behind_ns / 1e6, dropped)
 
 
 def run_worker(
@@ -201,10 +201,13 @@ def run_worker(
 
 def summarize(point: Point, workload: Workload, parts: list[WorkerResult]) -> PointResult:
     latencies = np.concatenate([p.latencies_ns for p in parts]) / 1e6 if parts else np.zeros(0)
-    errors: dict[str, int] = {}
-    for part in parts:
-        for status, n in part.errors.items():
-            errors[status] = errors.get(status, 0) + n
+    statuses = sorted({status for part in parts for status in part.error_latencies_ns})
+    refused = {s: np.concatenate([p.error_latencies_ns.get(s, np.zeros(0)) for p in parts]) / 1e6 for s in statuses}
+    errors = {status: int(values.size) for status, values in refused.items()}
+    error_latency = {
+        status: {"p50": float(np.percentile(v, 50)), "p99": float(np.percentile(v, 99)), "max": float(v.max())}
+        for status, v in refused.items()
+    }
     if latencies.size:
         latency = {f"p{q}": float(np.percentile(latencies, q)) for q in PERCENTILES}
         latency |= {"max": float(latencies.max()), "mean": float(latencies.mean())}
@@ -221,6 +224,7 @@ def summarize(point: Point, workload: Workload, parts: list[WorkerResult]) -> Po
         throughput=latencies.size / point.duration_s,
         latency_ms=latency,
         errors=errors,
+        error_latency_ms=error_latency,
         client_cpu_cores=cpu_cores,
         client_bound=client_bound,
         behind_ms=max(p.behind_ms for p in parts),

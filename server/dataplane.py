@@ -6,6 +6,8 @@ Plain Python and numpy: the gRPC layer decodes requests before they get here and
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import threading
 import time
 from collections import Counter
@@ -127,6 +129,12 @@ def footprint_bytes(request: AttentionRequest, num_heads: int) -> int:
     return sum(inputs.values()) + outputs
 
 
+def lower_thread_priority(nice: int) -> None:
+    """Add ``nice`` to the calling thread's nice value (Linux keeps one per thread; new threads inherit it)."""
+    if nice and sys.platform.startswith("linux"):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + nice)
+
+
 class DataPlane:
     def __init__(self, settings: ServerSettings, model_dir):
         self.settings = settings
@@ -141,7 +149,12 @@ class DataPlane:
         self.inflight_bytes = 0  # footprint_bytes of the requests queued or running (event loop only)
         self.requests_in_flight = 0  # inference calls inside the handler (event loop only)
         self.outcomes: Counter[str] = Counter()  # inference calls by final status since start
-        self._executor = ThreadPoolExecutor(settings.inference_workers, thread_name_prefix="mhaserve-infer")
+        self._executor = ThreadPoolExecutor(
+            settings.inference_workers,
+            thread_name_prefix="mhaserve-infer",
+            initializer=lower_thread_priority,
+            initargs=(settings.inference_nice,),
+        )
         self.batcher = Batcher(
             self._run_model,
             self._executor,
@@ -155,6 +168,10 @@ class DataPlane:
 
     def load(self) -> AttentionSession:
         """Create the session and warm it up (blocking: call from a thread)."""
+        # On an inference thread, so that ONNX Runtime's own threads inherit its lower priority.
+        return self._executor.submit(self._load).result()
+
+    def _load(self) -> AttentionSession:
         session = AttentionSession(self.model_dir, self.settings.device, self.settings.intra_op_threads)
         session.warm_up(self.settings.warmup_runs)
         self.session = session

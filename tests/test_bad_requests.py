@@ -215,7 +215,7 @@ def test_after_every_malformed_request_a_good_one_is_served(stub, server):
 
 
 def test_a_message_over_the_size_limit_is_resource_exhausted(small_model_dir):
-    from .server_process import ServerProcess
+    from mhaserve.server_process import ServerProcess
 
     with ServerProcess(small_model_dir, "--max-message-bytes", "100000", "--warmup-runs", "0") as server:
         with grpc.insecure_channel(server.url) as channel:

@@ -14,9 +14,9 @@ from mhaserve.client import AsyncClient, Client, build_infer_request
 from mhaserve.server.batcher import merge, split
 from mhaserve.server.codec import AttentionRequest, Limits, ModelSignature, decode_infer_request
 from mhaserve.server.session import AttentionSession
+from mhaserve.server_process import ServerProcess
 
 from .conftest import SMALL_D_MODEL, SMALL_HEADS, eager, rand
-from .server_process import ServerProcess
 
 D = SMALL_D_MODEL
 

@@ -55,3 +55,7 @@ def test_refused_requests_are_counted_by_status(server, tmp_path):
     assert point["requests"] == 0 and point["errors"] > 0
     assert set(point["errors_by_status"]) == {"RESOURCE_EXHAUSTED"}
     assert "RESOURCE_EXHAUSTED:" in done.stdout
+    # How fast refusals come back is reported too: the figure behind "fast RESOURCE_EXHAUSTED".
+    refused = point["error_latency_ms"]["RESOURCE_EXHAUSTED"]
+    assert 0 < refused["p50"] <= refused["p99"] <= refused["max"]
+    assert f"{point['errors']} RESOURCE_EXHAUSTED answered in p50" in done.stdout

@@ -23,8 +23,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mhaserve.server_process import free_port
+
 from .conftest import eager, rand, scrape
-from .server_process import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER_ROOT = Path(os.environ.get("MHASERVE_TEST_DOCKER_ROOT", Path.home() / ".cache" / "mhaserve-test-docker"))

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from mhaserve.client import Client
+from mhaserve.server_process import ServerProcess
 
 from .conftest import SMALL_D_MODEL, rand, scrape
-from .server_process import ServerProcess
 
 D = SMALL_D_MODEL
 

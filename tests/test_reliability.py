@@ -22,9 +22,9 @@ import pytest
 
 from mhaserve.checked_load import Reference, Shapes, burst, make_call, mismatch, rss_mib, run_checked_load
 from mhaserve.client import Client
+from mhaserve.server_process import ServerProcess
 
 from .conftest import SMALL_D_MODEL, TEST_SERVER_ARGS, rand, scrape
-from .server_process import ServerProcess
 
 SOAK_REQUESTS = int(os.environ.get("MHASERVE_SOAK_REQUESTS", "4000"))
 

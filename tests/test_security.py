@@ -16,10 +16,10 @@ import pytest
 from mhaserve.client import TLS, Client, build_infer_request, open_channel
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
+from mhaserve.server_process import ServerProcess
 
 from .certs import CertificateAuthority
 from .conftest import SMALL_D_MODEL, TEST_SERVER_ARGS, eager, rand, scrape
-from .server_process import ServerProcess
 
 TOKEN = "s3cret-token-for-tests"
 

@@ -4,6 +4,8 @@ RPCs, requested outputs, streaming, statistics, device choice, and a server proc
 from __future__ import annotations
 
 import asyncio
+import re
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -12,9 +14,9 @@ import pytest
 from mhaserve.client import AsyncClient, Client, build_infer_request
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
+from mhaserve.server_process import ServerProcess
 
 from .conftest import SMALL_D_MODEL, SMALL_HEADS, eager, rand
-from .server_process import ServerProcess
 
 D, H = SMALL_D_MODEL, SMALL_HEADS
 
@@ -207,6 +209,25 @@ def test_start_up_line_names_model_provider_threads_and_address(server):
         assert part in line
 
 
+def thread_nice_values(pid: int) -> dict[int, int]:
+    """Each thread's nice value, from /proc (field 19 of stat; the name before it may hold spaces)."""
+    values = {}
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        after_name = stat.read_text().rsplit(")", 1)[1].split()
+        values[int(stat.parent.name)] = int(after_name[16])
+    return values
+
+
+def test_inference_threads_run_below_the_grpc_thread(server):
+    # So that when model runs fill every core, the thread that receives, refuses and answers still runs.
+    line = next(line for line in server.lines if "serving model=" in line)
+    intra_op_threads = int(re.search(r"intra_op_threads=(\d+)", line).group(1))
+    nice = thread_nice_values(server.proc.pid)
+    assert nice[server.proc.pid] == 0  # the main thread: the event loop
+    # The worker that calls ONNX Runtime and the threads ONNX Runtime made from it (intra_op_threads in all).
+    assert sum(value == 10 for value in nice.values()) >= intra_op_threads, nice
+
+
 def test_device_auto_without_cuda_serves_on_cpu_with_one_warning(server):
     import onnxruntime as ort
 
@@ -292,7 +313,7 @@ def test_health_command_says_serving_or_fails(server):
     import subprocess
     import sys
 
-    from .server_process import free_port
+    from mhaserve.server_process import free_port
 
     command = [sys.executable, "-m", "mhaserve.cli", "health", "--url"]
     serving = subprocess.run([*command, server.url], capture_output=True, text=True, timeout=60)

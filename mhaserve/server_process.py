@@ -1,4 +1,4 @@
-"""Start a real `mhaserve serve` process on 127.0.0.1 and stop it; its log is kept for assertions."""
+"""A real ``mhaserve serve`` process on 127.0.0.1, started and stopped by tests and benchmarks; its log is kept."""
 
 from __future__ import annotations
 
@@ -47,7 +47,8 @@ class ServerProcess:
         self.proc = subprocess.Popen(
             self.command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=self.env
         )
-        threading.Thread(target=self._read_log, daemon=True).start()
+        self._reader = threading.Thread(target=self._read_log, daemon=True)
+        self._reader.start()
         if wait:
             self.wait_serving(timeout)
         return self
@@ -74,6 +75,11 @@ class ServerProcess:
     def wait_exit(self, timeout: float = 30.0) -> int:
         return self.proc.wait(timeout)
 
+    @property
+    def stop_line(self) -> str:
+        """The server's last word: its calls counted by status, and any still in flight."""
+        return next((line.strip() for line in reversed(self.lines) if "stopped:" in line), "(no stop line)")
+
     def stop(self) -> int | None:
         if self.proc and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -82,6 +88,7 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+            self._reader.join(5)  # the last lines, the stop line among them
         return self.proc.returncode if self.proc else None
 
     def __enter__(self):
