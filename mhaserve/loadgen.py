@@ -60,7 +60,7 @@ class Point:
 @dataclass
 class WorkerResult:
     latencies_ns: np.ndarray  # successful requests completed in the measured window
-    error_latencies_ns: dict[str, np.ndarray]  # gRPC status name -> latencies of refused requests, measured window
+    error_latencies_ns: dict[str, np.ndarray]  # gRPC status name -> latencies of failed requests, measured window
     cpu_s: float  # this process's user + system time in the window
     behind_ms: float = 0.0  # open loop: how late the worst send left (the client falling behind)
     dropped: int = 0  # open loop: sends skipped because too many were outstanding
@@ -75,7 +75,7 @@ class PointResult:
     throughput: float  # successful requests per second
     latency_ms: dict[str, float]  # p50, p90, p95, p99, max, mean
     errors: dict[str, int]
-    error_latency_ms: dict[str, dict[str, float]]  # per status: how fast refusals came back (p50, p99, max)
+    error_latency_ms: dict[str, dict[str, float]]  # per error status: how fast those answers came (p50, p99, max)
     client_cpu_cores: float  # all client processes together
     client_bound: bool
     behind_ms: float
@@ -130,7 +130,7 @@ async def _drive(url: str, workload: Workload, point: Point, share: float, seed:
 
     requests = _requests(workload, seed)
     latencies: list[int] = []
-    errors: dict[str, list[int]] = {}
+    error_latencies: dict[str, list[int]] = {}
     metadata = auth_metadata(token)
     async with open_channel(url, tls, aio=True) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
@@ -148,7 +148,7 @@ async def _drive(url: str, workload: Workload, point: Point, share: float, seed:
                 status = error.code().name
             done = time.perf_counter_ns()
             if sent_ns >= measure_from and done <= end:
-                (latencies if status == "OK" else errors.setdefault(status, [])).append(done - sent_ns)
+                (latencies if status == "OK" else error_latencies.setdefault(status, [])).append(done - sent_ns)
 
         async def mark_window() -> None:
             await asyncio.sleep(max(0.0, (measure_from - time.perf_counter_ns()) / 1e9))
@@ -188,8 +188,8 @@ async def _drive(url: str, workload: Workload, point: Point, share: float, seed:
                 await asyncio.wait(outstanding, timeout=timeout_s)
         await marker
         cpu = _cpu_seconds() - cpu_at_start[0]
-    refused = {status: np.asarray(values, dtype=np.int64) for status, values in errors.items()}
-    return WorkerResult(np.asarray(latencies, dtype=np.int64), refused, cpu, behind_ns / 1e6, dropped)
+    failed = {status: np.asarray(values, dtype=np.int64) for status, values in error_latencies.items()}
+    return WorkerResult(np.asarray(latencies, dtype=np.int64), failed, cpu, behind_ns / 1e6, dropped)
 
 
 def run_worker(

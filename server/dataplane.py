@@ -131,8 +131,13 @@ def footprint_bytes(request: AttentionRequest, num_heads: int) -> int:
 
 def lower_thread_priority(nice: int) -> None:
     """Add ``nice`` to the calling thread's nice value (Linux keeps one per thread; new threads inherit it)."""
-    if nice and sys.platform.startswith("linux"):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + nice)
+    if not nice or not sys.platform.startswith("linux"):
+        return
+    thread = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, thread, os.getpriority(os.PRIO_PROCESS, thread) + nice)
+    except OSError as error:  # a sandbox may forbid it; serving matters more than the priority
+        log.warning("could not lower the inference threads' priority (--inference-nice %d): %s", nice, error)
 
 
 class DataPlane:
