@@ -71,12 +71,12 @@ class MultiHeadAttention(nn.Module):
             weights = torch.softmax(scores, dim=-1)
         else:
             allowed = attention_mask_4d(mask)
-            # The mask becomes an additive bias at its own (small, broadcast) shape: the lowest finite
-            # value, which exp() turns into exactly 0 as -inf would, but which leaves a row with every
-            # key masked uniform instead of NaN. One broadcast Add over the scores replaces a full-size
+            # The mask becomes an additive bias at its own (small, broadcast) shape: half the lowest
+            # finite value, which exp() turns into exactly 0 as -inf would, which a score cannot push
+            # past -inf (float16's lowest plus -20 would overflow), and which leaves a row with every
+            # key masked finite instead of NaN. One broadcast Add over the scores replaces a full-size
             # select (ONNX Runtime's Where measured 1.8 ms of 14 ms at [1, 8, 512, 512]).
-            lowest = torch.finfo(scores.dtype).min
-            bias = torch.where(allowed, 0.0, lowest).to(scores.dtype)
+            bias = (~allowed).to(scores.dtype) * (torch.finfo(scores.dtype).min / 2)
             # A row with every key masked is defined as zeros: multiply by whether the row attends at all.
             attends = allowed.any(dim=-1, keepdim=True)  # [B or 1, h or 1, Lq or 1, 1]
             weights = torch.softmax(scores + bias, dim=-1) * attends.to(scores.dtype)

@@ -167,6 +167,22 @@ def test_fully_masked_row_is_zero_not_nan():
     np.testing.assert_allclose(attn.numpy(), ref_attn, atol=2e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+def test_fully_masked_row_is_zero_in_every_float_dtype(dtype):
+    # Large inputs give scores far from zero: a masking bias near float16's limit would overflow to -inf.
+    m = seeded_module(64, 4).to(dtype)
+    x = (torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(0)) * 30).to(dtype)
+    key_padding = torch.ones(2, 5, dtype=torch.bool)
+    key_padding[1] = False  # every key of the second item masked
+    key_padding[0, 3:] = False
+    out, attn = run(m, x, x, x, key_padding)
+    assert out.dtype == attn.dtype == dtype
+    assert not torch.isnan(out).any() and not torch.isnan(attn).any()
+    assert torch.all(attn[1] == 0) and torch.all(out[1] == 0)
+    assert torch.all(attn[0, ..., 3:] == 0)  # masked keys get exactly zero weight
+    torch.testing.assert_close(attn[0].sum(-1).float(), torch.ones(4, 5), rtol=0, atol=1e-2)
+
+
 def test_causal_mask():
     assert causal_mask(3).tolist() == [[[True, False, False], [True, True, False], [True, True, True]]]
     # Lk > Lq: aligned at the end (queries are the last Lq positions)
