@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import resource
 import sys
 import time
 from contextlib import nullcontext
@@ -29,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from mhaserve.checked_load import Reference, Shapes, burst, make_call, mismatch, rss_mib, run_checked_load
+from mhaserve.loadgen import cpu_seconds
 from mhaserve.server_process import ServerProcess
 
 
@@ -41,11 +41,6 @@ class Server(ServerProcess):
     def __exit__(self, *exc):
         self.stop()
         print(f"  server: {self.stop_line}")
-
-
-def client_cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 def main() -> int:
@@ -80,7 +75,7 @@ def main() -> int:
     soak_ok = burst_ok = True  # a part given 0 requests is skipped
     print(f"\n1. soak: {args.soak_requests} requests, concurrency {args.concurrency}")
     with Server(model_dir) if args.soak_requests else nullcontext() as server:
-        cpu = client_cpu_s()
+        cpu = cpu_seconds()
         report = server and asyncio.run(
             run_checked_load(
                 server.url,
@@ -94,7 +89,7 @@ def main() -> int:
         )
         if report:
             print("  " + report.summary().replace("\n", "\n  "))
-            print(f"  client CPU {client_cpu_s() - cpu:.0f} s over {report.elapsed_s:.0f} s")
+            print(f"  client CPU {cpu_seconds() - cpu:.0f} s over {report.elapsed_s:.0f} s")
             soak_ok = set(report.statuses) == {"OK"} and not report.mismatches
 
     print(f"\n2a. overload: a burst of {args.burst} requests at once, --max-queue-size {args.burst_queue}")
@@ -113,13 +108,13 @@ def main() -> int:
           f"--max-queue-size {args.burst_queue}")  # fmt: skip
     with Server(model_dir, "--max-queue-size", str(args.burst_queue)) as server:
         calls = [make_call(rng, shapes) for _ in range(count)]
-        cpu, started = client_cpu_s(), time.perf_counter()
+        cpu, started = cpu_seconds(), time.perf_counter()
         report = asyncio.run(burst(server.url, calls, timeout_s=120, rate=args.overload_rate))
         wall = time.perf_counter() - started
         problems = [p for call in calls if call.status == "OK" and (p := mismatch(call, reference))]
         print("  " + report.summary().replace("\n", "\n  "))
         print(f"  every answer checked: {sum(c.status == 'OK' for c in calls)}, mismatches {len(problems)}")
-        print(f"  client CPU {client_cpu_s() - cpu:.0f} s over {wall:.0f} s (the sender shares the cores)")
+        print(f"  client CPU {cpu_seconds() - cpu:.0f} s over {wall:.0f} s (the sender shares the cores)")
         open_ok = set(report.statuses) <= {"OK", "RESOURCE_EXHAUSTED"} and not problems
 
     refusal_ok = refusal_speed(model_dir, d_model, args) if args.refusal_rate else True

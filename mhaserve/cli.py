@@ -144,6 +144,18 @@ def _connection(args):
         raise SystemExit(f"cannot read --token-file {args.token_file}: {error.strerror}") from None
 
 
+def _model_width(client, args, timeout: float) -> int | None:
+    """The served model's d_model from its metadata; None, with the reason on stderr, when it cannot be had."""
+    import grpc
+
+    try:
+        return client.metadata(timeout=timeout).inputs[0].shape[-1]
+    except grpc.RpcError as error:
+        print(f"cannot reach model '{args.model}' at {args.url}: {error.code().name}: {error.details()}",
+              file=sys.stderr)  # fmt: skip
+        return None
+
+
 def _add_infer(sub) -> None:
     p = sub.add_parser("infer", help="call a server with random or .npy inputs; print shapes and latency")
     _add_connection_arguments(p)
@@ -174,13 +186,8 @@ def _run_infer(args) -> int:
 
     tls, token = _connection(args)
     with Client(args.url, args.model, tls=tls, token=token) as client:
-        try:
-            d_model = client.metadata(timeout=args.timeout).inputs[0].shape[-1]
-        except grpc.RpcError as error:
-            print(
-                f"cannot reach model '{args.model}' at {args.url}: {error.code().name}: {error.details()}",
-                file=sys.stderr,
-            )
+        d_model = _model_width(client, args, timeout=args.timeout)
+        if d_model is None:
             return 1
         rng = np.random.default_rng(args.seed)
         arrays = {
@@ -296,20 +303,15 @@ def _add_bench(sub) -> None:
 
 
 def _run_bench(args) -> int:
-    import grpc
-
     from mhaserve import bench_report as report
     from mhaserve.client import Client
     from mhaserve.loadgen import LoadGenerator, Point, Workload, default_processes
 
     tls, token = _connection(args)
     with Client(args.url, args.model, tls=tls, token=token) as client:
-        try:
-            d_model = client.metadata(timeout=10).inputs[0].shape[-1]
-        except grpc.RpcError as error:
-            print(f"cannot reach model '{args.model}' at {args.url}: {error.code().name}: {error.details()}",
-                  file=sys.stderr)  # fmt: skip
-            return 1
+        d_model = _model_width(client, args, timeout=10)
+    if d_model is None:
+        return 1
     workload = Workload(d_model, args.batch, *args.lengths, attn_weights=not args.no_weights, model=args.model)
     if args.rate:
         points = [Point("open", rate, args.duration, args.warmup) for rate in args.rate]

@@ -116,7 +116,8 @@ def _requests(w: Workload, seed: int):
     return built
 
 
-def _cpu_seconds() -> float:
+def cpu_seconds() -> float:
+    """User + system CPU time of this process so far: what a client spent."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
 
@@ -152,7 +153,7 @@ async def _drive(url: str, workload: Workload, point: Point, share: float, seed:
 
         async def mark_window() -> None:
             await asyncio.sleep(max(0.0, (measure_from - time.perf_counter_ns()) / 1e9))
-            cpu_at_start.append(_cpu_seconds())
+            cpu_at_start.append(cpu_seconds())
 
         marker = asyncio.create_task(mark_window())
         behind_ns, dropped = 0, 0
@@ -187,7 +188,7 @@ async def _drive(url: str, workload: Workload, point: Point, share: float, seed:
             if outstanding:
                 await asyncio.wait(outstanding, timeout=timeout_s)
         await marker
-        cpu = _cpu_seconds() - cpu_at_start[0]
+        cpu = cpu_seconds() - cpu_at_start[0]
     failed = {status: np.asarray(values, dtype=np.int64) for status, values in error_latencies.items()}
     return WorkerResult(np.asarray(latencies, dtype=np.int64), failed, cpu, behind_ns / 1e6, dropped)
 

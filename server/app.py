@@ -101,7 +101,7 @@ async def serve(settings: ServerSettings, model_dir) -> int:
         loop.add_signal_handler(signum, stop.set)
 
     try:
-        session = await asyncio.to_thread(dataplane.load)
+        session = await dataplane.load()
     except (ModelDirError, DeviceUnavailable, ValueError) as error:
         log.error("cannot serve: %s", error)
         await server.stop(0)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from .codec import AttentionRequest, RequestError
+from .codec import OUTPUT_NAMES, AttentionRequest, RequestError
 
 
 class QueueFull(RequestError):
@@ -62,7 +62,7 @@ def _is_unmasked(mask: np.ndarray) -> bool:
 def merge(requests: list[AttentionRequest]) -> Merged:
     """Stack requests along the batch axis, padding lengths to the longest (see the module doc)."""
     first = requests[0]
-    outputs = tuple(name for name in ("output", "attn_weights") if any(name in r.outputs for r in requests))
+    outputs = tuple(name for name in OUTPUT_NAMES if any(name in r.outputs for r in requests))
     parts, row = [], 0
     for r in requests:
         parts.append((row, r.batch_size, r.query.shape[1], r.key.shape[1]))

@@ -5,6 +5,7 @@ Plain Python and numpy: the gRPC layer decodes requests before they get here and
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import sys
@@ -171,10 +172,10 @@ class DataPlane:
             on_batch=self._on_batch,
         )
 
-    def load(self) -> AttentionSession:
-        """Create the session and warm it up (blocking: call from a thread)."""
+    async def load(self) -> AttentionSession:
+        """Create the session and warm it up."""
         # On an inference thread, so that ONNX Runtime's own threads inherit its lower priority.
-        return self._executor.submit(self._load).result()
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._load)
 
     def _load(self) -> AttentionSession:
         session = AttentionSession(self.model_dir, self.settings.device, self.settings.intra_op_threads)
