@@ -6,10 +6,14 @@ For each shape ([1,16,512] and [1,128,512], attention weights requested), in alt
 - ORT: session.run in this process (same threads as the server);
 - echo: a bare grpc.aio server in its own process that answers every ModelInfer with the server's
   own response bytes for that request, unparsed: the cost of gRPC and the bytes alone;
+- bare: the least a Python server on the same ORT session can do, in its own process: parse the
+  request, ``np.frombuffer`` the query, ``session.run`` inline on the event loop, ``tobytes`` the
+  outputs. No validation, no batching, no statistics. Like the server, its ORT runs after an idle
+  gap (the client's turn), which costs ORT more than the back-to-back runs of the ORT row;
 - server: mhaserve serve.
-Echo and server are called by the same client code (build request, call, parse with np.frombuffer).
+Echo, bare and server are called by the same client code (build request, call, parse with np.frombuffer).
 The client runs on the same 2 cores as the server; its own cost is in both echo and server figures.
-Prints p50/p99 per variant and server p50 / (ORT p50 + echo p50). Not a test.
+Prints p50/p99 per variant, server p50 / (ORT p50 + echo p50) and server p50 / bare p50. Not a test.
 """
 
 from __future__ import annotations
@@ -36,6 +40,34 @@ def echo_server(port: int, response_dir: Path) -> None:
     async def infer(request: bytes, context) -> bytes:
         return responses[len(request)]
 
+    _serve_bytes(port, infer)
+
+
+def bare_server(port: int, model_dir: Path, threads: int) -> None:
+    """A minimal ModelInfer on ORT for a self-attention request: the floor for any Python gRPC server."""
+    import onnxruntime as ort
+
+    from mhaserve.protos.generated import grpc_service_pb2 as pb
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    session = ort.InferenceSession(str(model_dir / "model.onnx"), options, providers=["CPUExecutionProvider"])
+
+    async def infer(request: bytes, context) -> bytes:
+        parsed = pb.ModelInferRequest.FromString(request)
+        x = np.frombuffer(parsed.raw_input_contents[0], np.float32).reshape(parsed.inputs[0].shape)
+        mask = np.ones((1, 1, 1, x.shape[1]), dtype=bool)
+        output, weights = session.run(None, {"query": x, "key": x, "value": x, "mask": mask})
+        response = pb.ModelInferResponse(model_name=parsed.model_name, model_version="1")
+        for name, array in (("output", output), ("attn_weights", weights)):
+            response.outputs.add(name=name, datatype="FP32", shape=array.shape)
+            response.raw_output_contents.append(array.tobytes())
+        return response.SerializeToString()
+
+    _serve_bytes(port, infer)
+
+
+def _serve_bytes(port: int, infer) -> None:
     async def main():
         server = grpc.aio.server(
             options=[("grpc.max_receive_message_length", 1 << 30), ("grpc.max_send_message_length", 1 << 30)]
@@ -46,7 +78,7 @@ def echo_server(port: int, response_dir: Path) -> None:
         server.add_generic_rpc_handlers((handler,))
         server.add_insecure_port(f"127.0.0.1:{port}")
         await server.start()
-        print("echo ready", flush=True)
+        print("ready", flush=True)
         await server.wait_for_termination()
 
     asyncio.run(main())
@@ -63,9 +95,13 @@ def main():
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--echo-server", nargs=2, metavar=("PORT", "DIR"), help=argparse.SUPPRESS)
+    parser.add_argument("--bare-server", nargs=2, metavar=("PORT", "MODEL_DIR"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.echo_server:
         echo_server(int(args.echo_server[0]), Path(args.echo_server[1]))
+        return
+    if args.bare_server:
+        bare_server(int(args.bare_server[0]), Path(args.bare_server[1]), args.threads)
         return
 
     import tempfile
@@ -93,13 +129,14 @@ def main():
         requests[shape] = (x, request)
         raw = request.SerializeToString()
         (tmp / f"{len(raw)}.bin").write_bytes(infer(raw))
-    echo_port = free_port()
-    echo = subprocess.Popen(
-        [sys.executable, __file__, "--echo-server", str(echo_port), str(tmp)], stdout=subprocess.PIPE, text=True
-    )
-    echo.stdout.readline()
-    echo_channel = grpc.insecure_channel(f"127.0.0.1:{echo_port}", options=_channel_options(1 << 30))
-    echo_infer = echo_channel.unary_unary(INFER_METHOD)
+    helpers, calls = [], {}
+    for name, arguments in (("echo", ["--echo-server", tmp]), ("bare", ["--bare-server", model_dir])):
+        port = free_port()
+        command = [sys.executable, __file__, "--threads", str(args.threads), arguments[0], str(port), str(arguments[1])]
+        helpers.append(subprocess.Popen(command, stdout=subprocess.PIPE, text=True))
+        helpers[-1].stdout.readline()  # ready
+        helper_channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=_channel_options(1 << 30))
+        calls[name] = helper_channel.unary_unary(INFER_METHOD)
 
     def client_call(call, request):
         def once():
@@ -116,7 +153,8 @@ def main():
             mask = np.ones((1, 1, 1, shape[1]), dtype=bool)
             variants = {
                 "ORT": lambda x=x, mask=mask: session.run(None, {"query": x, "key": x, "value": x, "mask": mask}),
-                "echo": client_call(echo_infer, request),
+                "echo": client_call(calls["echo"], request),
+                "bare": client_call(calls["bare"], request),
                 "server": client_call(infer, request),
             }
             times = {name: [] for name in variants}
@@ -137,9 +175,12 @@ def main():
             ratio = statistics.median(times["server"]) / (
                 statistics.median(times["ORT"]) + statistics.median(times["echo"])
             )
-            print(f"{str(list(shape)):<14} server p50 / (ORT p50 + echo p50) = {ratio:.2f}", flush=True)
+            print(f"{label:<14} server p50 / (ORT p50 + echo p50) = {ratio:.2f}")
+            ratio = statistics.median(times["server"]) / statistics.median(times["bare"])
+            print(f"{label:<14} server p50 / bare p50 = {ratio:.2f}", flush=True)
     finally:
-        echo.terminate()
+        for helper in helpers:
+            helper.terminate()
         server.stop()
 
 

@@ -272,13 +272,40 @@ def _requested_outputs(request: pb.ModelInferRequest) -> tuple[str, ...]:
     return names or OUTPUT_NAMES
 
 
-def encode_infer_response(
-    request: AttentionRequest, model: ModelSignature, outputs: dict[str, np.ndarray]
-) -> pb.ModelInferResponse:
-    """Outputs as raw little-endian bytes, in the order requested."""
-    response = pb.ModelInferResponse(model_name=model.name, model_version=model.version, id=request.id)
+def encode_infer_response(request: AttentionRequest, model: ModelSignature, outputs: dict[str, np.ndarray]) -> bytes:
+    """The serialised ModelInferResponse: outputs as raw little-endian bytes, in the order requested.
+
+    Protobuf messages may be written field by field and concatenated, so each output goes from its
+    array onto the wire bytes in one copy (``b"".join``), not copied into a message and out again by
+    serialisation: 40 vs 150 us for the 768 KiB answer at [1,128,512].
+    """
+    header = pb.ModelInferResponse(model_name=model.name, model_version=model.version, id=request.id)
+    raw_outputs = []
     for name in request.outputs:
-        array = outputs[name]
-        response.outputs.add(name=name, datatype=datatype_of(array), shape=array.shape)
-        response.raw_output_contents.append(array.tobytes())
-    return response
+        array = np.ascontiguousarray(outputs[name])
+        header.outputs.add(name=name, datatype=datatype_of(array), shape=array.shape)
+        raw_outputs += [_length_delimited(_RAW_OUTPUT_CONTENTS, array.nbytes), memoryview(array).cast("B")]
+    return b"".join([header.SerializeToString(), *raw_outputs])
+
+
+def encode_stream_response(infer_response: bytes) -> bytes:
+    """A ModelStreamInferResponse carrying one serialised ModelInferResponse."""
+    return _length_delimited(_STREAM_INFER_RESPONSE, len(infer_response)) + infer_response
+
+
+_RAW_OUTPUT_CONTENTS = pb.ModelInferResponse.DESCRIPTOR.fields_by_name["raw_output_contents"].number
+_STREAM_INFER_RESPONSE = pb.ModelStreamInferResponse.DESCRIPTOR.fields_by_name["infer_response"].number
+
+
+def _length_delimited(field_number: int, size: int) -> bytes:
+    """The tag and length that open a bytes or message field of ``size`` bytes on the wire."""
+    return _varint(field_number << 3 | 2) + _varint(size)
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)

@@ -14,7 +14,7 @@ from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
 from mhaserve.protos.generated import model_config_pb2 as mc
 
-from .codec import RequestError, check_model, decode_infer_request, encode_infer_response
+from .codec import RequestError, check_model, decode_infer_request, encode_infer_response, encode_stream_response
 from .dataplane import DataPlane, RequestTiming
 
 log = logging.getLogger("mhaserve.server")
@@ -130,7 +130,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             )
         return pb.ModelStatisticsResponse(model_stats=[stats])
 
-    async def _infer(self, request: pb.ModelInferRequest, context) -> pb.ModelInferResponse:
+    async def _infer(self, request: pb.ModelInferRequest, context) -> bytes:
         started = time.perf_counter_ns()
         timing = RequestTiming()
         rows = 0
@@ -172,7 +172,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         # Answers in request order; a refused request answers with error_message and the stream goes on.
         async for request in request_iterator:
             try:
-                yield pb.ModelStreamInferResponse(infer_response=await self._infer(request, context))
+                yield encode_stream_response(await self._infer(request, context))
             except RequestError as error:
                 yield pb.ModelStreamInferResponse(error_message=f"{error.code.name}: {error.message}")
 
@@ -203,6 +203,15 @@ def _parsing_stream(behavior, request_class):
     return handle
 
 
+def _serializer(response_class):
+    """Messages are serialised; bytes (inference answers, encoded by the codec in one copy) pass as they are."""
+
+    def serialize(response) -> bytes:
+        return response if isinstance(response, bytes) else response_class.SerializeToString(response)
+
+    return serialize
+
+
 def _undecodable(request_class, raw: bytes) -> str:
     return f"the request ({len(raw)} bytes) is not a valid {request_class.DESCRIPTOR.full_name} protobuf message"
 
@@ -218,7 +227,7 @@ def add_inference_service(servicer: InferenceServicer, server) -> None:
     handlers = {}
     for method in service.methods:
         request_class = getattr(pb, method.input_type.name)
-        serialize = getattr(pb, method.output_type.name).SerializeToString
+        serialize = _serializer(getattr(pb, method.output_type.name))
         behavior = getattr(servicer, method.name)
         if method.client_streaming and method.server_streaming:
             handler = grpc.stream_stream_rpc_method_handler(

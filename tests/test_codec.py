@@ -1,0 +1,41 @@
+"""The codec's wire encoding: answers written field by field parse as the protocol's messages."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mhaserve.protos.generated import grpc_service_pb2 as pb
+from mhaserve.server.codec import AttentionRequest, ModelSignature, encode_infer_response, encode_stream_response
+
+from .conftest import rand
+
+MODEL = ModelSignature("mha", "1", 64, 4)
+
+
+def request(outputs: tuple[str, ...]) -> AttentionRequest:
+    query = rand(2, 5, 64)
+    return AttentionRequest(id="req-7", query=query, key=query, value=query, mask=np.ones((1, 1, 1, 5), bool),
+                            outputs=outputs)  # fmt: skip
+
+
+def test_encoded_answer_parses_to_the_arrays_in_the_requested_order():
+    merged_weights = rand(6, 4, 300, 300)  # a request's rows cut from a padded merged run: not contiguous
+    # 150 KiB and 800 bytes: lengths of three bytes and of two on the wire
+    outputs = {"output": rand(2, 300, 64), "attn_weights": merged_weights[2:4, :, :5, :5]}
+    for order in (("attn_weights", "output"), ("output",)):
+        response = pb.ModelInferResponse.FromString(encode_infer_response(request(order), MODEL, outputs))
+        assert (response.model_name, response.model_version, response.id) == ("mha", "1", "req-7")
+        assert [t.name for t in response.outputs] == list(order)
+        assert len(response.raw_output_contents) == len(order)
+        for tensor, raw in zip(response.outputs, response.raw_output_contents, strict=True):
+            assert tensor.datatype == "FP32" and tuple(tensor.shape) == outputs[tensor.name].shape
+            parsed = np.frombuffer(raw, np.float32).reshape(tuple(tensor.shape))
+            np.testing.assert_array_equal(parsed, outputs[tensor.name])
+
+
+def test_stream_answer_wraps_the_encoded_answer():
+    outputs = {"output": rand(2, 5, 64, seed=1), "attn_weights": rand(2, 4, 5, 5, seed=2)}
+    encoded = encode_infer_response(request(("output", "attn_weights")), MODEL, outputs)
+    stream = pb.ModelStreamInferResponse.FromString(encode_stream_response(encoded))
+    assert stream.error_message == ""
+    assert stream.infer_response == pb.ModelInferResponse.FromString(encoded)
