@@ -6,6 +6,7 @@ RequestError naming the tensor, what was expected and what came.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -251,7 +252,7 @@ def _check_finite(array: np.ndarray, name: str) -> None:
 def _attention_mask(mask: np.ndarray | None, batch: int, q_len: int, kv_len: int) -> np.ndarray:
     """The served rank-4 bool mask [B|1, 1, Lq|1, Lk] from [B, Lk] or [B, Lq, Lk] (0 = may not attend)."""
     if mask is None:
-        return np.ones((1, 1, 1, kv_len), dtype=bool)
+        return _unmasked(kv_len)
     expected = f"[{batch}, {kv_len}] (key padding) or [{batch}, {q_len}, {kv_len}]"
     if mask.ndim == 2 and mask.shape[0] in (1, batch) and mask.shape[1] == kv_len:
         allowed = mask[:, None, None, :]
@@ -260,6 +261,15 @@ def _attention_mask(mask: np.ndarray | None, batch: int, q_len: int, kv_len: int
     else:
         raise invalid(f"input 'mask': shape {_shape_text(mask.shape)}, expected {expected}")
     return allowed if allowed.dtype == np.bool_ else allowed != 0
+
+
+@functools.lru_cache(maxsize=1024)
+def _unmasked(kv_len: int) -> np.ndarray:
+    """The shared, read-only [1, 1, 1, Lk] all-True mask of requests without one (a fresh one per request
+    was a tenth of decoding at [1,16,512])."""
+    mask = np.ones((1, 1, 1, kv_len), dtype=bool)
+    mask.flags.writeable = False
+    return mask
 
 
 def _requested_outputs(request: pb.ModelInferRequest) -> tuple[str, ...]:
