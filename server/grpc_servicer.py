@@ -153,6 +153,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         except asyncio.CancelledError:
             status = grpc.StatusCode.CANCELLED.name  # the client went away or its deadline passed
             raise
+        except Exception:
+            status = grpc.StatusCode.INTERNAL.name  # a bug or a runtime failure; the caller says which
+            raise
         finally:
             self.dataplane.requests_in_flight -= 1
             if status != "OK":
@@ -166,7 +169,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             await context.abort(error.code, error.message)
         except Exception as error:  # a bug or a runtime failure: say so, keep serving
             log.exception("inference failed")
-            await context.abort(grpc.StatusCode.INTERNAL, f"inference failed: {type(error).__name__}: {error}")
+            await context.abort(grpc.StatusCode.INTERNAL, _internal_error(error))
 
     async def ModelStreamInfer(self, request_iterator, context):
         # Answers in request order; a refused request answers with error_message and the stream goes on.
@@ -175,6 +178,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 yield encode_stream_response(await self._infer(request, context))
             except RequestError as error:
                 yield pb.ModelStreamInferResponse(error_message=f"{error.code.name}: {error.message}")
+            except Exception as error:  # as in ModelInfer: say so, and the stream goes on
+                log.exception("inference failed")
+                yield pb.ModelStreamInferResponse(error_message=f"INTERNAL: {_internal_error(error)}")
+
+
+def _internal_error(error: Exception) -> str:
+    return f"inference failed: {type(error).__name__}: {error}"
 
 
 def _parsing_unary(behavior, request_class):

@@ -163,6 +163,58 @@ def test_stream_infer_answers_in_order_and_survives_a_bad_request(stub, small_mo
     np.testing.assert_allclose(out, eager(small_module, good)[0], atol=1e-5)
 
 
+class Aborted(Exception):
+    def __init__(self, code, details):
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+
+
+class RecordingContext:
+    """The part of a grpc.aio servicer context the inference handlers use."""
+
+    def time_remaining(self):
+        return None
+
+    async def abort(self, code, details):
+        raise Aborted(code, details)
+
+
+def test_a_failing_model_run_answers_internal_and_the_next_request_is_served(small_model_dir):
+    from mhaserve.server.config import ServerSettings
+    from mhaserve.server.dataplane import DataPlane
+    from mhaserve.server.grpc_servicer import InferenceServicer
+
+    async def scenario():
+        dataplane = DataPlane(ServerSettings(intra_op_threads=1, warmup_runs=0), small_model_dir)
+        await dataplane.load()
+        servicer = InferenceServicer(dataplane)
+        good = build_infer_request("mha", rand(1, 4, D, seed=18), request_id="good")
+        working_run = dataplane.session.run
+
+        def failing_run(*args):
+            raise RuntimeError("ONNX Runtime gave up")
+
+        dataplane.session.run = failing_run
+        with pytest.raises(Aborted, match="INTERNAL: inference failed: RuntimeError: ONNX Runtime gave up") as error:
+            await servicer.ModelInfer(good, RecordingContext())
+        streamed = [r async for r in servicer.ModelStreamInfer(_aiter([good]), RecordingContext())]
+        dataplane.session.run = working_run
+        answer = pb.ModelInferResponse.FromString(await servicer.ModelInfer(good, RecordingContext()))
+        dataplane.shutdown()
+        return error.value, streamed, answer, dataplane.outcomes
+
+    error, streamed, answer, outcomes = asyncio.run(scenario())
+    assert error.code == grpc.StatusCode.INTERNAL
+    assert streamed[0].error_message == "INTERNAL: inference failed: RuntimeError: ONNX Runtime gave up"
+    assert answer.id == "good" and len(answer.raw_output_contents) == 2
+    assert outcomes == {"INTERNAL": 2, "OK": 1}  # the statistics and metrics name the failure as the client saw it
+
+
+async def _aiter(items):
+    for item in items:
+        yield item
+
+
 def test_statistics_count_inferences(stub, client):
     def stats():
         return stub.ModelStatistics(pb.ModelStatisticsRequest(name="mha")).model_stats[0]
