@@ -16,19 +16,14 @@ plus the echo's time, and nothing else, the most any server on this stack can an
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
-import grpc
 import numpy as np
+from bench_server import SHAPES, bytes_call, ort_session, record_answers, start_helper
 
-SHAPES = [(1, 16, 512), (1, 128, 512)]
 CONCURRENCY = 16
-INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
 
 
 def calls_per_second(call, request: bytes, seconds: float) -> float:
@@ -63,31 +58,15 @@ def main() -> None:
     import onnxruntime as ort
 
     from mhaserve.cli import ensure_default_model
-    from mhaserve.client import _channel_options, build_infer_request
-    from mhaserve.server_process import ServerProcess, free_port
+    from mhaserve.server_process import ServerProcess
 
     model_dir = args.model_dir or ensure_default_model()
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = args.threads
-    session = ort.InferenceSession(str(model_dir / "model.onnx"), options, providers=["CPUExecutionProvider"])
-
+    session = ort_session(model_dir, args.threads)
     server = ServerProcess(model_dir, "--intra-op-threads", str(args.threads)).start()
-    infer = grpc.insecure_channel(server.url, options=_channel_options(1 << 30)).unary_unary(INFER_METHOD)
-    responses, requests = Path(tempfile.mkdtemp()), {}
-    for shape in SHAPES:
-        raw = build_infer_request("mha", np.random.default_rng(0).standard_normal(shape, dtype=np.float32))
-        requests[shape] = raw.SerializeToString()
-        (responses / f"{len(requests[shape])}.bin").write_bytes(infer(requests[shape]))
-    echo_port = free_port()
-    bench_server = Path(__file__).with_name("bench_server.py")
-    echo = subprocess.Popen(
-        [sys.executable, str(bench_server), "--echo-server", str(echo_port), str(responses)],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    echo.stdout.readline()  # ready
-    echo_call = grpc.insecure_channel(f"127.0.0.1:{echo_port}", options=_channel_options(1 << 30))
-    echo_infer = echo_call.unary_unary(INFER_METHOD)
+    infer = bytes_call(server.url)
+    built, answers = record_answers(infer, SHAPES)
+    requests = {shape: request.SerializeToString() for shape, (_, request) in built.items()}
+    echo, echo_infer = start_helper("echo", answers, args.threads)
 
     print(f"onnxruntime {ort.__version__}, {args.threads} threads, {CONCURRENCY} client threads on the same cores")
     print(f"{'shape':<14} {'ORT rows/s':>10} {'echo /s':>8} {'ceiling /s':>10} {'server /s':>9} "

@@ -23,7 +23,9 @@ import asyncio
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -45,13 +47,9 @@ def echo_server(port: int, response_dir: Path) -> None:
 
 def bare_server(port: int, model_dir: Path, threads: int) -> None:
     """A minimal ModelInfer on ORT for a self-attention request: the floor for any Python gRPC server."""
-    import onnxruntime as ort
-
     from mhaserve.protos.generated import grpc_service_pb2 as pb
 
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    session = ort.InferenceSession(str(model_dir / "model.onnx"), options, providers=["CPUExecutionProvider"])
+    session = ort_session(model_dir, threads)
 
     async def infer(request: bytes, context) -> bytes:
         parsed = pb.ModelInferRequest.FromString(request)
@@ -84,6 +82,49 @@ def _serve_bytes(port: int, infer) -> None:
     asyncio.run(main())
 
 
+def ort_session(model_dir: Path, threads: int):
+    """The model on ONNX Runtime's CPU provider in this process, at ``threads`` intra-op threads."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    return ort.InferenceSession(str(model_dir / "model.onnx"), options, providers=["CPUExecutionProvider"])
+
+
+def bytes_call(url: str) -> Callable[[bytes], bytes]:
+    """ModelInfer at ``url``, serialised request in, serialised answer out: one client path for every server."""
+    from mhaserve.client import _channel_options
+
+    return grpc.insecure_channel(url, options=_channel_options(1 << 30)).unary_unary(INFER_METHOD)
+
+
+def record_answers(infer: Callable[[bytes], bytes], shapes) -> tuple[dict, Path]:
+    """Per shape, a random self-attention (query, request); and a folder of the server's answers to them by
+    request size, which is what the echo server serves."""
+    from mhaserve.client import build_infer_request
+
+    requests, answers = {}, Path(tempfile.mkdtemp())
+    for shape in shapes:
+        query = np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
+        request = build_infer_request("mha", query)
+        requests[shape] = (query, request)
+        raw = request.SerializeToString()
+        (answers / f"{len(raw)}.bin").write_bytes(infer(raw))
+    return requests, answers
+
+
+def start_helper(role: str, argument: Path, threads: int) -> tuple[subprocess.Popen, Callable[[bytes], bytes]]:
+    """This script as the echo or the bare server (``role``) in its own process, once it is ready; its call."""
+    from mhaserve.server_process import free_port
+
+    port = free_port()
+    command = [sys.executable, __file__, "--threads", str(threads), f"--{role}-server", str(port), str(argument)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    process.stdout.readline()  # ready
+    return process, bytes_call(f"127.0.0.1:{port}")
+
+
 def percentile(values, q):
     return float(np.percentile(np.array(values) * 1e3, q))
 
@@ -104,39 +145,22 @@ def main():
         bare_server(int(args.bare_server[0]), Path(args.bare_server[1]), args.threads)
         return
 
-    import tempfile
-
     import onnxruntime as ort
 
     from mhaserve.cli import ensure_default_model
-    from mhaserve.client import _channel_options, build_infer_request, parse_infer_response
+    from mhaserve.client import parse_infer_response
     from mhaserve.protos.generated import grpc_service_pb2 as pb
-    from mhaserve.server_process import ServerProcess, free_port
+    from mhaserve.server_process import ServerProcess
 
     model_dir = args.model_dir or ensure_default_model()
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = args.threads
-    options.inter_op_num_threads = 1
-    session = ort.InferenceSession(str(model_dir / "model.onnx"), options, providers=["CPUExecutionProvider"])
-
+    session = ort_session(model_dir, args.threads)
     server = ServerProcess(model_dir, "--intra-op-threads", str(args.threads)).start()
-    tmp = Path(tempfile.mkdtemp())
-    requests, channel = {}, grpc.insecure_channel(server.url, options=_channel_options(1 << 30))
-    infer = channel.unary_unary(INFER_METHOD)  # bytes in, bytes out: same path for server and echo
-    for shape in SHAPES:
-        x = np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
-        request = build_infer_request("mha", x)
-        requests[shape] = (x, request)
-        raw = request.SerializeToString()
-        (tmp / f"{len(raw)}.bin").write_bytes(infer(raw))
+    infer = bytes_call(server.url)
+    requests, answers = record_answers(infer, SHAPES)
     helpers, calls = [], {}
-    for name, arguments in (("echo", ["--echo-server", tmp]), ("bare", ["--bare-server", model_dir])):
-        port = free_port()
-        command = [sys.executable, __file__, "--threads", str(args.threads), arguments[0], str(port), str(arguments[1])]
-        helpers.append(subprocess.Popen(command, stdout=subprocess.PIPE, text=True))
-        helpers[-1].stdout.readline()  # ready
-        helper_channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=_channel_options(1 << 30))
-        calls[name] = helper_channel.unary_unary(INFER_METHOD)
+    for role, argument in (("echo", answers), ("bare", model_dir)):
+        process, calls[role] = start_helper(role, argument, args.threads)
+        helpers.append(process)
 
     def client_call(call, request):
         def once():
