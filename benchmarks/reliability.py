@@ -98,10 +98,7 @@ def main() -> int:
         calls = [make_call(rng, shapes) for _ in range(args.burst)] if server else []
         if server:
             report = asyncio.run(burst(server.url, calls, timeout_s=120))
-            problems = [p for call in calls if call.status == "OK" and (p := mismatch(call, reference))]
-            print("  " + report.summary().replace("\n", "\n  "))
-            print(f"  every answer checked: {sum(c.status == 'OK' for c in calls)}, mismatches {len(problems)}")
-            burst_ok = set(report.statuses) <= {"OK", "RESOURCE_EXHAUSTED"} and not problems
+            burst_ok = answered_or_refused(report, calls, reference)
 
     count = int(args.overload_rate * args.overload_seconds)
     print(f"\n2b. overload: open loop at {args.overload_rate:g}/s for {args.overload_seconds:g} s ({count} requests), "
@@ -111,11 +108,8 @@ def main() -> int:
         cpu, started = cpu_seconds(), time.perf_counter()
         report = asyncio.run(burst(server.url, calls, timeout_s=120, rate=args.overload_rate))
         wall = time.perf_counter() - started
-        problems = [p for call in calls if call.status == "OK" and (p := mismatch(call, reference))]
-        print("  " + report.summary().replace("\n", "\n  "))
-        print(f"  every answer checked: {sum(c.status == 'OK' for c in calls)}, mismatches {len(problems)}")
+        open_ok = answered_or_refused(report, calls, reference)
         print(f"  client CPU {cpu_seconds() - cpu:.0f} s over {wall:.0f} s (the sender shares the cores)")
-        open_ok = set(report.statuses) <= {"OK", "RESOURCE_EXHAUSTED"} and not problems
 
     refusal_ok = refusal_speed(model_dir, d_model, args) if args.refusal_rate else True
 
@@ -123,6 +117,15 @@ def main() -> int:
           f"open-loop overload {'passed' if open_ok else 'FAILED'}, "
           f"refusal speed {'passed' if refusal_ok else 'FAILED'}")  # fmt: skip
     return 0 if soak_ok and burst_ok and open_ok and refusal_ok else 1
+
+
+def answered_or_refused(report, calls, reference: Reference) -> bool:
+    """Print an overload part's outcome with every answer checked; True when each call was answered right or
+    refused with RESOURCE_EXHAUSTED."""
+    problems = [p for call in calls if call.status == "OK" and (p := mismatch(call, reference))]
+    print("  " + report.summary().replace("\n", "\n  "))
+    print(f"  every answer checked: {sum(c.status == 'OK' for c in calls)}, mismatches {len(problems)}")
+    return set(report.statuses) <= {"OK", "RESOURCE_EXHAUSTED"} and not problems
 
 
 def refusal_speed(model_dir: Path, d_model: int, args) -> bool:
