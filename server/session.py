@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import io
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,6 +86,7 @@ class AttentionSession:
         if device == "cpu":
             return ort.InferenceSession(str(path), options, providers=[CPU])
         if CUDA in ort.get_available_providers():
+            _load_pip_cuda_libraries()
             # onnxruntime-gpu lists CUDA as available even when its libraries cannot load; the
             # session then quietly runs on CPU, so the only proof is the session's own providers.
             # ONNX Runtime logs its failed CUDA load as two errors; our one warning below says it plainly.
@@ -92,7 +97,7 @@ class AttentionSession:
                 ort.set_default_logger_severity(2)
             if session.get_providers()[0] == CUDA:
                 return session
-            reason = "the CUDA provider did not load (CUDA or cuDNN libraries missing, or no GPU)"
+            reason = _cuda_unusable_reason()
         else:
             reason = f"this onnxruntime build has no CUDA provider (providers: {ort.get_available_providers()})"
         if device == "cuda":
@@ -113,3 +118,30 @@ class AttentionSession:
             mask = np.ones((1, 1, 1, kv_len), dtype=bool)
             for _ in range(runs):
                 self.run(("output", "attn_weights"), q, kv, kv, mask)
+
+
+def _load_pip_cuda_libraries() -> None:
+    """Load the CUDA and cuDNN libraries of ``onnxruntime-gpu[cuda,cudnn]`` before a CUDA session.
+
+    pip puts them under site-packages/nvidia/*/lib, off the dynamic loader's path: in the server-gpu
+    image the CUDA provider failed to load on libcublasLt.so.13 until they were preloaded. Where they
+    are not installed ONNX Runtime prints one line per missing library; the reason given by
+    ``_cuda_unusable_reason`` says the same in one line, so those prints are swallowed.
+    """
+    if hasattr(ort, "preload_dlls"):  # onnxruntime-gpu >= 1.21
+        with contextlib.redirect_stdout(io.StringIO()):
+            ort.preload_dlls()
+
+
+def _cuda_unusable_reason() -> str:
+    """Why a session asked for CUDA came up on CPU: the library the CUDA provider could not load, if any."""
+    provider_library = Path(ort.__file__).parent / "capi" / "libonnxruntime_providers_cuda.so"
+    if sys.platform.startswith("linux") and provider_library.exists():
+        try:
+            ctypes.CDLL(str(provider_library))
+        except OSError as error:
+            # libcuda.so.1 is the driver, which a container gets from the host (--gpus / the NVIDIA runtime).
+            hint = " (the NVIDIA driver: no GPU visible here)" if "libcuda.so" in str(error) else ""
+            return f"the CUDA provider did not load: {error}{hint}"
+        return "the CUDA provider loaded but created no CUDA session (no usable GPU?)"
+    return "the CUDA provider did not load (CUDA or cuDNN libraries missing, or no GPU)"
