@@ -6,8 +6,8 @@ For each (B, L, d, h): self-attention, median time per call of eager (torch, eva
 ORT (CPU provider), measured in alternating rounds so both see the same machine noise. The floor is
 the FLOP count (8 B L d^2 + 4 B L^2 d) over this machine's measured large-GEMM rate at the same threads.
 "Matmuls" is a graph of the model's six matrix products and nothing else (the four projections, Q K^T
-and P V, at the same shapes, in the same ORT and the same rounds): what no graph of this model can beat
-on ONNX Runtime's CPU kernels, since small GEMMs do not reach the large-GEMM rate.
+and P V, at the same shapes, in the same ORT and the same rounds): the practical floor for any graph of
+this model on ONNX Runtime's CPU kernels, since small GEMMs do not reach the large-GEMM rate.
 Not a test: it prints numbers; BENCHMARKS.md records them with this command.
 """
 
