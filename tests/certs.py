@@ -55,7 +55,7 @@ class CertificateAuthority:
         self.bundle = folder / f"{name}-ca.pem"
         self.bundle.write_bytes(self.cert.public_bytes(serialization.Encoding.PEM))
 
-    def issue(self, stem: str, common_name: str, server: bool) -> Issued:
+    def issue(self, stem: str, common_name: str, server: bool, dns_names: tuple[str, ...] = ("localhost",)) -> Issued:
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.timezone.utc)
         builder = (
@@ -73,6 +73,6 @@ class CertificateAuthority:
             )
         )
         if server:
-            names = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+            names = [*map(x509.DNSName, dns_names), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
             builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
         return _write(self.folder, stem, builder.sign(self.key, hashes.SHA256()), key)

@@ -279,6 +279,52 @@ def test_two_replicas_both_serve_a_round_robin_client(docker_engine, stack):
     compose("--profile", "loadtest", "down", "-v", timeout=120, env=scale_env)
 
 
+def test_tls_override_serves_only_tls_clients_with_the_token(docker_engine, stack, tmp_path):
+    """docker/compose.tls.yml: TLS and a token on the server, a TLS healthcheck, a TLS load test."""
+    import grpc
+
+    from mhaserve.client import TLS, Client
+    from mhaserve.model import seeded_module
+
+    from .certs import CertificateAuthority
+
+    compose, env, project = stack
+    authority = CertificateAuthority(tmp_path, "deploy")
+    issued = authority.issue("server", "server", server=True, dns_names=("localhost", "server"))
+    certs = tmp_path / "certs"
+    certs.mkdir()
+    for source, name in ((issued.cert, "server.pem"), (issued.key, "server.key"), (authority.bundle, "ca.pem")):
+        shutil.copy(source, certs / name)
+    (certs / "token").write_text("compose-test-token\n")
+    subprocess.run(["chmod", "-R", "a+rX", str(certs)], check=True)  # the image's user is not root
+    tls = ("-f", str(ROOT / "docker" / "compose.tls.yml"))
+    tls_env = {"MHASERVE_CERTS_DIR": str(certs)}
+
+    compose("build", "export", "server", timeout=1500)  # cached by the tests above
+    compose(*tls, "up", "-d", "server", timeout=600, env=tls_env)
+    _wait_healthy(docker_engine, _container(docker_engine, project, "server"))  # through the TLS healthcheck
+
+    url = f"127.0.0.1:{env['MHASERVE_GRPC_PORT']}"
+    query = rand(1, 9, 512, seed=5)
+    with Client(url, tls=TLS(ca=str(certs / "ca.pem")), token="compose-test-token") as client:
+        result = client.infer(query, timeout=30)
+    want_out, want_attn = eager(seeded_module(512, 8, seed=0), query)
+    np.testing.assert_allclose(result.output, want_out, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(result.attn_weights, want_attn, rtol=0, atol=1e-5)
+    for client_settings, refused_with in (
+        ({}, grpc.StatusCode.UNAVAILABLE),  # plain text against TLS: no connection
+        ({"tls": TLS(ca=str(certs / "ca.pem"))}, grpc.StatusCode.UNAUTHENTICATED),  # no token
+    ):
+        with pytest.raises(grpc.RpcError) as refused, Client(url, **client_settings) as client:
+            client.infer(query, timeout=30)
+        assert refused.value.code() == refused_with
+
+    loadtest = compose(*tls, "--profile", "loadtest", "run", "--rm", "loadtest", timeout=300, env=tls_env)
+    rows = [line for line in loadtest.stdout.splitlines() if line.strip().startswith("concurrency")]
+    assert len(rows) == 2 and all(row.split()[8] == "0" for row in rows), loadtest.stdout + loadtest.stderr
+    compose(*tls, "--profile", "loadtest", "down", "-v", timeout=120, env=tls_env)
+
+
 class EagerReference:
     """The compose stack's default model in eager PyTorch, shaped like checked_load.Reference."""
 
