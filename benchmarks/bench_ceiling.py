@@ -23,6 +23,8 @@ from pathlib import Path
 import numpy as np
 from bench_server import SHAPES, bytes_call, ort_session, record_answers, start_helper
 
+from mhaserve.export.manifest import MODEL_FILE
+
 CONCURRENCY = 16
 
 
@@ -61,7 +63,7 @@ def main() -> None:
     from mhaserve.server_process import ServerProcess
 
     model_dir = args.model_dir or ensure_default_model()
-    session = ort_session(model_dir, args.threads)
+    session = ort_session(model_dir / MODEL_FILE, args.threads)
     server = ServerProcess(model_dir, "--intra-op-threads", str(args.threads)).start()
     infer = bytes_call(server.url)
     built, answers = record_answers(infer, SHAPES)

@@ -20,6 +20,7 @@ import time
 import numpy as np
 import onnxruntime as ort
 import torch
+from bench_server import ort_session
 from onnx import TensorProto, helper, numpy_helper
 
 from mhaserve.export.onnx_export import export_onnx
@@ -55,13 +56,6 @@ def time_calls(fn, n):
     return times
 
 
-def ort_session(model, threads):
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-
-
 def matmuls_only(b, seq_len, d, h, rng):
     """The model's six matrix products as one graph, and feeds for it.
 
@@ -93,10 +87,10 @@ def matmuls_only(b, seq_len, d, h, rng):
 def measure(shape, threads, reps, rounds=10):
     b, seq_len, d, h = shape
     module = seeded_module(d, h)
-    session = ort_session(export_onnx(module), threads)
+    session = ort_session(export_onnx(module).SerializeToString(), threads)
     rng = np.random.default_rng(0)
     matmuls_model, matmuls_feeds = matmuls_only(b, seq_len, d, h, rng)
-    matmuls_session = ort_session(matmuls_model, threads)
+    matmuls_session = ort_session(matmuls_model.SerializeToString(), threads)
     x = rng.standard_normal((b, seq_len, d), dtype=np.float32)
     mask = np.ones((1, 1, 1, seq_len), dtype=bool)
     feeds = {"query": x, "key": x, "value": x, "mask": mask}

@@ -31,6 +31,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from mhaserve.export.manifest import MODEL_FILE
+
 SHAPES = [(1, 16, 512), (1, 128, 512)]
 INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
 
@@ -49,7 +51,7 @@ def bare_server(port: int, model_dir: Path, threads: int) -> None:
     """A minimal ModelInfer on ORT for a self-attention request: the floor for any Python gRPC server."""
     from mhaserve.protos.generated import grpc_service_pb2 as pb
 
-    session = ort_session(model_dir, threads)
+    session = ort_session(model_dir / MODEL_FILE, threads)
 
     async def infer(request: bytes, context) -> bytes:
         parsed = pb.ModelInferRequest.FromString(request)
@@ -82,14 +84,16 @@ def _serve_bytes(port: int, infer) -> None:
     asyncio.run(main())
 
 
-def ort_session(model_dir: Path, threads: int):
-    """The model on ONNX Runtime's CPU provider in this process, at ``threads`` intra-op threads."""
+def ort_session(model: Path | bytes, threads: int):
+    """An ONNX model (its file, or its serialised bytes) on ONNX Runtime's CPU provider in this process,
+    at ``threads`` intra-op threads and one inter-op thread."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
-    return ort.InferenceSession(str(model_dir / "model.onnx"), options, providers=["CPUExecutionProvider"])
+    source = model if isinstance(model, bytes) else str(model)
+    return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
 
 
 def bytes_call(url: str) -> Callable[[bytes], bytes]:
@@ -153,7 +157,7 @@ def main():
     from mhaserve.server_process import ServerProcess
 
     model_dir = args.model_dir or ensure_default_model()
-    session = ort_session(model_dir, args.threads)
+    session = ort_session(model_dir / MODEL_FILE, args.threads)
     server = ServerProcess(model_dir, "--intra-op-threads", str(args.threads)).start()
     infer = bytes_call(server.url)
     requests, answers = record_answers(infer, SHAPES)
