@@ -173,6 +173,20 @@ def _wait_healthy(docker: Docker, container: str, timeout: float = 240) -> float
         time.sleep(0.5)
 
 
+def _readable_by_the_image(path: Path) -> None:
+    """The images run as a non-root user (uid 10001): what is bind-mounted into them must be readable by it."""
+    subprocess.run(["chmod", "-R", "a+rX", str(path)], check=True)
+
+
+def _assert_loadtest_points_without_errors(loadtest: subprocess.CompletedProcess, points: int = 2) -> None:
+    """``mhaserve bench``'s table from the loadtest profile: one row per concurrency, none with errors."""
+    rows = [line for line in loadtest.stdout.splitlines() if line.strip().startswith("concurrency")]
+    errors_column = 8
+    assert len(rows) == points and all(row.split()[errors_column] == "0" for row in rows), (
+        loadtest.stdout + loadtest.stderr
+    )
+
+
 def test_gpu_profile_config_reserves_an_nvidia_device(docker_engine, stack):
     compose, _, _ = stack
     config = compose("--profile", "gpu", "config").stdout
@@ -193,7 +207,7 @@ def test_gpu_image_loads_every_cuda_library_but_the_driver(docker_engine, stack,
     compose("--profile", "gpu", "build", "server-gpu", timeout=1800)
     models = tmp_path / "models"
     shutil.copytree(small_model_dir, models / "mha")
-    subprocess.run(["chmod", "-R", "a+rX", str(tmp_path)], check=True)  # the image's user is not root
+    _readable_by_the_image(models)
     served = docker_engine.docker("run", "--rm", "-v", f"{models}:/models:ro", "mhaserve-server-gpu:test", "serve",
                                   check=False, timeout=300)  # fmt: skip
     log = served.stdout + served.stderr
@@ -238,8 +252,7 @@ def test_compose_up_serves_eager_answers_then_drains_and_leaves_nothing(docker_e
 
     loadtest = compose("--profile", "loadtest", "run", "--rm", "loadtest", timeout=300)
     assert "concurrency 4" in loadtest.stdout, loadtest.stdout + loadtest.stderr
-    rows = [line for line in loadtest.stdout.splitlines() if line.strip().startswith("concurrency")]
-    assert len(rows) == 2 and all(row.split()[8] == "0" for row in rows), rows  # the errors column
+    _assert_loadtest_points_without_errors(loadtest)
 
     compose("stop", "server", timeout=120)
     stopped = json.loads(docker.docker("inspect", "--format", "{{json .State}}", server).stdout)
@@ -296,7 +309,7 @@ def test_tls_override_serves_only_tls_clients_with_the_token(docker_engine, stac
     for source, name in ((issued.cert, "server.pem"), (issued.key, "server.key"), (authority.bundle, "ca.pem")):
         shutil.copy(source, certs / name)
     (certs / "token").write_text("compose-test-token\n")
-    subprocess.run(["chmod", "-R", "a+rX", str(certs)], check=True)  # the image's user is not root
+    _readable_by_the_image(certs)
     tls = ("-f", str(ROOT / "docker" / "compose.tls.yml"))
     tls_env = {"MHASERVE_CERTS_DIR": str(certs)}
 
@@ -305,23 +318,23 @@ def test_tls_override_serves_only_tls_clients_with_the_token(docker_engine, stac
     _wait_healthy(docker_engine, _container(docker_engine, project, "server"))  # through the TLS healthcheck
 
     url = f"127.0.0.1:{env['MHASERVE_GRPC_PORT']}"
+    trusting = TLS(ca=str(certs / "ca.pem"))
     query = rand(1, 9, 512, seed=5)
-    with Client(url, tls=TLS(ca=str(certs / "ca.pem")), token="compose-test-token") as client:
+    with Client(url, tls=trusting, token="compose-test-token") as client:
         result = client.infer(query, timeout=30)
     want_out, want_attn = eager(seeded_module(512, 8, seed=0), query)
     np.testing.assert_allclose(result.output, want_out, rtol=0, atol=1e-5)
     np.testing.assert_allclose(result.attn_weights, want_attn, rtol=0, atol=1e-5)
     for client_settings, refused_with in (
         ({}, grpc.StatusCode.UNAVAILABLE),  # plain text against TLS: no connection
-        ({"tls": TLS(ca=str(certs / "ca.pem"))}, grpc.StatusCode.UNAUTHENTICATED),  # no token
+        ({"tls": trusting}, grpc.StatusCode.UNAUTHENTICATED),  # no token
     ):
         with pytest.raises(grpc.RpcError) as refused, Client(url, **client_settings) as client:
             client.infer(query, timeout=30)
         assert refused.value.code() == refused_with
 
     loadtest = compose(*tls, "--profile", "loadtest", "run", "--rm", "loadtest", timeout=300, env=tls_env)
-    rows = [line for line in loadtest.stdout.splitlines() if line.strip().startswith("concurrency")]
-    assert len(rows) == 2 and all(row.split()[8] == "0" for row in rows), loadtest.stdout + loadtest.stderr
+    _assert_loadtest_points_without_errors(loadtest)
     compose(*tls, "--profile", "loadtest", "down", "-v", timeout=120, env=tls_env)
 
 
