@@ -282,8 +282,11 @@ def _requested_outputs(request: pb.ModelInferRequest) -> tuple[str, ...]:
     return names or OUTPUT_NAMES
 
 
-def encode_infer_response(request: AttentionRequest, model: ModelSignature, outputs: dict[str, np.ndarray]) -> bytes:
-    """The serialised ModelInferResponse: outputs as raw little-endian bytes, in the order requested.
+def encode_infer_response(
+    request: AttentionRequest, model: ModelSignature, outputs: dict[str, np.ndarray], *, streamed: bool = False
+) -> bytes:
+    """The serialised ModelInferResponse: outputs as raw little-endian bytes, in the order requested;
+    ``streamed``: the ModelStreamInferResponse carrying it.
 
     Protobuf messages may be written field by field and concatenated, so each output goes from its
     array onto the wire bytes in one copy (``b"".join``), not copied into a message and out again by
@@ -295,12 +298,10 @@ def encode_infer_response(request: AttentionRequest, model: ModelSignature, outp
         array = np.ascontiguousarray(outputs[name])
         header.outputs.add(name=name, datatype=datatype_of(array), shape=array.shape)
         raw_outputs += [_length_delimited(_RAW_OUTPUT_CONTENTS, array.nbytes), memoryview(array).cast("B")]
-    return b"".join([header.SerializeToString(), *raw_outputs])
-
-
-def encode_stream_response(infer_response: bytes) -> bytes:
-    """A ModelStreamInferResponse carrying one serialised ModelInferResponse."""
-    return _length_delimited(_STREAM_INFER_RESPONSE, len(infer_response)) + infer_response
+    parts = [header.SerializeToString(), *raw_outputs]
+    if streamed:  # the infer_response field's tag and length, then the same bytes
+        parts.insert(0, _length_delimited(_STREAM_INFER_RESPONSE, sum(len(part) for part in parts)))
+    return b"".join(parts)
 
 
 _RAW_OUTPUT_CONTENTS = pb.ModelInferResponse.DESCRIPTOR.fields_by_name["raw_output_contents"].number

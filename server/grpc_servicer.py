@@ -14,7 +14,7 @@ from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
 from mhaserve.protos.generated import model_config_pb2 as mc
 
-from .codec import RequestError, check_model, decode_infer_request, encode_infer_response, encode_stream_response
+from .codec import RequestError, check_model, decode_infer_request, encode_infer_response
 from .dataplane import DataPlane, RequestTiming
 
 log = logging.getLogger("mhaserve.server")
@@ -130,7 +130,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             )
         return pb.ModelStatisticsResponse(model_stats=[stats])
 
-    async def _infer(self, request: pb.ModelInferRequest, context) -> bytes:
+    async def _infer(self, request: pb.ModelInferRequest, context, streamed: bool = False) -> bytes:
         started = time.perf_counter_ns()
         timing = RequestTiming()
         rows = 0
@@ -143,7 +143,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             timing.input_ns = time.perf_counter_ns() - started
             outputs = await self.dataplane.infer(attention_request, timing, context.time_remaining())
             encode_started = time.perf_counter_ns()
-            response = encode_infer_response(attention_request, signature, outputs)
+            response = encode_infer_response(attention_request, signature, outputs, streamed=streamed)
             timing.output_ns = time.perf_counter_ns() - encode_started
             status = "OK"
             return response
@@ -175,7 +175,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         # Answers in request order; a refused request answers with error_message and the stream goes on.
         async for request in request_iterator:
             try:
-                yield encode_stream_response(await self._infer(request, context))
+                yield await self._infer(request, context, streamed=True)
             except RequestError as error:
                 yield pb.ModelStreamInferResponse(error_message=f"{error.code.name}: {error.message}")
             except Exception as error:  # as in ModelInfer: say so, and the stream goes on

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from mhaserve.protos.generated import grpc_service_pb2 as pb
-from mhaserve.server.codec import AttentionRequest, ModelSignature, encode_infer_response, encode_stream_response
+from mhaserve.server.codec import AttentionRequest, ModelSignature, encode_infer_response
 
 from .conftest import rand
 
@@ -35,7 +35,8 @@ def test_encoded_answer_parses_to_the_arrays_in_the_requested_order():
 
 def test_stream_answer_wraps_the_encoded_answer():
     outputs = {"output": rand(2, 5, 64, seed=1), "attn_weights": rand(2, 4, 5, 5, seed=2)}
-    encoded = encode_infer_response(request(("output", "attn_weights")), MODEL, outputs)
-    stream = pb.ModelStreamInferResponse.FromString(encode_stream_response(encoded))
+    answer = request(("output", "attn_weights"))
+    encoded = encode_infer_response(answer, MODEL, outputs)
+    stream = pb.ModelStreamInferResponse.FromString(encode_infer_response(answer, MODEL, outputs, streamed=True))
     assert stream.error_message == ""
     assert stream.infer_response == pb.ModelInferResponse.FromString(encoded)
