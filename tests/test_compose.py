@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -217,7 +218,13 @@ def test_gpu_profile_config_reserves_an_nvidia_device(stack, compose_version):
     assert "server-gpu:" in config and "driver: nvidia" in config and "gpu" in config
     assert "MHASERVE_DEVICE: cuda" in config
     assert "condition: service_completed_successfully" in config
-    assert "127.0.0.1" in config and "0.0.0.0:" not in config.split("ports:")[1].split("\n\n")[0]
+    assert _published_port_addresses(config) == ["127.0.0.1"] * 4  # gRPC and metrics of server and server-gpu
+
+
+def _published_port_addresses(config: str) -> list[str]:
+    """The host address of each published port in `compose config`: v1 writes `- 127.0.0.1:8001:8001/tcp`
+    (no address: `- 8001:8001/tcp`), v2 `host_ip: 127.0.0.1` (no address: no such line)."""
+    return re.findall(r"^\s*- ([\d.]+):\d+:\d+", config, re.M) + re.findall(r"^\s*host_ip: (\S+)", config, re.M)
 
 
 def test_tls_override_config_mounts_the_certificates_and_checks_health_over_tls(stack, compose_version, tmp_path):
