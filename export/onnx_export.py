@@ -6,7 +6,7 @@ with the query's ``batch`` symbol and then takes the batch size from the mask, s
 mask against a batch of 3 fails in ONNX Runtime. The TorchScript graph broadcasts the mask with
 ONNX semantics at run time, so [B|1, 1, Lq|1, Lk] masks all work, and it exports in 0.3 s, not 8 s.
 
-The example inputs matter as much as the exporter (tests/test_export_traps.py guards each one):
+The example inputs matter as much as the exporter (tests/test_export.py guards each one):
 - no dynamic dim is 1 in the example, or it can be baked into the graph as a constant;
 - query and key have different lengths and are different tensors, or Lk is tied to Lq and the
   graph never reads ``key``;
