@@ -37,6 +37,7 @@ DOCKER_ROOT = Path(os.environ.get("MHASERVE_TEST_DOCKER_ROOT", Path.home() / ".c
 BASE_IMAGE = "mhaserve-test-base:bookworm"
 DEBIAN_MIRROR = os.environ.get("MHASERVE_TEST_DEBIAN_MIRROR", "http://deb.debian.org/debian")
 COMPOSE_V2 = ROOT / ".tools" / "compose-v2" / "docker-compose"  # where tests/tools/install_docker.sh puts it
+TLS_OVERRIDE = ("-f", str(ROOT / "docker" / "compose.tls.yml"))  # compose arguments adding the TLS override
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not (shutil.which("dockerd") and shutil.which("debootstrap")),
@@ -229,8 +230,7 @@ def _published_port_addresses(config: str) -> list[str]:
 
 def test_tls_override_config_mounts_the_certificates_and_checks_health_over_tls(stack, compose_version, tmp_path):
     compose, _, _ = stack
-    tls = ("-f", str(ROOT / "docker" / "compose.tls.yml"))
-    config = compose(*tls, "--profile", "loadtest", "config", version=compose_version,
+    config = compose(*TLS_OVERRIDE, "--profile", "loadtest", "config", version=compose_version,
                      env={"MHASERVE_CERTS_DIR": str(tmp_path)}).stdout  # fmt: skip
     assert str(tmp_path) in config and "/certs" in config
     assert "MHASERVE_TLS_CERT_FILE: /certs/server.pem" in config
@@ -356,11 +356,10 @@ def test_tls_override_serves_only_tls_clients_with_the_token(docker_engine, stac
         shutil.copy(source, certs / name)
     (certs / "token").write_text("compose-test-token\n")
     _readable_by_the_image(certs)
-    tls = ("-f", str(ROOT / "docker" / "compose.tls.yml"))
     tls_env = {"MHASERVE_CERTS_DIR": str(certs)}
 
     compose("build", "export", "server", timeout=1500)  # cached by the tests above
-    compose(*tls, "up", "-d", "server", timeout=600, env=tls_env)
+    compose(*TLS_OVERRIDE, "up", "-d", "server", timeout=600, env=tls_env)
     _wait_healthy(docker_engine, _container(docker_engine, project, "server"))  # through the TLS healthcheck
 
     url = f"127.0.0.1:{env['MHASERVE_GRPC_PORT']}"
@@ -379,9 +378,9 @@ def test_tls_override_serves_only_tls_clients_with_the_token(docker_engine, stac
             client.infer(query, timeout=30)
         assert refused.value.code() == refused_with
 
-    loadtest = compose(*tls, "--profile", "loadtest", "run", "--rm", "loadtest", timeout=300, env=tls_env)
+    loadtest = compose(*TLS_OVERRIDE, "--profile", "loadtest", "run", "--rm", "loadtest", timeout=300, env=tls_env)
     _assert_loadtest_points_without_errors(loadtest)
-    compose(*tls, "--profile", "loadtest", "down", "-v", timeout=120, env=tls_env)
+    compose(*TLS_OVERRIDE, "--profile", "loadtest", "down", "-v", timeout=120, env=tls_env)
 
 
 class EagerReference:
