@@ -1,12 +1,21 @@
-"""Prove an ONNX export computes what the eager module computes, case by case over a shape matrix.
+"""Prove an ONNX export computes what an eager module computes, case by case over a shape matrix.
 
-Each case draws fresh random inputs, runs eager PyTorch (float32) and ONNX Runtime (CPU) and
-compares both outputs. The eager side gets the mask in the rank the user would pass (key padding
-[B, Lk], causal [1, Lq, Lk], full [B, Lq, Lk]); the ONNX side gets the served rank-4 form.
+Each case draws fresh random inputs, runs the eager reference (float32) and ONNX Runtime (CPU) and
+compares both outputs. The reference is the served module (``ServedModuleReference``: it gets the
+mask in the rank a user would pass, key padding [B, Lk], causal [1, Lq, Lk], full [B, Lq, Lk]) or
+the user's own module (``UserModuleReference``: the design documents' interface, the mask in the
+rank-4 form [B|1, 1, Lq|1, Lk] that broadcasts against its scores in any such module). The ONNX
+side always gets the served rank-4 form.
+
+A query row whose keys are all masked is defined by the served graph as zeros. A user's module may
+leave it undefined (NaN, from a -inf fill) or define it otherwise (uniform weights, from a finite
+fill): such a case is compared on every other row and reported as "undefined", neither a pass nor
+a failure.
 """
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
@@ -14,7 +23,9 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import onnxruntime as ort
 import torch
+from torch import nn
 
+from mhaserve.errors import UsageError
 from mhaserve.model import MultiHeadAttention, causal_mask
 
 TOLERANCE = 1e-5  # max abs error, float32; a correct export measures <= 1e-6
@@ -37,20 +48,90 @@ class ValidationCase:
         return "self" if self.q_len == self.kv_len else "cross"
 
 
+PASS, FAIL, UNDEFINED, SKIPPED = "pass", "fail", "undefined", "skipped"
+STATUSES = (PASS, FAIL, UNDEFINED, SKIPPED)
+
+
 @dataclass
 class CaseResult:
     case: ValidationCase
     output_max_abs: float
     output_max_rel: float
-    attn_max_abs: float
-    attn_max_rel: float
-    passed: bool
-    error: str | None = None
+    attn_max_abs: float | None  # None: the reference returns no weights
+    attn_max_rel: float | None
+    status: str  # PASS, FAIL, UNDEFINED (the reference leaves fully masked rows undefined) or SKIPPED
+    error: str | None = None  # why it failed, or what the reference gave on fully masked rows
+
+    @property
+    def passed(self) -> bool:
+        return self.status == PASS
+
+    @property
+    def failed(self) -> bool:
+        return self.status == FAIL
 
     def as_dict(self) -> dict:
         row = asdict(self.case) | {"kind": self.case.kind}
         row.update({k: v for k, v in asdict(self).items() if k != "case"})
-        return row
+        return row | {"passed": self.passed}
+
+
+@dataclass(frozen=True)
+class CaseInputs:
+    query: np.ndarray
+    key: np.ndarray
+    value: np.ndarray
+    eager_mask: np.ndarray | None  # the rank a user passes ([B, Lk], [1, Lq, Lk], [B, Lq, Lk]) or None
+    onnx_mask: np.ndarray  # the served rank-4 form [B|1, 1, Lq|1, Lk]
+
+
+class ServedModuleReference:
+    """The served MultiHeadAttention itself: every case, both outputs, fully masked rows included."""
+
+    self_attention_only = False
+
+    def __init__(self, module: MultiHeadAttention):
+        self.module = module.eval()
+
+    def __call__(self, inputs: CaseInputs) -> tuple[np.ndarray, np.ndarray | None]:
+        args = (inputs.query, inputs.key, inputs.value, inputs.eager_mask)
+        with torch.no_grad():
+            output, weights = self.module(*(None if a is None else torch.from_numpy(a) for a in args))
+        return output.numpy(), weights.numpy()
+
+
+class UserModuleReference:
+    """A user's module with the design documents' interface: ``forward(query, key, value, mask=None)`` or
+    self-attention ``forward(x, mask=None)``, returning the output or ``(output, weights, ...)``."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module.eval()
+        try:
+            parameters = list(inspect.signature(module.forward).parameters.values())
+        except (TypeError, ValueError):
+            parameters = []
+        positional = [
+            p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+        ]
+        if len(positional) not in (1, 3) or len(parameters) <= len(positional):
+            names = ", ".join(p.name for p in parameters)
+            raise UsageError(
+                f"{type(module).__name__}.forward({names}) is neither forward(query, key, value, mask) nor "
+                "forward(x, mask)"
+            )
+        self.self_attention_only = len(positional) == 1
+
+    def __call__(self, inputs: CaseInputs) -> tuple[np.ndarray, np.ndarray | None]:
+        mask = None if inputs.eager_mask is None else torch.from_numpy(inputs.onnx_mask)
+        tensors = [torch.from_numpy(inputs.query)]
+        if not self.self_attention_only:
+            tensors += [torch.from_numpy(inputs.key), torch.from_numpy(inputs.value)]
+        with torch.no_grad():
+            returned = self.module(*tensors, mask)
+        if isinstance(returned, torch.Tensor):
+            return returned.float().numpy(), None
+        output, weights = returned[0], returned[1] if len(returned) > 1 else None
+        return output.float().numpy(), None if weights is None else weights.float().numpy()
 
 
 def validation_cases() -> list[ValidationCase]:
@@ -79,17 +160,53 @@ def make_masks(case: ValidationCase, rng: np.random.Generator) -> tuple[np.ndarr
     raise ValueError(f"unknown mask kind {case.mask!r}")
 
 
+class TorchMultiheadAttentionReference:
+    """A user's ``nn.MultiheadAttention``: its boolean ``attn_mask`` means True = may not attend, per head."""
+
+    self_attention_only = False
+
+    def __init__(self, module: nn.MultiheadAttention):
+        self.module = module.eval()
+
+    def __call__(self, inputs: CaseInputs) -> tuple[np.ndarray, np.ndarray | None]:
+        (b, lq, _), lk = inputs.query.shape, inputs.key.shape[1]
+        attn_mask = None
+        if inputs.eager_mask is not None:
+            blocked = ~np.broadcast_to(inputs.onnx_mask, (b, 1, lq, lk))[:, 0]
+            attn_mask = torch.from_numpy(np.repeat(blocked, self.module.num_heads, axis=0))  # [B * h, Lq, Lk]
+        tensors = [torch.from_numpy(a) for a in (inputs.query, inputs.key, inputs.value)]
+        if not self.module.batch_first:
+            tensors = [t.transpose(0, 1) for t in tensors]
+        with torch.no_grad():
+            output, weights = self.module(*tensors, attn_mask=attn_mask, average_attn_weights=False)
+        if not self.module.batch_first:
+            output = output.transpose(0, 1)
+        return output.numpy(), weights.numpy()
+
+
 def _errors(got: np.ndarray, want: np.ndarray) -> tuple[float, float]:
     # NaN anywhere propagates into the max and fails the case.
+    if got.size == 0:
+        return 0.0, 0.0
     max_abs = float(np.max(np.abs(got.astype(np.float64) - want.astype(np.float64))))
     scale = float(np.max(np.abs(want))) or 1.0
     return max_abs, max_abs / scale
 
 
-def run_case(
-    module: MultiHeadAttention, session: ort.InferenceSession, case: ValidationCase, rng: np.random.Generator
-) -> CaseResult:
-    d = module.d_model
+def _masked_rows_note(got: list[np.ndarray], want: list[np.ndarray]) -> str | None:
+    """None if the reference agrees with the served zeros on fully masked rows, else what it gives there."""
+    if any(np.isnan(w).any() for w in want):
+        return "the reference gives NaN on fully masked rows; the served graph gives zeros"
+    if all(g.shape == w.shape and np.allclose(g, w, rtol=0, atol=TOLERANCE) for g, w in zip(got, want, strict=True)):
+        return None
+    return "the reference defines fully masked rows its own way (e.g. uniform weights); the served graph gives zeros"
+
+
+def run_case(reference, session: ort.InferenceSession, case: ValidationCase, rng: np.random.Generator) -> CaseResult:
+    nan = float("nan")
+    if case.kind == "cross" and reference.self_attention_only:
+        return CaseResult(case, nan, nan, None, None, SKIPPED, "the reference takes self-attention only")
+    d = session.get_inputs()[0].shape[-1]
     query = rng.standard_normal((case.batch, case.q_len, d), dtype=np.float32)
     if case.kind == "self":
         key = value = query
@@ -97,60 +214,77 @@ def run_case(
         key = rng.standard_normal((case.batch, case.kv_len, d), dtype=np.float32)
         value = rng.standard_normal((case.batch, case.kv_len, d), dtype=np.float32)
     eager_mask, onnx_mask = make_masks(case, rng)
-
-    with torch.no_grad():
-        want_out, want_attn = module(
-            torch.from_numpy(query),
-            torch.from_numpy(key),
-            torch.from_numpy(value),
-            None if eager_mask is None else torch.from_numpy(eager_mask),
-        )
-    nan = float("nan")
+    want_out, want_attn = reference(CaseInputs(query, key, value, eager_mask, onnx_mask))
     try:
         got_out, got_attn = session.run(
             ["output", "attn_weights"], {"query": query, "key": key, "value": value, "mask": onnx_mask}
         )
     except Exception as exc:  # an export that cannot run this shape fails the case, not the run
-        return CaseResult(case, nan, nan, nan, nan, passed=False, error=str(exc).splitlines()[0][:300])
-    if got_out.shape != tuple(want_out.shape) or got_attn.shape != tuple(want_attn.shape):
-        expected = (tuple(want_out.shape), tuple(want_attn.shape))
-        error = f"shapes {got_out.shape}, {got_attn.shape}; expected {expected[0]}, {expected[1]}"
-        return CaseResult(case, nan, nan, nan, nan, passed=False, error=error)
-    out_abs, out_rel = _errors(got_out, want_out.numpy())
-    attn_abs, attn_rel = _errors(got_attn, want_attn.numpy())
-    passed = out_abs <= TOLERANCE and attn_abs <= TOLERANCE
-    return CaseResult(case, out_abs, out_rel, attn_abs, attn_rel, passed)
+        return CaseResult(case, nan, nan, nan, nan, FAIL, error=str(exc).splitlines()[0][:300])
+    expected_attn = got_attn.shape if want_attn is None else want_attn.shape
+    if got_out.shape != want_out.shape or got_attn.shape != expected_attn:
+        error = f"shapes {got_out.shape}, {got_attn.shape}; expected {want_out.shape}, {expected_attn}"
+        return CaseResult(case, nan, nan, nan, nan, FAIL, error=error)
+
+    # Rows with some key to attend to are defined alike everywhere; fully masked ones are judged apart.
+    attends = np.broadcast_to(onnx_mask.any(axis=-1)[:, 0], (case.batch, case.q_len))
+    pairs = [(got_out, want_out)] + ([] if want_attn is None else [(got_attn, want_attn)])
+    defined = [_errors(*_rows_of(g, w, attends)) for g, w in pairs]
+    (out_abs, out_rel), (attn_abs, attn_rel) = defined[0], defined[1] if len(defined) > 1 else (None, None)
+    if not all(max_abs <= TOLERANCE for max_abs, _ in defined):
+        return CaseResult(case, out_abs, out_rel, attn_abs, attn_rel, FAIL)
+    note = None
+    if not attends.all():
+        note = _masked_rows_note(*zip(*(_rows_of(g, w, ~attends) for g, w in pairs), strict=True))
+    return CaseResult(case, out_abs, out_rel, attn_abs, attn_rel, UNDEFINED if note else PASS, note)
+
+
+def _rows_of(got: np.ndarray, want: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The query rows picked by ``rows`` [B, Lq] of an output [B, Lq, d] or weights [B, h, Lq, Lk]."""
+    if got.ndim == 3:
+        return got[rows], want[rows]
+    return got.transpose(0, 2, 1, 3)[rows], want.transpose(0, 2, 1, 3)[rows]
 
 
 def format_row(index: int, total: int, result: CaseResult) -> str:
     c = result.case
+    attn = (
+        "attn  (not returned)   "
+        if result.attn_max_abs is None
+        else (f"attn abs {result.attn_max_abs:8.1e} rel {result.attn_max_rel:8.1e}")
+    )
     return (
         f"[{index:>3}/{total}] {c.kind:<5} B={c.batch:<2} Lq={c.q_len:<4} Lk={c.kv_len:<4} mask={c.mask:<11} "
-        f"output abs {result.output_max_abs:8.1e} rel {result.output_max_rel:8.1e}  "
-        f"attn abs {result.attn_max_abs:8.1e} rel {result.attn_max_rel:8.1e}  "
-        f"{'pass' if result.passed else 'FAIL'}" + (f"  ({result.error})" if result.error else "")
+        f"output abs {result.output_max_abs:8.1e} rel {result.output_max_rel:8.1e}  {attn}  "
+        f"{result.status if result.status != FAIL else 'FAIL'}" + (f"  ({result.error})" if result.error else "")
     )
 
 
 def validate(
-    module: MultiHeadAttention,
+    reference: MultiHeadAttention | ServedModuleReference | UserModuleReference,
     onnx_model: bytes | str,
     cases: Iterable[ValidationCase] | None = None,
     seed: int | None = None,
     report: Callable[[str], None] | None = None,
 ) -> list[CaseResult]:
-    """Run every case against ONNX Runtime's CPU provider; ``report`` gets one table row per case."""
+    """Run every case against ONNX Runtime's CPU provider; ``report`` gets one table row per case.
+
+    ``reference`` is the eager side: the served module itself, or a reference wrapping a user's module.
+    """
     report = report or (lambda line: print(line, file=sys.stderr, flush=True))
-    module = module.eval()
+    if isinstance(reference, MultiHeadAttention):
+        reference = ServedModuleReference(reference)
     session = ort.InferenceSession(onnx_model, providers=["CPUExecutionProvider"])
     cases = list(validation_cases() if cases is None else cases)
     rng = np.random.default_rng(seed)
     results = []
     for index, case in enumerate(cases, start=1):
-        result = run_case(module, session, case, rng)
+        result = run_case(reference, session, case, rng)
         results.append(result)
         report(format_row(index, len(cases), result))
-    failed = sum(not r.passed for r in results)
-    passed = len(results) - failed
-    report(f"validation: {passed} passed, {failed} failed (tolerance: max abs error <= {TOLERANCE:g})")
+    counts = {status: sum(r.status == status for r in results) for status in (PASS, FAIL, UNDEFINED, SKIPPED)}
+    report(
+        f"validation: {counts[PASS]} passed, {counts[FAIL]} failed, {counts[UNDEFINED]} undefined by the reference, "
+        f"{counts[SKIPPED]} skipped (tolerance: max abs error <= {TOLERANCE:g})"
+    )
     return results

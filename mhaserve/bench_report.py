@@ -68,7 +68,7 @@ def plot(results: list[PointResult], out_dir: Path, title: str) -> list[Path]:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as missing:
-        raise SystemExit("plots need matplotlib: pip install 'mhaserve[bench]'") from missing
+        raise SystemExit("plots need matplotlib: pip install 'mhaserve[plot]'") from missing
     import numpy as np
 
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -11,16 +11,22 @@ import subprocess
 import sys
 from pathlib import Path
 
+from mhaserve.errors import UsageError
+
 
 def _add_export(sub) -> None:
     p = sub.add_parser("export", help="export the MHA module to a validated ONNX model folder")
     p.add_argument("--out", type=Path, default=Path("model_repository/mha"), help="model folder to write")
-    p.add_argument("--d-model", type=int, default=512, help="model width (default 512)")
-    p.add_argument("--heads", type=int, default=8, help="number of heads; must divide d-model (default 8)")
+    p.add_argument("--d-model", type=int, default=None, help="model width of the seeded module (default 512)")
+    p.add_argument("--heads", type=int, default=None, help="number of heads; must divide d-model (default 8; "
+                   "with --weights, required unless the file says)")  # fmt: skip
     weights = p.add_mutually_exclusive_group()
     weights.add_argument("--seed", type=int, default=0, help="seed of the default initialisation (default 0)")
-    weights.add_argument("--weights", type=Path, help="weights file written by mhaserve (overrides sizes and seed)")
-    p.add_argument("--opset", type=int, default=None, help="ONNX opset (default 17)")
+    weights.add_argument("--weights", type=Path, help="trained weights: a state dict (.pt/.pth/.bin/.safetensors) of "
+                         "a module with W_q..W_o or w_q..w_o, nn.MultiheadAttention, a BERT-style encoder, or "
+                         "mhaserve's own file")  # fmt: skip
+    p.add_argument("--prefix", help="the key prefix of one attention layer in --weights (e.g. encoder.layers.3.)")
+    p.add_argument("--opset", type=int, default=None, help="ONNX opset (default 18)")
     p.add_argument("--name", default="mha", help="model name the server registers (default mha)")
     p.add_argument("--validation-seed", type=int, default=None, help="seed of the validation inputs (default random)")
     p.add_argument("--triton-repo", type=Path, help="also write a Triton model repository (config.pbtxt, 1/model.onnx)")
@@ -30,14 +36,21 @@ def _add_export(sub) -> None:
 def _run_export(args) -> int:
     from mhaserve.export.model_dir import export_model_dir
     from mhaserve.export.onnx_export import DEFAULT_OPSET
-    from mhaserve.model import load_weights, seeded_module
+    from mhaserve.model import DEFAULT_D_MODEL, DEFAULT_NUM_HEADS, load_checkpoint, seeded_module
 
     if args.weights:
-        module = load_weights(args.weights)
-        source = {"weights": str(args.weights)}
+        module, source = load_checkpoint(args.weights, args.heads, args.prefix)
+        if args.d_model is not None and args.d_model != module.d_model:
+            raise UsageError(f"--d-model {args.d_model}, but {args.weights} holds d_model {module.d_model}")
+        heads_from = "--heads" if args.heads is not None else "the file"
+        print(f"read {source['layout']} weights at prefix {source['prefix']!r} from {args.weights}: "
+              f"d_model {module.d_model} (from the shapes), {module.num_heads} heads (from {heads_from})",
+              file=sys.stderr)  # fmt: skip
     else:
-        module = seeded_module(args.d_model, args.heads, args.seed)
-        source = {"seed": args.seed}
+        if args.prefix is not None:
+            raise UsageError("--prefix picks a layer of --weights; there is no --weights")
+        module = _seeded(seeded_module, args.d_model or DEFAULT_D_MODEL, args.heads or DEFAULT_NUM_HEADS, args.seed)
+        source = {"kind": "seed", "seed": args.seed}
     print(
         f"exporting MHA d_model={module.d_model} heads={module.num_heads} to {args.out} "
         f"and validating it against eager PyTorch",
@@ -58,6 +71,13 @@ def _run_export(args) -> int:
 
         print(f"wrote Triton model {write_triton_repo(args.out, args.triton_repo)}", file=sys.stderr)
     return 0 if manifest["valid"] else 1
+
+
+def _seeded(seeded_module, d_model: int, heads: int, seed: int):
+    try:
+        return seeded_module(d_model, heads, seed)
+    except ValueError as error:  # sizes that do not fit: the module's own message says how
+        raise UsageError(str(error)) from None
 
 
 def _add_validate(sub) -> None:
@@ -165,15 +185,27 @@ def _add_infer(sub) -> None:
     p.add_argument("--kv-len", type=int, default=None, help="key/value length: cross-attention (default self)")
     for name in ("query", "key", "value", "mask"):
         p.add_argument(f"--{name}", type=Path, help=f"{name} from a .npy file")
-    p.add_argument("--no-weights", action="store_true", help="ask for the output only")
+    p.add_argument("--no-weights", action="store_true", help="do not ask for every head's attn_weights")
+    p.add_argument("--mean-weights", action="store_true", help="ask for attn_weights_mean [B, Lq, Lk], the weights "
+                   "averaged over heads (h times fewer bytes)")  # fmt: skip
     p.add_argument("--repeat", type=int, default=1, help="calls to time (default 1)")
     p.add_argument("--timeout", type=float, default=30.0, help="deadline per call, seconds")
     p.add_argument("--save", type=Path, help="write inputs and outputs to this .npz")
-    p.add_argument("--heatmap", type=Path, help="write one head's attention weights to this .png")
-    p.add_argument("--head", type=int, default=0, help="head for --heatmap (default 0)")
+    p.add_argument("--heatmap", type=Path, help="draw one item's attention weights to this .png (needs the plot extra)")
+    p.add_argument("--head", type=_head, default=0, help="head for --heatmap, or 'mean' for the mean over heads "
+                   "(default 0)")  # fmt: skip
     p.add_argument("--item", type=int, default=0, help="batch item for --heatmap (default 0)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p.set_defaults(run=_run_infer)
+
+
+def _head(text: str) -> int | str:
+    if text == "mean":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a head number or 'mean', got {text!r}") from None
 
 
 def _run_infer(args) -> int:
@@ -184,6 +216,9 @@ def _run_infer(args) -> int:
 
     from mhaserve.client import Client
 
+    # A heatmap of the mean needs only the mean; one of a head needs every head's weights.
+    mean_weights = args.mean_weights or (args.heatmap is not None and args.head == "mean")
+    all_weights = not args.no_weights or (args.heatmap is not None and args.head != "mean")
     tls, token = _connection(args)
     with Client(args.url, args.model, tls=tls, token=token) as client:
         d_model = _model_width(client, args, timeout=args.timeout)
@@ -203,34 +238,45 @@ def _run_infer(args) -> int:
         try:
             for _ in range(max(1, args.repeat)):
                 started = time.perf_counter()
-                result = client.infer(**arrays, attn_weights=not args.no_weights, timeout=args.timeout)
+                result = client.infer(
+                    **arrays, attn_weights=all_weights, attn_weights_mean=mean_weights, timeout=args.timeout
+                )
                 latencies.append((time.perf_counter() - started) * 1000)
         except grpc.RpcError as error:
             print(f"{error.code().name}: {error.details()}", file=sys.stderr)
             return 1
+    outputs = {
+        "output": result.output,
+        "attn_weights": result.attn_weights,
+        "attn_weights_mean": result.attn_weights_mean,
+    }
+    outputs = {name: array for name, array in outputs.items() if array is not None}
     shapes = ", ".join(f"{k} {list(v.shape)} {v.dtype}" for k, v in arrays.items())
     print(f"inputs: {shapes}")
-    print(f"output: {list(result.output.shape)}", end="")
-    print(f"  attn_weights: {list(result.attn_weights.shape)}" if result.attn_weights is not None else "")
+    print("  ".join(f"{name}: {list(array.shape)}" for name, array in outputs.items()))
     lat = np.array(latencies)
     print(
         f"latency ms over {len(lat)} calls: p50 {np.percentile(lat, 50):.3f}  p90 {np.percentile(lat, 90):.3f}  "
         f"min {lat.min():.3f}  max {lat.max():.3f} (first call included)"
     )
     if args.save:
-        outputs = {"output": result.output}
-        if result.attn_weights is not None:
-            outputs["attn_weights"] = result.attn_weights
         np.savez(args.save, **arrays, **outputs)
         print(f"saved {args.save}")
     if args.heatmap:
-        if result.attn_weights is None:
-            print("--heatmap needs the attention weights (drop --no-weights)", file=sys.stderr)
-            return 1
         from mhaserve.heatmap import write_heatmap
 
-        write_heatmap(result.attn_weights[args.item, args.head], args.heatmap)
-        print(f"wrote {args.heatmap} (item {args.item}, head {args.head})")
+        batch = result.output.shape[0]
+        if not 0 <= args.item < batch:
+            raise UsageError(f"--item {args.item}: the batch has items 0..{batch - 1}")
+        if args.head == "mean":
+            weights, what = result.attn_weights_mean[args.item], "mean over heads"
+        else:
+            heads = result.attn_weights.shape[1]
+            if not 0 <= args.head < heads:
+                raise UsageError(f"--head {args.head}: the model has heads 0..{heads - 1} (or 'mean')")
+            weights, what = result.attn_weights[args.item, args.head], f"head {args.head}"
+        write_heatmap(weights, args.heatmap, title=f"{args.model}: item {args.item}, {what}")
+        print(f"wrote {args.heatmap} (item {args.item}, {what})")
     return 0
 
 
@@ -357,9 +403,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
         return args.run(args)
+    except UsageError as error:  # the user's input: one line, exit code 2, as argparse does
+        print(f"{parser.prog} {args.command}: error: {error}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 

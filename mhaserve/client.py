@@ -24,6 +24,7 @@ import numpy as np
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
 from mhaserve.server.codec import DATATYPES, datatype_of
+from mhaserve.signature import ATTN_WEIGHTS, ATTN_WEIGHTS_MEAN, OUTPUT
 
 # Large enough for any response of the server's default limits (32 x 512 x 512 with weights);
 # gRPC's own default of 4 MiB fails at [1, 512, 512] with weights.
@@ -81,6 +82,7 @@ class InferResult:
     output: np.ndarray | None
     attn_weights: np.ndarray | None
     id: str = ""
+    attn_weights_mean: np.ndarray | None = None  # [B, Lq, Lk], when asked for
 
 
 def _channel_options(max_message_bytes: int):
@@ -101,8 +103,13 @@ def build_infer_request(
     mask: np.ndarray | None = None,
     attn_weights: bool = True,
     request_id: str = "",
+    attn_weights_mean: bool = False,
 ) -> pb.ModelInferRequest:
-    """One ModelInferRequest with every input as raw bytes (query, key, value FP32; mask as given)."""
+    """One ModelInferRequest with every input as raw bytes (query, key, value FP32; mask as given).
+
+    It asks for the output, the weights of every head unless ``attn_weights`` is false, and their mean
+    over heads when ``attn_weights_mean`` is true.
+    """
     request = pb.ModelInferRequest(model_name=model, id=request_id)
     tensors = {"query": query, "key": key, "value": value, "mask": mask}
     for name, array in tensors.items():
@@ -111,9 +118,11 @@ def build_infer_request(
         array = np.ascontiguousarray(array, dtype=np.float32 if name != "mask" else None)
         request.inputs.add(name=name, datatype=datatype_of(array), shape=array.shape)
         request.raw_input_contents.append(array.tobytes())
-    request.outputs.add(name="output")
+    request.outputs.add(name=OUTPUT)
     if attn_weights:
-        request.outputs.add(name="attn_weights")
+        request.outputs.add(name=ATTN_WEIGHTS)
+    if attn_weights_mean:
+        request.outputs.add(name=ATTN_WEIGHTS_MEAN)
     return request
 
 
@@ -122,7 +131,7 @@ def parse_infer_response(response: pb.ModelInferResponse) -> InferResult:
     for index, tensor in enumerate(response.outputs):
         dtype, _ = DATATYPES[tensor.datatype]
         arrays[tensor.name] = np.frombuffer(response.raw_output_contents[index], dtype=dtype).reshape(tensor.shape)
-    return InferResult(arrays.get("output"), arrays.get("attn_weights"), response.id)
+    return InferResult(arrays.get(OUTPUT), arrays.get(ATTN_WEIGHTS), response.id, arrays.get(ATTN_WEIGHTS_MEAN))
 
 
 class _Connection:
@@ -149,9 +158,19 @@ class Client(_Connection):
     """Blocking client. ``infer`` raises grpc.RpcError with the server's status on refusal."""
 
     def infer(
-        self, query, key=None, value=None, mask=None, attn_weights=True, timeout=None, request_id=""
+        self,
+        query,
+        key=None,
+        value=None,
+        mask=None,
+        attn_weights=True,
+        timeout=None,
+        request_id="",
+        attn_weights_mean=False,
     ) -> InferResult:
-        request = build_infer_request(self.model, query, key, value, mask, attn_weights, request_id)
+        request = build_infer_request(
+            self.model, query, key, value, mask, attn_weights, request_id, attn_weights_mean=attn_weights_mean
+        )
         return parse_infer_response(self._stub.ModelInfer(request, timeout=timeout, metadata=self._metadata))
 
     def ready(self, timeout=None) -> bool:
@@ -188,9 +207,19 @@ class AsyncClient(_Connection):
     _aio = True
 
     async def infer(
-        self, query, key=None, value=None, mask=None, attn_weights=True, timeout=None, request_id=""
+        self,
+        query,
+        key=None,
+        value=None,
+        mask=None,
+        attn_weights=True,
+        timeout=None,
+        request_id="",
+        attn_weights_mean=False,
     ) -> InferResult:
-        request = build_infer_request(self.model, query, key, value, mask, attn_weights, request_id)
+        request = build_infer_request(
+            self.model, query, key, value, mask, attn_weights, request_id, attn_weights_mean=attn_weights_mean
+        )
         return parse_infer_response(await self._stub.ModelInfer(request, timeout=timeout, metadata=self._metadata))
 
     async def ready(self, timeout=None) -> bool:

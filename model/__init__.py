@@ -1,5 +1,6 @@
 """The multi-head attention module (torch). Nothing on the serving path imports this package."""
 
+from .checkpoint import CheckpointError, load_checkpoint, module_from_state_dict
 from .mha import (
     DEFAULT_D_MODEL,
     DEFAULT_NUM_HEADS,
@@ -11,6 +12,9 @@ from .mha import (
 from .weights import from_torch_mha, load_weights, save_weights, seeded_module, to_torch_mha
 
 __all__ = [
+    "CheckpointError",
+    "load_checkpoint",
+    "module_from_state_dict",
     "DEFAULT_D_MODEL",
     "DEFAULT_NUM_HEADS",
     "DEFAULT_SEED",

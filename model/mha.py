@@ -69,24 +69,18 @@ class MultiHeadAttention(nn.Module):
         scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(self.d_k)
         if mask is None:
             weights = torch.softmax(scores, dim=-1)
+            rows_attending = None
+        elif torch.compiler.is_exporting():
+            # One opaque op for torch.export (see masked_softmax_op), so the mask's dims stay free.
+            weights, rows_attending = masked_softmax_op(scores, attention_mask_4d(mask))
         else:
-            allowed = attention_mask_4d(mask).to(scores.dtype)  # 1 = may attend, 0 = may not
-            # The mask becomes an additive bias at its own (small, broadcast) shape: half the lowest
-            # finite value, which exp() turns into exactly 0 as -inf would, which a score cannot push
-            # past -inf (float16's lowest plus -20 would overflow), and which leaves a row with every
-            # key masked finite instead of NaN. One broadcast Add over the scores replaces a full-size
-            # select (ONNX Runtime's Where measured 1.8 ms of 14 ms at [1, 8, 512, 512]).
-            bias = (1 - allowed) * (torch.finfo(scores.dtype).min / 2)
-            # A row with every key masked is defined as zeros: multiply by whether the row attends at all
-            # (a max over 0/1 rather than any(), which exports as three nodes and a cast back).
-            attends = allowed.amax(dim=-1, keepdim=True)  # [B or 1, h or 1, Lq or 1, 1]
-            weights = torch.softmax(scores + bias, dim=-1) * attends
+            weights, rows_attending = masked_softmax(scores, attention_mask_4d(mask))
         # Dropout (training only) acts on what multiplies V; the returned weights stay the softmax.
         context = torch.matmul(self.attn_dropout(weights), v)
         output = self.W_o(self._merge_heads(context))
-        if mask is not None:
+        if rows_attending is not None:
             # Zero the output of a query row that no head may attend from (W_o alone would give its bias).
-            output = output * attends.amax(dim=1)  # [B or 1, Lq or 1, 1]
+            output = scale_rows_op(output, rows_attending) if torch.compiler.is_exporting() else output * rows_attending
         return output, weights
 
     def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
@@ -99,24 +93,66 @@ class MultiHeadAttention(nn.Module):
 
 
 def _reshape_last_dim(x: torch.Tensor, tail: tuple[int, ...]) -> torch.Tensor:
-    """[B, L, ...] -> [B, L, *tail]. In an ONNX export, one Reshape to a constant shape whose 0s keep the
-    input's B and L (so they stay dynamic). Traced, B and L would be computed by Shape, Gather, Concat and
-    Slice nodes, each a few microseconds in ONNX Runtime whatever its size: 27 of the graph's 61 nodes."""
-    if torch.onnx.is_in_onnx_export():
-        return _ReshapeKeepingBatchAndLength.apply(x, tail)
+    """[B, L, ...] -> [B, L, *tail]. Exported, one Reshape to a constant shape whose 0s keep the input's B
+    and L (reshape_op): torch.export would compute B and L with Shape and Concat nodes, each a few
+    microseconds in ONNX Runtime whatever its size (27 of 61 nodes in the first traced graph)."""
+    if torch.compiler.is_exporting():
+        return reshape_op(x, list(tail))
     return x.reshape(*x.shape[:2], *tail)
 
 
-class _ReshapeKeepingBatchAndLength(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, tail: tuple[int, ...]) -> torch.Tensor:
-        return x.reshape(*x.shape[:2], *tail)
+def masked_softmax(scores: torch.Tensor, allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax over keys where ``allowed`` (bool, broadcastable to scores), and which query rows attend at all.
 
-    @staticmethod
-    def symbolic(g, x, tail):
-        # The last dim as -1 (it follows from the others): torch's exporter asserts on a 0 without a -1.
-        shape = torch.tensor([0, 0, *tail[:-1], -1], dtype=torch.int64)
-        return g.op("Reshape", x, g.op("Constant", value_t=shape))
+    Returns the weights (zero on a row with every key masked) and a [B or 1, Lq or 1, 1] factor, 1 where a
+    query row may attend to some key in some head, else 0.
+    """
+    allowed = allowed.to(scores.dtype)  # 1 = may attend, 0 = may not
+    # The mask becomes an additive bias at its own (small, broadcast) shape: half the lowest finite value,
+    # which exp() turns into exactly 0 as -inf would, which a score cannot push past -inf (float16's lowest
+    # plus -20 would overflow), and which leaves a row with every key masked finite instead of NaN. One
+    # broadcast Add over the scores replaces a full-size select (ONNX Runtime's Where measured 1.8 ms of
+    # 14 ms at [1, 8, 512, 512]).
+    bias = (1 - allowed) * (torch.finfo(scores.dtype).min / 2)
+    # A row with every key masked is defined as zeros: multiply by whether the row attends at all
+    # (a max over 0/1 rather than any(), which exports as three nodes and a cast back).
+    attends = allowed.amax(dim=-1, keepdim=True)  # [B or 1, h or 1, Lq or 1, 1]
+    return torch.softmax(scores + bias, dim=-1) * attends, attends.amax(dim=1)
+
+
+# Opaque to torch.export, translated to ONNX by export/onnx_export.py. torch.export proves shapes with
+# guards: broadcasting the mask [1 or B, 1, 1 or Lq, Lk] against the scores in torch code would either
+# fix its batch to 1 or tie it to the query's batch. Inside a custom op whose declared outputs have the
+# scores' (or the mask's own) shape, no such guard is made, and ONNX broadcasts at run time.
+@torch.library.custom_op("mhaserve::masked_softmax", mutates_args=())
+def masked_softmax_op(scores: torch.Tensor, allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return masked_softmax(scores, allowed)
+
+
+@masked_softmax_op.register_fake
+def _(scores, allowed):
+    rows = allowed.new_empty((allowed.shape[0], allowed.shape[2], 1), dtype=scores.dtype)
+    return torch.empty_like(scores), rows
+
+
+@torch.library.custom_op("mhaserve::scale_rows", mutates_args=())
+def scale_rows_op(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    return x * factor
+
+
+@scale_rows_op.register_fake
+def _(x, factor):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("mhaserve::reshape_keeping_batch_and_length", mutates_args=())
+def reshape_op(x: torch.Tensor, tail: list[int]) -> torch.Tensor:
+    return x.reshape(*x.shape[:2], *tail).clone()  # a custom op may not return a view of its input
+
+
+@reshape_op.register_fake
+def _(x, tail):
+    return x.new_empty((x.shape[0], x.shape[1], *tail))
 
 
 def attention_mask_4d(mask: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .checkpoint import load_checkpoint
 from .mha import DEFAULT_D_MODEL, DEFAULT_NUM_HEADS, DEFAULT_SEED, MultiHeadAttention
 
 
@@ -32,14 +33,8 @@ def save_weights(module: MultiHeadAttention, path: str | Path) -> None:
 
 
 def load_weights(path: str | Path) -> MultiHeadAttention:
-    """Rebuild a module from a file written by save_weights."""
-    saved = torch.load(Path(path), map_location="cpu", weights_only=True)
-    if not isinstance(saved, dict) or "state_dict" not in saved:
-        raise ValueError(f"{path}: not an mhaserve weights file (a dict of d_model, num_heads, state_dict)")
-    state, d_model, num_heads = saved["state_dict"], saved["d_model"], saved["num_heads"]
-    module = MultiHeadAttention(d_model, num_heads)
-    module.load_state_dict(state)
-    return module.eval()
+    """Rebuild a module from a file written by save_weights (or any checkpoint that names its heads)."""
+    return load_checkpoint(path)[0]
 
 
 def to_torch_mha(module: MultiHeadAttention) -> nn.MultiheadAttention:

@@ -23,7 +23,9 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from .codec import OUTPUT_NAMES, AttentionRequest, RequestError
+from mhaserve.signature import ATTN_WEIGHTS, ATTN_WEIGHTS_MEAN, OUTPUT, graph_outputs_for
+
+from .codec import AttentionRequest, RequestError
 
 
 class QueueFull(RequestError):
@@ -50,7 +52,7 @@ class Merged:
     key: np.ndarray
     value: np.ndarray
     mask: np.ndarray
-    outputs: tuple[str, ...]
+    outputs: tuple[str, ...]  # the graph outputs to fetch
     parts: list[tuple[int, int, int, int]]  # (first row, batch, q_len, kv_len) per request
 
 
@@ -62,7 +64,7 @@ def _is_unmasked(mask: np.ndarray) -> bool:
 def merge(requests: list[AttentionRequest]) -> Merged:
     """Stack requests along the batch axis, padding lengths to the longest (see the module doc)."""
     first = requests[0]
-    outputs = tuple(name for name in OUTPUT_NAMES if any(name in r.outputs for r in requests))
+    outputs = graph_outputs_for(tuple(name for r in requests for name in r.outputs))
     parts, row = [], 0
     for r in requests:
         parts.append((row, r.batch_size, r.query.shape[1], r.key.shape[1]))
@@ -105,10 +107,12 @@ def split(merged: Merged, results: dict[str, np.ndarray], request_outputs: list[
     for (start, batch, lq, lk), wanted in zip(merged.parts, request_outputs, strict=True):
         rows = slice(start, start + batch)
         answer = {}
-        if "output" in wanted:
-            answer["output"] = results["output"][rows, :lq]
-        if "attn_weights" in wanted:
-            answer["attn_weights"] = results["attn_weights"][rows, :, :lq, :lk]
+        if OUTPUT in wanted:
+            answer[OUTPUT] = results[OUTPUT][rows, :lq]
+        if ATTN_WEIGHTS in wanted:
+            answer[ATTN_WEIGHTS] = results[ATTN_WEIGHTS][rows, :, :lq, :lk]
+        if ATTN_WEIGHTS_MEAN in wanted:
+            answer[ATTN_WEIGHTS_MEAN] = results[ATTN_WEIGHTS][rows, :, :lq, :lk].mean(axis=1)
         answers.append(answer)
     return answers
 

@@ -14,6 +14,7 @@ import grpc
 import numpy as np
 
 from mhaserve.protos.generated import grpc_service_pb2 as pb
+from mhaserve.signature import DEFAULT_OUTPUT_NAMES, INPUT_NAMES, OUTPUT_NAMES
 
 # Protocol datatype <-> numpy, and the typed `contents` field that carries each.
 DATATYPES = {
@@ -27,8 +28,6 @@ DATATYPES = {
 }
 NUMPY_TO_DATATYPE = {dtype: name for name, (dtype, _) in DATATYPES.items()}
 MASK_DATATYPES = ("BOOL", "UINT8", "INT8", "INT32", "INT64")
-INPUT_NAMES = ("query", "key", "value", "mask")
-OUTPUT_NAMES = ("output", "attn_weights")
 
 
 class RequestError(Exception):
@@ -279,7 +278,7 @@ def _requested_outputs(request: pb.ModelInferRequest) -> tuple[str, ...]:
             raise invalid(f"unknown requested output '{name}'; this model returns {', '.join(OUTPUT_NAMES)}")
     if len(set(names)) != len(names):
         raise invalid(f"requested outputs {list(names)} name an output more than once")
-    return names or OUTPUT_NAMES
+    return names or DEFAULT_OUTPUT_NAMES
 
 
 def encode_infer_response(

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from mhaserve.signature import ATTN_WEIGHTS, ATTN_WEIGHTS_MEAN
+
 from .batcher import Batcher, BatchResult
 from .codec import AttentionRequest, Limits, ModelSignature, RequestError
 from .config import ServerSettings
@@ -125,8 +127,10 @@ def footprint_bytes(request: AttentionRequest, num_heads: int) -> int:
     b, q_len, d_model = request.query.shape
     kv_len = request.key.shape[1]
     outputs = 4 * b * q_len * d_model  # output is always computed
-    if "attn_weights" in request.outputs:
-        outputs += 4 * b * num_heads * q_len * kv_len
+    if ATTN_WEIGHTS in request.outputs or ATTN_WEIGHTS_MEAN in request.outputs:
+        outputs += 4 * b * num_heads * q_len * kv_len  # fetched from the run either way
+    if ATTN_WEIGHTS_MEAN in request.outputs:
+        outputs += 4 * b * q_len * kv_len
     return sum(inputs.values()) + outputs
 
 

@@ -13,6 +13,7 @@ import mhaserve
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
 from mhaserve.protos.generated import model_config_pb2 as mc
+from mhaserve.signature import input_specs, output_specs
 
 from .codec import RequestError, check_model, decode_infer_request, encode_infer_response
 from .dataplane import DataPlane, RequestTiming
@@ -21,19 +22,6 @@ log = logging.getLogger("mhaserve.server")
 
 PLATFORM = "onnxruntime_onnx"
 EXTENSIONS = ["model_configuration", "statistics"]
-
-
-def _tensors(d_model: int, num_heads: int):
-    """(name, datatype, shape, optional) of inputs, then outputs; -1 is a dynamic dim."""
-    inputs = [
-        ("query", "FP32", [-1, -1, d_model], False),
-        ("key", "FP32", [-1, -1, d_model], True),
-        ("value", "FP32", [-1, -1, d_model], True),
-        # [batch, q_len, kv_len]; key padding [batch, kv_len] is accepted too
-        ("mask", "BOOL", [-1, -1, -1], True),
-    ]
-    outputs = [("output", "FP32", [-1, -1, d_model]), ("attn_weights", "FP32", [-1, num_heads, -1, -1])]
-    return inputs, outputs
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
@@ -65,20 +53,20 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelMetadata(self, request, context):
         await self._check_model(request.name, request.version, context)
         s = self.dataplane.signature
-        inputs, outputs = _tensors(s.d_model, s.num_heads)
         tensor = pb.ModelMetadataResponse.TensorMetadata
         return pb.ModelMetadataResponse(
             name=s.name,
             versions=[s.version],
             platform=PLATFORM,
-            inputs=[tensor(name=n, datatype=t, shape=shape) for n, t, shape, _ in inputs],
-            outputs=[tensor(name=n, datatype=t, shape=shape) for n, t, shape in outputs],
+            inputs=[tensor(name=t.name, datatype=t.datatype, shape=t.shape) for t in input_specs(s.d_model)],
+            outputs=[
+                tensor(name=t.name, datatype=t.datatype, shape=t.shape) for t in output_specs(s.d_model, s.num_heads)
+            ],
         )
 
     async def ModelConfig(self, request, context):
         await self._check_model(request.name, request.version, context)
         s = self.dataplane.signature
-        inputs, outputs = _tensors(s.d_model, s.num_heads)
         data_type = {"FP32": mc.TYPE_FP32, "BOOL": mc.TYPE_BOOL}
         config = mc.ModelConfig(
             name=s.name,
@@ -86,8 +74,14 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             backend="onnxruntime",
             # 0: the batch dim is part of every shape, as in the metadata (no implicit batching).
             max_batch_size=0,
-            input=[mc.ModelInput(name=n, data_type=data_type[t], dims=shape, optional=o) for n, t, shape, o in inputs],
-            output=[mc.ModelOutput(name=n, data_type=data_type[t], dims=shape) for n, t, shape in outputs],
+            input=[
+                mc.ModelInput(name=t.name, data_type=data_type[t.datatype], dims=t.shape, optional=t.optional)
+                for t in input_specs(s.d_model)
+            ],
+            output=[
+                mc.ModelOutput(name=t.name, data_type=data_type[t.datatype], dims=t.shape)
+                for t in output_specs(s.d_model, s.num_heads)
+            ],
             default_model_filename="model.onnx",
         )
         return pb.ModelConfigResponse(config=config)

@@ -49,7 +49,9 @@ def small_model_dir(tmp_path_factory, small_module):
     from mhaserve.export.model_dir import export_model_dir
 
     out = tmp_path_factory.mktemp("small") / "mha"
-    manifest = export_model_dir(small_module, out, source={"seed": 1}, validation_seed=0, report=lambda _: None)
+    manifest = export_model_dir(
+        small_module, out, source={"kind": "seed", "seed": 1}, validation_seed=0, report=lambda _: None
+    )
     assert manifest["valid"], "the fixture model failed validation"
     return out
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import onnx
@@ -44,7 +45,7 @@ def assert_same(got, want, atol=1e-5):
 
 
 def test_folder_holds_one_onnx_file_weights_and_manifest(small_model_dir):
-    # The dynamo exporter writes weights to model.onnx.data by default; our folder has no such file.
+    # torch.export's ONNX program is saved with external data; our folder holds one file unless it is huge.
     assert sorted(p.name for p in small_model_dir.iterdir()) == ["manifest.json", "model.onnx", "weights.pt"]
     model = onnx.load(str(small_model_dir / "model.onnx"), load_external_data=False)
     assert all(t.data_location != onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
@@ -53,7 +54,9 @@ def test_folder_holds_one_onnx_file_weights_and_manifest(small_model_dir):
 def test_manifest_describes_the_model(small_model_dir):
     manifest = json.loads((small_model_dir / "manifest.json").read_text())
     assert manifest["valid"] is True
-    assert manifest["config"] == {"d_model": D, "num_heads": SMALL_HEADS, "d_k": D // SMALL_HEADS, "seed": 1}
+    assert manifest["config"] == {"d_model": D, "num_heads": SMALL_HEADS, "d_k": D // SMALL_HEADS}
+    assert manifest["source"] == {"kind": "seed", "seed": 1}
+    assert manifest["exporter"] == "torch.onnx (torch.export, dynamo=True)"
     assert manifest["inputs"] == [
         {"name": "query", "dtype": "float32", "shape": ["batch", "q_len", D]},
         {"name": "key", "dtype": "float32", "shape": ["batch", "kv_len", D]},
@@ -64,7 +67,7 @@ def test_manifest_describes_the_model(small_model_dir):
         {"name": "output", "dtype": "float32", "shape": ["batch", "q_len", D]},
         {"name": "attn_weights", "dtype": "float32", "shape": ["batch", SMALL_HEADS, "q_len", "kv_len"]},
     ]
-    assert manifest["opset"] == 17
+    assert manifest["opset"] == 18
     assert set(manifest["versions"]) == {"mhaserve", "torch", "onnx", "onnxruntime"}
     assert manifest["versions"]["torch"].startswith("2.13.0")
     cases = manifest["validation"]["cases"]
@@ -77,7 +80,7 @@ def test_onnx_metadata_describes_the_model_alone(small_model_dir):
     props = {p.key: p.value for p in model.metadata_props}
     assert props["mhaserve.d_model"] == str(D)
     assert props["mhaserve.num_heads"] == str(SMALL_HEADS)
-    assert props["mhaserve.opset"] == "17"
+    assert props["mhaserve.opset"] == "18"
     assert props["mhaserve.valid"] == "True"
     assert props["mhaserve.name"] == "mha"
     # and ONNX Runtime exposes them to a server that never loads onnx or torch
@@ -165,17 +168,21 @@ def test_validation_catches_perturbed_weights(small_module):
 
 
 def test_validation_catches_a_static_shape_export(small_module, tmp_path):
-    from mhaserve.export.onnx_export import example_inputs
+    from mhaserve.export.onnx_export import INPUT_NAMES, OUTPUT_NAMES, TRANSLATIONS, _OnnxSignature, example_inputs
 
     path = tmp_path / "static.onnx"
-    torch.onnx.export(
-        small_module,
-        example_inputs(D),
-        str(path),
-        dynamo=False,
-        input_names=["query", "key", "value", "mask"],
-        output_names=["output", "attn_weights"],
-    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch.export's own pytree deprecation
+        program = torch.onnx.export(  # the same export without dynamic shapes
+            _OnnxSignature(small_module),
+            example_inputs(D),
+            dynamo=True,
+            input_names=list(INPUT_NAMES),
+            output_names=list(OUTPUT_NAMES),
+            custom_translation_table=TRANSLATIONS,
+            verbose=False,
+        )
+    program.save(str(path))
     results = validate(small_module, str(path), seed=0, report=lambda _: None)
     failed = [r for r in results if not r.passed]
     assert failed and all(r.error for r in failed)
@@ -212,7 +219,8 @@ def test_cli_export_then_validate(tmp_path):
     done = run_cli("export", "--d-model", "32", "--heads", "2", "--seed", "4", "--out", str(out))
     assert done.returncode == 0, done.stderr
     assert "[ 68/68]" in done.stderr and "68 passed, 0 failed" in done.stderr
-    assert json.loads((out / "manifest.json").read_text())["config"]["seed"] == 4
+    assert "Traceback" not in done.stderr and "Warning" not in done.stderr
+    assert json.loads((out / "manifest.json").read_text())["source"] == {"kind": "seed", "seed": 4}
 
     done = run_cli("validate", str(out), "--seed", "3")
     assert done.returncode == 0, done.stderr
@@ -236,7 +244,8 @@ def test_cli_validate_fails_on_a_tampered_model(tmp_path, small_model_dir):
 
 def test_cli_rejects_bad_sizes(tmp_path):
     done = run_cli("export", "--d-model", "100", "--heads", "3", "--out", str(tmp_path / "x"))
-    assert done.returncode != 0 and "divisible by num_heads" in done.stderr
+    assert done.returncode == 2 and "divisible by num_heads" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
 
 
 def test_triton_repo_describes_the_exported_model(small_model_dir, tmp_path):

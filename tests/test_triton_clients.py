@@ -36,11 +36,13 @@ def cases():
     }
 
 
-def run_triton_client(server, tmp_path, mode):
+def run_triton_client(server, tmp_path, mode, all_cases=None, outputs="output,attn_weights"):
+    """Each case's answers from tritonclient in its own process: {case_output: array} for each output asked."""
     path_in, path_out = tmp_path / "in.npz", tmp_path / f"out-{mode}.npz"
-    np.savez(path_in, **{f"{case}_{name}": a for case, arrays in cases().items() for name, a in arrays.items()})
+    all_cases = cases() if all_cases is None else all_cases
+    np.savez(path_in, **{f"{case}_{name}": a for case, arrays in all_cases.items() for name, a in arrays.items()})
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), server.url, str(path_in), str(path_out), mode],
+        [sys.executable, str(SCRIPT), server.url, str(path_in), str(path_out), mode, outputs],
         capture_output=True,
         text=True,
         timeout=120,
@@ -69,3 +71,19 @@ def test_tritonclient_reads_metadata_config_and_statistics(server, tmp_path):
     assert int(results["config_max_batch_size"]) == 0
     assert int(results["inference_count"]) >= 5
     assert results["cross_attn_weights"].shape == (2, SMALL_HEADS, 3, 5)
+
+
+def test_tritonclient_asks_for_the_weights_averaged_over_heads(server, small_module, tmp_path):
+    # As nn.MultiheadAttention returns by default: an output of its own, h times fewer bytes, no custom code.
+    results = run_triton_client(server, tmp_path, "sync", outputs="output,attn_weights_mean")
+    assert not any(name.endswith("_attn_weights") for name in results.files)
+    for case, arrays in cases().items():
+        with torch.no_grad():
+            args = [
+                None if arrays.get(n) is None else torch.from_numpy(arrays[n])
+                for n in ("query", "key", "value", "mask")
+            ]
+            _, want_attn = small_module(*args)
+        np.testing.assert_allclose(
+            results[f"{case}_attn_weights_mean"], want_attn.mean(dim=1).numpy(), rtol=0, atol=1e-6
+        )

@@ -2,9 +2,10 @@
 
 Runs in its own process: tritonclient registers the same protobuf messages (package inference) as
 mhaserve's stubs, and one process cannot hold both. Usage:
-    python triton_infer.py URL IN.npz OUT.npz sync|aio
-IN.npz holds case<i>_<input> arrays; OUT.npz gets case<i>_output and case<i>_attn_weights, plus a
-'metadata_shapes' and 'config_max_batch_size' entry read through tritonclient.
+    python triton_infer.py URL IN.npz OUT.npz sync|aio [OUTPUTS]
+IN.npz holds case<i>_<input> arrays; OUT.npz gets case<i>_<output> for each of OUTPUTS (comma-separated,
+default output,attn_weights), plus a 'metadata_shapes' and 'config_max_batch_size' entry read through
+tritonclient.
 """
 
 import asyncio
@@ -15,6 +16,8 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aioclient
 from tritonclient.utils import np_to_triton_dtype
 
+OUTPUTS = ["output", "attn_weights"]
+
 
 def build(module, arrays):
     inputs = []
@@ -22,8 +25,7 @@ def build(module, arrays):
         tensor = module.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
         tensor.set_data_from_numpy(array)
         inputs.append(tensor)
-    outputs = [module.InferRequestedOutput("output"), module.InferRequestedOutput("attn_weights")]
-    return inputs, outputs
+    return inputs, [module.InferRequestedOutput(name) for name in OUTPUTS]
 
 
 def cases(data):
@@ -46,8 +48,7 @@ def run_sync(url, grouped):
     for case, arrays in grouped.items():
         inputs, outputs = build(grpcclient, arrays)
         result = client.infer("mha", inputs, outputs=outputs)
-        results[f"{case}_output"] = result.as_numpy("output")
-        results[f"{case}_attn_weights"] = result.as_numpy("attn_weights")
+        results.update({f"{case}_{name}": result.as_numpy(name) for name in OUTPUTS})
     stats = client.get_inference_statistics("mha", as_json=True)
     results["inference_count"] = np.array(int(stats["model_stats"][0].get("inference_count", 0)))
     return results
@@ -63,14 +64,15 @@ async def run_aio(url, grouped):
         calls[case] = client.infer("mha", inputs, outputs=outputs)
     answers = await asyncio.gather(*calls.values())
     for case, result in zip(calls, answers, strict=True):
-        results[f"{case}_output"] = result.as_numpy("output")
-        results[f"{case}_attn_weights"] = result.as_numpy("attn_weights")
+        results.update({f"{case}_{name}": result.as_numpy(name) for name in OUTPUTS})
     await client.close()
     return results
 
 
 def main():
     url, path_in, path_out, mode = sys.argv[1:5]
+    if len(sys.argv) > 5:
+        OUTPUTS[:] = sys.argv[5].split(",")
     grouped = cases(np.load(path_in))
     results = run_sync(url, grouped) if mode == "sync" else asyncio.run(run_aio(url, grouped))
     np.savez(path_out, **results)

@@ -1,0 +1,285 @@
+"""A trained attention layer from the weights users save, into the served module.
+
+Layouts read, each under any key prefix (``module.``, ``encoder.layers.3.self_attn.``, ...):
+
+- the design documents' modules: ``W_q, W_k, W_v, W_o`` or ``w_q, w_k, w_v, w_o`` (``.weight``, ``.bias``);
+- ``nn.MultiheadAttention``: ``in_proj_weight``/``in_proj_bias`` (W_q, W_k, W_v stacked) and ``out_proj.*``;
+- BERT-style encoders: ``attention.self.{query,key,value}`` and ``attention.output.dense``;
+- mhaserve's own weights files (``save_weights``: the state dict with ``d_model`` and ``num_heads``).
+
+Files: ``.safetensors`` (the safetensors package) or anything else torch.load reads with
+``weights_only=True`` (``.pt``, ``.pth``, ``.bin``), so a pickle holding arbitrary objects is refused.
+Nested dicts (``{"state_dict": ...}``, ``{"model": ...}``) are read as dotted prefixes. Every shape is
+checked before a module is built, and every refusal is a CheckpointError of one line naming the key
+and the shapes found.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mhaserve.errors import UsageError
+
+from .mha import MultiHeadAttention
+
+
+class CheckpointError(UsageError):
+    """A weights file or state dict that holds no servable attention layer, or not only one."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one attention layer's four projections are named in a state dict."""
+
+    name: str
+    query: str  # the key (after the prefix) that marks a layer of this layout
+    names: tuple[str, str, str, str] | None  # W_q, W_k, W_v, W_o modules; None: packed in_proj
+
+
+LAYOUTS = (
+    Layout("W_q..W_o", "W_q.weight", ("W_q", "W_k", "W_v", "W_o")),
+    Layout("w_q..w_o", "w_q.weight", ("w_q", "w_k", "w_v", "w_o")),
+    Layout("nn.MultiheadAttention", "in_proj_weight", None),
+    Layout(
+        "BERT",
+        "attention.self.query.weight",
+        ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense"),
+    ),
+)
+MHASERVE_LAYOUT = "mhaserve"
+
+
+@dataclass(frozen=True)
+class AttentionLayer:
+    """One attention layer found in a state dict."""
+
+    layout: Layout
+    prefix: str
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A weights file as read: its flat state dict, and what the file says beside the tensors."""
+
+    state: dict[str, torch.Tensor]
+    num_heads: int | None  # when the file carries it (mhaserve's own files, safetensors metadata)
+    mhaserve_format: bool
+
+
+def find_layers(state: Mapping[str, torch.Tensor]) -> list[AttentionLayer]:
+    """Every attention layer whose marking key is in ``state``, in key order."""
+    found = []
+    for key in state:
+        for layout in LAYOUTS:
+            if key.endswith(layout.query):
+                prefix = key[: -len(layout.query)]
+                if prefix == "" or prefix.endswith("."):
+                    found.append(AttentionLayer(layout, prefix))
+    return found
+
+
+def pick_layer(state: Mapping[str, torch.Tensor], prefix: str | None, where: str) -> AttentionLayer:
+    """The one layer at ``prefix`` (any, when there is only one); refuses none, or several without a prefix."""
+    layers = find_layers(state)
+    if prefix is not None:
+        prefix = prefix if prefix == "" or prefix.endswith(".") else prefix + "."
+        chosen = [layer for layer in layers if layer.prefix == prefix]
+        if not chosen:
+            found = ", ".join(repr(layer.prefix) for layer in layers) or "none"
+            raise CheckpointError(f"{where}: no attention layer at prefix {prefix!r}; prefixes found: {found}")
+        layers = chosen
+    if not layers:
+        keys = list(state)
+        sample = ", ".join(keys[:6]) + (f", ... ({len(keys)} keys)" if len(keys) > 6 else "")
+        known = "; ".join(f"{layout.name} ({layout.query})" for layout in LAYOUTS)
+        raise CheckpointError(f"{where}: no known attention layout among its keys [{sample}]; known: {known}")
+    if len(layers) > 1:
+        prefixes = ", ".join(f"{layer.prefix!r} ({layer.layout.name})" for layer in layers)
+        raise CheckpointError(f"{where} holds {len(layers)} attention layers; pick one with --prefix: {prefixes}")
+    return layers[0]
+
+
+def _tensor(state: Mapping, key: str, where: str, what: str) -> torch.Tensor:
+    value = state.get(key)
+    if value is None:
+        why = " (the served projections all have a bias)" if what == "bias" else ""
+        raise CheckpointError(f"{where}: {what} '{key}' is missing{why}")
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+        kind = f"{value.dtype} tensor" if isinstance(value, torch.Tensor) else type(value).__name__
+        raise CheckpointError(f"{where}: '{key}' is a {kind}, expected a floating-point tensor")
+    return value
+
+
+def _shape(tensor: torch.Tensor) -> str:
+    return "[" + ", ".join(str(d) for d in tensor.shape) + "]"
+
+
+def projections(state: Mapping, layer: AttentionLayer, where: str) -> dict[str, torch.Tensor]:
+    """The layer's W_q..W_o weights and biases as a state dict of the served module, every shape checked."""
+    p = layer.prefix
+    if layer.layout.names is None:  # nn.MultiheadAttention: q, k, v stacked along the output dim
+        for extra in ("q_proj_weight", "bias_k"):
+            if p + extra in state:
+                raise CheckpointError(
+                    f"{where}: '{p + extra}' is set: nn.MultiheadAttention with kdim/vdim != embed_dim or "
+                    "add_bias_kv=True has no equivalent in the served module"
+                )
+        packed_w = _tensor(state, p + "in_proj_weight", where, "weight")
+        packed_b = _tensor(state, p + "in_proj_bias", where, "bias")
+        if packed_w.dim() != 2 or packed_w.shape[0] != 3 * packed_w.shape[1]:
+            raise CheckpointError(
+                f"{where}: '{p}in_proj_weight' has shape {_shape(packed_w)}, expected [3 * d_model, d_model]"
+            )
+        d = packed_w.shape[1]
+        if tuple(packed_b.shape) != (3 * d,):
+            raise CheckpointError(f"{where}: '{p}in_proj_bias' has shape {_shape(packed_b)}, expected [{3 * d}]")
+        pairs = [(w, b) for w, b in zip(packed_w.split(d), packed_b.split(d), strict=True)]
+        pairs.append(
+            (_tensor(state, p + "out_proj.weight", where, "weight"), _tensor(state, p + "out_proj.bias", where, "bias"))
+        )
+        keys = [p + "in_proj_weight"] * 3 + [p + "out_proj.weight"]
+    else:
+        keys = [p + name + ".weight" for name in layer.layout.names]
+        pairs = [(_tensor(state, key, where, "weight"), key[: -len("weight")] + "bias") for key in keys]
+    first_weight, first_key = pairs[0][0], keys[0]
+    d = first_weight.shape[-1]
+    served = {}
+    for name, key, (weight, bias) in zip(("W_q", "W_k", "W_v", "W_o"), keys, pairs, strict=True):
+        if weight.dim() != 2 or weight.shape[0] != weight.shape[1]:
+            raise CheckpointError(
+                f"{where}: '{key}' has shape {_shape(weight)}, expected a square [d_model, d_model] projection"
+            )
+        if weight.shape[0] != d:
+            raise CheckpointError(
+                f"{where}: '{key}' has shape {_shape(weight)} while '{first_key}' has {_shape(first_weight)}; "
+                "the four projections must have one d_model"
+            )
+        if isinstance(bias, str):
+            bias = _tensor(state, bias, where, "bias")
+        if tuple(bias.shape) != (d,):
+            raise CheckpointError(f"{where}: the bias of '{key}' has shape {_shape(bias)}, expected [{d}]")
+        served[f"{name}.weight"], served[f"{name}.bias"] = weight, bias
+    return served
+
+
+def module_from_state_dict(
+    state: Mapping[str, torch.Tensor], num_heads: int | None, prefix: str | None = None, where: str = "state dict"
+) -> tuple[MultiHeadAttention, AttentionLayer]:
+    """The served module holding the weights of the one attention layer in ``state`` (or the one at ``prefix``)."""
+    layer = pick_layer(state, prefix, where)
+    served = projections(state, layer, where)
+    d_model = served["W_q.weight"].shape[0]
+    marker = layer.prefix + layer.layout.query
+    if num_heads is None:
+        raise CheckpointError(f"{where}: the number of heads is not in the file; give it with --heads")
+    if num_heads <= 0 or d_model % num_heads:
+        raise CheckpointError(
+            f"{where}: d_model {d_model} (from '{marker}' {_shape(state[marker])}) is not "
+            f"divisible by {num_heads} heads"
+        )
+    with torch.device("meta"):  # no weights drawn only to be overwritten: the shapes are known to fit
+        module = MultiHeadAttention(d_model, num_heads)
+    module.load_state_dict({k: v.detach().to(torch.float32) for k, v in served.items()}, assign=True)
+    return module.eval(), layer
+
+
+def read_checkpoint(path: str | Path) -> Checkpoint:
+    """The flat state dict of a .safetensors file or a torch.save file (loaded with weights_only=True)."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such file")
+    if path.suffix == ".safetensors":
+        return _read_safetensors(path)
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        globals_refused = [line for line in lines if line.startswith("WeightsUnpickler error: Unsupported global")]
+        if globals_refused:  # a pickled object (a whole nn.Module, say): loading it could run any code
+            raise CheckpointError(
+                f"{path}: holds Python objects other than tensors and plain containers, refused "
+                f"(read with weights_only=True): {globals_refused[0].split('. ')[0]}"
+            ) from None
+        found = [line for line in lines if line.startswith("Unsupported") or "load key" in line]
+        why = (found or lines or [""])[0]
+        raise CheckpointError(f"{path}: not a readable PyTorch checkpoint (UnpicklingError: {why})") from None
+    except Exception as error:  # torch.load raises many kinds for a truncated or foreign file
+        first = (str(error).strip().splitlines() or [""])[0].split(". ")[0]
+        raise CheckpointError(f"{path}: not a readable PyTorch checkpoint ({type(error).__name__}: {first})") from None
+    if not isinstance(saved, Mapping):
+        raise CheckpointError(f"{path}: holds a {type(saved).__name__}, expected a state dict (a dict of tensors)")
+    mhaserve_format = {"d_model", "num_heads", "state_dict"} <= set(saved)
+    num_heads = saved.get("num_heads") if mhaserve_format else None
+    if num_heads is not None and not isinstance(num_heads, int):
+        raise CheckpointError(f"{path}: 'num_heads' is {num_heads!r}, expected an integer")
+    state = _flatten(saved["state_dict"] if mhaserve_format else saved)
+    if mhaserve_format:
+        d_model = saved["d_model"]
+        found = state.get("W_q.weight")
+        if not isinstance(d_model, int) or found is None or found.shape[-1] != d_model:
+            shape = _shape(found) if isinstance(found, torch.Tensor) else "none"
+            raise CheckpointError(f"{path}: 'd_model' is {d_model!r} but 'W_q.weight' has shape {shape}")
+    return Checkpoint(state, num_heads, mhaserve_format)
+
+
+def _read_safetensors(path: Path) -> Checkpoint:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as handle:
+            metadata = handle.metadata() or {}
+            state = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118 (not a dict)
+    except (SafetensorError, OSError) as error:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({error})") from None
+    heads = metadata.get("num_heads")
+    if heads is not None and not heads.isdigit():
+        raise CheckpointError(f"{path}: metadata 'num_heads' is {heads!r}, expected an integer")
+    return Checkpoint(state, int(heads) if heads is not None else None, mhaserve_format=False)
+
+
+def _flatten(tree: Mapping, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def file_sha256(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def load_checkpoint(
+    path: str | Path, num_heads: int | None = None, prefix: str | None = None
+) -> tuple[MultiHeadAttention, dict]:
+    """The served module from a weights file, and the source to record: path, layout, prefix, sha256.
+
+    ``num_heads`` is needed unless the file carries it; given as well, the two must agree.
+    """
+    checkpoint = read_checkpoint(path)
+    where = str(path)
+    if checkpoint.num_heads is not None and num_heads is not None and num_heads != checkpoint.num_heads:
+        raise CheckpointError(f"{where}: the file says {checkpoint.num_heads} heads, --heads says {num_heads}")
+    heads = num_heads if num_heads is not None else checkpoint.num_heads
+    module, layer = module_from_state_dict(checkpoint.state, heads, prefix, where)
+    source = {
+        "kind": "checkpoint",
+        "path": str(path),
+        "format": "safetensors" if Path(path).suffix == ".safetensors" else "torch",
+        "layout": MHASERVE_LAYOUT if checkpoint.mhaserve_format else layer.layout.name,
+        "prefix": layer.prefix,
+        "sha256": file_sha256(path),
+    }
+    return module, source

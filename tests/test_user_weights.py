@@ -1,0 +1,340 @@
+"""A user's own trained attention layer, saved the plain way, exported with the CLI and served.
+
+Each module here is written as a user would write it (like the design documents, nn.MultiheadAttention,
+a BERT-style encoder), trained a few steps so its weights are not the default initialisation, saved
+with torch.save or safetensors, exported with ``mhaserve export --weights``, served by a real server,
+and called with tritonclient: the answers equal the user's module's own eager output.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from mhaserve.cli import main as cli
+from mhaserve.export import export_module
+from mhaserve.model import MultiHeadAttention, save_weights
+from mhaserve.server_process import ServerProcess
+
+from .test_triton_clients import run_triton_client
+
+D, H = 32, 4
+TOLERANCE = 1e-5
+
+
+class DocSelfAttention(nn.Module):
+    """Design document 000: W_q..W_o, forward(x, mask), -inf fill, returns (output, weights)."""
+
+    def __init__(self, d_model, num_heads):
+        super().__init__()
+        self.num_heads, self.d_k = num_heads, d_model // num_heads
+        self.W_q, self.W_k = nn.Linear(d_model, d_model), nn.Linear(d_model, d_model)
+        self.W_v, self.W_o = nn.Linear(d_model, d_model), nn.Linear(d_model, d_model)
+
+    def forward(self, x, mask=None):
+        b, n, d = x.shape
+        q, k, v = (w(x).view(b, n, self.num_heads, self.d_k).transpose(1, 2) for w in (self.W_q, self.W_k, self.W_v))
+        scores = q @ k.transpose(-2, -1) / math.sqrt(self.d_k)
+        if mask is not None:
+            scores = scores.masked_fill(mask == 0, float("-inf"))
+        weights = torch.softmax(scores, dim=-1)
+        return self.W_o((weights @ v).transpose(1, 2).contiguous().view(b, n, d)), weights
+
+
+class DocAttention(nn.Module):
+    """Design document 004: w_q..w_o, forward(query, key, value, mask), -1e9 fill, returns the output only."""
+
+    def __init__(self, d_model, num_heads):
+        super().__init__()
+        self.num_heads, self.d_k, self.d_model = num_heads, d_model // num_heads, d_model
+        self.w_q, self.w_k = nn.Linear(d_model, d_model), nn.Linear(d_model, d_model)
+        self.w_v, self.w_o = nn.Linear(d_model, d_model), nn.Linear(d_model, d_model)
+
+    def forward(self, query, key, value, mask=None):
+        b = query.size(0)
+        q, k, v = (
+            w(x).view(b, -1, self.num_heads, self.d_k).transpose(1, 2)
+            for w, x in ((self.w_q, query), (self.w_k, key), (self.w_v, value))
+        )
+        scores = q @ k.transpose(-2, -1) / math.sqrt(self.d_k)
+        if mask is not None:
+            scores = scores.masked_fill(mask == 0, -1e9)
+        out = (torch.softmax(scores, dim=-1) @ v).transpose(1, 2).contiguous().view(b, -1, self.d_model)
+        return self.w_o(out)
+
+
+class Encoder(nn.Module):
+    """Two layers, each holding the attention module at ``layers.N.self_attn``: a file with two candidates."""
+
+    def __init__(self, make):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.ModuleDict({"self_attn": make(), "norm": nn.LayerNorm(D)}) for _ in range(2))
+
+
+class BertSelfAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.query, self.key, self.value = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, D)
+
+
+class BertAttentionOutput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.dense, self.LayerNorm = nn.Linear(D, D), nn.LayerNorm(D)
+
+
+class BertAttention(nn.Module):
+    """BERT's names (attention.self.query, ..., attention.output.dense). The served layer is the attention
+    up to the output projection; BERT's residual and LayerNorm after it are not part of it."""
+
+    def __init__(self):
+        super().__init__()
+        self.self, self.output = BertSelfAttention(), BertAttentionOutput()
+
+    def forward(self, hidden, keep):  # keep: [B, Lk] bool, BERT's attention_mask
+        b, n, _ = hidden.shape
+        q, k, v = (
+            p(hidden).view(b, n, H, D // H).transpose(1, 2) for p in (self.self.query, self.self.key, self.self.value)
+        )
+        additive = (1.0 - keep[:, None, None, :].float()) * torch.finfo(torch.float32).min
+        weights = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(D // H) + additive, dim=-1)
+        return self.output.dense((weights @ v).transpose(1, 2).reshape(b, n, D)), weights
+
+
+class BertModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Module()
+        self.encoder.layer = nn.ModuleList(nn.ModuleDict({"attention": BertAttention()}) for _ in range(2))
+
+
+def trained(module: nn.Module, steps: int = 5) -> nn.Module:
+    """A few Adam steps on random data, so no weight is the default initialisation any more."""
+    generator = torch.Generator().manual_seed(7)
+    optimizer = torch.optim.Adam(module.parameters(), lr=1e-2)
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    for _ in range(steps):
+        x = torch.randn(2, 6, D, generator=generator)
+        optimizer.zero_grad()
+        loss = sum(p.float().pow(2).mean() for p in module.parameters()) + _call(module, x).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+    moved = [k for k, v in module.state_dict().items() if v.is_floating_point() and not torch.equal(v, before[k])]
+    assert moved, "training changed no weight"
+    return module.eval()
+
+
+def _call(module, x):
+    if isinstance(module, Encoder):
+        module = module.layers[1]["self_attn"]
+    if isinstance(module, BertModel):
+        return module.encoder.layer[1]["attention"](x, torch.ones(x.shape[:2], dtype=torch.bool))[0]
+    if isinstance(module, nn.MultiheadAttention):
+        return module(x, x, x)[0]
+    if isinstance(module, DocAttention):
+        return module(x, x, x)
+    return module(x)[0]
+
+
+def eager_answer(kind, module, arrays):
+    """The user's module's own (output, weights or None), called the way its author would call it."""
+    query = torch.from_numpy(arrays["query"])
+    keep = torch.from_numpy(arrays["mask"])  # [B, Lk], True = may attend
+    with torch.no_grad():
+        if kind == "mha":
+            attn = module.layers[1]["self_attn"]
+            key, value = torch.from_numpy(arrays["key"]), torch.from_numpy(arrays["value"])
+            out, weights = attn(query, key, value, key_padding_mask=~keep, average_attn_weights=False)
+        elif kind == "bert":
+            out, weights = module.encoder.layer[1]["attention"](query, keep)
+        elif kind == "w_q":
+            key, value = torch.from_numpy(arrays["key"]), torch.from_numpy(arrays["value"])
+            out, weights = module(query, key, value, keep[:, None, None, :]), None
+        else:  # W_q and mhaserve's own
+            out, weights = module(query, keep[:, None, None, :]) if kind == "W_q" else module(query, mask=keep)
+    return out.numpy(), None if weights is None else weights.numpy()
+
+
+def request_arrays(kind):
+    rng = np.random.default_rng(11)
+    cross = kind in ("mha", "w_q")
+    kv_len = 9 if cross else 6
+    arrays = {"query": rng.standard_normal((2, 6, D), dtype=np.float32)}
+    if cross:
+        arrays["key"] = rng.standard_normal((2, kv_len, D), dtype=np.float32)
+        arrays["value"] = rng.standard_normal((2, kv_len, D), dtype=np.float32)
+    arrays["mask"] = np.arange(kv_len)[None, :] < np.array([[kv_len - 2], [kv_len]])  # every row keeps keys
+    return arrays
+
+
+def user_module(kind):
+    torch.manual_seed({"W_q": 1, "w_q": 2, "mha": 3, "bert": 4, "mhaserve": 5}[kind])
+    return trained(
+        {
+            "W_q": lambda: DocSelfAttention(D, H),
+            "w_q": lambda: DocAttention(D, H),
+            "mha": lambda: Encoder(lambda: nn.MultiheadAttention(D, H, batch_first=True)),
+            "bert": BertModel,
+            "mhaserve": lambda: MultiHeadAttention(D, H),
+        }[kind]()
+    )
+
+
+# (kind, layout the export reports, prefix to pick, file suffix)
+MATRIX = [
+    ("W_q", "W_q..W_o", None, ".pt"),
+    ("W_q", "W_q..W_o", None, ".safetensors"),
+    ("w_q", "w_q..w_o", None, ".pth"),
+    ("w_q", "w_q..w_o", None, ".safetensors"),
+    ("mha", "nn.MultiheadAttention", "layers.1.self_attn.", ".bin"),
+    ("mha", "nn.MultiheadAttention", "layers.1.self_attn", ".safetensors"),
+    ("bert", "BERT", "encoder.layer.1.", ".pt"),
+    ("bert", "BERT", "encoder.layer.1.", ".safetensors"),
+    ("mhaserve", "mhaserve", None, ".pt"),
+]
+
+
+def save_plainly(module, path):
+    if path.suffix == ".safetensors":
+        save_file({k: v.contiguous() for k, v in module.state_dict().items()}, str(path))
+    elif isinstance(module, MultiHeadAttention):
+        save_weights(module, path)  # mhaserve's own file: the state dict with d_model and num_heads
+    else:
+        torch.save(module.state_dict(), path)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tritonclient") is None, reason="tritonclient comes with the test extra")
+@pytest.mark.parametrize(("kind", "layout", "prefix", "suffix"), MATRIX, ids=[f"{m[0]}{m[3]}" for m in MATRIX])
+def test_a_trained_checkpoint_is_served_equal_to_its_module(kind, layout, prefix, suffix, tmp_path, capsys):
+    module = user_module(kind)
+    weights = tmp_path / f"attn{suffix}"
+    save_plainly(module, weights)
+    out = tmp_path / "model"
+    args = ["export", "--weights", str(weights), "--out", str(out), "--validation-seed", "0"]
+    args += ["--heads", str(H)] if kind != "mhaserve" else []  # mhaserve's own file says how many
+    args += ["--prefix", prefix] if prefix is not None else []
+    assert cli(args) == 0
+    stderr = capsys.readouterr().err
+    assert f"read {layout} weights at prefix '{(prefix or '').rstrip('.') + ('.' if prefix else '')}'" in stderr
+    assert f"d_model {D} (from the shapes), {H} heads" in stderr
+    source = json.loads((out / "manifest.json").read_text())["source"]
+    assert source["layout"] == layout and source["path"] == str(weights)
+    assert source["sha256"] == hashlib.sha256(weights.read_bytes()).hexdigest()
+
+    arrays = request_arrays(kind)
+    want_out, want_weights = eager_answer(kind, module, arrays)
+    with ServerProcess(out, "--warmup-runs", "1") as server:
+        got = run_triton_client(server, tmp_path, "sync", {"case": arrays}, outputs="output,attn_weights")
+    np.testing.assert_allclose(got["case_output"], want_out, rtol=0, atol=TOLERANCE)
+    if want_weights is not None:
+        np.testing.assert_allclose(got["case_attn_weights"], want_weights, rtol=0, atol=TOLERANCE)
+
+
+def test_export_module_validates_against_the_users_own_module(tmp_path):
+    # The design document 000 module gives NaN where every key is masked: reported as undefined, not a failure.
+    module = user_module("W_q")
+    lines = []
+    manifest = export_module(module, tmp_path / "m", validation_seed=0, report=lines.append)
+    assert manifest["valid"] is True
+    counts = manifest["validation"]["counts"]
+    assert counts["fail"] == 0 and counts["pass"] > 0
+    assert counts["skipped"] == 20  # forward(x, mask) takes no key: the cross-attention cases are not its
+    undefined = [c for c in manifest["validation"]["cases"] if c["status"] == "undefined"]
+    assert undefined and all("NaN on fully masked rows" in c["error"] for c in undefined)
+    assert all(c["mask"] in ("masked_row", "causal") for c in undefined)
+    assert manifest["source"]["class"].endswith("DocSelfAttention") and manifest["source"]["layout"] == "W_q..W_o"
+    assert "undefined" in lines[-1]
+
+
+def test_export_module_fails_when_the_served_graph_would_differ(tmp_path):
+    # A module whose math is not the served one (no 1/sqrt(d_k) scaling) must fail validation, not pass.
+    class Unscaled(DocAttention):
+        def forward(self, query, key, value, mask=None):
+            return super().forward(query * math.sqrt(self.d_k), key, value, mask)
+
+    module = Unscaled(D, H)
+    module.load_state_dict(user_module("w_q").state_dict())
+    manifest = export_module(module, tmp_path / "m", validation_seed=0, report=lambda _: None)
+    assert manifest["valid"] is False and manifest["validation"]["counts"]["fail"] > 0
+
+
+def test_export_module_takes_an_nn_multihead_attention(tmp_path):
+    attn = trained(nn.MultiheadAttention(D, H))  # batch_first=False: the reference transposes
+    manifest = export_module(attn, tmp_path / "m", validation_seed=0, report=lambda _: None)
+    assert manifest["valid"] is True and manifest["config"]["num_heads"] == H
+    assert manifest["validation"]["counts"]["pass"] > 40
+
+
+def write(path, state):
+    torch.save(state, path)
+    return path
+
+
+def refusal_cases(tmp_path):
+    good = DocSelfAttention(D, H).state_dict()
+    two = {f"a.{k}": v for k, v in good.items()} | {f"b.{k}": v for k, v in good.items()}
+    (tmp_path / "text.pt").write_text("not a checkpoint")
+    (tmp_path / "cut.pt").write_bytes(write(tmp_path / "whole.pt", good).read_bytes()[:300])
+    return {
+        "no known attention layout": (write(tmp_path / "lin.pt", nn.Linear(D, D).state_dict()), ["--heads", "4"]),
+        "holds 2 attention layers; pick one with --prefix: 'a.' (W_q..W_o), 'b.' (W_q..W_o)": (
+            write(tmp_path / "two.pt", two),
+            ["--heads", "4"],
+        ),
+        "no attention layer at prefix 'c.'": (tmp_path / "two.pt", ["--heads", "4", "--prefix", "c"]),
+        "'W_k.weight' has shape [32, 16], expected a square": (
+            write(tmp_path / "sq.pt", good | {"W_k.weight": torch.zeros(D, D // 2)}),
+            ["--heads", "4"],
+        ),
+        "'W_v.weight' has shape [16, 16] while 'W_q.weight' has [32, 32]": (
+            write(tmp_path / "mix.pt", good | {"W_v.weight": torch.zeros(D // 2, D // 2)}),
+            ["--heads", "4"],
+        ),
+        "bias 'W_o.bias' is missing": (
+            write(tmp_path / "nobias.pt", {k: v for k, v in good.items() if k != "W_o.bias"}),
+            ["--heads", "4"],
+        ),
+        "d_model 32 (from 'W_q.weight' [32, 32]) is not divisible by 5 heads": (
+            tmp_path / "whole.pt",
+            ["--heads", "5"],
+        ),
+        "the number of heads is not in the file; give it with --heads": (tmp_path / "whole.pt", []),
+        "not a readable PyTorch checkpoint": (tmp_path / "cut.pt", ["--heads", "4"]),
+        "not a readable PyTorch checkpoint (": (tmp_path / "text.pt", ["--heads", "4"]),
+        "holds Python objects other than tensors": (write(tmp_path / "obj.pt", nn.Linear(2, 2)), ["--heads", "4"]),
+        "no such file": (tmp_path / "absent.pt", ["--heads", "4"]),
+        "not a readable safetensors file": (tmp_path / "text.pt", ["--heads", "4"]),  # renamed below
+    }
+
+
+def test_every_refusal_is_one_line_and_exit_code_2(tmp_path, capsys):
+    for expected, (path, extra) in refusal_cases(tmp_path).items():
+        if expected.startswith("not a readable safetensors"):
+            path = path.rename(path.with_suffix(".safetensors"))
+        assert cli(["export", "--weights", str(path), "--out", str(tmp_path / "out"), *extra]) == 2, expected
+        err = capsys.readouterr().err
+        assert expected in err and len(err.strip().splitlines()) == 1, (expected, err)
+        assert err.startswith("mhaserve export: error: ")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_refusal_from_the_real_command_has_no_traceback(tmp_path):
+    path = write(tmp_path / "lin.pt", nn.Linear(D, D).state_dict())
+    done = subprocess.run(
+        [sys.executable, "-m", "mhaserve.cli", "export", "--weights", str(path), "--heads", "4"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()] and "no known attention layout" in done.stderr
