@@ -64,13 +64,17 @@ def export_peer_model(module, path: Path) -> None:
         def forward(self, x):
             return self.mha(x, x, x)
 
+    from torch.export import Dim
+
+    from mhaserve.export.onnx_export import DEFAULT_OPSET, TRANSLATIONS
+
     x = torch.randn(2, 5, module.d_model)
-    torch.onnx.export(
-        SelfAttention(module).eval(), (x,), str(path), input_names=["x"], output_names=["output", "attn_weights"],
-        dynamic_axes={"x": {0: "batch", 1: "seq"}, "output": {0: "batch", 1: "seq"},
-                      "attn_weights": {0: "batch", 2: "seq", 3: "seq"}},
-        opset_version=17, dynamo=False,
+    program = torch.onnx.export(
+        SelfAttention(module).eval(), (x,), input_names=["x"], output_names=["output", "attn_weights"],
+        dynamo=True, dynamic_shapes={"x": {0: Dim("batch"), 1: Dim("seq")}}, opset_version=DEFAULT_OPSET,
+        custom_translation_table=TRANSLATIONS, verbose=False,
     )  # fmt: skip
+    program.save(str(path))
 
 
 def in_process(module, model_dir: Path, threads: int, runs: int = 300) -> list[dict]:

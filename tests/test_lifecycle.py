@@ -21,6 +21,10 @@ from .conftest import SMALL_D_MODEL
 
 D = SMALL_D_MODEL
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+# A client that tries before the port is bound backs off for about a second before it tries again, which
+# can outlast the whole load; these tests watch the load, so their channels retry every few milliseconds.
+FAST_RECONNECT = [("grpc.initial_reconnect_backoff_ms", 10), ("grpc.min_reconnect_backoff_ms", 10),
+                  ("grpc.max_reconnect_backoff_ms", 50)]  # fmt: skip
 
 
 def test_health_is_not_serving_until_warm_then_serving(small_model_dir):
@@ -29,7 +33,7 @@ def test_health_is_not_serving_until_warm_then_serving(small_model_dir):
     process = ServerProcess(small_model_dir, "--warmup-runs", "4000", port=port).start(wait=False)
     observed = []  # (health status, ServerReady) pairs, in order
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        with grpc.insecure_channel(f"127.0.0.1:{port}", options=FAST_RECONNECT) as channel:
             health = health_pb2_grpc.HealthStub(channel)
             stub = pb_grpc.GRPCInferenceServiceStub(channel)
             deadline = time.monotonic() + 60
@@ -61,7 +65,7 @@ def test_inference_while_loading_is_unavailable(small_model_dir):
     port = free_port()
     process = ServerProcess(small_model_dir, "--warmup-runs", "4000", port=port).start(wait=False)
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        with grpc.insecure_channel(f"127.0.0.1:{port}", options=FAST_RECONNECT) as channel:
             health = health_pb2_grpc.HealthStub(channel)
             health.Check(health_pb2.HealthCheckRequest(), timeout=30, wait_for_ready=True)
             stub = pb_grpc.GRPCInferenceServiceStub(channel)
