@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import onnx
 from bench_server import ort_session
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,9 +35,10 @@ SHAPES = [(1, 16, 512), (1, 128, 512), (8, 128, 512), (1, 128, 768)]
 EXPORT_SCRIPT = """
 import json, sys, time
 from pathlib import Path
+import mhaserve.export.onnx_export
 from mhaserve.export.onnx_export import export_onnx, save_onnx
 from mhaserve.model import seeded_module
-out, timings = Path(sys.argv[1]), {}
+out, timings = Path(sys.argv[1]), {"exporter": mhaserve.export.onnx_export.__file__}
 for d, h in json.loads(sys.argv[2]):
     module = seeded_module(d, h, 0)
     seconds = []
@@ -65,6 +67,7 @@ def baseline_tree(commit: str, into: Path) -> Path:
 
 
 def export_with(pythonpath: str | None, out: Path) -> dict:
+    """Export times by the code on ``pythonpath`` (None: the installed project), run in a child process."""
     env = None if pythonpath is None else {"PYTHONPATH": pythonpath, "PATH": "/usr/bin:/bin"}
     done = subprocess.run(
         [sys.executable, "-c", EXPORT_SCRIPT, str(out), json.dumps(SIZES)],
@@ -72,8 +75,12 @@ def export_with(pythonpath: str | None, out: Path) -> dict:
         text=True,
         env=env,
         check=True,
+        cwd=out,  # not the checkout: `python -c` puts the working folder, and its mhaserve/, first on sys.path
     )
-    return {int(d): t for d, t in json.loads(done.stdout.strip().splitlines()[-1]).items()}
+    timings = json.loads(done.stdout.strip().splitlines()[-1])
+    exporter = timings.pop("exporter")
+    assert pythonpath is None or exporter.startswith(pythonpath), f"the baseline ran {exporter}"
+    return {int(d): t for d, t in timings.items()}
 
 
 def time_calls(fn, n):
@@ -118,13 +125,18 @@ def main():
         old = export_with(str(baseline_tree(args.baseline_commit, tmp)), tmp / "old")
         new = export_with(None, tmp / "new")
         print("export seconds (first in a process, then again):")
-        print(f"{'d/h':>7} | {'TorchScript':>17} {'nodes':>5} | {'torch.export':>17} {'nodes':>5}")
+        print(f"{'d/h':>7} | {'TorchScript':>17} {'nodes':>5} | {'torch.export':>17} {'nodes':>5}  (Constants count)")
         for d, h in SIZES:
             o, n = old[d], new[d]
             print(
                 f"{d:>4}/{h:<2} | {o['seconds'][0]:7.2f} {o['seconds'][1]:7.2f} s {o['nodes']:>5} | "
                 f"{n['seconds'][0]:7.2f} {n['seconds'][1]:7.2f} s {n['nodes']:>5}"
             )
+        for d, _ in SIZES:
+            graphs = [onnx.load(tmp / which / f"d{d}.onnx").graph for which in ("old", "new")]
+            ops = [sorted(n.op_type for n in graph.node if n.op_type != "Constant") for graph in graphs]
+            same = "the same" if ops[0] == ops[1] else "DIFFERENT"
+            print(f"d={d}: the graphs' operators, Constants aside (ONNX Runtime folds them), are {same}")
         print(f"\nORT run time, median ms, {args.threads} threads, alternating rounds (answers checked equal):")
         print(f"{'shape':>14} {'mask':>11} | {'TorchScript':>11} {'torch.export':>12} | {'new/old':>7}")
         for shape in SHAPES:
