@@ -19,11 +19,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import onnx
+from bench_export import time_calls
 from bench_server import ort_session
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,15 +81,6 @@ def export_with(pythonpath: str | None, out: Path) -> dict:
     exporter = timings.pop("exporter")
     assert pythonpath is None or exporter.startswith(pythonpath), f"the baseline ran {exporter}"
     return {int(d): t for d, t in timings.items()}
-
-
-def time_calls(fn, n):
-    times = []
-    for _ in range(n):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return times
 
 
 def compare(sessions, shape, masked, reps, rounds=10):

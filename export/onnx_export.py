@@ -32,12 +32,13 @@ from onnxscript import opset18 as op
 from torch import nn
 from torch.export import Dim
 
+from mhaserve import signature
 from mhaserve.model import MultiHeadAttention
 
 # The opset torch.export's ONNX translation is written for; ReduceMax takes its axes as an input from 18.
 DEFAULT_OPSET = 18
-INPUT_NAMES = ("query", "key", "value", "mask")
-OUTPUT_NAMES = ("output", "attn_weights")
+INPUT_NAMES = signature.INPUT_NAMES
+OUTPUT_NAMES = signature.GRAPH_OUTPUT_NAMES
 _BATCH, _Q_LEN, _KV_LEN = Dim("batch"), Dim("q_len"), Dim("kv_len")
 DYNAMIC_SHAPES = {
     "query": {0: _BATCH, 1: _Q_LEN},

@@ -5,7 +5,8 @@
 
 Triton batches along the first dim, so dims here leave it out (max_batch_size > 0): the graph's
 ``mask`` [mask_batch, 1, mask_q_len, kv_len] becomes dims [1, -1, -1], and Triton sends it with
-the batch's size. The ONNX graph has no optional inputs: Triton clients send all four.
+the batch's size. The ONNX graph has no optional inputs: Triton clients send all four. Triton serves the
+graph's outputs only: ``attn_weights_mean`` is mhaserve's, taken from the weights when asked for.
 """
 
 from __future__ import annotations
