@@ -84,6 +84,7 @@ class _OnnxSignature(nn.Module):
     def __init__(self, mha: MultiHeadAttention):
         super().__init__()
         self.mha = mha
+        self.eval()  # serving is inference: no dropout, and the exporter asks for eval mode
 
     def forward(self, query, key, value, mask):
         return self.mha(query, key, value, mask)
