@@ -1,8 +1,17 @@
-"""Dynamic batching: concurrent requests merged into one model run, whatever their lengths.
+"""Dynamic batching: concurrent requests merged into model runs, whatever their lengths.
 
 Requests of different ``Lq``/``Lk`` share a run: queries and keys are zero-padded to the longest,
 the padded keys are masked out, and each request's rows are cut back out of the results. A padded
 query row has every key masked, which the model defines as zeros, so padding never makes NaN.
+
+Padding costs compute: 16 requests of lengths 16..128 padded into one run took 1.6x the time of the
+same requests run one by one (BENCHMARKS.md). So, length-aware, the queue is split into runs by a cost
+model of this model on this machine (``run_cost.py``, fitted at warm-up): requests sorted by length,
+cut where padding would cost more than another run's overhead. The run holding the oldest request
+starts; the rest go back to the queue's front and are planned again, with whatever arrived meanwhile,
+when a worker is free (so one worker runs a drain's runs one after another, several share them, and
+no request waits behind ever-newer short ones). Equal lengths stay one run. ``length_aware=False``
+keeps the single padded run, for A/B measurement.
 
 Scheduling is greedy: whenever a worker is free it takes everything queued, up to the batch limit.
 At low load a request runs at once (no added latency); under load requests pile up while a run is
@@ -26,6 +35,7 @@ import numpy as np
 from mhaserve.signature import ATTN_WEIGHTS, ATTN_WEIGHTS_MEAN, OUTPUT, graph_outputs_for
 
 from .codec import AttentionRequest, RequestError
+from .run_cost import RunCost, plan_runs
 
 
 class QueueFull(RequestError):
@@ -54,6 +64,13 @@ class Merged:
     mask: np.ndarray
     outputs: tuple[str, ...]  # the graph outputs to fetch
     parts: list[tuple[int, int, int, int]]  # (first row, batch, q_len, kv_len) per request
+
+    @property
+    def padding_ratio(self) -> float:
+        """The share of the run's query-key pairs that are padding (0: none)."""
+        rows, q_len, kv_len = self.query.shape[0], self.query.shape[1], self.key.shape[1]
+        real = sum(batch * lq * lk for _, batch, lq, lk in self.parts)
+        return 1.0 - real / (rows * q_len * kv_len)
 
 
 def _is_unmasked(mask: np.ndarray) -> bool:
@@ -123,6 +140,7 @@ class BatchResult:
 
     answers: list[dict[str, np.ndarray]]
     batch_size: int  # rows
+    padding_ratio: float  # Merged.padding_ratio
     started_ns: int
     finished_ns: int
     merge_ns: int
@@ -154,7 +172,8 @@ class Batcher:
     """Queue and scheduler; runs on the event loop, hands model runs to ``executor``.
 
     ``max_batch_size`` bounds the rows of one run (a request with that many rows runs alone);
-    ``enabled=False`` runs every request on its own. ``on_batch`` sees every finished run.
+    ``enabled=False`` runs every request on its own. ``on_batch`` sees every finished run. With a
+    ``run_cost``, what a free worker takes is split into runs by length (see the module doc).
     """
 
     def __init__(
@@ -168,8 +187,10 @@ class Batcher:
         max_queue_delay_s: float = 0.0,
         enabled: bool = True,
         on_batch: Callable[[BatchResult], None] | None = None,
+        run_cost: RunCost | None = None,
     ):
         self._run_model = run_model
+        self.run_cost = run_cost  # None: one padded run of everything taken (length-aware batching off)
         self._executor = executor
         self._idle_workers = workers
         self.max_batch_size = max_batch_size
@@ -203,7 +224,7 @@ class Batcher:
         while self._idle_workers and self._queue:
             if self._should_wait():
                 return
-            batch = self._take()
+            batch = self._first_run(self._take())
             if batch:
                 self._idle_workers -= 1
                 run = asyncio.get_running_loop().run_in_executor(self._executor, self._run, batch)
@@ -249,6 +270,20 @@ class Batcher:
             rows += pending.request.batch_size
         return batch
 
+    def _first_run(self, batch: list[_Pending]) -> list[_Pending]:
+        """The run to start now; the rest of ``batch`` goes back to the queue's front (see the module doc)."""
+        if self.run_cost is None or len(batch) < 2:
+            return batch
+        shapes = [(p.request.batch_size, p.request.query.shape[1], p.request.key.shape[1]) for p in batch]
+        if len(set(shapes[i][1:] for i in range(len(shapes)))) == 1:
+            return batch  # one length: nothing to gain by splitting, and no plan to pay for
+        runs = plan_runs(shapes, self.run_cost)
+        if len(runs) == 1:
+            return batch
+        first = set(next(run for run in runs if 0 in run))  # the oldest request's run
+        self._queue.extendleft(reversed([p for i, p in enumerate(batch) if i not in first]))
+        return [p for i, p in enumerate(batch) if i in first]
+
     def _run(self, batch: list[_Pending]) -> BatchResult:
         """In a worker thread: merge, run the model, split."""
         started = time.perf_counter_ns()
@@ -260,7 +295,16 @@ class Batcher:
         answers = split(merged, dict(zip(merged.outputs, arrays, strict=True)), [r.outputs for r in requests])
         finished = time.perf_counter_ns()
         rows = merged.query.shape[0]
-        return BatchResult(answers, rows, started, finished, merged_at - started, ran_at - merged_at, finished - ran_at)
+        return BatchResult(
+            answers,
+            rows,
+            merged.padding_ratio,
+            started,
+            finished,
+            merged_at - started,
+            ran_at - merged_at,
+            finished - ran_at,
+        )
 
     def _finished(self, batch: list[_Pending], done) -> None:
         self._idle_workers += 1

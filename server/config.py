@@ -27,6 +27,7 @@ class ServerSettings:
     inference_nice: int = 10
     max_batch_size: int = 32  # rows per request, and per merged run
     dynamic_batching: bool = True
+    length_aware_batching: bool = True  # split what is queued into runs by length (off: one padded run)
     max_queue_delay_us: int = 0  # 0: greedy, a free worker takes what is queued at once
     max_queue_size: int = 256  # requests waiting; beyond it RESOURCE_EXHAUSTED at once
     max_q_len: int = 512
@@ -65,6 +66,8 @@ class ServerSettings:
         "max_batch_size": "largest batch a request may carry (RESOURCE_EXHAUSTED beyond); also the most rows "
         "dynamic batching merges into one run",
         "dynamic_batching": "merge concurrent requests, of any lengths, into one model run",
+        "length_aware_batching": "split queued requests of different lengths into runs where padding would cost "
+        "more than another run (a cost model fitted at warm-up); false: one run padded to the longest",
         "max_queue_delay_us": "how long a partial batch may wait for more requests (0 = run at once when a "
         "worker is free; batches still form under load)",
         "max_queue_size": "requests allowed to wait for a worker; beyond it RESOURCE_EXHAUSTED at once",

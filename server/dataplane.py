@@ -16,13 +16,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
+import numpy as np
 
-from mhaserve.signature import ATTN_WEIGHTS, ATTN_WEIGHTS_MEAN
+from mhaserve.signature import ATTN_WEIGHTS, ATTN_WEIGHTS_MEAN, GRAPH_OUTPUT_NAMES
 
 from .batcher import Batcher, BatchResult
 from .codec import AttentionRequest, Limits, ModelSignature, RequestError
 from .config import ServerSettings
 from .metrics import Metrics
+from .run_cost import RunCost
 from .session import AttentionSession
 
 log = logging.getLogger("mhaserve.server")
@@ -184,10 +186,30 @@ class DataPlane:
     def _load(self) -> AttentionSession:
         session = AttentionSession(self.model_dir, self.settings.device, self.settings.intra_op_threads)
         session.warm_up(self.settings.warmup_runs)
+        if self.settings.dynamic_batching and self.settings.length_aware_batching:
+            self.batcher.run_cost = self._fit_run_cost(session)
         self.session = session
         self.signature = ModelSignature(session.info.name, MODEL_VERSION, session.info.d_model, session.info.num_heads)
         self.ready = True
         return session
+
+    def _fit_run_cost(self, session: AttentionSession) -> RunCost:
+        d_model = session.info.d_model
+        rng = np.random.default_rng(0)
+
+        def run(rows: int, length: int) -> None:
+            x = rng.standard_normal((rows, length, d_model), dtype=np.float32)
+            session.run(GRAPH_OUTPUT_NAMES, x, x, x, np.ones((1, 1, 1, length), dtype=bool))
+
+        limits = self.limits
+        cost = RunCost.fit(run, limits.max_batch_size, min(limits.max_q_len, limits.max_kv_len))
+        log.info(
+            "run cost model (CPU per run, fitted at warm-up): %.0f us + %.1f ns per token + %.2f ns per query-key pair",
+            cost.overhead_s * 1e6,
+            cost.per_token_s * 1e9,
+            cost.per_pair_s * 1e9,
+        )
+        return cost
 
     def start_metrics(self) -> int:
         """The Prometheus endpoint on its own port (after load: labels name the model); returns the port."""
@@ -248,7 +270,7 @@ class DataPlane:
     def _on_batch(self, run: BatchResult) -> None:
         self.stats.record_execution(run)
         if self.metrics is not None:
-            self.metrics.batch_done(run.batch_size)
+            self.metrics.batch_done(run.batch_size, run.padding_ratio)
 
     def shutdown(self) -> None:
         self.ready = False

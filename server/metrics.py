@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 # 50 µs .. ~3 s, roughly x2 apart: covers a [1,16,512] run and a long queue under overload.
 LATENCY_BUCKETS = (5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+PADDING_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
 
 class Metrics:
@@ -60,6 +61,11 @@ class Metrics:
             "mhaserve_inference_compute_infer_duration_seconds", "Model run (merge, ONNX Runtime, split) per request"
         )
         self._batch_size = histogram("mhaserve_inference_batch_size", "Rows per model run", BATCH_BUCKETS)
+        self._padding = histogram(
+            "mhaserve_inference_padding_ratio",
+            "Share of a model run's query-key pairs that are padding (requests of different lengths in one run)",
+            PADDING_BUCKETS,
+        )
         pending = Gauge(
             "mhaserve_inference_pending_request_count", "Requests waiting in the queue", labels, registry=self.registry
         )
@@ -92,9 +98,10 @@ class Metrics:
     def unauthenticated(self) -> None:
         self._unauthenticated.inc()
 
-    def batch_done(self, rows: int) -> None:
+    def batch_done(self, rows: int, padding_ratio: float = 0.0) -> None:
         self._exec_count.inc()
         self._batch_size.observe(rows)
+        self._padding.observe(padding_ratio)
 
     def serve(self, host: str, port: int) -> int:
         """Start the HTTP endpoint (its own thread); returns the bound port (``port`` 0 picks one)."""

@@ -198,3 +198,125 @@ def test_expired_or_cancelled_requests_leave_the_queue_uncomputed(small_model_di
     # Only the eight slow requests (16 rows each) were ever computed; the five victims were dropped.
     assert stats.inference_count == 8 * 16
     assert stats.execution_count == 8
+
+
+# Length-aware batching: what a free worker takes is split into runs by a cost model.
+
+
+def test_plan_keeps_equal_lengths_together_and_splits_where_padding_costs_more():
+    from mhaserve.server.run_cost import RunCost, plan_runs
+
+    cost = RunCost(overhead_s=1e-3, per_token_s=1e-6, per_pair_s=1e-7)
+    assert plan_runs([(1, 64, 64)] * 8, cost) == [list(range(8))]
+    # Four short and four long: padding the short ones to 512 costs far more than one more run.
+    shapes = [(1, 8, 8), (1, 512, 512)] * 4
+    assert sorted(map(sorted, plan_runs(shapes, cost))) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    # With a per-run price above any padding, one run it is.
+    assert len(plan_runs(shapes, RunCost(overhead_s=10.0, per_token_s=1e-6, per_pair_s=1e-7))) == 1
+    # The plan is never dearer than the single padded run it replaces.
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        shapes = [(int(b), int(lq), int(lk)) for b, lq, lk in rng.integers(1, 300, size=(12, 3)) % [4, 300, 300] + 1]
+        runs = plan_runs(shapes, cost)
+        assert sorted(i for run in runs for i in run) == list(range(12))
+
+        def price(run, shapes=shapes):
+            return cost.seconds(sum(shapes[i][0] for i in run), *(max(shapes[i][k] for i in run) for k in (1, 2)))
+
+        assert sum(price(run) for run in runs) <= price(range(12)) + 1e-12
+
+
+def test_cost_fit_recovers_known_prices_and_never_goes_negative():
+    from mhaserve.server.run_cost import RunCost
+
+    features = np.array([(1.0, r * 2 * n, r * n * n) for r, n in ((1, 8), (1, 96), (4, 64), (8, 32), (2, 128))])
+    fitted = RunCost.from_samples(features, features @ np.array([2e-4, 3e-6, 5e-8]))
+    assert fitted.overhead_s == pytest.approx(2e-4) and fitted.per_pair_s == pytest.approx(5e-8)
+    # noise that would make a price negative leaves it at zero instead
+    fitted = RunCost.from_samples(features, features[:, 2] * 5e-8 - 1e-5)
+    assert min(fitted.overhead_s, fitted.per_token_s, fitted.per_pair_s) >= 0
+
+
+def test_split_runs_give_each_request_its_unbatched_answer(small_model_dir):
+    # The real batcher and session, with a cost model that makes every length its own run.
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mhaserve.server.batcher import Batcher
+    from mhaserve.server.run_cost import RunCost
+
+    session = AttentionSession(small_model_dir, device="cpu", intra_op_threads=1)
+    requests = [as_attention_request(*r) for r in mixed_requests(16, seed=9)]
+    runs = []
+
+    async def scenario():
+        with ThreadPoolExecutor(1) as executor:
+            batcher = Batcher(session.run, executor, workers=1, max_batch_size=64, max_queue_size=64,
+                              on_batch=runs.append, run_cost=RunCost(1e-9, 0.0, 1.0))  # fmt: skip
+            batcher._idle_workers = 0  # hold the worker so every request is queued before the first plan
+            submitted = [asyncio.ensure_future(batcher.submit(r)) for r in requests]
+            await asyncio.sleep(0)
+            batcher._idle_workers = 1
+            batcher._dispatch()
+            return await asyncio.gather(*submitted)
+
+    answers = asyncio.run(scenario())
+    lengths = {(r.query.shape[1], r.key.shape[1]) for r in requests}
+    assert len(runs) == len(lengths) > 1  # one run per distinct (Lq, Lk): no padding paid for
+    assert all(run.padding_ratio == 0.0 for run in runs)
+    for request, answer in zip(requests, answers, strict=True):
+        alone = session.run(request.outputs, request.query, request.key, request.value, request.mask)
+        for name, want in zip(request.outputs, alone, strict=True):
+            np.testing.assert_allclose(answer.outputs[name], want, rtol=0, atol=1e-5)
+
+
+def test_the_oldest_request_runs_first_so_none_waits_forever(small_model_dir):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mhaserve.server.batcher import Batcher
+    from mhaserve.server.run_cost import RunCost
+
+    session = AttentionSession(small_model_dir, device="cpu", intra_op_threads=1)
+    long_one = as_attention_request(rand(1, 60, D, seed=1), None, None, None, False)
+    short_ones = [as_attention_request(rand(1, 2, D, seed=s), None, None, None, False) for s in range(6)]
+    order = []
+
+    async def scenario():
+        with ThreadPoolExecutor(1) as executor:
+            batcher = Batcher(session.run, executor, workers=1, max_batch_size=64, max_queue_size=64,
+                              on_batch=lambda run: order.append(run.batch_size),
+                              run_cost=RunCost(0.0, 0.0, 1.0))  # fmt: skip
+            batcher._idle_workers = 0
+            submitted = [asyncio.ensure_future(batcher.submit(r)) for r in (long_one, *short_ones)]
+            await asyncio.sleep(0)
+            batcher._idle_workers = 1
+            batcher._dispatch()
+            await asyncio.gather(*submitted)
+
+    asyncio.run(scenario())
+    assert order == [1, 6]  # the long request, queued first, before the six short ones run together
+
+
+def test_padding_share_is_a_metric_and_the_flag_keeps_one_padded_run(small_model_dir, small_module):
+    from .conftest import scrape
+
+    requests = [(rand(1, 2, D, seed=s), None, None, None, True) for s in range(4)]
+    requests += [(rand(1, 64, D, seed=10 + s), None, None, None, True) for s in range(4)]
+    runs = {}
+    for flag in ("false", "true"):
+        args = ("--max-q-len", "64", "--max-kv-len", "64", "--max-queue-delay-us", "50000")
+        with ServerProcess(small_model_dir, *args, "--length-aware-batching", flag, "--warmup-runs", "1") as server:
+
+            async def call_all(server=server):
+                async with AsyncClient(server.url) as client:
+                    return await asyncio.gather(*(client.infer(q, timeout=60) for q, *_ in requests))
+
+            results = asyncio.run(call_all())
+            samples = scrape(server.metrics_url)
+        for (query, *_), result in zip(requests, results, strict=True):
+            np.testing.assert_allclose(result.output, eager(small_module, query)[0], rtol=0, atol=1e-5)
+        count = {n: v for (n, _), v in samples.items() if n.startswith("mhaserve_inference_padding_ratio")}
+        runs[flag] = (count["mhaserve_inference_padding_ratio_count"], count["mhaserve_inference_padding_ratio_sum"])
+    # Off: the eight requests, gathered by the 50 ms queue delay, share one run padded to 64 (about half padding).
+    assert runs["false"][0] == 1 and runs["false"][1] > 0.4
+    # On: the server's fitted cost model decides; whatever it chose, no run is padded more than the single one.
+    assert runs["true"][0] >= 1 and runs["true"][1] / runs["true"][0] <= runs["false"][1] + 1e-9

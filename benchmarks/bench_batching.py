@@ -1,0 +1,85 @@
+"""Length-aware batching against one padded run per drain: the same server, A/B through its flag, one run.
+
+    flock /tmp/bench.lock .venv/bin/python benchmarks/bench_batching.py [--duration 10] [--warmup 2]
+
+Two servers on the embedded default model (512/8), identical but for --length-aware-batching, both up
+for the whole run; each point is measured on one, then the other (only the measured one gets load),
+with `mhaserve bench`'s load generator. Per point and server: throughput, p50 and p99, errors, the
+clients' CPU, and the mean padding share of the runs in that point (from the server's
+mhaserve_inference_padding_ratio histogram). Not a test: it prints numbers; BENCHMARKS.md records them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from mhaserve.cli import ensure_default_model
+from mhaserve.loadgen import LoadGenerator, Point, Workload, default_processes
+from mhaserve.server_process import ServerProcess
+
+# (min length, max length, concurrency)
+POINTS = [(16, 128, 16), (16, 128, 64), (16, 512, 16), (16, 512, 64), (16, 16, 16), (128, 128, 16)]
+POLICIES = {"padded": "false", "length-aware": "true"}
+
+
+def padding_totals(server: ServerProcess) -> tuple[float, float]:
+    """(sum, count) of the padding-ratio histogram: the mean over a stretch is the ratio of their deltas."""
+    with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
+        families = text_string_to_metric_families(response.read().decode())
+    values = {s.name: s.value for f in families if f.name == "mhaserve_inference_padding_ratio" for s in f.samples}
+    return values.get("mhaserve_inference_padding_ratio_sum", 0.0), values.get(
+        "mhaserve_inference_padding_ratio_count", 0.0
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--duration", type=float, default=10.0)
+    parser.add_argument("--warmup", type=float, default=2.0)
+    args = parser.parse_args()
+    model_dir = ensure_default_model()
+    servers = {
+        name: ServerProcess(model_dir, "--length-aware-batching", flag).start() for name, flag in POLICIES.items()
+    }
+    for name, server in servers.items():
+        fitted = [line.split("run cost model ")[1].strip() for line in server.lines if "run cost model" in line]
+        print(f"{name}: {server.url}" + (f"; run cost model {fitted[0]}" if fitted else ""))
+    processes = default_processes()
+    print(f"client processes: {processes}; {args.warmup:g} s warm-up + {args.duration:g} s per point\n")
+    print(f"{'lengths':>9} {'c':>3} {'policy':>12} | {'req/s':>7} {'p50 ms':>7} {'p99 ms':>7} {'errors':>6} "
+          f"{'client cores':>12} {'padding':>7} | {'aware/padded':>12}")  # fmt: skip
+    try:
+        for low, high, concurrency in POINTS:
+            workload = Workload(512, 1, low, high, attn_weights=True)
+            point = Point("closed", concurrency, args.duration, args.warmup)
+            results = {}
+            for name, server in servers.items():
+                before = padding_totals(server)
+                with LoadGenerator(server.url, processes) as generator:
+                    result = generator.measure(workload, point)
+                after = padding_totals(server)
+                runs = after[1] - before[1]
+                padding = (after[0] - before[0]) / runs if runs else 0.0
+                results[name] = result
+                lengths = f"{low}..{high}" if low != high else str(low)
+                ratio = ""
+                if name == "length-aware":
+                    ratio = f"{result.throughput / results['padded'].throughput:12.2f}"
+                print(
+                    f"{lengths:>9} {concurrency:>3} {name:>12} | {result.throughput:7.1f} "
+                    f"{result.latency_ms['p50']:7.2f} {result.latency_ms['p99']:7.2f} {sum(result.errors.values()):>6} "
+                    f"{result.client_cpu_cores:12.2f} {padding:7.2f} | {ratio}",
+                    flush=True,
+                )
+    finally:
+        for server in servers.values():
+            server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
