@@ -21,8 +21,18 @@ from mhaserve.cli import ensure_default_model
 from mhaserve.loadgen import LoadGenerator, Point, Workload, default_processes
 from mhaserve.server_process import ServerProcess
 
-# (min length, max length, concurrency)
-POINTS = [(16, 128, 16), (16, 128, 64), (16, 512, 16), (16, 512, 64), (16, 16, 16), (128, 128, 16)]
+# (min length, max length, concurrency). The equal-length points at 72 and 264, the mean of 16..128 and of
+# 16..512, are a ceiling for those ranges: as much work per request on average, and none of it padding.
+POINTS = [
+    (16, 128, 16),
+    (16, 128, 64),
+    (72, 72, 16),
+    (16, 512, 16),
+    (16, 512, 64),
+    (264, 264, 16),
+    (16, 16, 16),
+    (128, 128, 16),
+]
 POLICIES = {"padded": "false", "length-aware": "true"}
 
 

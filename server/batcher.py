@@ -7,11 +7,13 @@ query row has every key masked, which the model defines as zeros, so padding nev
 Padding costs compute: 16 requests of lengths 16..128 padded into one run took 1.6x the time of the
 same requests run one by one (BENCHMARKS.md). So, length-aware, the queue is split into runs by a cost
 model of this model on this machine (``run_cost.py``, fitted at warm-up): requests sorted by length,
-cut where padding would cost more than another run's overhead. The run holding the oldest request
-starts; the rest go back to the queue's front and are planned again, with whatever arrived meanwhile,
-when a worker is free (so one worker runs a drain's runs one after another, several share them, and
-no request waits behind ever-newer short ones). Equal lengths stay one run. ``length_aware=False``
-keeps the single padded run, for A/B measurement.
+cut where padding would cost more than another run's overhead. The worker makes a drain's runs one
+after another, cheapest first, and each run's answers leave as it ends. The plan costs no more than
+the one padded run it replaces, so (as far as the cost model is right) no request of the drain is
+answered later than that run would have answered it, and the next drain starts sooner. Runs of one
+drain stay on one worker: on two cores one run already uses both (ONNX Runtime's threads), and two
+at once would only share them. Equal lengths stay one run. ``length_aware=False`` keeps the single
+padded run, for A/B measurement.
 
 Scheduling is greedy: whenever a worker is free it takes everything queued, up to the batch limit.
 At low load a request runs at once (no added latency); under load requests pile up while a run is
@@ -224,11 +226,13 @@ class Batcher:
         while self._idle_workers and self._queue:
             if self._should_wait():
                 return
-            batch = self._first_run(self._take())
+            batch = self._take()
             if batch:
                 self._idle_workers -= 1
-                run = asyncio.get_running_loop().run_in_executor(self._executor, self._run, batch)
-                run.add_done_callback(functools.partial(self._finished, batch))
+                loop = asyncio.get_running_loop()
+                runs = self._plan(batch)
+                drain = loop.run_in_executor(self._executor, self._run_all, runs, loop)
+                drain.add_done_callback(functools.partial(self._finished, batch))
 
     def _should_wait(self) -> bool:
         """With a queue delay, a partial batch waits until its oldest request has waited that long."""
@@ -270,19 +274,30 @@ class Batcher:
             rows += pending.request.batch_size
         return batch
 
-    def _first_run(self, batch: list[_Pending]) -> list[_Pending]:
-        """The run to start now; the rest of ``batch`` goes back to the queue's front (see the module doc)."""
+    def _plan(self, batch: list[_Pending]) -> list[list[_Pending]]:
+        """``batch`` as the runs to make of it, cheapest first (see the module doc)."""
         if self.run_cost is None or len(batch) < 2:
-            return batch
+            return [batch]
         shapes = [(p.request.batch_size, p.request.query.shape[1], p.request.key.shape[1]) for p in batch]
-        if len(set(shapes[i][1:] for i in range(len(shapes)))) == 1:
-            return batch  # one length: nothing to gain by splitting, and no plan to pay for
+        if len({shape[1:] for shape in shapes}) == 1:
+            return [batch]  # one length: nothing to gain by splitting, and no plan to pay for
         runs = plan_runs(shapes, self.run_cost)
         if len(runs) == 1:
-            return batch
-        first = set(next(run for run in runs if 0 in run))  # the oldest request's run
-        self._queue.extendleft(reversed([p for i, p in enumerate(batch) if i not in first]))
-        return [p for i, p in enumerate(batch) if i in first]
+            return [batch]
+        # Short runs first: the drain ends when its last run does whatever the order, and this order
+        # answers the most requests soonest.
+        runs.sort(key=lambda run: self.run_cost.seconds(*_padded_shape([shapes[i] for i in run])))
+        return [[batch[i] for i in sorted(run)] for run in runs]
+
+    def _run_all(self, runs: list[list[_Pending]], loop: asyncio.AbstractEventLoop) -> None:
+        """In a worker thread: the drain's runs one after another, each run's answers sent as it ends."""
+        for run in runs:
+            try:
+                result = self._run(run)
+            except Exception as error:  # this run's requests fail; the drain's other runs go on
+                loop.call_soon_threadsafe(self._deliver, run, None, error)
+            else:
+                loop.call_soon_threadsafe(self._deliver, run, result, None)
 
     def _run(self, batch: list[_Pending]) -> BatchResult:
         """In a worker thread: merge, run the model, split."""
@@ -306,20 +321,29 @@ class Batcher:
             finished - ran_at,
         )
 
+    def _deliver(self, run: list[_Pending], result: BatchResult | None, error: Exception | None) -> None:
+        if result is not None and self._on_batch is not None:
+            self._on_batch(result)
+        for index, pending in enumerate(run):
+            if pending.future.done():
+                continue
+            if error is not None:
+                pending.future.set_exception(error)
+            else:
+                queue_ns = result.started_ns - pending.enqueued_ns
+                infer_ns = result.finished_ns - result.started_ns
+                pending.future.set_result(Answer(result.answers[index], queue_ns, infer_ns))
+
     def _finished(self, batch: list[_Pending], done) -> None:
+        """The drain is over (its answers were delivered as each run ended): free the worker, take more."""
         self._idle_workers += 1
         error = done.exception()
-        if error is None:
-            result: BatchResult = done.result()
-            if self._on_batch is not None:
-                self._on_batch(result)
-            for pending, answer in zip(batch, result.answers, strict=True):
-                if not pending.future.done():
-                    queue_ns = result.started_ns - pending.enqueued_ns
-                    infer_ns = result.finished_ns - result.started_ns
-                    pending.future.set_result(Answer(answer, queue_ns, infer_ns))
-        else:
-            for pending in batch:
-                if not pending.future.done():
-                    pending.future.set_exception(error)
+        for pending in batch:  # only if the worker itself failed can a future still be open here
+            if error is not None and not pending.future.done():
+                pending.future.set_exception(error)
         self._dispatch()
+
+
+def _padded_shape(shapes: list[tuple[int, int, int]]) -> tuple[int, int, int]:
+    """(rows, Lq, Lk) of one run of requests of these (rows, Lq, Lk): rows add up, lengths pad to the longest."""
+    return sum(s[0] for s in shapes), max(s[1] for s in shapes), max(s[2] for s in shapes)
