@@ -50,6 +50,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--duration", type=float, default=10.0)
     parser.add_argument("--warmup", type=float, default=2.0)
+    parser.add_argument("--max-len", type=int, default=512, help="only the points whose lengths reach no further")
     args = parser.parse_args()
     model_dir = ensure_default_model()
     servers = {
@@ -63,7 +64,7 @@ def main() -> int:
     print(f"{'lengths':>9} {'c':>3} {'policy':>12} | {'req/s':>7} {'p50 ms':>7} {'p99 ms':>7} {'errors':>6} "
           f"{'client cores':>12} {'padding':>7} | {'aware/padded':>12}")  # fmt: skip
     try:
-        for low, high, concurrency in POINTS:
+        for low, high, concurrency in [p for p in POINTS if p[1] <= args.max_len]:
             workload = Workload(512, 1, low, high, attn_weights=True)
             point = Point("closed", concurrency, args.duration, args.warmup)
             results = {}
