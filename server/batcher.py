@@ -48,6 +48,27 @@ class QueueFull(RequestError):
         )
 
 
+class ComputationOverflowed(RequestError):
+    def __init__(self, name: str, count: int):
+        super().__init__(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"the computation overflowed float32: output '{name}' has {count} non-finite values (NaN or Inf); "
+            "inputs of this magnitude cannot be attended over in float32",
+        )
+
+
+def overflow_error(answer: dict[str, np.ndarray]) -> ComputationOverflowed | None:
+    """An answer holding NaN or Inf is never returned as OK. One sum per output: NaN or Inf poisons it."""
+    for name, array in answer.items():
+        with np.errstate(over="ignore", invalid="ignore"):
+            if np.isfinite(array.sum()):
+                continue
+        bad = int(array.size - np.count_nonzero(np.isfinite(array)))
+        if bad:
+            return ComputationOverflowed(name, bad)
+    return None
+
+
 class DeadlineExpiredInQueue(RequestError):
     def __init__(self, waited_s: float):
         super().__init__(
@@ -141,6 +162,7 @@ class BatchResult:
     """What one merged run produced, with its timing, for statistics and metrics."""
 
     answers: list[dict[str, np.ndarray]]
+    errors: list[RequestError | None]  # per answer: one that must not be returned (overflow_error)
     batch_size: int  # rows
     padding_ratio: float  # Merged.padding_ratio
     started_ns: int
@@ -308,10 +330,12 @@ class Batcher:
         arrays = self._run_model(merged.outputs, merged.query, merged.key, merged.value, merged.mask)
         ran_at = time.perf_counter_ns()
         answers = split(merged, dict(zip(merged.outputs, arrays, strict=True)), [r.outputs for r in requests])
+        errors = [overflow_error(answer) for answer in answers]
         finished = time.perf_counter_ns()
         rows = merged.query.shape[0]
         return BatchResult(
             answers,
+            errors,
             rows,
             merged.padding_ratio,
             started,
@@ -327,8 +351,8 @@ class Batcher:
         for index, pending in enumerate(run):
             if pending.future.done():
                 continue
-            if error is not None:
-                pending.future.set_exception(error)
+            if error is not None or result.errors[index] is not None:
+                pending.future.set_exception(error or result.errors[index])
             else:
                 queue_ns = result.started_ns - pending.enqueued_ns
                 infer_ns = result.finished_ns - result.started_ns

@@ -259,7 +259,12 @@ def _attention_mask(mask: np.ndarray | None, batch: int, q_len: int, kv_len: int
         allowed = mask[:, None, :, :]
     else:
         raise invalid(f"input 'mask': shape {_shape_text(mask.shape)}, expected {expected}")
-    return allowed if allowed.dtype == np.bool_ else allowed != 0
+    if allowed.dtype != np.bool_:
+        return allowed != 0
+    # Raw BOOL bytes are whatever the client sent: any nonzero byte means true, as for integer masks. Left
+    # as they are, ONNX Runtime's Cast took 0x02 as 2.0 (rows summing to 2) and 0xFF as NaN, with status OK.
+    as_bytes = allowed.view(np.uint8)
+    return as_bytes != 0 if (as_bytes > 1).any() else allowed
 
 
 @functools.lru_cache(maxsize=1024)

@@ -226,8 +226,36 @@ def test_a_message_over_the_size_limit_is_resource_exhausted(small_model_dir):
             assert stub.ModelInfer(build_infer_request("mha", q(n=2)), timeout=10).outputs
 
 
-def test_huge_finite_values_are_accepted(stub):
-    # Their float32 sum overflows to Inf; they are still finite inputs and must be served.
-    x = np.full((1, 4, D), 3e38, dtype=np.float32)
-    response = stub.ModelInfer(build_infer_request("mha", x), timeout=10)
+@pytest.mark.parametrize("scale", [1e20, 3e38])
+def test_a_computation_that_overflows_is_refused_never_answered_with_nan(stub, scale):
+    # Finite inputs (at 3e38 their float32 sum overflows, yet they are finite and pass the input check)
+    # whose projections overflow float32 made NaN answers with status OK.
+    x = (np.random.default_rng(0).uniform(-1, 1, (1, 4, D)) * scale).astype(np.float32)
+    assert np.isfinite(x).all()
+    with pytest.raises(grpc.RpcError) as error:
+        stub.ModelInfer(build_infer_request("mha", x), timeout=10)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "the computation overflowed float32" in error.value.details()
+    assert "output '" in error.value.details() and "input '" not in error.value.details()
+    # large inputs that do not overflow are served
+    response = stub.ModelInfer(build_infer_request("mha", x / scale * 1e6), timeout=10)
     assert [o.name for o in response.outputs] == ["output", "attn_weights"]
+
+
+@pytest.mark.parametrize("true_byte", [0x02, 0x80, 0xFF])
+def test_any_nonzero_bool_mask_byte_means_true(stub, true_byte):
+    # Raw BOOL bytes other than 0/1 reached ONNX Runtime as they were: rows summing to 2, or NaN, with OK.
+    x = np.random.default_rng(1).standard_normal((2, 3, D)).astype(np.float32)
+    ones = np.array([[1, 1, 0, 1, 0], [0, 1, 1, 1, 1]], dtype=np.uint8)  # Lk = 5, not a multiple of 4
+
+    def answer(mask_bytes):
+        request = build_infer_request("mha", x, x[:, :1].repeat(5, axis=1), x[:, :1].repeat(5, axis=1))
+        request.inputs.add(name="mask", datatype="BOOL", shape=[2, 5])
+        request.raw_input_contents.append(mask_bytes.tobytes())
+        response = stub.ModelInfer(request, timeout=10)
+        return [np.frombuffer(raw, dtype=np.float32) for raw in response.raw_output_contents]
+
+    want = answer(ones)
+    got = answer(ones * true_byte)
+    for g, w in zip(got, want, strict=True):
+        assert np.array_equal(g, w) and np.isfinite(g).all()
