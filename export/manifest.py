@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -12,6 +13,9 @@ MANIFEST_FORMAT = "mhaserve-model/1"
 # Keys the export writes into the ONNX model's metadata_props, so a server can describe the
 # model from model.onnx alone.
 METADATA_PREFIX = "mhaserve."
+# A width beyond any served attention layer (4096 is the largest typical one): a manifest claiming more
+# is damaged, and sizing message limits from it would ask for absurd buffers.
+MAX_D_MODEL = 65536
 
 
 class ModelDirError(Exception):
@@ -19,16 +23,56 @@ class ModelDirError(Exception):
 
 
 def read_manifest(model_dir: str | Path) -> dict:
+    """The folder's manifest, its shape checked: every problem is a ModelDirError naming the field."""
     path = Path(model_dir) / MANIFEST_FILE
     try:
         manifest = json.loads(path.read_text())
     except FileNotFoundError:
         raise ModelDirError(f"{path}: no manifest; export a model with 'mhaserve export'") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ModelDirError(f"{path}: cannot be read ({exc})") from None
     except json.JSONDecodeError as exc:
         raise ModelDirError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(manifest, dict):
+        raise ModelDirError(f"{path}: holds a JSON {type(manifest).__name__}, expected an object")
     if manifest.get("format") != MANIFEST_FORMAT:
         raise ModelDirError(f"{path}: format {manifest.get('format')!r}, expected {MANIFEST_FORMAT!r}")
+    config = manifest.get("config")
+    if not isinstance(config, dict):
+        raise ModelDirError(f"{path}: 'config' is {config!r}, expected an object with d_model and num_heads")
+    d_model, num_heads = config.get("d_model"), config.get("num_heads")
+    for name, value, high in (("d_model", d_model, MAX_D_MODEL), ("num_heads", num_heads, MAX_D_MODEL)):
+        if type(value) is not int or not 1 <= value <= high:
+            raise ModelDirError(f"{path}: config '{name}' is {value!r}, expected an integer from 1 to {high}")
+    if d_model % num_heads:
+        raise ModelDirError(f"{path}: config d_model {d_model} is not divisible by num_heads {num_heads}")
     return manifest
+
+
+def file_sha256(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def check_model_file(model_dir: str | Path, manifest: dict) -> Path:
+    """model.onnx as exported: its sha256 is the one the manifest recorded (a changed weight, a truncated
+    copy or a half-written file is refused); returns its path."""
+    path = Path(model_dir) / MODEL_FILE
+    recorded = manifest.get("files", {}).get("model_sha256")
+    if not path.is_file():
+        raise ModelDirError(f"{path}: missing; re-export the folder with 'mhaserve export'")
+    if recorded is None:
+        raise ModelDirError(f"{path}: the manifest records no sha256 for it (an older export); re-export it")
+    found = file_sha256(path)
+    if found != recorded:
+        raise ModelDirError(
+            f"{path}: sha256 {found[:16]}... differs from the manifest's {recorded[:16]}...: the file changed "
+            "after export (or was cut short); re-export it"
+        )
+    return path
 
 
 def write_manifest(model_dir: str | Path, manifest: dict) -> None:

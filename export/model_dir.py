@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import datetime
+import os
+import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +23,7 @@ from .manifest import (
     METADATA_PREFIX,
     MODEL_FILE,
     WEIGHTS_FILE,
+    file_sha256,
     read_manifest,
     write_manifest,
 )
@@ -110,11 +114,30 @@ def export_model_dir(
     onnx_model.producer_name = "mhaserve"
     onnx_model.producer_version = mhaserve.__version__
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_onnx(onnx_model, out_dir / MODEL_FILE)
-    save_weights(module, out_dir / WEIGHTS_FILE)
-    write_manifest(out_dir, manifest)  # last: a folder with a manifest is complete
+    # Written beside the target and renamed into place: a failed write (a full disk) leaves the folder
+    # that was there untouched, and a folder under this name is always complete.
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        save_onnx(onnx_model, staging / MODEL_FILE)
+        save_weights(module, staging / WEIGHTS_FILE)
+        manifest["files"]["model_sha256"] = file_sha256(staging / MODEL_FILE)
+        write_manifest(staging, manifest)
+        _replace_folder(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     return manifest
+
+
+def _replace_folder(new: Path, target: Path) -> None:
+    if not target.exists():
+        new.rename(target)
+        return
+    old = target.with_name(f".{target.name}.old-{os.getpid()}")
+    target.rename(old)
+    new.rename(target)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def revalidate_model_dir(

@@ -104,15 +104,19 @@ def default_model_dir() -> Path:
 
 def ensure_default_model() -> Path:
     """Export the default model once; later calls find it valid in the cache and return at once."""
-    from mhaserve.export.manifest import ModelDirError, read_manifest
+    from mhaserve.export.manifest import ModelDirError, check_model_file, read_manifest
 
     model_dir = default_model_dir()
     try:
-        if read_manifest(model_dir).get("valid"):
+        manifest = read_manifest(model_dir)
+        check_model_file(model_dir, manifest)
+        if manifest.get("valid"):
             return model_dir
-    except ModelDirError:
-        pass
-    print(f"no default model in {model_dir} yet: exporting it once (needs the 'export' extra)", file=sys.stderr)
+        why = "its validation failed"
+    except ModelDirError as error:
+        why = str(error) if model_dir.exists() else "there is none yet"
+    # A damaged cache (a cut-short model.onnx, an older export) is rebuilt rather than failing every start.
+    print(f"exporting the default model into {model_dir} ({why}; needs the 'export' extra)", file=sys.stderr)
     # In a child process, so the serving process never imports torch.
     done = subprocess.run([sys.executable, "-m", "mhaserve.cli", "export", "--out", str(model_dir)])
     if done.returncode != 0:

@@ -16,7 +16,6 @@ and the shapes found.
 
 from __future__ import annotations
 
-import hashlib
 import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from pathlib import Path
 import torch
 
 from mhaserve.errors import UsageError
+from mhaserve.export.manifest import file_sha256
 
 from .mha import MultiHeadAttention
 
@@ -251,14 +251,6 @@ def _flatten(tree: Mapping, prefix: str = "") -> dict:
         else:
             flat[f"{prefix}{key}"] = value
     return flat
-
-
-def file_sha256(path: str | Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def load_checkpoint(

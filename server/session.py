@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from mhaserve.export.manifest import METADATA_PREFIX, MODEL_FILE, ModelDirError, read_manifest
+from mhaserve.export.manifest import METADATA_PREFIX, ModelDirError, check_model_file, read_manifest
 
 log = logging.getLogger("mhaserve.server")
 
@@ -62,12 +62,18 @@ class AttentionSession:
                 f"{model_dir}: the export failed validation (manifest 'valid' is false); "
                 f"re-export it or check it with 'mhaserve validate {model_dir}'"
             )
-        path = model_dir / MODEL_FILE
+        path = check_model_file(model_dir, manifest)
         if device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
         self.intra_op_threads = intra_op_threads or os.cpu_count() or 1
         options = _session_options(self.intra_op_threads, inter_op_threads)
-        self._session = self._create(path, options, device)
+        try:
+            self._session = self._create(path, options, device)
+        except DeviceUnavailable:
+            raise
+        except Exception as error:  # ONNX Runtime's own kinds (InvalidProtobuf, Fail, ...): a broken file
+            first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            raise ModelDirError(f"{path}: ONNX Runtime cannot load it: {first}") from None
         self.provider = self._session.get_providers()[0]
         meta = self._session.get_modelmeta().custom_metadata_map
         try:
@@ -80,6 +86,8 @@ class AttentionSession:
             )
         except KeyError as missing:
             raise ModelDirError(f"{path}: metadata_props lacks {missing}; export it with 'mhaserve export'") from None
+        except ValueError as error:
+            raise ModelDirError(f"{path}: metadata_props holds a bad value ({error})") from None
 
     @staticmethod
     def _create(path: Path, options: ort.SessionOptions, device: str) -> ort.InferenceSession:
