@@ -57,7 +57,7 @@ async def serve(settings: ServerSettings, model_dir) -> int:
     except ModelDirError as error:
         log.error("cannot serve: %s", error)
         return 3
-    message_limit = settings.message_limit_bytes(config["d_model"], config["num_heads"])
+    receive_limit, send_limit = settings.message_limits(config["d_model"], config["num_heads"])
     try:
         credentials = server_credentials(settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file)
         token = load_token(settings.auth_token_file)
@@ -69,8 +69,8 @@ async def serve(settings: ServerSettings, model_dir) -> int:
     server = grpc.aio.server(
         interceptors=[BearerTokenInterceptor(token, dataplane.record_unauthenticated)] if token else [],
         options=[
-            ("grpc.max_receive_message_length", message_limit),
-            ("grpc.max_send_message_length", message_limit),
+            ("grpc.max_receive_message_length", receive_limit),
+            ("grpc.max_send_message_length", send_limit),
             ("grpc.max_concurrent_streams", settings.max_concurrent_streams),
             # Off by default, so a second server on a taken port fails loudly instead of sharing it.
             ("grpc.so_reuseport", int(settings.reuse_port)),
@@ -123,7 +123,7 @@ async def serve(settings: ServerSettings, model_dir) -> int:
     info = session.info
     log.info(
         "serving model=%s d_model=%d heads=%d opset=%s provider=%s intra_op_threads=%d workers=%d "
-        "batching=%s max_batch_size=%d max_queue_delay_us=%d max_queue_size=%d max_message_bytes=%d "
+        "batching=%s max_batch_size=%d max_queue_delay_us=%d max_queue_size=%d max_receive_bytes=%d max_send_bytes=%d "
         "max_inflight_bytes=%d "
         "tls=%s auth=%s metrics=%s address=%s:%d",
         info.name,
@@ -137,7 +137,8 @@ async def serve(settings: ServerSettings, model_dir) -> int:
         settings.max_batch_size,
         settings.max_queue_delay_us,
         settings.max_queue_size,
-        message_limit,
+        receive_limit,
+        send_limit,
         settings.max_inflight_bytes,
         ("mutual" if settings.tls_client_ca_file else "on") if credentials else "off",
         "token" if token else "off",

@@ -94,6 +94,10 @@ def _tensor_array(tensor, raw: bytes | None) -> np.ndarray:
         raise invalid(f"input '{name}': shape {_shape_text(shape)} has a negative dimension")
     dtype, contents_field = DATATYPES[tensor.datatype]
     count = math.prod(shape)
+    if count == 0:  # and before numpy sees it: [0, 2^63-1, 512] holds nothing, yet is "too big" to reshape
+        raise invalid(
+            f"input '{name}': shape {_shape_text(shape)} holds no elements; every dimension must be at least 1"
+        )
     if raw is not None:
         expected = count * dtype.itemsize
         if len(raw) != expected:

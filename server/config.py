@@ -94,14 +94,17 @@ class ServerSettings:
         "log_level": "DEBUG, INFO, WARNING or ERROR",
     }
 
-    def message_limit_bytes(self, d_model: int, num_heads: int) -> int:
-        """The configured limit, or the size of the largest request or response the limits allow."""
+    def message_limits(self, d_model: int, num_heads: int) -> tuple[int, int]:
+        """(receive, send) byte limits: the configured limit for both, or the largest request and the largest
+        response the limits allow. The receive limit is the request's alone: it bounds what any client,
+        authenticated or not, can make the server hold (a compressed request counts expanded)."""
         if self.max_message_bytes:
-            return self.max_message_bytes
+            return self.max_message_bytes, self.max_message_bytes
         b, lq, lk = self.max_batch_size, self.max_q_len, self.max_kv_len
         request = 4 * b * d_model * (lq + 2 * lk) + 8 * b * lq * lk  # FP32 q/k/v, INT64 mask at worst
-        response = 4 * b * lq * d_model + 4 * b * num_heads * lq * lk
-        return max(request, response) + (1 << 20)  # + headroom for the protobuf envelope
+        response = 4 * b * lq * d_model + 4 * b * (num_heads + 1) * lq * lk  # output, weights, their mean
+        envelope = 1 << 20  # headroom for the protobuf envelope
+        return request + envelope, response + envelope
 
 
 def _parse_bool(text: str) -> bool:

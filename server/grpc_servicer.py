@@ -166,9 +166,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             await context.abort(grpc.StatusCode.INTERNAL, _internal_error(error))
 
     async def ModelStreamInfer(self, request_iterator, context):
-        # Answers in request order; a refused request answers with error_message and the stream goes on.
+        # Answers in request order; a refused request answers with error_message and the stream goes on,
+        # an undecodable one too (it arrives here as the RequestError that says so).
         async for request in request_iterator:
             try:
+                if isinstance(request, RequestError):
+                    raise request
                 yield await self._infer(request, context, streamed=True)
             except RequestError as error:
                 yield pb.ModelStreamInferResponse(error_message=f"{error.code.name}: {error.message}")
@@ -198,8 +201,8 @@ def _parsing_stream(behavior, request_class):
             async for raw in raw_iterator:
                 try:
                     yield request_class.FromString(raw)
-                except DecodeError:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _undecodable(request_class, raw))
+                except DecodeError:  # one bad message is that message's error, not the stream's end
+                    yield RequestError(grpc.StatusCode.INVALID_ARGUMENT, _undecodable(request_class, raw))
 
         async for response in behavior(requests(), context):
             yield response

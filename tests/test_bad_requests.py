@@ -167,6 +167,12 @@ MALFORMED = {
     "unknown datatype": (with_inputs(("query", "FOO", (1, 4, D), b"")), INVALID, ["'query'", "'FOO'"]),
     "negative dim": (edited(lambda r: set_shape(r, 0, [1, -4, D])), INVALID, ["'query'", "negative"]),
     "zero length": (with_inputs(("query", *fp32((1, 0, D)))), INVALID, ["'query'", "at least 1"]),
+    # Zero elements beside a huge dim: numpy called it "too big" (INTERNAL, and a traceback logged per request).
+    "zero batch, huge length": (
+        with_inputs(("query", "FP32", (0, 2**63 - 1, D), b"")),
+        INVALID,
+        ["'query'", "holds no elements", str(2**63 - 1)],
+    ),
     "NaN in query": (nan_query(), INVALID, ["'query'", "1 non-finite"]),
     "Inf in key": (inf_key(), INVALID, ["'key'", "1 non-finite"]),
     "unknown output": (

@@ -230,8 +230,13 @@ def test_bytes_that_are_no_request_message_are_invalid_argument(server, raw_infe
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "is not a valid inference.ModelInferRequest" in refused.value.details()
     with grpc.insecure_channel(server.url) as channel:
+        # On a stream, that message answers with error_message and the stream goes on (it used to end).
         stream = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer")
-        with pytest.raises(grpc.RpcError) as refused:
-            list(stream(iter([b"\xff\xff\xff"]), timeout=10))
-        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        good = build_infer_request("mha", np.zeros((1, 2, D), np.float32)).SerializeToString()
+        answers = [
+            pb.ModelStreamInferResponse.FromString(raw) for raw in stream(iter([b"\xff\xff\xff", good]), timeout=10)
+        ]
+        assert len(answers) == 2
+        assert answers[0].error_message.startswith("INVALID_ARGUMENT: ") and "not a valid" in answers[0].error_message
+        assert not answers[1].error_message and answers[1].infer_response.outputs
         assert pb_grpc.GRPCInferenceServiceStub(channel).ServerLive(pb.ServerLiveRequest(), timeout=10).live

@@ -178,3 +178,32 @@ def test_incomplete_tls_settings_refuse_to_start(small_model_dir, args, message)
     server = ServerProcess(small_model_dir, *args).start(wait=False)
     assert server.wait_exit(30) == 2
     assert message in server.log
+
+
+def test_the_receive_limit_is_the_largest_valid_request_compressed_or_not(small_model_dir):
+    # It was sized from the largest response (289 MiB at the default limits, the request's 160 MiB), and a
+    # gzip request of 286 KiB expanded to 287 MiB before anything was checked.
+    import re
+
+    from mhaserve.server.config import ServerSettings
+
+    from .conftest import SMALL_D_MODEL, SMALL_HEADS, TEST_SERVER_ARGS
+
+    with ServerProcess(small_model_dir, *TEST_SERVER_ARGS) as server:
+        line = next(line for line in server.lines if "serving model=" in line)
+        receive = int(re.search(r"max_receive_bytes=(\d+)", line).group(1))
+        send = int(re.search(r"max_send_bytes=(\d+)", line).group(1))
+        settings = ServerSettings(max_batch_size=8, max_q_len=64, max_kv_len=64)
+        assert (receive, send) == settings.message_limits(SMALL_D_MODEL, SMALL_HEADS)
+        too_long = np.zeros((1, receive // (4 * SMALL_D_MODEL) + 1, SMALL_D_MODEL), np.float32)  # over by a row
+        with grpc.insecure_channel(server.url) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            for compression in (grpc.Compression.NoCompression, grpc.Compression.Gzip):
+                with pytest.raises(grpc.RpcError) as error:
+                    stub.ModelInfer(build_infer_request("mha", too_long), timeout=30, compression=compression)
+                assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (compression, error.value.details())
+            # the largest request the limits allow still fits
+            full = np.zeros((8, 64, SMALL_D_MODEL), np.float32)
+            mask = np.ones((8, 64, 64), np.int64)
+            answer = stub.ModelInfer(build_infer_request("mha", full, full, full, mask), timeout=30)
+            assert answer.outputs
