@@ -13,6 +13,9 @@ from pathlib import Path
 ENV_PREFIX = "MHASERVE_"
 
 
+GRPC_MAX_MESSAGE_BYTES = 2**31 - 1
+
+
 @dataclass
 class ServerSettings:
     model_dir: Path | None = None  # None: the embedded default model, exported once into the cache
@@ -104,7 +107,9 @@ class ServerSettings:
         request = 4 * b * d_model * (lq + 2 * lk) + 8 * b * lq * lk  # FP32 q/k/v, INT64 mask at worst
         response = 4 * b * lq * d_model + 4 * b * (num_heads + 1) * lq * lk  # output, weights, their mean
         envelope = 1 << 20  # headroom for the protobuf envelope
-        return request + envelope, response + envelope
+        # gRPC takes the limits as C ints (larger ones failed the start-up), and a protobuf message cannot
+        # pass 2 GiB anyway.
+        return min(request + envelope, GRPC_MAX_MESSAGE_BYTES), min(response + envelope, GRPC_MAX_MESSAGE_BYTES)
 
 
 def _parse_bool(text: str) -> bool:

@@ -91,17 +91,16 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
 
 
 def _refusing_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    async def refuse(request_or_iterator, context):
+    async def refuse(request_iterator, context):
         await context.abort(
             grpc.StatusCode.UNAUTHENTICATED,
             "missing or wrong bearer token: send metadata 'authorization: Bearer <token>'",
         )
 
-    # The request stays undecoded bytes (no deserializer): a refused call costs nothing to parse.
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(refuse)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(refuse)
+    # Request-streaming whatever the method is: gRPC reads a unary request whole before its handler runs,
+    # a streaming one only when the handler asks, and this one never asks. So a refused call's message
+    # is never received (beyond HTTP/2's flow-control window), let alone parsed: 8 concurrent
+    # unauthenticated 24 MiB requests took the server from 117 to 855 MB while they were read first.
     if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(refuse)
-    return grpc.unary_unary_rpc_method_handler(refuse)
+        return grpc.stream_stream_rpc_method_handler(refuse)
+    return grpc.stream_unary_rpc_method_handler(refuse)
