@@ -7,6 +7,7 @@ import ctypes
 import ctypes.util
 import gc
 import logging
+import os
 import signal
 import sys
 
@@ -101,8 +102,17 @@ async def serve(settings: ServerSettings, model_dir) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
 
+    # SIGTERM during a load (a large model takes a while) stops the process then, not after the load.
+    loading = asyncio.ensure_future(dataplane.load())
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if not loading.done():
+        log.info("stopped while loading the model: nothing was served")
+        await server.stop(0)
+        raise LoadAbandoned
+    stopping.cancel()
     try:
-        session = await dataplane.load()
+        session = loading.result()
     except (ModelDirError, DeviceUnavailable, ValueError) as error:
         log.error("cannot serve: %s", error)
         await server.stop(0)
@@ -170,6 +180,10 @@ async def serve(settings: ServerSettings, model_dir) -> int:
     return 0
 
 
+class LoadAbandoned(Exception):
+    """SIGTERM or SIGINT came while the model was loading."""
+
+
 def run(settings: ServerSettings, model_dir) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(),
@@ -177,4 +191,10 @@ def run(settings: ServerSettings, model_dir) -> int:
         stream=sys.stderr,
     )
     tune_malloc()
-    return asyncio.run(serve(settings, model_dir))
+    try:
+        return asyncio.run(serve(settings, model_dir))
+    except LoadAbandoned:
+        # The load runs on in an inference thread (ONNX Runtime cannot be interrupted), and a normal exit
+        # would wait for it: leave now, as asked. Nothing was served, so nothing is lost.
+        logging.shutdown()
+        os._exit(0)

@@ -154,3 +154,29 @@ def test_default_limits_carry_the_largest_request_and_response(small_model_dir, 
             with pytest.raises(grpc.RpcError) as error:
                 pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(build_infer_request("mha", x), timeout=30)
             assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_sigterm_while_loading_stops_at_once(small_model_dir):
+    # It was ignored until the load ended (a large model takes seconds); 40000 warm-up runs take several here.
+    import socket
+
+    port = free_port()
+    process = ServerProcess(small_model_dir, "--warmup-runs", "40000", "--device", "cpu", port=port)
+    process.start(wait=False)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # the port is bound just before the load begins
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.02)
+        time.sleep(0.3)
+        assert "serving model=" not in process.log
+        sent = time.monotonic()
+        process.signal()
+        assert process.wait_exit(20) == 0
+        assert time.monotonic() - sent < 3, process.log
+        assert "stopped while loading the model" in process.log and "Traceback" not in process.log
+    finally:
+        process.stop()
