@@ -313,6 +313,12 @@ def refusal_cases(tmp_path):
         "not a readable PyTorch checkpoint (": (tmp_path / "text.pt", ["--heads", "4"]),
         "holds Python objects other than tensors": (write(tmp_path / "obj.pt", nn.Linear(2, 2)), ["--heads", "4"]),
         "no such file": (tmp_path / "absent.pt", ["--heads", "4"]),
+        # A crafted mhaserve file: its declared width is checked against the tensors before anything is built
+        # (a module of d_model 40000 would have allocated 25 GB first).
+        "'d_model' is 40000 but 'W_q.weight' has shape [32, 32]": (
+            write(tmp_path / "crafted.pt", {"d_model": 40000, "num_heads": 8, "state_dict": good}),
+            [],
+        ),
         "not a readable safetensors file": (tmp_path / "text.pt", ["--heads", "4"]),  # renamed below
     }
 
