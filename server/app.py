@@ -47,10 +47,33 @@ def tune_malloc() -> None:
         pass
 
 
+class BoundedHealthServicer(health.aio.HealthServicer):
+    """grpc.health.v1 with a cap on Watch streams open at once: each holds a task and its buffers for as
+    long as the client keeps it (4000 of them held 81 MiB), and health needs no token."""
+
+    def __init__(self, max_watchers: int):
+        super().__init__()
+        self._max_watchers = max_watchers
+        self._watchers = 0
+
+    async def Watch(self, request, context) -> None:
+        if self._watchers >= self._max_watchers:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self._watchers} health Watch streams are open, the limit max_health_watchers="
+                f"{self._max_watchers}; use Check, or retry later",
+            )
+        self._watchers += 1
+        try:
+            await super().Watch(request, context)
+        finally:
+            self._watchers -= 1
+
+
 async def serve(settings: ServerSettings, model_dir) -> int:
     """Run until SIGTERM or SIGINT; return the exit code."""
     dataplane = DataPlane(settings, model_dir)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = BoundedHealthServicer(settings.max_health_watchers)
     # The port is bound before the model loads (health says NOT_SERVING meanwhile), so the message
     # limit comes from the manifest's sizes rather than the session.
     try:

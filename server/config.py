@@ -53,6 +53,7 @@ class ServerSettings:
     keepalive_timeout_s: float = 10.0
     drain_seconds: float = 1.0  # SIGTERM: refuse new calls with a retryable status this long before closing
     grace_seconds: float = 10.0  # SIGTERM: how long in-flight requests may take to finish
+    max_health_watchers: int = 64  # grpc.health.v1 Watch streams open at once; beyond, RESOURCE_EXHAUSTED
     warmup_runs: int = 2  # model runs at each warm-up shape before reporting ready (0 = none)
     metrics_port: int = 8002  # Prometheus endpoint; 0 = any free port, -1 = none
     log_level: str = "INFO"
@@ -92,6 +93,8 @@ class ServerSettings:
         "drain_seconds": "on SIGTERM/SIGINT, keep the port open this long, refusing new calls with UNAVAILABLE "
         "(retryable), before closing it",
         "grace_seconds": "on SIGTERM/SIGINT, time for in-flight requests to finish",
+        "max_health_watchers": "health Watch streams open at once (health needs no token); beyond, "
+        "RESOURCE_EXHAUSTED (Check is not limited)",
         "warmup_runs": "model runs at each warm-up shape before reporting ready (0 = none)",
         "metrics_port": "Prometheus metrics port on the same host (0 = any free port, -1 = no endpoint)",
         "log_level": "DEBUG, INFO, WARNING or ERROR",
@@ -155,7 +158,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     if settings.device not in ("auto", "cpu", "cuda"):
         raise SystemExit(f"--device must be auto, cpu or cuda, got {settings.device!r}")
     for name in ("max_batch_size", "max_q_len", "max_kv_len", "inference_workers", "max_queue_size",
-                 "max_inflight_bytes"):  # fmt: skip
+                 "max_inflight_bytes", "max_health_watchers"):  # fmt: skip
         if getattr(settings, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be at least 1")
     if settings.drain_seconds < 0 or settings.grace_seconds < 0:

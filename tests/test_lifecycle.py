@@ -180,3 +180,27 @@ def test_sigterm_while_loading_stops_at_once(small_model_dir):
         assert "stopped while loading the model" in process.log and "Traceback" not in process.log
     finally:
         process.stop()
+
+
+def test_health_watch_streams_are_bounded_and_check_stays_open(small_model_dir):
+    # Open to anyone (health needs no token), Watch streams were unbounded: 4000 held 81 MiB.
+    async def scenario(url):
+        async with grpc.aio.insecure_channel(url) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            watches = [health.Watch(health_pb2.HealthCheckRequest()) for _ in range(3)]
+            for watch in watches:
+                assert (await watch.read()).status == SERVING
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await health.Watch(health_pb2.HealthCheckRequest()).read()
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "max_health_watchers=3" in refused.value.details()
+            assert (await health.Check(health_pb2.HealthCheckRequest(), timeout=5)).status == SERVING
+            watches[0].cancel()  # a closed stream frees its place
+            await asyncio.sleep(0.2)
+            again = health.Watch(health_pb2.HealthCheckRequest())
+            assert (await again.read()).status == SERVING
+            for watch in (*watches[1:], again):
+                watch.cancel()
+
+    with ServerProcess(small_model_dir, "--max-health-watchers", "3", "--warmup-runs", "0") as server:
+        asyncio.run(scenario(server.url))
