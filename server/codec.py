@@ -241,13 +241,17 @@ def _check_sequence(array, name, d_model, batch, length=None) -> tuple[int, int]
     return b, n
 
 
-def _check_finite(array: np.ndarray, name: str) -> None:
-    # Any NaN or Inf poisons a sum, which needs no temporary array; only a non-finite sum (a bad
-    # value, or finite values overflowing float32) pays for the exact count.
+def count_non_finite(array: np.ndarray) -> int:
+    """How many NaN or Inf ``array`` holds. Any poisons a sum, which needs no temporary array; only a
+    non-finite sum (a bad value, or finite values overflowing float32) pays for the exact count."""
     with np.errstate(over="ignore", invalid="ignore"):
         if np.isfinite(array.sum()):
-            return
-    bad = int(array.size - np.count_nonzero(np.isfinite(array)))
+            return 0
+    return int(array.size - np.count_nonzero(np.isfinite(array)))
+
+
+def _check_finite(array: np.ndarray, name: str) -> None:
+    bad = count_non_finite(array)
     if bad:
         raise invalid(f"input '{name}': {bad} non-finite values (NaN or Inf); expected finite FP32 values")
 
