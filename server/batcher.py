@@ -300,13 +300,9 @@ class Batcher:
         shapes = [(p.request.batch_size, p.request.query.shape[1], p.request.key.shape[1]) for p in batch]
         if len({shape[1:] for shape in shapes}) == 1:
             return [batch]  # one length: nothing to gain by splitting, and no plan to pay for
-        runs = plan_runs(shapes, self.run_cost)
-        if len(runs) == 1:
-            return [batch]
-        # Short runs first: the drain ends when its last run does whatever the order, and this order
+        # Cheapest run first: the drain ends when its last run does whatever the order, and this order
         # answers the most requests soonest.
-        runs.sort(key=lambda run: self.run_cost.seconds(*_padded_shape([shapes[i] for i in run])))
-        return [[batch[i] for i in sorted(run)] for run in runs]
+        return [[batch[i] for i in sorted(run)] for run in plan_runs(shapes, self.run_cost)]
 
     def _run_all(self, runs: list[list[_Pending]], loop: asyncio.AbstractEventLoop) -> None:
         """In a worker thread: the drain's runs one after another, each run's answers sent as it ends."""
@@ -363,8 +359,3 @@ class Batcher:
             if error is not None and not pending.future.done():
                 pending.future.set_exception(error)
         self._dispatch()
-
-
-def _padded_shape(shapes: list[tuple[int, int, int]]) -> tuple[int, int, int]:
-    """(rows, Lq, Lk) of one run of requests of these (rows, Lq, Lk): rows add up, lengths pad to the longest."""
-    return sum(s[0] for s in shapes), max(s[1] for s in shapes), max(s[2] for s in shapes)

@@ -78,7 +78,7 @@ class RunCost:
 
 
 def plan_runs(shapes: list[tuple[int, int, int]], cost: RunCost) -> list[list[int]]:
-    """Split requests of (rows, Lq, Lk) into runs whose summed estimated cost is least.
+    """Split requests of (rows, Lq, Lk) into runs whose summed estimated cost is least; cheapest run first.
 
     Requests sorted by length, each run a contiguous stretch of that order (one padded to its longest
     member); a dynamic programme over the cut points finds the cheapest split. Equal lengths cost most
@@ -96,8 +96,9 @@ def plan_runs(shapes: list[tuple[int, int, int]], cost: RunCost) -> list[list[in
             total = best[start] + cost.seconds(rows, q_len, kv_len)
             if total < best[end]:
                 best[end], start_of[end] = total, start
-    runs, end = [], len(order)
+    runs, end = [], len(order)  # (its cost, its indices), from the last cut back
     while end > 0:
-        runs.append(order[start_of[end] : end])
-        end = start_of[end]
-    return runs[::-1]
+        start = start_of[end]
+        runs.append((best[end] - best[start], order[start:end]))
+        end = start
+    return [run for _, run in sorted(runs, key=lambda priced: priced[0])]
