@@ -40,12 +40,14 @@ def read_manifest(model_dir: str | Path) -> dict:
     config = manifest.get("config")
     if not isinstance(config, dict):
         raise ModelDirError(f"{path}: 'config' is {config!r}, expected an object with d_model and num_heads")
-    d_model, num_heads = config.get("d_model"), config.get("num_heads")
-    for name, value, high in (("d_model", d_model, MAX_D_MODEL), ("num_heads", num_heads, MAX_D_MODEL)):
-        if type(value) is not int or not 1 <= value <= high:
-            raise ModelDirError(f"{path}: config '{name}' is {value!r}, expected an integer from 1 to {high}")
-    if d_model % num_heads:
-        raise ModelDirError(f"{path}: config d_model {d_model} is not divisible by num_heads {num_heads}")
+    for name in ("d_model", "num_heads"):
+        value = config.get(name)
+        if type(value) is not int or not 1 <= value <= MAX_D_MODEL:
+            raise ModelDirError(f"{path}: config '{name}' is {value!r}, expected an integer from 1 to {MAX_D_MODEL}")
+    if config["d_model"] % config["num_heads"]:
+        raise ModelDirError(
+            f"{path}: config d_model {config['d_model']} is not divisible by num_heads {config['num_heads']}"
+        )
     return manifest
 
 

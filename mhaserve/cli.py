@@ -49,7 +49,10 @@ def _run_export(args) -> int:
     else:
         if args.prefix is not None:
             raise UsageError("--prefix picks a layer of --weights; there is no --weights")
-        module = _seeded(seeded_module, args.d_model or DEFAULT_D_MODEL, args.heads or DEFAULT_NUM_HEADS, args.seed)
+        try:
+            module = seeded_module(args.d_model or DEFAULT_D_MODEL, args.heads or DEFAULT_NUM_HEADS, args.seed)
+        except ValueError as error:  # sizes that do not fit: the module's own message says how
+            raise UsageError(str(error)) from None
         source = {"kind": "seed", "seed": args.seed}
     print(
         f"exporting MHA d_model={module.d_model} heads={module.num_heads} to {args.out} "
@@ -71,13 +74,6 @@ def _run_export(args) -> int:
 
         print(f"wrote Triton model {write_triton_repo(args.out, args.triton_repo)}", file=sys.stderr)
     return 0 if manifest["valid"] else 1
-
-
-def _seeded(seeded_module, d_model: int, heads: int, seed: int):
-    try:
-        return seeded_module(d_model, heads, seed)
-    except ValueError as error:  # sizes that do not fit: the module's own message says how
-        raise UsageError(str(error)) from None
 
 
 def _add_validate(sub) -> None:
