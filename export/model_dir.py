@@ -28,7 +28,13 @@ from .manifest import (
     write_manifest,
 )
 from .onnx_export import DEFAULT_OPSET, check_onnx, export_onnx, save_onnx
-from .validate import STATUSES, TOLERANCE, TorchMultiheadAttentionReference, UserModuleReference, validate
+from .validate import (
+    TOLERANCE,
+    TorchMultiheadAttentionReference,
+    UserModuleReference,
+    status_counts,
+    validate,
+)
 
 _ONNX_DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.BOOL: "bool"}
 
@@ -95,7 +101,7 @@ def export_model_dir(
             "passed": passed,
             "tolerance_max_abs": TOLERANCE,
             "seed": validation_seed,
-            "counts": {status: sum(r.status == status for r in results) for status in STATUSES},
+            "counts": status_counts(results),
             "cases": [r.as_dict() for r in results],
         },
         "export_seconds": round(time.perf_counter() - started, 2),

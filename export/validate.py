@@ -246,6 +246,11 @@ def _rows_of(got: np.ndarray, want: np.ndarray, rows: np.ndarray) -> tuple[np.nd
     return got.transpose(0, 2, 1, 3)[rows], want.transpose(0, 2, 1, 3)[rows]
 
 
+def status_counts(results: list[CaseResult]) -> dict[str, int]:
+    """How many cases ended in each status (every status named, zeros included)."""
+    return {status: sum(r.status == status for r in results) for status in STATUSES}
+
+
 def format_row(index: int, total: int, result: CaseResult) -> str:
     c = result.case
     attn = (
@@ -282,7 +287,7 @@ def validate(
         result = run_case(reference, session, case, rng)
         results.append(result)
         report(format_row(index, len(cases), result))
-    counts = {status: sum(r.status == status for r in results) for status in (PASS, FAIL, UNDEFINED, SKIPPED)}
+    counts = status_counts(results)
     report(
         f"validation: {counts[PASS]} passed, {counts[FAIL]} failed, {counts[UNDEFINED]} undefined by the reference, "
         f"{counts[SKIPPED]} skipped (tolerance: max abs error <= {TOLERANCE:g})"
