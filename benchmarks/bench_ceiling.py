@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from bench_server import SHAPES, bytes_call, ort_session, record_answers, start_helper
 
-from mhaserve.export.manifest import MODEL_FILE
+from mhaserve.model_folder import MODEL_FILE
 
 CONCURRENCY = 16
 

@@ -1,7 +1,8 @@
-"""ONNX export and validation (torch). The torch-free manifest helpers live in export.manifest.
+"""ONNX export and validation (torch). The model folder's format, which the server reads too, is
+torch-free and lives in ``mhaserve.model_folder``.
 
 ``export_module`` is the public entry point for a user's own module; it is imported on first use so
-that the server, which reads ``mhaserve.export.manifest``, never imports torch.
+that importing the package (``mhaserve --help``) does not load torch.
 """
 
 __all__ = ["export_module"]

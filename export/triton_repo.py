@@ -16,9 +16,8 @@ from pathlib import Path
 
 from google.protobuf import text_format
 
+from mhaserve.model_folder import MODEL_FILE, ModelDirError, read_manifest
 from mhaserve.protos.generated import model_config_pb2 as mc
-
-from .manifest import MODEL_FILE, ModelDirError, read_manifest
 
 DEFAULT_MAX_BATCH_SIZE = 32
 

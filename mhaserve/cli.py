@@ -100,7 +100,7 @@ def default_model_dir() -> Path:
 
 def ensure_default_model() -> Path:
     """Export the default model once; later calls find it valid in the cache and return at once."""
-    from mhaserve.export.manifest import ModelDirError, check_model_file, read_manifest
+    from mhaserve.model_folder import ModelDirError, check_model_file, read_manifest
 
     model_dir = default_model_dir()
     try:
@@ -133,8 +133,9 @@ def _run_serve(args) -> int:
     from mhaserve.server.config import settings_from_args
 
     settings = settings_from_args(args)
-    model_dir = settings.model_dir or ensure_default_model()
-    return run(settings, model_dir)
+    if settings.model_repository:
+        return run(settings, None)
+    return run(settings, settings.model_dir or ensure_default_model())
 
 
 def _add_connection_arguments(p) -> None:

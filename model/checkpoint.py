@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from mhaserve.errors import UsageError
-from mhaserve.export.manifest import file_sha256
+from mhaserve.model_folder import file_sha256
 
 from .mha import MultiHeadAttention
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
 import gc
 import logging
 import os
@@ -15,36 +13,19 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from mhaserve.export.manifest import ModelDirError, read_manifest
+from mhaserve.model_folder import ModelDirError
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 
 from .config import ServerSettings
 from .dataplane import DataPlane
 from .grpc_servicer import InferenceServicer, add_inference_service
+from .malloc import tune_malloc
 from .security import BearerTokenInterceptor, SecurityConfigError, load_token, server_credentials
 from .session import DeviceUnavailable
 
 log = logging.getLogger("mhaserve.server")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
-
-
-def tune_malloc() -> None:
-    """Keep large response buffers in the heap instead of fresh mmap()s.
-
-    Serialising an 8 MiB response measured about 15 ms with glibc's defaults (each buffer a new
-    mmap, page-faulted and zeroed) and about 1.5 ms with these thresholds raised.
-    """
-    libc_name = ctypes.util.find_library("c")
-    if not libc_name or not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(libc_name)
-        m_trim_threshold, m_mmap_threshold = -1, -3
-        libc.mallopt(m_mmap_threshold, 32 << 20)  # glibc's maximum for this threshold
-        libc.mallopt(m_trim_threshold, 256 << 20)
-    except (OSError, AttributeError):  # not glibc: leave the allocator alone
-        pass
 
 
 class BoundedHealthServicer(health.aio.HealthServicer):
@@ -74,14 +55,20 @@ async def serve(settings: ServerSettings, model_dir) -> int:
     """Run until SIGTERM or SIGINT; return the exit code."""
     dataplane = DataPlane(settings, model_dir)
     health_servicer = BoundedHealthServicer(settings.max_health_watchers)
-    # The port is bound before the model loads (health says NOT_SERVING meanwhile), so the message
-    # limit comes from the manifest's sizes rather than the session.
+    # The port is bound before the models load (health says NOT_SERVING meanwhile), so the message limits
+    # come from the manifests' sizes rather than the sessions: the largest of what start-up may serve.
     try:
-        config = read_manifest(model_dir)["config"]
+        configs = dataplane.model_configs()
     except ModelDirError as error:
         log.error("cannot serve: %s", error)
         return 3
-    receive_limit, send_limit = settings.message_limits(config["d_model"], config["num_heads"])
+    if settings.model_repository and not settings.model_repository.is_dir():
+        log.error("cannot serve: --model-repository %s is not a folder", settings.model_repository)
+        return 3
+    limits = [settings.message_limits(c["d_model"], c["num_heads"]) for c in configs]
+    limits = limits or [settings.message_limits(512, 8)]  # an empty repository: models added later
+    receive_limit, send_limit = max(r for r, _ in limits), max(s for _, s in limits)
+    dataplane.message_limits = (receive_limit, send_limit)
     try:
         credentials = server_credentials(settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file)
         token = load_token(settings.auth_token_file)
@@ -126,7 +113,7 @@ async def serve(settings: ServerSettings, model_dir) -> int:
         loop.add_signal_handler(signum, stop.set)
 
     # SIGTERM during a load (a large model takes a while) stops the process then, not after the load.
-    loading = asyncio.ensure_future(dataplane.load())
+    loading = asyncio.ensure_future(dataplane.start())
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
     if not loading.done():
@@ -135,7 +122,7 @@ async def serve(settings: ServerSettings, model_dir) -> int:
         raise LoadAbandoned
     stopping.cancel()
     try:
-        session = loading.result()
+        loading.result()
     except (ModelDirError, DeviceUnavailable, ValueError) as error:
         log.error("cannot serve: %s", error)
         await server.stop(0)
@@ -146,25 +133,32 @@ async def serve(settings: ServerSettings, model_dir) -> int:
         log.error("could not start the metrics endpoint on %s:%s: %s", settings.host, settings.metrics_port, error)
         await server.stop(0)
         return 2
-    # What start-up made (modules, the session, gRPC: 40k objects) lives as long as the process. Frozen, a
+    # What start-up made (modules, the sessions, gRPC: 40k objects) lives as long as the process. Frozen, a
     # full collection, when one comes under load, no longer walks it: 18 ms with the model loaded, 0.001 ms
     # frozen (measured). Refcounting still frees what start-up drops later.
     gc.collect()
     gc.freeze()
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    info = session.info
+    polling = None
+    if settings.model_repository and settings.model_control_mode == "poll":
+        polling = asyncio.create_task(dataplane.poll_repository())
+    served = dataplane.registry.served_models()
     log.info(
-        "serving model=%s d_model=%d heads=%d opset=%s provider=%s intra_op_threads=%d workers=%d "
+        "serving %s repository=%s control=%s provider=%s intra_op_threads=%d workers=%d "
         "batching=%s max_batch_size=%d max_queue_delay_us=%d max_queue_size=%d max_receive_bytes=%d max_send_bytes=%d "
         "max_inflight_bytes=%d "
         "tls=%s auth=%s metrics=%s address=%s:%d",
-        info.name,
-        info.d_model,
-        info.num_heads,
-        info.opset,
-        session.provider,
-        session.intra_op_threads,
+        "; ".join(
+            f"model={m.signature.name} version={m.signature.version} d_model={m.signature.d_model} "
+            f"heads={m.signature.num_heads} opset={m.session.info.opset}"
+            for m in served
+        )
+        or "model=none",
+        settings.model_repository or "off",
+        settings.model_control_mode if settings.model_repository else "none",
+        served[0].session.provider if served else "-",
+        served[0].session.intra_op_threads if served else settings.intra_op_threads,
         settings.inference_workers,
         "on" if settings.dynamic_batching else "off",
         settings.max_batch_size,
@@ -183,6 +177,8 @@ async def serve(settings: ServerSettings, model_dir) -> int:
     stop_task = asyncio.create_task(stop.wait())
     done_task = asyncio.create_task(server.wait_for_termination())
     await asyncio.wait({stop_task, done_task}, return_when=asyncio.FIRST_COMPLETED)
+    if polling is not None:
+        polling.cancel()
     if stop.is_set():
         log.info(
             "shutting down: NOT_SERVING, refusing new requests, %.1f s for in-flight ones",

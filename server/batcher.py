@@ -31,19 +31,19 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
-import grpc
 import numpy as np
 
 from mhaserve.signature import ATTN_WEIGHTS, ATTN_WEIGHTS_MEAN, OUTPUT, graph_outputs_for
 
-from .codec import AttentionRequest, RequestError, count_non_finite
+from .codec import AttentionRequest, count_non_finite
+from .errors import ErrorKind, RequestError
 from .run_cost import RunCost, plan_runs
 
 
 class QueueFull(RequestError):
     def __init__(self, limit: int):
         super().__init__(
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            ErrorKind.RESOURCE_EXHAUSTED,
             f"the request queue is full ({limit} requests waiting, limit max_queue_size={limit}); retry later",
         )
 
@@ -51,7 +51,7 @@ class QueueFull(RequestError):
 class ComputationOverflowed(RequestError):
     def __init__(self, name: str, count: int):
         super().__init__(
-            grpc.StatusCode.INVALID_ARGUMENT,
+            ErrorKind.INVALID_ARGUMENT,
             f"the computation overflowed float32: output '{name}' has {count} non-finite values (NaN or Inf); "
             "inputs of this magnitude cannot be attended over in float32",
         )
@@ -69,7 +69,7 @@ def overflow_error(answer: dict[str, np.ndarray]) -> ComputationOverflowed | Non
 class DeadlineExpiredInQueue(RequestError):
     def __init__(self, waited_s: float):
         super().__init__(
-            grpc.StatusCode.DEADLINE_EXCEEDED,
+            ErrorKind.DEADLINE_EXCEEDED,
             f"the deadline passed after {waited_s * 1000:.1f} ms in the queue; the request was not computed",
         )
 

@@ -10,11 +10,12 @@ import functools
 import math
 from dataclasses import dataclass
 
-import grpc
 import numpy as np
 
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.signature import DEFAULT_OUTPUT_NAMES, INPUT_NAMES, OUTPUT_NAMES
+
+from .errors import ErrorKind, RequestError, invalid
 
 # Protocol datatype <-> numpy, and the typed `contents` field that carries each.
 DATATYPES = {
@@ -28,19 +29,6 @@ DATATYPES = {
 }
 NUMPY_TO_DATATYPE = {dtype: name for name, (dtype, _) in DATATYPES.items()}
 MASK_DATATYPES = ("BOOL", "UINT8", "INT8", "INT32", "INT64")
-
-
-class RequestError(Exception):
-    """A request this server refuses; ``code`` is the gRPC status it gets."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-def invalid(message: str) -> RequestError:
-    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
 @dataclass(frozen=True)
@@ -137,20 +125,9 @@ def _check_typed_contents_field(tensor) -> None:
             )
 
 
-def check_model(name: str, version: str, model: ModelSignature) -> None:
-    """NOT_FOUND unless ``name`` is the served model and ``version`` is empty or its version."""
-    if name != model.name:
-        raise RequestError(grpc.StatusCode.NOT_FOUND, f"unknown model '{name}'; this server serves '{model.name}'")
-    if version not in ("", model.version):
-        raise RequestError(
-            grpc.StatusCode.NOT_FOUND,
-            f"model '{model.name}' has no version '{version}'; available: '{model.version}'",
-        )
-
-
 def decode_infer_request(request: pb.ModelInferRequest, model: ModelSignature, limits: Limits) -> AttentionRequest:
-    """Validate ``request`` against the model and the limits; raise RequestError on the first problem."""
-    check_model(request.model_name, request.model_version, model)
+    """Validate ``request`` against the model it was resolved to and the limits; raise RequestError on the
+    first problem."""
 
     raw_contents = request.raw_input_contents
     if raw_contents and len(raw_contents) != len(request.inputs):
@@ -195,17 +172,17 @@ def decode_infer_request(request: pb.ModelInferRequest, model: ModelSignature, l
 
     if batch > limits.max_batch_size:
         raise RequestError(
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            ErrorKind.RESOURCE_EXHAUSTED,
             f"input 'query': batch {batch} exceeds the limit max_batch_size={limits.max_batch_size}",
         )
     if q_len > limits.max_q_len:
         raise RequestError(
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            ErrorKind.RESOURCE_EXHAUSTED,
             f"input 'query': q_len {q_len} exceeds the limit max_q_len={limits.max_q_len}",
         )
     if kv_len > limits.max_kv_len:
         raise RequestError(
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            ErrorKind.RESOURCE_EXHAUSTED,
             f"input 'key': kv_len {kv_len} exceeds the limit max_kv_len={limits.max_kv_len}",
         )
     checked = []

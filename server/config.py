@@ -10,6 +10,9 @@ import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from mhaserve.errors import UsageError
+from mhaserve.repository import VersionPolicy
+
 ENV_PREFIX = "MHASERVE_"
 
 
@@ -19,6 +22,12 @@ GRPC_MAX_MESSAGE_BYTES = 2**31 - 1
 @dataclass
 class ServerSettings:
     model_dir: Path | None = None  # None: the embedded default model, exported once into the cache
+    # DIR/<model>/<version>/ folders written by 'mhaserve export --repository DIR --name NAME'
+    model_repository: Path | None = None
+    model_control_mode: str = "none"  # none | poll | explicit, as Triton names them
+    repository_poll_secs: float = 15.0  # poll mode: how often the repository is rescanned
+    load_model: tuple[str, ...] = ()  # explicit mode: models loaded at start ('*': all)
+    version_policy: str = "latest:1"  # latest[:N] | all | specific:V[,V...]
     host: str = "127.0.0.1"
     port: int = 8001  # 0 picks a free port; the start-up line names it
     device: str = "auto"  # auto | cpu | cuda
@@ -60,6 +69,15 @@ class ServerSettings:
 
     HELP = {
         "model_dir": "model folder written by 'mhaserve export' (default: the embedded default model)",
+        "model_repository": "serve a model repository instead: DIR/<model>/<version>/ folders written by "
+        "'mhaserve export --repository DIR --name NAME'",
+        "model_control_mode": "none: load the repository at start; poll: also rescan it every "
+        "--repository-poll-secs (new versions load, removed ones unload); explicit: load only --load-model "
+        "at start, then what RepositoryModelLoad/Unload ask for",
+        "repository_poll_secs": "poll mode: seconds between rescans of the repository",
+        "load_model": "explicit mode: a model to load at start (repeat it, or comma-separate; '*' = all)",
+        "version_policy": "which versions of each model serve: latest (latest:N for the newest N), all, or "
+        "specific:V[,V...]",
         "host": "address to listen on",
         "port": "gRPC port (0 = any free port)",
         "device": "auto: CUDA when really usable, else CPU with a warning; cuda: refuse to start without it",
@@ -128,7 +146,13 @@ def _optional_path(text: str) -> Path | None:
     return Path(text) if text else None  # empty (an unset compose variable): not given
 
 
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
 def _converter(field_type):
+    if field_type.startswith("tuple"):
+        return _names
     return {"int": int, "float": float, "bool": _parse_bool, "str": str}.get(field_type, _optional_path)
 
 
@@ -144,29 +168,54 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                 default = convert(os.environ[env])
             except (ValueError, argparse.ArgumentTypeError) as exc:
                 parser.error(f"{env}={os.environ[env]!r}: {exc}")
+        repeated = convert is _names  # --load-model a --load-model b,c
         parser.add_argument(
             "--" + f.name.replace("_", "-"),
             dest=f.name,
             type=convert,
-            default=default,
-            help=f"{ServerSettings.HELP[f.name]} [env {env}; default {getattr(defaults, f.name)}]",
+            default=None if repeated else default,
+            action="append" if repeated else "store",
+            help=f"{ServerSettings.HELP[f.name]} [env {env}; default {getattr(defaults, f.name) or 'none'}]",
         )
+        if repeated:
+            parser.set_defaults(**{f.name + "_default": default})
+
+
+def _value(args: argparse.Namespace, name: str):
+    value = getattr(args, name)
+    if hasattr(args, name + "_default"):  # a repeated flag: its values joined, else the env/default
+        return tuple(n for names in value for n in names) if value else getattr(args, name + "_default")
+    return value
 
 
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
-    settings = ServerSettings(**{f.name: getattr(args, f.name) for f in fields(ServerSettings)})
+    settings = ServerSettings(**{f.name: _value(args, f.name) for f in fields(ServerSettings)})
     if settings.device not in ("auto", "cpu", "cuda"):
-        raise SystemExit(f"--device must be auto, cpu or cuda, got {settings.device!r}")
+        raise UsageError(f"--device must be auto, cpu or cuda, got {settings.device!r}")
     for name in ("max_batch_size", "max_q_len", "max_kv_len", "inference_workers", "max_queue_size",
                  "max_inflight_bytes", "max_health_watchers"):  # fmt: skip
         if getattr(settings, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be at least 1")
+            raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
     if settings.drain_seconds < 0 or settings.grace_seconds < 0:
-        raise SystemExit("--drain-seconds and --grace-seconds must be 0 or more")
+        raise UsageError("--drain-seconds and --grace-seconds must be 0 or more")
     if settings.keepalive_time_s <= 0 or settings.keepalive_timeout_s <= 0:
-        raise SystemExit("--keepalive-time-s and --keepalive-timeout-s must be more than 0")
+        raise UsageError("--keepalive-time-s and --keepalive-timeout-s must be more than 0")
     if not 0 <= settings.inference_nice <= 19:
-        raise SystemExit("--inference-nice must be between 0 and 19 (a thread may lower its priority, not raise it)")
+        raise UsageError("--inference-nice must be between 0 and 19 (a thread may lower its priority, not raise it)")
     if settings.max_queue_delay_us < 0:
-        raise SystemExit("--max-queue-delay-us must be 0 or more")
+        raise UsageError("--max-queue-delay-us must be 0 or more")
+    if settings.model_control_mode not in ("none", "poll", "explicit"):
+        raise UsageError(f"--model-control-mode must be none, poll or explicit, got {settings.model_control_mode!r}")
+    if settings.model_dir and settings.model_repository:
+        raise UsageError("give --model-dir or --model-repository, not both")
+    if not settings.model_repository and (settings.model_control_mode != "none" or settings.load_model):
+        raise UsageError("--model-control-mode and --load-model need --model-repository")
+    if settings.load_model and settings.model_control_mode != "explicit":
+        raise UsageError("--load-model needs --model-control-mode explicit (the other modes load every model)")
+    if settings.repository_poll_secs <= 0:
+        raise UsageError("--repository-poll-secs must be more than 0")
+    try:
+        VersionPolicy.parse(settings.version_policy)
+    except ValueError as error:
+        raise UsageError(f"--version-policy: {error}") from None
     return settings

@@ -1,6 +1,9 @@
-"""The data plane: model state (loading, ready), batched inference off the event loop, statistics and metrics.
+"""The data plane: what every transport shares. Served versions (the registry), loading them, batched
+inference off the event loop, the memory budget, and each request's bookkeeping (timing, in-flight
+counts, its final status in statistics and metrics).
 
-Plain Python and numpy: the gRPC layer decodes requests before they get here and encodes after.
+Plain Python and numpy: a transport decodes requests with the functions it hands to
+``serve_inference`` and maps the ``RequestError`` kinds to its own statuses.
 """
 
 from __future__ import annotations
@@ -12,112 +15,41 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from pathlib import Path
 
-import grpc
 import numpy as np
 
+from mhaserve.model_folder import ModelDirError, read_manifest
+from mhaserve.repository import ModelRepository, VersionPolicy
 from mhaserve.signature import ATTN_WEIGHTS, ATTN_WEIGHTS_MEAN, GRAPH_OUTPUT_NAMES
 
 from .batcher import Batcher, BatchResult
-from .codec import AttentionRequest, Limits, ModelSignature, RequestError
+from .codec import AttentionRequest, Limits, ModelSignature
 from .config import ServerSettings
+from .errors import ErrorKind, RequestError
+from .malloc import release_free_memory
 from .metrics import Metrics
+from .registry import ModelRegistry, ServedModel
 from .run_cost import RunCost
 from .session import AttentionSession
+from .statistics import ModelStatistics, RequestTiming
 
 log = logging.getLogger("mhaserve.server")
-
-MODEL_VERSION = "1"
-
-
-@dataclass
-class Duration:
-    count: int = 0
-    ns: int = 0
-
-    def add(self, ns: int, count: int = 1) -> None:
-        self.count += count
-        self.ns += ns
-
-
-@dataclass
-class BatchStatistics:
-    compute_input: Duration = field(default_factory=Duration)
-    compute_infer: Duration = field(default_factory=Duration)
-    compute_output: Duration = field(default_factory=Duration)
-
-
-@dataclass
-class ModelStatistics:
-    """Counters in the shape of Triton's statistics extension (durations in nanoseconds)."""
-
-    success: Duration = field(default_factory=Duration)
-    fail: Duration = field(default_factory=Duration)
-    queue: Duration = field(default_factory=Duration)
-    compute_input: Duration = field(default_factory=Duration)  # decoding and validating the request
-    compute_infer: Duration = field(default_factory=Duration)
-    compute_output: Duration = field(default_factory=Duration)  # encoding the response
-    inference_count: int = 0  # rows (batch elements) inferred
-    execution_count: int = 0  # model runs; fewer than requests when batching merges them
-    last_inference_ms: int = 0
-    batch_sizes: dict[int, BatchStatistics] = field(default_factory=dict)  # per rows in one run
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def record_success(self, rows: int, timing: RequestTiming) -> None:
-        with self.lock:
-            self.success.add(timing.total_ns)
-            self.queue.add(timing.queue_ns)
-            self.compute_input.add(timing.input_ns)
-            self.compute_infer.add(timing.infer_ns)
-            self.compute_output.add(timing.output_ns)
-            self.inference_count += rows
-            self.last_inference_ms = int(time.time() * 1000)
-
-    def record_execution(self, run: BatchResult) -> None:
-        with self.lock:
-            self.execution_count += 1
-            per_batch = self.batch_sizes.setdefault(run.batch_size, BatchStatistics())
-            per_batch.compute_input.add(run.merge_ns)
-            per_batch.compute_infer.add(run.model_ns)
-            per_batch.compute_output.add(run.split_ns)
-
-    def record_failure(self, ns: int) -> None:
-        with self.lock:
-            self.fail.add(ns)
-
-
-@dataclass
-class RequestTiming:
-    """Where one request's time went, in nanoseconds."""
-
-    input_ns: int = 0
-    queue_ns: int = 0
-    infer_ns: int = 0
-    output_ns: int = 0
-
-    @property
-    def total_ns(self) -> int:
-        return self.input_ns + self.queue_ns + self.infer_ns + self.output_ns
-
-
-class ModelNotReady(RequestError):
-    def __init__(self, name: str):
-        super().__init__(grpc.StatusCode.UNAVAILABLE, f"model '{name}' is not ready (loading or shutting down)")
 
 
 class ShuttingDown(RequestError):
     def __init__(self):
         super().__init__(
-            grpc.StatusCode.UNAVAILABLE, "the server is shutting down and takes no new requests; retry elsewhere"
+            ErrorKind.UNAVAILABLE, "the server is shutting down and takes no new requests; retry elsewhere"
         )
 
 
 class InflightBytesExceeded(RequestError):
     def __init__(self, held: int, needed: int, limit: int):
         super().__init__(
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            ErrorKind.RESOURCE_EXHAUSTED,
             f"this request needs {needed} bytes (inputs + outputs) while requests in flight hold {held}; "
             f"together over the limit max_inflight_bytes={limit}; retry later",
         )
@@ -148,18 +80,17 @@ def lower_thread_priority(nice: int) -> None:
 
 
 class DataPlane:
-    def __init__(self, settings: ServerSettings, model_dir):
+    def __init__(self, settings: ServerSettings, model_dir: Path | None = None):
         self.settings = settings
-        self.model_dir = model_dir
-        self.session: AttentionSession | None = None
-        self.signature: ModelSignature | None = None
         self.limits = Limits(settings.max_batch_size, settings.max_q_len, settings.max_kv_len)
-        self.stats = ModelStatistics()
-        self.metrics: Metrics | None = None
-        self.ready = False  # loaded and warmed: requests are served
+        self.metrics = Metrics(lambda: self.inflight_bytes)
+        self.message_limits: tuple[int, int] | None = None  # (receive, send) the transport bound with
+        self.started = False  # the models of start-up are loaded (or failed): ServerReady may say yes
         self.draining = False  # shutting down: in-flight requests finish, ready RPCs say no
+        # One budget and one set of inference workers for every served version: the memory and the cores
+        # are the process's, however many models share them.
         self.inflight_bytes = 0  # footprint_bytes of the requests queued or running (event loop only)
-        self.requests_in_flight = 0  # inference calls inside the handler (event loop only)
+        self.requests_in_flight = 0  # inference calls inside a handler (event loop only)
         self.outcomes: Counter[str] = Counter()  # inference calls by final status since start
         self._executor = ThreadPoolExecutor(
             settings.inference_workers,
@@ -167,31 +98,140 @@ class DataPlane:
             initializer=lower_thread_priority,
             initargs=(settings.inference_nice,),
         )
-        self.batcher = Batcher(
-            self._run_model,
-            self._executor,
-            workers=settings.inference_workers,
-            max_batch_size=settings.max_batch_size,
-            max_queue_size=settings.max_queue_size,
-            max_queue_delay_s=settings.max_queue_delay_us / 1e6,
-            enabled=settings.dynamic_batching,
-            on_batch=self._on_batch,
+        # Loads get their own thread, so that a version loaded under load does not hold the inference
+        # workers for its seconds of session creation and warm-up (at the same lowered priority).
+        self._loader = ThreadPoolExecutor(
+            1,
+            thread_name_prefix="mhaserve-load",
+            initializer=lower_thread_priority,
+            initargs=(settings.inference_nice,),
+        )
+        repository = ModelRepository(settings.model_repository) if settings.model_repository else None
+        self.registry = ModelRegistry(
+            self._load_version,
+            self._unload_version,
+            repository=repository,
+            single_folder=None if repository else Path(model_dir),
+            policy=VersionPolicy.parse(settings.version_policy),
         )
 
-    async def load(self) -> AttentionSession:
-        """Create the session and warm it up."""
-        # On an inference thread, so that ONNX Runtime's own threads inherit its lower priority.
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self._load)
+    # -- start-up and the model control modes ----------------------------------------------------------
 
-    def _load(self) -> AttentionSession:
-        session = AttentionSession(self.model_dir, self.settings.device, self.settings.intra_op_threads)
+    def model_configs(self) -> list[dict]:
+        """The configs (d_model, num_heads) of what start-up may serve, read before anything loads."""
+        if self.registry.repository is None:
+            return [read_manifest(self.registry.single_folder)["config"]]
+        configs = []
+        repository = self.registry.repository
+        for name in repository.model_names():
+            for number in repository.versions(name):
+                try:
+                    configs.append(read_manifest(repository.version_dir(name, number))["config"])
+                except (ModelDirError, ValueError):
+                    pass  # reported when it is loaded
+        return configs
+
+    async def start(self) -> None:
+        """Load what the control mode loads at start-up. A single folder that cannot load is an error; in a
+        repository a broken version is reported in the index and the rest serve."""
+        if self.registry.repository is None:
+            await self.registry.load_single_folder()
+        elif self.settings.model_control_mode == "explicit":
+            names = self.settings.load_model
+            for name in self.registry.repository.model_names() if "*" in names else names:
+                try:
+                    for failure in await self.registry.load_model(name):
+                        log.warning("model '%s' %s", name, failure)
+                except RequestError as error:
+                    log.warning("--load-model %s: %s", name, error.message)
+        else:
+            await self.registry.poll()
+        self.started = True
+
+    async def poll_repository(self) -> None:
+        """Poll mode: rescan the repository every repository_poll_secs until cancelled."""
+        while True:
+            await asyncio.sleep(self.settings.repository_poll_secs)
+            if self.draining:
+                return
+            try:
+                await self.registry.poll()
+            except Exception:  # a bad scan (a folder vanishing mid-read) must not end polling
+                log.exception("polling the model repository failed; trying again next time")
+
+    def check_control_allowed(self, action: str) -> None:
+        if self.draining:
+            raise ShuttingDown()
+        if self.registry.repository is not None and self.settings.model_control_mode == "explicit":
+            return
+        mode = self.settings.model_control_mode if self.registry.repository is not None else "none (one folder)"
+        raise RequestError(
+            ErrorKind.FAILED_PRECONDITION,
+            f"cannot {action}: explicit model load and unload need --model-control-mode explicit and a "
+            f"--model-repository; this server's mode is {mode}",
+        )
+
+    async def load_model(self, name: str) -> None:
+        """RepositoryModelLoad: refused, with every failed version's reason, unless the model serves after it."""
+        self.check_control_allowed(f"load model '{name}'")
+        failures = await self.registry.load_model(name)
+        if failures:
+            serving = self.registry.ready_versions(name)
+            now = f"serving version(s) {', '.join(map(str, serving))} unchanged" if serving else "nothing serves"
+            raise RequestError(
+                ErrorKind.FAILED_PRECONDITION, f"model '{name}' not loaded: {'; '.join(failures)}; {now}"
+            )
+
+    async def unload_model(self, name: str) -> None:
+        self.check_control_allowed(f"unload model '{name}'")
+        await self.registry.unload_model(name)
+
+    # -- one version's life ------------------------------------------------------------------------------
+
+    async def _load_version(self, name: str, number: int, folder: Path) -> ServedModel:
+        loop = asyncio.get_running_loop()
+        session, run_cost = await loop.run_in_executor(self._loader, self._open_session, folder)
+        version = str(number)
+        stats = ModelStatistics()
+        batcher: Batcher | None = None
+        model_metrics = self.metrics.for_model(name, version, lambda: batcher.queue_depth if batcher else 0)
+
+        def on_batch(run: BatchResult) -> None:
+            stats.record_execution(run)
+            model_metrics.batch_done(run.batch_size, run.padding_ratio)
+
+        batcher = Batcher(
+            session.run,
+            self._executor,
+            workers=self.settings.inference_workers,
+            max_batch_size=self.settings.max_batch_size,
+            max_queue_size=self.settings.max_queue_size,
+            max_queue_delay_s=self.settings.max_queue_delay_us / 1e6,
+            enabled=self.settings.dynamic_batching,
+            on_batch=on_batch,
+            run_cost=run_cost,
+        )
+        signature = ModelSignature(name, version, session.info.d_model, session.info.num_heads)
+        needed = self.settings.message_limits(signature.d_model, signature.num_heads)
+        if self.message_limits and any(n > bound for n, bound in zip(needed, self.message_limits, strict=True)):
+            log.warning(
+                "model '%s' version %s (d_model %d) allows requests/responses of %d/%d bytes, over the message "
+                "limits bound at start (%d/%d): its largest calls will be refused; restart, or set --max-message-bytes",
+                name, version, signature.d_model, *needed, *self.message_limits,
+            )  # fmt: skip
+        log.info(
+            "loaded model=%s version=%s d_model=%d heads=%d opset=%s provider=%s from %s",
+            name, version, signature.d_model, signature.num_heads, session.info.opset, session.provider, folder,
+        )  # fmt: skip
+        return ServedModel(signature, folder, session, batcher, model_metrics, stats)
+
+    def _open_session(self, folder: Path) -> tuple[AttentionSession, RunCost | None]:
+        session = AttentionSession(folder, self.settings.device, self.settings.intra_op_threads)
         session.warm_up(self.settings.warmup_runs)
+        run_cost = None
         if self.settings.dynamic_batching and self.settings.length_aware_batching:
-            self.batcher.run_cost = self._fit_run_cost(session)
-        self.session = session
-        self.signature = ModelSignature(session.info.name, MODEL_VERSION, session.info.d_model, session.info.num_heads)
-        self.ready = True
-        return session
+            run_cost = self._fit_run_cost(session)
+        return session, run_cost
 
     def _fit_run_cost(self, session: AttentionSession) -> RunCost:
         d_model = session.info.d_model
@@ -211,69 +251,124 @@ class DataPlane:
         )
         return cost
 
-    def start_metrics(self) -> int:
-        """The Prometheus endpoint on its own port (after load: labels name the model); returns the port."""
-        self.metrics = Metrics(
-            self.signature.name, self.signature.version, lambda: self.batcher.queue_depth, lambda: self.inflight_bytes
-        )
-        return self.metrics.serve(self.settings.host, self.settings.metrics_port)
+    async def _unload_version(self, served: ServedModel) -> None:
+        signature = served.signature
+        self.metrics.forget(signature.name, signature.version)
+        # The registry drops its last reference after this returns; the session (its weights and
+        # ONNX Runtime's arena) is freed with it, and the allocator is then asked to give the pages back.
+        served.session = None
+        served.batcher = None
+        loop = asyncio.get_running_loop()
+        loop.call_soon(lambda: loop.run_in_executor(self._loader, release_free_memory))
+
+    # -- requests ----------------------------------------------------------------------------------------
 
     @property
     def reports_ready(self) -> bool:
-        """What ServerReady, ModelReady and health say: loaded, warmed and not draining."""
-        return self.ready and not self.draining
+        """What ServerReady and health say: start-up's models loaded and not draining."""
+        return self.started and not self.draining
 
-    def require_ready(self) -> ModelSignature:
+    def resolve(self, name: str, version: str) -> ServedModel:
+        """The served version a request names (RequestError: unknown, loading, unloading, shutting down)."""
         if self.draining:
             raise ShuttingDown()
-        if not self.ready or self.signature is None:
-            raise ModelNotReady(self.signature.name if self.signature else "model")
-        return self.signature
+        return self.registry.resolve(name, version)
 
-    async def infer(self, request: AttentionRequest, timing: RequestTiming, timeout_s: float | None = None):
+    def model_ready(self, name: str, version: str) -> bool:
+        """ModelReady: the version exists (NOT_FOUND otherwise) and serves now."""
+        try:
+            self.registry.resolve(name, version)
+        except RequestError as error:
+            if error.kind == ErrorKind.NOT_FOUND:
+                raise
+            return False
+        return not self.draining
+
+    async def serve_inference(
+        self,
+        name: str,
+        version: str,
+        decode: Callable[[ModelSignature, Limits], AttentionRequest],
+        encode: Callable[[AttentionRequest, ModelSignature, dict], bytes],
+        timeout_s: float | None = None,
+    ) -> bytes:
+        """One inference call as every transport makes it: resolve, decode, infer, encode, and record its
+        fate (timing, statistics, metrics, the stop line's counts) whatever it is."""
+        started = time.perf_counter_ns()
+        timing = RequestTiming()
+        rows = 0
+        status = "UNKNOWN"
+        served: ServedModel | None = None
+        self.requests_in_flight += 1
+        try:
+            served = self.resolve(name, version)
+            served.enter()  # from here the version is not unloaded under this request
+            request = decode(served.signature, self.limits)
+            rows = request.batch_size
+            timing.input_ns = time.perf_counter_ns() - started
+            outputs = await self.infer(served, request, timing, timeout_s)
+            encode_started = time.perf_counter_ns()
+            response = encode(request, served.signature, outputs)
+            timing.output_ns = time.perf_counter_ns() - encode_started
+            status = "OK"
+            return response
+        except RequestError as error:
+            status = error.kind.name
+            raise
+        except asyncio.CancelledError:
+            status = "CANCELLED"  # the client went away or its deadline passed
+            raise
+        except Exception:
+            status = ErrorKind.INTERNAL.name  # a bug or a runtime failure; the transport says which
+            raise
+        finally:
+            self.requests_in_flight -= 1
+            if status != "OK":
+                timing.input_ns = time.perf_counter_ns() - started - timing.queue_ns - timing.infer_ns
+            self.record(served, status, rows, timing)
+            if served is not None:
+                served.leave()
+
+    async def infer(self, served: ServedModel, request: AttentionRequest, timing: RequestTiming, timeout_s=None):
         """The request's outputs, computed in a (possibly merged) run; fills ``timing``'s queue and infer times.
 
         Refuses at once (RESOURCE_EXHAUSTED) when the request would take the memory held by requests in
-        flight over ``max_inflight_bytes``, or when the queue is full.
+        flight, of every model, over ``max_inflight_bytes``, or when this version's queue is full.
         """
-        signature = self.require_ready()
-        needed = footprint_bytes(request, signature.num_heads)
+        needed = footprint_bytes(request, served.signature.num_heads)
         limit = self.settings.max_inflight_bytes
         if self.inflight_bytes + needed > limit:
             raise InflightBytesExceeded(self.inflight_bytes, needed, limit)
         self.inflight_bytes += needed
         try:
-            answer = await self.batcher.submit(request, timeout_s)
+            answer = await served.batcher.submit(request, timeout_s)
         finally:
             self.inflight_bytes -= needed
         timing.queue_ns, timing.infer_ns = answer.queue_ns, answer.infer_ns
         return answer.outputs
 
-    def record(self, status: str, rows: int, timing: RequestTiming) -> None:
-        """One request's fate, for the statistics RPC, the metrics endpoint and the stop line."""
+    def record(self, served: ServedModel | None, status: str, rows: int, timing: RequestTiming) -> None:
+        """One request's fate, for the statistics RPC, the metrics endpoint and the stop line. A request that
+        named no served model is counted under empty labels, never under a name it made up."""
         self.outcomes[status] += 1
+        if served is None:
+            self.metrics.request_done("", "", status)
+            return
         if status == "OK":
-            self.stats.record_success(rows, timing)
+            served.stats.record_success(rows, timing)
         else:
-            self.stats.record_failure(timing.total_ns)
-        if self.metrics is not None:
-            self.metrics.request_done(status, rows, timing.total_ns / 1e9, timing.queue_ns / 1e9, timing.infer_ns / 1e9)
+            served.stats.record_failure(timing.total_ns)
+        served.metrics.request_done(status, rows, timing.total_ns / 1e9, timing.queue_ns / 1e9, timing.infer_ns / 1e9)
 
     def record_unauthenticated(self, method: str) -> None:
         log.debug("refused %s: missing or wrong bearer token", method)
-        if self.metrics is not None:
-            self.metrics.unauthenticated()
+        self.metrics.unauthenticated()
 
-    def _run_model(self, output_names, query, key, value, mask):
-        return self.session.run(output_names, query, key, value, mask)
-
-    def _on_batch(self, run: BatchResult) -> None:
-        self.stats.record_execution(run)
-        if self.metrics is not None:
-            self.metrics.batch_done(run.batch_size, run.padding_ratio)
+    def start_metrics(self) -> int:
+        """The Prometheus endpoint on its own port; returns the port."""
+        return self.metrics.serve(self.settings.host, self.settings.metrics_port)
 
     def shutdown(self) -> None:
-        self.ready = False
         self._executor.shutdown(wait=True)
-        if self.metrics is not None:
-            self.metrics.close()
+        self._loader.shutdown(wait=True)
+        self.metrics.close()

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import logging
-import time
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -15,27 +14,32 @@ from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
 from mhaserve.protos.generated import model_config_pb2 as mc
 from mhaserve.signature import input_specs, output_specs
 
-from .codec import RequestError, check_model, decode_infer_request, encode_infer_response
-from .dataplane import DataPlane, RequestTiming
+from .codec import decode_infer_request, encode_infer_response
+from .dataplane import DataPlane
+from .errors import ErrorKind, RequestError
+from .registry import ServedModel
 
 log = logging.getLogger("mhaserve.server")
 
 PLATFORM = "onnxruntime_onnx"
-EXTENSIONS = ["model_configuration", "statistics"]
+
+# The data plane's refusals as gRPC statuses (the kinds are named after them).
+GRPC_STATUS = {kind: grpc.StatusCode[kind.name] for kind in ErrorKind}
+EXTENSIONS = ["model_configuration", "model_repository", "statistics"]
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
+    """Protobuf to and from the data plane; every decision (which version, whether to refuse) is the data
+    plane's, and its RequestErrors become statuses through GRPC_STATUS."""
+
     def __init__(self, dataplane: DataPlane):
         self.dataplane = dataplane
 
-    async def _check_model(self, name: str, version: str, context) -> None:
-        signature = self.dataplane.signature
-        if signature is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+    async def _resolve(self, name: str, version: str, context) -> ServedModel:
         try:
-            check_model(name, version, signature)
+            return self.dataplane.resolve(name, version)
         except RequestError as error:
-            await context.abort(error.code, error.message)
+            await context.abort(GRPC_STATUS[error.kind], error.message)
 
     async def ServerLive(self, request, context):
         return pb.ServerLiveResponse(live=True)
@@ -44,19 +48,20 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ServerReadyResponse(ready=self.dataplane.reports_ready)
 
     async def ModelReady(self, request, context):
-        await self._check_model(request.name, request.version, context)
-        return pb.ModelReadyResponse(ready=self.dataplane.reports_ready)
+        try:
+            return pb.ModelReadyResponse(ready=self.dataplane.model_ready(request.name, request.version))
+        except RequestError as error:
+            await context.abort(GRPC_STATUS[error.kind], error.message)
 
     async def ServerMetadata(self, request, context):
         return pb.ServerMetadataResponse(name="mhaserve", version=mhaserve.__version__, extensions=EXTENSIONS)
 
     async def ModelMetadata(self, request, context):
-        await self._check_model(request.name, request.version, context)
-        s = self.dataplane.signature
+        s = (await self._resolve(request.name, request.version, context)).signature
         tensor = pb.ModelMetadataResponse.TensorMetadata
         return pb.ModelMetadataResponse(
             name=s.name,
-            versions=[s.version],
+            versions=[str(v) for v in self.dataplane.registry.ready_versions(s.name)],
             platform=PLATFORM,
             inputs=[tensor(name=t.name, datatype=t.datatype, shape=t.shape) for t in input_specs(s.d_model)],
             outputs=[
@@ -65,8 +70,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         )
 
     async def ModelConfig(self, request, context):
-        await self._check_model(request.name, request.version, context)
-        s = self.dataplane.signature
+        s = (await self._resolve(request.name, request.version, context)).signature
         data_type = {"FP32": mc.TYPE_FP32, "BOOL": mc.TYPE_BOOL}
         config = mc.ModelConfig(
             name=s.name,
@@ -87,80 +91,65 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ModelConfigResponse(config=config)
 
     async def ModelStatistics(self, request, context):
-        signature = self.dataplane.signature
-        if request.name:
-            await self._check_model(request.name, request.version, context)
-        if signature is None:
-            return pb.ModelStatisticsResponse()
-        s = self.dataplane.stats
+        if request.name and request.version:
+            served = [await self._resolve(request.name, request.version, context)]
+        elif request.name:
+            await self._resolve(request.name, "", context)  # NOT_FOUND for a model this server lacks
+            served = [m for m in self.dataplane.registry.served_models() if m.signature.name == request.name]
+        else:
+            served = self.dataplane.registry.served_models()
+        return pb.ModelStatisticsResponse(model_stats=[_statistics(m) for m in served])
 
-        def duration(d):
-            return pb.StatisticDuration(count=d.count, ns=d.ns)
+    async def RepositoryIndex(self, request, context):
+        await self._check_repository_name(request.repository_name, context)
+        entry = pb.RepositoryIndexResponse.ModelIndex
+        rows = self.dataplane.registry.index(ready_only=request.ready)
+        return pb.RepositoryIndexResponse(
+            models=[entry(name=n, version=v, state=state, reason=reason) for n, v, state, reason in rows]
+        )
 
-        with s.lock:
-            stats = pb.ModelStatistics(
-                name=signature.name,
-                version=signature.version,
-                last_inference=s.last_inference_ms,
-                inference_count=s.inference_count,
-                execution_count=s.execution_count,
-                inference_stats=pb.InferStatistics(
-                    success=duration(s.success),
-                    fail=duration(s.fail),
-                    queue=duration(s.queue),
-                    compute_input=duration(s.compute_input),
-                    compute_infer=duration(s.compute_infer),
-                    compute_output=duration(s.compute_output),
-                ),
-                batch_stats=[
-                    pb.InferBatchStatistics(
-                        batch_size=b,
-                        compute_input=duration(d.compute_input),
-                        compute_infer=duration(d.compute_infer),
-                        compute_output=duration(d.compute_output),
-                    )
-                    for b, d in sorted(s.batch_sizes.items())
-                ],
+    async def RepositoryModelLoad(self, request, context):
+        await self._check_repository_name(request.repository_name, context)
+        overrides = sorted(request.parameters)
+        if overrides:  # tritonclient's load_model(config=..., files=...): the folder is the model here
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"load parameters {overrides} are not supported: a version is loaded as 'mhaserve export' wrote it",
             )
-        return pb.ModelStatisticsResponse(model_stats=[stats])
+        try:
+            await self.dataplane.load_model(request.model_name)
+        except RequestError as error:
+            await context.abort(GRPC_STATUS[error.kind], error.message)
+        return pb.RepositoryModelLoadResponse()
+
+    async def RepositoryModelUnload(self, request, context):
+        await self._check_repository_name(request.repository_name, context)
+        try:
+            await self.dataplane.unload_model(request.model_name)
+        except RequestError as error:
+            await context.abort(GRPC_STATUS[error.kind], error.message)
+        return pb.RepositoryModelUnloadResponse()
+
+    async def _check_repository_name(self, name: str, context) -> None:
+        if name:  # Triton's clients leave it empty: "every repository"
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"unknown repository '{name}': this server has one; leave the name empty"
+            )
 
     async def _infer(self, request: pb.ModelInferRequest, context, streamed: bool = False) -> bytes:
-        started = time.perf_counter_ns()
-        timing = RequestTiming()
-        rows = 0
-        status = "UNKNOWN"
-        self.dataplane.requests_in_flight += 1
-        try:
-            signature = self.dataplane.require_ready()
-            attention_request = decode_infer_request(request, signature, self.dataplane.limits)
-            rows = attention_request.batch_size
-            timing.input_ns = time.perf_counter_ns() - started
-            outputs = await self.dataplane.infer(attention_request, timing, context.time_remaining())
-            encode_started = time.perf_counter_ns()
-            response = encode_infer_response(attention_request, signature, outputs, streamed=streamed)
-            timing.output_ns = time.perf_counter_ns() - encode_started
-            status = "OK"
-            return response
-        except RequestError as error:
-            status = error.code.name
-            raise
-        except asyncio.CancelledError:
-            status = grpc.StatusCode.CANCELLED.name  # the client went away or its deadline passed
-            raise
-        except Exception:
-            status = grpc.StatusCode.INTERNAL.name  # a bug or a runtime failure; the caller says which
-            raise
-        finally:
-            self.dataplane.requests_in_flight -= 1
-            if status != "OK":
-                timing.input_ns = time.perf_counter_ns() - started - timing.queue_ns - timing.infer_ns
-            self.dataplane.record(status, rows, timing)
+        return await self.dataplane.serve_inference(
+            request.model_name,
+            request.model_version,
+            functools.partial(decode_infer_request, request),
+            functools.partial(encode_infer_response, streamed=streamed),
+            context.time_remaining(),
+        )
 
     async def ModelInfer(self, request, context):
         try:
             return await self._infer(request, context)
         except RequestError as error:
-            await context.abort(error.code, error.message)
+            await context.abort(GRPC_STATUS[error.kind], error.message)
         except Exception as error:  # a bug or a runtime failure: say so, keep serving
             log.exception("inference failed")
             await context.abort(grpc.StatusCode.INTERNAL, _internal_error(error))
@@ -174,10 +163,43 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                     raise request
                 yield await self._infer(request, context, streamed=True)
             except RequestError as error:
-                yield pb.ModelStreamInferResponse(error_message=f"{error.code.name}: {error.message}")
+                yield pb.ModelStreamInferResponse(error_message=f"{error.kind.name}: {error.message}")
             except Exception as error:  # as in ModelInfer: say so, and the stream goes on
                 log.exception("inference failed")
                 yield pb.ModelStreamInferResponse(error_message=f"INTERNAL: {_internal_error(error)}")
+
+
+def _statistics(served: ServedModel) -> pb.ModelStatistics:
+    s = served.stats
+
+    def duration(d):
+        return pb.StatisticDuration(count=d.count, ns=d.ns)
+
+    with s.lock:
+        return pb.ModelStatistics(
+            name=served.signature.name,
+            version=served.signature.version,
+            last_inference=s.last_inference_ms,
+            inference_count=s.inference_count,
+            execution_count=s.execution_count,
+            inference_stats=pb.InferStatistics(
+                success=duration(s.success),
+                fail=duration(s.fail),
+                queue=duration(s.queue),
+                compute_input=duration(s.compute_input),
+                compute_infer=duration(s.compute_infer),
+                compute_output=duration(s.compute_output),
+            ),
+            batch_stats=[
+                pb.InferBatchStatistics(
+                    batch_size=b,
+                    compute_input=duration(d.compute_input),
+                    compute_infer=duration(d.compute_infer),
+                    compute_output=duration(d.compute_output),
+                )
+                for b, d in sorted(s.batch_sizes.items())
+            ],
+        )
 
 
 def _internal_error(error: Exception) -> str:
@@ -202,7 +224,7 @@ def _parsing_stream(behavior, request_class):
                 try:
                     yield request_class.FromString(raw)
                 except DecodeError:  # one bad message is that message's error, not the stream's end
-                    yield RequestError(grpc.StatusCode.INVALID_ARGUMENT, _undecodable(request_class, raw))
+                    yield RequestError(ErrorKind.INVALID_ARGUMENT, _undecodable(request_class, raw))
 
         async for response in behavior(requests(), context):
             yield response

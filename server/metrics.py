@@ -28,28 +28,28 @@ PADDING_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
 
 class Metrics:
-    def __init__(
-        self, model: str, version: str, queue_depth: Callable[[], int], inflight_bytes: Callable[[], int] = lambda: 0
-    ):
+    """The process's metric families; each served version gets its labelled children (``for_model``), which
+    ``forget`` removes when it is unloaded, so labels name only models that exist (bounded cardinality)."""
+
+    def __init__(self, inflight_bytes: Callable[[], int] = lambda: 0):
         self.registry = CollectorRegistry()
         labels = ("model", "version")
-        self._label_values = (model, version)
         self._requests = Counter(
             "mhaserve_inference_request",
-            "Inference requests by final gRPC status (OK or the error code)",
+            "Inference requests by final status (OK or the error code); model and version empty for requests "
+            "that named no served model",
             (*labels, "status"),
             registry=self.registry,
         )
-        self._by_status: dict[str, Counter] = {}
         self._count = Counter(
             "mhaserve_inference_count", "Rows (batch elements) inferred", labels, registry=self.registry
-        ).labels(model, version)
+        )
         self._exec_count = Counter(
             "mhaserve_inference_exec_count", "Model runs (one per merged batch)", labels, registry=self.registry
-        ).labels(model, version)
+        )
 
         def histogram(name, text, buckets=LATENCY_BUCKETS):
-            return Histogram(name, text, labels, buckets=buckets, registry=self.registry).labels(model, version)
+            return Histogram(name, text, labels, buckets=buckets, registry=self.registry)
 
         self._request_seconds = histogram(
             "mhaserve_inference_request_duration_seconds", "Whole request in the server: decode, queue, run, encode"
@@ -66,42 +66,47 @@ class Metrics:
             "Share of a model run's query-key pairs that are padding (requests of different lengths in one run)",
             PADDING_BUCKETS,
         )
-        pending = Gauge(
+        self._pending = Gauge(
             "mhaserve_inference_pending_request_count", "Requests waiting in the queue", labels, registry=self.registry
         )
-        pending.labels(model, version).set_function(queue_depth)
         held = Gauge(
             "mhaserve_inference_inflight_bytes",
-            "Bytes held by queued and running requests (inputs and requested outputs)",
-            labels,
+            "Bytes held by queued and running requests of every model (inputs and requested outputs)",
             registry=self.registry,
         )
-        held.labels(model, version).set_function(inflight_bytes)
+        held.set_function(inflight_bytes)
         self._unauthenticated = Counter(
             "mhaserve_unauthenticated_request",
             "RPCs refused for a missing or wrong bearer token",
             registry=self.registry,
         )
+        self._families = (
+            self._count, self._exec_count, self._request_seconds, self._queue_seconds, self._compute_seconds,
+            self._batch_size, self._padding, self._pending,
+        )  # fmt: skip
+        self._statuses: dict[tuple[str, str], set[str]] = {}
         self.server = None
 
-    def request_done(self, status: str, rows: int = 0, total_s=None, queue_s=None, compute_s=None) -> None:
-        counter = self._by_status.get(status)
-        if counter is None:
-            counter = self._by_status[status] = self._requests.labels(*self._label_values, status)
-        counter.inc()
-        if status == "OK":
-            self._count.inc(rows)
-            self._request_seconds.observe(total_s)
-            self._queue_seconds.observe(queue_s)
-            self._compute_seconds.observe(compute_s)
+    def for_model(self, model: str, version: str, queue_depth: Callable[[], int]) -> ModelMetrics:
+        self._pending.labels(model, version).set_function(queue_depth)
+        self._statuses.setdefault((model, version), set())
+        return ModelMetrics(self, model, version)
+
+    def forget(self, model: str, version: str) -> None:
+        for family in self._families:
+            try:
+                family.remove(model, version)
+            except KeyError:  # a child never touched
+                pass
+        for status in self._statuses.pop((model, version), ()):
+            self._requests.remove(model, version, status)
+
+    def request_done(self, model: str, version: str, status: str) -> None:
+        self._requests.labels(model, version, status).inc()
+        self._statuses.setdefault((model, version), set()).add(status)
 
     def unauthenticated(self) -> None:
         self._unauthenticated.inc()
-
-    def batch_done(self, rows: int, padding_ratio: float = 0.0) -> None:
-        self._exec_count.inc()
-        self._batch_size.observe(rows)
-        self._padding.observe(padding_ratio)
 
     def serve(self, host: str, port: int) -> int:
         """Start the HTTP endpoint (its own thread); returns the bound port (``port`` 0 picks one)."""
@@ -112,3 +117,32 @@ class Metrics:
         if self.server is not None:
             self.server.shutdown()
             self.server.server_close()
+
+
+class ModelMetrics:
+    """One served version's children of the families."""
+
+    def __init__(self, metrics: Metrics, model: str, version: str):
+        self._metrics = metrics
+        self._labels = (model, version)
+        m = metrics
+        self._count = m._count.labels(model, version)
+        self._exec_count = m._exec_count.labels(model, version)
+        self._request_seconds = m._request_seconds.labels(model, version)
+        self._queue_seconds = m._queue_seconds.labels(model, version)
+        self._compute_seconds = m._compute_seconds.labels(model, version)
+        self._batch_size = m._batch_size.labels(model, version)
+        self._padding = m._padding.labels(model, version)
+
+    def request_done(self, status: str, rows: int = 0, total_s=None, queue_s=None, compute_s=None) -> None:
+        self._metrics.request_done(*self._labels, status)
+        if status == "OK":
+            self._count.inc(rows)
+            self._request_seconds.observe(total_s)
+            self._queue_seconds.observe(queue_s)
+            self._compute_seconds.observe(compute_s)
+
+    def batch_done(self, rows: int, padding_ratio: float = 0.0) -> None:
+        self._exec_count.inc()
+        self._batch_size.observe(rows)
+        self._padding.observe(padding_ratio)

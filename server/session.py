@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from mhaserve.export.manifest import METADATA_PREFIX, ModelDirError, check_model_file, read_manifest
+from mhaserve.model_folder import METADATA_PREFIX, ModelDirError, check_model_file, read_manifest
 
 log = logging.getLogger("mhaserve.server")
 

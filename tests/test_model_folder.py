@@ -72,7 +72,7 @@ def test_a_damaged_manifest_is_refused_with_one_line(small_model_dir, tmp_path, 
 
 
 def test_a_file_onnx_runtime_cannot_load_is_refused(small_model_dir, tmp_path):
-    from mhaserve.export.manifest import file_sha256
+    from mhaserve.model_folder import file_sha256
 
     folder = copy_of(small_model_dir, tmp_path)
     (folder / "model.onnx").write_bytes(b"\x08\x07not a graph" * 100)
@@ -120,7 +120,7 @@ def test_a_damaged_default_cache_is_rebuilt_on_start(small_model_dir, tmp_path):
                 break
         text = "".join(log)
         assert "differs from the manifest's" in text and "exporting the default model" in text, text
-        assert "serving model=mha d_model=512" in text
+        assert "serving model=mha version=1 d_model=512" in text
         assert json.loads((folder / "manifest.json").read_text())["valid"] is True
     finally:
         process.terminate()

@@ -39,7 +39,7 @@ def pending_and_held(server) -> tuple[float, float]:
     labels = (("model", "mha"), ("version", "1"))
     return (
         samples[("mhaserve_inference_pending_request_count", labels)],
-        samples[("mhaserve_inference_inflight_bytes", labels)],
+        samples[("mhaserve_inference_inflight_bytes", ())],  # the process's budget, all models together
     )
 
 

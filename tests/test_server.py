@@ -191,19 +191,20 @@ def test_a_failing_model_run_answers_internal_and_the_next_request_is_served(sma
 
     async def scenario():
         dataplane = DataPlane(ServerSettings(intra_op_threads=1, warmup_runs=0), small_model_dir)
-        await dataplane.load()
+        await dataplane.start()
         servicer = InferenceServicer(dataplane)
         good = build_infer_request("mha", rand(1, 4, D, seed=18), request_id="good")
-        working_run = dataplane.session.run
+        batcher = dataplane.resolve("mha", "").batcher
+        working_run = batcher._run_model
 
         def failing_run(*args):
             raise RuntimeError("ONNX Runtime gave up")
 
-        dataplane.session.run = failing_run
+        batcher._run_model = failing_run
         with pytest.raises(Aborted, match="INTERNAL: inference failed: RuntimeError: ONNX Runtime gave up") as error:
             await servicer.ModelInfer(good, RecordingContext())
         streamed = [r async for r in servicer.ModelStreamInfer(_aiter([good]), RecordingContext())]
-        dataplane.session.run = working_run
+        batcher._run_model = working_run
         answer = pb.ModelInferResponse.FromString(await servicer.ModelInfer(good, RecordingContext()))
         dataplane.shutdown()
         return error.value, streamed, answer, dataplane.outcomes

@@ -1,4 +1,4 @@
-"""The model folder's layout and manifest. Torch-free: the server reads these too."""
+"""The model folder's layout and manifest, which export writes and the server reads: torch-free."""
 
 from __future__ import annotations
 

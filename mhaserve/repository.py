@@ -1,0 +1,110 @@
+"""The model repository's layout, as Triton lays it out: ``DIR/<model>/<version>/``, each version a model
+folder written by ``mhaserve export``. Torch-free: export writes the next version, the server reads them.
+
+Names and versions that come from requests go through ``version_dir``, which never returns a path
+outside the repository: a model name is one plain path component, a version is digits, and the
+resolved path (symlinks followed) must still lie under the repository's own resolved path.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+# One path component a human would type: no separators, no leading dot (so no '.', '..' or hidden folders).
+MODEL_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
+VERSION = re.compile(r"[1-9][0-9]{0,8}")
+
+
+class RepositoryPathError(ValueError):
+    """A model name or version that is not a folder of this repository (or would lead outside it)."""
+
+
+def check_model_name(name: str) -> str:
+    if not MODEL_NAME.fullmatch(name):
+        raise RepositoryPathError(
+            f"model name {name!r} is not allowed: expected letters, digits, '_', '.' or '-' (at most 128), "
+            "not starting with '.' or '-'"
+        )
+    return name
+
+
+class ModelRepository:
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+
+    def model_names(self) -> list[str]:
+        """Folders that can be models (hidden and oddly named entries are skipped), sorted."""
+        if not self.root.is_dir():
+            return []
+        return sorted(p.name for p in self.root.iterdir() if MODEL_NAME.fullmatch(p.name) and p.is_dir())
+
+    def model_dir(self, name: str) -> Path:
+        return self._inside(self.root / check_model_name(name), f"model {name!r}")
+
+    def versions(self, name: str) -> list[int]:
+        """The model's version folders, ascending (a half-written export's staging folder is hidden)."""
+        folder = self.model_dir(name)
+        if not folder.is_dir():
+            return []
+        return sorted(int(p.name) for p in folder.iterdir() if VERSION.fullmatch(p.name) and p.is_dir())
+
+    def version_dir(self, name: str, version: int | str) -> Path:
+        text = str(version)
+        if not VERSION.fullmatch(text):
+            raise RepositoryPathError(f"version {text!r} is not allowed: expected a positive integer")
+        return self._inside(self.model_dir(name) / text, f"model {name!r} version {text}")
+
+    def next_version(self, name: str) -> int:
+        versions = self.versions(name)
+        return versions[-1] + 1 if versions else 1
+
+    def _inside(self, path: Path, what: str) -> Path:
+        root = self.root.resolve()
+        resolved = path.resolve()
+        if resolved != root and root not in resolved.parents:
+            raise RepositoryPathError(f"{what} leads outside the model repository (a symlink to {resolved})")
+        return path
+
+
+@dataclass(frozen=True)
+class VersionPolicy:
+    """Which versions of a model are served, as Triton's version_policy names it."""
+
+    kind: str  # latest | all | specific
+    count: int = 1  # latest: how many
+    versions: tuple[int, ...] = ()  # specific: which
+
+    @classmethod
+    def parse(cls, text: str) -> VersionPolicy:
+        """``latest``, ``latest:N``, ``all`` or ``specific:1,3``."""
+        kind, _, argument = text.strip().partition(":")
+        try:
+            if kind == "all" and not argument:
+                return cls("all")
+            if kind == "latest":
+                count = int(argument) if argument else 1
+                if count >= 1:
+                    return cls("latest", count=count)
+            if kind == "specific":
+                versions = tuple(sorted({int(v) for v in argument.split(",")}))
+                if versions and versions[0] >= 1:
+                    return cls("specific", versions=versions)
+        except ValueError:
+            pass
+        raise ValueError(f"version policy {text!r}: expected latest, latest:N, all or specific:V[,V...]")
+
+    def select(self, available: list[int]) -> list[int]:
+        if self.kind == "all":
+            return sorted(available)
+        if self.kind == "latest":
+            return sorted(available)[-self.count :]
+        return sorted(v for v in available if v in self.versions)
+
+    def __str__(self) -> str:
+        if self.kind == "latest":
+            return f"latest:{self.count}"
+        if self.kind == "specific":
+            return "specific:" + ",".join(map(str, self.versions))
+        return "all"

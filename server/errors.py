@@ -1,0 +1,32 @@
+"""Refusals as kinds that belong to no transport; each transport maps a kind to its own status.
+
+The kinds are the protocol's canonical statuses (the gRPC code names, which metrics and the stop line
+also use), so a message and its kind read the same whichever transport carried the request.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ErrorKind(enum.Enum):
+    INVALID_ARGUMENT = enum.auto()  # malformed: a wrong shape, datatype, name or value
+    NOT_FOUND = enum.auto()  # no such model or version
+    RESOURCE_EXHAUSTED = enum.auto()  # over a limit, or the queue or memory budget is full: retry later
+    UNAVAILABLE = enum.auto()  # loading, unloading or shutting down: retry (elsewhere)
+    DEADLINE_EXCEEDED = enum.auto()
+    FAILED_PRECONDITION = enum.auto()  # the server's configuration forbids it (e.g. the model control mode)
+    INTERNAL = enum.auto()
+
+
+class RequestError(Exception):
+    """A request this server refuses: its kind and a message naming what was expected and what came."""
+
+    def __init__(self, kind: ErrorKind, message: str):
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+
+
+def invalid(message: str) -> RequestError:
+    return RequestError(ErrorKind.INVALID_ARGUMENT, message)

@@ -1,0 +1,288 @@
+"""The served versions: which (model, version) pairs exist, their state, and the objects that serve them.
+
+Layered as MLServer layers it (registry -> runtime): the registry knows names, versions, states and
+the reasons a version is not served; each loaded version is one ``ServedModel`` owning its ONNX
+Runtime session, batcher and queue, statistics and metric labels. Transports resolve (name, version)
+here and never touch a session themselves.
+
+Two sources: one model folder (served as version 1 under the manifest's name, as before repositories)
+or a model repository, ``DIR/<model>/<version>/``, where the version policy picks what is served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mhaserve.model_folder import ModelDirError, read_manifest
+from mhaserve.repository import ModelRepository, RepositoryPathError, VersionPolicy
+
+from .batcher import Batcher
+from .codec import ModelSignature
+from .errors import ErrorKind, RequestError
+from .metrics import ModelMetrics
+from .session import AttentionSession
+from .statistics import ModelStatistics
+
+log = logging.getLogger("mhaserve.server")
+
+READY, LOADING, UNLOADING, UNAVAILABLE = "READY", "LOADING", "UNLOADING", "UNAVAILABLE"
+
+
+@dataclass(eq=False)
+class ServedModel:
+    """One loaded version and everything that serves it."""
+
+    signature: ModelSignature
+    folder: Path
+    session: AttentionSession
+    batcher: Batcher
+    metrics: ModelMetrics
+    stats: ModelStatistics = field(default_factory=ModelStatistics)
+    requests_in_flight: int = 0  # inference calls resolved to this version and not yet answered
+    idle: asyncio.Event = field(default_factory=asyncio.Event)  # set whenever requests_in_flight is 0
+
+    def __post_init__(self):
+        self.idle.set()
+
+    def enter(self) -> None:
+        self.requests_in_flight += 1
+        self.idle.clear()
+
+    def leave(self) -> None:
+        self.requests_in_flight -= 1
+        if not self.requests_in_flight:
+            self.idle.set()
+
+
+@dataclass
+class VersionState:
+    """One version as the repository index reports it."""
+
+    state: str
+    reason: str = ""
+    served: ServedModel | None = None
+    failed_stamp: tuple | None = None  # the folder as it was when it failed: not retried until it changes
+
+
+class ModelNotFound(RequestError):
+    def __init__(self, name: str, known: list[str]):
+        served = ", ".join(f"'{n}'" for n in known) or "none"
+        super().__init__(ErrorKind.NOT_FOUND, f"unknown model '{name}'; this server serves {served}")
+
+
+LoadVersion = Callable[[str, int, Path], Awaitable[ServedModel]]
+UnloadVersion = Callable[[ServedModel], Awaitable[None]]
+
+
+class ModelRegistry:
+    """(name, version) -> state, and the loading, unloading and swapping of versions.
+
+    Loading is done by ``load_version`` and unloading by ``unload_version``, which the data plane
+    supplies (the same code at start-up and for the repository RPCs). One load or unload per model
+    at a time (a lock per name); requests never wait on it.
+    """
+
+    def __init__(
+        self,
+        load_version: LoadVersion,
+        unload_version: UnloadVersion,
+        *,
+        repository: ModelRepository | None = None,
+        single_folder: Path | None = None,
+        policy: VersionPolicy | None = None,
+    ):
+        self._load_version = load_version
+        self._unload_version = unload_version
+        self.repository = repository
+        self.single_folder = single_folder
+        self.policy = policy or VersionPolicy("latest")
+        self.models: dict[str, dict[int, VersionState]] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    # -- resolving requests ------------------------------------------------------------------------------
+
+    def resolve(self, name: str, version: str) -> ServedModel:
+        """The version a request names; an empty version is the newest ready one."""
+        versions = self.models.get(name)
+        if not versions or not any(v.state in (READY, LOADING, UNLOADING) for v in versions.values()):
+            raise ModelNotFound(name, self.served_names())
+        ready = sorted(n for n, v in versions.items() if v.state == READY)
+        if not version:
+            if not ready:
+                raise RequestError(ErrorKind.UNAVAILABLE, f"model '{name}' has no ready version yet (loading)")
+            return versions[ready[-1]].served
+        number = int(version) if version.isdigit() and len(version) < 10 else None
+        entry = versions.get(number) if number is not None else None
+        if entry is None or entry.state == UNAVAILABLE:
+            listed = ", ".join(f"'{n}'" for n in ready) or "none ready"
+            raise RequestError(ErrorKind.NOT_FOUND, f"model '{name}' has no version '{version}'; available: {listed}")
+        if entry.state != READY:
+            raise RequestError(
+                ErrorKind.UNAVAILABLE, f"model '{name}' version {number} is {entry.state.lower()}; retry"
+            )
+        return entry.served
+
+    def served_names(self) -> list[str]:
+        return sorted(n for n, vs in self.models.items() if any(v.state != UNAVAILABLE for v in vs.values()))
+
+    def ready_versions(self, name: str) -> list[int]:
+        return sorted(n for n, v in self.models.get(name, {}).items() if v.state == READY)
+
+    def served_models(self) -> list[ServedModel]:
+        return [v.served for _, vs in sorted(self.models.items()) for _, v in sorted(vs.items()) if v.served]
+
+    def index(self, ready_only: bool = False) -> list[tuple[str, str, str, str]]:
+        """(name, version, state, reason) of every version the repository holds or the server serves."""
+        rows = []
+        names = set(self.models)
+        if self.repository is not None:
+            names.update(self.repository.model_names())
+        for name in sorted(names):
+            known = dict(self.models.get(name, {}))
+            if self.repository is not None:
+                for number in self.repository.versions(name):
+                    known.setdefault(number, VersionState(UNAVAILABLE, "not loaded"))
+            for number, entry in sorted(known.items()):
+                if ready_only and entry.state != READY:
+                    continue
+                rows.append((name, str(number), entry.state, entry.reason))
+        return rows
+
+    # -- loading and unloading ---------------------------------------------------------------------------
+
+    async def load_single_folder(self) -> ServedModel:
+        """Single-folder serving: the folder is version 1 of the model its manifest names."""
+        name = str(read_manifest(self.single_folder).get("name") or "mha")
+        self.models[name] = {1: VersionState(LOADING)}
+        try:
+            served = await self._load_version(name, 1, self.single_folder)
+        except BaseException:
+            del self.models[name]
+            raise
+        self.models[name][1] = VersionState(READY, served=served)
+        return served
+
+    async def load_model(self, name: str, retry_failed: bool = True) -> list[str]:
+        """Serve the versions the policy picks from what the repository holds now; unload the others once
+        those are ready (a swap: requests move to the new version, those in flight finish on the old).
+
+        A version that fails to load is marked with its reason, and the policy picks again without it,
+        so a broken new version leaves the serving one untouched. Returns the failures' reasons. Without
+        ``retry_failed`` (polling) a version that failed is not tried again until its folder changes.
+        """
+        repository = self._require_repository()
+        try:
+            numbers = repository.versions(name)
+        except RepositoryPathError as error:
+            raise RequestError(ErrorKind.INVALID_ARGUMENT, str(error)) from None
+        if not numbers:
+            raise RequestError(ErrorKind.NOT_FOUND, f"model '{name}': no version folders in {repository.root / name}")
+        async with self._locks.setdefault(name, asyncio.Lock()):
+            versions = self.models.setdefault(name, {})
+            if retry_failed:
+                for entry in versions.values():
+                    entry.failed_stamp = None
+            failures: list[str] = []
+            while True:
+                usable = [n for n in numbers if not self._failed_unchanged(name, n, versions.get(n))]
+                wanted = self.policy.select(usable)
+                to_load = [n for n in wanted if versions.get(n) is None or versions[n].state != READY]
+                if not to_load:
+                    break
+                for number in to_load:
+                    reason = await self._load_one(name, number, versions)
+                    if reason:
+                        failures.append(f"version {number}: {reason}")
+            for number in sorted(set(versions) - set(wanted)):
+                await self._unload_one(name, number, versions, reason="not selected by the version policy")
+            # A version whose folder is gone (removed from the repository) leaves the index too.
+            for number in [n for n, v in versions.items() if v.state == UNAVAILABLE and n not in numbers]:
+                del versions[number]
+            return failures
+
+    async def unload_model(self, name: str) -> None:
+        versions = self.models.get(name)
+        if not versions or all(v.state == UNAVAILABLE for v in versions.values()):
+            raise ModelNotFound(name, self.served_names())
+        async with self._locks.setdefault(name, asyncio.Lock()):
+            for number in sorted(versions):
+                await self._unload_one(name, number, versions, reason="unloaded")
+
+    async def poll(self) -> None:
+        """One rescan: every model in the repository as load_model would have it, vanished models unloaded."""
+        repository = self._require_repository()
+        present = set(repository.model_names())
+        for name in sorted(present):
+            if not repository.versions(name):
+                continue
+            failures = await self.load_model(name, retry_failed=False)
+            for failure in failures:
+                log.warning("model '%s' %s", name, failure)
+        for name in sorted(set(self.models) - present):
+            if any(v.state != UNAVAILABLE for v in self.models[name].values()):
+                await self.unload_model(name)
+            self.models.pop(name, None)
+
+    async def unload_all(self) -> None:
+        for name in list(self.models):
+            async with self._locks.setdefault(name, asyncio.Lock()):
+                for number in sorted(self.models[name]):
+                    await self._unload_one(name, number, self.models[name], reason="shut down")
+
+    async def _load_one(self, name: str, number: int, versions: dict[int, VersionState]) -> str:
+        folder = self.repository.version_dir(name, number)
+        previous = versions.get(number)
+        versions[number] = VersionState(LOADING)
+        try:
+            served = await self._load_version(name, number, folder)
+        except (ModelDirError, RepositoryPathError, ValueError, RuntimeError) as error:
+            reason = str(error)
+            versions[number] = VersionState(UNAVAILABLE, reason, failed_stamp=_folder_stamp(folder))
+            log.warning("model '%s' version %d not loaded: %s", name, number, reason)
+            return reason
+        except BaseException:
+            versions[number] = previous or VersionState(UNAVAILABLE, "loading was interrupted")
+            raise
+        versions[number] = VersionState(READY, served=served)
+        log.info("model '%s' version %d ready", name, number)
+        return ""
+
+    async def _unload_one(self, name: str, number: int, versions: dict[int, VersionState], reason: str) -> None:
+        entry = versions.get(number)
+        if entry is None or entry.served is None:
+            if entry is not None and entry.state != UNAVAILABLE:
+                versions[number] = VersionState(UNAVAILABLE, reason)
+            return
+        served = entry.served
+        # New requests stop resolving to it now; the ones in flight finish on it.
+        versions[number] = VersionState(UNLOADING, reason)
+        await served.idle.wait()
+        await self._unload_version(served)
+        versions[number] = VersionState(UNAVAILABLE, reason)
+        log.info("model '%s' version %d unloaded (%s)", name, number, reason)
+
+    def _failed_unchanged(self, name: str, number: int, entry: VersionState | None) -> bool:
+        if entry is None or entry.failed_stamp is None:
+            return False
+        return entry.failed_stamp == _folder_stamp(self.repository.version_dir(name, number))
+
+    def _require_repository(self) -> ModelRepository:
+        if self.repository is None:
+            raise RequestError(
+                ErrorKind.FAILED_PRECONDITION,
+                f"this server serves one model folder ({self.single_folder}), not a model repository; "
+                "start it with --model-repository DIR to load and unload models",
+            )
+        return self.repository
+
+
+def _folder_stamp(folder: Path) -> tuple:
+    """What changes when a version folder is rewritten: its files' names, sizes and modification times."""
+    try:
+        return tuple(sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in folder.iterdir()))
+    except OSError:
+        return ()

@@ -1,0 +1,79 @@
+"""Per-version counters in the shape of Triton's statistics extension (durations in nanoseconds)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from .batcher import BatchResult
+
+
+@dataclass
+class Duration:
+    count: int = 0
+    ns: int = 0
+
+    def add(self, ns: int, count: int = 1) -> None:
+        self.count += count
+        self.ns += ns
+
+
+@dataclass
+class BatchStatistics:
+    compute_input: Duration = field(default_factory=Duration)
+    compute_infer: Duration = field(default_factory=Duration)
+    compute_output: Duration = field(default_factory=Duration)
+
+
+@dataclass
+class ModelStatistics:
+    """Counters in the shape of Triton's statistics extension (durations in nanoseconds)."""
+
+    success: Duration = field(default_factory=Duration)
+    fail: Duration = field(default_factory=Duration)
+    queue: Duration = field(default_factory=Duration)
+    compute_input: Duration = field(default_factory=Duration)  # decoding and validating the request
+    compute_infer: Duration = field(default_factory=Duration)
+    compute_output: Duration = field(default_factory=Duration)  # encoding the response
+    inference_count: int = 0  # rows (batch elements) inferred
+    execution_count: int = 0  # model runs; fewer than requests when batching merges them
+    last_inference_ms: int = 0
+    batch_sizes: dict[int, BatchStatistics] = field(default_factory=dict)  # per rows in one run
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def record_success(self, rows: int, timing: RequestTiming) -> None:
+        with self.lock:
+            self.success.add(timing.total_ns)
+            self.queue.add(timing.queue_ns)
+            self.compute_input.add(timing.input_ns)
+            self.compute_infer.add(timing.infer_ns)
+            self.compute_output.add(timing.output_ns)
+            self.inference_count += rows
+            self.last_inference_ms = int(time.time() * 1000)
+
+    def record_execution(self, run: BatchResult) -> None:
+        with self.lock:
+            self.execution_count += 1
+            per_batch = self.batch_sizes.setdefault(run.batch_size, BatchStatistics())
+            per_batch.compute_input.add(run.merge_ns)
+            per_batch.compute_infer.add(run.model_ns)
+            per_batch.compute_output.add(run.split_ns)
+
+    def record_failure(self, ns: int) -> None:
+        with self.lock:
+            self.fail.add(ns)
+
+
+@dataclass
+class RequestTiming:
+    """Where one request's time went, in nanoseconds."""
+
+    input_ns: int = 0
+    queue_ns: int = 0
+    infer_ns: int = 0
+    output_ns: int = 0
+
+    @property
+    def total_ns(self) -> int:
+        return self.input_ns + self.queue_ns + self.infer_ns + self.output_ns
