@@ -16,7 +16,10 @@ from mhaserve.errors import UsageError
 
 def _add_export(sub) -> None:
     p = sub.add_parser("export", help="export the MHA module to a validated ONNX model folder")
-    p.add_argument("--out", type=Path, default=Path("model_repository/mha"), help="model folder to write")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--out", type=Path, default=None, help="model folder to write (default model_repository/mha)")
+    where.add_argument("--repository", type=Path, help="write the next version of --name into this model repository "
+                       "(DIR/NAME/<n+1>/); a server polling it picks the version up")  # fmt: skip
     p.add_argument("--d-model", type=int, default=None, help="model width of the seeded module (default 512)")
     p.add_argument("--heads", type=int, default=None, help="number of heads; must divide d-model (default 8; "
                    "with --weights, required unless the file says)")  # fmt: skip
@@ -27,16 +30,32 @@ def _add_export(sub) -> None:
                          "mhaserve's own file")  # fmt: skip
     p.add_argument("--prefix", help="the key prefix of one attention layer in --weights (e.g. encoder.layers.3.)")
     p.add_argument("--opset", type=int, default=None, help="ONNX opset (default 18)")
-    p.add_argument("--name", default="mha", help="model name the server registers (default mha)")
+    p.add_argument("--name", default="mha", help="model name the server registers; with --repository, the model's "
+                   "folder (default mha)")  # fmt: skip
     p.add_argument("--validation-seed", type=int, default=None, help="seed of the validation inputs (default random)")
     p.add_argument("--triton-repo", type=Path, help="also write a Triton model repository (config.pbtxt, 1/model.onnx)")
     p.set_defaults(run=_run_export)
+
+
+def _export_folder(args) -> Path:
+    """--out, or the next version folder of --name in --repository."""
+    if args.repository is None:
+        return args.out or Path("model_repository/mha")
+    from mhaserve.repository import ModelRepository, RepositoryPathError
+
+    repository = ModelRepository(args.repository)
+    try:
+        return repository.version_dir(args.name, repository.next_version(args.name))
+    except RepositoryPathError as error:
+        raise UsageError(f"--name: {error}") from None
 
 
 def _run_export(args) -> int:
     from mhaserve.export.model_dir import export_model_dir
     from mhaserve.export.onnx_export import DEFAULT_OPSET
     from mhaserve.model import DEFAULT_D_MODEL, DEFAULT_NUM_HEADS, load_checkpoint, seeded_module
+
+    args.out = _export_folder(args)
 
     if args.weights:
         module, source = load_checkpoint(args.weights, args.heads, args.prefix)
@@ -180,7 +199,8 @@ def _model_width(client, args, timeout: float) -> int | None:
 def _add_infer(sub) -> None:
     p = sub.add_parser("infer", help="call a server with random or .npy inputs; print shapes and latency")
     _add_connection_arguments(p)
-    p.add_argument("--model", default="mha")
+    p.add_argument("--model", default="mha", help="model name (default mha)")
+    p.add_argument("--version", default="", help="model version (default: the newest ready one)")
     p.add_argument("--batch", type=int, default=1, help="batch of the random inputs")
     p.add_argument("--q-len", type=int, default=16, help="query length of the random inputs")
     p.add_argument("--kv-len", type=int, default=None, help="key/value length: cross-attention (default self)")
@@ -221,7 +241,7 @@ def _run_infer(args) -> int:
     mean_weights = args.mean_weights or (args.heatmap is not None and args.head == "mean")
     all_weights = not args.no_weights or (args.heatmap is not None and args.head != "mean")
     tls, token = _connection(args)
-    with Client(args.url, args.model, tls=tls, token=token) as client:
+    with Client(args.url, args.model, tls=tls, token=token, version=args.version) as client:
         d_model = _model_width(client, args, timeout=args.timeout)
         if d_model is None:
             return 1
@@ -255,6 +275,7 @@ def _run_infer(args) -> int:
     shapes = ", ".join(f"{k} {list(v.shape)} {v.dtype}" for k, v in arrays.items())
     print(f"inputs: {shapes}")
     print("  ".join(f"{name}: {list(array.shape)}" for name, array in outputs.items()))
+    print(f"answered by model '{args.model}' version {result.model_version}")
     lat = np.array(latencies)
     print(
         f"latency ms over {len(lat)} calls: p50 {np.percentile(lat, 50):.3f}  p90 {np.percentile(lat, 90):.3f}  "
@@ -329,7 +350,8 @@ def _add_bench(sub) -> None:
         help="load-test a server: closed-loop concurrency sweep or open-loop rates; table, JSON/CSV, plots",
     )
     _add_connection_arguments(p)
-    p.add_argument("--model", default="mha")
+    p.add_argument("--model", default="mha", help="model name (default mha)")
+    p.add_argument("--version", default="", help="model version (default: the newest ready one)")
     load = p.add_mutually_exclusive_group()
     load.add_argument(
         "--concurrency", type=_int_list, default=None, help="closed loop: e.g. 1,4,16,64 (default 1,4,16)"
@@ -355,11 +377,13 @@ def _run_bench(args) -> int:
     from mhaserve.loadgen import LoadGenerator, Point, Workload, default_processes
 
     tls, token = _connection(args)
-    with Client(args.url, args.model, tls=tls, token=token) as client:
+    with Client(args.url, args.model, tls=tls, token=token, version=args.version) as client:
         d_model = _model_width(client, args, timeout=10)
     if d_model is None:
         return 1
-    workload = Workload(d_model, args.batch, *args.lengths, attn_weights=not args.no_weights, model=args.model)
+    workload = Workload(
+        d_model, args.batch, *args.lengths, attn_weights=not args.no_weights, model=args.model, version=args.version
+    )
     if args.rate:
         points = [Point("open", rate, args.duration, args.warmup) for rate in args.rate]
     else:

@@ -83,6 +83,7 @@ class InferResult:
     attn_weights: np.ndarray | None
     id: str = ""
     attn_weights_mean: np.ndarray | None = None  # [B, Lq, Lk], when asked for
+    model_version: str = ""  # the version that answered (the newest ready one unless a version was asked for)
 
 
 def _channel_options(max_message_bytes: int):
@@ -104,13 +105,14 @@ def build_infer_request(
     attn_weights: bool = True,
     request_id: str = "",
     attn_weights_mean: bool = False,
+    version: str = "",
 ) -> pb.ModelInferRequest:
     """One ModelInferRequest with every input as raw bytes (query, key, value FP32; mask as given).
 
     It asks for the output, the weights of every head unless ``attn_weights`` is false, and their mean
-    over heads when ``attn_weights_mean`` is true.
+    over heads when ``attn_weights_mean`` is true; ``version`` empty: the newest ready version.
     """
-    request = pb.ModelInferRequest(model_name=model, id=request_id)
+    request = pb.ModelInferRequest(model_name=model, model_version=version, id=request_id)
     tensors = {"query": query, "key": key, "value": value, "mask": mask}
     for name, array in tensors.items():
         if array is None:
@@ -131,7 +133,9 @@ def parse_infer_response(response: pb.ModelInferResponse) -> InferResult:
     for index, tensor in enumerate(response.outputs):
         dtype, _ = DATATYPES[tensor.datatype]
         arrays[tensor.name] = np.frombuffer(response.raw_output_contents[index], dtype=dtype).reshape(tensor.shape)
-    return InferResult(arrays.get(OUTPUT), arrays.get(ATTN_WEIGHTS), response.id, arrays.get(ATTN_WEIGHTS_MEAN))
+    return InferResult(
+        arrays.get(OUTPUT), arrays.get(ATTN_WEIGHTS), response.id, arrays.get(ATTN_WEIGHTS_MEAN), response.model_version
+    )
 
 
 class _Connection:
@@ -147,8 +151,10 @@ class _Connection:
         *,
         tls: TLS | None = None,
         token: str | None = None,
+        version: str = "",
     ):
         self.model = model
+        self.version = version  # empty: the newest ready version of the model
         self._channel = open_channel(url, tls, max_message_bytes, aio=self._aio)
         self._stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
         self._metadata = auth_metadata(token)
@@ -169,13 +175,13 @@ class Client(_Connection):
         attn_weights_mean=False,
     ) -> InferResult:
         request = build_infer_request(
-            self.model, query, key, value, mask, attn_weights, request_id, attn_weights_mean=attn_weights_mean
+            self.model, query, key, value, mask, attn_weights, request_id, attn_weights_mean, self.version
         )
         return parse_infer_response(self._stub.ModelInfer(request, timeout=timeout, metadata=self._metadata))
 
     def ready(self, timeout=None) -> bool:
         return self._stub.ModelReady(
-            pb.ModelReadyRequest(name=self.model), timeout=timeout, metadata=self._metadata
+            pb.ModelReadyRequest(name=self.model, version=self.version), timeout=timeout, metadata=self._metadata
         ).ready
 
     def wait_ready(self, timeout: float = 60.0) -> None:
@@ -183,13 +189,14 @@ class Client(_Connection):
 
     def metadata(self, timeout=None) -> pb.ModelMetadataResponse:
         return self._stub.ModelMetadata(
-            pb.ModelMetadataRequest(name=self.model), timeout=timeout, metadata=self._metadata
+            pb.ModelMetadataRequest(name=self.model, version=self.version), timeout=timeout, metadata=self._metadata
         )
 
     def statistics(self, timeout=None) -> pb.ModelStatistics:
-        """The server's counters for this model (Triton's statistics extension)."""
-        request = pb.ModelStatisticsRequest(name=self.model)
-        return self._stub.ModelStatistics(request, timeout=timeout, metadata=self._metadata).model_stats[0]
+        """The server's counters for this model's version (Triton's statistics extension); with no version
+        given, the newest served one's."""
+        request = pb.ModelStatisticsRequest(name=self.model, version=self.version)
+        return self._stub.ModelStatistics(request, timeout=timeout, metadata=self._metadata).model_stats[-1]
 
     def close(self) -> None:
         self._channel.close()
@@ -218,18 +225,17 @@ class AsyncClient(_Connection):
         attn_weights_mean=False,
     ) -> InferResult:
         request = build_infer_request(
-            self.model, query, key, value, mask, attn_weights, request_id, attn_weights_mean=attn_weights_mean
+            self.model, query, key, value, mask, attn_weights, request_id, attn_weights_mean, self.version
         )
         return parse_infer_response(await self._stub.ModelInfer(request, timeout=timeout, metadata=self._metadata))
 
     async def ready(self, timeout=None) -> bool:
-        return (
-            await self._stub.ModelReady(pb.ModelReadyRequest(name=self.model), timeout=timeout, metadata=self._metadata)
-        ).ready
+        request = pb.ModelReadyRequest(name=self.model, version=self.version)
+        return (await self._stub.ModelReady(request, timeout=timeout, metadata=self._metadata)).ready
 
     async def metadata(self, timeout=None) -> pb.ModelMetadataResponse:
         return await self._stub.ModelMetadata(
-            pb.ModelMetadataRequest(name=self.model), timeout=timeout, metadata=self._metadata
+            pb.ModelMetadataRequest(name=self.model, version=self.version), timeout=timeout, metadata=self._metadata
         )
 
     async def close(self) -> None:

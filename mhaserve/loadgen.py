@@ -35,6 +35,7 @@ class Workload:
     max_len: int = 16
     attn_weights: bool = True
     model: str = "mha"
+    version: str = ""  # empty: the newest ready version
     distinct_requests: int = 64  # prebuilt per process; drawn round-robin
 
     @property
@@ -112,7 +113,7 @@ def _requests(w: Workload, seed: int):
     for _ in range(w.distinct_requests):
         length = int(rng.integers(w.min_len, w.max_len + 1))
         query = rng.standard_normal((w.batch, length, w.d_model), dtype=np.float32)
-        built.append(build_infer_request(w.model, query, attn_weights=w.attn_weights))
+        built.append(build_infer_request(w.model, query, attn_weights=w.attn_weights, version=w.version))
     return built
 
 

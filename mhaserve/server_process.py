@@ -23,9 +23,10 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, model_dir: Path, *args: str, port: int = 0, env: dict | None = None):
+    def __init__(self, model_dir: Path | None, *args: str, port: int = 0, env: dict | None = None):
+        """``model_dir`` None: ``args`` say what to serve (e.g. --model-repository DIR)."""
         self.command = [
-            sys.executable, "-m", "mhaserve.cli", "serve", "--model-dir", str(model_dir),
+            sys.executable, "-m", "mhaserve.cli", "serve", *(("--model-dir", str(model_dir)) if model_dir else ()),
             "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0", *args,
         ]  # fmt: skip
         self.env = {**os.environ, **(env or {})}

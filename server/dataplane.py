@@ -124,9 +124,13 @@ class DataPlane:
         configs = []
         repository = self.registry.repository
         for name in repository.model_names():
-            for number in repository.versions(name):
+            try:
+                folders = [repository.version_dir(name, number) for number in repository.versions(name)]
+            except ValueError:  # a link out of the repository: never served, the index says why
+                continue
+            for folder in folders:
                 try:
-                    configs.append(read_manifest(repository.version_dir(name, number))["config"])
+                    configs.append(read_manifest(folder)["config"])
                 except (ModelDirError, ValueError):
                     pass  # reported when it is loaded
         return configs

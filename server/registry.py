@@ -102,6 +102,7 @@ class ModelRegistry:
         self.policy = policy or VersionPolicy("latest")
         self.models: dict[str, dict[int, VersionState]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self._refused: set[str] = set()  # model folders polling cannot serve (said once in the log)
 
     # -- resolving requests ------------------------------------------------------------------------------
 
@@ -144,7 +145,13 @@ class ModelRegistry:
         for name in sorted(names):
             known = dict(self.models.get(name, {}))
             if self.repository is not None:
-                for number in self.repository.versions(name):
+                try:
+                    numbers = self.repository.versions(name)
+                except RepositoryPathError as error:  # e.g. a symlink out of the repository: never served
+                    if not ready_only:
+                        rows.append((name, "", UNAVAILABLE, str(error)))
+                    continue
+                for number in numbers:
                     known.setdefault(number, VersionState(UNAVAILABLE, "not loaded"))
             for number, entry in sorted(known.items()):
                 if ready_only and entry.state != READY:
@@ -217,9 +224,15 @@ class ModelRegistry:
         repository = self._require_repository()
         present = set(repository.model_names())
         for name in sorted(present):
-            if not repository.versions(name):
+            try:
+                if not repository.versions(name):
+                    continue
+                failures = await self.load_model(name, retry_failed=False)
+            except (RequestError, RepositoryPathError) as error:  # the index says why; the rest still load
+                if name not in self._refused:
+                    log.warning("model '%s' not served: %s", name, getattr(error, "message", error))
+                self._refused.add(name)
                 continue
-            failures = await self.load_model(name, retry_failed=False)
             for failure in failures:
                 log.warning("model '%s' %s", name, failure)
         for name in sorted(set(self.models) - present):
@@ -234,10 +247,11 @@ class ModelRegistry:
                     await self._unload_one(name, number, self.models[name], reason="shut down")
 
     async def _load_one(self, name: str, number: int, versions: dict[int, VersionState]) -> str:
-        folder = self.repository.version_dir(name, number)
         previous = versions.get(number)
         versions[number] = VersionState(LOADING)
+        folder = self.repository.root / name / str(number)
         try:
+            folder = self.repository.version_dir(name, number)  # a version symlinked out of it is refused
             served = await self._load_version(name, number, folder)
         except (ModelDirError, RepositoryPathError, ValueError, RuntimeError) as error:
             reason = str(error)
@@ -268,7 +282,7 @@ class ModelRegistry:
     def _failed_unchanged(self, name: str, number: int, entry: VersionState | None) -> bool:
         if entry is None or entry.failed_stamp is None:
             return False
-        return entry.failed_stamp == _folder_stamp(self.repository.version_dir(name, number))
+        return entry.failed_stamp == _folder_stamp(self.repository.root / name / str(number))
 
     def _require_repository(self) -> ModelRepository:
         if self.repository is None:
