@@ -85,14 +85,21 @@ class Metrics:
             self._batch_size, self._padding, self._pending,
         )  # fmt: skip
         self._statuses: dict[tuple[str, str], set[str]] = {}
+        self._queue_depths: dict[tuple[str, str], Callable[[], int]] = {}
         self.server = None
 
     def for_model(self, model: str, version: str, queue_depth: Callable[[], int]) -> ModelMetrics:
-        self._pending.labels(model, version).set_function(queue_depth)
+        # The gauge keeps its function in a reference cycle (prometheus_client's set_function), which only the
+        # garbage collector breaks: it is given a lookup instead, so an unloaded version's batcher and session
+        # are freed when forget() drops them, not whenever a collection comes.
+        key = (model, version)
+        self._queue_depths[key] = queue_depth
+        self._pending.labels(model, version).set_function(lambda: self._queue_depths.get(key, int)())
         self._statuses.setdefault((model, version), set())
         return ModelMetrics(self, model, version)
 
     def forget(self, model: str, version: str) -> None:
+        self._queue_depths.pop((model, version), None)
         for family in self._families:
             try:
                 family.remove(model, version)

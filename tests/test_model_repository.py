@@ -276,3 +276,40 @@ def test_export_writes_the_next_version_into_a_repository(tmp_path):
     refused = subprocess.run([*command[:-1], "../tiny"], capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert refused.stderr.strip().count("\n") == 0 and "not allowed" in refused.stderr
+
+
+def test_an_unloaded_version_is_freed_at_once_not_at_the_next_garbage_collection(exports, tmp_path):
+    """Its session (weights, ONNX Runtime's arena) goes when the registry lets go: nothing keeps it in a
+    reference cycle (measured before the fix: +8 MiB RSS per load/unload cycle until a collection came)."""
+    import asyncio
+    import gc
+    import weakref
+
+    from mhaserve.server.config import ServerSettings
+    from mhaserve.server.dataplane import DataPlane
+
+    repository = tmp_path / "repository"
+    add_version(repository, "mha", 1, exports["small_v1"])
+    settings = ServerSettings(model_repository=repository, model_control_mode="explicit", warmup_runs=0)
+
+    async def cycles() -> list[weakref.ref]:
+        dataplane = DataPlane(settings)
+        await dataplane.start()
+        sessions = []
+        for _ in range(3):
+            await dataplane.registry.load_model("mha")
+            served = dataplane.resolve("mha", "")
+            assert served.session.run(["output"], *[rand(1, 3, SMALL_D_MODEL)] * 3, np.ones((1, 1, 1, 3), bool))
+            sessions.append(weakref.ref(served.session))
+            del served
+            await dataplane.registry.unload_model("mha")
+            await asyncio.sleep(0)
+        dataplane.shutdown()
+        return sessions
+
+    gc.disable()
+    try:
+        sessions = asyncio.run(cycles())
+        assert [ref() for ref in sessions] == [None, None, None]
+    finally:
+        gc.enable()
