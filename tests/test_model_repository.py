@@ -111,6 +111,8 @@ def test_two_models_of_different_widths_serve_side_by_side(exports, tmp_path):
         with Client(server.url, "gpt") as client, pytest.raises(grpc.RpcError) as unknown:
             client.infer(narrow_query)
         samples = scrape(server.metrics_url)
+        with grpc.insecure_channel(server.url) as channel:
+            stats = pb_grpc.GRPCInferenceServiceStub(channel).ModelStatistics(pb.ModelStatisticsRequest(), timeout=10)
     index_rows, narrow_meta, wide_meta, narrow_version, wide_version, ready, no_version, load = results
     assert sorted((m["name"], m["version"], m["state"]) for m in index_rows["value"]) == [
         ("mha", "1", "READY"),
@@ -133,6 +135,8 @@ def test_two_models_of_different_widths_serve_side_by_side(exports, tmp_path):
     # labels name only served models: the unknown name is counted under empty labels
     labelled = {dict(labels).get("model") for (name, labels) in samples if name == "mhaserve_inference_request_total"}
     assert labelled == {"mha", "wide", ""}
+    # statistics per served version
+    assert [(m.name, m.version, m.inference_count) for m in stats.model_stats] == [("mha", "1", 2), ("wide", "1", 1)]
 
 
 def test_explicit_mode_loads_and_unloads_with_tritonclient_and_refuses_paths_outside(exports, tmp_path):
@@ -313,3 +317,19 @@ def test_an_unloaded_version_is_freed_at_once_not_at_the_next_garbage_collection
         assert [ref() for ref in sessions] == [None, None, None]
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model-control-mode", "explicit"], "need --model-repository"),
+        (["--model-repository", "r", "--load-model", "mha"], "--load-model needs --model-control-mode explicit"),
+        (["--model-repository", "r", "--model-control-mode", "sometimes"], "must be none, poll or explicit"),
+        (["--model-repository", "r", "--version-policy", "newest"], "expected latest, latest:N, all or specific"),
+        (["--model-repository", "r", "--model-dir", "m"], "not both"),
+    ],
+)
+def test_repository_settings_that_cannot_work_are_one_line_and_exit_code_2(args, message):
+    done = subprocess.run([sys.executable, "-m", "mhaserve.cli", "serve", *args], capture_output=True, text=True)
+    assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().count("\n") == 0
