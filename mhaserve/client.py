@@ -23,7 +23,7 @@ import numpy as np
 
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
-from mhaserve.server.codec import DATATYPES, datatype_of
+from mhaserve.server.tensors import DATATYPES, datatype_of
 from mhaserve.signature import ATTN_WEIGHTS, ATTN_WEIGHTS_MEAN, OUTPUT
 
 # Large enough for any response of the server's default limits (32 x 512 x 512 with weights);
@@ -131,7 +131,7 @@ def build_infer_request(
 def parse_infer_response(response: pb.ModelInferResponse) -> InferResult:
     arrays = {}
     for index, tensor in enumerate(response.outputs):
-        dtype, _ = DATATYPES[tensor.datatype]
+        dtype = DATATYPES[tensor.datatype]
         arrays[tensor.name] = np.frombuffer(response.raw_output_contents[index], dtype=dtype).reshape(tensor.shape)
     return InferResult(
         arrays.get(OUTPUT), arrays.get(ATTN_WEIGHTS), response.id, arrays.get(ATTN_WEIGHTS_MEAN), response.model_version

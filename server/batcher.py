@@ -35,9 +35,9 @@ import numpy as np
 
 from mhaserve.signature import ATTN_WEIGHTS, ATTN_WEIGHTS_MEAN, OUTPUT, graph_outputs_for
 
-from .codec import AttentionRequest, count_non_finite
 from .errors import ErrorKind, RequestError
 from .run_cost import RunCost, plan_runs
+from .tensors import AttentionRequest, count_non_finite
 
 
 class QueueFull(RequestError):

@@ -26,7 +26,6 @@ from mhaserve.repository import ModelRepository, VersionPolicy
 from mhaserve.signature import ATTN_WEIGHTS, ATTN_WEIGHTS_MEAN, GRAPH_OUTPUT_NAMES
 
 from .batcher import Batcher, BatchResult
-from .codec import AttentionRequest, Limits, ModelSignature
 from .config import ServerSettings
 from .errors import ErrorKind, RequestError
 from .malloc import release_free_memory
@@ -35,6 +34,7 @@ from .registry import ModelRegistry, ServedModel
 from .run_cost import RunCost
 from .session import AttentionSession
 from .statistics import ModelStatistics, RequestTiming
+from .tensors import AttentionRequest, Limits, ModelSignature
 
 log = logging.getLogger("mhaserve.server")
 

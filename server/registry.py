@@ -21,11 +21,11 @@ from mhaserve.model_folder import ModelDirError, read_manifest
 from mhaserve.repository import ModelRepository, RepositoryPathError, VersionPolicy
 
 from .batcher import Batcher
-from .codec import ModelSignature
 from .errors import ErrorKind, RequestError
 from .metrics import ModelMetrics
 from .session import AttentionSession
 from .statistics import ModelStatistics
+from .tensors import ModelSignature
 
 log = logging.getLogger("mhaserve.server")
 

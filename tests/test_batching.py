@@ -12,8 +12,9 @@ import pytest
 
 from mhaserve.client import AsyncClient, Client, build_infer_request
 from mhaserve.server.batcher import merge, split
-from mhaserve.server.codec import AttentionRequest, Limits, ModelSignature, decode_infer_request
+from mhaserve.server.codec import decode_infer_request
 from mhaserve.server.session import AttentionSession
+from mhaserve.server.tensors import AttentionRequest, Limits, ModelSignature
 from mhaserve.server_process import ServerProcess
 
 from .conftest import SMALL_D_MODEL, SMALL_HEADS, eager, rand

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from mhaserve.protos.generated import grpc_service_pb2 as pb
-from mhaserve.server.codec import AttentionRequest, ModelSignature, encode_infer_response
+from mhaserve.server.codec import encode_infer_response
+from mhaserve.server.tensors import AttentionRequest, ModelSignature
 
 from .conftest import rand
 

@@ -21,16 +21,16 @@ from hypothesis import strategies as st
 from mhaserve.client import build_infer_request
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
-from mhaserve.server.codec import (
+from mhaserve.server.codec import CONTENTS_FIELDS, decode_infer_request
+from mhaserve.server.errors import ErrorKind, RequestError
+from mhaserve.server.tensors import (
     DATATYPES,
     INPUT_NAMES,
     OUTPUT_NAMES,
     AttentionRequest,
     Limits,
     ModelSignature,
-    decode_infer_request,
 )
-from mhaserve.server.errors import ErrorKind, RequestError
 
 from .conftest import SMALL_D_MODEL, SMALL_HEADS, rand
 
@@ -73,7 +73,7 @@ def tensors(draw):
     datatype = draw(datatypes)
     shape = draw(st.one_of(st.lists(dims, max_size=5), st.lists(st.integers(0, 6), min_size=1, max_size=4)))
     # Raw bytes of the right length for the declared shape (when it is small), or any length.
-    dtype = DATATYPES[datatype][0] if datatype in DATATYPES else np.dtype(np.uint8)
+    dtype = DATATYPES[datatype] if datatype in DATATYPES else np.dtype(np.uint8)
     count = int(np.prod([max(d, 0) for d in shape])) if shape and all(0 <= d < 10_000 for d in shape) else 0
     exact = count * dtype.itemsize if count * dtype.itemsize <= 1 << 16 else 0
     raw = draw(st.one_of(st.binary(min_size=exact, max_size=exact), st.binary(max_size=64), st.none()))
@@ -85,7 +85,7 @@ def tensors(draw):
 
 
 # Each datatype's typed field, with values over the whole range the field can carry (not the datatype).
-FIELD_OF = {datatype: field for datatype, (_, field) in DATATYPES.items()}
+FIELD_OF = CONTENTS_FIELDS
 
 
 @st.composite

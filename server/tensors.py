@@ -1,0 +1,254 @@
+"""The protocol's tensor rules, for every transport: named arrays in, a validated AttentionRequest out.
+
+Every check and every message about inputs lives here: which names, datatypes and shapes a request may
+carry, how many bytes or values each holds, the limits, finiteness and the mask forms. A transport
+(the protobuf codec, the REST one) only finds each tensor's name, datatype, shape and bytes or values
+in its own wire format and hands them here, so a refusal reads the same over gRPC and HTTP.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from mhaserve.signature import DEFAULT_OUTPUT_NAMES, INPUT_NAMES, OUTPUT_NAMES
+
+from .errors import ErrorKind, RequestError, invalid
+
+# Protocol datatype <-> numpy.
+DATATYPES = {
+    "BOOL": np.dtype(np.bool_),
+    "UINT8": np.dtype(np.uint8),
+    "INT8": np.dtype(np.int8),
+    "INT32": np.dtype(np.int32),
+    "INT64": np.dtype(np.int64),
+    "FP32": np.dtype(np.float32),
+    "FP64": np.dtype(np.float64),
+}
+NUMPY_TO_DATATYPE = {dtype: name for name, dtype in DATATYPES.items()}
+MASK_DATATYPES = ("BOOL", "UINT8", "INT8", "INT32", "INT64")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask for; beyond it the answer is RESOURCE_EXHAUSTED."""
+
+    max_batch_size: int
+    max_q_len: int
+    max_kv_len: int
+
+
+@dataclass(frozen=True)
+class ModelSignature:
+    name: str
+    version: str
+    d_model: int
+    num_heads: int
+
+
+@dataclass
+class AttentionRequest:
+    """A decoded, validated request: arrays ready for the ONNX graph."""
+
+    id: str
+    query: np.ndarray  # [B, Lq, d] float32
+    key: np.ndarray  # [B, Lk, d] float32 (query itself for self-attention)
+    value: np.ndarray  # [B, Lk, d] float32
+    mask: np.ndarray  # [B|1, 1, Lq|1, Lk] bool; all True when the request had none
+    outputs: tuple[str, ...]  # requested outputs, in the order to return them
+
+    @property
+    def batch_size(self) -> int:
+        return self.query.shape[0]
+
+
+def datatype_of(array: np.ndarray) -> str:
+    try:
+        return NUMPY_TO_DATATYPE[array.dtype]
+    except KeyError:
+        raise ValueError(f"no protocol datatype for numpy dtype {array.dtype}") from None
+
+
+def _shape_text(shape) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def check_input_header(name: str, datatype: str, seen) -> None:
+    """A known input, given once, in a datatype it may have."""
+    if name not in INPUT_NAMES:
+        raise invalid(f"unknown input '{name}'; this model takes {', '.join(INPUT_NAMES)}")
+    if name in seen:
+        raise invalid(f"input '{name}' is given more than once")
+    allowed_types = MASK_DATATYPES if name == "mask" else ("FP32",)
+    if datatype not in allowed_types:
+        raise invalid(f"input '{name}': datatype '{datatype}', expected {' or '.join(allowed_types)}")
+
+
+def element_count(name: str, shape) -> int:
+    shape = tuple(shape)
+    if any(d < 0 for d in shape):
+        raise invalid(f"input '{name}': shape {_shape_text(shape)} has a negative dimension")
+    count = math.prod(shape)
+    if count == 0:  # and before numpy sees it: [0, 2^63-1, 512] holds nothing, yet is "too big" to reshape
+        raise invalid(
+            f"input '{name}': shape {_shape_text(shape)} holds no elements; every dimension must be at least 1"
+        )
+    return count
+
+
+def array_from_bytes(name: str, datatype: str, shape, raw, where: str = "raw contents") -> np.ndarray:
+    """The tensor from its little-endian bytes, without a copy (read-only)."""
+    count = element_count(name, shape)
+    dtype = DATATYPES[datatype]
+    expected = count * dtype.itemsize
+    if len(raw) != expected:
+        raise invalid(
+            f"input '{name}': {len(raw)} bytes of {where}, expected {expected} ({datatype} {_shape_text(shape)})"
+        )
+    return np.frombuffer(raw, dtype=dtype).reshape(tuple(shape))
+
+
+def array_from_values(name: str, datatype: str, shape, values, where: str) -> np.ndarray:
+    """The tensor from a flat sequence of values (protobuf's typed contents, JSON's data)."""
+    count = element_count(name, shape)
+    dtype = DATATYPES[datatype]
+    if len(values) != count:
+        raise invalid(
+            f"input '{name}': {len(values)} values in {where}, expected {count} ({datatype} {_shape_text(shape)})"
+        )
+    if dtype.kind in "iu" and dtype.itemsize < 8 and len(values):
+        # Integers arrive wider than INT8/UINT8/INT32 hold, and numpy would raise (or wrap).
+        wide = np.asarray(values, dtype=np.int64)
+        info = np.iinfo(dtype)
+        low, high = int(wide.min()), int(wide.max())
+        if low < info.min or high > info.max:
+            bad = low if low < info.min else high
+            raise invalid(
+                f"input '{name}': value {bad} in {where} is out of range for {datatype} [{info.min}, {info.max}]"
+            )
+    return np.asarray(values, dtype=dtype).reshape(tuple(shape))
+
+
+def build_request(
+    arrays: dict[str, np.ndarray], request_id: str, output_names, model: ModelSignature, limits: Limits
+) -> AttentionRequest:
+    """Validate named input arrays against the model and the limits; raise RequestError on the first problem."""
+    query = arrays.get("query")
+    if query is None:
+        raise invalid("input 'query' is missing; it is required ([batch, q_len, d_model] FP32)")
+    batch, q_len = _check_sequence(query, "query", model.d_model, batch=None)
+    key, value = arrays.get("key"), arrays.get("value")
+    if key is None and value is not None:
+        raise invalid("input 'value' is given without 'key'; give both, only 'key', or neither (self-attention)")
+    if key is None:
+        key = value = query
+        kv_len = q_len
+    else:
+        _, kv_len = _check_sequence(key, "key", model.d_model, batch=batch)
+        if value is None:
+            value = key
+        else:
+            _check_sequence(value, "value", model.d_model, batch=batch, length=(kv_len, "the length of 'key'"))
+
+    if batch > limits.max_batch_size:
+        raise RequestError(
+            ErrorKind.RESOURCE_EXHAUSTED,
+            f"input 'query': batch {batch} exceeds the limit max_batch_size={limits.max_batch_size}",
+        )
+    if q_len > limits.max_q_len:
+        raise RequestError(
+            ErrorKind.RESOURCE_EXHAUSTED,
+            f"input 'query': q_len {q_len} exceeds the limit max_q_len={limits.max_q_len}",
+        )
+    if kv_len > limits.max_kv_len:
+        raise RequestError(
+            ErrorKind.RESOURCE_EXHAUSTED,
+            f"input 'key': kv_len {kv_len} exceeds the limit max_kv_len={limits.max_kv_len}",
+        )
+    checked = []
+    for name in ("query", "key", "value"):
+        array = arrays.get(name)
+        if array is not None and not any(array is seen for seen in checked):  # self-attention: one check
+            _check_finite(array, name)
+            checked.append(array)
+
+    mask = _attention_mask(arrays.get("mask"), batch, q_len, kv_len)
+    return AttentionRequest(
+        id=request_id,
+        query=query,
+        key=key,
+        value=value,
+        mask=mask,
+        outputs=requested_outputs(output_names),
+    )
+
+
+def _check_sequence(array, name, d_model, batch, length=None) -> tuple[int, int]:
+    if array.ndim != 3:
+        raise invalid(f"input '{name}': shape {_shape_text(array.shape)}, expected rank 3 [batch, length, {d_model}]")
+    b, n, d = array.shape
+    if d != d_model:
+        raise invalid(f"input '{name}': shape {_shape_text(array.shape)}, last dim {d}, expected d_model {d_model}")
+    if b == 0 or n == 0:
+        raise invalid(f"input '{name}': shape {_shape_text(array.shape)}, batch and length must be at least 1")
+    if batch is not None and b != batch:
+        raise invalid(f"input '{name}': batch {b}, expected {batch} (the batch of 'query')")
+    if length is not None and n != length[0]:
+        raise invalid(f"input '{name}': length {n}, expected {length[0]} ({length[1]})")
+    return b, n
+
+
+def count_non_finite(array: np.ndarray) -> int:
+    """How many NaN or Inf ``array`` holds. Any poisons a sum, which needs no temporary array; only a
+    non-finite sum (a bad value, or finite values overflowing float32) pays for the exact count."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        if np.isfinite(array.sum()):
+            return 0
+    return int(array.size - np.count_nonzero(np.isfinite(array)))
+
+
+def _check_finite(array: np.ndarray, name: str) -> None:
+    bad = count_non_finite(array)
+    if bad:
+        raise invalid(f"input '{name}': {bad} non-finite values (NaN or Inf); expected finite FP32 values")
+
+
+def _attention_mask(mask: np.ndarray | None, batch: int, q_len: int, kv_len: int) -> np.ndarray:
+    """The served rank-4 bool mask [B|1, 1, Lq|1, Lk] from [B, Lk] or [B, Lq, Lk] (0 = may not attend)."""
+    if mask is None:
+        return _unmasked(kv_len)
+    expected = f"[{batch}, {kv_len}] (key padding) or [{batch}, {q_len}, {kv_len}]"
+    if mask.ndim == 2 and mask.shape[0] in (1, batch) and mask.shape[1] == kv_len:
+        allowed = mask[:, None, None, :]
+    elif mask.ndim == 3 and mask.shape[0] in (1, batch) and mask.shape[1:] == (q_len, kv_len):
+        allowed = mask[:, None, :, :]
+    else:
+        raise invalid(f"input 'mask': shape {_shape_text(mask.shape)}, expected {expected}")
+    if allowed.dtype != np.bool_:
+        return allowed != 0
+    # Raw BOOL bytes are whatever the client sent: any nonzero byte means true, as for integer masks. Left
+    # as they are, ONNX Runtime's Cast took 0x02 as 2.0 (rows summing to 2) and 0xFF as NaN, with status OK.
+    as_bytes = allowed.view(np.uint8)
+    return as_bytes != 0 if (as_bytes > 1).any() else allowed
+
+
+@functools.lru_cache(maxsize=1024)
+def _unmasked(kv_len: int) -> np.ndarray:
+    """The shared, read-only [1, 1, 1, Lk] all-True mask of requests without one (a fresh one per request
+    was a tenth of decoding at [1,16,512])."""
+    mask = np.ones((1, 1, 1, kv_len), dtype=bool)
+    mask.flags.writeable = False
+    return mask
+
+
+def requested_outputs(output_names) -> tuple[str, ...]:
+    names = tuple(output_names)
+    for name in names:
+        if name not in OUTPUT_NAMES:
+            raise invalid(f"unknown requested output '{name}'; this model returns {', '.join(OUTPUT_NAMES)}")
+    if len(set(names)) != len(names):
+        raise invalid(f"requested outputs {list(names)} name an output more than once")
+    return names or DEFAULT_OUTPUT_NAMES
