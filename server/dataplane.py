@@ -278,6 +278,15 @@ class DataPlane:
             raise ShuttingDown()
         return self.registry.resolve(name, version)
 
+    def statistics_of(self, name: str, version: str) -> list[ServedModel]:
+        """The versions a statistics request names: one version, every version of a model, or every one."""
+        if name and version:
+            return [self.registry.resolve(name, version)]
+        if name:
+            self.registry.resolve(name, "")  # NOT_FOUND for a model this server lacks
+            return [m for m in self.registry.served_models() if m.signature.name == name]
+        return self.registry.served_models()
+
     def model_ready(self, name: str, version: str) -> bool:
         """ModelReady: the version exists (NOT_FOUND otherwise) and serves now."""
         try:

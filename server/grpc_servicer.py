@@ -6,14 +6,14 @@ import functools
 import logging
 
 import grpc
+from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 
-import mhaserve
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
 from mhaserve.protos.generated import model_config_pb2 as mc
-from mhaserve.signature import input_specs, output_specs
 
+from . import describe
 from .codec import decode_infer_request, encode_infer_response
 from .dataplane import DataPlane
 from .errors import ErrorKind, RequestError
@@ -21,11 +21,8 @@ from .registry import ServedModel
 
 log = logging.getLogger("mhaserve.server")
 
-PLATFORM = "onnxruntime_onnx"
-
 # The data plane's refusals as gRPC statuses (the kinds are named after them).
 GRPC_STATUS = {kind: grpc.StatusCode[kind.name] for kind in ErrorKind}
-EXTENSIONS = ["model_configuration", "model_repository", "statistics"]
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
@@ -54,59 +51,29 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             await context.abort(GRPC_STATUS[error.kind], error.message)
 
     async def ServerMetadata(self, request, context):
-        return pb.ServerMetadataResponse(name="mhaserve", version=mhaserve.__version__, extensions=EXTENSIONS)
+        return json_format.ParseDict(describe.server_metadata(), pb.ServerMetadataResponse())
 
     async def ModelMetadata(self, request, context):
-        s = (await self._resolve(request.name, request.version, context)).signature
-        tensor = pb.ModelMetadataResponse.TensorMetadata
-        return pb.ModelMetadataResponse(
-            name=s.name,
-            versions=[str(v) for v in self.dataplane.registry.ready_versions(s.name)],
-            platform=PLATFORM,
-            inputs=[tensor(name=t.name, datatype=t.datatype, shape=t.shape) for t in input_specs(s.d_model)],
-            outputs=[
-                tensor(name=t.name, datatype=t.datatype, shape=t.shape) for t in output_specs(s.d_model, s.num_heads)
-            ],
-        )
+        served = await self._resolve(request.name, request.version, context)
+        metadata = describe.model_metadata(served, self.dataplane.registry.ready_versions(served.signature.name))
+        return json_format.ParseDict(metadata, pb.ModelMetadataResponse())
 
     async def ModelConfig(self, request, context):
-        s = (await self._resolve(request.name, request.version, context)).signature
-        data_type = {"FP32": mc.TYPE_FP32, "BOOL": mc.TYPE_BOOL}
-        config = mc.ModelConfig(
-            name=s.name,
-            platform=PLATFORM,
-            backend="onnxruntime",
-            # 0: the batch dim is part of every shape, as in the metadata (no implicit batching).
-            max_batch_size=0,
-            input=[
-                mc.ModelInput(name=t.name, data_type=data_type[t.datatype], dims=t.shape, optional=t.optional)
-                for t in input_specs(s.d_model)
-            ],
-            output=[
-                mc.ModelOutput(name=t.name, data_type=data_type[t.datatype], dims=t.shape)
-                for t in output_specs(s.d_model, s.num_heads)
-            ],
-            default_model_filename="model.onnx",
-        )
-        return pb.ModelConfigResponse(config=config)
+        served = await self._resolve(request.name, request.version, context)
+        return pb.ModelConfigResponse(config=json_format.ParseDict(describe.model_config(served), mc.ModelConfig()))
 
     async def ModelStatistics(self, request, context):
-        if request.name and request.version:
-            served = [await self._resolve(request.name, request.version, context)]
-        elif request.name:
-            await self._resolve(request.name, "", context)  # NOT_FOUND for a model this server lacks
-            served = [m for m in self.dataplane.registry.served_models() if m.signature.name == request.name]
-        else:
-            served = self.dataplane.registry.served_models()
-        return pb.ModelStatisticsResponse(model_stats=[_statistics(m) for m in served])
+        try:
+            served = self.dataplane.statistics_of(request.name, request.version)
+        except RequestError as error:
+            await context.abort(GRPC_STATUS[error.kind], error.message)
+        stats = {"model_stats": [describe.model_statistics(m) for m in served]}
+        return json_format.ParseDict(stats, pb.ModelStatisticsResponse())
 
     async def RepositoryIndex(self, request, context):
         await self._check_repository_name(request.repository_name, context)
-        entry = pb.RepositoryIndexResponse.ModelIndex
-        rows = self.dataplane.registry.index(ready_only=request.ready)
-        return pb.RepositoryIndexResponse(
-            models=[entry(name=n, version=v, state=state, reason=reason) for n, v, state, reason in rows]
-        )
+        rows = describe.repository_index(self.dataplane.registry.index(ready_only=request.ready))
+        return json_format.ParseDict({"models": rows}, pb.RepositoryIndexResponse())
 
     async def RepositoryModelLoad(self, request, context):
         await self._check_repository_name(request.repository_name, context)
@@ -167,39 +134,6 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             except Exception as error:  # as in ModelInfer: say so, and the stream goes on
                 log.exception("inference failed")
                 yield pb.ModelStreamInferResponse(error_message=f"INTERNAL: {_internal_error(error)}")
-
-
-def _statistics(served: ServedModel) -> pb.ModelStatistics:
-    s = served.stats
-
-    def duration(d):
-        return pb.StatisticDuration(count=d.count, ns=d.ns)
-
-    with s.lock:
-        return pb.ModelStatistics(
-            name=served.signature.name,
-            version=served.signature.version,
-            last_inference=s.last_inference_ms,
-            inference_count=s.inference_count,
-            execution_count=s.execution_count,
-            inference_stats=pb.InferStatistics(
-                success=duration(s.success),
-                fail=duration(s.fail),
-                queue=duration(s.queue),
-                compute_input=duration(s.compute_input),
-                compute_infer=duration(s.compute_infer),
-                compute_output=duration(s.compute_output),
-            ),
-            batch_stats=[
-                pb.InferBatchStatistics(
-                    batch_size=b,
-                    compute_input=duration(d.compute_input),
-                    compute_infer=duration(d.compute_infer),
-                    compute_output=duration(d.compute_output),
-                )
-                for b, d in sorted(s.batch_sizes.items())
-            ],
-        )
 
 
 def _internal_error(error: Exception) -> str:

@@ -1,0 +1,91 @@
+"""What the server says about itself and its served versions, as plain dicts in the protocol's JSON shape.
+
+REST writes them as they are; gRPC parses them into the messages of the same names (the field names
+are the protocol's, so one statement serves both transports).
+"""
+
+from __future__ import annotations
+
+import mhaserve
+from mhaserve.signature import input_specs, output_specs
+
+from .registry import ServedModel
+from .statistics import Duration
+
+PLATFORM = "onnxruntime_onnx"
+EXTENSIONS = ["model_configuration", "model_repository", "statistics", "binary_tensor_data"]
+CONFIG_DATA_TYPES = {"FP32": "TYPE_FP32", "BOOL": "TYPE_BOOL"}
+
+
+def server_metadata() -> dict:
+    return {"name": "mhaserve", "version": mhaserve.__version__, "extensions": EXTENSIONS}
+
+
+def model_metadata(served: ServedModel, ready_versions: list[int]) -> dict:
+    s = served.signature
+
+    def tensors(specs):
+        return [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)} for t in specs]
+
+    return {
+        "name": s.name,
+        "versions": [str(v) for v in ready_versions],
+        "platform": PLATFORM,
+        "inputs": tensors(input_specs(s.d_model)),
+        "outputs": tensors(output_specs(s.d_model, s.num_heads)),
+    }
+
+
+def model_config(served: ServedModel) -> dict:
+    """Triton's ModelConfig: max_batch_size 0 because the batch dim is part of every shape, as in the
+    metadata (no implicit batching)."""
+    s = served.signature
+    return {
+        "name": s.name,
+        "platform": PLATFORM,
+        "backend": "onnxruntime",
+        "max_batch_size": 0,
+        "input": [
+            {"name": t.name, "data_type": CONFIG_DATA_TYPES[t.datatype], "dims": list(t.shape), "optional": t.optional}
+            for t in input_specs(s.d_model)
+        ],
+        "output": [
+            {"name": t.name, "data_type": CONFIG_DATA_TYPES[t.datatype], "dims": list(t.shape)}
+            for t in output_specs(s.d_model, s.num_heads)
+        ],
+        "default_model_filename": "model.onnx",
+    }
+
+
+def model_statistics(served: ServedModel) -> dict:
+    """Triton's statistics extension for one version (durations in nanoseconds)."""
+    s = served.stats
+
+    def duration(d: Duration) -> dict:
+        return {"count": d.count, "ns": d.ns}
+
+    with s.lock:
+        return {
+            "name": served.signature.name,
+            "version": served.signature.version,
+            "last_inference": s.last_inference_ms,
+            "inference_count": s.inference_count,
+            "execution_count": s.execution_count,
+            "inference_stats": {
+                name: duration(getattr(s, name))
+                for name in ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output")
+            },
+            "batch_stats": [
+                {
+                    "batch_size": size,
+                    "compute_input": duration(d.compute_input),
+                    "compute_infer": duration(d.compute_infer),
+                    "compute_output": duration(d.compute_output),
+                }
+                for size, d in sorted(s.batch_sizes.items())
+            ],
+        }
+
+
+def repository_index(rows: list[tuple[str, str, str, str]]) -> list[dict]:
+    return [{"name": n, "version": v, "state": state, "reason": reason} for n, v, state, reason in rows]
