@@ -14,6 +14,7 @@ from pathlib import Path
 
 SERVING_LINE = re.compile(r"serving model=.* address=([\d.]+):(\d+)")
 METRICS_ADDRESS = re.compile(r" metrics=([\d.]+:\d+) ")
+HTTP_ADDRESS = re.compile(r" http=([\d.]+:\d+) ")
 
 
 def free_port() -> int:
@@ -27,12 +28,13 @@ class ServerProcess:
         """``model_dir`` None: ``args`` say what to serve (e.g. --model-repository DIR)."""
         self.command = [
             sys.executable, "-m", "mhaserve.cli", "serve", *(("--model-dir", str(model_dir)) if model_dir else ()),
-            "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0", *args,
+            "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0", "--http-port", "0", *args,
         ]  # fmt: skip
         self.env = {**os.environ, **(env or {})}
         self.lines: list[str] = []
         self.port = port
         self.metrics_url: str | None = None
+        self.http_url: str | None = None  # "http://127.0.0.1:PORT" when the HTTP/REST port is on
         self.proc: subprocess.Popen | None = None
         self._serving = threading.Event()
 
@@ -61,6 +63,8 @@ class ServerProcess:
             if match:
                 metrics = METRICS_ADDRESS.search(line)
                 self.metrics_url = f"http://{metrics.group(1)}/metrics" if metrics else None
+                http = HTTP_ADDRESS.search(line)
+                self.http_url = f"http://{http.group(1)}" if http else None
                 self.port = int(match.group(2))
                 self._serving.set()
 

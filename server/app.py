@@ -10,6 +10,7 @@ import signal
 import sys
 
 import grpc
+from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -20,7 +21,14 @@ from .config import ServerSettings
 from .dataplane import DataPlane
 from .grpc_servicer import InferenceServicer, add_inference_service
 from .malloc import tune_malloc
-from .security import BearerTokenInterceptor, SecurityConfigError, load_token, server_credentials
+from .rest import RestTransport
+from .security import (
+    BearerTokenInterceptor,
+    SecurityConfigError,
+    load_token,
+    server_credentials,
+    server_ssl_context,
+)
 from .session import DeviceUnavailable
 
 log = logging.getLogger("mhaserve.server")
@@ -106,6 +114,12 @@ async def serve(settings: ServerSettings, model_dir) -> int:
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
+    try:  # the same protocol over HTTP/REST, on this loop and this data plane; probes answer during the load
+        http_runner, http_address = await start_rest(settings, dataplane, token, receive_limit)
+    except (OSError, SecurityConfigError) as error:
+        log.error("could not start HTTP/REST on %s:%s: %s", settings.host, settings.http_port, error)
+        await server.stop(0)
+        return 2
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -125,13 +139,13 @@ async def serve(settings: ServerSettings, model_dir) -> int:
         loading.result()
     except (ModelDirError, DeviceUnavailable, ValueError) as error:
         log.error("cannot serve: %s", error)
-        await server.stop(0)
+        await asyncio.gather(server.stop(0), _stop_rest(http_runner))
         return 3
     try:
         metrics_address = f"{settings.host}:{dataplane.start_metrics()}" if settings.metrics_port >= 0 else "off"
     except OSError as error:
         log.error("could not start the metrics endpoint on %s:%s: %s", settings.host, settings.metrics_port, error)
-        await server.stop(0)
+        await asyncio.gather(server.stop(0), _stop_rest(http_runner))
         return 2
     # What start-up made (modules, the sessions, gRPC: 40k objects) lives as long as the process. Frozen, a
     # full collection, when one comes under load, no longer walks it: 18 ms with the model loaded, 0.001 ms
@@ -148,7 +162,7 @@ async def serve(settings: ServerSettings, model_dir) -> int:
         "serving %s repository=%s control=%s provider=%s intra_op_threads=%d workers=%d "
         "batching=%s max_batch_size=%d max_queue_delay_us=%d max_queue_size=%d max_receive_bytes=%d max_send_bytes=%d "
         "max_inflight_bytes=%d "
-        "tls=%s auth=%s metrics=%s address=%s:%d",
+        "tls=%s auth=%s metrics=%s http=%s address=%s:%d",
         "; ".join(
             f"model={m.signature.name} version={m.signature.version} d_model={m.signature.d_model} "
             f"heads={m.signature.num_heads} opset={m.session.info.opset}"
@@ -170,6 +184,7 @@ async def serve(settings: ServerSettings, model_dir) -> int:
         ("mutual" if settings.tls_client_ca_file else "on") if credentials else "off",
         "token" if token else "off",
         metrics_address,
+        http_address,
         settings.host,
         port,
     )
@@ -191,12 +206,40 @@ async def serve(settings: ServerSettings, model_dir) -> int:
         dataplane.draining = True
         await health_servicer.enter_graceful_shutdown()
         await asyncio.sleep(settings.drain_seconds)
-        await server.stop(settings.grace_seconds)
+        await asyncio.gather(server.stop(settings.grace_seconds), _stop_rest(http_runner))
+    else:
+        await _stop_rest(http_runner)
     await asyncio.to_thread(dataplane.shutdown)
     # Calls still inside the handler when the grace period ended were cut off: say how many.
     outcomes = ", ".join(f"{status} {n}" for status, n in sorted(dataplane.outcomes.items())) or "none"
     log.info("stopped: inference calls by status: %s; %d in flight at exit", outcomes, dataplane.requests_in_flight)
     return 0
+
+
+async def start_rest(settings: ServerSettings, dataplane: DataPlane, token, body_limit: int):
+    """The HTTP/REST port: (its runner, "host:port"), or (None, "off")."""
+    if settings.http_port < 0:
+        return None, "off"
+    transport = RestTransport(dataplane, token, body_limit, settings.http_read_timeout_s)
+    # In-flight HTTP requests get the same grace on SIGTERM as gRPC's.
+    runner = web.AppRunner(
+        transport.application(), handle_signals=False, access_log=None, shutdown_timeout=settings.grace_seconds
+    )
+    await runner.setup()
+    context = server_ssl_context(settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file)
+    site = web.TCPSite(runner, settings.host, settings.http_port, ssl_context=context)
+    try:
+        await site.start()
+    except OSError:
+        await runner.cleanup()
+        raise
+    bound = site._server.sockets[0].getsockname()[1]  # the port 0 picked
+    return runner, f"{settings.host}:{bound}"
+
+
+async def _stop_rest(runner) -> None:
+    if runner is not None:
+        await runner.cleanup()
 
 
 class LoadAbandoned(Exception):

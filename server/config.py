@@ -30,6 +30,8 @@ class ServerSettings:
     version_policy: str = "latest:1"  # latest[:N] | all | specific:V[,V...]
     host: str = "127.0.0.1"
     port: int = 8001  # 0 picks a free port; the start-up line names it
+    http_port: int = 8000  # HTTP/REST (KServe v2 with Triton's extensions); 0 = any free port, -1 = off
+    http_read_timeout_s: float = 30.0  # an HTTP request body must arrive within this
     device: str = "auto"  # auto | cpu | cuda
     intra_op_threads: int = 0  # ONNX Runtime threads per run; 0 = one per core
     inference_workers: int = 1  # runs at once; more than one only helps with spare cores
@@ -80,6 +82,9 @@ class ServerSettings:
         "specific:V[,V...]",
         "host": "address to listen on",
         "port": "gRPC port (0 = any free port)",
+        "http_port": "HTTP/REST port, the same protocol as gRPC (0 = any free port, -1 = no HTTP)",
+        "http_read_timeout_s": "seconds an HTTP request's body may take to arrive; a slower client is answered "
+        "504 and dropped",
         "device": "auto: CUDA when really usable, else CPU with a warning; cuda: refuse to start without it",
         "intra_op_threads": "ONNX Runtime threads per run (0 = one per core)",
         "inference_workers": "model runs allowed at once",
@@ -212,6 +217,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         raise UsageError("--model-control-mode and --load-model need --model-repository")
     if settings.load_model and settings.model_control_mode != "explicit":
         raise UsageError("--load-model needs --model-control-mode explicit (the other modes load every model)")
+    if settings.http_read_timeout_s <= 0:
+        raise UsageError("--http-read-timeout-s must be more than 0")
     if settings.repository_poll_secs <= 0:
         raise UsageError("--repository-poll-secs must be more than 0")
     try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hmac
 import logging
 import os
+import ssl
 from pathlib import Path
 
 import grpc
@@ -61,6 +62,28 @@ def load_token(token_file: Path | None) -> bytes | None:
     return token
 
 
+def bearer_token_matches(authorization: str | bytes, token: bytes) -> bool:
+    """An ``Authorization`` value (gRPC metadata or HTTP header) that carries ``Bearer <token>``."""
+    value = authorization.encode() if isinstance(authorization, str) else authorization
+    scheme, _, credentials = value.partition(b" ")
+    # The scheme is case-insensitive (RFC 7235); the token is compared in constant time, so its
+    # bytes cannot be guessed one by one from response times.
+    return scheme.lower() == b"bearer" and hmac.compare_digest(credentials.strip(), token)
+
+
+def server_ssl_context(cert_file: Path | None, key_file: Path | None, client_ca_file: Path | None):
+    """The same TLS as ``server_credentials``, for the HTTP port: None for plain text."""
+    server_credentials(cert_file, key_file, client_ca_file)  # the same checks and messages
+    if cert_file is None:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert_file, key_file)
+    if client_ca_file is not None:
+        context.load_verify_locations(client_ca_file)
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """UNAUTHENTICATED, before any decoding, for a call without ``authorization: Bearer <token>``."""
 
@@ -70,13 +93,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
 
     def _authorized(self, metadata) -> bool:
         presented = [value for key, value in (metadata or ()) if key == "authorization"]
-        if len(presented) != 1:
-            return False
-        value = presented[0].encode() if isinstance(presented[0], str) else presented[0]
-        scheme, _, credentials = value.partition(b" ")
-        # The scheme is case-insensitive (RFC 7235); the token is compared in constant time, so its
-        # bytes cannot be guessed one by one from response times.
-        return scheme.lower() == b"bearer" and hmac.compare_digest(credentials.strip(), self._token)
+        return len(presented) == 1 and bearer_token_matches(presented[0], self._token)
 
     async def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method

@@ -1,0 +1,332 @@
+"""HTTP/REST transport: the Open Inference Protocol's REST binding (KServe v2) with Triton's extensions,
+on the same asyncio loop and data plane as gRPC.
+
+JSON tensors (``data`` flat or nested, row-major) and Triton's binary tensor data extension both ways:
+with an ``Inference-Header-Content-Length`` header, the body is that many bytes of JSON followed by each
+binary input's bytes in input order (``parameters.binary_data_size``); binary inputs are read from the
+body without a copy, and binary outputs are written from their arrays, never through Python lists.
+Every rule about the tensors is ``tensors.py``'s, every decision the data plane's; refusals are its
+RequestError kinds as HTTP statuses, with the gRPC status's message text in ``{"error": ...}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+
+import numpy as np
+import orjson
+from aiohttp import web
+
+from . import describe
+from .dataplane import DataPlane
+from .errors import ErrorKind, RequestError, invalid
+from .security import bearer_token_matches
+from .tensors import (
+    AttentionRequest,
+    Limits,
+    ModelSignature,
+    array_from_bytes,
+    array_from_values,
+    build_request,
+    check_input_header,
+    datatype_of,
+)
+
+log = logging.getLogger("mhaserve.server")
+
+HTTP_STATUS = {
+    ErrorKind.INVALID_ARGUMENT: 400,
+    ErrorKind.FAILED_PRECONDITION: 400,
+    ErrorKind.NOT_FOUND: 404,
+    ErrorKind.RESOURCE_EXHAUSTED: 429,
+    ErrorKind.UNAVAILABLE: 503,
+    ErrorKind.DEADLINE_EXCEEDED: 504,
+    ErrorKind.INTERNAL: 500,
+}
+RETRY_AFTER_S = "1"  # 429 and 503: the queue, the memory budget or a drain; worth retrying shortly
+HEADER_LENGTH = "Inference-Header-Content-Length"
+OPEN_PATHS = ("/v2/health/live", "/v2/health/ready")  # probes need no token, as grpc.health.v1
+
+
+def error_response(status: int, message: str) -> web.Response:
+    headers = {"Retry-After": RETRY_AFTER_S} if status in (429, 503) else None
+    if status == 401:
+        headers = {"WWW-Authenticate": "Bearer"}
+    return web.Response(
+        status=status, body=orjson.dumps({"error": message}), content_type="application/json", headers=headers
+    )
+
+
+def json_response(value, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(value), content_type="application/json")
+
+
+# -- the wire format ------------------------------------------------------------------------------------
+
+
+def _parameters(entry: dict, where: str) -> dict:
+    parameters = entry.get("parameters") or {}
+    if not isinstance(parameters, dict):
+        raise invalid(f"{where}: 'parameters' must be a JSON object")
+    return parameters
+
+
+def decode_rest_request(
+    body: bytes, header_length: int | None, model: ModelSignature, limits: Limits
+) -> tuple[AttentionRequest, set[str]]:
+    """The validated request, and the names of the outputs to return as binary data."""
+    json_part = body if header_length is None else memoryview(body)[:header_length]
+    try:
+        document = orjson.loads(json_part)
+    except orjson.JSONDecodeError as error:
+        raise invalid(f"the request body is not valid JSON ({error})") from None
+    if not isinstance(document, dict):
+        raise invalid(f"the request body is a JSON {type(document).__name__}, expected an object with 'inputs'")
+    inputs = document.get("inputs")
+    if not isinstance(inputs, list):
+        raise invalid("the request has no 'inputs' list")
+    binary = memoryview(body)[header_length:] if header_length is not None else memoryview(b"")
+    offset = 0
+    arrays: dict[str, np.ndarray] = {}
+    for entry in inputs:
+        if not isinstance(entry, dict):
+            raise invalid("each of 'inputs' must be a JSON object with name, shape, datatype and data")
+        name, datatype, shape = entry.get("name"), entry.get("datatype"), entry.get("shape")
+        if not isinstance(name, str) or not isinstance(datatype, str):
+            raise invalid(f"input {name!r}: 'name' and 'datatype' must be strings")
+        check_input_header(name, datatype, arrays)
+        if not isinstance(shape, list) or not all(type(d) is int for d in shape):
+            raise invalid(f"input '{name}': 'shape' is {shape!r}, expected a list of integers")
+        size = _parameters(entry, f"input '{name}'").get("binary_data_size")
+        if size is not None:
+            if type(size) is not int or size < 0 or offset + size > len(binary):
+                raise invalid(
+                    f"input '{name}': binary_data_size {size!r}, but {len(binary) - offset} bytes of binary data "
+                    f"remain after the JSON header ({HEADER_LENGTH})"
+                )
+            arrays[name] = array_from_bytes(name, datatype, shape, binary[offset : offset + size], "binary data")
+            offset += size
+        else:
+            arrays[name] = _array_from_json(name, datatype, shape, entry.get("data"))
+    if offset != len(binary):
+        raise invalid(f"{len(binary) - offset} bytes of binary data follow the inputs' binary_data_size; expected 0")
+
+    default_binary = bool(_parameters(document, "the request").get("binary_data_output", False))
+    outputs = document.get("outputs") or []
+    if not isinstance(outputs, list) or not all(
+        isinstance(o, dict) and isinstance(o.get("name"), str) for o in outputs
+    ):
+        raise invalid("'outputs' must be a list of objects with a 'name'")
+    request_id = document.get("id", "")
+    request = build_request(arrays, str(request_id), (o["name"] for o in outputs), model, limits)
+    binary_outputs = {
+        o["name"] for o in outputs if _parameters(o, f"output '{o['name']}'").get("binary_data", default_binary)
+    }
+    if not outputs and default_binary:
+        binary_outputs = set(request.outputs)
+    return request, binary_outputs
+
+
+def _array_from_json(name: str, datatype: str, shape: list[int], data) -> np.ndarray:
+    if not isinstance(data, list):
+        raise invalid(f"input '{name}': no 'data' list and no binary_data_size parameter")
+    try:
+        values = np.asarray(data)  # nested or flat; row-major either way
+    except ValueError:
+        raise invalid(f"input '{name}': 'data' is a ragged nested list; expected {shape} row-major") from None
+    if values.dtype.kind not in "biuf":
+        raise invalid(f"input '{name}': 'data' holds {values.dtype.kind!r}-kind values, not {datatype} numbers")
+    if datatype == "BOOL" and values.dtype.kind != "b":
+        raise invalid(f"input '{name}': BOOL data must be true or false")
+    if datatype != "BOOL" and datatype != "FP32" and values.dtype.kind == "f":
+        raise invalid(f"input '{name}': {datatype} data must be integers")
+    return array_from_values(name, datatype, shape, values.ravel(), "data")
+
+
+def encode_rest_response(
+    binary_outputs: set[str], request: AttentionRequest, model: ModelSignature, outputs: dict[str, np.ndarray]
+) -> tuple[bytes, int | None]:
+    """The response body, and the JSON header's length when binary outputs follow it."""
+    described, chunks = [], []
+    for name in request.outputs:
+        array = np.ascontiguousarray(outputs[name])
+        entry = {"name": name, "datatype": datatype_of(array), "shape": list(array.shape)}
+        if name in binary_outputs:
+            entry["parameters"] = {"binary_data_size": array.nbytes}
+            chunks.append(memoryview(array).cast("B"))
+        else:
+            entry["data"] = array.ravel()  # orjson writes the array itself, no Python floats
+        described.append(entry)
+    header = orjson.dumps(
+        {"model_name": model.name, "model_version": model.version, "id": request.id, "outputs": described},
+        option=orjson.OPT_SERIALIZE_NUMPY,
+    )
+    if not chunks:
+        return header, None
+    return b"".join([header, *chunks]), len(header)
+
+
+# -- the routes ------------------------------------------------------------------------------------------
+
+
+class RestTransport:
+    def __init__(self, dataplane: DataPlane, token: bytes | None, body_limit: int, read_timeout_s: float):
+        self.dataplane = dataplane
+        self.token = token
+        self.body_limit = body_limit
+        self.read_timeout_s = read_timeout_s
+
+    def application(self) -> web.Application:
+        app = web.Application(client_max_size=self.body_limit, middlewares=[self._errors, self._authenticate])
+        model = "/v2/models/{name}"
+        version = model + "/versions/{version}"
+        app.add_routes(
+            [
+                web.get("/v2/health/live", self.live),
+                web.get("/v2/health/ready", self.ready),
+                web.get("/v2", self.server_metadata),
+                web.get("/v2/models/stats", self.statistics),
+                web.post("/v2/repository/index", self.repository_index),
+                web.post("/v2/repository/models/{name}/load", self.load),
+                web.post("/v2/repository/models/{name}/unload", self.unload),
+            ]
+        )
+        for prefix in (model, version):
+            app.add_routes(
+                [
+                    web.get(prefix, self.model_metadata),
+                    web.get(prefix + "/ready", self.model_ready),
+                    web.get(prefix + "/config", self.model_config),
+                    web.get(prefix + "/stats", self.statistics),
+                    web.post(prefix + "/infer", self.infer),
+                ]
+            )
+        return app
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        """Every refusal as JSON: the data plane's kinds, and aiohttp's own (404 route, 405, 413 body)."""
+        try:
+            return await handler(request)
+        except RequestError as error:
+            return error_response(HTTP_STATUS[error.kind], error.message)
+        except web.HTTPRequestEntityTooLarge:
+            return error_response(
+                413,
+                f"the request body is over the limit of {self.body_limit} bytes (the largest valid request; "
+                "large tensors travel as binary data)",
+            )
+        except web.HTTPException as error:
+            if error.status < 400:
+                raise
+            return error_response(error.status, f"{error.reason}: {request.method} {request.path}")
+
+    @web.middleware
+    async def _authenticate(self, request: web.Request, handler):
+        """Before the body is read: a refused request costs its headers, not its body."""
+        if self.token is None or request.path in OPEN_PATHS:
+            return await handler(request)
+        presented = request.headers.getall("Authorization", [])
+        if len(presented) == 1 and bearer_token_matches(presented[0], self.token):
+            return await handler(request)
+        self.dataplane.record_unauthenticated(request.path)
+        return error_response(401, "missing or wrong bearer token: send the header 'Authorization: Bearer <token>'")
+
+    async def _body(self, request: web.Request) -> bytes:
+        """The whole body, within read_timeout_s: a client that sends half a body is not waited for forever."""
+        try:
+            return await asyncio.wait_for(request.read(), self.read_timeout_s)
+        except asyncio.TimeoutError:
+            raise RequestError(
+                ErrorKind.DEADLINE_EXCEEDED, f"the request body did not arrive within {self.read_timeout_s:g} s"
+            ) from None
+
+    async def live(self, request):
+        return web.Response(status=200)
+
+    async def ready(self, request):
+        return web.Response(status=200 if self.dataplane.reports_ready else 503)
+
+    async def server_metadata(self, request):
+        return json_response(describe.server_metadata())
+
+    async def model_metadata(self, request):
+        served = self._resolve(request)
+        ready_versions = self.dataplane.registry.ready_versions(served.signature.name)
+        return json_response(describe.model_metadata(served, ready_versions))
+
+    async def model_ready(self, request):
+        ready = self.dataplane.model_ready(request.match_info["name"], request.match_info.get("version", ""))
+        return web.Response(status=200 if ready else 503)
+
+    async def model_config(self, request):
+        return json_response(describe.model_config(self._resolve(request)))
+
+    async def statistics(self, request):
+        served = self.dataplane.statistics_of(request.match_info.get("name", ""), request.match_info.get("version", ""))
+        return json_response({"model_stats": [describe.model_statistics(m) for m in served]})
+
+    async def repository_index(self, request):
+        body = await self._body(request)
+        try:
+            ready = bool((orjson.loads(body) if body else {}).get("ready", False))
+        except (orjson.JSONDecodeError, AttributeError):
+            raise invalid('the index request body must be a JSON object like {"ready": true}') from None
+        return json_response(describe.repository_index(self.dataplane.registry.index(ready_only=ready)))
+
+    async def load(self, request):
+        body = await self._body(request)
+        try:
+            parameters = (orjson.loads(body) if body else {}).get("parameters") or {}
+        except (orjson.JSONDecodeError, AttributeError):
+            raise invalid("the load request body must be a JSON object") from None
+        if parameters:
+            raise invalid(
+                f"load parameters {sorted(parameters)} are not supported: a version is loaded as 'mhaserve export' "
+                "wrote it"
+            )
+        await self.dataplane.load_model(request.match_info["name"])
+        return web.Response(status=200)
+
+    async def unload(self, request):
+        await self._body(request)
+        await self.dataplane.unload_model(request.match_info["name"])
+        return web.Response(status=200)
+
+    def _resolve(self, request):
+        return self.dataplane.resolve(request.match_info["name"], request.match_info.get("version", ""))
+
+    async def infer(self, request: web.Request):
+        header_length = request.headers.get(HEADER_LENGTH)
+        if header_length is not None and not header_length.isdigit():
+            raise invalid(f"{HEADER_LENGTH}: {header_length!r}, expected the JSON header's length in bytes")
+        body = await self._body(request)
+        header_length = int(header_length) if header_length is not None else None
+        if header_length is not None and header_length > len(body):
+            raise invalid(f"{HEADER_LENGTH} {header_length} is longer than the body ({len(body)} bytes)")
+        binary_outputs: set[str] = set()
+
+        def decode(model: ModelSignature, limits: Limits) -> AttentionRequest:
+            decoded, wanted = decode_rest_request(body, header_length, model, limits)
+            binary_outputs.update(wanted)
+            return decoded
+
+        try:
+            payload, json_length = await self.dataplane.serve_inference(
+                request.match_info["name"],
+                request.match_info.get("version", ""),
+                decode,
+                functools.partial(encode_rest_response, binary_outputs),
+            )
+        except RequestError:
+            raise
+        except Exception as error:  # a bug or a runtime failure: say so, keep serving
+            log.exception("inference failed")
+            raise RequestError(ErrorKind.INTERNAL, f"inference failed: {type(error).__name__}: {error}") from None
+        if json_length is None:
+            return web.Response(body=payload, content_type="application/json")
+        return web.Response(
+            body=payload, content_type="application/octet-stream", headers={HEADER_LENGTH: str(json_length)}
+        )

@@ -1,0 +1,264 @@
+"""HTTP/REST beside gRPC: the same model, data plane, limits and refusals, over the KServe v2 REST protocol
+with Triton's binary tensor data extension. Real server processes; tritonclient.http unmodified, and raw
+HTTP requests."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mhaserve.checked_load import Reference
+from mhaserve.client import Client
+from mhaserve.server_process import ServerProcess
+
+from .conftest import SMALL_D_MODEL, SMALL_HEADS, TEST_SERVER_ARGS, rand, scrape
+
+D, H = SMALL_D_MODEL, SMALL_HEADS
+TOKEN = "http-token"
+
+
+def call(server, method: str, path: str, body: bytes | None = None, headers=None) -> tuple[int, dict, bytes]:
+    request = urllib.request.Request(server.http_url + path, data=body, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, dict(response.headers), response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, dict(error.headers), error.read()
+
+
+def infer_json(query, outputs=("output",), **extra) -> bytes:
+    document = {
+        "inputs": [{"name": "query", "shape": list(query.shape), "datatype": "FP32", "data": query.tolist()}],
+        "outputs": [{"name": name} for name in outputs],
+        **extra,
+    }
+    return json.dumps(document).encode()
+
+
+def triton_http(server) -> httpclient.InferenceServerClient:
+    return httpclient.InferenceServerClient(server.http_url.removeprefix("http://"))
+
+
+def triton_infer(client, query, mask=None, binary=True, outputs=("output", "attn_weights")):
+    tensors = []
+    for name, array in (("query", query), ("mask", mask)):
+        if array is not None:
+            tensor = httpclient.InferInput(name, list(array.shape), "FP32" if name == "query" else "BOOL")
+            tensor.set_data_from_numpy(array, binary_data=binary)
+            tensors.append(tensor)
+    wanted = [httpclient.InferRequestedOutput(name, binary_data=binary) for name in outputs]
+    return client.infer("mha", tensors, outputs=wanted)
+
+
+def test_every_endpoint_answers_as_the_protocol_says(server):
+    for path in ("/v2/health/live", "/v2/health/ready", "/v2/models/mha/ready", "/v2/models/mha/versions/1/ready"):
+        assert call(server, "GET", path)[0] == 200, path
+    status, _, body = call(server, "GET", "/v2")
+    assert status == 200 and "binary_tensor_data" in json.loads(body)["extensions"]
+    for path in ("/v2/models/mha", "/v2/models/mha/versions/1"):
+        metadata = json.loads(call(server, "GET", path)[2])
+        assert metadata["versions"] == ["1"] and metadata["inputs"][0] == {
+            "name": "query", "datatype": "FP32", "shape": [-1, -1, D]
+        }  # fmt: skip
+        assert metadata["outputs"][1]["shape"] == [-1, H, -1, -1]
+    config = json.loads(call(server, "GET", "/v2/models/mha/config")[2])
+    assert config["max_batch_size"] == 0 and config["input"][0]["data_type"] == "TYPE_FP32"
+    stats = json.loads(call(server, "GET", "/v2/models/mha/stats")[2])["model_stats"]
+    assert [(s["name"], s["version"]) for s in stats] == [("mha", "1")]
+    index = json.loads(call(server, "POST", "/v2/repository/index", b"{}")[2])
+    assert index == [{"name": "mha", "version": "1", "state": "READY", "reason": ""}]
+    # a single-folder server has no repository to load from
+    status, _, body = call(server, "POST", "/v2/repository/models/mha/load", b"")
+    assert status == 400 and "--model-repository" in json.loads(body)["error"]
+    assert call(server, "GET", "/v2/models/mha/versions/2/ready")[0] == 404
+    assert call(server, "GET", "/v2/nothing")[0] == 404
+
+
+def test_answers_equal_grpc_and_in_process_onnx_runtime_bit_for_bit(server, small_model_dir):
+    query = rand(2, 7, D, seed=3)
+    mask = np.random.default_rng(4).random((2, 7)) > 0.3
+    mask[:, 0] = True
+    reference = Reference(small_model_dir).session
+    want_out, want_attn = reference.run(
+        ["output", "attn_weights"], query, query, query, mask[:, None, None, :]
+    )  # fmt: skip
+    with Client(server.url) as client:
+        over_grpc = client.infer(query, mask=mask)
+    client = triton_http(server)
+    for binary in (True, False):
+        result = triton_infer(client, query, mask, binary=binary)
+        np.testing.assert_array_equal(result.as_numpy("output"), over_grpc.output)
+        np.testing.assert_array_equal(result.as_numpy("attn_weights"), over_grpc.attn_weights)
+    np.testing.assert_allclose(over_grpc.output, want_out, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(over_grpc.attn_weights, want_attn, rtol=0, atol=1e-6)
+    # raw JSON: nested data in, flat row-major data out; outputs chosen as on gRPC
+    status, headers, body = call(server, "POST", "/v2/models/mha/infer", infer_json(query, id="raw-7"))
+    answer = json.loads(body)
+    assert status == 200 and headers["Content-Type"].startswith("application/json") and answer["id"] == "raw-7"
+    assert [o["name"] for o in answer["outputs"]] == ["output"] and answer["outputs"][0]["shape"] == [2, 7, D]
+    unmasked = Client(server.url).infer(query, attn_weights=False).output
+    np.testing.assert_array_equal(np.array(answer["outputs"][0]["data"], dtype=np.float32).reshape(2, 7, D), unmasked)
+
+
+def test_binary_outputs_follow_the_json_header(server):
+    query = rand(1, 5, D, seed=5)
+    document = {
+        "inputs": [
+            {"name": "query", "shape": [1, 5, D], "datatype": "FP32", "parameters": {"binary_data_size": query.nbytes}}
+        ],
+        "outputs": [{"name": "attn_weights_mean", "parameters": {"binary_data": True}}, {"name": "output"}],
+    }  # fmt: skip
+    header = json.dumps(document).encode()
+    status, headers, body = call(
+        server, "POST", "/v2/models/mha/infer", header + query.tobytes(),
+        {"Inference-Header-Content-Length": str(len(header)), "Content-Type": "application/octet-stream"},
+    )  # fmt: skip
+    assert status == 200, body
+    json_length = int(headers["Inference-Header-Content-Length"])
+    answer = json.loads(body[:json_length])
+    mean_entry, output_entry = answer["outputs"]
+    assert mean_entry["parameters"]["binary_data_size"] == 4 * 5 * 5 and "data" in output_entry
+    mean = np.frombuffer(body[json_length:], dtype=np.float32).reshape(1, 5, 5)
+    with Client(server.url) as client:
+        want = client.infer(query, attn_weights_mean=True)
+    np.testing.assert_array_equal(mean, want.attn_weights_mean)
+
+
+def _raw_infer(server, document=None, body=None, headers=None):
+    body = json.dumps(document).encode() if body is None else body
+    status, response_headers, text = call(server, "POST", "/v2/models/mha/infer", body, headers)
+    return status, response_headers, json.loads(text)["error"] if status != 200 else ""
+
+
+def tensor(name="query", shape=(1, 2, D), datatype="FP32", data=None, **parameters):
+    entry = {"name": name, "shape": list(shape), "datatype": datatype}
+    if parameters:
+        entry["parameters"] = parameters
+    else:
+        entry["data"] = np.full(shape, 0.5).tolist() if data is None else data
+    return entry
+
+
+MALFORMED = {
+    "wrong d_model": ({"inputs": [tensor(shape=(1, 2, D - 1))]}, 400, ["'query'", f"expected d_model {D}"]),
+    "unknown input": ({"inputs": [tensor(), tensor("values")]}, 400, ["'values'", "query, key, value, mask"]),
+    "unknown output": ({"inputs": [tensor()], "outputs": [{"name": "weights"}]}, 400, ["'weights'"]),
+    "bad datatype": ({"inputs": [tensor(datatype="FP16")]}, 400, ["'query'", "'FP16'", "FP32"]),
+    "too few values": ({"inputs": [tensor(data=[0.5] * 7)]}, 400, ["'query'", "7 values", f"expected {2 * D}"]),
+    "strings as data": ({"inputs": [tensor(data=["a"] * 2 * D)]}, 400, ["'query'"]),
+    "ragged data": ({"inputs": [tensor(data=[[0.5] * D, [0.5]])]}, 400, ["'query'", "ragged"]),
+    "no query": ({"inputs": [tensor("key")]}, 400, ["'query' is missing"]),
+    "mask shape": ({"inputs": [tensor(), tensor("mask", (1, 3), "BOOL", [[True] * 3])]}, 400, ["'mask'", "[1, 3]"]),
+    "int8 out of range": (
+        {"inputs": [tensor(), tensor("mask", (1, 2), "INT8", [[1, 300]])]},
+        400,
+        ["'mask'", "300", "INT8"],
+    ),
+    "non-finite": ({"inputs": [tensor(shape=(1, 1, D), data=[1e39] * D)]}, 400, ["'query'", "non-finite"]),
+    "over max_batch_size": ({"inputs": [tensor(shape=(9, 1, D))]}, 429, ["max_batch_size=8"]),
+    "no inputs": ({"id": "x"}, 400, ["'inputs'"]),
+    "not an object": ([1, 2], 400, ["JSON list"]),
+    "binary size beyond the body": ({"inputs": [tensor(binary_data_size=99999)]}, 400, ["'query'", "binary_data_size"]),
+    "negative dimension": ({"inputs": [tensor(shape=(1, -2, D), data=[])]}, 400, ["'query'", "negative"]),
+}
+
+
+@pytest.mark.parametrize("case", MALFORMED)
+def test_malformed_requests_get_the_status_a_rest_client_expects_naming_the_tensor(server, case):
+    document, expected_status, phrases = MALFORMED[case]
+    status, headers, message = _raw_infer(server, document)
+    assert status == expected_status, (status, message)
+    for phrase in phrases:
+        assert phrase in message, (phrase, message)
+    if status == 429:
+        assert headers["Retry-After"] == "1"
+    assert triton_http(server).is_server_live()
+
+
+def test_the_message_text_is_the_grpc_status_message(server):
+    import grpc
+
+    with Client(server.url) as client, pytest.raises(grpc.RpcError) as over_grpc:
+        client.infer(rand(1, 2, D - 1))
+    _, _, over_http = _raw_infer(server, {"inputs": [tensor(shape=(1, 2, D - 1), data=rand(1, 2, D - 1).tolist())]})
+    assert over_http == over_grpc.value.details()
+
+
+def test_bodies_that_are_not_requests(server):
+    assert _raw_infer(server, body=b"\xff\x00 not json")[0] == 400
+    status, _, message = _raw_infer(server, body=b"{}", headers={"Inference-Header-Content-Length": "99"})
+    assert status == 400 and "longer than the body" in message
+    status, _, message = call(server, "POST", "/v2/models/gpt/infer", infer_json(rand(1, 2, D)))
+    assert status == 404 and "'gpt'" in json.loads(message)["error"]
+    assert call(server, "GET", "/v2/models/mha/infer")[0] == 405
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])  # fmt: skip
+@given(
+    body=st.one_of(st.binary(max_size=300), st.recursive(
+        st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
+        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.sampled_from(
+            ["inputs", "outputs", "name", "shape", "datatype", "data", "parameters", "binary_data_size", "id"]
+        ), inner, max_size=5), max_leaves=20).map(lambda v: json.dumps(v).encode())),
+    header_length=st.one_of(st.none(), st.integers(-5, 400).map(str), st.text("0123456789 -+ax", max_size=4)),
+)  # fmt: skip
+def test_fuzzed_bodies_and_headers_get_json_errors_never_a_crash(server, body, header_length):
+    headers = {} if header_length is None else {"Inference-Header-Content-Length": header_length}
+    try:
+        status, _, text = call(server, "POST", "/v2/models/mha/infer", body, headers)
+    except ValueError:  # urllib refuses a header value with control characters before sending
+        return
+    assert status in (200, 400, 429), (status, text)
+    if status != 200:
+        assert json.loads(text)["error"]
+
+
+def test_over_the_body_limit_is_413(small_model_dir):
+    with ServerProcess(small_model_dir, *TEST_SERVER_ARGS, "--max-message-bytes", "100000") as server:
+        status, _, body = call(server, "POST", "/v2/models/mha/infer", b"x" * 200_000)
+    assert status == 413 and "100000 bytes" in json.loads(body)["error"]
+
+
+def test_token_on_http_health_open(small_model_dir):
+    with ServerProcess(small_model_dir, *TEST_SERVER_ARGS, env={"MHASERVE_AUTH_TOKEN": TOKEN}) as server:
+        assert call(server, "GET", "/v2/health/ready")[0] == 200
+        status, headers, body = call(server, "POST", "/v2/models/mha/infer", infer_json(rand(1, 2, D)))
+        assert status == 401 and headers["WWW-Authenticate"] == "Bearer" and "Bearer" in json.loads(body)["error"]
+        assert call(server, "GET", "/v2/models/mha", headers={"Authorization": "Bearer wrong"})[0] == 401
+        good = {"Authorization": f"Bearer {TOKEN}"}
+        assert call(server, "POST", "/v2/models/mha/infer", infer_json(rand(1, 2, D)), good)[0] == 200
+        assert scrape(server.metrics_url)[("mhaserve_unauthenticated_request_total", ())] == 2
+
+
+def test_a_client_sending_half_a_body_is_dropped_after_the_read_timeout(small_model_dir):
+    with ServerProcess(small_model_dir, *TEST_SERVER_ARGS, "--http-read-timeout-s", "1") as server:
+        host, port = server.http_url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as connection:
+            connection.sendall(
+                b"POST /v2/models/mha/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n" + b"{" * 10
+            )
+            started = time.monotonic()
+            reply = connection.recv(4096)
+            waited = time.monotonic() - started
+        assert reply.startswith(b"HTTP/1.1 504") and b"did not arrive within 1 s" in reply
+        assert waited < 5
+        assert triton_http(server).is_server_ready()
+
+
+def test_http_and_grpc_requests_share_the_statistics(server):
+    before = json.loads(call(server, "GET", "/v2/models/mha/versions/1/stats")[2])["model_stats"][0]
+    call(server, "POST", "/v2/models/mha/infer", infer_json(rand(1, 2, D)))
+    with Client(server.url) as client:
+        client.infer(rand(1, 2, D))
+        after = client.statistics()
+    assert after.inference_count == before["inference_count"] + 2
