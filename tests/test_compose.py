@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -153,6 +154,7 @@ def stack(docker_engine, base_image, torch_wheel_in_context):
         "MHASERVE_TAG": "test",
         "MHASERVE_GRPC_PORT": str(free_port()),
         "MHASERVE_METRICS_HOST_PORT": str(free_port()),
+        "MHASERVE_HTTP_HOST_PORT": str(free_port()),
         "MHASERVE_TORCH_INDEX_URL": "https://pypi.org/simple",  # the wheel in docker/wheels is used
         "MHASERVE_HEALTH_INTERVAL": "1s",
         "MHASERVE_LOADTEST_CONCURRENCY": "1,4",
@@ -220,7 +222,7 @@ def test_gpu_profile_config_reserves_an_nvidia_device(stack, compose_version):
     assert "server-gpu:" in config and "driver: nvidia" in config and "gpu" in config
     assert "MHASERVE_DEVICE: cuda" in config
     assert "condition: service_completed_successfully" in config
-    assert _published_port_addresses(config) == ["127.0.0.1"] * 4  # gRPC and metrics of server and server-gpu
+    assert _published_port_addresses(config) == ["127.0.0.1"] * 6  # gRPC, HTTP and metrics of server and server-gpu
 
 
 def _published_port_addresses(config: str) -> list[str]:
@@ -291,10 +293,18 @@ def test_compose_up_serves_eager_answers_then_drains_and_leaves_nothing(docker_e
     np.testing.assert_allclose(result.output, want_out, rtol=0, atol=1e-5)
     np.testing.assert_allclose(result.attn_weights, want_attn, rtol=0, atol=1e-5)
 
+    # the same model over HTTP/REST on its published port, as curl would call it
+    http = f"http://127.0.0.1:{env['MHASERVE_HTTP_HOST_PORT']}/v2/models/mha"
+    document = {"inputs": [{"name": "query", "shape": [2, 7, 512], "datatype": "FP32", "data": query.tolist()}],
+                "outputs": [{"name": "output"}]}  # fmt: skip
+    with urllib.request.urlopen(urllib.request.Request(http + "/infer", json.dumps(document).encode())) as reply:
+        over_http = json.loads(reply.read())["outputs"][0]
+    np.testing.assert_allclose(np.reshape(over_http["data"], over_http["shape"]), eager(module, query)[0], atol=1e-5)
+
     metrics_url = f"http://127.0.0.1:{env['MHASERVE_METRICS_HOST_PORT']}/metrics"
     samples = scrape(metrics_url)
     ok = ("mhaserve_inference_request_total", (("model", "mha"), ("status", "OK"), ("version", "1")))
-    assert samples[ok] == 1, {k: v for k, v in samples.items() if "request_total" in k[0]}
+    assert samples[ok] == 2, {k: v for k, v in samples.items() if "request_total" in k[0]}
 
     loadtest = compose("--profile", "loadtest", "run", "--rm", "loadtest", timeout=300)
     assert "concurrency 4" in loadtest.stdout, loadtest.stdout + loadtest.stderr
@@ -317,7 +327,7 @@ def test_two_replicas_both_serve_a_round_robin_client(docker_engine, stack):
     compose, _, project = stack
     docker = docker_engine
     # Empty host ports: each replica publishes on its own ephemeral loopback port (no clash).
-    scale_env = {"MHASERVE_GRPC_PORT": "", "MHASERVE_METRICS_HOST_PORT": ""}
+    scale_env = {"MHASERVE_GRPC_PORT": "", "MHASERVE_METRICS_HOST_PORT": "", "MHASERVE_HTTP_HOST_PORT": ""}
     compose("build", "export", "server", timeout=1500)  # cached by the test above
     compose("up", "-d", "--scale", "server=2", "server", timeout=600, env=scale_env)
     replicas = docker.docker("ps", "-q", "--filter", f"label=com.docker.compose.project={project}",

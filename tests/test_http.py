@@ -262,3 +262,38 @@ def test_http_and_grpc_requests_share_the_statistics(server):
         client.infer(rand(1, 2, D))
         after = client.statistics()
     assert after.inference_count == before["inference_count"] + 2
+
+
+def test_sigterm_drains_http_like_grpc_nothing_accepted_is_lost(small_model_dir):
+    from concurrent.futures import ThreadPoolExecutor
+
+    args = ("--max-batch-size", "32", "--max-q-len", "512", "--grace-seconds", "30", "--drain-seconds", "2")
+    server = ServerProcess(small_model_dir, *args, "--warmup-runs", "0").start()
+    queries = [rand(16, 384, D, seed=i) for i in range(12)]
+
+    def binary_infer(query):
+        header = json.dumps({
+            "inputs": [{"name": "query", "shape": list(query.shape), "datatype": "FP32",
+                        "parameters": {"binary_data_size": query.nbytes}}],
+            "outputs": [{"name": "output", "parameters": {"binary_data": True}}],
+        }).encode()  # fmt: skip
+        headers = {"Inference-Header-Content-Length": str(len(header))}
+        return call(server, "POST", "/v2/models/mha/infer", header + query.tobytes(), headers)
+
+    try:
+        with ThreadPoolExecutor(len(queries)) as pool:
+            calls = [pool.submit(binary_infer, q) for q in queries]
+            time.sleep(0.5)  # every call is on the server now, most still queued
+            server.signal()
+            time.sleep(0.3)
+            ready_status = call(server, "GET", "/v2/health/ready")[0]
+            late_status, late_headers, late_body = binary_infer(queries[0][:1])
+            results = [c.result(120) for c in calls]
+        assert [status for status, _, _ in results] == [200] * len(queries)
+        assert ready_status == 503
+        assert late_status == 503 and late_headers["Retry-After"] == "1"
+        assert "shutting down" in json.loads(late_body)["error"]
+        assert server.wait_exit(60) == 0
+        assert f"inference calls by status: OK {len(queries)}, UNAVAILABLE 1; 0 in flight at exit" in server.log
+    finally:
+        server.stop()
