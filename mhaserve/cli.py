@@ -159,7 +159,8 @@ def _run_serve(args) -> int:
 
 def _add_connection_arguments(p) -> None:
     """Where the server is and how to reach it: the same flags for every command that calls one."""
-    p.add_argument("--url", default="127.0.0.1:8001", help="server address host:port (default 127.0.0.1:8001)")
+    p.add_argument("--url", default=None, help="server address host:port (default 127.0.0.1:8001, with --protocol "
+                   "http 127.0.0.1:8000)")  # fmt: skip
     p.add_argument("--tls", action="store_true", help="connect with TLS, checking the server against the system's "
                    "CA roots (implied by --tls-ca)")  # fmt: skip
     p.add_argument("--tls-ca", type=Path, help="PEM CA bundle that signed the server's certificate (turns TLS on)")
@@ -169,9 +170,35 @@ def _add_connection_arguments(p) -> None:
     p.add_argument("--token-file", type=Path, help="file holding the bearer token (default: $MHASERVE_TOKEN if set)")
 
 
+def _add_protocol_argument(p) -> None:
+    p.add_argument("--protocol", choices=("grpc", "http"), default="grpc",
+                   help="gRPC, or the same protocol over HTTP/REST (default grpc)")  # fmt: skip
+
+
+def _client(args, tls, token):
+    """The gRPC or HTTP client the flags ask for (the same calls)."""
+    if args.protocol == "http":
+        from mhaserve.http_client import HttpClient
+
+        return HttpClient(args.url, args.model, tls=tls, token=token, version=args.version)
+    from mhaserve.client import Client
+
+    return Client(args.url, args.model, tls=tls, token=token, version=args.version)
+
+
+def _failure(error) -> str:
+    """A refused call as STATUS: message, whichever protocol carried it."""
+    if hasattr(error, "status_name"):
+        return f"{error.status_name}: {error.details}"
+    return f"{error.code().name}: {error.details()}"
+
+
 def _connection(args):
     """(TLS or None, token or None) from the connection flags."""
     from mhaserve.client import TLS, read_token
+
+    if args.url is None:
+        args.url = "127.0.0.1:8000" if getattr(args, "protocol", "grpc") == "http" else "127.0.0.1:8001"
 
     tls = None
     if args.tls or args.tls_ca or args.tls_cert or args.tls_key:
@@ -188,17 +215,19 @@ def _model_width(client, args, timeout: float) -> int | None:
     """The served model's d_model from its metadata; None, with the reason on stderr, when it cannot be had."""
     import grpc
 
+    from mhaserve.http_client import HttpRequestFailed
+
     try:
-        return client.metadata(timeout=timeout).inputs[0].shape[-1]
-    except grpc.RpcError as error:
-        print(f"cannot reach model '{args.model}' at {args.url}: {error.code().name}: {error.details()}",
-              file=sys.stderr)  # fmt: skip
+        return client.model_width(timeout=timeout)
+    except (grpc.RpcError, HttpRequestFailed) as error:
+        print(f"cannot reach model '{args.model}' at {args.url}: {_failure(error)}", file=sys.stderr)
         return None
 
 
 def _add_infer(sub) -> None:
     p = sub.add_parser("infer", help="call a server with random or .npy inputs; print shapes and latency")
     _add_connection_arguments(p)
+    _add_protocol_argument(p)
     p.add_argument("--model", default="mha", help="model name (default mha)")
     p.add_argument("--version", default="", help="model version (default: the newest ready one)")
     p.add_argument("--batch", type=int, default=1, help="batch of the random inputs")
@@ -235,13 +264,13 @@ def _run_infer(args) -> int:
     import grpc
     import numpy as np
 
-    from mhaserve.client import Client
+    from mhaserve.http_client import HttpRequestFailed
 
     # A heatmap of the mean needs only the mean; one of a head needs every head's weights.
     mean_weights = args.mean_weights or (args.heatmap is not None and args.head == "mean")
     all_weights = not args.no_weights or (args.heatmap is not None and args.head != "mean")
     tls, token = _connection(args)
-    with Client(args.url, args.model, tls=tls, token=token, version=args.version) as client:
+    with _client(args, tls, token) as client:
         d_model = _model_width(client, args, timeout=args.timeout)
         if d_model is None:
             return 1
@@ -263,8 +292,8 @@ def _run_infer(args) -> int:
                     **arrays, attn_weights=all_weights, attn_weights_mean=mean_weights, timeout=args.timeout
                 )
                 latencies.append((time.perf_counter() - started) * 1000)
-        except grpc.RpcError as error:
-            print(f"{error.code().name}: {error.details()}", file=sys.stderr)
+        except (grpc.RpcError, HttpRequestFailed) as error:
+            print(_failure(error), file=sys.stderr)
             return 1
     outputs = {
         "output": result.output,
@@ -350,6 +379,7 @@ def _add_bench(sub) -> None:
         help="load-test a server: closed-loop concurrency sweep or open-loop rates; table, JSON/CSV, plots",
     )
     _add_connection_arguments(p)
+    _add_protocol_argument(p)
     p.add_argument("--model", default="mha", help="model name (default mha)")
     p.add_argument("--version", default="", help="model version (default: the newest ready one)")
     load = p.add_mutually_exclusive_group()
@@ -373,16 +403,21 @@ def _add_bench(sub) -> None:
 
 def _run_bench(args) -> int:
     from mhaserve import bench_report as report
-    from mhaserve.client import Client
     from mhaserve.loadgen import LoadGenerator, Point, Workload, default_processes
 
     tls, token = _connection(args)
-    with Client(args.url, args.model, tls=tls, token=token, version=args.version) as client:
+    with _client(args, tls, token) as client:
         d_model = _model_width(client, args, timeout=10)
     if d_model is None:
         return 1
     workload = Workload(
-        d_model, args.batch, *args.lengths, attn_weights=not args.no_weights, model=args.model, version=args.version
+        d_model,
+        args.batch,
+        *args.lengths,
+        attn_weights=not args.no_weights,
+        model=args.model,
+        version=args.version,
+        protocol=args.protocol,
     )
     if args.rate:
         points = [Point("open", rate, args.duration, args.warmup) for rate in args.rate]
@@ -390,7 +425,7 @@ def _run_bench(args) -> int:
         points = [Point("closed", c, args.duration, args.warmup) for c in (args.concurrency or [1, 4, 16])]
     processes = args.processes or default_processes()
     weights = "with attn_weights" if workload.attn_weights else "output only"
-    title = f"{args.url} {args.model} {workload.shape_text} {weights}"
+    title = f"{args.url} ({args.protocol}) {args.model} {workload.shape_text} {weights}"
     print(f"mhaserve bench: {title}; {len(points)} points x ({args.warmup:g} s warm-up + {args.duration:g} s), "
           f"up to {processes} client processes", file=sys.stderr)  # fmt: skip
     results = []

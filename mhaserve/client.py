@@ -187,6 +187,10 @@ class Client(_Connection):
     def wait_ready(self, timeout: float = 60.0) -> None:
         grpc.channel_ready_future(self._channel).result(timeout=timeout)
 
+    def model_width(self, timeout=None) -> int:
+        """The served model's d_model, from its metadata."""
+        return self.metadata(timeout).inputs[0].shape[-1]
+
     def metadata(self, timeout=None) -> pb.ModelMetadataResponse:
         return self._stub.ModelMetadata(
             pb.ModelMetadataRequest(name=self.model, version=self.version), timeout=timeout, metadata=self._metadata

@@ -12,6 +12,7 @@ reports its own CPU time: a client near one core per process is the bottleneck, 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
 import os
 import resource
@@ -36,6 +37,7 @@ class Workload:
     attn_weights: bool = True
     model: str = "mha"
     version: str = ""  # empty: the newest ready version
+    protocol: str = "grpc"  # grpc | http (REST, Triton's binary tensor data extension)
     distinct_requests: int = 64  # prebuilt per process; drawn round-robin
 
     @property
@@ -123,7 +125,9 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-async def _drive(url: str, workload: Workload, point: Point, share: float, seed: int, timeout_s: float, tls, token):
+@contextlib.asynccontextmanager
+async def _grpc_sender(url: str, workload: Workload, seed: int, timeout_s: float, tls, token):
+    """An async function sending request i and returning its final status, over gRPC."""
     import grpc
 
     from mhaserve.client import auth_metadata, open_channel
@@ -131,23 +135,71 @@ async def _drive(url: str, workload: Workload, point: Point, share: float, seed:
     from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
 
     requests = _requests(workload, seed)
-    latencies: list[int] = []
-    error_latencies: dict[str, list[int]] = {}
     metadata = auth_metadata(token)
     async with open_channel(url, tls, aio=True) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         await stub.ServerLive(pb.ServerLiveRequest(), timeout=30, wait_for_ready=True, metadata=metadata)
+
+        async def send(i: int) -> str:
+            try:
+                await stub.ModelInfer(requests[i % len(requests)], timeout=timeout_s, metadata=metadata)
+                return "OK"
+            except grpc.aio.AioRpcError as error:
+                return error.code().name
+
+        yield send
+
+
+@contextlib.asynccontextmanager
+async def _http_sender(url: str, workload: Workload, seed: int, timeout_s: float, tls, token):
+    """The same over HTTP/REST, each request's body built beforehand (binary tensor data)."""
+    import aiohttp
+
+    from mhaserve.http_client import STATUS_NAMES, build_http_infer_body, ssl_context
+
+    rng = np.random.default_rng(seed)
+    bodies = []
+    for _ in range(workload.distinct_requests):
+        length = int(rng.integers(workload.min_len, workload.max_len + 1))
+        query = rng.standard_normal((workload.batch, length, workload.d_model), dtype=np.float32)
+        bodies.append(build_http_infer_body(query, attn_weights=workload.attn_weights))
+    path = f"/v2/models/{workload.model}" + (f"/versions/{workload.version}" if workload.version else "")
+    base = f"{'https' if tls else 'http'}://{url}"
+    auth = {"Authorization": f"Bearer {token}"} if token else {}
+    connector = aiohttp.TCPConnector(limit=0, ssl=ssl_context(tls) or False)
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with aiohttp.ClientSession(base, connector=connector, timeout=timeout, headers=auth) as session:
+        async with session.get("/v2/health/live") as response:
+            response.raise_for_status()
+
+        async def send(i: int) -> str:
+            body, headers = bodies[i % len(bodies)]
+            try:
+                async with session.post(path + "/infer", data=body, headers=headers) as response:
+                    await response.read()
+                    return (
+                        "OK" if response.status == 200 else STATUS_NAMES.get(response.status, f"HTTP_{response.status}")
+                    )
+            except asyncio.TimeoutError:
+                return "DEADLINE_EXCEEDED"
+            except aiohttp.ClientError:
+                return "UNAVAILABLE"
+
+        yield send
+
+
+async def _drive(url: str, workload: Workload, point: Point, share: float, seed: int, timeout_s: float, tls, token):
+    latencies: list[int] = []
+    error_latencies: dict[str, list[int]] = {}
+    sender = _http_sender if workload.protocol == "http" else _grpc_sender
+    async with sender(url, workload, seed, timeout_s, tls, token) as send:
         start = time.perf_counter_ns()
         measure_from = start + int(point.warmup_s * 1e9)
         end = measure_from + int(point.duration_s * 1e9)
         cpu_at_start: list[float] = []
 
-        async def call(request, sent_ns: int) -> None:
-            try:
-                await stub.ModelInfer(request, timeout=timeout_s, metadata=metadata)
-                status = "OK"
-            except grpc.aio.AioRpcError as error:
-                status = error.code().name
+        async def call(i: int, sent_ns: int) -> None:
+            status = await send(i)
             done = time.perf_counter_ns()
             if sent_ns >= measure_from and done <= end:
                 (latencies if status == "OK" else error_latencies.setdefault(status, [])).append(done - sent_ns)
@@ -163,7 +215,7 @@ async def _drive(url: str, workload: Workload, point: Point, share: float, seed:
             async def caller(index: int) -> None:
                 i = index
                 while (now := time.perf_counter_ns()) < end:
-                    await call(requests[i % len(requests)], now)
+                    await call(i, now)
                     i += 1
 
             await asyncio.gather(*(caller(i) for i in range(int(share))))
@@ -181,7 +233,7 @@ async def _drive(url: str, workload: Workload, point: Point, share: float, seed:
                 if len(outstanding) >= OPEN_LOOP_MAX_OUTSTANDING:
                     dropped += next_send >= measure_from
                 else:
-                    task = asyncio.create_task(call(requests[i % len(requests)], next_send))
+                    task = asyncio.create_task(call(i, next_send))
                     outstanding.add(task)
                     task.add_done_callback(outstanding.discard)
                 i += 1

@@ -297,3 +297,28 @@ def test_sigterm_drains_http_like_grpc_nothing_accepted_is_lost(small_model_dir)
         assert f"inference calls by status: OK {len(queries)}, UNAVAILABLE 1; 0 in flight at exit" in server.log
     finally:
         server.stop()
+
+
+def test_infer_and_bench_over_http_from_the_command_line(server, tmp_path):
+    import subprocess
+    import sys
+
+    url = server.http_url.removeprefix("http://")
+    cli = [sys.executable, "-m", "mhaserve.cli"]
+    infer = [*cli, "infer", "--protocol", "http", "--url", url]
+    done = subprocess.run([*infer, "--q-len", "5", "--mean-weights", "--save", str(tmp_path / "out.npz")],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    saved = np.load(tmp_path / "out.npz")
+    with Client(server.url) as client:
+        over_grpc = client.infer(saved["query"], attn_weights_mean=True)
+    np.testing.assert_array_equal(saved["attn_weights_mean"], over_grpc.attn_weights_mean)
+    refused = subprocess.run([*infer, "--model", "gpt"],
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert refused.returncode == 1 and "NOT_FOUND: unknown model 'gpt'" in refused.stderr
+    bench = subprocess.run([*cli, "bench", "--protocol", "http", "--url", url, "--concurrency", "2", "--duration", "1",
+                            "--warmup", "0.2", "--processes", "1", "--json", str(tmp_path / "b.json")],
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert bench.returncode == 0, bench.stderr
+    (point,) = json.loads((tmp_path / "b.json").read_text())["points"]
+    assert point["requests"] > 0 and point["errors"] == 0

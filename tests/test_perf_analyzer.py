@@ -17,10 +17,12 @@ RUN = Path(os.environ.get("PERF_ANALYZER", Path(__file__).resolve().parents[1] /
 
 
 @pytest.mark.skipif(not RUN.exists(), reason=f"perf_analyzer is not installed at {RUN}")
-def test_perf_analyzer_measures_the_server(server, tmp_path):
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_perf_analyzer_measures_the_server(server, tmp_path, protocol):
     report = tmp_path / "pa.csv"
+    url = server.url if protocol == "grpc" else server.http_url.removeprefix("http://")
     command = [
-        str(RUN), "-m", "mha", "-i", "grpc", "-u", server.url,
+        str(RUN), "-m", "mha", "-i", protocol, "-u", url,
         # Its default random FP32 data holds NaN/Inf bit patterns, which the server refuses by design.
         "--input-data", "zero",
         "--shape", f"query:1,16,{D}", "--shape", f"key:1,16,{D}", "--shape", f"value:1,16,{D}",
