@@ -1,7 +1,10 @@
 """HTTP/REST against gRPC on this server, and against the peers' HTTP endpoints: one run, side by side.
 
     ../shared/peers/setup_peers.sh                     # once, with PEERS_DIR=/tmp/peers/.peers (for the peers)
-    flock /tmp/bench.lock .venv/bin/python benchmarks/bench_http.py [--peers-dir /tmp/peers/.peers] [--seconds 4]
+    .venv/bin/python benchmarks/bench_http.py [--peers-dir /tmp/peers/.peers] [--seconds 4]
+
+The peers' start script takes /tmp/bench.lock itself, so this script takes it only around the
+measurements, once every server is up (wrapping it in flock would deadlock).
 
 One client for every server: a closed loop of asyncio callers in this process (aiohttp for HTTP with
 Triton's binary tensor data extension both ways, grpc.aio for gRPC), each request built beforehand,
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import fcntl
 import json
 import os
 import resource
@@ -184,7 +188,10 @@ async def run(args) -> None:
             (True,),
         )
     try:
-        rows = await measure(targets, [(1, 16, 512), (1, 128, 512)], (1, 16), args.seconds, args.warmup, args.rounds)
+        with open(os.environ.get("BENCH_LOCK", "/tmp/bench.lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            shapes = [(1, 16, 512), (1, 128, 512)]
+            rows = await measure(targets, shapes, (1, 16), args.seconds, args.warmup, args.rounds)
     finally:
         for made in sessions:
             await made.close()
@@ -198,7 +205,7 @@ async def run(args) -> None:
         if name == "mhaserve HTTP":
             continue
         ours = by_key.get(("mhaserve HTTP", shape, weights, c))
-        if ours:
+        if ours and row["throughput"] and ours["throughput"]:
             ratio, p50 = ours["throughput"] / row["throughput"], ours["p50"] / row["p50"]
             print(f"  mhaserve HTTP vs {name:>22} {list(shape)} weights={'yes' if weights else 'no'} c={c}: "
                   f"throughput x{ratio:.2f}, p50 x{p50:.2f}")  # fmt: skip

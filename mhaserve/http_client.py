@@ -8,6 +8,7 @@ For a notebook or a language with no gRPC stack; ``tritonclient.http`` works aga
 
 from __future__ import annotations
 
+import http.client
 import json
 import ssl
 import urllib.error
@@ -123,6 +124,8 @@ class HttpClient:
             raise HttpRequestFailed(error.code, details) from None
         except urllib.error.URLError as error:
             raise HttpRequestFailed(503, f"cannot reach {self.base}: {error.reason}") from None
+        except (OSError, http.client.HTTPException) as error:  # the connection failed after it was made (TLS)
+            raise HttpRequestFailed(503, f"{self.base}: {type(error).__name__}: {error}") from None
 
     def infer(self, query, key=None, value=None, mask=None, attn_weights=True, timeout=None, request_id="",
               attn_weights_mean=False) -> InferResult:  # fmt: skip
@@ -140,6 +143,14 @@ class HttpClient:
     def ready(self, timeout=None) -> bool:
         try:
             self._call("GET", self.model_path + "/ready", timeout=timeout)
+            return True
+        except HttpRequestFailed:
+            return False
+
+    def server_ready(self, timeout=None) -> bool:
+        """The load balancer's probe: /v2/health/ready, which needs no token."""
+        try:
+            self._call("GET", "/v2/health/ready", timeout=timeout)
             return True
         except HttpRequestFailed:
             return False

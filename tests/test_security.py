@@ -248,3 +248,31 @@ def test_unauthenticated_calls_cost_the_server_no_memory_for_their_messages(smal
         assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 16
         assert (peak - before) / 1024 < 100, f"peak {peak / 1024:.0f} MiB from {before / 1024:.0f} MiB"
         assert _infer(server.url, token=TOKEN).output.shape == (1, 4, SMALL_D_MODEL)  # still serving
+
+
+def _http_port(server) -> int:
+    return int(server.http_url.rsplit(":", 1)[1])
+
+
+def test_the_http_port_speaks_the_same_tls_and_token(tls_token_server, mtls_server, pki):
+    from mhaserve.http_client import HttpClient, HttpRequestFailed
+
+    query = rand(1, 4, SMALL_D_MODEL)
+    url = f"localhost:{_http_port(tls_token_server)}"  # the name on the server's certificate
+    with HttpClient(url, tls=TLS(ca=pki["server_ca"]), token=TOKEN) as client:
+        assert client.infer(query).output.shape == (1, 4, SMALL_D_MODEL)
+    with HttpClient(url, tls=TLS(ca=pki["server_ca"])) as client, pytest.raises(HttpRequestFailed) as refused:
+        client.infer(query)
+    assert refused.value.http_status == 401
+    with HttpClient(url, tls=TLS(ca=pki["server_ca"])) as client:
+        assert client.server_ready() and not client.ready()  # the health probe needs no token; the model's does
+    with HttpClient(url, token=TOKEN) as plain, pytest.raises(HttpRequestFailed):
+        plain.infer(query)  # plain text to a TLS port: no answer
+    with HttpClient(url, tls=TLS(ca=pki["stranger_ca"]), token=TOKEN) as client, pytest.raises(HttpRequestFailed):
+        client.infer(query)  # a server its CA did not sign
+    mutual = f"localhost:{_http_port(mtls_server)}"
+    trusted = TLS(ca=pki["server_ca"], cert=pki["client"].cert, key=pki["client"].key)
+    with HttpClient(mutual, tls=trusted) as client:
+        assert client.infer(query).output.shape == (1, 4, SMALL_D_MODEL)
+    with HttpClient(mutual, tls=TLS(ca=pki["server_ca"])) as client, pytest.raises(HttpRequestFailed):
+        client.infer(query)  # no client certificate
