@@ -304,6 +304,7 @@ class DataPlane:
         decode: Callable[[ModelSignature, Limits], AttentionRequest],
         encode: Callable[[AttentionRequest, ModelSignature, dict], bytes],
         timeout_s: float | None = None,
+        protocol: str = "grpc",
     ) -> bytes:
         """One inference call as every transport makes it: resolve, decode, infer, encode, and record its
         fate (timing, statistics, metrics, the stop line's counts) whatever it is."""
@@ -338,7 +339,7 @@ class DataPlane:
             self.requests_in_flight -= 1
             if status != "OK":
                 timing.input_ns = time.perf_counter_ns() - started - timing.queue_ns - timing.infer_ns
-            self.record(served, status, rows, timing)
+            self.record(served, status, rows, timing, protocol)
             if served is not None:
                 served.leave()
 
@@ -360,18 +361,21 @@ class DataPlane:
         timing.queue_ns, timing.infer_ns = answer.queue_ns, answer.infer_ns
         return answer.outputs
 
-    def record(self, served: ServedModel | None, status: str, rows: int, timing: RequestTiming) -> None:
+    def record(
+        self, served: ServedModel | None, status: str, rows: int, timing: RequestTiming, protocol: str = "grpc"
+    ) -> None:
         """One request's fate, for the statistics RPC, the metrics endpoint and the stop line. A request that
         named no served model is counted under empty labels, never under a name it made up."""
         self.outcomes[status] += 1
         if served is None:
-            self.metrics.request_done("", "", status)
+            self.metrics.request_done("", "", status, protocol)
             return
         if status == "OK":
             served.stats.record_success(rows, timing)
         else:
             served.stats.record_failure(timing.total_ns)
-        served.metrics.request_done(status, rows, timing.total_ns / 1e9, timing.queue_ns / 1e9, timing.infer_ns / 1e9)
+        seconds = timing.total_ns / 1e9, timing.queue_ns / 1e9, timing.infer_ns / 1e9
+        served.metrics.request_done(status, protocol, rows, *seconds)
 
     def record_unauthenticated(self, method: str) -> None:
         log.debug("refused %s: missing or wrong bearer token", method)

@@ -1,7 +1,7 @@
 """Prometheus metrics on their own HTTP port, named after Triton's ``nv_inference_*`` family.
 
 Triton name                          here
-nv_inference_request_success/failure mhaserve_inference_request_total{status="OK"|gRPC code}
+nv_inference_request_success/failure mhaserve_inference_request_total{status="OK"|gRPC code, protocol="grpc"|"http"}
 nv_inference_count                   mhaserve_inference_count_total (rows inferred)
 nv_inference_exec_count              mhaserve_inference_exec_count_total (model runs)
 nv_inference_request_duration_us     mhaserve_inference_request_duration_seconds (histogram)
@@ -36,9 +36,9 @@ class Metrics:
         labels = ("model", "version")
         self._requests = Counter(
             "mhaserve_inference_request",
-            "Inference requests by final status (OK or the error code); model and version empty for requests "
-            "that named no served model",
-            (*labels, "status"),
+            "Inference requests by final status (OK or the error code) and protocol (grpc or http); model and "
+            "version empty for requests that named no served model",
+            (*labels, "status", "protocol"),
             registry=self.registry,
         )
         self._count = Counter(
@@ -84,7 +84,7 @@ class Metrics:
             self._count, self._exec_count, self._request_seconds, self._queue_seconds, self._compute_seconds,
             self._batch_size, self._padding, self._pending,
         )  # fmt: skip
-        self._statuses: dict[tuple[str, str], set[str]] = {}
+        self._statuses: dict[tuple[str, str], set[tuple[str, str]]] = {}  # (status, protocol) seen per version
         self._queue_depths: dict[tuple[str, str], Callable[[], int]] = {}
         self.server = None
 
@@ -105,12 +105,12 @@ class Metrics:
                 family.remove(model, version)
             except KeyError:  # a child never touched
                 pass
-        for status in self._statuses.pop((model, version), ()):
-            self._requests.remove(model, version, status)
+        for status, protocol in self._statuses.pop((model, version), ()):
+            self._requests.remove(model, version, status, protocol)
 
-    def request_done(self, model: str, version: str, status: str) -> None:
-        self._requests.labels(model, version, status).inc()
-        self._statuses.setdefault((model, version), set()).add(status)
+    def request_done(self, model: str, version: str, status: str, protocol: str) -> None:
+        self._requests.labels(model, version, status, protocol).inc()
+        self._statuses.setdefault((model, version), set()).add((status, protocol))
 
     def unauthenticated(self) -> None:
         self._unauthenticated.inc()
@@ -141,8 +141,10 @@ class ModelMetrics:
         self._batch_size = m._batch_size.labels(model, version)
         self._padding = m._padding.labels(model, version)
 
-    def request_done(self, status: str, rows: int = 0, total_s=None, queue_s=None, compute_s=None) -> None:
-        self._metrics.request_done(*self._labels, status)
+    def request_done(
+        self, status: str, protocol: str, rows: int = 0, total_s=None, queue_s=None, compute_s=None
+    ) -> None:
+        self._metrics.request_done(*self._labels, status, protocol)
         if status == "OK":
             self._count.inc(rows)
             self._request_seconds.observe(total_s)

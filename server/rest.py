@@ -319,6 +319,7 @@ class RestTransport:
                 request.match_info.get("version", ""),
                 decode,
                 functools.partial(encode_rest_response, binary_outputs),
+                protocol="http",
             )
         except RequestError:
             raise

@@ -303,8 +303,9 @@ def test_compose_up_serves_eager_answers_then_drains_and_leaves_nothing(docker_e
 
     metrics_url = f"http://127.0.0.1:{env['MHASERVE_METRICS_HOST_PORT']}/metrics"
     samples = scrape(metrics_url)
-    ok = ("mhaserve_inference_request_total", (("model", "mha"), ("status", "OK"), ("version", "1")))
-    assert samples[ok] == 2, {k: v for k, v in samples.items() if "request_total" in k[0]}
+    for protocol in ("grpc", "http"):
+        labels = (("model", "mha"), ("protocol", protocol), ("status", "OK"), ("version", "1"))
+        assert samples[("mhaserve_inference_request_total", labels)] == 1, samples
 
     loadtest = compose("--profile", "loadtest", "run", "--rm", "loadtest", timeout=300)
     assert "concurrency 4" in loadtest.stdout, loadtest.stdout + loadtest.stderr

@@ -255,13 +255,24 @@ def test_a_client_sending_half_a_body_is_dropped_after_the_read_timeout(small_mo
         assert triton_http(server).is_server_ready()
 
 
-def test_http_and_grpc_requests_share_the_statistics(server):
+def test_http_and_grpc_requests_share_the_statistics_and_metrics_name_the_protocol(server):
+    def ok_by_protocol() -> dict[str, float]:
+        samples = scrape(server.metrics_url)
+        return {
+            dict(labels)["protocol"]: value
+            for (name, labels), value in samples.items()
+            if name == "mhaserve_inference_request_total" and ("status", "OK") in labels
+        }
+
     before = json.loads(call(server, "GET", "/v2/models/mha/versions/1/stats")[2])["model_stats"][0]
+    counted = ok_by_protocol()
     call(server, "POST", "/v2/models/mha/infer", infer_json(rand(1, 2, D)))
     with Client(server.url) as client:
         client.infer(rand(1, 2, D))
         after = client.statistics()
     assert after.inference_count == before["inference_count"] + 2
+    now = ok_by_protocol()
+    assert now["http"] == counted.get("http", 0) + 1 and now["grpc"] == counted.get("grpc", 0) + 1
 
 
 def test_sigterm_drains_http_like_grpc_nothing_accepted_is_lost(small_model_dir):

@@ -30,9 +30,9 @@ def test_metrics_count_requests_rows_runs_and_latency(small_model_dir):
     def value(name, **labels):
         return m[(name, tuple(sorted((*model, *labels.items()))))]
 
-    assert value("mhaserve_inference_request_total", status="OK") == 3
-    assert value("mhaserve_inference_request_total", status="INVALID_ARGUMENT") == 1
-    assert value("mhaserve_inference_request_total", status="RESOURCE_EXHAUSTED") == 1
+    assert value("mhaserve_inference_request_total", status="OK", protocol="grpc") == 3
+    assert value("mhaserve_inference_request_total", status="INVALID_ARGUMENT", protocol="grpc") == 1
+    assert value("mhaserve_inference_request_total", status="RESOURCE_EXHAUSTED", protocol="grpc") == 1
     assert value("mhaserve_inference_count_total") == 6
     assert value("mhaserve_inference_exec_count_total") == 3  # one at a time: nothing to merge
     for histogram in ("request", "queue", "compute_infer"):
