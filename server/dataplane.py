@@ -27,7 +27,7 @@ from mhaserve.signature import ATTN_WEIGHTS, ATTN_WEIGHTS_MEAN, GRAPH_OUTPUT_NAM
 
 from .batcher import Batcher, BatchResult
 from .config import ServerSettings
-from .errors import ErrorKind, RequestError
+from .errors import ErrorKind, RequestError, invalid
 from .malloc import release_free_memory
 from .metrics import Metrics
 from .registry import ModelRegistry, ServedModel
@@ -175,8 +175,14 @@ class DataPlane:
             f"--model-repository; this server's mode is {mode}",
         )
 
-    async def load_model(self, name: str) -> None:
-        """RepositoryModelLoad: refused, with every failed version's reason, unless the model serves after it."""
+    async def load_model(self, name: str, parameters=()) -> None:
+        """RepositoryModelLoad: refused, with every failed version's reason, unless the model serves after it.
+        ``parameters``: the names of the request's load parameters, of which none is supported."""
+        if parameters:  # tritonclient's load_model(config=..., files=...): here the folder is the model
+            raise invalid(
+                f"load parameters {sorted(parameters)} are not supported: a version is loaded as 'mhaserve export' "
+                "wrote it"
+            )
         self.check_control_allowed(f"load model '{name}'")
         failures = await self.registry.load_model(name)
         if failures:

@@ -30,3 +30,8 @@ class RequestError(Exception):
 
 def invalid(message: str) -> RequestError:
     return RequestError(ErrorKind.INVALID_ARGUMENT, message)
+
+
+def inference_failed(error: Exception) -> RequestError:
+    """A bug or a runtime failure during inference, as every transport reports it (the server keeps serving)."""
+    return RequestError(ErrorKind.INTERNAL, f"inference failed: {type(error).__name__}: {error}")

@@ -16,7 +16,7 @@ from mhaserve.protos.generated import model_config_pb2 as mc
 from . import describe
 from .codec import decode_infer_request, encode_infer_response
 from .dataplane import DataPlane
-from .errors import ErrorKind, RequestError
+from .errors import ErrorKind, RequestError, inference_failed
 from .registry import ServedModel
 
 log = logging.getLogger("mhaserve.server")
@@ -77,14 +77,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def RepositoryModelLoad(self, request, context):
         await self._check_repository_name(request.repository_name, context)
-        overrides = sorted(request.parameters)
-        if overrides:  # tritonclient's load_model(config=..., files=...): the folder is the model here
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"load parameters {overrides} are not supported: a version is loaded as 'mhaserve export' wrote it",
-            )
         try:
-            await self.dataplane.load_model(request.model_name)
+            await self.dataplane.load_model(request.model_name, list(request.parameters))
         except RequestError as error:
             await context.abort(GRPC_STATUS[error.kind], error.message)
         return pb.RepositoryModelLoadResponse()
@@ -119,7 +113,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             await context.abort(GRPC_STATUS[error.kind], error.message)
         except Exception as error:  # a bug or a runtime failure: say so, keep serving
             log.exception("inference failed")
-            await context.abort(grpc.StatusCode.INTERNAL, _internal_error(error))
+            await context.abort(grpc.StatusCode.INTERNAL, inference_failed(error).message)
 
     async def ModelStreamInfer(self, request_iterator, context):
         # Answers in request order; a refused request answers with error_message and the stream goes on,
@@ -133,11 +127,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 yield pb.ModelStreamInferResponse(error_message=f"{error.kind.name}: {error.message}")
             except Exception as error:  # as in ModelInfer: say so, and the stream goes on
                 log.exception("inference failed")
-                yield pb.ModelStreamInferResponse(error_message=f"INTERNAL: {_internal_error(error)}")
-
-
-def _internal_error(error: Exception) -> str:
-    return f"inference failed: {type(error).__name__}: {error}"
+                yield pb.ModelStreamInferResponse(error_message=f"INTERNAL: {inference_failed(error).message}")
 
 
 def _parsing_unary(behavior, request_class):

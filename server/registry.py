@@ -240,12 +240,6 @@ class ModelRegistry:
                 await self.unload_model(name)
             self.models.pop(name, None)
 
-    async def unload_all(self) -> None:
-        for name in list(self.models):
-            async with self._locks.setdefault(name, asyncio.Lock()):
-                for number in sorted(self.models[name]):
-                    await self._unload_one(name, number, self.models[name], reason="shut down")
-
     async def _load_one(self, name: str, number: int, versions: dict[int, VersionState]) -> str:
         previous = versions.get(number)
         versions[number] = VersionState(LOADING)

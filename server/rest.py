@@ -21,7 +21,7 @@ from aiohttp import web
 
 from . import describe
 from .dataplane import DataPlane
-from .errors import ErrorKind, RequestError, invalid
+from .errors import ErrorKind, RequestError, inference_failed, invalid
 from .security import bearer_token_matches
 from .tensors import (
     AttentionRequest,
@@ -282,12 +282,7 @@ class RestTransport:
             parameters = (orjson.loads(body) if body else {}).get("parameters") or {}
         except (orjson.JSONDecodeError, AttributeError):
             raise invalid("the load request body must be a JSON object") from None
-        if parameters:
-            raise invalid(
-                f"load parameters {sorted(parameters)} are not supported: a version is loaded as 'mhaserve export' "
-                "wrote it"
-            )
-        await self.dataplane.load_model(request.match_info["name"])
+        await self.dataplane.load_model(request.match_info["name"], list(parameters))
         return web.Response(status=200)
 
     async def unload(self, request):
@@ -325,7 +320,7 @@ class RestTransport:
             raise
         except Exception as error:  # a bug or a runtime failure: say so, keep serving
             log.exception("inference failed")
-            raise RequestError(ErrorKind.INTERNAL, f"inference failed: {type(error).__name__}: {error}") from None
+            raise inference_failed(error) from None
         if json_length is None:
             return web.Response(body=payload, content_type="application/json")
         return web.Response(
