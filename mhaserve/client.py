@@ -113,19 +113,27 @@ def build_infer_request(
     over heads when ``attn_weights_mean`` is true; ``version`` empty: the newest ready version.
     """
     request = pb.ModelInferRequest(model_name=model, model_version=version, id=request_id)
-    tensors = {"query": query, "key": key, "value": value, "mask": mask}
-    for name, array in tensors.items():
-        if array is None:
-            continue
-        array = np.ascontiguousarray(array, dtype=np.float32 if name != "mask" else None)
+    for name, array in request_inputs(query, key, value, mask):
         request.inputs.add(name=name, datatype=datatype_of(array), shape=array.shape)
         request.raw_input_contents.append(array.tobytes())
-    request.outputs.add(name=OUTPUT)
-    if attn_weights:
-        request.outputs.add(name=ATTN_WEIGHTS)
-    if attn_weights_mean:
-        request.outputs.add(name=ATTN_WEIGHTS_MEAN)
+    for name in requested_outputs(attn_weights, attn_weights_mean):
+        request.outputs.add(name=name)
     return request
+
+
+def request_inputs(query, key=None, value=None, mask=None) -> list[tuple[str, np.ndarray]]:
+    """The inputs a request carries, whatever the wire: the given ones, contiguous, FP32 but the mask (as given)."""
+    tensors = {"query": query, "key": key, "value": value, "mask": mask}
+    return [
+        (name, np.ascontiguousarray(array, dtype=np.float32 if name != "mask" else None))
+        for name, array in tensors.items()
+        if array is not None
+    ]
+
+
+def requested_outputs(attn_weights: bool, attn_weights_mean: bool) -> list[str]:
+    """The output, every head's weights unless not wanted, and their mean over heads when asked for."""
+    return [OUTPUT] + [ATTN_WEIGHTS] * attn_weights + [ATTN_WEIGHTS_MEAN] * attn_weights_mean
 
 
 def parse_infer_response(response: pb.ModelInferResponse) -> InferResult:

@@ -16,7 +16,7 @@ import urllib.request
 
 import numpy as np
 
-from mhaserve.client import TLS, InferResult
+from mhaserve.client import TLS, InferResult, request_inputs, requested_outputs
 from mhaserve.server.tensors import DATATYPES, datatype_of
 from mhaserve.signature import ATTN_WEIGHTS, ATTN_WEIGHTS_MEAN, OUTPUT
 
@@ -47,14 +47,11 @@ def build_http_infer_body(
 ) -> tuple[bytes, dict[str, str]]:
     """An infer request's body and headers: a JSON header, then every input's bytes; outputs asked as binary."""
     inputs, chunks = [], []
-    for name, array in (("query", query), ("key", key), ("value", value), ("mask", mask)):
-        if array is None:
-            continue
-        array = np.ascontiguousarray(array, dtype=np.float32 if name != "mask" else None)
+    for name, array in request_inputs(query, key, value, mask):
         inputs.append({"name": name, "shape": list(array.shape), "datatype": datatype_of(array),
                        "parameters": {"binary_data_size": array.nbytes}})  # fmt: skip
         chunks.append(memoryview(array).cast("B"))
-    names = [OUTPUT] + [ATTN_WEIGHTS] * attn_weights + [ATTN_WEIGHTS_MEAN] * attn_weights_mean
+    names = requested_outputs(attn_weights, attn_weights_mean)
     document = {
         "id": request_id,
         "inputs": inputs,

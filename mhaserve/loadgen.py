@@ -107,16 +107,15 @@ class PointResult:
         }
 
 
-def _requests(w: Workload, seed: int):
-    from mhaserve.client import build_infer_request
-
+def _queries(w: Workload, seed: int) -> list[np.ndarray]:
+    """The workload's distinct queries, lengths drawn uniformly from [min_len, max_len]; each protocol's
+    sender encodes them once, before the clock starts."""
     rng = np.random.default_rng(seed)
-    built = []
+    queries = []
     for _ in range(w.distinct_requests):
         length = int(rng.integers(w.min_len, w.max_len + 1))
-        query = rng.standard_normal((w.batch, length, w.d_model), dtype=np.float32)
-        built.append(build_infer_request(w.model, query, attn_weights=w.attn_weights, version=w.version))
-    return built
+        queries.append(rng.standard_normal((w.batch, length, w.d_model), dtype=np.float32))
+    return queries
 
 
 def cpu_seconds() -> float:
@@ -130,11 +129,14 @@ async def _grpc_sender(url: str, workload: Workload, seed: int, timeout_s: float
     """An async function sending request i and returning its final status, over gRPC."""
     import grpc
 
-    from mhaserve.client import auth_metadata, open_channel
+    from mhaserve.client import auth_metadata, build_infer_request, open_channel
     from mhaserve.protos.generated import grpc_service_pb2 as pb
     from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
 
-    requests = _requests(workload, seed)
+    requests = [
+        build_infer_request(workload.model, q, attn_weights=workload.attn_weights, version=workload.version)
+        for q in _queries(workload, seed)
+    ]
     metadata = auth_metadata(token)
     async with open_channel(url, tls, aio=True) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
@@ -157,12 +159,7 @@ async def _http_sender(url: str, workload: Workload, seed: int, timeout_s: float
 
     from mhaserve.http_client import STATUS_NAMES, build_http_infer_body, ssl_context
 
-    rng = np.random.default_rng(seed)
-    bodies = []
-    for _ in range(workload.distinct_requests):
-        length = int(rng.integers(workload.min_len, workload.max_len + 1))
-        query = rng.standard_normal((workload.batch, length, workload.d_model), dtype=np.float32)
-        bodies.append(build_http_infer_body(query, attn_weights=workload.attn_weights))
+    bodies = [build_http_infer_body(q, attn_weights=workload.attn_weights) for q in _queries(workload, seed)]
     path = f"/v2/models/{workload.model}" + (f"/versions/{workload.version}" if workload.version else "")
     base = f"{'https' if tls else 'http'}://{url}"
     auth = {"Authorization": f"Bearer {token}"} if token else {}
