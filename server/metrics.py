@@ -84,7 +84,9 @@ class Metrics:
             self._count, self._exec_count, self._request_seconds, self._queue_seconds, self._compute_seconds,
             self._batch_size, self._padding, self._pending,
         )  # fmt: skip
-        self._statuses: dict[tuple[str, str], set[tuple[str, str]]] = {}  # (status, protocol) seen per version
+        # The request counter's children by (model, version, status, protocol): looked up per request without
+        # prometheus_client's lock, and the record of which children forget() removes.
+        self._request_counters: dict[tuple[str, str, str, str], Counter] = {}
         self._queue_depths: dict[tuple[str, str], Callable[[], int]] = {}
         self.server = None
 
@@ -95,7 +97,6 @@ class Metrics:
         key = (model, version)
         self._queue_depths[key] = queue_depth
         self._pending.labels(model, version).set_function(lambda: self._queue_depths.get(key, int)())
-        self._statuses.setdefault((model, version), set())
         return ModelMetrics(self, model, version)
 
     def forget(self, model: str, version: str) -> None:
@@ -105,12 +106,16 @@ class Metrics:
                 family.remove(model, version)
             except KeyError:  # a child never touched
                 pass
-        for status, protocol in self._statuses.pop((model, version), ()):
-            self._requests.remove(model, version, status, protocol)
+        for labels in [labels for labels in self._request_counters if labels[:2] == (model, version)]:
+            del self._request_counters[labels]
+            self._requests.remove(*labels)
 
     def request_done(self, model: str, version: str, status: str, protocol: str) -> None:
-        self._requests.labels(model, version, status, protocol).inc()
-        self._statuses.setdefault((model, version), set()).add((status, protocol))
+        labels = (model, version, status, protocol)
+        counter = self._request_counters.get(labels)
+        if counter is None:
+            counter = self._request_counters[labels] = self._requests.labels(*labels)
+        counter.inc()
 
     def unauthenticated(self) -> None:
         self._unauthenticated.inc()
