@@ -233,7 +233,7 @@ async def start_rest(settings: ServerSettings, dataplane: DataPlane, token, body
     except OSError:
         await runner.cleanup()
         raise
-    bound = site._server.sockets[0].getsockname()[1]  # the port 0 picked
+    bound = runner.addresses[0][1]  # the port 0 picked
     return runner, f"{settings.host}:{bound}"
 
 
