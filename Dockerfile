@@ -27,7 +27,7 @@ USER mhaserve
 WORKDIR /home/mhaserve
 # gRPC and Prometheus metrics
 EXPOSE 8001 8002
-ENV MHASERVE_HOST=0.0.0.0 MHASERVE_MODEL_DIR=/models/mha
+ENV MHASERVE_HOST=0.0.0.0 MHASERVE_METRICS_HOST=0.0.0.0 MHASERVE_MODEL_DIR=/models/mha
 HEALTHCHECK --interval=5s --timeout=4s --start-period=60s --retries=3 CMD ["mhaserve", "health", "--url", "127.0.0.1:8001"]
 # SIGTERM drains: health NOT_SERVING, in-flight requests finish within MHASERVE_GRACE_SECONDS.
 STOPSIGNAL SIGTERM
@@ -52,7 +52,7 @@ RUN pip install ".[gpu]"
 USER mhaserve
 WORKDIR /home/mhaserve
 EXPOSE 8001 8002
-ENV MHASERVE_HOST=0.0.0.0 MHASERVE_MODEL_DIR=/models/mha MHASERVE_DEVICE=cuda
+ENV MHASERVE_HOST=0.0.0.0 MHASERVE_METRICS_HOST=0.0.0.0 MHASERVE_MODEL_DIR=/models/mha MHASERVE_DEVICE=cuda
 HEALTHCHECK --interval=5s --timeout=4s --start-period=90s --retries=3 CMD ["mhaserve", "health", "--url", "127.0.0.1:8001"]
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["mhaserve"]

@@ -33,6 +33,7 @@ class ServerProcess:
         self.env = {**os.environ, **(env or {})}
         self.lines: list[str] = []
         self.port = port
+        self.host = "127.0.0.1"  # the gRPC address the serving line names, once it is read
         self.metrics_url: str | None = None
         self.http_url: str | None = None  # "http://127.0.0.1:PORT" when the HTTP/REST port is on
         self.proc: subprocess.Popen | None = None
@@ -40,7 +41,7 @@ class ServerProcess:
 
     @property
     def url(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     @property
     def log(self) -> str:
@@ -65,7 +66,7 @@ class ServerProcess:
                 self.metrics_url = f"http://{metrics.group(1)}/metrics" if metrics else None
                 http = HTTP_ADDRESS.search(line)
                 self.http_url = f"http://{http.group(1)}" if http else None
-                self.port = int(match.group(2))
+                self.host, self.port = match.group(1), int(match.group(2))
                 self._serving.set()
 
     def wait_serving(self, timeout: float = 60.0) -> None:

@@ -10,7 +10,6 @@ import signal
 import sys
 
 import grpc
-from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -20,6 +19,7 @@ from mhaserve.protos.generated import grpc_service_pb2 as pb
 from .config import ServerSettings
 from .dataplane import DataPlane
 from .grpc_servicer import InferenceServicer, add_inference_service
+from .http_site import start_site
 from .malloc import tune_malloc
 from .rest import RestTransport
 from .security import (
@@ -142,9 +142,11 @@ async def serve(settings: ServerSettings, model_dir) -> int:
         await asyncio.gather(server.stop(0), _stop_rest(http_runner))
         return 3
     try:
-        metrics_address = f"{settings.host}:{dataplane.start_metrics()}" if settings.metrics_port >= 0 else "off"
+        metrics_runner, metrics_address = await start_metrics(settings, dataplane)
     except OSError as error:
-        log.error("could not start the metrics endpoint on %s:%s: %s", settings.host, settings.metrics_port, error)
+        log.error(
+            "could not start the metrics endpoint on %s:%s: %s", settings.metrics_host, settings.metrics_port, error
+        )
         await asyncio.gather(server.stop(0), _stop_rest(http_runner))
         return 2
     # What start-up made (modules, the sessions, gRPC: 40k objects) lives as long as the process. Frozen, a
@@ -209,6 +211,7 @@ async def serve(settings: ServerSettings, model_dir) -> int:
         await asyncio.gather(server.stop(settings.grace_seconds), _stop_rest(http_runner))
     else:
         await _stop_rest(http_runner)
+    await _stop_rest(metrics_runner)
     await asyncio.to_thread(dataplane.shutdown)
     # Calls still inside the handler when the grace period ended were cut off: say how many.
     outcomes = ", ".join(f"{status} {n}" for status, n in sorted(dataplane.outcomes.items())) or "none"
@@ -220,21 +223,38 @@ async def start_rest(settings: ServerSettings, dataplane: DataPlane, token, body
     """The HTTP/REST port: (its runner, "host:port"), or (None, "off")."""
     if settings.http_port < 0:
         return None, "off"
-    transport = RestTransport(dataplane, token, body_limit, settings.http_read_timeout_s)
-    # In-flight HTTP requests get the same grace on SIGTERM as gRPC's.
-    runner = web.AppRunner(
-        transport.application(), handle_signals=False, access_log=None, shutdown_timeout=settings.grace_seconds
-    )
-    await runner.setup()
+    transport = RestTransport(dataplane, token, body_limit, settings.http_read_timeout_s, settings.write_timeout_s)
     context = server_ssl_context(settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file)
-    site = web.TCPSite(runner, settings.host, settings.http_port, ssl_context=context)
-    try:
-        await site.start()
-    except OSError:
-        await runner.cleanup()
-        raise
-    bound = runner.addresses[0][1]  # the port 0 picked
-    return runner, f"{settings.host}:{bound}"
+    runner, port = await start_site(
+        transport.application(),
+        settings.host,
+        settings.http_port,
+        ssl_context=context,
+        max_connections=settings.http_max_connections,
+        idle_timeout_s=settings.http_idle_timeout_s,
+        shutdown_timeout_s=settings.grace_seconds,  # in-flight HTTP requests get the same grace as gRPC's
+        what="HTTP",
+    )
+    return runner, f"{settings.host}:{port}"
+
+
+METRICS_MAX_CONNECTIONS = 64  # a scraper or two, and a person with curl
+METRICS_IDLE_TIMEOUT_S = 30.0
+
+
+async def start_metrics(settings: ServerSettings, dataplane: DataPlane):
+    """The Prometheus port: (its runner, "host:port"), or (None, "off")."""
+    if settings.metrics_port < 0:
+        return None, "off"
+    runner, port = await start_site(
+        dataplane.metrics.application(),
+        settings.metrics_host,
+        settings.metrics_port,
+        max_connections=METRICS_MAX_CONNECTIONS,
+        idle_timeout_s=METRICS_IDLE_TIMEOUT_S,
+        what="metrics",
+    )
+    return runner, f"{settings.metrics_host}:{port}"
 
 
 async def _stop_rest(runner) -> None:

@@ -32,6 +32,8 @@ class ServerSettings:
     port: int = 8001  # 0 picks a free port; the start-up line names it
     http_port: int = 8000  # HTTP/REST (KServe v2 with Triton's extensions); 0 = any free port, -1 = off
     http_read_timeout_s: float = 30.0  # an HTTP request body must arrive within this
+    http_idle_timeout_s: float = 75.0  # an HTTP connection with no request for this long is closed
+    http_max_connections: int = 1000  # open HTTP connections; beyond, 503 at once
     device: str = "auto"  # auto | cpu | cuda
     intra_op_threads: int = 0  # ONNX Runtime threads per run; 0 = one per core
     inference_workers: int = 1  # runs at once; more than one only helps with spare cores
@@ -62,11 +64,16 @@ class ServerSettings:
     # connection closed, and its calls cancelled, after keepalive_time_s + keepalive_timeout_s.
     keepalive_time_s: float = 30.0
     keepalive_timeout_s: float = 10.0
+    # An answer not taken by its client within this (gRPC or HTTP) is dropped, its call cancelled: until
+    # then it counts in max_inflight_bytes, so clients that do not read hold the budget, not more.
+    write_timeout_s: float = 30.0
     drain_seconds: float = 1.0  # SIGTERM: refuse new calls with a retryable status this long before closing
     grace_seconds: float = 10.0  # SIGTERM: how long in-flight requests may take to finish
     max_health_watchers: int = 64  # grpc.health.v1 Watch streams open at once; beyond, RESOURCE_EXHAUSTED
     warmup_runs: int = 2  # model runs at each warm-up shape before reporting ready (0 = none)
     metrics_port: int = 8002  # Prometheus endpoint; 0 = any free port, -1 = none
+    # Plain HTTP with no token: loopback unless asked, whatever --host is (a scraper elsewhere: its address).
+    metrics_host: str = "127.0.0.1"
     log_level: str = "INFO"
 
     HELP = {
@@ -85,6 +92,8 @@ class ServerSettings:
         "http_port": "HTTP/REST port, the same protocol as gRPC (0 = any free port, -1 = no HTTP)",
         "http_read_timeout_s": "seconds an HTTP request's body may take to arrive; a slower client is answered "
         "504 and dropped",
+        "http_idle_timeout_s": "seconds an HTTP connection may stay open without a request",
+        "http_max_connections": "HTTP connections open at once; beyond, new ones are answered 503 and closed",
         "device": "auto: CUDA when really usable, else CPU with a warning; cuda: refuse to start without it",
         "intra_op_threads": "ONNX Runtime threads per run (0 = one per core)",
         "inference_workers": "model runs allowed at once",
@@ -113,13 +122,17 @@ class ServerSettings:
         "$MHASERVE_AUTH_TOKEN; none: no token)",
         "keepalive_time_s": "ping each client connection after this many idle seconds",
         "keepalive_timeout_s": "close a connection whose ping is not answered within this many seconds",
+        "write_timeout_s": "seconds a client may take to read its answer (gRPC and HTTP); a slower one has its "
+        "call cancelled (HTTP: its connection closed) and the request is counted CANCELLED",
         "drain_seconds": "on SIGTERM/SIGINT, keep the port open this long, refusing new calls with UNAVAILABLE "
         "(retryable), before closing it",
         "grace_seconds": "on SIGTERM/SIGINT, time for in-flight requests to finish",
         "max_health_watchers": "health Watch streams open at once (health needs no token); beyond, "
         "RESOURCE_EXHAUSTED (Check is not limited)",
         "warmup_runs": "model runs at each warm-up shape before reporting ready (0 = none)",
-        "metrics_port": "Prometheus metrics port on the same host (0 = any free port, -1 = no endpoint)",
+        "metrics_port": "Prometheus metrics port (0 = any free port, -1 = no endpoint); it serves /metrics only",
+        "metrics_host": "address of the metrics port, apart from --host: plain HTTP with no token, so loopback "
+        "unless a scraper elsewhere needs it",
         "log_level": "DEBUG, INFO, WARNING or ERROR",
     }
 
@@ -198,7 +211,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     if settings.device not in ("auto", "cpu", "cuda"):
         raise UsageError(f"--device must be auto, cpu or cuda, got {settings.device!r}")
     for name in ("max_batch_size", "max_q_len", "max_kv_len", "inference_workers", "max_queue_size",
-                 "max_inflight_bytes", "max_health_watchers"):  # fmt: skip
+                 "max_inflight_bytes", "max_health_watchers", "http_max_connections"):  # fmt: skip
         if getattr(settings, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
     if settings.drain_seconds < 0 or settings.grace_seconds < 0:
@@ -217,8 +230,9 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         raise UsageError("--model-control-mode and --load-model need --model-repository")
     if settings.load_model and settings.model_control_mode != "explicit":
         raise UsageError("--load-model needs --model-control-mode explicit (the other modes load every model)")
-    if settings.http_read_timeout_s <= 0:
-        raise UsageError("--http-read-timeout-s must be more than 0")
+    for name in ("http_read_timeout_s", "write_timeout_s", "http_idle_timeout_s"):
+        if getattr(settings, name) <= 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be more than 0")
     if settings.repository_poll_secs <= 0:
         raise UsageError("--repository-poll-secs must be more than 0")
     try:

@@ -9,6 +9,7 @@ Plain Python and numpy: a transport decodes requests with the functions it hands
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import sys
@@ -95,6 +96,13 @@ class DataPlane:
         self._executor = ThreadPoolExecutor(
             settings.inference_workers,
             thread_name_prefix="mhaserve-infer",
+            initializer=lower_thread_priority,
+            initargs=(settings.inference_nice,),
+        )
+        # Decodes that convert values one by one (typed contents, JSON data) run here, off the event loop.
+        self._decoder = ThreadPoolExecutor(
+            1,
+            thread_name_prefix="mhaserve-decode",
             initializer=lower_thread_priority,
             initargs=(settings.inference_nice,),
         )
@@ -311,22 +319,37 @@ class DataPlane:
         encode: Callable[[AttentionRequest, ModelSignature, dict], bytes],
         timeout_s: float | None = None,
         protocol: str = "grpc",
+        *,
+        decode_off_loop: bool = False,
+        until_sent: Callable[[Callable[[bool], None]], None] | None = None,
     ) -> bytes:
         """One inference call as every transport makes it: resolve, decode, infer, encode, and record its
-        fate (timing, statistics, metrics, the stop line's counts) whatever it is."""
+        fate (timing, statistics, metrics, the stop line's counts) whatever it is.
+
+        ``decode_off_loop``: the decode converts values one by one (typed contents, JSON data); it runs on
+        a thread, so that health and other requests are answered meanwhile.
+        ``until_sent``: the transport sends the answer after this returns; it is given a callback to call
+        with whether the answer was delivered, and until then the answer's memory stays in the budget and
+        its status is open (an answer never taken is counted CANCELLED, not OK).
+        """
         started = time.perf_counter_ns()
         timing = RequestTiming()
         rows = 0
         status = "UNKNOWN"
         served: ServedModel | None = None
+        reserved = 0
         self.requests_in_flight += 1
         try:
             served = self.resolve(name, version)
             served.enter()  # from here the version is not unloaded under this request
-            request = decode(served.signature, self.limits)
+            if decode_off_loop:
+                request = await self.off_loop(decode, served.signature, self.limits)
+            else:
+                request = decode(served.signature, self.limits)
             rows = request.batch_size
             timing.input_ns = time.perf_counter_ns() - started
-            outputs = await self.infer(served, request, timing, timeout_s)
+            reserved = self._reserve(footprint_bytes(request, served.signature.num_heads))
+            outputs = await self._run(served, request, timing, timeout_s)
             encode_started = time.perf_counter_ns()
             response = encode(request, served.signature, outputs)
             timing.output_ns = time.perf_counter_ns() - encode_started
@@ -343,27 +366,50 @@ class DataPlane:
             raise
         finally:
             self.requests_in_flight -= 1
+            if served is not None:
+                served.leave()  # the answer is encoded: unloading need not wait for its delivery
             if status != "OK":
                 timing.input_ns = time.perf_counter_ns() - started - timing.queue_ns - timing.infer_ns
-            self.record(served, status, rows, timing, protocol)
-            if served is not None:
-                served.leave()
+            settle = functools.partial(self._settle, served, rows, timing, protocol, reserved)
+            if status == "OK" and until_sent is not None:
+                until_sent(settle)
+            else:
+                settle(status == "OK", status)
 
-    async def infer(self, served: ServedModel, request: AttentionRequest, timing: RequestTiming, timeout_s=None):
-        """The request's outputs, computed in a (possibly merged) run; fills ``timing``'s queue and infer times.
+    async def off_loop(self, function, *args):
+        """``function(*args)`` on the decode thread: work that holds the interpreter for long (converting
+        values one by one, parsing megabytes of typed protobuf) is kept off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._decoder, function, *args)
 
-        Refuses at once (RESOURCE_EXHAUSTED) when the request would take the memory held by requests in
-        flight, of every model, over ``max_inflight_bytes``, or when this version's queue is full.
-        """
-        needed = footprint_bytes(request, served.signature.num_heads)
+    def _settle(
+        self, served, rows, timing, protocol, reserved: int, delivered: bool, status: str = "", *, freed: bool = True
+    ) -> Callable[[], None] | None:
+        """A request's end: its status is recorded and its memory leaves the budget; or, ``freed`` False (the
+        transport still holds the answer), the function that releases it later."""
+        if freed:
+            self.inflight_bytes -= reserved
+            release = None
+        else:
+            release = functools.partial(self._release, reserved)
+        self.record(served, status or ("OK" if delivered else "CANCELLED"), rows, timing, protocol)
+        return release
+
+    def _release(self, reserved: int) -> None:
+        self.inflight_bytes -= reserved
+
+    def _reserve(self, needed: int) -> int:
+        """Take ``needed`` bytes of the budget for a request, or refuse it (RESOURCE_EXHAUSTED) when the
+        requests in flight, of every model, would go over max_inflight_bytes."""
         limit = self.settings.max_inflight_bytes
         if self.inflight_bytes + needed > limit:
             raise InflightBytesExceeded(self.inflight_bytes, needed, limit)
         self.inflight_bytes += needed
-        try:
-            answer = await served.batcher.submit(request, timeout_s)
-        finally:
-            self.inflight_bytes -= needed
+        return needed
+
+    async def _run(self, served: ServedModel, request: AttentionRequest, timing: RequestTiming, timeout_s=None):
+        """The request's outputs, computed in a (possibly merged) run; fills ``timing``'s queue and infer
+        times. Refuses at once (RESOURCE_EXHAUSTED) when this version's queue is full."""
+        answer = await served.batcher.submit(request, timeout_s)
         timing.queue_ns, timing.infer_ns = answer.queue_ns, answer.infer_ns
         return answer.outputs
 
@@ -387,11 +433,7 @@ class DataPlane:
         log.debug("refused %s: missing or wrong bearer token", method)
         self.metrics.unauthenticated()
 
-    def start_metrics(self) -> int:
-        """The Prometheus endpoint on its own port; returns the port."""
-        return self.metrics.serve(self.settings.host, self.settings.metrics_port)
-
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True)
+        self._decoder.shutdown(wait=True)
         self._loader.shutdown(wait=True)
-        self.metrics.close()

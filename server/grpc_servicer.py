@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 
@@ -97,43 +98,101 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 grpc.StatusCode.NOT_FOUND, f"unknown repository '{name}': this server has one; leave the name empty"
             )
 
-    async def _infer(self, request: pb.ModelInferRequest, context, streamed: bool = False) -> bytes:
+    async def _infer(self, request: pb.ModelInferRequest, context, until_sent, streamed: bool = False) -> bytes:
         return await self.dataplane.serve_inference(
             request.model_name,
             request.model_version,
             functools.partial(decode_infer_request, request),
             functools.partial(encode_infer_response, streamed=streamed),
             context.time_remaining(),
+            decode_off_loop=decodes_slowly(request),
+            until_sent=until_sent,
         )
 
-    async def ModelInfer(self, request, context):
+    async def _deliver(self, context, answer: bytes, settle) -> None:
+        """Write the answer; its memory stays in the budget until it is written. One not taken within
+        write_timeout_s (an HTTP/2 window that stays shut) is counted CANCELLED then.
+
+        grpcio gives a handler no way to cancel its call: an answer not taken stays in gRPC's buffers until
+        the client reads it or its connection closes (keepalive closes a dead one), so it stays in the budget
+        until then. The budget bounds what slow readers hold, and max_concurrent_streams what one connection
+        holds."""
+        write = asyncio.ensure_future(context.write(answer))
         try:
-            return await self._infer(request, context)
+            await asyncio.wait_for(asyncio.shield(write), self.dataplane.settings.write_timeout_s)
+        except TimeoutError:
+            log.info(
+                "a gRPC client did not read its %d-byte answer within %g s: counted CANCELLED, held until taken "
+                "or its connection closes",
+                len(answer),
+                self.dataplane.settings.write_timeout_s,
+            )
+            release = settle(False, freed=False)
+            try:
+                await write
+            finally:
+                if release is not None:
+                    release()
+            return
+        except BaseException:
+            settle(False)
+            raise
+        settle(True)
+
+    async def ModelInfer(self, request, context):
+        # Served as a call with one streamed answer (the same bytes on the wire as a unary answer), so that
+        # the handler sees when the answer has been written: see add_inference_service.
+        settlements = []
+        try:
+            answer = await self._infer(request, context, settlements.append)
         except RequestError as error:
             await context.abort(GRPC_STATUS[error.kind], error.message)
         except Exception as error:  # a bug or a runtime failure: say so, keep serving
             log.exception("inference failed")
             await context.abort(grpc.StatusCode.INTERNAL, inference_failed(error).message)
+        await self._deliver(context, answer, settlements[0])
 
     async def ModelStreamInfer(self, request_iterator, context):
         # Answers in request order; a refused request answers with error_message and the stream goes on,
         # an undecodable one too (it arrives here as the RequestError that says so).
         async for request in request_iterator:
+            settlements = []
             try:
                 if isinstance(request, RequestError):
                     raise request
-                yield await self._infer(request, context, streamed=True)
+                answer = await self._infer(request, context, settlements.append, streamed=True)
             except RequestError as error:
-                yield pb.ModelStreamInferResponse(error_message=f"{error.kind.name}: {error.message}")
+                answer = pb.ModelStreamInferResponse(error_message=f"{error.kind.name}: {error.message}")
             except Exception as error:  # as in ModelInfer: say so, and the stream goes on
                 log.exception("inference failed")
-                yield pb.ModelStreamInferResponse(error_message=f"INTERNAL: {inference_failed(error).message}")
+                answer = pb.ModelStreamInferResponse(error_message=f"INTERNAL: {inference_failed(error).message}")
+            await self._deliver(context, answer, settlements[0] if settlements else _nothing_held)
 
 
-def _parsing_unary(behavior, request_class):
+def _nothing_held(delivered: bool, freed: bool = True) -> None:
+    """A refusal's answer: no budget to release, its status already recorded."""
+
+
+# Larger messages are parsed and decoded on the decode thread: typed contents parse at ~3 ms/MiB, all in one
+# call, and convert value by value; raw ones are checked in whole-array passes (a BOOL mask's bytes, finiteness).
+OFF_LOOP_BYTES = 1 << 20
+
+
+def decodes_slowly(request: pb.ModelInferRequest) -> bool:
+    """Whether decoding ``request`` would hold the event loop for long: values in the typed ``contents``
+    fields (converted element by element), or megabytes of raw contents."""
+    if request.inputs and not request.raw_input_contents:
+        return True
+    return sum(len(contents) for contents in request.raw_input_contents) > OFF_LOOP_BYTES
+
+
+def _parsing_unary(behavior, request_class, off_loop):
     async def handle(raw: bytes, context):
         try:
-            request = request_class.FromString(raw)
+            if len(raw) > OFF_LOOP_BYTES:
+                request = await off_loop(request_class.FromString, raw)
+            else:
+                request = request_class.FromString(raw)
         except DecodeError:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _undecodable(request_class, raw))
         return await behavior(request, context)
@@ -141,17 +200,19 @@ def _parsing_unary(behavior, request_class):
     return handle
 
 
-def _parsing_stream(behavior, request_class):
+def _parsing_stream(behavior, request_class, off_loop):
     async def handle(raw_iterator, context):
         async def requests():
             async for raw in raw_iterator:
                 try:
-                    yield request_class.FromString(raw)
+                    if len(raw) > OFF_LOOP_BYTES:
+                        yield await off_loop(request_class.FromString, raw)
+                    else:
+                        yield request_class.FromString(raw)
                 except DecodeError:  # one bad message is that message's error, not the stream's end
                     yield RequestError(ErrorKind.INVALID_ARGUMENT, _undecodable(request_class, raw))
 
-        async for response in behavior(requests(), context):
-            yield response
+        await behavior(requests(), context)  # it writes its answers itself
 
     return handle
 
@@ -169,6 +230,12 @@ def _undecodable(request_class, raw: bytes) -> str:
     return f"the request ({len(raw)} bytes) is not a valid {request_class.DESCRIPTOR.full_name} protobuf message"
 
 
+# Unary on the wire, but its handler writes the one answer itself (a server-streaming handler): a unary
+# handler returns its answer to gRPC, which sends it later, so the handler could neither keep the answer in
+# the budget until it is written nor give up on a client that never reads it.
+WRITES_ITS_ANSWER = {"ModelInfer"}
+
+
 def add_inference_service(servicer: InferenceServicer, server) -> None:
     """Register the service as the generated ``add_..._to_server`` does, but parse requests here.
 
@@ -184,11 +251,15 @@ def add_inference_service(servicer: InferenceServicer, server) -> None:
         behavior = getattr(servicer, method.name)
         if method.client_streaming and method.server_streaming:
             handler = grpc.stream_stream_rpc_method_handler(
-                _parsing_stream(behavior, request_class), response_serializer=serialize
+                _parsing_stream(behavior, request_class, servicer.dataplane.off_loop), response_serializer=serialize
+            )
+        elif method.name in WRITES_ITS_ANSWER:
+            handler = grpc.unary_stream_rpc_method_handler(
+                _parsing_unary(behavior, request_class, servicer.dataplane.off_loop), response_serializer=serialize
             )
         elif not (method.client_streaming or method.server_streaming):
             handler = grpc.unary_unary_rpc_method_handler(
-                _parsing_unary(behavior, request_class), response_serializer=serialize
+                _parsing_unary(behavior, request_class, servicer.dataplane.off_loop), response_serializer=serialize
             )
         else:  # the protocol has no such RPC; refuse to guess
             raise TypeError(f"{method.full_name}: half-streaming RPCs are not handled")

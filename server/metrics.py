@@ -1,4 +1,4 @@
-"""Prometheus metrics on their own HTTP port, named after Triton's ``nv_inference_*`` family.
+"""Prometheus metrics (served on their own HTTP port by the process), named after Triton's ``nv_inference_*`` family.
 
 Triton name                          here
 nv_inference_request_success/failure mhaserve_inference_request_total{status="OK"|gRPC code, protocol="grpc"|"http"}
@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 # 50 µs .. ~3 s, roughly x2 apart: covers a [1,16,512] run and a long queue under overload.
 LATENCY_BUCKETS = (5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
@@ -88,7 +89,7 @@ class Metrics:
         # prometheus_client's lock, and the record of which children forget() removes.
         self._request_counters: dict[tuple[str, str, str, str], Counter] = {}
         self._queue_depths: dict[tuple[str, str], Callable[[], int]] = {}
-        self.server = None
+        self._models: dict[tuple[str, str], ModelMetrics] = {}
 
     def for_model(self, model: str, version: str, queue_depth: Callable[[], int]) -> ModelMetrics:
         # The gauge keeps its function in a reference cycle (prometheus_client's set_function), which only the
@@ -97,10 +98,13 @@ class Metrics:
         key = (model, version)
         self._queue_depths[key] = queue_depth
         self._pending.labels(model, version).set_function(lambda: self._queue_depths.get(key, int)())
-        return ModelMetrics(self, model, version)
+        self._models[key] = ModelMetrics(self, model, version)
+        return self._models[key]
 
     def forget(self, model: str, version: str) -> None:
         self._queue_depths.pop((model, version), None)
+        if retired := self._models.pop((model, version), None):
+            retired.retired = True  # an answer delivered after the unload must not bring its labels back
         for family in self._families:
             try:
                 family.remove(model, version)
@@ -120,15 +124,15 @@ class Metrics:
     def unauthenticated(self) -> None:
         self._unauthenticated.inc()
 
-    def serve(self, host: str, port: int) -> int:
-        """Start the HTTP endpoint (its own thread); returns the bound port (``port`` 0 picks one)."""
-        self.server, _ = start_http_server(port, addr=host, registry=self.registry)
-        return self.server.server_port
+    def application(self) -> web.Application:
+        """The endpoint: ``GET /metrics`` and nothing else (every other path is 404)."""
 
-    def close(self) -> None:
-        if self.server is not None:
-            self.server.shutdown()
-            self.server.server_close()
+        async def scrape(request: web.Request) -> web.Response:
+            return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+        app = web.Application()
+        app.router.add_get("/metrics", scrape)
+        return app
 
 
 class ModelMetrics:
@@ -137,6 +141,7 @@ class ModelMetrics:
     def __init__(self, metrics: Metrics, model: str, version: str):
         self._metrics = metrics
         self._labels = (model, version)
+        self.retired = False  # the version was unloaded and its labels removed
         m = metrics
         self._count = m._count.labels(model, version)
         self._exec_count = m._exec_count.labels(model, version)
@@ -149,6 +154,8 @@ class ModelMetrics:
     def request_done(
         self, status: str, protocol: str, rows: int = 0, total_s=None, queue_s=None, compute_s=None
     ) -> None:
+        if self.retired:
+            return
         self._metrics.request_done(*self._labels, status, protocol)
         if status == "OK":
             self._count.inc(rows)

@@ -24,6 +24,7 @@ from .dataplane import DataPlane
 from .errors import ErrorKind, RequestError, inference_failed, invalid
 from .security import bearer_token_matches
 from .tensors import (
+    CONVERT_CHUNK,
     AttentionRequest,
     Limits,
     ModelSignature,
@@ -47,6 +48,10 @@ HTTP_STATUS = {
 }
 RETRY_AFTER_S = "1"  # 429 and 503: the queue, the memory budget or a drain; worth retrying shortly
 HEADER_LENGTH = "Inference-Header-Content-Length"
+# Larger bodies are decoded on the decode thread: JSON at ~5 ms per MiB, value by value; binary data in
+# whole-array passes (a BOOL mask's bytes, finiteness).
+JSON_ON_LOOP_BYTES = 64 << 10
+OFF_LOOP_BYTES = 1 << 20
 OPEN_PATHS = ("/v2/health/live", "/v2/health/ready")  # probes need no token, as grpc.health.v1
 
 
@@ -133,16 +138,46 @@ def _array_from_json(name: str, datatype: str, shape: list[int], data) -> np.nda
     if not isinstance(data, list):
         raise invalid(f"input '{name}': no 'data' list and no binary_data_size parameter")
     try:
-        values = np.asarray(data)  # nested or flat; row-major either way
-    except ValueError:
-        raise invalid(f"input '{name}': 'data' is a ragged nested list; expected {shape} row-major") from None
+        pieces = [np.asarray(piece) for piece in _json_pieces(name, shape, data)]
+    except ValueError:  # a piece holding lists of different lengths
+        raise _misnested(name, shape) from None
+    if any(piece.ndim != 1 for piece in pieces):
+        raise _misnested(name, shape)
+    values = np.concatenate(pieces) if pieces else np.zeros(0)
     if values.dtype.kind not in "biuf":
         raise invalid(f"input '{name}': 'data' holds {values.dtype.kind!r}-kind values, not {datatype} numbers")
     if datatype == "BOOL" and values.dtype.kind != "b":
         raise invalid(f"input '{name}': BOOL data must be true or false")
     if datatype != "BOOL" and datatype != "FP32" and values.dtype.kind == "f":
         raise invalid(f"input '{name}': {datatype} data must be integers")
-    return array_from_values(name, datatype, shape, values.ravel(), "data")
+    return array_from_values(name, datatype, shape, values, "data")
+
+
+def _json_pieces(name: str, shape: list[int], data: list) -> list[list]:
+    """The values of ``data`` (flat, or nested exactly as ``shape``) as flat lists of moderate length,
+    each converted by its own call: a large tensor never holds the interpreter in one long conversion."""
+    if not data or not isinstance(data[0], list):  # flat
+        return [data[start : start + CONVERT_CHUNK] for start in range(0, len(data), CONVERT_CHUNK)]
+    if not shape:
+        raise _misnested(name, shape)
+    level = [data]
+    for dim in shape[:-1]:
+        nested = []
+        for item in level:
+            if not isinstance(item, list) or len(item) != dim:
+                raise _misnested(name, shape)
+            nested.extend(item)
+        level = nested
+    if any(not isinstance(row, list) or len(row) != shape[-1] for row in level):
+        raise _misnested(name, shape)
+    return level
+
+
+def _misnested(name: str, shape: list[int]) -> RequestError:
+    return invalid(
+        f"input '{name}': 'data' is a ragged nested list, or nested unlike the shape {shape}; send it "
+        "flat or nested as the shape, row-major"
+    )
 
 
 def encode_rest_response(
@@ -172,11 +207,14 @@ def encode_rest_response(
 
 
 class RestTransport:
-    def __init__(self, dataplane: DataPlane, token: bytes | None, body_limit: int, read_timeout_s: float):
+    def __init__(
+        self, dataplane: DataPlane, token: bytes | None, body_limit: int, read_timeout_s: float, write_timeout_s: float
+    ):
         self.dataplane = dataplane
         self.token = token
         self.body_limit = body_limit
         self.read_timeout_s = read_timeout_s
+        self.write_timeout_s = write_timeout_s
 
     def application(self) -> web.Application:
         app = web.Application(client_max_size=self.body_limit, middlewares=[self._errors, self._authenticate])
@@ -308,6 +346,7 @@ class RestTransport:
             binary_outputs.update(wanted)
             return decoded
 
+        settlements = []
         try:
             payload, json_length = await self.dataplane.serve_inference(
                 request.match_info["name"],
@@ -315,6 +354,10 @@ class RestTransport:
                 decode,
                 functools.partial(encode_rest_response, binary_outputs),
                 protocol="http",
+                # JSON values are parsed and converted one by one; binary ones are checked in whole-array passes.
+                decode_off_loop=len(body) > OFF_LOOP_BYTES
+                or (len(body) if header_length is None else header_length) > JSON_ON_LOOP_BYTES,
+                until_sent=settlements.append,
             )
         except RequestError:
             raise
@@ -322,7 +365,34 @@ class RestTransport:
             log.exception("inference failed")
             raise inference_failed(error) from None
         if json_length is None:
-            return web.Response(body=payload, content_type="application/json")
-        return web.Response(
-            body=payload, content_type="application/octet-stream", headers={HEADER_LENGTH: str(json_length)}
-        )
+            response = web.Response(body=payload, content_type="application/json")
+        else:
+            response = web.Response(
+                body=payload, content_type="application/octet-stream", headers={HEADER_LENGTH: str(json_length)}
+            )
+        delivered = False
+        try:
+            delivered = await self._send(request, response)
+        finally:
+            settlements[0](delivered)  # the answer leaves the memory budget only now
+        return response
+
+    async def _send(self, request: web.Request, response: web.Response) -> bool:
+        """Write the answer within write_timeout_s: a client that does not read it is dropped, and the answer
+        with it, instead of holding its memory for as long as it likes."""
+        try:
+            async with asyncio.timeout(self.write_timeout_s):
+                await response.prepare(request)
+                await response.write_eof()
+            return True
+        except TimeoutError:
+            log.info(
+                "dropped an HTTP client that did not read its %d-byte answer within %g s",
+                response.content_length or 0,
+                self.write_timeout_s,
+            )
+        except ConnectionError:  # it went away first
+            pass
+        if request.transport is not None:
+            request.transport.abort()
+        return False

@@ -183,6 +183,12 @@ class RecordingContext:
     async def abort(self, code, details):
         raise Aborted(code, details)
 
+    def __init__(self):
+        self.written = []  # answers the handler wrote, taken at once
+
+    async def write(self, answer):
+        self.written.append(answer)
+
 
 def test_a_failing_model_run_answers_internal_and_the_next_request_is_served(small_model_dir):
     from mhaserve.server.config import ServerSettings
@@ -203,9 +209,13 @@ def test_a_failing_model_run_answers_internal_and_the_next_request_is_served(sma
         batcher._run_model = failing_run
         with pytest.raises(Aborted, match="INTERNAL: inference failed: RuntimeError: ONNX Runtime gave up") as error:
             await servicer.ModelInfer(good, RecordingContext())
-        streamed = [r async for r in servicer.ModelStreamInfer(_aiter([good]), RecordingContext())]
+        stream = RecordingContext()
+        await servicer.ModelStreamInfer(_aiter([good]), stream)
+        streamed = stream.written
         batcher._run_model = working_run
-        answer = pb.ModelInferResponse.FromString(await servicer.ModelInfer(good, RecordingContext()))
+        unary = RecordingContext()
+        await servicer.ModelInfer(good, unary)
+        answer = pb.ModelInferResponse.FromString(unary.written[0])
         dataplane.shutdown()
         return error.value, streamed, answer, dataplane.outcomes
 

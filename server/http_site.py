@@ -1,0 +1,97 @@
+"""The listening side of the process's HTTP ports (HTTP/REST and metrics): aiohttp on the running loop,
+with a cap on open connections and idle connections closed, so that idle or hostile clients cost bounded
+sockets and memory however many of them connect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+from aiohttp import web
+
+REFUSAL_LINGER_S = 1.0  # the refused client gets this long to read its 503 before the socket closes
+TLS_HANDSHAKE_TIMEOUT_S = 10.0  # a connection still shaking hands is not yet counted by aiohttp: bound it
+
+
+def _refusal(limit: int, what: str) -> bytes:
+    body = orjson.dumps(
+        {"error": f"{limit} {what} connections are open, the limit; retry later, or reuse a connection"}
+    )
+    head = (
+        "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+        f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+class _Refused(asyncio.Protocol):
+    """A connection over the cap: answered 503 at once, whatever it sends, then closed."""
+
+    def __init__(self, response: bytes):
+        self.response = response
+
+    def connection_made(self, transport):
+        transport.write(self.response)
+        # Closing at once could reset the connection before the client reads the answer (its request
+        # is still unread here): let it read for a moment.
+        asyncio.get_running_loop().call_later(REFUSAL_LINGER_S, transport.close)
+
+    def data_received(self, data):
+        pass
+
+
+class CappedSite(web.TCPSite):
+    """aiohttp's TCP site, answering 503 to connections beyond ``max_connections`` instead of serving them."""
+
+    def __init__(self, runner: web.AppRunner, host: str, port: int, *, ssl_context, max_connections: int, what: str):
+        super().__init__(runner, host, port, ssl_context=ssl_context)
+        self._max_connections = max_connections
+        self._refusal = _refusal(max_connections, what)
+
+    def _protocol(self) -> asyncio.Protocol:
+        server = self._runner.server
+        if len(server.connections) >= self._max_connections:
+            return _Refused(self._refusal)
+        return server()
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)  # registers the site with its runner (cleanup stops it)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            self._protocol,
+            self._host,
+            self._port,
+            ssl=self._ssl_context,
+            ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT_S if self._ssl_context else None,
+        )
+        self._bound_port = self._server.sockets[0].getsockname()[1]
+
+
+async def start_site(
+    app: web.Application,
+    host: str,
+    port: int,
+    *,
+    ssl_context=None,
+    max_connections: int,
+    idle_timeout_s: float,
+    shutdown_timeout_s: float = 0.0,
+    what: str,
+) -> tuple[web.AppRunner, int]:
+    """Serve ``app`` on host:port; returns its runner (``cleanup()`` stops it) and the bound port."""
+    runner = web.AppRunner(
+        app,
+        handle_signals=False,
+        access_log=None,
+        keepalive_timeout=idle_timeout_s,  # also closes a connection that never sends a request
+        shutdown_timeout=shutdown_timeout_s,
+    )
+    await runner.setup()
+    site = CappedSite(runner, host, port, ssl_context=ssl_context, max_connections=max_connections, what=what)
+    try:
+        await site.start()
+    except OSError:
+        await runner.cleanup()
+        raise
+    return runner, site.port
