@@ -39,6 +39,11 @@ from .tensors import AttentionRequest, Limits, ModelSignature
 
 log = logging.getLogger("mhaserve.server")
 
+# Requests larger than this are parsed and decoded on the decode thread (DataPlane.off_loop), whichever
+# transport brings them: typed values and JSON convert one by one, and even raw bytes are checked in
+# whole-array passes (a BOOL mask's bytes, finiteness) that would hold the event loop for milliseconds.
+OFF_LOOP_BYTES = 1 << 20
+
 
 class ShuttingDown(RequestError):
     def __init__(self):

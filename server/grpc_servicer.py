@@ -16,7 +16,7 @@ from mhaserve.protos.generated import model_config_pb2 as mc
 
 from . import describe
 from .codec import decode_infer_request, encode_infer_response
-from .dataplane import DataPlane
+from .dataplane import OFF_LOOP_BYTES, DataPlane
 from .errors import ErrorKind, RequestError, inference_failed
 from .registry import ServedModel
 
@@ -109,31 +109,6 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             until_sent=until_sent,
         )
 
-    async def _deliver(self, context, answer: bytes, settle) -> None:
-        """Write a stream's answer; its memory stays in the budget until it is written, and the next request
-        of the stream is not read before. One not taken within write_timeout_s counts CANCELLED then, and
-        stays in the budget until it is taken or the connection closes (see _settle_when_written)."""
-        write = asyncio.ensure_future(context.write(answer))
-        try:
-            await asyncio.wait_for(asyncio.shield(write), self.dataplane.settings.write_timeout_s)
-        except TimeoutError:
-            log.info(
-                "a gRPC client did not read its %d-byte streamed answer within %g s: counted CANCELLED",
-                len(answer),
-                self.dataplane.settings.write_timeout_s,
-            )
-            release = settle(False, freed=False)
-            try:
-                await write
-            finally:
-                if release is not None:
-                    release()
-            return
-        except BaseException:
-            settle(False)
-            raise
-        settle(True)
-
     async def ModelInfer(self, request, context):
         settlements = []
         try:
@@ -143,19 +118,22 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         except Exception as error:  # a bug or a runtime failure: say so, keep serving
             log.exception("inference failed")
             await context.abort(grpc.StatusCode.INTERNAL, inference_failed(error).message)
-        self._settle_when_written(context, settlements[0], len(answer))
+        written = asyncio.get_running_loop().create_future()  # gRPC writes a unary answer after the handler
+        context.add_done_callback(lambda call: written.done() or written.set_result(None))
+        self._settle_when_written(settlements[0], written, len(answer))
         return answer
 
-    def _settle_when_written(self, context, settle, size: int) -> None:
-        """A unary answer is written by gRPC after the handler returns; the call ends once it is. Until then
-        the answer stays in the budget; one not taken within write_timeout_s counts CANCELLED then.
+    def _settle_when_written(self, settle, written: asyncio.Future, size: int) -> None:
+        """The answer stays in the budget until ``written`` is done (gRPC wrote it, or gave up); one not taken
+        within write_timeout_s counts CANCELLED then.
 
         grpcio gives a handler no way to cancel its call: an answer not taken stays in gRPC's buffers until
         the client reads it or its connection closes (keepalive closes a dead one), so it stays in the budget
         until then. The budget bounds what slow readers hold, and max_concurrent_streams what one connection
-        holds. (Writing it from the handler, as a one-answer stream, cost 0.1 ms per call at [1,16,512].)"""
+        holds. (Writing a unary answer from the handler, as a one-answer stream, cost 0.1 ms per call at
+        [1,16,512]: the call's done callback tells instead.)"""
         timeout = self.dataplane.settings.write_timeout_s
-        released_later = []
+        gave_up = []
 
         def give_up() -> None:
             log.info(
@@ -164,19 +142,19 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 size,
                 timeout,
             )
-            released_later.append(settle(False, freed=False))
+            gave_up.append(settle(False, freed=False))
 
         timer = asyncio.get_running_loop().call_later(timeout, give_up)
 
-        def call_ended(_) -> None:
-            if released_later:
-                if released_later[0] is not None:
-                    released_later[0]()
-            else:
-                timer.cancel()
-                settle(True)
+        def ended(future: asyncio.Future) -> None:
+            if gave_up:
+                if gave_up[0] is not None:
+                    gave_up[0]()
+                return
+            timer.cancel()
+            settle(not future.cancelled() and future.exception() is None)
 
-        context.add_done_callback(call_ended)
+        written.add_done_callback(ended)
 
     async def ModelStreamInfer(self, request_iterator, context):
         # Answers in request order; a refused request answers with error_message and the stream goes on,
@@ -192,16 +170,15 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             except Exception as error:  # as in ModelInfer: say so, and the stream goes on
                 log.exception("inference failed")
                 answer = pb.ModelStreamInferResponse(error_message=f"INTERNAL: {inference_failed(error).message}")
-            await self._deliver(context, answer, settlements[0] if settlements else _nothing_held)
+            # The next request is not read before this answer is written.
+            write = asyncio.ensure_future(context.write(answer))
+            size = len(answer) if isinstance(answer, bytes) else answer.ByteSize()
+            self._settle_when_written(settlements[0] if settlements else _nothing_held, write, size)
+            await write
 
 
 def _nothing_held(delivered: bool, freed: bool = True) -> None:
     """A refusal's answer: no budget to release, its status already recorded."""
-
-
-# Larger messages are parsed and decoded on the decode thread: typed contents parse at ~3 ms/MiB, all in one
-# call, and convert value by value; raw ones are checked in whole-array passes (a BOOL mask's bytes, finiteness).
-OFF_LOOP_BYTES = 1 << 20
 
 
 def decodes_slowly(request: pb.ModelInferRequest) -> bool:
@@ -212,13 +189,17 @@ def decodes_slowly(request: pb.ModelInferRequest) -> bool:
     return sum(len(contents) for contents in request.raw_input_contents) > OFF_LOOP_BYTES
 
 
+async def _parsed(request_class, raw: bytes, off_loop):
+    """The message; a large one is parsed on the decode thread (typed contents parse at ~3 ms/MiB, in one call)."""
+    if len(raw) > OFF_LOOP_BYTES:
+        return await off_loop(request_class.FromString, raw)
+    return request_class.FromString(raw)
+
+
 def _parsing_unary(behavior, request_class, off_loop):
     async def handle(raw: bytes, context):
         try:
-            if len(raw) > OFF_LOOP_BYTES:
-                request = await off_loop(request_class.FromString, raw)
-            else:
-                request = request_class.FromString(raw)
+            request = await _parsed(request_class, raw, off_loop)
         except DecodeError:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _undecodable(request_class, raw))
         return await behavior(request, context)
@@ -231,10 +212,7 @@ def _parsing_stream(behavior, request_class, off_loop):
         async def requests():
             async for raw in raw_iterator:
                 try:
-                    if len(raw) > OFF_LOOP_BYTES:
-                        yield await off_loop(request_class.FromString, raw)
-                    else:
-                        yield request_class.FromString(raw)
+                    yield await _parsed(request_class, raw, off_loop)
                 except DecodeError:  # one bad message is that message's error, not the stream's end
                     yield RequestError(ErrorKind.INVALID_ARGUMENT, _undecodable(request_class, raw))
 

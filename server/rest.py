@@ -20,7 +20,7 @@ import orjson
 from aiohttp import web
 
 from . import describe
-from .dataplane import DataPlane
+from .dataplane import OFF_LOOP_BYTES, DataPlane
 from .errors import ErrorKind, RequestError, inference_failed, invalid
 from .security import bearer_token_matches
 from .tensors import (
@@ -48,10 +48,7 @@ HTTP_STATUS = {
 }
 RETRY_AFTER_S = "1"  # 429 and 503: the queue, the memory budget or a drain; worth retrying shortly
 HEADER_LENGTH = "Inference-Header-Content-Length"
-# Larger bodies are decoded on the decode thread: JSON at ~5 ms per MiB, value by value; binary data in
-# whole-array passes (a BOOL mask's bytes, finiteness).
-JSON_ON_LOOP_BYTES = 64 << 10
-OFF_LOOP_BYTES = 1 << 20
+JSON_ON_LOOP_BYTES = 64 << 10  # larger JSON is decoded on the decode thread: ~5 ms per MiB, value by value
 OPEN_PATHS = ("/v2/health/live", "/v2/health/ready")  # probes need no token, as grpc.health.v1
 
 
