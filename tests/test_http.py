@@ -275,6 +275,43 @@ def test_http_and_grpc_requests_share_the_statistics_and_metrics_name_the_protoc
     assert now["http"] == counted.get("http", 0) + 1 and now["grpc"] == counted.get("grpc", 0) + 1
 
 
+def test_an_http_and_a_grpc_request_are_merged_into_one_run(small_model_dir):
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    # The queue waits up to 0.5 s for company, so two requests sent together are certain to share a run.
+    args = ("--max-queue-delay-us", "500000", "--warmup-runs", "0")
+    with ServerProcess(small_model_dir, *args) as server, Client(server.url) as client:
+        over_http, over_grpc = rand(2, 6, D, seed=21), rand(1, 6, D, seed=22)
+        both_sent = threading.Barrier(2)
+
+        def http_call():
+            both_sent.wait()
+            return triton_infer(triton_http(server), over_http)
+
+        def grpc_call():
+            both_sent.wait()
+            return client.infer(over_grpc)
+
+        before = client.statistics()
+        with ThreadPoolExecutor(2) as pool:
+            http_answer, grpc_answer = pool.submit(http_call), pool.submit(grpc_call)
+            http_answer, grpc_answer = http_answer.result(60), grpc_answer.result(60)
+        after = client.statistics()
+        assert after.execution_count == before.execution_count + 1
+        assert after.inference_count == before.inference_count + 3  # rows: 2 over HTTP, 1 over gRPC
+        assert any(b.batch_size == 3 for b in after.batch_stats)
+    reference = Reference(small_model_dir).session  # each request alone, in process
+    for query, output, weights in (
+        (over_http, http_answer.as_numpy("output"), http_answer.as_numpy("attn_weights")),
+        (over_grpc, grpc_answer.output, grpc_answer.attn_weights),
+    ):
+        no_mask = np.ones((1, 1, 1, 6), bool)
+        want_out, want_attn = reference.run(["output", "attn_weights"], query, query, query, no_mask)
+        np.testing.assert_allclose(output, want_out, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(weights, want_attn, rtol=0, atol=1e-6)
+
+
 def test_sigterm_drains_http_like_grpc_nothing_accepted_is_lost(small_model_dir):
     from concurrent.futures import ThreadPoolExecutor
 
