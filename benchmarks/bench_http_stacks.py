@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import socket
 import subprocess
 import sys
@@ -65,36 +64,23 @@ async def serve(stack: str, port: int, model_dir: Path, stacks_path: str | None)
     import uvicorn
     from starlette.applications import Starlette
     from starlette.background import BackgroundTask
-    from starlette.responses import Response
+    from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
 
     from mhaserve.server.errors import RequestError
-    from mhaserve.server.rest import HEADER_LENGTH, HTTP_STATUS, decode_rest_request, encode_rest_response
+    from mhaserve.server.rest import HEADER_LENGTH, HTTP_STATUS, header_length_of, serve_rest_inference
 
     async def infer(request):
-        """RestTransport.infer's steps, on Starlette's request and response."""
-        header_length = request.headers.get(HEADER_LENGTH)
-        header_length = int(header_length) if header_length is not None else None
-        body = await request.body()
-        binary_outputs: set[str] = set()
-
-        def decode(model, limits):
-            decoded, wanted = decode_rest_request(body, header_length, model, limits)
-            binary_outputs.update(wanted)
-            return decoded
-
+        """RestTransport.infer on Starlette's request and response: the same serve_rest_inference."""
         settlements = []
         try:
-            payload, json_length = await dataplane.serve_inference(
-                request.path_params["name"],
-                "",
-                decode,
-                functools.partial(encode_rest_response, binary_outputs),
-                protocol="http",
-                until_sent=settlements.append,
+            header_length = header_length_of(request.headers.get(HEADER_LENGTH))
+            body = await request.body()
+            payload, json_length = await serve_rest_inference(
+                dataplane, request.path_params["name"], "", body, header_length, settlements.append
             )
         except RequestError as error:
-            return Response(f'{{"error": "{error.message}"}}', HTTP_STATUS[error.kind], media_type="application/json")
+            return JSONResponse({"error": error.message}, HTTP_STATUS[error.kind])
         headers = {HEADER_LENGTH: str(json_length)} if json_length is not None else None
         # The background task runs once the response is sent: the answer leaves the budget then.
         return Response(payload, headers=headers, background=BackgroundTask(settlements[0], True))

@@ -200,6 +200,40 @@ def encode_rest_response(
     return b"".join([header, *chunks]), len(header)
 
 
+def header_length_of(value: str | None) -> int | None:
+    """The Inference-Header-Content-Length header: the JSON header's length, or None (the body is all JSON)."""
+    if value is not None and not value.isdigit():
+        raise invalid(f"{HEADER_LENGTH}: {value!r}, expected the JSON header's length in bytes")
+    return int(value) if value is not None else None
+
+
+async def serve_rest_inference(
+    dataplane: DataPlane, name: str, version: str, body: bytes, header_length: int | None, until_sent
+) -> tuple[bytes, int | None]:
+    """One infer call's body through the data plane, whichever HTTP stack received it: the answer's body, and
+    the JSON header's length when binary outputs follow it. ``until_sent`` as for DataPlane.serve_inference."""
+    if header_length is not None and header_length > len(body):
+        raise invalid(f"{HEADER_LENGTH} {header_length} is longer than the body ({len(body)} bytes)")
+    binary_outputs: set[str] = set()
+
+    def decode(model: ModelSignature, limits: Limits) -> AttentionRequest:
+        decoded, wanted = decode_rest_request(body, header_length, model, limits)
+        binary_outputs.update(wanted)
+        return decoded
+
+    return await dataplane.serve_inference(
+        name,
+        version,
+        decode,
+        functools.partial(encode_rest_response, binary_outputs),
+        protocol="http",
+        # JSON values are parsed and converted one by one; binary ones are checked in whole-array passes.
+        decode_off_loop=len(body) > OFF_LOOP_BYTES
+        or (len(body) if header_length is None else header_length) > JSON_ON_LOOP_BYTES,
+        until_sent=until_sent,
+    )
+
+
 # -- the routes ------------------------------------------------------------------------------------------
 
 
@@ -329,32 +363,17 @@ class RestTransport:
         return self.dataplane.resolve(request.match_info["name"], request.match_info.get("version", ""))
 
     async def infer(self, request: web.Request):
-        header_length = request.headers.get(HEADER_LENGTH)
-        if header_length is not None and not header_length.isdigit():
-            raise invalid(f"{HEADER_LENGTH}: {header_length!r}, expected the JSON header's length in bytes")
+        header_length = header_length_of(request.headers.get(HEADER_LENGTH))  # before the body is read
         body = await self._body(request)
-        header_length = int(header_length) if header_length is not None else None
-        if header_length is not None and header_length > len(body):
-            raise invalid(f"{HEADER_LENGTH} {header_length} is longer than the body ({len(body)} bytes)")
-        binary_outputs: set[str] = set()
-
-        def decode(model: ModelSignature, limits: Limits) -> AttentionRequest:
-            decoded, wanted = decode_rest_request(body, header_length, model, limits)
-            binary_outputs.update(wanted)
-            return decoded
-
         settlements = []
         try:
-            payload, json_length = await self.dataplane.serve_inference(
+            payload, json_length = await serve_rest_inference(
+                self.dataplane,
                 request.match_info["name"],
                 request.match_info.get("version", ""),
-                decode,
-                functools.partial(encode_rest_response, binary_outputs),
-                protocol="http",
-                # JSON values are parsed and converted one by one; binary ones are checked in whole-array passes.
-                decode_off_loop=len(body) > OFF_LOOP_BYTES
-                or (len(body) if header_length is None else header_length) > JSON_ON_LOOP_BYTES,
-                until_sent=settlements.append,
+                body,
+                header_length,
+                settlements.append,
             )
         except RequestError:
             raise
