@@ -113,8 +113,8 @@ class ServerSettings:
         "max_concurrent_streams": "concurrent RPCs per client connection",
         "reuse_port": "share the port with other mhaserve processes (SO_REUSEPORT): the kernel spreads "
         "connections over them, one Python event loop per core",
-        "max_inflight_bytes": "memory that queued and running requests may hold (inputs + outputs); beyond it "
-        "RESOURCE_EXHAUSTED at once",
+        "max_inflight_bytes": "memory that requests in flight may take (inputs, answers until written, ONNX "
+        "Runtime's run workspace); beyond it RESOURCE_EXHAUSTED at once",
         "tls_cert_file": "PEM certificate (chain) of the gRPC port; with --tls-key-file turns TLS on",
         "tls_key_file": "PEM private key of --tls-cert-file",
         "tls_client_ca_file": "PEM CA bundle; clients must present a certificate it signed (mutual TLS)",

@@ -24,12 +24,13 @@ import numpy as np
 
 from mhaserve.model_folder import ModelDirError, read_manifest
 from mhaserve.repository import ModelRepository, VersionPolicy
-from mhaserve.signature import ATTN_WEIGHTS, ATTN_WEIGHTS_MEAN, GRAPH_OUTPUT_NAMES
+from mhaserve.signature import GRAPH_OUTPUT_NAMES
 
 from .batcher import Batcher, BatchResult
 from .config import ServerSettings
 from .errors import ErrorKind, RequestError, invalid
 from .malloc import release_free_memory
+from .memory import MemoryBudget, answer_bytes, input_bytes, request_workspace_bytes
 from .metrics import Metrics
 from .registry import ModelRegistry, ServedModel
 from .run_cost import RunCost
@@ -43,6 +44,9 @@ log = logging.getLogger("mhaserve.server")
 # transport brings them: typed values and JSON convert one by one, and even raw bytes are checked in
 # whole-array passes (a BOOL mask's bytes, finiteness) that would hold the event loop for milliseconds.
 OFF_LOOP_BYTES = 1 << 20
+# After a burst, ONNX Runtime's arenas and the heap keep the burst's peak; once nothing has been in flight
+# for this long, they are given back (the next large run pays for growing them again, so not at once).
+IDLE_RELEASE_S = 2.0
 
 
 class ShuttingDown(RequestError):
@@ -50,28 +54,6 @@ class ShuttingDown(RequestError):
         super().__init__(
             ErrorKind.UNAVAILABLE, "the server is shutting down and takes no new requests; retry elsewhere"
         )
-
-
-class InflightBytesExceeded(RequestError):
-    def __init__(self, held: int, needed: int, limit: int):
-        super().__init__(
-            ErrorKind.RESOURCE_EXHAUSTED,
-            f"this request needs {needed} bytes (inputs + outputs) while requests in flight hold {held}; "
-            f"together over the limit max_inflight_bytes={limit}; retry later",
-        )
-
-
-def footprint_bytes(request: AttentionRequest, num_heads: int) -> int:
-    """Memory a request holds while queued and run: its decoded inputs and the outputs it asked for."""
-    inputs = {id(a): a.nbytes for a in (request.query, request.key, request.value, request.mask)}
-    b, q_len, d_model = request.query.shape
-    kv_len = request.key.shape[1]
-    outputs = 4 * b * q_len * d_model  # output is always computed
-    if ATTN_WEIGHTS in request.outputs or ATTN_WEIGHTS_MEAN in request.outputs:
-        outputs += 4 * b * num_heads * q_len * kv_len  # fetched from the run either way
-    if ATTN_WEIGHTS_MEAN in request.outputs:
-        outputs += 4 * b * q_len * kv_len
-    return sum(inputs.values()) + outputs
 
 
 def lower_thread_priority(nice: int) -> None:
@@ -89,13 +71,18 @@ class DataPlane:
     def __init__(self, settings: ServerSettings, model_dir: Path | None = None):
         self.settings = settings
         self.limits = Limits(settings.max_batch_size, settings.max_q_len, settings.max_kv_len)
-        self.metrics = Metrics(lambda: self.inflight_bytes)
+        self.budget = MemoryBudget(  # every model's requests: one process's memory
+            settings.max_inflight_bytes,
+            settings.inference_workers,
+            settings.max_batch_size if settings.dynamic_batching else None,
+        )
+        self.metrics = Metrics(lambda: self.budget.held)
         self.message_limits: tuple[int, int] | None = None  # (receive, send) the transport bound with
         self.started = False  # the models of start-up are loaded (or failed): ServerReady may say yes
         self.draining = False  # shutting down: in-flight requests finish, ready RPCs say no
         # One budget and one set of inference workers for every served version: the memory and the cores
         # are the process's, however many models share them.
-        self.inflight_bytes = 0  # footprint_bytes of the requests queued or running (event loop only)
+        self._idle_release: asyncio.TimerHandle | None = None  # armed when the budget becomes idle
         self.requests_in_flight = 0  # inference calls inside a handler (event loop only)
         self.outcomes: Counter[str] = Counter()  # inference calls by final status since start
         self._executor = ThreadPoolExecutor(
@@ -342,7 +329,7 @@ class DataPlane:
         rows = 0
         status = "UNKNOWN"
         served: ServedModel | None = None
-        reserved = 0
+        reserved, waiting = 0, None  # this request's bytes in the budget; its run's workspace until it ends
         self.requests_in_flight += 1
         try:
             served = self.resolve(name, version)
@@ -353,10 +340,16 @@ class DataPlane:
                 request = decode(served.signature, self.limits)
             rows = request.batch_size
             timing.input_ns = time.perf_counter_ns() - started
-            reserved = self._reserve(footprint_bytes(request, served.signature.num_heads))
+            answer = answer_bytes(request, served.signature.num_heads)
+            needed = input_bytes(request) + answer
+            waiting = self._admit(needed, rows, request_workspace_bytes(request, served.signature.num_heads))
+            reserved = needed  # (a refusal took nothing)
             outputs = await self._run(served, request, timing, timeout_s)
+            self.budget.run_ended(waiting)
             encode_started = time.perf_counter_ns()
             response = encode(request, served.signature, outputs)
+            self.budget.release(reserved - answer)  # the inputs; the answer is held until it is written
+            reserved = answer
             timing.output_ns = time.perf_counter_ns() - encode_started
             status = "OK"
             return response
@@ -371,6 +364,7 @@ class DataPlane:
             raise
         finally:
             self.requests_in_flight -= 1
+            self.budget.run_ended(waiting)  # refused by the queue, expired or cancelled before its run ended
             if served is not None:
                 served.leave()  # the answer is encoded: unloading need not wait for its delivery
             if status != "OK":
@@ -392,7 +386,7 @@ class DataPlane:
         """A request's end: its status is recorded and its memory leaves the budget; or, ``freed`` False (the
         transport still holds the answer), the function that releases it later."""
         if freed:
-            self.inflight_bytes -= reserved
+            self._release(reserved)
             release = None
         else:
             release = functools.partial(self._release, reserved)
@@ -400,16 +394,32 @@ class DataPlane:
         return release
 
     def _release(self, reserved: int) -> None:
-        self.inflight_bytes -= reserved
+        self.budget.release(reserved)
+        if self.budget.idle and self._idle_release is None and self.budget.workspace_high_water:
+            self._idle_release = asyncio.get_running_loop().call_later(IDLE_RELEASE_S, self._release_idle_memory)
 
-    def _reserve(self, needed: int) -> int:
-        """Take ``needed`` bytes of the budget for a request, or refuse it (RESOURCE_EXHAUSTED) when the
-        requests in flight, of every model, would go over max_inflight_bytes."""
-        limit = self.settings.max_inflight_bytes
-        if self.inflight_bytes + needed > limit:
-            raise InflightBytesExceeded(self.inflight_bytes, needed, limit)
-        self.inflight_bytes += needed
-        return needed
+    def _admit(self, request_bytes: int, rows: int, workspace: int) -> object:
+        """Take a request's share of max_inflight_bytes, for every model together, or refuse it."""
+        waiting = self.budget.admit(request_bytes, rows, workspace)
+        if self._idle_release is not None:
+            self._idle_release.cancel()
+            self._idle_release = None
+        return waiting
+
+    def _release_idle_memory(self) -> None:
+        """Give the arenas' and the heap's free memory back, if still idle."""
+        self._idle_release = None
+        if not self.budget.idle:
+            return
+        sessions = [served.session for served in self.registry.served_models() if served.session is not None]
+
+        def release() -> None:
+            for session in sessions:
+                session.release_memory()
+            release_free_memory()
+
+        released = asyncio.wrap_future(self._executor.submit(release))
+        released.add_done_callback(lambda _: self.budget.workspace_given_back())
 
     async def _run(self, served: ServedModel, request: AttentionRequest, timing: RequestTiming, timeout_s=None):
         """The request's outputs, computed in a (possibly merged) run; fills ``timing``'s queue and infer

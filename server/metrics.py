@@ -9,7 +9,7 @@ nv_inference_queue_duration_us       mhaserve_inference_queue_duration_seconds (
 nv_inference_compute_infer_duration  mhaserve_inference_compute_infer_duration_seconds (histogram)
 nv_inference_pending_request_count   mhaserve_inference_pending_request_count (queue depth)
 (batch sizes)                        mhaserve_inference_batch_size (histogram of rows per run)
-(memory held by requests)            mhaserve_inference_inflight_bytes (inputs + outputs, queued or running)
+(memory held by requests)            mhaserve_inference_inflight_bytes (inputs, answers, run workspace)
 (refused credentials)                mhaserve_unauthenticated_request_total
 
 Durations are in seconds, Prometheus' base unit, rather than Triton's microsecond counters.
@@ -72,7 +72,7 @@ class Metrics:
         )
         held = Gauge(
             "mhaserve_inference_inflight_bytes",
-            "Bytes held by queued and running requests of every model (inputs and requested outputs)",
+            "Bytes of --max-inflight-bytes taken by requests of every model (inputs, answers, run workspace)",
             registry=self.registry,
         )
         held.set_function(inflight_bytes)

@@ -37,8 +37,26 @@ class ModelInfo:
     path: Path
 
 
+_CPU_ARENA_SHARED = False
+
+
+def _share_cpu_arena() -> None:
+    """One CPU arena for the process's sessions, grown by what a run asks for. A session's own arena grows
+    in powers of two and keeps every region: a flood of [8,256,512] requests left about 1 GiB in it while
+    the runs needed half that, and one [32,512,512] run peaked at 968 MiB against 704 MiB with this one
+    (BENCHMARKS.md, "Memory per request"). Shared, the versions of a repository reuse each other's space."""
+    global _CPU_ARENA_SHARED
+    if not _CPU_ARENA_SHARED:
+        same_as_requested = 1
+        memory = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+        ort.create_and_register_allocator(memory, ort.OrtArenaCfg(0, same_as_requested, -1, -1))
+        _CPU_ARENA_SHARED = True
+
+
 def _session_options(intra_op_threads: int, inter_op_threads: int) -> ort.SessionOptions:
+    _share_cpu_arena()
     options = ort.SessionOptions()
+    options.add_session_config_entry("session.use_env_allocators", "1")
     options.intra_op_num_threads = intra_op_threads
     options.inter_op_num_threads = inter_op_threads
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -75,6 +93,10 @@ class AttentionSession:
             first = (str(error).strip().splitlines() or [type(error).__name__])[0]
             raise ModelDirError(f"{path}: ONNX Runtime cannot load it: {first}") from None
         self.provider = self._session.get_providers()[0]
+        # A run with this option gives ONNX Runtime's arenas back the chunks no run is using, at its end.
+        self._shrink = ort.RunOptions()
+        arenas = "cpu:0;gpu:0" if self.provider == CUDA else "cpu:0"
+        self._shrink.add_run_config_entry("memory.enable_memory_arena_shrinkage", arenas)
         meta = self._session.get_modelmeta().custom_metadata_map
         try:
             self.info = ModelInfo(
@@ -115,6 +137,15 @@ class AttentionSession:
 
     def run(self, output_names, query, key, value, mask) -> list[np.ndarray]:
         return self._session.run(list(output_names), {"query": query, "key": key, "value": value, "mask": mask})
+
+    def release_memory(self) -> None:
+        """Shrink the arena: after a burst of large runs it holds their peak (1 GiB after one [32,512,512]
+        request at 512/8) until the process exits. One tiny run, with the shrink option, frees it; the next
+        large run pays for growing it again (page faults), so this is for idle times."""
+        d = self.info.d_model
+        x = np.zeros((1, 1, d), np.float32)
+        self._session.run(["output"], {"query": x, "key": x, "value": x, "mask": np.ones((1, 1, 1, 1), bool)},
+                          self._shrink)  # fmt: skip
 
     def warm_up(self, runs: int = 2) -> None:
         """Run at a few shapes so the first client does not pay for ONNX Runtime's lazy set-up."""

@@ -1,0 +1,125 @@
+"""What requests cost the process's memory, and the in-flight budget (``--max-inflight-bytes``) that bounds it.
+
+Measured per shape with ``benchmarks/bench_memory.py`` (BENCHMARKS.md, "Memory per request"): one request's
+peak RSS over an idle server is several times its inputs and outputs, because ONNX Runtime's run needs
+workspace of its own (the scores, the masked scores and the softmax, each [B, h, Lq, Lk] float32, and the
+projections), and the answer is copied while it is encoded and sent. So the budget counts:
+- per request, its inputs (until its run ends) and its answer (until the transport has written it);
+- the run workspace, once: queued requests are merged into a run whose workspace is about the sum of
+  theirs, and ONNX Runtime's arena keeps the largest such run's space for the next ones. So the budget
+  holds the most workspace that requests waiting for a run have needed together, until the server has been
+  idle for a while and the arena is given back (``DataPlane``'s idle release).
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from mhaserve.signature import ATTN_WEIGHTS, ATTN_WEIGHTS_MEAN
+
+from .errors import ErrorKind, RequestError
+from .tensors import AttentionRequest
+
+F32 = 4
+# Fitted to bench_memory.py's per-shape peaks (512/8 model, CPU arena), rounded up; see BENCHMARKS.md.
+WORKSPACE_PER_SCORE = 4 * F32  # bytes per query-key pair and head: scores, masked, softmax, arena rounding
+WORKSPACE_PER_TOKEN = 4 * F32  # bytes per (row, position, feature) of query, key and value: projections
+INPUT_COPIES = 2  # the message as received, and the arrays decoded from it
+ANSWER_COPIES = 2  # the encoded answer, and the transport's copy while it is written
+
+
+def run_workspace_bytes(batch: int, q_len: int, kv_len: int, d_model: int, num_heads: int) -> int:
+    """ONNX Runtime's own memory for one run of this shape, outputs included."""
+    return (
+        WORKSPACE_PER_SCORE * batch * num_heads * q_len * kv_len
+        + WORKSPACE_PER_TOKEN * batch * (q_len + 2 * kv_len) * d_model
+    )
+
+
+def answer_bytes(request: AttentionRequest, num_heads: int) -> int:
+    """What the answer holds from its encoding until it is written: the outputs asked for, as copied."""
+    batch, q_len, d_model = request.query.shape
+    kv_len = request.key.shape[1]
+    outputs = F32 * batch * q_len * d_model  # output is always returned
+    if ATTN_WEIGHTS in request.outputs:
+        outputs += F32 * batch * num_heads * q_len * kv_len
+    if ATTN_WEIGHTS_MEAN in request.outputs:
+        outputs += F32 * batch * q_len * kv_len
+    return ANSWER_COPIES * outputs
+
+
+def input_bytes(request: AttentionRequest) -> int:
+    """The decoded inputs (self-attention shares one array), as received and as decoded."""
+    inputs = {id(a): a.nbytes for a in (request.query, request.key, request.value, request.mask)}
+    return INPUT_COPIES * sum(inputs.values())
+
+
+def request_workspace_bytes(request: AttentionRequest, num_heads: int) -> int:
+    batch, q_len, d_model = request.query.shape
+    return run_workspace_bytes(batch, q_len, request.key.shape[1], d_model, num_heads)
+
+
+class InflightBytesExceeded(RequestError):
+    def __init__(self, held: int, needed: int, limit: int):
+        super().__init__(
+            ErrorKind.RESOURCE_EXHAUSTED,
+            f"this request needs {needed} bytes (inputs, answer, run workspace) while requests in flight hold "
+            f"{held}; together over the limit max_inflight_bytes={limit}; retry later",
+        )
+
+
+class MemoryBudget:
+    """The bytes requests hold (``held``) against ``limit``; event loop only.
+
+    The workspace counted is what the runs that can happen at once may need: never more than the requests
+    waiting for a run need together, nor more than ``workers`` runs can take (each at most
+    ``max_batch_size`` rows, at the largest workspace per row waiting; with batching off, one request each).
+    """
+
+    def __init__(self, limit: int, workers: int = 1, max_batch_size: int | None = None):
+        self.limit = limit
+        self.workers = workers
+        self.max_batch_size = max_batch_size  # None: batching off, one request per run
+        self.request_bytes = 0  # inputs and answers of the requests in flight
+        self._waiting: dict[object, tuple[int, int]] = {}  # token -> (rows, workspace), until its run ends
+        self.workspace_high_water = 0  # the most workspace counted at once since the arenas were given back
+
+    @property
+    def held(self) -> int:
+        return self.request_bytes + self.workspace_high_water
+
+    @property
+    def idle(self) -> bool:
+        return self.request_bytes == 0 and not self._waiting
+
+    def _runs_may_need(self, waiting) -> int:
+        if not waiting:
+            return 0
+        total = sum(workspace for _, workspace in waiting)
+        if self.max_batch_size is None:
+            return min(total, sum(heapq.nlargest(self.workers, (workspace for _, workspace in waiting))))
+        per_row = max(workspace / rows for rows, workspace in waiting)
+        return min(total, int(per_row * self.max_batch_size * self.workers))
+
+    def admit(self, request_bytes: int, rows: int, workspace: int) -> object:
+        """Take a request's share, or refuse it (RESOURCE_EXHAUSTED) when that would go over the limit; the
+        token it returns is given to ``run_ended``."""
+        waiting = [*self._waiting.values(), (rows, workspace)]
+        high_water = max(self.workspace_high_water, self._runs_may_need(waiting))
+        if self.request_bytes + request_bytes + high_water > self.limit:
+            raise InflightBytesExceeded(self.held, request_bytes + workspace, self.limit)
+        token = object()
+        self._waiting[token] = (rows, workspace)
+        self.request_bytes += request_bytes
+        self.workspace_high_water = high_water
+        return token
+
+    def run_ended(self, token: object | None) -> None:
+        self._waiting.pop(token, None)
+
+    def release(self, request_bytes: int) -> None:
+        self.request_bytes -= request_bytes
+
+    def workspace_given_back(self) -> None:
+        """The arenas were shrunk: the workspace kept for later runs is gone."""
+        self.workspace_high_water = self._runs_may_need(list(self._waiting.values()))
