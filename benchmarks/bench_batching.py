@@ -7,6 +7,8 @@ for the whole run; each point is measured on one, then the other (only the measu
 with `mhaserve bench`'s load generator. Per point and server: throughput, p50 and p99, errors, the
 clients' CPU, and the mean padding share of the runs in that point (from the server's
 mhaserve_inference_padding_ratio histogram). Not a test: it prints numbers; BENCHMARKS.md records them.
+``--policy NAME="SERVER ARGS"`` (repeated) measures other servers instead, for example a thread layout:
+``--policy padded="--length-aware-batching false" --policy aware-2x1="--inference-workers 2 --intra-op-threads 1"``.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ POINTS = [
     (16, 16, 16),
     (128, 128, 16),
 ]
-POLICIES = {"padded": "false", "length-aware": "true"}
+POLICIES = {"padded": "--length-aware-batching false", "length-aware": "--length-aware-batching true"}
 
 
 def padding_totals(server: ServerProcess) -> tuple[float, float]:
@@ -51,18 +53,24 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=10.0)
     parser.add_argument("--warmup", type=float, default=2.0)
     parser.add_argument("--max-len", type=int, default=512, help="only the points whose lengths reach no further")
+    parser.add_argument(
+        "--policy",
+        action="append",
+        metavar="NAME=SERVER ARGS",
+        help="a server to measure instead of the two defaults (repeatable; ratios are to the first)",
+    )
     args = parser.parse_args()
+    policies = dict(p.split("=", 1) for p in args.policy) if args.policy else POLICIES
     model_dir = ensure_default_model()
-    servers = {
-        name: ServerProcess(model_dir, "--length-aware-batching", flag).start() for name, flag in POLICIES.items()
-    }
+    servers = {name: ServerProcess(model_dir, *flags.split()).start() for name, flags in policies.items()}
+    first = next(iter(servers))
     for name, server in servers.items():
         fitted = [line.split("run cost model ")[1].strip() for line in server.lines if "run cost model" in line]
         print(f"{name}: {server.url}" + (f"; run cost model {fitted[0]}" if fitted else ""))
     processes = default_processes()
     print(f"client processes: {processes}; {args.warmup:g} s warm-up + {args.duration:g} s per point\n")
     print(f"{'lengths':>9} {'c':>3} {'policy':>12} | {'req/s':>7} {'p50 ms':>7} {'p99 ms':>7} {'errors':>6} "
-          f"{'client cores':>12} {'padding':>7} | {'aware/padded':>12}")  # fmt: skip
+          f"{'client cores':>12} {'padding':>7} | {'/ first':>12}")  # fmt: skip
     try:
         for low, high, concurrency in [p for p in POINTS if p[1] <= args.max_len]:
             workload = Workload(512, 1, low, high, attn_weights=True)
@@ -78,8 +86,8 @@ def main() -> int:
                 results[name] = result
                 lengths = f"{low}..{high}" if low != high else str(low)
                 ratio = ""
-                if name == "length-aware":
-                    ratio = f"{result.throughput / results['padded'].throughput:12.2f}"
+                if name != first:
+                    ratio = f"{result.throughput / results[first].throughput:12.2f}"
                 print(
                     f"{lengths:>9} {concurrency:>3} {name:>12} | {result.throughput:7.1f} "
                     f"{result.latency_ms['p50']:7.2f} {result.latency_ms['p99']:7.2f} {sum(result.errors.values()):>6} "

@@ -17,7 +17,7 @@ from mhaserve.server.session import AttentionSession
 from mhaserve.server.tensors import AttentionRequest, Limits, ModelSignature
 from mhaserve.server_process import ServerProcess
 
-from .conftest import SMALL_D_MODEL, SMALL_HEADS, eager, rand
+from .conftest import SMALL_D_MODEL, SMALL_HEADS, eager, rand, scrape
 
 D = SMALL_D_MODEL
 
@@ -132,6 +132,11 @@ def slow_query(seed=0):
     return rand(16, 384, D, seed=seed)
 
 
+def pending_requests(server) -> float:
+    samples = scrape(server.metrics_url)
+    return sum(value for (name, _), value in samples.items() if name == "mhaserve_inference_pending_request_count")
+
+
 def test_full_queue_refuses_at_once_and_serves_what_it_accepted(small_model_dir, small_module):
     args = ("--max-queue-size", "2", "--max-batch-size", "16", "--max-q-len", "384", "--max-kv-len", "384")
     with ServerProcess(small_model_dir, *args, "--warmup-runs", "0") as server:
@@ -176,7 +181,10 @@ def test_expired_or_cancelled_requests_leave_the_queue_uncomputed(small_model_di
                 busy = [
                     asyncio.create_task(client.infer(slow_query(s), attn_weights=False, timeout=120)) for s in range(8)
                 ]
-                await asyncio.sleep(0.05)
+                # They are decoded on the decode thread (over 1 MiB): wait until they are queued, or a victim,
+                # decoded at once, could find the worker free.
+                while await asyncio.to_thread(pending_requests, server) < 7:
+                    await asyncio.sleep(0.01)
                 if fault == "deadline":
                     victims = [client.infer(rand(1, 4, D), timeout=0.05) for _ in range(5)]
                     outcomes = await asyncio.gather(*victims, return_exceptions=True)
