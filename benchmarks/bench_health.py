@@ -107,6 +107,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--traffic", action="append", choices=("none", "typed mask", "raw mask"))
     parser.add_argument("--serve-bare", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_bare:
@@ -118,6 +119,7 @@ def main() -> int:
     model_dir = ensure_default_model()
     d_model = 512
     traffic = {"none": None, "typed mask": mask_message(d_model, True), "raw mask": mask_message(d_model, False)}
+    traffic = {kind: message for kind, message in traffic.items() if kind in (args.traffic or traffic)}
     port = free_port()
     bare = subprocess.Popen([sys.executable, __file__, "--serve-bare", str(port)], stdout=subprocess.PIPE, text=True)
     assert bare.stdout.readline().strip() == "ready"
