@@ -263,12 +263,13 @@ class DataPlane:
         d_model = session.info.d_model
         rng = np.random.default_rng(0)
 
-        def run(rows: int, length: int) -> None:
-            x = rng.standard_normal((rows, length, d_model), dtype=np.float32)
-            session.run(GRAPH_OUTPUT_NAMES, x, x, x, np.ones((1, 1, 1, length), dtype=bool))
+        def run(rows: int, q_len: int, kv_len: int) -> None:
+            query = rng.standard_normal((rows, q_len, d_model), dtype=np.float32)
+            kv = query if kv_len == q_len else rng.standard_normal((rows, kv_len, d_model), dtype=np.float32)
+            session.run(GRAPH_OUTPUT_NAMES, query, kv, kv, np.ones((1, 1, 1, kv_len), dtype=bool))
 
         limits = self.limits
-        cost = RunCost.fit(run, limits.max_batch_size, min(limits.max_q_len, limits.max_kv_len))
+        cost = RunCost.fit(run, limits.max_batch_size, limits.max_q_len, limits.max_kv_len)
         log.info(
             "run cost model (CPU per run, fitted at warm-up): %.0f us + %.1f ns per token + %.2f ns per query-key pair",
             cost.overhead_s * 1e6,

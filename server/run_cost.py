@@ -18,17 +18,22 @@ lengths 16..128 into 16 runs that served fewer requests per second than one padd
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-# (rows, length) of the self-attention runs timed at warm-up; lengths are capped at the served limits.
-FIT_SHAPES = ((1, 1), (1, 8), (1, 32), (1, 96), (1, 192), (4, 16), (4, 64), (8, 32), (2, 128), (16, 16))
+# (rows, Lq, Lk) of the runs timed at warm-up, lengths capped at the served limits. Self-attention alone ties
+# the token and pair counts together (pairs = L x tokens / 2), so noise traded one price for the other (0 to
+# 157 ns per pair from one start to the next); shapes with few queries and many keys, and the reverse, tell
+# them apart.
+FIT_SHAPES = (
+    (1, 1, 1), (1, 8, 8), (1, 32, 32), (1, 96, 96), (1, 192, 192), (4, 16, 16), (4, 64, 64), (8, 32, 32),
+    (2, 128, 128), (16, 16, 16), (1, 4, 384), (1, 384, 4), (4, 8, 128), (4, 128, 8), (1, 256, 32),
+)  # fmt: skip
 FIT_REPEATS = 6
-FIT_PASSES = 3  # the median pass: one disturbed by the shared machine does not set a price
+FIT_PASSES = 3  # the fastest pass: the shared machine only adds time (the median moved the per-run price 0.6-2 ms)
 # Between runs under load the event loop takes its turn (receiving, answering); ONNX Runtime's threads
 # spin meanwhile. Each timed run is followed by a gap of about that length, so its price includes them.
 GAP_BETWEEN_RUNS_S = 0.0005
@@ -44,22 +49,22 @@ class RunCost:
         return self.overhead_s + self.per_token_s * rows * (q_len + kv_len) + self.per_pair_s * rows * q_len * kv_len
 
     @classmethod
-    def fit(cls, run: Callable[[int, int], None], max_rows: int, max_len: int) -> RunCost:
-        """The process's CPU time per ``run(rows, length)`` at FIT_SHAPES, each run followed by
+    def fit(cls, run: Callable[[int, int, int], None], max_rows: int, max_q_len: int, max_kv_len: int) -> RunCost:
+        """The process's CPU time per ``run(rows, q_len, kv_len)`` at FIT_SHAPES, each run followed by
         GAP_BETWEEN_RUNS_S, and the three prices fitted to it (call it with the process otherwise idle)."""
-        shapes = sorted({(min(rows, max_rows), min(length, max_len)) for rows, length in FIT_SHAPES})
+        shapes = sorted({(min(r, max_rows), min(lq, max_q_len), min(lk, max_kv_len)) for r, lq, lk in FIT_SHAPES})
         features, seconds = [], []
-        for rows, length in shapes:
-            run(rows, length)  # the first run at a shape pays for ONNX Runtime's set-up, not the shape
+        for rows, q_len, kv_len in shapes:
+            run(rows, q_len, kv_len)  # the first run at a shape pays for ONNX Runtime's set-up, not the shape
             passes = []
             for _ in range(FIT_PASSES):
                 started = time.process_time()
                 for _ in range(FIT_REPEATS):
-                    run(rows, length)
+                    run(rows, q_len, kv_len)
                     time.sleep(GAP_BETWEEN_RUNS_S)
                 passes.append((time.process_time() - started) / FIT_REPEATS)
-            features.append((1.0, rows * 2 * length, rows * length * length))
-            seconds.append(statistics.median(passes))
+            features.append((1.0, rows * (q_len + kv_len), rows * q_len * kv_len))
+            seconds.append(min(passes))
         return cls.from_samples(np.array(features), np.array(seconds))
 
     @classmethod
