@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from mhaserve.checked_load import peak_rss_mib, reset_peak_rss, rss_mib
 from mhaserve.cli import ensure_default_model
 from mhaserve.client import Client, build_infer_request
 from mhaserve.http_client import HttpClient
@@ -48,14 +49,6 @@ SHAPES = [
     (32, 512, 512, None, False),
     (32, 512, 512, "full", True),
 ]
-
-
-def status_bytes(pid: int, key: str) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
 
 
 def arrays(batch, q_len, kv_len, mask_form, seed=0):
@@ -88,11 +81,10 @@ def per_shape(model_dir) -> None:
         with ServerProcess(model_dir, *args) as server, Client(server.url) as client:
             pid = server.proc.pid
             time.sleep(0.5)
-            before = status_bytes(pid, "VmRSS")
-            with open(f"/proc/{pid}/clear_refs", "w") as f:
-                f.write("5")  # VmHWM := VmRSS
+            before = rss_mib(pid)
+            reset_peak_rss(pid)
             client.infer(query, key, value, mask, attn_weights=weights, timeout=120)
-            peak = status_bytes(pid, "VmHWM") - before
+            peak = peak_rss_mib(pid) - before
         decoded = decode_infer_request(
             build_infer_request("mha", query, key, value, mask, weights),
             ModelSignature("mha", "1", D, H),
@@ -101,8 +93,9 @@ def per_shape(model_dir) -> None:
         reserved = input_bytes(decoded) + answer_bytes(decoded, H) + request_workspace_bytes(decoded, H)
         scores = 4 * batch * H * q_len * kv_len
         label = f"({batch}, {q_len}, {kv_len}, {mask_form or '-'}, {'yes' if weights else 'no'})"
-        print(f"{label:<36} {peak / MIB:8.1f} {reserved / MIB:8.1f} {peak / reserved:6.2f}   "
-              f"(scores {scores / MIB:.1f} MiB, peak/scores {peak / scores:.2f})", flush=True)  # fmt: skip
+        reserved, scores = reserved / MIB, scores / MIB
+        print(f"{label:<36} {peak:8.1f} {reserved:8.1f} {peak / reserved:6.2f}   "
+              f"(scores {scores:.1f} MiB, peak/scores {peak / scores:.2f})", flush=True)  # fmt: skip
 
 
 def flood(model_dir, count: int, concurrency: int, idle_s: float, protocol: str = "grpc") -> None:
@@ -112,13 +105,13 @@ def flood(model_dir, count: int, concurrency: int, idle_s: float, protocol: str 
         with Client(server.url) as client:
             client.infer(query[:1], timeout=60)
         time.sleep(1)
-        before = status_bytes(pid, "VmRSS")
+        before = rss_mib(pid)
         peak, done = before, threading.Event()
 
         def sample():
             nonlocal peak
             while not done.is_set():
-                peak = max(peak, status_bytes(pid, "VmRSS"))
+                peak = max(peak, rss_mib(pid))
                 time.sleep(0.02)
 
         outcomes = {"ok": 0, "refused": 0}
@@ -146,11 +139,11 @@ def flood(model_dir, count: int, concurrency: int, idle_s: float, protocol: str 
         done.set()
         sampler.join()
         time.sleep(idle_s)
-        idle = status_bytes(pid, "VmRSS")
+        idle = rss_mib(pid)
         print(
             f"flood of {count} x [8,256,512] with weights over {protocol}, c={concurrency}: {outcomes['ok']} OK, "
-            f"{outcomes['refused']} refused, {seconds:.1f} s; RSS before {before / MIB:.0f} MiB, "
-            f"peak {peak / MIB:.0f} MiB, {idle_s:g} s after {idle / MIB:.0f} MiB",
+            f"{outcomes['refused']} refused, {seconds:.1f} s; RSS before {before:.0f} MiB, "
+            f"peak {peak:.0f} MiB, {idle_s:g} s after {idle:.0f} MiB",
             flush=True,
         )
 

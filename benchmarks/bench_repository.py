@@ -26,6 +26,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from mhaserve.checked_load import rss_mib
 from mhaserve.cli import ensure_default_model
 from mhaserve.client import AsyncClient
 from mhaserve.protos.generated import grpc_service_pb2 as pb
@@ -44,13 +45,6 @@ def exported(name: str, d_model: int, heads: int, seed: int) -> Path:
     return folder
 
 
-def rss_mib(server: ServerProcess) -> float:
-    for line in Path(f"/proc/{server.proc.pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS")
-
-
 def control(server: ServerProcess, call: str, name: str) -> float:
     with grpc.insecure_channel(server.url) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
@@ -64,7 +58,7 @@ def control(server: ServerProcess, call: str, name: str) -> float:
 
 def settle(server: ServerProcess) -> float:
     time.sleep(1.0)  # the trim after an unload runs on the loader thread
-    return rss_mib(server)
+    return rss_mib(server.proc.pid)
 
 
 def load_times_and_memory(models: dict[str, Path], cycles: int) -> None:
@@ -86,7 +80,7 @@ def load_times_and_memory(models: dict[str, Path], cycles: int) -> None:
                     f"{name}: load {statistics.median(loads):.2f} s (runs {', '.join(f'{t:.2f}' for t in loads)});\n  "
                     f"RSS +{statistics.median(loaded):.0f} MiB loaded (runs {', '.join(f'{m:+.0f}' for m in loaded)}), "
                     f"{', '.join(f'{m:+.0f}' for m in unloaded)} MiB after each unload;\n  "
-                    f"RSS at the end {rss_mib(server):.0f} MiB"
+                    f"RSS at the end {rss_mib(server.proc.pid):.0f} MiB"
                 )
 
 
@@ -141,13 +135,13 @@ def swap_under_load(v1: Path, v2: Path, rate: float, phase_s: float) -> None:
                 swap_started = time.perf_counter()
                 await asyncio.to_thread(control, server, "load", "mha")
                 swap_ended = time.perf_counter()
-                rss_after_swap = rss_mib(server)
+                rss_after_swap = rss_mib(server.proc.pid)
                 await asyncio.sleep(phase_s)
                 stop.set()
                 await load
                 return swap_started, swap_ended, rss_after_swap
 
-            rss_before = rss_mib(server)
+            rss_before = rss_mib(server.proc.pid)
             swap_started, swap_ended, rss_after_swap = asyncio.run(run())
             start = records[0][0] + 1.0
             print(f"swap under {rate:.0f} requests/s of [1,16,512] with weights; the swap (load call) took "

@@ -140,12 +140,26 @@ class LoadReport:
         return "\n".join(lines)
 
 
+def _status_mib(pid: int, key: str) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no {key} for pid {pid}")
+
+
 def rss_mib(pid: int) -> float:
     """Resident memory of a process on this machine (Linux /proc)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
+    return _status_mib(pid, "VmRSS")
+
+
+def peak_rss_mib(pid: int) -> float:
+    """The most resident memory the process has had since it started or since ``reset_peak_rss``."""
+    return _status_mib(pid, "VmHWM")
+
+
+def reset_peak_rss(pid: int) -> None:
+    """Start ``peak_rss_mib`` again from the process's resident memory now."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
 
 
 async def send(client: AsyncClient, call: Call, timeout_s: float, sent_at: float | None = None) -> None:

@@ -14,7 +14,7 @@ import time
 import grpc
 import pytest
 
-from mhaserve.checked_load import rss_mib
+from mhaserve.checked_load import peak_rss_mib, reset_peak_rss, rss_mib
 from mhaserve.client import Client
 from mhaserve.server_process import ServerProcess
 
@@ -25,16 +25,6 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="re
 
 D = SMALL_D_MODEL
 LIMITS = ("--max-batch-size", "8", "--max-q-len", "2048", "--max-kv-len", "2048", "--warmup-runs", "1")
-
-
-def peak_rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as status:
-        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1024
-
-
-def reset_peak_rss(pid: int) -> None:
-    with open(f"/proc/{pid}/clear_refs", "w") as clear_refs:
-        clear_refs.write("5")  # VmHWM := VmRSS
 
 
 def test_refused_requests_leave_no_memory_behind(small_model_dir):

@@ -13,6 +13,7 @@ import grpc
 import numpy as np
 import pytest
 
+from mhaserve.checked_load import peak_rss_mib, rss_mib
 from mhaserve.client import TLS, Client, build_infer_request, open_channel
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
@@ -209,12 +210,6 @@ def test_the_receive_limit_is_the_largest_valid_request_compressed_or_not(small_
             assert answer.outputs
 
 
-def _memory_kib(pid: int) -> dict[str, int]:
-    """VmRSS and VmHWM (the peak resident set so far) of a process, in KiB."""
-    with open(f"/proc/{pid}/status") as status:
-        return {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in status) if k in ("VmRSS", "VmHWM")}
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/PID/status")
 def test_unauthenticated_calls_cost_the_server_no_memory_for_their_messages(small_model_dir, tmp_path):
     # The token was checked only after the whole message was received: 8 concurrent unauthenticated 24 MiB
@@ -227,7 +222,7 @@ def test_unauthenticated_calls_cost_the_server_no_memory_for_their_messages(smal
     with ServerProcess(small_model_dir, *limits, "--auth-token-file", str(token_file)) as server:
         x = np.zeros((8, 4096, SMALL_D_MODEL), np.float32)  # 8 MiB each for query, key and value
         request = build_infer_request("mha", x, x, x).SerializeToString()
-        before = _memory_kib(server.proc.pid)["VmRSS"]
+        before = rss_mib(server.proc.pid)
         codes = []
         with grpc.insecure_channel(server.url, options=[("grpc.max_send_message_length", 1 << 30)]) as channel:
             call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
@@ -244,9 +239,9 @@ def test_unauthenticated_calls_cost_the_server_no_memory_for_their_messages(smal
                     caller.start()
                 for caller in callers:
                     caller.join()
-        peak = _memory_kib(server.proc.pid)["VmHWM"]
+        peak = peak_rss_mib(server.proc.pid)
         assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 16
-        assert (peak - before) / 1024 < 100, f"peak {peak / 1024:.0f} MiB from {before / 1024:.0f} MiB"
+        assert peak - before < 100, f"peak {peak:.0f} MiB from {before:.0f} MiB"
         assert _infer(server.url, token=TOKEN).output.shape == (1, 4, SMALL_D_MODEL)  # still serving
 
 
