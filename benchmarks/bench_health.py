@@ -15,21 +15,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import multiprocessing
 import socket
 import statistics
 import subprocess
 import sys
-import time
 
 import grpc
 import numpy as np
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2_grpc
 
+from mhaserve.checked_load import health_latencies_under_load
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.server_process import ServerProcess
 
-MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
 MESSAGE_LIMIT = 64 << 20
 
 
@@ -62,39 +60,6 @@ async def serve_bare(port: int) -> None:
     await server.start()
     print("ready", flush=True)
     await server.wait_for_termination()
-
-
-def send(url: str, message: bytes, stop) -> None:
-    with grpc.insecure_channel(url, options=[("grpc.max_send_message_length", MESSAGE_LIMIT)]) as channel:
-        infer = channel.unary_unary(MODEL_INFER)
-        while not stop.is_set():
-            try:
-                infer(message, timeout=30)
-            except grpc.RpcError:
-                pass
-
-
-def health_latencies(url: str, message: bytes | None, seconds: float) -> list[float]:
-    spawn = multiprocessing.get_context("spawn")  # no fork of a process that has used gRPC
-    stop = spawn.Event()
-    senders = [spawn.Process(target=send, args=(url, message, stop)) for _ in range(3 if message else 0)]
-    for sender in senders:
-        sender.start()
-    latencies = []
-    with grpc.insecure_channel(url) as channel:
-        check = health_pb2_grpc.HealthStub(channel).Check
-        check(health_pb2.HealthCheckRequest(), timeout=5)
-        time.sleep(1.0)
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            started = time.perf_counter()
-            check(health_pb2.HealthCheckRequest(), timeout=10)
-            latencies.append(time.perf_counter() - started)
-            time.sleep(0.02)
-    stop.set()
-    for sender in senders:
-        sender.join(60)
-    return latencies
 
 
 def free_port() -> int:
@@ -130,7 +95,7 @@ def main() -> int:
             for round_ in range(1, args.rounds + 1):
                 for kind, message in traffic.items():
                     for name, url in targets.items():
-                        latencies = sorted(health_latencies(url, message, args.seconds))
+                        latencies = sorted(health_latencies_under_load(url, message, args.seconds)[0])
                         p50 = statistics.median(latencies)
                         p99 = latencies[int(0.99 * (len(latencies) - 1))]
                         print(f"{round_} | {kind} | {name} | {len(latencies)} | {p50 * 1e3:.1f} | {p99 * 1e3:.1f}",

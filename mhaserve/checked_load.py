@@ -254,3 +254,65 @@ async def burst(
     for call in calls:
         report.add(call)
     return report
+
+
+def _send_until_stopped(url: str, message: bytes, stop, refusals, max_message_bytes: int) -> None:
+    with grpc.insecure_channel(url, options=[("grpc.max_send_message_length", max_message_bytes)]) as channel:
+        infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+        while not stop.is_set():
+            try:
+                infer(message, timeout=30)
+            except grpc.RpcError as error:
+                refusals.put(error.code().name)
+
+
+def health_latencies_under_load(
+    url: str,
+    message: bytes | None,
+    seconds: float,
+    *,
+    senders: int = 3,
+    settle_s: float = 1.0,
+    max_message_bytes: int = 64 << 20,
+) -> tuple[list[float], list[str]]:
+    """grpc.health.v1 Check round trips (seconds), one every 20 ms for ``seconds``, while ``senders`` processes
+    send ``message`` (a serialised ModelInferRequest; None: no traffic) as fast as they are answered, after
+    ``settle_s`` of that traffic; and the status names of the sends that were refused.
+
+    The senders are processes of their own (spawned: no fork of a process that has used gRPC), so this one
+    only checks and its latencies are the server's, not this interpreter's.
+    """
+    import multiprocessing
+    import queue
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    spawn = multiprocessing.get_context("spawn")
+    stop, refusals = spawn.Event(), spawn.Queue()
+    processes = [
+        spawn.Process(target=_send_until_stopped, args=(url, message, stop, refusals, max_message_bytes))
+        for _ in range(senders if message is not None else 0)
+    ]
+    for process in processes:
+        process.start()
+    latencies = []
+    with grpc.insecure_channel(url) as channel:
+        check = health_pb2_grpc.HealthStub(channel).Check
+        check(health_pb2.HealthCheckRequest(), timeout=5)
+        time.sleep(settle_s)
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            started = time.perf_counter()
+            check(health_pb2.HealthCheckRequest(), timeout=5)
+            latencies.append(time.perf_counter() - started)
+            time.sleep(0.02)
+    stop.set()
+    codes = []
+    for process in processes:  # a process that put into the queue exits only once the queue is drained
+        while process.is_alive() or not refusals.empty():
+            try:
+                codes.append(refusals.get(timeout=0.5))
+            except queue.Empty:
+                pass
+        process.join(60)
+    return latencies, codes

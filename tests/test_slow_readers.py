@@ -8,8 +8,6 @@ but which answers pings, so keepalive keeps it alive: what a stalled or hostile 
 
 from __future__ import annotations
 
-import contextlib
-import queue
 import socket
 import statistics
 import time
@@ -20,9 +18,8 @@ import h2.connection
 import h2.events
 import h2.settings
 import numpy as np
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from mhaserve.checked_load import rss_mib
+from mhaserve.checked_load import health_latencies_under_load, rss_mib
 from mhaserve.client import Client, build_infer_request
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.server_process import ServerProcess
@@ -257,44 +254,11 @@ def _typed_mask_message() -> bytes:
     return request.SerializeToString()
 
 
-def _send_until(url: str, message: bytes, stop, refusals) -> None:
-    with grpc.insecure_channel(url, options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
-        infer = channel.unary_unary(MODEL_INFER)
-        while not stop.is_set():
-            try:
-                infer(message, timeout=30)
-            except grpc.RpcError as error:
-                refusals.put(error.code().name)
-
-
 def test_health_stays_fast_while_typed_contents_are_converted(small_model_dir):
     """The review's case: three callers sending 8 MiB typed masks pushed health-check p50 to 697 ms."""
-    import multiprocessing
-
-    spawn = multiprocessing.get_context("spawn")  # senders in processes of their own: this one only checks
     message = _typed_mask_message()
     with ServerProcess(small_model_dir, *TEST_SERVER_ARGS, "--max-message-bytes", str(64 << 20)) as server:
-        stop, refusals = spawn.Event(), spawn.Queue()
-        senders = [spawn.Process(target=_send_until, args=(server.url, message, stop, refusals)) for _ in range(3)]
-        for sender in senders:
-            sender.start()
-        latencies = []
-        with grpc.insecure_channel(server.url) as channel:
-            check = health_pb2_grpc.HealthStub(channel).Check
-            time.sleep(2.0)
-            deadline = time.monotonic() + 8
-            while time.monotonic() < deadline:
-                started = time.perf_counter()
-                check(health_pb2.HealthCheckRequest(), timeout=5)
-                latencies.append(time.perf_counter() - started)
-                time.sleep(0.02)
-        stop.set()
-        codes = []
-        for sender in senders:
-            while sender.is_alive() or not refusals.empty():
-                with contextlib.suppress(queue.Empty):
-                    codes.append(refusals.get(timeout=0.5))
-            sender.join(60)
+        latencies, codes = health_latencies_under_load(server.url, message, 8, settle_s=2.0)
     latencies.sort()
     p50, p99 = statistics.median(latencies), latencies[int(0.99 * (len(latencies) - 1))]
     print(f"\nhealth under 3 typed-contents senders: {len(codes)} conversions refused, {len(latencies)} checks, "
