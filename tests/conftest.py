@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -34,6 +36,24 @@ def scrape(url: str) -> dict[tuple[str, tuple], float]:
         for family in text_string_to_metric_families(text)
         for sample in family.samples
     }
+
+
+def inflight_and_counts(server) -> tuple[float, dict[str, float]]:
+    samples = scrape(server.metrics_url)
+    counts = {}
+    for (name, labels), value in samples.items():
+        if name == "mhaserve_inference_request_total" and dict(labels).get("model") == "mha":
+            counts[f"{dict(labels)['protocol']} {dict(labels)['status']}"] = value
+    return samples[("mhaserve_inference_inflight_bytes", ())], counts
+
+
+def budget_once_idle(server, timeout: float = 10.0) -> float:
+    """The budget's bytes once the server is idle: run workspace stays counted until the arena is given back,
+    a couple of seconds after the last request ends."""
+    deadline = time.monotonic() + timeout
+    while (held := inflight_and_counts(server)[0]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return held
 
 
 @pytest.fixture(scope="session")

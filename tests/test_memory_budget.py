@@ -18,8 +18,7 @@ from mhaserve.checked_load import peak_rss_mib, reset_peak_rss, rss_mib
 from mhaserve.client import Client
 from mhaserve.server_process import ServerProcess
 
-from .conftest import SMALL_D_MODEL, rand
-from .test_slow_readers import budget_once_idle, inflight_and_counts
+from .conftest import SMALL_D_MODEL, budget_once_idle, inflight_and_counts, rand
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/PID/status")
 

@@ -24,7 +24,7 @@ from mhaserve.client import Client, build_infer_request
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.server_process import ServerProcess
 
-from .conftest import SMALL_D_MODEL, SMALL_HEADS, TEST_SERVER_ARGS, rand, scrape
+from .conftest import SMALL_D_MODEL, SMALL_HEADS, TEST_SERVER_ARGS, budget_once_idle, inflight_and_counts, rand, scrape
 
 D, H = SMALL_D_MODEL, SMALL_HEADS
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
@@ -90,24 +90,6 @@ class ZeroWindowGrpcClient:
 
     def close(self) -> None:
         self.sock.close()
-
-
-def inflight_and_counts(server) -> tuple[float, dict[str, float]]:
-    samples = scrape(server.metrics_url)
-    counts = {}
-    for (name, labels), value in samples.items():
-        if name == "mhaserve_inference_request_total" and dict(labels).get("model") == "mha":
-            counts[f"{dict(labels)['protocol']} {dict(labels)['status']}"] = value
-    return samples[("mhaserve_inference_inflight_bytes", ())], counts
-
-
-def budget_once_idle(server, timeout: float = 10.0) -> float:
-    """The budget's bytes once the server is idle: run workspace stays counted until the arena is given back,
-    a couple of seconds after the last request ends."""
-    deadline = time.monotonic() + timeout
-    while (held := inflight_and_counts(server)[0]) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return held
 
 
 def test_grpc_answers_a_client_never_reads_stay_in_the_budget_and_end_cancelled(small_model_dir):
