@@ -1,4 +1,4 @@
-"""The ``mhaserve`` command: export, validate, serve, infer, bench, health.
+"""The ``mhaserve`` command: export, validate, serve, infer, bench, health, ray-deploy.
 
 Each subcommand imports what it needs when it runs, so ``serve`` and ``infer`` never load torch.
 """
@@ -173,6 +173,8 @@ def _add_connection_arguments(p) -> None:
 def _add_protocol_argument(p) -> None:
     p.add_argument("--protocol", choices=("grpc", "http"), default="grpc",
                    help="gRPC, or the same protocol over HTTP/REST (default grpc)")  # fmt: skip
+    p.add_argument("--application", default=None, help="Ray Serve application to call through Ray's gRPC proxy "
+                   "('mhaserve ray-deploy --name'; sent as 'application' metadata)")  # fmt: skip
 
 
 def _client(args, tls, token):
@@ -180,10 +182,13 @@ def _client(args, tls, token):
     if args.protocol == "http":
         from mhaserve.http_client import HttpClient
 
+        if args.application:
+            raise UsageError("--application names a Ray Serve application behind Ray's gRPC proxy: use --protocol grpc")
+
         return HttpClient(args.url, args.model, tls=tls, token=token, version=args.version)
     from mhaserve.client import Client
 
-    return Client(args.url, args.model, tls=tls, token=token, version=args.version)
+    return Client(args.url, args.model, tls=tls, token=token, version=args.version, application=args.application)
 
 
 def _failure(error) -> str:
@@ -418,6 +423,7 @@ def _run_bench(args) -> int:
         model=args.model,
         version=args.version,
         protocol=args.protocol,
+        application=args.application or "",
     )
     if args.rate:
         points = [Point("open", rate, args.duration, args.warmup) for rate in args.rate]
@@ -450,6 +456,64 @@ def _run_bench(args) -> int:
     return 0
 
 
+def _add_ray_deploy(sub) -> None:
+    p = sub.add_parser(
+        "ray-deploy",
+        help="deploy a model folder on a Ray cluster as a Ray Serve application (OIP over Ray's gRPC proxy)",
+    )
+    p.add_argument("model_dir", type=Path, help="model folder written by 'mhaserve export', at this path on every node")
+    p.add_argument("--address", default="auto", help="the cluster's address, as 'ray start' printed it (default: auto)")
+    p.add_argument("--name", default="mha", help="application and model name; clients send it as 'application' "
+                   "metadata (default mha)")  # fmt: skip
+    p.add_argument("--min-replicas", type=int, default=1, help="replicas kept however idle (default 1)")
+    p.add_argument("--max-replicas", type=int, default=2, help="replicas at most, added on load (default 2)")
+    p.add_argument("--target-ongoing-requests", type=float, default=8,
+                   help="requests in progress per replica that autoscaling aims at (default 8)")  # fmt: skip
+    p.add_argument("--replica-cpus", type=float, default=1, help="CPUs each replica reserves; ONNX Runtime runs as "
+                   "many threads (default 1)")  # fmt: skip
+    p.add_argument("--max-replicas-per-node", type=int, default=None, help="spread replicas over at least "
+                   "replicas/N nodes (default: Ray's spread, no bound)")  # fmt: skip
+    p.add_argument("--grpc-port", type=int, default=9000, help="the proxies' gRPC port (default 9000)")
+    p.add_argument("--http-port", type=int, default=8000, help="the proxies' HTTP port (default 8000)")
+    p.add_argument("--proxy-location", choices=("EveryNode", "HeadOnly"), default="EveryNode",
+                   help="a proxy on every node with a replica, or on the head only (default EveryNode)")  # fmt: skip
+    p.set_defaults(run=_run_ray_deploy)
+
+
+def _run_ray_deploy(args) -> int:
+    from mhaserve.model_folder import ModelDirError, read_manifest
+
+    try:
+        read_manifest(args.model_dir)
+    except (ModelDirError, ValueError) as error:
+        raise UsageError(f"{args.model_dir}: {error}") from None
+    if not 1 <= args.min_replicas <= args.max_replicas:
+        raise UsageError(f"need 1 <= --min-replicas <= --max-replicas, got {args.min_replicas} and {args.max_replicas}")
+    try:
+        from mhaserve.server.ray_serve import deploy
+    except ImportError as error:
+        raise UsageError(f"ray-deploy needs Ray Serve: pip install 'mhaserve[ray]' ({error})") from None
+    try:
+        name = deploy(
+            args.model_dir,
+            address=args.address,
+            name=args.name,
+            grpc_port=args.grpc_port,
+            http_port=args.http_port,
+            proxy_location=args.proxy_location,
+            min_replicas=args.min_replicas,
+            max_replicas=args.max_replicas,
+            target_ongoing_requests=args.target_ongoing_requests,
+            replica_cpus=args.replica_cpus,
+            max_replicas_per_node=args.max_replicas_per_node,
+        )
+    except ConnectionError as error:
+        raise UsageError(f"no Ray cluster at --address {args.address}: {error}") from None
+    print(f"application '{name}' serves the Open Inference Protocol on the proxies' gRPC port {args.grpc_port}; "
+          f"send metadata 'application: {name}' (mhaserve infer/bench --application {name})")  # fmt: skip
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mhaserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -459,6 +523,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_infer(sub)
     _add_bench(sub)
     _add_health(sub)
+    _add_ray_deploy(sub)
     return parser
 
 

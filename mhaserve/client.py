@@ -9,12 +9,20 @@ Against a server with TLS and a bearer token:
     Client("host:8001", tls=TLS(ca="ca.pem"), token="...")              # verify the server
     Client("host:8001", tls=TLS(ca="ca.pem", cert="me.pem", key="me.key"))  # mutual TLS
 
-Works against any Open Inference Protocol server serving the same model signature.
+Works against any Open Inference Protocol server serving the same model signature; behind Ray Serve's proxy,
+name the application (``Client("head:9000", application="mha")``).
+
+Calls refused with UNAVAILABLE (a replica or node went away, a server draining) are sent again, at most
+``RetryPolicy.max_attempts`` times in all, with exponential backoff and within the call's timeout: inference
+is idempotent, the same inputs give the same answer. ``retry=NO_RETRIES`` turns that off.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
+import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,8 +81,48 @@ def open_channel(
     return grpc_module.secure_channel(url, tls.credentials(), options=options)
 
 
-def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
-    return (("authorization", f"Bearer {token}"),) if token else None
+def call_metadata(token: str | None = None, application: str | None = None) -> tuple[tuple[str, str], ...] | None:
+    """The metadata every call carries: the bearer token, and the Ray Serve application that serves the model
+    (Ray's proxy answers NOT_FOUND "Application metadata not set" without it)."""
+    metadata = (("authorization", f"Bearer {token}"),) * bool(token) + (("application", application),) * bool(
+        application
+    )
+    return metadata or None
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """When a refused call is sent again: on a status that says the next try may succeed, with exponential
+    backoff (full jitter, so that clients refused together do not return together), never past the call's
+    timeout."""
+
+    max_attempts: int = 5  # in all, the first included
+    initial_backoff_s: float = 0.1
+    max_backoff_s: float = 2.0
+    multiplier: float = 2.0
+    retryable: frozenset[str] = frozenset({"UNAVAILABLE"})
+
+    def backoff_s(self, retry: int) -> float:
+        """How long to wait before retry number ``retry`` (0 for the first)."""
+        return random.uniform(0, min(self.max_backoff_s, self.initial_backoff_s * self.multiplier**retry))
+
+    def next_wait(self, error: grpc.RpcError, attempt: int, deadline: float | None) -> float | None:
+        """Seconds to wait before sending again after ``attempt`` (1 for the first) failed with ``error``; None:
+        do not, the error stands."""
+        if attempt >= self.max_attempts or error.code().name not in self.retryable:
+            return None
+        wait = self.backoff_s(attempt - 1)
+        if deadline is not None and time.monotonic() + wait >= deadline:
+            return None
+        return wait
+
+
+DEFAULT_RETRY = RetryPolicy()
+NO_RETRIES = RetryPolicy(max_attempts=1)
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 @dataclass
@@ -160,12 +208,16 @@ class _Connection:
         tls: TLS | None = None,
         token: str | None = None,
         version: str = "",
+        application: str | None = None,
+        retry: RetryPolicy = DEFAULT_RETRY,
     ):
         self.model = model
         self.version = version  # empty: the newest ready version of the model
+        self.retry = retry
+        self.retries = 0  # calls sent again under the retry policy, since this client was made
         self._channel = open_channel(url, tls, max_message_bytes, aio=self._aio)
         self._stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
-        self._metadata = auth_metadata(token)
+        self._metadata = call_metadata(token, application)
 
 
 class Client(_Connection):
@@ -185,11 +237,26 @@ class Client(_Connection):
         request = build_infer_request(
             self.model, query, key, value, mask, attn_weights, request_id, attn_weights_mean, self.version
         )
-        return parse_infer_response(self._stub.ModelInfer(request, timeout=timeout, metadata=self._metadata))
+        return parse_infer_response(self._call(self._stub.ModelInfer, request, timeout))
+
+    def _call(self, rpc, request, timeout):
+        """``rpc(request)`` under the retry policy, every attempt within ``timeout`` in all."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        attempt = 1
+        while True:
+            try:
+                return rpc(request, timeout=_remaining(deadline), metadata=self._metadata)
+            except grpc.RpcError as error:
+                wait = self.retry.next_wait(error, attempt, deadline)
+                if wait is None:
+                    raise
+            time.sleep(wait)
+            self.retries += 1
+            attempt += 1
 
     def ready(self, timeout=None) -> bool:
-        return self._stub.ModelReady(
-            pb.ModelReadyRequest(name=self.model, version=self.version), timeout=timeout, metadata=self._metadata
+        return self._call(
+            self._stub.ModelReady, pb.ModelReadyRequest(name=self.model, version=self.version), timeout
         ).ready
 
     def wait_ready(self, timeout: float = 60.0) -> None:
@@ -200,15 +267,15 @@ class Client(_Connection):
         return self.metadata(timeout).inputs[0].shape[-1]
 
     def metadata(self, timeout=None) -> pb.ModelMetadataResponse:
-        return self._stub.ModelMetadata(
-            pb.ModelMetadataRequest(name=self.model, version=self.version), timeout=timeout, metadata=self._metadata
+        return self._call(
+            self._stub.ModelMetadata, pb.ModelMetadataRequest(name=self.model, version=self.version), timeout
         )
 
     def statistics(self, timeout=None) -> pb.ModelStatistics:
         """The server's counters for this model's version (Triton's statistics extension); with no version
         given, the newest served one's."""
         request = pb.ModelStatisticsRequest(name=self.model, version=self.version)
-        return self._stub.ModelStatistics(request, timeout=timeout, metadata=self._metadata).model_stats[-1]
+        return self._call(self._stub.ModelStatistics, request, timeout).model_stats[-1]
 
     def close(self) -> None:
         self._channel.close()
@@ -239,16 +306,30 @@ class AsyncClient(_Connection):
         request = build_infer_request(
             self.model, query, key, value, mask, attn_weights, request_id, attn_weights_mean, self.version
         )
-        return parse_infer_response(await self._stub.ModelInfer(request, timeout=timeout, metadata=self._metadata))
+        return parse_infer_response(await self._call(self._stub.ModelInfer, request, timeout))
+
+    async def _call(self, rpc, request, timeout):
+        """As Client._call, awaiting."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        attempt = 1
+        while True:
+            try:
+                return await rpc(request, timeout=_remaining(deadline), metadata=self._metadata)
+            except grpc.RpcError as error:
+                wait = self.retry.next_wait(error, attempt, deadline)
+                if wait is None:
+                    raise
+            await asyncio.sleep(wait)
+            self.retries += 1
+            attempt += 1
 
     async def ready(self, timeout=None) -> bool:
         request = pb.ModelReadyRequest(name=self.model, version=self.version)
-        return (await self._stub.ModelReady(request, timeout=timeout, metadata=self._metadata)).ready
+        return (await self._call(self._stub.ModelReady, request, timeout)).ready
 
     async def metadata(self, timeout=None) -> pb.ModelMetadataResponse:
-        return await self._stub.ModelMetadata(
-            pb.ModelMetadataRequest(name=self.model, version=self.version), timeout=timeout, metadata=self._metadata
-        )
+        request = pb.ModelMetadataRequest(name=self.model, version=self.version)
+        return await self._call(self._stub.ModelMetadata, request, timeout)
 
     async def close(self) -> None:
         await self._channel.close()

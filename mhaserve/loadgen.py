@@ -38,6 +38,7 @@ class Workload:
     model: str = "mha"
     version: str = ""  # empty: the newest ready version
     protocol: str = "grpc"  # grpc | http (REST, Triton's binary tensor data extension)
+    application: str = ""  # the Ray Serve application to call through Ray's proxy (gRPC metadata)
     distinct_requests: int = 64  # prebuilt per process; drawn round-robin
 
     @property
@@ -129,7 +130,7 @@ async def _grpc_sender(url: str, workload: Workload, seed: int, timeout_s: float
     """An async function sending request i and returning its final status, over gRPC."""
     import grpc
 
-    from mhaserve.client import auth_metadata, build_infer_request, open_channel
+    from mhaserve.client import build_infer_request, call_metadata, open_channel
     from mhaserve.protos.generated import grpc_service_pb2 as pb
     from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
 
@@ -137,7 +138,7 @@ async def _grpc_sender(url: str, workload: Workload, seed: int, timeout_s: float
         build_infer_request(workload.model, q, attn_weights=workload.attn_weights, version=workload.version)
         for q in _queries(workload, seed)
     ]
-    metadata = auth_metadata(token)
+    metadata = call_metadata(token, workload.application)  # no retries: a load test reports every refusal
     async with open_channel(url, tls, aio=True) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         await stub.ServerLive(pb.ServerLiveRequest(), timeout=30, wait_for_ready=True, metadata=metadata)

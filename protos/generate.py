@@ -5,7 +5,9 @@
 
 Needs grpcio-tools (the test extra). The stubs are committed, so installing mhaserve needs no
 protoc; tests/test_protos.py runs the check. protoc writes `import x_pb2`, which only works with
-the folder on sys.path; the imports are rewritten to relative ones so the stubs live in the package.
+the folder on sys.path; the imports are rewritten to relative ones so the stubs live in the package, and the
+messages' module to the one they are imported as (mhaserve.protos.generated...), so that pickle finds their
+classes (Ray's proxy pickles requests on their way to a replica).
 """
 
 from __future__ import annotations
@@ -36,6 +38,11 @@ def generate(out_dir: Path) -> list[Path]:
     written = sorted(p for p in out_dir.iterdir() if p.suffix in (".py", ".pyi"))
     for path in written:
         text = re.sub(r"^import (\w+_pb2) as ", r"from . import \1 as ", path.read_text(), flags=re.M)
+        text = re.sub(
+            r"BuildTopDescriptorsAndMessages\(DESCRIPTOR, '\w+', ",
+            "BuildTopDescriptorsAndMessages(DESCRIPTOR, __name__, ",
+            text,
+        )
         path.write_text(HEADER + text)
     return written
 

@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 from mhaserve.checked_load import Reference, Shapes, burst, make_call, mismatch, rss_mib, run_checked_load
-from mhaserve.client import Client
-from mhaserve.server_process import ServerProcess
+from mhaserve.client import NO_RETRIES, Client, RetryPolicy
+from mhaserve.server_process import ServerProcess, free_port
 
 from .conftest import SMALL_D_MODEL, TEST_SERVER_ARGS, rand, scrape
 
@@ -249,3 +249,37 @@ def test_calls_over_the_stream_limit_are_refused_before_any_work_and_the_rest_se
         assert served >= 4
         with Client(server.url) as client:
             assert client.statistics(timeout=10).inference_stats.success.count == served
+
+
+def test_the_client_retries_unavailable_with_backoff_until_a_server_comes_up(small_model_dir):
+    """Inference is idempotent: a call refused UNAVAILABLE (nothing listening yet, a replica gone, a draining
+    server) is sent again with backoff, by default, and succeeds once a server answers."""
+    port = free_port()
+    server = ServerProcess(small_model_dir, *TEST_SERVER_ARGS, port=port)
+    starter = threading.Timer(0.5, server.start)
+    starter.start()
+    try:
+        with Client(f"127.0.0.1:{port}", retry=RetryPolicy(max_attempts=200, max_backoff_s=0.25)) as client:
+            answer = client.infer(rand(1, 4, SMALL_D_MODEL), timeout=60)
+            assert answer.output.shape == (1, 4, SMALL_D_MODEL)
+            assert client.retries > 0
+    finally:
+        starter.join()
+        server.stop()
+
+
+def test_a_client_retries_only_retryable_statuses_and_never_past_its_deadline(server):
+    with Client(f"127.0.0.1:{free_port()}", retry=RetryPolicy(max_attempts=100)) as client:
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as nobody:
+            client.infer(rand(1, 4, SMALL_D_MODEL), timeout=1.0)
+        assert nobody.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+        assert time.monotonic() - started < 1.5 and client.retries > 0
+    with Client(server.url) as client:
+        with pytest.raises(grpc.RpcError) as wrong:
+            client.infer(rand(1, 4, SMALL_D_MODEL + 1), timeout=10)
+        assert wrong.value.code() == grpc.StatusCode.INVALID_ARGUMENT and client.retries == 0
+    with Client(f"127.0.0.1:{free_port()}", retry=NO_RETRIES) as client:
+        with pytest.raises(grpc.RpcError):
+            client.infer(rand(1, 4, SMALL_D_MODEL), timeout=5)
+        assert client.retries == 0

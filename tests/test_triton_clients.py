@@ -36,13 +36,23 @@ def cases():
     }
 
 
-def run_triton_client(server, tmp_path, mode, all_cases=None, outputs="output,attn_weights"):
-    """Each case's answers from tritonclient in its own process: {case_output: array} for each output asked."""
+def run_triton_client(server, tmp_path, mode, all_cases=None, outputs="output,attn_weights", application=None):
+    """Each case's answers from tritonclient in its own process: {case_output: array} for each output asked;
+    ``application``: the Ray Serve application behind the proxy at server.url."""
     path_in, path_out = tmp_path / "in.npz", tmp_path / f"out-{mode}.npz"
     all_cases = cases() if all_cases is None else all_cases
     np.savez(path_in, **{f"{case}_{name}": a for case, arrays in all_cases.items() for name, a in arrays.items()})
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), server.url, str(path_in), str(path_out), mode, outputs],
+        [
+            sys.executable,
+            str(SCRIPT),
+            server.url,
+            str(path_in),
+            str(path_out),
+            mode,
+            outputs,
+            *[application] * bool(application),
+        ],
         capture_output=True,
         text=True,
         timeout=120,

@@ -2,10 +2,10 @@
 
 Runs in its own process: tritonclient registers the same protobuf messages (package inference) as
 mhaserve's stubs, and one process cannot hold both. Usage:
-    python triton_infer.py URL IN.npz OUT.npz sync|aio [OUTPUTS]
+    python triton_infer.py URL IN.npz OUT.npz sync|aio [OUTPUTS [APPLICATION]]
 IN.npz holds case<i>_<input> arrays; OUT.npz gets case<i>_<output> for each of OUTPUTS (comma-separated,
 default output,attn_weights), plus a 'metadata_shapes' and 'config_max_batch_size' entry read through
-tritonclient.
+tritonclient. APPLICATION: the Ray Serve application, sent as 'application' metadata on every call.
 """
 
 import asyncio
@@ -17,6 +17,7 @@ import tritonclient.grpc.aio as aioclient
 from tritonclient.utils import np_to_triton_dtype
 
 OUTPUTS = ["output", "attn_weights"]
+HEADERS = {}
 
 
 def build(module, arrays):
@@ -38,30 +39,34 @@ def cases(data):
 
 def run_sync(url, grouped):
     client = grpcclient.InferenceServerClient(url)
-    assert client.is_server_live() and client.is_server_ready() and client.is_model_ready("mha")
+    assert (
+        client.is_server_live(HEADERS)
+        and client.is_server_ready(HEADERS)
+        and client.is_model_ready("mha", headers=HEADERS)
+    )
     results = {}
-    meta = client.get_model_metadata("mha", as_json=True)
+    meta = client.get_model_metadata("mha", headers=HEADERS, as_json=True)
     results["metadata_shapes"] = np.array([int(d) for t in meta["inputs"] for d in t["shape"]])
     results["config_max_batch_size"] = np.array(
-        client.get_model_config("mha", as_json=True)["config"].get("max_batch_size", 0)
+        client.get_model_config("mha", headers=HEADERS, as_json=True)["config"].get("max_batch_size", 0)
     )
     for case, arrays in grouped.items():
         inputs, outputs = build(grpcclient, arrays)
-        result = client.infer("mha", inputs, outputs=outputs)
+        result = client.infer("mha", inputs, outputs=outputs, headers=HEADERS)
         results.update({f"{case}_{name}": result.as_numpy(name) for name in OUTPUTS})
-    stats = client.get_inference_statistics("mha", as_json=True)
+    stats = client.get_inference_statistics("mha", headers=HEADERS, as_json=True)
     results["inference_count"] = np.array(int(stats["model_stats"][0].get("inference_count", 0)))
     return results
 
 
 async def run_aio(url, grouped):
     client = aioclient.InferenceServerClient(url)
-    assert await client.is_model_ready("mha")
+    assert await client.is_model_ready("mha", headers=HEADERS)
     results = {}
     calls = {}
     for case, arrays in grouped.items():
         inputs, outputs = build(aioclient, arrays)
-        calls[case] = client.infer("mha", inputs, outputs=outputs)
+        calls[case] = client.infer("mha", inputs, outputs=outputs, headers=HEADERS)
     answers = await asyncio.gather(*calls.values())
     for case, result in zip(calls, answers, strict=True):
         results.update({f"{case}_{name}": result.as_numpy(name) for name in OUTPUTS})
@@ -73,6 +78,8 @@ def main():
     url, path_in, path_out, mode = sys.argv[1:5]
     if len(sys.argv) > 5:
         OUTPUTS[:] = sys.argv[5].split(",")
+    if len(sys.argv) > 6:
+        HEADERS["application"] = sys.argv[6]
     grouped = cases(np.load(path_in))
     results = run_sync(url, grouped) if mode == "sync" else asyncio.run(run_aio(url, grouped))
     np.savez(path_out, **results)

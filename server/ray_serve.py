@@ -1,0 +1,221 @@
+"""Ray Serve transport: the Open Inference Protocol's gRPC service on Ray's gRPC proxy, each replica a DataPlane
+answering through the native server's InferenceServicer (same codec, same checks, same statuses).
+
+Ray's proxy hands a replica the parsed request and a RayServegRPCContext, and serialises what the replica
+returns; a refusal is a status set on that context. ``ProxiedCall`` gives InferenceServicer the few things it
+asks of a grpc.aio call, so that nothing of the servicer is copied here.
+
+Needs the ``[ray]`` extra; the native server never imports this.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import grpc
+from ray import serve
+
+from mhaserve.protos.generated import grpc_service_pb2 as pb
+
+from .config import ServerSettings
+from .dataplane import DataPlane
+from .grpc_servicer import InferenceServicer
+
+log = logging.getLogger("mhaserve.server")
+
+SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+# What Ray's proxy registers (gRPCOptions.grpc_servicer_functions): the generated stubs' method table.
+GRPC_SERVICER_FUNCTION = "mhaserve.protos.generated.grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server"
+# The RPCs a replica answers. The repository extension is left out: a replica serves the one folder it was
+# deployed with, and loading another is a redeploy.
+SERVED_RPCS = (
+    "ServerLive",
+    "ServerReady",
+    "ServerMetadata",
+    "ModelReady",
+    "ModelMetadata",
+    "ModelConfig",
+    "ModelStatistics",
+    "ModelInfer",
+    "ModelStreamInfer",
+)
+
+
+class _Refused(Exception):
+    """The servicer aborted the call: its status is on the proxy's context."""
+
+
+class _Serialized:
+    """An answer the codec already wrote as protobuf bytes; Ray's replica calls SerializeToString on it (and
+    gRPC wants exactly bytes, no subclass)."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes):
+        self.data = data
+
+    def SerializeToString(self) -> bytes:  # noqa: N802 (protobuf's name)
+        return self.data
+
+
+class ProxiedCall:
+    """What InferenceServicer asks of a grpc.aio ServicerContext, for a call that came through Ray's proxy."""
+
+    def __init__(self, grpc_context):
+        self._context = grpc_context
+        self._done = []
+        self.written = []  # a stream's answers, for the replica to yield
+
+    async def abort(self, code: grpc.StatusCode, details: str):
+        self._context.set_code(code)
+        self._context.set_details(details)
+        raise _Refused
+
+    def time_remaining(self) -> None:
+        # The proxy does not pass the client's deadline on; when it passes, the proxy cancels this call.
+        return None
+
+    def add_done_callback(self, callback) -> None:
+        self._done.append(callback)
+
+    def finished(self) -> None:
+        """The answer is with the proxy: what waited for gRPC to write it is done."""
+        for callback in self._done:
+            callback(self)
+
+    async def write(self, message) -> None:
+        self.written.append(message)
+
+
+class OipReplica:
+    """One Ray Serve replica: a DataPlane over the deployed model folder, answering the OIP's RPCs.
+
+    ONNX Runtime runs as many threads as the CPUs the replica reserved (``ray_actor_options.num_cpus``)."""
+
+    async def __init__(self, model_dir: str, settings: dict | None = None):
+        # inference_nice 0: beside Ray's own busy processes, lowered inference threads starved (p50 45 ms
+        # against 8 ms at [1,16,512]); the replica's event loop has Ray's proxy in front of it anyway.
+        values = {"intra_op_threads": _reserved_cpus(), "inference_nice": 0, "http_port": -1, "metrics_port": -1}
+        values.update(settings or {})
+        self.dataplane = DataPlane(ServerSettings(**values), Path(model_dir))
+        await self.dataplane.start()
+        self.servicer = InferenceServicer(self.dataplane)
+        signature = next(iter(self.dataplane.registry.served_models())).signature
+        log.info("replica serving model=%s version=%s on node %s", signature.name, signature.version, _node_id())
+
+    async def _answer(self, method: str, request, grpc_context):
+        call = ProxiedCall(grpc_context)
+        try:
+            answer = await getattr(self.servicer, method)(request, call)
+        except _Refused:
+            return getattr(pb, SERVICE.methods_by_name[method].output_type.name)()
+        call.finished()
+        return _Serialized(answer) if isinstance(answer, bytes) else answer
+
+    async def ModelStreamInfer(self, requests, grpc_context):  # noqa: N802 (the protocol's name)
+        """Answers in request order, a refusal as the answer's error_message (as the native server)."""
+        async for request in requests:
+            call = ProxiedCall(grpc_context)
+            await self.servicer.ModelStreamInfer(_one(request), call)
+            call.finished()
+            for answer in call.written:
+                yield _Serialized(answer) if isinstance(answer, bytes) else answer
+
+    def check_health(self) -> None:
+        """Ray's replica health check: a draining or unready data plane is restarted elsewhere."""
+        if not self.dataplane.reports_ready:
+            raise RuntimeError("the model is not ready")
+
+
+def _unary(method: str):
+    async def rpc(self, request, grpc_context):
+        return await self._answer(method, request, grpc_context)
+
+    rpc.__name__ = rpc.__qualname__ = method
+    return rpc
+
+
+for _method in SERVED_RPCS:
+    if _method != "ModelStreamInfer":
+        setattr(OipReplica, _method, _unary(_method))
+
+
+async def _one(request):
+    yield request
+
+
+def _reserved_cpus() -> int:
+    try:
+        import ray
+
+        return max(1, round(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
+    except Exception:  # outside a Ray worker (a local test of the class)
+        return len(os.sched_getaffinity(0))
+
+
+def _node_id() -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
+
+
+def replica_deployment(
+    name: str,
+    model_dir: str | Path,
+    *,
+    min_replicas: int = 1,
+    max_replicas: int = 2,
+    target_ongoing_requests: float = 8,
+    max_ongoing_requests: int = 64,
+    replica_cpus: float = 1,
+    max_replicas_per_node: int | None = None,
+    settings: dict | None = None,
+):
+    """The application Ray Serve runs for one validated model folder: ``OipReplica`` autoscaled between
+    ``min_replicas`` and ``max_replicas`` on ongoing requests per replica, spread over the cluster's nodes."""
+    deployment = serve.deployment(
+        OipReplica,
+        name=name,
+        autoscaling_config={
+            "min_replicas": min_replicas,
+            "initial_replicas": min_replicas,
+            "max_replicas": max_replicas,
+            "target_ongoing_requests": target_ongoing_requests,
+        },
+        max_ongoing_requests=max_ongoing_requests,
+        ray_actor_options={"num_cpus": replica_cpus},
+        max_replicas_per_node=max_replicas_per_node,
+        health_check_period_s=2,
+        health_check_timeout_s=10,
+    )
+    return deployment.bind(str(Path(model_dir).resolve()), settings)
+
+
+def deploy(
+    model_dir: str | Path,
+    *,
+    address: str = "auto",
+    name: str = "mha",
+    grpc_port: int = 9000,
+    http_port: int = 8000,
+    proxy_location: str = "EveryNode",
+    **replicas,
+) -> str:
+    """Deploy ``model_dir`` on the Ray cluster at ``address`` as the Serve application ``name`` and return
+    once its replicas serve; it keeps serving after this process exits. Serve is started with the OIP gRPC
+    service on ``grpc_port`` unless it already runs (then its proxy's options stay as they are)."""
+    import ray
+    from ray.serve.config import HTTPOptions, ProxyLocation, gRPCOptions
+
+    ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
+    serve.start(
+        proxy_location=ProxyLocation(proxy_location),
+        http_options=HTTPOptions(host="0.0.0.0", port=http_port),
+        grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[GRPC_SERVICER_FUNCTION]),
+    )
+    # An application with no route prefix is invisible to the proxy: every gRPC call names it instead
+    # (metadata 'application: NAME').
+    serve.run(replica_deployment(name, model_dir, **replicas), name=name, route_prefix=f"/{name}")
+    return name

@@ -1,0 +1,180 @@
+"""The model on a real Ray cluster: a head and two worker nodes on this machine (ray.cluster_utils.Cluster, the
+way Ray documents simulating nodes: each a raylet of its own with its own resources), deployed with
+`mhaserve ray-deploy`, called through Ray's gRPC proxy by tritonclient and the project's client; then one
+worker node is killed under load."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from types import SimpleNamespace
+
+import grpc
+import numpy as np
+import pytest
+
+from mhaserve.client import Client, RetryPolicy
+from mhaserve.protos.generated import grpc_service_pb2 as pb
+from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
+from mhaserve.server_process import free_port
+
+from .conftest import SMALL_D_MODEL, SMALL_HEADS, rand
+
+if importlib.util.find_spec("ray") is None:
+    pytest.skip("Ray Serve is not installed (the ray extra; the test extra has it)", allow_module_level=True)
+
+APP = "mha"
+REPLICA_CLASS = f"ServeReplica:{APP}:{APP}"
+DEADLINE_S = 10.0
+D = SMALL_D_MODEL
+
+
+@pytest.fixture(scope="module")
+def cluster(small_model_dir):
+    import ray
+    from ray.cluster_utils import Cluster
+
+    started = time.monotonic()
+    # The head runs Serve's controller and the one proxy (no CPUs to give replicas); replicas land on workers.
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    workers = [cluster.add_node(num_cpus=2) for _ in range(2)]
+    cluster.wait_for_nodes()
+    grpc_port = free_port()
+    deployed = subprocess.run(
+        [sys.executable, "-m", "mhaserve.cli", "ray-deploy", str(small_model_dir), "--address", cluster.address,
+         "--name", APP, "--grpc-port", str(grpc_port), "--http-port", str(free_port()),
+         "--proxy-location", "HeadOnly", "--min-replicas", "2", "--max-replicas", "2"],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert deployed.returncode == 0, deployed.stderr[-3000:]
+    ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
+    print(f"cluster of 3 nodes up and the model deployed in {time.monotonic() - started:.1f} s", file=sys.stderr)
+    try:
+        yield SimpleNamespace(url=f"127.0.0.1:{grpc_port}", cluster=cluster, workers=workers, ray=ray)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def replica_nodes(ray) -> list[str]:
+    """The nodes of the application's live replicas."""
+    from ray._private.state import actors
+
+    return sorted(
+        a["Address"]["NodeID"]
+        for a in actors().values()
+        if a["ActorClassName"] == REPLICA_CLASS and a["State"] == "ALIVE"
+    )
+
+
+def test_replicas_are_spread_over_both_workers_and_answer_tritonclient(cluster, small_model_dir, tmp_path):
+    import onnxruntime as ort
+
+    from .test_triton_clients import cases, run_triton_client
+
+    assert replica_nodes(cluster.ray) == sorted(w.node_id for w in cluster.workers)
+    results = run_triton_client(cluster, tmp_path, "sync", application=APP)
+    session = ort.InferenceSession(str(small_model_dir / "model.onnx"), providers=["CPUExecutionProvider"])
+    for case, arrays in cases().items():
+        query = arrays["query"]
+        key, value = arrays.get("key", query), arrays.get("value", query)
+        mask = arrays.get("mask", np.ones((1, 1, 1, key.shape[1]), dtype=bool))
+        mask = mask.reshape(mask.shape[0], 1, 1, -1) if mask.ndim == 2 else mask
+        want = session.run(None, {"query": query, "key": key, "value": value, "mask": mask})
+        np.testing.assert_array_equal(results[f"{case}_output"], want[0])
+        np.testing.assert_array_equal(results[f"{case}_attn_weights"], want[1])
+    assert int(results["inference_count"]) >= 1  # the answering replica's own count
+
+
+def test_the_project_client_names_the_application_and_gets_the_native_servers_statuses(cluster):
+    with Client(cluster.url, application=APP) as client:
+        assert client.ready(timeout=DEADLINE_S)
+        assert client.infer(rand(2, 5, D), timeout=DEADLINE_S).attn_weights.shape[:2] == (2, SMALL_HEADS)
+        with pytest.raises(grpc.RpcError) as wrong:
+            client.infer(rand(1, 4, D - 1), timeout=DEADLINE_S)
+        assert wrong.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert wrong.value.details() == f"input 'query': shape [1, 4, {D - 1}], last dim {D - 1}, expected d_model {D}"
+
+
+def test_stream_infer_through_the_proxy_answers_in_order(cluster):
+    from mhaserve.client import build_infer_request, call_metadata, open_channel
+
+    requests = [build_infer_request(APP, rand(1, n, D, seed=n)) for n in (3, 9, 5)]
+    requests.insert(1, build_infer_request(APP, rand(1, 4, D + 1)))  # refused; the stream goes on
+    with open_channel(cluster.url) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        answers = list(stub.ModelStreamInfer(iter(requests), timeout=DEADLINE_S, metadata=call_metadata(None, APP)))
+    assert [a.error_message.split(":")[0] for a in answers] == ["", "INVALID_ARGUMENT", "", ""]
+    assert [a.infer_response.outputs[0].shape[1] for a in answers if not a.error_message] == [3, 9, 5]
+
+
+def test_a_worker_node_killed_under_load_costs_no_request(cluster):
+    """SIGKILL of one worker node's raylet and workers while four callers send: the replica there is
+    rescheduled on the survivor, no call outlives its deadline, and every refusal during the loss is retryable,
+    so the client's retry policy turns each into a success."""
+    ray = cluster.ray
+    stop = threading.Event()
+    outcomes: Counter[str] = Counter()
+    retried, slowest = [0], [0.0]
+    lock = threading.Lock()
+
+    def caller(seed: int) -> None:
+        query = rand(1, 8, D, seed=seed)
+        with Client(cluster.url, application=APP, retry=RetryPolicy(max_attempts=8)) as client:
+            while not stop.is_set():
+                started = time.monotonic()
+                try:
+                    client.infer(query, timeout=DEADLINE_S)
+                    status = "OK"
+                except grpc.RpcError as error:
+                    status = error.code().name
+                with lock:
+                    outcomes[status] += 1
+                    slowest[0] = max(slowest[0], time.monotonic() - started)
+            with lock:
+                retried[0] += client.retries
+
+    threads = [threading.Thread(target=caller, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    time.sleep(3)
+    killed = time.monotonic()
+    cluster.cluster.remove_node(cluster.workers[1], allow_graceful=False)
+    survivor = cluster.workers[0].node_id
+    recovered = None
+    while time.monotonic() - killed < 90:
+        if replica_nodes(ray) == [survivor, survivor]:
+            recovered = time.monotonic() - killed
+            break
+        time.sleep(0.25)
+    time.sleep(3)  # load on the recovered application
+    stop.set()
+    for thread in threads:
+        thread.join(timeout=DEADLINE_S * 2)
+    sent = sum(outcomes.values())
+    print(
+        f"killed worker node: {sent} requests, {outcomes['OK']} succeeded, {retried[0]} retries, "
+        f"{sent - outcomes['OK']} failed {dict(outcomes)}; replicas back on the survivor after {recovered} s; "
+        f"slowest call {slowest[0]:.2f} s",
+        file=sys.stderr,
+    )
+    assert recovered is not None, f"replicas did not come back: {replica_nodes(ray)}"
+    assert outcomes["OK"] == sent > 0, dict(outcomes)
+    assert slowest[0] < DEADLINE_S + 1
+    with Client(cluster.url, application=APP, retry=RetryPolicy(max_attempts=1)) as client:
+        assert client.infer(rand(1, 8, D), timeout=DEADLINE_S).output.shape == (1, 8, D)
+
+
+def test_server_metadata_and_health_rpcs_are_the_replicas(cluster):
+    with grpc.insecure_channel(cluster.url) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        metadata = (("application", APP),)
+        assert stub.ServerLive(pb.ServerLiveRequest(), timeout=DEADLINE_S, metadata=metadata).live
+        assert stub.ServerReady(pb.ServerReadyRequest(), timeout=DEADLINE_S, metadata=metadata).ready
+        assert stub.ServerMetadata(pb.ServerMetadataRequest(), timeout=DEADLINE_S, metadata=metadata).name == "mhaserve"
+        config = stub.ModelConfig(pb.ModelConfigRequest(name=APP), timeout=DEADLINE_S, metadata=metadata).config
+        assert config.name == APP
