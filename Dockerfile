@@ -25,8 +25,8 @@ RUN pip install . && pip check
 USER mhaserve
 # Out of the source tree, so `python -c "import mhaserve"` finds the installed package.
 WORKDIR /home/mhaserve
-# gRPC and Prometheus metrics
-EXPOSE 8001 8002
+# gRPC, HTTP/REST and Prometheus metrics
+EXPOSE 8001 8000 8002
 ENV MHASERVE_HOST=0.0.0.0 MHASERVE_METRICS_HOST=0.0.0.0 MHASERVE_MODEL_DIR=/models/mha
 HEALTHCHECK --interval=5s --timeout=4s --start-period=60s --retries=3 CMD ["mhaserve", "health", "--url", "127.0.0.1:8001"]
 # SIGTERM drains: health NOT_SERVING, in-flight requests finish within MHASERVE_GRACE_SECONDS.
@@ -51,7 +51,7 @@ FROM base AS server-gpu
 RUN pip install ".[gpu]"
 USER mhaserve
 WORKDIR /home/mhaserve
-EXPOSE 8001 8002
+EXPOSE 8001 8000 8002
 ENV MHASERVE_HOST=0.0.0.0 MHASERVE_METRICS_HOST=0.0.0.0 MHASERVE_MODEL_DIR=/models/mha MHASERVE_DEVICE=cuda
 HEALTHCHECK --interval=5s --timeout=4s --start-period=90s --retries=3 CMD ["mhaserve", "health", "--url", "127.0.0.1:8001"]
 STOPSIGNAL SIGTERM
