@@ -137,11 +137,6 @@ def settings_of(container: dict) -> ServerSettings:
     env = {e["name"]: e["value"] for e in container.get("env", [])}
     for name in env:
         assert name.startswith(ENV_PREFIX) and name.removeprefix(ENV_PREFIX).lower() in fields, name
-    import os
-    from unittest import mock
-
-    from mhaserve.server.config import settings_from_args
-
     with mock.patch.dict(os.environ, env, clear=False):
         return settings_from_args(parse_command(container["args"]))
 
