@@ -480,6 +480,18 @@ def _add_ray_deploy(sub) -> None:
     p.set_defaults(run=_run_ray_deploy)
 
 
+def _reachable(address: str, timeout_s: float = 5.0) -> bool:
+    """Whether something listens at HOST:PORT (ray.init would wait for minutes on a wrong address)."""
+    import socket
+
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
 def _run_ray_deploy(args) -> int:
     from mhaserve.model_folder import ModelDirError, read_manifest
 
@@ -489,6 +501,8 @@ def _run_ray_deploy(args) -> int:
         raise UsageError(f"{args.model_dir}: {error}") from None
     if not 1 <= args.min_replicas <= args.max_replicas:
         raise UsageError(f"need 1 <= --min-replicas <= --max-replicas, got {args.min_replicas} and {args.max_replicas}")
+    if args.address != "auto" and not _reachable(args.address):
+        raise UsageError(f"no Ray cluster answers at --address {args.address} (start one with 'ray start --head')")
     try:
         from mhaserve.server.ray_serve import deploy
     except ImportError as error:
@@ -509,6 +523,11 @@ def _run_ray_deploy(args) -> int:
         )
     except ConnectionError as error:
         raise UsageError(f"no Ray cluster at --address {args.address}: {error}") from None
+    except Exception as error:  # Ray's own failure (a replica that cannot start, a port taken): one line
+        message = str(error).strip().splitlines()
+        print(f"mhaserve ray-deploy: deploying failed: {type(error).__name__}: {message[-1] if message else ''}",
+              file=sys.stderr)  # fmt: skip
+        return 1
     print(f"application '{name}' serves the Open Inference Protocol on the proxies' gRPC port {args.grpc_port}; "
           f"send metadata 'application: {name}' (mhaserve infer/bench --application {name})")  # fmt: skip
     return 0

@@ -22,12 +22,11 @@ from mhaserve.protos.generated import grpc_service_pb2 as pb
 from .config import ServerSettings
 from .dataplane import DataPlane
 from .grpc_servicer import InferenceServicer
+from .ray_proxy import SERVICER_FUNCTION
 
 log = logging.getLogger("mhaserve.server")
 
 SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
-# What Ray's proxy registers (gRPCOptions.grpc_servicer_functions): the generated stubs' method table.
-GRPC_SERVICER_FUNCTION = "mhaserve.protos.generated.grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server"
 # The RPCs a replica answers. The repository extension is left out: a replica serves the one folder it was
 # deployed with, and loading another is a redeploy.
 SERVED_RPCS = (
@@ -172,11 +171,13 @@ def replica_deployment(
     replica_cpus: float = 1,
     max_replicas_per_node: int | None = None,
     settings: dict | None = None,
+    replica_class: type = OipReplica,
 ):
     """The application Ray Serve runs for one validated model folder: ``OipReplica`` autoscaled between
-    ``min_replicas`` and ``max_replicas`` on ongoing requests per replica, spread over the cluster's nodes."""
+    ``min_replicas`` and ``max_replicas`` on ongoing requests per replica, spread over the cluster's nodes.
+    (``replica_class``: a variant, for benchmarks/bench_ray.py's comparison of batching by Ray.)"""
     deployment = serve.deployment(
-        OipReplica,
+        replica_class,
         name=name,
         autoscaling_config={
             "min_replicas": min_replicas,
@@ -213,7 +214,7 @@ def deploy(
     serve.start(
         proxy_location=ProxyLocation(proxy_location),
         http_options=HTTPOptions(host="0.0.0.0", port=http_port),
-        grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[GRPC_SERVICER_FUNCTION]),
+        grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[SERVICER_FUNCTION]),
     )
     # An application with no route prefix is invisible to the proxy: every gRPC call names it instead
     # (metadata 'application: NAME').

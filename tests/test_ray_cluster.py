@@ -5,18 +5,22 @@ worker node is killed under load."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import os
 import subprocess
 import sys
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 from types import SimpleNamespace
 
 import grpc
 import numpy as np
 import pytest
 
+from mhaserve.checked_load import rss_mib
 from mhaserve.client import Client, RetryPolicy
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
@@ -52,12 +56,30 @@ def cluster(small_model_dir):
     )  # fmt: skip
     assert deployed.returncode == 0, deployed.stderr[-3000:]
     ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
-    print(f"cluster of 3 nodes up and the model deployed in {time.monotonic() - started:.1f} s", file=sys.stderr)
+    print(
+        f"cluster of 3 nodes up and the model deployed in {time.monotonic() - started:.1f} s; its processes hold "
+        f"{sum(rss_mib(pid) for pid in descendants(os.getpid())):.0f} MiB",
+        file=sys.stderr,
+    )
     try:
         yield SimpleNamespace(url=f"127.0.0.1:{grpc_port}", cluster=cluster, workers=workers, ray=ray)
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process started under ``pid`` (the cluster's daemons and workers are this test's)."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [pid]
+    while frontier:
+        children = [child for child, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
 
 
 def replica_nodes(ray) -> list[str]:
@@ -178,3 +200,20 @@ def test_server_metadata_and_health_rpcs_are_the_replicas(cluster):
         assert stub.ServerMetadata(pb.ServerMetadataRequest(), timeout=DEADLINE_S, metadata=metadata).name == "mhaserve"
         config = stub.ModelConfig(pb.ModelConfigRequest(name=APP), timeout=DEADLINE_S, metadata=metadata).config
         assert config.name == APP
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["/nonexistent"], "no manifest"),
+        (["{model}", "--address", "127.0.0.1:1"], "no Ray cluster answers at --address 127.0.0.1:1"),
+        (["{model}", "--min-replicas", "3", "--max-replicas", "2"], "need 1 <= --min-replicas <= --max-replicas"),
+    ],
+)
+def test_ray_deploy_refuses_bad_input_in_one_line(small_model_dir, args, says):
+    args = [arg.format(model=small_model_dir) for arg in args]
+    done = subprocess.run(
+        [sys.executable, "-m", "mhaserve.cli", "ray-deploy", *args], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2 and says in done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
