@@ -6,18 +6,37 @@ Dockerfile and the command line."""
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import os
 import re
+import sys
+import types
 from pathlib import Path
 from unittest import mock
 
 import pytest
 
 kubernetes = pytest.importorskip("kubernetes", reason="the kubernetes client comes with the test extra")
-kserve = pytest.importorskip("kserve", reason="kserve's models come with the test extra")
 yaml = pytest.importorskip("yaml")
+if importlib.util.find_spec("kserve") is None:
+    pytest.skip("kserve's models come with the test extra", allow_module_level=True)
 
 from kubernetes.client import models as k8s_models  # noqa: E402
+
+
+def _kserve_models():
+    """kserve's generated models alone. The kserve package's own __init__ also loads its gRPC stubs, which
+    register the protobuf package 'inference' that mhaserve's stubs already registered in this process (one
+    process cannot hold both, as with tritonclient): the package is entered without running it."""
+    if "kserve" not in sys.modules:
+        package = types.ModuleType("kserve")
+        package.__path__ = list(importlib.util.find_spec("kserve").submodule_search_locations)
+        sys.modules["kserve"] = package
+    return importlib.import_module("kserve.models")
+
+
+kserve_models = _kserve_models()
 
 from mhaserve.cli import build_parser  # noqa: E402
 from mhaserve.server.config import ENV_PREFIX, ServerSettings, settings_from_args  # noqa: E402
@@ -57,7 +76,7 @@ def build_model(data, type_name: str, path: str = ""):
         if not isinstance(data, PRIMITIVES[type_name]) or (type_name == "int" and isinstance(data, bool)):
             raise ManifestError(f"{path}: expected {type_name}, got {type(data).__name__} {data!r}")
         return data
-    klass = getattr(kserve.models, type_name, None) or getattr(k8s_models, type_name)
+    klass = getattr(kserve_models, type_name, None) or getattr(k8s_models, type_name)
     if not isinstance(data, dict):
         raise ManifestError(f"{path}: expected a {type_name} mapping, got {type(data).__name__}")
     attribute_of = {json_name: attribute for attribute, json_name in klass.attribute_map.items()}

@@ -82,15 +82,16 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def replica_nodes(ray) -> list[str]:
-    """The nodes of the application's live replicas."""
+def live_replicas() -> list[dict]:
+    """The GCS's records of the application's live replica actors (node, pid)."""
     from ray._private.state import actors
 
-    return sorted(
-        a["Address"]["NodeID"]
-        for a in actors().values()
-        if a["ActorClassName"] == REPLICA_CLASS and a["State"] == "ALIVE"
-    )
+    return [a for a in actors().values() if a["ActorClassName"] == REPLICA_CLASS and a["State"] == "ALIVE"]
+
+
+def replica_nodes(ray) -> list[str]:
+    """The nodes of the application's live replicas."""
+    return sorted(a["Address"]["NodeID"] for a in live_replicas())
 
 
 def test_replicas_are_spread_over_both_workers_and_answer_tritonclient(cluster, small_model_dir, tmp_path):
@@ -189,6 +190,19 @@ def test_a_worker_node_killed_under_load_costs_no_request(cluster):
     assert slowest[0] < DEADLINE_S + 1
     with Client(cluster.url, application=APP, retry=RetryPolicy(max_attempts=1)) as client:
         assert client.infer(rand(1, 8, D), timeout=DEADLINE_S).output.shape == (1, 8, D)
+
+
+def test_replicas_never_load_torch_and_the_cli_calls_them(cluster):
+    for replica in live_replicas():
+        maps = Path(f"/proc/{replica['Pid']}/maps").read_text()
+        assert "onnxruntime" in maps and "libtorch" not in maps and "/torch/" not in maps
+    done = subprocess.run(
+        [sys.executable, "-m", "mhaserve.cli", "infer", "--url", cluster.url, "--application", APP,
+         "--batch", "2", "--q-len", "5"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert f"output: [2, 5, {D}]" in done.stdout
 
 
 def test_server_metadata_and_health_rpcs_are_the_replicas(cluster):
