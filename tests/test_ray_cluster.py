@@ -110,12 +110,13 @@ def test_replicas_are_spread_over_both_workers_and_answer_tritonclient(cluster, 
         want = session.run(None, {"query": query, "key": key, "value": value, "mask": mask})
         np.testing.assert_array_equal(results[f"{case}_output"], want[0])
         np.testing.assert_array_equal(results[f"{case}_attn_weights"], want[1])
-    assert int(results["inference_count"]) >= 1  # the answering replica's own count
 
 
 def test_the_project_client_names_the_application_and_gets_the_native_servers_statuses(cluster):
     with Client(cluster.url, application=APP) as client:
         assert client.ready(timeout=DEADLINE_S)
+        # Statistics come from whichever replica Ray routes the call to: its own counts.
+        assert client.statistics(timeout=DEADLINE_S).name == APP
         assert client.infer(rand(2, 5, D), timeout=DEADLINE_S).attn_weights.shape[:2] == (2, SMALL_HEADS)
         with pytest.raises(grpc.RpcError) as wrong:
             client.infer(rand(1, 4, D - 1), timeout=DEADLINE_S)
