@@ -83,11 +83,13 @@ def open_channel(
 
 def call_metadata(token: str | None = None, application: str | None = None) -> tuple[tuple[str, str], ...] | None:
     """The metadata every call carries: the bearer token, and the Ray Serve application that serves the model
-    (Ray's proxy answers NOT_FOUND "Application metadata not set" without it)."""
-    metadata = (("authorization", f"Bearer {token}"),) * bool(token) + (("application", application),) * bool(
-        application
-    )
-    return metadata or None
+    (with several applications deployed, Ray's proxy routes by it)."""
+    metadata = []
+    if token:
+        metadata.append(("authorization", f"Bearer {token}"))
+    if application:
+        metadata.append(("application", application))
+    return tuple(metadata) or None
 
 
 @dataclass(frozen=True)
