@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
-import subprocess
 import sys
 import time
 
@@ -51,24 +50,27 @@ def native(model_dir):
 
 
 @contextlib.contextmanager
-def ray_cluster(model_dir, workers: int, replicas: int = 2):
+def ray_cluster(model_dir, workers: int, replicas: int = 2, replica_cpus: float = 1, batching: str = "ours"):
+    """A head (no CPUs: Serve's controller and the one proxy) and ``workers`` worker nodes sharing two CPUs,
+    the model deployed as ``replicas`` replicas; ``batching``: ours (the data plane's batcher) | ray
+    (@serve.batch)."""
     import ray
     from ray.cluster_utils import Cluster
 
+    from mhaserve.server.ray_serve import OipReplica, deploy
+
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    for _ in range(workers):
-        cluster.add_node(num_cpus=2 // workers)
-    cluster.wait_for_nodes()
-    port = free_port()
-    started = time.monotonic()
-    subprocess.run(
-        [sys.executable, "-m", "mhaserve.cli", "ray-deploy", str(model_dir), "--address", cluster.address,
-         "--grpc-port", str(port), "--http-port", str(free_port()), "--proxy-location", "HeadOnly",
-         "--min-replicas", str(replicas), "--max-replicas", str(replicas)],
-        check=True, capture_output=True,
-    )  # fmt: skip
-    print(f"  ray ({workers} worker nodes): deployed in {time.monotonic() - started:.1f} s", file=sys.stderr)
     try:
+        for _ in range(workers):
+            cluster.add_node(num_cpus=2 // workers)
+        cluster.wait_for_nodes()
+        port = free_port()
+        started = time.monotonic()
+        deploy(model_dir, address=cluster.address, name=APP, grpc_port=port, http_port=free_port(),
+               proxy_location="HeadOnly", min_replicas=replicas, max_replicas=replicas, replica_cpus=replica_cpus,
+               settings={"dynamic_batching": batching == "ours"},
+               replica_class=OipReplica if batching == "ours" else ray_batched_replica_class())  # fmt: skip
+        print(f"  ray ({workers} worker nodes): deployed in {time.monotonic() - started:.1f} s", file=sys.stderr)
         yield f"127.0.0.1:{port}", APP
     finally:
         ray.shutdown()
@@ -107,36 +109,15 @@ def ray_batched_replica_class():
     return RayBatchedReplica
 
 
-@contextlib.contextmanager
-def one_replica(model_dir, batching: str):
-    """A head and one worker node of two CPUs holding one replica of two CPUs; ``batching``: ours | ray."""
-    import ray
-    from ray.cluster_utils import Cluster
-
-    from mhaserve.server.ray_serve import OipReplica, deploy
-
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    cluster.add_node(num_cpus=2)
-    cluster.wait_for_nodes()
-    port = free_port()
-    replica_class = OipReplica if batching == "ours" else ray_batched_replica_class()
-    settings = {"dynamic_batching": batching == "ours"}
-    deploy(model_dir, address=cluster.address, name=APP, grpc_port=port, http_port=free_port(),
-           proxy_location="HeadOnly", min_replicas=1, max_replicas=1, replica_cpus=2, settings=settings,
-           replica_class=replica_class)  # fmt: skip
-    try:
-        yield f"127.0.0.1:{port}", APP
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-
-
 def compare_batching(model_dir, seconds: float, rounds: int) -> None:
     workloads = {"[1,16,512]": (16, 16), "[1,16..128,512]": (16, 128)}
     found = {(batching, shape): [] for batching in ("ours", "ray") for shape in workloads}
     for r in range(rounds):
         for batching in ("ours", "ray") if r % 2 == 0 else ("ray", "ours"):
-            with one_replica(model_dir, batching) as (url, application), LoadGenerator(url, 2) as generator:
+            with (
+                ray_cluster(model_dir, 1, replicas=1, replica_cpus=2, batching=batching) as (url, application),
+                LoadGenerator(url, 2) as generator,
+            ):
                 for shape, (low, high) in workloads.items():
                     result = generator.measure(
                         Workload(512, 1, low, high, application=application), Point("closed", 16, seconds, 1.5)
