@@ -27,9 +27,9 @@ from .ray_proxy import SERVICER_FUNCTION
 log = logging.getLogger("mhaserve.server")
 
 SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
-# The RPCs a replica answers. The repository extension is left out: a replica serves the one folder it was
-# deployed with, and loading another is a redeploy.
-SERVED_RPCS = (
+# The unary RPCs a replica answers (ModelStreamInfer too, defined on OipReplica). The repository extension is
+# left out: a replica serves the one folder it was deployed with, and loading another is a redeploy.
+UNARY_RPCS = (
     "ServerLive",
     "ServerReady",
     "ServerMetadata",
@@ -38,7 +38,6 @@ SERVED_RPCS = (
     "ModelConfig",
     "ModelStatistics",
     "ModelInfer",
-    "ModelStreamInfer",
 )
 
 
@@ -136,9 +135,8 @@ def _unary(method: str):
     return rpc
 
 
-for _method in SERVED_RPCS:
-    if _method != "ModelStreamInfer":
-        setattr(OipReplica, _method, _unary(_method))
+for _method in UNARY_RPCS:
+    setattr(OipReplica, _method, _unary(_method))
 
 
 async def _one(request):
