@@ -7,6 +7,11 @@ for the whole run; each point is measured on one, then the other (only the measu
 with `mhaserve bench`'s load generator. Per point and server: throughput, p50 and p99, errors, the
 clients' CPU, and the mean padding share of the runs in that point (from the server's
 mhaserve_inference_padding_ratio histogram). Not a test: it prints numbers; BENCHMARKS.md records them.
+
+Each mixed range also gets its no-padding bound, measured on the first server in the same round: what
+the range would reach if every request cost what it costs in equal-length traffic of its own length
+(see no_padding_bound). Equal-length traffic is the best any batching policy can meet, so the bound says
+how much of a policy's shortfall is left to take.
 ``--policy NAME="SERVER ARGS"`` (repeated) measures other servers instead, for example a thread layout:
 ``--policy padded="--length-aware-batching false" --policy aware-2x1="--inference-workers 2 --intra-op-threads 1"``.
 """
@@ -24,20 +29,17 @@ from mhaserve.cli import ensure_default_model
 from mhaserve.loadgen import LoadGenerator, Point, Workload, default_processes
 from mhaserve.server_process import ServerProcess
 
-# (min length, max length, concurrency). The equal-length points at 72 and 264, the mean of 16..128 and of
-# 16..512, bound what any batching policy can reach on those ranges: as many tokens per request on average,
-# none of them padding, and fewer query-key pairs (uniform 16..128 has E[L^2] = 6229, 72^2 is 5184).
+# (min length, max length, concurrency): the mixed ranges, then equal lengths, where the planner must not
+# change anything.
 POINTS = [
     (16, 128, 16),
     (16, 128, 64),
-    (72, 72, 16),
-    (72, 72, 64),
     (16, 512, 16),
     (16, 512, 64),
-    (264, 264, 16),
     (16, 16, 16),
     (128, 128, 16),
 ]
+BOUND_BINS = 5
 POLICIES = {"padded": "--length-aware-batching false", "length-aware": "--length-aware-batching true"}
 
 
@@ -51,17 +53,68 @@ def padding_totals(server: ServerProcess) -> tuple[float, float]:
     )
 
 
+def bound_lengths(low: int, high: int, bins: int = BOUND_BINS) -> list[int]:
+    """The middles of ``bins`` equal-width bins of the lengths low..high (inclusive, drawn uniformly)."""
+    width = (high - low + 1) / bins
+    return [round(low - 0.5 + width * (i + 0.5)) for i in range(bins)]
+
+
+def measure(name: str, server: ServerProcess, workload: Workload, point: Point, processes: int):
+    """One point on one server, printed as a line: (result, mean padding share of its runs)."""
+    before = padding_totals(server)
+    with LoadGenerator(server.url, processes) as generator:
+        result = generator.measure(workload, point)
+    after = padding_totals(server)
+    runs = after[1] - before[1]
+    padding = (after[0] - before[0]) / runs if runs else 0.0
+    lengths = (
+        str(workload.min_len) if workload.min_len == workload.max_len else f"{workload.min_len}..{workload.max_len}"
+    )
+    print(
+        f"{lengths:>9} {int(point.load):>3} {name:>14} | {result.throughput:7.1f} {result.latency_ms['p50']:7.2f} "
+        f"{result.latency_ms['p99']:7.2f} {sum(result.errors.values()):>6} {result.client_cpu_cores:12.2f} "
+        f"{padding:7.2f} |",
+        flush=True,
+    )
+    return result, padding
+
+
+def no_padding_bound(server: ServerProcess, low: int, high: int, point: Point, processes: int) -> float | None:
+    """Requests/s that lengths drawn from low..high would reach if every request cost what it costs in
+    equal-length traffic of its own length (runs as full, nothing padded): one over the mean of those
+    per-request times, at the middles of BOUND_BINS bins. No batching policy can do better than
+    equal-length traffic, which needs neither padding nor extra runs."""
+    seconds_per_request = []
+    for length in bound_lengths(low, high):
+        result, _ = measure("equal", server, Workload(512, 1, length, length, attn_weights=True), point, processes)
+        if sum(result.errors.values()) or not result.throughput:
+            return None  # refused requests (the in-flight budget, say) make it no bound of served traffic
+        seconds_per_request.append(1 / result.throughput)
+    return 1 / statistics.mean(seconds_per_request)
+
+
+def summary(values: list[float]) -> str:
+    return f"median {statistics.median(values):.2f} ({', '.join(f'{v:.2f}' for v in values)})"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--duration", type=float, default=10.0)
     parser.add_argument("--warmup", type=float, default=2.0)
     parser.add_argument("--rounds", type=int, default=1, help="rounds per point, alternating the servers' order")
     parser.add_argument("--max-len", type=int, default=512, help="only the points whose lengths reach no further")
+    parser.add_argument("--lengths", action="append", metavar="LOW..HIGH", help="only these points (repeatable)")
     parser.add_argument(
         "--policy",
         action="append",
         metavar="NAME=SERVER ARGS",
         help="a server to measure instead of the two defaults (repeatable; ratios are to the first)",
+    )
+    parser.add_argument(
+        "--bound",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="measure each mixed range's no-padding bound (equal lengths across the range) on the first server",
     )
     args = parser.parse_args()
     policies = dict(p.split("=", 1) for p in args.policy) if args.policy else POLICIES
@@ -73,37 +126,40 @@ def main() -> int:
         print(f"{name}: {server.url}" + (f"; run cost model {fitted[0]}" if fitted else ""))
     processes = default_processes()
     print(f"client processes: {processes}; {args.warmup:g} s warm-up + {args.duration:g} s per point\n")
-    print(f"{'lengths':>9} {'c':>3} {'round':>5} {'policy':>12} | {'req/s':>7} {'p50 ms':>7} {'p99 ms':>7} "
-          f"{'errors':>6} {'client cores':>12} {'padding':>7} |")  # fmt: skip
+    print(f"{'lengths':>9} {'c':>3} {'server':>14} | {'req/s':>7} {'p50 ms':>7} {'p99 ms':>7} {'errors':>6} "
+          f"{'client cores':>12} {'padding':>7} |")  # fmt: skip
     try:
-        for low, high, concurrency in [p for p in POINTS if p[1] <= args.max_len]:
-            workload = Workload(512, 1, low, high, attn_weights=True)
+        chosen = [p for p in POINTS if p[1] <= args.max_len and (not args.lengths or f"{p[0]}..{p[1]}" in args.lengths)]
+        for low, high, concurrency in chosen:
             point = Point("closed", concurrency, args.duration, args.warmup)
-            lengths = f"{low}..{high}" if low != high else str(low)
+            mixed = Workload(512, 1, low, high, attn_weights=True)
             ratios: dict[str, list[float]] = {name: [] for name in servers if name != first}
+            bounds: list[float] = []  # the no-padding bound over the first server's throughput, per round
             for round_ in range(1, args.rounds + 1):
+                print(f"round {round_}")
                 # Alternating order: whichever server goes first in a round does not always go first.
                 order = list(servers.items()) if round_ % 2 else list(reversed(servers.items()))
-                results = {}
-                for name, server in order:
-                    before = padding_totals(server)
-                    with LoadGenerator(server.url, processes) as generator:
-                        results[name] = result = generator.measure(workload, point)
-                    after = padding_totals(server)
-                    runs = after[1] - before[1]
-                    padding = (after[0] - before[0]) / runs if runs else 0.0
-                    print(
-                        f"{lengths:>9} {concurrency:>3} {round_:>5} {name:>12} | {result.throughput:7.1f} "
-                        f"{result.latency_ms['p50']:7.2f} {result.latency_ms['p99']:7.2f} "
-                        f"{sum(result.errors.values()):>6} {result.client_cpu_cores:12.2f} {padding:7.2f} |",
-                        flush=True,
-                    )
+                results = {name: measure(name, server, mixed, point, processes)[0] for name, server in order}
                 for name in ratios:
                     ratios[name].append(results[name].throughput / results[first].throughput)
+                if args.bound and low != high:
+                    bound = no_padding_bound(servers[first], low, high, point, processes)
+                    if bound is None:
+                        print(f"{low}..{high} {concurrency:>3} no-padding bound: not measured (errors)", flush=True)
+                        continue
+                    bounds.append(bound / results[first].throughput)
+                    print(f"{low}..{high} {concurrency:>3} no-padding bound: {bound:.1f} req/s", flush=True)
+            label = f"{low}..{high}" if low != high else str(low)
             for name, values in ratios.items():
-                listed = ", ".join(f"{v:.2f}" for v in values)
-                print(f"{lengths:>9} {concurrency:>3} {name} / {first}: median {statistics.median(values):.2f} "
-                      f"({listed})\n", flush=True)  # fmt: skip
+                print(f"{label:>9} {concurrency:>3} {name} / {first}: {summary(values)}", flush=True)
+            if bounds:
+                print(f"{label:>9} {concurrency:>3} no-padding bound / {first}: {summary(bounds)}", flush=True)
+                for name, values in ratios.items():
+                    if len(values) != len(bounds):
+                        continue  # a round without its bound
+                    of_bound = [ratio / bound for ratio, bound in zip(values, bounds, strict=True)]
+                    print(f"{label:>9} {concurrency:>3} {name} / bound: {summary(of_bound)}", flush=True)
+            print()
     finally:
         for server in servers.values():
             server.stop()
