@@ -161,6 +161,8 @@ class BatchResult:
     answers: list[dict[str, np.ndarray]]
     errors: list[RequestError | None]  # per answer: one that must not be returned (overflow_error)
     batch_size: int  # rows
+    q_len: int  # padded to the longest
+    kv_len: int
     padding_ratio: float  # Merged.padding_ratio
     started_ns: int
     finished_ns: int
@@ -330,6 +332,8 @@ class Batcher:
             answers,
             errors,
             rows,
+            merged.query.shape[1],
+            merged.key.shape[1],
             merged.padding_ratio,
             started,
             finished,

@@ -30,7 +30,7 @@ from .batcher import Batcher, BatchResult
 from .config import ServerSettings
 from .errors import ErrorKind, RequestError, invalid
 from .malloc import release_free_memory
-from .memory import MemoryBudget, answer_bytes, input_bytes, request_workspace_bytes
+from .memory import MemoryBudget, answer_bytes, input_bytes, request_workspace_bytes, run_workspace_bytes
 from .metrics import Metrics
 from .registry import ModelRegistry, ServedModel
 from .run_cost import RunCost
@@ -91,6 +91,7 @@ class DataPlane:
             settings.max_inflight_bytes,
             settings.inference_workers,
             settings.max_batch_size if settings.dynamic_batching else None,
+            padded_runs=settings.dynamic_batching and not settings.length_aware_batching,
         )
         self.metrics = Metrics(lambda: self.budget.held)
         self.message_limits: tuple[int, int] | None = None  # (receive, send) the transport bound with
@@ -225,6 +226,9 @@ class DataPlane:
         def on_batch(run: BatchResult) -> None:
             stats.record_execution(run)
             model_metrics.batch_done(run.batch_size, run.padding_ratio)
+            self.budget.run_made(
+                run_workspace_bytes(run.batch_size, run.q_len, run.kv_len, session.info.d_model, session.info.num_heads)
+            )
 
         batcher = Batcher(
             session.run,
@@ -412,7 +416,7 @@ class DataPlane:
 
     def _release(self, reserved: int) -> None:
         self.budget.release(reserved)
-        if self.budget.idle and self._idle_release is None and self.budget.workspace_high_water:
+        if self.budget.idle and self._idle_release is None and self.budget.kept_workspace:
             self._idle_release = asyncio.get_running_loop().call_later(IDLE_RELEASE_S, self._release_idle_memory)
 
     def _admit(self, request_bytes: int, rows: int, workspace: int) -> object:

@@ -6,9 +6,14 @@ workspace of its own (the scores, the masked scores and the softmax, each [B, h,
 projections), and the answer is copied while it is encoded and sent. So the budget counts:
 - per request, its inputs (until its run ends) and its answer (until the transport has written it);
 - the run workspace, once: queued requests are merged into a run whose workspace is about the sum of
-  theirs, and ONNX Runtime's arena keeps the largest such run's space for the next ones. So the budget
-  holds the most workspace that requests waiting for a run have needed together, until the server has been
-  idle for a while and the arena is given back (``DataPlane``'s idle release).
+  theirs, and ONNX Runtime's arena keeps the largest run's space for the next ones. So the budget holds
+  the largest runs made (one per worker) until the server has been idle for a while and the arena is
+  given back (``DataPlane``'s idle release), or, while requests wait, what their runs may need if more.
+
+What the arena keeps is what runs really took, not what waiting requests once might have needed: the
+most of the latter, kept until idle, only grew under sustained load (a loaded server is never idle).
+Length-aware runs take less than their drain's sum; padded runs take more (every row padded to the
+longest), which is why, with length-aware batching off, waiting rows count as padded.
 """
 
 from __future__ import annotations
@@ -74,19 +79,28 @@ class MemoryBudget:
     The workspace counted is what the runs that can happen at once may need: never more than the requests
     waiting for a run need together, nor more than ``workers`` runs can take (each at most
     ``max_batch_size`` rows, at the largest workspace per row waiting; with batching off, one request each).
+    With ``padded_runs`` (length-aware batching off) a run pads every row to its longest request, so the
+    rows waiting count at the largest workspace per row. The workspace held is the larger of that and
+    what the arenas keep from the runs made (``run_made``).
     """
 
-    def __init__(self, limit: int, workers: int = 1, max_batch_size: int | None = None):
+    def __init__(self, limit: int, workers: int = 1, max_batch_size: int | None = None, *, padded_runs: bool = False):
         self.limit = limit
         self.workers = workers
         self.max_batch_size = max_batch_size  # None: batching off, one request per run
+        self.padded_runs = padded_runs  # every waiting request may be padded to the longest (length-aware off)
         self.request_bytes = 0  # inputs and answers of the requests in flight
         self._waiting: dict[object, tuple[int, int]] = {}  # token -> (rows, workspace), until its run ends
-        self.workspace_high_water = 0  # the most workspace counted at once since the arenas were given back
+        self._largest_runs: list[int] = []  # the workers' largest run workspaces since the arenas were given back
+
+    @property
+    def kept_workspace(self) -> int:
+        """What ONNX Runtime's arenas keep: the largest runs made since they were given back, one per worker."""
+        return sum(self._largest_runs)
 
     @property
     def held(self) -> int:
-        return self.request_bytes + self.workspace_high_water
+        return self.request_bytes + max(self.kept_workspace, self._runs_may_need(list(self._waiting.values())))
 
     @property
     def idle(self) -> bool:
@@ -99,20 +113,25 @@ class MemoryBudget:
         if self.max_batch_size is None:
             return min(total, sum(heapq.nlargest(self.workers, (workspace for _, workspace in waiting))))
         per_row = max(workspace / rows for rows, workspace in waiting)
+        if self.padded_runs:  # one run pads all it takes to the longest: as if every row were that long
+            rows = sum(rows for rows, _ in waiting)
+            return int(per_row * min(rows, self.max_batch_size * self.workers))
         return min(total, int(per_row * self.max_batch_size * self.workers))
 
     def admit(self, request_bytes: int, rows: int, workspace: int) -> object:
         """Take a request's share, or refuse it (RESOURCE_EXHAUSTED) when that would go over the limit; the
         token it returns is given to ``run_ended``."""
         waiting = [*self._waiting.values(), (rows, workspace)]
-        high_water = max(self.workspace_high_water, self._runs_may_need(waiting))
-        if self.request_bytes + request_bytes + high_water > self.limit:
+        if self.request_bytes + request_bytes + max(self.kept_workspace, self._runs_may_need(waiting)) > self.limit:
             raise InflightBytesExceeded(self.held, request_bytes + workspace, self.limit)
         token = object()
         self._waiting[token] = (rows, workspace)
         self.request_bytes += request_bytes
-        self.workspace_high_water = high_water
         return token
+
+    def run_made(self, workspace: int) -> None:
+        """A run of this workspace was made: the arena keeps its space for the next runs."""
+        self._largest_runs = heapq.nlargest(self.workers, [*self._largest_runs, workspace])
 
     def run_ended(self, token: object | None) -> None:
         self._waiting.pop(token, None)
@@ -122,4 +141,4 @@ class MemoryBudget:
 
     def workspace_given_back(self) -> None:
         """The arenas were shrunk: the workspace kept for later runs is gone."""
-        self.workspace_high_water = self._runs_may_need(list(self._waiting.values()))
+        self._largest_runs = []

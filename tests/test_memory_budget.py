@@ -16,6 +16,7 @@ import pytest
 
 from mhaserve.checked_load import peak_rss_mib, reset_peak_rss, rss_mib
 from mhaserve.client import Client
+from mhaserve.server.memory import InflightBytesExceeded, MemoryBudget
 from mhaserve.server_process import ServerProcess
 
 from .conftest import SMALL_D_MODEL, budget_once_idle, inflight_and_counts, rand
@@ -115,3 +116,27 @@ def test_a_flood_stays_within_the_budget_and_memory_goes_back_when_idle(small_mo
     assert counts["grpc OK"] == outcomes.count("OK") + 1
     assert peak < budget_mib, f"the flood took {peak:.0f} MiB over baseline under a {budget_mib} MiB budget"
     assert held_when_idle == 0 and idle < 32, f"{idle:.0f} MiB still held once idle"
+
+
+def test_after_a_burst_the_budget_holds_what_the_runs_took_not_what_the_waiting_requests_might_have():
+    # It kept the most workspace that waiting requests had ever needed together until the server was idle,
+    # and a server under load is never idle: the mark only grew, while length-aware runs took less.
+    budget = MemoryBudget(limit=100, workers=1, max_batch_size=8)
+    waiting = [budget.admit(10, 1, 20) for _ in range(3)]  # 30 bytes, and runs that may need 60 together
+    for token in waiting:  # length-aware: three runs of one request each, the arena keeps one run's 20
+        budget.run_made(20)
+        budget.run_ended(token)
+        budget.release(10)
+    assert budget.held == budget.kept_workspace == 20
+    budget.admit(45, 1, 20)  # 45 + 60 would not fit; 45 + 20 does
+
+
+def test_with_length_aware_batching_off_waiting_rows_count_as_padded_to_the_longest():
+    # Counted unpadded, a long and a short request merged into one run took twice what the budget held.
+    padded = MemoryBudget(limit=150, workers=1, max_batch_size=8, padded_runs=True)
+    split = MemoryBudget(limit=150, workers=1, max_batch_size=8)
+    for budget in (padded, split):
+        budget.admit(0, 1, 100)  # a long request waiting
+    split.admit(0, 1, 10)  # a short one beside it: 110 unpadded
+    with pytest.raises(InflightBytesExceeded):
+        padded.admit(0, 1, 10)  # padded to the long one: 200
