@@ -1,0 +1,188 @@
+"""ONNX Runtime's CUDA provider against eager PyTorch on the same GPU, in process, with each point's byte bound.
+
+    PYTHONPATH=/tmp/mhaserve-gpu/site python3 benchmarks/gpu/bench_cuda.py [--repeats 50] [--out results.json]
+
+Per shape ([1,16,512], [1,128,512], [8,512,512] at 512/8, [32,128,768] at 768/12, [1,2048,4096] at
+4096/32): one module with seeded weights, exported with mhaserve's exporter (validated) into a temporary
+folder, and run host to host, as a server runs it (inputs from host memory, answers back in it):
+- ort: the server's own AttentionSession (its provider check included), fetching the output alone, or
+  the output and the attention weights;
+- eager: the design documents' module on the same device, same weights, output copied back (and the
+  weights, when asked for);
+- sdpa: the same projections around ``F.scaled_dot_product_attention``, which never forms the weights
+  (no-weights row only).
+Each time is the median of ``--repeats`` calls after warm-up; the device is synchronised before the
+clock stops. The bound of a point is the larger of two figures. One is the bytes that must cross between
+host and device (query up; output, and the weights tensor B*h*Lq*Lk*4 bytes when asked, down) over the
+copy bandwidth measured here into pageable memory, where ONNX Runtime copies. The other is the weights
+tensor written once and read once in device memory, over the device's measured copy bandwidth.
+``--device cpu`` runs the same on the CPU, where there are no copies: a dry run on a machine without a GPU.
+Not a test: it prints numbers, and BENCHMARKS.md records them with the GPU, driver and versions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import torch
+import torch.nn.functional as F
+
+from mhaserve.export.model_dir import export_model_dir
+from mhaserve.model.weights import seeded_module
+from mhaserve.server.session import AttentionSession
+
+# (batch, length, d_model, heads)
+SHAPES = [(1, 16, 512, 8), (1, 128, 512, 8), (8, 512, 512, 8), (32, 128, 768, 12), (1, 2048, 4096, 32)]
+F32 = 4
+
+
+@dataclass
+class Point:
+    shape: str
+    weights: bool
+    ort_ms: float
+    eager_ms: float
+    sdpa_ms: float | None
+    bound_ms: float
+    max_abs_diff: float  # ONNX Runtime's output against eager, same inputs
+
+
+def median_ms(call, repeats: int, sync) -> float:
+    for _ in range(3):
+        call()
+    sync()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        call()
+        sync()
+        times.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(times)
+
+
+def bandwidths(device: str) -> tuple[float, float]:
+    """(device copy, device to pageable host copy) in bytes/s; (inf, inf) on the CPU, where nothing moves."""
+    if device != "cuda":
+        return float("inf"), float("inf")
+    size = 1 << 30
+    source = torch.empty(size, dtype=torch.uint8, device="cuda")
+    target = torch.empty_like(source)
+    on_device = median_ms(lambda: target.copy_(source), 10, torch.cuda.synchronize) / 1e3
+    host = torch.empty(size, dtype=torch.uint8)  # pageable, as the arrays ONNX Runtime returns
+    to_host = median_ms(lambda: host.copy_(source), 5, torch.cuda.synchronize) / 1e3
+    return 2 * size / on_device, size / to_host  # a device copy reads and writes every byte
+
+
+def sdpa_call(module, query: torch.Tensor) -> torch.Tensor:
+    """The module's projections around F.scaled_dot_product_attention: no weights are formed."""
+    batch, length, d_model = query.shape
+    heads, d_k = module.num_heads, module.d_k
+
+    def split(x):
+        return x.view(batch, length, heads, d_k).transpose(1, 2)
+
+    q, k, v = split(module.W_q(query)), split(module.W_k(query)), split(module.W_v(query))
+    attended = F.scaled_dot_product_attention(q, k, v)
+    return module.W_o(attended.transpose(1, 2).reshape(batch, length, d_model))
+
+
+def measure_shape(batch, length, d_model, heads, device, repeats, bandwidth, folder: Path) -> list[Point]:
+    module = seeded_module(d_model, heads).eval()
+    manifest = export_model_dir(module, folder, report=lambda line: None)
+    if not manifest.get("valid"):
+        raise SystemExit(f"the export of {d_model}/{heads} failed validation: see {folder}")
+    session = AttentionSession(folder, device)
+    if device == "cuda" and session.provider != "CUDAExecutionProvider":
+        raise SystemExit(f"the session runs on {session.provider}, not CUDA")
+    torch_device = torch.device(device)
+    module = module.to(torch_device)
+    rng = np.random.default_rng(0)
+    query = rng.standard_normal((batch, length, d_model), dtype=np.float32)
+    mask = np.ones((1, 1, 1, length), bool)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    device_bw, host_bw = bandwidth
+    weights_bytes = batch * heads * length * length * F32
+    io_bytes = 2 * batch * length * d_model * F32  # query up, output down
+    shape = f"[{batch},{length},{d_model}/{heads}]"
+    points = []
+    for with_weights in (False, True):
+        outputs = ("output", "attn_weights") if with_weights else ("output",)
+
+        def ort_call(outputs=outputs):
+            return session.run(outputs, query, query, query, mask)
+
+        @torch.inference_mode()
+        def eager_call(with_weights=with_weights):
+            x = torch.from_numpy(query).to(torch_device)
+            output, weights = module(x)
+            return (output.cpu(), weights.cpu()) if with_weights else (output.cpu(),)
+
+        @torch.inference_mode()
+        def sdpa():
+            return sdpa_call(module, torch.from_numpy(query).to(torch_device)).cpu()
+
+        got, want = ort_call(), eager_call()
+        crossing = io_bytes + (weights_bytes if with_weights else 0)
+        bound_s = max(crossing / host_bw, 2 * weights_bytes / device_bw)
+        points.append(
+            Point(
+                shape,
+                with_weights,
+                median_ms(ort_call, repeats, sync),
+                median_ms(eager_call, repeats, sync),
+                None if with_weights else median_ms(sdpa, repeats, sync),
+                bound_s * 1e3,
+                float(np.abs(got[0] - want[0].numpy()).max()),
+            )
+        )
+        print(format_point(points[-1]), flush=True)
+    return points
+
+
+def format_point(p: Point) -> str:
+    sdpa = f"{p.sdpa_ms:8.3f}" if p.sdpa_ms is not None else f"{'':>8}"
+    bound = f"{p.bound_ms:8.3f}" if p.bound_ms else f"{'-':>8}"
+    return (
+        f"{p.shape:>20} {'yes' if p.weights else 'no':>7} | {p.ort_ms:8.3f} {p.eager_ms:8.3f} {sdpa} | "
+        f"{p.eager_ms / p.ort_ms:11.2f} | {bound} | {p.max_abs_diff:9.2e}"
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--shapes", type=int, default=len(SHAPES), help="only the first N shapes")
+    parser.add_argument("--out", type=Path, help="also write the points as JSON")
+    args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench_cuda: torch sees no GPU here; --device cpu is the dry run", file=sys.stderr)
+        return 2
+    bandwidth = bandwidths(args.device)
+    gpu = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
+    print(f"{gpu}; torch {torch.__version__}; onnxruntime {ort.__version__}; python {platform.python_version()}")
+    print(f"device copy {bandwidth[0] / 1e9:.0f} GB/s, device to host {bandwidth[1] / 1e9:.1f} GB/s\n")
+    print(f"{'shape':>20} {'weights':>7} | {'ort ms':>8} {'eager ms':>8} {'sdpa ms':>8} | eager / ort | "
+          f"{'bound ms':>8} | max |diff|")  # fmt: skip
+    points = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for index, (batch, length, d_model, heads) in enumerate(SHAPES[: args.shapes]):
+            folder = Path(scratch) / f"m{index}"
+            points += measure_shape(batch, length, d_model, heads, args.device, args.repeats, bandwidth, folder)
+    if args.out:
+        args.out.write_text(json.dumps([asdict(p) for p in points], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
