@@ -7,7 +7,9 @@
 # The device image has Python 3.12, torch, the CUDA 13 / cuDNN 9 libraries and the CPU onnxruntime, and
 # no index. It lacks onnxruntime-gpu (about 255 MB: split into 60 MiB pieces, one per load), the exact
 # grpcio / protobuf that the generated stubs need, orjson, tritonclient, and mhaserve itself. Each load
-# holds SHA256SUMS for every wheel, so benchmarks/gpu/setup.sh there can check what it joined.
+# holds SHA256SUMS for every wheel, so benchmarks/gpu/setup.sh there can check what it joined. The
+# mhaserve wheel is built from this working tree: run this again after changing the code (it takes
+# seconds once pip's cache holds the rest), and setup.sh installs anew when the sums differ.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=.whl/gpu
