@@ -17,7 +17,7 @@ from mhaserve.server.session import AttentionSession
 from mhaserve.server.tensors import AttentionRequest, Limits, ModelSignature
 from mhaserve.server_process import ServerProcess
 
-from .conftest import SMALL_D_MODEL, SMALL_HEADS, eager, rand, scrape
+from .conftest import SMALL_D_MODEL, SMALL_HEADS, eager, inflight_and_counts, rand, scrape
 
 D = SMALL_D_MODEL
 
@@ -172,19 +172,24 @@ def test_full_queue_refuses_at_once_and_serves_what_it_accepted(small_model_dir,
 
 @pytest.mark.parametrize("fault", ["deadline", "cancel"])
 def test_expired_or_cancelled_requests_leave_the_queue_uncomputed(small_model_dir, fault):
-    args = ("--max-batch-size", "16", "--max-q-len", "384", "--max-kv-len", "384", "--dynamic-batching", "false")
-    with ServerProcess(small_model_dir, *args, "--warmup-runs", "0") as server:
+    # One long run holds the one worker for a few hundred milliseconds; a marker queued behind it shows the
+    # victims will queue too. (Eight slow requests used to stand in for it, awaited until seven were queued:
+    # when the worker kept up with their decoding, seven never were, and the test waited for ever.)
+    args = ("--max-batch-size", "16", "--max-q-len", "1024", "--max-kv-len", "1024", "--dynamic-batching", "false")
+    with ServerProcess(small_model_dir, *args, "--max-inflight-bytes", str(4 << 30), "--warmup-runs", "0") as server:
+
+        async def until(condition, what: str) -> None:
+            deadline = time.monotonic() + 30
+            while not await asyncio.to_thread(condition):
+                assert time.monotonic() < deadline, f"{what} did not happen within 30 s"
+                await asyncio.sleep(0.005)
 
         async def scenario():
             async with AsyncClient(server.url) as client:
-                # Eight slow requests occupy the one worker for a while; the victims queue behind them.
-                busy = [
-                    asyncio.create_task(client.infer(slow_query(s), attn_weights=False, timeout=120)) for s in range(8)
-                ]
-                # They are decoded on the decode thread (over 1 MiB): wait until they are queued, or a victim,
-                # decoded at once, could find the worker free.
-                while await asyncio.to_thread(pending_requests, server) < 7:
-                    await asyncio.sleep(0.01)
+                blocker = asyncio.create_task(client.infer(rand(16, 1024, D), attn_weights=False, timeout=120))
+                await until(lambda: inflight_and_counts(server)[0] > 0, "the long request's admission")
+                marker = asyncio.create_task(client.infer(rand(1, 4, D), timeout=120))
+                await until(lambda: pending_requests(server) >= 1, "the marker's queueing")
                 if fault == "deadline":
                     victims = [client.infer(rand(1, 4, D), timeout=0.05) for _ in range(5)]
                     outcomes = await asyncio.gather(*victims, return_exceptions=True)
@@ -197,16 +202,15 @@ def test_expired_or_cancelled_requests_leave_the_queue_uncomputed(small_model_di
                         task.cancel()
                     outcomes = await asyncio.gather(*victims, return_exceptions=True)
                     assert all(isinstance(o, asyncio.CancelledError) for o in outcomes), outcomes
-                return await asyncio.gather(*busy)
+                return await asyncio.gather(blocker, marker)
 
-        busy_results = asyncio.run(scenario())
+        asyncio.run(scenario())
         with Client(server.url) as client:
             stats = client.statistics()
             assert client.infer(rand(1, 4, D)).output.shape == (1, 4, D)
-    assert len(busy_results) == 8
-    # Only the eight slow requests (16 rows each) were ever computed; the five victims were dropped.
-    assert stats.inference_count == 8 * 16
-    assert stats.execution_count == 8
+    # Only the long request (16 rows) and the marker were ever computed; the five victims were dropped.
+    assert stats.inference_count == 16 + 1
+    assert stats.execution_count == 2
 
 
 # Length-aware batching: what a free worker takes is split into runs by a cost model.
