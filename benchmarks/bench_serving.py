@@ -66,13 +66,13 @@ def export_peer_model(module, path: Path) -> None:
 
     from torch.export import Dim
 
-    from mhaserve.export.onnx_export import DEFAULT_OPSET, TRANSLATIONS
+    from mhaserve.export.onnx_export import DEFAULT_OPSET, translations
 
     x = torch.randn(2, 5, module.d_model)
     program = torch.onnx.export(
         SelfAttention(module).eval(), (x,), input_names=["x"], output_names=["output", "attn_weights"],
         dynamo=True, dynamic_shapes={"x": {0: Dim("batch"), 1: Dim("seq")}}, opset_version=DEFAULT_OPSET,
-        custom_translation_table=TRANSLATIONS, verbose=False,
+        custom_translation_table=translations(), verbose=False,
     )  # fmt: skip
     program.save(str(path))
 

@@ -8,6 +8,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -29,14 +30,18 @@ from mhaserve.model_folder import (
 
 from .onnx_export import DEFAULT_OPSET, check_onnx, export_onnx, save_onnx
 from .validate import (
-    TOLERANCE,
+    TOLERANCES,
     TorchMultiheadAttentionReference,
     UserModuleReference,
     status_counts,
     validate,
 )
 
-_ONNX_DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.BOOL: "bool"}
+_ONNX_DTYPES = {
+    onnx.TensorProto.FLOAT: "float32",
+    onnx.TensorProto.FLOAT16: "float16",
+    onnx.TensorProto.BOOL: "bool",
+}
 
 
 def describe_tensors(values) -> list[dict]:
@@ -55,6 +60,7 @@ def export_model_dir(
     out_dir: str | Path,
     *,
     opset: int = DEFAULT_OPSET,
+    precision: str = "fp32",
     source: dict | None = None,
     name: str = "mha",
     validation_seed: int | None = None,
@@ -63,6 +69,8 @@ def export_model_dir(
 ) -> dict:
     """Export, check, validate and write ``out_dir``; returns the manifest ("valid" says if it passed).
 
+    ``precision`` is what the graph computes in (signature.PRECISIONS); it is validated against the float32
+    eager module, within that precision's tolerance (validate.TOLERANCES).
     ``reference`` is what the export is validated against (default: ``module`` itself; see validate.py).
     ``source`` says where the weights came from. A folder whose validation failed is still written, for
     inspection, with "valid": false.
@@ -70,12 +78,14 @@ def export_model_dir(
     out_dir = Path(out_dir)
     module = module.eval()
     started = time.perf_counter()
-    onnx_model = export_onnx(module, opset)
+    onnx_model = export_onnx(module, opset, precision)
     check_onnx(onnx_model)
     if validation_seed is None:
         validation_seed = int(np.random.SeedSequence().entropy % 2**32)
     reference = reference if reference is not None else module
-    results = validate(reference, onnx_model.SerializeToString(), seed=validation_seed, report=report)
+    results = validate(
+        reference, onnx_model.SerializeToString(), seed=validation_seed, report=report, precision=precision
+    )
     passed = not any(r.failed for r in results)
 
     manifest = {
@@ -84,6 +94,7 @@ def export_model_dir(
         "valid": passed,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "config": {"d_model": module.d_model, "num_heads": module.num_heads, "d_k": module.d_k},
+        "precision": precision,
         "source": source or {"kind": "module"},
         "files": {"model": MODEL_FILE, "weights": WEIGHTS_FILE},
         "inputs": describe_tensors(onnx_model.graph.input),
@@ -99,7 +110,7 @@ def export_model_dir(
         },
         "validation": {
             "passed": passed,
-            "tolerance_max_abs": TOLERANCE,
+            "tolerance": asdict(TOLERANCES[precision]),
             "seed": validation_seed,
             "counts": status_counts(results),
             "cases": [r.as_dict() for r in results],
@@ -111,6 +122,7 @@ def export_model_dir(
         "d_model": module.d_model,
         "num_heads": module.num_heads,
         "opset": opset,
+        "precision": precision,
         "valid": passed,
         "mask": manifest["mask"],
         "torch_version": torch.__version__,
@@ -151,9 +163,10 @@ def revalidate_model_dir(
 ) -> bool:
     """Re-run the validation matrix on an existing folder, against its own weights."""
     model_dir = Path(model_dir)
-    read_manifest(model_dir)
+    manifest = read_manifest(model_dir)
     module = load_weights(model_dir / WEIGHTS_FILE)
-    results = validate(module, str(model_dir / MODEL_FILE), seed=seed, report=report)
+    precision = manifest.get("precision", "fp32")
+    results = validate(module, str(model_dir / MODEL_FILE), seed=seed, report=report, precision=precision)
     return not any(r.failed for r in results)
 
 
@@ -169,6 +182,7 @@ def export_module(
     prefix: str | None = None,
     name: str = "mha",
     opset: int = DEFAULT_OPSET,
+    precision: str = "fp32",
     validation_seed: int | None = None,
     report: Callable[[str], None] | None = None,
 ) -> dict:
@@ -200,6 +214,7 @@ def export_module(
         served,
         out_dir,
         opset=opset,
+        precision=precision,
         source=source,
         name=name,
         validation_seed=validation_seed,

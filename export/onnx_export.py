@@ -4,7 +4,7 @@ Through torch's supported exporter, torch.export (``dynamo=True``). Left to itse
 mask dim that is "1 or B": broadcasting the mask against the scores in torch code makes a guard that
 ties the mask's batch to the query's (or fixes it to 1), and likewise its query length. So the few
 steps that touch the mask, and the reshapes that split and merge heads, are custom ops
-(``mhaserve::*`` in model/mha.py) that torch.export treats as opaque and that TRANSLATIONS below
+(``mhaserve::*`` in model/mha.py) that torch.export treats as opaque and that ``translations`` below
 write as plain ONNX: the graph broadcasts [B|1, 1, Lq|1, Lk] masks at run time, and reshapes to
 constant shapes whose 0s keep B and L, so it computes no shapes at run time (28 nodes, as the
 TorchScript graph had).
@@ -51,31 +51,53 @@ EXAMPLE_BATCH, EXAMPLE_Q_LEN, EXAMPLE_KV_LEN = 2, 5, 7
 # Protobuf cannot hold a model over 2 GiB; beyond this, weights go to an external data file.
 SINGLE_FILE_LIMIT_BYTES = 1_800_000_000
 
-
-def _masked_softmax(scores, allowed):
-    """model.mha.masked_softmax in ONNX, broadcasting the mask at run time."""
-    allowed = op.CastLike(allowed, scores)
-    lowest_half = op.CastLike(op.Constant(value_float=float(torch.finfo(torch.float32).min) / 2), scores)
-    bias = op.Mul(op.Sub(op.CastLike(op.Constant(value_float=1.0), scores), allowed), lowest_half)
-    attends = op.ReduceMax(allowed, op.Constant(value_ints=[-1]), keepdims=1)
-    weights = op.Mul(op.Softmax(op.Add(scores, bias), axis=-1), attends)
-    return weights, op.ReduceMax(attends, op.Constant(value_ints=[1]), keepdims=0)
+# The dtype each precision computes in; its lowest value sets the masking bias (model.mha.masked_softmax).
+COMPUTE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
 
-def _scale_rows(x, factor):
-    return op.Mul(x, factor)
+def translations(precision: str = "fp32") -> dict:
+    """The custom ops as ONNX, for a graph computing in ``precision``."""
+    lowest = float(torch.finfo(COMPUTE_DTYPES[precision]).min)
+
+    def masked_softmax(scores, allowed):
+        """model.mha.masked_softmax in ONNX, broadcasting the mask at run time."""
+        allowed = op.CastLike(allowed, scores)
+        lowest_half = op.CastLike(op.Constant(value_float=lowest / 2), scores)
+        bias = op.Mul(op.Sub(op.CastLike(op.Constant(value_float=1.0), scores), allowed), lowest_half)
+        attends = op.ReduceMax(allowed, op.Constant(value_ints=[-1]), keepdims=1)
+        weights = op.Mul(op.Softmax(op.Add(scores, bias), axis=-1), attends)
+        return weights, op.ReduceMax(attends, op.Constant(value_ints=[1]), keepdims=0)
+
+    def scale_rows(x, factor):
+        return op.Mul(x, factor)
+
+    def reshape_keeping_batch_and_length(x, tail):
+        # The last dim as -1 (it follows from the others); 0 copies the input's dim, so B and L stay dynamic.
+        return op.Reshape(x, op.Constant(value_ints=[0, 0, *tail[:-1], -1]))
+
+    return {
+        torch.ops.mhaserve.masked_softmax.default: masked_softmax,
+        torch.ops.mhaserve.scale_rows.default: scale_rows,
+        torch.ops.mhaserve.reshape_keeping_batch_and_length.default: reshape_keeping_batch_and_length,
+    }
 
 
-def _reshape_keeping_batch_and_length(x, tail):
-    # The last dim as -1 (it follows from the others); 0 copies the input's dim, so B and L stay dynamic.
-    return op.Reshape(x, op.Constant(value_ints=[0, 0, *tail[:-1], -1]))
+def to_float16(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The graph in float16, with Cast nodes at its edges: inputs and the output stay float32 (every client
+    sends and reads what it does for a float32 model), the attention weights are returned in float16.
 
+    ONNX Runtime's converter, which keeps in float32 the ops that have no float16 kernels; a constant
+    past float16's range is clipped to it (hence the masking bias from float16's own lowest value).
+    """
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+    from onnxruntime.transformers.onnx_model import OnnxModel
 
-TRANSLATIONS = {
-    torch.ops.mhaserve.masked_softmax.default: _masked_softmax,
-    torch.ops.mhaserve.scale_rows.default: _scale_rows,
-    torch.ops.mhaserve.reshape_keeping_batch_and_length.default: _reshape_keeping_batch_and_length,
-}
+    kept = [signature.QUERY, signature.KEY, signature.VALUE, signature.OUTPUT]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # it warns of every clipped constant
+        converted = OnnxModel(convert_float_to_float16(model, keep_io_types=kept))
+    converted.topological_sort()  # the converter appends its Casts; the ONNX checker wants nodes in order
+    return converted.model
 
 
 class _OnnxSignature(nn.Module):
@@ -99,8 +121,11 @@ def example_inputs(d_model: int) -> tuple[torch.Tensor, ...]:
     return query, key, value, mask
 
 
-def export_onnx(module: MultiHeadAttention, opset: int = DEFAULT_OPSET) -> onnx.ModelProto:
-    """Export ``module`` (in eval mode) to an ONNX model with the served signature and dynamic axes."""
+def export_onnx(module: MultiHeadAttention, opset: int = DEFAULT_OPSET, precision: str = "fp32") -> onnx.ModelProto:
+    """Export ``module`` (in eval mode) to an ONNX model with the served signature and dynamic axes, computing
+    in ``precision`` (signature.PRECISIONS)."""
+    if precision not in COMPUTE_DTYPES:
+        raise ValueError(f"precision must be one of {', '.join(COMPUTE_DTYPES)}, got {precision!r}")
     module = module.eval()
     # The exporter reports progress on stdout and warns about its own internals (axis renames, pytree
     # deprecations); none of it concerns the user, whose export is validated case by case instead.
@@ -123,14 +148,15 @@ def export_onnx(module: MultiHeadAttention, opset: int = DEFAULT_OPSET) -> onnx.
                 input_names=list(INPUT_NAMES),
                 output_names=list(OUTPUT_NAMES),
                 opset_version=opset,
-                custom_translation_table=TRANSLATIONS,
+                custom_translation_table=translations(precision),
                 verbose=False,
             )
             # A file, not a buffer: past 2 GiB the weights must go to external data beside it.
             program.save(Path(tmp) / "model.onnx", external_data=True)
         finally:
             quiet.setLevel(level)
-        return onnx.load(Path(tmp) / "model.onnx", load_external_data=True)
+        model = onnx.load(Path(tmp) / "model.onnx", load_external_data=True)
+    return to_float16(model) if precision == "fp16" else model
 
 
 def check_onnx(model: onnx.ModelProto) -> None:

@@ -18,12 +18,16 @@ from google.protobuf import text_format
 
 from mhaserve.model_folder import MODEL_FILE, ModelDirError, read_manifest
 from mhaserve.protos.generated import model_config_pb2 as mc
+from mhaserve.signature import WEIGHTS_DATATYPES
 
 DEFAULT_MAX_BATCH_SIZE = 32
 
 
-def triton_config(name: str, d_model: int, num_heads: int, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE):
+def triton_config(
+    name: str, d_model: int, num_heads: int, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, precision: str = "fp32"
+):
     fp32, boolean = mc.TYPE_FP32, mc.TYPE_BOOL
+    weights = mc.DataType.Value("TYPE_" + WEIGHTS_DATATYPES[precision])
     return mc.ModelConfig(
         name=name,
         platform="onnxruntime_onnx",
@@ -37,7 +41,7 @@ def triton_config(name: str, d_model: int, num_heads: int, max_batch_size: int =
         ],
         output=[
             mc.ModelOutput(name="output", data_type=fp32, dims=[-1, d_model]),
-            mc.ModelOutput(name="attn_weights", data_type=fp32, dims=[num_heads, -1, -1]),
+            mc.ModelOutput(name="attn_weights", data_type=weights, dims=[num_heads, -1, -1]),
         ],
         dynamic_batching=mc.ModelDynamicBatching(max_queue_delay_microseconds=0),
     )
@@ -54,6 +58,9 @@ def write_triton_repo(model_dir: str | Path, repo: str | Path, max_batch_size: i
     target = repo / name
     (target / "1").mkdir(parents=True, exist_ok=True)
     shutil.copyfile(model_dir / MODEL_FILE, target / "1" / "model.onnx")
-    text = text_format.MessageToString(triton_config(name, config["d_model"], config["num_heads"], max_batch_size))
+    model_config = triton_config(
+        name, config["d_model"], config["num_heads"], max_batch_size, manifest.get("precision", "fp32")
+    )
+    text = text_format.MessageToString(model_config)
     (target / "config.pbtxt").write_text(text)
     return target

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from mhaserve.errors import UsageError
+from mhaserve.signature import PRECISIONS
 
 
 def _add_export(sub) -> None:
@@ -30,6 +31,8 @@ def _add_export(sub) -> None:
                          "mhaserve's own file")  # fmt: skip
     p.add_argument("--prefix", help="the key prefix of one attention layer in --weights (e.g. encoder.layers.3.)")
     p.add_argument("--opset", type=int, default=None, help="ONNX opset (default 18)")
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32", help="what the graph computes in; fp16 "
+                   "takes and returns float32 but returns the attention weights in float16 (default fp32)")  # fmt: skip
     p.add_argument("--name", default="mha", help="model name the server registers; with --repository, the model's "
                    "folder (default mha)")  # fmt: skip
     p.add_argument("--validation-seed", type=int, default=None, help="seed of the validation inputs (default random)")
@@ -74,7 +77,7 @@ def _run_export(args) -> int:
             raise UsageError(str(error)) from None
         source = {"kind": "seed", "seed": args.seed}
     print(
-        f"exporting MHA d_model={module.d_model} heads={module.num_heads} to {args.out} "
+        f"exporting MHA d_model={module.d_model} heads={module.num_heads} in {args.precision} to {args.out} "
         f"and validating it against eager PyTorch",
         file=sys.stderr,
     )
@@ -82,6 +85,7 @@ def _run_export(args) -> int:
         module,
         args.out,
         opset=args.opset or DEFAULT_OPSET,
+        precision=args.precision,
         source=source,
         name=args.name,
         validation_seed=args.validation_seed,

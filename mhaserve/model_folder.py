@@ -6,6 +6,8 @@ import hashlib
 import json
 from pathlib import Path
 
+from mhaserve.signature import PRECISIONS
+
 MODEL_FILE = "model.onnx"
 WEIGHTS_FILE = "weights.pt"
 MANIFEST_FILE = "manifest.json"
@@ -44,6 +46,8 @@ def read_manifest(model_dir: str | Path) -> dict:
         value = config.get(name)
         if type(value) is not int or not 1 <= value <= MAX_D_MODEL:
             raise ModelDirError(f"{path}: config '{name}' is {value!r}, expected an integer from 1 to {MAX_D_MODEL}")
+    if manifest.get("precision", "fp32") not in PRECISIONS:
+        raise ModelDirError(f"{path}: precision {manifest['precision']!r}, expected one of {', '.join(PRECISIONS)}")
     if config["d_model"] % config["num_heads"]:
         raise ModelDirError(
             f"{path}: config d_model {config['d_model']} is not divisible by num_heads {config['num_heads']}"

@@ -19,6 +19,12 @@ OUTPUT_NAMES = (OUTPUT, ATTN_WEIGHTS, ATTN_WEIGHTS_MEAN)
 # What a request that names no outputs gets.
 DEFAULT_OUTPUT_NAMES = (OUTPUT, ATTN_WEIGHTS)
 
+# The precisions a model is exported in, and the datatype its attention weights are returned in. Every
+# model takes FP32 inputs and returns an FP32 output; a float16 model returns its weights in float16,
+# half the bytes of the largest tensor an answer holds (B * h * Lq * Lk values).
+WEIGHTS_DATATYPES = {"fp32": "FP32", "fp16": "FP16"}
+PRECISIONS = tuple(WEIGHTS_DATATYPES)
+
 
 @dataclass(frozen=True)
 class TensorSpec:
@@ -39,13 +45,14 @@ def input_specs(d_model: int) -> list[TensorSpec]:
     ]
 
 
-def output_specs(d_model: int, num_heads: int) -> list[TensorSpec]:
+def output_specs(d_model: int, num_heads: int, precision: str = "fp32") -> list[TensorSpec]:
     """What a request may ask for: the output [B, Lq, d], the weights [B, h, Lq, Lk] and their mean over
     heads [B, Lq, Lk] (as nn.MultiheadAttention returns by default; h times fewer bytes)."""
+    weights = WEIGHTS_DATATYPES[precision]
     return [
         TensorSpec(OUTPUT, "FP32", (-1, -1, d_model)),
-        TensorSpec(ATTN_WEIGHTS, "FP32", (-1, num_heads, -1, -1)),
-        TensorSpec(ATTN_WEIGHTS_MEAN, "FP32", (-1, -1, -1)),
+        TensorSpec(ATTN_WEIGHTS, weights, (-1, num_heads, -1, -1)),
+        TensorSpec(ATTN_WEIGHTS_MEAN, weights, (-1, -1, -1)),
     ]
 
 

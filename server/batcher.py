@@ -49,20 +49,20 @@ class QueueFull(RequestError):
 
 
 class ComputationOverflowed(RequestError):
-    def __init__(self, name: str, count: int):
+    def __init__(self, name: str, count: int, computed_in: str):
         super().__init__(
             ErrorKind.INVALID_ARGUMENT,
-            f"the computation overflowed float32: output '{name}' has {count} non-finite values (NaN or Inf); "
-            "inputs of this magnitude cannot be attended over in float32",
+            f"the computation overflowed {computed_in}: output '{name}' has {count} non-finite values (NaN or "
+            f"Inf); inputs of this magnitude cannot be attended over in {computed_in}",
         )
 
 
-def overflow_error(answer: dict[str, np.ndarray]) -> ComputationOverflowed | None:
+def overflow_error(answer: dict[str, np.ndarray], computed_in: str = "float32") -> ComputationOverflowed | None:
     """An answer holding NaN or Inf is never returned as OK (one sum per output, as for inputs)."""
     for name, array in answer.items():
         bad = count_non_finite(array)
         if bad:
-            return ComputationOverflowed(name, bad)
+            return ComputationOverflowed(name, bad, computed_in)
     return None
 
 
@@ -211,8 +211,10 @@ class Batcher:
         enabled: bool = True,
         on_batch: Callable[[BatchResult], None] | None = None,
         run_cost: RunCost | None = None,
+        computed_in: str = "float32",
     ):
         self._run_model = run_model
+        self.computed_in = computed_in  # the model's precision, named in an overflow's error
         self.run_cost = run_cost  # None: one padded run of everything taken (length-aware batching off)
         self._executor = executor
         self._idle_workers = workers
@@ -325,7 +327,7 @@ class Batcher:
         arrays = self._run_model(merged.outputs, merged.query, merged.key, merged.value, merged.mask)
         ran_at = time.perf_counter_ns()
         answers = split(merged, dict(zip(merged.outputs, arrays, strict=True)), [r.outputs for r in requests])
-        errors = [overflow_error(answer) for answer in answers]
+        errors = [overflow_error(answer, self.computed_in) for answer in answers]
         finished = time.perf_counter_ns()
         rows = merged.query.shape[0]
         return BatchResult(

@@ -240,8 +240,9 @@ class DataPlane:
             enabled=self.settings.dynamic_batching,
             on_batch=on_batch,
             run_cost=run_cost,
+            computed_in=session.info.computed_in,
         )
-        signature = ModelSignature(name, version, session.info.d_model, session.info.num_heads)
+        signature = ModelSignature(name, version, session.info.d_model, session.info.num_heads, session.info.precision)
         needed = self.settings.message_limits(signature.d_model, signature.num_heads)
         if self.message_limits and any(n > bound for n, bound in zip(needed, self.message_limits, strict=True)):
             log.warning(
@@ -250,8 +251,9 @@ class DataPlane:
                 name, version, signature.d_model, *needed, *self.message_limits,
             )  # fmt: skip
         log.info(
-            "loaded model=%s version=%s d_model=%d heads=%d opset=%s provider=%s from %s",
-            name, version, signature.d_model, signature.num_heads, session.info.opset, session.provider, folder,
+            "loaded model=%s version=%s d_model=%d heads=%d precision=%s opset=%s provider=%s from %s",
+            name, version, signature.d_model, signature.num_heads, signature.precision, session.info.opset,
+            session.provider, folder,
         )  # fmt: skip
         return ServedModel(signature, folder, session, batcher, model_metrics, stats)
 

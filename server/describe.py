@@ -14,7 +14,7 @@ from .statistics import Duration
 
 PLATFORM = "onnxruntime_onnx"
 EXTENSIONS = ["model_configuration", "model_repository", "statistics", "binary_tensor_data"]
-CONFIG_DATA_TYPES = {"FP32": "TYPE_FP32", "BOOL": "TYPE_BOOL"}
+CONFIG_DATA_TYPES = {"FP16": "TYPE_FP16", "FP32": "TYPE_FP32", "BOOL": "TYPE_BOOL"}
 
 
 def server_metadata() -> dict:
@@ -32,7 +32,7 @@ def model_metadata(served: ServedModel, ready_versions: list[int]) -> dict:
         "versions": [str(v) for v in ready_versions],
         "platform": PLATFORM,
         "inputs": tensors(input_specs(s.d_model)),
-        "outputs": tensors(output_specs(s.d_model, s.num_heads)),
+        "outputs": tensors(output_specs(s.d_model, s.num_heads, s.precision)),
     }
 
 
@@ -51,7 +51,7 @@ def model_config(served: ServedModel) -> dict:
         ],
         "output": [
             {"name": t.name, "data_type": CONFIG_DATA_TYPES[t.datatype], "dims": list(t.shape)}
-            for t in output_specs(s.d_model, s.num_heads)
+            for t in output_specs(s.d_model, s.num_heads, s.precision)
         ],
         "default_model_filename": "model.onnx",
     }

@@ -15,6 +15,7 @@ import numpy as np
 import onnxruntime as ort
 
 from mhaserve.model_folder import METADATA_PREFIX, ModelDirError, check_model_file, read_manifest
+from mhaserve.signature import PRECISIONS
 
 log = logging.getLogger("mhaserve.server")
 
@@ -35,6 +36,11 @@ class ModelInfo:
     num_heads: int
     opset: str
     path: Path
+    precision: str = "fp32"  # signature.PRECISIONS; exports before float16 were float32
+
+    @property
+    def computed_in(self) -> str:
+        return {"fp16": "float16"}.get(self.precision, "float32")
 
 
 _CPU_ARENA_SHARED = False
@@ -105,11 +111,17 @@ class AttentionSession:
                 num_heads=int(meta[METADATA_PREFIX + "num_heads"]),
                 opset=meta.get(METADATA_PREFIX + "opset", "?"),
                 path=path,
+                precision=meta.get(METADATA_PREFIX + "precision", "fp32"),
             )
         except KeyError as missing:
             raise ModelDirError(f"{path}: metadata_props lacks {missing}; export it with 'mhaserve export'") from None
         except ValueError as error:
             raise ModelDirError(f"{path}: metadata_props holds a bad value ({error})") from None
+        if self.info.precision not in PRECISIONS:
+            raise ModelDirError(
+                f"{path}: metadata_props says precision {self.info.precision!r}; this mhaserve serves "
+                f"{', '.join(PRECISIONS)}"
+            )
 
     @staticmethod
     def _create(path: Path, options: ort.SessionOptions, device: str) -> ort.InferenceSession:

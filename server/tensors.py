@@ -25,6 +25,7 @@ DATATYPES = {
     "INT8": np.dtype(np.int8),
     "INT32": np.dtype(np.int32),
     "INT64": np.dtype(np.int64),
+    "FP16": np.dtype(np.float16),
     "FP32": np.dtype(np.float32),
     "FP64": np.dtype(np.float64),
 }
@@ -47,6 +48,7 @@ class ModelSignature:
     version: str
     d_model: int
     num_heads: int
+    precision: str = "fp32"  # the export's (signature.PRECISIONS): the datatype of the weights returned
 
 
 @dataclass
@@ -220,7 +222,8 @@ def count_non_finite(array: np.ndarray) -> int:
     """How many NaN or Inf ``array`` holds. Any poisons a sum, which needs no temporary array; only a
     non-finite sum (a bad value, or finite values overflowing float32) pays for the exact count."""
     with np.errstate(over="ignore", invalid="ignore"):
-        if np.isfinite(array.sum()):
+        # float16 weights sum to B * h * Lq, past float16's largest value: summed in float32.
+        if np.isfinite(array.sum(dtype=np.float32 if array.dtype == np.float16 else None)):
             return 0
     return int(array.size - np.count_nonzero(np.isfinite(array)))
 

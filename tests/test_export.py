@@ -168,7 +168,7 @@ def test_validation_catches_perturbed_weights(small_module):
 
 
 def test_validation_catches_a_static_shape_export(small_module, tmp_path):
-    from mhaserve.export.onnx_export import INPUT_NAMES, OUTPUT_NAMES, TRANSLATIONS, _OnnxSignature, example_inputs
+    from mhaserve.export.onnx_export import INPUT_NAMES, OUTPUT_NAMES, _OnnxSignature, example_inputs, translations
 
     path = tmp_path / "static.onnx"
     with warnings.catch_warnings():
@@ -179,7 +179,7 @@ def test_validation_catches_a_static_shape_export(small_module, tmp_path):
             dynamo=True,
             input_names=list(INPUT_NAMES),
             output_names=list(OUTPUT_NAMES),
-            custom_translation_table=TRANSLATIONS,
+            custom_translation_table=translations(),
             verbose=False,
         )
     program.save(str(path))
@@ -195,8 +195,8 @@ def test_failed_validation_marks_the_folder_not_valid(small_module, tmp_path, mo
 
     real_export = model_dir.export_onnx
 
-    def export_with_wrong_bias(module, opset):
-        model = real_export(module, opset)
+    def export_with_wrong_bias(module, opset, precision):
+        model = real_export(module, opset, precision)
         bias = next(t for t in model.graph.initializer if t.dims == [D])
         b = onnx.numpy_helper.to_array(bias) + 1.0
         bias.CopyFrom(onnx.numpy_helper.from_array(b, bias.name))

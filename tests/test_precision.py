@@ -1,0 +1,173 @@
+"""A float16 export (`mhaserve export --precision fp16`): validated against float32 eager within its stated
+tolerance, served with FP32 inputs and output and the attention weights in FP16, to every client."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import grpc
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from mhaserve.client import Client
+from mhaserve.export.model_dir import export_model_dir, revalidate_model_dir
+from mhaserve.export.onnx_export import export_onnx
+from mhaserve.export.validate import TOLERANCES, ValidationCase, validate
+from mhaserve.http_client import HttpClient
+from mhaserve.model_folder import ModelDirError, read_manifest
+from mhaserve.server_process import ServerProcess
+
+from .conftest import SMALL_D_MODEL, SMALL_HEADS, TEST_SERVER_ARGS, eager, rand
+from .test_http import triton_http, triton_infer
+from .test_triton_clients import INPUTS, cases, run_triton_client
+
+FP16 = TOLERANCES["fp16"]
+
+
+def assert_within_fp16_tolerance(got, want):
+    assert got.shape == want.shape
+    error = np.max(np.abs(got.astype(np.float64) - want))
+    assert error <= FP16.max_rel * max(np.max(np.abs(want)), 1e-30), error
+
+
+@pytest.fixture(scope="module")
+def fp16_model_dir(tmp_path_factory, small_module):
+    out = tmp_path_factory.mktemp("fp16") / "mha"
+    manifest = export_model_dir(small_module, out, precision="fp16", validation_seed=0, report=lambda _: None)
+    assert manifest["valid"], "the float16 export failed validation"
+    return out
+
+
+@pytest.fixture(scope="module")
+def fp16_server(fp16_model_dir):
+    with ServerProcess(fp16_model_dir, *TEST_SERVER_ARGS) as process:
+        yield process
+
+
+def test_manifest_and_graph_say_float16_weights_and_float32_everything_else(fp16_model_dir):
+    manifest = read_manifest(fp16_model_dir)
+    assert manifest["precision"] == "fp16"
+    assert manifest["validation"]["tolerance"] == {"max_abs": None, "max_rel": FP16.max_rel}
+    assert {t["name"]: t["dtype"] for t in manifest["inputs"] + manifest["outputs"]} == {
+        "query": "float32", "key": "float32", "value": "float32", "mask": "bool",
+        "output": "float32", "attn_weights": "float16",
+    }  # fmt: skip
+    session = ort.InferenceSession(str(fp16_model_dir / "model.onnx"), providers=["CPUExecutionProvider"])
+    assert session.get_modelmeta().custom_metadata_map["mhaserve.precision"] == "fp16"
+    assert revalidate_model_dir(fp16_model_dir, seed=1, report=lambda _: None)
+
+
+def test_the_fp16_tolerance_catches_perturbed_weights(small_module):
+    wrong = export_onnx(small_module, precision="fp16")
+    for tensor in wrong.graph.initializer:
+        if list(tensor.dims) == [SMALL_D_MODEL, SMALL_D_MODEL]:  # one projection matrix, in float16
+            import onnx
+
+            w = onnx.numpy_helper.to_array(tensor).copy()
+            w[:, 0] += np.float16(0.05)
+            tensor.CopyFrom(onnx.numpy_helper.from_array(w, tensor.name))
+            break
+    cases = [ValidationCase(2, 5, 5, "none"), ValidationCase(2, 7, 3, "key_padding")]
+    results = validate(small_module, wrong.SerializeToString(), cases, seed=0, report=lambda _: None, precision="fp16")
+    assert not any(r.passed for r in results)
+
+
+def test_a_fully_masked_row_is_zeros_in_float16_even_with_large_scores(fp16_model_dir, small_module):
+    # The masking bias is half float16's lowest value: float32's would be -inf there, and a row with every
+    # key masked would be NaN instead of zeros.
+    session = ort.InferenceSession(str(fp16_model_dir / "model.onnx"), providers=["CPUExecutionProvider"])
+    query = rand(1, 6, SMALL_D_MODEL, seed=4) * 8
+    allowed = np.ones((1, 1, 6, 6), dtype=bool)
+    allowed[0, 0, 2] = False
+    out, weights = session.run(None, {"query": query, "key": query, "value": query, "mask": allowed})
+    assert np.isfinite(out).all() and np.isfinite(weights).all()
+    assert not out[0, 2].any() and not weights[0, :, 2].any()
+    want_out, want_weights = eager(small_module, query, query, query, allowed[:, 0])
+    assert_within_fp16_tolerance(out, want_out)
+    assert_within_fp16_tolerance(weights, want_weights)
+
+
+def test_tritonclient_gets_fp16_weights_equal_to_float32_eager(fp16_server, small_module, tmp_path):
+    results = run_triton_client(fp16_server, tmp_path, "sync")
+    for case, arrays in cases().items():
+        want_out, want_weights = eager(small_module, *(arrays.get(n) for n in INPUTS))
+        assert results[f"{case}_output"].dtype == np.float32
+        assert results[f"{case}_attn_weights"].dtype == np.float16
+        assert_within_fp16_tolerance(results[f"{case}_output"], want_out)
+        assert_within_fp16_tolerance(results[f"{case}_attn_weights"], want_weights)
+
+
+def test_metadata_and_config_name_fp16_for_the_weights(fp16_server):
+    import urllib.request
+
+    base = f"{fp16_server.http_url}/v2/models/mha"
+    with urllib.request.urlopen(base, timeout=10) as response:
+        metadata = json.load(response)
+    with urllib.request.urlopen(base + "/config", timeout=10) as response:
+        config = json.load(response)
+    assert {t["name"]: t["datatype"] for t in metadata["outputs"]} == {
+        "output": "FP32", "attn_weights": "FP16", "attn_weights_mean": "FP16"
+    }  # fmt: skip
+    assert {t["name"]: t["data_type"] for t in config["output"]} == {
+        "output": "TYPE_FP32", "attn_weights": "TYPE_FP16", "attn_weights_mean": "TYPE_FP16"
+    }  # fmt: skip
+    assert {t["datatype"] for t in metadata["inputs"]} == {"FP32", "BOOL"}
+
+
+def test_our_clients_and_rest_json_get_the_same_fp16_weights(fp16_server, small_module):
+    query = rand(2, 9, SMALL_D_MODEL, seed=5)
+    with Client(fp16_server.url) as client:
+        over_grpc = client.infer(query)
+        mean = client.infer(query, attn_weights=False, attn_weights_mean=True).attn_weights_mean
+    over_http = HttpClient(fp16_server.http_url.removeprefix("http://")).infer(query)
+    over_json = triton_infer(triton_http(fp16_server), query, binary=False)
+    _, want_weights = eager(small_module, query)
+    assert over_grpc.attn_weights.dtype == over_http.attn_weights.dtype == mean.dtype == np.float16
+    assert over_grpc.attn_weights.shape == (2, SMALL_HEADS, 9, 9)
+    np.testing.assert_array_equal(over_http.attn_weights, over_grpc.attn_weights)
+    np.testing.assert_array_equal(over_json.as_numpy("attn_weights"), over_grpc.attn_weights)
+    np.testing.assert_array_equal(over_json.as_numpy("output"), over_grpc.output)
+    assert_within_fp16_tolerance(over_grpc.attn_weights, want_weights)
+    assert_within_fp16_tolerance(mean, want_weights.mean(axis=1))
+
+
+def test_inputs_float16_cannot_hold_get_an_error_naming_float16_not_inf(fp16_server):
+    # Finite float32 inputs, but past what float16 holds once projected: never an OK answer with Inf in it.
+    query = rand(1, 4, SMALL_D_MODEL, seed=6) * 1e5
+    with Client(fp16_server.url) as client, pytest.raises(grpc.RpcError) as error:
+        client.infer(query)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "the computation overflowed float16" in error.value.details()
+
+
+def test_a_precision_this_version_does_not_serve_is_refused_in_one_line(fp16_model_dir, tmp_path):
+    import shutil
+
+    folder = tmp_path / "bf16"
+    shutil.copytree(fp16_model_dir, folder)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    (folder / "manifest.json").write_text(json.dumps(manifest | {"precision": "bf16"}))
+    with pytest.raises(ModelDirError, match="precision 'bf16', expected one of fp32, fp16"):
+        read_manifest(folder)
+    done = subprocess.run(
+        [sys.executable, "-m", "mhaserve.cli", "export", "--precision", "bf16", "--out", str(tmp_path / "x")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and "invalid choice: 'bf16'" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_the_triton_repository_declares_fp16_weights(fp16_model_dir, tmp_path):
+    from google.protobuf import text_format
+
+    from mhaserve.export.triton_repo import write_triton_repo
+    from mhaserve.protos.generated import model_config_pb2 as mc
+
+    target = write_triton_repo(fp16_model_dir, tmp_path / "repo")
+    config = text_format.Parse((target / "config.pbtxt").read_text(), mc.ModelConfig())
+    assert {t.name: t.data_type for t in config.output} == {"output": mc.TYPE_FP32, "attn_weights": mc.TYPE_FP16}
+    assert {t.data_type for t in config.input} == {mc.TYPE_FP32, mc.TYPE_BOOL}
