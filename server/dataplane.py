@@ -258,7 +258,9 @@ class DataPlane:
         return ServedModel(signature, folder, session, batcher, model_metrics, stats)
 
     def _open_session(self, folder: Path) -> tuple[AttentionSession, RunCost | None]:
-        session = AttentionSession(folder, self.settings.device, self.settings.intra_op_threads)
+        session = AttentionSession(
+            folder, self.settings.device, self.settings.intra_op_threads, cuda_tf32=self.settings.cuda_tf32
+        )
         session.warm_up(self.settings.warmup_runs)
         run_cost = None
         if self.settings.dynamic_batching and self.settings.length_aware_batching:

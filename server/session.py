@@ -78,6 +78,7 @@ class AttentionSession:
         device: str = "auto",
         intra_op_threads: int = 0,
         inter_op_threads: int = 1,
+        cuda_tf32: bool = True,
     ):
         model_dir = Path(model_dir)
         manifest = read_manifest(model_dir)
@@ -92,7 +93,7 @@ class AttentionSession:
         self.intra_op_threads = intra_op_threads or os.cpu_count() or 1
         options = _session_options(self.intra_op_threads, inter_op_threads)
         try:
-            self._session = self._create(path, options, device)
+            self._session = self._create(path, options, device, cuda_tf32)
         except DeviceUnavailable:
             raise
         except Exception as error:  # ONNX Runtime's own kinds (InvalidProtobuf, Fail, ...): a broken file
@@ -124,7 +125,7 @@ class AttentionSession:
             )
 
     @staticmethod
-    def _create(path: Path, options: ort.SessionOptions, device: str) -> ort.InferenceSession:
+    def _create(path: Path, options: ort.SessionOptions, device: str, cuda_tf32: bool) -> ort.InferenceSession:
         if device == "cpu":
             return ort.InferenceSession(str(path), options, providers=[CPU])
         if CUDA in ort.get_available_providers():
@@ -134,7 +135,8 @@ class AttentionSession:
             # ONNX Runtime logs its failed CUDA load as two errors; our one warning below says it plainly.
             ort.set_default_logger_severity(4)
             try:
-                session = ort.InferenceSession(str(path), options, providers=[CUDA, CPU])
+                cuda = (CUDA, {"use_tf32": "1" if cuda_tf32 else "0"})
+                session = ort.InferenceSession(str(path), options, providers=[cuda, CPU])
             finally:
                 ort.set_default_logger_severity(2)
             if session.get_providers()[0] == CUDA:

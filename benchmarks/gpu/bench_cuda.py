@@ -11,9 +11,12 @@ folder, and run host to host, as a server runs it (inputs from host memory, answ
   weights, when asked for);
 - sdpa: the same projections around ``F.scaled_dot_product_attention``, which never forms the weights
   (no-weights row only).
+``--precisions fp32,fp16`` (the default) measures each shape twice: the float32 export against the float32
+module, and the float16 export (``mhaserve export --precision fp16``: FP32 in and out, weights in FP16)
+against the module in float16 (``.half()``, inputs cast on the device, the output cast back to float32).
 Each time is the median of ``--repeats`` calls after warm-up; the device is synchronised before the
 clock stops. The bound of a point is the larger of two figures. One is the bytes that must cross between
-host and device (query up; output, and the weights tensor B*h*Lq*Lk*4 bytes when asked, down) over the
+host and device (query up; output, and the weights tensor B*h*Lq*Lk*4 bytes, 2 in float16, when asked, down) over the
 copy bandwidth measured here into pageable memory, where ONNX Runtime copies. The other is the weights
 tensor written once and read once in device memory, over the device's measured copy bandwidth.
 ``--device cpu`` runs the same on the CPU, where there are no copies: a dry run on a machine without a GPU.
@@ -44,17 +47,19 @@ from mhaserve.server.session import AttentionSession
 # (batch, length, d_model, heads)
 SHAPES = [(1, 16, 512, 8), (1, 128, 512, 8), (8, 512, 512, 8), (32, 128, 768, 12), (1, 2048, 4096, 32)]
 F32 = 4
+WEIGHTS_BYTES = {"fp32": 4, "fp16": 2}  # per attention weight returned
 
 
 @dataclass
 class Point:
     shape: str
+    precision: str
     weights: bool
     ort_ms: float
     eager_ms: float
     sdpa_ms: float | None
     bound_ms: float
-    max_abs_diff: float  # ONNX Runtime's output against eager, same inputs
+    max_abs_diff: float  # ONNX Runtime's output against eager in the same precision, same inputs
 
 
 def median_ms(call, repeats: int, sync) -> float:
@@ -96,22 +101,23 @@ def sdpa_call(module, query: torch.Tensor) -> torch.Tensor:
     return module.W_o(attended.transpose(1, 2).reshape(batch, length, d_model))
 
 
-def measure_shape(batch, length, d_model, heads, device, repeats, bandwidth, folder: Path) -> list[Point]:
+def measure_shape(batch, length, d_model, heads, precision, device, repeats, bandwidth, folder: Path) -> list[Point]:
     module = seeded_module(d_model, heads).eval()
-    manifest = export_model_dir(module, folder, report=lambda line: None)
+    manifest = export_model_dir(module, folder, precision=precision, report=lambda line: None)
     if not manifest.get("valid"):
         raise SystemExit(f"the export of {d_model}/{heads} failed validation: see {folder}")
     session = AttentionSession(folder, device)
     if device == "cuda" and session.provider != "CUDAExecutionProvider":
         raise SystemExit(f"the session runs on {session.provider}, not CUDA")
     torch_device = torch.device(device)
-    module = module.to(torch_device)
+    module = module.to(torch_device, torch.float16 if precision == "fp16" else torch.float32)
+    dtype = next(module.parameters()).dtype
     rng = np.random.default_rng(0)
     query = rng.standard_normal((batch, length, d_model), dtype=np.float32)
     mask = np.ones((1, 1, 1, length), bool)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     device_bw, host_bw = bandwidth
-    weights_bytes = batch * heads * length * length * F32
+    weights_bytes = batch * heads * length * length * WEIGHTS_BYTES[precision]
     io_bytes = 2 * batch * length * d_model * F32  # query up, output down
     shape = f"[{batch},{length},{d_model}/{heads}]"
     points = []
@@ -123,13 +129,14 @@ def measure_shape(batch, length, d_model, heads, device, repeats, bandwidth, fol
 
         @torch.inference_mode()
         def eager_call(with_weights=with_weights):
-            x = torch.from_numpy(query).to(torch_device)
+            x = torch.from_numpy(query).to(torch_device).to(dtype)
             output, weights = module(x)
+            output = output.float()  # the served signature's FP32 output
             return (output.cpu(), weights.cpu()) if with_weights else (output.cpu(),)
 
         @torch.inference_mode()
         def sdpa():
-            return sdpa_call(module, torch.from_numpy(query).to(torch_device)).cpu()
+            return sdpa_call(module, torch.from_numpy(query).to(torch_device).to(dtype)).float().cpu()
 
         got, want = ort_call(), eager_call()
         crossing = io_bytes + (weights_bytes if with_weights else 0)
@@ -137,6 +144,7 @@ def measure_shape(batch, length, d_model, heads, device, repeats, bandwidth, fol
         points.append(
             Point(
                 shape,
+                precision,
                 with_weights,
                 median_ms(ort_call, repeats, sync),
                 median_ms(eager_call, repeats, sync),
@@ -153,8 +161,8 @@ def format_point(p: Point) -> str:
     sdpa = f"{p.sdpa_ms:8.3f}" if p.sdpa_ms is not None else f"{'':>8}"
     bound = f"{p.bound_ms:8.3f}" if p.bound_ms else f"{'-':>8}"
     return (
-        f"{p.shape:>20} {'yes' if p.weights else 'no':>7} | {p.ort_ms:8.3f} {p.eager_ms:8.3f} {sdpa} | "
-        f"{p.eager_ms / p.ort_ms:11.2f} | {bound} | {p.max_abs_diff:9.2e}"
+        f"{p.shape:>20} {p.precision:>9} {'yes' if p.weights else 'no':>7} | {p.ort_ms:8.3f} {p.eager_ms:8.3f} "
+        f"{sdpa} | {p.eager_ms / p.ort_ms:11.2f} | {bound} | {p.max_abs_diff:9.2e}"
     )
 
 
@@ -163,8 +171,12 @@ def main() -> int:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--shapes", type=int, default=len(SHAPES), help="only the first N shapes")
+    parser.add_argument("--precisions", default="fp32,fp16", help="exports to measure, comma-separated")
     parser.add_argument("--out", type=Path, help="also write the points as JSON")
     args = parser.parse_args()
+    precisions = args.precisions.split(",")
+    if not set(precisions) <= set(WEIGHTS_BYTES):
+        parser.error(f"--precisions: each of {', '.join(WEIGHTS_BYTES)}, got {args.precisions}")
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_cuda: torch sees no GPU here; --device cpu is the dry run", file=sys.stderr)
         return 2
@@ -172,13 +184,15 @@ def main() -> int:
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
     print(f"{gpu}; torch {torch.__version__}; onnxruntime {ort.__version__}; python {platform.python_version()}")
     print(f"device copy {bandwidth[0] / 1e9:.0f} GB/s, device to host {bandwidth[1] / 1e9:.1f} GB/s\n")
-    print(f"{'shape':>20} {'weights':>7} | {'ort ms':>8} {'eager ms':>8} {'sdpa ms':>8} | eager / ort | "
-          f"{'bound ms':>8} | max |diff|")  # fmt: skip
+    print(f"{'shape':>20} {'precision':>9} {'weights':>7} | {'ort ms':>8} {'eager ms':>8} {'sdpa ms':>8} | "
+          f"eager / ort | {'bound ms':>8} | max |diff|")  # fmt: skip
     points = []
     with tempfile.TemporaryDirectory() as scratch:
         for index, (batch, length, d_model, heads) in enumerate(SHAPES[: args.shapes]):
-            folder = Path(scratch) / f"m{index}"
-            points += measure_shape(batch, length, d_model, heads, args.device, args.repeats, bandwidth, folder)
+            for precision in precisions:
+                folder = Path(scratch) / f"m{index}-{precision}"
+                shape = (batch, length, d_model, heads, precision)
+                points += measure_shape(*shape, args.device, args.repeats, bandwidth, folder)
     if args.out:
         args.out.write_text(json.dumps([asdict(p) for p in points], indent=1))
     return 0

@@ -1,0 +1,179 @@
+"""The CUDA path on a real GPU: the provider really active, answers equal eager PyTorch on the same GPU,
+batching across lengths, and a long run that does not grow the GPU's memory.
+
+Skipped, with the reason, where no GPU is usable: CI installs the CPU build of onnxruntime. On a GPU
+machine, benchmarks/gpu/setup.sh installs onnxruntime-gpu first on PYTHONPATH; then
+``python -m pytest tests/test_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from mhaserve.client import AsyncClient, Client
+from mhaserve.export.model_dir import export_model_dir
+from mhaserve.export.validate import TOLERANCES
+from mhaserve.server_process import ServerProcess
+
+from .conftest import SMALL_D_MODEL, TEST_SERVER_ARGS, rand
+from .test_batching import mixed_requests
+
+
+def cuda_unusable() -> str | None:
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        return f"this onnxruntime has no CUDA provider ({', '.join(ort.get_available_providers())})"
+    import torch
+
+    if not torch.cuda.is_available():
+        return "torch sees no GPU here"
+    return None
+
+
+pytestmark = pytest.mark.skipif(cuda_unusable() is not None, reason=f"no usable GPU: {cuda_unusable()}")
+
+# TF32 rounds a float32 product's inputs to 10 bits of mantissa, as float16 does: the same relative bound.
+TF32 = TOLERANCES["fp16"]
+
+
+def eager_on_gpu(module, query, key=None, value=None, mask=None):
+    """The module's (output, attn_weights) computed on the GPU in float32 (torch leaves TF32 off for matmul)."""
+    import torch
+
+    assert not torch.backends.cuda.matmul.allow_tf32
+    gpu = module.to("cuda")
+    with torch.no_grad():
+        args = [None if a is None else torch.from_numpy(np.asarray(a)).to("cuda") for a in (query, key, value, mask)]
+        out, attn = gpu(*args)
+    module.to("cpu")
+    return out.cpu().numpy(), attn.cpu().numpy()
+
+
+def assert_relative(got, want, tolerance):
+    assert got.shape == want.shape
+    error = float(np.max(np.abs(got.astype(np.float64) - want)))
+    assert error <= tolerance.max_rel * max(float(np.max(np.abs(want))), 1e-30), error
+
+
+def provider_of(server: ServerProcess) -> str:
+    line = next(line for line in server.lines if "serving model=" in line)
+    return line.split("provider=")[1].split()[0]
+
+
+@pytest.fixture(scope="module")
+def gpu_server(small_model_dir):
+    with ServerProcess(small_model_dir, "--device", "cuda", *TEST_SERVER_ARGS) as process:
+        yield process
+
+
+@pytest.fixture(scope="module")
+def exact_gpu_server(small_model_dir):
+    with ServerProcess(small_model_dir, "--device", "cuda", "--cuda-tf32", "false", *TEST_SERVER_ARGS) as process:
+        yield process
+
+
+def test_device_cuda_and_auto_both_serve_on_the_cuda_provider(gpu_server, small_model_dir):
+    # The server's own check: the session's first provider, not the list of providers built in.
+    assert provider_of(gpu_server) == "CUDAExecutionProvider"
+    with ServerProcess(small_model_dir, "--device", "auto", *TEST_SERVER_ARGS) as auto:
+        assert provider_of(auto) == "CUDAExecutionProvider"
+
+
+def test_exact_float32_answers_equal_eager_on_the_gpu(exact_gpu_server, small_module):
+    for seed, (b, lq, lk) in enumerate(((1, 1, 1), (2, 7, 7), (3, 40, 17))):
+        query, key = rand(b, lq, SMALL_D_MODEL, seed=seed), rand(b, lk, SMALL_D_MODEL, seed=seed + 10)
+        mask = np.random.default_rng(seed).random((b, lk)) < 0.7
+        mask[:, 0] = True
+        with Client(exact_gpu_server.url) as client:
+            result = client.infer(query, key, key, mask)
+        want_out, want_attn = eager_on_gpu(small_module, query, key, key, mask)
+        np.testing.assert_allclose(result.output, want_out, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(result.attn_weights, want_attn, rtol=0, atol=1e-5)
+
+
+def test_tf32_answers_are_within_its_stated_tolerance(gpu_server, small_module):
+    query = rand(2, 33, SMALL_D_MODEL, seed=3)
+    with Client(gpu_server.url) as client:
+        result = client.infer(query)
+    want_out, want_attn = eager_on_gpu(small_module, query)
+    assert_relative(result.output, want_out, TF32)
+    assert_relative(result.attn_weights, want_attn, TF32)
+
+
+def test_float16_export_on_the_gpu_is_within_its_tolerance_of_float32_eager(small_module, tmp_path):
+    folder = tmp_path / "fp16"
+    assert export_model_dir(small_module, folder, precision="fp16", validation_seed=0, report=lambda _: None)["valid"]
+    query = rand(2, 40, SMALL_D_MODEL, seed=5)
+    with ServerProcess(folder, "--device", "cuda", *TEST_SERVER_ARGS) as server, Client(server.url) as client:
+        assert provider_of(server) == "CUDAExecutionProvider"
+        result = client.infer(query)
+    want_out, want_attn = eager_on_gpu(small_module, query)
+    assert result.attn_weights.dtype == np.float16
+    assert_relative(result.output, want_out, TOLERANCES["fp16"])
+    assert_relative(result.attn_weights, want_attn, TOLERANCES["fp16"])
+
+
+def test_tritonclient_is_served_on_the_gpu(exact_gpu_server, small_module, tmp_path):
+    from .test_triton_clients import INPUTS, cases, run_triton_client
+
+    results = run_triton_client(exact_gpu_server, tmp_path, "sync")
+    for case, arrays in cases().items():
+        want_out, want_attn = eager_on_gpu(small_module, *(arrays.get(n) for n in INPUTS))
+        np.testing.assert_allclose(results[f"{case}_output"], want_out, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(results[f"{case}_attn_weights"], want_attn, rtol=0, atol=1e-5)
+
+
+def test_concurrent_mixed_lengths_are_batched_on_the_gpu_each_equal_eager(small_model_dir, small_module):
+    requests = mixed_requests(24, seed=5)
+    args = ("--device", "cuda", "--cuda-tf32", "false", "--max-batch-size", "64", "--max-q-len", "64",
+            "--max-kv-len", "64", "--max-queue-delay-us", "30000", "--warmup-runs", "1")  # fmt: skip
+
+    async def call_all(url):
+        async with AsyncClient(url) as client:
+            return await asyncio.gather(
+                *(client.infer(q, k, v, m, attn_weights=w, timeout=60) for q, k, v, m, w in requests)
+            )
+
+    with ServerProcess(small_model_dir, *args) as server, Client(server.url) as client:
+        before = client.statistics()
+        results = asyncio.run(call_all(server.url))
+        after = client.statistics()
+    for (query, key, value, mask, weights), result in zip(requests, results, strict=True):
+        want_out, want_attn = eager_on_gpu(small_module, query, key, value, mask)
+        np.testing.assert_allclose(result.output, want_out, rtol=0, atol=1e-5)
+        if weights:
+            np.testing.assert_allclose(result.attn_weights, want_attn, rtol=0, atol=1e-5)
+    assert after.execution_count - before.execution_count < len(requests) // 2  # merged, across lengths
+
+
+def gpu_memory_used_mib() -> int:
+    done = subprocess.run(
+        ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "--id=0"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    return int(done.stdout.strip().splitlines()[0])
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is None, reason="nvidia-smi is not on PATH")
+def test_a_long_mixed_run_does_not_grow_gpu_memory(gpu_server):
+    async def send(count, seed):
+        async with AsyncClient(gpu_server.url) as client:
+            for start in range(0, count, 16):
+                batch = mixed_requests(16, seed=seed + start)
+                await asyncio.gather(*(client.infer(q, k, v, m, attn_weights=w, timeout=60) for q, k, v, m, w in batch))
+
+    asyncio.run(send(400, seed=100))  # every shape class seen: the arena has grown to what the traffic needs
+    settled = gpu_memory_used_mib()
+    asyncio.run(send(4000, seed=10_000))
+    after = gpu_memory_used_mib()
+    assert after - settled <= 64, f"GPU memory grew from {settled} to {after} MiB over 4000 more requests"
+    with Client(gpu_server.url) as client:
+        assert client.statistics().inference_count >= 4400
