@@ -365,7 +365,7 @@ class DataPlane:
                 request = decode(served.signature, self.limits)
             rows = request.batch_size
             timing.input_ns = time.perf_counter_ns() - started
-            answer = answer_bytes(request, served.signature.num_heads)
+            answer = answer_bytes(request, served.signature.num_heads, served.signature.precision)
             needed = input_bytes(request) + answer
             waiting = self._admit(needed, rows, request_workspace_bytes(request, served.signature.num_heads))
             reserved = needed  # (a refusal took nothing)

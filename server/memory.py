@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import heapq
 
-from mhaserve.signature import ATTN_WEIGHTS, ATTN_WEIGHTS_MEAN
+from mhaserve.signature import ATTN_WEIGHTS, ATTN_WEIGHTS_MEAN, WEIGHTS_DATATYPES
 
 from .errors import ErrorKind, RequestError
-from .tensors import AttentionRequest
+from .tensors import DATATYPES, AttentionRequest
 
 F32 = 4
 # Fitted to bench_memory.py's per-shape peaks (512/8 model, CPU arena), rounded up; see BENCHMARKS.md.
@@ -41,15 +41,17 @@ def run_workspace_bytes(batch: int, q_len: int, kv_len: int, d_model: int, num_h
     )
 
 
-def answer_bytes(request: AttentionRequest, num_heads: int) -> int:
-    """What the answer holds from its encoding until it is written: the outputs asked for, as copied."""
+def answer_bytes(request: AttentionRequest, num_heads: int, precision: str = "fp32") -> int:
+    """What the answer holds from its encoding until it is written: the outputs asked for, as copied
+    (the weights in the datatype the model's ``precision`` returns them in)."""
     batch, q_len, d_model = request.query.shape
     kv_len = request.key.shape[1]
+    per_weight = DATATYPES[WEIGHTS_DATATYPES[precision]].itemsize
     outputs = F32 * batch * q_len * d_model  # output is always returned
     if ATTN_WEIGHTS in request.outputs:
-        outputs += F32 * batch * num_heads * q_len * kv_len
+        outputs += per_weight * batch * num_heads * q_len * kv_len
     if ATTN_WEIGHTS_MEAN in request.outputs:
-        outputs += F32 * batch * q_len * kv_len
+        outputs += per_weight * batch * q_len * kv_len
     return ANSWER_COPIES * outputs
 
 

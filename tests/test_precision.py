@@ -171,3 +171,14 @@ def test_the_triton_repository_declares_fp16_weights(fp16_model_dir, tmp_path):
     config = text_format.Parse((target / "config.pbtxt").read_text(), mc.ModelConfig())
     assert {t.name: t.data_type for t in config.output} == {"output": mc.TYPE_FP32, "attn_weights": mc.TYPE_FP16}
     assert {t.data_type for t in config.input} == {mc.TYPE_FP32, mc.TYPE_BOOL}
+
+
+def test_the_memory_budget_counts_fp16_weights_at_two_bytes_each():
+    from mhaserve.server.memory import ANSWER_COPIES, answer_bytes
+
+    from .test_batching import as_attention_request
+
+    request = as_attention_request(rand(2, 10, SMALL_D_MODEL), None, None, None, True)
+    weights = 2 * SMALL_HEADS * 10 * 10
+    halved = answer_bytes(request, SMALL_HEADS, "fp32") - answer_bytes(request, SMALL_HEADS, "fp16")
+    assert halved == ANSWER_COPIES * 2 * weights
