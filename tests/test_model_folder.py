@@ -105,7 +105,8 @@ def test_a_damaged_default_cache_is_rebuilt_on_start(small_model_dir, tmp_path):
     data = (folder / "model.onnx").read_bytes()
     (folder / "model.onnx").write_bytes(data[:100])
     port = free_port()
-    env = {**os.environ, "MHASERVE_CACHE": str(cache), "MHASERVE_PORT": str(port), "MHASERVE_METRICS_PORT": "0"}
+    env = {**os.environ, "MHASERVE_CACHE": str(cache), "MHASERVE_PORT": str(port), "MHASERVE_METRICS_PORT": "0",
+           "MHASERVE_HTTP_PORT": "0"}  # fmt: skip
     process = subprocess.Popen(
         [sys.executable, "-m", "mhaserve.cli", "serve", "--warmup-runs", "0"],
         env=env,
