@@ -19,6 +19,9 @@ clock stops. The bound of a point is the larger of two figures. One is the bytes
 host and device (query up; output, and the weights tensor B*h*Lq*Lk*4 bytes, 2 in float16, when asked, down) over the
 copy bandwidth measured here into pageable memory, where ONNX Runtime copies. The other is the weights
 tensor written once and read once in device memory, over the device's measured copy bandwidth.
+``--served SECONDS`` also serves each export (``mhaserve serve --device DEVICE``) and measures it with
+``mhaserve bench``'s load generator for that many seconds per point: concurrency 1 (p50 against the
+in-process time) and concurrency 16 (requests/s), with and without the weights.
 ``--device cpu`` runs the same on the CPU, where there are no copies: a dry run on a machine without a GPU.
 Not a test: it prints numbers, and BENCHMARKS.md records them with the GPU, driver and versions.
 """
@@ -41,8 +44,11 @@ import torch
 import torch.nn.functional as F
 
 from mhaserve.export.model_dir import export_model_dir
+from mhaserve.loadgen import LoadGenerator, Workload, default_processes
+from mhaserve.loadgen import Point as LoadPoint
 from mhaserve.model.weights import seeded_module
 from mhaserve.server.session import AttentionSession
+from mhaserve.server_process import ServerProcess
 
 # (batch, length, d_model, heads)
 SHAPES = [(1, 16, 512, 8), (1, 128, 512, 8), (8, 512, 512, 8), (32, 128, 768, 12), (1, 2048, 4096, 32)]
@@ -157,6 +163,32 @@ def measure_shape(batch, length, d_model, heads, precision, device, repeats, ban
     return points
 
 
+def measure_served(batch, length, d_model, heads, precision, device, seconds, folder: Path, points: list[Point]):
+    """The export served, concurrency 1 and 16, with and without the weights; one printed line per point."""
+    limits = ("--max-batch-size", str(batch), "--max-q-len", str(length), "--max-kv-len", str(length))
+    # Room for 16 answers of the largest shape ([1,2048,4096/32] with weights: 512 MiB each in float32).
+    budget = ("--max-inflight-bytes", str(64 << 30), "--warmup-runs", "1")
+    with ServerProcess(folder, "--device", device, *limits, *budget) as server:
+        if device == "cuda" and "provider=CUDAExecutionProvider" not in "".join(server.lines):
+            raise SystemExit(f"the server does not run on CUDA: {server.lines[-1]}")
+        with LoadGenerator(server.url, default_processes()) as generator:
+            for with_weights in (False, True):
+                in_process = next(p for p in points if p.weights == with_weights).ort_ms
+                # Few distinct requests: at [1,2048,4096] each query is 32 MiB in every client process.
+                workload = Workload(d_model, batch, length, length, attn_weights=with_weights, distinct_requests=4)
+                one = generator.measure(workload, LoadPoint("closed", 1, seconds, 1.0))
+                sixteen = generator.measure(workload, LoadPoint("closed", 16, seconds, 1.0))
+                errors = sum(one.errors.values()) + sum(sixteen.errors.values())
+                shape = f"[{batch},{length},{d_model}/{heads}]"
+                print(
+                    f"{shape:>20} {precision:>9} {'yes' if with_weights else 'no':>7} "
+                    f"| served c1 p50 {one.latency_ms['p50']:8.3f} ms ({one.latency_ms['p50'] / in_process:5.2f} x "
+                    f"in process) | c16 {sixteen.throughput:8.1f} req/s p99 {sixteen.latency_ms['p99']:8.2f} ms"
+                    + (f" | {errors} errors" if errors else ""),
+                    flush=True,
+                )
+
+
 def format_point(p: Point) -> str:
     sdpa = f"{p.sdpa_ms:8.3f}" if p.sdpa_ms is not None else f"{'':>8}"
     bound = f"{p.bound_ms:8.3f}" if p.bound_ms else f"{'-':>8}"
@@ -172,6 +204,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--shapes", type=int, default=len(SHAPES), help="only the first N shapes")
     parser.add_argument("--precisions", default="fp32,fp16", help="exports to measure, comma-separated")
+    parser.add_argument("--served", type=float, default=0, metavar="SECONDS",
+                        help="also serve each export, SECONDS per point (default: in process only)")  # fmt: skip
     parser.add_argument("--out", type=Path, help="also write the points as JSON")
     args = parser.parse_args()
     precisions = args.precisions.split(",")
@@ -192,7 +226,10 @@ def main() -> int:
             for precision in precisions:
                 folder = Path(scratch) / f"m{index}-{precision}"
                 shape = (batch, length, d_model, heads, precision)
-                points += measure_shape(*shape, args.device, args.repeats, bandwidth, folder)
+                measured = measure_shape(*shape, args.device, args.repeats, bandwidth, folder)
+                if args.served:
+                    measure_served(*shape, args.device, args.served, folder, measured)
+                points += measured
     if args.out:
         args.out.write_text(json.dumps([asdict(p) for p in points], indent=1))
     return 0
