@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import heapq
 
-from mhaserve.signature import ATTN_WEIGHTS, ATTN_WEIGHTS_MEAN, WEIGHTS_DATATYPES
+from mhaserve.signature import ATTN_WEIGHTS, ATTN_WEIGHTS_MEAN
 
 from .errors import ErrorKind, RequestError
-from .tensors import DATATYPES, AttentionRequest
+from .tensors import AttentionRequest, weights_dtype
 
 F32 = 4
 # Fitted to bench_memory.py's per-shape peaks (512/8 model, CPU arena), rounded up; see BENCHMARKS.md.
@@ -46,7 +46,7 @@ def answer_bytes(request: AttentionRequest, num_heads: int, precision: str = "fp
     (the weights in the datatype the model's ``precision`` returns them in)."""
     batch, q_len, d_model = request.query.shape
     kv_len = request.key.shape[1]
-    per_weight = DATATYPES[WEIGHTS_DATATYPES[precision]].itemsize
+    per_weight = weights_dtype(precision).itemsize
     outputs = F32 * batch * q_len * d_model  # output is always returned
     if ATTN_WEIGHTS in request.outputs:
         outputs += per_weight * batch * num_heads * q_len * kv_len

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mhaserve.signature import DEFAULT_OUTPUT_NAMES, INPUT_NAMES, OUTPUT_NAMES
+from mhaserve.signature import DEFAULT_OUTPUT_NAMES, INPUT_NAMES, OUTPUT_NAMES, WEIGHTS_DATATYPES
 
 from .errors import ErrorKind, RequestError, invalid
 
@@ -30,6 +30,13 @@ DATATYPES = {
     "FP64": np.dtype(np.float64),
 }
 NUMPY_TO_DATATYPE = {dtype: name for name, dtype in DATATYPES.items()}
+
+
+def weights_dtype(precision: str) -> np.dtype:
+    """The dtype a model exported in ``precision`` returns its attention weights in."""
+    return DATATYPES[WEIGHTS_DATATYPES[precision]]
+
+
 MASK_DATATYPES = ("BOOL", "UINT8", "INT8", "INT32", "INT64")
 
 

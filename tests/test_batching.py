@@ -86,18 +86,23 @@ def batching_server(small_model_dir):
         yield process
 
 
-def test_concurrent_mixed_lengths_each_equal_eager(batching_server, small_module):
-    requests = mixed_requests(24, seed=3)
+def infer_concurrently(url: str, requests) -> list:
+    """Every one of ``mixed_requests``'s requests sent at once from one asyncio client; the results in order."""
 
     async def call_all():
-        async with AsyncClient(batching_server.url) as client:
+        async with AsyncClient(url) as client:
             return await asyncio.gather(
                 *(client.infer(q, k, v, m, attn_weights=w, timeout=60) for q, k, v, m, w in requests)
             )
 
+    return asyncio.run(call_all())
+
+
+def test_concurrent_mixed_lengths_each_equal_eager(batching_server, small_module):
+    requests = mixed_requests(24, seed=3)
     with Client(batching_server.url) as client:
         before = client.statistics()
-        results = asyncio.run(call_all())
+        results = infer_concurrently(batching_server.url, requests)
         after = client.statistics()
     for (query, key, value, mask, weights), result in zip(requests, results, strict=True):
         want_out, want_attn = eager(small_module, query, key, value, mask)

@@ -8,7 +8,6 @@ machine, benchmarks/gpu/setup.sh installs onnxruntime-gpu first on PYTHONPATH; t
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 import subprocess
 
@@ -16,13 +15,14 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from mhaserve.client import AsyncClient, Client
+from mhaserve.client import Client
 from mhaserve.export.model_dir import export_model_dir
 from mhaserve.export.validate import TOLERANCES
 from mhaserve.server_process import ServerProcess
 
 from .conftest import SMALL_D_MODEL, TEST_SERVER_ARGS, rand
-from .test_batching import mixed_requests
+from .test_batching import infer_concurrently, mixed_requests
+from .test_precision import assert_within_relative
 
 
 def cuda_unusable() -> str | None:
@@ -52,12 +52,6 @@ def eager_on_gpu(module, query, key=None, value=None, mask=None):
         out, attn = gpu(*args)
     module.to("cpu")
     return out.cpu().numpy(), attn.cpu().numpy()
-
-
-def assert_relative(got, want, tolerance):
-    assert got.shape == want.shape
-    error = float(np.max(np.abs(got.astype(np.float64) - want)))
-    assert error <= tolerance.max_rel * max(float(np.max(np.abs(want))), 1e-30), error
 
 
 def provider_of(server: ServerProcess) -> str:
@@ -101,8 +95,8 @@ def test_tf32_answers_are_within_its_stated_tolerance(gpu_server, small_module):
     with Client(gpu_server.url) as client:
         result = client.infer(query)
     want_out, want_attn = eager_on_gpu(small_module, query)
-    assert_relative(result.output, want_out, TF32)
-    assert_relative(result.attn_weights, want_attn, TF32)
+    assert_within_relative(result.output, want_out, TF32)
+    assert_within_relative(result.attn_weights, want_attn, TF32)
 
 
 def test_float16_export_on_the_gpu_is_within_its_tolerance_of_float32_eager(small_module, tmp_path):
@@ -114,8 +108,8 @@ def test_float16_export_on_the_gpu_is_within_its_tolerance_of_float32_eager(smal
         result = client.infer(query)
     want_out, want_attn = eager_on_gpu(small_module, query)
     assert result.attn_weights.dtype == np.float16
-    assert_relative(result.output, want_out, TOLERANCES["fp16"])
-    assert_relative(result.attn_weights, want_attn, TOLERANCES["fp16"])
+    assert_within_relative(result.output, want_out, TOLERANCES["fp16"])
+    assert_within_relative(result.attn_weights, want_attn, TOLERANCES["fp16"])
 
 
 def test_tritonclient_is_served_on_the_gpu(exact_gpu_server, small_module, tmp_path):
@@ -133,15 +127,9 @@ def test_concurrent_mixed_lengths_are_batched_on_the_gpu_each_equal_eager(small_
     args = ("--device", "cuda", "--cuda-tf32", "false", "--max-batch-size", "64", "--max-q-len", "64",
             "--max-kv-len", "64", "--max-queue-delay-us", "30000", "--warmup-runs", "1")  # fmt: skip
 
-    async def call_all(url):
-        async with AsyncClient(url) as client:
-            return await asyncio.gather(
-                *(client.infer(q, k, v, m, attn_weights=w, timeout=60) for q, k, v, m, w in requests)
-            )
-
     with ServerProcess(small_model_dir, *args) as server, Client(server.url) as client:
         before = client.statistics()
-        results = asyncio.run(call_all(server.url))
+        results = infer_concurrently(server.url, requests)
         after = client.statistics()
     for (query, key, value, mask, weights), result in zip(requests, results, strict=True):
         want_out, want_attn = eager_on_gpu(small_module, query, key, value, mask)
@@ -164,15 +152,13 @@ def gpu_memory_used_mib() -> int:
 
 @pytest.mark.skipif(shutil.which("nvidia-smi") is None, reason="nvidia-smi is not on PATH")
 def test_a_long_mixed_run_does_not_grow_gpu_memory(gpu_server):
-    async def send(count, seed):
-        async with AsyncClient(gpu_server.url) as client:
-            for start in range(0, count, 16):
-                batch = mixed_requests(16, seed=seed + start)
-                await asyncio.gather(*(client.infer(q, k, v, m, attn_weights=w, timeout=60) for q, k, v, m, w in batch))
+    def send(count, seed):
+        for start in range(0, count, 16):
+            infer_concurrently(gpu_server.url, mixed_requests(16, seed=seed + start))
 
-    asyncio.run(send(400, seed=100))  # every shape class seen: the arena has grown to what the traffic needs
+    send(400, seed=100)  # every shape class seen: the arena has grown to what the traffic needs
     settled = gpu_memory_used_mib()
-    asyncio.run(send(4000, seed=10_000))
+    send(4000, seed=10_000)
     after = gpu_memory_used_mib()
     assert after - settled <= 64, f"GPU memory grew from {settled} to {after} MiB over 4000 more requests"
     with Client(gpu_server.url) as client:

@@ -27,10 +27,11 @@ from .test_triton_clients import INPUTS, cases, run_triton_client
 FP16 = TOLERANCES["fp16"]
 
 
-def assert_within_fp16_tolerance(got, want):
+def assert_within_relative(got, want, tolerance=FP16):
+    """Within a relative tolerance (validate.TOLERANCES): the largest error over the reference's largest value."""
     assert got.shape == want.shape
     error = np.max(np.abs(got.astype(np.float64) - want))
-    assert error <= FP16.max_rel * max(np.max(np.abs(want)), 1e-30), error
+    assert error <= tolerance.max_rel * max(np.max(np.abs(want)), 1e-30), error
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +87,8 @@ def test_a_fully_masked_row_is_zeros_in_float16_even_with_large_scores(fp16_mode
     assert np.isfinite(out).all() and np.isfinite(weights).all()
     assert not out[0, 2].any() and not weights[0, :, 2].any()
     want_out, want_weights = eager(small_module, query, query, query, allowed[:, 0])
-    assert_within_fp16_tolerance(out, want_out)
-    assert_within_fp16_tolerance(weights, want_weights)
+    assert_within_relative(out, want_out)
+    assert_within_relative(weights, want_weights)
 
 
 def test_tritonclient_gets_fp16_weights_equal_to_float32_eager(fp16_server, small_module, tmp_path):
@@ -96,8 +97,8 @@ def test_tritonclient_gets_fp16_weights_equal_to_float32_eager(fp16_server, smal
         want_out, want_weights = eager(small_module, *(arrays.get(n) for n in INPUTS))
         assert results[f"{case}_output"].dtype == np.float32
         assert results[f"{case}_attn_weights"].dtype == np.float16
-        assert_within_fp16_tolerance(results[f"{case}_output"], want_out)
-        assert_within_fp16_tolerance(results[f"{case}_attn_weights"], want_weights)
+        assert_within_relative(results[f"{case}_output"], want_out)
+        assert_within_relative(results[f"{case}_attn_weights"], want_weights)
 
 
 def test_metadata_and_config_name_fp16_for_the_weights(fp16_server):
@@ -130,8 +131,8 @@ def test_our_clients_and_rest_json_get_the_same_fp16_weights(fp16_server, small_
     np.testing.assert_array_equal(over_http.attn_weights, over_grpc.attn_weights)
     np.testing.assert_array_equal(over_json.as_numpy("attn_weights"), over_grpc.attn_weights)
     np.testing.assert_array_equal(over_json.as_numpy("output"), over_grpc.output)
-    assert_within_fp16_tolerance(over_grpc.attn_weights, want_weights)
-    assert_within_fp16_tolerance(mean, want_weights.mean(axis=1))
+    assert_within_relative(over_grpc.attn_weights, want_weights)
+    assert_within_relative(mean, want_weights.mean(axis=1))
 
 
 def test_inputs_float16_cannot_hold_get_an_error_naming_float16_not_inf(fp16_server):

@@ -48,12 +48,13 @@ from mhaserve.loadgen import LoadGenerator, Workload, default_processes
 from mhaserve.loadgen import Point as LoadPoint
 from mhaserve.model.weights import seeded_module
 from mhaserve.server.session import AttentionSession
+from mhaserve.server.tensors import weights_dtype
 from mhaserve.server_process import ServerProcess
+from mhaserve.signature import PRECISIONS
 
 # (batch, length, d_model, heads)
 SHAPES = [(1, 16, 512, 8), (1, 128, 512, 8), (8, 512, 512, 8), (32, 128, 768, 12), (1, 2048, 4096, 32)]
 F32 = 4
-WEIGHTS_BYTES = {"fp32": 4, "fp16": 2}  # per attention weight returned
 
 
 @dataclass
@@ -123,7 +124,7 @@ def measure_shape(batch, length, d_model, heads, precision, device, repeats, ban
     mask = np.ones((1, 1, 1, length), bool)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     device_bw, host_bw = bandwidth
-    weights_bytes = batch * heads * length * length * WEIGHTS_BYTES[precision]
+    weights_bytes = batch * heads * length * length * weights_dtype(precision).itemsize
     io_bytes = 2 * batch * length * d_model * F32  # query up, output down
     shape = f"[{batch},{length},{d_model}/{heads}]"
     points = []
@@ -179,9 +180,8 @@ def measure_served(batch, length, d_model, heads, precision, device, seconds, fo
                 one = generator.measure(workload, LoadPoint("closed", 1, seconds, 1.0))
                 sixteen = generator.measure(workload, LoadPoint("closed", 16, seconds, 1.0))
                 errors = sum(one.errors.values()) + sum(sixteen.errors.values())
-                shape = f"[{batch},{length},{d_model}/{heads}]"
                 print(
-                    f"{shape:>20} {precision:>9} {'yes' if with_weights else 'no':>7} "
+                    f"{points[0].shape:>20} {precision:>9} {'yes' if with_weights else 'no':>7} "
                     f"| served c1 p50 {one.latency_ms['p50']:8.3f} ms ({one.latency_ms['p50'] / in_process:5.2f} x "
                     f"in process) | c16 {sixteen.throughput:8.1f} req/s p99 {sixteen.latency_ms['p99']:8.2f} ms"
                     + (f" | {errors} errors" if errors else ""),
@@ -209,8 +209,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, help="also write the points as JSON")
     args = parser.parse_args()
     precisions = args.precisions.split(",")
-    if not set(precisions) <= set(WEIGHTS_BYTES):
-        parser.error(f"--precisions: each of {', '.join(WEIGHTS_BYTES)}, got {args.precisions}")
+    if not set(precisions) <= set(PRECISIONS):
+        parser.error(f"--precisions: each of {', '.join(PRECISIONS)}, got {args.precisions}")
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_cuda: torch sees no GPU here; --device cpu is the dry run", file=sys.stderr)
         return 2
