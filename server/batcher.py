@@ -7,13 +7,15 @@ query row has every key masked, which the model defines as zeros, so padding nev
 Padding costs compute: 16 requests of lengths 16..128 padded into one run took 1.6x the time of the
 same requests run one by one (BENCHMARKS.md). So, length-aware, the queue is split into runs by a cost
 model of this model on this machine (``run_cost.py``, fitted at warm-up): requests sorted by length,
-cut where padding would cost more than another run's overhead. The worker makes a drain's runs one
-after another, cheapest first, and each run's answers leave as it ends. The plan costs no more than
-the one padded run it replaces, so (as far as the cost model is right) no request of the drain is
-answered later than that run would have answered it, and the next drain starts sooner. Runs of one
-drain stay on one worker: on two cores one run already uses both (ONNX Runtime's threads), and two
-at once would only share them. Equal lengths stay one run. ``length_aware=False`` keeps the single
-padded run, for A/B measurement.
+cut where padding would cost more than another run's overhead. When what a free worker takes holds
+more than one length, it looks further down the queue, up to DRAIN_RUNS runs' worth of rows: with
+more requests to choose from, the plan finds runs that are both full and of like lengths, where from
+the head alone it could only choose between padding and small runs (each run still at most the batch
+limit). The worker makes a drain's runs one after another, the run holding the oldest request first,
+and each run's answers leave as it ends. Runs of one drain stay on one worker: on two cores one run
+already uses both (ONNX Runtime's threads), and two at once would only share them. Equal lengths take
+what they took before and stay one run. ``length_aware=False`` keeps the single padded run, for A/B
+measurement.
 
 Scheduling is greedy: whenever a worker is free it takes everything queued, up to the batch limit.
 At low load a request runs at once (no added latency); under load requests pile up while a run is
@@ -191,6 +193,16 @@ class Answer:
 RunModel = Callable[[tuple[str, ...], np.ndarray, np.ndarray, np.ndarray, np.ndarray], list[np.ndarray]]
 
 
+# How far down the queue a drain of mixed lengths looks, in runs of max_batch_size rows. Under 16..128
+# load at 64 callers, four runs' worth gave runs of like lengths and 1.3x the throughput of drains
+# of one run's worth (BENCHMARKS.md, issue 17); further would keep requests queued behind a longer drain.
+DRAIN_RUNS = 4
+
+
+def _lengths(pending: _Pending) -> tuple[int, int]:
+    return pending.request.query.shape[1], pending.request.key.shape[1]
+
+
 class Batcher:
     """Queue and scheduler; runs on the event loop, hands model runs to ``executor``.
 
@@ -249,7 +261,9 @@ class Batcher:
         while self._idle_workers and self._queue:
             if self._should_wait():
                 return
-            batch = self._take()
+            batch = self._take(self.max_batch_size)
+            if self.run_cost is not None and len({_lengths(p) for p in batch}) > 1:
+                batch += self._take(self.max_batch_size * (DRAIN_RUNS - 1))
             if batch:
                 self._idle_workers -= 1
                 loop = asyncio.get_running_loop()
@@ -276,8 +290,8 @@ class Batcher:
         self._timer = None
         self._dispatch()
 
-    def _take(self) -> list[_Pending]:
-        """Pop the next batch: skip cancelled requests, fail expired ones, stop at the row limit."""
+    def _take(self, max_rows: int) -> list[_Pending]:
+        """Pop the next batch: skip cancelled requests, fail expired ones, stop at ``max_rows``."""
         batch, rows = [], 0
         now = time.monotonic()
         while self._queue:
@@ -290,7 +304,7 @@ class Batcher:
                 waited = (time.perf_counter_ns() - pending.enqueued_ns) / 1e9
                 pending.future.set_exception(DeadlineExpiredInQueue(waited))
                 continue
-            if batch and (not self.enabled or rows + pending.request.batch_size > self.max_batch_size):
+            if batch and (not self.enabled or rows + pending.request.batch_size > max_rows):
                 break
             self._queue.popleft()
             batch.append(pending)
@@ -298,15 +312,17 @@ class Batcher:
         return batch
 
     def _plan(self, batch: list[_Pending]) -> list[list[_Pending]]:
-        """``batch`` as the runs to make of it, cheapest first (see the module doc)."""
+        """``batch`` as the runs to make of it, the run holding the oldest request first (module doc)."""
         if self.run_cost is None or len(batch) < 2:
             return [batch]
-        shapes = [(p.request.batch_size, p.request.query.shape[1], p.request.key.shape[1]) for p in batch]
-        if len({shape[1:] for shape in shapes}) == 1:
+        if len({_lengths(p) for p in batch}) == 1:
             return [batch]  # one length: nothing to gain by splitting, and no plan to pay for
-        # Cheapest run first: the drain ends when its last run does whatever the order, and this order
-        # answers the most requests soonest.
-        return [[batch[i] for i in sorted(run)] for run in plan_runs(shapes, self.run_cost)]
+        shapes = [(p.request.batch_size, *_lengths(p)) for p in batch]
+        runs = [[batch[i] for i in sorted(run)] for run in plan_runs(shapes, self.run_cost, self.max_batch_size)]
+        # Oldest first: a drain spans several runs' worth of the queue, and in this order the requests
+        # that have waited longest leave first (cheapest first left the longest requests of every
+        # drain to its end: p99 at 16..128 and 16 callers 76-94 ms against 57-63, BENCHMARKS.md).
+        return sorted(runs, key=lambda run: run[0].enqueued_ns)
 
     def _run_all(self, runs: list[list[_Pending]], loop: asyncio.AbstractEventLoop) -> None:
         """In a worker thread: the drain's runs one after another, each run's answers sent as it ends."""

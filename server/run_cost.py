@@ -82,13 +82,14 @@ class RunCost:
         return cls(*prices)
 
 
-def plan_runs(shapes: list[tuple[int, int, int]], cost: RunCost) -> list[list[int]]:
-    """Split requests of (rows, Lq, Lk) into runs whose summed estimated cost is least; cheapest run first.
+def plan_runs(shapes: list[tuple[int, int, int]], cost: RunCost, max_rows: int | None = None) -> list[list[int]]:
+    """Split requests of (rows, Lq, Lk) into runs of at most ``max_rows`` rows whose summed estimated cost
+    is least; shortest lengths first.
 
     Requests sorted by length, each run a contiguous stretch of that order (one padded to its longest
     member); a dynamic programme over the cut points finds the cheapest split. Equal lengths cost most
-    in one run only if the per-run overhead were negative, so they stay together. Returns lists of
-    indices into ``shapes``.
+    in one run only if the per-run overhead were negative, so they stay together up to ``max_rows``.
+    Returns lists of indices into ``shapes``.
     """
     order = sorted(range(len(shapes)), key=lambda i: (shapes[i][1], shapes[i][2]))
     best = [0.0] + [float("inf")] * len(order)
@@ -98,12 +99,14 @@ def plan_runs(shapes: list[tuple[int, int, int]], cost: RunCost) -> list[list[in
         for start in range(end - 1, -1, -1):
             r, lq, lk = shapes[order[start]]
             rows, q_len, kv_len = rows + r, max(q_len, lq), max(kv_len, lk)
+            if max_rows is not None and rows > max_rows and start < end - 1:
+                break  # no longer one run (a single request over the limit still runs alone)
             total = best[start] + cost.seconds(rows, q_len, kv_len)
             if total < best[end]:
                 best[end], start_of[end] = total, start
-    runs, end = [], len(order)  # (its cost, its indices), from the last cut back
+    runs, end = [], len(order)  # from the last cut back
     while end > 0:
         start = start_of[end]
-        runs.append((best[end] - best[start], order[start:end]))
+        runs.append(order[start:end])
         end = start
-    return [run for _, run in sorted(runs, key=lambda priced: priced[0])]
+    return runs[::-1]

@@ -231,6 +231,9 @@ def test_plan_keeps_equal_lengths_together_and_splits_where_padding_costs_more()
     assert sorted(map(sorted, plan_runs(shapes, cost))) == [[0, 2, 4, 6], [1, 3, 5, 7]]
     # With a per-run price above any padding, one run it is.
     assert len(plan_runs(shapes, RunCost(overhead_s=10.0, per_token_s=1e-6, per_pair_s=1e-7))) == 1
+    # No run over the row limit, though one run would be cheapest; a request alone over it still runs.
+    assert [len(run) for run in plan_runs([(1, 64, 64)] * 8, cost, max_rows=3)] == [3, 3, 2]
+    assert plan_runs([(5, 8, 8)], cost, max_rows=3) == [[0]]
     # The plan is never dearer than the single padded run it replaces.
     rng = np.random.default_rng(0)
     for _ in range(50):
@@ -287,33 +290,42 @@ def test_split_runs_give_each_request_its_unbatched_answer(small_model_dir):
             np.testing.assert_allclose(answer.outputs[name], want, rtol=0, atol=1e-5)
 
 
-def test_a_drain_makes_its_cheapest_run_first(small_model_dir):
+def test_a_mixed_drain_looks_down_the_queue_and_runs_the_oldest_request_first(small_model_dir):
     from concurrent.futures import ThreadPoolExecutor
 
     from mhaserve.server.batcher import Batcher
     from mhaserve.server.run_cost import RunCost
 
     session = AttentionSession(small_model_dir, device="cpu", intra_op_threads=1)
-    long_one = as_attention_request(rand(1, 60, D, seed=1), None, None, None, False)
-    short_ones = [as_attention_request(rand(1, 2, D, seed=s), None, None, None, False) for s in range(6)]
-    order = []
 
-    async def scenario():
-        with ThreadPoolExecutor(1) as executor:
-            batcher = Batcher(session.run, executor, workers=1, max_batch_size=64, max_queue_size=64,
-                              on_batch=lambda run: order.append(run.batch_size),
-                              run_cost=RunCost(1e-9, 0.0, 1.0))  # fmt: skip
-            batcher._idle_workers = 0
-            submitted = [asyncio.ensure_future(batcher.submit(r)) for r in (long_one, *short_ones)]
-            await asyncio.sleep(0)
-            batcher._idle_workers = 1
-            batcher._dispatch()
-            await asyncio.gather(*submitted)
+    def request(length, seed):
+        return as_attention_request(rand(1, length, D, seed=seed), None, None, None, False)
 
-    asyncio.run(scenario())
-    # The six short requests run together first, then the long one, though it was queued first: the drain
-    # ends when its last run does either way, and this way six answers leave early instead of one.
-    assert order == [6, 1]
+    def runs_made(requests, max_batch_size=4):
+        made = []
+
+        async def scenario():
+            with ThreadPoolExecutor(1) as executor:
+                batcher = Batcher(session.run, executor, workers=1, max_batch_size=max_batch_size,
+                                  max_queue_size=64, on_batch=lambda run: made.append((run.batch_size, run.q_len)),
+                                  run_cost=RunCost(1e-3, 1e-6, 0.0))  # fmt: skip
+                batcher._idle_workers = 0  # hold the worker so every request is queued before the first plan
+                submitted = [asyncio.ensure_future(batcher.submit(r)) for r in requests]
+                await asyncio.sleep(0)
+                batcher._idle_workers = 1
+                batcher._dispatch()
+                await asyncio.gather(*submitted)
+
+        asyncio.run(scenario())
+        return made
+
+    # A long request queued first, then short and long ones alternating: the head's four rows alone would
+    # make two half-full runs. Looking further, the drain makes full runs of one length each, never over
+    # the batch limit, and the run holding the oldest request (the long one) goes first.
+    queued = [request(60, 0)] + [request(2 if i % 2 else 60, i) for i in range(1, 8)]
+    assert runs_made(queued) == [(4, 60), (4, 2)]
+    # Equal lengths take what they took before: one run of the batch limit per drain.
+    assert runs_made([request(8, i) for i in range(8)]) == [(4, 8), (4, 8)]
 
 
 def test_padding_share_is_a_metric_and_the_flag_keeps_one_padded_run(small_model_dir, small_module):
