@@ -194,8 +194,9 @@ RunModel = Callable[[tuple[str, ...], np.ndarray, np.ndarray, np.ndarray, np.nda
 
 
 # How far down the queue a drain of mixed lengths looks, in runs of max_batch_size rows. Under 16..128
-# load at 64 callers, four runs' worth gave runs of like lengths and 1.3x the throughput of drains
-# of one run's worth (BENCHMARKS.md, issue 17); further would keep requests queued behind a longer drain.
+# load at 64 callers, four runs' worth gave runs of like lengths and 1.47x padded's throughput, against
+# 1.31x for drains of one run's worth (BENCHMARKS.md, issue 17); further would keep requests queued
+# behind a longer drain.
 DRAIN_RUNS = 4
 
 
@@ -261,13 +262,10 @@ class Batcher:
         while self._idle_workers and self._queue:
             if self._should_wait():
                 return
-            batch = self._take(self.max_batch_size)
-            if self.run_cost is not None and len({_lengths(p) for p in batch}) > 1:
-                batch += self._take(self.max_batch_size * (DRAIN_RUNS - 1))
+            batch, runs = self._take_drain()
             if batch:
                 self._idle_workers -= 1
                 loop = asyncio.get_running_loop()
-                runs = self._plan(batch)
                 drain = loop.run_in_executor(self._executor, self._run_all, runs, loop)
                 drain.add_done_callback(functools.partial(self._finished, batch))
 
@@ -311,18 +309,18 @@ class Batcher:
             rows += pending.request.batch_size
         return batch
 
-    def _plan(self, batch: list[_Pending]) -> list[list[_Pending]]:
-        """``batch`` as the runs to make of it, the run holding the oldest request first (module doc)."""
-        if self.run_cost is None or len(batch) < 2:
-            return [batch]
-        if len({_lengths(p) for p in batch}) == 1:
-            return [batch]  # one length: nothing to gain by splitting, and no plan to pay for
+    def _take_drain(self) -> tuple[list[_Pending], list[list[_Pending]]]:
+        """What a free worker takes, and the runs to make of it, the oldest request's run first (module doc)."""
+        batch = self._take(self.max_batch_size)
+        if self.run_cost is None or len({_lengths(p) for p in batch}) < 2:
+            return batch, [batch]  # padded, or one length: nothing to gain by splitting, no plan to pay for
+        batch += self._take(self.max_batch_size * (DRAIN_RUNS - 1))
         shapes = [(p.request.batch_size, *_lengths(p)) for p in batch]
         runs = [[batch[i] for i in sorted(run)] for run in plan_runs(shapes, self.run_cost, self.max_batch_size)]
         # Oldest first: a drain spans several runs' worth of the queue, and in this order the requests
         # that have waited longest leave first (cheapest first left the longest requests of every
-        # drain to its end: p99 at 16..128 and 16 callers 76-94 ms against 57-63, BENCHMARKS.md).
-        return sorted(runs, key=lambda run: run[0].enqueued_ns)
+        # drain to its end: p99 at 16..128 and 16 callers 80-93 ms against 74-75, BENCHMARKS.md).
+        return batch, sorted(runs, key=lambda run: run[0].enqueued_ns)
 
     def _run_all(self, runs: list[list[_Pending]], loop: asyncio.AbstractEventLoop) -> None:
         """In a worker thread: the drain's runs one after another, each run's answers sent as it ends."""

@@ -258,21 +258,18 @@ def test_cost_fit_recovers_known_prices_and_never_goes_negative():
     assert min(fitted.overhead_s, fitted.per_token_s, fitted.per_pair_s) >= 0
 
 
-def test_split_runs_give_each_request_its_unbatched_answer(small_model_dir):
-    # The real batcher and session, with a cost model that makes every length its own run.
+def queued_then_drained(session, requests, run_cost, max_batch_size=64):
+    """The real batcher with one worker, held until every request is queued, then freed: (answers, runs made)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from mhaserve.server.batcher import Batcher
-    from mhaserve.server.run_cost import RunCost
 
-    session = AttentionSession(small_model_dir, device="cpu", intra_op_threads=1)
-    requests = [as_attention_request(*r) for r in mixed_requests(16, seed=9)]
     runs = []
 
     async def scenario():
         with ThreadPoolExecutor(1) as executor:
-            batcher = Batcher(session.run, executor, workers=1, max_batch_size=64, max_queue_size=64,
-                              on_batch=runs.append, run_cost=RunCost(1e-9, 0.0, 1.0))  # fmt: skip
+            batcher = Batcher(session.run, executor, workers=1, max_batch_size=max_batch_size, max_queue_size=64,
+                              on_batch=runs.append, run_cost=run_cost)  # fmt: skip
             batcher._idle_workers = 0  # hold the worker so every request is queued before the first plan
             submitted = [asyncio.ensure_future(batcher.submit(r)) for r in requests]
             await asyncio.sleep(0)
@@ -280,7 +277,16 @@ def test_split_runs_give_each_request_its_unbatched_answer(small_model_dir):
             batcher._dispatch()
             return await asyncio.gather(*submitted)
 
-    answers = asyncio.run(scenario())
+    return asyncio.run(scenario()), runs
+
+
+def test_split_runs_give_each_request_its_unbatched_answer(small_model_dir):
+    # The real batcher and session, with a cost model that makes every length its own run.
+    from mhaserve.server.run_cost import RunCost
+
+    session = AttentionSession(small_model_dir, device="cpu", intra_op_threads=1)
+    requests = [as_attention_request(*r) for r in mixed_requests(16, seed=9)]
+    answers, runs = queued_then_drained(session, requests, RunCost(1e-9, 0.0, 1.0))
     lengths = {(r.query.shape[1], r.key.shape[1]) for r in requests}
     assert len(runs) == len(lengths) > 1  # one run per distinct (Lq, Lk): no padding paid for
     assert all(run.padding_ratio == 0.0 for run in runs)
@@ -291,9 +297,6 @@ def test_split_runs_give_each_request_its_unbatched_answer(small_model_dir):
 
 
 def test_a_mixed_drain_looks_down_the_queue_and_runs_the_oldest_request_first(small_model_dir):
-    from concurrent.futures import ThreadPoolExecutor
-
-    from mhaserve.server.batcher import Batcher
     from mhaserve.server.run_cost import RunCost
 
     session = AttentionSession(small_model_dir, device="cpu", intra_op_threads=1)
@@ -301,23 +304,9 @@ def test_a_mixed_drain_looks_down_the_queue_and_runs_the_oldest_request_first(sm
     def request(length, seed):
         return as_attention_request(rand(1, length, D, seed=seed), None, None, None, False)
 
-    def runs_made(requests, max_batch_size=4):
-        made = []
-
-        async def scenario():
-            with ThreadPoolExecutor(1) as executor:
-                batcher = Batcher(session.run, executor, workers=1, max_batch_size=max_batch_size,
-                                  max_queue_size=64, on_batch=lambda run: made.append((run.batch_size, run.q_len)),
-                                  run_cost=RunCost(1e-3, 1e-6, 0.0))  # fmt: skip
-                batcher._idle_workers = 0  # hold the worker so every request is queued before the first plan
-                submitted = [asyncio.ensure_future(batcher.submit(r)) for r in requests]
-                await asyncio.sleep(0)
-                batcher._idle_workers = 1
-                batcher._dispatch()
-                await asyncio.gather(*submitted)
-
-        asyncio.run(scenario())
-        return made
+    def runs_made(requests):
+        _, runs = queued_then_drained(session, requests, RunCost(1e-3, 1e-6, 0.0), max_batch_size=4)
+        return [(run.batch_size, run.q_len) for run in runs]
 
     # A long request queued first, then short and long ones alternating: the head's four rows alone would
     # make two half-full runs. Looking further, the drain makes full runs of one length each, never over
