@@ -11,7 +11,9 @@ mhaserve_inference_padding_ratio histogram). Not a test: it prints numbers; BENC
 Each mixed range also gets its no-padding bound, measured on the first server in the same round: what
 the range would reach if every request cost what it costs in equal-length traffic of its own length
 (see no_padding_bound). Equal-length traffic is the best any batching policy can meet, so the bound says
-how much of a policy's shortfall is left to take.
+how much of a policy's shortfall is left to take. Beside it, the best any split can do at the length-aware
+server's fitted prices (see best_split_share): the bound pays one run per full batch, a split of mixed lengths
+pays a run per group or pads, and that price is what keeps splitting below the bound.
 ``--policy NAME="SERVER ARGS"`` (repeated) measures other servers instead, for example a thread layout:
 ``--policy padded="--length-aware-batching false" --policy aware-2x1="--inference-workers 2 --intra-op-threads 1"``.
 """
@@ -19,14 +21,18 @@ how much of a policy's shortfall is left to take.
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import sys
 import urllib.request
 
+import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from mhaserve.cli import ensure_default_model
 from mhaserve.loadgen import LoadGenerator, Point, Workload, default_processes
+from mhaserve.server.config import ServerSettings
+from mhaserve.server.run_cost import RunCost, plan_runs
 from mhaserve.server_process import ServerProcess
 
 # (min length, max length, concurrency): the mixed ranges, then equal lengths, where the planner must not
@@ -93,6 +99,36 @@ def no_padding_bound(server: ServerProcess, low: int, high: int, point: Point, p
     return 1 / statistics.mean(seconds_per_request)
 
 
+def fitted_run_cost(server: ServerProcess) -> RunCost | None:
+    """The run cost model the server fitted at warm-up, from its start-up log (None: length-aware batching off)."""
+    for line in server.lines:
+        found = re.search(r"run cost model .*: ([\d.]+) us \+ ([\d.]+) ns per token \+ ([\d.]+) ns per query-key", line)
+        if found:
+            overhead_us, per_token_ns, per_pair_ns = map(float, found.groups())
+            return RunCost(overhead_us * 1e-6, per_token_ns * 1e-9, per_pair_ns * 1e-9)
+    return None
+
+
+def best_split_share(cost: RunCost, low: int, high: int, requests: int, draws: int = 300, seed: int = 0) -> float:
+    """Modelled: the no-padding cost of a drain of ``requests`` self-attention requests of lengths drawn from
+    low..high (one run per full batch, as equal-length traffic pays) over the cost of the best split of it
+    (plan_runs), both at ``cost``'s prices; the mean over ``draws`` drains. A drain holds at most as many
+    requests as there are callers, and a larger drain splits closer to the bound, so with ``requests`` the
+    concurrency this is the most that splitting mixed lengths can reach of the bound (in model compute;
+    the event loop's share of each request, the same for both, brings measured ratios nearer one)."""
+    max_rows = ServerSettings().max_batch_size
+    rng = np.random.default_rng(seed)
+    shares = []
+    for _ in range(draws):
+        lengths = [int(n) for n in rng.integers(low, high + 1, requests)]
+        plan = plan_runs([(1, n, n) for n in lengths], cost, max_rows)
+        split = sum(cost.seconds(len(run), max(lengths[i] for i in run), max(lengths[i] for i in run)) for run in plan)
+        unpadded = sum(cost.seconds(1, n, n) - cost.overhead_s for n in lengths)
+        unpadded += cost.overhead_s * -(-requests // max_rows)
+        shares.append(unpadded / split)
+    return float(np.mean(shares))
+
+
 def summary(values: list[float]) -> str:
     return f"median {statistics.median(values):.2f} ({', '.join(f'{v:.2f}' for v in values)})"
 
@@ -122,8 +158,10 @@ def main() -> int:
     servers = {name: ServerProcess(model_dir, *flags.split()).start() for name, flags in policies.items()}
     first = next(iter(servers))
     for name, server in servers.items():
-        fitted = [line.split("run cost model ")[1].strip() for line in server.lines if "run cost model" in line]
-        print(f"{name}: {server.url}" + (f"; run cost model {fitted[0]}" if fitted else ""))
+        logged = [line.split("run cost model ")[1].strip() for line in server.lines if "run cost model" in line]
+        print(f"{name}: {server.url}" + (f"; run cost model {logged[0]}" if logged else ""))
+    # The first length-aware server's prices, for the modelled best split (best_split_share).
+    fitted = next((cost for cost in map(fitted_run_cost, servers.values()) if cost is not None), None)
     processes = default_processes()
     print(f"client processes: {processes}; {args.warmup:g} s warm-up + {args.duration:g} s per point\n")
     print(f"{'lengths':>9} {'c':>3} {'server':>14} | {'req/s':>7} {'p50 ms':>7} {'p99 ms':>7} {'errors':>6} "
@@ -159,6 +197,9 @@ def main() -> int:
                         continue  # a round without its bound
                     of_bound = [ratio / bound for ratio, bound in zip(values, bounds, strict=True)]
                     print(f"{label:>9} {concurrency:>3} {name} / bound: {summary(of_bound)}", flush=True)
+            if fitted is not None and low != high:
+                share = best_split_share(fitted, low, high, concurrency)
+                print(f"{label:>9} {concurrency:>3} best split / bound, modelled at the fitted prices: {share:.2f}")
             print()
     finally:
         for server in servers.values():
