@@ -99,14 +99,20 @@ def no_padding_bound(server: ServerProcess, low: int, high: int, point: Point, p
     return 1 / statistics.mean(seconds_per_request)
 
 
+def logged_run_cost(server: ServerProcess) -> str | None:
+    """The run cost model as the server logged it at start-up (None: length-aware batching off)."""
+    return next((line.split("run cost model ")[1].strip() for line in server.lines if "run cost model" in line), None)
+
+
 def fitted_run_cost(server: ServerProcess) -> RunCost | None:
-    """The run cost model the server fitted at warm-up, from its start-up log (None: length-aware batching off)."""
-    for line in server.lines:
-        found = re.search(r"run cost model .*: ([\d.]+) us \+ ([\d.]+) ns per token \+ ([\d.]+) ns per query-key", line)
-        if found:
-            overhead_us, per_token_ns, per_pair_ns = map(float, found.groups())
-            return RunCost(overhead_us * 1e-6, per_token_ns * 1e-9, per_pair_ns * 1e-9)
-    return None
+    """The run cost model the server fitted at warm-up, read back from its start-up log."""
+    found = re.search(
+        r": ([\d.]+) us \+ ([\d.]+) ns per token \+ ([\d.]+) ns per query-key", logged_run_cost(server) or ""
+    )
+    if found is None:
+        return None
+    overhead_us, per_token_ns, per_pair_ns = map(float, found.groups())
+    return RunCost(overhead_us * 1e-6, per_token_ns * 1e-9, per_pair_ns * 1e-9)
 
 
 def best_split_share(cost: RunCost, low: int, high: int, requests: int, draws: int = 300, seed: int = 0) -> float:
@@ -120,10 +126,9 @@ def best_split_share(cost: RunCost, low: int, high: int, requests: int, draws: i
     rng = np.random.default_rng(seed)
     shares = []
     for _ in range(draws):
-        lengths = [int(n) for n in rng.integers(low, high + 1, requests)]
-        plan = plan_runs([(1, n, n) for n in lengths], cost, max_rows)
-        split = sum(cost.seconds(len(run), max(lengths[i] for i in run), max(lengths[i] for i in run)) for run in plan)
-        unpadded = sum(cost.seconds(1, n, n) - cost.overhead_s for n in lengths)
+        shapes = [(1, int(n), int(n)) for n in rng.integers(low, high + 1, requests)]
+        split = sum(cost.padded_run_seconds([shapes[i] for i in run]) for run in plan_runs(shapes, cost, max_rows))
+        unpadded = sum(cost.seconds(*shape) - cost.overhead_s for shape in shapes)
         unpadded += cost.overhead_s * -(-requests // max_rows)
         shares.append(unpadded / split)
     return float(np.mean(shares))
@@ -158,8 +163,8 @@ def main() -> int:
     servers = {name: ServerProcess(model_dir, *flags.split()).start() for name, flags in policies.items()}
     first = next(iter(servers))
     for name, server in servers.items():
-        logged = [line.split("run cost model ")[1].strip() for line in server.lines if "run cost model" in line]
-        print(f"{name}: {server.url}" + (f"; run cost model {logged[0]}" if logged else ""))
+        logged = logged_run_cost(server)
+        print(f"{name}: {server.url}" + (f"; run cost model {logged}" if logged else ""))
     # The first length-aware server's prices, for the modelled best split (best_split_share).
     fitted = next((cost for cost in map(fitted_run_cost, servers.values()) if cost is not None), None)
     processes = default_processes()

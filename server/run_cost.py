@@ -48,6 +48,12 @@ class RunCost:
     def seconds(self, rows: int, q_len: int, kv_len: int) -> float:
         return self.overhead_s + self.per_token_s * rows * (q_len + kv_len) + self.per_pair_s * rows * q_len * kv_len
 
+    def padded_run_seconds(self, shapes: list[tuple[int, int, int]]) -> float:
+        """One run of requests of (rows, Lq, Lk), padded to the longest of each: what a run of a plan costs."""
+        return self.seconds(
+            sum(r for r, _, _ in shapes), max(lq for _, lq, _ in shapes), max(lk for _, _, lk in shapes)
+        )
+
     @classmethod
     def fit(cls, run: Callable[[int, int, int], None], max_rows: int, max_q_len: int, max_kv_len: int) -> RunCost:
         """The process's CPU time per ``run(rows, q_len, kv_len)`` at FIT_SHAPES, each run followed by

@@ -240,11 +240,8 @@ def test_plan_keeps_equal_lengths_together_and_splits_where_padding_costs_more()
         shapes = [(int(b), int(lq), int(lk)) for b, lq, lk in rng.integers(1, 300, size=(12, 3)) % [4, 300, 300] + 1]
         runs = plan_runs(shapes, cost)
         assert sorted(i for run in runs for i in run) == list(range(12))
-
-        def price(run, shapes=shapes):
-            return cost.seconds(sum(shapes[i][0] for i in run), *(max(shapes[i][k] for i in run) for k in (1, 2)))
-
-        assert sum(price(run) for run in runs) <= price(range(12)) + 1e-12
+        planned = sum(cost.padded_run_seconds([shapes[i] for i in run]) for run in runs)
+        assert planned <= cost.padded_run_seconds(shapes) + 1e-12
 
 
 def test_cost_fit_recovers_known_prices_and_never_goes_negative():
