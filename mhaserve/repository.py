@@ -8,6 +8,7 @@ resolved path (symlinks followed) must still lie under the repository's own reso
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +56,28 @@ class ModelRepository:
         if not VERSION.fullmatch(text):
             raise RepositoryPathError(f"version {text!r} is not allowed: expected a positive integer")
         return self._inside(self.model_dir(name) / text, f"model {name!r} version {text}")
+
+    def version_stamp(self, name: str, number: int) -> tuple:
+        """What the version's folder holds now, as the file system identifies it: the folder's own device and
+        inode, and each file's relative name, device, inode, size and modification time (a symlinked file by
+        its target). Any rewrite, replacement or rename of the folder or a file in it changes the stamp.
+
+        Every file, at any depth, must resolve inside the repository: model.onnx, the manifest and external
+        data are read from this folder, so a symlink out of it is refused (RepositoryPathError)."""
+        folder = self.version_dir(name, number)
+        try:
+            own = folder.stat()
+            files = []
+            for parent, _, names in os.walk(folder):
+                for file_name in names:
+                    path = Path(parent, file_name)
+                    relative = str(path.relative_to(folder))
+                    self._inside(path, f"model {name!r} version {number}: file {relative!r}")
+                    info = path.stat()
+                    files.append((relative, info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns))
+        except FileNotFoundError:  # the folder, or a dangling link in it: stamped as absent
+            return ()
+        return ((own.st_dev, own.st_ino), *sorted(files))
 
     def next_version(self, name: str) -> int:
         versions = self.versions(name)

@@ -142,13 +142,14 @@ class DataPlane:
         repository = self.registry.repository
         for name in repository.model_names():
             try:
-                folders = [repository.version_dir(name, number) for number in repository.versions(name)]
+                numbers = repository.versions(name)
             except ValueError:  # a link out of the repository: never served, the index says why
                 continue
-            for folder in folders:
+            for number in numbers:
                 try:
-                    configs.append(read_manifest(folder)["config"])
-                except (ModelDirError, ValueError):
+                    repository.version_stamp(name, number)  # no file read from outside the repository
+                    configs.append(read_manifest(repository.version_dir(name, number))["config"])
+                except (ModelDirError, ValueError, OSError):
                     pass  # reported when it is loaded
         return configs
 
@@ -287,8 +288,7 @@ class DataPlane:
         return cost
 
     async def _unload_version(self, served: ServedModel) -> None:
-        signature = served.signature
-        self.metrics.forget(signature.name, signature.version)
+        self.metrics.forget(served.metrics)
         # The registry drops its last reference after this returns; the session (its weights and
         # ONNX Runtime's arena) is freed with it, and the allocator is then asked to give the pages back.
         served.session = None

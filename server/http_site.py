@@ -9,6 +9,8 @@ import asyncio
 
 import orjson
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestHandler
 
 REFUSAL_LINGER_S = 1.0  # the refused client gets this long to read its 503 before the socket closes
 TLS_HANDSHAKE_TIMEOUT_S = 10.0  # a connection still shaking hands is not yet counted by aiohttp: bound it
@@ -41,19 +43,41 @@ class _Refused(asyncio.Protocol):
         pass
 
 
+class _RequestHandler(RequestHandler):
+    """aiohttp's connection handler, answering bytes that do not parse as HTTP with a JSON error that names
+    the fault without quoting them (aiohttp's own text echoes them: for a Content-Length shorter than its
+    body, the body's tail)."""
+
+    __slots__ = ()
+
+    def handle_error(self, request, status=500, exc=None, message=None) -> web.StreamResponse:
+        if not isinstance(exc, HttpProcessingError):
+            return super().handle_error(request, status, exc, message)
+        fault = (exc.message or type(exc).__name__).splitlines()[0].rstrip(": ")
+        response = web.json_response(
+            {"error": f"the request is not valid HTTP/1.1 ({fault}); if it had a body, check its Content-Length"},
+            status=exc.code or 400,
+        )
+        response.force_close()
+        return response
+
+
 class CappedSite(web.TCPSite):
     """aiohttp's TCP site, answering 503 to connections beyond ``max_connections`` instead of serving them."""
 
-    def __init__(self, runner: web.AppRunner, host: str, port: int, *, ssl_context, max_connections: int, what: str):
+    def __init__(
+        self, runner: web.AppRunner, host: str, port: int, *, ssl_context, max_connections: int, what: str, handler
+    ):
         super().__init__(runner, host, port, ssl_context=ssl_context)
         self._max_connections = max_connections
         self._refusal = _refusal(max_connections, what)
+        self._handler = handler  # keyword arguments of each connection's _RequestHandler
 
     def _protocol(self) -> asyncio.Protocol:
         server = self._runner.server
         if len(server.connections) >= self._max_connections:
             return _Refused(self._refusal)
-        return server()
+        return _RequestHandler(server, loop=asyncio.get_running_loop(), **self._handler)
 
     async def start(self) -> None:
         await web.BaseSite.start(self)  # registers the site with its runner (cleanup stops it)
@@ -80,15 +104,12 @@ async def start_site(
     what: str,
 ) -> tuple[web.AppRunner, int]:
     """Serve ``app`` on host:port; returns its runner (``cleanup()`` stops it) and the bound port."""
-    runner = web.AppRunner(
-        app,
-        handle_signals=False,
-        access_log=None,
-        keepalive_timeout=idle_timeout_s,  # also closes a connection that never sends a request
-        shutdown_timeout=shutdown_timeout_s,
-    )
+    handler = {"access_log": None, "keepalive_timeout": idle_timeout_s}  # also closes a connection that never sends
+    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=shutdown_timeout_s, **handler)
     await runner.setup()
-    site = CappedSite(runner, host, port, ssl_context=ssl_context, max_connections=max_connections, what=what)
+    site = CappedSite(
+        runner, host, port, ssl_context=ssl_context, max_connections=max_connections, what=what, handler=handler
+    )
     try:
         await site.start()
     except OSError:

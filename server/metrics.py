@@ -101,10 +101,14 @@ class Metrics:
         self._models[key] = ModelMetrics(self, model, version)
         return self._models[key]
 
-    def forget(self, model: str, version: str) -> None:
-        self._queue_depths.pop((model, version), None)
-        if retired := self._models.pop((model, version), None):
-            retired.retired = True  # an answer delivered after the unload must not bring its labels back
+    def forget(self, retired: ModelMetrics) -> None:
+        """An unloaded version's labels go with it, unless a reload of the same version has taken them over."""
+        retired.retired = True  # an answer delivered after the unload must not bring its labels back
+        model, version = key = retired.labels
+        if self._models.get(key) is not retired:
+            return
+        del self._models[key]
+        self._queue_depths.pop(key, None)
         for family in self._families:
             try:
                 family.remove(model, version)
@@ -140,7 +144,7 @@ class ModelMetrics:
 
     def __init__(self, metrics: Metrics, model: str, version: str):
         self._metrics = metrics
-        self._labels = (model, version)
+        self.labels = (model, version)
         self.retired = False  # the version was unloaded and its labels removed
         m = metrics
         self._count = m._count.labels(model, version)
@@ -156,7 +160,7 @@ class ModelMetrics:
     ) -> None:
         if self.retired:
             return
-        self._metrics.request_done(*self._labels, status, protocol)
+        self._metrics.request_done(*self.labels, status, protocol)
         if status == "OK":
             self._count.inc(rows)
             self._request_seconds.observe(total_s)

@@ -65,7 +65,9 @@ class VersionState:
     state: str
     reason: str = ""
     served: ServedModel | None = None
-    failed_stamp: tuple | None = None  # the folder as it was when it failed: not retried until it changes
+    # The folder as it was when this version was loaded (or failed to load). Each poll compares it with the
+    # folder now: a served version whose files changed is reloaded, a failed one is not retried until then.
+    stamp: tuple | None = None
 
 
 class ModelNotFound(RequestError):
@@ -120,7 +122,10 @@ class ModelRegistry:
         entry = versions.get(number) if number is not None else None
         if entry is None or entry.state == UNAVAILABLE:
             listed = ", ".join(f"'{n}'" for n in ready) or "none ready"
-            raise RequestError(ErrorKind.NOT_FOUND, f"model '{name}' has no version '{version}'; available: {listed}")
+            why = f" ({entry.reason})" if entry is not None and entry.reason else ""
+            raise RequestError(
+                ErrorKind.NOT_FOUND, f"model '{name}' has no version '{version}'{why}; available: {listed}"
+            )
         if entry.state != READY:
             raise RequestError(
                 ErrorKind.UNAVAILABLE, f"model '{name}' version {number} is {entry.state.lower()}; retry"
@@ -192,15 +197,18 @@ class ModelRegistry:
             versions = self.models.setdefault(name, {})
             if retry_failed:
                 for entry in versions.values():
-                    entry.failed_stamp = None
+                    if entry.state == UNAVAILABLE:
+                        entry.stamp = None
             failures: list[str] = []
+            tried: set[int] = set()  # once per call: a folder still being written is taken up at the next poll
             while True:
                 usable = [n for n in numbers if not self._failed_unchanged(name, n, versions.get(n))]
                 wanted = self.policy.select(usable)
-                to_load = [n for n in wanted if versions.get(n) is None or versions[n].state != READY]
+                to_load = [n for n in wanted if n not in tried and self._needs_load(name, n, versions.get(n))]
                 if not to_load:
                     break
                 for number in to_load:
+                    tried.add(number)
                     reason = await self._load_one(name, number, versions)
                     if reason:
                         failures.append(f"version {number}: {reason}")
@@ -241,23 +249,44 @@ class ModelRegistry:
             self.models.pop(name, None)
 
     async def _load_one(self, name: str, number: int, versions: dict[int, VersionState]) -> str:
+        """Load a version, or reload one whose folder changed. A reload is a swap: the old session serves on
+        while the new one loads, then requests move to the new one and the old is unloaded once its requests
+        in flight have finished; if the folder no longer loads, the old one is taken out of service."""
         previous = versions.get(number)
-        versions[number] = VersionState(LOADING)
-        folder = self.repository.root / name / str(number)
+        replaced = previous.served if previous is not None and previous.state == READY else None
+        if replaced is None:
+            versions[number] = VersionState(LOADING)
         try:
-            folder = self.repository.version_dir(name, number)  # a version symlinked out of it is refused
-            served = await self._load_version(name, number, folder)
+            # Taken before loading: a file changed while it loads differs from it at the next poll.
+            stamp = self.repository.version_stamp(name, number)  # a file linked out of the repository is refused
+            served = await self._load_version(name, number, self.repository.version_dir(name, number))
         except (ModelDirError, RepositoryPathError, ValueError, RuntimeError) as error:
             reason = str(error)
-            versions[number] = VersionState(UNAVAILABLE, reason, failed_stamp=_folder_stamp(folder))
+            if replaced is not None:
+                await self._retire(replaced, versions, number, reason)
+            versions[number] = VersionState(UNAVAILABLE, reason, stamp=self._stamp(name, number))
             log.warning("model '%s' version %d not loaded: %s", name, number, reason)
             return reason
         except BaseException:
             versions[number] = previous or VersionState(UNAVAILABLE, "loading was interrupted")
             raise
-        versions[number] = VersionState(READY, served=served)
-        log.info("model '%s' version %d ready", name, number)
+        versions[number] = VersionState(READY, served=served, stamp=stamp)
+        if replaced is not None:
+            log.info("model '%s' version %d reloaded: its files changed", name, number)
+            await self._retire(replaced)
+        else:
+            log.info("model '%s' version %d ready", name, number)
         return ""
+
+    async def _retire(
+        self, served: ServedModel, versions: dict[int, VersionState] | None = None, number: int = 0, reason: str = ""
+    ) -> None:
+        """Unload a session once the requests in flight on it have finished. With ``versions``, the version
+        it served is shown UNLOADING (and takes no new requests) meanwhile."""
+        if versions is not None:
+            versions[number] = VersionState(UNLOADING, reason)
+        await served.idle.wait()
+        await self._unload_version(served)
 
     async def _unload_one(self, name: str, number: int, versions: dict[int, VersionState], reason: str) -> None:
         entry = versions.get(number)
@@ -265,18 +294,27 @@ class ModelRegistry:
             if entry is not None and entry.state != UNAVAILABLE:
                 versions[number] = VersionState(UNAVAILABLE, reason)
             return
-        served = entry.served
         # New requests stop resolving to it now; the ones in flight finish on it.
-        versions[number] = VersionState(UNLOADING, reason)
-        await served.idle.wait()
-        await self._unload_version(served)
+        await self._retire(entry.served, versions, number, reason)
         versions[number] = VersionState(UNAVAILABLE, reason)
         log.info("model '%s' version %d unloaded (%s)", name, number, reason)
 
     def _failed_unchanged(self, name: str, number: int, entry: VersionState | None) -> bool:
-        if entry is None or entry.failed_stamp is None:
+        if entry is None or entry.state != UNAVAILABLE or entry.stamp is None:
             return False
-        return entry.failed_stamp == _folder_stamp(self.repository.root / name / str(number))
+        return entry.stamp == self._stamp(name, number)
+
+    def _needs_load(self, name: str, number: int, entry: VersionState | None) -> bool:
+        """Not served yet, or served from files that have changed since (rewritten, replaced, renamed)."""
+        if entry is None or entry.state != READY:
+            return True
+        return entry.stamp != self._stamp(name, number)
+
+    def _stamp(self, name: str, number: int) -> tuple:
+        try:
+            return self.repository.version_stamp(name, number)
+        except (RepositoryPathError, OSError) as error:  # compared like any stamp: a new error is a change
+            return ("unreadable", str(error))
 
     def _require_repository(self) -> ModelRepository:
         if self.repository is None:
@@ -286,11 +324,3 @@ class ModelRegistry:
                 "start it with --model-repository DIR to load and unload models",
             )
         return self.repository
-
-
-def _folder_stamp(folder: Path) -> tuple:
-    """What changes when a version folder is rewritten: its files' names, sizes and modification times."""
-    try:
-        return tuple(sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in folder.iterdir()))
-    except OSError:
-        return ()

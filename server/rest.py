@@ -100,7 +100,7 @@ def decode_rest_request(
             raise invalid(f"input {name!r}: 'name' and 'datatype' must be strings")
         check_input_header(name, datatype, arrays)
         if not isinstance(shape, list) or not all(type(d) is int for d in shape):
-            raise invalid(f"input '{name}': 'shape' is {shape!r}, expected a list of integers")
+            raise invalid(f"input '{name}': 'shape' is {_as_written(shape)}, expected a list of integers")
         size = _parameters(entry, f"input '{name}'").get("binary_data_size")
         if size is not None:
             if type(size) is not int or size < 0 or offset + size > len(binary):
@@ -129,6 +129,16 @@ def decode_rest_request(
     if not outputs and default_binary:
         binary_outputs = set(request.outputs)
     return request, binary_outputs
+
+
+def _as_written(value) -> str:
+    """A JSON value for a message, as a client would have written it: orjson reads an integer past 64 bits
+    as a float, which is shown as the integer it holds (2^64 as 18446744073709551616, not 1.8e+19)."""
+    if isinstance(value, list):
+        return "[" + ", ".join(_as_written(v) for v in value) + "]"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return repr(value)
 
 
 def _array_from_json(name: str, datatype: str, shape: list[int], data) -> np.ndarray:

@@ -240,6 +240,26 @@ def test_token_on_http_health_open(small_model_dir):
         assert scrape(server.metrics_url)[("mhaserve_unauthenticated_request_total", ())] == 2
 
 
+def test_a_content_length_shorter_than_the_body_is_refused_without_echoing_the_rest(server):
+    host, port = server.http_url.removeprefix("http://").split(":")
+    secret = b'{"inputs": "the tail of a body that must not come back"}'
+    with socket.create_connection((host, int(port)), timeout=10) as connection:
+        connection.sendall(b"POST /v2/models/mha/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}" + secret)
+        replies = b""
+        while chunk := connection.recv(65536):
+            replies += chunk
+    assert b"must not come back" not in replies
+    statuses = [line.split(b" ")[1] for line in replies.split(b"\r\n") if line.startswith(b"HTTP/1.")]
+    assert statuses and set(statuses) == {b"400"}, replies
+    assert b"not valid HTTP/1.1" in replies and b"check its Content-Length" in replies
+
+
+def test_a_shape_past_64_bits_is_shown_as_the_integer_sent(server):
+    body = b'{"inputs": [{"name": "query", "datatype": "FP32", "shape": [18446744073709551616, 1, 64], "data": [1]}]}'
+    status, _, message = call(server, "POST", "/v2/models/mha/infer", body)
+    assert status == 400 and "[18446744073709551616, 1, 64]" in json.loads(message)["error"], message
+
+
 def test_a_client_sending_half_a_body_is_dropped_after_the_read_timeout(small_model_dir):
     with ServerProcess(small_model_dir, *TEST_SERVER_ARGS, "--http-read-timeout-s", "1") as server:
         host, port = server.http_url.removeprefix("http://").split(":")

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from mhaserve.checked_load import Reference
-from mhaserve.client import Client
-from mhaserve.model_folder import MODEL_FILE
+from mhaserve.client import NO_RETRIES, Client
+from mhaserve.model_folder import MANIFEST_FILE, MODEL_FILE
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
 from mhaserve.server_process import ServerProcess
@@ -43,6 +43,7 @@ def exports(tmp_path_factory, small_model_dir):
     folders = {"small_v1": small_model_dir}
     for key, (d_model, heads, seed) in {
         "small_v2": (SMALL_D_MODEL, 4, 2),
+        "small_v3": (SMALL_D_MODEL, 4, 5),
         "wide": (WIDE_D_MODEL, WIDE_HEADS, 3),
     }.items():
         module = seeded_module(d_model, heads, seed=seed)
@@ -267,6 +268,181 @@ def test_a_new_version_swaps_in_under_load_with_nothing_lost(exports, tmp_path):
     assert rows[("mha", "3")][0] == "UNAVAILABLE" and "not valid JSON" in rows[("mha", "3")][1]
     # the unloaded version's metric labels went with it
     assert not [key for key in samples if ("version", "1") in key[1]]
+
+
+class Traffic:
+    """Clients sending one query steadily to (model, version) targets while the repository changes under the
+    server; each answer is labelled with the export it equals (or "wrong"), each refusal with its status."""
+
+    def __init__(self, url: str, targets: list[tuple[str, str]], exports: dict[str, Path]):
+        self.url, self.targets = url, targets
+        self.query = rand(1, 6, SMALL_D_MODEL, seed=8)
+        same_width = {key: folder for key, folder in exports.items() if key.startswith("small_")}
+        self.references = {key: reference_output(folder, self.query) for key, folder in same_width.items()}
+        self.records: list[tuple[tuple[str, str], float, float, str]] = []  # target, sent, answered, label
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._loop, args=(target,)) for target in targets]
+
+    def __enter__(self):
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *_):
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(30)
+
+    def _loop(self, target: tuple[str, str]) -> None:
+        with Client(self.url, model=target[0], version=target[1], retry=NO_RETRIES) as client:
+            while not self._stop.is_set():
+                sent = time.monotonic()
+                try:
+                    label = self._label(client.infer(self.query, attn_weights=False, timeout=30).output)
+                except grpc.RpcError as error:
+                    label = f"{error.code().name}: {error.details()}"
+                self.records.append((target, sent, time.monotonic(), label))
+
+    def _label(self, output: np.ndarray) -> str:
+        for key, reference in self.references.items():
+            if output.shape == reference.shape and np.allclose(output, reference, rtol=0, atol=1e-5):
+                return key
+        return "wrong"
+
+    def wait_for(self, target: tuple[str, str], label: str, timeout: float = 60) -> float:
+        """When the first answer from ``label`` to ``target`` came back."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for record in list(self.records):
+                if record[0] == target and record[3] == label:
+                    return record[2]
+            time.sleep(0.05)
+        raise AssertionError(f"{target} never answered from {label}: {self.labels(target)}")
+
+    def labels(self, target: tuple[str, str], sent_after: float = 0.0) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for record_target, sent, _, label in list(self.records):
+            if record_target == target and sent > sent_after:
+                counts[label] = counts.get(label, 0) + 1
+        return counts
+
+
+def poll_server(repository: Path) -> ServerProcess:
+    return repository_server(
+        repository, "--model-control-mode", "poll", "--repository-poll-secs", "0.2", "--version-policy", "all"
+    )
+
+
+# Within one poll (0.2 s) and a load of the small model: a changed folder serves its new files by then.
+CHANGE_SEEN_WITHIN_S = 15
+
+
+def test_a_version_rewritten_in_place_answers_from_its_new_files(exports, tmp_path):
+    repository = tmp_path / "repository"
+    add_version(repository, "a", 1, exports["small_v1"])
+    add_version(repository, "a", 2, exports["small_v2"])
+    with poll_server(repository) as server, Traffic(server.url, [("a", "2"), ("a", "")], exports) as traffic:
+        traffic.wait_for(("a", "2"), "small_v2")
+        for file in exports["small_v3"].iterdir():  # written into the files that are there: same inodes
+            shutil.copyfile(file, repository / "a" / "2" / file.name)
+        changed = time.monotonic()
+        switched = max(traffic.wait_for(target, "small_v3") for target in traffic.targets)
+        time.sleep(1.0)
+        rows = index(server)
+        samples = scrape(server.metrics_url)
+    assert switched - changed < CHANGE_SEEN_WITHIN_S
+    for target in traffic.targets:
+        assert "wrong" not in traffic.labels(target)
+        assert traffic.labels(target, sent_after=switched) == {"small_v3": traffic.labels(target, switched)["small_v3"]}
+        refused = [label for label in traffic.labels(target, sent_after=changed) if not label.startswith("small_")]
+        assert all("version" in label for label in refused), refused  # only while version 2 reloaded
+    assert rows[("a", "2")] == ("READY", "") and rows[("a", "1")] == ("READY", "")
+    # the reloaded version kept its metric labels (the old session's unload did not take them)
+    assert ("mhaserve_inference_pending_request_count", (("model", "a"), ("version", "2"))) in samples
+
+
+def test_a_model_file_that_no_longer_matches_its_manifest_is_taken_out_of_service(exports, tmp_path):
+    repository = tmp_path / "repository"
+    add_version(repository, "a", 1, exports["small_v1"])
+    add_version(repository, "a", 2, exports["small_v2"])
+    with poll_server(repository) as server, Traffic(server.url, [("a", "2"), ("a", "")], exports) as traffic:
+        traffic.wait_for(("a", "2"), "small_v2")
+        replacement = repository / "a" / "2" / ".model.onnx.new"
+        shutil.copyfile(exports["small_v3"] / MODEL_FILE, replacement)
+        replacement.replace(repository / "a" / "2" / MODEL_FILE)
+        changed = time.monotonic()
+        deadline = changed + CHANGE_SEEN_WITHIN_S
+        while index(server)[("a", "2")][0] != "UNAVAILABLE":
+            assert time.monotonic() < deadline, index(server)
+            time.sleep(0.05)
+        out_of_service = time.monotonic()
+        time.sleep(1.0)
+        rows = index(server)
+    state, reason = rows[("a", "2")]
+    assert "sha256" in reason and rows[("a", "1")] == ("READY", "")
+    for target in traffic.targets:
+        assert not {"wrong", "small_v3"} & set(traffic.labels(target))  # never the unverified file
+    assert traffic.labels(("a", ""), sent_after=out_of_service).keys() == {"small_v1"}  # moved to version 1
+    refusals = traffic.labels(("a", "2"), sent_after=out_of_service)
+    assert refusals and all(label.startswith("NOT_FOUND") and "sha256" in label for label in refusals), refusals
+
+
+def test_model_folders_swapped_by_rename_serve_what_they_now_hold(exports, tmp_path):
+    repository = tmp_path / "repository"
+    add_version(repository, "a", 1, exports["small_v1"])
+    add_version(repository, "b", 1, exports["small_v3"])
+    with poll_server(repository) as server, Traffic(server.url, [("a", "1"), ("b", "1")], exports) as traffic:
+        traffic.wait_for(("a", "1"), "small_v1")
+        traffic.wait_for(("b", "1"), "small_v3")
+        (repository / "a").rename(repository / ".swap")
+        (repository / "b").rename(repository / "a")
+        (repository / ".swap").rename(repository / "b")
+        changed = time.monotonic()
+        switched = {
+            ("a", "1"): traffic.wait_for(("a", "1"), "small_v3"),
+            ("b", "1"): traffic.wait_for(("b", "1"), "small_v1"),
+        }
+        time.sleep(1.0)
+    for target, now in {("a", "1"): "small_v3", ("b", "1"): "small_v1"}.items():
+        assert switched[target] - changed < CHANGE_SEEN_WITHIN_S
+        assert "wrong" not in traffic.labels(target)
+        assert traffic.labels(target, sent_after=switched[target]).keys() == {now}
+
+
+def test_a_file_linked_from_outside_the_repository_is_refused_at_start_and_in_poll(exports, tmp_path):
+    repository, outside = tmp_path / "repository", tmp_path / "outside"
+    shutil.copytree(exports["small_v2"], outside)
+    add_version(repository, "a", 1, exports["small_v1"])
+    add_version(repository, "a", 2, exports["small_v1"])
+
+    def linked_version(name: str, number: int) -> None:
+        staging = repository / name / f".{number}.incoming"
+        staging.mkdir(parents=True)
+        shutil.copyfile(outside / MANIFEST_FILE, staging / MANIFEST_FILE)
+        (staging / MODEL_FILE).symlink_to(outside / MODEL_FILE)
+        staging.rename(repository / name / str(number))
+
+    linked_version("b", 7)
+    with poll_server(repository) as server, Traffic(server.url, [("a", "1"), ("b", "7")], exports) as traffic:
+        at_start = index(server)
+        traffic.wait_for(("a", "1"), "small_v1")
+        linked_version("a", 3)
+        # a served version whose manifest becomes a link out is taken out of service too
+        (repository / "a" / "2" / MANIFEST_FILE).unlink()
+        (repository / "a" / "2" / MANIFEST_FILE).symlink_to(outside / MANIFEST_FILE)
+        deadline = time.monotonic() + CHANGE_SEEN_WITHIN_S
+        while not all(index(server).get(("a", v), ("",))[0] == "UNAVAILABLE" for v in ("2", "3")):
+            assert time.monotonic() < deadline, index(server)
+            time.sleep(0.05)
+        in_poll = index(server)
+    assert at_start[("b", "7")][0] == "UNAVAILABLE" and "outside the model repository" in at_start[("b", "7")][1]
+    assert "'model.onnx'" in at_start[("b", "7")][1]
+    for version, file in (("3", "'model.onnx'"), ("2", "'manifest.json'")):
+        state, reason = in_poll[("a", version)]
+        assert "outside the model repository" in reason and file in reason, reason
+    assert in_poll[("a", "1")] == ("READY", "")
+    assert set(traffic.labels(("a", "1"))) == {"small_v1"}
+    assert all(label.startswith("NOT_FOUND") for label in traffic.labels(("b", "7"))), traffic.labels(("b", "7"))
 
 
 def test_export_writes_the_next_version_into_a_repository(tmp_path):
