@@ -30,11 +30,14 @@ from mhaserve.model_folder import (
 
 from .onnx_export import DEFAULT_OPSET, check_onnx, export_onnx, save_onnx
 from .validate import (
+    SCALE_TOLERANCES,
     TOLERANCES,
     TorchMultiheadAttentionReference,
     UserModuleReference,
+    input_limit,
     status_counts,
     validate,
+    validate_scales,
 )
 
 _ONNX_DTYPES = {
@@ -83,10 +86,11 @@ def export_model_dir(
     if validation_seed is None:
         validation_seed = int(np.random.SeedSequence().entropy % 2**32)
     reference = reference if reference is not None else module
-    results = validate(
-        reference, onnx_model.SerializeToString(), seed=validation_seed, report=report, precision=precision
-    )
-    passed = not any(r.failed for r in results)
+    serialized = onnx_model.SerializeToString()
+    results = validate(reference, serialized, seed=validation_seed, report=report, precision=precision)
+    scales = validate_scales(module, serialized, seed=validation_seed, report=report, precision=precision)
+    limit = input_limit(scales)
+    passed = not any(r.failed for r in results) and limit is not None
 
     manifest = {
         "format": MANIFEST_FORMAT,
@@ -114,6 +118,12 @@ def export_model_dir(
             "seed": validation_seed,
             "counts": status_counts(results),
             "cases": [r.as_dict() for r in results],
+            "input_scales": {
+                "tolerance": asdict(SCALE_TOLERANCES[precision]),
+                # the largest input magnitude up to which every scale held: the server refuses inputs past it
+                "max_abs_input": limit,
+                "scales": [r.as_dict() for r in scales],
+            },
         },
         "export_seconds": round(time.perf_counter() - started, 2),
     }
@@ -166,8 +176,10 @@ def revalidate_model_dir(
     manifest = read_manifest(model_dir)
     module = load_weights(model_dir / WEIGHTS_FILE)
     precision = manifest.get("precision", "fp32")
-    results = validate(module, str(model_dir / MODEL_FILE), seed=seed, report=report, precision=precision)
-    return not any(r.failed for r in results)
+    path = str(model_dir / MODEL_FILE)
+    results = validate(module, path, seed=seed, report=report, precision=precision)
+    limit = input_limit(validate_scales(module, path, seed=seed, report=report, precision=precision))
+    return not any(r.failed for r in results) and limit is not None
 
 
 # Attributes under which attention modules keep their number of heads.

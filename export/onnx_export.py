@@ -26,6 +26,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
+import numpy as np
 import onnx
 import torch
 from onnxscript import opset18 as op
@@ -51,13 +52,12 @@ EXAMPLE_BATCH, EXAMPLE_Q_LEN, EXAMPLE_KV_LEN = 2, 5, 7
 # Protobuf cannot hold a model over 2 GiB; beyond this, weights go to an external data file.
 SINGLE_FILE_LIMIT_BYTES = 1_800_000_000
 
-# The dtype each precision computes in; its lowest value sets the masking bias (model.mha.masked_softmax).
-COMPUTE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+PRECISIONS = ("fp32", "fp16")
 
 
-def translations(precision: str = "fp32") -> dict:
-    """The custom ops as ONNX, for a graph computing in ``precision``."""
-    lowest = float(torch.finfo(COMPUTE_DTYPES[precision]).min)
+def translations() -> dict:
+    """The custom ops as ONNX."""
+    lowest = float(torch.finfo(torch.float32).min)
 
     def masked_softmax(scores, allowed):
         """model.mha.masked_softmax in ONNX, broadcasting the mask at run time."""
@@ -82,22 +82,98 @@ def translations(precision: str = "fp32") -> dict:
     }
 
 
-def to_float16(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The graph in float16, with Cast nodes at its edges: inputs and the output stay float32 (every client
-    sends and reads what it does for a float32 model), the attention weights are returned in float16.
+def nodes_computing(model: onnx.ModelProto, tensor: str) -> set[str]:
+    """The names of the nodes ``tensor`` is computed from (its producer and everything upstream of it)."""
+    producers = {output: node for node in model.graph.node for output in node.output}
+    found: set[str] = set()
+    pending = [tensor]
+    while pending:
+        node = producers.get(pending.pop())
+        if node is not None and node.name not in found:
+            found.add(node.name)
+            pending.extend(node.input)
+    return found
 
-    ONNX Runtime's converter, which keeps in float32 the ops that have no float16 kernels; a constant
-    past float16's range is clipped to it (hence the masking bias from float16's own lowest value).
+
+FLOAT, FLOAT16 = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16
+FLOAT16_MAX = 65504.0
+
+
+def _tensor_to_float16(tensor: onnx.TensorProto) -> onnx.TensorProto:
+    # Clipped to float16's range, as ONNX Runtime's converter does (the masking bias is float32's lowest / 2).
+    values = np.clip(onnx.numpy_helper.to_array(tensor), -FLOAT16_MAX, FLOAT16_MAX).astype(np.float16)
+    return onnx.numpy_helper.from_array(values, tensor.name)
+
+
+def to_float16(
+    model: onnx.ModelProto, float16_nodes: set[str] | None = None, float16_outputs: tuple[str, ...] = ()
+) -> onnx.ModelProto:
+    """The graph with the nodes named in ``float16_nodes`` (all, if None) computing in float16, the rest in
+    float32, and one Cast wherever a value crosses between the two. Graph inputs stay float32, and so do
+    the graph outputs other than ``float16_outputs``, so every client sends and reads what it does for a
+    float32 model. Float constants and weights used only in float16 are stored in float16.
     """
-    from onnxruntime.transformers.float16 import convert_float_to_float16
     from onnxruntime.transformers.onnx_model import OnnxModel
 
-    kept = [signature.QUERY, signature.KEY, signature.VALUE, signature.OUTPUT]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # it warns of every clipped constant
-        converted = OnnxModel(convert_float_to_float16(model, keep_io_types=kept))
-    converted.topological_sort()  # the converter appends its Casts; the ONNX checker wants nodes in order
+    model = onnx.shape_inference.infer_shapes(model, strict_mode=True)
+    graph = model.graph
+    typed = [*graph.input, *graph.value_info, *graph.output]
+    floats = {v.name for v in typed if v.type.tensor_type.elem_type == FLOAT}
+    floats.update(t.name for t in graph.initializer if t.data_type == FLOAT)
+    half = {n.name for n in graph.node} if float16_nodes is None else set(float16_nodes)
+    producers = {output: node for node in graph.node for output in node.output}
+    initializers = {t.name: t for t in graph.initializer}
+    wanted_out = {o.name: FLOAT16 if o.name in float16_outputs else FLOAT for o in graph.output}
+    casts = []
+    for name in sorted(floats):
+        users = [n for n in graph.node if name in n.input]
+        if name in initializers and users and all(n.name in half for n in users):
+            initializers[name].CopyFrom(_tensor_to_float16(initializers[name]))
+            continue
+        made = FLOAT16 if name in producers and producers[name].name in half else FLOAT
+        other = FLOAT if made == FLOAT16 else FLOAT16
+        readers = [n for n in users if (FLOAT16 if n.name in half else FLOAT) == other]
+        if not readers and wanted_out.get(name, made) == made:
+            continue
+        suffix = {FLOAT: "_float32", FLOAT16: "_float16"}
+        if wanted_out.get(name) == other:  # the graph output keeps its name and gets the Cast's dtype
+            own = name + suffix[made]
+            producers[name].output[:] = [own if o == name else o for o in producers[name].output]
+            for node in users:
+                if node not in readers:
+                    node.input[:] = [own if i == name else i for i in node.input]
+            source, target = own, name
+        else:
+            source, target = name, name + suffix[other]
+            for node in readers:
+                node.input[:] = [target if i == name else i for i in node.input]
+        casts.append(onnx.helper.make_node("Cast", [source], [target], name=f"{target}_cast", to=other))
+    for node in graph.node:
+        if node.name in half:
+            for attribute in node.attribute:
+                if node.op_type == "Cast" and attribute.name == "to" and attribute.i == FLOAT:
+                    attribute.i = FLOAT16
+                if node.op_type == "Constant" and attribute.t.data_type == FLOAT:
+                    attribute.t.CopyFrom(_tensor_to_float16(attribute.t))
+    graph.node.extend(casts)
+    for output in graph.output:
+        output.type.tensor_type.elem_type = wanted_out[output.name]
+    del graph.value_info[:]
+    converted = OnnxModel(model)
+    converted.topological_sort()  # the Casts were appended; the ONNX checker wants nodes in order
     return converted.model
+
+
+def float16_attention(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The served float16 graph: what computes the attention weights (the query and key projections, the
+    scores, the masked softmax) stays in float32, and the value projection, the weighted sum of values and
+    the output projection compute in float16. The scores' error is their magnitude times the rounding of
+    the query and key, so in float16 it grows with the inputs' scale until the softmax goes wrong (BENCHMARKS,
+    "Float16 accuracy across input scales"); the value path's error stays relative to the values. The
+    weights are returned in float16 (half the bytes), rounded once from float32."""
+    weights = nodes_computing(model, signature.ATTN_WEIGHTS)
+    half = {node.name for node in model.graph.node} - weights
+    return to_float16(model, half, float16_outputs=(signature.ATTN_WEIGHTS,))
 
 
 class _OnnxSignature(nn.Module):
@@ -124,8 +200,8 @@ def example_inputs(d_model: int) -> tuple[torch.Tensor, ...]:
 def export_onnx(module: MultiHeadAttention, opset: int = DEFAULT_OPSET, precision: str = "fp32") -> onnx.ModelProto:
     """Export ``module`` (in eval mode) to an ONNX model with the served signature and dynamic axes, computing
     in ``precision`` (signature.PRECISIONS)."""
-    if precision not in COMPUTE_DTYPES:
-        raise ValueError(f"precision must be one of {', '.join(COMPUTE_DTYPES)}, got {precision!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     module = module.eval()
     # The exporter reports progress on stdout and warns about its own internals (axis renames, pytree
     # deprecations); none of it concerns the user, whose export is validated case by case instead.
@@ -148,7 +224,7 @@ def export_onnx(module: MultiHeadAttention, opset: int = DEFAULT_OPSET, precisio
                 input_names=list(INPUT_NAMES),
                 output_names=list(OUTPUT_NAMES),
                 opset_version=opset,
-                custom_translation_table=translations(precision),
+                custom_translation_table=translations(),
                 verbose=False,
             )
             # A file, not a buffer: past 2 GiB the weights must go to external data beside it.
@@ -156,7 +232,7 @@ def export_onnx(module: MultiHeadAttention, opset: int = DEFAULT_OPSET, precisio
         finally:
             quiet.setLevel(level)
         model = onnx.load(Path(tmp) / "model.onnx", load_external_data=True)
-    return to_float16(model) if precision == "fp16" else model
+    return float16_attention(model) if precision == "fp16" else model
 
 
 def check_onnx(model: onnx.ModelProto) -> None:

@@ -15,6 +15,7 @@ a failure.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import sys
 from collections.abc import Callable, Iterable
@@ -71,6 +72,20 @@ class Tolerance:
 # 4.9e-4), so its error scales with the values: 4e-3 of the largest is about 4 float16 steps there
 # (measured at 512/8 and 768/12: 6-7e-4 of it, outputs and weights alike).
 TOLERANCES = {"fp32": Tolerance(max_abs=TOLERANCE), "fp16": Tolerance(max_rel=4e-3)}
+
+# The same exports are validated at input scales past unit-scale random inputs: hidden states before a
+# LayerNorm reach magnitudes of tens and more, where the scores reach thousands and the softmax turns on
+# their absolute errors. Errors are taken relative to the reference's largest magnitude at every scale (an
+# absolute 1e-5 means nothing for outputs of magnitude 1e4). The largest input magnitude up to which every
+# scale held is recorded; the server refuses inputs past it for every precision but float32, the eager
+# module's own arithmetic.
+INPUT_SCALES = (0.01, 1.0, 10.0, 30.0, 100.0, 1000.0, 10000.0)
+SCALE_CASES = (
+    ValidationCase(2, 64, 64, "none"),
+    ValidationCase(2, 64, 64, "causal"),
+    ValidationCase(2, 5, 64, "key_padding"),
+)
+SCALE_TOLERANCES = {"fp32": Tolerance(max_rel=TOLERANCE), "fp16": TOLERANCES["fp16"]}
 
 PASS, FAIL, UNDEFINED, SKIPPED = "pass", "fail", "undefined", "skipped"
 STATUSES = (PASS, FAIL, UNDEFINED, SKIPPED)
@@ -293,6 +308,90 @@ def format_row(index: int, total: int, result: CaseResult) -> str:
         f"output abs {result.output_max_abs:8.1e} rel {result.output_max_rel:8.1e}  {attn}  "
         f"{result.status if result.status != FAIL else 'FAIL'}" + (f"  ({result.error})" if result.error else "")
     )
+
+
+@dataclass
+class ScaleResult:
+    """The scale cases at one input scale: the export's worst errors against the exact answer (the served module
+    in float64), and eager float32 PyTorch's own, each relative to the exact answer's largest magnitude."""
+
+    scale: float
+    max_abs_input: float  # the largest input magnitude drawn at this scale
+    output_max_rel: float
+    attn_max_rel: float
+    eager_output_max_rel: float
+    eager_attn_max_rel: float
+    passed: bool
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def validate_scales(
+    module: MultiHeadAttention,
+    onnx_model: bytes | str,
+    seed: int | None = None,
+    report: Callable[[str], None] | None = None,
+    precision: str = "fp32",
+) -> list[ScaleResult]:
+    """The scale cases at every input scale (INPUT_SCALES), one table row per scale. A scale holds where the
+    export is within its precision's tolerance of the exact answer, or no further from it than twice eager
+    float32 PyTorch is (at large scores float32 itself rounds the weights by up to 1e-3)."""
+    tolerance = SCALE_TOLERANCES[precision]
+    report = report or (lambda line: print(line, file=sys.stderr, flush=True))
+    module = module.eval()
+    exact = copy.deepcopy(module).double()
+    session = ort.InferenceSession(onnx_model, providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(None if seed is None else [seed, 1])  # draws of their own, apart from the matrix's
+    d = module.d_model
+    results = []
+    for scale in INPUT_SCALES:
+        worst = np.zeros(4)  # export output, export weights, eager output, eager weights
+        largest = 0.0
+        for case in SCALE_CASES:
+            query = (rng.standard_normal((case.batch, case.q_len, d)) * scale).astype(np.float32)
+            key = value = query
+            if case.kind == "cross":
+                key, value = (
+                    (rng.standard_normal((case.batch, case.kv_len, d)) * scale).astype(np.float32) for _ in "kv"
+                )
+            largest = max(largest, *(float(np.abs(a).max()) for a in (query, key, value)))
+            eager_mask, onnx_mask = make_masks(case, rng)
+            inputs = [torch.from_numpy(a) for a in (query, key, value)]
+            mask = None if eager_mask is None else torch.from_numpy(eager_mask)
+            with torch.no_grad():
+                want = [t.numpy() for t in exact(*[t.double() for t in inputs], mask)]
+                eager = [t.numpy() for t in module(*inputs, mask)]
+            got = session.run(
+                ["output", "attn_weights"], {"query": query, "key": key, "value": value, "mask": onnx_mask}
+            )
+            errors = [_errors(g, w)[1] for g, w in zip([*got, *eager], want * 2, strict=True)]
+            worst = np.maximum(worst, errors)
+        allowed = [max(tolerance.max_rel, 2 * eager) for eager in worst[2:]]
+        passed = bool(worst[0] <= allowed[0] and worst[1] <= allowed[1])  # NaN fails
+        result = ScaleResult(scale, largest, *map(float, worst), passed)
+        results.append(result)
+        report(
+            f"[scale {scale:>7g}] inputs up to {largest:9.3g}: output rel {worst[0]:8.1e}  attn rel {worst[1]:8.1e}"
+            f"  (eager float32: {worst[2]:8.1e}, {worst[3]:8.1e})  {'pass' if passed else 'FAIL'}"
+        )
+    limit = input_limit(results)
+    held = "at no scale" if limit is None else f"for inputs up to {limit:.4g} in magnitude"
+    report(
+        f"input scales: {precision} holds {held} (within {tolerance.max_rel:g} of the exact answer's largest "
+        "magnitude, or twice eager float32's error)"
+    )
+    return results
+
+
+def input_limit(results: list[ScaleResult]) -> float | None:
+    """The largest input magnitude up to which every scale held; None if a scale at or below 1 failed."""
+    limit = None
+    for result in sorted(results, key=lambda r: r.scale):
+        if not result.passed:
+            return None if result.scale <= 1.0 else limit
+        limit = result.max_abs_input
+    return limit
 
 
 def validate(

@@ -37,7 +37,7 @@ class ServerSettings:
     device: str = "auto"  # auto | cpu | cuda
     # ONNX Runtime's CUDA provider rounds float32 matrix products' inputs to TF32 (10 bits of mantissa) on
     # tensor cores unless told not to; false asks for exact float32 products.
-    cuda_tf32: bool = True
+    cuda_tf32: bool = False
     intra_op_threads: int = 0  # ONNX Runtime threads per run; 0 = one per core
     inference_workers: int = 1  # runs at once; more than one only helps with spare cores
     # Inference threads run at a lower priority than the gRPC thread, so that when model runs fill every
@@ -98,8 +98,9 @@ class ServerSettings:
         "http_idle_timeout_s": "seconds an HTTP connection may stay open without a request",
         "http_max_connections": "HTTP connections open at once; beyond, new ones are answered 503 and closed",
         "device": "auto: CUDA when really usable, else CPU with a warning; cuda: refuse to start without it",
-        "cuda_tf32": "on CUDA, let float32 matrix products run in TF32 on tensor cores (ONNX Runtime's default: "
-        "inputs rounded to 10 bits of mantissa); false: exact float32 products",
+        "cuda_tf32": "on CUDA, let float32 matrix products run in TF32 on tensor cores (ONNX Runtime's own default: "
+        "inputs rounded to 10 bits of mantissa, as float16's, which puts the scores of large inputs off by "
+        "their magnitude times 1e-3); false (the default): exact float32 products",
         "intra_op_threads": "ONNX Runtime threads per run (0 = one per core)",
         "inference_workers": "model runs allowed at once",
         "inference_nice": "nice value of the inference threads, ONNX Runtime's included (Linux; 0-19, 0 = "

@@ -243,7 +243,8 @@ class DataPlane:
             run_cost=run_cost,
             computed_in=session.info.computed_in,
         )
-        signature = ModelSignature(name, version, session.info.d_model, session.info.num_heads, session.info.precision)
+        info = session.info
+        signature = ModelSignature(name, version, info.d_model, info.num_heads, info.precision, info.max_abs_input)
         needed = self.settings.message_limits(signature.d_model, signature.num_heads)
         if self.message_limits and any(n > bound for n, bound in zip(needed, self.message_limits, strict=True)):
             log.warning(

@@ -8,7 +8,7 @@ import io
 import logging
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +37,9 @@ class ModelInfo:
     opset: str
     path: Path
     precision: str = "fp32"  # signature.PRECISIONS; exports before float16 were float32
+    # The largest input magnitude the export was validated at (its manifest's input scales); None: no limit,
+    # for float32, the eager module's own arithmetic.
+    max_abs_input: float | None = None
 
     @property
     def computed_in(self) -> str:
@@ -78,7 +81,7 @@ class AttentionSession:
         device: str = "auto",
         intra_op_threads: int = 0,
         inter_op_threads: int = 1,
-        cuda_tf32: bool = True,
+        cuda_tf32: bool = False,
     ):
         model_dir = Path(model_dir)
         manifest = read_manifest(model_dir)
@@ -123,6 +126,9 @@ class AttentionSession:
                 f"{path}: metadata_props says precision {self.info.precision!r}; this mhaserve serves "
                 f"{', '.join(PRECISIONS)}"
             )
+        if self.info.precision != "fp32":
+            limit = _validated_input_limit(model_dir, manifest, self.info.precision)
+            self.info = replace(self.info, max_abs_input=limit)
 
     @staticmethod
     def _create(path: Path, options: ort.SessionOptions, device: str, cuda_tf32: bool) -> ort.InferenceSession:
@@ -171,6 +177,18 @@ class AttentionSession:
             mask = np.ones((1, 1, 1, kv_len), dtype=bool)
             for _ in range(runs):
                 self.run(("output", "attn_weights"), q, kv, kv, mask)
+
+
+def _validated_input_limit(model_dir: Path, manifest: dict, precision: str) -> float:
+    """The input magnitude up to which a reduced-precision export was validated: past it, its answers are
+    refused rather than returned wrong."""
+    limit = manifest.get("validation", {}).get("input_scales", {}).get("max_abs_input")
+    if type(limit) not in (int, float) or not limit > 0:
+        raise ModelDirError(
+            f"{model_dir}: a {precision} export without a validated input range (exported before mhaserve "
+            "validated input scales, when float16 graphs lost accuracy on large inputs); re-export it"
+        )
+    return float(limit)
 
 
 def _load_pip_cuda_libraries() -> None:

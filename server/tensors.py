@@ -56,6 +56,7 @@ class ModelSignature:
     d_model: int
     num_heads: int
     precision: str = "fp32"  # the export's (signature.PRECISIONS): the datatype of the weights returned
+    max_abs_input: float | None = None  # inputs larger in magnitude are refused (the export's validated range)
 
 
 @dataclass
@@ -197,6 +198,8 @@ def build_request(
         array = arrays.get(name)
         if array is not None and not any(array is seen for seen in checked):  # self-attention: one check
             _check_finite(array, name)
+            if model.max_abs_input is not None:
+                _check_validated_range(array, name, model)
             checked.append(array)
 
     mask = _attention_mask(arrays.get("mask"), batch, q_len, kv_len)
@@ -239,6 +242,16 @@ def _check_finite(array: np.ndarray, name: str) -> None:
     bad = count_non_finite(array)
     if bad:
         raise invalid(f"input '{name}': {bad} non-finite values (NaN or Inf); expected finite FP32 values")
+
+
+def _check_validated_range(array: np.ndarray, name: str, model: ModelSignature) -> None:
+    largest = max(float(array.max()), -float(array.min()))
+    if largest > model.max_abs_input:
+        raise invalid(
+            f"input '{name}': values up to {largest:.6g} in magnitude; this {model.precision} export of model "
+            f"'{model.name}' was validated for inputs up to {model.max_abs_input:.6g} and would not answer accurately "
+            "past it; scale the inputs down, or serve a float32 export"
+        )
 
 
 def _attention_mask(mask: np.ndarray | None, batch: int, q_len: int, kv_len: int) -> np.ndarray:

@@ -61,7 +61,7 @@ def provider_of(server: ServerProcess) -> str:
 
 @pytest.fixture(scope="module")
 def gpu_server(small_model_dir):
-    with ServerProcess(small_model_dir, "--device", "cuda", *TEST_SERVER_ARGS) as process:
+    with ServerProcess(small_model_dir, "--device", "cuda", "--cuda-tf32", "true", *TEST_SERVER_ARGS) as process:
         yield process
 
 

@@ -77,8 +77,8 @@ def test_the_fp16_tolerance_catches_perturbed_weights(small_module):
 
 
 def test_a_fully_masked_row_is_zeros_in_float16_even_with_large_scores(fp16_model_dir, small_module):
-    # The masking bias is half float16's lowest value: float32's would be -inf there, and a row with every
-    # key masked would be NaN instead of zeros.
+    # The masked softmax computes in float32 (half float32's lowest value as the masking bias); the float16
+    # part of the graph reads the rows-attending factor through a Cast: a masked row is zeros, not NaN.
     session = ort.InferenceSession(str(fp16_model_dir / "model.onnx"), providers=["CPUExecutionProvider"])
     query = rand(1, 6, SMALL_D_MODEL, seed=4) * 8
     allowed = np.ones((1, 1, 6, 6), dtype=bool)
@@ -135,9 +135,24 @@ def test_our_clients_and_rest_json_get_the_same_fp16_weights(fp16_server, small_
     assert_within_relative(mean, want_weights.mean(axis=1))
 
 
-def test_inputs_float16_cannot_hold_get_an_error_naming_float16_not_inf(fp16_server):
-    # Finite float32 inputs, but past what float16 holds once projected: never an OK answer with Inf in it.
-    query = rand(1, 4, SMALL_D_MODEL, seed=6) * 1e5
+def test_inputs_past_the_validated_range_get_an_error_naming_float16_and_the_limit(fp16_server, fp16_model_dir):
+    limit = read_manifest(fp16_model_dir)["validation"]["input_scales"]["max_abs_input"]
+    query = rand(1, 4, SMALL_D_MODEL, seed=6)
+    query *= 1.01 * limit / np.abs(query).max()
+    with Client(fp16_server.url) as client, pytest.raises(grpc.RpcError) as error:
+        client.infer(query)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    message = error.value.details()
+    assert "fp16 export" in message and f"validated for inputs up to {limit:.6g}" in message, message
+
+
+def test_inputs_float16_cannot_hold_get_an_error_naming_float16_not_inf(fp16_server, fp16_model_dir, small_module):
+    # Within the validated range, but every element's sign matches one value-projection row's: that value is
+    # past float16's largest once projected. Never an OK answer with Inf in it.
+    limit = read_manifest(fp16_model_dir)["validation"]["input_scales"]["max_abs_input"]
+    row = small_module.W_v.weight.detach().numpy()[0]
+    query = np.broadcast_to(np.sign(row) * np.float32(0.99 * limit), (1, 4, SMALL_D_MODEL)).astype(np.float32)
+    assert 0.99 * limit * np.abs(row).sum() > 65504
     with Client(fp16_server.url) as client, pytest.raises(grpc.RpcError) as error:
         client.infer(query)
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -183,3 +198,69 @@ def test_the_memory_budget_counts_fp16_weights_at_two_bytes_each():
     weights = 2 * SMALL_HEADS * 10 * 10
     halved = answer_bytes(request, SMALL_HEADS, "fp32") - answer_bytes(request, SMALL_HEADS, "fp16")
     assert halved == ANSWER_COPIES * 2 * weights
+
+
+SCALES = (0.01, 1, 10, 30, 100, 1000)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_every_answer_at_every_input_scale_is_accurate(precision, small_module, fp16_model_dir, tmp_path):
+    """Query [1, 16, d] at scales where a float16 score product went wrong by a third of a row's mass with OK:
+    each answer is within the precision's tolerance of the exact (float64) answer, or no further from it than
+    twice eager float32 is (inputs past the validated range are refused: the tests above)."""
+    import copy
+
+    import torch
+
+    from mhaserve.export.validate import SCALE_TOLERANCES
+
+    folder = fp16_model_dir if precision == "fp16" else tmp_path / "fp32"
+    if precision == "fp32":
+        assert export_model_dir(small_module, folder, validation_seed=0, report=lambda _: None)["valid"]
+    exact = copy.deepcopy(small_module).double()
+    tolerance = SCALE_TOLERANCES[precision].max_rel
+    with ServerProcess(folder, *TEST_SERVER_ARGS) as server, Client(server.url) as client:
+        for scale in SCALES:
+            for seed in range(3):
+                query = rand(1, 16, SMALL_D_MODEL, seed=seed) * np.float32(scale)
+                result = client.infer(query)
+                with torch.no_grad():
+                    want = [t.numpy() for t in exact(torch.from_numpy(query).double())]
+                got = (result.output, result.attn_weights)
+                in_eager = eager(small_module, query)
+                allowed = [max(tolerance, 2 * relative_error(e, w)) for e, w in zip(in_eager, want, strict=True)]
+                errors = [relative_error(g, w) for g, w in zip(got, want, strict=True)]
+                assert all(e <= a for e, a in zip(errors, allowed, strict=True)), (scale, seed, errors, allowed)
+
+
+def relative_error(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.max(np.abs(got.astype(np.float64) - want)) / np.max(np.abs(want)))
+
+
+def test_the_scale_validation_refuses_a_graph_computing_the_scores_in_float16(small_module):
+    """The graph float16 exports used to be (everything in float16) holds at unit scale and fails past it."""
+    from mhaserve.export.onnx_export import to_float16
+    from mhaserve.export.validate import input_limit, validate_scales
+
+    everything_in_float16 = to_float16(export_onnx(small_module), None, ("attn_weights",))
+    lines = []
+    results = validate_scales(small_module, everything_in_float16.SerializeToString(), 0, lines.append, "fp16")
+    by_scale = {r.scale: r.passed for r in results}
+    assert by_scale[1.0] and not all(by_scale.values()), lines
+    limit = input_limit(results)
+    assert limit is not None and limit < 100, lines
+    assert f"fp16 holds for inputs up to {limit:.4g}" in lines[-1]
+
+
+def test_a_float16_folder_without_a_validated_input_range_is_refused_with_the_reason(fp16_model_dir, tmp_path):
+    import shutil
+
+    from mhaserve.server.session import AttentionSession
+
+    folder = tmp_path / "older"
+    shutil.copytree(fp16_model_dir, folder)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    del manifest["validation"]["input_scales"]
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ModelDirError, match="without a validated input range .* re-export it"):
+        AttentionSession(folder, device="cpu")
