@@ -86,6 +86,11 @@ SCALE_CASES = (
     ValidationCase(2, 5, 64, "key_padding"),
 )
 SCALE_TOLERANCES = {"fp32": Tolerance(max_rel=TOLERANCE), "fp16": TOLERANCES["fp16"]}
+# Or no further from the exact answer than this many times eager float32 PyTorch is. Where the scores reach
+# thousands, float32 itself puts the weights off by up to 1e-3, and two float32 computations in different
+# orders (ONNX Runtime's, torch's) differ by several times each other's error from seed to seed (BENCHMARKS,
+# "Float16 accuracy across input scales"); a graph rounding the query and key to float16 is hundreds of times off.
+EAGER_ERROR_FACTOR = 10
 
 PASS, FAIL, UNDEFINED, SKIPPED = "pass", "fail", "undefined", "skipped"
 STATUSES = (PASS, FAIL, UNDEFINED, SKIPPED)
@@ -335,8 +340,8 @@ def validate_scales(
     precision: str = "fp32",
 ) -> list[ScaleResult]:
     """The scale cases at every input scale (INPUT_SCALES), one table row per scale. A scale holds where the
-    export is within its precision's tolerance of the exact answer, or no further from it than twice eager
-    float32 PyTorch is (at large scores float32 itself rounds the weights by up to 1e-3)."""
+    export is within its precision's tolerance of the exact answer, or no further from it than EAGER_ERROR_FACTOR
+    times eager float32 PyTorch is."""
     tolerance = SCALE_TOLERANCES[precision]
     report = report or (lambda line: print(line, file=sys.stderr, flush=True))
     module = module.eval()
@@ -367,7 +372,7 @@ def validate_scales(
             )
             errors = [_errors(g, w)[1] for g, w in zip([*got, *eager], want * 2, strict=True)]
             worst = np.maximum(worst, errors)
-        allowed = [max(tolerance.max_rel, 2 * eager) for eager in worst[2:]]
+        allowed = [max(tolerance.max_rel, EAGER_ERROR_FACTOR * eager) for eager in worst[2:]]
         passed = bool(worst[0] <= allowed[0] and worst[1] <= allowed[1])  # NaN fails
         result = ScaleResult(scale, largest, *map(float, worst), passed)
         results.append(result)
@@ -379,7 +384,7 @@ def validate_scales(
     held = "at no scale" if limit is None else f"for inputs up to {limit:.4g} in magnitude"
     report(
         f"input scales: {precision} holds {held} (within {tolerance.max_rel:g} of the exact answer's largest "
-        "magnitude, or twice eager float32's error)"
+        f"magnitude, or {EAGER_ERROR_FACTOR} times eager float32's error)"
     )
     return results
 
