@@ -68,22 +68,21 @@ async def serve(stack: str, port: int, model_dir: Path, stacks_path: str | None)
     from starlette.routing import Route
 
     from mhaserve.server.errors import RequestError
-    from mhaserve.server.rest import HEADER_LENGTH, HTTP_STATUS, header_length_of, serve_rest_inference
+    from mhaserve.server.rest import HEADER_LENGTH, HTTP_STATUS, header_length_of, infer_rest
 
     async def infer(request):
-        """RestTransport.infer on Starlette's request and response: the same serve_rest_inference."""
-        settlements = []
+        """RestTransport.infer on Starlette's request and response: the same infer_rest."""
         try:
-            header_length = header_length_of(request.headers.get(HEADER_LENGTH))
-            body = await request.body()
-            payload, json_length = await serve_rest_inference(
-                dataplane, request.path_params["name"], "", body, header_length, settlements.append
-            )
+            async with dataplane.inference("http") as call:
+                header_length = header_length_of(request.headers.get(HEADER_LENGTH))
+                body = await request.body()
+                payload, json_length = await infer_rest(call, request.path_params["name"], "", body, header_length)
+                call.deliver_later()
         except RequestError as error:
             return JSONResponse({"error": error.message}, HTTP_STATUS[error.kind])
         headers = {HEADER_LENGTH: str(json_length)} if json_length is not None else None
         # The background task runs once the response is sent: the answer leaves the budget then.
-        return Response(payload, headers=headers, background=BackgroundTask(settlements[0], True))
+        return Response(payload, headers=headers, background=BackgroundTask(call.sent, True))
 
     app = Starlette(routes=[Route("/v2/models/{name}/infer", infer, methods=["POST"])])
     config = uvicorn.Config(

@@ -85,22 +85,24 @@ def ray_batched_replica_class():
     from ray import serve
 
     from mhaserve.server.batcher import merge, split
-    from mhaserve.server.codec import decode_infer_request, encode_infer_response
+    from mhaserve.server.codec import decode_grpc_request, encode_grpc_response
+    from mhaserve.server.inference import InferenceResponse, attention_request
     from mhaserve.server.ray_serve import OipReplica, _Serialized
 
     class RayBatchedReplica(OipReplica):
         @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.0)
         async def _infer_batch(self, requests):
             served = self.dataplane.resolve(APP, "")
-            decoded = [decode_infer_request(r, served.signature, self.dataplane.limits) for r in requests]
+            requests = [decode_grpc_request(r) for r in requests]
+            decoded = [attention_request(r, served.signature, self.dataplane.limits) for r in requests]
             merged = merge(decoded)
             arrays = await asyncio.get_running_loop().run_in_executor(
                 None, served.session.run, merged.outputs, merged.query, merged.key, merged.value, merged.mask
             )
             answers = split(merged, dict(zip(merged.outputs, arrays, strict=True)), [d.outputs for d in decoded])
             return [
-                _Serialized(encode_infer_response(d, served.signature, a))
-                for d, a in zip(decoded, answers, strict=True)
+                _Serialized(encode_grpc_response(InferenceResponse(served.signature, r, {n: a[n] for n in d.outputs})))
+                for r, d, a in zip(requests, decoded, answers, strict=True)
             ]
 
         async def ModelInfer(self, request, grpc_context):  # noqa: N802

@@ -1,4 +1,4 @@
-"""The protobuf wire encoding: ModelInferRequest -> AttentionRequest and outputs -> ModelInferResponse bytes.
+"""The protobuf wire encoding: ModelInferRequest -> InferenceRequest and InferenceResponse -> ModelInferResponse bytes.
 
 It finds each tensor in the message (raw_input_contents or the typed contents field) and leaves every
 rule about names, datatypes, shapes and limits to ``tensors.py``, which the REST transport shares.
@@ -6,18 +6,27 @@ rule about names, datatypes, shapes and limits to ``tensors.py``, which the REST
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 
 from .errors import invalid
+from .inference import (
+    NO_PARAMETERS,
+    InferenceRequest,
+    InferenceResponse,
+    RequestedOutput,
+    attention_request,
+    decodes_slowly,
+)
 from .tensors import (
     AttentionRequest,
     Limits,
     ModelSignature,
     array_from_bytes,
     array_from_values,
-    build_request,
     check_input_header,
     datatype_of,
 )
@@ -45,9 +54,8 @@ def _check_typed_contents_field(tensor) -> None:
             )
 
 
-def decode_infer_request(request: pb.ModelInferRequest, model: ModelSignature, limits: Limits) -> AttentionRequest:
-    """Validate ``request`` against the model it was resolved to and the limits; raise RequestError on the
-    first problem."""
+def decode_grpc_request(request: pb.ModelInferRequest) -> InferenceRequest:
+    """The tensors, requested outputs and parameters of ``request`` (RequestError on the first problem)."""
     raw_contents = request.raw_input_contents
     if raw_contents and len(raw_contents) != len(request.inputs):
         raise invalid(
@@ -71,12 +79,32 @@ def decode_infer_request(request: pb.ModelInferRequest, model: ModelSignature, l
             arrays[tensor.name] = array_from_values(
                 tensor.name, tensor.datatype, tensor.shape, values, f"contents.{field}"
             )
-    return build_request(arrays, request.id, (o.name for o in request.outputs), model, limits)
+    return InferenceRequest(
+        request.model_name,
+        request.model_version,
+        request.id,
+        arrays,
+        tuple(RequestedOutput(o.name, _parameters(o.parameters)) for o in request.outputs),
+        _parameters(request.parameters),
+    )
 
 
-def encode_infer_response(
-    request: AttentionRequest, model: ModelSignature, outputs: dict[str, np.ndarray], *, streamed: bool = False
-) -> bytes:
+def _parameters(parameters) -> Mapping[str, object]:
+    """A protobuf ``map<string, InferParameter>`` as plain values."""
+    if not parameters:
+        return NO_PARAMETERS
+    return {
+        name: getattr(value, value.WhichOneof("parameter_choice") or "string_param")
+        for name, value in parameters.items()
+    }
+
+
+def decode_infer_request(request: pb.ModelInferRequest, model: ModelSignature, limits: Limits) -> AttentionRequest:
+    """``request`` decoded and checked against the model it names and the limits (RequestError otherwise)."""
+    return attention_request(decode_grpc_request(request), model, limits)
+
+
+def encode_grpc_response(response: InferenceResponse, *, streamed: bool = False) -> bytes:
     """The serialised ModelInferResponse: outputs as raw little-endian bytes, in the order requested;
     ``streamed``: the ModelStreamInferResponse carrying it.
 
@@ -84,16 +112,30 @@ def encode_infer_response(
     array onto the wire bytes in one copy (``b"".join``), not copied into a message and out again by
     serialisation: 40 vs 150 us for the 768 KiB answer at [1,128,512].
     """
-    header = pb.ModelInferResponse(model_name=model.name, model_version=model.version, id=request.id)
+    model = response.model
+    header = pb.ModelInferResponse(model_name=model.name, model_version=model.version, id=response.id)
     raw_outputs = []
-    for name in request.outputs:
-        array = np.ascontiguousarray(outputs[name])
+    for name, output in response.outputs.items():
+        array = np.ascontiguousarray(output)
         header.outputs.add(name=name, datatype=datatype_of(array), shape=array.shape)
         raw_outputs += [_length_delimited(_RAW_OUTPUT_CONTENTS, array.nbytes), memoryview(array).cast("B")]
     parts = [header.SerializeToString(), *raw_outputs]
     if streamed:  # the infer_response field's tag and length, then the same bytes
         parts.insert(0, _length_delimited(_STREAM_INFER_RESPONSE, sum(len(part) for part in parts)))
     return b"".join(parts)
+
+
+def grpc_decodes_slowly(request: pb.ModelInferRequest) -> bool:
+    """inference.decodes_slowly for a protobuf request: its raw contents' bytes, its typed values (counted at
+    four bytes each)."""
+    raw = sum(len(contents) for contents in request.raw_input_contents)
+    typed = 0 if request.raw_input_contents else sum(_typed_values(tensor) for tensor in request.inputs)
+    return decodes_slowly(raw + 4 * typed, 4 * typed)
+
+
+def _typed_values(tensor) -> int:
+    field = CONTENTS_FIELDS.get(tensor.datatype)
+    return len(getattr(tensor.contents, field)) if field else 0
 
 
 _RAW_OUTPUT_CONTENTS = pb.ModelInferResponse.DESCRIPTOR.fields_by_name["raw_output_contents"].number

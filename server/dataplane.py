@@ -2,13 +2,15 @@
 inference off the event loop, the memory budget, and each request's bookkeeping (timing, in-flight
 counts, its final status in statistics and metrics).
 
-Plain Python and numpy: a transport decodes requests with the functions it hands to
-``serve_inference`` and maps the ``RequestError`` kinds to its own statuses.
+Plain Python and numpy: a transport decodes its wire format into an ``InferenceRequest`` inside
+``DataPlane.inference``, encodes the ``InferenceResponse`` it gets back, and maps the ``RequestError`` kinds
+to its own statuses.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
@@ -16,9 +18,10 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -28,7 +31,8 @@ from mhaserve.signature import GRAPH_OUTPUT_NAMES
 
 from .batcher import Batcher, BatchResult
 from .config import ServerSettings
-from .errors import ErrorKind, RequestError, invalid
+from .errors import ErrorKind, RequestError, inference_failed, invalid
+from .inference import InferenceRequest, InferenceResponse, attention_request
 from .malloc import release_free_memory
 from .memory import MemoryBudget, answer_bytes, input_bytes, request_workspace_bytes, run_workspace_bytes
 from .metrics import Metrics
@@ -39,11 +43,8 @@ from .statistics import ModelStatistics, RequestTiming
 from .tensors import AttentionRequest, Limits, ModelSignature
 
 log = logging.getLogger("mhaserve.server")
+T = TypeVar("T")
 
-# Requests larger than this are parsed and decoded on the decode thread (DataPlane.off_loop), whichever
-# transport brings them: typed values and JSON convert one by one, and even raw bytes are checked in
-# whole-array passes (a BOOL mask's bytes, finiteness) that would hold the event loop for milliseconds.
-OFF_LOOP_BYTES = 1 << 20
 LONG_HOLD_S = 0.005  # the interpreter's switch interval: a call longer than this kept other threads waiting
 PAUSE_AFTER_LONG_HOLD = 0.2
 # After a burst, ONNX Runtime's arenas and the heap keep the burst's peak; once nothing has been in flight
@@ -329,84 +330,42 @@ class DataPlane:
             return False
         return not self.draining
 
-    async def serve_inference(
-        self,
-        name: str,
-        version: str,
-        decode: Callable[[ModelSignature, Limits], AttentionRequest],
-        encode: Callable[[AttentionRequest, ModelSignature, dict], bytes],
-        timeout_s: float | None = None,
-        protocol: str = "grpc",
-        *,
-        decode_off_loop: bool = False,
-        until_sent: Callable[[Callable[[bool], None]], None] | None = None,
-    ) -> bytes:
-        """One inference call as every transport makes it: resolve, decode, infer, encode, and record its
-        fate (timing, statistics, metrics, the stop line's counts) whatever it is.
+    @contextlib.asynccontextmanager
+    async def inference(self, protocol: str, timeout_s: float | None = None) -> AsyncIterator[InferenceCall]:
+        """One inference call's life, whichever transport makes it: in it the transport reads its request,
+        runs it with ``call.infer`` and encodes the answer with ``call.encode``. Whatever happens inside (a
+        refusal by the transport itself too) is the call's status, recorded with its timing in the statistics,
+        the metrics and the stop line's counts. A failure that is no refusal leaves as an INTERNAL RequestError
+        saying so, and the server keeps serving.
 
-        ``decode_off_loop``: the decode converts values one by one (typed contents, JSON data); it runs on
-        a thread, so that health and other requests are answered meanwhile.
-        ``until_sent``: the transport sends the answer after this returns; it is given a callback to call
-        with whether the answer was delivered, and until then the answer's memory stays in the budget and
-        its status is open (an answer never taken is counted CANCELLED, not OK).
-        """
-        started = time.perf_counter_ns()
-        timing = RequestTiming()
-        rows = 0
-        status = "UNKNOWN"
-        served: ServedModel | None = None
-        reserved, waiting = 0, None  # this request's bytes in the budget; its run's workspace until it ends
+        A transport that writes the answer after this block calls ``call.deliver_later()`` inside it and
+        ``call.sent(delivered)`` once written: until then the answer's memory stays in the budget and its status
+        is open (an answer never taken is counted CANCELLED, not OK)."""
+        call = InferenceCall(self, protocol, timeout_s)
         self.requests_in_flight += 1
         try:
-            served = self.resolve(name, version)
-            served.enter()  # from here the version is not unloaded under this request
-            if decode_off_loop:
-                request = await self.off_loop(decode, served.signature, self.limits)
-            else:
-                request = decode(served.signature, self.limits)
-            rows = request.batch_size
-            timing.input_ns = time.perf_counter_ns() - started
-            answer = answer_bytes(request, served.signature.num_heads, served.signature.precision)
-            needed = input_bytes(request) + answer
-            waiting = self._admit(needed, rows, request_workspace_bytes(request, served.signature.num_heads))
-            reserved = needed  # (a refusal took nothing)
-            outputs = await self._run(served, request, timing, timeout_s)
-            self.budget.run_ended(waiting)
-            encode_started = time.perf_counter_ns()
-            response = encode(request, served.signature, outputs)
-            self.budget.release(reserved - answer)  # the inputs; the answer is held until it is written
-            reserved = answer
-            timing.output_ns = time.perf_counter_ns() - encode_started
-            status = "OK"
-            return response
+            yield call
+            call.status = "OK"
         except RequestError as error:
-            status = error.kind.name
+            call.status = error.kind.name
             raise
         except asyncio.CancelledError:
-            status = "CANCELLED"  # the client went away or its deadline passed
+            call.status = "CANCELLED"  # the client went away or its deadline passed
             raise
-        except Exception:
-            status = ErrorKind.INTERNAL.name  # a bug or a runtime failure; the transport says which
-            raise
+        except Exception as error:  # a bug or a runtime failure: say so, keep serving
+            call.status = ErrorKind.INTERNAL.name
+            log.exception("inference failed")
+            raise inference_failed(error) from None
         finally:
             self.requests_in_flight -= 1
-            self.budget.run_ended(waiting)  # refused by the queue, expired or cancelled before its run ended
-            if served is not None:
-                served.leave()  # the answer is encoded: unloading need not wait for its delivery
-            if status != "OK":
-                timing.input_ns = time.perf_counter_ns() - started - timing.queue_ns - timing.infer_ns
-            settle = functools.partial(self._settle, served, rows, timing, protocol, reserved)
-            if status == "OK" and until_sent is not None:
-                until_sent(settle)
-            else:
-                settle(status == "OK", status)
+            call.end()
 
     async def off_loop(self, function, *args):
         """``function(*args)`` on the decode thread: work that holds the interpreter for long (converting
         values one by one, parsing megabytes of typed protobuf) is kept off the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self._decoder, _pausing_after, function, *args)
 
-    def _settle(
+    def settle(
         self, served, rows, timing, protocol, reserved: int, delivered: bool, status: str = "", *, freed: bool = True
     ) -> Callable[[], None] | None:
         """A request's end: its status is recorded and its memory leaves the budget; or, ``freed`` False (the
@@ -424,7 +383,7 @@ class DataPlane:
         if self.budget.idle and self._idle_release is None and self.budget.kept_workspace:
             self._idle_release = asyncio.get_running_loop().call_later(IDLE_RELEASE_S, self._release_idle_memory)
 
-    def _admit(self, request_bytes: int, rows: int, workspace: int) -> object:
+    def admit(self, request_bytes: int, rows: int, workspace: int) -> object:
         """Take a request's share of max_inflight_bytes, for every model together, or refuse it."""
         waiting = self.budget.admit(request_bytes, rows, workspace)
         if self._idle_release is not None:
@@ -446,13 +405,6 @@ class DataPlane:
 
         released = asyncio.wrap_future(self._executor.submit(release))
         released.add_done_callback(lambda _: self.budget.workspace_given_back())
-
-    async def _run(self, served: ServedModel, request: AttentionRequest, timing: RequestTiming, timeout_s=None):
-        """The request's outputs, computed in a (possibly merged) run; fills ``timing``'s queue and infer
-        times. Refuses at once (RESOURCE_EXHAUSTED) when this version's queue is full."""
-        answer = await served.batcher.submit(request, timeout_s)
-        timing.queue_ns, timing.infer_ns = answer.queue_ns, answer.infer_ns
-        return answer.outputs
 
     def record(
         self, served: ServedModel | None, status: str, rows: int, timing: RequestTiming, protocol: str = "grpc"
@@ -478,3 +430,90 @@ class DataPlane:
         self._executor.shutdown(wait=True)
         self._decoder.shutdown(wait=True)
         self._loader.shutdown(wait=True)
+
+
+class InferenceCall:
+    """One call inside ``DataPlane.inference``: the version it resolved to, its rows, timing and memory."""
+
+    def __init__(self, dataplane: DataPlane, protocol: str, timeout_s: float | None):
+        self._dataplane = dataplane
+        self.protocol = protocol
+        self.timeout_s = timeout_s
+        self.started = time.perf_counter_ns()
+        self.timing = RequestTiming()
+        self.rows = 0
+        self.status = "UNKNOWN"
+        self.served: ServedModel | None = None
+        self._reserved = 0  # this call's bytes in the budget
+        self._answer = 0  # of which its answer's
+        self._waiting = None  # its run's workspace, until the run ends
+        self._ran_at = 0
+        self._deliver_later = False
+        self._settle: Callable | None = None
+
+    async def infer(
+        self, name: str, version: str, decode: Callable[..., InferenceRequest], *wire, slow: bool = False
+    ) -> InferenceResponse:
+        """Resolve the version ``name``/``version`` names, decode ``decode(*wire)`` and check it against that
+        version (on the decode thread when ``slow``: inference.decodes_slowly), take its memory in the budget
+        or refuse it, run it (batched) and return the outputs it asked for."""
+        dataplane = self._dataplane
+        self.served = served = dataplane.resolve(name, version)
+        served.enter()  # from here the version is not unloaded under this request
+        if slow:
+            request, attention = await dataplane.off_loop(_decoded, decode, wire, served.signature, dataplane.limits)
+        else:
+            request, attention = _decoded(decode, wire, served.signature, dataplane.limits)
+        self.rows = attention.batch_size
+        self.timing.input_ns = time.perf_counter_ns() - self.started
+        signature = served.signature
+        self._answer = answer_bytes(attention, signature.num_heads, signature.precision)
+        needed = input_bytes(attention) + self._answer
+        self._waiting = dataplane.admit(needed, self.rows, request_workspace_bytes(attention, signature.num_heads))
+        self._reserved = needed  # (a refusal took nothing)
+        answer = await served.batcher.submit(attention, self.timeout_s)
+        self.timing.queue_ns, self.timing.infer_ns = answer.queue_ns, answer.infer_ns
+        dataplane.budget.run_ended(self._waiting)
+        self._waiting = None
+        self._ran_at = time.perf_counter_ns()
+        return InferenceResponse(signature, request, {name: answer.outputs[name] for name in attention.outputs})
+
+    def encode(self, encode: Callable[..., T], response: InferenceResponse, *args, **kwargs) -> T:
+        """``encode(response, ...)``, timed as the call's output time; the inputs leave the budget after it (the
+        answer stays until it is sent)."""
+        encoded = encode(response, *args, **kwargs)
+        self._dataplane.budget.release(self._reserved - self._answer)
+        self._reserved = self._answer
+        self.timing.output_ns = time.perf_counter_ns() - self._ran_at
+        return encoded
+
+    def deliver_later(self) -> None:
+        """The transport writes the answer after the call's block, and says with ``sent`` when it has."""
+        self._deliver_later = True
+
+    def sent(self, delivered: bool, *, freed: bool = True) -> Callable[[], None] | None:
+        """The answer was written (``delivered``) or given up on: its status is recorded and its memory leaves
+        the budget; or, ``freed`` False (the transport still holds the answer), the function that releases it
+        later. Nothing for a call that ended otherwise."""
+        if self._settle is None:
+            return None
+        settle, self._settle = self._settle, None
+        return settle(delivered, freed=freed)
+
+    def end(self) -> None:
+        dataplane = self._dataplane
+        dataplane.budget.run_ended(self._waiting)  # refused by the queue, expired or cancelled before its run ended
+        if self.served is not None:
+            self.served.leave()  # the answer is encoded: unloading need not wait for its delivery
+        if self.status != "OK":
+            self.timing.input_ns = time.perf_counter_ns() - self.started - self.timing.queue_ns - self.timing.infer_ns
+        settle = functools.partial(dataplane.settle, self.served, self.rows, self.timing, self.protocol, self._reserved)
+        if self.status == "OK" and self._deliver_later:
+            self._settle = settle
+        else:
+            settle(self.status == "OK", self.status)
+
+
+def _decoded(decode, wire, signature: ModelSignature, limits: Limits) -> tuple[InferenceRequest, AttentionRequest]:
+    request = decode(*wire)
+    return request, attention_request(request, signature, limits)

@@ -16,10 +16,10 @@ from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
 from mhaserve.protos.generated import model_config_pb2 as mc
 
 from . import describe
-from .codec import decode_infer_request, encode_infer_response
-from .dataplane import OFF_LOOP_BYTES, DataPlane
-from .errors import ErrorKind, RequestError, inference_failed
-from .registry import ServedModel
+from .codec import decode_grpc_request, encode_grpc_response, grpc_decodes_slowly
+from .dataplane import DataPlane, InferenceCall
+from .errors import ErrorKind, RequestError
+from .inference import OFF_LOOP_BYTES
 
 log = logging.getLogger("mhaserve.server")
 
@@ -27,18 +27,27 @@ log = logging.getLogger("mhaserve.server")
 GRPC_STATUS = {kind: grpc.StatusCode[kind.name] for kind in ErrorKind}
 
 
-class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
-    """Protobuf to and from the data plane; every decision (which version, whether to refuse) is the data
-    plane's, and its RequestErrors become statuses through GRPC_STATUS."""
+def answering_errors(method):
+    """A servicer method whose RequestErrors become the call's gRPC status (GRPC_STATUS): the one place the
+    gRPC transport maps the data plane's refusals."""
 
-    def __init__(self, dataplane: DataPlane):
-        self.dataplane = dataplane
-
-    async def _resolve(self, name: str, version: str, context) -> ServedModel:
+    @functools.wraps(method)
+    async def answer(self, request, context):
         try:
-            return self.dataplane.resolve(name, version)
+            return await method(self, request, context)
         except RequestError as error:
             await context.abort(GRPC_STATUS[error.kind], error.message)
+
+    return answer
+
+
+class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
+    """Protobuf to and from the data plane; every decision (which version, whether to refuse) is the data
+    plane's, and its RequestErrors become statuses through ``answering_errors``."""
+
+    def __init__(self, dataplane: DataPlane, protocol: str = "grpc"):
+        self.dataplane = dataplane
+        self.protocol = protocol  # what inference calls are counted as (Ray's replicas answer the same RPCs)
 
     async def ServerLive(self, request, context):
         return pb.ServerLiveResponse(live=True)
@@ -46,93 +55,67 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ServerReady(self, request, context):
         return pb.ServerReadyResponse(ready=self.dataplane.reports_ready)
 
+    @answering_errors
     async def ModelReady(self, request, context):
-        try:
-            return pb.ModelReadyResponse(ready=self.dataplane.model_ready(request.name, request.version))
-        except RequestError as error:
-            await context.abort(GRPC_STATUS[error.kind], error.message)
+        return pb.ModelReadyResponse(ready=self.dataplane.model_ready(request.name, request.version))
 
     async def ServerMetadata(self, request, context):
         return json_format.ParseDict(describe.server_metadata(), pb.ServerMetadataResponse())
 
+    @answering_errors
     async def ModelMetadata(self, request, context):
-        served = await self._resolve(request.name, request.version, context)
+        served = self.dataplane.resolve(request.name, request.version)
         metadata = describe.model_metadata(served, self.dataplane.registry.ready_versions(served.signature.name))
         return json_format.ParseDict(metadata, pb.ModelMetadataResponse())
 
+    @answering_errors
     async def ModelConfig(self, request, context):
-        served = await self._resolve(request.name, request.version, context)
+        served = self.dataplane.resolve(request.name, request.version)
         return pb.ModelConfigResponse(config=json_format.ParseDict(describe.model_config(served), mc.ModelConfig()))
 
+    @answering_errors
     async def ModelStatistics(self, request, context):
-        try:
-            served = self.dataplane.statistics_of(request.name, request.version)
-        except RequestError as error:
-            await context.abort(GRPC_STATUS[error.kind], error.message)
+        served = self.dataplane.statistics_of(request.name, request.version)
         stats = {"model_stats": [describe.model_statistics(m) for m in served]}
         return json_format.ParseDict(stats, pb.ModelStatisticsResponse())
 
+    @answering_errors
     async def RepositoryIndex(self, request, context):
-        await self._check_repository_name(request.repository_name, context)
+        _check_repository_name(request.repository_name)
         rows = describe.repository_index(self.dataplane.registry.index(ready_only=request.ready))
         return json_format.ParseDict({"models": rows}, pb.RepositoryIndexResponse())
 
+    @answering_errors
     async def RepositoryModelLoad(self, request, context):
-        await self._check_repository_name(request.repository_name, context)
-        try:
-            await self.dataplane.load_model(request.model_name, list(request.parameters))
-        except RequestError as error:
-            await context.abort(GRPC_STATUS[error.kind], error.message)
+        _check_repository_name(request.repository_name)
+        await self.dataplane.load_model(request.model_name, list(request.parameters))
         return pb.RepositoryModelLoadResponse()
 
+    @answering_errors
     async def RepositoryModelUnload(self, request, context):
-        await self._check_repository_name(request.repository_name, context)
-        try:
-            await self.dataplane.unload_model(request.model_name)
-        except RequestError as error:
-            await context.abort(GRPC_STATUS[error.kind], error.message)
+        _check_repository_name(request.repository_name)
+        await self.dataplane.unload_model(request.model_name)
         return pb.RepositoryModelUnloadResponse()
 
-    async def _check_repository_name(self, name: str, context) -> None:
-        if name:  # Triton's clients leave it empty: "every repository"
-            await context.abort(
-                grpc.StatusCode.NOT_FOUND, f"unknown repository '{name}': this server has one; leave the name empty"
-            )
-
-    async def _infer(self, request: pb.ModelInferRequest, context, until_sent, streamed: bool = False) -> bytes:
-        return await self.dataplane.serve_inference(
-            request.model_name,
-            request.model_version,
-            functools.partial(decode_infer_request, request),
-            functools.partial(encode_infer_response, streamed=streamed),
-            context.time_remaining(),
-            decode_off_loop=decodes_slowly(request),
-            until_sent=until_sent,
-        )
-
+    @answering_errors
     async def ModelInfer(self, request, context):
-        settlements = []
-        try:
-            answer = await self._infer(request, context, settlements.append)
-        except RequestError as error:
-            await context.abort(GRPC_STATUS[error.kind], error.message)
-        except Exception as error:  # a bug or a runtime failure: say so, keep serving
-            log.exception("inference failed")
-            await context.abort(grpc.StatusCode.INTERNAL, inference_failed(error).message)
+        async with self.dataplane.inference(self.protocol, context.time_remaining()) as call:
+            answer = await infer_grpc(call, request)
+            call.deliver_later()
         written = asyncio.get_running_loop().create_future()  # gRPC writes a unary answer after the handler
-        context.add_done_callback(lambda call: written.done() or written.set_result(None))
-        self._settle_when_written(settlements[0], written, len(answer))
+        context.add_done_callback(lambda _: written.done() or written.set_result(None))
+        self._settle_when_written(call.sent, written, len(answer))
         return answer
 
-    def _settle_when_written(self, settle, written: asyncio.Future, size: int) -> None:
+    def _settle_when_written(self, sent, written: asyncio.Future, size: int) -> None:
         """The answer stays in the budget until ``written`` is done (gRPC wrote it, or gave up); one not taken
         within write_timeout_s counts CANCELLED then.
 
         grpcio gives a handler no way to cancel its call: an answer not taken stays in gRPC's buffers until
         the client reads it or its connection closes (keepalive closes a dead one), so it stays in the budget
         until then. The budget bounds what slow readers hold, and max_concurrent_streams what one connection
-        holds. (Writing a unary answer from the handler, as a one-answer stream, cost 0.1 ms per call at
-        [1,16,512]: the call's done callback tells instead.)"""
+        holds. (Writing a unary answer from the handler, as a one-answer stream, cost more per call than
+        being told by the call's done callback: BENCHMARKS, "gRPC answers held in the budget until written".)"""
         timeout = self.dataplane.settings.write_timeout_s
         gave_up = []
 
@@ -143,7 +126,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 size,
                 timeout,
             )
-            gave_up.append(settle(False, freed=False))
+            gave_up.append(sent(False, freed=False))
 
         timer = asyncio.get_running_loop().call_later(timeout, give_up)
 
@@ -153,7 +136,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                     gave_up[0]()
                 return
             timer.cancel()
-            settle(not future.cancelled() and future.exception() is None)
+            sent(not future.cancelled() and future.exception() is None)
 
         written.add_done_callback(ended)
 
@@ -161,33 +144,35 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         # Answers in request order; a refused request answers with error_message and the stream goes on,
         # an undecodable one too (it arrives here as the RequestError that says so).
         async for request in request_iterator:
-            settlements = []
+            call = None
             try:
-                if isinstance(request, RequestError):
-                    raise request
-                answer = await self._infer(request, context, settlements.append, streamed=True)
+                async with self.dataplane.inference(self.protocol, context.time_remaining()) as call:
+                    if isinstance(request, RequestError):
+                        raise request
+                    answer = await infer_grpc(call, request, streamed=True)
+                    call.deliver_later()
             except RequestError as error:
                 answer = pb.ModelStreamInferResponse(error_message=f"{error.kind.name}: {error.message}")
-            except Exception as error:  # as in ModelInfer: say so, and the stream goes on
-                log.exception("inference failed")
-                answer = pb.ModelStreamInferResponse(error_message=f"INTERNAL: {inference_failed(error).message}")
             # The next request is not read before this answer is written.
             write = asyncio.ensure_future(context.write(answer))
             size = len(answer) if isinstance(answer, bytes) else answer.ByteSize()
-            self._settle_when_written(settlements[0] if settlements else _nothing_held, write, size)
+            self._settle_when_written(call.sent, write, size)
             await write
 
 
-def _nothing_held(delivered: bool, freed: bool = True) -> None:
-    """A refusal's answer: no budget to release, its status already recorded."""
+async def infer_grpc(call: InferenceCall, request: pb.ModelInferRequest, streamed: bool = False) -> bytes:
+    """One ModelInferRequest through the data plane, as the native server and each Ray replica answer it."""
+    response = await call.infer(
+        request.model_name, request.model_version, decode_grpc_request, request, slow=grpc_decodes_slowly(request)
+    )
+    return call.encode(encode_grpc_response, response, streamed=streamed)
 
 
-def decodes_slowly(request: pb.ModelInferRequest) -> bool:
-    """Whether decoding ``request`` would hold the event loop for long: values in the typed ``contents``
-    fields (converted element by element), or megabytes of raw contents."""
-    if request.inputs and not request.raw_input_contents:
-        return True
-    return sum(len(contents) for contents in request.raw_input_contents) > OFF_LOOP_BYTES
+def _check_repository_name(name: str) -> None:
+    if name:  # Triton's clients leave it empty: "every repository"
+        raise RequestError(
+            ErrorKind.NOT_FOUND, f"unknown repository '{name}': this server has one; leave the name empty"
+        )
 
 
 async def _parsed(request_class, raw: bytes, off_loop):

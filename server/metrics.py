@@ -1,7 +1,7 @@
 """Prometheus metrics (served on their own HTTP port by the process), named after Triton's ``nv_inference_*`` family.
 
 Triton name                          here
-nv_inference_request_success/failure mhaserve_inference_request_total{status="OK"|gRPC code, protocol="grpc"|"http"}
+nv_inference_request_success/failure mhaserve_inference_request_total{status="OK"|gRPC code, protocol=grpc|http|ray}
 nv_inference_count                   mhaserve_inference_count_total (rows inferred)
 nv_inference_exec_count              mhaserve_inference_exec_count_total (model runs)
 nv_inference_request_duration_us     mhaserve_inference_request_duration_seconds (histogram)

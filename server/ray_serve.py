@@ -1,9 +1,11 @@
 """Ray Serve transport: the Open Inference Protocol's gRPC service on Ray's gRPC proxy, each replica a DataPlane
-answering through the native server's InferenceServicer (same codec, same checks, same statuses).
+answering with the native server's gRPC codec (same checks, same statuses), its inference counted as protocol
+"ray".
 
 Ray's proxy hands a replica the parsed request and a RayServegRPCContext, and serialises what the replica
-returns; a refusal is a status set on that context. ``ProxiedCall`` gives InferenceServicer the few things it
-asks of a grpc.aio call, so that nothing of the servicer is copied here.
+returns; a refusal is a status set on that context. ModelInfer goes straight to the data plane; the other RPCs
+go through InferenceServicer, to which ``ProxiedCall`` gives the few things it asks of a grpc.aio call, so that
+nothing of the servicer is copied here.
 
 Needs the ``[ray]`` extra; the native server never imports this.
 """
@@ -21,14 +23,16 @@ from mhaserve.protos.generated import grpc_service_pb2 as pb
 
 from .config import ServerSettings
 from .dataplane import DataPlane
-from .grpc_servicer import InferenceServicer
+from .errors import RequestError
+from .grpc_servicer import GRPC_STATUS, InferenceServicer, infer_grpc
 from .ray_proxy import SERVICER_FUNCTION
 
 log = logging.getLogger("mhaserve.server")
 
 SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
-# The unary RPCs a replica answers (ModelStreamInfer too, defined on OipReplica). The repository extension is
-# left out: a replica serves the one folder it was deployed with, and loading another is a redeploy.
+# The unary RPCs a replica answers through InferenceServicer (ModelInfer and ModelStreamInfer are defined on
+# OipReplica). The repository extension is left out: a replica serves the one folder it was deployed with, and
+# loading another is a redeploy.
 UNARY_RPCS = (
     "ServerLive",
     "ServerReady",
@@ -37,7 +41,6 @@ UNARY_RPCS = (
     "ModelMetadata",
     "ModelConfig",
     "ModelStatistics",
-    "ModelInfer",
 )
 
 
@@ -99,9 +102,20 @@ class OipReplica:
         values.update(settings or {})
         self.dataplane = DataPlane(ServerSettings(**values), Path(model_dir))
         await self.dataplane.start()
-        self.servicer = InferenceServicer(self.dataplane)
+        self.servicer = InferenceServicer(self.dataplane, protocol="ray")
         signature = next(iter(self.dataplane.registry.served_models())).signature
         log.info("replica serving model=%s version=%s on node %s", signature.name, signature.version, _node_id())
+
+    async def ModelInfer(self, request, grpc_context):  # noqa: N802 (the protocol's name)
+        """Straight through the data plane with the gRPC codec; the proxy writes the answer."""
+        try:
+            async with self.dataplane.inference("ray") as call:
+                answer = await infer_grpc(call, request)
+        except RequestError as error:
+            grpc_context.set_code(GRPC_STATUS[error.kind])
+            grpc_context.set_details(error.message)
+            return pb.ModelInferResponse()
+        return _Serialized(answer)
 
     async def _answer(self, method: str, request, grpc_context):
         call = ProxiedCall(grpc_context)

@@ -12,7 +12,6 @@ RequestError kinds as HTTP statuses, with the gRPC status's message text in ``{"
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 
 import numpy as np
@@ -20,17 +19,14 @@ import orjson
 from aiohttp import web
 
 from . import describe
-from .dataplane import OFF_LOOP_BYTES, DataPlane
-from .errors import ErrorKind, RequestError, inference_failed, invalid
+from .dataplane import DataPlane, InferenceCall
+from .errors import ErrorKind, RequestError, invalid
+from .inference import InferenceRequest, InferenceResponse, RequestedOutput, decodes_slowly
 from .security import bearer_token_matches
 from .tensors import (
     CONVERT_CHUNK,
-    AttentionRequest,
-    Limits,
-    ModelSignature,
     array_from_bytes,
     array_from_values,
-    build_request,
     check_input_header,
     datatype_of,
 )
@@ -48,8 +44,20 @@ HTTP_STATUS = {
 }
 RETRY_AFTER_S = "1"  # 429 and 503: the queue, the memory budget or a drain; worth retrying shortly
 HEADER_LENGTH = "Inference-Header-Content-Length"
-JSON_ON_LOOP_BYTES = 64 << 10  # larger JSON is decoded on the decode thread: ~5 ms per MiB, value by value
 OPEN_PATHS = ("/v2/health/live", "/v2/health/ready")  # probes need no token, as grpc.health.v1
+
+
+class BodyTooLarge(RequestError):
+    """A body over the limit: RESOURCE_EXHAUSTED in the metrics as over gRPC, but 413 (not 429: a retry fails too)."""
+
+    http_status = 413
+
+    def __init__(self, limit: int):
+        super().__init__(
+            ErrorKind.RESOURCE_EXHAUSTED,
+            f"the request body is over the limit of {limit} bytes (the largest valid request; large tensors travel "
+            "as binary data)",
+        )
 
 
 def error_response(status: int, message: str) -> web.Response:
@@ -75,10 +83,10 @@ def _parameters(entry: dict, where: str) -> dict:
     return parameters
 
 
-def decode_rest_request(
-    body: bytes, header_length: int | None, model: ModelSignature, limits: Limits
-) -> tuple[AttentionRequest, set[str]]:
-    """The validated request, and the names of the outputs to return as binary data."""
+def decode_rest_request(name: str, version: str, body: bytes, header_length: int | None) -> InferenceRequest:
+    """The request in ``body`` (``header_length``: the JSON header's length when binary data follows it)."""
+    if header_length is not None and header_length > len(body):
+        raise invalid(f"{HEADER_LENGTH} {header_length} is longer than the body ({len(body)} bytes)")
     json_part = body if header_length is None else memoryview(body)[:header_length]
     try:
         document = orjson.loads(json_part)
@@ -95,40 +103,36 @@ def decode_rest_request(
     for entry in inputs:
         if not isinstance(entry, dict):
             raise invalid("each of 'inputs' must be a JSON object with name, shape, datatype and data")
-        name, datatype, shape = entry.get("name"), entry.get("datatype"), entry.get("shape")
-        if not isinstance(name, str) or not isinstance(datatype, str):
-            raise invalid(f"input {name!r}: 'name' and 'datatype' must be strings")
-        check_input_header(name, datatype, arrays)
+        input_name, datatype, shape = entry.get("name"), entry.get("datatype"), entry.get("shape")
+        if not isinstance(input_name, str) or not isinstance(datatype, str):
+            raise invalid(f"input {input_name!r}: 'name' and 'datatype' must be strings")
+        check_input_header(input_name, datatype, arrays)
         if not isinstance(shape, list) or not all(type(d) is int for d in shape):
-            raise invalid(f"input '{name}': 'shape' is {_as_written(shape)}, expected a list of integers")
-        size = _parameters(entry, f"input '{name}'").get("binary_data_size")
+            raise invalid(f"input '{input_name}': 'shape' is {_as_written(shape)}, expected a list of integers")
+        size = _parameters(entry, f"input '{input_name}'").get("binary_data_size")
         if size is not None:
             if type(size) is not int or size < 0 or offset + size > len(binary):
                 raise invalid(
-                    f"input '{name}': binary_data_size {size!r}, but {len(binary) - offset} bytes of binary data "
-                    f"remain after the JSON header ({HEADER_LENGTH})"
+                    f"input '{input_name}': binary_data_size {size!r}, but {len(binary) - offset} bytes of binary "
+                    f"data remain after the JSON header ({HEADER_LENGTH})"
                 )
-            arrays[name] = array_from_bytes(name, datatype, shape, binary[offset : offset + size], "binary data")
+            arrays[input_name] = array_from_bytes(
+                input_name, datatype, shape, binary[offset : offset + size], "binary data"
+            )
             offset += size
         else:
-            arrays[name] = _array_from_json(name, datatype, shape, entry.get("data"))
+            arrays[input_name] = _array_from_json(input_name, datatype, shape, entry.get("data"))
     if offset != len(binary):
         raise invalid(f"{len(binary) - offset} bytes of binary data follow the inputs' binary_data_size; expected 0")
 
-    default_binary = bool(_parameters(document, "the request").get("binary_data_output", False))
+    parameters = _parameters(document, "the request")
     outputs = document.get("outputs") or []
     if not isinstance(outputs, list) or not all(
         isinstance(o, dict) and isinstance(o.get("name"), str) for o in outputs
     ):
         raise invalid("'outputs' must be a list of objects with a 'name'")
-    request_id = document.get("id", "")
-    request = build_request(arrays, str(request_id), (o["name"] for o in outputs), model, limits)
-    binary_outputs = {
-        o["name"] for o in outputs if _parameters(o, f"output '{o['name']}'").get("binary_data", default_binary)
-    }
-    if not outputs and default_binary:
-        binary_outputs = set(request.outputs)
-    return request, binary_outputs
+    requested = tuple(RequestedOutput(o["name"], _parameters(o, f"output '{o['name']}'")) for o in outputs)
+    return InferenceRequest(name, version, str(document.get("id", "")), arrays, requested, parameters)
 
 
 def _as_written(value) -> str:
@@ -187,22 +191,24 @@ def _misnested(name: str, shape: list[int]) -> RequestError:
     )
 
 
-def encode_rest_response(
-    binary_outputs: set[str], request: AttentionRequest, model: ModelSignature, outputs: dict[str, np.ndarray]
-) -> tuple[bytes, int | None]:
-    """The response body, and the JSON header's length when binary outputs follow it."""
+def encode_rest_response(response: InferenceResponse) -> tuple[bytes, int | None]:
+    """The response body, and the JSON header's length when binary outputs follow it. An output is binary
+    where its ``binary_data`` parameter says so, else where the request's ``binary_data_output`` does."""
+    request = response.request
+    binary_by_default = bool(request.parameters.get("binary_data_output", False))
     described, chunks = [], []
-    for name in request.outputs:
-        array = np.ascontiguousarray(outputs[name])
+    for name, output in response.outputs.items():
+        array = np.ascontiguousarray(output)
         entry = {"name": name, "datatype": datatype_of(array), "shape": list(array.shape)}
-        if name in binary_outputs:
+        if request.output(name).parameters.get("binary_data", binary_by_default):
             entry["parameters"] = {"binary_data_size": array.nbytes}
             chunks.append(memoryview(array).cast("B"))
         else:
             entry["data"] = array.ravel()  # orjson writes the array itself, no Python floats
         described.append(entry)
+    model = response.model
     header = orjson.dumps(
-        {"model_name": model.name, "model_version": model.version, "id": request.id, "outputs": described},
+        {"model_name": model.name, "model_version": model.version, "id": response.id, "outputs": described},
         option=orjson.OPT_SERIALIZE_NUMPY,
     )
     if not chunks:
@@ -217,31 +223,15 @@ def header_length_of(value: str | None) -> int | None:
     return int(value) if value is not None else None
 
 
-async def serve_rest_inference(
-    dataplane: DataPlane, name: str, version: str, body: bytes, header_length: int | None, until_sent
+async def infer_rest(
+    call: InferenceCall, name: str, version: str, body: bytes, header_length: int | None
 ) -> tuple[bytes, int | None]:
     """One infer call's body through the data plane, whichever HTTP stack received it: the answer's body, and
-    the JSON header's length when binary outputs follow it. ``until_sent`` as for DataPlane.serve_inference."""
-    if header_length is not None and header_length > len(body):
-        raise invalid(f"{HEADER_LENGTH} {header_length} is longer than the body ({len(body)} bytes)")
-    binary_outputs: set[str] = set()
-
-    def decode(model: ModelSignature, limits: Limits) -> AttentionRequest:
-        decoded, wanted = decode_rest_request(body, header_length, model, limits)
-        binary_outputs.update(wanted)
-        return decoded
-
-    return await dataplane.serve_inference(
-        name,
-        version,
-        decode,
-        functools.partial(encode_rest_response, binary_outputs),
-        protocol="http",
-        # JSON values are parsed and converted one by one; binary ones are checked in whole-array passes.
-        decode_off_loop=len(body) > OFF_LOOP_BYTES
-        or (len(body) if header_length is None else header_length) > JSON_ON_LOOP_BYTES,
-        until_sent=until_sent,
-    )
+    the JSON header's length when binary outputs follow it."""
+    json_length = len(body) if header_length is None else min(header_length, len(body))
+    slow = decodes_slowly(len(body), json_length)  # JSON values convert one by one; binary ones in whole arrays
+    response = await call.infer(name, version, decode_rest_request, name, version, body, header_length, slow=slow)
+    return call.encode(encode_rest_response, response)
 
 
 # -- the routes ------------------------------------------------------------------------------------------
@@ -290,13 +280,7 @@ class RestTransport:
         try:
             return await handler(request)
         except RequestError as error:
-            return error_response(HTTP_STATUS[error.kind], error.message)
-        except web.HTTPRequestEntityTooLarge:
-            return error_response(
-                413,
-                f"the request body is over the limit of {self.body_limit} bytes (the largest valid request; "
-                "large tensors travel as binary data)",
-            )
+            return error_response(getattr(error, "http_status", HTTP_STATUS[error.kind]), error.message)
         except web.HTTPException as error:
             if error.status < 400:
                 raise
@@ -321,6 +305,8 @@ class RestTransport:
             raise RequestError(
                 ErrorKind.DEADLINE_EXCEEDED, f"the request body did not arrive within {self.read_timeout_s:g} s"
             ) from None
+        except web.HTTPRequestEntityTooLarge:
+            raise BodyTooLarge(self.body_limit) from None
 
     async def live(self, request):
         return web.Response(status=200)
@@ -373,23 +359,12 @@ class RestTransport:
         return self.dataplane.resolve(request.match_info["name"], request.match_info.get("version", ""))
 
     async def infer(self, request: web.Request):
-        header_length = header_length_of(request.headers.get(HEADER_LENGTH))  # before the body is read
-        body = await self._body(request)
-        settlements = []
-        try:
-            payload, json_length = await serve_rest_inference(
-                self.dataplane,
-                request.match_info["name"],
-                request.match_info.get("version", ""),
-                body,
-                header_length,
-                settlements.append,
-            )
-        except RequestError:
-            raise
-        except Exception as error:  # a bug or a runtime failure: say so, keep serving
-            log.exception("inference failed")
-            raise inference_failed(error) from None
+        name, version = request.match_info["name"], request.match_info.get("version", "")
+        async with self.dataplane.inference("http") as call:
+            header_length = header_length_of(request.headers.get(HEADER_LENGTH))  # before the body is read
+            body = await self._body(request)
+            payload, json_length = await infer_rest(call, name, version, body, header_length)
+            call.deliver_later()
         if json_length is None:
             response = web.Response(body=payload, content_type="application/json")
         else:
@@ -400,7 +375,7 @@ class RestTransport:
         try:
             delivered = await self._send(request, response)
         finally:
-            settlements[0](delivered)  # the answer leaves the memory budget only now
+            call.sent(delivered)  # the answer leaves the memory budget only now
         return response
 
     async def _send(self, request: web.Request, response: web.Response) -> bool:

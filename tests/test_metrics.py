@@ -50,3 +50,42 @@ def test_metrics_endpoint_can_be_turned_off(small_model_dir):
         assert server.metrics_url is None and "metrics=off" in server.log
         with Client(server.url) as client:
             assert np.isfinite(client.infer(rand(1, 2, D)).output).all()
+
+
+def test_refusals_a_transport_makes_before_the_model_is_known_are_counted(small_model_dir):
+    """A bad header length, a body over the limit, a body that never arrives and an undecodable streamed message
+    are refused before any model is resolved: counted under empty model labels, by status and protocol."""
+    import socket
+    import urllib.error
+    import urllib.request
+
+    from mhaserve.protos.generated import grpc_service_pb2 as pb
+
+    args = ("--warmup-runs", "0", "--max-message-bytes", "100000", "--http-read-timeout-s", "1")
+    with ServerProcess(small_model_dir, *args) as server:
+        url = f"{server.http_url}/v2/models/mha/infer"
+        for body, headers in ((b"{}", {"Inference-Header-Content-Length": "x"}), (b"x" * 200_000, {})):
+            with pytest.raises(urllib.error.HTTPError):
+                urllib.request.urlopen(urllib.request.Request(url, body, headers, method="POST"), timeout=10)
+        host, port = server.http_url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as connection:
+            connection.sendall(b"POST /v2/models/mha/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+            assert connection.recv(4096).startswith(b"HTTP/1.1 504")
+        with grpc.insecure_channel(server.url) as channel:
+            stream = channel.stream_stream(
+                "/inference.GRPCInferenceService/ModelStreamInfer",
+                request_serializer=lambda raw: raw,
+                response_deserializer=pb.ModelStreamInferResponse.FromString,
+            )
+            answers = list(stream(iter([b"\xff\xff not a message"]), timeout=10))
+        assert answers[0].error_message.startswith("INVALID_ARGUMENT")
+        samples = scrape(server.metrics_url)
+
+    def unresolved(status, protocol):
+        labels = (("model", ""), ("protocol", protocol), ("status", status), ("version", ""))
+        return samples.get(("mhaserve_inference_request_total", labels), 0)
+
+    assert unresolved("INVALID_ARGUMENT", "http") == 1
+    assert unresolved("RESOURCE_EXHAUSTED", "http") == 1
+    assert unresolved("DEADLINE_EXCEEDED", "http") == 1
+    assert unresolved("INVALID_ARGUMENT", "grpc") == 1

@@ -246,5 +246,6 @@ def test_health_stays_fast_while_typed_contents_are_converted(small_model_dir):
     print(f"\nhealth under 3 typed-contents senders: {len(codes)} conversions refused, {len(latencies)} checks, "
           f"p50 {p50 * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms")  # fmt: skip
     assert len(codes) >= 3 and set(codes) == {"INVALID_ARGUMENT"}
-    # Measured here (2 cores shared with the three senders): p50 2-11 ms, p99 32-34 ms; no traffic: p99 3 ms.
-    assert p50 < 0.03 and p99 < 0.05
+    # A margin that holds on a loaded 2-core machine, far under what conversion on the event loop gave (p50 697
+    # ms); the measured figures are BENCHMARKS.md's, "Health checks under large-message traffic".
+    assert p50 < 0.1 and p99 < 0.25
