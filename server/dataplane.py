@@ -321,11 +321,13 @@ class DataPlane:
         return self.registry.served_models()
 
     def model_ready(self, name: str, version: str) -> bool:
-        """ModelReady: the version exists (NOT_FOUND otherwise) and serves now."""
+        """ModelReady, as Triton answers it: whether the version serves now; false for a model this server
+        holds (served, or in its repository) in a version that does not serve (loading, unloaded, failed, or
+        none such), and NOT_FOUND only for a name it does not hold."""
         try:
             self.registry.resolve(name, version)
         except RequestError as error:
-            if error.kind == ErrorKind.NOT_FOUND:
+            if error.kind == ErrorKind.NOT_FOUND and not self.registry.holds(name):
                 raise
             return False
         return not self.draining

@@ -132,6 +132,12 @@ class ModelRegistry:
             )
         return entry.served
 
+    def holds(self, name: str) -> bool:
+        """Whether ``name`` is a model this server knows: one it served or tried to, or a folder of its repository."""
+        if name in self.models:
+            return True
+        return self.repository is not None and name in self.repository.model_names()
+
     def served_names(self) -> list[str]:
         return sorted(n for n, vs in self.models.items() if any(v.state != UNAVAILABLE for v in vs.values()))
 

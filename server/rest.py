@@ -323,8 +323,9 @@ class RestTransport:
         return json_response(describe.model_metadata(served, ready_versions))
 
     async def model_ready(self, request):
+        """200 ready; 400 not ready (the KServe REST spec's 4xx for false, Triton's 400); 404 an unknown name."""
         ready = self.dataplane.model_ready(request.match_info["name"], request.match_info.get("version", ""))
-        return web.Response(status=200 if ready else 503)
+        return web.Response(status=200 if ready else 400)
 
     async def model_config(self, request):
         return json_response(describe.model_config(self._resolve(request)))

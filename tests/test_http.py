@@ -79,7 +79,8 @@ def test_every_endpoint_answers_as_the_protocol_says(server):
     # a single-folder server has no repository to load from
     status, _, body = call(server, "POST", "/v2/repository/models/mha/load", b"")
     assert status == 400 and "--model-repository" in json.loads(body)["error"]
-    assert call(server, "GET", "/v2/models/mha/versions/2/ready")[0] == 404
+    assert call(server, "GET", "/v2/models/mha/versions/2/ready")[0] == 400  # a model it holds: not ready
+    assert call(server, "GET", "/v2/models/gpt/ready")[0] == 404  # a name it does not hold
     assert call(server, "GET", "/v2/nothing")[0] == 404
 
 

@@ -129,7 +129,7 @@ def test_two_models_of_different_widths_serve_side_by_side(exports, tmp_path):
         np.load(tmp_path / "wide-out.npy"), reference_output(exports["wide"], wide_query), atol=1e-6
     )
     assert ready["value"] is True
-    assert not no_version["ok"] and "NOT_FOUND" in no_version["status"] and "available: '1'" in no_version["message"]
+    assert no_version["ok"] and no_version["value"] is False  # a model it holds, in a version that does not serve
     # mode none: the repository is loaded at start and control RPCs are refused, naming the mode
     assert "FAILED_PRECONDITION" in load["status"] and "--model-control-mode explicit" in load["message"]
     assert unknown.value.code() == grpc.StatusCode.NOT_FOUND and "'mha', 'wide'" in unknown.value.details()
@@ -172,7 +172,7 @@ def test_explicit_mode_loads_and_unloads_with_tritonclient_and_refuses_paths_out
     assert states[("mha", "5")][0] == "UNAVAILABLE" and "outside the model repository" in states[("mha", "5")][1]
     assert states[("evil", "")][0] == "UNAVAILABLE" and "outside the model repository" in states[("evil", "")][1]
     assert load_wide["ok"] and wide_ready["value"] is True and unload["ok"]
-    assert "NOT_FOUND" in mha_after["status"]
+    assert mha_after["ok"] and mha_after["value"] is False  # unloaded, still in the repository: not ready
     for refusal in bad_names:
         assert "INVALID_ARGUMENT" in refusal["status"] and "not allowed" in refusal["message"], refusal
     assert "INVALID_ARGUMENT" in evil["status"] and "outside the model repository" in evil["message"]
@@ -513,3 +513,36 @@ def test_repository_settings_that_cannot_work_are_one_line_and_exit_code_2(args,
     done = subprocess.run([sys.executable, "-m", "mhaserve.cli", "serve", *args], capture_output=True, text=True)
     assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.strip().count("\n") == 0
+
+
+def test_an_unloaded_model_is_not_ready_over_both_transports_and_an_unknown_name_is_not_found(exports, tmp_path):
+    import urllib.error
+    import urllib.request
+
+    repository = tmp_path / "repository"
+    add_version(repository, "mha", 1, exports["small_v1"])
+
+    def http(method: str, path: str) -> int:
+        request = urllib.request.Request(server.http_url + path, b"" if method == "POST" else None, method=method)
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return response.status
+        except urllib.error.HTTPError as error:
+            return error.code
+
+    with repository_server(repository, "--model-control-mode", "explicit", "--load-model", "mha") as server:
+        with grpc.insecure_channel(server.url) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+
+            def ready(name: str, version: str = "") -> bool:
+                return stub.ModelReady(pb.ModelReadyRequest(name=name, version=version), timeout=10).ready
+
+            before = ready("mha"), ready("mha", "1"), http("GET", "/v2/models/mha/versions/1/ready")
+            assert http("POST", "/v2/repository/models/mha/unload") == 200
+            after = ready("mha"), ready("mha", "1"), http("GET", "/v2/models/mha/ready")
+            with pytest.raises(grpc.RpcError) as unknown:
+                ready("nothing-here")
+            unknown_over_http = http("GET", "/v2/models/nothing-here/ready")
+    assert before == (True, True, 200)
+    assert after == (False, False, 400)
+    assert unknown.value.code() == grpc.StatusCode.NOT_FOUND and unknown_over_http == 404

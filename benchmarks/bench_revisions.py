@@ -1,0 +1,106 @@
+"""The served code of another revision against the working tree's, side by side in one run.
+
+    flock /tmp/bench.lock .venv/bin/python benchmarks/bench_revisions.py --baseline REV [--rounds 3] [--duration 8]
+
+For a change meant to keep speed (a restructuring, a new check on the request path): REV is checked out into a
+temporary worktree and served from there (the same virtual environment; ``PYTHONPATH`` puts that revision's
+packages ahead of the working tree's editable install, Python 3.11 or newer), beside a server of the working
+tree. Both serve the embedded default model (512/8) with the same arguments, and are up for the whole run; each
+point is measured on one, then the other, in alternating order from round to round, with `mhaserve bench`'s
+load generator (gRPC, with the attention weights). Per point: requests/s, p50 and p99 of each, the cores its
+clients took (they share the machine with the servers), and the ratio of the working tree's requests/s to the
+baseline's, per round and as the median. Not a test: BENCHMARKS.md records the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from mhaserve.cli import ensure_default_model
+from mhaserve.loadgen import LoadGenerator, Point, Workload, default_processes
+from mhaserve.server_process import ServerProcess
+
+ROOT = Path(__file__).resolve().parent.parent
+# The wheel's packages and the folders they come from (pyproject.toml's package-dir).
+PACKAGE_FOLDERS = {"model": "model", "export": "export", "server": "server", "protos": "protos"}
+POINTS = [(16, 1), (16, 16), (128, 1), (128, 16)]  # (length, concurrency) at [1, L, 512]
+
+
+def shadow_packages(checkout: Path, into: Path) -> Path:
+    """A folder that, first on PYTHONPATH, makes ``import mhaserve`` load ``checkout``'s code."""
+    package = into / "mhaserve"
+    package.mkdir(parents=True)
+    for entry in (checkout / "mhaserve").iterdir():
+        (package / entry.name).symlink_to(entry)
+    for name, folder in PACKAGE_FOLDERS.items():
+        (package / name).symlink_to(checkout / folder)
+    return into
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--baseline", required=True, help="the revision to compare with (e.g. HEAD~3)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--duration", type=float, default=8.0)
+    parser.add_argument("--warmup", type=float, default=2.0)
+    parser.add_argument("--processes", type=int, default=default_processes())
+    args = parser.parse_args()
+    model_dir = ensure_default_model()
+    with tempfile.TemporaryDirectory() as tmp:
+        checkout = Path(tmp) / "baseline"
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(checkout), args.baseline],
+                       check=True, capture_output=True)  # fmt: skip
+        try:
+            shadow = shadow_packages(checkout, Path(tmp) / "path")
+            with (
+                # PYTHONSAFEPATH: the working directory (this checkout) is not put ahead of PYTHONPATH
+                ServerProcess(model_dir, env={"PYTHONPATH": str(shadow), "PYTHONSAFEPATH": "1"}) as baseline,
+                ServerProcess(model_dir) as current,
+            ):
+                for server, expected in ((baseline, checkout), (current, ROOT)):
+                    where = subprocess.run(
+                        [sys.executable, "-c", "import mhaserve.server as s; print(s.__path__[0])"],
+                        env=server.env, capture_output=True, text=True, check=True,
+                    ).stdout.strip()  # fmt: skip
+                    assert Path(where).resolve() == (expected / "server").resolve(), (where, expected)
+                compare(baseline, current, args)
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(checkout)], check=False)
+
+
+def compare(baseline: ServerProcess, current: ServerProcess, args) -> None:
+    columns = "req/s p50 p99 client-cores"
+    print(f"{'point':>16} {'round':>5} | {'baseline ' + columns:>30} | {'current ' + columns:>30} | ratio")
+    ratios: dict[tuple[int, int], list[float]] = {}
+    for round_number in range(args.rounds):
+        order = [("baseline", baseline), ("current", current)]
+        if round_number % 2:
+            order.reverse()
+        for length, concurrency in POINTS:
+            workload = Workload(512, 1, length, length, attn_weights=True)
+            point = Point("closed", concurrency, args.duration, args.warmup)
+            results = {}
+            for name, server in order:
+                with LoadGenerator(server.url, args.processes) as generator:
+                    results[name] = generator.measure(workload, point)
+            ratio = results["current"].throughput / results["baseline"].throughput
+            ratios.setdefault((length, concurrency), []).append(ratio)
+            cells = [
+                f"{r.throughput:8.1f} {r.latency_ms['p50']:6.2f} {r.latency_ms['p99']:7.2f} {r.client_cpu_cores:5.2f}"
+                for r in (results["baseline"], results["current"])
+            ]
+            label = f"[1,{length:>3},512] c{concurrency:<3}"
+            print(f"{label} {round_number + 1:>5} | {cells[0]} | {cells[1]} | {ratio:5.2f}", flush=True)
+    print("\nmedian ratio, current / baseline requests/s:")
+    for (length, concurrency), values in ratios.items():
+        rounds = ", ".join(f"{v:.2f}" for v in values)
+        print(f"[1,{length:>3},512] c{concurrency:<3} {statistics.median(values):.2f} ({rounds})")
+
+
+if __name__ == "__main__":
+    main()
