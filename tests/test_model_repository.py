@@ -546,3 +546,23 @@ def test_an_unloaded_model_is_not_ready_over_both_transports_and_an_unknown_name
     assert before == (True, True, 200)
     assert after == (False, False, 400)
     assert unknown.value.code() == grpc.StatusCode.NOT_FOUND and unknown_over_http == 404
+
+
+def test_explicit_mode_rereads_a_changed_version_only_when_asked_to_load(exports, tmp_path):
+    import urllib.request
+
+    repository = tmp_path / "repository"
+    add_version(repository, "a", 1, exports["small_v1"])
+    query = rand(1, 6, SMALL_D_MODEL, seed=8)
+    with repository_server(repository, "--model-control-mode", "explicit", "--load-model", "a") as server:
+        with Client(server.url, model="a") as client:
+            for file in exports["small_v3"].iterdir():
+                shutil.copyfile(file, repository / "a" / "1" / file.name)
+            time.sleep(1.0)
+            before_load = client.infer(query, attn_weights=False).output
+            load = urllib.request.Request(f"{server.http_url}/v2/repository/models/a/load", b"", method="POST")
+            with urllib.request.urlopen(load, timeout=60) as response:
+                assert response.status == 200
+            after_load = client.infer(query, attn_weights=False).output
+    np.testing.assert_allclose(before_load, reference_output(exports["small_v1"], query), atol=1e-6)
+    np.testing.assert_allclose(after_load, reference_output(exports["small_v3"], query), atol=1e-6)
