@@ -10,7 +10,7 @@ For each shape ([1,16,512] and [1,128,512], attention weights requested), in alt
 - server: mhaserve serve, called by the same client threads.
 Every variant has the machine to itself, client included. If each call costs the machine ORT's time
 plus the echo's time, and nothing else, the most any server on this stack can answer is
-1 / (1/ORT + 1/echo): the ceiling. Prints server/ORT (issue 4's ratio) and server/ceiling. Not a test.
+1 / (1/ORT + 1/echo): the ceiling. Prints server/ORT (the concurrency-16 target's ratio) and server/ceiling. Not a test.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from bench_server import ort_session
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = [(512, 8), (768, 12)]
-# (B, L, d): the served shapes the issue names, and one at d=768.
+# (B, L, d): the usual served shapes, and one at d=768.
 SHAPES = [(1, 16, 512), (1, 128, 512), (8, 128, 512), (1, 128, 768)]
 
 # Run in the child: export each size twice (the first pays torch's one-time set-up), print JSON.

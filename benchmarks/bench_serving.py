@@ -11,7 +11,7 @@ across one. The peers serve a single-input (self-attention) export of the *same*
 weights, since they take one input; mhaserve serves its own export.
 
 The common client is the peers' loadgen.py (tritonclient.grpc threads over client processes), so
-every server pays the same client cost. Prints markdown tables and the issue targets as ratios.
+every server pays the same client cost. Prints markdown tables and the targets as ratios.
 """
 
 from __future__ import annotations

@@ -195,8 +195,8 @@ RunModel = Callable[[tuple[str, ...], np.ndarray, np.ndarray, np.ndarray, np.nda
 
 # How far down the queue a drain of mixed lengths looks, in runs of max_batch_size rows. Under 16..128
 # load at 64 callers, four runs' worth gave runs of like lengths and 1.47x padded's throughput, against
-# 1.31x for drains of one run's worth (BENCHMARKS.md, issue 17); further would keep requests queued
-# behind a longer drain.
+# 1.31x for drains of one run's worth (BENCHMARKS.md, "Length-aware batching"); further would keep requests
+# queued behind a longer drain.
 DRAIN_RUNS = 4
 
 
