@@ -34,6 +34,7 @@ from .validate import (
     TOLERANCES,
     TorchMultiheadAttentionReference,
     UserModuleReference,
+    export_holds,
     input_limit,
     status_counts,
     validate,
@@ -89,8 +90,7 @@ def export_model_dir(
     serialized = onnx_model.SerializeToString()
     results = validate(reference, serialized, seed=validation_seed, report=report, precision=precision)
     scales = validate_scales(module, serialized, seed=validation_seed, report=report, precision=precision)
-    limit = input_limit(scales)
-    passed = not any(r.failed for r in results) and limit is not None
+    passed = export_holds(results, scales)
 
     manifest = {
         "format": MANIFEST_FORMAT,
@@ -121,7 +121,7 @@ def export_model_dir(
             "input_scales": {
                 "tolerance": asdict(SCALE_TOLERANCES[precision]),
                 # the largest input magnitude up to which every scale held: the server refuses inputs past it
-                "max_abs_input": limit,
+                "max_abs_input": input_limit(scales),
                 "scales": [r.as_dict() for r in scales],
             },
         },
@@ -178,8 +178,8 @@ def revalidate_model_dir(
     precision = manifest.get("precision", "fp32")
     path = str(model_dir / MODEL_FILE)
     results = validate(module, path, seed=seed, report=report, precision=precision)
-    limit = input_limit(validate_scales(module, path, seed=seed, report=report, precision=precision))
-    return not any(r.failed for r in results) and limit is not None
+    scales = validate_scales(module, path, seed=seed, report=report, precision=precision)
+    return export_holds(results, scales)
 
 
 # Attributes under which attention modules keep their number of heads.

@@ -122,11 +122,15 @@ def to_float16(
     floats.update(t.name for t in graph.initializer if t.data_type == FLOAT)
     half = {n.name for n in graph.node} if float16_nodes is None else set(float16_nodes)
     producers = {output: node for node in graph.node for output in node.output}
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in dict.fromkeys(node.input):
+            consumers.setdefault(name, []).append(node)
     initializers = {t.name: t for t in graph.initializer}
     wanted_out = {o.name: FLOAT16 if o.name in float16_outputs else FLOAT for o in graph.output}
     casts = []
     for name in sorted(floats):
-        users = [n for n in graph.node if name in n.input]
+        users = consumers.get(name, [])
         if name in initializers and users and all(n.name in half for n in users):
             initializers[name].CopyFrom(_tensor_to_float16(initializers[name]))
             continue

@@ -389,6 +389,11 @@ def validate_scales(
     return results
 
 
+def export_holds(results: list[CaseResult], scales: list[ScaleResult]) -> bool:
+    """An export is valid when no case of the matrix failed and it holds at unit scale and below."""
+    return not any(r.failed for r in results) and input_limit(scales) is not None
+
+
 def input_limit(results: list[ScaleResult]) -> float | None:
     """The largest input magnitude up to which every scale held; None if a scale at or below 1 failed."""
     limit = None

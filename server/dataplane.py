@@ -449,7 +449,6 @@ class InferenceCall:
         self._reserved = 0  # this call's bytes in the budget
         self._answer = 0  # of which its answer's
         self._waiting = None  # its run's workspace, until the run ends
-        self._ran_at = 0
         self._deliver_later = False
         self._settle: Callable | None = None
 
@@ -477,16 +476,16 @@ class InferenceCall:
         self.timing.queue_ns, self.timing.infer_ns = answer.queue_ns, answer.infer_ns
         dataplane.budget.run_ended(self._waiting)
         self._waiting = None
-        self._ran_at = time.perf_counter_ns()
-        return InferenceResponse(signature, request, {name: answer.outputs[name] for name in attention.outputs})
+        return InferenceResponse(signature, request, {o: answer.outputs[o] for o in attention.outputs})
 
     def encode(self, encode: Callable[..., T], response: InferenceResponse, *args, **kwargs) -> T:
         """``encode(response, ...)``, timed as the call's output time; the inputs leave the budget after it (the
         answer stays until it is sent)."""
+        started = time.perf_counter_ns()
         encoded = encode(response, *args, **kwargs)
         self._dataplane.budget.release(self._reserved - self._answer)
         self._reserved = self._answer
-        self.timing.output_ns = time.perf_counter_ns() - self._ran_at
+        self.timing.output_ns = time.perf_counter_ns() - started
         return encoded
 
     def deliver_later(self) -> None:
