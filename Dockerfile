@@ -13,7 +13,7 @@ RUN python3 -m venv /opt/venv \
  && useradd --system --create-home --uid 10001 --home-dir /home/mhaserve mhaserve \
  && mkdir -p /models && chown mhaserve /models
 WORKDIR /opt/mhaserve
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY mhaserve ./mhaserve
 COPY model ./model
 COPY export ./export

@@ -23,14 +23,14 @@ from pathlib import Path
 import numpy as np
 from bench_server import SHAPES, bytes_call, ort_session, record_answers, start_helper
 
-from mhaserve.model_folder import MODEL_FILE
+from mhaserve.contract.model_folder import MODEL_FILE
 
 CONCURRENCY = 16
 
 
 def calls_per_second(call, request: bytes, seconds: float) -> float:
     """Closed loop of CONCURRENCY threads, each parsing its answers as a client would."""
-    from mhaserve.client import parse_infer_response
+    from mhaserve.client.grpc import parse_infer_response
     from mhaserve.protos.generated import grpc_service_pb2 as pb
 
     done, stop = [0] * CONCURRENCY, time.perf_counter() + seconds
@@ -59,8 +59,8 @@ def main() -> None:
 
     import onnxruntime as ort
 
-    from mhaserve.cli import ensure_default_model
-    from mhaserve.server_process import ServerProcess
+    from mhaserve.export.default_model import ensure_default_model
+    from mhaserve.testing.server_process import ServerProcess
 
     model_dir = args.model_dir or ensure_default_model()
     session = ort_session(model_dir / MODEL_FILE, args.threads)

@@ -24,9 +24,9 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2_grpc
 
-from mhaserve.checked_load import health_latencies_under_load
+from mhaserve.loadtest.checked_load import health_latencies_under_load
 from mhaserve.protos.generated import grpc_service_pb2 as pb
-from mhaserve.server_process import ServerProcess
+from mhaserve.testing.server_process import ServerProcess
 
 MESSAGE_LIMIT = 64 << 20
 
@@ -79,7 +79,7 @@ def main() -> int:
         asyncio.run(serve_bare(args.serve_bare))
         return 0
 
-    from mhaserve.cli import ensure_default_model
+    from mhaserve.export.default_model import ensure_default_model
 
     model_dir = ensure_default_model()
     d_model = 512

@@ -31,10 +31,10 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
-from mhaserve.cli import ensure_default_model
-from mhaserve.client import build_infer_request
-from mhaserve.http_client import build_http_infer_body
-from mhaserve.server_process import ServerProcess
+from mhaserve.client.grpc import build_infer_request
+from mhaserve.client.http import build_http_infer_body
+from mhaserve.export.default_model import ensure_default_model
+from mhaserve.testing.server_process import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 PEERS = (ROOT / ".." / "shared" / "peers").resolve()

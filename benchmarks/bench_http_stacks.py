@@ -34,8 +34,8 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_http import http_sender, measure  # noqa: E402
 
-from mhaserve.cli import ensure_default_model  # noqa: E402
-from mhaserve.http_client import build_http_infer_body  # noqa: E402
+from mhaserve.client.http import build_http_infer_body  # noqa: E402
+from mhaserve.export.default_model import ensure_default_model  # noqa: E402
 
 STACKS = {"aiohttp": "aiohttp", "starlette+uvicorn(httptools)": "httptools", "starlette+uvicorn(h11)": "h11"}
 
@@ -46,7 +46,7 @@ STACKS = {"aiohttp": "aiohttp", "starlette+uvicorn(httptools)": "httptools", "st
 async def serve(stack: str, port: int, model_dir: Path, stacks_path: str | None) -> None:
     from mhaserve.server.config import ServerSettings
     from mhaserve.server.dataplane import DataPlane
-    from mhaserve.server.rest import RestTransport
+    from mhaserve.server.rest.routes import RestTransport
 
     settings = ServerSettings(model_dir=model_dir)
     dataplane = DataPlane(settings, model_dir)
@@ -54,7 +54,7 @@ async def serve(stack: str, port: int, model_dir: Path, stacks_path: str | None)
     body_limit = 1 << 30
     rest = RestTransport(dataplane, None, body_limit, settings.http_read_timeout_s, settings.write_timeout_s)
     if stack == "aiohttp":
-        from mhaserve.server.http_site import start_site
+        from mhaserve.server.rest.site import start_site
 
         await start_site(rest.application(), "127.0.0.1", port, max_connections=1000, idle_timeout_s=75, what="HTTP")
         print("serving", flush=True)
@@ -68,7 +68,7 @@ async def serve(stack: str, port: int, model_dir: Path, stacks_path: str | None)
     from starlette.routing import Route
 
     from mhaserve.server.errors import RequestError
-    from mhaserve.server.rest import HEADER_LENGTH, HTTP_STATUS, header_length_of, infer_rest
+    from mhaserve.server.rest.routes import HEADER_LENGTH, HTTP_STATUS, header_length_of, infer_rest
 
     async def infer(request):
         """RestTransport.infer on Starlette's request and response: the same infer_rest."""

@@ -24,14 +24,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from mhaserve.checked_load import peak_rss_mib, reset_peak_rss, rss_mib
-from mhaserve.cli import ensure_default_model
-from mhaserve.client import Client, build_infer_request
-from mhaserve.http_client import HttpClient
-from mhaserve.server.codec import decode_infer_request
+from mhaserve.client.grpc import Client, build_infer_request
+from mhaserve.client.http import HttpClient
+from mhaserve.export.default_model import ensure_default_model
+from mhaserve.loadtest.checked_load import peak_rss_mib, reset_peak_rss, rss_mib
+from mhaserve.server.grpc.protobuf import decode_infer_request
 from mhaserve.server.memory import answer_bytes, input_bytes, request_workspace_bytes
 from mhaserve.server.tensors import Limits, ModelSignature
-from mhaserve.server_process import ServerProcess
+from mhaserve.testing.server_process import ServerProcess
 
 D, H = 512, 8
 MIB = 1 << 20

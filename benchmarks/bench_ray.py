@@ -33,10 +33,10 @@ import time
 
 import numpy as np
 
-from mhaserve.cli import ensure_default_model
-from mhaserve.client import Client
-from mhaserve.loadgen import LoadGenerator, Point, Workload
-from mhaserve.server_process import ServerProcess, free_port
+from mhaserve.client.grpc import Client
+from mhaserve.export.default_model import ensure_default_model
+from mhaserve.loadtest.loadgen import LoadGenerator, Point, Workload
+from mhaserve.testing.server_process import ServerProcess, free_port
 
 SHAPES = (16, 128)
 CONCURRENCY = (1, 16)
@@ -57,7 +57,7 @@ def ray_cluster(model_dir, workers: int, replicas: int = 2, replica_cpus: float 
     import ray
     from ray.cluster_utils import Cluster
 
-    from mhaserve.server.ray_serve import OipReplica, deploy
+    from mhaserve.server.ray.deployment import OipReplica, deploy
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
     try:
@@ -85,9 +85,9 @@ def ray_batched_replica_class():
     from ray import serve
 
     from mhaserve.server.batcher import merge, split
-    from mhaserve.server.codec import decode_grpc_request, encode_grpc_response
+    from mhaserve.server.grpc.protobuf import decode_grpc_request, encode_grpc_response
     from mhaserve.server.inference import InferenceResponse, attention_request
-    from mhaserve.server.ray_serve import OipReplica, _Serialized
+    from mhaserve.server.ray.deployment import OipReplica, _Serialized
 
     class RayBatchedReplica(OipReplica):
         @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.0)

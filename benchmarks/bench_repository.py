@@ -26,12 +26,12 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from mhaserve.checked_load import rss_mib
-from mhaserve.cli import ensure_default_model
-from mhaserve.client import AsyncClient
+from mhaserve.client.grpc import AsyncClient
+from mhaserve.export.default_model import ensure_default_model
+from mhaserve.loadtest.checked_load import rss_mib
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
-from mhaserve.server_process import ServerProcess
+from mhaserve.testing.server_process import ServerProcess
 
 CACHE = Path.home() / ".cache" / "mhaserve" / "bench-repository"
 

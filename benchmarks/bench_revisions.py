@@ -21,9 +21,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from mhaserve.cli import ensure_default_model
-from mhaserve.loadgen import LoadGenerator, Point, Workload, default_processes
-from mhaserve.server_process import ServerProcess
+from mhaserve.export.default_model import ensure_default_model
+from mhaserve.loadtest.loadgen import LoadGenerator, Point, Workload, default_processes
+from mhaserve.testing.server_process import ServerProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 # The wheel's packages and the folders they come from (pyproject.toml's package-dir).

@@ -31,7 +31,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from mhaserve.model_folder import MODEL_FILE
+from mhaserve.contract.model_folder import MODEL_FILE
 
 SHAPES = [(1, 16, 512), (1, 128, 512)]
 INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
@@ -98,7 +98,7 @@ def ort_session(model: Path | bytes, threads: int):
 
 def bytes_call(url: str) -> Callable[[bytes], bytes]:
     """ModelInfer at ``url``, serialised request in, serialised answer out: one client path for every server."""
-    from mhaserve.client import _channel_options
+    from mhaserve.client.grpc import _channel_options
 
     return grpc.insecure_channel(url, options=_channel_options(1 << 30)).unary_unary(INFER_METHOD)
 
@@ -106,7 +106,7 @@ def bytes_call(url: str) -> Callable[[bytes], bytes]:
 def record_answers(infer: Callable[[bytes], bytes], shapes) -> tuple[dict, Path]:
     """Per shape, a random self-attention (query, request); and a folder of the server's answers to them by
     request size, which is what the echo server serves."""
-    from mhaserve.client import build_infer_request
+    from mhaserve.client.grpc import build_infer_request
 
     requests, answers = {}, Path(tempfile.mkdtemp())
     for shape in shapes:
@@ -120,7 +120,7 @@ def record_answers(infer: Callable[[bytes], bytes], shapes) -> tuple[dict, Path]
 
 def start_helper(role: str, argument: Path, threads: int) -> tuple[subprocess.Popen, Callable[[bytes], bytes]]:
     """This script as the echo or the bare server (``role``) in its own process, once it is ready; its call."""
-    from mhaserve.server_process import free_port
+    from mhaserve.testing.server_process import free_port
 
     port = free_port()
     command = [sys.executable, __file__, "--threads", str(threads), f"--{role}-server", str(port), str(argument)]
@@ -151,10 +151,10 @@ def main():
 
     import onnxruntime as ort
 
-    from mhaserve.cli import ensure_default_model
-    from mhaserve.client import parse_infer_response
+    from mhaserve.client.grpc import parse_infer_response
+    from mhaserve.export.default_model import ensure_default_model
     from mhaserve.protos.generated import grpc_service_pb2 as pb
-    from mhaserve.server_process import ServerProcess
+    from mhaserve.testing.server_process import ServerProcess
 
     model_dir = args.model_dir or ensure_default_model()
     session = ort_session(model_dir / MODEL_FILE, args.threads)

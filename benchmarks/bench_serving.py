@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mhaserve.server_process import ServerProcess
+from mhaserve.testing.server_process import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 PEERS_SCRIPTS = (ROOT / ".." / "shared" / "peers").resolve()
@@ -240,7 +240,7 @@ def main() -> int:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
 
-    from mhaserve.cli import ensure_default_model
+    from mhaserve.export.default_model import ensure_default_model
     from mhaserve.model import seeded_module
 
     model_dir = ensure_default_model()

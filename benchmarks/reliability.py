@@ -27,9 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
-from mhaserve.checked_load import Reference, Shapes, burst, make_call, mismatch, rss_mib, run_checked_load
-from mhaserve.loadgen import cpu_seconds
-from mhaserve.server_process import ServerProcess
+from mhaserve.loadtest.checked_load import Reference, Shapes, burst, make_call, mismatch, rss_mib, run_checked_load
+from mhaserve.loadtest.loadgen import cpu_seconds
+from mhaserve.testing.server_process import ServerProcess
 
 
 class Server(ServerProcess):
@@ -62,7 +62,7 @@ def main() -> int:
     parser.add_argument("--refusal-processes", type=int, default=2)
     args = parser.parse_args()
 
-    from mhaserve.cli import ensure_default_model
+    from mhaserve.export.default_model import ensure_default_model
 
     model_dir = args.model_dir or ensure_default_model()
     low, high = (int(x) for x in args.lengths.split(".."))
@@ -130,7 +130,7 @@ def answered_or_refused(report, calls, reference: Reference) -> bool:
 
 def refusal_speed(model_dir: Path, d_model: int, args) -> bool:
     """Part 3: how fast the excess is refused, and what the accepted requests see, at each --inference-nice."""
-    from mhaserve.loadgen import LoadGenerator, Point, Workload
+    from mhaserve.loadtest.loadgen import LoadGenerator, Point, Workload
 
     length = args.refusal_length
     workload = Workload(d_model, 1, length, length)

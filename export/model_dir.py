@@ -17,8 +17,7 @@ import onnxruntime as ort
 import torch
 
 import mhaserve
-from mhaserve.model import MultiHeadAttention, load_weights, module_from_state_dict, save_weights
-from mhaserve.model_folder import (
+from mhaserve.contract.model_folder import (
     MANIFEST_FORMAT,
     METADATA_PREFIX,
     MODEL_FILE,
@@ -27,6 +26,7 @@ from mhaserve.model_folder import (
     read_manifest,
     write_manifest,
 )
+from mhaserve.model import MultiHeadAttention, load_weights, module_from_state_dict, save_weights
 
 from .onnx_export import DEFAULT_OPSET, check_onnx, export_onnx, save_onnx
 from .validate import (

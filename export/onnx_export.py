@@ -33,7 +33,7 @@ from onnxscript import opset18 as op
 from torch import nn
 from torch.export import Dim
 
-from mhaserve import signature
+from mhaserve.contract import signature
 from mhaserve.model import MultiHeadAttention
 
 # The opset torch.export's ONNX translation is written for; ReduceMax takes its axes as an input from 18.

@@ -26,7 +26,7 @@ import onnxruntime as ort
 import torch
 from torch import nn
 
-from mhaserve.errors import UsageError
+from mhaserve.contract.errors import UsageError
 from mhaserve.model import MultiHeadAttention, causal_mask
 
 TOLERANCE = 1e-5  # max abs error, float32; a correct export measures <= 1e-6

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from mhaserve.errors import UsageError
-from mhaserve.model_folder import file_sha256
+from mhaserve.contract.errors import UsageError
+from mhaserve.contract.model_folder import file_sha256
 
 from .mha import MultiHeadAttention
 

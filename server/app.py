@@ -13,15 +13,15 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from mhaserve.model_folder import ModelDirError
+from mhaserve.contract.model_folder import ModelDirError
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 
 from .config import ServerSettings
 from .dataplane import DataPlane
-from .grpc_servicer import InferenceServicer, add_inference_service
-from .http_site import start_site
+from .grpc.servicer import InferenceServicer, add_inference_service
 from .malloc import tune_malloc
-from .rest import RestTransport
+from .rest.routes import RestTransport
+from .rest.site import start_site
 from .security import (
     BearerTokenInterceptor,
     SecurityConfigError,

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mhaserve.signature import ATTN_WEIGHTS, ATTN_WEIGHTS_MEAN, OUTPUT, graph_outputs_for
+from mhaserve.contract.signature import ATTN_WEIGHTS, ATTN_WEIGHTS_MEAN, OUTPUT, graph_outputs_for
 
 from .errors import ErrorKind, RequestError
 from .run_cost import RunCost, plan_runs

@@ -10,8 +10,8 @@ import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from mhaserve.errors import UsageError
-from mhaserve.repository import VersionPolicy
+from mhaserve.contract.errors import UsageError
+from mhaserve.contract.repository import VersionPolicy
 
 ENV_PREFIX = "MHASERVE_"
 

@@ -25,9 +25,9 @@ from typing import TypeVar
 
 import numpy as np
 
-from mhaserve.model_folder import ModelDirError, read_manifest
-from mhaserve.repository import ModelRepository, VersionPolicy
-from mhaserve.signature import GRAPH_OUTPUT_NAMES
+from mhaserve.contract.model_folder import ModelDirError, read_manifest
+from mhaserve.contract.repository import ModelRepository, VersionPolicy
+from mhaserve.contract.signature import GRAPH_OUTPUT_NAMES
 
 from .batcher import Batcher, BatchResult
 from .config import ServerSettings

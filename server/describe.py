@@ -7,7 +7,7 @@ are the protocol's, so one statement serves both transports).
 from __future__ import annotations
 
 import mhaserve
-from mhaserve.signature import input_specs, output_specs
+from mhaserve.contract.signature import input_specs, output_specs
 
 from .registry import ServedModel
 from .statistics import Duration

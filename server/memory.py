@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import heapq
 
-from mhaserve.signature import ATTN_WEIGHTS, ATTN_WEIGHTS_MEAN
+from mhaserve.contract.signature import ATTN_WEIGHTS, ATTN_WEIGHTS_MEAN
 
 from .errors import ErrorKind, RequestError
 from .tensors import AttentionRequest, weights_dtype

@@ -17,8 +17,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mhaserve.model_folder import ModelDirError, read_manifest
-from mhaserve.repository import ModelRepository, RepositoryPathError, VersionPolicy
+from mhaserve.contract.model_folder import ModelDirError, read_manifest
+from mhaserve.contract.repository import ModelRepository, RepositoryPathError, VersionPolicy
 
 from .batcher import Batcher
 from .errors import ErrorKind, RequestError

@@ -14,22 +14,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mhaserve.signature import DEFAULT_OUTPUT_NAMES, INPUT_NAMES, OUTPUT_NAMES, WEIGHTS_DATATYPES
+from mhaserve.contract.datatypes import DATATYPES
+from mhaserve.contract.signature import DEFAULT_OUTPUT_NAMES, INPUT_NAMES, OUTPUT_NAMES, WEIGHTS_DATATYPES
 
 from .errors import ErrorKind, RequestError, invalid
-
-# Protocol datatype <-> numpy.
-DATATYPES = {
-    "BOOL": np.dtype(np.bool_),
-    "UINT8": np.dtype(np.uint8),
-    "INT8": np.dtype(np.int8),
-    "INT32": np.dtype(np.int32),
-    "INT64": np.dtype(np.int64),
-    "FP16": np.dtype(np.float16),
-    "FP32": np.dtype(np.float32),
-    "FP64": np.dtype(np.float64),
-}
-NUMPY_TO_DATATYPE = {dtype: name for name, dtype in DATATYPES.items()}
 
 
 def weights_dtype(precision: str) -> np.dtype:
@@ -73,13 +61,6 @@ class AttentionRequest:
     @property
     def batch_size(self) -> int:
         return self.query.shape[0]
-
-
-def datatype_of(array: np.ndarray) -> str:
-    try:
-        return NUMPY_TO_DATATYPE[array.dtype]
-    except KeyError:
-        raise ValueError(f"no protocol datatype for numpy dtype {array.dtype}") from None
 
 
 def _shape_text(shape) -> str:

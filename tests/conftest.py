@@ -83,7 +83,7 @@ TEST_SERVER_ARGS = ("--max-batch-size", "8", "--max-q-len", "64", "--max-kv-len"
 @pytest.fixture(scope="session")
 def server(small_model_dir):
     """One real server process on a free 127.0.0.1 port, shared by the tests that only talk to it."""
-    from mhaserve.server_process import ServerProcess
+    from mhaserve.testing.server_process import ServerProcess
 
     with ServerProcess(small_model_dir, *TEST_SERVER_ARGS) as process:
         yield process

@@ -7,7 +7,7 @@ import grpc
 import numpy as np
 import pytest
 
-from mhaserve.client import build_infer_request
+from mhaserve.client.grpc import build_infer_request
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
 
@@ -221,7 +221,7 @@ def test_after_every_malformed_request_a_good_one_is_served(stub, server):
 
 
 def test_a_message_over_the_size_limit_is_resource_exhausted(small_model_dir):
-    from mhaserve.server_process import ServerProcess
+    from mhaserve.testing.server_process import ServerProcess
 
     with ServerProcess(small_model_dir, "--max-message-bytes", "100000", "--warmup-runs", "0") as server:
         with grpc.insecure_channel(server.url) as channel:

@@ -10,12 +10,12 @@ import grpc
 import numpy as np
 import pytest
 
-from mhaserve.client import AsyncClient, Client, build_infer_request
+from mhaserve.client.grpc import AsyncClient, Client, build_infer_request
 from mhaserve.server.batcher import merge, split
-from mhaserve.server.codec import decode_infer_request
+from mhaserve.server.grpc.protobuf import decode_infer_request
 from mhaserve.server.session import AttentionSession
 from mhaserve.server.tensors import AttentionRequest, Limits, ModelSignature
-from mhaserve.server_process import ServerProcess
+from mhaserve.testing.server_process import ServerProcess
 
 from .conftest import SMALL_D_MODEL, SMALL_HEADS, eager, inflight_and_counts, rand, scrape
 

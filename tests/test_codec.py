@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from mhaserve.protos.generated import grpc_service_pb2 as pb
-from mhaserve.server.codec import encode_grpc_response
+from mhaserve.server.grpc.protobuf import encode_grpc_response
 from mhaserve.server.inference import InferenceRequest, InferenceResponse
 from mhaserve.server.tensors import ModelSignature
 

@@ -30,7 +30,7 @@ import grpc
 import numpy as np
 import pytest
 
-from mhaserve.server_process import free_port
+from mhaserve.testing.server_process import free_port
 
 from .conftest import eager, rand, scrape
 
@@ -260,7 +260,7 @@ def test_gpu_image_loads_every_cuda_library_but_the_driver(docker_engine, stack,
 
 
 def test_compose_up_serves_eager_answers_then_drains_and_leaves_nothing(docker_engine, stack, compose_version):
-    from mhaserve.client import Client
+    from mhaserve.client.grpc import Client
     from mhaserve.model import seeded_module
 
     def compose(*args, **kw):
@@ -343,7 +343,7 @@ def test_two_replicas_both_serve_a_round_robin_client(docker_engine, stack):
                     "--concurrency", "4", "--duration", "2", "--warmup", "0.5", "--processes", "1",
                     timeout=300, env=scale_env)  # fmt: skip
     assert "concurrency 4" in bench.stdout, bench.stdout + bench.stderr
-    count = "from mhaserve.client import Client; print(Client('127.0.0.1:8001').statistics().inference_count)"
+    count = "from mhaserve.client.grpc import Client; print(Client('127.0.0.1:8001').statistics().inference_count)"
     served = [int(docker.docker("exec", replica, "python", "-c", count).stdout) for replica in replicas]
     assert all(n > 0 for n in served), served
     assert min(served) > 0.25 * sum(served), served  # spread, not one replica taking nearly all
@@ -400,7 +400,7 @@ def test_a_version_added_with_compose_run_is_served_under_load_without_a_restart
     clients send; the polling server moves them to version 2 with no failed request and no restart."""
     import threading
 
-    from mhaserve.client import Client
+    from mhaserve.client.grpc import Client
     from mhaserve.model import seeded_module
 
     compose, env, project = stack
@@ -471,8 +471,8 @@ def test_sigterm_under_load_loses_nothing_and_sigkill_is_restarted(docker_engine
     import asyncio
     import threading
 
-    from mhaserve.checked_load import Shapes, burst, make_call, mismatch
-    from mhaserve.client import Client
+    from mhaserve.client.grpc import Client
+    from mhaserve.loadtest.checked_load import Shapes, burst, make_call, mismatch
     from mhaserve.model import seeded_module
 
     compose, env, project = stack

@@ -18,13 +18,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mhaserve.client import build_infer_request
+from mhaserve.client.grpc import build_infer_request
+from mhaserve.contract.datatypes import DATATYPES
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
-from mhaserve.server.codec import CONTENTS_FIELDS, decode_infer_request
 from mhaserve.server.errors import ErrorKind, RequestError
+from mhaserve.server.grpc.protobuf import CONTENTS_FIELDS, decode_infer_request
 from mhaserve.server.tensors import (
-    DATATYPES,
     INPUT_NAMES,
     OUTPUT_NAMES,
     AttentionRequest,

@@ -15,10 +15,10 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from mhaserve.client import Client
+from mhaserve.client.grpc import Client
 from mhaserve.export.model_dir import export_model_dir
 from mhaserve.export.validate import TOLERANCES
-from mhaserve.server_process import ServerProcess
+from mhaserve.testing.server_process import ServerProcess
 
 from .conftest import SMALL_D_MODEL, TEST_SERVER_ARGS, rand
 from .test_batching import infer_concurrently, mixed_requests

@@ -16,9 +16,9 @@ import tritonclient.http as httpclient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mhaserve.checked_load import Reference
-from mhaserve.client import Client
-from mhaserve.server_process import ServerProcess
+from mhaserve.client.grpc import Client
+from mhaserve.loadtest.checked_load import Reference
+from mhaserve.testing.server_process import ServerProcess
 
 from .conftest import SMALL_D_MODEL, SMALL_HEADS, TEST_SERVER_ARGS, rand, scrape
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from mhaserve.client import AsyncClient, Client, build_infer_request
+from mhaserve.client.grpc import AsyncClient, Client, build_infer_request
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
-from mhaserve.server_process import ServerProcess, free_port
+from mhaserve.testing.server_process import ServerProcess, free_port
 
 from .conftest import SMALL_D_MODEL
 

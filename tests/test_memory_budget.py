@@ -14,10 +14,10 @@ import time
 import grpc
 import pytest
 
-from mhaserve.checked_load import peak_rss_mib, reset_peak_rss, rss_mib
-from mhaserve.client import Client
+from mhaserve.client.grpc import Client
+from mhaserve.loadtest.checked_load import peak_rss_mib, reset_peak_rss, rss_mib
 from mhaserve.server.memory import InflightBytesExceeded, MemoryBudget
-from mhaserve.server_process import ServerProcess
+from mhaserve.testing.server_process import ServerProcess
 
 from .conftest import SMALL_D_MODEL, budget_once_idle, inflight_and_counts, rand
 

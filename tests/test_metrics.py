@@ -6,8 +6,8 @@ import grpc
 import numpy as np
 import pytest
 
-from mhaserve.client import Client
-from mhaserve.server_process import ServerProcess
+from mhaserve.client.grpc import Client
+from mhaserve.testing.server_process import ServerProcess
 
 from .conftest import SMALL_D_MODEL, rand, scrape
 

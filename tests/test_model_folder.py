@@ -13,7 +13,7 @@ import onnx
 import pytest
 
 from mhaserve.export.model_dir import export_model_dir
-from mhaserve.server_process import ServerProcess, free_port
+from mhaserve.testing.server_process import ServerProcess, free_port
 
 
 def copy_of(folder, tmp_path, name="copy"):
@@ -72,7 +72,7 @@ def test_a_damaged_manifest_is_refused_with_one_line(small_model_dir, tmp_path, 
 
 
 def test_a_file_onnx_runtime_cannot_load_is_refused(small_model_dir, tmp_path):
-    from mhaserve.model_folder import file_sha256
+    from mhaserve.contract.model_folder import file_sha256
 
     folder = copy_of(small_model_dir, tmp_path)
     (folder / "model.onnx").write_bytes(b"\x08\x07not a graph" * 100)

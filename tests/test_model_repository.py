@@ -19,12 +19,12 @@ import grpc
 import numpy as np
 import pytest
 
-from mhaserve.checked_load import Reference
-from mhaserve.client import NO_RETRIES, Client
-from mhaserve.model_folder import MANIFEST_FILE, MODEL_FILE
+from mhaserve.client.grpc import NO_RETRIES, Client
+from mhaserve.contract.model_folder import MANIFEST_FILE, MODEL_FILE
+from mhaserve.loadtest.checked_load import Reference
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
-from mhaserve.server_process import ServerProcess
+from mhaserve.testing.server_process import ServerProcess
 
 from .conftest import SMALL_D_MODEL, TEST_SERVER_ARGS, rand, scrape
 

@@ -12,13 +12,13 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from mhaserve.client import Client
+from mhaserve.client.grpc import Client
+from mhaserve.client.http import HttpClient
+from mhaserve.contract.model_folder import ModelDirError, read_manifest
 from mhaserve.export.model_dir import export_model_dir, revalidate_model_dir
 from mhaserve.export.onnx_export import export_onnx
 from mhaserve.export.validate import TOLERANCES, ValidationCase, validate
-from mhaserve.http_client import HttpClient
-from mhaserve.model_folder import ModelDirError, read_manifest
-from mhaserve.server_process import ServerProcess
+from mhaserve.testing.server_process import ServerProcess
 
 from .conftest import SMALL_D_MODEL, SMALL_HEADS, TEST_SERVER_ARGS, eager, rand
 from .test_http import triton_http, triton_infer

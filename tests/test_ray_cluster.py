@@ -20,11 +20,11 @@ import grpc
 import numpy as np
 import pytest
 
-from mhaserve.checked_load import rss_mib
-from mhaserve.client import Client, RetryPolicy
+from mhaserve.client.grpc import Client, RetryPolicy
+from mhaserve.loadtest.checked_load import rss_mib
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
-from mhaserve.server_process import free_port
+from mhaserve.testing.server_process import free_port
 
 from .conftest import SMALL_D_MODEL, SMALL_HEADS, rand
 
@@ -125,7 +125,7 @@ def test_the_project_client_names_the_application_and_gets_the_native_servers_st
 
 
 def test_stream_infer_through_the_proxy_answers_in_order(cluster):
-    from mhaserve.client import build_infer_request, call_metadata, open_channel
+    from mhaserve.client.grpc import build_infer_request, call_metadata, open_channel
 
     requests = [build_infer_request(APP, rand(1, n, D, seed=n)) for n in (3, 9, 5)]
     requests.insert(1, build_infer_request(APP, rand(1, 4, D + 1)))  # refused; the stream goes on

@@ -20,9 +20,9 @@ import grpc
 import numpy as np
 import pytest
 
-from mhaserve.checked_load import Reference, Shapes, burst, make_call, mismatch, rss_mib, run_checked_load
-from mhaserve.client import NO_RETRIES, Client, RetryPolicy
-from mhaserve.server_process import ServerProcess, free_port
+from mhaserve.client.grpc import NO_RETRIES, Client, RetryPolicy
+from mhaserve.loadtest.checked_load import Reference, Shapes, burst, make_call, mismatch, rss_mib, run_checked_load
+from mhaserve.testing.server_process import ServerProcess, free_port
 
 from .conftest import SMALL_D_MODEL, TEST_SERVER_ARGS, rand, scrape
 
@@ -111,7 +111,7 @@ def test_burst_of_large_requests_is_held_to_the_memory_budget(small_model_dir, r
 
 VANISHING_CLIENT = """
 import sys, time, numpy as np, grpc
-from mhaserve.client import build_infer_request
+from mhaserve.client.grpc import build_infer_request
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
 stub = pb_grpc.GRPCInferenceServiceStub(grpc.insecure_channel(sys.argv[1]))
 query = np.random.default_rng(0).standard_normal((16, 256, 64), dtype=np.float32)
@@ -229,7 +229,7 @@ def test_stalled_connections_do_not_keep_others_from_being_served(server):
 
 
 def test_calls_over_the_stream_limit_are_refused_before_any_work_and_the_rest_served(small_model_dir):
-    from mhaserve.client import AsyncClient
+    from mhaserve.client.grpc import AsyncClient
 
     with ServerProcess(small_model_dir, *TEST_SERVER_ARGS, "--max-concurrent-streams", "4") as server:
 

@@ -13,11 +13,12 @@ import grpc
 import numpy as np
 import pytest
 
-from mhaserve.checked_load import peak_rss_mib, rss_mib
-from mhaserve.client import TLS, Client, build_infer_request, open_channel
+from mhaserve.client import TLS, Client
+from mhaserve.client.grpc import build_infer_request, open_channel
+from mhaserve.loadtest.checked_load import peak_rss_mib, rss_mib
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
-from mhaserve.server_process import ServerProcess
+from mhaserve.testing.server_process import ServerProcess
 
 from .certs import CertificateAuthority
 from .conftest import SMALL_D_MODEL, TEST_SERVER_ARGS, eager, rand, scrape
@@ -250,7 +251,7 @@ def _http_port(server) -> int:
 
 
 def test_the_http_port_speaks_the_same_tls_and_token(tls_token_server, mtls_server, pki):
-    from mhaserve.http_client import HttpClient, HttpRequestFailed
+    from mhaserve.client.http import HttpClient, HttpRequestFailed
 
     query = rand(1, 4, SMALL_D_MODEL)
     url = f"localhost:{_http_port(tls_token_server)}"  # the name on the server's certificate

@@ -11,10 +11,10 @@ import grpc
 import numpy as np
 import pytest
 
-from mhaserve.client import AsyncClient, Client, build_infer_request
+from mhaserve.client.grpc import AsyncClient, Client, build_infer_request
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
-from mhaserve.server_process import ServerProcess
+from mhaserve.testing.server_process import ServerProcess
 
 from .conftest import SMALL_D_MODEL, SMALL_HEADS, eager, rand
 
@@ -196,7 +196,7 @@ class RecordingContext:
 def test_a_failing_model_run_answers_internal_and_the_next_request_is_served(small_model_dir):
     from mhaserve.server.config import ServerSettings
     from mhaserve.server.dataplane import DataPlane
-    from mhaserve.server.grpc_servicer import InferenceServicer
+    from mhaserve.server.grpc.servicer import InferenceServicer
 
     async def scenario():
         dataplane = DataPlane(ServerSettings(intra_op_threads=1, warmup_runs=0), small_model_dir)
@@ -403,7 +403,7 @@ def test_health_command_says_serving_or_fails(server):
     import subprocess
     import sys
 
-    from mhaserve.server_process import free_port
+    from mhaserve.testing.server_process import free_port
 
     command = [sys.executable, "-m", "mhaserve.cli", "health", "--url"]
     serving = subprocess.run([*command, server.url], capture_output=True, text=True, timeout=60)

@@ -19,10 +19,10 @@ import h2.events
 import h2.settings
 import numpy as np
 
-from mhaserve.checked_load import health_latencies_under_load, rss_mib
-from mhaserve.client import Client, build_infer_request
+from mhaserve.client.grpc import Client, build_infer_request
+from mhaserve.loadtest.checked_load import health_latencies_under_load, rss_mib
 from mhaserve.protos.generated import grpc_service_pb2 as pb
-from mhaserve.server_process import ServerProcess
+from mhaserve.testing.server_process import ServerProcess
 
 from .conftest import SMALL_D_MODEL, SMALL_HEADS, TEST_SERVER_ARGS, budget_once_idle, inflight_and_counts, rand, scrape
 

@@ -24,7 +24,7 @@ from torch import nn
 from mhaserve.cli import main as cli
 from mhaserve.export import export_module
 from mhaserve.model import MultiHeadAttention, save_weights
-from mhaserve.server_process import ServerProcess
+from mhaserve.testing.server_process import ServerProcess
 
 from .test_triton_clients import run_triton_client
 

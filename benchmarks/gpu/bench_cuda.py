@@ -43,14 +43,14 @@ import onnxruntime as ort
 import torch
 import torch.nn.functional as F
 
+from mhaserve.contract.signature import PRECISIONS
 from mhaserve.export.model_dir import export_model_dir
-from mhaserve.loadgen import LoadGenerator, Workload, default_processes
-from mhaserve.loadgen import Point as LoadPoint
+from mhaserve.loadtest.loadgen import LoadGenerator, Workload, default_processes
+from mhaserve.loadtest.loadgen import Point as LoadPoint
 from mhaserve.model.weights import seeded_module
 from mhaserve.server.session import AttentionSession
 from mhaserve.server.tensors import weights_dtype
-from mhaserve.server_process import ServerProcess
-from mhaserve.signature import PRECISIONS
+from mhaserve.testing.server_process import ServerProcess
 
 # (batch, length, d_model, heads)
 SHAPES = [(1, 16, 512, 8), (1, 128, 512, 8), (8, 512, 512, 8), (32, 128, 768, 12), (1, 2048, 4096, 32)]

@@ -6,13 +6,11 @@ Each subcommand imports what it needs when it runs, so ``serve`` and ``infer`` n
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
 from pathlib import Path
 
-from mhaserve.errors import UsageError
-from mhaserve.signature import PRECISIONS
+from mhaserve.contract.errors import UsageError
+from mhaserve.contract.signature import PRECISIONS
 
 
 def _add_export(sub) -> None:
@@ -44,7 +42,7 @@ def _export_folder(args) -> Path:
     """--out, or the next version folder of --name in --repository."""
     if args.repository is None:
         return args.out or Path("model_repository/mha")
-    from mhaserve.repository import ModelRepository, RepositoryPathError
+    from mhaserve.contract.repository import ModelRepository, RepositoryPathError
 
     repository = ModelRepository(args.repository)
     try:
@@ -112,37 +110,6 @@ def _run_validate(args) -> int:
     return 0 if revalidate_model_dir(args.model_dir, seed=args.seed) else 1
 
 
-def default_model_dir() -> Path:
-    """Where ``serve`` keeps the embedded default model: $MHASERVE_CACHE, else the user's cache folder."""
-    root = (
-        os.environ.get("MHASERVE_CACHE")
-        or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mhaserve"
-    )
-    return Path(root) / "models" / "mha-d512-h8-seed0"
-
-
-def ensure_default_model() -> Path:
-    """Export the default model once; later calls find it valid in the cache and return at once."""
-    from mhaserve.model_folder import ModelDirError, check_model_file, read_manifest
-
-    model_dir = default_model_dir()
-    try:
-        manifest = read_manifest(model_dir)
-        check_model_file(model_dir, manifest)
-        if manifest.get("valid"):
-            return model_dir
-        why = "its validation failed"
-    except ModelDirError as error:
-        why = str(error) if model_dir.exists() else "there is none yet"
-    # A damaged cache (a cut-short model.onnx, an older export) is rebuilt rather than failing every start.
-    print(f"exporting the default model into {model_dir} ({why}; needs the 'export' extra)", file=sys.stderr)
-    # In a child process, so the serving process never imports torch.
-    done = subprocess.run([sys.executable, "-m", "mhaserve.cli", "export", "--out", str(model_dir)])
-    if done.returncode != 0:
-        raise SystemExit(f"exporting the default model failed (exit {done.returncode})")
-    return model_dir
-
-
 def _add_serve(sub) -> None:
     from mhaserve.server.config import add_server_arguments
 
@@ -158,6 +125,8 @@ def _run_serve(args) -> int:
     settings = settings_from_args(args)
     if settings.model_repository:
         return run(settings, None)
+    from mhaserve.export.default_model import ensure_default_model
+
     return run(settings, settings.model_dir or ensure_default_model())
 
 
@@ -184,13 +153,13 @@ def _add_protocol_argument(p) -> None:
 def _client(args, tls, token):
     """The gRPC or HTTP client the flags ask for (the same calls)."""
     if args.protocol == "http":
-        from mhaserve.http_client import HttpClient
+        from mhaserve.client.http import HttpClient
 
         if args.application:
             raise UsageError("--application names a Ray Serve application behind Ray's gRPC proxy: use --protocol grpc")
 
         return HttpClient(args.url, args.model, tls=tls, token=token, version=args.version)
-    from mhaserve.client import Client
+    from mhaserve.client.grpc import Client
 
     return Client(args.url, args.model, tls=tls, token=token, version=args.version, application=args.application)
 
@@ -224,7 +193,7 @@ def _model_width(client, args, timeout: float) -> int | None:
     """The served model's d_model from its metadata; None, with the reason on stderr, when it cannot be had."""
     import grpc
 
-    from mhaserve.http_client import HttpRequestFailed
+    from mhaserve.client.http import HttpRequestFailed
 
     try:
         return client.model_width(timeout=timeout)
@@ -273,7 +242,7 @@ def _run_infer(args) -> int:
     import grpc
     import numpy as np
 
-    from mhaserve.http_client import HttpRequestFailed
+    from mhaserve.client.http import HttpRequestFailed
 
     # A heatmap of the mean needs only the mean; one of a head needs every head's weights.
     mean_weights = args.mean_weights or (args.heatmap is not None and args.head == "mean")
@@ -323,7 +292,7 @@ def _run_infer(args) -> int:
         np.savez(args.save, **arrays, **outputs)
         print(f"saved {args.save}")
     if args.heatmap:
-        from mhaserve.heatmap import write_heatmap
+        from mhaserve.cli.heatmap import write_heatmap
 
         batch = result.output.shape[0]
         if not 0 <= args.item < batch:
@@ -352,7 +321,7 @@ def _run_health(args) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from mhaserve.client import open_channel
+    from mhaserve.client.grpc import open_channel
 
     tls, _ = _connection(args)  # health needs no token
     with open_channel(args.url, tls) as channel:
@@ -411,8 +380,8 @@ def _add_bench(sub) -> None:
 
 
 def _run_bench(args) -> int:
-    from mhaserve import bench_report as report
-    from mhaserve.loadgen import LoadGenerator, Point, Workload, default_processes
+    from mhaserve.loadtest import report
+    from mhaserve.loadtest.loadgen import LoadGenerator, Point, Workload, default_processes
 
     tls, token = _connection(args)
     with _client(args, tls, token) as client:
@@ -497,7 +466,7 @@ def _reachable(address: str, timeout_s: float = 5.0) -> bool:
 
 
 def _run_ray_deploy(args) -> int:
-    from mhaserve.model_folder import ModelDirError, read_manifest
+    from mhaserve.contract.model_folder import ModelDirError, read_manifest
 
     try:
         read_manifest(args.model_dir)
@@ -508,7 +477,7 @@ def _run_ray_deploy(args) -> int:
     if args.address != "auto" and not _reachable(args.address):
         raise UsageError(f"no Ray cluster answers at --address {args.address} (start one with 'ray start --head')")
     try:
-        from mhaserve.server.ray_serve import deploy
+        from mhaserve.server.ray.deployment import deploy
     except ImportError as error:
         raise UsageError(f"ray-deploy needs Ray Serve: pip install 'mhaserve[ray]' ({error})") from None
     try:
@@ -560,7 +529,3 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -6,7 +6,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from mhaserve.signature import PRECISIONS
+from mhaserve.contract.signature import PRECISIONS
 
 MODEL_FILE = "model.onnx"
 WEIGHTS_FILE = "weights.pt"

@@ -130,7 +130,7 @@ async def _grpc_sender(url: str, workload: Workload, seed: int, timeout_s: float
     """An async function sending request i and returning its final status, over gRPC."""
     import grpc
 
-    from mhaserve.client import build_infer_request, call_metadata, open_channel
+    from mhaserve.client.grpc import build_infer_request, call_metadata, open_channel
     from mhaserve.protos.generated import grpc_service_pb2 as pb
     from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
 
@@ -158,7 +158,7 @@ async def _http_sender(url: str, workload: Workload, seed: int, timeout_s: float
     """The same over HTTP/REST, each request's body built beforehand (binary tensor data)."""
     import aiohttp
 
-    from mhaserve.http_client import STATUS_NAMES, build_http_infer_body, ssl_context
+    from mhaserve.client.http import STATUS_NAMES, build_http_infer_body, ssl_context
 
     bodies = [build_http_infer_body(q, attn_weights=workload.attn_weights) for q in _queries(workload, seed)]
     path = f"/v2/models/{workload.model}" + (f"/versions/{workload.version}" if workload.version else "")

@@ -15,11 +15,11 @@ from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
 from mhaserve.protos.generated import model_config_pb2 as mc
 
-from . import describe
-from .codec import decode_grpc_request, encode_grpc_response, grpc_decodes_slowly
-from .dataplane import DataPlane, InferenceCall
-from .errors import ErrorKind, RequestError
-from .inference import OFF_LOOP_BYTES
+from .. import describe
+from ..dataplane import DataPlane, InferenceCall
+from ..errors import ErrorKind, RequestError
+from ..inference import OFF_LOOP_BYTES
+from .protobuf import decode_grpc_request, encode_grpc_response, grpc_decodes_slowly
 
 log = logging.getLogger("mhaserve.server")
 

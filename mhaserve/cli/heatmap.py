@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mhaserve.errors import UsageError
+from mhaserve.contract.errors import UsageError
 
 
 def write_heatmap(weights: np.ndarray, path: str | Path, title: str) -> None:

@@ -21,11 +21,11 @@ from ray import serve
 
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 
-from .config import ServerSettings
-from .dataplane import DataPlane
-from .errors import RequestError
-from .grpc_servicer import GRPC_STATUS, InferenceServicer, infer_grpc
-from .ray_proxy import SERVICER_FUNCTION
+from ..config import ServerSettings
+from ..dataplane import DataPlane
+from ..errors import RequestError
+from ..grpc.servicer import GRPC_STATUS, InferenceServicer, infer_grpc
+from .proxy import SERVICER_FUNCTION
 
 log = logging.getLogger("mhaserve.server")
 

@@ -16,9 +16,10 @@ import urllib.request
 
 import numpy as np
 
-from mhaserve.client import TLS, InferResult, request_inputs, requested_outputs
-from mhaserve.server.tensors import DATATYPES, datatype_of
-from mhaserve.signature import ATTN_WEIGHTS, ATTN_WEIGHTS_MEAN, OUTPUT
+from mhaserve.contract.datatypes import DATATYPES, datatype_of
+from mhaserve.contract.signature import ATTN_WEIGHTS, ATTN_WEIGHTS_MEAN, OUTPUT
+
+from .common import TLS, InferResult, request_inputs, requested_outputs
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 # The REST statuses the server answers, by the name of the gRPC status with the same meaning.

@@ -10,10 +10,11 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from mhaserve.contract.datatypes import datatype_of
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 
-from .errors import invalid
-from .inference import (
+from ..errors import invalid
+from ..inference import (
     NO_PARAMETERS,
     InferenceRequest,
     InferenceResponse,
@@ -21,14 +22,13 @@ from .inference import (
     attention_request,
     decodes_slowly,
 )
-from .tensors import (
+from ..tensors import (
     AttentionRequest,
     Limits,
     ModelSignature,
     array_from_bytes,
     array_from_values,
     check_input_header,
-    datatype_of,
 )
 
 # The typed `contents` field that carries each datatype.

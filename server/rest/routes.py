@@ -18,17 +18,18 @@ import numpy as np
 import orjson
 from aiohttp import web
 
-from . import describe
-from .dataplane import DataPlane, InferenceCall
-from .errors import ErrorKind, RequestError, invalid
-from .inference import InferenceRequest, InferenceResponse, RequestedOutput, decodes_slowly
-from .security import bearer_token_matches
-from .tensors import (
+from mhaserve.contract.datatypes import datatype_of
+
+from .. import describe
+from ..dataplane import DataPlane, InferenceCall
+from ..errors import ErrorKind, RequestError, invalid
+from ..inference import InferenceRequest, InferenceResponse, RequestedOutput, decodes_slowly
+from ..security import bearer_token_matches
+from ..tensors import (
     CONVERT_CHUNK,
     array_from_bytes,
     array_from_values,
     check_input_header,
-    datatype_of,
 )
 
 log = logging.getLogger("mhaserve.server")

@@ -1,0 +1,42 @@
+"""The embedded default model: exported once into the user's cache, found valid there on every later start.
+
+Torch-free: the export runs in a child process, so a serving process that calls this never imports torch.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from mhaserve.contract.model_folder import ModelDirError, check_model_file, read_manifest
+
+
+def default_model_dir() -> Path:
+    """Where ``serve`` keeps the embedded default model: $MHASERVE_CACHE, else the user's cache folder."""
+    root = (
+        os.environ.get("MHASERVE_CACHE")
+        or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mhaserve"
+    )
+    return Path(root) / "models" / "mha-d512-h8-seed0"
+
+
+def ensure_default_model() -> Path:
+    """Export the default model once; later calls find it valid in the cache and return at once."""
+    model_dir = default_model_dir()
+    try:
+        manifest = read_manifest(model_dir)
+        check_model_file(model_dir, manifest)
+        if manifest.get("valid"):
+            return model_dir
+        why = "its validation failed"
+    except ModelDirError as error:
+        why = str(error) if model_dir.exists() else "there is none yet"
+    # A damaged cache (a cut-short model.onnx, an older export) is rebuilt rather than failing every start.
+    print(f"exporting the default model into {model_dir} ({why}; needs the 'export' extra)", file=sys.stderr)
+    # In a child process, so the serving process never imports torch.
+    done = subprocess.run([sys.executable, "-m", "mhaserve.cli", "export", "--out", str(model_dir)])
+    if done.returncode != 0:
+        raise SystemExit(f"exporting the default model failed (exit {done.returncode})")
+    return model_dir
