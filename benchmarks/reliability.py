@@ -1,4 +1,4 @@
-"""The long forms of tests/test_reliability.py, with figures for the README's reliability section.
+"""The long forms of tests/integration/test_reliability.py, with figures for the README's reliability section.
 
     .venv/bin/python benchmarks/reliability.py                     # 100k-request soak + overload, default model
     .venv/bin/python benchmarks/reliability.py --soak-requests 20000 --model-dir model_repository/mha

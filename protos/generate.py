@@ -4,7 +4,7 @@
     python protos/generate.py --check    # exit 1 if the committed stubs are stale
 
 Needs grpcio-tools (the test extra). The stubs are committed, so installing mhaserve needs no
-protoc; tests/test_protos.py runs the check. protoc writes `import x_pb2`, which only works with
+protoc; tests/unit/test_protos.py runs the check. protoc writes `import x_pb2`, which only works with
 the folder on sys.path; the imports are rewritten to relative ones so the stubs live in the package, and the
 messages' module to the one they are imported as (mhaserve.protos.generated...), so that pickle finds their
 classes (Ray's proxy pickles requests on their way to a replica).

@@ -1,59 +1,33 @@
-"""Shared fixtures: small seeded models and their exports, made once per test session."""
+"""Fixtures: small seeded models and their exports, made once per test session, and real server processes.
+
+Tests sit by scope: ``unit`` runs in process, ``integration`` starts real server processes on 127.0.0.1,
+``e2e`` drives engines beside them (Docker Compose, a Ray cluster, Kubernetes manifests, perf_analyzer, a
+GPU). Each test gets its folder's marker: ``pytest -m unit`` runs the fast ones.
+"""
 
 from __future__ import annotations
 
-import time
+from pathlib import Path
 
-import numpy as np
 import pytest
 
-SMALL_D_MODEL, SMALL_HEADS = 64, 4
+from tests.support import SMALL_D_MODEL, SMALL_HEADS, TEST_SERVER_ARGS
+
+SCOPES = ("unit", "integration", "e2e")
 
 
-def eager(module, query, key=None, value=None, mask=None):
-    """The module's (output, attn_weights) as numpy, for numpy inputs: the reference answer."""
-    import torch
-
-    with torch.no_grad():
-        out, attn = module(*(None if a is None else torch.from_numpy(np.asarray(a)) for a in (query, key, value, mask)))
-    return out.numpy(), attn.numpy()
+def pytest_collection_modifyitems(items):
+    for item in items:
+        scope = Path(item.fspath).parent.name
+        if scope in SCOPES:
+            item.add_marker(scope)
 
 
-def rand(*shape, seed=0):
-    return np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
-
-
-def scrape(url: str) -> dict[tuple[str, tuple], float]:
-    """A Prometheus endpoint's samples, {(sample name, sorted labels): value}, from one GET."""
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(url, timeout=10) as response:
-        text = response.read().decode()
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
-
-
-def inflight_and_counts(server) -> tuple[float, dict[str, float]]:
-    samples = scrape(server.metrics_url)
-    counts = {}
-    for (name, labels), value in samples.items():
-        if name == "mhaserve_inference_request_total" and dict(labels).get("model") == "mha":
-            counts[f"{dict(labels)['protocol']} {dict(labels)['status']}"] = value
-    return samples[("mhaserve_inference_inflight_bytes", ())], counts
-
-
-def budget_once_idle(server, timeout: float = 10.0) -> float:
-    """The budget's bytes once the server is idle: run workspace stays counted until the arena is given back,
-    a couple of seconds after the last request ends."""
-    deadline = time.monotonic() + timeout
-    while (held := inflight_and_counts(server)[0]) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return held
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    setattr(item, f"report_{report.when}", report)
+    return report
 
 
 @pytest.fixture(scope="session")
@@ -76,10 +50,6 @@ def small_model_dir(tmp_path_factory, small_module):
     return out
 
 
-# Limits small enough that tests can cross them cheaply.
-TEST_SERVER_ARGS = ("--max-batch-size", "8", "--max-q-len", "64", "--max-kv-len", "64", "--warmup-runs", "1")
-
-
 @pytest.fixture(scope="session")
 def server(small_model_dir):
     """One real server process on a free 127.0.0.1 port, shared by the tests that only talk to it."""
@@ -87,3 +57,25 @@ def server(small_model_dir):
 
     with ServerProcess(small_model_dir, *TEST_SERVER_ARGS) as process:
         yield process
+
+
+@pytest.fixture
+def start_server(request):
+    """Starts a real server process for this test: ``start_server(model_dir, *flags, env=..., port=...,
+    wait=True)``. Every one it started is stopped when the test ends, and a failed test shows their logs."""
+    from mhaserve.testing.server_process import ServerProcess
+
+    started = []
+
+    def start(model_dir, *args, wait: bool = True, **options):
+        process = ServerProcess(model_dir, *args, **options)
+        started.append(process)
+        return process.start(wait=wait)
+
+    yield start
+    for process in started:
+        process.stop()
+    report = getattr(request.node, "report_call", None)
+    if report is not None and report.failed:
+        for number, process in enumerate(started):
+            report.sections.append((f"server {number} log", process.log[-20000:]))

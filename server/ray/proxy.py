@@ -26,7 +26,7 @@ def answer_replica_deaths_unavailable() -> None:
     """A call whose replica dies under it (its node lost) fails in Ray's proxy with a RayActorError, which Ray
     2.60 answers INTERNAL (get_grpc_response_status in ray.serve._private.grpc_util): a status no client retries,
     though the call was inference, idempotent, and the surviving replicas answer it. Answer UNAVAILABLE instead,
-    gRPC's "retry" (tests/test_ray_cluster.py kills a worker node under load and counts on it)."""
+    gRPC's "retry" (tests/e2e/test_ray_cluster.py kills a worker node under load and counts on it)."""
     try:
         from ray.exceptions import RayActorError
         from ray.serve._private import proxy

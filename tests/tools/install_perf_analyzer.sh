@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install Triton's perf_analyzer into .tools/perf_analyzer/ for tests/test_perf_analyzer.py.
+# Install Triton's perf_analyzer into .tools/perf_analyzer/ for tests/e2e/test_perf_analyzer.py.
 #
 # The binary comes from the tritonclient 2.41.0 wheel (later wheels need a newer glibc than
 # Debian bookworm's). It needs libb64 (Debian's libb64-0d) and libcudart.so.12 (PyPI's

@@ -17,9 +17,7 @@ import pytest
 from mhaserve.client.grpc import Client
 from mhaserve.loadtest.checked_load import peak_rss_mib, reset_peak_rss, rss_mib
 from mhaserve.server.memory import InflightBytesExceeded, MemoryBudget
-from mhaserve.testing.server_process import ServerProcess
-
-from .conftest import SMALL_D_MODEL, budget_once_idle, inflight_and_counts, rand
+from tests.support import SMALL_D_MODEL, budget_once_idle, inflight_and_counts, rand
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/PID/status")
 
@@ -27,89 +25,89 @@ D = SMALL_D_MODEL
 LIMITS = ("--max-batch-size", "8", "--max-q-len", "2048", "--max-kv-len", "2048", "--warmup-runs", "1")
 
 
-def test_refused_requests_leave_no_memory_behind(small_model_dir):
+def test_refused_requests_leave_no_memory_behind(start_server, small_model_dir):
     # grpc.aio keeps an aborted call's exception in a reference cycle: each refused request's message and
     # arrays stayed until a full garbage collection, about 700 MiB after a flood of refused 4 MiB requests.
     query = rand(8, 2048, D)  # a 4 MiB message, refused by a budget smaller than it
-    with ServerProcess(small_model_dir, *LIMITS, "--max-inflight-bytes", str(1 << 20)) as server:
-        with Client(server.url) as client:
-            codes = []
+    server = start_server(small_model_dir, *LIMITS, "--max-inflight-bytes", str(1 << 20))
+    with Client(server.url) as client:
+        codes = []
 
-            def send(count: int) -> None:
-                for _ in range(count):
-                    try:
-                        client.infer(query, attn_weights=False, timeout=30)
-                    except grpc.RpcError as error:
-                        codes.append(error.code())
+        def send(count: int) -> None:
+            for _ in range(count):
+                try:
+                    client.infer(query, attn_weights=False, timeout=30)
+                except grpc.RpcError as error:
+                    codes.append(error.code())
 
-            send(20)  # the allocator's working set for such requests
-            before = rss_mib(server.proc.pid)
-            send(60)
-            grown = rss_mib(server.proc.pid) - before
+        send(20)  # the allocator's working set for such requests
+        before = rss_mib(server.proc.pid)
+        send(60)
+        grown = rss_mib(server.proc.pid) - before
     print(f"\n60 refused 4 MiB requests: RSS {grown:+.0f} MiB")
     assert codes == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 80
     assert grown < 48, f"60 refused 4 MiB requests left {grown:.0f} MiB behind"
 
 
-def test_a_request_is_admitted_only_when_its_real_peak_fits_the_budget(small_model_dir):
+def test_a_request_is_admitted_only_when_its_real_peak_fits_the_budget(start_server, small_model_dir):
     # The budget counted inputs and outputs only: ONNX Runtime's workspace (scores, masked scores, softmax,
     # projections) is several times that, so one admitted request could take several budgets.
     budget_mib = 64
     shapes = [(1, 512, True), (2, 512, False), (2, 512, True), (4, 512, False), (8, 512, False)]
     admitted, refused = {}, []
-    with ServerProcess(small_model_dir, *LIMITS, "--max-inflight-bytes", str(budget_mib << 20)) as server:
-        pid = server.proc.pid
-        with Client(server.url) as client:
-            for batch, length, weights in shapes:
-                budget_once_idle(server)  # the arena of the run before is given back
-                time.sleep(0.3)
-                before = rss_mib(pid)
-                reset_peak_rss(pid)
-                try:
-                    client.infer(rand(batch, length, D), attn_weights=weights, timeout=60)
-                    admitted[(batch, length, weights)] = peak_rss_mib(pid) - before
-                except grpc.RpcError as error:
-                    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error.details()
-                    assert f"max_inflight_bytes={budget_mib << 20}" in error.details()
-                    refused.append((batch, length, weights))
+    server = start_server(small_model_dir, *LIMITS, "--max-inflight-bytes", str(budget_mib << 20))
+    pid = server.proc.pid
+    with Client(server.url) as client:
+        for batch, length, weights in shapes:
+            budget_once_idle(server)  # the arena of the run before is given back
+            time.sleep(0.3)
+            before = rss_mib(pid)
+            reset_peak_rss(pid)
+            try:
+                client.infer(rand(batch, length, D), attn_weights=weights, timeout=60)
+                admitted[(batch, length, weights)] = peak_rss_mib(pid) - before
+            except grpc.RpcError as error:
+                assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error.details()
+                assert f"max_inflight_bytes={budget_mib << 20}" in error.details()
+                refused.append((batch, length, weights))
     print(f"\nbudget {budget_mib} MiB: peaks {admitted} MiB; refused {refused}")
     assert (1, 512, True) in admitted and (8, 512, False) in refused
     assert all(peak < budget_mib for peak in admitted.values()), admitted
 
 
-def test_a_flood_stays_within_the_budget_and_memory_goes_back_when_idle(small_model_dir):
+def test_a_flood_stays_within_the_budget_and_memory_goes_back_when_idle(start_server, small_model_dir):
     budget_mib = 256
     query = rand(8, 256, D, seed=3)  # each answer holds 8 MiB of attention weights; each run ~40 MiB workspace
-    with ServerProcess(small_model_dir, *LIMITS, "--max-inflight-bytes", str(budget_mib << 20)) as server:
-        pid = server.proc.pid
+    server = start_server(small_model_dir, *LIMITS, "--max-inflight-bytes", str(budget_mib << 20))
+    pid = server.proc.pid
+    with Client(server.url) as client:
+        client.infer(query, timeout=30)  # the first large run sizes ONNX Runtime's arena once
+    budget_once_idle(server)
+    time.sleep(0.5)
+    baseline = rss_mib(pid)
+    reset_peak_rss(pid)
+    outcomes: list[str] = []
+
+    def caller():
         with Client(server.url) as client:
-            client.infer(query, timeout=30)  # the first large run sizes ONNX Runtime's arena once
-        budget_once_idle(server)
-        time.sleep(0.5)
-        baseline = rss_mib(pid)
-        reset_peak_rss(pid)
-        outcomes: list[str] = []
+            for _ in range(12):
+                try:
+                    answer = client.infer(query, timeout=60)
+                    assert answer.attn_weights.shape == (8, 4, 256, 256)
+                    outcomes.append("OK")
+                except grpc.RpcError as error:
+                    outcomes.append(error.code().name)
 
-        def caller():
-            with Client(server.url) as client:
-                for _ in range(12):
-                    try:
-                        answer = client.infer(query, timeout=60)
-                        assert answer.attn_weights.shape == (8, 4, 256, 256)
-                        outcomes.append("OK")
-                    except grpc.RpcError as error:
-                        outcomes.append(error.code().name)
-
-        callers = [threading.Thread(target=caller) for _ in range(16)]
-        for thread in callers:
-            thread.start()
-        for thread in callers:
-            thread.join()
-        peak = peak_rss_mib(pid) - baseline
-        held_when_idle = budget_once_idle(server)
-        time.sleep(0.5)
-        idle = rss_mib(pid) - baseline
-        counts = inflight_and_counts(server)[1]
+    callers = [threading.Thread(target=caller) for _ in range(16)]
+    for thread in callers:
+        thread.start()
+    for thread in callers:
+        thread.join()
+    peak = peak_rss_mib(pid) - baseline
+    held_when_idle = budget_once_idle(server)
+    time.sleep(0.5)
+    idle = rss_mib(pid) - baseline
+    counts = inflight_and_counts(server)[1]
     print(f"\nflood of 192 x [8,256,{D}] with weights, c=16, budget {budget_mib} MiB: {outcomes.count('OK')} OK, "
           f"peak {peak:+.0f} MiB, idle {idle:+.0f} MiB over {baseline:.0f} MiB")  # fmt: skip
     assert set(outcomes) <= {"OK", "RESOURCE_EXHAUSTED"} and outcomes.count("OK") >= 48

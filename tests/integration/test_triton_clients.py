@@ -3,62 +3,19 @@
 from __future__ import annotations
 
 import importlib.util
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from .conftest import SMALL_D_MODEL, SMALL_HEADS, eager
+from tests.support import SMALL_D_MODEL, SMALL_HEADS, eager
+from tests.support.triton import INPUTS, cases, run_triton_client
 
 D = SMALL_D_MODEL
-SCRIPT = Path(__file__).parent / "clients" / "triton_infer.py"
-INPUTS = ("query", "key", "value", "mask")
+
 
 # Looked up, not imported: its protobuf messages would clash with mhaserve's in this process.
 if importlib.util.find_spec("tritonclient") is None:
     pytest.skip("tritonclient is not installed (it comes with the test extra)", allow_module_level=True)
-
-
-def cases():
-    rng = np.random.default_rng(3)
-    padding = np.array([[1, 1, 0, 0, 0], [1, 1, 1, 1, 1]], dtype=bool)
-    return {
-        "batch1len1": {"query": rng.standard_normal((1, 1, D), dtype=np.float32)},
-        "self": {"query": rng.standard_normal((2, 7, D), dtype=np.float32)},
-        "cross": {
-            "query": rng.standard_normal((2, 3, D), dtype=np.float32),
-            "key": rng.standard_normal((2, 5, D), dtype=np.float32),
-            "value": rng.standard_normal((2, 5, D), dtype=np.float32),
-            "mask": padding,
-        },
-    }
-
-
-def run_triton_client(server, tmp_path, mode, all_cases=None, outputs="output,attn_weights", application=None):
-    """Each case's answers from tritonclient in its own process: {case_output: array} for each output asked;
-    ``application``: the Ray Serve application behind the proxy at server.url."""
-    path_in, path_out = tmp_path / "in.npz", tmp_path / f"out-{mode}.npz"
-    all_cases = cases() if all_cases is None else all_cases
-    np.savez(path_in, **{f"{case}_{name}": a for case, arrays in all_cases.items() for name, a in arrays.items()})
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(SCRIPT),
-            server.url,
-            str(path_in),
-            str(path_out),
-            mode,
-            outputs,
-            *[application] * bool(application),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
-    return np.load(path_out)
 
 
 @pytest.mark.parametrize("mode", ["sync", "aio"])

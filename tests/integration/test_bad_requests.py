@@ -10,8 +10,7 @@ import pytest
 from mhaserve.client.grpc import build_infer_request
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
-
-from .conftest import SMALL_D_MODEL
+from tests.support import SMALL_D_MODEL
 
 D = SMALL_D_MODEL
 INVALID, NOT_FOUND, EXHAUSTED = (
@@ -220,16 +219,15 @@ def test_after_every_malformed_request_a_good_one_is_served(stub, server):
     assert server.proc.poll() is None
 
 
-def test_a_message_over_the_size_limit_is_resource_exhausted(small_model_dir):
-    from mhaserve.testing.server_process import ServerProcess
+def test_a_message_over_the_size_limit_is_resource_exhausted(start_server, small_model_dir):
 
-    with ServerProcess(small_model_dir, "--max-message-bytes", "100000", "--warmup-runs", "0") as server:
-        with grpc.insecure_channel(server.url) as channel:
-            stub = pb_grpc.GRPCInferenceServiceStub(channel)
-            with pytest.raises(grpc.RpcError) as error:
-                stub.ModelInfer(build_infer_request("mha", q(n=200)), timeout=10)
-            assert error.value.code() == EXHAUSTED
-            assert stub.ModelInfer(build_infer_request("mha", q(n=2)), timeout=10).outputs
+    server = start_server(small_model_dir, "--max-message-bytes", "100000", "--warmup-runs", "0")
+    with grpc.insecure_channel(server.url) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as error:
+            stub.ModelInfer(build_infer_request("mha", q(n=200)), timeout=10)
+        assert error.value.code() == EXHAUSTED
+        assert stub.ModelInfer(build_infer_request("mha", q(n=2)), timeout=10).outputs
 
 
 @pytest.mark.parametrize("scale", [1e20, 3e38])

@@ -22,9 +22,15 @@ import numpy as np
 from mhaserve.client.grpc import Client, build_infer_request
 from mhaserve.loadtest.checked_load import health_latencies_under_load, rss_mib
 from mhaserve.protos.generated import grpc_service_pb2 as pb
-from mhaserve.testing.server_process import ServerProcess
-
-from .conftest import SMALL_D_MODEL, SMALL_HEADS, TEST_SERVER_ARGS, budget_once_idle, inflight_and_counts, rand, scrape
+from tests.support import (
+    SMALL_D_MODEL,
+    SMALL_HEADS,
+    TEST_SERVER_ARGS,
+    budget_once_idle,
+    inflight_and_counts,
+    rand,
+    scrape,
+)
 
 D, H = SMALL_D_MODEL, SMALL_HEADS
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
@@ -92,36 +98,36 @@ class ZeroWindowGrpcClient:
         self.sock.close()
 
 
-def test_grpc_answers_a_client_never_reads_stay_in_the_budget_and_end_cancelled(small_model_dir):
+def test_grpc_answers_a_client_never_reads_stay_in_the_budget_and_end_cancelled(start_server, small_model_dir):
     """The review's case: 40 large answers to a zero-window client took RSS to 3.4 GB under a 64 MiB budget,
     while the budget read 0 and the stop line counted them OK."""
     budget = 96 << 20
     query = rand(8, 256, D, seed=1)  # each answer carries 8 MiB of attention weights (17 MiB in the budget)
     message = build_infer_request("mha", query, attn_weights=True).SerializeToString()
     args = ("--max-batch-size", "8", "--max-q-len", "256", "--max-kv-len", "256", "--warmup-runs", "1")
-    with ServerProcess(small_model_dir, *args, "--max-inflight-bytes", str(budget), "--write-timeout-s", "3") as server:
-        baseline = rss_mib(server.proc.pid)
-        reader = ZeroWindowGrpcClient(server.url)
-        streams = [reader.call(message) for _ in range(40)]
-        reader.pump(1.0)
-        held, counts = inflight_and_counts(server)
-        peak = rss_mib(server.proc.pid)
-        refused = [s for s in streams if reader.statuses.get(s) == str(grpc.StatusCode.RESOURCE_EXHAUSTED.value[0])]
-        stuck = len(streams) - len(refused)
-        print(f"\nzero-window reader: {stuck} answers held, {len(refused)} refused; budget {held / 2**20:.0f} MiB; "
-              f"RSS {baseline:.0f} -> {peak:.0f} MiB")  # fmt: skip
-        assert 0 < held <= budget and stuck >= 1, "the undelivered answers are not in the budget"
-        assert len(refused) >= 30, "the budget did not refuse what it could not hold"
-        assert counts.get("grpc OK", 0) == 0, "answers nobody received were counted OK"
-        assert peak - baseline < 4 * budget / 2**20, "memory held beyond what the budget allows"
-        with Client(server.url) as client:  # others are still served meanwhile
-            assert client.infer(rand(1, 4, D)).output.shape == (1, 4, D)
+    server = start_server(small_model_dir, *args, "--max-inflight-bytes", str(budget), "--write-timeout-s", "3")
+    baseline = rss_mib(server.proc.pid)
+    reader = ZeroWindowGrpcClient(server.url)
+    streams = [reader.call(message) for _ in range(40)]
+    reader.pump(1.0)
+    held, counts = inflight_and_counts(server)
+    peak = rss_mib(server.proc.pid)
+    refused = [s for s in streams if reader.statuses.get(s) == str(grpc.StatusCode.RESOURCE_EXHAUSTED.value[0])]
+    stuck = len(streams) - len(refused)
+    print(f"\nzero-window reader: {stuck} answers held, {len(refused)} refused; budget {held / 2**20:.0f} MiB; "
+          f"RSS {baseline:.0f} -> {peak:.0f} MiB")  # fmt: skip
+    assert 0 < held <= budget and stuck >= 1, "the undelivered answers are not in the budget"
+    assert len(refused) >= 30, "the budget did not refuse what it could not hold"
+    assert counts.get("grpc OK", 0) == 0, "answers nobody received were counted OK"
+    assert peak - baseline < 4 * budget / 2**20, "memory held beyond what the budget allows"
+    with Client(server.url) as client:  # others are still served meanwhile
+        assert client.infer(rand(1, 4, D)).output.shape == (1, 4, D)
 
-        reader.pump(4.0)  # past the write timeout: the calls end CANCELLED; their answers stay in the budget
-        held_after_timeout, counts = inflight_and_counts(server)
-        reader.close()  # until the connection goes
-        held_after_close = budget_once_idle(server)
-        assert "did not read its" in server.log
+    reader.pump(4.0)  # past the write timeout: the calls end CANCELLED; their answers stay in the budget
+    held_after_timeout, counts = inflight_and_counts(server)
+    reader.close()  # until the connection goes
+    held_after_close = budget_once_idle(server)
+    assert "did not read its" in server.log
     assert held_after_timeout == held and held_after_close == 0
     assert counts["grpc CANCELLED"] == stuck and counts["grpc RESOURCE_EXHAUSTED"] == len(refused)
     assert counts["grpc OK"] == 1
@@ -142,88 +148,90 @@ def _binary_infer_request(query: np.ndarray, host: str) -> bytes:
     return head.encode() + header + query.tobytes()
 
 
-def test_http_answer_not_read_within_the_write_timeout_is_dropped_and_counted_cancelled(small_model_dir):
+def test_http_answer_not_read_within_the_write_timeout_is_dropped_and_counted_cancelled(start_server, small_model_dir):
     args = ("--max-batch-size", "8", "--max-q-len", "256", "--max-kv-len", "256", "--warmup-runs", "1")
-    with ServerProcess(small_model_dir, *args, "--write-timeout-s", "2") as server:
-        address = server.http_url.removeprefix("http://")
-        host, port = address.split(":")
-        reader = socket.socket()
-        reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
-        reader.connect((host, int(port)))
-        reader.sendall(_binary_infer_request(rand(8, 256, D, seed=2), address))  # an 8 MiB answer
-        time.sleep(1.0)
-        held_while_unread, _ = inflight_and_counts(server)
-        time.sleep(3.0)
-        held_after = budget_once_idle(server)
-        counts = inflight_and_counts(server)[1]
-        reader.settimeout(10)
-        received = 0
-        try:
-            while chunk := reader.recv(1 << 20):
-                received += len(chunk)
-        except ConnectionResetError:
-            pass
-        reader.close()
-        assert "dropped an HTTP client that did not read its" in server.log
+    server = start_server(small_model_dir, *args, "--write-timeout-s", "2")
+    address = server.http_url.removeprefix("http://")
+    host, port = address.split(":")
+    reader = socket.socket()
+    reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
+    reader.connect((host, int(port)))
+    reader.sendall(_binary_infer_request(rand(8, 256, D, seed=2), address))  # an 8 MiB answer
+    time.sleep(1.0)
+    held_while_unread, _ = inflight_and_counts(server)
+    time.sleep(3.0)
+    held_after = budget_once_idle(server)
+    counts = inflight_and_counts(server)[1]
+    reader.settimeout(10)
+    received = 0
+    try:
+        while chunk := reader.recv(1 << 20):
+            received += len(chunk)
+    except ConnectionResetError:
+        pass
+    reader.close()
+    assert "dropped an HTTP client that did not read its" in server.log
     assert held_while_unread > 8 << 20, "the unread answer was not in the budget"
     assert held_after == 0 and counts.get("http CANCELLED") == 1 and "http OK" not in counts
     assert received < 8 << 20, "the whole answer arrived: the client was not dropped"
 
 
-def test_connections_over_the_http_cap_get_503_and_idle_ones_are_closed(small_model_dir):
+def test_connections_over_the_http_cap_get_503_and_idle_ones_are_closed(start_server, small_model_dir):
     args = (*TEST_SERVER_ARGS, "--http-max-connections", "4", "--http-idle-timeout-s", "1.5")
-    with ServerProcess(small_model_dir, *args) as server:
-        host, port = server.http_url.removeprefix("http://").split(":")
-        held = [socket.create_connection((host, int(port)), timeout=10) for _ in range(4)]
-        time.sleep(0.2)
-        with socket.create_connection((host, int(port)), timeout=10) as extra:
-            extra.sendall(b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n\r\n")
-            refusal = extra.recv(4096)
-        assert refusal.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in refusal
-        assert b"4 HTTP connections are open, the limit" in refusal
-        # Idle connections are closed by the server, which frees their places.
-        started = time.monotonic()
-        assert all(sock.recv(1) == b"" for sock in held)
-        idle_closed_after = time.monotonic() - started
-        for sock in held:
-            sock.close()
-        with socket.create_connection((host, int(port)), timeout=10) as again:
-            again.sendall(b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n\r\n")
-            assert again.recv(4096).startswith(b"HTTP/1.1 200")
+    server = start_server(small_model_dir, *args)
+    host, port = server.http_url.removeprefix("http://").split(":")
+    held = [socket.create_connection((host, int(port)), timeout=10) for _ in range(4)]
+    time.sleep(0.2)
+    with socket.create_connection((host, int(port)), timeout=10) as extra:
+        extra.sendall(b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n\r\n")
+        refusal = extra.recv(4096)
+    assert refusal.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in refusal
+    assert b"4 HTTP connections are open, the limit" in refusal
+    # Idle connections are closed by the server, which frees their places.
+    started = time.monotonic()
+    assert all(sock.recv(1) == b"" for sock in held)
+    idle_closed_after = time.monotonic() - started
+    for sock in held:
+        sock.close()
+    with socket.create_connection((host, int(port)), timeout=10) as again:
+        again.sendall(b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert again.recv(4096).startswith(b"HTTP/1.1 200")
     assert idle_closed_after < 5
 
 
-def test_metrics_port_is_loopback_apart_from_host_serves_only_metrics_and_caps_connections(small_model_dir):
+def test_metrics_port_is_loopback_apart_from_host_serves_only_metrics_and_caps_connections(
+    start_server, small_model_dir
+):
     import urllib.error
     import urllib.request
 
     # 127.0.0.2 is loopback too on Linux: the gRPC/HTTP host, while metrics stay on 127.0.0.1.
-    with ServerProcess(small_model_dir, *TEST_SERVER_ARGS, "--host", "127.0.0.2") as server:
-        assert server.metrics_url.startswith("http://127.0.0.1:") and server.url.startswith("127.0.0.2:")
-        port = int(server.metrics_url.split(":")[2].split("/")[0])
+    server = start_server(small_model_dir, *TEST_SERVER_ARGS, "--host", "127.0.0.2")
+    assert server.metrics_url.startswith("http://127.0.0.1:") and server.url.startswith("127.0.0.2:")
+    port = int(server.metrics_url.split(":")[2].split("/")[0])
+    try:
+        socket.create_connection(("127.0.0.2", port), timeout=5).close()
+        reachable_on_host = True
+    except ConnectionRefusedError:
+        reachable_on_host = False
+    assert not reachable_on_host, "metrics listen on --host"
+    for path in ("/", "/other", "/metrics/x"):
         try:
-            socket.create_connection(("127.0.0.2", port), timeout=5).close()
-            reachable_on_host = True
-        except ConnectionRefusedError:
-            reachable_on_host = False
-        assert not reachable_on_host, "metrics listen on --host"
-        for path in ("/", "/other", "/metrics/x"):
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10)
-                status = 200
-            except urllib.error.HTTPError as error:
-                status = error.code
-            assert status == 404, path
-        assert ("mhaserve_inference_inflight_bytes", ()) in scrape(server.metrics_url)
-        held = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(64)]
-        time.sleep(0.2)
-        with socket.create_connection(("127.0.0.1", port), timeout=10) as extra:
-            extra.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
-            assert extra.recv(4096).startswith(b"HTTP/1.1 503")
-        for sock in held:
-            sock.close()
-        time.sleep(0.2)
-        assert ("mhaserve_inference_inflight_bytes", ()) in scrape(server.metrics_url)
+            urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10)
+            status = 200
+        except urllib.error.HTTPError as error:
+            status = error.code
+        assert status == 404, path
+    assert ("mhaserve_inference_inflight_bytes", ()) in scrape(server.metrics_url)
+    held = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(64)]
+    time.sleep(0.2)
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as extra:
+        extra.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert extra.recv(4096).startswith(b"HTTP/1.1 503")
+    for sock in held:
+        sock.close()
+    time.sleep(0.2)
+    assert ("mhaserve_inference_inflight_bytes", ()) in scrape(server.metrics_url)
 
 
 def _typed_mask_message() -> bytes:
@@ -236,11 +244,11 @@ def _typed_mask_message() -> bytes:
     return request.SerializeToString()
 
 
-def test_health_stays_fast_while_typed_contents_are_converted(small_model_dir):
+def test_health_stays_fast_while_typed_contents_are_converted(start_server, small_model_dir):
     """The review's case: three callers sending 8 MiB typed masks pushed health-check p50 to 697 ms."""
     message = _typed_mask_message()
-    with ServerProcess(small_model_dir, *TEST_SERVER_ARGS, "--max-message-bytes", str(64 << 20)) as server:
-        latencies, codes = health_latencies_under_load(server.url, message, 8, settle_s=2.0)
+    server = start_server(small_model_dir, *TEST_SERVER_ARGS, "--max-message-bytes", str(64 << 20))
+    latencies, codes = health_latencies_under_load(server.url, message, 8, settle_s=2.0)
     latencies.sort()
     p50, p99 = statistics.median(latencies), latencies[int(0.99 * (len(latencies) - 1))]
     print(f"\nhealth under 3 typed-contents senders: {len(codes)} conversions refused, {len(latencies)} checks, "

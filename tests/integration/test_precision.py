@@ -19,19 +19,10 @@ from mhaserve.export.model_dir import export_model_dir, revalidate_model_dir
 from mhaserve.export.onnx_export import export_onnx
 from mhaserve.export.validate import TOLERANCES, ValidationCase, validate
 from mhaserve.testing.server_process import ServerProcess
-
-from .conftest import SMALL_D_MODEL, SMALL_HEADS, TEST_SERVER_ARGS, eager, rand
-from .test_http import triton_http, triton_infer
-from .test_triton_clients import INPUTS, cases, run_triton_client
+from tests.support import SMALL_D_MODEL, SMALL_HEADS, TEST_SERVER_ARGS, assert_within_relative, eager, rand
+from tests.support.triton import INPUTS, cases, run_triton_client, triton_http, triton_infer
 
 FP16 = TOLERANCES["fp16"]
-
-
-def assert_within_relative(got, want, tolerance=FP16):
-    """Within a relative tolerance (validate.TOLERANCES): the largest error over the reference's largest value."""
-    assert got.shape == want.shape
-    error = np.max(np.abs(got.astype(np.float64) - want))
-    assert error <= tolerance.max_rel * max(np.max(np.abs(want)), 1e-30), error
 
 
 @pytest.fixture(scope="module")
@@ -191,8 +182,7 @@ def test_the_triton_repository_declares_fp16_weights(fp16_model_dir, tmp_path):
 
 def test_the_memory_budget_counts_fp16_weights_at_two_bytes_each():
     from mhaserve.server.memory import ANSWER_COPIES, answer_bytes
-
-    from .test_batching import as_attention_request
+    from tests.support.requests import as_attention_request
 
     request = as_attention_request(rand(2, 10, SMALL_D_MODEL), None, None, None, True)
     weights = 2 * SMALL_HEADS * 10 * 10
@@ -204,7 +194,7 @@ SCALES = (0.01, 1, 10, 30, 100, 1000)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
-def test_every_answer_at_every_input_scale_is_accurate(precision, small_module, fp16_model_dir, tmp_path):
+def test_every_answer_at_every_input_scale_is_accurate(start_server, precision, small_module, fp16_model_dir, tmp_path):
     """Query [1, 16, d] at scales where a float16 score product went wrong by a third of a row's mass with OK:
     each answer is within the precision's tolerance of the exact (float64) answer, or no further from it than
     EAGER_ERROR_FACTOR times eager float32 is (inputs past the validated range are refused: the tests above)."""
@@ -219,7 +209,8 @@ def test_every_answer_at_every_input_scale_is_accurate(precision, small_module, 
         assert export_model_dir(small_module, folder, validation_seed=0, report=lambda _: None)["valid"]
     exact = copy.deepcopy(small_module).double()
     tolerance = SCALE_TOLERANCES[precision].max_rel
-    with ServerProcess(folder, *TEST_SERVER_ARGS) as server, Client(server.url) as client:
+    server = start_server(folder, *TEST_SERVER_ARGS)
+    with Client(server.url) as client:
         for scale in SCALES:
             for seed in range(3):
                 query = rand(1, 16, SMALL_D_MODEL, seed=seed) * np.float32(scale)

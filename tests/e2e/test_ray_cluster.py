@@ -25,8 +25,7 @@ from mhaserve.loadtest.checked_load import rss_mib
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
 from mhaserve.testing.server_process import free_port
-
-from .conftest import SMALL_D_MODEL, SMALL_HEADS, rand
+from tests.support import SMALL_D_MODEL, SMALL_HEADS, rand
 
 if importlib.util.find_spec("ray") is None:
     pytest.skip("Ray Serve is not installed (the ray extra; the test extra has it)", allow_module_level=True)
@@ -97,7 +96,7 @@ def replica_nodes(ray) -> list[str]:
 def test_replicas_are_spread_over_both_workers_and_answer_tritonclient(cluster, small_model_dir, tmp_path):
     import onnxruntime as ort
 
-    from .test_triton_clients import cases, run_triton_client
+    from tests.support.triton import cases, run_triton_client
 
     assert replica_nodes(cluster.ray) == sorted(w.node_id for w in cluster.workers)
     results = run_triton_client(cluster, tmp_path, "sync", application=APP)

@@ -6,12 +6,12 @@ import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-DUMP = Path(__file__).parent / "clients" / "dump_descriptors.py"
+from tests.support import CLIENT_SCRIPTS, ROOT
+
+DUMP = CLIENT_SCRIPTS / "dump_descriptors.py"
 
 
 def test_committed_stubs_are_not_stale():

@@ -8,9 +8,8 @@ import shutil
 import subprocess
 import sys
 import zipfile
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support import ROOT  # noqa: E402
 
 
 def test_the_wheel_holds_every_package_folder_and_module(tmp_path):

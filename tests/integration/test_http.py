@@ -12,15 +12,13 @@ import urllib.request
 
 import numpy as np
 import pytest
-import tritonclient.http as httpclient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mhaserve.client.grpc import Client
 from mhaserve.loadtest.checked_load import Reference
-from mhaserve.testing.server_process import ServerProcess
-
-from .conftest import SMALL_D_MODEL, SMALL_HEADS, TEST_SERVER_ARGS, rand, scrape
+from tests.support import SMALL_D_MODEL, SMALL_HEADS, TEST_SERVER_ARGS, rand, scrape
+from tests.support.triton import triton_http, triton_infer
 
 D, H = SMALL_D_MODEL, SMALL_HEADS
 TOKEN = "http-token"
@@ -42,21 +40,6 @@ def infer_json(query, outputs=("output",), **extra) -> bytes:
         **extra,
     }
     return json.dumps(document).encode()
-
-
-def triton_http(server) -> httpclient.InferenceServerClient:
-    return httpclient.InferenceServerClient(server.http_url.removeprefix("http://"))
-
-
-def triton_infer(client, query, mask=None, binary=True, outputs=("output", "attn_weights")):
-    tensors = []
-    for name, array in (("query", query), ("mask", mask)):
-        if array is not None:
-            tensor = httpclient.InferInput(name, list(array.shape), "FP32" if name == "query" else "BOOL")
-            tensor.set_data_from_numpy(array, binary_data=binary)
-            tensors.append(tensor)
-    wanted = [httpclient.InferRequestedOutput(name, binary_data=binary) for name in outputs]
-    return client.infer("mha", tensors, outputs=wanted)
 
 
 def test_every_endpoint_answers_as_the_protocol_says(server):
@@ -224,21 +207,21 @@ def test_fuzzed_bodies_and_headers_get_json_errors_never_a_crash(server, body, h
         assert json.loads(text)["error"]
 
 
-def test_over_the_body_limit_is_413(small_model_dir):
-    with ServerProcess(small_model_dir, *TEST_SERVER_ARGS, "--max-message-bytes", "100000") as server:
-        status, _, body = call(server, "POST", "/v2/models/mha/infer", b"x" * 200_000)
+def test_over_the_body_limit_is_413(start_server, small_model_dir):
+    server = start_server(small_model_dir, *TEST_SERVER_ARGS, "--max-message-bytes", "100000")
+    status, _, body = call(server, "POST", "/v2/models/mha/infer", b"x" * 200_000)
     assert status == 413 and "100000 bytes" in json.loads(body)["error"]
 
 
-def test_token_on_http_health_open(small_model_dir):
-    with ServerProcess(small_model_dir, *TEST_SERVER_ARGS, env={"MHASERVE_AUTH_TOKEN": TOKEN}) as server:
-        assert call(server, "GET", "/v2/health/ready")[0] == 200
-        status, headers, body = call(server, "POST", "/v2/models/mha/infer", infer_json(rand(1, 2, D)))
-        assert status == 401 and headers["WWW-Authenticate"] == "Bearer" and "Bearer" in json.loads(body)["error"]
-        assert call(server, "GET", "/v2/models/mha", headers={"Authorization": "Bearer wrong"})[0] == 401
-        good = {"Authorization": f"Bearer {TOKEN}"}
-        assert call(server, "POST", "/v2/models/mha/infer", infer_json(rand(1, 2, D)), good)[0] == 200
-        assert scrape(server.metrics_url)[("mhaserve_unauthenticated_request_total", ())] == 2
+def test_token_on_http_health_open(start_server, small_model_dir):
+    server = start_server(small_model_dir, *TEST_SERVER_ARGS, env={"MHASERVE_AUTH_TOKEN": TOKEN})
+    assert call(server, "GET", "/v2/health/ready")[0] == 200
+    status, headers, body = call(server, "POST", "/v2/models/mha/infer", infer_json(rand(1, 2, D)))
+    assert status == 401 and headers["WWW-Authenticate"] == "Bearer" and "Bearer" in json.loads(body)["error"]
+    assert call(server, "GET", "/v2/models/mha", headers={"Authorization": "Bearer wrong"})[0] == 401
+    good = {"Authorization": f"Bearer {TOKEN}"}
+    assert call(server, "POST", "/v2/models/mha/infer", infer_json(rand(1, 2, D)), good)[0] == 200
+    assert scrape(server.metrics_url)[("mhaserve_unauthenticated_request_total", ())] == 2
 
 
 def test_a_content_length_shorter_than_the_body_is_refused_without_echoing_the_rest(server):
@@ -261,19 +244,17 @@ def test_a_shape_past_64_bits_is_shown_as_the_integer_sent(server):
     assert status == 400 and "[18446744073709551616, 1, 64]" in json.loads(message)["error"], message
 
 
-def test_a_client_sending_half_a_body_is_dropped_after_the_read_timeout(small_model_dir):
-    with ServerProcess(small_model_dir, *TEST_SERVER_ARGS, "--http-read-timeout-s", "1") as server:
-        host, port = server.http_url.removeprefix("http://").split(":")
-        with socket.create_connection((host, int(port)), timeout=10) as connection:
-            connection.sendall(
-                b"POST /v2/models/mha/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n" + b"{" * 10
-            )
-            started = time.monotonic()
-            reply = connection.recv(4096)
-            waited = time.monotonic() - started
-        assert reply.startswith(b"HTTP/1.1 504") and b"did not arrive within 1 s" in reply
-        assert waited < 5
-        assert triton_http(server).is_server_ready()
+def test_a_client_sending_half_a_body_is_dropped_after_the_read_timeout(start_server, small_model_dir):
+    server = start_server(small_model_dir, *TEST_SERVER_ARGS, "--http-read-timeout-s", "1")
+    host, port = server.http_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as connection:
+        connection.sendall(b"POST /v2/models/mha/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n" + b"{" * 10)
+        started = time.monotonic()
+        reply = connection.recv(4096)
+        waited = time.monotonic() - started
+    assert reply.startswith(b"HTTP/1.1 504") and b"did not arrive within 1 s" in reply
+    assert waited < 5
+    assert triton_http(server).is_server_ready()
 
 
 def test_http_and_grpc_requests_share_the_statistics_and_metrics_name_the_protocol(server):
@@ -296,13 +277,14 @@ def test_http_and_grpc_requests_share_the_statistics_and_metrics_name_the_protoc
     assert now["http"] == counted.get("http", 0) + 1 and now["grpc"] == counted.get("grpc", 0) + 1
 
 
-def test_an_http_and_a_grpc_request_are_merged_into_one_run(small_model_dir):
+def test_an_http_and_a_grpc_request_are_merged_into_one_run(start_server, small_model_dir):
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
     # The queue waits up to 0.5 s for company, so two requests sent together are certain to share a run.
     args = ("--max-queue-delay-us", "500000", "--warmup-runs", "0")
-    with ServerProcess(small_model_dir, *args) as server, Client(server.url) as client:
+    server = start_server(small_model_dir, *args)
+    with Client(server.url) as client:
         over_http, over_grpc = rand(2, 6, D, seed=21), rand(1, 6, D, seed=22)
         both_sent = threading.Barrier(2)
 
@@ -333,11 +315,11 @@ def test_an_http_and_a_grpc_request_are_merged_into_one_run(small_model_dir):
         np.testing.assert_allclose(weights, want_attn, rtol=0, atol=1e-6)
 
 
-def test_sigterm_drains_http_like_grpc_nothing_accepted_is_lost(small_model_dir):
+def test_sigterm_drains_http_like_grpc_nothing_accepted_is_lost(start_server, small_model_dir):
     from concurrent.futures import ThreadPoolExecutor
 
     args = ("--max-batch-size", "32", "--max-q-len", "512", "--grace-seconds", "30", "--drain-seconds", "2")
-    server = ServerProcess(small_model_dir, *args, "--warmup-runs", "0").start()
+    server = start_server(small_model_dir, *args, "--warmup-runs", "0")
     queries = [rand(16, 384, D, seed=i) for i in range(12)]
 
     def binary_infer(query):

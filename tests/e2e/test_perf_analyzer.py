@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import SMALL_D_MODEL
+from tests.support import ROOT, SMALL_D_MODEL
 
 D = SMALL_D_MODEL
-RUN = Path(os.environ.get("PERF_ANALYZER", Path(__file__).resolve().parents[1] / ".tools/perf_analyzer/run"))
+RUN = Path(os.environ.get("PERF_ANALYZER", ROOT / ".tools/perf_analyzer/run"))
 
 
 @pytest.mark.skipif(not RUN.exists(), reason=f"perf_analyzer is not installed at {RUN}")

@@ -14,9 +14,7 @@ import pytest
 from mhaserve.client.grpc import AsyncClient, Client, build_infer_request
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
-from mhaserve.testing.server_process import ServerProcess
-
-from .conftest import SMALL_D_MODEL, SMALL_HEADS, eager, rand
+from tests.support import SMALL_D_MODEL, SMALL_HEADS, eager, rand
 
 D, H = SMALL_D_MODEL, SMALL_HEADS
 
@@ -309,10 +307,10 @@ def test_device_auto_without_cuda_serves_on_cpu_with_one_warning(server):
     assert sum("CUDA is not usable" in line for line in server.lines) == 1
 
 
-def test_device_cuda_refuses_to_start_without_cuda(small_model_dir):
+def test_device_cuda_refuses_to_start_without_cuda(start_server, small_model_dir):
     import onnxruntime as ort
 
-    process = ServerProcess(small_model_dir, "--device", "cuda").start(wait=False)
+    process = start_server(small_model_dir, "--device", "cuda", wait=False)
     code = process.wait_exit(60)
     if code is None or "provider=CUDAExecutionProvider" in process.log:
         process.stop()
@@ -326,7 +324,7 @@ def test_device_cuda_refuses_to_start_without_cuda(small_model_dir):
         assert "no CUDA provider" in process.log
 
 
-def test_refuses_a_folder_whose_validation_failed(tmp_path, small_model_dir):
+def test_refuses_a_folder_whose_validation_failed(start_server, tmp_path, small_model_dir):
     import json
     import shutil
 
@@ -335,7 +333,7 @@ def test_refuses_a_folder_whose_validation_failed(tmp_path, small_model_dir):
     manifest = json.loads((folder / "manifest.json").read_text())
     manifest["valid"] = False
     (folder / "manifest.json").write_text(json.dumps(manifest))
-    process = ServerProcess(folder).start(wait=False)
+    process = start_server(folder, wait=False)
     assert process.wait_exit(60) != 0
     assert "failed validation" in process.log
 

@@ -8,8 +8,7 @@ from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.server.grpc.protobuf import encode_grpc_response
 from mhaserve.server.inference import InferenceRequest, InferenceResponse
 from mhaserve.server.tensors import ModelSignature
-
-from .conftest import rand
+from tests.support import rand
 
 MODEL = ModelSignature("mha", "1", 64, 4)
 

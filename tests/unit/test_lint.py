@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support import ROOT  # noqa: E402
 
 
 @pytest.mark.parametrize("args", [["check", "."], ["format", "--check", "."]])

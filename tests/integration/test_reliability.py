@@ -23,8 +23,7 @@ import pytest
 from mhaserve.client.grpc import NO_RETRIES, Client, RetryPolicy
 from mhaserve.loadtest.checked_load import Reference, Shapes, burst, make_call, mismatch, rss_mib, run_checked_load
 from mhaserve.testing.server_process import ServerProcess, free_port
-
-from .conftest import SMALL_D_MODEL, TEST_SERVER_ARGS, rand, scrape
+from tests.support import SMALL_D_MODEL, TEST_SERVER_ARGS, rand, scrape
 
 SOAK_REQUESTS = int(os.environ.get("MHASERVE_SOAK_REQUESTS", "4000"))
 
@@ -50,63 +49,63 @@ def wait_until_idle(server, timeout: float = 20.0) -> None:
         time.sleep(0.1)
 
 
-def test_soak_mixed_lengths_zero_errors_checked_answers_bounded_memory(small_model_dir, reference):
-    with ServerProcess(small_model_dir, *TEST_SERVER_ARGS) as server:
-        report = asyncio.run(
-            run_checked_load(
-                server.url,
-                Shapes(SMALL_D_MODEL, 1, 64),
-                requests=SOAK_REQUESTS,
-                concurrency=32,
-                reference=reference,
-                check_every=20,
-                rss=lambda: rss_mib(server.proc.pid),
-            )
+def test_soak_mixed_lengths_zero_errors_checked_answers_bounded_memory(start_server, small_model_dir, reference):
+    server = start_server(small_model_dir, *TEST_SERVER_ARGS)
+    report = asyncio.run(
+        run_checked_load(
+            server.url,
+            Shapes(SMALL_D_MODEL, 1, 64),
+            requests=SOAK_REQUESTS,
+            concurrency=32,
+            reference=reference,
+            check_every=20,
+            rss=lambda: rss_mib(server.proc.pid),
         )
-        print("\n" + report.summary())
-        assert dict(report.statuses) == {"OK": SOAK_REQUESTS}
-        assert report.checked >= SOAK_REQUESTS // 20 and report.mismatches == []
-        growth = report.rss_samples_mib[-1] - report.rss_samples_mib[0]
-        assert growth < 64, report.summary()  # a leak of even 16 KiB per request would pass 64 MiB
-        wait_until_idle(server)
+    )
+    print("\n" + report.summary())
+    assert dict(report.statuses) == {"OK": SOAK_REQUESTS}
+    assert report.checked >= SOAK_REQUESTS // 20 and report.mismatches == []
+    growth = report.rss_samples_mib[-1] - report.rss_samples_mib[0]
+    assert growth < 64, report.summary()  # a leak of even 16 KiB per request would pass 64 MiB
+    wait_until_idle(server)
 
 
-def test_burst_over_capacity_gets_fast_refusals_and_correct_answers(small_model_dir, reference):
+def test_burst_over_capacity_gets_fast_refusals_and_correct_answers(start_server, small_model_dir, reference):
     # One request per run, eight waiting at most: a burst of 600 is far over what the queue takes.
     args = (*TEST_SERVER_ARGS, "--max-queue-size", "8", "--inference-workers", "1", "--dynamic-batching", "false")
-    with ServerProcess(small_model_dir, *args) as server:
-        rng = np.random.default_rng(7)
-        calls = [make_call(rng, Shapes(SMALL_D_MODEL, 32, 64, max_batch=8)) for _ in range(600)]
-        report = asyncio.run(burst(server.url, calls, timeout_s=60))
-        print("\n" + report.summary())
-        assert set(report.statuses) == {"OK", "RESOURCE_EXHAUSTED"}, report.statuses
-        assert report.statuses["OK"] >= 8 and report.statuses["RESOURCE_EXHAUSTED"] >= 1
-        refusals = {call.details for call in calls if call.status == "RESOURCE_EXHAUSTED"}
-        assert all("max_queue_size=8" in text for text in refusals), refusals
-        problems = [p for call in calls if call.status == "OK" and (p := mismatch(call, reference))]
-        assert problems == []
-        assert server.proc.poll() is None
-        wait_until_idle(server)
-        with Client(server.url) as client:
-            assert client.infer(rand(1, 3, SMALL_D_MODEL), timeout=10).output.shape == (1, 3, SMALL_D_MODEL)
+    server = start_server(small_model_dir, *args)
+    rng = np.random.default_rng(7)
+    calls = [make_call(rng, Shapes(SMALL_D_MODEL, 32, 64, max_batch=8)) for _ in range(600)]
+    report = asyncio.run(burst(server.url, calls, timeout_s=60))
+    print("\n" + report.summary())
+    assert set(report.statuses) == {"OK", "RESOURCE_EXHAUSTED"}, report.statuses
+    assert report.statuses["OK"] >= 8 and report.statuses["RESOURCE_EXHAUSTED"] >= 1
+    refusals = {call.details for call in calls if call.status == "RESOURCE_EXHAUSTED"}
+    assert all("max_queue_size=8" in text for text in refusals), refusals
+    problems = [p for call in calls if call.status == "OK" and (p := mismatch(call, reference))]
+    assert problems == []
+    assert server.proc.poll() is None
+    wait_until_idle(server)
+    with Client(server.url) as client:
+        assert client.infer(rand(1, 3, SMALL_D_MODEL), timeout=10).output.shape == (1, 3, SMALL_D_MODEL)
 
 
-def test_burst_of_large_requests_is_held_to_the_memory_budget(small_model_dir, reference):
+def test_burst_of_large_requests_is_held_to_the_memory_budget(start_server, small_model_dir, reference):
     # A request [B <= 8, 64, 64] with weights holds at most about 0.8 MB: alone it always fits, but the
     # budget admits only a few at once, and 200 arrive together.
     budget = 2 << 20
     args = (*TEST_SERVER_ARGS, "--max-inflight-bytes", str(budget), "--inference-workers", "1")
-    with ServerProcess(small_model_dir, *args) as server:
-        rng = np.random.default_rng(8)
-        shapes = Shapes(SMALL_D_MODEL, 64, 64, max_batch=8, no_weights_fraction=0, cross_fraction=0)
-        calls = [make_call(rng, shapes) for _ in range(200)]
-        report = asyncio.run(burst(server.url, calls))
-        assert set(report.statuses) == {"OK", "RESOURCE_EXHAUSTED"}, report.statuses
-        problems = [p for call in calls if call.status == "OK" and (p := mismatch(call, reference))]
-        assert problems == []
-        refusals = {call.details for call in calls if call.status == "RESOURCE_EXHAUSTED"}
-        assert refusals and all(f"max_inflight_bytes={budget}" in text for text in refusals), refusals
-        wait_until_idle(server)
+    server = start_server(small_model_dir, *args)
+    rng = np.random.default_rng(8)
+    shapes = Shapes(SMALL_D_MODEL, 64, 64, max_batch=8, no_weights_fraction=0, cross_fraction=0)
+    calls = [make_call(rng, shapes) for _ in range(200)]
+    report = asyncio.run(burst(server.url, calls))
+    assert set(report.statuses) == {"OK", "RESOURCE_EXHAUSTED"}, report.statuses
+    problems = [p for call in calls if call.status == "OK" and (p := mismatch(call, reference))]
+    assert problems == []
+    refusals = {call.details for call in calls if call.status == "RESOURCE_EXHAUSTED"}
+    assert refusals and all(f"max_inflight_bytes={budget}" in text for text in refusals), refusals
+    wait_until_idle(server)
 
 
 VANISHING_CLIENT = """
@@ -123,30 +122,30 @@ time.sleep(600)
 """
 
 
-def test_a_killed_client_frees_its_queue_places_and_its_requests_are_not_computed(small_model_dir):
+def test_a_killed_client_frees_its_queue_places_and_its_requests_are_not_computed(start_server, small_model_dir):
     args = ("--max-batch-size", "16", "--max-q-len", "256", "--max-kv-len", "256", "--inference-workers", "1",
             "--dynamic-batching", "false", "--warmup-runs", "0")  # fmt: skip
-    with ServerProcess(small_model_dir, *args) as server:
-        client = subprocess.Popen([sys.executable, "-c", VANISHING_CLIENT, server.url], stdout=subprocess.PIPE,
-                                  text=True)  # fmt: skip
-        try:
-            assert client.stdout.readline().strip() == "answered"
-            client.send_signal(signal.SIGKILL)  # 199 requests still queued or running
-            client.wait(10)
-        finally:
-            client.kill()
-        wait_until_idle(server)
-        samples = scrape(server.metrics_url)
-        by_status = {dict(k[1])["status"]: v for k, v in samples.items() if k[0] == "mhaserve_inference_request_total"}
-        assert by_status.get("CANCELLED", 0) > 0, by_status
-        assert by_status.get("OK", 0) + by_status["CANCELLED"] <= 200, by_status  # some never left the client
-        with Client(server.url) as fresh:
-            # One model run per request (batching off, one worker): runs beyond the answered ones were spent
-            # on cancelled requests, the one running when the client died and any started before the
-            # server saw the connection close. The rest of the cancelled ones were dropped unrun.
-            wasted = fresh.statistics(timeout=10).execution_count - by_status.get("OK", 0)
-            assert 0 <= wasted <= 5 and by_status["CANCELLED"] >= 50, (wasted, by_status)
-            assert fresh.infer(rand(1, 3, SMALL_D_MODEL), timeout=10).output.shape == (1, 3, SMALL_D_MODEL)
+    server = start_server(small_model_dir, *args)
+    client = subprocess.Popen([sys.executable, "-c", VANISHING_CLIENT, server.url], stdout=subprocess.PIPE,
+                              text=True)  # fmt: skip
+    try:
+        assert client.stdout.readline().strip() == "answered"
+        client.send_signal(signal.SIGKILL)  # 199 requests still queued or running
+        client.wait(10)
+    finally:
+        client.kill()
+    wait_until_idle(server)
+    samples = scrape(server.metrics_url)
+    by_status = {dict(k[1])["status"]: v for k, v in samples.items() if k[0] == "mhaserve_inference_request_total"}
+    assert by_status.get("CANCELLED", 0) > 0, by_status
+    assert by_status.get("OK", 0) + by_status["CANCELLED"] <= 200, by_status  # some never left the client
+    with Client(server.url) as fresh:
+        # One model run per request (batching off, one worker): runs beyond the answered ones were spent
+        # on cancelled requests, the one running when the client died and any started before the
+        # server saw the connection close. The rest of the cancelled ones were dropped unrun.
+        wasted = fresh.statistics(timeout=10).execution_count - by_status.get("OK", 0)
+        assert 0 <= wasted <= 5 and by_status["CANCELLED"] >= 50, (wasted, by_status)
+        assert fresh.infer(rand(1, 3, SMALL_D_MODEL), timeout=10).output.shape == (1, 3, SMALL_D_MODEL)
 
 
 class FreezingProxy:
@@ -191,23 +190,23 @@ class FreezingProxy:
         self.listener.close()
 
 
-def test_a_silent_client_connection_is_closed_by_keepalive_and_its_calls_dropped(small_model_dir):
+def test_a_silent_client_connection_is_closed_by_keepalive_and_its_calls_dropped(start_server, small_model_dir):
     args = (*TEST_SERVER_ARGS, "--keepalive-time-s", "1", "--keepalive-timeout-s", "1")
-    with ServerProcess(small_model_dir, *args) as server:
-        proxy = FreezingProxy(server.port)
-        try:
-            with Client(f"127.0.0.1:{proxy.port}") as client:
-                assert client.infer(rand(1, 4, SMALL_D_MODEL), timeout=10).output is not None
-                proxy.frozen.set()
-                frozen_at = time.monotonic()
-                # Nothing reaches either side now; the server must notice on its own and hang up.
-                assert proxy.upstream_closed.wait(30), "the server kept the silent connection open"
-                print(f"\nsilent connection closed by the server after {time.monotonic() - frozen_at:.1f} s")
-        finally:
-            proxy.close()
-        wait_until_idle(server)
-        with Client(server.url) as direct:
-            assert direct.infer(rand(1, 3, SMALL_D_MODEL), timeout=10).output.shape == (1, 3, SMALL_D_MODEL)
+    server = start_server(small_model_dir, *args)
+    proxy = FreezingProxy(server.port)
+    try:
+        with Client(f"127.0.0.1:{proxy.port}") as client:
+            assert client.infer(rand(1, 4, SMALL_D_MODEL), timeout=10).output is not None
+            proxy.frozen.set()
+            frozen_at = time.monotonic()
+            # Nothing reaches either side now; the server must notice on its own and hang up.
+            assert proxy.upstream_closed.wait(30), "the server kept the silent connection open"
+            print(f"\nsilent connection closed by the server after {time.monotonic() - frozen_at:.1f} s")
+    finally:
+        proxy.close()
+    wait_until_idle(server)
+    with Client(server.url) as direct:
+        assert direct.infer(rand(1, 3, SMALL_D_MODEL), timeout=10).output.shape == (1, 3, SMALL_D_MODEL)
 
 
 def test_stalled_connections_do_not_keep_others_from_being_served(server):
@@ -228,27 +227,27 @@ def test_stalled_connections_do_not_keep_others_from_being_served(server):
             sock.close()
 
 
-def test_calls_over_the_stream_limit_are_refused_before_any_work_and_the_rest_served(small_model_dir):
+def test_calls_over_the_stream_limit_are_refused_before_any_work_and_the_rest_served(start_server, small_model_dir):
     from mhaserve.client.grpc import AsyncClient
 
-    with ServerProcess(small_model_dir, *TEST_SERVER_ARGS, "--max-concurrent-streams", "4") as server:
+    server = start_server(small_model_dir, *TEST_SERVER_ARGS, "--max-concurrent-streams", "4")
 
-        async def many():
-            async with AsyncClient(server.url) as client:
-                return await asyncio.gather(
-                    *(client.infer(rand(1, 8, SMALL_D_MODEL, seed=i), timeout=30) for i in range(40)),
-                    return_exceptions=True,
-                )
+    async def many():
+        async with AsyncClient(server.url) as client:
+            return await asyncio.gather(
+                *(client.infer(rand(1, 8, SMALL_D_MODEL, seed=i), timeout=30) for i in range(40)),
+                return_exceptions=True,
+            )
 
-        results = asyncio.run(many())
-        refused = [r for r in results if isinstance(r, BaseException)]
-        # HTTP/2 refuses the excess streams (RST_STREAM REFUSED_STREAM): the client sees UNAVAILABLE, the
-        # handler never ran, and the call is safe to retry.
-        assert all(r.code() == grpc.StatusCode.UNAVAILABLE and "RST_STREAM" in r.details() for r in refused)
-        served = len(results) - len(refused)
-        assert served >= 4
-        with Client(server.url) as client:
-            assert client.statistics(timeout=10).inference_stats.success.count == served
+    results = asyncio.run(many())
+    refused = [r for r in results if isinstance(r, BaseException)]
+    # HTTP/2 refuses the excess streams (RST_STREAM REFUSED_STREAM): the client sees UNAVAILABLE, the
+    # handler never ran, and the call is safe to retry.
+    assert all(r.code() == grpc.StatusCode.UNAVAILABLE and "RST_STREAM" in r.details() for r in refused)
+    served = len(results) - len(refused)
+    assert served >= 4
+    with Client(server.url) as client:
+        assert client.statistics(timeout=10).inference_stats.success.count == served
 
 
 def test_the_client_retries_unavailable_with_backoff_until_a_server_comes_up(small_model_dir):

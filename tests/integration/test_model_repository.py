@@ -25,10 +25,9 @@ from mhaserve.loadtest.checked_load import Reference
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
 from mhaserve.testing.server_process import ServerProcess
+from tests.support import CLIENT_SCRIPTS, SMALL_D_MODEL, TEST_SERVER_ARGS, rand, scrape
 
-from .conftest import SMALL_D_MODEL, TEST_SERVER_ARGS, rand, scrape
-
-SCRIPT = Path(__file__).parent / "clients" / "triton_repository.py"
+SCRIPT = CLIENT_SCRIPTS / "triton_repository.py"
 WIDE_D_MODEL, WIDE_HEADS = 96, 6
 TOKEN = "repository-token"
 

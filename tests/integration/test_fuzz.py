@@ -31,8 +31,7 @@ from mhaserve.server.tensors import (
     Limits,
     ModelSignature,
 )
-
-from .conftest import SMALL_D_MODEL, SMALL_HEADS, rand
+from tests.support import SMALL_D_MODEL, SMALL_HEADS, rand
 
 D = SMALL_D_MODEL
 MODEL = ModelSignature("mha", "1", D, SMALL_HEADS)

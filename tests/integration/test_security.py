@@ -19,9 +19,8 @@ from mhaserve.loadtest.checked_load import peak_rss_mib, rss_mib
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
 from mhaserve.testing.server_process import ServerProcess
-
-from .certs import CertificateAuthority
-from .conftest import SMALL_D_MODEL, TEST_SERVER_ARGS, eager, rand, scrape
+from tests.support import SMALL_D_MODEL, TEST_SERVER_ARGS, eager, rand, scrape
+from tests.support.certs import CertificateAuthority
 
 TOKEN = "s3cret-token-for-tests"
 
@@ -160,12 +159,12 @@ def test_mutual_tls_admits_only_clients_with_a_certificate_from_the_client_ca(mt
     assert "tls=mutual" in mtls_server.log
 
 
-def test_token_from_the_environment_on_a_plain_text_server(small_model_dir):
-    with ServerProcess(small_model_dir, *TEST_SERVER_ARGS, env={"MHASERVE_AUTH_TOKEN": TOKEN}) as server:
-        assert _infer(server.url, token=TOKEN).output.shape == (1, 4, SMALL_D_MODEL)
-        assert _code(lambda: _infer(server.url, token="nope")) == grpc.StatusCode.UNAUTHENTICATED
-        assert _code(lambda: _infer(server.url)) == grpc.StatusCode.UNAUTHENTICATED
-        assert "tls=off auth=token" in server.log
+def test_token_from_the_environment_on_a_plain_text_server(start_server, small_model_dir):
+    server = start_server(small_model_dir, *TEST_SERVER_ARGS, env={"MHASERVE_AUTH_TOKEN": TOKEN})
+    assert _infer(server.url, token=TOKEN).output.shape == (1, 4, SMALL_D_MODEL)
+    assert _code(lambda: _infer(server.url, token="nope")) == grpc.StatusCode.UNAUTHENTICATED
+    assert _code(lambda: _infer(server.url)) == grpc.StatusCode.UNAUTHENTICATED
+    assert "tls=off auth=token" in server.log
 
 
 @pytest.mark.parametrize(
@@ -176,43 +175,42 @@ def test_token_from_the_environment_on_a_plain_text_server(small_model_dir):
         (("--tls-client-ca-file", "/nonexistent/ca.pem"), "needs --tls-cert-file and --tls-key-file"),
     ],
 )
-def test_incomplete_tls_settings_refuse_to_start(small_model_dir, args, message):
-    server = ServerProcess(small_model_dir, *args).start(wait=False)
+def test_incomplete_tls_settings_refuse_to_start(start_server, small_model_dir, args, message):
+    server = start_server(small_model_dir, *args, wait=False)
     assert server.wait_exit(30) == 2
     assert message in server.log
 
 
-def test_the_receive_limit_is_the_largest_valid_request_compressed_or_not(small_model_dir):
+def test_the_receive_limit_is_the_largest_valid_request_compressed_or_not(start_server, small_model_dir):
     # It was sized from the largest response (289 MiB at the default limits, the request's 160 MiB), and a
     # gzip request of 286 KiB expanded to 287 MiB before anything was checked.
     import re
 
     from mhaserve.server.config import ServerSettings
+    from tests.support import SMALL_D_MODEL, SMALL_HEADS, TEST_SERVER_ARGS
 
-    from .conftest import SMALL_D_MODEL, SMALL_HEADS, TEST_SERVER_ARGS
-
-    with ServerProcess(small_model_dir, *TEST_SERVER_ARGS) as server:
-        line = next(line for line in server.lines if "serving model=" in line)
-        receive = int(re.search(r"max_receive_bytes=(\d+)", line).group(1))
-        send = int(re.search(r"max_send_bytes=(\d+)", line).group(1))
-        settings = ServerSettings(max_batch_size=8, max_q_len=64, max_kv_len=64)
-        assert (receive, send) == settings.message_limits(SMALL_D_MODEL, SMALL_HEADS)
-        too_long = np.zeros((1, receive // (4 * SMALL_D_MODEL) + 1, SMALL_D_MODEL), np.float32)  # over by a row
-        with grpc.insecure_channel(server.url) as channel:
-            stub = pb_grpc.GRPCInferenceServiceStub(channel)
-            for compression in (grpc.Compression.NoCompression, grpc.Compression.Gzip):
-                with pytest.raises(grpc.RpcError) as error:
-                    stub.ModelInfer(build_infer_request("mha", too_long), timeout=30, compression=compression)
-                assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (compression, error.value.details())
-            # the largest request the limits allow still fits
-            full = np.zeros((8, 64, SMALL_D_MODEL), np.float32)
-            mask = np.ones((8, 64, 64), np.int64)
-            answer = stub.ModelInfer(build_infer_request("mha", full, full, full, mask), timeout=30)
-            assert answer.outputs
+    server = start_server(small_model_dir, *TEST_SERVER_ARGS)
+    line = next(line for line in server.lines if "serving model=" in line)
+    receive = int(re.search(r"max_receive_bytes=(\d+)", line).group(1))
+    send = int(re.search(r"max_send_bytes=(\d+)", line).group(1))
+    settings = ServerSettings(max_batch_size=8, max_q_len=64, max_kv_len=64)
+    assert (receive, send) == settings.message_limits(SMALL_D_MODEL, SMALL_HEADS)
+    too_long = np.zeros((1, receive // (4 * SMALL_D_MODEL) + 1, SMALL_D_MODEL), np.float32)  # over by a row
+    with grpc.insecure_channel(server.url) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        for compression in (grpc.Compression.NoCompression, grpc.Compression.Gzip):
+            with pytest.raises(grpc.RpcError) as error:
+                stub.ModelInfer(build_infer_request("mha", too_long), timeout=30, compression=compression)
+            assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (compression, error.value.details())
+        # the largest request the limits allow still fits
+        full = np.zeros((8, 64, SMALL_D_MODEL), np.float32)
+        mask = np.ones((8, 64, 64), np.int64)
+        answer = stub.ModelInfer(build_infer_request("mha", full, full, full, mask), timeout=30)
+        assert answer.outputs
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/PID/status")
-def test_unauthenticated_calls_cost_the_server_no_memory_for_their_messages(small_model_dir, tmp_path):
+def test_unauthenticated_calls_cost_the_server_no_memory_for_their_messages(start_server, small_model_dir, tmp_path):
     # The token was checked only after the whole message was received: 8 concurrent unauthenticated 24 MiB
     # calls took the server from 117 to 855 MB. A refused call's message is now never read.
     import threading
@@ -220,30 +218,30 @@ def test_unauthenticated_calls_cost_the_server_no_memory_for_their_messages(smal
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
     limits = ("--max-batch-size", "8", "--max-q-len", "4096", "--max-kv-len", "4096", "--warmup-runs", "1")
-    with ServerProcess(small_model_dir, *limits, "--auth-token-file", str(token_file)) as server:
-        x = np.zeros((8, 4096, SMALL_D_MODEL), np.float32)  # 8 MiB each for query, key and value
-        request = build_infer_request("mha", x, x, x).SerializeToString()
-        before = rss_mib(server.proc.pid)
-        codes = []
-        with grpc.insecure_channel(server.url, options=[("grpc.max_send_message_length", 1 << 30)]) as channel:
-            call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+    server = start_server(small_model_dir, *limits, "--auth-token-file", str(token_file))
+    x = np.zeros((8, 4096, SMALL_D_MODEL), np.float32)  # 8 MiB each for query, key and value
+    request = build_infer_request("mha", x, x, x).SerializeToString()
+    before = rss_mib(server.proc.pid)
+    codes = []
+    with grpc.insecure_channel(server.url, options=[("grpc.max_send_message_length", 1 << 30)]) as channel:
+        call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
 
-            def unauthenticated(compression):
-                try:
-                    call(request, timeout=60, compression=compression)
-                except grpc.RpcError as error:
-                    codes.append(error.code())
+        def unauthenticated(compression):
+            try:
+                call(request, timeout=60, compression=compression)
+            except grpc.RpcError as error:
+                codes.append(error.code())
 
-            for compression in (grpc.Compression.NoCompression, grpc.Compression.Gzip):
-                callers = [threading.Thread(target=unauthenticated, args=(compression,)) for _ in range(8)]
-                for caller in callers:
-                    caller.start()
-                for caller in callers:
-                    caller.join()
-        peak = peak_rss_mib(server.proc.pid)
-        assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 16
-        assert peak - before < 100, f"peak {peak:.0f} MiB from {before:.0f} MiB"
-        assert _infer(server.url, token=TOKEN).output.shape == (1, 4, SMALL_D_MODEL)  # still serving
+        for compression in (grpc.Compression.NoCompression, grpc.Compression.Gzip):
+            callers = [threading.Thread(target=unauthenticated, args=(compression,)) for _ in range(8)]
+            for caller in callers:
+                caller.start()
+            for caller in callers:
+                caller.join()
+    peak = peak_rss_mib(server.proc.pid)
+    assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 16
+    assert peak - before < 100, f"peak {peak:.0f} MiB from {before:.0f} MiB"
+    assert _infer(server.url, token=TOKEN).output.shape == (1, 4, SMALL_D_MODEL)  # still serving
 
 
 def _http_port(server) -> int:

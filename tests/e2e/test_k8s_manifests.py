@@ -40,8 +40,8 @@ kserve_models = _kserve_models()
 
 from mhaserve.cli import build_parser  # noqa: E402
 from mhaserve.server.config import ENV_PREFIX, ServerSettings, settings_from_args  # noqa: E402
+from tests.support import ROOT  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
 MODEL_CLASSES = {
     ("v1", "PersistentVolumeClaim"): "V1PersistentVolumeClaim",

@@ -3,7 +3,7 @@ batching across lengths, and a long run that does not grow the GPU's memory.
 
 Skipped, with the reason, where no GPU is usable: CI installs the CPU build of onnxruntime. On a GPU
 machine, benchmarks/gpu/setup.sh installs onnxruntime-gpu first on PYTHONPATH; then
-``python -m pytest tests/test_gpu.py``.
+``python -m pytest tests/e2e/test_gpu.py``.
 """
 
 from __future__ import annotations
@@ -19,10 +19,8 @@ from mhaserve.client.grpc import Client
 from mhaserve.export.model_dir import export_model_dir
 from mhaserve.export.validate import TOLERANCES
 from mhaserve.testing.server_process import ServerProcess
-
-from .conftest import SMALL_D_MODEL, TEST_SERVER_ARGS, rand
-from .test_batching import infer_concurrently, mixed_requests
-from .test_precision import assert_within_relative
+from tests.support import SMALL_D_MODEL, TEST_SERVER_ARGS, assert_within_relative, rand
+from tests.support.requests import infer_concurrently, mixed_requests
 
 
 def cuda_unusable() -> str | None:
@@ -71,11 +69,11 @@ def exact_gpu_server(small_model_dir):
         yield process
 
 
-def test_device_cuda_and_auto_both_serve_on_the_cuda_provider(gpu_server, small_model_dir):
+def test_device_cuda_and_auto_both_serve_on_the_cuda_provider(start_server, gpu_server, small_model_dir):
     # The server's own check: the session's first provider, not the list of providers built in.
     assert provider_of(gpu_server) == "CUDAExecutionProvider"
-    with ServerProcess(small_model_dir, "--device", "auto", *TEST_SERVER_ARGS) as auto:
-        assert provider_of(auto) == "CUDAExecutionProvider"
+    auto = start_server(small_model_dir, "--device", "auto", *TEST_SERVER_ARGS)
+    assert provider_of(auto) == "CUDAExecutionProvider"
 
 
 def test_exact_float32_answers_equal_eager_on_the_gpu(exact_gpu_server, small_module):
@@ -99,11 +97,12 @@ def test_tf32_answers_are_within_its_stated_tolerance(gpu_server, small_module):
     assert_within_relative(result.attn_weights, want_attn, TF32)
 
 
-def test_float16_export_on_the_gpu_is_within_its_tolerance_of_float32_eager(small_module, tmp_path):
+def test_float16_export_on_the_gpu_is_within_its_tolerance_of_float32_eager(start_server, small_module, tmp_path):
     folder = tmp_path / "fp16"
     assert export_model_dir(small_module, folder, precision="fp16", validation_seed=0, report=lambda _: None)["valid"]
     query = rand(2, 40, SMALL_D_MODEL, seed=5)
-    with ServerProcess(folder, "--device", "cuda", *TEST_SERVER_ARGS) as server, Client(server.url) as client:
+    server = start_server(folder, "--device", "cuda", *TEST_SERVER_ARGS)
+    with Client(server.url) as client:
         assert provider_of(server) == "CUDAExecutionProvider"
         result = client.infer(query)
     want_out, want_attn = eager_on_gpu(small_module, query)
@@ -113,7 +112,7 @@ def test_float16_export_on_the_gpu_is_within_its_tolerance_of_float32_eager(smal
 
 
 def test_tritonclient_is_served_on_the_gpu(exact_gpu_server, small_module, tmp_path):
-    from .test_triton_clients import INPUTS, cases, run_triton_client
+    from tests.support.triton import INPUTS, cases, run_triton_client
 
     results = run_triton_client(exact_gpu_server, tmp_path, "sync")
     for case, arrays in cases().items():
@@ -122,12 +121,13 @@ def test_tritonclient_is_served_on_the_gpu(exact_gpu_server, small_module, tmp_p
         np.testing.assert_allclose(results[f"{case}_attn_weights"], want_attn, rtol=0, atol=1e-5)
 
 
-def test_concurrent_mixed_lengths_are_batched_on_the_gpu_each_equal_eager(small_model_dir, small_module):
+def test_concurrent_mixed_lengths_are_batched_on_the_gpu_each_equal_eager(start_server, small_model_dir, small_module):
     requests = mixed_requests(24, seed=5)
     args = ("--device", "cuda", "--cuda-tf32", "false", "--max-batch-size", "64", "--max-q-len", "64",
             "--max-kv-len", "64", "--max-queue-delay-us", "30000", "--warmup-runs", "1")  # fmt: skip
 
-    with ServerProcess(small_model_dir, *args) as server, Client(server.url) as client:
+    server = start_server(small_model_dir, *args)
+    with Client(server.url) as client:
         before = client.statistics()
         results = infer_concurrently(server.url, requests)
         after = client.statistics()

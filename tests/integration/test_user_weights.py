@@ -24,9 +24,7 @@ from torch import nn
 from mhaserve.cli import main as cli
 from mhaserve.export import export_module
 from mhaserve.model import MultiHeadAttention, save_weights
-from mhaserve.testing.server_process import ServerProcess
-
-from .test_triton_clients import run_triton_client
+from tests.support.triton import run_triton_client
 
 D, H = 32, 4
 TOLERANCE = 1e-5
@@ -215,7 +213,9 @@ def save_plainly(module, path):
 
 @pytest.mark.skipif(importlib.util.find_spec("tritonclient") is None, reason="tritonclient comes with the test extra")
 @pytest.mark.parametrize(("kind", "layout", "prefix", "suffix"), MATRIX, ids=[f"{m[0]}{m[3]}" for m in MATRIX])
-def test_a_trained_checkpoint_is_served_equal_to_its_module(kind, layout, prefix, suffix, tmp_path, capsys):
+def test_a_trained_checkpoint_is_served_equal_to_its_module(
+    start_server, kind, layout, prefix, suffix, tmp_path, capsys
+):
     module = user_module(kind)
     weights = tmp_path / f"attn{suffix}"
     save_plainly(module, weights)
@@ -233,8 +233,8 @@ def test_a_trained_checkpoint_is_served_equal_to_its_module(kind, layout, prefix
 
     arrays = request_arrays(kind)
     want_out, want_weights = eager_answer(kind, module, arrays)
-    with ServerProcess(out, "--warmup-runs", "1") as server:
-        got = run_triton_client(server, tmp_path, "sync", {"case": arrays}, outputs="output,attn_weights")
+    server = start_server(out, "--warmup-runs", "1")
+    got = run_triton_client(server, tmp_path, "sync", {"case": arrays}, outputs="output,attn_weights")
     np.testing.assert_allclose(got["case_output"], want_out, rtol=0, atol=TOLERANCE)
     if want_weights is not None:
         np.testing.assert_allclose(got["case_attn_weights"], want_weights, rtol=0, atol=TOLERANCE)

@@ -31,10 +31,13 @@ import numpy as np
 import pytest
 
 from mhaserve.testing.server_process import free_port
+from tests.support import (
+    ROOT,  # noqa: E402
+    eager,
+    rand,
+    scrape,
+)
 
-from .conftest import eager, rand, scrape
-
-ROOT = Path(__file__).resolve().parents[1]
 DOCKER_ROOT = Path(os.environ.get("MHASERVE_TEST_DOCKER_ROOT", Path.home() / ".cache" / "mhaserve-test-docker"))
 BASE_IMAGE = "mhaserve-test-base:bookworm"
 DEBIAN_MIRROR = os.environ.get("MHASERVE_TEST_DEBIAN_MIRROR", "http://deb.debian.org/debian")
@@ -356,8 +359,7 @@ def test_tls_override_serves_only_tls_clients_with_the_token(docker_engine, stac
 
     from mhaserve.client import TLS, Client
     from mhaserve.model import seeded_module
-
-    from .certs import CertificateAuthority
+    from tests.support.certs import CertificateAuthority
 
     compose, env, project = stack
     authority = CertificateAuthority(tmp_path, "deploy")

@@ -19,8 +19,7 @@ import torch
 from mhaserve.export.model_dir import export_model_dir, revalidate_model_dir
 from mhaserve.export.onnx_export import check_onnx, export_onnx
 from mhaserve.export.validate import ValidationCase, validate, validation_cases
-
-from .conftest import SMALL_D_MODEL, SMALL_HEADS, eager, rand
+from tests.support import SMALL_D_MODEL, SMALL_HEADS, eager, rand
 
 D = SMALL_D_MODEL
 

@@ -16,8 +16,7 @@ from mhaserve.client.grpc import AsyncClient, Client, build_infer_request
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
 from mhaserve.testing.server_process import ServerProcess, free_port
-
-from .conftest import SMALL_D_MODEL
+from tests.support import SMALL_D_MODEL
 
 D = SMALL_D_MODEL
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
@@ -27,10 +26,10 @@ FAST_RECONNECT = [("grpc.initial_reconnect_backoff_ms", 10), ("grpc.min_reconnec
                   ("grpc.max_reconnect_backoff_ms", 50)]  # fmt: skip
 
 
-def test_health_is_not_serving_until_warm_then_serving(small_model_dir):
+def test_health_is_not_serving_until_warm_then_serving(start_server, small_model_dir):
     port = free_port()
     # ~4000 warm-up runs keep the model loading for about a second: long enough to watch.
-    process = ServerProcess(small_model_dir, "--warmup-runs", "4000", port=port).start(wait=False)
+    process = start_server(small_model_dir, "--warmup-runs", "4000", port=port, wait=False)
     observed = []  # (health status, ServerReady) pairs, in order
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}", options=FAST_RECONNECT) as channel:
@@ -61,9 +60,9 @@ def test_health_is_not_serving_until_warm_then_serving(small_model_dir):
         process.stop()
 
 
-def test_inference_while_loading_is_unavailable(small_model_dir):
+def test_inference_while_loading_is_unavailable(start_server, small_model_dir):
     port = free_port()
-    process = ServerProcess(small_model_dir, "--warmup-runs", "4000", port=port).start(wait=False)
+    process = start_server(small_model_dir, "--warmup-runs", "4000", port=port, wait=False)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}", options=FAST_RECONNECT) as channel:
             health = health_pb2_grpc.HealthStub(channel)
@@ -77,10 +76,9 @@ def test_inference_while_loading_is_unavailable(small_model_dir):
         process.stop()
 
 
-def test_sigterm_under_load_answers_every_accepted_request(small_model_dir, small_module):
-    server = ServerProcess(
-        small_model_dir, "--max-batch-size", "32", "--max-q-len", "512", "--grace-seconds", "30", "--warmup-runs", "0"
-    ).start()
+def test_sigterm_under_load_answers_every_accepted_request(start_server, small_model_dir, small_module):
+    args = ("--max-batch-size", "32", "--max-q-len", "512", "--grace-seconds", "30", "--warmup-runs", "0")
+    server = start_server(small_model_dir, *args)
     rng = np.random.default_rng(0)
     queries = [rng.standard_normal((16, 384, D), dtype=np.float32) for _ in range(24)]
 
@@ -132,28 +130,28 @@ def test_sigterm_under_load_answers_every_accepted_request(small_model_dir, smal
         server.stop()
 
 
-def test_sigint_also_stops_cleanly(small_model_dir):
+def test_sigint_also_stops_cleanly(start_server, small_model_dir):
     import signal
 
-    server = ServerProcess(small_model_dir, "--warmup-runs", "0").start()
+    server = start_server(small_model_dir, "--warmup-runs", "0")
     server.signal(signal.SIGINT)
     assert server.wait_exit(30) == 0
 
 
-def test_default_limits_carry_the_largest_request_and_response(small_model_dir, small_module):
+def test_default_limits_carry_the_largest_request_and_response(start_server, small_model_dir, small_module):
     # [1, 512, 512] with weights: the response is over gRPC's default 4 MiB.
-    with ServerProcess(small_model_dir, "--warmup-runs", "0") as server:
-        x = np.random.default_rng(1).standard_normal((1, 512, D), dtype=np.float32)
-        with Client(server.url) as client:
-            result = client.infer(x)
-        assert result.attn_weights.shape == (1, 4, 512, 512)  # 4 MiB of weights alone
-        with torch.no_grad():
-            np.testing.assert_allclose(result.attn_weights, small_module(torch.from_numpy(x))[1].numpy(), atol=1e-5)
-        # a channel with gRPC's default limits cannot receive it: the reason the client raises its own
-        with grpc.insecure_channel(server.url) as channel:
-            with pytest.raises(grpc.RpcError) as error:
-                pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(build_infer_request("mha", x), timeout=30)
-            assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    server = start_server(small_model_dir, "--warmup-runs", "0")
+    x = np.random.default_rng(1).standard_normal((1, 512, D), dtype=np.float32)
+    with Client(server.url) as client:
+        result = client.infer(x)
+    assert result.attn_weights.shape == (1, 4, 512, 512)  # 4 MiB of weights alone
+    with torch.no_grad():
+        np.testing.assert_allclose(result.attn_weights, small_module(torch.from_numpy(x))[1].numpy(), atol=1e-5)
+    # a channel with gRPC's default limits cannot receive it: the reason the client raises its own
+    with grpc.insecure_channel(server.url) as channel:
+        with pytest.raises(grpc.RpcError) as error:
+            pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(build_infer_request("mha", x), timeout=30)
+        assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 def test_sigterm_while_loading_stops_at_once(small_model_dir):
@@ -182,7 +180,7 @@ def test_sigterm_while_loading_stops_at_once(small_model_dir):
         process.stop()
 
 
-def test_health_watch_streams_are_bounded_and_check_stays_open(small_model_dir):
+def test_health_watch_streams_are_bounded_and_check_stays_open(start_server, small_model_dir):
     # Open to anyone (health needs no token), Watch streams were unbounded: 4000 held 81 MiB.
     async def scenario(url):
         async with grpc.aio.insecure_channel(url) as channel:
@@ -202,5 +200,5 @@ def test_health_watch_streams_are_bounded_and_check_stays_open(small_model_dir):
             for watch in (*watches[1:], again):
                 watch.cancel()
 
-    with ServerProcess(small_model_dir, "--max-health-watchers", "3", "--warmup-runs", "0") as server:
-        asyncio.run(scenario(server.url))
+    server = start_server(small_model_dir, "--max-health-watchers", "3", "--warmup-runs", "0")
+    asyncio.run(scenario(server.url))

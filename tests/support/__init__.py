@@ -1,0 +1,75 @@
+"""What tests share besides fixtures: the small model's size, the reference answer, inputs, metric scrapes."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+# Scripts run as separate client processes (tritonclient, protoc's descriptors), beside the server under test.
+CLIENT_SCRIPTS = Path(__file__).resolve().parent / "clients"
+
+SMALL_D_MODEL, SMALL_HEADS = 64, 4
+
+
+def eager(module, query, key=None, value=None, mask=None):
+    """The module's (output, attn_weights) as numpy, for numpy inputs: the reference answer."""
+    import torch
+
+    with torch.no_grad():
+        out, attn = module(*(None if a is None else torch.from_numpy(np.asarray(a)) for a in (query, key, value, mask)))
+    return out.numpy(), attn.numpy()
+
+
+def rand(*shape, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
+
+
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    """A Prometheus endpoint's samples, {(sample name, sorted labels): value}, from one GET."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def inflight_and_counts(server) -> tuple[float, dict[str, float]]:
+    samples = scrape(server.metrics_url)
+    counts = {}
+    for (name, labels), value in samples.items():
+        if name == "mhaserve_inference_request_total" and dict(labels).get("model") == "mha":
+            counts[f"{dict(labels)['protocol']} {dict(labels)['status']}"] = value
+    return samples[("mhaserve_inference_inflight_bytes", ())], counts
+
+
+def budget_once_idle(server, timeout: float = 10.0) -> float:
+    """The budget's bytes once the server is idle: run workspace stays counted until the arena is given back,
+    a couple of seconds after the last request ends."""
+    deadline = time.monotonic() + timeout
+    while (held := inflight_and_counts(server)[0]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return held
+
+
+# Limits small enough that tests can cross them cheaply.
+TEST_SERVER_ARGS = ("--max-batch-size", "8", "--max-q-len", "64", "--max-kv-len", "64", "--warmup-runs", "1")
+
+
+def assert_within_relative(got, want, tolerance=None):
+    """Within a relative tolerance (validate.TOLERANCES, float16's by default): the largest error over the
+    reference's largest value."""
+    from mhaserve.export.validate import TOLERANCES
+
+    tolerance = tolerance or TOLERANCES["fp16"]
+    assert got.shape == want.shape
+    error = np.max(np.abs(got.astype(np.float64) - want))
+    assert error <= tolerance.max_rel * max(np.max(np.abs(want)), 1e-30), error

@@ -1,0 +1,138 @@
+"""The batcher in process: merged and split runs give each request its unbatched answer, and the run planner
+keeps equal lengths together and splits where padding costs more."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from mhaserve.server.batcher import merge, split
+from mhaserve.server.session import AttentionSession
+from tests.support import SMALL_D_MODEL, rand
+from tests.support.requests import as_attention_request, mixed_requests
+
+D = SMALL_D_MODEL
+
+
+def test_merged_run_gives_each_request_its_unbatched_answer(small_model_dir):
+    session = AttentionSession(small_model_dir, device="cpu", intra_op_threads=1)
+    requests = [as_attention_request(*r) for r in mixed_requests(12)]
+    merged = merge(requests)
+    assert merged.query.shape[0] == sum(r.batch_size for r in requests)
+    assert merged.query.shape[1] == max(r.query.shape[1] for r in requests)
+    arrays = session.run(merged.outputs, merged.query, merged.key, merged.value, merged.mask)
+    answers = split(merged, dict(zip(merged.outputs, arrays, strict=True)), [r.outputs for r in requests])
+    for request, answer in zip(requests, answers, strict=True):
+        alone = dict(zip(request.outputs, session.run(request.outputs, request.query, request.key, request.value,
+                                                      request.mask), strict=True))  # fmt: skip
+        assert answer.keys() == alone.keys()
+        for name in alone:
+            assert answer[name].shape == alone[name].shape
+            assert np.isfinite(answer[name]).all()
+            np.testing.assert_allclose(answer[name], alone[name], rtol=0, atol=1e-5)
+
+
+def test_equal_lengths_without_masks_merge_without_padding():
+    requests = [as_attention_request(rand(2, 8, D, seed=s), None, None, None, True) for s in range(3)]
+    merged = merge(requests)
+    assert merged.query.shape == (6, 8, D)
+    assert merged.key is merged.query  # self-attention stays one array
+    assert merged.mask.shape == (1, 1, 1, 8) and merged.mask.all()
+
+
+# Length-aware batching: what a free worker takes is split into runs by a cost model.
+
+
+def test_plan_keeps_equal_lengths_together_and_splits_where_padding_costs_more():
+    from mhaserve.server.run_cost import RunCost, plan_runs
+
+    cost = RunCost(overhead_s=1e-3, per_token_s=1e-6, per_pair_s=1e-7)
+    assert plan_runs([(1, 64, 64)] * 8, cost) == [list(range(8))]
+    # Four short and four long: padding the short ones to 512 costs far more than one more run.
+    shapes = [(1, 8, 8), (1, 512, 512)] * 4
+    assert sorted(map(sorted, plan_runs(shapes, cost))) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    # With a per-run price above any padding, one run it is.
+    assert len(plan_runs(shapes, RunCost(overhead_s=10.0, per_token_s=1e-6, per_pair_s=1e-7))) == 1
+    # No run over the row limit, though one run would be cheapest; a request alone over it still runs.
+    assert [len(run) for run in plan_runs([(1, 64, 64)] * 8, cost, max_rows=3)] == [3, 3, 2]
+    assert plan_runs([(5, 8, 8)], cost, max_rows=3) == [[0]]
+    # The plan is never dearer than the single padded run it replaces.
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        shapes = [(int(b), int(lq), int(lk)) for b, lq, lk in rng.integers(1, 300, size=(12, 3)) % [4, 300, 300] + 1]
+        runs = plan_runs(shapes, cost)
+        assert sorted(i for run in runs for i in run) == list(range(12))
+        planned = sum(cost.padded_run_seconds([shapes[i] for i in run]) for run in runs)
+        assert planned <= cost.padded_run_seconds(shapes) + 1e-12
+
+
+def test_cost_fit_recovers_known_prices_and_never_goes_negative():
+    from mhaserve.server.run_cost import RunCost
+
+    features = np.array([(1.0, r * 2 * n, r * n * n) for r, n in ((1, 8), (1, 96), (4, 64), (8, 32), (2, 128))])
+    fitted = RunCost.from_samples(features, features @ np.array([2e-4, 3e-6, 5e-8]))
+    assert fitted.overhead_s == pytest.approx(2e-4) and fitted.per_pair_s == pytest.approx(5e-8)
+    # noise that would make a price negative leaves it at zero instead
+    fitted = RunCost.from_samples(features, features[:, 2] * 5e-8 - 1e-5)
+    assert min(fitted.overhead_s, fitted.per_token_s, fitted.per_pair_s) >= 0
+
+
+def queued_then_drained(session, requests, run_cost, max_batch_size=64):
+    """The real batcher with one worker, held until every request is queued, then freed: (answers, runs made)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mhaserve.server.batcher import Batcher
+
+    runs = []
+
+    async def scenario():
+        with ThreadPoolExecutor(1) as executor:
+            batcher = Batcher(session.run, executor, workers=1, max_batch_size=max_batch_size, max_queue_size=64,
+                              on_batch=runs.append, run_cost=run_cost)  # fmt: skip
+            batcher._idle_workers = 0  # hold the worker so every request is queued before the first plan
+            submitted = [asyncio.ensure_future(batcher.submit(r)) for r in requests]
+            await asyncio.sleep(0)
+            batcher._idle_workers = 1
+            batcher._dispatch()
+            return await asyncio.gather(*submitted)
+
+    return asyncio.run(scenario()), runs
+
+
+def test_split_runs_give_each_request_its_unbatched_answer(small_model_dir):
+    # The real batcher and session, with a cost model that makes every length its own run.
+    from mhaserve.server.run_cost import RunCost
+
+    session = AttentionSession(small_model_dir, device="cpu", intra_op_threads=1)
+    requests = [as_attention_request(*r) for r in mixed_requests(16, seed=9)]
+    answers, runs = queued_then_drained(session, requests, RunCost(1e-9, 0.0, 1.0))
+    lengths = {(r.query.shape[1], r.key.shape[1]) for r in requests}
+    assert len(runs) == len(lengths) > 1  # one run per distinct (Lq, Lk): no padding paid for
+    assert all(run.padding_ratio == 0.0 for run in runs)
+    for request, answer in zip(requests, answers, strict=True):
+        alone = session.run(request.outputs, request.query, request.key, request.value, request.mask)
+        for name, want in zip(request.outputs, alone, strict=True):
+            np.testing.assert_allclose(answer.outputs[name], want, rtol=0, atol=1e-5)
+
+
+def test_a_mixed_drain_looks_down_the_queue_and_runs_the_oldest_request_first(small_model_dir):
+    from mhaserve.server.run_cost import RunCost
+
+    session = AttentionSession(small_model_dir, device="cpu", intra_op_threads=1)
+
+    def request(length, seed):
+        return as_attention_request(rand(1, length, D, seed=seed), None, None, None, False)
+
+    def runs_made(requests):
+        _, runs = queued_then_drained(session, requests, RunCost(1e-3, 1e-6, 0.0), max_batch_size=4)
+        return [(run.batch_size, run.q_len) for run in runs]
+
+    # A long request queued first, then short and long ones alternating: the head's four rows alone would
+    # make two half-full runs. Looking further, the drain makes full runs of one length each, never over
+    # the batch limit, and the run holding the oldest request (the long one) goes first.
+    queued = [request(60, 0)] + [request(2 if i % 2 else 60, i) for i in range(1, 8)]
+    assert runs_made(queued) == [(4, 60), (4, 2)]
+    # Equal lengths take what they took before: one run of the batch limit per drain.
+    assert runs_made([request(8, i) for i in range(8)]) == [(4, 8), (4, 8)]
