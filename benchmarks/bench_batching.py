@@ -1,4 +1,4 @@
-"""Length-aware batching against one padded run per drain: the same server, A/B through its flag, one run.
+"""Length-aware batching against one padded run per take: the same server, A/B through its flag, one run.
 
     flock /tmp/bench.lock .venv/bin/python benchmarks/bench_batching.py [--duration 10] [--warmup 2]
 
@@ -116,10 +116,10 @@ def fitted_run_cost(server: ServerProcess) -> RunCost | None:
 
 
 def best_split_share(cost: RunCost, low: int, high: int, requests: int, draws: int = 300, seed: int = 0) -> float:
-    """Modelled: the no-padding cost of a drain of ``requests`` self-attention requests of lengths drawn from
+    """Modelled: the no-padding cost of a take of ``requests`` self-attention requests of lengths drawn from
     low..high (one run per full batch, as equal-length traffic pays) over the cost of the best split of it
-    (plan_runs), both at ``cost``'s prices; the mean over ``draws`` drains. A drain holds at most as many
-    requests as there are callers, and a larger drain splits closer to the bound, so with ``requests`` the
+    (plan_runs), both at ``cost``'s prices; the mean over ``draws`` takes. A take holds at most as many
+    requests as there are callers, and a larger take splits closer to the bound, so with ``requests`` the
     concurrency this is the most that splitting mixed lengths can reach of the bound (in model compute;
     the event loop's share of each request, the same for both, brings measured ratios nearer one)."""
     max_rows = ServerSettings().max_batch_size

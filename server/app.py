@@ -20,6 +20,7 @@ from .config import ServerSettings
 from .dataplane import DataPlane
 from .grpc.servicer import InferenceServicer, add_inference_service
 from .malloc import tune_malloc
+from .rest.prometheus import start_metrics
 from .rest.routes import RestTransport
 from .rest.site import start_site
 from .security import (
@@ -38,7 +39,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 
 class BoundedHealthServicer(health.aio.HealthServicer):
     """grpc.health.v1 with a cap on Watch streams open at once: each holds a task and its buffers for as
-    long as the client keeps it (4000 of them held 81 MiB), and health needs no token."""
+    long as the client keeps it, and health needs no token (BENCHMARKS.md, "Figures behind the server's defaults")."""
 
     def __init__(self, max_watchers: int):
         super().__init__()
@@ -76,7 +77,7 @@ async def serve(settings: ServerSettings, model_dir) -> int:
     limits = [settings.message_limits(c["d_model"], c["num_heads"]) for c in configs]
     limits = limits or [settings.message_limits(512, 8)]  # an empty repository: models added later
     receive_limit, send_limit = max(r for r, _ in limits), max(s for _, s in limits)
-    dataplane.message_limits = (receive_limit, send_limit)
+    dataplane.versions.message_limits = (receive_limit, send_limit)
     try:
         credentials = server_credentials(settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file)
         token = load_token(settings.auth_token_file)
@@ -142,7 +143,7 @@ async def serve(settings: ServerSettings, model_dir) -> int:
         await asyncio.gather(server.stop(0), _stop_rest(http_runner))
         return 3
     try:
-        metrics_runner, metrics_address = await start_metrics(settings, dataplane)
+        metrics_runner, metrics_address = await start_metrics(settings, dataplane.metrics)
     except OSError as error:
         log.error(
             "could not start the metrics endpoint on %s:%s: %s", settings.metrics_host, settings.metrics_port, error
@@ -150,8 +151,8 @@ async def serve(settings: ServerSettings, model_dir) -> int:
         await asyncio.gather(server.stop(0), _stop_rest(http_runner))
         return 2
     # What start-up made (modules, the sessions, gRPC: 40k objects) lives as long as the process. Frozen, a
-    # full collection, when one comes under load, no longer walks it: 18 ms with the model loaded, 0.001 ms
-    # frozen (measured). Refcounting still frees what start-up drops later.
+    # full collection, when one comes under load, no longer walks it (BENCHMARKS.md, "Figures behind the
+    # server's defaults"). Refcounting still frees what start-up drops later.
     gc.collect()
     gc.freeze()
     for service in ("", SERVICE_NAME):
@@ -159,7 +160,7 @@ async def serve(settings: ServerSettings, model_dir) -> int:
     polling = None
     if settings.model_repository and settings.model_control_mode == "poll":
         polling = asyncio.create_task(dataplane.poll_repository())
-    served = dataplane.registry.served_models()
+    served = dataplane.served_models()
     log.info(
         "serving %s repository=%s control=%s provider=%s intra_op_threads=%d workers=%d "
         "batching=%s max_batch_size=%d max_queue_delay_us=%d max_queue_size=%d max_receive_bytes=%d max_send_bytes=%d "
@@ -214,8 +215,12 @@ async def serve(settings: ServerSettings, model_dir) -> int:
     await _stop_rest(metrics_runner)
     await asyncio.to_thread(dataplane.shutdown)
     # Calls still inside the handler when the grace period ended were cut off: say how many.
-    outcomes = ", ".join(f"{status} {n}" for status, n in sorted(dataplane.outcomes.items())) or "none"
-    log.info("stopped: inference calls by status: %s; %d in flight at exit", outcomes, dataplane.requests_in_flight)
+    outcomes = ", ".join(f"{status} {n}" for status, n in sorted(dataplane.accounting.outcomes.items())) or "none"
+    log.info(
+        "stopped: inference calls by status: %s; %d in flight at exit",
+        outcomes,
+        dataplane.accounting.requests_in_flight,
+    )
     return 0
 
 
@@ -236,25 +241,6 @@ async def start_rest(settings: ServerSettings, dataplane: DataPlane, token, body
         what="HTTP",
     )
     return runner, f"{settings.host}:{port}"
-
-
-METRICS_MAX_CONNECTIONS = 64  # a scraper or two, and a person with curl
-METRICS_IDLE_TIMEOUT_S = 30.0
-
-
-async def start_metrics(settings: ServerSettings, dataplane: DataPlane):
-    """The Prometheus port: (its runner, "host:port"), or (None, "off")."""
-    if settings.metrics_port < 0:
-        return None, "off"
-    runner, port = await start_site(
-        dataplane.metrics.application(),
-        settings.metrics_host,
-        settings.metrics_port,
-        max_connections=METRICS_MAX_CONNECTIONS,
-        idle_timeout_s=METRICS_IDLE_TIMEOUT_S,
-        what="metrics",
-    )
-    return runner, f"{settings.metrics_host}:{port}"
 
 
 async def _stop_rest(runner) -> None:

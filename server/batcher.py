@@ -8,11 +8,11 @@ Padding costs compute: 16 requests of lengths 16..128 padded into one run took 1
 same requests run one by one (BENCHMARKS.md). So, length-aware, the queue is split into runs by a cost
 model of this model on this machine (``run_cost.py``, fitted at warm-up): requests sorted by length,
 cut where padding would cost more than another run's overhead. When what a free worker takes holds
-more than one length, it looks further down the queue, up to DRAIN_RUNS runs' worth of rows: with
+more than one length, it looks further down the queue, up to TAKE_RUNS runs' worth of rows: with
 more requests to choose from, the plan finds runs that are both full and of like lengths, where from
 the head alone it could only choose between padding and small runs (each run still at most the batch
-limit). The worker makes a drain's runs one after another, the run holding the oldest request first,
-and each run's answers leave as it ends. Runs of one drain stay on one worker: on two cores one run
+limit). The worker makes a take's runs one after another, the run holding the oldest request first,
+and each run's answers leave as it ends. Runs of one take stay on one worker: on two cores one run
 already uses both (ONNX Runtime's threads), and two at once would only share them. Equal lengths take
 what they took before and stay one run. ``length_aware=False`` keeps the single padded run, for A/B
 measurement.
@@ -193,11 +193,10 @@ class Answer:
 RunModel = Callable[[tuple[str, ...], np.ndarray, np.ndarray, np.ndarray, np.ndarray], list[np.ndarray]]
 
 
-# How far down the queue a drain of mixed lengths looks, in runs of max_batch_size rows. Under 16..128
-# load at 64 callers, four runs' worth gave runs of like lengths and 1.47x padded's throughput, against
-# 1.31x for drains of one run's worth (BENCHMARKS.md, "Length-aware batching"); further would keep requests
-# queued behind a longer drain.
-DRAIN_RUNS = 4
+# How far down the queue a take of mixed lengths looks, in runs of max_batch_size rows: four runs' worth
+# finds runs of like lengths where one run's worth does not (BENCHMARKS.md, "Length-aware batching",
+# "drains that look down the queue"); further would keep requests queued behind a longer take.
+TAKE_RUNS = 4
 
 
 def _lengths(pending: _Pending) -> tuple[int, int]:
@@ -262,12 +261,12 @@ class Batcher:
         while self._idle_workers and self._queue:
             if self._should_wait():
                 return
-            batch, runs = self._take_drain()
+            batch, runs = self._take_runs()
             if batch:
                 self._idle_workers -= 1
                 loop = asyncio.get_running_loop()
-                drain = loop.run_in_executor(self._executor, self._run_all, runs, loop)
-                drain.add_done_callback(functools.partial(self._finished, batch))
+                take = loop.run_in_executor(self._executor, self._run_all, runs, loop)
+                take.add_done_callback(functools.partial(self._finished, batch))
 
     def _should_wait(self) -> bool:
         """With a queue delay, a partial batch waits until its oldest request has waited that long."""
@@ -309,25 +308,25 @@ class Batcher:
             rows += pending.request.batch_size
         return batch
 
-    def _take_drain(self) -> tuple[list[_Pending], list[list[_Pending]]]:
+    def _take_runs(self) -> tuple[list[_Pending], list[list[_Pending]]]:
         """What a free worker takes, and the runs to make of it, the oldest request's run first (module doc)."""
         batch = self._take(self.max_batch_size)
         if self.run_cost is None or len({_lengths(p) for p in batch}) < 2:
             return batch, [batch]  # padded, or one length: nothing to gain by splitting, no plan to pay for
-        batch += self._take(self.max_batch_size * (DRAIN_RUNS - 1))
+        batch += self._take(self.max_batch_size * (TAKE_RUNS - 1))
         shapes = [(p.request.batch_size, *_lengths(p)) for p in batch]
         runs = [[batch[i] for i in sorted(run)] for run in plan_runs(shapes, self.run_cost, self.max_batch_size)]
-        # Oldest first: a drain spans several runs' worth of the queue, and in this order the requests
-        # that have waited longest leave first (cheapest first left the longest requests of every
-        # drain to its end: p99 at 16..128 and 16 callers 80-93 ms against 74-75, BENCHMARKS.md).
+        # Oldest first: a take spans several runs' worth of the queue, and in this order the requests
+        # that have waited longest leave first (cheapest first left the longest requests of every take
+        # to its end, and raised p99: BENCHMARKS.md, "Length-aware batching").
         return batch, sorted(runs, key=lambda run: run[0].enqueued_ns)
 
     def _run_all(self, runs: list[list[_Pending]], loop: asyncio.AbstractEventLoop) -> None:
-        """In a worker thread: the drain's runs one after another, each run's answers sent as it ends."""
+        """In a worker thread: the take's runs one after another, each run's answers sent as it ends."""
         for run in runs:
             try:
                 result = self._run(run)
-            except Exception as error:  # this run's requests fail; the drain's other runs go on
+            except Exception as error:  # this run's requests fail; the take's other runs go on
                 loop.call_soon_threadsafe(self._deliver, run, None, error)
             else:
                 loop.call_soon_threadsafe(self._deliver, run, result, None)
@@ -372,7 +371,7 @@ class Batcher:
                 pending.future.set_result(Answer(result.answers[index], queue_ns, infer_ns))
 
     def _finished(self, batch: list[_Pending], done) -> None:
-        """The drain is over (its answers were delivered as each run ended): free the worker, take more."""
+        """The take is over (its answers were delivered as each run ended): free the worker, take more."""
         self._idle_workers += 1
         error = done.exception()
         for pending in batch:  # only if the worker itself failed can a future still be open here

@@ -41,8 +41,8 @@ class ServerSettings:
     intra_op_threads: int = 0  # ONNX Runtime threads per run; 0 = one per core
     inference_workers: int = 1  # runs at once; more than one only helps with spare cores
     # Inference threads run at a lower priority than the gRPC thread, so that when model runs fill every
-    # core the server still receives, refuses (RESOURCE_EXHAUSTED) and answers promptly. Measured at 3x
-    # capacity: refusals in p50 2.4-2.9 ms with 10, 7.5-63 ms with 0; throughput the same.
+    # core the server still receives, refuses (RESOURCE_EXHAUSTED) and answers promptly, at the same
+    # throughput (BENCHMARKS.md, "Figures behind the server's defaults").
     inference_nice: int = 10
     max_batch_size: int = 32  # rows per request, and per merged run
     dynamic_batching: bool = True

@@ -13,50 +13,39 @@ import asyncio
 import contextlib
 import functools
 import logging
-import os
-import sys
-import threading
 import time
-from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
-import numpy as np
-
 from mhaserve.contract.model_folder import ModelDirError, read_manifest
 from mhaserve.contract.repository import ModelRepository, VersionPolicy
-from mhaserve.contract.signature import GRAPH_OUTPUT_NAMES
 
-from .batcher import Batcher, BatchResult
+from .accounting import RequestAccounting
 from .config import ServerSettings
 from .errors import ErrorKind, RequestError, inference_failed, invalid
 from .inference import InferenceRequest, InferenceResponse, attention_request
-from .malloc import release_free_memory
-from .memory import MemoryBudget, answer_bytes, input_bytes, request_workspace_bytes, run_workspace_bytes
+from .memory import MemoryBudget, answer_bytes, input_bytes, request_workspace_bytes
 from .metrics import Metrics
 from .registry import ModelRegistry, ServedModel
-from .run_cost import RunCost
-from .session import AttentionSession
-from .statistics import ModelStatistics, RequestTiming
+from .statistics import RequestTiming
 from .tensors import AttentionRequest, Limits, ModelSignature
+from .threads import lower_thread_priority
+from .versions import VersionFactory
 
 log = logging.getLogger("mhaserve.server")
 T = TypeVar("T")
 
 LONG_HOLD_S = 0.005  # the interpreter's switch interval: a call longer than this kept other threads waiting
 PAUSE_AFTER_LONG_HOLD = 0.2
-# After a burst, ONNX Runtime's arenas and the heap keep the burst's peak; once nothing has been in flight
-# for this long, they are given back (the next large run pays for growing them again, so not at once).
-IDLE_RELEASE_S = 2.0
 
 
 def _pausing_after(function, *args):
-    """``function(*args)``, then, if it held the interpreter for long (one protobuf parse of 8M typed BOOL values
-    takes 26-32 ms in a single call), a pause of a fifth of that: the event loop needs the interpreter for
-    several turns to answer even a health check, and without the pause the next long call took it back
-    first (health p99 60-78 ms under three senders of such requests; 32-34 ms with the pause)."""
+    """``function(*args)``, then, if it held the interpreter for long (one protobuf parse of millions of typed
+    values is one call), a pause of a fifth of that: the event loop needs the interpreter for several turns
+    to answer even a health check, and without the pause the next long call took it back first (BENCHMARKS.md,
+    "Health checks under large-message traffic")."""
     started = time.perf_counter()
     try:
         return function(*args)
@@ -73,36 +62,25 @@ class ShuttingDown(RequestError):
         )
 
 
-def lower_thread_priority(nice: int) -> None:
-    """Add ``nice`` to the calling thread's nice value (Linux keeps one per thread; new threads inherit it)."""
-    if not nice or not sys.platform.startswith("linux"):
-        return
-    thread = threading.get_native_id()
-    try:
-        os.setpriority(os.PRIO_PROCESS, thread, os.getpriority(os.PRIO_PROCESS, thread) + nice)
-    except OSError as error:  # a sandbox may forbid it; serving matters more than the priority
-        log.warning("could not lower the inference threads' priority (--inference-nice %d): %s", nice, error)
-
-
 class DataPlane:
+    """What the transports call: the served versions a request names, the model control calls, and
+    ``inference``, one inference call's life. Built from the registry (with the version factory it loads
+    through) and the request accounting; transports reach neither directly."""
+
     def __init__(self, settings: ServerSettings, model_dir: Path | None = None):
         self.settings = settings
         self.limits = Limits(settings.max_batch_size, settings.max_q_len, settings.max_kv_len)
-        self.budget = MemoryBudget(  # every model's requests: one process's memory
+        budget = MemoryBudget(  # every model's requests: one process's memory
             settings.max_inflight_bytes,
             settings.inference_workers,
             settings.max_batch_size if settings.dynamic_batching else None,
             padded_runs=settings.dynamic_batching and not settings.length_aware_batching,
         )
-        self.metrics = Metrics(lambda: self.budget.held)
-        self.message_limits: tuple[int, int] | None = None  # (receive, send) the transport bound with
+        self.metrics = Metrics(lambda: budget.held)
         self.started = False  # the models of start-up are loaded (or failed): ServerReady may say yes
         self.draining = False  # shutting down: in-flight requests finish, ready RPCs say no
         # One budget and one set of inference workers for every served version: the memory and the cores
         # are the process's, however many models share them.
-        self._idle_release: asyncio.TimerHandle | None = None  # armed when the budget becomes idle
-        self.requests_in_flight = 0  # inference calls inside a handler (event loop only)
-        self.outcomes: Counter[str] = Counter()  # inference calls by final status since start
         self._executor = ThreadPoolExecutor(
             settings.inference_workers,
             thread_name_prefix="mhaserve-infer",
@@ -116,22 +94,18 @@ class DataPlane:
             initializer=lower_thread_priority,
             initargs=(settings.inference_nice,),
         )
-        # Loads get their own thread, so that a version loaded under load does not hold the inference
-        # workers for its seconds of session creation and warm-up (at the same lowered priority).
-        self._loader = ThreadPoolExecutor(
-            1,
-            thread_name_prefix="mhaserve-load",
-            initializer=lower_thread_priority,
-            initargs=(settings.inference_nice,),
-        )
+        self.versions = VersionFactory(settings, self.limits, budget, self.metrics, self._executor)
         repository = ModelRepository(settings.model_repository) if settings.model_repository else None
         self.registry = ModelRegistry(
-            self._load_version,
-            self._unload_version,
+            self.versions,
             repository=repository,
             single_folder=None if repository else Path(model_dir),
             policy=VersionPolicy.parse(settings.version_policy),
         )
+        self.accounting = RequestAccounting(budget, self.metrics, self._executor, self._sessions)
+
+    def _sessions(self) -> list:
+        return [served.session for served in self.registry.served_models() if served.session is not None]
 
     # -- start-up and the model control modes ----------------------------------------------------------
 
@@ -215,89 +189,6 @@ class DataPlane:
         self.check_control_allowed(f"unload model '{name}'")
         await self.registry.unload_model(name)
 
-    # -- one version's life ------------------------------------------------------------------------------
-
-    async def _load_version(self, name: str, number: int, folder: Path) -> ServedModel:
-        loop = asyncio.get_running_loop()
-        session, run_cost = await loop.run_in_executor(self._loader, self._open_session, folder)
-        version = str(number)
-        stats = ModelStatistics()
-        batcher: Batcher | None = None
-        model_metrics = self.metrics.for_model(name, version, lambda: batcher.queue_depth if batcher else 0)
-
-        def on_batch(run: BatchResult) -> None:
-            stats.record_execution(run)
-            model_metrics.batch_done(run.batch_size, run.padding_ratio)
-            self.budget.run_made(
-                run_workspace_bytes(run.batch_size, run.q_len, run.kv_len, session.info.d_model, session.info.num_heads)
-            )
-
-        batcher = Batcher(
-            session.run,
-            self._executor,
-            workers=self.settings.inference_workers,
-            max_batch_size=self.settings.max_batch_size,
-            max_queue_size=self.settings.max_queue_size,
-            max_queue_delay_s=self.settings.max_queue_delay_us / 1e6,
-            enabled=self.settings.dynamic_batching,
-            on_batch=on_batch,
-            run_cost=run_cost,
-            computed_in=session.info.computed_in,
-        )
-        info = session.info
-        signature = ModelSignature(name, version, info.d_model, info.num_heads, info.precision, info.max_abs_input)
-        needed = self.settings.message_limits(signature.d_model, signature.num_heads)
-        if self.message_limits and any(n > bound for n, bound in zip(needed, self.message_limits, strict=True)):
-            log.warning(
-                "model '%s' version %s (d_model %d) allows requests/responses of %d/%d bytes, over the message "
-                "limits bound at start (%d/%d): its largest calls will be refused; restart, or set --max-message-bytes",
-                name, version, signature.d_model, *needed, *self.message_limits,
-            )  # fmt: skip
-        log.info(
-            "loaded model=%s version=%s d_model=%d heads=%d precision=%s opset=%s provider=%s from %s",
-            name, version, signature.d_model, signature.num_heads, signature.precision, session.info.opset,
-            session.provider, folder,
-        )  # fmt: skip
-        return ServedModel(signature, folder, session, batcher, model_metrics, stats)
-
-    def _open_session(self, folder: Path) -> tuple[AttentionSession, RunCost | None]:
-        session = AttentionSession(
-            folder, self.settings.device, self.settings.intra_op_threads, cuda_tf32=self.settings.cuda_tf32
-        )
-        session.warm_up(self.settings.warmup_runs)
-        run_cost = None
-        if self.settings.dynamic_batching and self.settings.length_aware_batching:
-            run_cost = self._fit_run_cost(session)
-        return session, run_cost
-
-    def _fit_run_cost(self, session: AttentionSession) -> RunCost:
-        d_model = session.info.d_model
-        rng = np.random.default_rng(0)
-
-        def run(rows: int, q_len: int, kv_len: int) -> None:
-            query = rng.standard_normal((rows, q_len, d_model), dtype=np.float32)
-            kv = query if kv_len == q_len else rng.standard_normal((rows, kv_len, d_model), dtype=np.float32)
-            session.run(GRAPH_OUTPUT_NAMES, query, kv, kv, np.ones((1, 1, 1, kv_len), dtype=bool))
-
-        limits = self.limits
-        cost = RunCost.fit(run, limits.max_batch_size, limits.max_q_len, limits.max_kv_len)
-        log.info(
-            "run cost model (CPU per run, fitted at warm-up): %.0f us + %.1f ns per token + %.2f ns per query-key pair",
-            cost.overhead_s * 1e6,
-            cost.per_token_s * 1e9,
-            cost.per_pair_s * 1e9,
-        )
-        return cost
-
-    async def _unload_version(self, served: ServedModel) -> None:
-        self.metrics.forget(served.metrics)
-        # The registry drops its last reference after this returns; the session (its weights and
-        # ONNX Runtime's arena) is freed with it, and the allocator is then asked to give the pages back.
-        served.session = None
-        served.batcher = None
-        loop = asyncio.get_running_loop()
-        loop.call_soon(lambda: loop.run_in_executor(self._loader, release_free_memory))
-
     # -- requests ----------------------------------------------------------------------------------------
 
     @property
@@ -344,7 +235,7 @@ class DataPlane:
         ``call.sent(delivered)`` once written: until then the answer's memory stays in the budget and its status
         is open (an answer never taken is counted CANCELLED, not OK)."""
         call = InferenceCall(self, protocol, timeout_s)
-        self.requests_in_flight += 1
+        self.accounting.requests_in_flight += 1
         try:
             yield call
             call.status = "OK"
@@ -359,7 +250,7 @@ class DataPlane:
             log.exception("inference failed")
             raise inference_failed(error) from None
         finally:
-            self.requests_in_flight -= 1
+            self.accounting.requests_in_flight -= 1
             call.end()
 
     async def off_loop(self, function, *args):
@@ -367,71 +258,25 @@ class DataPlane:
         values one by one, parsing megabytes of typed protobuf) is kept off the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self._decoder, _pausing_after, function, *args)
 
-    def settle(
-        self, served, rows, timing, protocol, reserved: int, delivered: bool, status: str = "", *, freed: bool = True
-    ) -> Callable[[], None] | None:
-        """A request's end: its status is recorded and its memory leaves the budget; or, ``freed`` False (the
-        transport still holds the answer), the function that releases it later."""
-        if freed:
-            self._release(reserved)
-            release = None
-        else:
-            release = functools.partial(self._release, reserved)
-        self.record(served, status or ("OK" if delivered else "CANCELLED"), rows, timing, protocol)
-        return release
+    # -- what the transports describe ---------------------------------------------------------------------
 
-    def _release(self, reserved: int) -> None:
-        self.budget.release(reserved)
-        if self.budget.idle and self._idle_release is None and self.budget.kept_workspace:
-            self._idle_release = asyncio.get_running_loop().call_later(IDLE_RELEASE_S, self._release_idle_memory)
+    def ready_versions(self, name: str) -> list[int]:
+        return self.registry.ready_versions(name)
 
-    def admit(self, request_bytes: int, rows: int, workspace: int) -> object:
-        """Take a request's share of max_inflight_bytes, for every model together, or refuse it."""
-        waiting = self.budget.admit(request_bytes, rows, workspace)
-        if self._idle_release is not None:
-            self._idle_release.cancel()
-            self._idle_release = None
-        return waiting
+    def served_models(self) -> list[ServedModel]:
+        return self.registry.served_models()
 
-    def _release_idle_memory(self) -> None:
-        """Give the arenas' and the heap's free memory back, if still idle."""
-        self._idle_release = None
-        if not self.budget.idle:
-            return
-        sessions = [served.session for served in self.registry.served_models() if served.session is not None]
-
-        def release() -> None:
-            for session in sessions:
-                session.release_memory()
-            release_free_memory()
-
-        released = asyncio.wrap_future(self._executor.submit(release))
-        released.add_done_callback(lambda _: self.budget.workspace_given_back())
-
-    def record(
-        self, served: ServedModel | None, status: str, rows: int, timing: RequestTiming, protocol: str = "grpc"
-    ) -> None:
-        """One request's fate, for the statistics RPC, the metrics endpoint and the stop line. A request that
-        named no served model is counted under empty labels, never under a name it made up."""
-        self.outcomes[status] += 1
-        if served is None:
-            self.metrics.request_done("", "", status, protocol)
-            return
-        if status == "OK":
-            served.stats.record_success(rows, timing)
-        else:
-            served.stats.record_failure(timing.total_ns)
-        seconds = timing.total_ns / 1e9, timing.queue_ns / 1e9, timing.infer_ns / 1e9
-        served.metrics.request_done(status, protocol, rows, *seconds)
+    def index(self, ready_only: bool = False) -> list[tuple[str, str, str, str]]:
+        """The repository index: (name, version, state, reason) for every version the server holds."""
+        return self.registry.index(ready_only=ready_only)
 
     def record_unauthenticated(self, method: str) -> None:
-        log.debug("refused %s: missing or wrong bearer token", method)
-        self.metrics.unauthenticated()
+        self.accounting.record_unauthenticated(method)
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True)
         self._decoder.shutdown(wait=True)
-        self._loader.shutdown(wait=True)
+        self.versions.shutdown()
 
 
 class InferenceCall:
@@ -470,11 +315,12 @@ class InferenceCall:
         signature = served.signature
         self._answer = answer_bytes(attention, signature.num_heads, signature.precision)
         needed = input_bytes(attention) + self._answer
-        self._waiting = dataplane.admit(needed, self.rows, request_workspace_bytes(attention, signature.num_heads))
+        accounting = dataplane.accounting
+        self._waiting = accounting.admit(needed, self.rows, request_workspace_bytes(attention, signature.num_heads))
         self._reserved = needed  # (a refusal took nothing)
         answer = await served.batcher.submit(attention, self.timeout_s)
         self.timing.queue_ns, self.timing.infer_ns = answer.queue_ns, answer.infer_ns
-        dataplane.budget.run_ended(self._waiting)
+        accounting.budget.run_ended(self._waiting)
         self._waiting = None
         return InferenceResponse(signature, request, {o: answer.outputs[o] for o in attention.outputs})
 
@@ -483,7 +329,7 @@ class InferenceCall:
         answer stays until it is sent)."""
         started = time.perf_counter_ns()
         encoded = encode(response, *args, **kwargs)
-        self._dataplane.budget.release(self._reserved - self._answer)
+        self._dataplane.accounting.budget.release(self._reserved - self._answer)
         self._reserved = self._answer
         self.timing.output_ns = time.perf_counter_ns() - started
         return encoded
@@ -502,13 +348,15 @@ class InferenceCall:
         return settle(delivered, freed=freed)
 
     def end(self) -> None:
-        dataplane = self._dataplane
-        dataplane.budget.run_ended(self._waiting)  # refused by the queue, expired or cancelled before its run ended
+        accounting = self._dataplane.accounting
+        accounting.budget.run_ended(self._waiting)  # refused by the queue, expired or cancelled before its run ended
         if self.served is not None:
             self.served.leave()  # the answer is encoded: unloading need not wait for its delivery
         if self.status != "OK":
             self.timing.input_ns = time.perf_counter_ns() - self.started - self.timing.queue_ns - self.timing.infer_ns
-        settle = functools.partial(dataplane.settle, self.served, self.rows, self.timing, self.protocol, self._reserved)
+        settle = functools.partial(
+            accounting.settle, self.served, self.rows, self.timing, self.protocol, self._reserved
+        )
         if self.status == "OK" and self._deliver_later:
             self._settle = settle
         else:

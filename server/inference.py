@@ -19,7 +19,7 @@ NO_PARAMETERS: Mapping[str, object] = MappingProxyType({})
 
 # Requests whose decoding would hold the event loop for milliseconds are decoded and checked on the decode
 # thread (DataPlane.off_loop), whichever transport brings them: values converted one by one (typed protobuf
-# contents, JSON data: ~5 ms per MiB) past a small size, and even raw bytes past a megabyte, which are
+# contents, JSON data) past a small size, and even raw bytes past a megabyte, which are
 # checked in whole-array passes (a BOOL mask's bytes, finiteness).
 OFF_LOOP_BYTES = 1 << 20
 ONE_BY_ONE_ON_LOOP_BYTES = 64 << 10

@@ -20,8 +20,8 @@ def _libc():
 def tune_malloc() -> None:
     """Keep large response buffers in the heap instead of fresh mmap()s.
 
-    Serialising an 8 MiB response measured about 15 ms with glibc's defaults (each buffer a new
-    mmap, page-faulted and zeroed) and about 1.5 ms with these thresholds raised.
+    With glibc's defaults each large buffer is a new mmap, page-faulted and zeroed, which made serialising
+    a large response ten times slower (BENCHMARKS.md, "Figures behind the server's defaults").
     """
     libc = _libc()
     try:

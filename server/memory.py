@@ -12,7 +12,7 @@ projections), and the answer is copied while it is encoded and sent. So the budg
 
 What the arena keeps is what runs really took, not what waiting requests once might have needed: the
 most of the latter, kept until idle, only grew under sustained load (a loaded server is never idle).
-Length-aware runs take less than their drain's sum; padded runs take more (every row padded to the
+Length-aware runs take less than their take's sum; padded runs take more (every row padded to the
 longest), which is why, with length-aware batching off, waiting rows count as padded.
 """
 

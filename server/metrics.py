@@ -19,8 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 # 50 µs .. ~3 s, roughly x2 apart: covers a [1,16,512] run and a long queue under overload.
 LATENCY_BUCKETS = (5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
@@ -127,16 +126,6 @@ class Metrics:
 
     def unauthenticated(self) -> None:
         self._unauthenticated.inc()
-
-    def application(self) -> web.Application:
-        """The endpoint: ``GET /metrics`` and nothing else (every other path is 404)."""
-
-        async def scrape(request: web.Request) -> web.Response:
-            return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-        app = web.Application()
-        app.router.add_get("/metrics", scrape)
-        return app
 
 
 class ModelMetrics:

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from mhaserve.contract.model_folder import ModelDirError, read_manifest
 from mhaserve.contract.repository import ModelRepository, RepositoryPathError, VersionPolicy
@@ -76,29 +76,31 @@ class ModelNotFound(RequestError):
         super().__init__(ErrorKind.NOT_FOUND, f"unknown model '{name}'; this server serves {served}")
 
 
-LoadVersion = Callable[[str, int, Path], Awaitable[ServedModel]]
-UnloadVersion = Callable[[ServedModel], Awaitable[None]]
+class VersionLoader(Protocol):
+    """What makes and takes apart served versions (server.versions.VersionFactory)."""
+
+    async def load(self, name: str, number: int, folder: Path) -> ServedModel: ...
+
+    async def unload(self, served: ServedModel) -> None: ...
 
 
 class ModelRegistry:
     """(name, version) -> state, and the loading, unloading and swapping of versions.
 
-    Loading is done by ``load_version`` and unloading by ``unload_version``, which the data plane
-    supplies (the same code at start-up and for the repository RPCs). One load or unload per model
+    Versions are made and taken apart by ``versions`` (the same code at start-up, polling and the
+    repository RPCs). One load or unload per model
     at a time (a lock per name); requests never wait on it.
     """
 
     def __init__(
         self,
-        load_version: LoadVersion,
-        unload_version: UnloadVersion,
+        versions: VersionLoader,
         *,
         repository: ModelRepository | None = None,
         single_folder: Path | None = None,
         policy: VersionPolicy | None = None,
     ):
-        self._load_version = load_version
-        self._unload_version = unload_version
+        self._versions = versions
         self.repository = repository
         self.single_folder = single_folder
         self.policy = policy or VersionPolicy("latest")
@@ -177,7 +179,7 @@ class ModelRegistry:
         name = str(read_manifest(self.single_folder).get("name") or "mha")
         self.models[name] = {1: VersionState(LOADING)}
         try:
-            served = await self._load_version(name, 1, self.single_folder)
+            served = await self._versions.load(name, 1, self.single_folder)
         except BaseException:
             del self.models[name]
             raise
@@ -265,7 +267,7 @@ class ModelRegistry:
         try:
             # Taken before loading: a file changed while it loads differs from it at the next poll.
             stamp = self.repository.version_stamp(name, number)  # a file linked out of the repository is refused
-            served = await self._load_version(name, number, self.repository.version_dir(name, number))
+            served = await self._versions.load(name, number, self.repository.version_dir(name, number))
         except (ModelDirError, RepositoryPathError, ValueError, RuntimeError) as error:
             reason = str(error)
             if replaced is not None:
@@ -292,7 +294,7 @@ class ModelRegistry:
         if versions is not None:
             versions[number] = VersionState(UNLOADING, reason)
         await served.idle.wait()
-        await self._unload_version(served)
+        await self._versions.unload(served)
 
     async def _unload_one(self, name: str, number: int, versions: dict[int, VersionState], reason: str) -> None:
         entry = versions.get(number)

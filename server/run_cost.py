@@ -33,7 +33,7 @@ FIT_SHAPES = (
     (2, 128, 128), (16, 16, 16), (1, 4, 384), (1, 384, 4), (4, 8, 128), (4, 128, 8), (1, 256, 32),
 )  # fmt: skip
 FIT_REPEATS = 6
-FIT_PASSES = 3  # the fastest pass: the shared machine only adds time (the median moved the per-run price 0.6-2 ms)
+FIT_PASSES = 3  # the fastest pass: a shared machine only adds time, and the median moved with it
 # Between runs under load the event loop takes its turn (receiving, answering); ONNX Runtime's threads
 # spin meanwhile. Each timed run is followed by a gap of about that length, so its price includes them.
 GAP_BETWEEN_RUNS_S = 0.0005

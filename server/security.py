@@ -116,8 +116,8 @@ def _refusing_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 
     # Request-streaming whatever the method is: gRPC reads a unary request whole before its handler runs,
     # a streaming one only when the handler asks, and this one never asks. So a refused call's message
-    # is never received (beyond HTTP/2's flow-control window), let alone parsed: 8 concurrent
-    # unauthenticated 24 MiB requests took the server from 117 to 855 MB while they were read first.
+    # is never received (beyond HTTP/2's flow-control window), let alone parsed: read first, large
+    # unauthenticated requests took hundreds of MB (BENCHMARKS.md, "Figures behind the server's defaults").
     if handler.response_streaming:
         return grpc.stream_stream_rpc_method_handler(refuse)
     return grpc.stream_unary_rpc_method_handler(refuse)

@@ -51,9 +51,8 @@ _CPU_ARENA_SHARED = False
 
 def _share_cpu_arena() -> None:
     """One CPU arena for the process's sessions, grown by what a run asks for. A session's own arena grows
-    in powers of two and keeps every region: a flood of [8,256,512] requests left about 1 GiB in it while
-    the runs needed half that, and one [32,512,512] run peaked at 968 MiB against 704 MiB with this one
-    (BENCHMARKS.md, "Memory per request"). Shared, the versions of a repository reuse each other's space."""
+    in powers of two and keeps every region, about twice what the runs need (BENCHMARKS.md, "Memory per
+    request"). Shared, the versions of a repository reuse each other's space."""
     global _CPU_ARENA_SHARED
     if not _CPU_ARENA_SHARED:
         same_as_requested = 1
@@ -159,9 +158,9 @@ class AttentionSession:
         return self._session.run(list(output_names), {"query": query, "key": key, "value": value, "mask": mask})
 
     def release_memory(self) -> None:
-        """Shrink the arena: after a burst of large runs it holds their peak (1 GiB after one [32,512,512]
-        request at 512/8) until the process exits. One tiny run, with the shrink option, frees it; the next
-        large run pays for growing it again (page faults), so this is for idle times."""
+        """Shrink the arena: after a burst of large runs it holds their peak until the process exits. One tiny
+        run, with the shrink option, frees it; the next large run pays for growing it again (page faults), so
+        this is for idle times."""
         d = self.info.d_model
         x = np.zeros((1, 1, d), np.float32)
         self._session.run(["output"], {"query": x, "key": x, "value": x, "mask": np.ones((1, 1, 1, 1), bool)},

@@ -124,7 +124,9 @@ def array_from_values(name: str, datatype: str, shape, values, where: str) -> np
     return converted(values, dtype).reshape(tuple(shape))
 
 
-CONVERT_CHUNK = 1 << 16  # values per conversion call: 8M values in one call held the interpreter for 0.3 s
+# Values per conversion call: one call over millions of values holds the interpreter for a visible pause
+# (BENCHMARKS.md, "Figures behind the server's defaults").
+CONVERT_CHUNK = 1 << 16
 
 
 def converted(values, dtype) -> np.ndarray:

@@ -65,7 +65,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     @answering_errors
     async def ModelMetadata(self, request, context):
         served = self.dataplane.resolve(request.name, request.version)
-        metadata = describe.model_metadata(served, self.dataplane.registry.ready_versions(served.signature.name))
+        metadata = describe.model_metadata(served, self.dataplane.ready_versions(served.signature.name))
         return json_format.ParseDict(metadata, pb.ModelMetadataResponse())
 
     @answering_errors
@@ -82,7 +82,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     @answering_errors
     async def RepositoryIndex(self, request, context):
         _check_repository_name(request.repository_name)
-        rows = describe.repository_index(self.dataplane.registry.index(ready_only=request.ready))
+        rows = describe.repository_index(self.dataplane.index(ready_only=request.ready))
         return json_format.ParseDict({"models": rows}, pb.RepositoryIndexResponse())
 
     @answering_errors
@@ -176,7 +176,7 @@ def _check_repository_name(name: str) -> None:
 
 
 async def _parsed(request_class, raw: bytes, off_loop):
-    """The message; a large one is parsed on the decode thread (typed contents parse at ~3 ms/MiB, in one call)."""
+    """The message; a large one is parsed on the decode thread (typed contents parse in one long call)."""
     if len(raw) > OFF_LOOP_BYTES:
         return await off_loop(request_class.FromString, raw)
     return request_class.FromString(raw)
@@ -202,8 +202,8 @@ def _forget_locals(error: BaseException | None) -> None:
     """Clear the locals of the finished frames in ``error``'s traceback and in those of the errors it chained.
 
     grpc.aio keeps an aborted call's exception in a reference cycle, so without this the request's bytes and
-    arrays those frames hold stay until a full garbage collection: a flood of refused [8,256,512] requests held
-    about 700 MiB that way, and pushed the peak past the memory budget (BENCHMARKS.md, "Memory per request").
+    arrays those frames hold stay until a full garbage collection; under a flood of refused requests that
+    pushed the peak past the memory budget (BENCHMARKS.md, "Memory per request").
     """
     seen = set()
     while error is not None and id(error) not in seen:

@@ -96,14 +96,14 @@ class OipReplica:
     ONNX Runtime runs as many threads as the CPUs the replica reserved (``ray_actor_options.num_cpus``)."""
 
     async def __init__(self, model_dir: str, settings: dict | None = None):
-        # inference_nice 0: beside Ray's own busy processes, lowered inference threads starved (p50 45 ms
-        # against 8 ms at [1,16,512]); the replica's event loop has Ray's proxy in front of it anyway.
+        # inference_nice 0: beside Ray's own busy processes, lowered inference threads starved (BENCHMARKS.md,
+        # "Ray Serve"); the replica's event loop has Ray's proxy in front of it anyway.
         values = {"intra_op_threads": _reserved_cpus(), "inference_nice": 0, "http_port": -1, "metrics_port": -1}
         values.update(settings or {})
         self.dataplane = DataPlane(ServerSettings(**values), Path(model_dir))
         await self.dataplane.start()
         self.servicer = InferenceServicer(self.dataplane, protocol="ray")
-        signature = next(iter(self.dataplane.registry.served_models())).signature
+        signature = next(iter(self.dataplane.served_models())).signature
         log.info("replica serving model=%s version=%s on node %s", signature.name, signature.version, _node_id())
 
     async def ModelInfer(self, request, grpc_context):  # noqa: N802 (the protocol's name)

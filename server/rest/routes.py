@@ -320,7 +320,7 @@ class RestTransport:
 
     async def model_metadata(self, request):
         served = self._resolve(request)
-        ready_versions = self.dataplane.registry.ready_versions(served.signature.name)
+        ready_versions = self.dataplane.ready_versions(served.signature.name)
         return json_response(describe.model_metadata(served, ready_versions))
 
     async def model_ready(self, request):
@@ -341,7 +341,7 @@ class RestTransport:
             ready = bool((orjson.loads(body) if body else {}).get("ready", False))
         except (orjson.JSONDecodeError, AttributeError):
             raise invalid('the index request body must be a JSON object like {"ready": true}') from None
-        return json_response(describe.repository_index(self.dataplane.registry.index(ready_only=ready)))
+        return json_response(describe.repository_index(self.dataplane.index(ready_only=ready)))
 
     async def load(self, request):
         body = await self._body(request)

@@ -480,12 +480,12 @@ def test_an_unloaded_version_is_freed_at_once_not_at_the_next_garbage_collection
         await dataplane.start()
         sessions = []
         for _ in range(3):
-            await dataplane.registry.load_model("mha")
+            await dataplane.load_model("mha")
             served = dataplane.resolve("mha", "")
             assert served.session.run(["output"], *[rand(1, 3, SMALL_D_MODEL)] * 3, np.ones((1, 1, 1, 3), bool))
             sessions.append(weakref.ref(served.session))
             del served
-            await dataplane.registry.unload_model("mha")
+            await dataplane.unload_model("mha")
             await asyncio.sleep(0)
         dataplane.shutdown()
         return sessions

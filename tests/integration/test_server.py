@@ -216,7 +216,7 @@ def test_a_failing_model_run_answers_internal_and_the_next_request_is_served(sma
         batcher._run_model = working_run
         answer = pb.ModelInferResponse.FromString(await servicer.ModelInfer(good, RecordingContext()))
         dataplane.shutdown()
-        return error.value, streamed, answer, dataplane.outcomes
+        return error.value, streamed, answer, dataplane.accounting.outcomes
 
     error, streamed, answer, outcomes = asyncio.run(scenario())
     assert error.code == grpc.StatusCode.INTERNAL

@@ -79,7 +79,7 @@ def test_cost_fit_recovers_known_prices_and_never_goes_negative():
     assert min(fitted.overhead_s, fitted.per_token_s, fitted.per_pair_s) >= 0
 
 
-def queued_then_drained(session, requests, run_cost, max_batch_size=64):
+def queued_then_taken(session, requests, run_cost, max_batch_size=64):
     """The real batcher with one worker, held until every request is queued, then freed: (answers, runs made)."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -107,7 +107,7 @@ def test_split_runs_give_each_request_its_unbatched_answer(small_model_dir):
 
     session = AttentionSession(small_model_dir, device="cpu", intra_op_threads=1)
     requests = [as_attention_request(*r) for r in mixed_requests(16, seed=9)]
-    answers, runs = queued_then_drained(session, requests, RunCost(1e-9, 0.0, 1.0))
+    answers, runs = queued_then_taken(session, requests, RunCost(1e-9, 0.0, 1.0))
     lengths = {(r.query.shape[1], r.key.shape[1]) for r in requests}
     assert len(runs) == len(lengths) > 1  # one run per distinct (Lq, Lk): no padding paid for
     assert all(run.padding_ratio == 0.0 for run in runs)
@@ -117,7 +117,7 @@ def test_split_runs_give_each_request_its_unbatched_answer(small_model_dir):
             np.testing.assert_allclose(answer.outputs[name], want, rtol=0, atol=1e-5)
 
 
-def test_a_mixed_drain_looks_down_the_queue_and_runs_the_oldest_request_first(small_model_dir):
+def test_a_mixed_take_looks_down_the_queue_and_runs_the_oldest_request_first(small_model_dir):
     from mhaserve.server.run_cost import RunCost
 
     session = AttentionSession(small_model_dir, device="cpu", intra_op_threads=1)
@@ -126,13 +126,13 @@ def test_a_mixed_drain_looks_down_the_queue_and_runs_the_oldest_request_first(sm
         return as_attention_request(rand(1, length, D, seed=seed), None, None, None, False)
 
     def runs_made(requests):
-        _, runs = queued_then_drained(session, requests, RunCost(1e-3, 1e-6, 0.0), max_batch_size=4)
+        _, runs = queued_then_taken(session, requests, RunCost(1e-3, 1e-6, 0.0), max_batch_size=4)
         return [(run.batch_size, run.q_len) for run in runs]
 
     # A long request queued first, then short and long ones alternating: the head's four rows alone would
-    # make two half-full runs. Looking further, the drain makes full runs of one length each, never over
+    # make two half-full runs. Looking further, the take makes full runs of one length each, never over
     # the batch limit, and the run holding the oldest request (the long one) goes first.
     queued = [request(60, 0)] + [request(2 if i % 2 else 60, i) for i in range(1, 8)]
     assert runs_made(queued) == [(4, 60), (4, 2)]
-    # Equal lengths take what they took before: one run of the batch limit per drain.
+    # Equal lengths take what they took before: one run of the batch limit per take.
     assert runs_made([request(8, i) for i in range(8)]) == [(4, 8), (4, 8)]

@@ -1,0 +1,99 @@
+"""Request accounting for the whole process: the memory budget every model's requests share (admitted,
+released, and the arenas given back once idle), and each request's fate in the statistics, the metrics and
+the stop line's counts."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Executor
+
+from .malloc import release_free_memory
+from .memory import MemoryBudget
+from .metrics import Metrics
+from .registry import ServedModel
+from .session import AttentionSession
+from .statistics import RequestTiming
+
+log = logging.getLogger("mhaserve.server")
+
+# After a burst, ONNX Runtime's arenas and the heap keep the burst's peak; once nothing has been in flight
+# for this long, they are given back (the next large run pays for growing them again, so not at once).
+IDLE_RELEASE_S = 2.0
+
+
+class RequestAccounting:
+    def __init__(
+        self, budget: MemoryBudget, metrics: Metrics, executor: Executor, sessions: Callable[[], list[AttentionSession]]
+    ):
+        self.budget = budget
+        self.metrics = metrics
+        self._executor = executor  # the idle release runs where the runs do, never beside one
+        self._sessions = sessions  # the sessions whose arenas an idle release empties
+        self._idle_release: asyncio.TimerHandle | None = None  # armed when the budget becomes idle
+        self.requests_in_flight = 0  # inference calls inside a handler (event loop only)
+        self.outcomes: Counter[str] = Counter()  # inference calls by final status since start
+
+    def settle(
+        self, served, rows, timing, protocol, reserved: int, delivered: bool, status: str = "", *, freed: bool = True
+    ) -> Callable[[], None] | None:
+        """A request's end: its status is recorded and its memory leaves the budget; or, ``freed`` False (the
+        transport still holds the answer), the function that releases it later."""
+        if freed:
+            self._release(reserved)
+            release = None
+        else:
+            release = functools.partial(self._release, reserved)
+        self.record(served, status or ("OK" if delivered else "CANCELLED"), rows, timing, protocol)
+        return release
+
+    def _release(self, reserved: int) -> None:
+        self.budget.release(reserved)
+        if self.budget.idle and self._idle_release is None and self.budget.kept_workspace:
+            self._idle_release = asyncio.get_running_loop().call_later(IDLE_RELEASE_S, self._release_idle_memory)
+
+    def admit(self, request_bytes: int, rows: int, workspace: int) -> object:
+        """Take a request's share of max_inflight_bytes, for every model together, or refuse it."""
+        waiting = self.budget.admit(request_bytes, rows, workspace)
+        if self._idle_release is not None:
+            self._idle_release.cancel()
+            self._idle_release = None
+        return waiting
+
+    def _release_idle_memory(self) -> None:
+        """Give the arenas' and the heap's free memory back, if still idle."""
+        self._idle_release = None
+        if not self.budget.idle:
+            return
+        sessions = self._sessions()
+
+        def release() -> None:
+            for session in sessions:
+                session.release_memory()
+            release_free_memory()
+
+        released = asyncio.wrap_future(self._executor.submit(release))
+        released.add_done_callback(lambda _: self.budget.workspace_given_back())
+
+    def record(
+        self, served: ServedModel | None, status: str, rows: int, timing: RequestTiming, protocol: str = "grpc"
+    ) -> None:
+        """One request's fate, for the statistics RPC, the metrics endpoint and the stop line. A request that
+        named no served model is counted under empty labels, never under a name it made up."""
+        self.outcomes[status] += 1
+        if served is None:
+            self.metrics.request_done("", "", status, protocol)
+            return
+        if status == "OK":
+            served.stats.record_success(rows, timing)
+        else:
+            served.stats.record_failure(timing.total_ns)
+        seconds = timing.total_ns / 1e9, timing.queue_ns / 1e9, timing.infer_ns / 1e9
+        served.metrics.request_done(status, protocol, rows, *seconds)
+
+    def record_unauthenticated(self, method: str) -> None:
+        log.debug("refused %s: missing or wrong bearer token", method)
+        self.metrics.unauthenticated()

@@ -1,0 +1,37 @@
+"""The Prometheus port: ``GET /metrics`` and nothing else (every other path is 404), on its own listener."""
+
+from __future__ import annotations
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from ..config import ServerSettings
+from ..metrics import Metrics
+from .site import start_site
+
+METRICS_MAX_CONNECTIONS = 64  # a scraper or two, and a person with curl
+METRICS_IDLE_TIMEOUT_S = 30.0
+
+
+async def start_metrics(settings: ServerSettings, metrics: Metrics):
+    """The Prometheus port: (its runner, "host:port"), or (None, "off")."""
+    if settings.metrics_port < 0:
+        return None, "off"
+    runner, port = await start_site(
+        metrics_application(metrics),
+        settings.metrics_host,
+        settings.metrics_port,
+        max_connections=METRICS_MAX_CONNECTIONS,
+        idle_timeout_s=METRICS_IDLE_TIMEOUT_S,
+        what="metrics",
+    )
+    return runner, f"{settings.metrics_host}:{port}"
+
+
+def metrics_application(metrics: Metrics) -> web.Application:
+    async def scrape(request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app = web.Application()
+    app.router.add_get("/metrics", scrape)
+    return app

@@ -1,0 +1,135 @@
+"""Served versions made and taken apart: a model folder becomes a ``ServedModel`` (its ONNX Runtime session,
+warmed up, its fitted run cost, its batcher, metrics and statistics), and a retired one gives its memory
+back. The registry owns the factory and calls it to load and unload; nothing here calls back up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import Executor, ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from mhaserve.contract.signature import GRAPH_OUTPUT_NAMES
+
+from .batcher import Batcher, BatchResult
+from .config import ServerSettings
+from .malloc import release_free_memory
+from .memory import MemoryBudget, run_workspace_bytes
+from .metrics import Metrics
+from .registry import ServedModel
+from .run_cost import RunCost
+from .session import AttentionSession
+from .statistics import ModelStatistics
+from .tensors import Limits, ModelSignature
+from .threads import lower_thread_priority
+
+log = logging.getLogger("mhaserve.server")
+
+
+class VersionFactory:
+    """Loads a version into the process's shared inference workers, memory budget and metrics."""
+
+    def __init__(
+        self, settings: ServerSettings, limits: Limits, budget: MemoryBudget, metrics: Metrics, executor: Executor
+    ):
+        self.settings = settings
+        self.limits = limits
+        self.budget = budget
+        self.metrics = metrics
+        self._executor = executor  # the inference workers every version's batcher runs on
+        self.message_limits: tuple[int, int] | None = None  # (receive, send) the transport bound with
+        # Loads get their own thread, so that a version loaded under load does not hold the inference
+        # workers for its seconds of session creation and warm-up (at the same lowered priority).
+        self._loader = ThreadPoolExecutor(
+            1,
+            thread_name_prefix="mhaserve-load",
+            initializer=lower_thread_priority,
+            initargs=(settings.inference_nice,),
+        )
+
+    async def load(self, name: str, number: int, folder: Path) -> ServedModel:
+        loop = asyncio.get_running_loop()
+        session, run_cost = await loop.run_in_executor(self._loader, self._open_session, folder)
+        version = str(number)
+        stats = ModelStatistics()
+        batcher: Batcher | None = None
+        model_metrics = self.metrics.for_model(name, version, lambda: batcher.queue_depth if batcher else 0)
+
+        def on_batch(run: BatchResult) -> None:
+            stats.record_execution(run)
+            model_metrics.batch_done(run.batch_size, run.padding_ratio)
+            self.budget.run_made(
+                run_workspace_bytes(run.batch_size, run.q_len, run.kv_len, session.info.d_model, session.info.num_heads)
+            )
+
+        batcher = Batcher(
+            session.run,
+            self._executor,
+            workers=self.settings.inference_workers,
+            max_batch_size=self.settings.max_batch_size,
+            max_queue_size=self.settings.max_queue_size,
+            max_queue_delay_s=self.settings.max_queue_delay_us / 1e6,
+            enabled=self.settings.dynamic_batching,
+            on_batch=on_batch,
+            run_cost=run_cost,
+            computed_in=session.info.computed_in,
+        )
+        info = session.info
+        signature = ModelSignature(name, version, info.d_model, info.num_heads, info.precision, info.max_abs_input)
+        needed = self.settings.message_limits(signature.d_model, signature.num_heads)
+        if self.message_limits and any(n > bound for n, bound in zip(needed, self.message_limits, strict=True)):
+            log.warning(
+                "model '%s' version %s (d_model %d) allows requests/responses of %d/%d bytes, over the message "
+                "limits bound at start (%d/%d): its largest calls will be refused; restart, or set --max-message-bytes",
+                name, version, signature.d_model, *needed, *self.message_limits,
+            )  # fmt: skip
+        log.info(
+            "loaded model=%s version=%s d_model=%d heads=%d precision=%s opset=%s provider=%s from %s",
+            name, version, signature.d_model, signature.num_heads, signature.precision, session.info.opset,
+            session.provider, folder,
+        )  # fmt: skip
+        return ServedModel(signature, folder, session, batcher, model_metrics, stats)
+
+    def _open_session(self, folder: Path) -> tuple[AttentionSession, RunCost | None]:
+        session = AttentionSession(
+            folder, self.settings.device, self.settings.intra_op_threads, cuda_tf32=self.settings.cuda_tf32
+        )
+        session.warm_up(self.settings.warmup_runs)
+        run_cost = None
+        if self.settings.dynamic_batching and self.settings.length_aware_batching:
+            run_cost = self._fit_run_cost(session)
+        return session, run_cost
+
+    def _fit_run_cost(self, session: AttentionSession) -> RunCost:
+        d_model = session.info.d_model
+        rng = np.random.default_rng(0)
+
+        def run(rows: int, q_len: int, kv_len: int) -> None:
+            query = rng.standard_normal((rows, q_len, d_model), dtype=np.float32)
+            kv = query if kv_len == q_len else rng.standard_normal((rows, kv_len, d_model), dtype=np.float32)
+            session.run(GRAPH_OUTPUT_NAMES, query, kv, kv, np.ones((1, 1, 1, kv_len), dtype=bool))
+
+        limits = self.limits
+        cost = RunCost.fit(run, limits.max_batch_size, limits.max_q_len, limits.max_kv_len)
+        log.info(
+            "run cost model (CPU per run, fitted at warm-up): %.0f us + %.1f ns per token + %.2f ns per query-key pair",
+            cost.overhead_s * 1e6,
+            cost.per_token_s * 1e9,
+            cost.per_pair_s * 1e9,
+        )
+        return cost
+
+    async def unload(self, served: ServedModel) -> None:
+        self.metrics.forget(served.metrics)
+        # The registry drops its last reference after this returns; the session (its weights and
+        # ONNX Runtime's arena) is freed with it, and the allocator is then asked to give the pages back.
+        served.session = None
+        served.batcher = None
+        loop = asyncio.get_running_loop()
+        loop.call_soon(lambda: loop.run_in_executor(self._loader, release_free_memory))
+
+    def shutdown(self) -> None:
+        self._loader.shutdown(wait=True)
