@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from mhaserve.contract.errors import UsageError
@@ -19,128 +19,143 @@ ENV_PREFIX = "MHASERVE_"
 GRPC_MAX_MESSAGE_BYTES = 2**31 - 1
 
 
+def setting(default, help: str):
+    """A setting's default and its help text, which ``--help`` and the reference documents print."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class ServerSettings:
-    model_dir: Path | None = None  # None: the embedded default model, exported once into the cache
-    # DIR/<model>/<version>/ folders written by 'mhaserve export --repository DIR --name NAME'
-    model_repository: Path | None = None
-    model_control_mode: str = "none"  # none | poll | explicit, as Triton names them
-    repository_poll_secs: float = 15.0  # poll mode: how often the repository is rescanned
-    load_model: tuple[str, ...] = ()  # explicit mode: models loaded at start ('*': all)
-    version_policy: str = "latest:1"  # latest[:N] | all | specific:V[,V...]
-    host: str = "127.0.0.1"
-    port: int = 8001  # 0 picks a free port; the start-up line names it
-    http_port: int = 8000  # HTTP/REST (KServe v2 with Triton's extensions); 0 = any free port, -1 = off
-    http_read_timeout_s: float = 30.0  # an HTTP request body must arrive within this
-    http_idle_timeout_s: float = 75.0  # an HTTP connection with no request for this long is closed
-    http_max_connections: int = 1000  # open HTTP connections; beyond, 503 at once
-    device: str = "auto"  # auto | cpu | cuda
+    model_dir: Path | None = setting(
+        None, "model folder written by 'mhaserve export' (default: the embedded default model)"
+    )
+    model_repository: Path | None = setting(
+        None,
+        "serve a model repository instead: DIR/<model>/<version>/ folders written by 'mhaserve export "
+        "--repository DIR --name NAME'",
+    )
+    model_control_mode: str = setting(
+        "none",
+        "none: load the repository at start; poll: also rescan it every --repository-poll-secs (new versions "
+        "load, removed ones unload); explicit: load only --load-model at start, then what "
+        "RepositoryModelLoad/Unload ask for",
+    )
+    repository_poll_secs: float = setting(15.0, "poll mode: seconds between rescans of the repository")
+    load_model: tuple[str, ...] = setting(
+        (), "explicit mode: a model to load at start (repeat it, or comma-separate; '*' = all)"
+    )
+    version_policy: str = setting(
+        "latest:1", "which versions of each model serve: latest (latest:N for the newest N), all, or specific:V[,V...]"
+    )
+    host: str = setting("127.0.0.1", "address to listen on")
+    port: int = setting(8001, "gRPC port (0 = any free port)")
+    http_port: int = setting(8000, "HTTP/REST port, the same protocol as gRPC (0 = any free port, -1 = no HTTP)")
+    http_read_timeout_s: float = setting(
+        30.0, "seconds an HTTP request's body may take to arrive; a slower client is answered 504 and dropped"
+    )
+    http_idle_timeout_s: float = setting(75.0, "seconds an HTTP connection may stay open without a request")
+    http_max_connections: int = setting(
+        1000, "HTTP connections open at once; beyond, new ones are answered 503 and closed"
+    )
+    device: str = setting(
+        "auto", "auto: CUDA when really usable, else CPU with a warning; cuda: refuse to start without it"
+    )
     # ONNX Runtime's CUDA provider rounds float32 matrix products' inputs to TF32 (10 bits of mantissa) on
     # tensor cores unless told not to; false asks for exact float32 products.
-    cuda_tf32: bool = False
-    intra_op_threads: int = 0  # ONNX Runtime threads per run; 0 = one per core
-    inference_workers: int = 1  # runs at once; more than one only helps with spare cores
+    cuda_tf32: bool = setting(
+        False,
+        "on CUDA, let float32 matrix products run in TF32 on tensor cores (ONNX Runtime's own default: inputs "
+        "rounded to 10 bits of mantissa, as float16's, which puts the scores of large inputs off by their "
+        "magnitude times 1e-3); false (the default): exact float32 products",
+    )
+    intra_op_threads: int = setting(0, "ONNX Runtime threads per run (0 = one per core)")
+    inference_workers: int = setting(1, "model runs allowed at once; more than one only helps with spare cores")
     # Inference threads run at a lower priority than the gRPC thread, so that when model runs fill every
     # core the server still receives, refuses (RESOURCE_EXHAUSTED) and answers promptly, at the same
     # throughput (BENCHMARKS.md, "Figures behind the server's defaults").
-    inference_nice: int = 10
-    max_batch_size: int = 32  # rows per request, and per merged run
-    dynamic_batching: bool = True
-    length_aware_batching: bool = True  # split what is queued into runs by length (off: one padded run)
-    max_queue_delay_us: int = 0  # 0: greedy, a free worker takes what is queued at once
-    max_queue_size: int = 256  # requests waiting; beyond it RESOURCE_EXHAUSTED at once
-    max_q_len: int = 512
-    max_kv_len: int = 512
-    max_message_bytes: int = 0  # 0 = just enough for the largest request/response the limits allow
+    inference_nice: int = setting(
+        10,
+        "nice value of the inference threads, ONNX Runtime's included (Linux; 0-19, 0 = same priority as the gRPC"
+        " thread that receives, refuses and answers requests)",
+    )
+    max_batch_size: int = setting(
+        32,
+        "largest batch a request may carry (RESOURCE_EXHAUSTED beyond); also the most rows dynamic batching "
+        "merges into one run",
+    )
+    dynamic_batching: bool = setting(True, "merge concurrent requests, of any lengths, into one model run")
+    length_aware_batching: bool = setting(
+        True,
+        "split queued requests of different lengths into runs where padding would cost more than another run (a "
+        "cost model fitted at warm-up); false: one run padded to the longest",
+    )
+    max_queue_delay_us: int = setting(
+        0,
+        "how long a partial batch may wait for more requests (0 = run at once when a worker is free; batches "
+        "still form under load)",
+    )
+    max_queue_size: int = setting(256, "requests allowed to wait for a worker; beyond it RESOURCE_EXHAUSTED at once")
+    max_q_len: int = setting(512, "longest query a request may carry")
+    max_kv_len: int = setting(512, "longest key/value a request may carry")
+    max_message_bytes: int = setting(0, "gRPC message size limit, both ways (0 = derived from the limits above)")
     # Per connection. Above max_queue_size, so a burst meets the queue (RESOURCE_EXHAUSTED, which names the
     # limit) before HTTP/2 refuses streams (the client sees UNAVAILABLE "Stream removed").
-    max_concurrent_streams: int = 1024
-    reuse_port: bool = False  # let several server processes share the port (SO_REUSEPORT)
+    max_concurrent_streams: int = setting(1024, "concurrent RPCs per client connection")
+    reuse_port: bool = setting(
+        False,
+        "share the port with other mhaserve processes (SO_REUSEPORT): the kernel spreads connections over them, "
+        "one Python event loop per core",
+    )
     # Every request queued or running counts its inputs and outputs; beyond this RESOURCE_EXHAUSTED, so a
     # burst of large requests meets a clear refusal rather than the kernel's out-of-memory killer.
-    max_inflight_bytes: int = 1 << 30
-    tls_cert_file: Path | None = None  # with tls_key_file: TLS on the gRPC port
-    tls_key_file: Path | None = None
-    tls_client_ca_file: Path | None = None  # mutual TLS: clients must present a certificate signed by this CA
-    auth_token_file: Path | None = None  # bearer token required on every RPC but health (or $MHASERVE_AUTH_TOKEN)
+    max_inflight_bytes: int = setting(
+        1 << 30,
+        "memory that requests in flight may take (inputs, answers until written, ONNX Runtime's run workspace); "
+        "beyond it RESOURCE_EXHAUSTED at once",
+    )
+    tls_cert_file: Path | None = setting(
+        None, "PEM certificate (chain) of the gRPC port; with --tls-key-file turns TLS on"
+    )
+    tls_key_file: Path | None = setting(None, "PEM private key of --tls-cert-file")
+    tls_client_ca_file: Path | None = setting(
+        None, "PEM CA bundle; clients must present a certificate it signed (mutual TLS)"
+    )
+    auth_token_file: Path | None = setting(
+        None,
+        "file holding the bearer token every RPC but health must carry (or set $MHASERVE_AUTH_TOKEN; none: no token)",
+    )
     # A client that stops answering HTTP/2 pings (vanished without closing, a network partition) has its
     # connection closed, and its calls cancelled, after keepalive_time_s + keepalive_timeout_s.
-    keepalive_time_s: float = 30.0
-    keepalive_timeout_s: float = 10.0
+    keepalive_time_s: float = setting(30.0, "ping each client connection after this many idle seconds")
+    keepalive_timeout_s: float = setting(10.0, "close a connection whose ping is not answered within this many seconds")
     # An answer not taken by its client within this (gRPC or HTTP) is dropped, its call cancelled: until
     # then it counts in max_inflight_bytes, so clients that do not read hold the budget, not more.
-    write_timeout_s: float = 30.0
-    drain_seconds: float = 1.0  # SIGTERM: refuse new calls with a retryable status this long before closing
-    grace_seconds: float = 10.0  # SIGTERM: how long in-flight requests may take to finish
-    max_health_watchers: int = 64  # grpc.health.v1 Watch streams open at once; beyond, RESOURCE_EXHAUSTED
-    warmup_runs: int = 2  # model runs at each warm-up shape before reporting ready (0 = none)
-    metrics_port: int = 8002  # Prometheus endpoint; 0 = any free port, -1 = none
+    write_timeout_s: float = setting(
+        30.0,
+        "seconds a client may take to read its answer (gRPC and HTTP); a slower one has its call cancelled (HTTP:"
+        " its connection closed) and the request is counted CANCELLED",
+    )
+    drain_seconds: float = setting(
+        1.0,
+        "on SIGTERM/SIGINT, keep the port open this long, refusing new calls with UNAVAILABLE (retryable), before"
+        " closing it",
+    )
+    grace_seconds: float = setting(10.0, "on SIGTERM/SIGINT, time for in-flight requests to finish")
+    max_health_watchers: int = setting(
+        64,
+        "health Watch streams open at once (health needs no token); beyond, RESOURCE_EXHAUSTED (Check is not limited)",
+    )
+    warmup_runs: int = setting(2, "model runs at each warm-up shape before reporting ready (0 = none)")
+    metrics_port: int = setting(
+        8002, "Prometheus metrics port (0 = any free port, -1 = no endpoint); it serves /metrics only"
+    )
     # Plain HTTP with no token: loopback unless asked, whatever --host is (a scraper elsewhere: its address).
-    metrics_host: str = "127.0.0.1"
-    log_level: str = "INFO"
-
-    HELP = {
-        "model_dir": "model folder written by 'mhaserve export' (default: the embedded default model)",
-        "model_repository": "serve a model repository instead: DIR/<model>/<version>/ folders written by "
-        "'mhaserve export --repository DIR --name NAME'",
-        "model_control_mode": "none: load the repository at start; poll: also rescan it every "
-        "--repository-poll-secs (new versions load, removed ones unload); explicit: load only --load-model "
-        "at start, then what RepositoryModelLoad/Unload ask for",
-        "repository_poll_secs": "poll mode: seconds between rescans of the repository",
-        "load_model": "explicit mode: a model to load at start (repeat it, or comma-separate; '*' = all)",
-        "version_policy": "which versions of each model serve: latest (latest:N for the newest N), all, or "
-        "specific:V[,V...]",
-        "host": "address to listen on",
-        "port": "gRPC port (0 = any free port)",
-        "http_port": "HTTP/REST port, the same protocol as gRPC (0 = any free port, -1 = no HTTP)",
-        "http_read_timeout_s": "seconds an HTTP request's body may take to arrive; a slower client is answered "
-        "504 and dropped",
-        "http_idle_timeout_s": "seconds an HTTP connection may stay open without a request",
-        "http_max_connections": "HTTP connections open at once; beyond, new ones are answered 503 and closed",
-        "device": "auto: CUDA when really usable, else CPU with a warning; cuda: refuse to start without it",
-        "cuda_tf32": "on CUDA, let float32 matrix products run in TF32 on tensor cores (ONNX Runtime's own default: "
-        "inputs rounded to 10 bits of mantissa, as float16's, which puts the scores of large inputs off by "
-        "their magnitude times 1e-3); false (the default): exact float32 products",
-        "intra_op_threads": "ONNX Runtime threads per run (0 = one per core)",
-        "inference_workers": "model runs allowed at once",
-        "inference_nice": "nice value of the inference threads, ONNX Runtime's included (Linux; 0-19, 0 = "
-        "same priority as the gRPC thread that receives, refuses and answers requests)",
-        "max_batch_size": "largest batch a request may carry (RESOURCE_EXHAUSTED beyond); also the most rows "
-        "dynamic batching merges into one run",
-        "dynamic_batching": "merge concurrent requests, of any lengths, into one model run",
-        "length_aware_batching": "split queued requests of different lengths into runs where padding would cost "
-        "more than another run (a cost model fitted at warm-up); false: one run padded to the longest",
-        "max_queue_delay_us": "how long a partial batch may wait for more requests (0 = run at once when a "
-        "worker is free; batches still form under load)",
-        "max_queue_size": "requests allowed to wait for a worker; beyond it RESOURCE_EXHAUSTED at once",
-        "max_q_len": "longest query a request may carry",
-        "max_kv_len": "longest key/value a request may carry",
-        "max_message_bytes": "gRPC message size limit, both ways (0 = derived from the limits above)",
-        "max_concurrent_streams": "concurrent RPCs per client connection",
-        "reuse_port": "share the port with other mhaserve processes (SO_REUSEPORT): the kernel spreads "
-        "connections over them, one Python event loop per core",
-        "max_inflight_bytes": "memory that requests in flight may take (inputs, answers until written, ONNX "
-        "Runtime's run workspace); beyond it RESOURCE_EXHAUSTED at once",
-        "tls_cert_file": "PEM certificate (chain) of the gRPC port; with --tls-key-file turns TLS on",
-        "tls_key_file": "PEM private key of --tls-cert-file",
-        "tls_client_ca_file": "PEM CA bundle; clients must present a certificate it signed (mutual TLS)",
-        "auth_token_file": "file holding the bearer token every RPC but health must carry (or set "
-        "$MHASERVE_AUTH_TOKEN; none: no token)",
-        "keepalive_time_s": "ping each client connection after this many idle seconds",
-        "keepalive_timeout_s": "close a connection whose ping is not answered within this many seconds",
-        "write_timeout_s": "seconds a client may take to read its answer (gRPC and HTTP); a slower one has its "
-        "call cancelled (HTTP: its connection closed) and the request is counted CANCELLED",
-        "drain_seconds": "on SIGTERM/SIGINT, keep the port open this long, refusing new calls with UNAVAILABLE "
-        "(retryable), before closing it",
-        "grace_seconds": "on SIGTERM/SIGINT, time for in-flight requests to finish",
-        "max_health_watchers": "health Watch streams open at once (health needs no token); beyond, "
-        "RESOURCE_EXHAUSTED (Check is not limited)",
-        "warmup_runs": "model runs at each warm-up shape before reporting ready (0 = none)",
-        "metrics_port": "Prometheus metrics port (0 = any free port, -1 = no endpoint); it serves /metrics only",
-        "metrics_host": "address of the metrics port, apart from --host: plain HTTP with no token, so loopback "
-        "unless a scraper elsewhere needs it",
-        "log_level": "DEBUG, INFO, WARNING or ERROR",
-    }
+    metrics_host: str = setting(
+        "127.0.0.1",
+        "address of the metrics port, apart from --host: plain HTTP with no token, so loopback unless a scraper "
+        "elsewhere needs it",
+    )
+    log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR")
 
     def message_limits(self, d_model: int, num_heads: int) -> tuple[int, int]:
         """(receive, send) byte limits: the configured limit for both, or the largest request and the largest
@@ -199,7 +214,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
             type=convert,
             default=None if repeated else default,
             action="append" if repeated else "store",
-            help=f"{ServerSettings.HELP[f.name]} [env {env}; default {getattr(defaults, f.name) or 'none'}]",
+            help=f"{f.metadata['help']} [env {env}; default {getattr(defaults, f.name) or 'none'}]",
         )
         if repeated:
             parser.set_defaults(**{f.name + "_default": default})

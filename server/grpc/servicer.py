@@ -41,65 +41,73 @@ def answering_errors(method):
     return answer
 
 
+class ProtocolAnswers:
+    """The protocol's RPCs other than inference, as plain functions of the request: protobuf in, the data
+    plane's answer as protobuf out, refusals raised as RequestErrors. The native servicer and each Ray replica
+    answer them alike, each mapping the refusals to its own call's status."""
+
+    def __init__(self, dataplane: DataPlane):
+        self.dataplane = dataplane
+
+    async def ServerLive(self, request):
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request):
+        return pb.ServerReadyResponse(ready=self.dataplane.reports_ready)
+
+    async def ModelReady(self, request):
+        return pb.ModelReadyResponse(ready=self.dataplane.model_ready(request.name, request.version))
+
+    async def ServerMetadata(self, request):
+        return json_format.ParseDict(describe.server_metadata(), pb.ServerMetadataResponse())
+
+    async def ModelMetadata(self, request):
+        served = self.dataplane.resolve(request.name, request.version)
+        metadata = describe.model_metadata(served, self.dataplane.ready_versions(served.signature.name))
+        return json_format.ParseDict(metadata, pb.ModelMetadataResponse())
+
+    async def ModelConfig(self, request):
+        served = self.dataplane.resolve(request.name, request.version)
+        return pb.ModelConfigResponse(config=json_format.ParseDict(describe.model_config(served), mc.ModelConfig()))
+
+    async def ModelStatistics(self, request):
+        served = self.dataplane.statistics_of(request.name, request.version)
+        stats = {"model_stats": [describe.model_statistics(m) for m in served]}
+        return json_format.ParseDict(stats, pb.ModelStatisticsResponse())
+
+    async def RepositoryIndex(self, request):
+        _check_repository_name(request.repository_name)
+        rows = describe.repository_index(self.dataplane.index(ready_only=request.ready))
+        return json_format.ParseDict({"models": rows}, pb.RepositoryIndexResponse())
+
+    async def RepositoryModelLoad(self, request):
+        _check_repository_name(request.repository_name)
+        await self.dataplane.load_model(request.model_name, list(request.parameters))
+        return pb.RepositoryModelLoadResponse()
+
+    async def RepositoryModelUnload(self, request):
+        _check_repository_name(request.repository_name)
+        await self.dataplane.unload_model(request.model_name)
+        return pb.RepositoryModelUnloadResponse()
+
+
+ANSWERED_RPCS = tuple(name for name in vars(ProtocolAnswers) if name[0].isupper())
+
+
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     """Protobuf to and from the data plane; every decision (which version, whether to refuse) is the data
     plane's, and its RequestErrors become statuses through ``answering_errors``."""
 
     def __init__(self, dataplane: DataPlane, protocol: str = "grpc"):
         self.dataplane = dataplane
-        self.protocol = protocol  # what inference calls are counted as (Ray's replicas answer the same RPCs)
-
-    async def ServerLive(self, request, context):
-        return pb.ServerLiveResponse(live=True)
-
-    async def ServerReady(self, request, context):
-        return pb.ServerReadyResponse(ready=self.dataplane.reports_ready)
-
-    @answering_errors
-    async def ModelReady(self, request, context):
-        return pb.ModelReadyResponse(ready=self.dataplane.model_ready(request.name, request.version))
-
-    async def ServerMetadata(self, request, context):
-        return json_format.ParseDict(describe.server_metadata(), pb.ServerMetadataResponse())
-
-    @answering_errors
-    async def ModelMetadata(self, request, context):
-        served = self.dataplane.resolve(request.name, request.version)
-        metadata = describe.model_metadata(served, self.dataplane.ready_versions(served.signature.name))
-        return json_format.ParseDict(metadata, pb.ModelMetadataResponse())
-
-    @answering_errors
-    async def ModelConfig(self, request, context):
-        served = self.dataplane.resolve(request.name, request.version)
-        return pb.ModelConfigResponse(config=json_format.ParseDict(describe.model_config(served), mc.ModelConfig()))
-
-    @answering_errors
-    async def ModelStatistics(self, request, context):
-        served = self.dataplane.statistics_of(request.name, request.version)
-        stats = {"model_stats": [describe.model_statistics(m) for m in served]}
-        return json_format.ParseDict(stats, pb.ModelStatisticsResponse())
-
-    @answering_errors
-    async def RepositoryIndex(self, request, context):
-        _check_repository_name(request.repository_name)
-        rows = describe.repository_index(self.dataplane.index(ready_only=request.ready))
-        return json_format.ParseDict({"models": rows}, pb.RepositoryIndexResponse())
-
-    @answering_errors
-    async def RepositoryModelLoad(self, request, context):
-        _check_repository_name(request.repository_name)
-        await self.dataplane.load_model(request.model_name, list(request.parameters))
-        return pb.RepositoryModelLoadResponse()
-
-    @answering_errors
-    async def RepositoryModelUnload(self, request, context):
-        _check_repository_name(request.repository_name)
-        await self.dataplane.unload_model(request.model_name)
-        return pb.RepositoryModelUnloadResponse()
+        self.answers = ProtocolAnswers(dataplane)
+        self.protocol = protocol  # what inference calls are counted as
 
     @answering_errors
     async def ModelInfer(self, request, context):
         async with self.dataplane.inference(self.protocol, context.time_remaining()) as call:
+            if isinstance(request, RequestError):  # bytes that were no request message
+                raise request
             answer = await infer_grpc(call, request)
             call.deliver_later()
         written = asyncio.get_running_loop().create_future()  # gRPC writes a unary answer after the handler
@@ -160,6 +168,21 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             await write
 
 
+def _answered(name: str):
+    @answering_errors
+    async def rpc(self, request, context):
+        if isinstance(request, RequestError):  # bytes that were no request message
+            raise request
+        return await getattr(self.answers, name)(request)
+
+    rpc.__name__ = rpc.__qualname__ = name
+    return rpc
+
+
+for _name in ANSWERED_RPCS:
+    setattr(InferenceServicer, _name, _answered(_name))
+
+
 async def infer_grpc(call: InferenceCall, request: pb.ModelInferRequest, streamed: bool = False) -> bytes:
     """One ModelInferRequest through the data plane, as the native server and each Ray replica answer it."""
     response = await call.infer(
@@ -187,8 +210,8 @@ def _parsing_unary(behavior, request_class, off_loop):
         try:
             try:
                 request = await _parsed(request_class, raw, off_loop)
-            except DecodeError:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _undecodable(request_class, raw))
+            except DecodeError:  # the method refuses it, so that an inference call counts the refusal
+                request = RequestError(ErrorKind.INVALID_ARGUMENT, _undecodable(request_class, raw))
             return await behavior(request, context)
         except BaseException as error:
             _forget_locals(error)

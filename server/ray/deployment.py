@@ -3,9 +3,9 @@ answering with the native server's gRPC codec (same checks, same statuses), its 
 "ray".
 
 Ray's proxy hands a replica the parsed request and a RayServegRPCContext, and serialises what the replica
-returns; a refusal is a status set on that context. ModelInfer goes straight to the data plane; the other RPCs
-go through InferenceServicer, to which ``ProxiedCall`` gives the few things it asks of a grpc.aio call, so that
-nothing of the servicer is copied here.
+returns; a refusal is a status set on that context. Inference goes straight to the data plane with the gRPC
+codec; the other RPCs are the native servicer's ``ProtocolAnswers``, so that nothing of the servicer is copied
+here.
 
 Needs the ``[ray]`` extra; the native server never imports this.
 """
@@ -16,7 +16,6 @@ import logging
 import os
 from pathlib import Path
 
-import grpc
 from ray import serve
 
 from mhaserve.protos.generated import grpc_service_pb2 as pb
@@ -24,13 +23,13 @@ from mhaserve.protos.generated import grpc_service_pb2 as pb
 from ..config import ServerSettings
 from ..dataplane import DataPlane
 from ..errors import RequestError
-from ..grpc.servicer import GRPC_STATUS, InferenceServicer, infer_grpc
+from ..grpc.servicer import GRPC_STATUS, ProtocolAnswers, infer_grpc
 from .proxy import SERVICER_FUNCTION
 
 log = logging.getLogger("mhaserve.server")
 
 SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
-# The unary RPCs a replica answers through InferenceServicer (ModelInfer and ModelStreamInfer are defined on
+# The unary RPCs a replica answers with ProtocolAnswers (ModelInfer and ModelStreamInfer are defined on
 # OipReplica). The repository extension is left out: a replica serves the one folder it was deployed with, and
 # loading another is a redeploy.
 UNARY_RPCS = (
@@ -42,10 +41,6 @@ UNARY_RPCS = (
     "ModelConfig",
     "ModelStatistics",
 )
-
-
-class _Refused(Exception):
-    """The servicer aborted the call: its status is on the proxy's context."""
 
 
 class _Serialized:
@@ -61,35 +56,6 @@ class _Serialized:
         return self.data
 
 
-class ProxiedCall:
-    """What InferenceServicer asks of a grpc.aio ServicerContext, for a call that came through Ray's proxy."""
-
-    def __init__(self, grpc_context):
-        self._context = grpc_context
-        self._done = []
-        self.written = []  # a stream's answers, for the replica to yield
-
-    async def abort(self, code: grpc.StatusCode, details: str):
-        self._context.set_code(code)
-        self._context.set_details(details)
-        raise _Refused
-
-    def time_remaining(self) -> None:
-        # The proxy does not pass the client's deadline on; when it passes, the proxy cancels this call.
-        return None
-
-    def add_done_callback(self, callback) -> None:
-        self._done.append(callback)
-
-    def finished(self) -> None:
-        """The answer is with the proxy: what waited for gRPC to write it is done."""
-        for callback in self._done:
-            callback(self)
-
-    async def write(self, message) -> None:
-        self.written.append(message)
-
-
 class OipReplica:
     """One Ray Serve replica: a DataPlane over the deployed model folder, answering the OIP's RPCs.
 
@@ -102,7 +68,7 @@ class OipReplica:
         values.update(settings or {})
         self.dataplane = DataPlane(ServerSettings(**values), Path(model_dir))
         await self.dataplane.start()
-        self.servicer = InferenceServicer(self.dataplane, protocol="ray")
+        self.answers = ProtocolAnswers(self.dataplane)
         signature = next(iter(self.dataplane.served_models())).signature
         log.info("replica serving model=%s version=%s on node %s", signature.name, signature.version, _node_id())
 
@@ -110,30 +76,25 @@ class OipReplica:
         """Straight through the data plane with the gRPC codec; the proxy writes the answer."""
         try:
             async with self.dataplane.inference("ray") as call:
-                answer = await infer_grpc(call, request)
+                return _Serialized(await infer_grpc(call, request))
         except RequestError as error:
-            grpc_context.set_code(GRPC_STATUS[error.kind])
-            grpc_context.set_details(error.message)
-            return pb.ModelInferResponse()
-        return _Serialized(answer)
-
-    async def _answer(self, method: str, request, grpc_context):
-        call = ProxiedCall(grpc_context)
-        try:
-            answer = await getattr(self.servicer, method)(request, call)
-        except _Refused:
-            return getattr(pb, SERVICE.methods_by_name[method].output_type.name)()
-        call.finished()
-        return _Serialized(answer) if isinstance(answer, bytes) else answer
+            return _refused(grpc_context, error, pb.ModelInferResponse)
 
     async def ModelStreamInfer(self, requests, grpc_context):  # noqa: N802 (the protocol's name)
         """Answers in request order, a refusal as the answer's error_message (as the native server)."""
         async for request in requests:
-            call = ProxiedCall(grpc_context)
-            await self.servicer.ModelStreamInfer(_one(request), call)
-            call.finished()
-            for answer in call.written:
-                yield _Serialized(answer) if isinstance(answer, bytes) else answer
+            try:
+                async with self.dataplane.inference("ray") as call:
+                    answer = _Serialized(await infer_grpc(call, request, streamed=True))
+            except RequestError as error:
+                answer = pb.ModelStreamInferResponse(error_message=f"{error.kind.name}: {error.message}")
+            yield answer
+
+    async def _answer(self, method: str, request, grpc_context):
+        try:
+            return await getattr(self.answers, method)(request)
+        except RequestError as error:
+            return _refused(grpc_context, error, getattr(pb, SERVICE.methods_by_name[method].output_type.name))
 
     def check_health(self) -> None:
         """Ray's replica health check: a draining or unready data plane is restarted elsewhere."""
@@ -153,8 +114,11 @@ for _method in UNARY_RPCS:
     setattr(OipReplica, _method, _unary(_method))
 
 
-async def _one(request):
-    yield request
+def _refused(grpc_context, error: RequestError, response_type):
+    """The refusal as the proxied call's status (the one place a replica maps the data plane's refusals)."""
+    grpc_context.set_code(GRPC_STATUS[error.kind])
+    grpc_context.set_details(error.message)
+    return response_type()
 
 
 def _reserved_cpus() -> int:

@@ -27,7 +27,7 @@ def _refusal(limit: int, what: str) -> bytes:
     return head.encode() + body
 
 
-class _Refused(asyncio.Protocol):
+class _OverCapConnection(asyncio.Protocol):
     """A connection over the cap: answered 503 at once, whatever it sends, then closed."""
 
     def __init__(self, response: bytes):
@@ -76,7 +76,7 @@ class CappedSite(web.TCPSite):
     def _protocol(self) -> asyncio.Protocol:
         server = self._runner.server
         if len(server.connections) >= self._max_connections:
-            return _Refused(self._refusal)
+            return _OverCapConnection(self._refusal)
         return _RequestHandler(server, loop=asyncio.get_running_loop(), **self._handler)
 
     async def start(self) -> None:

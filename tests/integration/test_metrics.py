@@ -51,8 +51,9 @@ def test_metrics_endpoint_can_be_turned_off(start_server, small_model_dir):
 
 
 def test_refusals_a_transport_makes_before_the_model_is_known_are_counted(start_server, small_model_dir):
-    """A bad header length, a body over the limit, a body that never arrives and an undecodable streamed message
-    are refused before any model is resolved: counted under empty model labels, by status and protocol."""
+    """A bad header length, a body over the limit, a body that never arrives and an undecodable message, streamed
+    or unary, are refused before any model is resolved: counted under empty model labels, by status and
+    protocol."""
     import socket
     import urllib.error
     import urllib.request
@@ -76,7 +77,11 @@ def test_refusals_a_transport_makes_before_the_model_is_known_are_counted(start_
             response_deserializer=pb.ModelStreamInferResponse.FromString,
         )
         answers = list(stream(iter([b"\xff\xff not a message"]), timeout=10))
+        unary = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer", request_serializer=lambda raw: raw)
+        with pytest.raises(grpc.RpcError) as refused:
+            unary(b"\xff\xff not a message", timeout=10)
     assert answers[0].error_message.startswith("INVALID_ARGUMENT")
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not a valid" in refused.value.details()
     samples = scrape(server.metrics_url)
 
     def unresolved(status, protocol):
@@ -86,4 +91,4 @@ def test_refusals_a_transport_makes_before_the_model_is_known_are_counted(start_
     assert unresolved("INVALID_ARGUMENT", "http") == 1
     assert unresolved("RESOURCE_EXHAUSTED", "http") == 1
     assert unresolved("DEADLINE_EXCEEDED", "http") == 1
-    assert unresolved("INVALID_ARGUMENT", "grpc") == 1
+    assert unresolved("INVALID_ARGUMENT", "grpc") == 2
