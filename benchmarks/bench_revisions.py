@@ -26,7 +26,7 @@ from mhaserve.loadtest.loadgen import LoadGenerator, Point, Workload, default_pr
 from mhaserve.testing.server_process import ServerProcess
 
 ROOT = Path(__file__).resolve().parent.parent
-# The wheel's packages and the folders they come from (pyproject.toml's package-dir).
+# The wheel's packages and the folders they come from (setup.py's PARTS).
 PACKAGE_FOLDERS = {"model": "model", "export": "export", "server": "server", "protos": "protos"}
 POINTS = [(16, 1), (16, 16), (128, 1), (128, 16)]  # (length, concurrency) at [1, L, 512]
 

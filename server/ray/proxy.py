@@ -1,5 +1,5 @@
 """What Ray Serve's gRPC proxy imports (gRPCOptions.grpc_servicer_functions): the OIP service's method table,
-and one correction to the statuses the proxy answers. Kept apart from ray_serve.py so that the proxy process
+and one correction to the statuses the proxy answers. Kept apart from deployment.py so that the proxy process
 loads grpc and the stubs only, not ONNX Runtime.
 """
 
