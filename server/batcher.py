@@ -35,10 +35,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mhaserve.contract.signature import ATTN_WEIGHTS, ATTN_WEIGHTS_MEAN, OUTPUT, graph_outputs_for
+from mhaserve.contract.signature import ATTN_WEIGHTS, OUTPUT, graph_outputs_for
 
 from .errors import ErrorKind, RequestError
 from .run_cost import RunCost, plan_runs
+from .shaping import shaped_weights
 from .tensors import AttentionRequest, count_non_finite
 
 
@@ -140,19 +141,19 @@ def merge(requests: list[AttentionRequest]) -> Merged:
     return Merged(query, key, value, mask, outputs, parts)
 
 
-def split(merged: Merged, results: dict[str, np.ndarray], request_outputs: list[tuple[str, ...]]):
-    """Each request's own rows of the merged results, holding only the outputs it asked for."""
+def split(merged: Merged, results: dict[str, np.ndarray], requests: list[AttentionRequest]):
+    """Each request's own rows of the merged results, holding only the outputs it asked for, its weights shaped
+    as it asked (shaping.shaped_weights)."""
     answers = []
-    for (start, batch, lq, lk), wanted in zip(merged.parts, request_outputs, strict=True):
+    for (start, batch, lq, lk), request in zip(merged.parts, requests, strict=True):
         rows = slice(start, start + batch)
         answer = {}
-        if OUTPUT in wanted:
+        if OUTPUT in request.outputs:
             answer[OUTPUT] = results[OUTPUT][rows, :lq]
-        if ATTN_WEIGHTS in wanted:
-            answer[ATTN_WEIGHTS] = results[ATTN_WEIGHTS][rows, :, :lq, :lk]
-        if ATTN_WEIGHTS_MEAN in wanted:
-            answer[ATTN_WEIGHTS_MEAN] = results[ATTN_WEIGHTS][rows, :, :lq, :lk].mean(axis=1)
-        answers.append(answer)
+        if ATTN_WEIGHTS in results:
+            weights = results[ATTN_WEIGHTS][rows, :, :lq, :lk]
+            answer.update(shaped_weights(weights, request.outputs, request.shaping))
+        answers.append({name: answer[name] for name in request.outputs})  # in the order asked for
     return answers
 
 
@@ -339,7 +340,7 @@ class Batcher:
         merged_at = time.perf_counter_ns()
         arrays = self._run_model(merged.outputs, merged.query, merged.key, merged.value, merged.mask)
         ran_at = time.perf_counter_ns()
-        answers = split(merged, dict(zip(merged.outputs, arrays, strict=True)), [r.outputs for r in requests])
+        answers = split(merged, dict(zip(merged.outputs, arrays, strict=True)), requests)
         errors = [overflow_error(answer, self.computed_in) for answer in answers]
         finished = time.perf_counter_ns()
         rows = merged.query.shape[0]

@@ -14,7 +14,7 @@ from .statistics import Duration
 
 PLATFORM = "onnxruntime_onnx"
 EXTENSIONS = ["model_configuration", "model_repository", "statistics", "binary_tensor_data"]
-CONFIG_DATA_TYPES = {"FP16": "TYPE_FP16", "FP32": "TYPE_FP32", "BOOL": "TYPE_BOOL"}
+CONFIG_DATA_TYPES = {"FP16": "TYPE_FP16", "FP32": "TYPE_FP32", "BOOL": "TYPE_BOOL", "INT64": "TYPE_INT64"}
 
 
 def server_metadata() -> dict:

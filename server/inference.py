@@ -13,6 +13,7 @@ from types import MappingProxyType
 
 import numpy as np
 
+from .shaping import weights_shaping
 from .tensors import AttentionRequest, Limits, ModelSignature, build_request
 
 NO_PARAMETERS: Mapping[str, object] = MappingProxyType({})
@@ -70,5 +71,12 @@ class InferenceResponse:
 
 
 def attention_request(request: InferenceRequest, model: ModelSignature, limits: Limits) -> AttentionRequest:
-    """``request`` checked against the model and the limits: arrays ready for the graph (RequestError otherwise)."""
-    return build_request(request.inputs, request.id, (o.name for o in request.outputs), model, limits)
+    """``request`` checked against the model and the limits: arrays ready for the graph, and what it asked of
+    the weights (RequestError otherwise)."""
+    named = tuple(o.name for o in request.outputs)
+    attention = build_request(request.inputs, request.id, named, model, limits)
+    q_len, kv_len = attention.query.shape[1], attention.key.shape[1]
+    attention.shaping, outputs = weights_shaping(request.parameters, named, model.num_heads, q_len, kv_len)
+    if outputs is not None:
+        attention.outputs = outputs
+    return attention

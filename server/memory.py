@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import heapq
 
-from mhaserve.contract.signature import ATTN_WEIGHTS, ATTN_WEIGHTS_MEAN
-
 from .errors import ErrorKind, RequestError
+from .shaping import weights_answer_bytes
 from .tensors import AttentionRequest, weights_dtype
 
 F32 = 4
@@ -43,15 +42,13 @@ def run_workspace_bytes(batch: int, q_len: int, kv_len: int, d_model: int, num_h
 
 def answer_bytes(request: AttentionRequest, num_heads: int, precision: str = "fp32") -> int:
     """What the answer holds from its encoding until it is written: the outputs asked for, as copied
-    (the weights in the datatype the model's ``precision`` returns them in)."""
+    (the weights in the datatype the model's ``precision`` returns them in, or the request asked for)."""
     batch, q_len, d_model = request.query.shape
     kv_len = request.key.shape[1]
-    per_weight = weights_dtype(precision).itemsize
     outputs = F32 * batch * q_len * d_model  # output is always returned
-    if ATTN_WEIGHTS in request.outputs:
-        outputs += per_weight * batch * num_heads * q_len * kv_len
-    if ATTN_WEIGHTS_MEAN in request.outputs:
-        outputs += per_weight * batch * q_len * kv_len
+    outputs += weights_answer_bytes(
+        request.shaping, request.outputs, batch, num_heads, q_len, kv_len, weights_dtype(precision).itemsize
+    )
     return ANSWER_COPIES * outputs
 
 

@@ -18,6 +18,7 @@ from mhaserve.contract.datatypes import DATATYPES
 from mhaserve.contract.signature import DEFAULT_OUTPUT_NAMES, INPUT_NAMES, OUTPUT_NAMES, WEIGHTS_DATATYPES
 
 from .errors import ErrorKind, RequestError, invalid
+from .shaping import NO_SHAPING, WeightsShaping
 
 
 def weights_dtype(precision: str) -> np.dtype:
@@ -57,6 +58,7 @@ class AttentionRequest:
     value: np.ndarray  # [B, Lk, d] float32
     mask: np.ndarray  # [B|1, 1, Lq|1, Lk] bool; all True when the request had none
     outputs: tuple[str, ...]  # requested outputs, in the order to return them
+    shaping: WeightsShaping = NO_SHAPING  # what the request asked of the weights' outputs
 
     @property
     def batch_size(self) -> int:

@@ -202,6 +202,27 @@ def _model_width(client, args, timeout: float) -> int | None:
         return None
 
 
+def _add_weights_arguments(p) -> None:
+    """What a request asks of the attention weights: the server's attn_* request parameters."""
+    p.add_argument("--heads", type=_int_list, default=None, help="only these heads' weights, e.g. 0,3")
+    p.add_argument("--rows", default=None, help="only these query rows, a start:stop range, e.g. 0:32")
+    p.add_argument("--keys", default=None, help="only these key positions, a start:stop range")
+    ranked = p.add_mutually_exclusive_group()
+    ranked.add_argument("--top-k", type=int, default=None, help="the k highest-weighted keys of each query row "
+                        "(values and key positions)")  # fmt: skip
+    ranked.add_argument("--top-p", type=float, default=None, help="each row's fewest keys holding this fraction "
+                        "of its weight")  # fmt: skip
+    p.add_argument("--weights-precision", choices=("fp32", "fp16"), default=None,
+                   help="the weights' datatype (fp16: half the bytes; default: the model's)")  # fmt: skip
+
+
+def _weights_options(args):
+    from mhaserve.client import WeightsOptions
+
+    options = WeightsOptions(args.heads, args.rows, args.keys, args.top_k, args.top_p, args.weights_precision)
+    return options if options.parameters() else None
+
+
 def _add_infer(sub) -> None:
     p = sub.add_parser("infer", help="call a server with random or .npy inputs; print shapes and latency")
     _add_connection_arguments(p)
@@ -220,10 +241,11 @@ def _add_infer(sub) -> None:
     p.add_argument("--timeout", type=float, default=30.0, help="deadline per call, seconds")
     p.add_argument("--save", type=Path, help="write inputs and outputs to this .npz")
     p.add_argument("--heatmap", type=Path, help="draw one item's attention weights to this .png (needs the plot extra)")
-    p.add_argument("--head", type=_head, default=0, help="head for --heatmap, or 'mean' for the mean over heads "
-                   "(default 0)")  # fmt: skip
+    p.add_argument("--head", type=_head, default=None, help="head for --heatmap, or 'mean' for the mean over "
+                   "heads (default: the first head asked for)")  # fmt: skip
     p.add_argument("--item", type=int, default=0, help="batch item for --heatmap (default 0)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    _add_weights_arguments(p)
     p.set_defaults(run=_run_infer)
 
 
@@ -244,9 +266,11 @@ def _run_infer(args) -> int:
 
     from mhaserve.client.http import HttpRequestFailed
 
-    # A heatmap of the mean needs only the mean; one of a head needs every head's weights.
+    weights = _weights_options(args)
+    ranked = weights is not None and weights.ranked
+    # A heatmap of the mean needs only the mean; one of a head needs the heads' weights, or their top keys.
     mean_weights = args.mean_weights or (args.heatmap is not None and args.head == "mean")
-    all_weights = not args.no_weights or (args.heatmap is not None and args.head != "mean")
+    all_weights = not args.no_weights or (args.heatmap is not None and args.head != "mean" and not ranked)
     tls, token = _connection(args)
     with _client(args, tls, token) as client:
         d_model = _model_width(client, args, timeout=args.timeout)
@@ -267,18 +291,17 @@ def _run_infer(args) -> int:
             for _ in range(max(1, args.repeat)):
                 started = time.perf_counter()
                 result = client.infer(
-                    **arrays, attn_weights=all_weights, attn_weights_mean=mean_weights, timeout=args.timeout
+                    **arrays,
+                    attn_weights=all_weights,
+                    attn_weights_mean=mean_weights,
+                    timeout=args.timeout,
+                    weights=weights,
                 )
                 latencies.append((time.perf_counter() - started) * 1000)
         except (grpc.RpcError, HttpRequestFailed) as error:
             print(_failure(error), file=sys.stderr)
             return 1
-    outputs = {
-        "output": result.output,
-        "attn_weights": result.attn_weights,
-        "attn_weights_mean": result.attn_weights_mean,
-    }
-    outputs = {name: array for name, array in outputs.items() if array is not None}
+    outputs = result.outputs
     shapes = ", ".join(f"{k} {list(v.shape)} {v.dtype}" for k, v in arrays.items())
     print(f"inputs: {shapes}")
     print("  ".join(f"{name}: {list(array.shape)}" for name, array in outputs.items()))
@@ -297,16 +320,39 @@ def _run_infer(args) -> int:
         batch = result.output.shape[0]
         if not 0 <= args.item < batch:
             raise UsageError(f"--item {args.item}: the batch has items 0..{batch - 1}")
-        if args.head == "mean":
-            weights, what = result.attn_weights_mean[args.item], "mean over heads"
-        else:
-            heads = result.attn_weights.shape[1]
-            if not 0 <= args.head < heads:
-                raise UsageError(f"--head {args.head}: the model has heads 0..{heads - 1} (or 'mean')")
-            weights, what = result.attn_weights[args.item, args.head], f"head {args.head}"
-        write_heatmap(weights, args.heatmap, title=f"{args.model}: item {args.item}, {what}")
+        kv_len = arrays.get("key", arrays["query"]).shape[1]
+        drawn, what = _heatmap_weights(result, args, weights, kv_len)
+        write_heatmap(drawn, args.heatmap, title=f"{args.model}: item {args.item}, {what}")
         print(f"wrote {args.heatmap} (item {args.item}, {what})")
     return 0
+
+
+def _heatmap_weights(result, args, options, kv_len: int):
+    """The [Lq', Lk] map to draw for ``--head`` and what it shows: the head's (or the mean's) weights as asked
+    for, or its top keys as a sparse map over every key position."""
+    import numpy as np
+
+    item = args.item
+    if args.head == "mean":
+        return result.attn_weights_mean[item], "mean over heads"
+    chosen = list(options.heads) if options is not None and options.heads is not None else None
+    head = args.head if args.head is not None else (chosen[0] if chosen else 0)
+    if chosen is not None and head not in chosen:
+        raise UsageError(f"--head {head}: the request asked for heads {','.join(map(str, chosen))} only")
+    position = chosen.index(head) if chosen is not None else head
+    if result.top_k is not None:
+        if not 0 <= position < result.top_k[0].shape[1]:
+            raise UsageError(f"--head {head}: the model has heads 0..{result.top_k[0].shape[1] - 1}")
+        values, indices = (array[item, position] for array in result.top_k)
+        sparse = np.zeros((values.shape[0], kv_len), np.float32)
+        rows = np.arange(values.shape[0])[:, None].repeat(values.shape[1], axis=1)
+        kept = indices >= 0
+        sparse[rows[kept], indices[kept]] = values[kept]
+        return sparse, f"head {head}, top keys"
+    heads = result.attn_weights.shape[1]
+    if not 0 <= position < heads:
+        raise UsageError(f"--head {head}: the model has heads 0..{heads - 1} (or 'mean')")
+    return result.attn_weights[item, position], f"head {head}"
 
 
 def _add_health(sub) -> None:
@@ -376,6 +422,7 @@ def _add_bench(sub) -> None:
     p.add_argument("--json", type=Path, help="write the results as JSON")
     p.add_argument("--csv", type=Path, help="write the results as CSV")
     p.add_argument("--plot-dir", type=Path, help="write latency_percentiles.png and latency_histogram.png here")
+    _add_weights_arguments(p)
     p.set_defaults(run=_run_bench)
 
 
@@ -397,6 +444,7 @@ def _run_bench(args) -> int:
         version=args.version,
         protocol=args.protocol,
         application=args.application or "",
+        weights=_weights_options(args),
     )
     if args.rate:
         points = [Point("open", rate, args.duration, args.warmup) for rate in args.rate]

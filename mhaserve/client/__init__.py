@@ -6,11 +6,11 @@ transport; what both share (TLS, the token, the result) lives in ``common``.
         result = client.infer(query)
 """
 
-from .common import TLS, InferResult, read_token
+from .common import TLS, InferResult, WeightsOptions, read_token
 from .grpc import DEFAULT_RETRY, NO_RETRIES, AsyncClient, Client, RetryPolicy
 from .http import HttpClient, HttpRequestFailed
 
 __all__ = [
     "DEFAULT_RETRY", "NO_RETRIES", "TLS", "AsyncClient", "Client", "HttpClient", "HttpRequestFailed", "InferResult",
-    "RetryPolicy", "read_token",
+    "RetryPolicy", "WeightsOptions", "read_token",
 ]  # fmt: skip

@@ -4,13 +4,13 @@ outputs it asks for, and the result it gets back."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 import numpy as np
 
-from mhaserve.contract.signature import ATTN_WEIGHTS, ATTN_WEIGHTS_MEAN, OUTPUT
+from mhaserve.contract.signature import ATTN_TOP_K_INDICES, ATTN_TOP_K_VALUES, ATTN_WEIGHTS, ATTN_WEIGHTS_MEAN, OUTPUT
 
 TOKEN_ENV = "MHASERVE_TOKEN"  # the bearer token the CLI sends when --token-file is not given
 
@@ -48,6 +48,60 @@ class InferResult:
     id: str = ""
     attn_weights_mean: np.ndarray | None = None  # [B, Lq, Lk], when asked for
     model_version: str = ""  # the version that answered (the newest ready one unless a version was asked for)
+    outputs: dict[str, np.ndarray] = field(default_factory=dict)  # every output returned, by name
+
+    @classmethod
+    def from_outputs(cls, outputs: dict[str, np.ndarray], id: str = "", model_version: str = "") -> InferResult:
+        return cls(
+            outputs.get(OUTPUT), outputs.get(ATTN_WEIGHTS), id, outputs.get(ATTN_WEIGHTS_MEAN), model_version, outputs
+        )
+
+    @property
+    def top_k(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """(values, key positions) [B, h', Lq', k] of a top-k or top-p answer."""
+        if ATTN_TOP_K_VALUES not in self.outputs:
+            return None
+        return self.outputs[ATTN_TOP_K_VALUES], self.outputs.get(ATTN_TOP_K_INDICES)
+
+
+def _range_text(window) -> str | None:
+    if window is None or isinstance(window, str):
+        return window
+    if isinstance(window, slice):
+        start, stop = window.start, window.stop
+    else:
+        start, stop = window
+    return f"{'' if start is None else start}:{'' if stop is None else stop}"
+
+
+@dataclass(frozen=True)
+class WeightsOptions:
+    """What a request asks of the attention weights (the server's ``attn_*`` request parameters): chosen
+    ``heads``, query ``rows`` and a key window ``keys`` (``"0:32"``, ``slice(0, 32)`` or ``(0, 32)``), the
+    ``top_k`` keys of each row or the fewest holding a fraction ``top_p`` of its mass, and ``precision``
+    (``"fp32"`` or ``"fp16"``)."""
+
+    heads: tuple[int, ...] | list[int] | None = None
+    rows: str | slice | tuple | None = None
+    keys: str | slice | tuple | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    precision: str | None = None
+
+    @property
+    def ranked(self) -> bool:
+        return self.top_k is not None or self.top_p is not None
+
+    def parameters(self) -> dict[str, str | int | float]:
+        values = {
+            "attn_heads": ",".join(map(str, self.heads)) if self.heads is not None else None,
+            "attn_rows": _range_text(self.rows),
+            "attn_keys": _range_text(self.keys),
+            "attn_top_k": self.top_k,
+            "attn_top_p": self.top_p,
+            "attn_weights_precision": self.precision.upper() if self.precision else None,
+        }
+        return {name: value for name, value in values.items() if value is not None}
 
 
 def request_inputs(query, key=None, value=None, mask=None) -> list[tuple[str, np.ndarray]]:
@@ -60,6 +114,8 @@ def request_inputs(query, key=None, value=None, mask=None) -> list[tuple[str, np
     ]
 
 
-def requested_outputs(attn_weights: bool, attn_weights_mean: bool) -> list[str]:
-    """The output, every head's weights unless not wanted, and their mean over heads when asked for."""
-    return [OUTPUT] + [ATTN_WEIGHTS] * attn_weights + [ATTN_WEIGHTS_MEAN] * attn_weights_mean
+def requested_outputs(attn_weights: bool, attn_weights_mean: bool, weights: WeightsOptions | None = None) -> list[str]:
+    """The output, every head's weights unless not wanted, their mean over heads when asked for, and the top-k
+    keys' weights and positions when ``weights`` ranks them."""
+    ranked = [ATTN_TOP_K_VALUES, ATTN_TOP_K_INDICES] if weights is not None and weights.ranked else []
+    return [OUTPUT] + [ATTN_WEIGHTS] * attn_weights + [ATTN_WEIGHTS_MEAN] * attn_weights_mean + ranked

@@ -28,11 +28,10 @@ import grpc
 import numpy as np
 
 from mhaserve.contract.datatypes import DATATYPES, datatype_of
-from mhaserve.contract.signature import ATTN_WEIGHTS, ATTN_WEIGHTS_MEAN, OUTPUT
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
 
-from .common import TLS, InferResult, request_inputs, requested_outputs
+from .common import TLS, InferResult, WeightsOptions, request_inputs, requested_outputs
 
 # Large enough for any response of the server's default limits (32 x 512 x 512 with weights);
 # gRPC's own default of 4 MiB fails at [1, 512, 512] with weights.
@@ -118,18 +117,27 @@ def build_infer_request(
     request_id: str = "",
     attn_weights_mean: bool = False,
     version: str = "",
+    weights: WeightsOptions | None = None,
 ) -> pb.ModelInferRequest:
     """One ModelInferRequest with every input as raw bytes (query, key, value FP32; mask as given).
 
-    It asks for the output, the weights of every head unless ``attn_weights`` is false, and their mean
-    over heads when ``attn_weights_mean`` is true; ``version`` empty: the newest ready version.
+    It asks for the output, the weights of every head unless ``attn_weights`` is false, their mean over heads
+    when ``attn_weights_mean`` is true, shaped as ``weights`` says; ``version`` empty: the newest ready version.
     """
     request = pb.ModelInferRequest(model_name=model, model_version=version, id=request_id)
     for name, array in request_inputs(query, key, value, mask):
         request.inputs.add(name=name, datatype=datatype_of(array), shape=array.shape)
         request.raw_input_contents.append(array.tobytes())
-    for name in requested_outputs(attn_weights, attn_weights_mean):
+    for name in requested_outputs(attn_weights, attn_weights_mean, weights):
         request.outputs.add(name=name)
+    for name, value in (weights.parameters() if weights else {}).items():
+        parameter = request.parameters[name]
+        if isinstance(value, str):
+            parameter.string_param = value
+        elif isinstance(value, int):
+            parameter.int64_param = value
+        else:
+            parameter.double_param = value
     return request
 
 
@@ -138,9 +146,7 @@ def parse_infer_response(response: pb.ModelInferResponse) -> InferResult:
     for index, tensor in enumerate(response.outputs):
         dtype = DATATYPES[tensor.datatype]
         arrays[tensor.name] = np.frombuffer(response.raw_output_contents[index], dtype=dtype).reshape(tensor.shape)
-    return InferResult(
-        arrays.get(OUTPUT), arrays.get(ATTN_WEIGHTS), response.id, arrays.get(ATTN_WEIGHTS_MEAN), response.model_version
-    )
+    return InferResult.from_outputs(arrays, response.id, response.model_version)
 
 
 class _Connection:
@@ -182,9 +188,11 @@ class Client(_Connection):
         timeout=None,
         request_id="",
         attn_weights_mean=False,
+        weights: WeightsOptions | None = None,
     ) -> InferResult:
+        """``weights``: what to ask of the attention weights (heads, rows, keys, top-k or top-p, precision)."""
         request = build_infer_request(
-            self.model, query, key, value, mask, attn_weights, request_id, attn_weights_mean, self.version
+            self.model, query, key, value, mask, attn_weights, request_id, attn_weights_mean, self.version, weights
         )
         return parse_infer_response(self._call(self._stub.ModelInfer, request, timeout))
 
@@ -251,9 +259,11 @@ class AsyncClient(_Connection):
         timeout=None,
         request_id="",
         attn_weights_mean=False,
+        weights: WeightsOptions | None = None,
     ) -> InferResult:
+        """``weights``: what to ask of the attention weights (heads, rows, keys, top-k or top-p, precision)."""
         request = build_infer_request(
-            self.model, query, key, value, mask, attn_weights, request_id, attn_weights_mean, self.version
+            self.model, query, key, value, mask, attn_weights, request_id, attn_weights_mean, self.version, weights
         )
         return parse_infer_response(await self._call(self._stub.ModelInfer, request, timeout))
 

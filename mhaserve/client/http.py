@@ -17,9 +17,8 @@ import urllib.request
 import numpy as np
 
 from mhaserve.contract.datatypes import DATATYPES, datatype_of
-from mhaserve.contract.signature import ATTN_WEIGHTS, ATTN_WEIGHTS_MEAN, OUTPUT
 
-from .common import TLS, InferResult, request_inputs, requested_outputs
+from .common import TLS, InferResult, WeightsOptions, request_inputs, requested_outputs
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 # The REST statuses the server answers, by the name of the gRPC status with the same meaning.
@@ -45,19 +44,23 @@ def build_http_infer_body(
     attn_weights: bool = True,
     request_id: str = "",
     attn_weights_mean: bool = False,
+    weights: WeightsOptions | None = None,
 ) -> tuple[bytes, dict[str, str]]:
-    """An infer request's body and headers: a JSON header, then every input's bytes; outputs asked as binary."""
+    """An infer request's body and headers: a JSON header, then every input's bytes; outputs asked as binary,
+    the weights shaped as ``weights`` says."""
     inputs, chunks = [], []
     for name, array in request_inputs(query, key, value, mask):
         inputs.append({"name": name, "shape": list(array.shape), "datatype": datatype_of(array),
                        "parameters": {"binary_data_size": array.nbytes}})  # fmt: skip
         chunks.append(memoryview(array).cast("B"))
-    names = requested_outputs(attn_weights, attn_weights_mean)
+    names = requested_outputs(attn_weights, attn_weights_mean, weights)
     document = {
         "id": request_id,
         "inputs": inputs,
         "outputs": [{"name": n, "parameters": {"binary_data": True}} for n in names],
     }
+    if weights is not None:
+        document["parameters"] = weights.parameters()
     header = json.dumps(document).encode()
     headers = {HEADER_LENGTH: str(len(header)), "Content-Type": "application/octet-stream"}
     return b"".join([header, *chunks]), headers
@@ -77,10 +80,7 @@ def parse_http_infer_response(body: bytes, json_length: int | None) -> InferResu
                 body, dtype=dtype, count=size // dtype.itemsize, offset=offset
             ).reshape(shape)
             offset += size
-    return InferResult(
-        arrays.get(OUTPUT), arrays.get(ATTN_WEIGHTS), header.get("id", ""), arrays.get(ATTN_WEIGHTS_MEAN),
-        header.get("model_version", ""),
-    )  # fmt: skip
+    return InferResult.from_outputs(arrays, header.get("id", ""), header.get("model_version", ""))
 
 
 def ssl_context(tls: TLS | None) -> ssl.SSLContext | None:
@@ -126,8 +126,10 @@ class HttpClient:
             raise HttpRequestFailed(503, f"{self.base}: {type(error).__name__}: {error}") from None
 
     def infer(self, query, key=None, value=None, mask=None, attn_weights=True, timeout=None, request_id="",
-              attn_weights_mean=False) -> InferResult:  # fmt: skip
-        body, headers = build_http_infer_body(query, key, value, mask, attn_weights, request_id, attn_weights_mean)
+              attn_weights_mean=False, weights: WeightsOptions | None = None) -> InferResult:  # fmt: skip
+        body, headers = build_http_infer_body(
+            query, key, value, mask, attn_weights, request_id, attn_weights_mean, weights
+        )
         answer, answer_headers = self._call("POST", self.model_path + "/infer", body, headers, timeout)
         length = answer_headers.get(HEADER_LENGTH)
         return parse_http_infer_response(answer, int(length) if length is not None else None)

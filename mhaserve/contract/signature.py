@@ -9,13 +9,19 @@ from dataclasses import dataclass
 
 QUERY, KEY, VALUE, MASK = "query", "key", "value", "mask"
 OUTPUT, ATTN_WEIGHTS, ATTN_WEIGHTS_MEAN = "output", "attn_weights", "attn_weights_mean"
+# The top-k (or top-p) keys of each query row: their weights, and their positions in the full key sequence.
+ATTN_TOP_K_VALUES, ATTN_TOP_K_INDICES = "attn_weights_top_k_values", "attn_weights_top_k_indices"
 
 INPUT_NAMES = (QUERY, KEY, VALUE, MASK)
 # What the ONNX graph computes. The mean over heads is the server's: one pass over the weights when a
 # client asks for it, where a graph output would cost every run that pass (ONNX Runtime runs every node
 # whichever outputs are fetched).
 GRAPH_OUTPUT_NAMES = (OUTPUT, ATTN_WEIGHTS)
-OUTPUT_NAMES = (OUTPUT, ATTN_WEIGHTS, ATTN_WEIGHTS_MEAN)
+OUTPUT_NAMES = (OUTPUT, ATTN_WEIGHTS, ATTN_WEIGHTS_MEAN, ATTN_TOP_K_VALUES, ATTN_TOP_K_INDICES)
+# The outputs made from the weights, which a request's shaping parameters shape.
+WEIGHTS_OUTPUT_NAMES = OUTPUT_NAMES[1:]
+# The request parameters that shape them (server/shaping.py says what each does).
+SHAPING_PARAMETERS = ("attn_heads", "attn_rows", "attn_keys", "attn_top_k", "attn_top_p", "attn_weights_precision")
 # What a request that names no outputs gets.
 DEFAULT_OUTPUT_NAMES = (OUTPUT, ATTN_WEIGHTS)
 
@@ -46,17 +52,21 @@ def input_specs(d_model: int) -> list[TensorSpec]:
 
 
 def output_specs(d_model: int, num_heads: int, precision: str = "fp32") -> list[TensorSpec]:
-    """What a request may ask for: the output [B, Lq, d], the weights [B, h, Lq, Lk] and their mean over
-    heads [B, Lq, Lk] (as nn.MultiheadAttention returns by default; h times fewer bytes)."""
+    """What a request may ask for: the output [B, Lq, d], the weights [B, h, Lq, Lk], their mean over heads
+    [B, Lq, Lk] (as nn.MultiheadAttention returns by default; h times fewer bytes), and each query row's top-k
+    keys, weights and positions [B, h, Lq, k]. A request's shaping parameters choose heads, rows and keys (so
+    the heads dim is h or fewer) and may return the weights in FP16."""
     weights = WEIGHTS_DATATYPES[precision]
     return [
         TensorSpec(OUTPUT, "FP32", (-1, -1, d_model)),
-        TensorSpec(ATTN_WEIGHTS, weights, (-1, num_heads, -1, -1)),
+        TensorSpec(ATTN_WEIGHTS, weights, (-1, -1, -1, -1)),
         TensorSpec(ATTN_WEIGHTS_MEAN, weights, (-1, -1, -1)),
+        TensorSpec(ATTN_TOP_K_VALUES, weights, (-1, -1, -1, -1)),
+        TensorSpec(ATTN_TOP_K_INDICES, "INT64", (-1, -1, -1, -1)),
     ]
 
 
 def graph_outputs_for(requested: tuple[str, ...]) -> tuple[str, ...]:
     """The graph outputs a run must fetch to answer ``requested`` (the mean is taken from the weights)."""
-    needed = {*requested, ATTN_WEIGHTS} if ATTN_WEIGHTS_MEAN in requested else set(requested)
+    needed = {*requested, ATTN_WEIGHTS} if set(requested) & set(WEIGHTS_OUTPUT_NAMES) else set(requested)
     return tuple(name for name in GRAPH_OUTPUT_NAMES if name in needed)

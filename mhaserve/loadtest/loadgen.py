@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import multiprocessing
 import os
 import resource
@@ -21,6 +22,8 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from mhaserve.client.common import WeightsOptions
 
 PERCENTILES = (50, 90, 95, 99)
 OPEN_LOOP_MAX_OUTSTANDING = 4096  # a server this far behind has failed the point anyway
@@ -40,6 +43,7 @@ class Workload:
     protocol: str = "grpc"  # grpc | http (REST, Triton's binary tensor data extension)
     application: str = ""  # the Ray Serve application to call through Ray's proxy (gRPC metadata)
     distinct_requests: int = 64  # prebuilt per process; drawn round-robin
+    weights: WeightsOptions | None = None  # what each request asks of the attention weights
 
     @property
     def shape_text(self) -> str:
@@ -93,6 +97,7 @@ class PointResult:
             "load": self.point.load,
             "shape": self.workload.shape_text,
             "attn_weights": self.workload.attn_weights,
+            "weights_options": json.dumps(self.workload.weights.parameters()) if self.workload.weights else "",
             "processes": self.processes,
             "duration_s": self.point.duration_s,
             "requests": self.count,
@@ -135,7 +140,9 @@ async def _grpc_sender(url: str, workload: Workload, seed: int, timeout_s: float
     from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
 
     requests = [
-        build_infer_request(workload.model, q, attn_weights=workload.attn_weights, version=workload.version)
+        build_infer_request(
+            workload.model, q, attn_weights=workload.attn_weights, version=workload.version, weights=workload.weights
+        )
         for q in _queries(workload, seed)
     ]
     metadata = call_metadata(token, workload.application)  # no retries: a load test reports every refusal
@@ -160,7 +167,10 @@ async def _http_sender(url: str, workload: Workload, seed: int, timeout_s: float
 
     from mhaserve.client.http import STATUS_NAMES, build_http_infer_body, ssl_context
 
-    bodies = [build_http_infer_body(q, attn_weights=workload.attn_weights) for q in _queries(workload, seed)]
+    bodies = [
+        build_http_infer_body(q, attn_weights=workload.attn_weights, weights=workload.weights)
+        for q in _queries(workload, seed)
+    ]
     path = f"/v2/models/{workload.model}" + (f"/versions/{workload.version}" if workload.version else "")
     base = f"{'https' if tls else 'http'}://{url}"
     auth = {"Authorization": f"Bearer {token}"} if token else {}

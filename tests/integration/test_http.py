@@ -52,7 +52,7 @@ def test_every_endpoint_answers_as_the_protocol_says(server):
         assert metadata["versions"] == ["1"] and metadata["inputs"][0] == {
             "name": "query", "datatype": "FP32", "shape": [-1, -1, D]
         }  # fmt: skip
-        assert metadata["outputs"][1]["shape"] == [-1, H, -1, -1]
+        assert metadata["outputs"][1]["shape"] == [-1, -1, -1, -1]
     config = json.loads(call(server, "GET", "/v2/models/mha/config")[2])
     assert config["max_batch_size"] == 0 and config["input"][0]["data_type"] == "TYPE_FP32"
     stats = json.loads(call(server, "GET", "/v2/models/mha/stats")[2])["model_stats"]

@@ -118,8 +118,10 @@ def test_model_metadata_has_dynamic_dims_as_minus_one(stub):
     outputs = {t.name: (t.datatype, list(t.shape)) for t in meta.outputs}
     assert outputs == {
         "output": ("FP32", [-1, -1, D]),
-        "attn_weights": ("FP32", [-1, H, -1, -1]),
+        "attn_weights": ("FP32", [-1, -1, -1, -1]),  # [B, h, Lq, Lk], or the heads a request chose
         "attn_weights_mean": ("FP32", [-1, -1, -1]),
+        "attn_weights_top_k_values": ("FP32", [-1, -1, -1, -1]),
+        "attn_weights_top_k_indices": ("INT64", [-1, -1, -1, -1]),
     }
 
 
@@ -134,8 +136,10 @@ def test_model_config_describes_the_model(stub):
     ]
     assert [(o.name, list(o.dims)) for o in config.output] == [
         ("output", [-1, -1, D]),
-        ("attn_weights", [-1, H, -1, -1]),
+        ("attn_weights", [-1, -1, -1, -1]),
         ("attn_weights_mean", [-1, -1, -1]),
+        ("attn_weights_top_k_values", [-1, -1, -1, -1]),
+        ("attn_weights_top_k_indices", [-1, -1, -1, -1]),
     ]
 
 

@@ -3,6 +3,8 @@ clash with mhaserve's in this one), tritonclient.http in process."""
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 
@@ -30,9 +32,12 @@ def cases():
     }
 
 
-def run_triton_client(server, tmp_path, mode, all_cases=None, outputs="output,attn_weights", application=None):
+def run_triton_client(
+    server, tmp_path, mode, all_cases=None, outputs="output,attn_weights", application=None, parameters=None
+):
     """Each case's answers from tritonclient in its own process: {case_output: array} for each output asked;
-    ``application``: the Ray Serve application behind the proxy at server.url."""
+    ``application``: the Ray Serve application behind the proxy at server.url; ``parameters``: the request
+    parameters every inference sends."""
     path_in, path_out = tmp_path / "in.npz", tmp_path / f"out-{mode}.npz"
     all_cases = cases() if all_cases is None else all_cases
     np.savez(path_in, **{f"{case}_{name}": a for case, arrays in all_cases.items() for name, a in arrays.items()})
@@ -50,6 +55,7 @@ def run_triton_client(server, tmp_path, mode, all_cases=None, outputs="output,at
         capture_output=True,
         text=True,
         timeout=120,
+        env={**os.environ, "TRITON_PARAMETERS": json.dumps(parameters)},
     )
     assert done.returncode == 0, done.stderr
     return np.load(path_out)
@@ -61,7 +67,7 @@ def triton_http(server):
     return httpclient.InferenceServerClient(server.http_url.removeprefix("http://"))
 
 
-def triton_infer(client, query, mask=None, binary=True, outputs=("output", "attn_weights")):
+def triton_infer(client, query, mask=None, binary=True, outputs=("output", "attn_weights"), parameters=None):
     import tritonclient.http as httpclient
 
     tensors = []
@@ -71,4 +77,4 @@ def triton_infer(client, query, mask=None, binary=True, outputs=("output", "attn
             tensor.set_data_from_numpy(array, binary_data=binary)
             tensors.append(tensor)
     wanted = [httpclient.InferRequestedOutput(name, binary_data=binary) for name in outputs]
-    return client.infer("mha", tensors, outputs=wanted)
+    return client.infer("mha", tensors, outputs=wanted, parameters=parameters)

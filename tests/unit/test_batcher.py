@@ -23,7 +23,7 @@ def test_merged_run_gives_each_request_its_unbatched_answer(small_model_dir):
     assert merged.query.shape[0] == sum(r.batch_size for r in requests)
     assert merged.query.shape[1] == max(r.query.shape[1] for r in requests)
     arrays = session.run(merged.outputs, merged.query, merged.key, merged.value, merged.mask)
-    answers = split(merged, dict(zip(merged.outputs, arrays, strict=True)), [r.outputs for r in requests])
+    answers = split(merged, dict(zip(merged.outputs, arrays, strict=True)), requests)
     for request, answer in zip(requests, answers, strict=True):
         alone = dict(zip(request.outputs, session.run(request.outputs, request.query, request.key, request.value,
                                                       request.mask), strict=True))  # fmt: skip

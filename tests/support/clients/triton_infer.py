@@ -6,9 +6,12 @@ mhaserve's stubs, and one process cannot hold both. Usage:
 IN.npz holds case<i>_<input> arrays; OUT.npz gets case<i>_<output> for each of OUTPUTS (comma-separated,
 default output,attn_weights), plus a 'metadata_shapes' and 'config_max_batch_size' entry read through
 tritonclient. APPLICATION: the Ray Serve application, sent as 'application' metadata on every call.
+$TRITON_PARAMETERS, if set, is a JSON object sent as every inference request's parameters.
 """
 
 import asyncio
+import json
+import os
 import sys
 
 import numpy as np
@@ -18,6 +21,7 @@ from tritonclient.utils import np_to_triton_dtype
 
 OUTPUTS = ["output", "attn_weights"]
 HEADERS = {}
+PARAMETERS = json.loads(os.environ.get("TRITON_PARAMETERS", "null"))
 
 
 def build(module, arrays):
@@ -52,7 +56,7 @@ def run_sync(url, grouped):
     )
     for case, arrays in grouped.items():
         inputs, outputs = build(grpcclient, arrays)
-        result = client.infer("mha", inputs, outputs=outputs, headers=HEADERS)
+        result = client.infer("mha", inputs, outputs=outputs, headers=HEADERS, parameters=PARAMETERS)
         results.update({f"{case}_{name}": result.as_numpy(name) for name in OUTPUTS})
     stats = client.get_inference_statistics("mha", headers=HEADERS, as_json=True)
     results["inference_count"] = np.array(int(stats["model_stats"][0].get("inference_count", 0)))
@@ -66,7 +70,7 @@ async def run_aio(url, grouped):
     calls = {}
     for case, arrays in grouped.items():
         inputs, outputs = build(aioclient, arrays)
-        calls[case] = client.infer("mha", inputs, outputs=outputs, headers=HEADERS)
+        calls[case] = client.infer("mha", inputs, outputs=outputs, headers=HEADERS, parameters=PARAMETERS)
     answers = await asyncio.gather(*calls.values())
     for case, result in zip(calls, answers, strict=True):
         results.update({f"{case}_{name}": result.as_numpy(name) for name in OUTPUTS})

@@ -1,0 +1,290 @@
+"""Attention weights shaped per request: chosen heads, query rows and a key window, the top-k keys of each row
+(or the smallest set holding a fraction p of its mass), and the weights' precision.
+
+A request asks through its protocol ``parameters`` (``attn_heads``, ``attn_rows``, ``attn_keys``, ``attn_top_k``,
+``attn_top_p``, ``attn_weights_precision``); ``weights_shaping`` checks them against the model and the request's
+lengths, and ``shaped_weights`` cuts each request's answer from its rows of a batched run's weights, in the
+worker thread, after the run. Requests with different options share runs as any others do.
+
+Every selection is a selection of the full weights the same request would have received. The mean over heads
+is the mean over the chosen heads. Top-k orders a row's keys by weight, highest first, ties by the lower key
+position; its indices are key positions in the full sequence. Top-p takes, in that order, the fewest keys
+whose weights sum to at least p times the row's sum over the window; a row's unused entries (and every entry
+of a fully masked row, whose weights are zeros) hold index -1 and value 0, and k is the largest set in the
+answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from mhaserve.contract.signature import (
+    ATTN_TOP_K_INDICES,
+    ATTN_TOP_K_VALUES,
+    ATTN_WEIGHTS,
+    ATTN_WEIGHTS_MEAN,
+    OUTPUT,
+    SHAPING_PARAMETERS,
+    WEIGHTS_OUTPUT_NAMES,
+)
+
+from . import kernels
+from .errors import invalid
+
+WEIGHTS_DATATYPES = {"FP32": np.dtype(np.float32), "FP16": np.dtype(np.float16)}
+TOP_K_OUTPUTS = (ATTN_TOP_K_VALUES, ATTN_TOP_K_INDICES)
+
+
+@dataclass(frozen=True)
+class WeightsShaping:
+    """What a request asked of the weights; None everywhere: the full weights, as the model returns them."""
+
+    heads: tuple[int, ...] | None = None
+    rows: tuple[int, int] | None = None  # [start, stop) over query positions
+    keys: tuple[int, int] | None = None  # [start, stop) over key positions
+    top_k: int | None = None
+    top_p: float | None = None
+    dtype: np.dtype | None = None  # None: the model's own
+
+    def selected_shape(self, batch: int, num_heads: int, q_len: int, kv_len: int) -> tuple[int, int, int, int]:
+        """[B, h', Lq', Lk']: the weights after the head, row and key choices."""
+        heads = len(self.heads) if self.heads is not None else num_heads
+        rows = self.rows[1] - self.rows[0] if self.rows else q_len
+        keys = self.keys[1] - self.keys[0] if self.keys else kv_len
+        return batch, heads, rows, keys
+
+
+NO_SHAPING = WeightsShaping()
+
+
+def weights_shaping(
+    parameters: Mapping[str, object], named: tuple[str, ...], num_heads: int, q_len: int, kv_len: int
+) -> tuple[WeightsShaping, tuple[str, ...] | None]:
+    """The request's shaping options, checked (INVALID_ARGUMENT naming the parameter otherwise), and the outputs
+    it gets when it named none (None: the model's defaults)."""
+    unknown = sorted(name for name in parameters if name.startswith("attn_") and name not in SHAPING_PARAMETERS)
+    if unknown:
+        raise invalid(f"unknown parameter '{unknown[0]}'; the weights' options are {', '.join(SHAPING_PARAMETERS)}")
+    given = [name for name in SHAPING_PARAMETERS if name in parameters]
+    top_k_named = [name for name in named if name in TOP_K_OUTPUTS]
+    if not given:
+        if top_k_named:
+            raise invalid(f"output '{top_k_named[0]}' needs the parameter attn_top_k or attn_top_p")
+        return NO_SHAPING, None
+    heads = _heads(parameters.get("attn_heads"), num_heads)
+    rows = _window(parameters.get("attn_rows"), "attn_rows", q_len, "query rows")
+    keys = _window(parameters.get("attn_keys"), "attn_keys", kv_len, "key positions")
+    window = keys[1] - keys[0] if keys else kv_len
+    top_k = _top_k(parameters.get("attn_top_k"), window)
+    top_p = _top_p(parameters.get("attn_top_p"))
+    if top_k is not None and top_p is not None:
+        raise invalid("parameters attn_top_k and attn_top_p were both given; a request asks for one of them")
+    dtype = _precision(parameters.get("attn_weights_precision"))
+    shaping = WeightsShaping(heads, rows, keys, top_k, top_p, dtype)
+    ranked = top_k is not None or top_p is not None
+    if named:
+        weights_named = [name for name in named if name in WEIGHTS_OUTPUT_NAMES]
+        if not weights_named:
+            raise invalid(
+                f"parameter '{given[0]}' shapes the attention weights, but the request asks for none of the "
+                f"weights' outputs ({', '.join(WEIGHTS_OUTPUT_NAMES)}); it named {', '.join(named)}"
+            )
+        if ranked and not top_k_named:
+            which = "attn_top_k" if top_k is not None else "attn_top_p"
+            raise invalid(f"parameter '{which}' needs the output {ATTN_TOP_K_VALUES} or {ATTN_TOP_K_INDICES}")
+        if top_k_named and not ranked:
+            raise invalid(f"output '{top_k_named[0]}' needs the parameter attn_top_k or attn_top_p")
+        return shaping, None
+    return shaping, (OUTPUT, *TOP_K_OUTPUTS) if ranked else None
+
+
+def shaped_weights(weights: np.ndarray, outputs: tuple[str, ...], shaping: WeightsShaping) -> dict[str, np.ndarray]:
+    """The weights' outputs a request asked for, from its rows ``weights`` [B, h, Lq, Lk] of a run."""
+    if shaping is NO_SHAPING:  # the common case: views of the run's weights, no copy
+        answer = {}
+        if ATTN_WEIGHTS in outputs:
+            answer[ATTN_WEIGHTS] = weights
+        if ATTN_WEIGHTS_MEAN in outputs:
+            answer[ATTN_WEIGHTS_MEAN] = weights.mean(axis=1)
+        return answer
+    chosen = weights
+    if shaping.heads is not None:
+        chosen = chosen[:, list(shaping.heads)]
+    if shaping.rows is not None:
+        chosen = chosen[:, :, slice(*shaping.rows)]
+    if shaping.keys is not None:
+        chosen = chosen[..., slice(*shaping.keys)]
+    dtype = shaping.dtype or weights.dtype
+    answer = {}
+    if ATTN_WEIGHTS in outputs:
+        answer[ATTN_WEIGHTS] = _as(chosen, dtype)
+    if ATTN_WEIGHTS_MEAN in outputs:
+        answer[ATTN_WEIGHTS_MEAN] = _as(chosen.mean(axis=1), dtype)
+    if ATTN_TOP_K_VALUES in outputs or ATTN_TOP_K_INDICES in outputs:
+        if shaping.top_k is not None:
+            values, indices = top_k(chosen, shaping.top_k)
+        else:
+            values, indices = top_p(chosen, shaping.top_p)
+        if shaping.keys is not None:
+            indices = np.where(indices >= 0, indices + shaping.keys[0], indices)
+        if ATTN_TOP_K_VALUES in outputs:
+            answer[ATTN_TOP_K_VALUES] = _as(values, dtype)
+        if ATTN_TOP_K_INDICES in outputs:
+            answer[ATTN_TOP_K_INDICES] = indices
+    return answer
+
+
+def top_k(weights: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ``k`` largest weights of each row (last axis) and their positions, highest first, ties by the lower
+    position (ONNX Runtime's TopK; numpy would sort or partition row by row at several times the cost)."""
+    values, positions = kernels.top_k(weights, k)
+    return values.astype(weights.dtype, copy=False), positions
+
+
+# Top-p ranks a row's first keys only, then more where those do not hold p of its mass: attention rows are
+# mostly peaked, and a full sort of every row costs several times the model run.
+FIRST_RANKED = 32
+
+
+def top_p(weights: np.ndarray, p: float) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's fewest keys, in top-k order, whose weights sum to at least ``p`` of the row's sum; padded to
+    the largest such set with index -1 and value 0 (a row summing to zero holds none)."""
+    length = weights.shape[-1]
+    flat = weights.reshape(-1, length)
+    # The row's sum, less a relative 1e-12: summed in another order, the ranked keys may fall short of it by
+    # a rounding step, and p = 1 must still be reached at the last key that carries weight.
+    target = p * flat.sum(axis=1, dtype=np.float64) * (1 - 1e-12)
+    counts = np.zeros(len(flat), np.int64)
+    values = np.zeros((len(flat), 0), weights.dtype)
+    positions = np.zeros((len(flat), 0), np.int64)
+    pending = np.flatnonzero(target > 0)  # a row with no weight holds no key
+    k = min(FIRST_RANKED, length)
+    while pending.size:
+        ranked, where = top_k(flat[pending], k)
+        running = np.cumsum(ranked, axis=1, dtype=np.float64)
+        reached = running[:, -1] >= target[pending]
+        if k == length:
+            reached[:] = True
+        done = pending[reached]
+        counts[done] = np.argmax(running[reached] >= target[done, None], axis=1) + 1
+        if values.shape[1] < k:
+            values = np.pad(values, ((0, 0), (0, k - values.shape[1])))
+            positions = np.pad(positions, ((0, 0), (0, k - positions.shape[1])))
+        values[done], positions[done] = ranked[reached], where[reached]
+        pending = pending[~reached]
+        k = min(2 * k, length)
+    largest = int(counts.max(initial=0))
+    used = np.arange(largest) < counts[:, None]
+    values = np.where(used, values[:, :largest], 0).astype(weights.dtype)
+    positions = np.where(used, positions[:, :largest], -1)
+    shape = (*weights.shape[:-1], largest)
+    return values.reshape(shape), positions.reshape(shape)
+
+
+def _as(weights: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    if weights.dtype == dtype:
+        return weights
+    if dtype == np.float16:
+        return kernels.to_float16(weights)  # numpy converts element by element, ten times slower
+    return weights.astype(dtype)
+
+
+def weights_answer_bytes(shaping: WeightsShaping, outputs, batch, num_heads, q_len, kv_len, itemsize) -> int:
+    """The bytes of the weights' outputs a request gets (top-p counted at its largest, the whole window)."""
+    b, h, lq, lk = shaping.selected_shape(batch, num_heads, q_len, kv_len)
+    if shaping.dtype is not None:
+        itemsize = shaping.dtype.itemsize
+    total = 0
+    if ATTN_WEIGHTS in outputs:
+        total += itemsize * b * h * lq * lk
+    if ATTN_WEIGHTS_MEAN in outputs:
+        total += itemsize * b * lq * lk
+    k = shaping.top_k if shaping.top_k is not None else lk
+    if ATTN_TOP_K_VALUES in outputs:
+        total += itemsize * b * h * lq * k
+    if ATTN_TOP_K_INDICES in outputs:
+        total += 8 * b * h * lq * k
+    return total
+
+
+def _text(value, name: str) -> str:
+    if isinstance(value, bool) or not isinstance(value, str | int):
+        raise invalid(f"parameter '{name}' must be a string, got {value!r}")
+    return str(value)
+
+
+def _heads(value, num_heads: int) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    text = _text(value, "attn_heads")
+    try:
+        heads = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise invalid(f"parameter 'attn_heads' must list head numbers like \"0,3\", got {text!r}") from None
+    for head in heads:
+        if not 0 <= head < num_heads:
+            raise invalid(
+                f"parameter 'attn_heads': head {head} is out of range; this model has heads 0..{num_heads - 1}"
+            )
+    if len(set(heads)) != len(heads):
+        raise invalid(f"parameter 'attn_heads' names a head more than once: {text!r}")
+    return heads
+
+
+def _window(value, name: str, length: int, what: str) -> tuple[int, int] | None:
+    """A Python-style "start:stop" range (either end may be left out, negative counts from the end), non-empty
+    and within the request's ``length``."""
+    if value is None:
+        return None
+    text = _text(value, name).strip()
+    parts = text.split(":")
+    try:
+        if len(parts) != 2:
+            raise ValueError
+        start, stop = (int(part) if part.strip() else default for part, default in zip(parts, (0, length), strict=True))
+    except ValueError:
+        raise invalid(f"parameter '{name}' must be a range like \"0:32\" (start:stop), got {text!r}") from None
+    start, stop = (index + length if index < 0 else index for index in (start, stop))
+    if not 0 <= start < stop <= length:
+        raise invalid(
+            f"parameter '{name}': {text!r} is no non-empty range of the request's {length} {what} (0..{length})"
+        )
+    return start, stop
+
+
+def _top_k(value, window: int) -> int | None:
+    if value is None:
+        return None
+    try:
+        k = int(value) if not isinstance(value, bool | float) else None
+    except ValueError:
+        k = None
+    if k is None:
+        raise invalid(f"parameter 'attn_top_k' must be an integer, got {value!r}")
+    if not 1 <= k <= window:
+        raise invalid(f"parameter 'attn_top_k': {k} is outside 1..{window}, the keys each row has to rank")
+    return k
+
+
+def _top_p(value) -> float | None:
+    if value is None:
+        return None
+    try:
+        p = float(value) if not isinstance(value, bool) else None
+    except ValueError:
+        p = None
+    if p is None or not 0 < p <= 1:
+        raise invalid(f"parameter 'attn_top_p' must be a number in (0, 1], got {value!r}")
+    return p
+
+
+def _precision(value) -> np.dtype | None:
+    if value is None:
+        return None
+    text = _text(value, "attn_weights_precision").upper()
+    if text not in WEIGHTS_DATATYPES:
+        raise invalid(f"parameter 'attn_weights_precision' must be FP32 or FP16, got {value!r}")
+    return WEIGHTS_DATATYPES[text]
