@@ -27,7 +27,13 @@ TO_FLOAT16_GRAPH = (
 
 @functools.cache
 def _session(graph: str) -> ort.InferenceSession:
-    return ort.InferenceSession(base64.b64decode(graph), providers=["CPUExecutionProvider"])
+    # One thread that does not spin: a pool spinning beside the model session's slowed every shaped request
+    # (BENCHMARKS.md, "Attention weights shaped per request").
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.inter_op_num_threads = 1
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return ort.InferenceSession(base64.b64decode(graph), options, providers=["CPUExecutionProvider"])
 
 
 def top_k(weights: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -44,6 +44,7 @@ class Workload:
     application: str = ""  # the Ray Serve application to call through Ray's proxy (gRPC metadata)
     distinct_requests: int = 64  # prebuilt per process; drawn round-robin
     weights: WeightsOptions | None = None  # what each request asks of the attention weights
+    attn_weights_mean: bool = False
 
     @property
     def shape_text(self) -> str:
@@ -141,7 +142,12 @@ async def _grpc_sender(url: str, workload: Workload, seed: int, timeout_s: float
 
     requests = [
         build_infer_request(
-            workload.model, q, attn_weights=workload.attn_weights, version=workload.version, weights=workload.weights
+            workload.model,
+            q,
+            attn_weights=workload.attn_weights,
+            attn_weights_mean=workload.attn_weights_mean,
+            version=workload.version,
+            weights=workload.weights,
         )
         for q in _queries(workload, seed)
     ]
@@ -168,7 +174,12 @@ async def _http_sender(url: str, workload: Workload, seed: int, timeout_s: float
     from mhaserve.client.http import STATUS_NAMES, build_http_infer_body, ssl_context
 
     bodies = [
-        build_http_infer_body(q, attn_weights=workload.attn_weights, weights=workload.weights)
+        build_http_infer_body(
+            q,
+            attn_weights=workload.attn_weights,
+            attn_weights_mean=workload.attn_weights_mean,
+            weights=workload.weights,
+        )
         for q in _queries(workload, seed)
     ]
     path = f"/v2/models/{workload.model}" + (f"/versions/{workload.version}" if workload.version else "")

@@ -245,3 +245,19 @@ def test_bench_sends_shaped_requests(server, tmp_path):
     (point,) = json.loads((tmp_path / "bench.json").read_text())["points"]
     assert point["requests"] > 0 and point["errors"] == 0
     assert json.loads(point["weights_options"]) == {"attn_heads": "0", "attn_top_k": 4}
+
+
+def test_a_request_naming_no_outputs_with_top_k_gets_the_output_and_both_top_k_outputs(server):
+    query = rand(1, 5, D, seed=5)
+    body = {
+        "inputs": [{"name": "query", "shape": list(query.shape), "datatype": "FP32", "data": query.ravel().tolist()}],
+        "parameters": {"attn_top_k": "2"},
+    }
+    request = urllib.request.Request(f"{server.http_url}/v2/models/mha/infer", json.dumps(body).encode(), method="POST")
+    with urllib.request.urlopen(request, timeout=10) as answer:
+        outputs = {o["name"]: (o["datatype"], o["shape"]) for o in json.loads(answer.read())["outputs"]}
+    assert outputs == {
+        "output": ("FP32", [1, 5, D]),
+        "attn_weights_top_k_values": ("FP32", [1, H, 5, 2]),
+        "attn_weights_top_k_indices": ("INT64", [1, H, 5, 2]),
+    }
