@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from bench_server import SHAPES, bytes_call, ort_session, record_answers, start_helper
 
-from mhaserve.contract.model_folder import MODEL_FILE
+from mhaserve.contract.model_dir import MODEL_FILE
 
 CONCURRENCY = 16
 

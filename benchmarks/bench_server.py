@@ -31,7 +31,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from mhaserve.contract.model_folder import MODEL_FILE
+from mhaserve.contract.model_dir import MODEL_FILE
 
 SHAPES = [(1, 16, 512), (1, 128, 512)]
 INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"

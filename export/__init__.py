@@ -1,5 +1,5 @@
 """ONNX export and validation (torch). The model folder's format, which the server reads too, is
-torch-free and lives in ``mhaserve.contract.model_folder``.
+torch-free and lives in ``mhaserve.contract.model_dir``.
 
 ``export_module`` is the public entry point for a user's own module; it is imported on first use so
 that importing the package (``mhaserve --help``) does not load torch.

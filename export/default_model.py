@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mhaserve.contract.model_folder import ModelDirError, check_model_file, read_manifest
+from mhaserve.contract.model_dir import ModelDirError, check_model_file, read_manifest
 
 
 def default_model_dir() -> Path:

@@ -17,7 +17,7 @@ import onnxruntime as ort
 import torch
 
 import mhaserve
-from mhaserve.contract.model_folder import (
+from mhaserve.contract.model_dir import (
     MANIFEST_FORMAT,
     METADATA_PREFIX,
     MODEL_FILE,
@@ -151,14 +151,14 @@ def export_model_dir(
         save_weights(module, staging / WEIGHTS_FILE)
         manifest["files"]["model_sha256"] = file_sha256(staging / MODEL_FILE)
         write_manifest(staging, manifest)
-        _replace_folder(staging, out_dir)
+        _replace_dir(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return manifest
 
 
-def _replace_folder(new: Path, target: Path) -> None:
+def _replace_dir(new: Path, target: Path) -> None:
     if not target.exists():
         new.rename(target)
         return

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from google.protobuf import text_format
 
-from mhaserve.contract.model_folder import MODEL_FILE, ModelDirError, read_manifest
+from mhaserve.contract.model_dir import MODEL_FILE, ModelDirError, read_manifest
 from mhaserve.contract.signature import WEIGHTS_DATATYPES
 from mhaserve.protos.generated import model_config_pb2 as mc
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from mhaserve.contract.errors import UsageError
-from mhaserve.contract.model_folder import file_sha256
+from mhaserve.contract.model_dir import file_sha256
 
 from .mha import MultiHeadAttention
 

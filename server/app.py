@@ -13,7 +13,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from mhaserve.contract.model_folder import ModelDirError
+from mhaserve.contract.model_dir import ModelDirError
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 
 from .config import ServerSettings

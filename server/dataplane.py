@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
-from mhaserve.contract.model_folder import ModelDirError, read_manifest
+from mhaserve.contract.model_dir import ModelDirError, read_manifest
 from mhaserve.contract.repository import ModelRepository, VersionPolicy
 
 from .accounting import RequestAccounting
@@ -99,7 +99,7 @@ class DataPlane:
         self.registry = ModelRegistry(
             self.versions,
             repository=repository,
-            single_folder=None if repository else Path(model_dir),
+            single_dir=None if repository else Path(model_dir),
             policy=VersionPolicy.parse(settings.version_policy),
         )
         self.accounting = RequestAccounting(budget, self.metrics, self._executor, self._sessions)
@@ -112,7 +112,7 @@ class DataPlane:
     def model_configs(self) -> list[dict]:
         """The configs (d_model, num_heads) of what start-up may serve, read before anything loads."""
         if self.registry.repository is None:
-            return [read_manifest(self.registry.single_folder)["config"]]
+            return [read_manifest(self.registry.single_dir)["config"]]
         configs = []
         repository = self.registry.repository
         for name in repository.model_names():
@@ -132,7 +132,7 @@ class DataPlane:
         """Load what the control mode loads at start-up. A single folder that cannot load is an error; in a
         repository a broken version is reported in the index and the rest serve."""
         if self.registry.repository is None:
-            await self.registry.load_single_folder()
+            await self.registry.load_single_dir()
         elif self.settings.model_control_mode == "explicit":
             names = self.settings.load_model
             for name in self.registry.repository.model_names() if "*" in names else names:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from mhaserve.contract.model_folder import ModelDirError, read_manifest
+from mhaserve.contract.model_dir import ModelDirError, read_manifest
 from mhaserve.contract.repository import ModelRepository, RepositoryPathError, VersionPolicy
 
 from .batcher import Batcher
@@ -37,7 +37,7 @@ class ServedModel:
     """One loaded version and everything that serves it."""
 
     signature: ModelSignature
-    folder: Path
+    model_dir: Path
     session: AttentionSession
     batcher: Batcher
     metrics: ModelMetrics
@@ -79,7 +79,7 @@ class ModelNotFound(RequestError):
 class VersionLoader(Protocol):
     """What makes and takes apart served versions (server.versions.VersionFactory)."""
 
-    async def load(self, name: str, number: int, folder: Path) -> ServedModel: ...
+    async def load(self, name: str, number: int, model_dir: Path) -> ServedModel: ...
 
     async def unload(self, served: ServedModel) -> None: ...
 
@@ -97,12 +97,12 @@ class ModelRegistry:
         versions: VersionLoader,
         *,
         repository: ModelRepository | None = None,
-        single_folder: Path | None = None,
+        single_dir: Path | None = None,
         policy: VersionPolicy | None = None,
     ):
         self._versions = versions
         self.repository = repository
-        self.single_folder = single_folder
+        self.single_dir = single_dir
         self.policy = policy or VersionPolicy("latest")
         self.models: dict[str, dict[int, VersionState]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
@@ -174,12 +174,12 @@ class ModelRegistry:
 
     # -- loading and unloading ---------------------------------------------------------------------------
 
-    async def load_single_folder(self) -> ServedModel:
+    async def load_single_dir(self) -> ServedModel:
         """Single-folder serving: the folder is version 1 of the model its manifest names."""
-        name = str(read_manifest(self.single_folder).get("name") or "mha")
+        name = str(read_manifest(self.single_dir).get("name") or "mha")
         self.models[name] = {1: VersionState(LOADING)}
         try:
-            served = await self._versions.load(name, 1, self.single_folder)
+            served = await self._versions.load(name, 1, self.single_dir)
         except BaseException:
             del self.models[name]
             raise
@@ -328,7 +328,7 @@ class ModelRegistry:
         if self.repository is None:
             raise RequestError(
                 ErrorKind.FAILED_PRECONDITION,
-                f"this server serves one model folder ({self.single_folder}), not a model repository; "
+                f"this server serves one model folder ({self.single_dir}), not a model repository; "
                 "start it with --model-repository DIR to load and unload models",
             )
         return self.repository

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from mhaserve.contract.model_folder import METADATA_PREFIX, ModelDirError, check_model_file, read_manifest
+from mhaserve.contract.model_dir import METADATA_PREFIX, ModelDirError, check_model_file, read_manifest
 from mhaserve.contract.signature import PRECISIONS
 
 log = logging.getLogger("mhaserve.server")

@@ -11,7 +11,8 @@ is the mean over the chosen heads. Top-k orders a row's keys by weight, highest 
 position; its indices are key positions in the full sequence. Top-p takes, in that order, the fewest keys
 whose weights sum to at least p times the row's sum over the window; a row's unused entries (and every entry
 of a fully masked row, whose weights are zeros) hold index -1 and value 0, and k is the largest set in the
-answer.
+answer. Asked for without either option (as a client that asks for every output the metadata lists), the two
+top-k outputs come back empty, k = 0.
 """
 
 from __future__ import annotations
@@ -71,8 +72,6 @@ def weights_shaping(
     given = [name for name in SHAPING_PARAMETERS if name in parameters]
     top_k_named = [name for name in named if name in TOP_K_OUTPUTS]
     if not given:
-        if top_k_named:
-            raise invalid(f"output '{top_k_named[0]}' needs the parameter attn_top_k or attn_top_p")
         return NO_SHAPING, None
     heads = _heads(parameters.get("attn_heads"), num_heads)
     rows = _window(parameters.get("attn_rows"), "attn_rows", q_len, "query rows")
@@ -95,8 +94,6 @@ def weights_shaping(
         if ranked and not top_k_named:
             which = "attn_top_k" if top_k is not None else "attn_top_p"
             raise invalid(f"parameter '{which}' needs the output {ATTN_TOP_K_VALUES} or {ATTN_TOP_K_INDICES}")
-        if top_k_named and not ranked:
-            raise invalid(f"output '{top_k_named[0]}' needs the parameter attn_top_k or attn_top_p")
         return shaping, None
     return shaping, (OUTPUT, *TOP_K_OUTPUTS) if ranked else None
 
@@ -109,6 +106,7 @@ def shaped_weights(weights: np.ndarray, outputs: tuple[str, ...], shaping: Weigh
             answer[ATTN_WEIGHTS] = weights
         if ATTN_WEIGHTS_MEAN in outputs:
             answer[ATTN_WEIGHTS_MEAN] = weights.mean(axis=1)
+        answer.update(_unranked(weights.shape[:-1], weights.dtype, outputs))
         return answer
     chosen = weights
     if shaping.heads is not None:
@@ -123,7 +121,9 @@ def shaped_weights(weights: np.ndarray, outputs: tuple[str, ...], shaping: Weigh
         answer[ATTN_WEIGHTS] = _as(chosen, dtype)
     if ATTN_WEIGHTS_MEAN in outputs:
         answer[ATTN_WEIGHTS_MEAN] = _as(chosen.mean(axis=1), dtype)
-    if ATTN_TOP_K_VALUES in outputs or ATTN_TOP_K_INDICES in outputs:
+    if shaping.top_k is None and shaping.top_p is None:
+        answer.update(_unranked(chosen.shape[:-1], dtype, outputs))
+    elif ATTN_TOP_K_VALUES in outputs or ATTN_TOP_K_INDICES in outputs:
         if shaping.top_k is not None:
             values, indices = top_k(chosen, shaping.top_k)
         else:
@@ -135,6 +135,14 @@ def shaped_weights(weights: np.ndarray, outputs: tuple[str, ...], shaping: Weigh
         if ATTN_TOP_K_INDICES in outputs:
             answer[ATTN_TOP_K_INDICES] = indices
     return answer
+
+
+def _unranked(rows: tuple[int, ...], dtype: np.dtype, outputs: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """The top-k outputs of a request that asked for them without attn_top_k or attn_top_p (as clients that ask
+    for every output the metadata lists do): no key ranked, k = 0."""
+    shape = (*rows, 0)
+    empty = {ATTN_TOP_K_VALUES: np.zeros(shape, dtype), ATTN_TOP_K_INDICES: np.zeros(shape, np.int64)}
+    return {name: array for name, array in empty.items() if name in outputs}
 
 
 def top_k(weights: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -275,3 +275,9 @@ def requested_outputs(output_names) -> tuple[str, ...]:
     if len(set(names)) != len(names):
         raise invalid(f"requested outputs {list(names)} name an output more than once")
     return names or DEFAULT_OUTPUT_NAMES
+
+
+def wire_bytes(array: np.ndarray) -> memoryview:
+    """A C-contiguous array's bytes as they go on the wire, without a copy (an empty array: no bytes; memoryview
+    cannot cast a view with a zero in its shape)."""
+    return memoryview(array).cast("B") if array.size else memoryview(b"")

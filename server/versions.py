@@ -50,9 +50,9 @@ class VersionFactory:
             initargs=(settings.inference_nice,),
         )
 
-    async def load(self, name: str, number: int, folder: Path) -> ServedModel:
+    async def load(self, name: str, number: int, model_dir: Path) -> ServedModel:
         loop = asyncio.get_running_loop()
-        session, run_cost = await loop.run_in_executor(self._loader, self._open_session, folder)
+        session, run_cost = await loop.run_in_executor(self._loader, self._open_session, model_dir)
         version = str(number)
         stats = ModelStatistics()
         batcher: Batcher | None = None
@@ -89,13 +89,13 @@ class VersionFactory:
         log.info(
             "loaded model=%s version=%s d_model=%d heads=%d precision=%s opset=%s provider=%s from %s",
             name, version, signature.d_model, signature.num_heads, signature.precision, session.info.opset,
-            session.provider, folder,
+            session.provider, model_dir,
         )  # fmt: skip
-        return ServedModel(signature, folder, session, batcher, model_metrics, stats)
+        return ServedModel(signature, model_dir, session, batcher, model_metrics, stats)
 
-    def _open_session(self, folder: Path) -> tuple[AttentionSession, RunCost | None]:
+    def _open_session(self, model_dir: Path) -> tuple[AttentionSession, RunCost | None]:
         session = AttentionSession(
-            folder, self.settings.device, self.settings.intra_op_threads, cuda_tf32=self.settings.cuda_tf32
+            model_dir, self.settings.device, self.settings.intra_op_threads, cuda_tf32=self.settings.cuda_tf32
         )
         session.warm_up(self.settings.warmup_runs)
         run_cost = None

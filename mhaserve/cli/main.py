@@ -38,7 +38,7 @@ def _add_export(sub) -> None:
     p.set_defaults(run=_run_export)
 
 
-def _export_folder(args) -> Path:
+def _export_dir(args) -> Path:
     """--out, or the next version folder of --name in --repository."""
     if args.repository is None:
         return args.out or Path("model_repository/mha")
@@ -56,7 +56,7 @@ def _run_export(args) -> int:
     from mhaserve.export.onnx_export import DEFAULT_OPSET
     from mhaserve.model import DEFAULT_D_MODEL, DEFAULT_NUM_HEADS, load_checkpoint, seeded_module
 
-    args.out = _export_folder(args)
+    args.out = _export_dir(args)
 
     if args.weights:
         module, source = load_checkpoint(args.weights, args.heads, args.prefix)
@@ -166,9 +166,7 @@ def _client(args, tls, token):
 
 def _failure(error) -> str:
     """A refused call as STATUS: message, whichever protocol carried it."""
-    if hasattr(error, "status_name"):
-        return f"{error.status_name}: {error.details}"
-    return f"{error.code().name}: {error.details()}"
+    return f"{error.status_name}: {error.message}"
 
 
 def _connection(args):
@@ -191,13 +189,12 @@ def _connection(args):
 
 def _model_width(client, args, timeout: float) -> int | None:
     """The served model's d_model from its metadata; None, with the reason on stderr, when it cannot be had."""
-    import grpc
 
-    from mhaserve.client.http import HttpRequestFailed
+    from mhaserve.client import RequestFailed
 
     try:
         return client.model_width(timeout=timeout)
-    except (grpc.RpcError, HttpRequestFailed) as error:
+    except RequestFailed as error:
         print(f"cannot reach model '{args.model}' at {args.url}: {_failure(error)}", file=sys.stderr)
         return None
 
@@ -261,10 +258,9 @@ def _head(text: str) -> int | str:
 def _run_infer(args) -> int:
     import time
 
-    import grpc
     import numpy as np
 
-    from mhaserve.client.http import HttpRequestFailed
+    from mhaserve.client import RequestFailed
 
     weights = _weights_options(args)
     ranked = weights is not None and weights.ranked
@@ -298,7 +294,7 @@ def _run_infer(args) -> int:
                     weights=weights,
                 )
                 latencies.append((time.perf_counter() - started) * 1000)
-        except (grpc.RpcError, HttpRequestFailed) as error:
+        except RequestFailed as error:
             print(_failure(error), file=sys.stderr)
             return 1
     outputs = result.outputs
@@ -514,7 +510,7 @@ def _reachable(address: str, timeout_s: float = 5.0) -> bool:
 
 
 def _run_ray_deploy(args) -> int:
-    from mhaserve.contract.model_folder import ModelDirError, read_manifest
+    from mhaserve.contract.model_dir import ModelDirError, read_manifest
 
     try:
         read_manifest(args.model_dir)

@@ -1,16 +1,17 @@
 """Clients for a served model: numpy in, numpy out. ``grpc`` and ``http`` hold the same calls over each
-transport; what both share (TLS, the token, the result) lives in ``common``.
+transport; what both share (TLS, the token, the result, the error a refused call raises: ``RequestFailed``)
+lives in ``common``.
 
     from mhaserve.client import Client
     with Client("127.0.0.1:8001") as client:
         result = client.infer(query)
 """
 
-from .common import TLS, InferResult, WeightsOptions, read_token
+from .common import TLS, InferResult, RequestFailed, WeightsOptions, read_token
 from .grpc import DEFAULT_RETRY, NO_RETRIES, AsyncClient, Client, RetryPolicy
 from .http import HttpClient, HttpRequestFailed
 
 __all__ = [
     "DEFAULT_RETRY", "NO_RETRIES", "TLS", "AsyncClient", "Client", "HttpClient", "HttpRequestFailed", "InferResult",
-    "RetryPolicy", "WeightsOptions", "read_token",
+    "RequestFailed", "RetryPolicy", "WeightsOptions", "read_token",
 ]  # fmt: skip

@@ -41,6 +41,18 @@ def read_token(token_file: str | Path | None = None) -> str | None:
     return os.environ.get(TOKEN_ENV, "").strip() or None
 
 
+class RequestFailed(Exception):
+    """A call the server refused, or that could not be made, whichever transport carried it: ``status_name``
+    as gRPC names the status, ``message`` the server's words. The gRPC clients raise it as a grpc.RpcError too
+    (``code()``, ``details()``), the HTTP client as HttpRequestFailed (``http_status``)."""
+
+    status_name: str = "UNKNOWN"
+    message: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.status_name}: {self.message}"
+
+
 @dataclass
 class InferResult:
     output: np.ndarray | None

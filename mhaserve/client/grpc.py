@@ -31,7 +31,7 @@ from mhaserve.contract.datatypes import DATATYPES, datatype_of
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
 
-from .common import TLS, InferResult, WeightsOptions, request_inputs, requested_outputs
+from .common import TLS, InferResult, RequestFailed, WeightsOptions, request_inputs, requested_outputs
 
 # Large enough for any response of the server's default limits (32 x 512 x 512 with weights);
 # gRPC's own default of 4 MiB fails at [1, 512, 512] with weights.
@@ -91,6 +91,33 @@ class RetryPolicy:
 
 DEFAULT_RETRY = RetryPolicy()
 NO_RETRIES = RetryPolicy(max_attempts=1)
+
+
+class GrpcRequestFailed(RequestFailed, grpc.RpcError):
+    """A refused call over gRPC: the shared RequestFailed, and still the grpc.RpcError it was (``code()``,
+    ``details()``)."""
+
+    def __init__(self, error: grpc.RpcError):
+        super().__init__(f"{error.code().name}: {error.details()}")
+        self._code, self._details = error.code(), error.details() or ""
+        self.status_name, self.message = self._code.name, self._details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+class AsyncRequestFailed(RequestFailed, grpc.aio.AioRpcError):
+    """The same from the asyncio client, still the grpc.aio.AioRpcError it was."""
+
+    def __init__(self, error: grpc.aio.AioRpcError):
+        grpc.aio.AioRpcError.__init__(
+            self, error.code(), error.initial_metadata(), error.trailing_metadata(), error.details(),
+            error.debug_error_string(),
+        )  # fmt: skip
+        self.status_name, self.message = error.code().name, error.details() or ""
 
 
 def _remaining(deadline: float | None) -> float | None:
@@ -206,7 +233,7 @@ class Client(_Connection):
             except grpc.RpcError as error:
                 wait = self.retry.next_wait(error, attempt, deadline)
                 if wait is None:
-                    raise
+                    raise GrpcRequestFailed(error) from None
             time.sleep(wait)
             self.retries += 1
             attempt += 1
@@ -277,7 +304,7 @@ class AsyncClient(_Connection):
             except grpc.RpcError as error:
                 wait = self.retry.next_wait(error, attempt, deadline)
                 if wait is None:
-                    raise
+                    raise AsyncRequestFailed(error) if isinstance(error, grpc.aio.AioRpcError) else error from None
             await asyncio.sleep(wait)
             self.retries += 1
             attempt += 1

@@ -18,7 +18,7 @@ import numpy as np
 
 from mhaserve.contract.datatypes import DATATYPES, datatype_of
 
-from .common import TLS, InferResult, WeightsOptions, request_inputs, requested_outputs
+from .common import TLS, InferResult, RequestFailed, WeightsOptions, request_inputs, requested_outputs
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 # The REST statuses the server answers, by the name of the gRPC status with the same meaning.
@@ -26,14 +26,18 @@ STATUS_NAMES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND
                 429: "RESOURCE_EXHAUSTED", 500: "INTERNAL", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}  # fmt: skip
 
 
-class HttpRequestFailed(Exception):
-    """A refused call: ``status_name`` as gRPC would name it, ``details`` the server's message."""
+class HttpRequestFailed(RequestFailed):
+    """A refused call over HTTP: ``status_name`` as gRPC would name it, ``details`` (and ``message``) the
+    server's words."""
 
     def __init__(self, http_status: int, details: str):
         super().__init__(f"{http_status}: {details}")
         self.http_status = http_status
         self.status_name = STATUS_NAMES.get(http_status, f"HTTP_{http_status}")
-        self.details = details
+        self.details = self.message = details
+
+    def __str__(self) -> str:
+        return f"{self.http_status}: {self.details}"
 
 
 def build_http_infer_body(

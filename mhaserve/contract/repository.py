@@ -46,10 +46,10 @@ class ModelRepository:
 
     def versions(self, name: str) -> list[int]:
         """The model's version folders, ascending (a half-written export's staging folder is hidden)."""
-        folder = self.model_dir(name)
-        if not folder.is_dir():
+        directory = self.model_dir(name)
+        if not directory.is_dir():
             return []
-        return sorted(int(p.name) for p in folder.iterdir() if VERSION.fullmatch(p.name) and p.is_dir())
+        return sorted(int(p.name) for p in directory.iterdir() if VERSION.fullmatch(p.name) and p.is_dir())
 
     def version_dir(self, name: str, version: int | str) -> Path:
         text = str(version)
@@ -64,14 +64,14 @@ class ModelRepository:
 
         Every file, at any depth, must resolve inside the repository: model.onnx, the manifest and external
         data are read from this folder, so a symlink out of it is refused (RepositoryPathError)."""
-        folder = self.version_dir(name, number)
+        directory = self.version_dir(name, number)
         try:
-            own = folder.stat()
+            own = directory.stat()
             files = []
-            for parent, _, names in os.walk(folder):
+            for parent, _, names in os.walk(directory):
                 for file_name in names:
                     path = Path(parent, file_name)
-                    relative = str(path.relative_to(folder))
+                    relative = str(path.relative_to(directory))
                     self._inside(path, f"model {name!r} version {number}: file {relative!r}")
                     info = path.stat()
                     files.append((relative, info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns))

@@ -29,6 +29,7 @@ from ..tensors import (
     array_from_bytes,
     array_from_values,
     check_input_header,
+    wire_bytes,
 )
 
 # The typed `contents` field that carries each datatype.
@@ -118,7 +119,7 @@ def encode_grpc_response(response: InferenceResponse, *, streamed: bool = False)
     for name, output in response.outputs.items():
         array = np.ascontiguousarray(output)
         header.outputs.add(name=name, datatype=datatype_of(array), shape=array.shape)
-        raw_outputs += [_length_delimited(_RAW_OUTPUT_CONTENTS, array.nbytes), memoryview(array).cast("B")]
+        raw_outputs += [_length_delimited(_RAW_OUTPUT_CONTENTS, array.nbytes), wire_bytes(array)]
     parts = [header.SerializeToString(), *raw_outputs]
     if streamed:  # the infer_response field's tag and length, then the same bytes
         parts.insert(0, _length_delimited(_STREAM_INFER_RESPONSE, sum(len(part) for part in parts)))

@@ -30,6 +30,7 @@ from ..tensors import (
     array_from_bytes,
     array_from_values,
     check_input_header,
+    wire_bytes,
 )
 
 log = logging.getLogger("mhaserve.server")
@@ -203,7 +204,7 @@ def encode_rest_response(response: InferenceResponse) -> tuple[bytes, int | None
         entry = {"name": name, "datatype": datatype_of(array), "shape": list(array.shape)}
         if request.output(name).parameters.get("binary_data", binary_by_default):
             entry["parameters"] = {"binary_data_size": array.nbytes}
-            chunks.append(memoryview(array).cast("B"))
+            chunks.append(wire_bytes(array))
         else:
             entry["data"] = array.ravel()  # orjson writes the array itself, no Python floats
         described.append(entry)

@@ -72,7 +72,7 @@ def test_a_damaged_manifest_is_refused_with_one_line(small_model_dir, tmp_path, 
 
 
 def test_a_file_onnx_runtime_cannot_load_is_refused(small_model_dir, tmp_path):
-    from mhaserve.contract.model_folder import file_sha256
+    from mhaserve.contract.model_dir import file_sha256
 
     folder = copy_of(small_model_dir, tmp_path)
     (folder / "model.onnx").write_bytes(b"\x08\x07not a graph" * 100)

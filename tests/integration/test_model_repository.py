@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from mhaserve.client.grpc import NO_RETRIES, Client
-from mhaserve.contract.model_folder import MANIFEST_FILE, MODEL_FILE
+from mhaserve.contract.model_dir import MANIFEST_FILE, MODEL_FILE
 from mhaserve.loadtest.checked_load import Reference
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc

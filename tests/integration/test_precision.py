@@ -14,7 +14,7 @@ import pytest
 
 from mhaserve.client.grpc import Client
 from mhaserve.client.http import HttpClient
-from mhaserve.contract.model_folder import ModelDirError, read_manifest
+from mhaserve.contract.model_dir import ModelDirError, read_manifest
 from mhaserve.export.model_dir import export_model_dir, revalidate_model_dir
 from mhaserve.export.onnx_export import export_onnx
 from mhaserve.export.validate import TOLERANCES, ValidationCase, validate

@@ -261,3 +261,12 @@ def test_a_request_naming_no_outputs_with_top_k_gets_the_output_and_both_top_k_o
         "attn_weights_top_k_values": ("FP32", [1, H, 5, 2]),
         "attn_weights_top_k_indices": ("INT64", [1, H, 5, 2]),
     }
+
+
+@pytest.mark.parametrize("binary", [True, False])
+def test_top_k_outputs_asked_for_without_a_ranking_come_back_empty(server, binary):
+    query, mask = inputs_with_ties()
+    result = triton_infer(triton_http(server), query, mask, binary, outputs=("output", *TOP_K))
+    assert result.as_numpy("attn_weights_top_k_values").shape == (2, H, 12, 0)
+    assert result.as_numpy("attn_weights_top_k_indices").shape == (2, H, 12, 0)
+    assert result.as_numpy("output").shape == (2, 12, D)

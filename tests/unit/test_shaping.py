@@ -10,6 +10,8 @@ import pytest
 from mhaserve.server.errors import ErrorKind, RequestError
 from mhaserve.server.shaping import NO_SHAPING, shaped_weights, top_k, top_p, weights_shaping
 
+TOP_K = ("attn_weights_top_k_values", "attn_weights_top_k_indices")
+
 
 def reference_order(row: np.ndarray) -> np.ndarray:
     """Positions by weight, highest first, ties by the lower position: the stated order, by brute force."""
@@ -112,8 +114,6 @@ def test_integers_and_their_string_forms_are_both_accepted():
         ({"attn_head": "0"}, (), ["unknown parameter 'attn_head'", "attn_heads"]),
         ({"attn_heads": "0"}, ("output",), ["attn_heads", "none of the weights' outputs", "output"]),
         ({"attn_top_k": 2}, ("attn_weights",), ["attn_top_k", "attn_weights_top_k_values"]),
-        ({}, ("attn_weights_top_k_indices",), ["attn_weights_top_k_indices", "attn_top_k or attn_top_p"]),
-        ({"attn_heads": "0"}, ("attn_weights_top_k_values",), ["attn_weights_top_k_values", "attn_top_k"]),
     ],
 )
 def test_a_bad_option_is_refused_naming_the_parameter_what_it_allows_and_what_came(parameters, named, words):
@@ -135,3 +135,13 @@ def test_the_serialised_kernels_are_the_graphs_onnx_builds():
     assert built == {"TOP_K_GRAPH": kernels.TOP_K_GRAPH, "TO_FLOAT16_GRAPH": kernels.TO_FLOAT16_GRAPH}
     weights = np.random.default_rng(3).random((4, 33)).astype(np.float32)
     np.testing.assert_array_equal(kernels.to_float16(weights), weights.astype(np.float16))
+
+
+def test_top_k_outputs_asked_for_without_a_ranking_come_back_empty():
+    weights = weights_with_ties()
+    for parameters in ({}, {"attn_heads": "0,1"}):
+        shaping, outputs = weights_shaping(parameters, ("output", *TOP_K), 3, 5, 9)
+        answer = shaped_weights(weights, TOP_K, shaping)
+        heads = 2 if parameters else 3
+        assert answer[TOP_K[0]].shape == answer[TOP_K[1]].shape == (2, heads, 5, 0)
+        assert answer[TOP_K[1]].dtype == np.int64
