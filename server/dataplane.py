@@ -15,7 +15,6 @@ import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
@@ -31,7 +30,7 @@ from .metrics import Metrics
 from .registry import ModelRegistry, ServedModel
 from .statistics import RequestTiming
 from .tensors import AttentionRequest, Limits, ModelSignature
-from .threads import lower_thread_priority
+from .threads import lowered_pool
 from .versions import VersionFactory
 
 log = logging.getLogger("mhaserve.server")
@@ -81,19 +80,9 @@ class DataPlane:
         self.draining = False  # shutting down: in-flight requests finish, ready RPCs say no
         # One budget and one set of inference workers for every served version: the memory and the cores
         # are the process's, however many models share them.
-        self._executor = ThreadPoolExecutor(
-            settings.inference_workers,
-            thread_name_prefix="mhaserve-infer",
-            initializer=lower_thread_priority,
-            initargs=(settings.inference_nice,),
-        )
+        self._executor = lowered_pool(settings.inference_workers, "infer", settings.inference_nice)
         # Decodes that convert values one by one (typed contents, JSON data) run here, off the event loop.
-        self._decoder = ThreadPoolExecutor(
-            1,
-            thread_name_prefix="mhaserve-decode",
-            initializer=lower_thread_priority,
-            initargs=(settings.inference_nice,),
-        )
+        self._decoder = lowered_pool(1, "decode", settings.inference_nice)
         self.versions = VersionFactory(settings, self.limits, budget, self.metrics, self._executor)
         repository = ModelRepository(settings.model_repository) if settings.model_repository else None
         self.registry = ModelRegistry(

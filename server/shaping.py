@@ -140,9 +140,8 @@ def shaped_weights(weights: np.ndarray, outputs: tuple[str, ...], shaping: Weigh
 def _unranked(rows: tuple[int, ...], dtype: np.dtype, outputs: tuple[str, ...]) -> dict[str, np.ndarray]:
     """The top-k outputs of a request that asked for them without attn_top_k or attn_top_p (as clients that ask
     for every output the metadata lists do): no key ranked, k = 0."""
-    shape = (*rows, 0)
-    empty = {ATTN_TOP_K_VALUES: np.zeros(shape, dtype), ATTN_TOP_K_INDICES: np.zeros(shape, np.int64)}
-    return {name: array for name, array in empty.items() if name in outputs}
+    dtypes = {ATTN_TOP_K_VALUES: dtype, ATTN_TOP_K_INDICES: np.int64}
+    return {name: np.zeros((*rows, 0), dtypes[name]) for name in outputs if name in dtypes}
 
 
 def top_k(weights: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 log = logging.getLogger("mhaserve.server")
 
@@ -20,3 +21,10 @@ def lower_thread_priority(nice: int) -> None:
         os.setpriority(os.PRIO_PROCESS, thread, os.getpriority(os.PRIO_PROCESS, thread) + nice)
     except OSError as error:  # a sandbox may forbid it; serving matters more than the priority
         log.warning("could not lower the inference threads' priority (--inference-nice %d): %s", nice, error)
+
+
+def lowered_pool(workers: int, name: str, nice: int) -> ThreadPoolExecutor:
+    """A pool whose threads run ``nice`` below the event loop's (see lower_thread_priority)."""
+    return ThreadPoolExecutor(
+        workers, thread_name_prefix=f"mhaserve-{name}", initializer=lower_thread_priority, initargs=(nice,)
+    )

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Executor
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +24,7 @@ from .run_cost import RunCost
 from .session import AttentionSession
 from .statistics import ModelStatistics
 from .tensors import Limits, ModelSignature
-from .threads import lower_thread_priority
+from .threads import lowered_pool
 
 log = logging.getLogger("mhaserve.server")
 
@@ -43,12 +43,7 @@ class VersionFactory:
         self.message_limits: tuple[int, int] | None = None  # (receive, send) the transport bound with
         # Loads get their own thread, so that a version loaded under load does not hold the inference
         # workers for its seconds of session creation and warm-up (at the same lowered priority).
-        self._loader = ThreadPoolExecutor(
-            1,
-            thread_name_prefix="mhaserve-load",
-            initializer=lower_thread_priority,
-            initargs=(settings.inference_nice,),
-        )
+        self._loader = lowered_pool(1, "load", settings.inference_nice)
 
     async def load(self, name: str, number: int, model_dir: Path) -> ServedModel:
         loop = asyncio.get_running_loop()

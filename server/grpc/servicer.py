@@ -160,7 +160,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                     answer = await infer_grpc(call, request, streamed=True)
                     call.deliver_later()
             except RequestError as error:
-                answer = pb.ModelStreamInferResponse(error_message=f"{error.kind.name}: {error.message}")
+                answer = streamed_refusal(error)
             # The next request is not read before this answer is written.
             write = asyncio.ensure_future(context.write(answer))
             size = len(answer) if isinstance(answer, bytes) else answer.ByteSize()
@@ -189,6 +189,11 @@ async def infer_grpc(call: InferenceCall, request: pb.ModelInferRequest, streame
         request.model_name, request.model_version, decode_grpc_request, request, slow=grpc_decodes_slowly(request)
     )
     return call.encode(encode_grpc_response, response, streamed=streamed)
+
+
+def streamed_refusal(error: RequestError) -> pb.ModelStreamInferResponse:
+    """A refused request's answer on a stream, which goes on: the status's name and the message."""
+    return pb.ModelStreamInferResponse(error_message=f"{error.kind.name}: {error.message}")
 
 
 def _check_repository_name(name: str) -> None:

@@ -23,7 +23,7 @@ from mhaserve.protos.generated import grpc_service_pb2 as pb
 from ..config import ServerSettings
 from ..dataplane import DataPlane
 from ..errors import RequestError
-from ..grpc.servicer import GRPC_STATUS, ProtocolAnswers, infer_grpc
+from ..grpc.servicer import GRPC_STATUS, ProtocolAnswers, infer_grpc, streamed_refusal
 from .proxy import SERVICER_FUNCTION
 
 log = logging.getLogger("mhaserve.server")
@@ -87,7 +87,7 @@ class OipReplica:
                 async with self.dataplane.inference("ray") as call:
                     answer = _Serialized(await infer_grpc(call, request, streamed=True))
             except RequestError as error:
-                answer = pb.ModelStreamInferResponse(error_message=f"{error.kind.name}: {error.message}")
+                answer = streamed_refusal(error)
             yield answer
 
     async def _answer(self, method: str, request, grpc_context):
