@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from mhaserve.contract.model_dir import (
     MANIFEST_FORMAT,
     METADATA_PREFIX,
     MODEL_FILE,
+    OUTPUT_ONLY_FILE,
     WEIGHTS_FILE,
     file_sha256,
     read_manifest,
@@ -29,6 +31,7 @@ from mhaserve.contract.model_dir import (
 from mhaserve.model import MultiHeadAttention, load_weights, module_from_state_dict, save_weights
 
 from .onnx_export import DEFAULT_OPSET, check_onnx, export_onnx, save_onnx
+from .output_only import output_only_graph
 from .validate import (
     SCALE_TOLERANCES,
     TOLERANCES,
@@ -91,6 +94,14 @@ def export_model_dir(
     results = validate(reference, serialized, seed=validation_seed, report=report, precision=precision)
     scales = validate_scales(module, serialized, seed=validation_seed, report=report, precision=precision)
     passed = export_holds(results, scales)
+    # The float16 graph splits its precision by path (onnx_export.float16_attention), which the fused
+    # kernel cannot: float16 folders answer every request from model.onnx.
+    output_only = output_only_graph(module) if precision == "fp32" else None
+    output_only_results = []
+    if output_only is not None:
+        check_onnx(output_only)
+        output_only_results = _validate_output_only(reference, output_only.SerializeToString(), validation_seed, report)
+        passed = passed and not any(r.failed for r in output_only_results)
 
     manifest = {
         "format": MANIFEST_FORMAT,
@@ -127,6 +138,13 @@ def export_model_dir(
         },
         "export_seconds": round(time.perf_counter() - started, 2),
     }
+    if output_only is not None:
+        manifest["files"]["output_only"] = OUTPUT_ONLY_FILE
+        manifest["validation"]["output_only"] = {
+            "passed": not any(r.failed for r in output_only_results),
+            "counts": status_counts(output_only_results),
+            "cases": [r.as_dict() for r in output_only_results],
+        }
     metadata = {
         "name": name,
         "d_model": module.d_model,
@@ -138,9 +156,10 @@ def export_model_dir(
         "torch_version": torch.__version__,
         "mhaserve_version": mhaserve.__version__,
     }
-    onnx.helper.set_model_props(onnx_model, {METADATA_PREFIX + k: str(v) for k, v in metadata.items()})
-    onnx_model.producer_name = "mhaserve"
-    onnx_model.producer_version = mhaserve.__version__
+    for graph in (onnx_model, output_only) if output_only is not None else (onnx_model,):
+        onnx.helper.set_model_props(graph, {METADATA_PREFIX + k: str(v) for k, v in metadata.items()})
+        graph.producer_name = "mhaserve"
+        graph.producer_version = mhaserve.__version__
 
     # Written beside the target and renamed into place: a failed write (a full disk) leaves the folder
     # that was there untouched, and a folder under this name is always complete.
@@ -150,12 +169,26 @@ def export_model_dir(
         save_onnx(onnx_model, staging / MODEL_FILE)
         save_weights(module, staging / WEIGHTS_FILE)
         manifest["files"]["model_sha256"] = file_sha256(staging / MODEL_FILE)
+        if output_only is not None:
+            save_onnx(output_only, staging / OUTPUT_ONLY_FILE)
+            manifest["files"]["output_only_sha256"] = file_sha256(staging / OUTPUT_ONLY_FILE)
         write_manifest(staging, manifest)
         _replace_dir(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return manifest
+
+
+def _validate_output_only(reference, graph: bytes | str, seed: int | None, report: Callable[[str], None] | None):
+    """The validation matrix on the output-only graph (its output against the same reference), its table rows
+    marked as such."""
+
+    def marked(line: str) -> None:
+        line = f"output-only graph: {line}"
+        report(line) if report is not None else print(line, file=sys.stderr, flush=True)
+
+    return validate(reference, graph, seed=seed, report=marked)
 
 
 def _replace_dir(new: Path, target: Path) -> None:
@@ -179,7 +212,11 @@ def revalidate_model_dir(
     path = str(model_dir / MODEL_FILE)
     results = validate(module, path, seed=seed, report=report, precision=precision)
     scales = validate_scales(module, path, seed=seed, report=report, precision=precision)
-    return export_holds(results, scales)
+    holds = export_holds(results, scales)
+    if manifest.get("files", {}).get("output_only") == OUTPUT_ONLY_FILE:
+        output_only = _validate_output_only(module, str(model_dir / OUTPUT_ONLY_FILE), seed, report)
+        holds = holds and not any(r.failed for r in output_only)
+    return holds
 
 
 # Attributes under which attention modules keep their number of heads.

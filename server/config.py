@@ -84,6 +84,11 @@ class ServerSettings:
         "merges into one run",
     )
     dynamic_batching: bool = setting(True, "merge concurrent requests, of any lengths, into one model run")
+    output_only_graph: bool = setting(
+        True,
+        "run requests that ask for no attention weights on the model folder's output-only graph, where it has "
+        "one (faster from about 512 tokens; holds a second copy of the projection weights)",
+    )
     length_aware_batching: bool = setting(
         True,
         "split queued requests of different lengths into runs where padding would cost more than another run (a "

@@ -14,8 +14,14 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from mhaserve.contract.model_dir import METADATA_PREFIX, ModelDirError, check_model_file, read_manifest
-from mhaserve.contract.signature import PRECISIONS
+from mhaserve.contract.model_dir import (
+    METADATA_PREFIX,
+    ModelDirError,
+    check_model_file,
+    output_only_file,
+    read_manifest,
+)
+from mhaserve.contract.signature import OUTPUT, PRECISIONS
 
 log = logging.getLogger("mhaserve.server")
 
@@ -72,7 +78,9 @@ def _session_options(intra_op_threads: int, inter_op_threads: int) -> ort.Sessio
 
 
 class AttentionSession:
-    """Runs the exported graph. ``run`` is thread-safe (ONNX Runtime sessions are)."""
+    """Runs the exported graph, and its output-only graph (export/output_only.py) for runs that fetch only
+    the output, where the folder has one and ``output_only`` allows it. ``run`` is thread-safe (ONNX Runtime
+    sessions are)."""
 
     def __init__(
         self,
@@ -81,6 +89,7 @@ class AttentionSession:
         intra_op_threads: int = 0,
         inter_op_threads: int = 1,
         cuda_tf32: bool = False,
+        output_only: bool = True,
     ):
         model_dir = Path(model_dir)
         manifest = read_manifest(model_dir)
@@ -94,14 +103,15 @@ class AttentionSession:
             raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
         self.intra_op_threads = intra_op_threads or os.cpu_count() or 1
         options = _session_options(self.intra_op_threads, inter_op_threads)
-        try:
-            self._session = self._create(path, options, device, cuda_tf32)
-        except DeviceUnavailable:
-            raise
-        except Exception as error:  # ONNX Runtime's own kinds (InvalidProtobuf, Fail, ...): a broken file
-            first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-            raise ModelDirError(f"{path}: ONNX Runtime cannot load it: {first}") from None
+        self._session = self._load(path, options, device, cuda_tf32)
         self.provider = self._session.get_providers()[0]
+        output_only_path = output_only_file(model_dir, manifest) if output_only else None
+        self._output_only = None
+        if output_only_path is not None:
+            # On the provider the full graph got, so both answer alike.
+            self._output_only = self._load(
+                output_only_path, options, "cpu" if self.provider == CPU else device, cuda_tf32
+            )
         # A run with this option gives ONNX Runtime's arenas back the chunks no run is using, at its end.
         self._shrink = ort.RunOptions()
         arenas = "cpu:0;gpu:0" if self.provider == CUDA else "cpu:0"
@@ -129,6 +139,20 @@ class AttentionSession:
             limit = _validated_input_limit(model_dir, manifest, self.info.precision)
             self.info = replace(self.info, max_abs_input=limit)
 
+    @property
+    def has_output_only_graph(self) -> bool:
+        return self._output_only is not None
+
+    @classmethod
+    def _load(cls, path: Path, options: ort.SessionOptions, device: str, cuda_tf32: bool) -> ort.InferenceSession:
+        try:
+            return cls._create(path, options, device, cuda_tf32)
+        except DeviceUnavailable:
+            raise
+        except Exception as error:  # ONNX Runtime's own kinds (InvalidProtobuf, Fail, ...): a broken file
+            first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            raise ModelDirError(f"{path}: ONNX Runtime cannot load it: {first}") from None
+
     @staticmethod
     def _create(path: Path, options: ort.SessionOptions, device: str, cuda_tf32: bool) -> ort.InferenceSession:
         if device == "cpu":
@@ -155,7 +179,10 @@ class AttentionSession:
         return ort.InferenceSession(str(path), options, providers=[CPU])
 
     def run(self, output_names, query, key, value, mask) -> list[np.ndarray]:
-        return self._session.run(list(output_names), {"query": query, "key": key, "value": value, "mask": mask})
+        session = (
+            self._output_only if self._output_only is not None and tuple(output_names) == (OUTPUT,) else self._session
+        )
+        return session.run(list(output_names), {"query": query, "key": key, "value": value, "mask": mask})
 
     def release_memory(self) -> None:
         """Shrink the arena: after a burst of large runs it holds their peak until the process exits. One tiny
@@ -163,8 +190,10 @@ class AttentionSession:
         this is for idle times."""
         d = self.info.d_model
         x = np.zeros((1, 1, d), np.float32)
-        self._session.run(["output"], {"query": x, "key": x, "value": x, "mask": np.ones((1, 1, 1, 1), bool)},
-                          self._shrink)  # fmt: skip
+        for session in (self._session, self._output_only):
+            if session is not None:
+                session.run(["output"], {"query": x, "key": x, "value": x, "mask": np.ones((1, 1, 1, 1), bool)},
+                            self._shrink)  # fmt: skip
 
     def warm_up(self, runs: int = 2) -> None:
         """Run at a few shapes so the first client does not pay for ONNX Runtime's lazy set-up."""
@@ -176,6 +205,7 @@ class AttentionSession:
             mask = np.ones((1, 1, 1, kv_len), dtype=bool)
             for _ in range(runs):
                 self.run(("output", "attn_weights"), q, kv, kv, mask)
+                self.run(("output",), q, kv, kv, mask)
 
 
 def _validated_input_limit(model_dir: Path, manifest: dict, precision: str) -> float:

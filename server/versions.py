@@ -82,15 +82,20 @@ class VersionFactory:
                 name, version, signature.d_model, *needed, *self.message_limits,
             )  # fmt: skip
         log.info(
-            "loaded model=%s version=%s d_model=%d heads=%d precision=%s opset=%s provider=%s from %s",
+            "loaded model=%s version=%s d_model=%d heads=%d precision=%s opset=%s provider=%s output_only_graph=%s "
+            "from %s",
             name, version, signature.d_model, signature.num_heads, signature.precision, session.info.opset,
-            session.provider, model_dir,
+            session.provider, "yes" if session.has_output_only_graph else "no", model_dir,
         )  # fmt: skip
         return ServedModel(signature, model_dir, session, batcher, model_metrics, stats)
 
     def _open_session(self, model_dir: Path) -> tuple[AttentionSession, RunCost | None]:
         session = AttentionSession(
-            model_dir, self.settings.device, self.settings.intra_op_threads, cuda_tf32=self.settings.cuda_tf32
+            model_dir,
+            self.settings.device,
+            self.settings.intra_op_threads,
+            cuda_tf32=self.settings.cuda_tf32,
+            output_only=self.settings.output_only_graph,
         )
         session.warm_up(self.settings.warmup_runs)
         run_cost = None

@@ -9,6 +9,9 @@ from pathlib import Path
 from mhaserve.contract.signature import PRECISIONS
 
 MODEL_FILE = "model.onnx"
+# The same model without the attention-weights output, for requests that ask for none of them (written for
+# float32 exports; a folder without it, float16 or exported before it existed, serves them from model.onnx).
+OUTPUT_ONLY_FILE = "model_output_only.onnx"
 WEIGHTS_FILE = "weights.pt"
 MANIFEST_FILE = "manifest.json"
 MANIFEST_FORMAT = "mhaserve-model/1"
@@ -63,11 +66,11 @@ def file_sha256(path: str | Path) -> str:
     return digest.hexdigest()
 
 
-def check_model_file(model_dir: str | Path, manifest: dict) -> Path:
-    """model.onnx as exported: its sha256 is the one the manifest recorded (a changed weight, a truncated
+def check_model_file(model_dir: str | Path, manifest: dict, name: str = MODEL_FILE) -> Path:
+    """A graph file as exported: its sha256 is the one the manifest recorded (a changed weight, a truncated
     copy or a half-written file is refused); returns its path."""
-    path = Path(model_dir) / MODEL_FILE
-    recorded = manifest.get("files", {}).get("model_sha256")
+    path = Path(model_dir) / name
+    recorded = manifest.get("files", {}).get(_SHA256_KEYS[name])
     if not path.is_file():
         raise ModelDirError(f"{path}: missing; re-export the folder with 'mhaserve export'")
     if recorded is None:
@@ -79,6 +82,16 @@ def check_model_file(model_dir: str | Path, manifest: dict) -> Path:
             "after export (or was cut short); re-export it"
         )
     return path
+
+
+_SHA256_KEYS = {MODEL_FILE: "model_sha256", OUTPUT_ONLY_FILE: "output_only_sha256"}
+
+
+def output_only_file(model_dir: str | Path, manifest: dict) -> Path | None:
+    """The checked output-only graph, or None for a folder exported without one."""
+    if manifest.get("files", {}).get("output_only") != OUTPUT_ONLY_FILE:
+        return None
+    return check_model_file(model_dir, manifest, OUTPUT_ONLY_FILE)
 
 
 def write_manifest(model_dir: str | Path, manifest: dict) -> None:

@@ -1,5 +1,6 @@
-"""A model folder is served only as exported: model.onnx tied to its manifest by sha256, written whole or not
-at all, and a damaged folder refused with one clear line and exit code 3 (a damaged default cache is rebuilt)."""
+"""A model folder is served only as exported: its graphs tied to its manifest by sha256, written whole or not
+at all, and a damaged folder refused with one clear line and exit code 3 (a damaged default cache is rebuilt).
+A folder exported before the output-only graph existed serves as it did."""
 
 from __future__ import annotations
 
@@ -9,11 +10,16 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 
+from mhaserve.client.grpc import Client
 from mhaserve.export.model_dir import export_model_dir
+from mhaserve.server.session import AttentionSession
 from mhaserve.testing.server_process import ServerProcess, free_port
+from tests.support import SMALL_D_MODEL, eager, rand
 
 
 def copy_of(folder, tmp_path, name="copy"):
@@ -44,6 +50,70 @@ def test_a_weight_changed_after_export_is_refused(small_model_dir, tmp_path):
     bias.CopyFrom(onnx.numpy_helper.from_array(array, bias.name))
     onnx.save(model, str(folder / "model.onnx"))
     assert "differs from the manifest's" in refusal(folder)
+
+
+def test_a_changed_output_only_graph_is_refused(small_model_dir, tmp_path):
+    folder = copy_of(small_model_dir, tmp_path)
+    data = bytearray((folder / "model_output_only.onnx").read_bytes())
+    data[-8:] = b"\x00" * 8
+    (folder / "model_output_only.onnx").write_bytes(bytes(data))
+    log = refusal(folder)
+    assert "model_output_only.onnx: sha256" in log and "differs from the manifest's" in log
+
+
+def without_output_only_graph(folder):
+    """The folder as mhaserve wrote it before the output-only graph existed."""
+    (folder / "model_output_only.onnx").unlink()
+
+    def older(manifest):
+        manifest["files"] = {k: v for k, v in manifest["files"].items() if not k.startswith("output_only")}
+        del manifest["validation"]["output_only"]
+        return manifest
+
+    edit_manifest(folder, older)
+    return folder
+
+
+def test_a_folder_without_an_output_only_graph_still_serves(start_server, small_model_dir, small_module, tmp_path):
+    folder = without_output_only_graph(copy_of(small_model_dir, tmp_path))
+    server = start_server(folder, "--warmup-runs", "0")
+    assert "output_only_graph=no" in server.log
+    query, key = rand(2, 5, SMALL_D_MODEL, seed=3), rand(2, 7, SMALL_D_MODEL, seed=4)
+    want_out, want_attn = eager(small_module, query, key, key)
+    with Client(server.url) as client:
+        alone = client.infer(query, key, key, attn_weights=False)
+        both = client.infer(query, key, key)
+    np.testing.assert_allclose(alone.output, want_out, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(both.attn_weights, want_attn, rtol=0, atol=1e-5)
+
+
+def test_runs_without_weights_take_the_output_only_graph(small_model_dir):
+    query = rand(2, 9, SMALL_D_MODEL, seed=8)
+    mask = np.ones((1, 1, 1, 9), dtype=bool)
+    feeds = {"query": query, "key": query, "value": query, "mask": mask}
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    direct = {
+        name: ort.InferenceSession(str(small_model_dir / name), options, providers=["CPUExecutionProvider"])
+        for name in ("model.onnx", "model_output_only.onnx")
+    }
+    session = AttentionSession(small_model_dir, "cpu", intra_op_threads=1)
+    assert session.has_output_only_graph
+    (alone,) = session.run(("output",), query, query, query, mask)
+    with_weights, _ = session.run(("output", "attn_weights"), query, query, query, mask)
+    # Bit for bit each graph's own answer (the fused kernel rounds differently from the traced graph).
+    assert np.array_equal(alone, direct["model_output_only.onnx"].run(["output"], feeds)[0])
+    assert np.array_equal(with_weights, direct["model.onnx"].run(["output"], feeds)[0])
+    assert not np.array_equal(alone, with_weights)
+    np.testing.assert_allclose(alone, with_weights, rtol=0, atol=1e-6)
+    turned_off = AttentionSession(small_model_dir, "cpu", intra_op_threads=1, output_only=False)
+    assert not turned_off.has_output_only_graph
+    assert np.array_equal(turned_off.run(("output",), query, query, query, mask)[0], with_weights)
+
+
+def test_the_output_only_graph_can_be_turned_off(start_server, small_model_dir):
+    server = start_server(small_model_dir, "--warmup-runs", "0", "--output-only-graph", "false")
+    assert "output_only_graph=no" in server.log
 
 
 def test_a_cut_short_model_file_is_refused(small_model_dir, tmp_path):

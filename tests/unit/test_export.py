@@ -43,11 +43,68 @@ def assert_same(got, want, atol=1e-5):
         np.testing.assert_allclose(g, w, rtol=0, atol=atol)
 
 
-def test_folder_holds_one_onnx_file_weights_and_manifest(small_model_dir):
-    # torch.export's ONNX program is saved with external data; our folder holds one file unless it is huge.
-    assert sorted(p.name for p in small_model_dir.iterdir()) == ["manifest.json", "model.onnx", "weights.pt"]
-    model = onnx.load(str(small_model_dir / "model.onnx"), load_external_data=False)
-    assert all(t.data_location != onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
+def test_folder_holds_the_graphs_weights_and_manifest(small_model_dir):
+    # torch.export's ONNX program is saved with external data; our folder holds one file per graph unless huge.
+    assert sorted(p.name for p in small_model_dir.iterdir()) == [
+        "manifest.json",
+        "model.onnx",
+        "model_output_only.onnx",
+        "weights.pt",
+    ]
+    for name in ("model.onnx", "model_output_only.onnx"):
+        model = onnx.load(str(small_model_dir / name), load_external_data=False)
+        assert all(t.data_location != onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
+
+
+def test_output_only_graph_is_validated_and_recorded(small_model_dir):
+    manifest = json.loads((small_model_dir / "manifest.json").read_text())
+    assert manifest["files"]["output_only"] == "model_output_only.onnx"
+    assert len(manifest["files"]["output_only_sha256"]) == 64
+    checked = manifest["validation"]["output_only"]
+    assert checked["passed"] is True
+    assert checked["counts"] == {"pass": len(validation_cases()), "fail": 0, "undefined": 0, "skipped": 0}
+    assert all(c["attn_max_abs"] is None for c in checked["cases"])  # it returns no weights
+    assert max(c["output_max_abs"] for c in checked["cases"]) <= 1e-5
+    graph = onnx.load(str(small_model_dir / "model_output_only.onnx"))
+    assert [o.name for o in graph.graph.output] == ["output"]
+    assert {p.key: p.value for p in graph.metadata_props}["mhaserve.d_model"] == str(D)
+
+
+@pytest.mark.parametrize("mask_kind", ["every key", "key padding", "causal with a fully masked row"])
+def test_output_only_graph_answers_as_the_eager_module(small_model_dir, small_module, mask_kind):
+    # Every key allowed takes the fused kernel's FlashAttention path; any mask, the fused kernel with a bias.
+    graph = ort.InferenceSession(str(small_model_dir / "model_output_only.onnx"), providers=["CPUExecutionProvider"])
+    query, key = rand(3, 9, D, seed=5), rand(3, 11, D, seed=6)
+    mask = np.ones((1, 1, 1, 11), dtype=bool)
+    if mask_kind == "key padding":
+        mask = np.ones((3, 1, 1, 11), dtype=bool)
+        mask[1, ..., 7:] = False
+    elif mask_kind.startswith("causal"):
+        mask = np.tril(np.ones((9, 11), dtype=bool), k=2)[None, None].copy()
+        mask[0, 0, 4] = False
+    (got,) = graph.run(["output"], {"query": query, "key": key, "value": key, "mask": mask})
+    want, _ = eager(small_module, query, key, key, mask)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    if mask_kind.startswith("causal"):
+        assert not got[:, 4].any()  # a row with every key masked answers zeros
+
+
+def test_a_failing_output_only_graph_marks_the_folder_not_valid(small_module, tmp_path, monkeypatch):
+    import mhaserve.export.model_dir as model_dir
+    from mhaserve.export.output_only import output_only_graph
+
+    def off_by_a_bias(module):
+        graph = output_only_graph(module)
+        bias = next(t for t in graph.graph.initializer if t.name == "W_o.bias")
+        bias.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(bias) + 0.01, bias.name))
+        return graph
+
+    monkeypatch.setattr(model_dir, "output_only_graph", off_by_a_bias)
+    manifest = export_model_dir(small_module, tmp_path / "mha", validation_seed=0, report=lambda _: None)
+    assert manifest["validation"]["cases"] and all(c["passed"] for c in manifest["validation"]["cases"])
+    assert manifest["validation"]["output_only"]["passed"] is False
+    assert manifest["validation"]["output_only"]["counts"]["fail"] > 0
+    assert manifest["valid"] is False and manifest["validation"]["passed"] is False
 
 
 def test_manifest_describes_the_model(small_model_dir):
