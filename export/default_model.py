@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mhaserve.contract.model_dir import ModelDirError, check_model_file, read_manifest
+from mhaserve.contract.model_dir import ModelDirError, check_model_file, output_only_file, read_manifest
 
 
 def default_model_dir() -> Path:
@@ -28,9 +28,12 @@ def ensure_default_model() -> Path:
     try:
         manifest = read_manifest(model_dir)
         check_model_file(model_dir, manifest)
-        if manifest.get("valid"):
+        if not manifest.get("valid"):
+            why = "its validation failed"
+        elif output_only_file(model_dir, manifest) is None:
+            why = "an older export, without the output-only graph"
+        else:
             return model_dir
-        why = "its validation failed"
     except ModelDirError as error:
         why = str(error) if model_dir.exists() else "there is none yet"
     # A damaged cache (a cut-short model.onnx, an older export) is rebuilt rather than failing every start.

@@ -100,8 +100,10 @@ def export_model_dir(
     output_only_results = []
     if output_only is not None:
         check_onnx(output_only)
-        output_only_results = _validate_output_only(reference, output_only.SerializeToString(), validation_seed, report)
-        passed = passed and not any(r.failed for r in output_only_results)
+        output_only_results, output_only_scales = _validate_output_only(
+            reference, module, output_only.SerializeToString(), validation_seed, report
+        )
+        passed = passed and export_holds(output_only_results, output_only_scales)
 
     manifest = {
         "format": MANIFEST_FORMAT,
@@ -141,9 +143,13 @@ def export_model_dir(
     if output_only is not None:
         manifest["files"]["output_only"] = OUTPUT_ONLY_FILE
         manifest["validation"]["output_only"] = {
-            "passed": not any(r.failed for r in output_only_results),
+            "passed": export_holds(output_only_results, output_only_scales),
             "counts": status_counts(output_only_results),
             "cases": [r.as_dict() for r in output_only_results],
+            "input_scales": {
+                "max_abs_input": input_limit(output_only_scales),
+                "scales": [r.as_dict() for r in output_only_scales],
+            },
         }
     metadata = {
         "name": name,
@@ -180,15 +186,19 @@ def export_model_dir(
     return manifest
 
 
-def _validate_output_only(reference, graph: bytes | str, seed: int | None, report: Callable[[str], None] | None):
-    """The validation matrix on the output-only graph (its output against the same reference), its table rows
-    marked as such."""
+def _validate_output_only(
+    reference, module: MultiHeadAttention, graph: bytes | str, seed: int | None, report: Callable[[str], None] | None
+):
+    """The validation matrix and the input scales on the output-only graph (its output against the same
+    reference and the same exact answer as the full graph's), its table rows marked as such."""
 
     def marked(line: str) -> None:
         line = f"output-only graph: {line}"
         report(line) if report is not None else print(line, file=sys.stderr, flush=True)
 
-    return validate(reference, graph, seed=seed, report=marked)
+    return validate(reference, graph, seed=seed, report=marked), validate_scales(
+        module, graph, seed=seed, report=marked
+    )
 
 
 def _replace_dir(new: Path, target: Path) -> None:
@@ -214,8 +224,9 @@ def revalidate_model_dir(
     scales = validate_scales(module, path, seed=seed, report=report, precision=precision)
     holds = export_holds(results, scales)
     if manifest.get("files", {}).get("output_only") == OUTPUT_ONLY_FILE:
-        output_only = _validate_output_only(module, str(model_dir / OUTPUT_ONLY_FILE), seed, report)
-        holds = holds and not any(r.failed for r in output_only)
+        holds = holds and export_holds(
+            *_validate_output_only(module, module, str(model_dir / OUTPUT_ONLY_FILE), seed, report)
+        )
     return holds
 
 

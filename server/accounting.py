@@ -23,6 +23,9 @@ log = logging.getLogger("mhaserve.server")
 # After a burst, ONNX Runtime's arenas and the heap keep the burst's peak; once nothing has been in flight
 # for this long, they are given back (the next large run pays for growing them again, so not at once).
 IDLE_RELEASE_S = 2.0
+# Request bodies received and dropped (refused ones too) leave their pages in the heap, which glibc keeps up
+# to its raised trim threshold (malloc.tune_malloc); past this many bytes the idle release gives them back.
+RECEIVED_BYTES_BEFORE_TRIM = 64 << 20
 
 
 class RequestAccounting:
@@ -34,6 +37,7 @@ class RequestAccounting:
         self._executor = executor  # the idle release runs where the runs do, never beside one
         self._sessions = sessions  # the sessions whose arenas an idle release empties
         self._idle_release: asyncio.TimerHandle | None = None  # armed when the budget becomes idle
+        self._received_since_release = 0  # request bodies received and freed since the last idle release
         self.requests_in_flight = 0  # inference calls inside a handler (event loop only)
         self.outcomes: Counter[str] = Counter()  # inference calls by final status since start
 
@@ -52,8 +56,15 @@ class RequestAccounting:
 
     def _release(self, reserved: int) -> None:
         self.budget.release(reserved)
-        if self.budget.idle and self._idle_release is None and self.budget.kept_workspace:
+        holding = self.budget.kept_workspace or self._received_since_release >= RECEIVED_BYTES_BEFORE_TRIM
+        if self.budget.idle and self._idle_release is None and holding:
             self._idle_release = asyncio.get_running_loop().call_later(IDLE_RELEASE_S, self._release_idle_memory)
+
+    def received_released(self, nbytes: int) -> None:
+        """A request body's bytes, counted while it was received, leave the budget (admitted, the request's
+        inputs are counted instead; refused, they are freed)."""
+        self._received_since_release += nbytes
+        self._release(nbytes)
 
     def admit(self, request_bytes: int, rows: int, workspace: int) -> object:
         """Take a request's share of max_inflight_bytes, for every model together, or refuse it."""
@@ -69,6 +80,8 @@ class RequestAccounting:
         if not self.budget.idle:
             return
         sessions = self._sessions()
+
+        self._received_since_release = 0
 
         def release() -> None:
             for session in sessions:

@@ -282,6 +282,7 @@ class InferenceCall:
         self.served: ServedModel | None = None
         self._reserved = 0  # this call's bytes in the budget
         self._answer = 0  # of which its answer's
+        self._received = 0  # its request's bytes as the transport receives them, until it is admitted
         self._waiting = None  # its run's workspace, until the run ends
         self._deliver_later = False
         self._settle: Callable | None = None
@@ -305,6 +306,7 @@ class InferenceCall:
         self._answer = answer_bytes(attention, signature.num_heads, signature.precision)
         needed = input_bytes(attention) + self._answer
         accounting = dataplane.accounting
+        self._receipt_done()  # from here its inputs are counted as decoded (input_bytes counts the body too)
         self._waiting = accounting.admit(needed, self.rows, request_workspace_bytes(attention, signature.num_heads))
         self._reserved = needed  # (a refusal took nothing)
         answer = await served.batcher.submit(attention, self.timeout_s)
@@ -312,6 +314,18 @@ class InferenceCall:
         accounting.budget.run_ended(self._waiting)
         self._waiting = None
         return InferenceResponse(signature, request, {o: answer.outputs[o] for o in attention.outputs})
+
+    def receiving(self, nbytes: int) -> None:
+        """The transport is about to hold ``nbytes`` more of this call's request as it receives it: they count
+        against the budget until the request is admitted or refused, or the call is refused
+        (RESOURCE_EXHAUSTED) before they are read."""
+        self._dataplane.accounting.budget.take(nbytes, "its body as it is received")
+        self._received += nbytes
+
+    def _receipt_done(self) -> None:
+        if self._received:
+            self._dataplane.accounting.received_released(self._received)
+            self._received = 0
 
     def encode(self, encode: Callable[..., T], response: InferenceResponse, *args, **kwargs) -> T:
         """``encode(response, ...)``, timed as the call's output time; the inputs leave the budget after it (the
@@ -338,6 +352,7 @@ class InferenceCall:
 
     def end(self) -> None:
         accounting = self._dataplane.accounting
+        self._receipt_done()  # refused while or after it was received, before its admission
         accounting.budget.run_ended(self._waiting)  # refused by the queue, expired or cancelled before its run ended
         if self.served is not None:
             self.served.leave()  # the answer is encoded: unloading need not wait for its delivery

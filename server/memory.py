@@ -64,10 +64,10 @@ def request_workspace_bytes(request: AttentionRequest, num_heads: int) -> int:
 
 
 class InflightBytesExceeded(RequestError):
-    def __init__(self, held: int, needed: int, limit: int):
+    def __init__(self, held: int, needed: int, limit: int, what: str = "inputs, answer, run workspace"):
         super().__init__(
             ErrorKind.RESOURCE_EXHAUSTED,
-            f"this request needs {needed} bytes (inputs, answer, run workspace) while requests in flight hold "
+            f"this request needs {needed} bytes ({what}) while requests in flight hold "
             f"{held}; together over the limit max_inflight_bytes={limit}; retry later",
         )
 
@@ -127,6 +127,13 @@ class MemoryBudget:
         self._waiting[token] = (rows, workspace)
         self.request_bytes += request_bytes
         return token
+
+    def take(self, nbytes: int, what: str) -> None:
+        """Count ``nbytes`` more of a request's own (its body as it is received), or refuse them
+        (RESOURCE_EXHAUSTED) when that would go over the limit; ``release`` gives them back."""
+        if self.held + nbytes > self.limit:
+            raise InflightBytesExceeded(self.held, nbytes, self.limit, what)
+        self.request_bytes += nbytes
 
     def run_made(self, workspace: int) -> None:
         """A run of this workspace was made: the arena keeps its space for the next runs."""

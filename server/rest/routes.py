@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import zlib
 
 import numpy as np
 import orjson
@@ -54,12 +55,33 @@ class BodyTooLarge(RequestError):
 
     http_status = 413
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, encoding: str | None = None):
+        over = "is over" if encoding is None else f"inflates ({encoding}) past"
         super().__init__(
             ErrorKind.RESOURCE_EXHAUSTED,
-            f"the request body is over the limit of {limit} bytes (the largest valid request; large tensors travel "
+            f"the request body {over} the limit of {limit} bytes (the largest valid request; large tensors travel "
             "as binary data)",
         )
+
+
+class UnsupportedEncoding(RequestError):
+    """A Content-Encoding the server cannot inflate: 415, as RFC 9110 says."""
+
+    http_status = 415
+
+    def __init__(self, encoding: str):
+        super().__init__(
+            ErrorKind.INVALID_ARGUMENT,
+            f"Content-Encoding {encoding!r} is not accepted; send the body as is, or gzip or deflate it",
+        )
+
+
+# Compressed bodies are inflated in steps of at most this many bytes, each off the event loop and counted
+# against the body limit and the memory budget before the next; at most INFLATING_AT_ONCE bodies at a time.
+INFLATE_STEP = 4 << 20
+INFLATE_INPUT_SLICE = 1 << 20
+INFLATING_AT_ONCE = 2
+CONTENT_ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}  # zlib's wbits for each
 
 
 def error_response(status: int, message: str) -> web.Response:
@@ -248,6 +270,7 @@ class RestTransport:
         self.body_limit = body_limit
         self.read_timeout_s = read_timeout_s
         self.write_timeout_s = write_timeout_s
+        self._inflating = asyncio.Semaphore(INFLATING_AT_ONCE)
 
     def application(self) -> web.Application:
         app = web.Application(client_max_size=self.body_limit, middlewares=[self._errors, self._authenticate])
@@ -299,16 +322,69 @@ class RestTransport:
         self.dataplane.record_unauthenticated(request.path)
         return error_response(401, "missing or wrong bearer token: send the header 'Authorization: Bearer <token>'")
 
-    async def _body(self, request: web.Request) -> bytes:
-        """The whole body, within read_timeout_s: a client that sends half a body is not waited for forever."""
+    async def _body(self, request: web.Request, call: InferenceCall | None = None) -> bytearray:
+        """The whole body, inflated if it came compressed, within body_limit bytes both ways, its bytes counted
+        in ``call``'s share of the memory budget as they arrive (refused at once when it is full). The body
+        must arrive within read_timeout_s: a client that sends half a body is not waited for forever."""
+        encoding = request.headers.get("Content-Encoding", "identity").strip().lower() or "identity"
+        if encoding != "identity" and encoding not in CONTENT_ENCODINGS:
+            raise UnsupportedEncoding(encoding)
         try:
-            return await asyncio.wait_for(request.read(), self.read_timeout_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self.read_timeout_s):
+                body = await self._receive(request, call)
+        except TimeoutError:
             raise RequestError(
                 ErrorKind.DEADLINE_EXCEEDED, f"the request body did not arrive within {self.read_timeout_s:g} s"
             ) from None
-        except web.HTTPRequestEntityTooLarge:
-            raise BodyTooLarge(self.body_limit) from None
+        return body if encoding == "identity" else await self._inflate(body, encoding, call)
+
+    async def _receive(self, request: web.Request, call: InferenceCall | None) -> bytearray:
+        declared = request.content_length
+        if declared is not None and declared > self.body_limit:
+            raise BodyTooLarge(self.body_limit)  # before a byte of it is read
+        if declared is not None:
+            if call is not None:
+                call.receiving(declared)
+            body = bytearray(declared)  # one buffer, filled in place
+            filled = 0
+            async for chunk in request.content.iter_any():
+                body[filled : filled + len(chunk)] = chunk
+                filled += len(chunk)
+            if filled != declared:
+                raise invalid(f"the request body ended after {filled} of its {declared} bytes (Content-Length)")
+            return body
+        body = bytearray()  # chunked: counted chunk by chunk
+        async for chunk in request.content.iter_any():
+            if len(body) + len(chunk) > self.body_limit:
+                raise BodyTooLarge(self.body_limit)
+            if call is not None:
+                call.receiving(len(chunk))
+            body += chunk
+        return body
+
+    async def _inflate(self, compressed: bytearray, encoding: str, call: InferenceCall | None) -> bytearray:
+        """``compressed`` inflated step by step off the event loop, refused (413) as soon as it grows past the
+        body limit, each step's bytes counted in ``call``'s share of the budget before the next."""
+        async with self._inflating:
+            inflater = zlib.decompressobj(CONTENT_ENCODINGS[encoding])
+            body = bytearray()
+            view = memoryview(compressed)
+            for start in range(0, len(view), INFLATE_INPUT_SLICE):
+                pending = view[start : start + INFLATE_INPUT_SLICE]
+                while pending and not inflater.eof:
+                    try:
+                        piece = await self.dataplane.off_loop(inflater.decompress, pending, INFLATE_STEP)
+                    except zlib.error as error:
+                        raise invalid(f"the request body is not valid {encoding} data ({error})") from None
+                    if len(body) + len(piece) > self.body_limit:
+                        raise BodyTooLarge(self.body_limit, encoding)
+                    if call is not None:
+                        call.receiving(len(piece))
+                    body += piece
+                    pending = inflater.unconsumed_tail
+            if not inflater.eof:
+                raise invalid(f"the request body ends inside its {encoding} stream")
+            return body
 
     async def live(self, request):
         return web.Response(status=200)
@@ -365,7 +441,7 @@ class RestTransport:
         name, version = request.match_info["name"], request.match_info.get("version", "")
         async with self.dataplane.inference("http") as call:
             header_length = header_length_of(request.headers.get(HEADER_LENGTH))  # before the body is read
-            body = await self._body(request)
+            body = await self._body(request, call)
             payload, json_length = await infer_rest(call, name, version, body, header_length)
             call.deliver_later()
         if json_length is None:

@@ -104,7 +104,9 @@ async def start_site(
     what: str,
 ) -> tuple[web.AppRunner, int]:
     """Serve ``app`` on host:port; returns its runner (``cleanup()`` stops it) and the bound port."""
-    handler = {"access_log": None, "keepalive_timeout": idle_timeout_s}  # also closes a connection that never sends
+    # keepalive_timeout also closes a connection that never sends; compressed bodies are inflated by the routes,
+    # in bounded steps off the event loop (aiohttp's parser would inflate them whole, on it).
+    handler = {"access_log": None, "keepalive_timeout": idle_timeout_s, "auto_decompress": False}
     runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=shutdown_timeout_s, **handler)
     await runner.setup()
     site = CappedSite(

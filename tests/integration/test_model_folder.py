@@ -17,7 +17,7 @@ import pytest
 
 from mhaserve.client.grpc import Client
 from mhaserve.export.model_dir import export_model_dir
-from mhaserve.server.session import AttentionSession
+from mhaserve.server.session import OUTPUT_ONLY_FROM_KV_LEN, AttentionSession
 from mhaserve.testing.server_process import ServerProcess, free_port
 from tests.support import SMALL_D_MODEL, eager, rand
 
@@ -87,9 +87,35 @@ def test_a_folder_without_an_output_only_graph_still_serves(start_server, small_
     np.testing.assert_allclose(both.attn_weights, want_attn, rtol=0, atol=1e-5)
 
 
+def test_served_answers_without_weights_equal_eager(start_server, small_model_dir, small_module):
+    # From 256 keys the output-only graph answers: another kernel, the same answer within the export's tolerance.
+    server = start_server(small_model_dir, "--max-q-len", "300", "--max-kv-len", "300", "--warmup-runs", "1")
+    assert "output_only_graph=yes" in server.log
+    query = rand(2, 300, SMALL_D_MODEL, seed=21)
+    padding = np.ones((2, 300), dtype=bool)
+    padding[1, 200:] = False
+    causal = np.tril(np.ones((300, 300), dtype=bool))[None]
+    with Client(server.url) as client:
+        for mask in (None, padding, causal):
+            result = client.infer(query, mask=mask, attn_weights=False)
+            want_out, _ = eager(small_module, query, None, None, mask)
+            assert result.attn_weights is None
+            np.testing.assert_allclose(result.output, want_out, rtol=0, atol=1e-5)
+
+
+def test_short_runs_keep_the_full_graph(small_model_dir):
+    # Below OUTPUT_ONLY_FROM_KV_LEN keys the output-only graph measured no faster.
+    query = rand(2, OUTPUT_ONLY_FROM_KV_LEN - 1, SMALL_D_MODEL, seed=8)
+    mask = np.ones((1, 1, 1, query.shape[1]), dtype=bool)
+    session = AttentionSession(small_model_dir, "cpu", intra_op_threads=1)
+    (alone,) = session.run(("output",), query, query, query, mask)
+    with_weights, _ = session.run(("output", "attn_weights"), query, query, query, mask)
+    assert np.array_equal(alone, with_weights)
+
+
 def test_runs_without_weights_take_the_output_only_graph(small_model_dir):
-    query = rand(2, 9, SMALL_D_MODEL, seed=8)
-    mask = np.ones((1, 1, 1, 9), dtype=bool)
+    query = rand(2, OUTPUT_ONLY_FROM_KV_LEN, SMALL_D_MODEL, seed=8)
+    mask = np.ones((1, 1, 1, query.shape[1]), dtype=bool)
     feeds = {"query": query, "key": query, "value": query, "mask": mask}
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
@@ -196,3 +222,25 @@ def test_a_damaged_default_cache_is_rebuilt_on_start(small_model_dir, tmp_path):
     finally:
         process.terminate()
         process.wait(30)
+
+
+def test_a_default_cache_without_the_output_only_graph_is_exported_again(
+    small_model_dir, tmp_path, monkeypatch, capsys
+):
+    import mhaserve.export.default_model as default_model
+
+    monkeypatch.setenv("MHASERVE_CACHE", str(tmp_path / "cache"))
+    folder = default_model.default_model_dir()
+    shutil.copytree(small_model_dir, folder)
+    exports = []
+
+    def export(command):
+        exports.append(command)
+        return subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(default_model.subprocess, "run", export)
+    assert default_model.ensure_default_model() == folder and exports == []  # up to date: used as it is
+    without_output_only_graph(folder)
+    default_model.ensure_default_model()
+    assert exports and exports[0][-3:] == ["export", "--out", str(folder)]
+    assert "an older export, without the output-only graph" in capsys.readouterr().err

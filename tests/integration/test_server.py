@@ -57,16 +57,6 @@ def test_client_answers_equal_eager(client, small_module, index):
     np.testing.assert_allclose(result.attn_weights, want_attn, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("index", range(len(cases())))
-def test_answers_without_weights_equal_eager(client, small_module, index):
-    # Served by the output-only graph: a different kernel, the same answer within the export's tolerance.
-    query, key, value, mask = cases()[index]
-    result = client.infer(query, key, value, mask, attn_weights=False)
-    want_out, _ = eager(small_module, query, key, value, mask)
-    assert result.attn_weights is None
-    np.testing.assert_allclose(result.output, want_out, rtol=0, atol=1e-5)
-
-
 def test_async_client_answers_equal_eager(server, small_module):
     async def main():
         async with AsyncClient(server.url) as client:

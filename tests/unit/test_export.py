@@ -65,6 +65,9 @@ def test_output_only_graph_is_validated_and_recorded(small_model_dir):
     assert checked["counts"] == {"pass": len(validation_cases()), "fail": 0, "undefined": 0, "skipped": 0}
     assert all(c["attn_max_abs"] is None for c in checked["cases"])  # it returns no weights
     assert max(c["output_max_abs"] for c in checked["cases"]) <= 1e-5
+    scales = checked["input_scales"]["scales"]
+    assert scales and all(s["passed"] and s["attn_max_rel"] is None for s in scales)
+    assert checked["input_scales"]["max_abs_input"] == max(s["max_abs_input"] for s in scales)
     graph = onnx.load(str(small_model_dir / "model_output_only.onnx"))
     assert [o.name for o in graph.graph.output] == ["output"]
     assert {p.key: p.value for p in graph.metadata_props}["mhaserve.d_model"] == str(D)
