@@ -322,7 +322,7 @@ class RestTransport:
         self.dataplane.record_unauthenticated(request.path)
         return error_response(401, "missing or wrong bearer token: send the header 'Authorization: Bearer <token>'")
 
-    async def _body(self, request: web.Request, call: InferenceCall | None = None) -> bytearray:
+    async def _body(self, request: web.Request, call: InferenceCall | None = None) -> bytes | bytearray:
         """The whole body, inflated if it came compressed, within body_limit bytes both ways, its bytes counted
         in ``call``'s share of the memory budget as they arrive (refused at once when it is full). The body
         must arrive within read_timeout_s: a client that sends half a body is not waited for forever."""
@@ -362,12 +362,13 @@ class RestTransport:
             body += chunk
         return body
 
-    async def _inflate(self, compressed: bytearray, encoding: str, call: InferenceCall | None) -> bytearray:
+    async def _inflate(self, compressed: bytearray, encoding: str, call: InferenceCall | None) -> bytes:
         """``compressed`` inflated step by step off the event loop, refused (413) as soon as it grows past the
         body limit, each step's bytes counted in ``call``'s share of the budget before the next."""
         async with self._inflating:
             inflater = zlib.decompressobj(CONTENT_ENCODINGS[encoding])
-            body = bytearray()
+            pieces: list[bytes] = []  # joined once at the end: a growing buffer would be copied as it grows
+            inflated = 0
             view = memoryview(compressed)
             for start in range(0, len(view), INFLATE_INPUT_SLICE):
                 pending = view[start : start + INFLATE_INPUT_SLICE]
@@ -376,15 +377,18 @@ class RestTransport:
                         piece = await self.dataplane.off_loop(inflater.decompress, pending, INFLATE_STEP)
                     except zlib.error as error:
                         raise invalid(f"the request body is not valid {encoding} data ({error})") from None
-                    if len(body) + len(piece) > self.body_limit:
+                    inflated += len(piece)
+                    if inflated > self.body_limit:
                         raise BodyTooLarge(self.body_limit, encoding)
                     if call is not None:
                         call.receiving(len(piece))
-                    body += piece
+                    pieces.append(piece)
                     pending = inflater.unconsumed_tail
             if not inflater.eof:
                 raise invalid(f"the request body ends inside its {encoding} stream")
-            return body
+            if call is not None:
+                call.receiving(inflated)  # the joined copy, beside the pieces for a moment
+            return b"".join(pieces)
 
     async def live(self, request):
         return web.Response(status=200)

@@ -1,0 +1,135 @@
+"""HTTP bodies as they are received: counted against the memory budget before they are buffered (refused
+with 429 at once when it is full), compressed ones inflated in bounded steps and refused with 413 as soon as
+they pass the body limit, unknown encodings refused with 415, and the memory given back afterwards.
+
+Real server processes, raw sockets and tritonclient.http; RSS read from /proc.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import socket
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+import zlib
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+
+from mhaserve.loadtest.checked_load import peak_rss_mib, reset_peak_rss, rss_mib
+from tests.support import SMALL_D_MODEL, eager, rand
+
+D = SMALL_D_MODEL
+BODY_LIMIT = 32 << 20
+ARGS = ("--max-message-bytes", str(BODY_LIMIT), "--warmup-runs", "1")
+
+
+def post(url: str, body: bytes, headers: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(url + "/v2/models/mha/infer", data=body, headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def json_request(query: np.ndarray) -> bytes:
+    inputs = [{"name": "query", "shape": list(query.shape), "datatype": "FP32", "data": query.ravel().tolist()}]
+    return json.dumps({"inputs": inputs, "outputs": [{"name": "output"}]}).encode()
+
+
+@pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
+def test_tritonclient_compressed_requests_are_answered(start_server, small_model_dir, small_module, algorithm):
+    server = start_server(small_model_dir, *ARGS)
+    query = rand(2, 9, D, seed=4)
+    client = httpclient.InferenceServerClient(server.http_url.removeprefix("http://"))
+    tensor = httpclient.InferInput("query", list(query.shape), "FP32")
+    tensor.set_data_from_numpy(query, binary_data=True)
+    result = client.infer("mha", [tensor], request_compression_algorithm=algorithm)
+    want, weights = eager(small_module, query)
+    np.testing.assert_allclose(result.as_numpy("output"), want, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(result.as_numpy("attn_weights"), weights, rtol=0, atol=1e-5)
+
+
+def test_bad_compressed_bodies_are_refused_with_a_clear_error(start_server, small_model_dir):
+    server = start_server(small_model_dir, *ARGS)
+    body = json_request(rand(1, 4, D))
+    status, answer = post(server.http_url, body, {"Content-Encoding": "br"})
+    assert status == 415 and "Content-Encoding 'br' is not accepted" in answer["error"]
+    status, answer = post(server.http_url, body, {"Content-Encoding": "gzip"})  # says gzip, is not
+    assert status == 400 and "not valid gzip data" in answer["error"]
+    status, answer = post(server.http_url, gzip.compress(body)[:-20], {"Content-Encoding": "gzip"})
+    assert status == 400 and "ends inside its gzip stream" in answer["error"]
+    status, answer = post(server.http_url, zlib.compress(body), {"Content-Encoding": "deflate"})
+    assert status == 200 and [o["name"] for o in answer["outputs"]] == ["output"]
+
+
+def test_a_body_inflating_past_the_limit_is_refused_before_it_is_inflated_whole(start_server, small_model_dir):
+    server = start_server(small_model_dir, *ARGS)
+    bomb = gzip.compress(b" " * (8 * BODY_LIMIT), compresslevel=9)  # 256 MiB of spaces in about 250 KB
+    pid = server.proc.pid
+    before = rss_mib(pid)
+    reset_peak_rss(pid)
+    started = time.perf_counter()
+    status, answer = post(server.http_url, bomb, {"Content-Encoding": "gzip"})
+    took = time.perf_counter() - started
+    grown = peak_rss_mib(pid) - before
+    print(
+        f"\na {len(bomb)}-byte gzip body of {8 * BODY_LIMIT >> 20} MiB: {status} in {took:.2f} s, peak {grown:+.0f} MiB"
+    )
+    assert status == 413 and f"inflates (gzip) past the limit of {BODY_LIMIT} bytes" in answer["error"]
+    assert grown < (BODY_LIMIT >> 20) + 24, f"inflating took {grown:.0f} MiB for a {BODY_LIMIT >> 20} MiB limit"
+
+
+def test_a_body_is_refused_before_it_is_read_when_the_budget_is_full(start_server, small_model_dir):
+    # The budget counted a request only once it was received and decoded: bodies bounded the work, not memory.
+    budget = 4 << 20
+    server = start_server(small_model_dir, *ARGS, "--max-inflight-bytes", str(budget))
+    host, port = server.http_url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as connection:
+        headers = (
+            "POST /v2/models/mha/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {budget + 1}\r\n\r\n"
+        )
+        connection.sendall(headers.encode())  # and not one byte of the body
+        answer = connection.recv(65536).decode(errors="replace")
+    status_line, _, rest = answer.partition("\r\n")
+    assert " 429 " in status_line, answer[:300]
+    assert "its body as it is received" in rest and f"max_inflight_bytes={budget}" in rest
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/PID/status")
+def test_many_compressed_bodies_at_once_stay_within_the_budget_and_memory_goes_back(start_server, small_model_dir):
+    budget = 64 << 20
+    server = start_server(small_model_dir, *ARGS, "--max-inflight-bytes", str(budget))
+    pid = server.proc.pid
+    bomb = gzip.compress(b" " * (2 * BODY_LIMIT), compresslevel=9)
+    post(server.http_url, json_request(rand(1, 4, D)), {})  # the handler's first-use allocations
+    time.sleep(0.5)
+    idle = rss_mib(pid)
+    reset_peak_rss(pid)
+    statuses: list[int] = []
+
+    def send() -> None:
+        for _ in range(3):
+            statuses.append(post(server.http_url, bomb, {"Content-Encoding": "gzip"})[0])
+
+    senders = [threading.Thread(target=send) for _ in range(8)]
+    for thread in senders:
+        thread.start()
+    for thread in senders:
+        thread.join()
+    peak = peak_rss_mib(pid) - idle
+    time.sleep(3.5)  # the idle release: arenas and the heap given back
+    after = rss_mib(pid) - idle
+    size = 2 * BODY_LIMIT >> 20
+    print(f"\n24 gzip bodies of {size} MiB, 8 at once, budget {budget >> 20} MiB: {sorted(set(statuses))}, "
+          f"peak {peak:+.0f} MiB, 3.5 s after {after:+.0f} MiB over {idle:.0f} MiB")  # fmt: skip
+    assert set(statuses) <= {413, 429} and statuses.count(413) >= 1
+    assert peak < (budget >> 20) + 48, f"peak {peak:.0f} MiB over idle under a {budget >> 20} MiB budget"
+    assert after < 24, f"{after:.0f} MiB still held 3.5 s after"
