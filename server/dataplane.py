@@ -316,10 +316,11 @@ class InferenceCall:
         return InferenceResponse(signature, request, {o: answer.outputs[o] for o in attention.outputs})
 
     def receiving(self, nbytes: int) -> None:
-        """The transport is about to hold ``nbytes`` more of this call's request as it receives it: they count
-        against the budget until the request is admitted or refused, or the call is refused
-        (RESOURCE_EXHAUSTED) before they are read."""
-        self._dataplane.accounting.budget.take(nbytes, "its body as it is received")
+        """The transport holds, or is about to read, ``nbytes`` more of this call's request as received: they
+        count against the budget until the request is admitted or refused, or the call is refused
+        (RESOURCE_EXHAUSTED) before they are read (HTTP) or parsed (gRPC, whose core receives a message whole
+        before any handler runs)."""
+        self._dataplane.accounting.budget.take(nbytes, "the request as received")
         self._received += nbytes
 
     def _receipt_done(self) -> None:

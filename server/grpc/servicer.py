@@ -104,11 +104,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self.protocol = protocol  # what inference calls are counted as
 
     @answering_errors
-    async def ModelInfer(self, request, context):
+    async def ModelInfer(self, message: ReceivedMessage, context):
         async with self.dataplane.inference(self.protocol, context.time_remaining()) as call:
-            if isinstance(request, RequestError):  # bytes that were no request message
-                raise request
-            answer = await infer_grpc(call, request)
+            answer = await infer_grpc(call, await message.counted_and_parsed(call))
             call.deliver_later()
         written = asyncio.get_running_loop().create_future()  # gRPC writes a unary answer after the handler
         context.add_done_callback(lambda _: written.done() or written.set_result(None))
@@ -150,14 +148,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelStreamInfer(self, request_iterator, context):
         # Answers in request order; a refused request answers with error_message and the stream goes on,
-        # an undecodable one too (it arrives here as the RequestError that says so).
-        async for request in request_iterator:
+        # an undecodable one too.
+        async for message in request_iterator:
             call = None
             try:
                 async with self.dataplane.inference(self.protocol, context.time_remaining()) as call:
-                    if isinstance(request, RequestError):
-                        raise request
-                    answer = await infer_grpc(call, request, streamed=True)
+                    answer = await infer_grpc(call, await message.counted_and_parsed(call), streamed=True)
                     call.deliver_later()
             except RequestError as error:
                 answer = streamed_refusal(error)
@@ -203,6 +199,23 @@ def _check_repository_name(name: str) -> None:
         )
 
 
+class ReceivedMessage:
+    """An inference request message as gRPC received it, parsed on demand: its bytes count in the memory
+    budget before the parse copies them, so a request the budget cannot hold is refused unparsed."""
+
+    def __init__(self, raw: bytes, request_class, off_loop):
+        self._raw, self._request_class, self._off_loop = raw, request_class, off_loop
+
+    async def counted_and_parsed(self, call: InferenceCall):
+        call.receiving(len(self._raw))
+        try:
+            return await _parsed(self._request_class, self._raw, self._off_loop)
+        except DecodeError:
+            raise RequestError(ErrorKind.INVALID_ARGUMENT, _undecodable(self._request_class, self._raw)) from None
+        finally:
+            self._raw = None  # the parsed message holds what the request needs
+
+
 async def _parsed(request_class, raw: bytes, off_loop):
     """The message; a large one is parsed on the decode thread (typed contents parse in one long call)."""
     if len(raw) > OFF_LOOP_BYTES:
@@ -210,13 +223,16 @@ async def _parsed(request_class, raw: bytes, off_loop):
     return request_class.FromString(raw)
 
 
-def _parsing_unary(behavior, request_class, off_loop):
+def _parsing_unary(behavior, request_class, off_loop, inference: bool):
     async def handle(raw: bytes, context):
         try:
-            try:
-                request = await _parsed(request_class, raw, off_loop)
-            except DecodeError:  # the method refuses it, so that an inference call counts the refusal
-                request = RequestError(ErrorKind.INVALID_ARGUMENT, _undecodable(request_class, raw))
+            if inference:  # parsed in the call, once counted
+                request = ReceivedMessage(raw, request_class, off_loop)
+            else:
+                try:
+                    request = await _parsed(request_class, raw, off_loop)
+                except DecodeError:  # the method refuses it
+                    request = RequestError(ErrorKind.INVALID_ARGUMENT, _undecodable(request_class, raw))
             return await behavior(request, context)
         except BaseException as error:
             _forget_locals(error)
@@ -242,12 +258,9 @@ def _forget_locals(error: BaseException | None) -> None:
 
 def _parsing_stream(behavior, request_class, off_loop):
     async def handle(raw_iterator, context):
-        async def requests():
+        async def requests():  # one bad message is that message's error, not the stream's end
             async for raw in raw_iterator:
-                try:
-                    yield await _parsed(request_class, raw, off_loop)
-                except DecodeError:  # one bad message is that message's error, not the stream's end
-                    yield RequestError(ErrorKind.INVALID_ARGUMENT, _undecodable(request_class, raw))
+                yield ReceivedMessage(raw, request_class, off_loop)
 
         await behavior(requests(), context)  # it writes its answers itself
 
@@ -285,9 +298,8 @@ def add_inference_service(servicer: InferenceServicer, server) -> None:
                 _parsing_stream(behavior, request_class, servicer.dataplane.off_loop), response_serializer=serialize
             )
         elif not (method.client_streaming or method.server_streaming):
-            handler = grpc.unary_unary_rpc_method_handler(
-                _parsing_unary(behavior, request_class, servicer.dataplane.off_loop), response_serializer=serialize
-            )
+            parsing = _parsing_unary(behavior, request_class, servicer.dataplane.off_loop, method.name == "ModelInfer")
+            handler = grpc.unary_unary_rpc_method_handler(parsing, response_serializer=serialize)
         else:  # the protocol has no such RPC; refuse to guess
             raise TypeError(f"{method.full_name}: half-streaming RPCs are not handled")
         handlers[method.name] = handler

@@ -100,7 +100,7 @@ def test_a_body_is_refused_before_it_is_read_when_the_budget_is_full(start_serve
         answer = connection.recv(65536).decode(errors="replace")
     status_line, _, rest = answer.partition("\r\n")
     assert " 429 " in status_line, answer[:300]
-    assert "its body as it is received" in rest and f"max_inflight_bytes={budget}" in rest
+    assert "the request as received" in rest and f"max_inflight_bytes={budget}" in rest
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/PID/status")

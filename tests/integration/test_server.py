@@ -198,13 +198,17 @@ class RecordingContext:
 def test_a_failing_model_run_answers_internal_and_the_next_request_is_served(small_model_dir):
     from mhaserve.server.config import ServerSettings
     from mhaserve.server.dataplane import DataPlane
-    from mhaserve.server.grpc.servicer import InferenceServicer
+    from mhaserve.server.grpc.servicer import InferenceServicer, ReceivedMessage
 
     async def scenario():
         dataplane = DataPlane(ServerSettings(intra_op_threads=1, warmup_runs=0), small_model_dir)
         await dataplane.start()
         servicer = InferenceServicer(dataplane)
-        good = build_infer_request("mha", rand(1, 4, D, seed=18), request_id="good")
+        wire = build_infer_request("mha", rand(1, 4, D, seed=18), request_id="good").SerializeToString()
+
+        def good():  # as gRPC hands the servicer an inference request
+            return ReceivedMessage(wire, pb.ModelInferRequest, dataplane.off_loop)
+
         batcher = dataplane.resolve("mha", "").batcher
         working_run = batcher._run_model
 
@@ -213,12 +217,12 @@ def test_a_failing_model_run_answers_internal_and_the_next_request_is_served(sma
 
         batcher._run_model = failing_run
         with pytest.raises(Aborted, match="INTERNAL: inference failed: RuntimeError: ONNX Runtime gave up") as error:
-            await servicer.ModelInfer(good, RecordingContext())
+            await servicer.ModelInfer(good(), RecordingContext())
         stream = RecordingContext()
-        await servicer.ModelStreamInfer(_aiter([good]), stream)
+        await servicer.ModelStreamInfer(_aiter([good()]), stream)
         streamed = stream.written
         batcher._run_model = working_run
-        answer = pb.ModelInferResponse.FromString(await servicer.ModelInfer(good, RecordingContext()))
+        answer = pb.ModelInferResponse.FromString(await servicer.ModelInfer(good(), RecordingContext()))
         dataplane.shutdown()
         return error.value, streamed, answer, dataplane.accounting.outcomes
 
