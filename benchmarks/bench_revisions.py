@@ -7,9 +7,10 @@ temporary worktree and served from there (the same virtual environment; ``PYTHON
 packages ahead of the working tree's editable install, Python 3.11 or newer), beside a server of the working
 tree. Both serve the embedded default model (512/8) with the same arguments, and are up for the whole run; each
 point is measured on one, then the other, in alternating order from round to round, with `mhaserve bench`'s
-load generator (gRPC, with the attention weights). Per point: requests/s, p50 and p99 of each, the cores its
-clients took (they share the machine with the servers), and the ratio of the working tree's requests/s to the
-baseline's, per round and as the median. Not a test: BENCHMARKS.md records the figures.
+load generator (gRPC, or HTTP/REST with --protocol http; with the attention weights). Per point: requests/s,
+p50 and p99 of each, the cores its clients took (they share the machine with the servers), and the ratio of the
+working tree's requests/s to the baseline's, per round and as the median. Not a test: BENCHMARKS.md records the
+figures.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=8.0)
     parser.add_argument("--warmup", type=float, default=2.0)
     parser.add_argument("--processes", type=int, default=default_processes())
+    parser.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
     args = parser.parse_args()
     model_dir = ensure_default_model()
     with tempfile.TemporaryDirectory() as tmp:
@@ -82,11 +84,12 @@ def compare(baseline: ServerProcess, current: ServerProcess, args) -> None:
         if round_number % 2:
             order.reverse()
         for length, concurrency in POINTS:
-            workload = Workload(512, 1, length, length, attn_weights=True)
+            workload = Workload(512, 1, length, length, attn_weights=True, protocol=args.protocol)
             point = Point("closed", concurrency, args.duration, args.warmup)
             results = {}
             for name, server in order:
-                with LoadGenerator(server.url, args.processes) as generator:
+                url = server.url if args.protocol == "grpc" else server.http_url.removeprefix("http://")
+                with LoadGenerator(url, args.processes) as generator:
                     results[name] = generator.measure(workload, point)
             ratio = results["current"].throughput / results["baseline"].throughput
             ratios.setdefault((length, concurrency), []).append(ratio)
