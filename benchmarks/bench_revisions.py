@@ -51,6 +51,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=2.0)
     parser.add_argument("--processes", type=int, default=default_processes())
     parser.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
+    parser.add_argument("--points", default=",".join(f"{length}x{c}" for length, c in POINTS),
+                        help="LENGTHxCONCURRENCY,... at [1, LENGTH, 512]")  # fmt: skip
     args = parser.parse_args()
     model_dir = ensure_default_model()
     with tempfile.TemporaryDirectory() as tmp:
@@ -79,11 +81,12 @@ def compare(baseline: ServerProcess, current: ServerProcess, args) -> None:
     columns = "req/s p50 p99 client-cores"
     print(f"{'point':>16} {'round':>5} | {'baseline ' + columns:>30} | {'current ' + columns:>30} | ratio")
     ratios: dict[tuple[int, int], list[float]] = {}
+    points = [tuple(int(n) for n in point.split("x")) for point in args.points.split(",")]
     for round_number in range(args.rounds):
         order = [("baseline", baseline), ("current", current)]
         if round_number % 2:
             order.reverse()
-        for length, concurrency in POINTS:
+        for length, concurrency in points:
             workload = Workload(512, 1, length, length, attn_weights=True, protocol=args.protocol)
             point = Point("closed", concurrency, args.duration, args.warmup)
             results = {}

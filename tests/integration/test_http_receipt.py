@@ -133,3 +133,24 @@ def test_many_compressed_bodies_at_once_stay_within_the_budget_and_memory_goes_b
     assert set(statuses) <= {413, 429} and statuses.count(413) >= 1
     assert peak < (budget >> 20) + 48, f"peak {peak:.0f} MiB over idle under a {budget >> 20} MiB budget"
     assert after < 24, f"{after:.0f} MiB still held 3.5 s after"
+
+
+def test_a_slow_chunked_upload_holds_its_share_while_it_arrives(start_server, small_model_dir):
+    budget = 8 << 20
+    server = start_server(small_model_dir, *ARGS, "--max-inflight-bytes", str(budget))
+    host, port = server.http_url.removeprefix("http://").rsplit(":", 1)
+    head = "POST /v2/models/mha/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    with socket.create_connection((host, int(port)), timeout=30) as slow:
+        slow.sendall((head + "Transfer-Encoding: chunked\r\n\r\n").encode())
+        chunk = b" " * (1 << 20)
+        for _ in range(5):  # 5 MiB arrived, and more to come
+            slow.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        time.sleep(0.5)
+        with socket.create_connection((host, int(port)), timeout=10) as other:
+            other.sendall((head + f"Content-Length: {4 << 20}\r\n\r\n").encode())
+            refused = other.recv(65536).decode(errors="replace")
+        slow.sendall(b"%x\r\n%s\r\n0\r\n\r\n" % (len(b'{"inputs": 1}'), b'{"inputs": 1}'))
+        answered = slow.recv(65536).decode(errors="replace")
+    assert " 429 " in refused.partition("\r\n")[0], refused[:300]  # 5 MiB held + 4 MiB > 8 MiB
+    assert " 400 " in answered.partition("\r\n")[0], answered[:300]  # received whole, then refused as no request
+    assert "inputs" in answered
