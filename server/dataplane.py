@@ -323,6 +323,15 @@ class InferenceCall:
         self._dataplane.accounting.budget.take(nbytes, "the request as received")
         self._received += nbytes
 
+    def received(self, nbytes: int) -> None:
+        """``nbytes`` of this call's request are in memory already (gRPC's core receives a message whole): counted
+        as ``receiving`` counts them; refused, their pages are still given back once the server is idle."""
+        try:
+            self.receiving(nbytes)
+        except RequestError:
+            self._dataplane.accounting.received_dropped(nbytes)
+            raise
+
     def _receipt_done(self) -> None:
         if self._received:
             self._dataplane.accounting.received_released(self._received)

@@ -207,7 +207,7 @@ class ReceivedMessage:
         self._raw, self._request_class, self._off_loop = raw, request_class, off_loop
 
     async def counted_and_parsed(self, call: InferenceCall):
-        call.receiving(len(self._raw))
+        call.received(len(self._raw))
         try:
             return await _parsed(self._request_class, self._raw, self._off_loop)
         except DecodeError:
