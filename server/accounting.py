@@ -10,13 +10,18 @@ import logging
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Executor
+from typing import TYPE_CHECKING
 
+from .logs import access_line
 from .malloc import release_free_memory
 from .memory import MemoryBudget
 from .metrics import Metrics
 from .registry import ServedModel
 from .session import AttentionSession
 from .statistics import RequestTiming
+
+if TYPE_CHECKING:
+    from .dataplane import InferenceCall
 
 log = logging.getLogger("mhaserve.server")
 
@@ -42,16 +47,23 @@ class RequestAccounting:
         self.outcomes: Counter[str] = Counter()  # inference calls by final status since start
 
     def settle(
-        self, served, rows, timing, protocol, reserved: int, delivered: bool, status: str = "", *, freed: bool = True
+        self, call: InferenceCall, reserved: int, delivered: bool, status: str = "", *, freed: bool = True
     ) -> Callable[[], None] | None:
-        """A request's end: its status is recorded and its memory leaves the budget; or, ``freed`` False (the
-        transport still holds the answer), the function that releases it later."""
+        """A request's end: its status is recorded (and its access log line written) and its memory leaves the
+        budget; or, ``freed`` False (the transport still holds the answer), the function that releases it
+        later."""
         if freed:
             self._release(reserved)
             release = None
         else:
             release = functools.partial(self._release, reserved)
-        self.record(served, status or ("OK" if delivered else "CANCELLED"), rows, timing, protocol)
+        status = status or ("OK" if delivered else "CANCELLED")
+        self.record(call.served, status, call.rows, call.timing, call.protocol)
+        served = call.served
+        access_line(
+            call.protocol, served.signature.name if served else "", served.signature.version if served else "", status,
+            call.request_id, call.rows, call.bytes_in, call.bytes_out, call.timing,
+        )  # fmt: skip
         return release
 
     def _release(self, reserved: int) -> None:

@@ -7,7 +7,6 @@ import gc
 import logging
 import os
 import signal
-import sys
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -16,6 +15,7 @@ from grpc_reflection.v1alpha import reflection
 from mhaserve.contract.model_dir import ModelDirError
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 
+from . import logs
 from .config import ServerSettings
 from .dataplane import DataPlane
 from .grpc.servicer import InferenceServicer, add_inference_service
@@ -253,11 +253,7 @@ class LoadAbandoned(Exception):
 
 
 def run(settings: ServerSettings, model_dir) -> int:
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    logs.configure(settings.log_level, settings.log_format, settings.access_log)
     tune_malloc()
     try:
         return asyncio.run(serve(settings, model_dir))

@@ -161,6 +161,14 @@ class ServerSettings:
         "elsewhere needs it",
     )
     log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR")
+    log_format: str = setting(
+        "text", "text, or json: one JSON object a line (time, level, logger, message, and the request's fields)"
+    )
+    access_log: bool = setting(
+        False,
+        "one line per inference request (logger mhaserve.access): protocol, model, version, status, request id, "
+        "rows, bytes in and out, queue, compute and total time",
+    )
 
     def message_limits(self, d_model: int, num_heads: int) -> tuple[int, int]:
         """(receive, send) byte limits: the configured limit for both, or the largest request and the largest
@@ -248,6 +256,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         raise UsageError("--inference-nice must be between 0 and 19 (a thread may lower its priority, not raise it)")
     if settings.max_queue_delay_us < 0:
         raise UsageError("--max-queue-delay-us must be 0 or more")
+    if settings.log_format not in ("text", "json"):
+        raise UsageError(f"--log-format must be text or json, got {settings.log_format!r}")
     if settings.model_control_mode not in ("none", "poll", "explicit"):
         raise UsageError(f"--model-control-mode must be none, poll or explicit, got {settings.model_control_mode!r}")
     if settings.model_dir and settings.model_repository:

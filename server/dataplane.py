@@ -286,6 +286,9 @@ class InferenceCall:
         self._waiting = None  # its run's workspace, until the run ends
         self._deliver_later = False
         self._settle: Callable | None = None
+        self.request_id = ""  # the protocol's request id, once decoded
+        self.bytes_in = 0  # the request's bytes as received (set by the transport)
+        self.bytes_out = 0  # the answer's bytes as written
 
     async def infer(
         self, name: str, version: str, decode: Callable[..., InferenceRequest], *wire, slow: bool = False
@@ -301,6 +304,7 @@ class InferenceCall:
         else:
             request, attention = _decoded(decode, wire, served.signature, dataplane.limits)
         self.rows = attention.batch_size
+        self.request_id = request.id
         self.timing.input_ns = time.perf_counter_ns() - self.started
         signature = served.signature
         self._answer = answer_bytes(attention, signature.num_heads, signature.precision)
@@ -326,6 +330,7 @@ class InferenceCall:
     def received(self, nbytes: int) -> None:
         """``nbytes`` of this call's request are in memory already (gRPC's core receives a message whole): counted
         as ``receiving`` counts them; refused, their pages are still given back once the server is idle."""
+        self.bytes_in = nbytes
         try:
             self.receiving(nbytes)
         except RequestError:
@@ -351,12 +356,13 @@ class InferenceCall:
         """The transport writes the answer after the call's block, and says with ``sent`` when it has."""
         self._deliver_later = True
 
-    def sent(self, delivered: bool, *, freed: bool = True) -> Callable[[], None] | None:
-        """The answer was written (``delivered``) or given up on: its status is recorded and its memory leaves
-        the budget; or, ``freed`` False (the transport still holds the answer), the function that releases it
-        later. Nothing for a call that ended otherwise."""
+    def sent(self, delivered: bool, nbytes: int = 0, *, freed: bool = True) -> Callable[[], None] | None:
+        """The answer (``nbytes``) was written (``delivered``) or given up on: its status is recorded and its memory
+        leaves the budget; or, ``freed`` False (the transport still holds the answer), the function that releases
+        it later. Nothing for a call that ended otherwise."""
         if self._settle is None:
             return None
+        self.bytes_out = nbytes if delivered else 0
         settle, self._settle = self._settle, None
         return settle(delivered, freed=freed)
 
@@ -368,9 +374,7 @@ class InferenceCall:
             self.served.leave()  # the answer is encoded: unloading need not wait for its delivery
         if self.status != "OK":
             self.timing.input_ns = time.perf_counter_ns() - self.started - self.timing.queue_ns - self.timing.infer_ns
-        settle = functools.partial(
-            accounting.settle, self.served, self.rows, self.timing, self.protocol, self._reserved
-        )
+        settle = functools.partial(accounting.settle, self, self._reserved)
         if self.status == "OK" and self._deliver_later:
             self._settle = settle
         else:

@@ -86,6 +86,7 @@ class VersionFactory:
             "from %s",
             name, version, signature.d_model, signature.num_heads, signature.precision, session.info.opset,
             session.provider, "yes" if session.has_output_only_graph else "no", model_dir,
+            extra={"model": name, "version": str(version)},
         )  # fmt: skip
         return ServedModel(signature, model_dir, session, batcher, model_metrics, stats)
 

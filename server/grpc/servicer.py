@@ -142,7 +142,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                     gave_up[0]()
                 return
             timer.cancel()
-            sent(not future.cancelled() and future.exception() is None)
+            sent(not future.cancelled() and future.exception() is None, size)
 
         written.add_done_callback(ended)
 

@@ -446,6 +446,7 @@ class RestTransport:
         async with self.dataplane.inference("http") as call:
             header_length = header_length_of(request.headers.get(HEADER_LENGTH))  # before the body is read
             body = await self._body(request, call)
+            call.bytes_in = request.content_length or len(body)  # as sent: compressed, if it was
             payload, json_length = await infer_rest(call, name, version, body, header_length)
             call.deliver_later()
         if json_length is None:
@@ -458,7 +459,7 @@ class RestTransport:
         try:
             delivered = await self._send(request, response)
         finally:
-            call.sent(delivered)  # the answer leaves the memory budget only now
+            call.sent(delivered, len(payload))  # the answer leaves the memory budget only now
         return response
 
     async def _send(self, request: web.Request, response: web.Response) -> bool:

@@ -1,0 +1,103 @@
+"""The server's log lines: JSON one object a line when asked (under load and under errors), and the opt-in
+access log, one line per inference request whichever transport carried it and however it ended."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+
+import grpc
+import numpy as np
+
+from mhaserve.client.grpc import Client
+from tests.support import SMALL_D_MODEL, TEST_SERVER_ARGS, rand
+
+
+def http_infer(http_url: str, body: dict) -> int:
+    request = urllib.request.Request(
+        http_url + "/v2/models/mha/infer", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            answer.read()
+            return answer.status
+    except urllib.error.HTTPError as error:
+        return error.code
+
+
+def traffic(server) -> dict[str, int]:
+    """16 concurrent gRPC requests with ids, 4 refused ones, and 2 HTTP ones (one refused): what was sent."""
+    statuses: list[str] = []
+
+    def caller(index: int) -> None:
+        with Client(server.url) as client:
+            for round_number in range(2):
+                answer = client.infer(
+                    rand(1, 4 + index, SMALL_D_MODEL, seed=index), request_id=f"r{index}-{round_number}"
+                )
+                assert answer.output.shape == (1, 4 + index, SMALL_D_MODEL)
+                statuses.append("OK")
+
+    callers = [threading.Thread(target=caller, args=(i,)) for i in range(8)]
+    for thread in callers:
+        thread.start()
+    for thread in callers:
+        thread.join()
+    with Client(server.url) as client:
+        for _ in range(4):
+            try:
+                client.infer(rand(1, 4, SMALL_D_MODEL + 1), request_id="wrong-width")
+            except grpc.RpcError as error:
+                statuses.append(error.code().name)
+    query = rand(1, 3, SMALL_D_MODEL)
+    inputs = [{"name": "query", "shape": [1, 3, SMALL_D_MODEL], "datatype": "FP32", "data": query.ravel().tolist()}]
+    assert http_infer(server.http_url, {"id": "over-http", "inputs": inputs}) == 200
+    assert http_infer(server.http_url, {"id": "bad-http", "inputs": [{**inputs[0], "shape": [1, 3]}]}) == 400
+    return {"grpc OK": statuses.count("OK"), "grpc INVALID_ARGUMENT": statuses.count("INVALID_ARGUMENT")}
+
+
+def test_json_logs_parse_line_by_line_and_the_access_log_has_a_line_per_request(start_server, small_model_dir):
+    server = start_server(small_model_dir, *TEST_SERVER_ARGS, "--log-format", "json", "--access-log", "true")
+    sent = traffic(server)
+    server.stop()
+    entries = [json.loads(line) for line in server.lines]  # every line is one JSON object
+    assert all({"time", "level", "logger", "message"} <= entry.keys() for entry in entries)
+    loaded = next(e for e in entries if e["message"].startswith("loaded model="))
+    assert loaded["model"] == "mha" and loaded["version"] == "1" and loaded["logger"] == "mhaserve.server"
+    access = [e for e in entries if e["logger"] == "mhaserve.access"]
+    assert len(access) == sent["grpc OK"] + sent["grpc INVALID_ARGUMENT"] + 2 == 22
+    by_id = {e["request_id"]: e for e in access}
+    ok = by_id["r3-1"]
+    assert (ok["protocol"], ok["model"], ok["version"], ok["status"], ok["rows"]) == ("grpc", "mha", "1", "OK", 1)
+    assert ok["bytes_in"] > 7 * SMALL_D_MODEL * 4 and ok["bytes_out"] > 7 * SMALL_D_MODEL * 4
+    assert ok["total_ms"] >= ok["compute_ms"] > 0 and ok["queue_ms"] >= 0
+    refused = [e for e in access if e["status"] == "INVALID_ARGUMENT"]
+    assert len(refused) == 5 and all(e["bytes_out"] == 0 for e in refused)
+    assert by_id["over-http"]["protocol"] == "http" and by_id["over-http"]["status"] == "OK"
+
+
+def test_the_access_log_is_off_unless_asked_and_text_by_default(start_server, small_model_dir):
+    quiet = start_server(small_model_dir, *TEST_SERVER_ARGS)
+    loud = start_server(small_model_dir, *TEST_SERVER_ARGS, "--access-log", "true")
+    for server in (quiet, loud):
+        with Client(server.url) as client:
+            client.infer(rand(1, 4, SMALL_D_MODEL), request_id="abc")
+        server.stop()
+    assert not any("mhaserve.access" in line for line in quiet.lines)
+    (line,) = [line for line in loud.lines if "mhaserve.access" in line]
+    assert "INFO mhaserve.access: grpc mha/1 OK id='abc' rows=1 in=" in line and "total_ms=" in line
+    assert not line.lstrip().startswith("{")
+
+
+def test_a_bad_log_format_is_one_line_and_exit_code_2(small_model_dir):
+    done = subprocess.run(
+        [sys.executable, "-m", "mhaserve.cli", "serve", "--model-dir", str(small_model_dir), "--log-format", "xml"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2 and "--log-format must be text or json, got 'xml'" in done.stderr
+    assert "Traceback" not in done.stderr
+    np.testing.assert_equal(done.stderr.strip().count("\n"), 0)
