@@ -75,7 +75,7 @@ class DataPlane:
             settings.max_batch_size if settings.dynamic_batching else None,
             padded_runs=settings.dynamic_batching and not settings.length_aware_batching,
         )
-        self.metrics = Metrics(lambda: budget.held)
+        self.metrics = Metrics(lambda: budget.held, budget.limit)
         self.started = False  # the models of start-up are loaded (or failed): ServerReady may say yes
         self.draining = False  # shutting down: in-flight requests finish, ready RPCs say no
         # One budget and one set of inference workers for every served version: the memory and the cores

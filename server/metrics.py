@@ -10,6 +10,7 @@ nv_inference_compute_infer_duration  mhaserve_inference_compute_infer_duration_s
 nv_inference_pending_request_count   mhaserve_inference_pending_request_count (queue depth)
 (batch sizes)                        mhaserve_inference_batch_size (histogram of rows per run)
 (memory held by requests)            mhaserve_inference_inflight_bytes (inputs, answers, run workspace)
+(its limit)                          mhaserve_inference_inflight_bytes_limit (--max-inflight-bytes)
 (refused credentials)                mhaserve_unauthenticated_request_total
 
 Durations are in seconds, Prometheus' base unit, rather than Triton's microsecond counters.
@@ -31,7 +32,7 @@ class Metrics:
     """The process's metric families; each served version gets its labelled children (``for_model``), which
     ``forget`` removes when it is unloaded, so labels name only models that exist (bounded cardinality)."""
 
-    def __init__(self, inflight_bytes: Callable[[], int] = lambda: 0):
+    def __init__(self, inflight_bytes: Callable[[], int] = lambda: 0, inflight_limit: int = 0):
         self.registry = CollectorRegistry()
         labels = ("model", "version")
         self._requests = Counter(
@@ -75,6 +76,10 @@ class Metrics:
             registry=self.registry,
         )
         held.set_function(inflight_bytes)
+        Gauge(
+            "mhaserve_inference_inflight_bytes_limit", "--max-inflight-bytes: the most requests may take",
+            registry=self.registry,
+        ).set(inflight_limit)  # fmt: skip
         self._unauthenticated = Counter(
             "mhaserve_unauthenticated_request",
             "RPCs refused for a missing or wrong bearer token",
