@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -60,9 +61,13 @@ class RequestAccounting:
         status = status or ("OK" if delivered else "CANCELLED")
         self.record(call.served, status, call.rows, call.timing, call.protocol)
         served = call.served
+        trace_id = ""
+        if call.trace is not None:
+            trace_id = call.trace.trace_id
+            call.trace.finish(call, status, time.perf_counter_ns())
         access_line(
             call.protocol, served.signature.name if served else "", served.signature.version if served else "", status,
-            call.request_id, call.rows, call.bytes_in, call.bytes_out, call.timing,
+            call.request_id, call.rows, call.bytes_in, call.bytes_out, call.timing, trace_id,
         )  # fmt: skip
         return release
 

@@ -31,6 +31,7 @@ from .security import (
     server_ssl_context,
 )
 from .session import DeviceUnavailable
+from .tracing import TracingUnavailable
 
 log = logging.getLogger("mhaserve.server")
 
@@ -62,7 +63,11 @@ class BoundedHealthServicer(health.aio.HealthServicer):
 
 async def serve(settings: ServerSettings, model_dir) -> int:
     """Run until SIGTERM or SIGINT; return the exit code."""
-    dataplane = DataPlane(settings, model_dir)
+    try:
+        dataplane = DataPlane(settings, model_dir)
+    except TracingUnavailable as error:
+        log.error("cannot trace: %s", error)
+        return 2
     health_servicer = BoundedHealthServicer(settings.max_health_watchers)
     # The port is bound before the models load (health says NOT_SERVING meanwhile), so the message limits
     # come from the manifests' sizes rather than the sessions: the largest of what start-up may serve.
@@ -214,6 +219,7 @@ async def serve(settings: ServerSettings, model_dir) -> int:
         await _stop_rest(http_runner)
     await _stop_rest(metrics_runner)
     await asyncio.to_thread(dataplane.shutdown)
+    await asyncio.to_thread(dataplane.tracing.shutdown)  # the spans not yet exported
     # Calls still inside the handler when the grace period ended were cut off: say how many.
     outcomes = ", ".join(f"{status} {n}" for status, n in sorted(dataplane.accounting.outcomes.items())) or "none"
     log.info(

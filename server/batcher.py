@@ -41,6 +41,7 @@ from .errors import ErrorKind, RequestError
 from .run_cost import RunCost, plan_runs
 from .shaping import shaped_weights
 from .tensors import AttentionRequest, count_non_finite
+from .tracing import RequestTrace, record_run
 
 
 class QueueFull(RequestError):
@@ -180,6 +181,7 @@ class _Pending:
     future: asyncio.Future
     enqueued_ns: int
     deadline: float | None  # time.monotonic() by which the answer is due; None: no deadline
+    trace: RequestTrace | None = None
 
 
 @dataclass
@@ -189,6 +191,7 @@ class Answer:
     outputs: dict[str, np.ndarray]
     queue_ns: int  # enqueued until its run started
     infer_ns: int  # its run: merge, model, split
+    run_rows: int  # the rows of its run
 
 
 RunModel = Callable[[tuple[str, ...], np.ndarray, np.ndarray, np.ndarray, np.ndarray], list[np.ndarray]]
@@ -243,7 +246,9 @@ class Batcher:
     def queue_depth(self) -> int:
         return len(self._queue)
 
-    async def submit(self, request: AttentionRequest, timeout_s: float | None = None):
+    async def submit(
+        self, request: AttentionRequest, timeout_s: float | None = None, trace: RequestTrace | None = None
+    ):
         """The request's Answer, once the run it was merged into is done.
 
         Raises QueueFull at once when the queue is full, DeadlineExpiredInQueue when ``timeout_s``
@@ -253,7 +258,7 @@ class Batcher:
             raise QueueFull(self.max_queue_size)
         loop = asyncio.get_running_loop()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        pending = _Pending(request, loop.create_future(), time.perf_counter_ns(), deadline)
+        pending = _Pending(request, loop.create_future(), time.perf_counter_ns(), deadline, trace)
         self._queue.append(pending)
         self._dispatch()
         return await pending.future
@@ -361,6 +366,10 @@ class Batcher:
     def _deliver(self, run: list[_Pending], result: BatchResult | None, error: Exception | None) -> None:
         if result is not None and self._on_batch is not None:
             self._on_batch(result)
+        if result is not None:
+            traces = [p.trace for p in run if p.trace is not None]
+            if traces:
+                record_run(result, [p.request for p in run], traces)
         for index, pending in enumerate(run):
             if pending.future.done():
                 continue
@@ -369,7 +378,7 @@ class Batcher:
             else:
                 queue_ns = result.started_ns - pending.enqueued_ns
                 infer_ns = result.finished_ns - result.started_ns
-                pending.future.set_result(Answer(result.answers[index], queue_ns, infer_ns))
+                pending.future.set_result(Answer(result.answers[index], queue_ns, infer_ns, result.batch_size))
 
     def _finished(self, batch: list[_Pending], done) -> None:
         """The take is over (its answers were delivered as each run ended): free the worker, take more."""

@@ -13,6 +13,8 @@ from pathlib import Path
 from mhaserve.contract.errors import UsageError
 from mhaserve.contract.repository import VersionPolicy
 
+from .tracing import parse_trace_config
+
 ENV_PREFIX = "MHASERVE_"
 
 
@@ -164,6 +166,14 @@ class ServerSettings:
     log_format: str = setting(
         "text", "text, or json: one JSON object a line (time, level, logger, message, and the request's fields)"
     )
+    trace_config: tuple[str, ...] = setting(
+        (),
+        "tracing, as Triton's --trace-config (repeat it): mode=opentelemetry turns it on, rate=N traces one request "
+        "in N (default 1000; 0: only requests whose caller's trace is sampled), count=N stops after N traces "
+        "(-1: no end), level=OFF|TIMESTAMPS, "
+        "opentelemetry,url=HOST:PORT/v1/traces the OTLP endpoint; export is configured by the OTEL_* variables "
+        "(needs the tracing extra)",
+    )
     access_log: bool = setting(
         False,
         "one line per inference request (logger mhaserve.access): protocol, model, version, status, request id, "
@@ -258,6 +268,10 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         raise UsageError("--max-queue-delay-us must be 0 or more")
     if settings.log_format not in ("text", "json"):
         raise UsageError(f"--log-format must be text or json, got {settings.log_format!r}")
+    try:
+        parse_trace_config(settings.trace_config)
+    except ValueError as error:
+        raise UsageError(f"--trace-config: {error}") from None
     if settings.model_control_mode not in ("none", "poll", "explicit"):
         raise UsageError(f"--model-control-mode must be none, poll or explicit, got {settings.model_control_mode!r}")
     if settings.model_dir and settings.model_repository:

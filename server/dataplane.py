@@ -31,6 +31,7 @@ from .registry import ModelRegistry, ServedModel
 from .statistics import RequestTiming
 from .tensors import AttentionRequest, Limits, ModelSignature
 from .threads import lowered_pool
+from .tracing import HeadersOf, Tracing, parse_trace_config
 from .versions import VersionFactory
 
 log = logging.getLogger("mhaserve.server")
@@ -92,6 +93,7 @@ class DataPlane:
             policy=VersionPolicy.parse(settings.version_policy),
         )
         self.accounting = RequestAccounting(budget, self.metrics, self._executor, self._sessions)
+        self.tracing = Tracing(*parse_trace_config(settings.trace_config))  # TracingUnavailable: no SDK
 
     def _sessions(self) -> list:
         return [served.session for served in self.registry.served_models() if served.session is not None]
@@ -212,8 +214,16 @@ class DataPlane:
             return False
         return not self.draining
 
+    def trace_settings(self, model: str, changes: dict[str, list[str]]) -> dict[str, list[str]]:
+        """TraceSetting: the settings of ``model`` (or the global ones), updated by ``changes`` if any."""
+        if model and not self.registry.holds(model):
+            raise RequestError(ErrorKind.NOT_FOUND, f"unknown model '{model}'")
+        return self.tracing.update(model, changes) if changes else self.tracing.settings_of(model)
+
     @contextlib.asynccontextmanager
-    async def inference(self, protocol: str, timeout_s: float | None = None) -> AsyncIterator[InferenceCall]:
+    async def inference(
+        self, protocol: str, timeout_s: float | None = None, method: str = "", headers: HeadersOf | None = None
+    ) -> AsyncIterator[InferenceCall]:
         """One inference call's life, whichever transport makes it: in it the transport reads its request,
         runs it with ``call.infer`` and encodes the answer with ``call.encode``. Whatever happens inside (a
         refusal by the transport itself too) is the call's status, recorded with its timing in the statistics,
@@ -222,8 +232,11 @@ class DataPlane:
 
         A transport that writes the answer after this block calls ``call.deliver_later()`` inside it and
         ``call.sent(delivered)`` once written: until then the answer's memory stays in the budget and its status
-        is open (an answer never taken is counted CANCELLED, not OK)."""
-        call = InferenceCall(self, protocol, timeout_s)
+        is open (an answer never taken is counted CANCELLED, not OK).
+
+        ``method`` names the call as its transport does (the RPC, or the HTTP route) and ``headers`` gives its
+        headers or metadata, read only if the call is traced."""
+        call = InferenceCall(self, protocol, timeout_s, method, headers)
         self.accounting.requests_in_flight += 1
         try:
             yield call
@@ -271,10 +284,14 @@ class DataPlane:
 class InferenceCall:
     """One call inside ``DataPlane.inference``: the version it resolved to, its rows, timing and memory."""
 
-    def __init__(self, dataplane: DataPlane, protocol: str, timeout_s: float | None):
+    def __init__(
+        self, dataplane: DataPlane, protocol: str, timeout_s: float | None, method: str, headers: HeadersOf | None
+    ):
         self._dataplane = dataplane
         self.protocol = protocol
         self.timeout_s = timeout_s
+        self.method = method
+        self.headers = headers
         self.started = time.perf_counter_ns()
         self.timing = RequestTiming()
         self.rows = 0
@@ -289,6 +306,10 @@ class InferenceCall:
         self.request_id = ""  # the protocol's request id, once decoded
         self.bytes_in = 0  # the request's bytes as received (set by the transport)
         self.bytes_out = 0  # the answer's bytes as written
+        self.trace = None  # a RequestTrace, if this call is traced
+        self.submitted_ns = 0  # traced: when it entered the queue
+        self.encoded_ns = 0  # when its answer was encoded
+        self.run_rows = 0  # the rows of the run it was in
 
     async def infer(
         self, name: str, version: str, decode: Callable[..., InferenceRequest], *wire, slow: bool = False
@@ -299,6 +320,8 @@ class InferenceCall:
         dataplane = self._dataplane
         self.served = served = dataplane.resolve(name, version)
         served.enter()  # from here the version is not unloaded under this request
+        if dataplane.tracing.active:
+            self.trace = dataplane.tracing.begin(self, served.signature)
         if slow:
             request, attention = await dataplane.off_loop(_decoded, decode, wire, served.signature, dataplane.limits)
         else:
@@ -306,6 +329,9 @@ class InferenceCall:
         self.rows = attention.batch_size
         self.request_id = request.id
         self.timing.input_ns = time.perf_counter_ns() - self.started
+        if self.trace is not None:
+            self.trace.decoded(attention, request.id)
+            self.submitted_ns = time.perf_counter_ns()
         signature = served.signature
         self._answer = answer_bytes(attention, signature.num_heads, signature.precision)
         needed = input_bytes(attention) + self._answer
@@ -313,8 +339,9 @@ class InferenceCall:
         self._receipt_done()  # from here its inputs are counted as decoded (input_bytes counts the body too)
         self._waiting = accounting.admit(needed, self.rows, request_workspace_bytes(attention, signature.num_heads))
         self._reserved = needed  # (a refusal took nothing)
-        answer = await served.batcher.submit(attention, self.timeout_s)
+        answer = await served.batcher.submit(attention, self.timeout_s, self.trace)
         self.timing.queue_ns, self.timing.infer_ns = answer.queue_ns, answer.infer_ns
+        self.run_rows = answer.run_rows
         accounting.budget.run_ended(self._waiting)
         self._waiting = None
         return InferenceResponse(signature, request, {o: answer.outputs[o] for o in attention.outputs})
@@ -349,7 +376,8 @@ class InferenceCall:
         encoded = encode(response, *args, **kwargs)
         self._dataplane.accounting.budget.release(self._reserved - self._answer)
         self._reserved = self._answer
-        self.timing.output_ns = time.perf_counter_ns() - started
+        self.encoded_ns = time.perf_counter_ns()
+        self.timing.output_ns = self.encoded_ns - started
         return encoded
 
     def deliver_later(self) -> None:

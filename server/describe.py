@@ -13,7 +13,7 @@ from .registry import ServedModel
 from .statistics import Duration
 
 PLATFORM = "onnxruntime_onnx"
-EXTENSIONS = ["model_configuration", "model_repository", "statistics", "binary_tensor_data"]
+EXTENSIONS = ["model_configuration", "model_repository", "statistics", "binary_tensor_data", "trace"]
 CONFIG_DATA_TYPES = {"FP16": "TYPE_FP16", "FP32": "TYPE_FP32", "BOOL": "TYPE_BOOL", "INT64": "TYPE_INT64"}
 
 

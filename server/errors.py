@@ -19,6 +19,18 @@ class ErrorKind(enum.Enum):
     INTERNAL = enum.auto()
 
 
+# The REST transport's status for each kind (the HTTP server span's status code too).
+HTTP_STATUS = {
+    ErrorKind.INVALID_ARGUMENT: 400,
+    ErrorKind.FAILED_PRECONDITION: 400,
+    ErrorKind.NOT_FOUND: 404,
+    ErrorKind.RESOURCE_EXHAUSTED: 429,
+    ErrorKind.UNAVAILABLE: 503,
+    ErrorKind.DEADLINE_EXCEEDED: 504,
+    ErrorKind.INTERNAL: 500,
+}
+
+
 class RequestError(Exception):
     """A request this server refuses: its kind and a message naming what was expected and what came."""
 

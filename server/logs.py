@@ -2,7 +2,8 @@
 log, one line per inference request (``--access-log``, logger ``mhaserve.access``).
 
 JSON is one object a line: time (UTC, ISO 8601), level, logger, message, and the request's or model's fields
-where the line has them (model, version, request_id, protocol, status, bytes and times for the access log).
+where the line has them (model, version, request_id, protocol, status, bytes and times for the access log,
+trace_id for a traced request).
 Lines that ONNX Runtime and gRPC's core print themselves (to stderr, not through Python's logging) stay as
 they print them.
 """
@@ -23,7 +24,7 @@ ACCESS = logging.getLogger("mhaserve.access")
 # What a line may carry beside its message (``extra=``), named as JSON gives them.
 FIELDS = (
     "model", "version", "request_id", "protocol", "status", "rows", "bytes_in", "bytes_out", "queue_ms",
-    "compute_ms", "total_ms",
+    "compute_ms", "total_ms", "trace_id",
 )  # fmt: skip
 
 
@@ -56,7 +57,7 @@ def configure(level: str, log_format: str, access_log: bool) -> None:
 
 def access_line(
     protocol: str, model: str, version: str, status: str, request_id: str, rows: int, bytes_in: int, bytes_out: int,
-    timing: RequestTiming,
+    timing: RequestTiming, trace_id: str = "",
 ) -> None:  # fmt: skip
     """One inference request's line in the access log, if it is on."""
     if not ACCESS.isEnabledFor(logging.INFO):
@@ -74,8 +75,11 @@ def access_line(
         "compute_ms": round(timing.infer_ns / 1e6, 3),
         "total_ms": round(timing.total_ns / 1e6, 3),
     }
+    if trace_id:
+        fields["trace_id"] = trace_id
     ACCESS.info(
-        "%s %s/%s %s id=%r rows=%d in=%d out=%d queue_ms=%.3f compute_ms=%.3f total_ms=%.3f",
+        "%s %s/%s %s id=%r rows=%d in=%d out=%d queue_ms=%.3f compute_ms=%.3f total_ms=%.3f%s",
         protocol, model or "-", version or "-", status, request_id, rows, bytes_in, bytes_out,
-        fields["queue_ms"], fields["compute_ms"], fields["total_ms"], extra=fields,
+        fields["queue_ms"], fields["compute_ms"], fields["total_ms"], f" trace_id={trace_id}" if trace_id else "",
+        extra=fields,
     )  # fmt: skip

@@ -201,6 +201,10 @@ class _Connection:
         self._stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
         self._metadata = call_metadata(token, application)
 
+    def _traced(self, traceparent: str):
+        """The call's metadata with a W3C trace context, if one is given."""
+        return (*(self._metadata or ()), ("traceparent", traceparent)) if traceparent else None
+
 
 class Client(_Connection):
     """Blocking client. ``infer`` raises grpc.RpcError with the server's status on refusal."""
@@ -216,20 +220,22 @@ class Client(_Connection):
         request_id="",
         attn_weights_mean=False,
         weights: WeightsOptions | None = None,
+        traceparent: str = "",
     ) -> InferResult:
-        """``weights``: what to ask of the attention weights (heads, rows, keys, top-k or top-p, precision)."""
+        """``weights``: what to ask of the attention weights (heads, rows, keys, top-k or top-p, precision);
+        ``traceparent``: a W3C trace context, so that the server's span of this call continues the caller's trace."""
         request = build_infer_request(
             self.model, query, key, value, mask, attn_weights, request_id, attn_weights_mean, self.version, weights
         )
-        return parse_infer_response(self._call(self._stub.ModelInfer, request, timeout))
+        return parse_infer_response(self._call(self._stub.ModelInfer, request, timeout, self._traced(traceparent)))
 
-    def _call(self, rpc, request, timeout):
+    def _call(self, rpc, request, timeout, metadata=None):
         """``rpc(request)`` under the retry policy, every attempt within ``timeout`` in all."""
         deadline = None if timeout is None else time.monotonic() + timeout
         attempt = 1
         while True:
             try:
-                return rpc(request, timeout=_remaining(deadline), metadata=self._metadata)
+                return rpc(request, timeout=_remaining(deadline), metadata=metadata or self._metadata)
             except grpc.RpcError as error:
                 wait = self.retry.next_wait(error, attempt, deadline)
                 if wait is None:
@@ -287,20 +293,24 @@ class AsyncClient(_Connection):
         request_id="",
         attn_weights_mean=False,
         weights: WeightsOptions | None = None,
+        traceparent: str = "",
     ) -> InferResult:
-        """``weights``: what to ask of the attention weights (heads, rows, keys, top-k or top-p, precision)."""
+        """``weights``: what to ask of the attention weights (heads, rows, keys, top-k or top-p, precision);
+        ``traceparent``: a W3C trace context, so that the server's span of this call continues the caller's trace."""
         request = build_infer_request(
             self.model, query, key, value, mask, attn_weights, request_id, attn_weights_mean, self.version, weights
         )
-        return parse_infer_response(await self._call(self._stub.ModelInfer, request, timeout))
+        return parse_infer_response(
+            await self._call(self._stub.ModelInfer, request, timeout, self._traced(traceparent))
+        )
 
-    async def _call(self, rpc, request, timeout):
+    async def _call(self, rpc, request, timeout, metadata=None):
         """As Client._call, awaiting."""
         deadline = None if timeout is None else time.monotonic() + timeout
         attempt = 1
         while True:
             try:
-                return await rpc(request, timeout=_remaining(deadline), metadata=self._metadata)
+                return await rpc(request, timeout=_remaining(deadline), metadata=metadata or self._metadata)
             except grpc.RpcError as error:
                 wait = self.retry.next_wait(error, attempt, deadline)
                 if wait is None:

@@ -130,10 +130,14 @@ class HttpClient:
             raise HttpRequestFailed(503, f"{self.base}: {type(error).__name__}: {error}") from None
 
     def infer(self, query, key=None, value=None, mask=None, attn_weights=True, timeout=None, request_id="",
-              attn_weights_mean=False, weights: WeightsOptions | None = None) -> InferResult:  # fmt: skip
+              attn_weights_mean=False, weights: WeightsOptions | None = None,
+              traceparent: str = "") -> InferResult:  # fmt: skip
+        """As the gRPC client's ``infer``."""
         body, headers = build_http_infer_body(
             query, key, value, mask, attn_weights, request_id, attn_weights_mean, weights
         )
+        if traceparent:
+            headers["traceparent"] = traceparent
         answer, answer_headers = self._call("POST", self.model_path + "/infer", body, headers, timeout)
         length = answer_headers.get(HEADER_LENGTH)
         return parse_http_infer_response(answer, int(length) if length is not None else None)

@@ -70,6 +70,12 @@ class ProtocolAnswers:
         served = self.dataplane.resolve(request.name, request.version)
         return pb.ModelConfigResponse(config=json_format.ParseDict(describe.model_config(served), mc.ModelConfig()))
 
+    async def TraceSetting(self, request):
+        changes = {name: list(setting.value) for name, setting in request.settings.items()}
+        settings = self.dataplane.trace_settings(request.model_name, changes)
+        value = pb.TraceSettingResponse.SettingValue
+        return pb.TraceSettingResponse(settings={name: value(value=values) for name, values in settings.items()})
+
     async def ModelStatistics(self, request):
         served = self.dataplane.statistics_of(request.name, request.version)
         stats = {"model_stats": [describe.model_statistics(m) for m in served]}
@@ -105,7 +111,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @answering_errors
     async def ModelInfer(self, message: ReceivedMessage, context):
-        async with self.dataplane.inference(self.protocol, context.time_remaining()) as call:
+        async with self.dataplane.inference(
+            self.protocol, context.time_remaining(), "ModelInfer", lambda: dict(context.invocation_metadata() or ())
+        ) as call:
             answer = await infer_grpc(call, await message.counted_and_parsed(call))
             call.deliver_later()
         written = asyncio.get_running_loop().create_future()  # gRPC writes a unary answer after the handler
@@ -152,7 +160,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         async for message in request_iterator:
             call = None
             try:
-                async with self.dataplane.inference(self.protocol, context.time_remaining()) as call:
+                async with self.dataplane.inference(
+                    self.protocol, context.time_remaining(), "ModelStreamInfer",
+                    lambda: dict(context.invocation_metadata() or ()),
+                ) as call:  # fmt: skip
                     answer = await infer_grpc(call, await message.counted_and_parsed(call), streamed=True)
                     call.deliver_later()
             except RequestError as error:

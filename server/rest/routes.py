@@ -23,7 +23,7 @@ from mhaserve.contract.datatypes import datatype_of
 
 from .. import describe
 from ..dataplane import DataPlane, InferenceCall
-from ..errors import ErrorKind, RequestError, invalid
+from ..errors import HTTP_STATUS, ErrorKind, RequestError, invalid
 from ..inference import InferenceRequest, InferenceResponse, RequestedOutput, decodes_slowly
 from ..security import bearer_token_matches
 from ..tensors import (
@@ -36,15 +36,6 @@ from ..tensors import (
 
 log = logging.getLogger("mhaserve.server")
 
-HTTP_STATUS = {
-    ErrorKind.INVALID_ARGUMENT: 400,
-    ErrorKind.FAILED_PRECONDITION: 400,
-    ErrorKind.NOT_FOUND: 404,
-    ErrorKind.RESOURCE_EXHAUSTED: 429,
-    ErrorKind.UNAVAILABLE: 503,
-    ErrorKind.DEADLINE_EXCEEDED: 504,
-    ErrorKind.INTERNAL: 500,
-}
 RETRY_AFTER_S = "1"  # 429 and 503: the queue, the memory budget or a drain; worth retrying shortly
 HEADER_LENGTH = "Inference-Header-Content-Length"
 OPEN_PATHS = ("/v2/health/live", "/v2/health/ready")  # probes need no token, as grpc.health.v1
@@ -285,6 +276,8 @@ class RestTransport:
                 web.post("/v2/repository/index", self.repository_index),
                 web.post("/v2/repository/models/{name}/load", self.load),
                 web.post("/v2/repository/models/{name}/unload", self.unload),
+                web.get("/v2/trace/setting", self.trace_setting),
+                web.post("/v2/trace/setting", self.trace_setting),
             ]
         )
         for prefix in (model, version):
@@ -297,6 +290,12 @@ class RestTransport:
                     web.post(prefix + "/infer", self.infer),
                 ]
             )
+        app.add_routes(
+            [
+                web.get(model + "/trace/setting", self.trace_setting),
+                web.post(model + "/trace/setting", self.trace_setting),
+            ]
+        )
         return app
 
     @web.middleware
@@ -438,12 +437,38 @@ class RestTransport:
         await self.dataplane.unload_model(request.match_info["name"])
         return web.Response(status=200)
 
+    async def trace_setting(self, request):
+        """Triton's trace extension: GET the settings, POST ``{"trace_rate": "1", "trace_level": ["TIMESTAMPS"],
+        "trace_count": null, ...}`` to change them (null: back to the global value, or the default)."""
+        changes = {}
+        if request.method == "POST":
+            body = await self._body(request)
+            try:
+                given = orjson.loads(body) if body else {}
+            except orjson.JSONDecodeError as error:
+                raise invalid(f"the trace settings are not JSON: {error}") from None
+            if not isinstance(given, dict):
+                raise invalid(f"the trace settings must be a JSON object, got {type(given).__name__}")
+            for name, value in given.items():
+                if value is None:
+                    changes[name] = []
+                elif isinstance(value, list) and all(isinstance(v, str | int) for v in value):
+                    changes[name] = [str(v) for v in value]
+                elif isinstance(value, str | int) and not isinstance(value, bool):
+                    changes[name] = [str(value)]
+                else:
+                    raise invalid(f"trace setting '{name}': expected a string, a list of strings or null, got {value}")
+        settings = self.dataplane.trace_settings(request.match_info.get("name", ""), changes)
+        answer = {name: values if name == "trace_level" else values[0] for name, values in settings.items()}
+        return web.Response(body=orjson.dumps(answer), content_type="application/json")
+
     def _resolve(self, request):
         return self.dataplane.resolve(request.match_info["name"], request.match_info.get("version", ""))
 
     async def infer(self, request: web.Request):
         name, version = request.match_info["name"], request.match_info.get("version", "")
-        async with self.dataplane.inference("http") as call:
+        route = request.match_info.route.resource.canonical
+        async with self.dataplane.inference("http", None, route, lambda: request.headers) as call:
             header_length = header_length_of(request.headers.get(HEADER_LENGTH))  # before the body is read
             body = await self._body(request, call)
             call.bytes_in = request.content_length or len(body)  # as sent: compressed, if it was

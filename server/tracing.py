@@ -1,0 +1,396 @@
+"""Request tracing with OpenTelemetry, and Triton's trace extension (the TraceSetting RPC, /v2/trace/setting).
+
+Settings are Triton's: ``trace_level`` (OFF or TIMESTAMPS), ``trace_rate`` (one request in every N is traced; 0:
+only those whose caller's trace is sampled),
+``trace_count`` (traces left to take; -1: no end), each global or per model, changed at run time by TraceSetting
+behind the token. A request that arrives with a W3C ``traceparent`` saying "sampled" is traced whatever the rate
+(OpenTelemetry's parent-based sampling), and its span is the child of the client's.
+
+A traced request is one server span (named and attributed by OpenTelemetry's RPC or HTTP conventions) with child
+spans decode, queue, infer (its share of the batched run), encode and send; every batched run that served a
+traced request is one span of its own, linked to each traced request span it served, with its rows, lengths and
+padded share. Spans are made from the timestamps the request's bookkeeping takes anyway, at the request's end, so
+a traced request costs its spans and nothing more, and an untraced one a counter. With tracing off the
+OpenTelemetry SDK is never imported: it comes with the ``tracing`` extra and is imported when tracing is first on.
+
+Export is OTLP, configured by OpenTelemetry's own environment variables (``OTEL_EXPORTER_OTLP_ENDPOINT``,
+``OTEL_EXPORTER_OTLP_PROTOCOL`` grpc or http/protobuf, ``OTEL_BSP_*``, ``OTEL_SERVICE_NAME``,
+``OTEL_RESOURCE_ATTRIBUTES``); ``--trace-config opentelemetry,url=...`` sets the endpoint as Triton's does.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import grpc
+
+import mhaserve
+
+from .errors import HTTP_STATUS, ErrorKind, RequestError, invalid
+
+if TYPE_CHECKING:
+    from .batcher import BatchResult
+    from .dataplane import InferenceCall
+    from .tensors import AttentionRequest, ModelSignature
+
+log = logging.getLogger("mhaserve.server")
+
+LEVELS = ("OFF", "TIMESTAMPS")
+GRPC_SERVICE = "inference.GRPCInferenceService"
+# Triton's settings that do not apply to OpenTelemetry export (trace files); accepted as Triton reports them.
+FILE_SETTINGS = ("trace_file", "log_frequency")
+SETTABLE = ("trace_level", "trace_rate", "trace_count")
+
+
+class TracingUnavailable(Exception):
+    """Tracing asked for, without the OpenTelemetry SDK or with an export it does not have."""
+
+
+@dataclass(frozen=True)
+class TraceSettings:
+    level: str = "OFF"
+    rate: int = 1000
+    count: int = -1
+
+    def as_protocol(self) -> dict[str, list[str]]:
+        """As Triton's TraceSetting answers: every value a list of strings."""
+        return {
+            "trace_level": [self.level],
+            "trace_rate": [str(self.rate)],
+            "trace_count": [str(self.count)],
+            "trace_mode": ["opentelemetry"],
+            "trace_file": [""],
+            "log_frequency": ["0"],
+        }
+
+
+def parse_trace_config(entries: Sequence[str]) -> tuple[TraceSettings, str | None]:
+    """``--trace-config`` as Triton takes it, repeatable: ``mode=opentelemetry``, ``level=OFF|TIMESTAMPS``,
+    ``rate=N``, ``count=N``, ``opentelemetry,url=ENDPOINT`` (a section word before a comma is allowed). Naming the
+    mode turns tracing on (level TIMESTAMPS) unless a level is given. Returns the global settings and the OTLP
+    endpoint, if one was given. ValueError says what is wrong."""
+    values: dict[str, str] = {}
+    for entry in entries:
+        if "=" not in entry:
+            if entry.strip().lower() != "opentelemetry":
+                raise ValueError(f"{entry!r}: expected KEY=VALUE, or the section 'opentelemetry'")
+            continue
+        key, value = (part.strip() for part in entry.split("=", 1))
+        values[key.lower()] = value
+    unknown = sorted(set(values) - {"mode", "level", "rate", "count", "url"})
+    if unknown:
+        raise ValueError(f"unknown setting(s) {unknown}: expected mode, level, rate, count or url")
+    mode = values.get("mode", "opentelemetry").lower()
+    if mode != "opentelemetry":
+        raise ValueError(f"mode={mode}: this server traces with OpenTelemetry only (mode=opentelemetry)")
+    default_level = "TIMESTAMPS" if "mode" in values or "url" in values else "OFF"
+    settings = checked_settings(
+        TraceSettings(),
+        {
+            name: [values[key]]
+            for key, name in (("level", "trace_level"), ("rate", "trace_rate"), ("count", "trace_count"))
+            if key in values
+        },  # fmt: skip
+    )
+    if "level" not in values:
+        settings = replace(settings, level=default_level)
+    return settings, values.get("url")
+
+
+def checked_settings(base: TraceSettings, changes: Mapping[str, Sequence[str]]) -> TraceSettings:
+    """``base`` with Triton-named ``changes`` (trace_level, trace_rate, trace_count; trace_file and log_frequency
+    accepted only as no file), or ValueError naming the setting, what it takes and what came."""
+    settings = base
+    for name, values in changes.items():
+        value = values[-1] if values else ""
+        if name == "trace_level":
+            levels = [v.upper() for v in values]
+            if not levels or any(v not in LEVELS for v in levels):
+                raise ValueError(f"trace_level: expected OFF or TIMESTAMPS, got {list(values)}")
+            settings = replace(settings, level="TIMESTAMPS" if "TIMESTAMPS" in levels else "OFF")
+        elif name in ("trace_rate", "trace_count"):
+            try:
+                number = int(value)
+            except ValueError:
+                raise ValueError(f"{name}: expected an integer, got {value!r}") from None
+            if name == "trace_rate" and number < 0:
+                raise ValueError(f"trace_rate: expected 0 or more (one request in every N; 0: none), got {number}")
+            if name == "trace_count" and number < -1:
+                raise ValueError(f"trace_count: expected -1 (no end) or 0 or more, got {number}")
+            settings = replace(settings, **{name.removeprefix("trace_"): number})
+        elif name in FILE_SETTINGS:
+            if value not in ("", "0"):
+                raise ValueError(f"{name}: trace files are not written here (traces are exported over OTLP)")
+        elif name == "trace_mode":
+            if value.lower() != "opentelemetry":
+                raise ValueError(f"trace_mode: this server traces with OpenTelemetry only, got {value!r}")
+        else:
+            raise ValueError(
+                f"unknown trace setting {name!r}: expected trace_level, trace_rate, trace_count, trace_mode, "
+                "trace_file or log_frequency"
+            )
+    return settings
+
+
+class Tracing:
+    """The process's trace settings (global, and what each model overrides), the sampling, and the
+    OpenTelemetry tracer, made when tracing is first on."""
+
+    def __init__(self, settings: TraceSettings, endpoint: str | None = None):
+        self._global = settings
+        self._overrides: dict[str, dict[str, object]] = {}  # per model: the fields it sets itself
+        self._counters: dict[str, int] = {}  # requests seen per model
+        self._endpoint = endpoint
+        self._tracer = None
+        self._provider = None
+        self._lock = threading.Lock()
+        self.active = False  # some model may be traced: the one check an untraced request pays
+        self._refresh()
+
+    def _settings(self, model: str) -> TraceSettings:
+        overrides = self._overrides.get(model)
+        return replace(self._global, **overrides) if overrides else self._global
+
+    def _refresh(self) -> None:
+        scopes = [self._global, *(self._settings(m) for m in self._overrides)]
+        active = any(s.level != "OFF" and s.count != 0 for s in scopes)
+        if active and self._tracer is None:
+            self._tracer, self._provider = _make_tracer(self._endpoint)
+        self.active = active
+
+    # -- Triton's trace extension ------------------------------------------------------------------------
+
+    def settings_of(self, model: str = "") -> dict[str, list[str]]:
+        return self._settings(model).as_protocol()
+
+    def update(self, model: str, changes: Mapping[str, Sequence[str] | None]) -> dict[str, list[str]]:
+        """TraceSetting's update, by Triton's names: a setting given values takes them; one given none goes back
+        to the global one (for a model) or its default (globally). Refused as a whole (INVALID_ARGUMENT, or
+        FAILED_PRECONDITION when tracing cannot be turned on)."""
+        current = self._settings(model)
+        fallback = self._global if model else TraceSettings()
+        cleared = [n.removeprefix("trace_") for n, v in changes.items() if not v and n in SETTABLE]
+        current = replace(current, **{field: getattr(fallback, field) for field in cleared})
+        try:
+            updated = checked_settings(current, {name: values for name, values in changes.items() if values})
+        except ValueError as error:
+            raise invalid(str(error)) from None
+        previous = self._global, {m: dict(o) for m, o in self._overrides.items()}
+        if model:
+            overrides = self._overrides.setdefault(model, {})
+            for field in cleared:
+                overrides.pop(field, None)
+            for name in changes:
+                if changes[name] and name in SETTABLE:
+                    field = name.removeprefix("trace_")
+                    overrides[field] = getattr(updated, field)
+        else:
+            self._global = updated
+        self._counters.clear()
+        try:
+            self._refresh()
+        except TracingUnavailable as error:
+            self._global, self._overrides = previous
+            raise RequestError(ErrorKind.FAILED_PRECONDITION, f"cannot turn tracing on: {error}") from None
+        return self.settings_of(model)
+
+    # -- requests ----------------------------------------------------------------------------------------
+
+    def begin(self, call: InferenceCall, signature: ModelSignature) -> RequestTrace | None:
+        """Whether ``call`` is traced (its parent's flag, else its model's rate and count), and if so its
+        server span, started when the call started."""
+        name = signature.name
+        settings = self._settings(name)
+        if settings.level == "OFF" or settings.count == 0:
+            return None
+        headers = call.headers() if call.headers is not None else {}
+        traceparent = headers.get("traceparent")
+        with self._lock:
+            seen = self._counters.get(name, 0)
+            self._counters[name] = seen + 1
+            if not (_parent_sampled(traceparent) or (settings.rate and seen % settings.rate == 0)):
+                return None
+            if settings.count > 0:  # one trace fewer to take, where the count is set
+                overrides = self._overrides.get(name)
+                if overrides is not None and "count" in overrides:
+                    overrides["count"] = settings.count - 1
+                else:
+                    self._global = replace(self._global, count=self._global.count - 1)
+                if settings.count == 1:
+                    self._refresh()
+        return RequestTrace(self._tracer, call, signature, headers if traceparent else None)
+
+    def shutdown(self) -> None:
+        """Export what is left (the batch processor's queue), within its own timeout."""
+        if self._provider is not None:
+            self._provider.shutdown()
+
+
+def _parent_sampled(traceparent: str | None) -> bool:
+    """W3C trace context: version-traceid-parentid-flags, bit 0 of flags "sampled"."""
+    if not traceparent:
+        return False
+    parts = traceparent.strip().split("-")
+    try:
+        return len(parts) >= 4 and len(parts[1]) == 32 and bool(int(parts[3][:2], 16) & 1)
+    except ValueError:
+        return False
+
+
+def _make_tracer(endpoint: str | None):
+    try:
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    except ImportError:
+        raise TracingUnavailable("the OpenTelemetry SDK is not installed: pip install 'mhaserve[tracing]'") from None
+    protocol = (
+        os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+        or "http/protobuf"
+    )  # fmt: skip
+    try:
+        if protocol == "grpc":
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        elif protocol == "http/protobuf":
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        else:
+            raise TracingUnavailable(f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r}: expected grpc or http/protobuf")
+    except ImportError:
+        raise TracingUnavailable(
+            f"the OTLP {protocol} exporter is not installed: pip install 'mhaserve[tracing]'"
+        ) from None
+    if endpoint and "://" not in endpoint:
+        endpoint = "http://" + endpoint
+    attributes = {"service.version": mhaserve.__version__}
+    if not os.environ.get("OTEL_SERVICE_NAME"):
+        attributes["service.name"] = "mhaserve"
+    provider = TracerProvider(resource=Resource.create(attributes))
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint) if endpoint else
+                                                   OTLPSpanExporter()))  # fmt: skip
+    log.info("tracing: OpenTelemetry spans exported over OTLP %s to %s", protocol, endpoint or "the OTEL_* endpoint")
+    return provider.get_tracer("mhaserve", mhaserve.__version__), provider
+
+
+def _clock_offset() -> int:
+    """What turns a perf_counter_ns reading into nanoseconds since the epoch, as spans are stamped."""
+    return time.time_ns() - time.perf_counter_ns()
+
+
+class RequestTrace:
+    """One traced request: its server span, open from the call's start, and its children, made at its end."""
+
+    __slots__ = ("_tracer", "span", "_offset", "_http")
+
+    def __init__(self, tracer, call: InferenceCall, signature: ModelSignature, carrier: Mapping | None):
+        from opentelemetry import trace
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        self._tracer = tracer
+        self._offset = _clock_offset()
+        self._http = call.protocol == "http"
+        parent = TraceContextTextMapPropagator().extract(carrier) if carrier is not None else None
+        if self._http:
+            name = f"POST {call.method}"
+            attributes = {"http.request.method": "POST", "http.route": call.method}
+        else:
+            method = call.method or "ModelInfer"
+            name = f"{GRPC_SERVICE}/{method}"
+            attributes = {"rpc.system": "grpc", "rpc.service": GRPC_SERVICE, "rpc.method": method}
+        attributes.update(
+            {
+                "mhaserve.protocol": call.protocol,
+                "mhaserve.model.name": signature.name,
+                "mhaserve.model.version": signature.version,
+            }
+        )
+        self.span = tracer.start_span(
+            name, context=parent, kind=trace.SpanKind.SERVER, attributes=attributes,
+            start_time=call.started + self._offset,
+        )  # fmt: skip
+
+    @property
+    def trace_id(self) -> str:
+        return format(self.span.get_span_context().trace_id, "032x")
+
+    def decoded(self, request: AttentionRequest, request_id: str) -> None:
+        attributes = {
+            "mhaserve.request.query_shape": list(request.query.shape),
+            "mhaserve.request.key_shape": list(request.key.shape),
+            "mhaserve.request.outputs": list(request.outputs),
+        }
+        if request_id:
+            attributes["mhaserve.request.id"] = request_id
+        self.span.set_attributes(attributes)
+
+    def finish(self, call: InferenceCall, status: str, ended_ns: int) -> None:
+        """The call's children from its timestamps, its status, and its end."""
+        from opentelemetry import trace
+        from opentelemetry.trace import Status, StatusCode
+
+        offset, timing = self._offset, call.timing
+        parent = trace.set_span_in_context(self.span)
+
+        def child(name: str, start: int, end: int, attributes: dict | None = None) -> None:
+            span = self._tracer.start_span(name, context=parent, start_time=start + offset, attributes=attributes)
+            span.end(end_time=max(start, end) + offset)
+
+        child("decode", call.started, call.started + timing.input_ns)
+        if call.submitted_ns:
+            run_start = call.submitted_ns + timing.queue_ns
+            child("queue", call.submitted_ns, run_start)
+            if timing.infer_ns:
+                child("infer", run_start, run_start + timing.infer_ns, {"mhaserve.batch.rows": call.run_rows})
+        if call.encoded_ns:
+            child("encode", call.encoded_ns - timing.output_ns, call.encoded_ns)
+            if status == "OK" or call.bytes_out:
+                child("send", call.encoded_ns, ended_ns, {"mhaserve.response.bytes": call.bytes_out})
+        attributes = {"mhaserve.status": status, "mhaserve.request.rows": call.rows}
+        if self._http:
+            code = 200 if status == "OK" else HTTP_STATUS.get(ErrorKind.__members__.get(status))
+            if code is not None:
+                attributes["http.response.status_code"] = code
+            failed = code is not None and code >= 500
+        else:
+            code = grpc.StatusCode[status].value[0] if status in grpc.StatusCode.__members__ else 2
+            attributes["rpc.grpc.status_code"] = code
+            failed = status in ("UNKNOWN", "DEADLINE_EXCEEDED", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS")
+        self.span.set_attributes(attributes)
+        if failed:
+            self.span.set_status(Status(StatusCode.ERROR, status))
+        self.span.end(end_time=ended_ns + offset)
+
+
+def record_run(result: BatchResult, requests: Sequence[AttentionRequest], traces: Sequence[RequestTrace]) -> None:
+    """One batched run that served traced requests: a span of its own, linked to each of their spans."""
+    from opentelemetry import context, trace
+
+    first = traces[0]
+    span = first._tracer.start_span(
+        "model run",
+        context=context.Context(),  # a root: the run belongs to every request it served, no one's trace
+        links=[trace.Link(t.span.get_span_context()) for t in traces],
+        attributes={
+            "mhaserve.batch.requests": len(requests),
+            "mhaserve.batch.rows": result.batch_size,
+            "mhaserve.batch.q_len": result.q_len,
+            "mhaserve.batch.kv_len": result.kv_len,
+            "mhaserve.batch.q_lens": [r.query.shape[1] for r in requests],
+            "mhaserve.batch.kv_lens": [r.key.shape[1] for r in requests],
+            "mhaserve.batch.padding_ratio": result.padding_ratio,
+            "mhaserve.run.merge_ns": result.merge_ns,
+            "mhaserve.run.model_ns": result.model_ns,
+            "mhaserve.run.split_ns": result.split_ns,
+            **{k: v for k, v in first.span.attributes.items() if k.startswith("mhaserve.model.")},
+        },
+        start_time=result.started_ns + first._offset,
+    )
+    span.end(end_time=result.finished_ns + first._offset)
+
+
+HeadersOf = Callable[[], Mapping[str, str]]

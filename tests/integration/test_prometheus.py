@@ -1,0 +1,159 @@
+"""A real Prometheus (Debian's, installed by tests/tools/install_prometheus.sh) scraping a real server under load:
+the counters it stores and the rate PromQL computes agree with the requests sent, and every query of the Grafana
+dashboard evaluates on it to data."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import shutil
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from mhaserve.client.grpc import Client
+from mhaserve.testing.server_process import free_port
+from tests.support import SMALL_D_MODEL, TEST_SERVER_ARGS, rand
+
+PROMETHEUS = shutil.which("prometheus")
+DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "mhaserve.json"
+SCRAPE_MS = 500
+SCRAPE_S = SCRAPE_MS / 1000
+
+pytestmark = pytest.mark.skipif(
+    PROMETHEUS is None, reason="no prometheus binary: tests/tools/install_prometheus.sh could not install it"
+)
+
+
+class Prometheus:
+    def __init__(self, target: str, folder: Path):
+        config = folder / "prometheus.yml"
+        config.write_text(
+            f"global:\n  scrape_interval: {SCRAPE_MS}ms\n  evaluation_interval: {SCRAPE_MS}ms\n"
+            f"scrape_configs:\n  - job_name: mhaserve\n    static_configs:\n      - targets: ['{target}']\n"
+        )
+        self.url = f"http://127.0.0.1:{free_port()}"
+        self.proc = subprocess.Popen(
+            [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={folder / 'data'}",
+             f"--web.listen-address={self.url.removeprefix('http://')}", "--log.level=warn"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + 30
+        while not self._ready():
+            assert self.proc.poll() is None, f"prometheus exited: {self.proc.stderr.read()}"
+            assert time.monotonic() < deadline, "prometheus was not ready within 30 s"
+            time.sleep(0.1)
+
+    def _ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/-/ready", timeout=2) as answer:
+                return answer.status == 200
+        except OSError:
+            return False
+
+    def query(self, expression: str, at: float | None = None) -> list[dict]:
+        """The instant query's result vector (status success asserted)."""
+        parameters = {"query": expression, **({"time": f"{at:.3f}"} if at is not None else {})}
+        with urllib.request.urlopen(f"{self.url}/api/v1/query?{urllib.parse.urlencode(parameters)}") as answer:
+            body = json.loads(answer.read())
+        assert body["status"] == "success", (expression, body)
+        return body["data"]["result"]
+
+    def value(self, expression: str, at: float | None = None) -> float:
+        result = self.query(expression, at)
+        assert len(result) == 1, (expression, result)
+        return float(result[0]["value"][1])
+
+    def wait_until(self, expression: str, expected: float, timeout: float = 20.0) -> None:
+        """Until the query gives ``expected``: a scrape has seen what was sent."""
+        deadline = time.monotonic() + timeout
+        while True:
+            result = self.query(expression)
+            if result and float(result[0]["value"][1]) == expected:
+                return
+            assert time.monotonic() < deadline, f"{expression} gave {result}, expected {expected}"
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(20)
+
+
+@pytest.fixture
+def scraped_server(start_server, small_model_dir, tmp_path):
+    server = start_server(small_model_dir, *TEST_SERVER_ARGS)
+    prometheus = Prometheus(server.metrics_url.removeprefix("http://").removesuffix("/metrics"), tmp_path)
+    prometheus.wait_until('up{job="mhaserve"}', 1)
+    yield server, prometheus
+    prometheus.stop()
+
+
+def wait_for_scrapes(count: int = 3) -> None:
+    time.sleep(count * SCRAPE_S + 0.2)
+
+
+def test_prometheus_counts_and_rates_match_the_requests_sent(scraped_server):
+    server, prometheus = scraped_server
+    ok = 'sum(mhaserve_inference_request_total{model="mha", status="OK"})'
+    with Client(server.url) as client:
+        client.infer(rand(1, 4, SMALL_D_MODEL))  # the series exists (at 1) before the load begins
+    prometheus.wait_until(ok, 1)
+    wait_for_scrapes()  # samples at 1 before the load
+    began = time.time()
+
+    def caller(index: int) -> int:
+        sent = 0
+        with Client(server.url) as client:
+            while time.time() < began + 4:
+                client.infer(rand(1, 4 + index, SMALL_D_MODEL, seed=index), attn_weights=False)
+                sent += 1
+        return sent
+
+    with concurrent.futures.ThreadPoolExecutor(4) as callers:
+        sent = sum(callers.map(caller, range(4)))
+    ended = time.time()
+    prometheus.wait_until(ok, 1 + sent)  # every request counted, none twice
+    wait_for_scrapes()
+    assert prometheus.value(ok) == 1 + sent
+    window = round(ended - began + 4 * SCRAPE_S)
+    now = time.time()
+    increase = prometheus.value(f'sum(increase(mhaserve_inference_request_total{{status="OK"}}[{window}s]))', now)
+    rate = prometheus.value(f'sum(rate(mhaserve_inference_request_total{{status="OK"}}[{window}s]))', now)
+    print(
+        f"\n{sent} requests in {ended - began:.1f} s; PromQL increase {increase:.1f}, rate {rate:.1f}/s over {window} s"
+    )
+    assert abs(increase - sent) <= 0.2 * sent  # PromQL extrapolates to the window's edges
+    assert rate == pytest.approx(increase / window, rel=1e-6)
+    latency_p50 = prometheus.value(
+        f"histogram_quantile(0.5, sum by (le) (rate(mhaserve_inference_request_duration_seconds_bucket[{window}s])))"
+    )
+    assert 0 < latency_p50 < 5
+
+
+def test_every_dashboard_query_evaluates_to_data_on_a_real_prometheus(scraped_server):
+    server, prometheus = scraped_server
+    with Client(server.url) as client:
+        for _ in range(3):
+            deadline = time.time() + 1.2
+            while time.time() < deadline:
+                client.infer(rand(2, 8, SMALL_D_MODEL))
+            wait_for_scrapes(1)
+    wait_for_scrapes()
+    dashboard = json.loads(DASHBOARD.read_text())
+    grafana = {"$model": ".*", "$version": ".*", "$__rate_interval": "5s"}
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            expression = target["expr"]
+            for variable, value in grafana.items():
+                expression = expression.replace(variable, value)
+            result = prometheus.query(expression)
+            if "unauthenticated" in expression:
+                continue  # nothing was refused: no series, and that is right
+            assert result, f"panel {panel['title']!r}: {expression} gave no data"
+            assert all(sample["value"][1] not in ("NaN", "+Inf") for sample in result), (panel["title"], result)
+    with urllib.request.urlopen(f"{prometheus.url}/api/v1/label/model/values") as answer:
+        assert json.loads(answer.read())["data"] == ["mha"]  # what the dashboard's model variable lists
