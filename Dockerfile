@@ -1,8 +1,9 @@
-# mhaserve images, one file, three targets:
+# mhaserve images, one file, four targets:
 #   server      ONNX Runtime + grpcio + numpy + mhaserve; no torch (the serving path never imports it)
 #   export      server + torch (CPU build) + onnx: writes a validated model folder
 #   server-gpu  server with onnxruntime-gpu[cuda,cudnn]: CUDA and cuDNN come from PyPI, no CUDA base image;
 #               the server still checks that the CUDA provider is really active (--device cuda refuses otherwise)
+#   prometheus  Debian's Prometheus scraping the compose file's servers (the monitoring profile)
 # BASE_IMAGE: any Debian-like image with python3 (>= 3.10), venv and pip.
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 
@@ -57,3 +58,14 @@ HEALTHCHECK --interval=5s --timeout=4s --start-period=90s --retries=3 CMD ["mhas
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["mhaserve"]
 CMD ["serve"]
+
+FROM ${BASE_IMAGE} AS prometheus
+RUN apt-get update \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends prometheus \
+ && rm -rf /var/lib/apt/lists/* \
+ && mkdir -p /prometheus && chown prometheus /prometheus
+COPY deploy/prometheus/prometheus.yml /etc/prometheus/prometheus.yml
+USER prometheus
+EXPOSE 9090
+ENTRYPOINT ["prometheus", "--config.file=/etc/prometheus/prometheus.yml", "--storage.tsdb.path=/prometheus", \
+            "--web.listen-address=0.0.0.0:9090"]

@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from collections import Counter
 from pathlib import Path
@@ -172,7 +173,8 @@ def stack(docker_engine, base_image, torch_wheel_in_context):
         return docker_engine.run(*command, timeout=timeout, check=check, env={**settings, **(env or {})})
 
     yield compose, settings, project
-    compose("--profile", "loadtest", "--profile", "gpu", "down", "-v", "--remove-orphans", "--rmi", "all", check=False)
+    compose("--profile", "loadtest", "--profile", "gpu", "--profile", "monitoring", "down", "-v", "--remove-orphans",
+            "--rmi", "all", check=False)  # fmt: skip
     # The cached data root keeps the base image and a bounded build cache: every run's images (about 2.5 GB)
     # would otherwise pile up there (30 GB after 16 runs, measured). The build cache stays because Compose
     # v2 (BuildKit) rebuilds from it in about 30 s instead of 140 s.
@@ -350,7 +352,25 @@ def test_two_replicas_both_serve_a_round_robin_client(docker_engine, stack):
     served = [int(docker.docker("exec", replica, "python", "-c", count).stdout) for replica in replicas]
     assert all(n > 0 for n in served), served
     assert min(served) > 0.25 * sum(served), served  # spread, not one replica taking nearly all
-    compose("--profile", "loadtest", "down", "-v", timeout=120, env=scale_env)
+
+    # The monitoring profile's Prometheus finds both replicas by DNS and stores what each served.
+    monitoring_env = {**scale_env, "MHASERVE_PROMETHEUS_PORT": str(free_port())}
+    compose("--profile", "monitoring", "up", "-d", "--no-deps", "prometheus", timeout=900, env=monitoring_env)
+    prometheus = f"http://127.0.0.1:{monitoring_env['MHASERVE_PROMETHEUS_PORT']}/api/v1/query?query="
+    query = urllib.parse.quote('sum(mhaserve_inference_count_total{model="mha"})')
+    deadline, stored = time.monotonic() + 120, None
+    while stored != sum(served):
+        assert time.monotonic() < deadline, f"Prometheus stored {stored} rows, the replicas served {served}"
+        time.sleep(1)
+        try:
+            with urllib.request.urlopen(prometheus + query, timeout=5) as answer:
+                result = json.loads(answer.read())["data"]["result"]
+        except OSError:
+            continue  # not listening yet
+        stored = int(float(result[0]["value"][1])) if result else None
+    with urllib.request.urlopen(prometheus + urllib.parse.quote('count(up{job="mhaserve"} == 1)')) as answer:
+        assert json.loads(answer.read())["data"]["result"][0]["value"][1] == "2"
+    compose("--profile", "loadtest", "--profile", "monitoring", "down", "-v", timeout=120, env=monitoring_env)
 
 
 def test_tls_override_serves_only_tls_clients_with_the_token(docker_engine, stack, tmp_path):

@@ -29,9 +29,10 @@ CALLER_TRACE = "0af7651916cd43dd8448eb211c80319c"
 CALLER_SPAN = "b7ad6b7169203331"
 
 
-@pytest.fixture(params=["grpc", "http/protobuf"])
+@pytest.fixture
 def receiver(request):
-    receiver = OtlpReceiver(request.param)
+    """An OTLP receiver of the protocol the test is marked with (each protocol is exported to in some test)."""
+    receiver = OtlpReceiver(request.node.get_closest_marker("otlp").args[0])
     yield receiver
     receiver.close()
 
@@ -61,6 +62,7 @@ def trace_setting(url: str, model: str = "", token: str = "", **settings: list[s
     return {name: list(setting.value) for name, setting in answer.settings.items()}
 
 
+@pytest.mark.otlp("grpc")
 def test_every_request_is_a_server_span_with_its_phases_and_every_batched_run_links_the_requests_it_served(
     start_server, small_model_dir, receiver
 ):
@@ -117,6 +119,7 @@ def test_every_request_is_a_server_span_with_its_phases_and_every_batched_run_li
         assert sorted(s.attributes["mhaserve.request.query_shape"][1] for s in served) == sorted(q_lens)
 
 
+@pytest.mark.otlp("http/protobuf")
 def test_a_callers_trace_context_is_the_parent_over_grpc_and_http_and_refusals_carry_their_status(
     start_server, small_model_dir, receiver
 ):
