@@ -192,6 +192,7 @@ class Answer:
     queue_ns: int  # enqueued until its run started
     infer_ns: int  # its run: merge, model, split
     run_rows: int  # the rows of its run
+    run_started_ns: int  # when its run started (perf_counter_ns)
 
 
 RunModel = Callable[[tuple[str, ...], np.ndarray, np.ndarray, np.ndarray, np.ndarray], list[np.ndarray]]
@@ -378,7 +379,9 @@ class Batcher:
             else:
                 queue_ns = result.started_ns - pending.enqueued_ns
                 infer_ns = result.finished_ns - result.started_ns
-                pending.future.set_result(Answer(result.answers[index], queue_ns, infer_ns, result.batch_size))
+                pending.future.set_result(
+                    Answer(result.answers[index], queue_ns, infer_ns, result.batch_size, result.started_ns)
+                )
 
     def _finished(self, batch: list[_Pending], done) -> None:
         """The take is over (its answers were delivered as each run ended): free the worker, take more."""

@@ -307,7 +307,7 @@ class InferenceCall:
         self.bytes_in = 0  # the request's bytes as received (set by the transport)
         self.bytes_out = 0  # the answer's bytes as written
         self.trace = None  # a RequestTrace, if this call is traced
-        self.submitted_ns = 0  # traced: when it entered the queue
+        self.run_started_ns = 0  # when the run it was in started
         self.encoded_ns = 0  # when its answer was encoded
         self.run_rows = 0  # the rows of the run it was in
 
@@ -331,7 +331,6 @@ class InferenceCall:
         self.timing.input_ns = time.perf_counter_ns() - self.started
         if self.trace is not None:
             self.trace.decoded(attention, request.id)
-            self.submitted_ns = time.perf_counter_ns()
         signature = served.signature
         self._answer = answer_bytes(attention, signature.num_heads, signature.precision)
         needed = input_bytes(attention) + self._answer
@@ -341,7 +340,7 @@ class InferenceCall:
         self._reserved = needed  # (a refusal took nothing)
         answer = await served.batcher.submit(attention, self.timeout_s, self.trace)
         self.timing.queue_ns, self.timing.infer_ns = answer.queue_ns, answer.infer_ns
-        self.run_rows = answer.run_rows
+        self.run_rows, self.run_started_ns = answer.run_rows, answer.run_started_ns
         accounting.budget.run_ended(self._waiting)
         self._waiting = None
         return InferenceResponse(signature, request, {o: answer.outputs[o] for o in attention.outputs})

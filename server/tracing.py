@@ -6,11 +6,12 @@ only those whose caller's trace is sampled),
 behind the token. A request that arrives with a W3C ``traceparent`` saying "sampled" is traced whatever the rate
 (OpenTelemetry's parent-based sampling), and its span is the child of the client's.
 
-A traced request is one server span (named and attributed by OpenTelemetry's RPC or HTTP conventions) with child
-spans decode, queue, infer (its share of the batched run), encode and send; every batched run that served a
-traced request is one span of its own, linked to each traced request span it served, with its rows, lengths and
-padded share. Spans are made from the timestamps the request's bookkeeping takes anyway, at the request's end, so
-a traced request costs its spans and nothing more, and an untraced one a counter. With tracing off the
+A traced request is one server span (named and attributed by OpenTelemetry's RPC or HTTP conventions) with an
+event at each boundary of its phases (decoded, queued, run started, run ended, encoded; the span ends when the
+answer is sent) and each phase's duration as an attribute; every batched run that served a traced request is one
+span of its own, linked to each traced request span it served, with its rows, lengths and padded share. Spans
+are made from the timestamps the request's bookkeeping takes anyway, at the request's end, so a traced request
+costs its span and nothing more, and an untraced one a counter. With tracing off the
 OpenTelemetry SDK is never imported: it comes with the ``tracing`` extra and is imported when tracing is first on.
 
 Export is OTLP, configured by OpenTelemetry's own environment variables (``OTEL_EXPORTER_OTLP_ENDPOINT``,
@@ -277,9 +278,21 @@ def _make_tracer(endpoint: str | None):
     return provider.get_tracer("mhaserve", mhaserve.__version__), provider
 
 
-def _clock_offset() -> int:
-    """What turns a perf_counter_ns reading into nanoseconds since the epoch, as spans are stamped."""
-    return time.time_ns() - time.perf_counter_ns()
+class _Clock:
+    """Turns perf_counter_ns readings into nanoseconds since the epoch, as spans are stamped: one offset for every
+    span (so the spans of one run line up exactly), read again each minute (the wall clock may be slewed)."""
+
+    def __init__(self):
+        self.offset, self._read_at = 0, -1e18
+
+    def now_offset(self) -> int:
+        now = time.perf_counter_ns()
+        if now - self._read_at > 60e9:
+            self.offset, self._read_at = time.time_ns() - time.perf_counter_ns(), now
+        return self.offset
+
+
+_CLOCK = _Clock()
 
 
 class RequestTrace:
@@ -292,7 +305,7 @@ class RequestTrace:
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
         self._tracer = tracer
-        self._offset = _clock_offset()
+        self._offset = _CLOCK.now_offset()
         self._http = call.protocol == "http"
         parent = TraceContextTextMapPropagator().extract(carrier) if carrier is not None else None
         if self._http:
@@ -329,28 +342,26 @@ class RequestTrace:
         self.span.set_attributes(attributes)
 
     def finish(self, call: InferenceCall, status: str, ended_ns: int) -> None:
-        """The call's children from its timestamps, its status, and its end."""
-        from opentelemetry import trace
-        from opentelemetry.trace import Status, StatusCode
-
-        offset, timing = self._offset, call.timing
-        parent = trace.set_span_in_context(self.span)
-
-        def child(name: str, start: int, end: int, attributes: dict | None = None) -> None:
-            span = self._tracer.start_span(name, context=parent, start_time=start + offset, attributes=attributes)
-            span.end(end_time=max(start, end) + offset)
-
-        child("decode", call.started, call.started + timing.input_ns)
-        if call.submitted_ns:
-            run_start = call.submitted_ns + timing.queue_ns
-            child("queue", call.submitted_ns, run_start)
-            if timing.infer_ns:
-                child("infer", run_start, run_start + timing.infer_ns, {"mhaserve.batch.rows": call.run_rows})
+        """The call's phases from its timestamps (events at their boundaries, durations as attributes: measured
+        cheaper than child spans, BENCHMARKS.md "Tracing"), its status, and its end."""
+        span, offset, timing = self.span, self._offset, call.timing
+        decoded = call.started + timing.input_ns
+        span.add_event("decoded", timestamp=decoded + offset)
+        attributes = {"mhaserve.status": status, "mhaserve.request.rows": call.rows,
+                      "mhaserve.decode_ms": timing.input_ns / 1e6}  # fmt: skip
+        if call.run_started_ns:
+            run_start = call.run_started_ns
+            span.add_event("queued", timestamp=run_start - timing.queue_ns + offset)
+            span.add_event("run started", {"mhaserve.batch.rows": call.run_rows}, timestamp=run_start + offset)
+            span.add_event("run ended", timestamp=run_start + timing.infer_ns + offset)
+            attributes["mhaserve.queue_ms"] = timing.queue_ns / 1e6
+            attributes["mhaserve.infer_ms"] = timing.infer_ns / 1e6
         if call.encoded_ns:
-            child("encode", call.encoded_ns - timing.output_ns, call.encoded_ns)
+            span.add_event("encoded", timestamp=call.encoded_ns + offset)
+            attributes["mhaserve.encode_ms"] = timing.output_ns / 1e6
             if status == "OK" or call.bytes_out:
-                child("send", call.encoded_ns, ended_ns, {"mhaserve.response.bytes": call.bytes_out})
-        attributes = {"mhaserve.status": status, "mhaserve.request.rows": call.rows}
+                attributes["mhaserve.send_ms"] = (ended_ns - call.encoded_ns) / 1e6
+                attributes["mhaserve.response.bytes"] = call.bytes_out
         if self._http:
             code = 200 if status == "OK" else HTTP_STATUS.get(ErrorKind.__members__.get(status))
             if code is not None:
@@ -360,10 +371,12 @@ class RequestTrace:
             code = grpc.StatusCode[status].value[0] if status in grpc.StatusCode.__members__ else 2
             attributes["rpc.grpc.status_code"] = code
             failed = status in ("UNKNOWN", "DEADLINE_EXCEEDED", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS")
-        self.span.set_attributes(attributes)
+        span.set_attributes(attributes)
         if failed:
-            self.span.set_status(Status(StatusCode.ERROR, status))
-        self.span.end(end_time=ended_ns + offset)
+            from opentelemetry.trace import Status, StatusCode
+
+            span.set_status(Status(StatusCode.ERROR, status))
+        span.end(end_time=ended_ns + offset)
 
 
 def record_run(result: BatchResult, requests: Sequence[AttentionRequest], traces: Sequence[RequestTrace]) -> None:

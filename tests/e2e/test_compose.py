@@ -41,6 +41,9 @@ from tests.support import (
 
 DOCKER_ROOT = Path(os.environ.get("MHASERVE_TEST_DOCKER_ROOT", Path.home() / ".cache" / "mhaserve-test-docker"))
 BASE_IMAGE = "mhaserve-test-base:bookworm"
+# The default model (512/8) is exported where the first-run experience is under test; elsewhere a 64/4 model,
+# which the export service writes and validates in seconds rather than half a minute.
+SMALL_MODEL = {"MHASERVE_D_MODEL": "64", "MHASERVE_HEADS": "4"}
 DEBIAN_MIRROR = os.environ.get("MHASERVE_TEST_DEBIAN_MIRROR", "http://deb.debian.org/debian")
 COMPOSE_V2 = ROOT / ".tools" / "compose-v2" / "docker-compose"  # where tests/tools/install_docker.sh puts it
 TLS_OVERRIDE = ("-f", str(ROOT / "docker" / "compose.tls.yml"))  # compose arguments adding the TLS override
@@ -268,12 +271,15 @@ def test_compose_up_serves_eager_answers_then_drains_and_leaves_nothing(docker_e
     from mhaserve.client.grpc import Client
     from mhaserve.model import seeded_module
 
-    def compose(*args, **kw):
-        return stack[0](*args, version=compose_version, **kw)
-
     _, env, project = stack
     docker = docker_engine
-    if compose_version == docker.newest_compose:  # the others run the images it built
+    default_model = compose_version == docker.newest_compose
+    width, heads = (512, 8) if default_model else (64, 4)
+
+    def compose(*args, **kw):
+        return stack[0](*args, version=compose_version, env=None if default_model else SMALL_MODEL, **kw)
+
+    if default_model:  # the others run the images it built
         compose("build", "export", "server", timeout=1500)
         user = docker.docker("image", "inspect", "--format", "{{.Config.User}}", "mhaserve-server:test").stdout
         assert user.strip() == "mhaserve"  # not root
@@ -290,8 +296,8 @@ def test_compose_up_serves_eager_answers_then_drains_and_leaves_nothing(docker_e
     _wait_healthy(docker, server)
 
     url = f"127.0.0.1:{env['MHASERVE_GRPC_PORT']}"
-    module = seeded_module(512, 8, seed=0)  # the default model the export service writes
-    query, key = rand(2, 7, 512, seed=1), rand(2, 11, 512, seed=2)
+    module = seeded_module(width, heads, seed=0)  # the model the export service writes
+    query, key = rand(2, 7, width, seed=1), rand(2, 11, width, seed=2)
     with Client(url) as client:
         result = client.infer(query, key, key)
     want_out, want_attn = eager(module, query, key, key)
@@ -300,7 +306,7 @@ def test_compose_up_serves_eager_answers_then_drains_and_leaves_nothing(docker_e
 
     # the same model over HTTP/REST on its published port, as curl would call it
     http = f"http://127.0.0.1:{env['MHASERVE_HTTP_HOST_PORT']}/v2/models/mha"
-    document = {"inputs": [{"name": "query", "shape": [2, 7, 512], "datatype": "FP32", "data": query.tolist()}],
+    document = {"inputs": [{"name": "query", "shape": [2, 7, width], "datatype": "FP32", "data": query.tolist()}],
                 "outputs": [{"name": "output"}]}  # fmt: skip
     with urllib.request.urlopen(urllib.request.Request(http + "/infer", json.dumps(document).encode())) as reply:
         over_http = json.loads(reply.read())["outputs"][0]
@@ -333,7 +339,8 @@ def test_two_replicas_both_serve_a_round_robin_client(docker_engine, stack):
     compose, _, project = stack
     docker = docker_engine
     # Empty host ports: each replica publishes on its own ephemeral loopback port (no clash).
-    scale_env = {"MHASERVE_GRPC_PORT": "", "MHASERVE_METRICS_HOST_PORT": "", "MHASERVE_HTTP_HOST_PORT": ""}
+    scale_env = {"MHASERVE_GRPC_PORT": "", "MHASERVE_METRICS_HOST_PORT": "", "MHASERVE_HTTP_HOST_PORT": "",
+                 **SMALL_MODEL}  # fmt: skip
     compose("build", "export", "server", timeout=1500)  # cached by the test above
     compose("up", "-d", "--scale", "server=2", "server", timeout=600, env=scale_env)
     replicas = docker.docker("ps", "-q", "--filter", f"label=com.docker.compose.project={project}",
@@ -390,7 +397,7 @@ def test_tls_override_serves_only_tls_clients_with_the_token(docker_engine, stac
         shutil.copy(source, certs / name)
     (certs / "token").write_text("compose-test-token\n")
     _readable_by_the_image(certs)
-    tls_env = {"MHASERVE_CERTS_DIR": str(certs)}
+    tls_env = {"MHASERVE_CERTS_DIR": str(certs), **SMALL_MODEL}
 
     compose("build", "export", "server", timeout=1500)  # cached by the tests above
     compose(*TLS_OVERRIDE, "up", "-d", "server", timeout=600, env=tls_env)
@@ -398,10 +405,10 @@ def test_tls_override_serves_only_tls_clients_with_the_token(docker_engine, stac
 
     url = f"127.0.0.1:{env['MHASERVE_GRPC_PORT']}"
     trusting = TLS(ca=str(certs / "ca.pem"))
-    query = rand(1, 9, 512, seed=5)
+    query = rand(1, 9, 64, seed=5)
     with Client(url, tls=trusting, token="compose-test-token") as client:
         result = client.infer(query, timeout=30)
-    want_out, want_attn = eager(seeded_module(512, 8, seed=0), query)
+    want_out, want_attn = eager(seeded_module(64, 4, seed=0), query)
     np.testing.assert_allclose(result.output, want_out, rtol=0, atol=1e-5)
     np.testing.assert_allclose(result.attn_weights, want_attn, rtol=0, atol=1e-5)
     for client_settings, refused_with in (
@@ -427,14 +434,14 @@ def test_a_version_added_with_compose_run_is_served_under_load_without_a_restart
 
     compose, env, project = stack
     docker = docker_engine
-    poll_env = {"MHASERVE_REPOSITORY_POLL_SECS": "1"}
+    poll_env = {"MHASERVE_REPOSITORY_POLL_SECS": "1", **SMALL_MODEL}
     compose("build", "export", "server", timeout=1500)  # cached by the first test
     compose("up", "-d", "server", timeout=600, env=poll_env)
     server = _container(docker, project, "server")
     _wait_healthy(docker, server)
     pid = docker.docker("inspect", "--format", "{{.State.Pid}}", server).stdout
     url = f"127.0.0.1:{env['MHASERVE_GRPC_PORT']}"
-    queries = [rand(1, 8 + 4 * i, 512, seed=20 + i) for i in range(4)]
+    queries = [rand(1, 8 + 4 * i, 64, seed=20 + i) for i in range(4)]
     answers, errors, stop = [], [], threading.Event()
 
     def send(offset: int) -> None:
@@ -454,7 +461,7 @@ def test_a_version_added_with_compose_run_is_served_under_load_without_a_restart
         thread.start()
     try:
         compose("run", "--rm", "export", "export", "--repository", "/models", "--name", "mha", "--seed", "1",
-                "--validation-seed", "0", timeout=900, env=poll_env)  # fmt: skip
+                "--d-model", "64", "--heads", "4", "--validation-seed", "0", timeout=900, env=poll_env)  # fmt: skip
         deadline = time.monotonic() + 120
         while not any(version == "2" for _, version, _ in answers[-20:]):
             assert time.monotonic() < deadline and not errors, errors[:3]
@@ -467,14 +474,14 @@ def test_a_version_added_with_compose_run_is_served_under_load_without_a_restart
     assert errors == []
     versions = Counter(version for _, version, _ in answers)
     assert set(versions) == {"1", "2"}, versions
-    eager_answers = {v: [eager(seeded_module(512, 8, seed=int(v) - 1), q)[0] for q in queries] for v in ("1", "2")}
+    eager_answers = {v: [eager(seeded_module(64, 4, seed=int(v) - 1), q)[0] for q in queries] for v in ("1", "2")}
     for query_index, version, output in answers[::5]:  # each answer is exactly its version's
         np.testing.assert_allclose(output, eager_answers[version][query_index], rtol=0, atol=1e-5)
     assert docker.docker("inspect", "--format", "{{.State.Pid}}", server).stdout == pid  # no restart
     logs = docker.docker("logs", server).stderr
     assert "model 'mha' version 2 ready" in logs and "model 'mha' version 1 unloaded" in logs
     print(f"\nversion added under load: answers by version {dict(versions)}, no errors, no restart")
-    compose("--profile", "loadtest", "down", "-v", timeout=120)
+    compose("--profile", "loadtest", "down", "-v", timeout=120, env=poll_env)
 
 
 class EagerReference:
@@ -500,18 +507,18 @@ def test_sigterm_under_load_loses_nothing_and_sigkill_is_restarted(docker_engine
     compose, env, project = stack
     docker = docker_engine
     compose("build", "export", "server", timeout=1500)  # cached by the first test
-    compose("up", "-d", "server", timeout=600)
+    compose("up", "-d", "server", timeout=600, env=SMALL_MODEL)
     server = _container(docker, project, "server")
     _wait_healthy(docker, server)
     url = f"127.0.0.1:{env['MHASERVE_GRPC_PORT']}"
 
     # SIGTERM (compose stop) while an open-loop load runs through the published port.
     rng = np.random.default_rng(3)
-    calls = [make_call(rng, Shapes(512, 8, 128)) for _ in range(600)]
+    calls = [make_call(rng, Shapes(64, 8, 128)) for _ in range(600)]
     load = threading.Thread(target=lambda: asyncio.run(burst(url, calls, timeout_s=60, rate=150)))
     load.start()
     time.sleep(1.5)
-    compose("stop", "server", timeout=120)
+    compose("stop", "server", timeout=120, env=SMALL_MODEL)
     load.join(120)
     client_saw = Counter(call.status for call in calls)
     answered = [call for call in calls if call.status == "OK"]
@@ -526,11 +533,11 @@ def test_sigterm_under_load_loses_nothing_and_sigkill_is_restarted(docker_engine
     # reached gRPC but no handler at the instant the port closed (gRPC cancels those itself).
     assert set(client_saw) <= {"OK", "UNAVAILABLE", "RESOURCE_EXHAUSTED", "CANCELLED"}, client_saw
     assert client_saw["UNAVAILABLE"] > 0  # the stop really came under load
-    reference = EagerReference(seeded_module(512, 8, seed=0))
+    reference = EagerReference(seeded_module(64, 4, seed=0))
     assert [p for call in answered[::10] if (p := mismatch(call, reference))] == []
 
     # SIGKILL of the server process (as the OOM killer or a crash would): the restart policy brings it back.
-    compose("start", "server", timeout=120)
+    compose("start", "server", timeout=120, env=SMALL_MODEL)
     _wait_healthy(docker, server)
     pid = int(docker.docker("inspect", "--format", "{{.State.Pid}}", server).stdout)
     restarts = int(docker.docker("inspect", "--format", "{{.RestartCount}}", server).stdout)
@@ -543,7 +550,7 @@ def test_sigterm_under_load_loses_nothing_and_sigkill_is_restarted(docker_engine
     recovery_s = time.monotonic() - killed_at
     assert int(docker.docker("inspect", "--format", "{{.RestartCount}}", server).stdout) == restarts + 1
     with Client(url) as client:
-        assert client.infer(rand(1, 5, 512), timeout=30).output.shape == (1, 5, 512)
+        assert client.infer(rand(1, 5, 64), timeout=30).output.shape == (1, 5, 64)
     print(f"\nSIGTERM under load: client saw {dict(client_saw)}, server {by_status}; "
           f"SIGKILL to healthy again: {recovery_s:.1f} s")  # fmt: skip
-    compose("--profile", "loadtest", "down", "-v", timeout=120)
+    compose("--profile", "loadtest", "down", "-v", timeout=120, env=SMALL_MODEL)

@@ -37,7 +37,7 @@ D = SMALL_D_MODEL
 MODEL = ModelSignature("mha", "1", D, SMALL_HEADS)
 LIMITS = Limits(max_batch_size=8, max_q_len=64, max_kv_len=64)  # the test server's limits
 REFUSALS = {ErrorKind.INVALID_ARGUMENT, ErrorKind.RESOURCE_EXHAUSTED, ErrorKind.NOT_FOUND}
-EXAMPLES = int(os.environ.get("MHASERVE_FUZZ_EXAMPLES", "3000"))
+EXAMPLES = int(os.environ.get("MHASERVE_FUZZ_EXAMPLES", "1500"))
 FUZZ = settings(
     max_examples=EXAMPLES,
     deadline=None,

@@ -25,6 +25,7 @@ class Span:
     attributes: dict
     links: list[tuple[str, str]]  # (trace id, span id)
     status_code: int
+    events: list[tuple[str, int, dict]]  # (name, time, attributes)
     service: str = ""
 
     @property
@@ -57,8 +58,9 @@ def spans_of(request: trace_service_pb2.ExportTraceServiceRequest) -> list[Span]
                         {a.key: _value(a.value) for a in s.attributes},
                         [(link.trace_id.hex(), link.span_id.hex()) for link in s.links],
                         s.status.code,
+                        [(e.name, e.time_unix_nano, {a.key: _value(a.value) for a in e.attributes}) for e in s.events],
                         resource.get("service.name", ""),
-                    )  # fmt: skip
+                    )
                 )
     return spans
 
