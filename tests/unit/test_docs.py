@@ -1,0 +1,47 @@
+"""The docs site builds with `mkdocs build --strict` (a broken link or a page missing from the nav fails), and
+its reference pages hold every command, flag, setting and metric the code has today."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from dataclasses import fields
+
+from mhaserve.cli.main import build_parser
+from mhaserve.server.config import ServerSettings
+from mhaserve.server.metrics import Metrics
+from tests.support import ROOT
+
+
+def test_the_docs_site_builds_strict_with_every_command_setting_and_metric(tmp_path):
+    site = tmp_path / "site"
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+
+    def page(path: str) -> str:
+        return (site / path / "index.html").read_text()
+
+    settings = page("reference/settings")
+    for setting in fields(ServerSettings):
+        assert f"MHASERVE_{setting.name.upper()}" in settings and "--" + setting.name.replace("_", "-") in settings
+
+    cli = page("reference/cli")
+    (commands,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    for name, command in commands.choices.items():
+        assert f"mhaserve {name}" in cli
+        for action in command._actions:
+            for flag in action.option_strings:
+                if flag.startswith("--") and (name != "serve" or action.dest not in settings):
+                    assert flag in cli or flag in settings, f"{name} {flag}"
+
+    metrics = page("reference/metrics")
+    for family in Metrics().registry.collect():
+        assert family.name in metrics, family.name
+    assert "mhaserve_inference_request_total" in metrics
+
+    assert "Monitor it" in page("how-to/monitoring") and "trace_rate" in page("how-to/monitoring")
