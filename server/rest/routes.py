@@ -17,6 +17,7 @@ import zlib
 
 import numpy as np
 import orjson
+import swagger_ui_bundle
 from aiohttp import web
 
 from mhaserve.contract.datatypes import datatype_of
@@ -33,12 +34,19 @@ from ..tensors import (
     check_input_header,
     wire_bytes,
 )
+from . import openapi
 
 log = logging.getLogger("mhaserve.server")
 
 RETRY_AFTER_S = "1"  # 429 and 503: the queue, the memory budget or a drain; worth retrying shortly
 HEADER_LENGTH = "Inference-Header-Content-Length"
 OPEN_PATHS = ("/v2/health/live", "/v2/health/ready")  # probes need no token, as grpc.health.v1
+API_PAGE = """<!doctype html>
+<html><head><meta charset="utf-8"><title>mhaserve REST API</title>
+<link rel="stylesheet" href="/v2/docs/static/swagger-ui.css"></head>
+<body><div id="swagger-ui"></div><script src="/v2/docs/static/swagger-ui-bundle.js"></script>
+<script>SwaggerUIBundle({url: "/v2/docs/openapi.json", dom_id: "#swagger-ui"});</script></body></html>
+"""
 
 
 class BodyTooLarge(RequestError):
@@ -262,6 +270,7 @@ class RestTransport:
         self.read_timeout_s = read_timeout_s
         self.write_timeout_s = write_timeout_s
         self._inflating = asyncio.Semaphore(INFLATING_AT_ONCE)
+        self._openapi = openapi.document()
 
     def application(self) -> web.Application:
         app = web.Application(client_max_size=self.body_limit, middlewares=[self._errors, self._authenticate])
@@ -294,6 +303,10 @@ class RestTransport:
             [
                 web.get(model + "/trace/setting", self.trace_setting),
                 web.post(model + "/trace/setting", self.trace_setting),
+                # The API's OpenAPI document and Swagger UI over it, from the installed package's files.
+                web.get("/v2/docs", self.api_page),
+                web.get("/v2/docs/openapi.json", self.api_document),
+                web.static("/v2/docs/static", swagger_ui_bundle.swagger_ui_path),
             ]
         )
         return app
@@ -429,6 +442,8 @@ class RestTransport:
             parameters = (orjson.loads(body) if body else {}).get("parameters") or {}
         except (orjson.JSONDecodeError, AttributeError):
             raise invalid("the load request body must be a JSON object") from None
+        if not isinstance(parameters, dict):
+            raise invalid(f"the load request's parameters must be a JSON object, got {type(parameters).__name__}")
         await self.dataplane.load_model(request.match_info["name"], list(parameters))
         return web.Response(status=200)
 
@@ -461,6 +476,12 @@ class RestTransport:
         settings = self.dataplane.trace_settings(request.match_info.get("name", ""), changes)
         answer = {name: values if name == "trace_level" else values[0] for name, values in settings.items()}
         return web.Response(body=orjson.dumps(answer), content_type="application/json")
+
+    async def api_document(self, request):
+        return json_response(self._openapi)
+
+    async def api_page(self, request):
+        return web.Response(text=API_PAGE, content_type="text/html")
 
     def _resolve(self, request):
         return self.dataplane.resolve(request.match_info["name"], request.match_info.get("version", ""))

@@ -1,0 +1,364 @@
+"""The REST API as an OpenAPI 3.0 document: KServe's v2 protocol with Triton's extensions, as this server serves
+it. Tensor and parameter names come from the served signature; a test checks that every route of the REST
+transport is documented here and every path here is routed, so the document cannot drift from the server.
+Served at ``/v2/docs/openapi.json``, with Swagger UI at ``/v2/docs``.
+"""
+
+from __future__ import annotations
+
+import mhaserve
+from mhaserve.contract.datatypes import DATATYPES
+from mhaserve.contract.signature import INPUT_NAMES, OUTPUT_NAMES, SHAPING_PARAMETERS
+
+from ..errors import HTTP_STATUS
+
+JSON = "application/json"
+
+
+def _ref(name: str) -> dict:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _json(schema: dict, description: str) -> dict:
+    return {"description": description, "content": {JSON: {"schema": schema}}}
+
+
+ERROR_DESCRIPTIONS = {
+    400: "refused: malformed (a wrong shape, datatype, name or value), or forbidden by the server's configuration",
+    401: "a missing or wrong bearer token (when the server has one)",
+    404: "no such model or version",
+    413: "the body is over the limit, or inflates past it",
+    415: "a Content-Encoding the server cannot inflate",
+    429: "over a limit, or the queue or the memory budget is full: retry later",
+    500: "the server failed (a bug or a runtime failure); it keeps serving",
+    503: "loading, unloading or shutting down: retry (elsewhere)",
+    504: "the deadline passed, or the body did not arrive in time",
+}
+
+
+def _errors(*codes: int) -> dict:
+    return {str(code): _json(_ref("Error"), ERROR_DESCRIPTIONS[code]) for code in codes}
+
+
+COMMON = (401, 500)
+LOAD_BODY = {
+    "type": "object",
+    "properties": {
+        "parameters": {
+            "type": "object",
+            "description": "none is supported: a version loads as 'mhaserve export' wrote it",
+        }
+    },
+}
+MODEL = ("name", "version")
+
+
+def _parameters(*names: str) -> list[dict]:
+    described = {"name": "the model's name", "version": "the model's version (a positive integer)"}
+    return [{"name": n, "in": "path", "required": True, "schema": {"type": "string"}, "description": described[n]}
+            for n in names]  # fmt: skip
+
+
+def _model_paths(prefix: str, path_parameters: tuple[str, ...]) -> dict:
+    parameters = _parameters(*path_parameters)
+    return {
+        prefix: {
+            "get": {
+                "summary": "Model metadata: its versions, inputs and outputs",
+                "tags": ["models"],
+                "parameters": parameters,
+                "responses": {"200": _json(_ref("ModelMetadata"), "the model"), **_errors(404, 503, *COMMON)},
+            }
+        },
+        prefix + "/ready": {
+            "get": {
+                "summary": "Whether the model (version) serves now",
+                "tags": ["health"],
+                "parameters": parameters,
+                "responses": {
+                    "200": {"description": "ready"},
+                    "400": {"description": "held by the repository but not serving (loading, unloaded, failed)"},
+                    **_errors(404, *COMMON),
+                },
+            }
+        },
+        prefix + "/config": {
+            "get": {
+                "summary": "The model's configuration, as Triton's model_config",
+                "tags": ["models"],
+                "parameters": parameters,
+                "responses": {"200": _json({"type": "object"}, "the configuration"), **_errors(404, 503, *COMMON)},
+            }
+        },
+        prefix + "/stats": {
+            "get": {
+                "summary": "Statistics of the model (version), as Triton's statistics extension",
+                "tags": ["models"],
+                "parameters": parameters,
+                "responses": {"200": _json(_ref("Statistics"), "the statistics"), **_errors(404, 503, *COMMON)},
+            }
+        },
+        prefix + "/infer": {
+            "post": {
+                "summary": "Inference: the attention output, and the attention weights shaped as asked",
+                "description": (
+                    "JSON, or binary tensor data: a JSON header of `Inference-Header-Content-Length` bytes followed "
+                    "by each input's raw little-endian bytes (an input's `binary_data_size` parameter). Outputs are "
+                    "returned the way they are asked for (`binary_data` parameter). May be sent compressed "
+                    "(`Content-Encoding: gzip` or `deflate`)."
+                ),
+                "tags": ["inference"],
+                "parameters": parameters,
+                "requestBody": {
+                    "required": True,
+                    "content": {
+                        JSON: {"schema": _ref("InferenceRequest")},
+                        "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+                    },
+                },
+                "responses": {
+                    "200": {
+                        "description": "the outputs asked for",
+                        "content": {
+                            JSON: {"schema": _ref("InferenceResponse")},
+                            "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+                        },
+                    },
+                    **_errors(400, 404, 413, 415, 429, 503, 504, *COMMON),
+                },
+            }
+        },
+    }
+
+
+def document() -> dict:
+    """The OpenAPI 3.0 document of this server's REST API."""
+    tensor_names = {"type": "string", "description": f"one of {', '.join(INPUT_NAMES)}"}
+    schemas = {
+        "Error": {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}},
+        "ServerMetadata": {
+            "type": "object",
+            "required": ["name", "version", "extensions"],
+            "properties": {
+                "name": {"type": "string"},
+                "version": {"type": "string"},
+                "extensions": {"type": "array", "items": {"type": "string"}},
+            },
+        },
+        "TensorMetadata": {
+            "type": "object",
+            "required": ["name", "datatype", "shape"],
+            "properties": {
+                "name": {"type": "string"},
+                "datatype": {"type": "string"},
+                "shape": {"type": "array", "items": {"type": "integer"}},
+            },
+        },
+        "ModelMetadata": {
+            "type": "object",
+            "required": ["name", "versions", "platform", "inputs", "outputs"],
+            "properties": {
+                "name": {"type": "string"},
+                "versions": {"type": "array", "items": {"type": "string"}},
+                "platform": {"type": "string"},
+                "inputs": {"type": "array", "items": _ref("TensorMetadata")},
+                "outputs": {"type": "array", "items": _ref("TensorMetadata")},
+            },
+        },
+        "Parameters": {"type": "object", "additionalProperties": True},
+        "RequestInput": {
+            "type": "object",
+            "required": ["name", "shape", "datatype"],
+            "properties": {
+                "name": tensor_names,
+                "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+                "datatype": {"type": "string", "enum": sorted(DATATYPES)},
+                "parameters": _ref("Parameters"),
+                "data": {"type": "array", "items": {}, "description": "the values, row-major (nested or flat)"},
+            },
+        },
+        "RequestOutput": {
+            "type": "object",
+            "required": ["name"],
+            "properties": {
+                "name": {"type": "string", "enum": list(OUTPUT_NAMES)},
+                "parameters": _ref("Parameters"),
+            },
+        },
+        "InferenceRequest": {
+            "type": "object",
+            "required": ["inputs"],
+            "properties": {
+                "id": {"type": "string"},
+                "parameters": {
+                    "allOf": [_ref("Parameters")],
+                    "description": "the attention weights' shaping: " + ", ".join(SHAPING_PARAMETERS),
+                },
+                "inputs": {"type": "array", "items": _ref("RequestInput")},
+                "outputs": {"type": "array", "items": _ref("RequestOutput")},
+            },
+        },
+        "ResponseOutput": {
+            "type": "object",
+            "required": ["name", "shape", "datatype"],
+            "properties": {
+                "name": {"type": "string"},
+                "shape": {"type": "array", "items": {"type": "integer"}},
+                "datatype": {"type": "string"},
+                "parameters": _ref("Parameters"),
+                "data": {"type": "array", "items": {}},
+            },
+        },
+        "InferenceResponse": {
+            "type": "object",
+            "required": ["model_name", "outputs"],
+            "properties": {
+                "model_name": {"type": "string"},
+                "model_version": {"type": "string"},
+                "id": {"type": "string"},
+                "parameters": _ref("Parameters"),
+                "outputs": {"type": "array", "items": _ref("ResponseOutput")},
+            },
+        },
+        "Statistics": {
+            "type": "object",
+            "required": ["model_stats"],
+            "properties": {"model_stats": {"type": "array", "items": {"type": "object"}}},
+        },
+        "RepositoryIndexEntry": {
+            "type": "object",
+            "required": ["name", "version", "state", "reason"],
+            "properties": {
+                "name": {"type": "string"},
+                "version": {"type": "string"},
+                "state": {"type": "string"},
+                "reason": {"type": "string"},
+            },
+        },
+        "TraceSettings": {
+            "type": "object",
+            "description": "Triton's trace settings; trace_level a list, the others strings",
+            "properties": {
+                "trace_level": {"type": "array", "items": {"type": "string", "enum": ["OFF", "TIMESTAMPS"]}},
+                "trace_rate": {"type": "string"},
+                "trace_count": {"type": "string"},
+                "trace_mode": {"type": "string"},
+                "trace_file": {"type": "string"},
+                "log_frequency": {"type": "string"},
+            },
+        },
+        "TraceSettingsUpdate": {
+            "type": "object",
+            "description": "settings to change; a setting given null goes back to the global value (or default)",
+            "additionalProperties": {
+                "nullable": True,
+                "oneOf": [{"type": "string"}, {"type": "integer"}, {"type": "array", "items": {"type": "string"}}],
+            },
+        },
+    }
+    trace_responses = {"200": _json(_ref("TraceSettings"), "the settings now"), **_errors(400, 404, *COMMON)}
+    paths = {
+        "/v2/health/live": {
+            "get": {
+                "summary": "Whether the process is up (no token needed)",
+                "tags": ["health"],
+                "security": [],
+                "responses": {"200": {"description": "live"}},
+            },
+        },
+        "/v2/health/ready": {
+            "get": {
+                "summary": "Whether start-up's models serve and the server is not draining (no token needed)",
+                "tags": ["health"],
+                "security": [],
+                "responses": {"200": {"description": "ready"}, "503": {"description": "not ready"}},
+            },
+        },
+        "/v2": {
+            "get": {
+                "summary": "Server metadata: name, version, protocol extensions",
+                "tags": ["server"],
+                "responses": {"200": _json(_ref("ServerMetadata"), "the server"), **_errors(*COMMON)},
+            },
+        },
+        "/v2/models/stats": {
+            "get": {
+                "summary": "Statistics of every served version",
+                "tags": ["models"],
+                "responses": {"200": _json(_ref("Statistics"), "the statistics"), **_errors(*COMMON)},
+            },
+        },
+        "/v2/repository/index": {
+            "post": {
+                "summary": "The model repository's index: every version the server holds, and its state",
+                "tags": ["repository"],
+                "requestBody": {
+                    "content": {JSON: {"schema": {"type": "object", "properties": {"ready": {"type": "boolean"}}}}}
+                },
+                "responses": {
+                    "200": _json({"type": "array", "items": _ref("RepositoryIndexEntry")}, "the index"),
+                    **_errors(400, *COMMON),
+                },
+            },
+        },
+        "/v2/repository/models/{name}/load": {
+            "post": {
+                "summary": "Load a model's versions (explicit model control mode)",
+                "tags": ["repository"],
+                "parameters": _parameters("name"),
+                "requestBody": {"content": {JSON: {"schema": LOAD_BODY}}},
+                "responses": {"200": {"description": "loaded: its versions serve"}, **_errors(400, 404, 503, *COMMON)},
+            },
+        },
+        "/v2/repository/models/{name}/unload": {
+            "post": {
+                "summary": "Unload a model (explicit model control mode): in-flight requests finish first",
+                "tags": ["repository"],
+                "parameters": _parameters("name"),
+                "requestBody": {"content": {JSON: {"schema": {"type": "object"}}}},
+                "responses": {"200": {"description": "unloaded"}, **_errors(400, 404, 503, *COMMON)},
+            },
+        },
+        "/v2/trace/setting": {
+            "get": {"summary": "The global trace settings", "tags": ["trace"], "responses": trace_responses},
+            "post": {
+                "summary": "Change the global trace settings",
+                "tags": ["trace"],
+                "requestBody": {"content": {JSON: {"schema": _ref("TraceSettingsUpdate")}}},
+                "responses": trace_responses,
+            },
+        },
+        "/v2/models/{name}/trace/setting": {
+            "get": {
+                "summary": "A model's trace settings",
+                "tags": ["trace"],
+                "parameters": _parameters("name"),
+                "responses": trace_responses,
+            },
+            "post": {
+                "summary": "Change a model's trace settings",
+                "tags": ["trace"],
+                "parameters": _parameters("name"),
+                "requestBody": {"content": {JSON: {"schema": _ref("TraceSettingsUpdate")}}},
+                "responses": trace_responses,
+            },
+        },
+        **_model_paths("/v2/models/{name}", ("name",)),
+        **_model_paths("/v2/models/{name}/versions/{version}", MODEL),
+    }
+    assert set(ERROR_DESCRIPTIONS) >= set(HTTP_STATUS.values())
+    return {
+        "openapi": "3.0.3",
+        "info": {
+            "title": "mhaserve REST API",
+            "version": mhaserve.__version__,
+            "description": (
+                "KServe's v2 inference protocol (the Open Inference Protocol) with Triton's extensions, as "
+                "mhaserve serves it: a multi-head attention model returning its output and its attention weights. "
+                "When the server has a token, every path but the health checks needs `Authorization: Bearer`."
+            ),
+        },
+        "security": [{}, {"bearer": []}],
+        "paths": paths,
+        "components": {"schemas": schemas, "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+    }
