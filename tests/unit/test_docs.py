@@ -12,6 +12,7 @@ from dataclasses import fields
 from mhaserve.cli.main import build_parser
 from mhaserve.server.config import ServerSettings
 from mhaserve.server.metrics import Metrics
+from mhaserve.server.rest.openapi import document
 from tests.support import ROOT
 
 
@@ -43,5 +44,9 @@ def test_the_docs_site_builds_strict_with_every_command_setting_and_metric(tmp_p
     for family in Metrics().registry.collect():
         assert family.name in metrics, family.name
     assert "mhaserve_inference_request_total" in metrics
+
+    rest = page("reference/rest")
+    for path in document()["paths"]:
+        assert path.replace("{", "").replace("}", "") in rest.replace("{", "").replace("}", ""), path
 
     assert "Monitor it" in page("how-to/monitoring") and "trace_rate" in page("how-to/monitoring")
