@@ -2,7 +2,8 @@
 bounded memory, overload bursts that get fast refusals while accepted requests complete correctly, and
 clients that vanish, stall or fall silent without holding the server's resources.
 
-The long forms (100k-request soak, bigger bursts) are `benchmarks/reliability.py`; figures in docs/explanation/reliability.md.
+The long forms (100k-request soak, bigger bursts) are `benchmarks/reliability.py`; figures in
+docs/explanation/reliability.md.
 """
 
 from __future__ import annotations
