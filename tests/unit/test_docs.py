@@ -49,4 +49,7 @@ def test_the_docs_site_builds_strict_with_every_command_setting_and_metric(tmp_p
     for path in document()["paths"]:
         assert path.replace("{", "").replace("}", "") in rest.replace("{", "").replace("}", ""), path
 
+    client = page("reference/client")  # the client API, from its docstrings
+    assert "traceparent" in client and "WeightsOptions" in client and "HttpClient" in client
+
     assert "Monitor it" in page("how-to/monitoring") and "trace_rate" in page("how-to/monitoring")
