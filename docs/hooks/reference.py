@@ -1,7 +1,7 @@
 """MkDocs hook: the reference pages, written from the code at every build so that they cannot drift from it:
 every command and flag (the argument parsers), every server setting with its flag, MHASERVE_* variable and
 default (``ServerSettings``), every metric (the registry), every refusal kind with its gRPC and HTTP status, and
-the REST API's routes (its OpenAPI document).
+the REST API's routes (its OpenAPI document) and the gRPC service's methods (its descriptor).
 """
 
 from __future__ import annotations
@@ -107,12 +107,28 @@ def rest_page() -> str:
     return "\n".join(lines) + "\n"
 
 
+def grpc_page() -> str:
+    from mhaserve.protos.generated import grpc_service_pb2
+
+    service = grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    lines = [GENERATED, "# gRPC API\n",
+             f"The service `{service.full_name}` (`protos/grpc_service.proto`: the Open Inference Protocol with "
+             "Triton's extensions, the published field numbers), beside `grpc.health.v1.Health` and server "
+             "reflection. Every call but health needs the token when the server has one.\n",
+             "| method | request | response | streaming |", "|---|---|---|---|"]  # fmt: skip
+    for method in service.methods:
+        streaming = "both ways" if method.client_streaming and method.server_streaming else ""
+        lines.append(f"| `{method.name}` | `{method.input_type.name}` | `{method.output_type.name}` | {streaming} |")
+    return "\n".join(lines) + "\n"
+
+
 PAGES = {
     "reference/cli.md": cli_page,
     "reference/settings.md": settings_page,
     "reference/metrics.md": metrics_page,
     "reference/errors.md": errors_page,
     "reference/rest.md": rest_page,
+    "reference/grpc.md": grpc_page,
 }
 
 

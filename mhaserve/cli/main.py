@@ -99,7 +99,7 @@ def _run_export(args) -> int:
 
 def _add_validate(sub) -> None:
     p = sub.add_parser("validate", help="re-run the validation matrix on an exported model folder")
-    p.add_argument("model_dir", type=Path)
+    p.add_argument("model_dir", type=Path, help="the model folder 'mhaserve export' wrote")
     p.add_argument("--seed", type=int, default=None, help="seed of the validation inputs (default random)")
     p.set_defaults(run=_run_validate)
 
@@ -354,7 +354,7 @@ def _heatmap_weights(result, args, options, kv_len: int):
 def _add_health(sub) -> None:
     p = sub.add_parser("health", help="ask a server's grpc.health.v1 service; exit 0 only when SERVING")
     _add_connection_arguments(p)
-    p.add_argument("--timeout", type=float, default=3.0)
+    p.add_argument("--timeout", type=float, default=3.0, help="deadline of the health check, seconds")
     p.set_defaults(run=_run_health)
 
 

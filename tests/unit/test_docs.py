@@ -29,6 +29,7 @@ def test_the_docs_site_builds_strict_with_every_command_setting_and_metric(tmp_p
 
     settings = page("reference/settings")
     for setting in fields(ServerSettings):
+        assert setting.metadata.get("help"), f"the setting {setting.name} has no help text"
         assert f"MHASERVE_{setting.name.upper()}" in settings and "--" + setting.name.replace("_", "-") in settings
 
     cli = page("reference/cli")
@@ -36,6 +37,7 @@ def test_the_docs_site_builds_strict_with_every_command_setting_and_metric(tmp_p
     for name, command in commands.choices.items():
         assert f"mhaserve {name}" in cli
         for action in command._actions:
+            assert action.help, f"mhaserve {name} {action.option_strings or action.dest} has no help text"
             for flag in action.option_strings:
                 if flag.startswith("--") and (name != "serve" or action.dest not in settings):
                     assert flag in cli or flag in settings, f"{name} {flag}"
@@ -51,5 +53,9 @@ def test_the_docs_site_builds_strict_with_every_command_setting_and_metric(tmp_p
 
     client = page("reference/client")  # the client API, from its docstrings
     assert "traceparent" in client and "WeightsOptions" in client and "HttpClient" in client
+
+    grpc_page = page("reference/grpc")
+    for method in ("ModelInfer", "ModelStreamInfer", "TraceSetting", "RepositoryModelLoad"):
+        assert method in grpc_page
 
     assert "Monitor it" in page("how-to/monitoring") and "trace_rate" in page("how-to/monitoring")
