@@ -16,7 +16,7 @@ from mhaserve.client.grpc import AsyncClient, Client, build_infer_request
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
 from mhaserve.testing.server_process import ServerProcess, free_port
-from tests.support import SMALL_D_MODEL
+from tests.support import SMALL_D_MODEL, scrape
 
 D = SMALL_D_MODEL
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
@@ -76,8 +76,14 @@ def test_inference_while_loading_is_unavailable(start_server, small_model_dir):
         process.stop()
 
 
+def queued_requests(server) -> float:
+    samples = scrape(server.metrics_url)
+    return sum(value for (name, _), value in samples.items() if name == "mhaserve_inference_pending_request_count")
+
+
 def test_sigterm_under_load_answers_every_accepted_request(start_server, small_model_dir, small_module):
-    args = ("--max-batch-size", "32", "--max-q-len", "512", "--grace-seconds", "30", "--warmup-runs", "0")
+    # One request a run: the 24 runs take long enough that most calls are still queued when the signal comes.
+    args = ("--max-batch-size", "16", "--max-q-len", "512", "--grace-seconds", "30", "--warmup-runs", "0")
     server = start_server(small_model_dir, *args)
     rng = np.random.default_rng(0)
     queries = [rng.standard_normal((16, 384, D), dtype=np.float32) for _ in range(24)]
@@ -93,7 +99,16 @@ def test_sigterm_under_load_answers_every_accepted_request(start_server, small_m
         nonlocal signalled_at
         async with AsyncClient(server.url) as client:
             calls = [asyncio.ensure_future(timed_infer(client, x)) for x in queries]
-            await asyncio.sleep(0.5)  # every call is on the server now, most still queued
+            # Signal once every call is on the server (queued or answered, but the one running) and a third of
+            # them still wait in its queue: a fixed wait was sometimes too long (every call already answered)
+            # or too short (calls not yet received are refused as the server drains).
+            deadline = time.monotonic() + 30
+            while True:
+                queued = await asyncio.to_thread(queued_requests, server)
+                if queued >= 8 and queued + len(finished_at) >= len(queries) - 1:
+                    break
+                assert time.monotonic() < deadline, f"{queued} queued, {len(finished_at)} answered"
+                await asyncio.sleep(0.01)
             signalled_at = time.monotonic()
             server.signal()
             await asyncio.sleep(0.2)
