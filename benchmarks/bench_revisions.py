@@ -16,10 +16,12 @@ figures.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from mhaserve.export.default_model import ensure_default_model
@@ -43,45 +45,62 @@ def shadow_packages(checkout: Path, into: Path) -> Path:
     return into
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--baseline", required=True, help="the revision to compare with (e.g. HEAD~3)")
+def add_round_arguments(parser: argparse.ArgumentParser, points: str) -> None:
+    """What a side-by-side measurement takes: rounds, each point's duration and warm-up, the load generator's
+    processes, and the points."""
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--duration", type=float, default=8.0)
     parser.add_argument("--warmup", type=float, default=2.0)
     parser.add_argument("--processes", type=int, default=default_processes())
-    parser.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
-    parser.add_argument("--points", default=",".join(f"{length}x{c}" for length, c in POINTS),
-                        help="LENGTHxCONCURRENCY,... at [1, LENGTH, 512]")  # fmt: skip
-    args = parser.parse_args()
-    model_dir = ensure_default_model()
+    parser.add_argument("--points", default=points, help="LENGTHxCONCURRENCY,... at [1, LENGTH, 512]")
+
+
+def parse_points(text: str) -> list[tuple[int, int]]:
+    return [tuple(int(n) for n in point.split("x")) for point in text.split(",")]
+
+
+@contextlib.contextmanager
+def baseline_checkout(revision: str) -> Iterator[tuple[dict[str, str], Path]]:
+    """``revision`` checked out into a temporary worktree: the environment under which a ServerProcess serves its
+    code, and the worktree. Removed afterwards."""
     with tempfile.TemporaryDirectory() as tmp:
         checkout = Path(tmp) / "baseline"
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(checkout), args.baseline],
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(checkout), revision],
                        check=True, capture_output=True)  # fmt: skip
         try:
             shadow = shadow_packages(checkout, Path(tmp) / "path")
-            with (
-                # PYTHONSAFEPATH: the working directory (this checkout) is not put ahead of PYTHONPATH
-                ServerProcess(model_dir, env={"PYTHONPATH": str(shadow), "PYTHONSAFEPATH": "1"}) as baseline,
-                ServerProcess(model_dir) as current,
-            ):
-                for server, expected in ((baseline, checkout), (current, ROOT)):
-                    where = subprocess.run(
-                        [sys.executable, "-c", "import mhaserve.server as s; print(s.__path__[0])"],
-                        env=server.env, capture_output=True, text=True, check=True,
-                    ).stdout.strip()  # fmt: skip
-                    assert Path(where).resolve() == (expected / "server").resolve(), (where, expected)
-                compare(baseline, current, args)
+            # PYTHONSAFEPATH: the working directory (this checkout) is not put ahead of PYTHONPATH
+            yield {"PYTHONPATH": str(shadow), "PYTHONSAFEPATH": "1"}, checkout
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(checkout)], check=False)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--baseline", required=True, help="the revision to compare with (e.g. HEAD~3)")
+    parser.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
+    add_round_arguments(parser, ",".join(f"{length}x{c}" for length, c in POINTS))
+    args = parser.parse_args()
+    model_dir = ensure_default_model()
+    with (
+        baseline_checkout(args.baseline) as (baseline_env, checkout),
+        ServerProcess(model_dir, env=baseline_env) as baseline,
+        ServerProcess(model_dir) as current,
+    ):
+        for server, expected in ((baseline, checkout), (current, ROOT)):
+            where = subprocess.run(
+                [sys.executable, "-c", "import mhaserve.server as s; print(s.__path__[0])"],
+                env=server.env, capture_output=True, text=True, check=True,
+            ).stdout.strip()  # fmt: skip
+            assert Path(where).resolve() == (expected / "server").resolve(), (where, expected)
+        compare(baseline, current, args)
 
 
 def compare(baseline: ServerProcess, current: ServerProcess, args) -> None:
     columns = "req/s p50 p99 client-cores"
     print(f"{'point':>16} {'round':>5} | {'baseline ' + columns:>30} | {'current ' + columns:>30} | ratio")
     ratios: dict[tuple[int, int], list[float]] = {}
-    points = [tuple(int(n) for n in point.split("x")) for point in args.points.split(",")]
+    points = parse_points(args.points)
     for round_number in range(args.rounds):
         order = [("baseline", baseline), ("current", current)]
         if round_number % 2:

@@ -15,15 +15,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
-from bench_revisions import ROOT, shadow_packages
+from bench_revisions import ROOT, add_round_arguments, baseline_checkout, parse_points
 
 from mhaserve.export.default_model import ensure_default_model
-from mhaserve.loadtest.loadgen import LoadGenerator, Point, Workload, default_processes
+from mhaserve.loadtest.loadgen import LoadGenerator, Point, Workload
 from mhaserve.testing.server_process import ServerProcess
 
 sys.path.insert(0, str(ROOT))
@@ -40,42 +37,32 @@ VARIANTS = {  # name: the current tree's flags (None: the baseline revision)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline", required=True, help="a revision before tracing (e.g. HEAD~3)")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--duration", type=float, default=8.0)
-    parser.add_argument("--warmup", type=float, default=2.0)
-    parser.add_argument("--processes", type=int, default=default_processes())
-    parser.add_argument("--points", default="16x16,16x1", help="LENGTHxCONCURRENCY,... at [1, LENGTH, 512]")
+    add_round_arguments(parser, "16x16,16x1")
     args = parser.parse_args()
     model_dir = ensure_default_model()
     receiver = OtlpReceiver("grpc")
     otel = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}
-    with tempfile.TemporaryDirectory() as tmp:
-        checkout = Path(tmp) / "baseline"
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(checkout), args.baseline],
-                       check=True, capture_output=True)  # fmt: skip
-        servers = {}
-        try:
-            shadow = shadow_packages(checkout, Path(tmp) / "path")
+    servers = {}
+    try:
+        with baseline_checkout(args.baseline) as (baseline_env, _):
             for name, flags in VARIANTS.items():
                 if flags is None:
-                    env = {"PYTHONPATH": str(shadow), "PYTHONSAFEPATH": "1"}
-                    servers[name] = ServerProcess(model_dir, env=env).start()
+                    servers[name] = ServerProcess(model_dir, env=baseline_env).start()
                 else:
                     servers[name] = ServerProcess(model_dir, *flags, env=otel).start()
             measure(servers, args)
             print(f"\nspans received: {len(receiver.spans)}")
-        finally:
-            for server in servers.values():
-                server.stop()
-            receiver.close()
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(checkout)], check=False)
+    finally:
+        for server in servers.values():
+            server.stop()
+        receiver.close()
 
 
 def measure(servers: dict[str, ServerProcess], args) -> None:
     names = list(servers)
     print(f"{'point':>16} {'round':>5} " + " | ".join(f"{n:>8} req/s p50 p99" for n in names))
     ratios: dict[tuple[tuple[int, int], str], list[float]] = {}
-    points = [tuple(int(n) for n in point.split("x")) for point in args.points.split(",")]
+    points = parse_points(args.points)
     for round_number in range(args.rounds):
         order = names[round_number % len(names) :] + names[: round_number % len(names)]
         for length, concurrency in points:
