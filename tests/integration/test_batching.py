@@ -108,7 +108,9 @@ def test_expired_or_cancelled_requests_leave_the_queue_uncomputed(start_server, 
     # One long run holds the one worker for a few hundred milliseconds; a marker queued behind it shows the
     # victims will queue too. (Eight slow requests used to stand in for it, awaited until seven were queued:
     # when the worker kept up with their decoding, seven never were, and the test waited for ever.)
-    args = ("--max-batch-size", "16", "--max-q-len", "1024", "--max-kv-len", "1024", "--dynamic-batching", "false")
+    # The full graph: the output-only one runs the long request so fast that the marker may never queue behind it.
+    args = ("--max-batch-size", "16", "--max-q-len", "1024", "--max-kv-len", "1024", "--dynamic-batching", "false",
+            "--output-only-graph", "false")  # fmt: skip
     server = start_server(small_model_dir, *args, "--max-inflight-bytes", str(4 << 30), "--warmup-runs", "0")
 
     async def until(condition, what: str) -> None:
