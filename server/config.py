@@ -174,6 +174,17 @@ class ServerSettings:
         "opentelemetry,url=HOST:PORT/v1/traces the OTLP endpoint; export is configured by the OTEL_* variables "
         "(needs the tracing extra)",
     )
+    # Off by default, as in Triton: a registered region is opened with the server's permissions, so any local
+    # client able to reach the port could have the server read and write shared-memory objects it may open.
+    allow_client_shm: bool = setting(
+        False,
+        "let clients on this host register system shared-memory regions (objects in /dev/shm) and have inputs read "
+        "from and outputs written into them (Triton's system shared-memory extension)",
+    )
+    client_shm_max_regions: int = setting(128, "shared-memory regions registered at once; beyond, RESOURCE_EXHAUSTED")
+    client_shm_max_bytes: int = setting(
+        1 << 36, "bytes of shared-memory regions registered at once (their windows summed); beyond, RESOURCE_EXHAUSTED"
+    )
     access_log: bool = setting(
         False,
         "one line per inference request (logger mhaserve.access): protocol, model, version, status, request id, "
@@ -255,7 +266,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     if settings.device not in ("auto", "cpu", "cuda"):
         raise UsageError(f"--device must be auto, cpu or cuda, got {settings.device!r}")
     for name in ("max_batch_size", "max_q_len", "max_kv_len", "inference_workers", "max_queue_size",
-                 "max_inflight_bytes", "max_health_watchers", "http_max_connections"):  # fmt: skip
+                 "max_inflight_bytes", "max_health_watchers", "http_max_connections", "client_shm_max_regions",
+                 "client_shm_max_bytes"):  # fmt: skip
         if getattr(settings, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
     if settings.drain_seconds < 0 or settings.grace_seconds < 0:

@@ -18,18 +18,21 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TypeVar
 
+import numpy as np
+
 from mhaserve.contract.model_dir import ModelDirError, read_manifest
 from mhaserve.contract.repository import ModelRepository, VersionPolicy
 
 from .accounting import RequestAccounting
 from .config import ServerSettings
 from .errors import ErrorKind, RequestError, inference_failed, invalid
-from .inference import InferenceRequest, InferenceResponse, attention_request
+from .inference import OFF_LOOP_BYTES, InferenceRequest, InferenceResponse, attention_request
 from .memory import MemoryBudget, answer_bytes, input_bytes, request_workspace_bytes
 from .metrics import Metrics
 from .registry import ModelRegistry, ServedModel
+from .shared_memory import Region, SharedMemoryRegistry
 from .statistics import RequestTiming
-from .tensors import AttentionRequest, Limits, ModelSignature
+from .tensors import AttentionRequest, Limits, ModelSignature, array_from_bytes, byte_count, wire_bytes
 from .threads import lowered_pool
 from .tracing import HeadersOf, Tracing, parse_trace_config
 from .versions import VersionFactory
@@ -94,6 +97,9 @@ class DataPlane:
         )
         self.accounting = RequestAccounting(budget, self.metrics, self._executor, self._sessions)
         self.tracing = Tracing(*parse_trace_config(settings.trace_config))  # TracingUnavailable: no SDK
+        self.shared_memory = SharedMemoryRegistry(
+            settings.allow_client_shm, settings.client_shm_max_regions, settings.client_shm_max_bytes
+        )
 
     def _sessions(self) -> list:
         return [served.session for served in self.registry.served_models() if served.session is not None]
@@ -279,6 +285,7 @@ class DataPlane:
         self._executor.shutdown(wait=True)
         self._decoder.shutdown(wait=True)
         self.versions.shutdown()
+        self.shared_memory.close()
 
 
 class InferenceCall:
@@ -310,6 +317,7 @@ class InferenceCall:
         self.run_started_ns = 0  # when the run it was in started
         self.encoded_ns = 0  # when its answer was encoded
         self.run_rows = 0  # the rows of the run it was in
+        self._regions: dict[str, Region] = {}  # the shared-memory regions its tensors lie in, held until it ends
 
     async def infer(
         self, name: str, version: str, decode: Callable[..., InferenceRequest], *wire, slow: bool = False
@@ -326,6 +334,9 @@ class InferenceCall:
             request, attention = await dataplane.off_loop(_decoded, decode, wire, served.signature, dataplane.limits)
         else:
             request, attention = _decoded(decode, wire, served.signature, dataplane.limits)
+        placed = request.output_placements()
+        if request.shared_inputs or placed:
+            attention = await self._use_shared_memory(request, placed)
         self.rows = attention.batch_size
         self.request_id = request.id
         self.timing.input_ns = time.perf_counter_ns() - self.started
@@ -343,7 +354,49 @@ class InferenceCall:
         self.run_rows, self.run_started_ns = answer.run_rows, answer.run_started_ns
         accounting.budget.run_ended(self._waiting)
         self._waiting = None
-        return InferenceResponse(signature, request, {o: answer.outputs[o] for o in attention.outputs})
+        outputs = {o: answer.outputs[o] for o in attention.outputs}
+        placed = {name: placement for name, placement in placed.items() if name in outputs}
+        if placed:
+            await self._in_shared_memory(self._write_outputs, sum(outputs[n].nbytes for n in placed), outputs, placed)
+        return InferenceResponse(signature, request, outputs, frozenset(placed))
+
+    async def _use_shared_memory(self, request: InferenceRequest, placed: dict) -> AttentionRequest:
+        """Hold the regions the request's tensors lie in (checked: registered, windows inside them), then read
+        its inputs from them, counted in the budget like a body being received, and check the request."""
+        dataplane = self._dataplane
+        windows = {f"input '{name}'": shared.placement for name, shared in request.shared_inputs.items()}
+        windows.update({f"output '{name}'": placement for name, placement in placed.items()})
+        self._regions = dataplane.shared_memory.use(windows)
+        for name, shared in request.shared_inputs.items():
+            expected = byte_count(name, shared.datatype, shared.shape)
+            if shared.placement.byte_size != expected:
+                raise invalid(
+                    f"input '{name}': shared_memory_byte_size {shared.placement.byte_size}, expected {expected} "
+                    f"({shared.datatype} {list(shared.shape)})"
+                )
+        total = sum(shared.placement.byte_size for shared in request.shared_inputs.values())
+        self.receiving(total)
+        return await self._in_shared_memory(self._read_inputs, total, request)
+
+    async def _in_shared_memory(self, function, nbytes: int, *args):
+        """``function(*args)``, on the decode thread when it moves more than a megabyte."""
+        if nbytes > OFF_LOOP_BYTES:
+            return await self._dataplane.off_loop(function, *args)
+        return function(*args)
+
+    def _read_inputs(self, request: InferenceRequest) -> AttentionRequest:
+        for name, shared in request.shared_inputs.items():
+            region = self._regions[shared.placement.region]
+            raw = region.read(shared.placement, f"input '{name}'")
+            where = f"shared memory region '{region.name}'"
+            request.inputs[name] = array_from_bytes(name, shared.datatype, shared.shape, raw, where)
+        signature = self.served.signature
+        return attention_request(request, signature, self._dataplane.limits)
+
+    def _write_outputs(self, outputs: dict, placed: dict) -> None:
+        for name, placement in placed.items():
+            data = wire_bytes(np.ascontiguousarray(outputs[name]))
+            self._regions[placement.region].write(placement, data, f"output '{name}'")
 
     def receiving(self, nbytes: int) -> None:
         """The transport holds, or is about to read, ``nbytes`` more of this call's request as received: they
@@ -395,6 +448,8 @@ class InferenceCall:
 
     def end(self) -> None:
         accounting = self._dataplane.accounting
+        self._dataplane.shared_memory.done(self._regions)
+        self._regions = {}
         self._receipt_done()  # refused while or after it was received, before its admission
         accounting.budget.run_ended(self._waiting)  # refused by the queue, expired or cancelled before its run ended
         if self.served is not None:
@@ -408,6 +463,10 @@ class InferenceCall:
             settle(self.status == "OK", self.status)
 
 
-def _decoded(decode, wire, signature: ModelSignature, limits: Limits) -> tuple[InferenceRequest, AttentionRequest]:
+def _decoded(
+    decode, wire, signature: ModelSignature, limits: Limits
+) -> tuple[InferenceRequest, AttentionRequest | None]:
+    """The request off the wire, and checked against the model unless some of its inputs are still in shared
+    memory (None: InferenceCall reads them first)."""
     request = decode(*wire)
-    return request, attention_request(request, signature, limits)
+    return request, None if request.shared_inputs else attention_request(request, signature, limits)

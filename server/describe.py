@@ -10,6 +10,7 @@ import mhaserve
 from mhaserve.contract.signature import input_specs, output_specs
 
 from .registry import ServedModel
+from .shared_memory import RegionStatus
 from .statistics import Duration
 
 PLATFORM = "onnxruntime_onnx"
@@ -17,8 +18,15 @@ EXTENSIONS = ["model_configuration", "model_repository", "statistics", "binary_t
 CONFIG_DATA_TYPES = {"FP16": "TYPE_FP16", "FP32": "TYPE_FP32", "BOOL": "TYPE_BOOL", "INT64": "TYPE_INT64"}
 
 
-def server_metadata() -> dict:
-    return {"name": "mhaserve", "version": mhaserve.__version__, "extensions": EXTENSIONS}
+def server_metadata(shared_memory: bool = False) -> dict:
+    """``shared_memory``: client shared memory is allowed (only then is the extension listed)."""
+    extensions = [*EXTENSIONS, "system_shared_memory"] if shared_memory else EXTENSIONS
+    return {"name": "mhaserve", "version": mhaserve.__version__, "extensions": extensions}
+
+
+def shared_memory_status(regions: list[RegionStatus]) -> list[dict]:
+    """The registered system shared-memory regions, as the extension's status lists them."""
+    return [{"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size} for r in regions]
 
 
 def model_metadata(served: ServedModel, ready_versions: list[int]) -> dict:

@@ -14,6 +14,7 @@ from types import MappingProxyType
 import numpy as np
 
 from .shaping import weights_shaping
+from .shared_memory import Placement, placement_of
 from .tensors import AttentionRequest, Limits, ModelSignature, build_request
 
 NO_PARAMETERS: Mapping[str, object] = MappingProxyType({})
@@ -40,6 +41,15 @@ class RequestedOutput:
     parameters: Mapping[str, object] = field(default_factory=lambda: NO_PARAMETERS)
 
 
+@dataclass(frozen=True)
+class SharedInput:
+    """An input the request left in a shared-memory region: its header, and where its bytes lie."""
+
+    datatype: str
+    shape: tuple[int, ...]
+    placement: Placement
+
+
 @dataclass
 class InferenceRequest:
     """A request as decoded off the wire, before it is checked against the model it names."""
@@ -51,10 +61,20 @@ class InferenceRequest:
     outputs: tuple[RequestedOutput, ...] = ()  # none named: the model's default outputs
     # the request's own options (the protocol's request ``parameters``)
     parameters: Mapping[str, object] = field(default_factory=lambda: NO_PARAMETERS)
+    shared_inputs: dict[str, SharedInput] = field(default_factory=dict)  # read from shared memory by the data plane
 
     def output(self, name: str) -> RequestedOutput:
         """The output ``name`` as the request asked for it (no options if it named none)."""
         return next((o for o in self.outputs if o.name == name), RequestedOutput(name))
+
+    def output_placements(self) -> dict[str, Placement]:
+        """The outputs to write into shared memory, by name, and where."""
+        placements = {}
+        for output in self.outputs:
+            placement = placement_of(output.parameters, f"output '{output.name}'")
+            if placement is not None:
+                placements[output.name] = placement
+        return placements
 
 
 @dataclass
@@ -64,6 +84,8 @@ class InferenceResponse:
     model: ModelSignature
     request: InferenceRequest
     outputs: dict[str, np.ndarray]
+    # outputs already written into shared memory: described in the answer, their bytes not sent
+    placed: frozenset[str] = frozenset()
 
     @property
     def id(self) -> str:

@@ -92,11 +92,15 @@ def element_count(name: str, shape) -> int:
     return count
 
 
+def byte_count(name: str, datatype: str, shape) -> int:
+    """The bytes a tensor of this datatype and shape holds."""
+    return element_count(name, shape) * DATATYPES[datatype].itemsize
+
+
 def array_from_bytes(name: str, datatype: str, shape, raw, where: str = "raw contents") -> np.ndarray:
     """The tensor from its little-endian bytes, without a copy (read-only)."""
-    count = element_count(name, shape)
     dtype = DATATYPES[datatype]
-    expected = count * dtype.itemsize
+    expected = byte_count(name, datatype, shape)
     if len(raw) != expected:
         raise invalid(
             f"input '{name}': {len(raw)} bytes of {where}, expected {expected} ({datatype} {_shape_text(shape)})"

@@ -100,6 +100,36 @@ class GRPCInferenceServiceStub:
                 request_serializer=grpc__service__pb2.TraceSettingRequest.SerializeToString,
                 response_deserializer=grpc__service__pb2.TraceSettingResponse.FromString,
                 _registered_method=True)
+        self.SystemSharedMemoryStatus = channel.unary_unary(
+                '/inference.GRPCInferenceService/SystemSharedMemoryStatus',
+                request_serializer=grpc__service__pb2.SystemSharedMemoryStatusRequest.SerializeToString,
+                response_deserializer=grpc__service__pb2.SystemSharedMemoryStatusResponse.FromString,
+                _registered_method=True)
+        self.SystemSharedMemoryRegister = channel.unary_unary(
+                '/inference.GRPCInferenceService/SystemSharedMemoryRegister',
+                request_serializer=grpc__service__pb2.SystemSharedMemoryRegisterRequest.SerializeToString,
+                response_deserializer=grpc__service__pb2.SystemSharedMemoryRegisterResponse.FromString,
+                _registered_method=True)
+        self.SystemSharedMemoryUnregister = channel.unary_unary(
+                '/inference.GRPCInferenceService/SystemSharedMemoryUnregister',
+                request_serializer=grpc__service__pb2.SystemSharedMemoryUnregisterRequest.SerializeToString,
+                response_deserializer=grpc__service__pb2.SystemSharedMemoryUnregisterResponse.FromString,
+                _registered_method=True)
+        self.CudaSharedMemoryStatus = channel.unary_unary(
+                '/inference.GRPCInferenceService/CudaSharedMemoryStatus',
+                request_serializer=grpc__service__pb2.CudaSharedMemoryStatusRequest.SerializeToString,
+                response_deserializer=grpc__service__pb2.CudaSharedMemoryStatusResponse.FromString,
+                _registered_method=True)
+        self.CudaSharedMemoryRegister = channel.unary_unary(
+                '/inference.GRPCInferenceService/CudaSharedMemoryRegister',
+                request_serializer=grpc__service__pb2.CudaSharedMemoryRegisterRequest.SerializeToString,
+                response_deserializer=grpc__service__pb2.CudaSharedMemoryRegisterResponse.FromString,
+                _registered_method=True)
+        self.CudaSharedMemoryUnregister = channel.unary_unary(
+                '/inference.GRPCInferenceService/CudaSharedMemoryUnregister',
+                request_serializer=grpc__service__pb2.CudaSharedMemoryUnregisterRequest.SerializeToString,
+                response_deserializer=grpc__service__pb2.CudaSharedMemoryUnregisterResponse.FromString,
+                _registered_method=True)
 
 
 class GRPCInferenceServiceServicer:
@@ -183,6 +213,42 @@ class GRPCInferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SystemSharedMemoryStatus(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SystemSharedMemoryRegister(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SystemSharedMemoryUnregister(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CudaSharedMemoryStatus(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CudaSharedMemoryRegister(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CudaSharedMemoryUnregister(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GRPCInferenceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -250,6 +316,36 @@ def add_GRPCInferenceServiceServicer_to_server(servicer, server):
                     servicer.TraceSetting,
                     request_deserializer=grpc__service__pb2.TraceSettingRequest.FromString,
                     response_serializer=grpc__service__pb2.TraceSettingResponse.SerializeToString,
+            ),
+            'SystemSharedMemoryStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.SystemSharedMemoryStatus,
+                    request_deserializer=grpc__service__pb2.SystemSharedMemoryStatusRequest.FromString,
+                    response_serializer=grpc__service__pb2.SystemSharedMemoryStatusResponse.SerializeToString,
+            ),
+            'SystemSharedMemoryRegister': grpc.unary_unary_rpc_method_handler(
+                    servicer.SystemSharedMemoryRegister,
+                    request_deserializer=grpc__service__pb2.SystemSharedMemoryRegisterRequest.FromString,
+                    response_serializer=grpc__service__pb2.SystemSharedMemoryRegisterResponse.SerializeToString,
+            ),
+            'SystemSharedMemoryUnregister': grpc.unary_unary_rpc_method_handler(
+                    servicer.SystemSharedMemoryUnregister,
+                    request_deserializer=grpc__service__pb2.SystemSharedMemoryUnregisterRequest.FromString,
+                    response_serializer=grpc__service__pb2.SystemSharedMemoryUnregisterResponse.SerializeToString,
+            ),
+            'CudaSharedMemoryStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.CudaSharedMemoryStatus,
+                    request_deserializer=grpc__service__pb2.CudaSharedMemoryStatusRequest.FromString,
+                    response_serializer=grpc__service__pb2.CudaSharedMemoryStatusResponse.SerializeToString,
+            ),
+            'CudaSharedMemoryRegister': grpc.unary_unary_rpc_method_handler(
+                    servicer.CudaSharedMemoryRegister,
+                    request_deserializer=grpc__service__pb2.CudaSharedMemoryRegisterRequest.FromString,
+                    response_serializer=grpc__service__pb2.CudaSharedMemoryRegisterResponse.SerializeToString,
+            ),
+            'CudaSharedMemoryUnregister': grpc.unary_unary_rpc_method_handler(
+                    servicer.CudaSharedMemoryUnregister,
+                    request_deserializer=grpc__service__pb2.CudaSharedMemoryUnregisterRequest.FromString,
+                    response_serializer=grpc__service__pb2.CudaSharedMemoryUnregisterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -603,6 +699,168 @@ class GRPCInferenceService:
             '/inference.GRPCInferenceService/TraceSetting',
             grpc__service__pb2.TraceSettingRequest.SerializeToString,
             grpc__service__pb2.TraceSettingResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SystemSharedMemoryStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/SystemSharedMemoryStatus',
+            grpc__service__pb2.SystemSharedMemoryStatusRequest.SerializeToString,
+            grpc__service__pb2.SystemSharedMemoryStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SystemSharedMemoryRegister(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/SystemSharedMemoryRegister',
+            grpc__service__pb2.SystemSharedMemoryRegisterRequest.SerializeToString,
+            grpc__service__pb2.SystemSharedMemoryRegisterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SystemSharedMemoryUnregister(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/SystemSharedMemoryUnregister',
+            grpc__service__pb2.SystemSharedMemoryUnregisterRequest.SerializeToString,
+            grpc__service__pb2.SystemSharedMemoryUnregisterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CudaSharedMemoryStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/CudaSharedMemoryStatus',
+            grpc__service__pb2.CudaSharedMemoryStatusRequest.SerializeToString,
+            grpc__service__pb2.CudaSharedMemoryStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CudaSharedMemoryRegister(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/CudaSharedMemoryRegister',
+            grpc__service__pb2.CudaSharedMemoryRegisterRequest.SerializeToString,
+            grpc__service__pb2.CudaSharedMemoryRegisterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CudaSharedMemoryUnregister(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/CudaSharedMemoryUnregister',
+            grpc__service__pb2.CudaSharedMemoryUnregisterRequest.SerializeToString,
+            grpc__service__pb2.CudaSharedMemoryUnregisterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -19,9 +19,11 @@ from ..inference import (
     InferenceRequest,
     InferenceResponse,
     RequestedOutput,
+    SharedInput,
     attention_request,
     decodes_slowly,
 )
+from ..shared_memory import placement_of
 from ..tensors import (
     AttentionRequest,
     Limits,
@@ -56,23 +58,34 @@ def _check_typed_contents_field(tensor) -> None:
 
 
 def decode_grpc_request(request: pb.ModelInferRequest) -> InferenceRequest:
-    """The tensors, requested outputs and parameters of ``request`` (RequestError on the first problem)."""
+    """The tensors, requested outputs and parameters of ``request`` (RequestError on the first problem). Inputs
+    in shared memory carry no contents; ``raw_input_contents`` holds one entry per other input, in order."""
     raw_contents = request.raw_input_contents
-    if raw_contents and len(raw_contents) != len(request.inputs):
+    placements = {t.name: placement_of(_parameters(t.parameters), f"input '{t.name}'") for t in request.inputs}
+    sent = sum(placement is None for placement in placements.values())
+    if raw_contents and len(raw_contents) != sent:
         raise invalid(
-            f"raw_input_contents holds {len(raw_contents)} entries for {len(request.inputs)} inputs; "
-            "expected one per input, in the order of inputs"
+            f"raw_input_contents holds {len(raw_contents)} entries for {sent} inputs not in shared memory; "
+            "expected one per such input, in the order of inputs"
         )
     arrays: dict[str, np.ndarray] = {}
-    for index, tensor in enumerate(request.inputs):
-        check_input_header(tensor.name, tensor.datatype, arrays)
-        if raw_contents and tensor.HasField("contents"):
+    shared: dict[str, SharedInput] = {}
+    raw_index = 0
+    for tensor in request.inputs:
+        check_input_header(tensor.name, tensor.datatype, arrays.keys() | shared.keys())
+        placement = placements[tensor.name]
+        if placement is not None:
+            if tensor.HasField("contents"):
+                raise invalid(f"input '{tensor.name}': has contents and a shared memory region; give one")
+            shared[tensor.name] = SharedInput(tensor.datatype, tuple(tensor.shape), placement)
+        elif raw_contents and tensor.HasField("contents"):
             raise invalid(
                 f"input '{tensor.name}': has typed contents while the request uses raw_input_contents; "
                 "use one or the other for all inputs"
             )
-        if raw_contents:
-            arrays[tensor.name] = array_from_bytes(tensor.name, tensor.datatype, tensor.shape, raw_contents[index])
+        elif raw_contents:
+            arrays[tensor.name] = array_from_bytes(tensor.name, tensor.datatype, tensor.shape, raw_contents[raw_index])
+            raw_index += 1
         else:
             _check_typed_contents_field(tensor)
             field = CONTENTS_FIELDS[tensor.datatype]
@@ -87,6 +100,7 @@ def decode_grpc_request(request: pb.ModelInferRequest) -> InferenceRequest:
         arrays,
         tuple(RequestedOutput(o.name, _parameters(o.parameters)) for o in request.outputs),
         _parameters(request.parameters),
+        shared,
     )
 
 
@@ -117,8 +131,11 @@ def encode_grpc_response(response: InferenceResponse, *, streamed: bool = False)
     header = pb.ModelInferResponse(model_name=model.name, model_version=model.version, id=response.id)
     raw_outputs = []
     for name, output in response.outputs.items():
+        header.outputs.add(name=name, datatype=datatype_of(output), shape=output.shape)
+        if name in response.placed:  # in the client's shared memory: an empty entry keeps the outputs' order
+            raw_outputs.append(_length_delimited(_RAW_OUTPUT_CONTENTS, 0))
+            continue
         array = np.ascontiguousarray(output)
-        header.outputs.add(name=name, datatype=datatype_of(array), shape=array.shape)
         raw_outputs += [_length_delimited(_RAW_OUTPUT_CONTENTS, array.nbytes), wire_bytes(array)]
     parts = [header.SerializeToString(), *raw_outputs]
     if streamed:  # the infer_response field's tag and length, then the same bytes

@@ -59,7 +59,8 @@ class ProtocolAnswers:
         return pb.ModelReadyResponse(ready=self.dataplane.model_ready(request.name, request.version))
 
     async def ServerMetadata(self, request):
-        return json_format.ParseDict(describe.server_metadata(), pb.ServerMetadataResponse())
+        metadata = describe.server_metadata(self.dataplane.shared_memory.allowed)
+        return json_format.ParseDict(metadata, pb.ServerMetadataResponse())
 
     async def ModelMetadata(self, request):
         served = self.dataplane.resolve(request.name, request.version)
@@ -75,6 +76,30 @@ class ProtocolAnswers:
         settings = self.dataplane.trace_settings(request.model_name, changes)
         value = pb.TraceSettingResponse.SettingValue
         return pb.TraceSettingResponse(settings={name: value(value=values) for name, values in settings.items()})
+
+    async def SystemSharedMemoryStatus(self, request):
+        rows = describe.shared_memory_status(self.dataplane.shared_memory.status(request.name))
+        regions = {"regions": {row["name"]: row for row in rows}}
+        return json_format.ParseDict(regions, pb.SystemSharedMemoryStatusResponse())
+
+    async def SystemSharedMemoryRegister(self, request):
+        self.dataplane.shared_memory.register(request.name, request.key, request.offset, request.byte_size)
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    async def SystemSharedMemoryUnregister(self, request):
+        self.dataplane.shared_memory.unregister(request.name)
+        return pb.SystemSharedMemoryUnregisterResponse()
+
+    async def CudaSharedMemoryStatus(self, request):
+        self.dataplane.shared_memory.cuda_status(request.name)
+        return pb.CudaSharedMemoryStatusResponse()
+
+    async def CudaSharedMemoryRegister(self, request):
+        raise self.dataplane.shared_memory.cuda_refused()
+
+    async def CudaSharedMemoryUnregister(self, request):
+        self.dataplane.shared_memory.cuda_status()  # nothing to unregister, if allowed at all
+        return pb.CudaSharedMemoryUnregisterResponse()
 
     async def ModelStatistics(self, request):
         served = self.dataplane.statistics_of(request.name, request.version)

@@ -27,10 +27,12 @@ ERROR_DESCRIPTIONS = {
     400: "refused: malformed (a wrong shape, datatype, name or value), or forbidden by the server's configuration",
     401: "a missing or wrong bearer token (when the server has one)",
     404: "no such model or version",
+    409: "the name is taken (a shared-memory region registered already)",
     413: "the body is over the limit, or inflates past it",
     415: "a Content-Encoding the server cannot inflate",
     429: "over a limit, or the queue or the memory budget is full: retry later",
     500: "the server failed (a bug or a runtime failure); it keeps serving",
+    501: "a part of the protocol this server does not offer (CUDA shared memory)",
     503: "loading, unloading or shutting down: retry (elsewhere)",
     504: "the deadline passed, or the body did not arrive in time",
 }

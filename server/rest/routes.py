@@ -25,8 +25,9 @@ from mhaserve.contract.datatypes import datatype_of
 from .. import describe
 from ..dataplane import DataPlane, InferenceCall
 from ..errors import HTTP_STATUS, ErrorKind, RequestError, invalid
-from ..inference import InferenceRequest, InferenceResponse, RequestedOutput, decodes_slowly
+from ..inference import InferenceRequest, InferenceResponse, RequestedOutput, SharedInput, decodes_slowly
 from ..security import bearer_token_matches
+from ..shared_memory import placement_of
 from ..tensors import (
     CONVERT_CHUNK,
     array_from_bytes,
@@ -123,17 +124,24 @@ def decode_rest_request(name: str, version: str, body: bytes, header_length: int
     binary = memoryview(body)[header_length:] if header_length is not None else memoryview(b"")
     offset = 0
     arrays: dict[str, np.ndarray] = {}
+    shared: dict[str, SharedInput] = {}
     for entry in inputs:
         if not isinstance(entry, dict):
             raise invalid("each of 'inputs' must be a JSON object with name, shape, datatype and data")
         input_name, datatype, shape = entry.get("name"), entry.get("datatype"), entry.get("shape")
         if not isinstance(input_name, str) or not isinstance(datatype, str):
             raise invalid(f"input {input_name!r}: 'name' and 'datatype' must be strings")
-        check_input_header(input_name, datatype, arrays)
+        check_input_header(input_name, datatype, arrays.keys() | shared.keys())
         if not isinstance(shape, list) or not all(type(d) is int for d in shape):
             raise invalid(f"input '{input_name}': 'shape' is {_as_written(shape)}, expected a list of integers")
-        size = _parameters(entry, f"input '{input_name}'").get("binary_data_size")
-        if size is not None:
+        parameters = _parameters(entry, f"input '{input_name}'")
+        size = parameters.get("binary_data_size")
+        placement = placement_of(parameters, f"input '{input_name}'")
+        if placement is not None:
+            if size is not None or "data" in entry:
+                raise invalid(f"input '{input_name}': has data and a shared memory region; give one")
+            shared[input_name] = SharedInput(datatype, tuple(shape), placement)
+        elif size is not None:
             if type(size) is not int or size < 0 or offset + size > len(binary):
                 raise invalid(
                     f"input '{input_name}': binary_data_size {size!r}, but {len(binary) - offset} bytes of binary "
@@ -155,7 +163,7 @@ def decode_rest_request(name: str, version: str, body: bytes, header_length: int
     ):
         raise invalid("'outputs' must be a list of objects with a 'name'")
     requested = tuple(RequestedOutput(o["name"], _parameters(o, f"output '{o['name']}'")) for o in outputs)
-    return InferenceRequest(name, version, str(document.get("id", "")), arrays, requested, parameters)
+    return InferenceRequest(name, version, str(document.get("id", "")), arrays, requested, parameters, shared)
 
 
 def _as_written(value) -> str:
@@ -223,7 +231,9 @@ def encode_rest_response(response: InferenceResponse) -> tuple[bytes, int | None
     for name, output in response.outputs.items():
         array = np.ascontiguousarray(output)
         entry = {"name": name, "datatype": datatype_of(array), "shape": list(array.shape)}
-        if request.output(name).parameters.get("binary_data", binary_by_default):
+        if name in response.placed:  # in the client's shared memory: described, not sent
+            pass
+        elif request.output(name).parameters.get("binary_data", binary_by_default):
             entry["parameters"] = {"binary_data_size": array.nbytes}
             chunks.append(wire_bytes(array))
         else:
@@ -297,6 +307,17 @@ class RestTransport:
                     web.get(prefix + "/config", self.model_config),
                     web.get(prefix + "/stats", self.statistics),
                     web.post(prefix + "/infer", self.infer),
+                ]
+            )
+        for kind in ("system", "cuda"):  # Triton's shared-memory extensions
+            prefix, region = f"/v2/{kind}sharedmemory", f"/v2/{kind}sharedmemory/region/{{region}}"
+            app.add_routes(
+                [
+                    web.get(prefix + "/status", self.shared_memory_status),
+                    web.get(region + "/status", self.shared_memory_status),
+                    web.post(region + "/register", self.shared_memory_register),
+                    web.post(prefix + "/unregister", self.shared_memory_unregister),
+                    web.post(region + "/unregister", self.shared_memory_unregister),
                 ]
             )
         app.add_routes(
@@ -409,7 +430,7 @@ class RestTransport:
         return web.Response(status=200 if self.dataplane.reports_ready else 503)
 
     async def server_metadata(self, request):
-        return json_response(describe.server_metadata())
+        return json_response(describe.server_metadata(self.dataplane.shared_memory.allowed))
 
     async def model_metadata(self, request):
         served = self._resolve(request)
@@ -476,6 +497,38 @@ class RestTransport:
         settings = self.dataplane.trace_settings(request.match_info.get("name", ""), changes)
         answer = {name: values if name == "trace_level" else values[0] for name, values in settings.items()}
         return web.Response(body=orjson.dumps(answer), content_type="application/json")
+
+    async def shared_memory_status(self, request):
+        region, shared_memory = request.match_info.get("region", ""), self.dataplane.shared_memory
+        if request.path.startswith("/v2/cuda"):
+            return json_response(shared_memory.cuda_status(region))
+        return json_response(describe.shared_memory_status(shared_memory.status(region)))
+
+    async def shared_memory_register(self, request):
+        """``{"key": "/name", "offset": 0, "byte_size": N}`` (CUDA: refused, see SharedMemoryRegistry.cuda_refused)."""
+        body = await self._body(request)
+        if request.path.startswith("/v2/cuda"):
+            raise self.dataplane.shared_memory.cuda_refused()
+        try:
+            given = orjson.loads(body) if body else None
+        except orjson.JSONDecodeError as error:
+            raise invalid(f"the register request is not JSON: {error}") from None
+        if not isinstance(given, dict) or "key" not in given or "byte_size" not in given:
+            raise invalid(
+                'the register request must be a JSON object like {"key": "/name", "offset": 0, "byte_size": N}'
+            )
+        region = request.match_info["region"]
+        self.dataplane.shared_memory.register(region, given["key"], given.get("offset", 0), given["byte_size"])
+        return web.Response(status=200)
+
+    async def shared_memory_unregister(self, request):
+        await self._body(request)
+        region, shared_memory = request.match_info.get("region", ""), self.dataplane.shared_memory
+        if request.path.startswith("/v2/cuda"):
+            shared_memory.cuda_status()  # no CUDA region is ever registered: nothing to do, if allowed at all
+        else:
+            shared_memory.unregister(region)
+        return web.Response(status=200)
 
     async def api_document(self, request):
         return json_response(self._openapi)

@@ -1,0 +1,279 @@
+"""Triton's system shared-memory extension: regions a client on the same host registers, so that a request's
+tensors are read from, and its outputs written into, memory both processes see, and only the request's
+header crosses the socket.
+
+A region is a POSIX shared-memory object (a file in /dev/shm, never a path elsewhere), opened once at
+registration with the server's own permissions and read and written with ``pread``/``pwrite``, not mapped: a
+client may shrink (truncate) its object at any time, and a mapped page past the new end raises SIGBUS in
+whatever thread touches it, which kills the process. ``pread`` past the end returns short instead, which is
+refused as a truncated region. Inputs are therefore copied once into the server's own arrays, as they would
+be out of a mapping (the batcher copies them into its padded run anyway).
+
+Plain Python: the transports parse the protocol's messages and parameters, this module holds the regions.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import ErrorKind, RequestError, invalid
+
+SHM_DIR = "/dev/shm"
+# POSIX shm_open names: one optional leading slash, then a file name in SHM_DIR (no further slash).
+_KEY = re.compile(r"/?([A-Za-z0-9_.\-]{1,255})")
+_NAME = re.compile(r"[A-Za-z0-9_.\-:]{1,128}")
+PARAMETERS = ("shared_memory_region", "shared_memory_offset", "shared_memory_byte_size")
+LARGEST = 2**63 - 1
+READ_STEP = 1 << 30  # pread/pwrite move at most ~2 GiB a call on Linux
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a tensor lies: ``byte_size`` bytes at ``offset`` in the registered region ``region``."""
+
+    region: str
+    offset: int
+    byte_size: int
+
+
+def placement_of(parameters, where: str) -> Placement | None:
+    """The tensor's shared-memory placement from its parameters, or None if it names no region (a region
+    without a byte size, or a byte size without a region, is refused as Triton refuses it)."""
+    region = parameters.get("shared_memory_region")
+    size = parameters.get("shared_memory_byte_size")
+    offset = parameters.get("shared_memory_offset", 0)
+    if region is None and size is None:
+        if "shared_memory_offset" in parameters:
+            raise invalid(f"{where}: 'shared_memory_offset' without 'shared_memory_region' and its byte size")
+        return None
+    if region is None or size is None:
+        given, missing = ("shared_memory_region", "shared_memory_byte_size")[:: 1 if size is None else -1]
+        raise invalid(f"{where}: '{given}' without '{missing}'; shared memory needs both")
+    if not isinstance(region, str) or not region:
+        raise invalid(f"{where}: 'shared_memory_region' must be a region's name, got {region!r}")
+    for key, value in (("shared_memory_byte_size", size), ("shared_memory_offset", offset)):
+        if type(value) is not int or not 0 <= value <= LARGEST:
+            raise invalid(f"{where}: '{key}' must be an integer from 0 to 2^63-1, got {value!r}")
+    return Placement(region, offset, size)
+
+
+@dataclass(frozen=True)
+class RegionStatus:
+    name: str
+    key: str
+    offset: int
+    byte_size: int
+
+
+class Region:
+    """One registered region: an open descriptor on its object, and the window (offset, byte_size) in it the
+    client registered. It stays open while requests use it, even once unregistered."""
+
+    def __init__(self, name: str, key: str, fd: int, offset: int, byte_size: int):
+        self.name, self.key, self.fd, self.offset, self.byte_size = name, key, fd, offset, byte_size
+        self.users = 0
+        self.unregistered = False
+
+    @property
+    def status(self) -> RegionStatus:
+        return RegionStatus(self.name, self.key, self.offset, self.byte_size)
+
+    def check(self, placement: Placement, where: str) -> None:
+        """The tensor's window lies inside the registered one (no read or write past it, whatever the sum)."""
+        end = placement.offset + placement.byte_size  # Python integers: no overflow
+        if end > self.byte_size:
+            raise invalid(
+                f"{where}: shared memory offset {placement.offset} + byte size {placement.byte_size} = {end} runs past "
+                f"the end of region '{self.name}' ({self.byte_size} bytes registered)"
+            )
+
+    def read(self, placement: Placement, where: str) -> np.ndarray:
+        """The window's bytes, copied into a new array; refused if the object was truncated under it."""
+        self.check(placement, where)
+        out = np.empty(placement.byte_size, dtype=np.uint8)
+        view, at = memoryview(out), self.offset + placement.offset
+        done = 0
+        while done < len(view):
+            got = os.preadv(self.fd, [view[done : done + READ_STEP]], at + done)
+            if got == 0:
+                raise self._truncated(where, at + placement.byte_size)
+            done += got
+        return out
+
+    def write(self, placement: Placement, data: memoryview, where: str) -> None:
+        """``data`` into the window (which must hold it); refused if the object was truncated under it."""
+        self.check(placement, where)
+        if len(data) > placement.byte_size:
+            raise invalid(
+                f"{where}: {len(data)} bytes to write, but its shared memory byte size is {placement.byte_size}"
+            )
+        at = self.offset + placement.offset
+        # Checked first, since pwrite past the end would grow the object back instead of failing; a client
+        # truncating between the check and the write gets its object regrown by at most this window.
+        if os.fstat(self.fd).st_size < at + len(data):
+            raise self._truncated(where, at + len(data))
+        done = 0
+        while done < len(data):
+            done += os.pwritev(self.fd, [data[done : done + READ_STEP]], at + done)
+
+    def _truncated(self, where: str, needed: int) -> RequestError:
+        size = os.fstat(self.fd).st_size
+        return invalid(
+            f"{where}: shared memory region '{self.name}' (key '{self.key}') now holds {size} bytes, fewer than "
+            f"the {needed} this tensor needs: the object was truncated after it was registered"
+        )
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class SharedMemoryRegistry:
+    """The registered regions of one server: register, status, unregister, and the regions a request uses
+    (``use``/``done``), within ``max_regions`` regions and ``max_bytes`` registered bytes. ``allowed`` False:
+    every call is refused, saying how to turn it on. Event loop only (reads and writes may run elsewhere: a
+    region in use is never closed)."""
+
+    def __init__(self, allowed: bool, max_regions: int, max_bytes: int, shm_dir: str = SHM_DIR):
+        self.allowed = allowed
+        self.max_regions = max_regions
+        self.max_bytes = max_bytes
+        self.shm_dir = shm_dir
+        self._regions: dict[str, Region] = {}
+
+    def _check_allowed(self) -> None:
+        if not self.allowed:
+            raise RequestError(
+                ErrorKind.FAILED_PRECONDITION,
+                "client shared memory is off on this server; start it with --allow-client-shm true to register and "
+                "use system shared-memory regions",
+            )
+
+    def register(self, name: str, key: str, offset, byte_size) -> None:
+        self._check_allowed()
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise invalid(f"shared memory region name {name!r}: expected 1 to 128 letters, digits or any of '_.-:'")
+        if name in self._regions:
+            raise RequestError(
+                ErrorKind.ALREADY_EXISTS,
+                f"shared memory region '{name}' is already registered; unregister it first, or pick another name",
+            )
+        for what, value in (("offset", offset), ("byte_size", byte_size)):
+            if type(value) is not int or not 0 <= value <= LARGEST:
+                raise invalid(f"shared memory region '{name}': {what} {value!r}, expected an integer from 0 to 2^63-1")
+        if byte_size == 0:
+            raise invalid(f"shared memory region '{name}': byte_size 0, expected at least 1")
+        if len(self._regions) >= self.max_regions:
+            raise RequestError(
+                ErrorKind.RESOURCE_EXHAUSTED,
+                f"shared memory region '{name}': {len(self._regions)} regions are registered, the limit "
+                f"--client-shm-max-regions={self.max_regions}; unregister one first",
+            )
+        registered = sum(region.byte_size for region in self._regions.values())
+        if registered + byte_size > self.max_bytes:
+            raise RequestError(
+                ErrorKind.RESOURCE_EXHAUSTED,
+                f"shared memory region '{name}': {byte_size} bytes more than the {registered} registered would pass "
+                f"the limit --client-shm-max-bytes={self.max_bytes}",
+            )
+        fd = self._open(name, key)
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise invalid(f"shared memory region '{name}': key '{key}' is not a shared-memory object")
+            if offset + byte_size > info.st_size:
+                raise invalid(
+                    f"shared memory region '{name}': offset {offset} + byte_size {byte_size} = {offset + byte_size} "
+                    f"runs past the end of key '{key}' ({info.st_size} bytes)"
+                )
+        except BaseException:
+            os.close(fd)
+            raise
+        self._regions[name] = Region(name, key, fd, offset, byte_size)
+
+    def _open(self, name: str, key) -> int:
+        match = _KEY.fullmatch(key) if isinstance(key, str) else None
+        if match is None or match.group(1) in (".", ".."):
+            raise invalid(
+                f"shared memory region '{name}': key {key!r} is not a POSIX shared-memory name (one leading '/' at "
+                "most, then letters, digits or '_.-'); regions are objects in /dev/shm, never other files"
+            )
+        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
+        try:
+            return os.open(os.path.join(self.shm_dir, match.group(1)), flags)
+        except FileNotFoundError:
+            raise invalid(f"shared memory region '{name}': no shared-memory object with key '{key}'") from None
+        except OSError as error:  # EACCES, ELOOP (a link), ...
+            raise invalid(
+                f"shared memory region '{name}': cannot open key '{key}' for reading and writing with the server's "
+                f"permissions: {error.strerror}"
+            ) from None
+
+    def status(self, name: str = "") -> list[RegionStatus]:
+        """Region ``name`` (NOT_FOUND if not registered), or every region if empty."""
+        self._check_allowed()
+        if not name:
+            return [region.status for region in self._regions.values()]
+        if name not in self._regions:
+            raise RequestError(ErrorKind.NOT_FOUND, f"no shared memory region '{name}' is registered")
+        return [self._regions[name].status]
+
+    def unregister(self, name: str = "") -> None:
+        """Forget region ``name`` (every region if empty; a name not registered: nothing to do, as in Triton). One
+        in use stays open until its requests are done."""
+        self._check_allowed()
+        for each in [name] if name else list(self._regions):
+            region = self._regions.pop(each, None)
+            if region is not None:
+                region.unregistered = True
+                if region.users == 0:
+                    region.close()
+
+    def use(self, placements: dict[str, Placement]) -> dict[str, Region]:
+        """The regions (by name) that ``placements`` (tensor description -> placement) name, each window
+        checked, held open until ``done`` even if unregistered meanwhile; the whole set or nothing."""
+        self._check_allowed()
+        regions = {}
+        for where, placement in placements.items():
+            region = self._regions.get(placement.region)
+            if region is None:
+                raise invalid(f"{where}: unknown shared memory region '{placement.region}'; register it first")
+            region.check(placement, where)
+            regions[region.name] = region
+        for region in regions.values():
+            region.users += 1
+        return regions
+
+    def done(self, regions: dict[str, Region]) -> None:
+        for region in regions.values():
+            region.users -= 1
+            if region.users == 0 and region.unregistered:
+                region.close()
+
+    def cuda_status(self, name: str = "") -> list:
+        """CUDA regions: none is ever registered (``cuda_refused``)."""
+        self._check_allowed()
+        if name:
+            raise RequestError(ErrorKind.NOT_FOUND, f"no CUDA shared memory region '{name}' is registered")
+        return []
+
+    def cuda_refused(self) -> RequestError:
+        """What a CUDA shared-memory registration is answered."""
+        return RequestError(
+            ErrorKind.UNIMPLEMENTED,
+            "CUDA shared memory is not offered by this server: ONNX Runtime's Python API takes inputs and outputs in "
+            "device memory only through its own allocations (IOBinding), not through another process's cudaIpc "
+            "handle; use system shared memory (--allow-client-shm true)",
+        )
+
+    def close(self) -> None:
+        """The server stops: every region is closed (requests are over by then)."""
+        for region in self._regions.values():
+            region.close()
+        self._regions.clear()
