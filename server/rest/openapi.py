@@ -56,7 +56,11 @@ MODEL = ("name", "version")
 
 
 def _parameters(*names: str) -> list[dict]:
-    described = {"name": "the model's name", "version": "the model's version (a positive integer)"}
+    described = {
+        "name": "the model's name",
+        "version": "the model's version (a positive integer)",
+        "region": "the shared-memory region's name",
+    }
     return [{"name": n, "in": "path", "required": True, "schema": {"type": "string"}, "description": described[n]}
             for n in names]  # fmt: skip
 
@@ -131,6 +135,40 @@ def _model_paths(prefix: str, path_parameters: tuple[str, ...]) -> dict:
             }
         },
     }
+
+
+def _shared_memory_paths(kind: str) -> dict:
+    """Triton's system (or CUDA) shared-memory extension's routes."""
+    prefix, region = f"/v2/{kind}sharedmemory", f"/v2/{kind}sharedmemory/region/{{region}}"
+    system = kind == "system"
+    listed = {"type": "array", "items": _ref("SystemSharedMemoryRegion") if system else {"type": "object"}}
+    off = " (400 while the server runs without --allow-client-shm true)"
+    status = {"200": _json(listed, "the regions"), **_errors(400, 404, *COMMON)}
+    done = {"200": {"description": "unregistered (a name not registered: nothing to do)"}, **_errors(400, *COMMON)}
+    tags = ["shared memory"]
+    register = {
+        "summary": "Register a region: a window of a POSIX shared-memory object" + off
+        if system
+        else "Refused (501): this server offers system shared memory only",
+        "tags": tags,
+        "parameters": _parameters("region"),
+        "requestBody": {
+            "required": True,
+            "content": {JSON: {"schema": _ref("SystemSharedMemoryRegister") if system else {"type": "object"}}},
+        },
+        "responses": {"200": {"description": "registered"}, **_errors(400, 409, 429, 501, *COMMON)},
+    }
+    return {
+        prefix + "/status": {"get": {"summary": f"Every registered {kind} region" + off, "tags": tags,
+                                     "responses": status}},
+        region + "/status": {"get": {"summary": f"One registered {kind} region", "tags": tags,
+                                     "parameters": _parameters("region"), "responses": status}},
+        region + "/register": {"post": register},
+        prefix + "/unregister": {"post": {"summary": f"Unregister every {kind} region", "tags": tags,
+                                          "responses": done}},
+        region + "/unregister": {"post": {"summary": f"Unregister one {kind} region; requests using it finish first",
+                                          "tags": tags, "parameters": _parameters("region"), "responses": done}},
+    }  # fmt: skip
 
 
 def document() -> dict:
@@ -235,6 +273,25 @@ def document() -> dict:
                 "version": {"type": "string"},
                 "state": {"type": "string"},
                 "reason": {"type": "string"},
+            },
+        },
+        "SystemSharedMemoryRegion": {
+            "type": "object",
+            "required": ["name", "key", "offset", "byte_size"],
+            "properties": {
+                "name": {"type": "string"},
+                "key": {"type": "string", "description": "the POSIX shared-memory object's name (in /dev/shm)"},
+                "offset": {"type": "integer", "minimum": 0},
+                "byte_size": {"type": "integer", "minimum": 1},
+            },
+        },
+        "SystemSharedMemoryRegister": {
+            "type": "object",
+            "required": ["key", "byte_size"],
+            "properties": {
+                "key": {"type": "string", "description": "the object's name as shm_open takes it: '/name'"},
+                "offset": {"type": "integer", "minimum": 0, "description": "where the region starts in the object"},
+                "byte_size": {"type": "integer", "minimum": 1},
             },
         },
         "TraceSettings": {
@@ -345,6 +402,8 @@ def document() -> dict:
                 "responses": trace_responses,
             },
         },
+        **_shared_memory_paths("system"),
+        **_shared_memory_paths("cuda"),
         **_model_paths("/v2/models/{name}", ("name",)),
         **_model_paths("/v2/models/{name}/versions/{version}", MODEL),
     }

@@ -18,14 +18,17 @@ import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import np_to_triton_dtype, triton_to_np_dtype
 
 TOKEN = os.environ.get("TRITON_TOKEN")
-HEADERS = {"Authorization": f"Bearer {TOKEN}"} if TOKEN else None
+HEADERS = None
 
 
 def main(protocol, url, path_in, path_out, outputs="output,attn_weights"):
+    global HEADERS
     if protocol == "grpc":
         import tritonclient.grpc as module
     else:
         import tritonclient.http as module
+    if TOKEN:  # gRPC metadata keys are lower case
+        HEADERS = {("authorization" if protocol == "grpc" else "Authorization"): f"Bearer {TOKEN}"}
     client = module.InferenceServerClient(url)
     data = np.load(path_in)
     grouped = {}
@@ -41,7 +44,7 @@ def main(protocol, url, path_in, path_out, outputs="output,attn_weights"):
             tensor.set_data_from_numpy(array)
             socket_inputs.append(tensor)
         socket = client.infer(
-            "mha", socket_inputs, outputs=[module.InferRequestedOutput(n) for n in names], headers=HEADERS
+            "mha", socket_inputs, outputs=[module.InferRequestedOutput(n) for n in names], headers=headers()
         )
         results.update({f"{case}_{name}_socket": socket.as_numpy(name) for name in names})
         sizes = {name: socket.as_numpy(name).nbytes for name in names}
@@ -51,9 +54,9 @@ def main(protocol, url, path_in, path_out, outputs="output,attn_weights"):
         out_region = shm.create_shared_memory_region(f"{case}_out", out_key, out_size)
         try:
             shm.set_shared_memory_region(in_region, list(arrays.values()))
-            client.register_system_shared_memory(f"{case}_in", in_key, in_size, headers=HEADERS)
-            client.register_system_shared_memory(f"{case}_out", out_key, out_size, headers=HEADERS)
-            statuses[case] = client.get_system_shared_memory_status(headers=HEADERS, **as_json(protocol))
+            client.register_system_shared_memory(f"{case}_in", in_key, in_size, headers=headers())
+            client.register_system_shared_memory(f"{case}_out", out_key, out_size, headers=headers())
+            statuses[case] = client.get_system_shared_memory_status(headers=headers(), **as_json(protocol))
             inputs, offset = [], 0
             for name, array in arrays.items():
                 tensor = module.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
@@ -67,7 +70,7 @@ def main(protocol, url, path_in, path_out, outputs="output,attn_weights"):
                 requested.append(output)
                 offsets[name] = offset
                 offset += sizes[name]
-            result = client.infer("mha", inputs, outputs=requested, headers=HEADERS)
+            result = client.infer("mha", inputs, outputs=requested, headers=headers())
             for name in names:
                 answered = result.get_output(name)
                 shape = list(answered.shape if protocol == "grpc" else answered["shape"])
@@ -75,13 +78,18 @@ def main(protocol, url, path_in, path_out, outputs="output,attn_weights"):
                 array = shm.get_contents_as_numpy(out_region, triton_to_np_dtype(datatype), shape, offsets[name])
                 results[f"{case}_{name}_shm"] = array.copy()
         finally:
-            client.unregister_system_shared_memory(headers=HEADERS)
+            client.unregister_system_shared_memory(headers=headers())
             shm.destroy_shared_memory_region(in_region)
             shm.destroy_shared_memory_region(out_region)
-    after = client.get_system_shared_memory_status(headers=HEADERS, **as_json(protocol))
+    after = client.get_system_shared_memory_status(headers=headers(), **as_json(protocol))
     results["status"] = np.array(json.dumps(statuses))
     results["status_after"] = np.array(json.dumps(after))
     np.savez(path_out, **results)
+
+
+def headers():
+    """A fresh dict each call: tritonclient.http adds Inference-Header-Content-Length to the one it is given."""
+    return dict(HEADERS) if HEADERS else None
 
 
 def as_json(protocol):

@@ -1,0 +1,318 @@
+"""Triton's system shared-memory extension: tritonclient (grpc and http, with tritonclient.utils.shared_memory)
+unchanged against a real server, answers bit-equal to the socket path; every bad registration and use refused
+with a status naming what is wrong; a region truncated under the server; unregistering under load."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from multiprocessing import shared_memory
+
+import grpc
+import numpy as np
+import pytest
+
+from mhaserve.protos.generated import grpc_service_pb2 as pb
+from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
+from tests.support import CLIENT_SCRIPTS, SMALL_D_MODEL, TEST_SERVER_ARGS, rand
+
+D = SMALL_D_MODEL
+TOKEN = "shm-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+SHM_ARGS = ("--allow-client-shm", "true")
+
+
+@pytest.fixture
+def region(request):
+    """A POSIX shared-memory object of the given size, removed when the test ends: ``region(size) -> (key, shm)``."""
+    made = []
+
+    def make(size: int):
+        key = f"mhaserve_test_{os.getpid()}_{len(made)}"
+        shm = shared_memory.SharedMemory(key, create=True, size=size)
+        made.append(shm)
+        return "/" + key, shm
+
+    yield make
+    for shm in made:
+        shm.close()
+        try:
+            shm.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def http(server, method: str, path: str, document=None, headers=AUTH) -> tuple[int, dict]:
+    body = None if document is None else json.dumps(document).encode()
+    request = urllib.request.Request(server.http_url + path, data=body, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            raw = response.read()
+            return response.status, json.loads(raw) if raw else {}
+    except urllib.error.HTTPError as error:
+        raw = error.read()
+        return error.code, json.loads(raw) if raw else {}
+
+
+def register(server, name: str, key, byte_size, offset=0, headers=AUTH):
+    return http(
+        server, "POST", f"/v2/systemsharedmemory/region/{name}/register",
+        {"key": key, "offset": offset, "byte_size": byte_size}, headers,
+    )  # fmt: skip
+
+
+def shm_input(name, shape, region, byte_size, offset=0, datatype="FP32"):
+    parameters = {"shared_memory_region": region, "shared_memory_byte_size": byte_size, "shared_memory_offset": offset}
+    return {"name": name, "shape": list(shape), "datatype": datatype, "parameters": parameters}
+
+
+def shm_output(name, region, byte_size, offset=0):
+    parameters = {"shared_memory_region": region, "shared_memory_byte_size": byte_size, "shared_memory_offset": offset}
+    return {"name": name, "parameters": parameters}
+
+
+def infer(server, inputs, outputs=(), headers=AUTH):
+    return http(server, "POST", "/v2/models/mha/infer", {"inputs": inputs, "outputs": list(outputs)}, headers)
+
+
+def socket_answer(server, query) -> np.ndarray:
+    status, answer = infer(server, [{"name": "query", "shape": list(query.shape), "datatype": "FP32",
+                                     "data": query.ravel().tolist()}], [{"name": "output"}])  # fmt: skip
+    assert status == 200, answer
+    return np.asarray(answer["outputs"][0]["data"], dtype=np.float32).reshape(query.shape)
+
+
+@pytest.fixture(scope="module")
+def shm_server(small_model_dir):
+    from mhaserve.testing.server_process import ServerProcess
+
+    args = (*TEST_SERVER_ARGS, *SHM_ARGS, "--client-shm-max-regions", "6", "--client-shm-max-bytes", str(64 << 20))
+    with ServerProcess(small_model_dir, *args, env={"MHASERVE_AUTH_TOKEN": TOKEN}) as process:
+        yield process
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_tritonclient_inputs_and_outputs_in_shared_memory_equal_the_socket_path(shm_server, tmp_path, protocol):
+    rng = np.random.default_rng(5)
+    cases = {
+        "self": {"query": rng.standard_normal((2, 7, D), dtype=np.float32)},
+        "cross": {
+            "query": rng.standard_normal((2, 3, D), dtype=np.float32),
+            "key": rng.standard_normal((2, 5, D), dtype=np.float32),
+            "value": rng.standard_normal((2, 5, D), dtype=np.float32),
+            "mask": np.array([[1, 1, 0, 0, 1], [1, 1, 1, 1, 1]], dtype=bool),
+        },
+    }
+    path_in, path_out = tmp_path / "in.npz", tmp_path / "out.npz"
+    np.savez(path_in, **{f"{case}_{name}": a for case, arrays in cases.items() for name, a in arrays.items()})
+    url = shm_server.url if protocol == "grpc" else shm_server.http_url.removeprefix("http://")
+    done = subprocess.run(
+        [sys.executable, str(CLIENT_SCRIPTS / "triton_shm.py"), protocol, url, str(path_in), str(path_out)],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "TRITON_TOKEN": TOKEN},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    results = np.load(path_out)
+    for case in cases:
+        for output in ("output", "attn_weights"):
+            from_shm, from_socket = results[f"{case}_{output}_shm"], results[f"{case}_{output}_socket"]
+            assert from_shm.shape == from_socket.shape and np.array_equal(from_shm, from_socket), (case, output)
+    listed = json.loads(str(results["status"]))["cross"]
+    regions = listed["regions"].values() if protocol == "grpc" else listed
+    assert sorted(r["name"] for r in regions) == ["cross_in", "cross_out"]
+    assert json.loads(str(results["status_after"])) in ({}, [])
+
+
+def test_the_extension_is_off_unless_allowed_and_listed_only_when_on(server, shm_server):
+    status, answer = register(server, "r", "/anything", 16, headers={})
+    assert status == 400 and "--allow-client-shm true" in answer["error"]
+    query = rand(1, 2, D)
+    status, answer = infer(server, [shm_input("query", query.shape, "r", query.nbytes)], headers={})
+    assert status == 400 and "--allow-client-shm" in answer["error"]
+    assert "system_shared_memory" not in http(server, "GET", "/v2", headers={})[1]["extensions"]
+    assert "system_shared_memory" in http(shm_server, "GET", "/v2")[1]["extensions"]
+
+
+def test_bad_registrations_are_refused_naming_what_is_wrong(shm_server, region, tmp_path):
+    key, _ = region(4096)
+    link = f"/dev/shm/mhaserve_test_link_{os.getpid()}"
+    os.symlink(tmp_path / "elsewhere", link)
+    (tmp_path / "elsewhere").write_bytes(b"x" * 4096)
+    try:
+        refused = {
+            "path": register(shm_server, "a", "/../../etc/hostname", 16),
+            "slash": register(shm_server, "a", "/tmp/file", 16),
+            "link": register(shm_server, "a", "/" + os.path.basename(link), 16),
+            "missing": register(shm_server, "a", "/mhaserve_test_no_such_key", 16),
+            "too_long": register(shm_server, "a", key, 4096, offset=1),
+            "empty": register(shm_server, "a", key, 0),
+            "negative": register(shm_server, "a", key, -1),
+            "huge": register(shm_server, "a", key, 2**64),
+            "key_type": register(shm_server, "a", 7, 16),
+        }
+    finally:
+        os.unlink(link)
+    assert {case: status for case, (status, _) in refused.items()} == dict.fromkeys(refused, 400)
+    messages = {case: answer["error"] for case, (_, answer) in refused.items()}
+    assert "not a POSIX shared-memory name" in messages["path"] and "not a POSIX" in messages["slash"]
+    assert "cannot open key" in messages["link"]
+    assert "no shared-memory object with key '/mhaserve_test_no_such_key'" in messages["missing"]
+    assert "offset 1 + byte_size 4096 = 4097 runs past the end" in messages["too_long"]
+    assert "byte_size 0" in messages["empty"] and "byte_size -1" in messages["negative"]
+    assert "2^63-1" in messages["huge"] and "key 7" in messages["key_type"]
+    assert http(shm_server, "GET", "/v2/systemsharedmemory/status")[1] == []
+
+    assert register(shm_server, "taken", key, 16)[0] == 200
+    status, answer = register(shm_server, "taken", key, 16)
+    assert status == 409 and "'taken' is already registered" in answer["error"]
+    assert register(shm_server, "other", key, 16, headers={})[0] == 401
+    status, answer = register(shm_server, "big", key, 4096)
+    assert status == 200, answer  # 16 + 4096 bytes registered: within 64 MiB
+    for number in range(4):
+        assert register(shm_server, f"more{number}", key, 16)[0] == 200
+    status, answer = register(shm_server, "seventh", key, 16)
+    assert status == 429 and "--client-shm-max-regions=6" in answer["error"]
+    assert http(shm_server, "POST", "/v2/systemsharedmemory/unregister", headers={})[0] == 401
+    assert http(shm_server, "POST", "/v2/systemsharedmemory/unregister")[0] == 200
+    assert http(shm_server, "GET", "/v2/systemsharedmemory/region/taken/status")[0] == 404
+    assert http(shm_server, "POST", "/v2/systemsharedmemory/region/never/unregister")[0] == 200  # as Triton
+    large_key, _ = region(65 << 20)  # sparse: nothing is allocated
+    status, answer = register(shm_server, "large", large_key, 65 << 20)
+    assert status == 429 and f"--client-shm-max-bytes={64 << 20}" in answer["error"]
+
+    with grpc.insecure_channel(shm_server.url) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        metadata = (("authorization", f"Bearer {TOKEN}"),)
+        with pytest.raises(grpc.RpcError) as refusal:
+            stub.SystemSharedMemoryRegister(pb.SystemSharedMemoryRegisterRequest(name="a", key="/x/y", byte_size=1),
+                                            metadata=metadata)  # fmt: skip
+        assert refusal.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "/x/y" in refusal.value.details()
+        with pytest.raises(grpc.RpcError) as refusal:
+            stub.SystemSharedMemoryStatus(pb.SystemSharedMemoryStatusRequest())
+        assert refusal.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as refusal:
+            stub.CudaSharedMemoryRegister(pb.CudaSharedMemoryRegisterRequest(name="c", byte_size=4), metadata=metadata)
+        assert (
+            refusal.value.code() == grpc.StatusCode.UNIMPLEMENTED and "system shared memory" in refusal.value.details()
+        )
+    status, answer = http(shm_server, "POST", "/v2/cudasharedmemory/region/c/register", {"raw_handle": {"b64": ""}})
+    assert status == 501 and "CUDA shared memory is not offered" in answer["error"]
+    assert http(shm_server, "GET", "/v2/cudasharedmemory/status") == (200, [])
+
+
+def test_bad_uses_are_refused_naming_the_tensor_and_the_region(shm_server, region):
+    query = rand(1, 4, D, seed=2)
+    key, shm = region(query.nbytes + 64)
+    shm.buf[: query.nbytes] = query.tobytes()
+    assert register(shm_server, "uses", key, query.nbytes + 64)[0] == 200
+    try:
+        size = query.nbytes
+        cases = {
+            "unknown": ([shm_input("query", query.shape, "nope", size)], []),
+            "past_window": ([shm_input("query", query.shape, "uses", size, offset=65)], []),
+            "wrong_size": ([shm_input("query", query.shape, "uses", size - 4)], []),
+            "both": ([{**shm_input("query", query.shape, "uses", size), "data": [0.0]}], []),
+            "half": (
+                [
+                    {
+                        "name": "query",
+                        "shape": [1, 4, D],
+                        "datatype": "FP32",
+                        "parameters": {"shared_memory_byte_size": size},
+                    }
+                ],
+                [],
+            ),  # fmt: skip
+            "output_small": ([shm_input("query", query.shape, "uses", size)], [shm_output("output", "uses", 8)]),
+            "output_past": ([shm_input("query", query.shape, "uses", size)], [shm_output("output", "uses", size, 65)]),
+        }
+        answers = {case: infer(shm_server, *request) for case, request in cases.items()}
+        assert {case: status for case, (status, _) in answers.items()} == dict.fromkeys(cases, 400), answers
+        messages = {case: answer["error"] for case, (_, answer) in answers.items()}
+        assert "input 'query': unknown shared memory region 'nope'" in messages["unknown"]
+        assert (
+            f"offset 65 + byte size {size} = {size + 65} runs past the end of region 'uses'" in messages["past_window"]
+        )
+        assert f"shared_memory_byte_size {size - 4}, expected {size}" in messages["wrong_size"]
+        assert "input 'query': has data and a shared memory region" in messages["both"]
+        assert "'shared_memory_byte_size' without 'shared_memory_region'" in messages["half"]
+        assert (
+            f"output 'output': {size} bytes to write, but its shared memory byte size is 8" in messages["output_small"]
+        )
+        assert "output 'output': shared memory offset 65" in messages["output_past"]
+        # And a good one beside them: input and output in the same region, at different offsets.
+        status, answer = infer(shm_server, [shm_input("query", query.shape, "uses", size)],
+                               [shm_output("output", "uses", size, 0)])  # fmt: skip
+        assert status == 200 and "data" not in answer["outputs"][0], answer
+        written = np.frombuffer(shm.buf[:size], dtype=np.float32).reshape(query.shape)
+        assert np.array_equal(written, socket_answer(shm_server, query))
+    finally:
+        http(shm_server, "POST", "/v2/systemsharedmemory/region/uses/unregister")
+
+
+def test_a_region_truncated_under_the_server_is_refused_and_the_server_keeps_serving(shm_server, region):
+    query = rand(2, 8, D, seed=3)
+    key, shm = region(2 * query.nbytes)
+    shm.buf[: query.nbytes] = query.tobytes()
+    assert register(shm_server, "shrinks", key, 2 * query.nbytes)[0] == 200
+    try:
+        os.truncate(f"/dev/shm/{key[1:]}", query.nbytes // 2)  # the client shrinks its object
+        status, answer = infer(shm_server, [shm_input("query", query.shape, "shrinks", query.nbytes)])
+        assert status == 400 and "was truncated after it was registered" in answer["error"], answer
+        os.truncate(f"/dev/shm/{key[1:]}", query.nbytes)  # inputs fit again; the output window does not
+        output = [shm_output("output", "shrinks", query.nbytes, offset=query.nbytes)]
+        status, answer = infer(shm_server, [shm_input("query", query.shape, "shrinks", query.nbytes)], output)
+        assert status == 400 and "output 'output'" in answer["error"] and "truncated" in answer["error"], answer
+        assert os.stat(f"/dev/shm/{key[1:]}").st_size == query.nbytes  # not grown back by the server
+        assert shm_server.proc.poll() is None
+        assert socket_answer(shm_server, query).shape == query.shape
+    finally:
+        http(shm_server, "POST", "/v2/systemsharedmemory/region/shrinks/unregister")
+
+
+def test_unregistering_under_load_loses_nothing_and_frees_the_region_once_its_requests_end(shm_server, region):
+    calls, length = 24, 64
+    queries = [rand(1, length, D, seed=100 + n) for n in range(calls)]
+    size = queries[0].nbytes
+    key, shm = region(2 * calls * size)
+    for n, query in enumerate(queries):
+        shm.buf[n * size : (n + 1) * size] = query.tobytes()
+    expected = [socket_answer(shm_server, query) for query in queries]
+    assert register(shm_server, "busy", key, 2 * calls * size)[0] == 200
+    unregistered_at = []
+    answered_at = [None] * calls
+
+    def call(n: int):
+        answer = infer(
+            shm_server,
+            [shm_input("query", queries[n].shape, "busy", size, offset=n * size)],
+            [shm_output("output", "busy", size, offset=(calls + n) * size)],
+        )
+        answered_at[n] = time.monotonic()
+        return answer
+
+    with concurrent.futures.ThreadPoolExecutor(calls) as pool:
+        futures = [pool.submit(call, n) for n in range(calls)]
+        while not any(f.done() for f in futures):
+            time.sleep(0.001)
+        assert http(shm_server, "POST", "/v2/systemsharedmemory/region/busy/unregister")[0] == 200
+        unregistered_at.append(time.monotonic())
+        answers = [f.result() for f in futures]
+
+    ok = [n for n, (status, _) in enumerate(answers) if status == 200]
+    refused = [n for n, (status, answer) in enumerate(answers) if status != 200]
+    for n in refused:
+        assert answers[n] == (400, {"error": "input 'query': unknown shared memory region 'busy'; register it first"})
+    for n in ok:
+        written = np.frombuffer(shm.buf[(calls + n) * size : (calls + n + 1) * size], dtype=np.float32)
+        assert np.array_equal(written.reshape(queries[n].shape), expected[n]), n
+    assert any(answered_at[n] > unregistered_at[0] for n in ok), "no request was still running at the unregister"
+    links = [
+        os.readlink(f"/proc/{shm_server.proc.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{shm_server.proc.pid}/fd")
+    ]
+    assert not [link for link in links if key[1:] in link], "the region is still open after its requests ended"
