@@ -6,19 +6,23 @@ from __future__ import annotations
 import csv
 import os
 import subprocess
+import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.support import ROOT, SMALL_D_MODEL
+from tests.support import ROOT, SMALL_D_MODEL, TEST_SERVER_ARGS
 
 D = SMALL_D_MODEL
 RUN = Path(os.environ.get("PERF_ANALYZER", ROOT / ".tools/perf_analyzer/run"))
 
 
 @pytest.mark.skipif(not RUN.exists(), reason=f"perf_analyzer is not installed at {RUN}")
+@pytest.mark.parametrize("shared_memory", ["none", "system"])
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
-def test_perf_analyzer_measures_the_server(server, tmp_path, protocol):
+def test_perf_analyzer_measures_the_server(server, start_server, small_model_dir, tmp_path, protocol, shared_memory):
+    if shared_memory == "system":  # inputs and outputs in regions it registers, then unregisters
+        server = start_server(small_model_dir, *TEST_SERVER_ARGS, "--allow-client-shm", "true")
     report = tmp_path / "pa.csv"
     url = server.url if protocol == "grpc" else server.http_url.removeprefix("http://")
     command = [
@@ -27,6 +31,7 @@ def test_perf_analyzer_measures_the_server(server, tmp_path, protocol):
         "--input-data", "zero",
         "--shape", f"query:1,16,{D}", "--shape", f"key:1,16,{D}", "--shape", f"value:1,16,{D}",
         "--shape", "mask:1,16,16",
+        "--shared-memory", shared_memory,
         "--concurrency-range", "1:2", "--measurement-interval", "1000", "-f", str(report),
         # This checks behaviour, not speed: on a shared 2-core box windows vary by more than its default
         # 10%, and it then gives up ("Failed to obtain stable measurement"). Accept any variation.
@@ -39,3 +44,5 @@ def test_perf_analyzer_measures_the_server(server, tmp_path, protocol):
     assert concurrencies == [1, 2], done.stdout[-3000:] + done.stderr[-3000:]
     assert all(float(r["Inferences/Second"]) > 0 for r in rows)
     assert "Server side statistics" not in done.stderr
+    if shared_memory == "system":
+        assert urllib.request.urlopen(server.http_url + "/v2/systemsharedmemory/status").read() == b"[]"
