@@ -62,6 +62,8 @@ def model_config(served: ServedModel) -> dict:
             for t in output_specs(s.d_model, s.num_heads, s.precision)
         ],
         "default_model_filename": "model.onnx",
+        # What a client sizing buffers for the weights needs (a shared-memory window): the heads dim is -1 above.
+        "parameters": {"d_model": {"string_value": str(s.d_model)}, "num_heads": {"string_value": str(s.num_heads)}},
     }
 
 

@@ -10,8 +10,9 @@ lives in ``common``.
 from .common import TLS, InferResult, RequestFailed, WeightsOptions, read_token
 from .grpc import DEFAULT_RETRY, NO_RETRIES, AsyncClient, Client, RetryPolicy
 from .http import HttpClient, HttpRequestFailed
+from .shared_memory import SharedMemoryRegions
 
 __all__ = [
     "DEFAULT_RETRY", "NO_RETRIES", "TLS", "AsyncClient", "Client", "HttpClient", "HttpRequestFailed", "InferResult",
-    "RequestFailed", "RetryPolicy", "WeightsOptions", "read_token",
+    "RequestFailed", "RetryPolicy", "SharedMemoryRegions", "WeightsOptions", "read_token",
 ]  # fmt: skip

@@ -32,6 +32,7 @@ from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
 
 from .common import TLS, InferResult, RequestFailed, WeightsOptions, request_inputs, requested_outputs
+from .shared_memory import SharedMemoryRegions
 
 # Large enough for any response of the server's default limits (32 x 512 x 512 with weights);
 # gRPC's own default of 4 MiB fails at [1, 512, 512] with weights.
@@ -145,18 +146,32 @@ def build_infer_request(
     attn_weights_mean: bool = False,
     version: str = "",
     weights: WeightsOptions | None = None,
+    shared_memory: SharedMemoryRegions | None = None,
+    num_heads: int = 0,
 ) -> pb.ModelInferRequest:
-    """One ModelInferRequest with every input as raw bytes (query, key, value FP32; mask as given).
+    """One ModelInferRequest with every input as raw bytes (query, key, value FP32; mask as given), or written
+    into ``shared_memory``'s input region, the outputs then asked into its output region (sized for a model of
+    ``num_heads`` heads).
 
     It asks for the output, the weights of every head unless ``attn_weights`` is false, their mean over heads
     when ``attn_weights_mean`` is true, shaped as ``weights`` says; ``version`` empty: the newest ready version.
     """
     request = pb.ModelInferRequest(model_name=model, model_version=version, id=request_id)
-    for name, array in request_inputs(query, key, value, mask):
-        request.inputs.add(name=name, datatype=datatype_of(array), shape=array.shape)
-        request.raw_input_contents.append(array.tobytes())
-    for name in requested_outputs(attn_weights, attn_weights_mean, weights):
-        request.outputs.add(name=name)
+    inputs = request_inputs(query, key, value, mask)
+    outputs = requested_outputs(attn_weights, attn_weights_mean, weights)
+    if shared_memory is None:
+        for name, array in inputs:
+            request.inputs.add(name=name, datatype=datatype_of(array), shape=array.shape)
+            request.raw_input_contents.append(array.tobytes())
+        for name in outputs:
+            request.outputs.add(name=name)
+    else:
+        in_region, placed, out_region, windows = shared_memory.place_request(inputs, outputs, num_heads)
+        for name, array, offset in placed:
+            tensor = request.inputs.add(name=name, datatype=datatype_of(array), shape=array.shape)
+            _in_shared_memory(tensor.parameters, in_region, offset, array.nbytes)
+        for name in outputs:
+            _in_shared_memory(request.outputs.add(name=name).parameters, out_region, *windows[name])
     for name, value in (weights.parameters() if weights else {}).items():
         parameter = request.parameters[name]
         if isinstance(value, str):
@@ -168,7 +183,19 @@ def build_infer_request(
     return request
 
 
-def parse_infer_response(response: pb.ModelInferResponse) -> InferResult:
+def _in_shared_memory(parameters, region: str, offset: int, size: int) -> None:
+    parameters["shared_memory_region"].string_param = region
+    parameters["shared_memory_offset"].int64_param = offset
+    parameters["shared_memory_byte_size"].int64_param = size
+
+
+def parse_infer_response(
+    response: pb.ModelInferResponse, shared_memory: SharedMemoryRegions | None = None
+) -> InferResult:
+    """The outputs, from the answer or, for a request placed in ``shared_memory``, from its output region."""
+    if shared_memory is not None:
+        described = [(t.name, t.datatype, tuple(t.shape)) for t in response.outputs]
+        return InferResult.from_outputs(shared_memory.read_outputs(described), response.id, response.model_version)
     arrays = {}
     for index, tensor in enumerate(response.outputs):
         dtype = DATATYPES[tensor.datatype]
@@ -200,6 +227,7 @@ class _Connection:
         self._channel = open_channel(url, tls, max_message_bytes, aio=self._aio)
         self._stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
         self._metadata = call_metadata(token, application)
+        self._num_heads: int | None = None
 
     def _traced(self, traceparent: str):
         """The call's metadata with a W3C trace context, if one is given."""
@@ -221,13 +249,40 @@ class Client(_Connection):
         attn_weights_mean=False,
         weights: WeightsOptions | None = None,
         traceparent: str = "",
+        shared_memory: SharedMemoryRegions | None = None,
     ) -> InferResult:
         """``weights``: what to ask of the attention weights (heads, rows, keys, top-k or top-p, precision);
-        ``traceparent``: a W3C trace context, so that the server's span of this call continues the caller's trace."""
+        ``traceparent``: a W3C trace context, so that the server's span of this call continues the caller's trace;
+        ``shared_memory``: regions from ``shared_memory()`` the tensors go through instead of the socket."""
+        heads = self.num_heads(timeout) if shared_memory is not None else 0
         request = build_infer_request(
-            self.model, query, key, value, mask, attn_weights, request_id, attn_weights_mean, self.version, weights
-        )
-        return parse_infer_response(self._call(self._stub.ModelInfer, request, timeout, self._traced(traceparent)))
+            self.model, query, key, value, mask, attn_weights, request_id, attn_weights_mean, self.version, weights,
+            shared_memory, heads,
+        )  # fmt: skip
+        answer = self._call(self._stub.ModelInfer, request, timeout, self._traced(traceparent))
+        return parse_infer_response(answer, shared_memory)
+
+    def num_heads(self, timeout=None) -> int:
+        """The model's heads (from its config's parameters), asked once."""
+        if self._num_heads is None:
+            config = self._call(self._stub.ModelConfig, pb.ModelConfigRequest(name=self.model, version=self.version),
+                                timeout).config  # fmt: skip
+            self._num_heads = int(config.parameters["num_heads"].string_value)
+        return self._num_heads
+
+    def shared_memory(self, name: str | None = None) -> SharedMemoryRegions:
+        """Regions on this host for ``infer(..., shared_memory=...)``: registered with the server when first used,
+        unregistered and removed by their ``close``."""
+
+        def register(region: str, key: str, size: int) -> None:
+            request = pb.SystemSharedMemoryRegisterRequest(name=region, key=key, byte_size=size)
+            self._call(self._stub.SystemSharedMemoryRegister, request, None)
+
+        def unregister(region: str) -> None:
+            request = pb.SystemSharedMemoryUnregisterRequest(name=region)
+            self._call(self._stub.SystemSharedMemoryUnregister, request, None)
+
+        return SharedMemoryRegions(register, unregister, name)
 
     def _call(self, rpc, request, timeout, metadata=None):
         """``rpc(request)`` under the retry policy, every attempt within ``timeout`` in all."""

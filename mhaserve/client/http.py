@@ -19,6 +19,7 @@ import numpy as np
 from mhaserve.contract.datatypes import DATATYPES, datatype_of
 
 from .common import TLS, InferResult, RequestFailed, WeightsOptions, request_inputs, requested_outputs
+from .shared_memory import SharedMemoryRegions
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 # The REST statuses the server answers, by the name of the gRPC status with the same meaning.
@@ -49,29 +50,48 @@ def build_http_infer_body(
     request_id: str = "",
     attn_weights_mean: bool = False,
     weights: WeightsOptions | None = None,
+    shared_memory: SharedMemoryRegions | None = None,
+    num_heads: int = 0,
 ) -> tuple[bytes, dict[str, str]]:
     """An infer request's body and headers: a JSON header, then every input's bytes; outputs asked as binary,
-    the weights shaped as ``weights`` says."""
-    inputs, chunks = [], []
-    for name, array in request_inputs(query, key, value, mask):
-        inputs.append({"name": name, "shape": list(array.shape), "datatype": datatype_of(array),
-                       "parameters": {"binary_data_size": array.nbytes}})  # fmt: skip
-        chunks.append(memoryview(array).cast("B"))
+    the weights shaped as ``weights`` says. With ``shared_memory``, the tensors go through its regions instead
+    (sized for a model of ``num_heads`` heads) and the body is the JSON alone."""
+    inputs, chunks = request_inputs(query, key, value, mask), []
     names = requested_outputs(attn_weights, attn_weights_mean, weights)
-    document = {
-        "id": request_id,
-        "inputs": inputs,
-        "outputs": [{"name": n, "parameters": {"binary_data": True}} for n in names],
-    }
+    if shared_memory is None:
+        described = [{"name": name, "shape": list(array.shape), "datatype": datatype_of(array),
+                      "parameters": {"binary_data_size": array.nbytes}} for name, array in inputs]  # fmt: skip
+        chunks = [memoryview(array).cast("B") for _, array in inputs]
+        outputs = [{"name": n, "parameters": {"binary_data": True}} for n in names]
+    else:
+        in_region, placed, out_region, windows = shared_memory.place_request(inputs, names, num_heads)
+        described = [{"name": name, "shape": list(array.shape), "datatype": datatype_of(array),
+                      "parameters": _in_shared_memory(in_region, offset, array.nbytes)}
+                     for name, array, offset in placed]  # fmt: skip
+        outputs = [{"name": n, "parameters": _in_shared_memory(out_region, *windows[n])} for n in names]
+    document = {"id": request_id, "inputs": described, "outputs": outputs}
     if weights is not None:
         document["parameters"] = weights.parameters()
     header = json.dumps(document).encode()
+    if not chunks:
+        return header, {"Content-Type": "application/json"}
     headers = {HEADER_LENGTH: str(len(header)), "Content-Type": "application/octet-stream"}
     return b"".join([header, *chunks]), headers
 
 
-def parse_http_infer_response(body: bytes, json_length: int | None) -> InferResult:
+def _in_shared_memory(region: str, offset: int, size: int) -> dict:
+    return {"shared_memory_region": region, "shared_memory_offset": offset, "shared_memory_byte_size": size}
+
+
+def parse_http_infer_response(
+    body: bytes, json_length: int | None, shared_memory: SharedMemoryRegions | None = None
+) -> InferResult:
     header = json.loads(body if json_length is None else body[:json_length])
+    if shared_memory is not None:
+        described = [(e["name"], e["datatype"], tuple(e["shape"])) for e in header["outputs"]]
+        return InferResult.from_outputs(
+            shared_memory.read_outputs(described), header.get("id", ""), header.get("model_version", "")
+        )
     offset = json_length or 0
     arrays = {}
     for entry in header["outputs"]:
@@ -105,6 +125,7 @@ class HttpClient:
         self.model, self.version = model, version
         self._context = ssl_context(tls)
         self._auth = {"Authorization": f"Bearer {token}"} if token else {}
+        self._num_heads: int | None = None
 
     @property
     def model_path(self) -> str:
@@ -131,16 +152,36 @@ class HttpClient:
 
     def infer(self, query, key=None, value=None, mask=None, attn_weights=True, timeout=None, request_id="",
               attn_weights_mean=False, weights: WeightsOptions | None = None,
-              traceparent: str = "") -> InferResult:  # fmt: skip
+              traceparent: str = "", shared_memory: SharedMemoryRegions | None = None) -> InferResult:  # fmt: skip
         """As the gRPC client's ``infer``."""
+        heads = self.num_heads(timeout) if shared_memory is not None else 0
         body, headers = build_http_infer_body(
-            query, key, value, mask, attn_weights, request_id, attn_weights_mean, weights
+            query, key, value, mask, attn_weights, request_id, attn_weights_mean, weights, shared_memory, heads
         )
         if traceparent:
             headers["traceparent"] = traceparent
         answer, answer_headers = self._call("POST", self.model_path + "/infer", body, headers, timeout)
         length = answer_headers.get(HEADER_LENGTH)
-        return parse_http_infer_response(answer, int(length) if length is not None else None)
+        return parse_http_infer_response(answer, int(length) if length is not None else None, shared_memory)
+
+    def num_heads(self, timeout=None) -> int:
+        """The model's heads (from its config's parameters), asked once."""
+        if self._num_heads is None:
+            config = json.loads(self._call("GET", self.model_path + "/config", timeout=timeout)[0])
+            self._num_heads = int(config["parameters"]["num_heads"]["string_value"])
+        return self._num_heads
+
+    def shared_memory(self, name: str | None = None) -> SharedMemoryRegions:
+        """As the gRPC client's ``shared_memory``."""
+
+        def register(region: str, key: str, size: int) -> None:
+            body = json.dumps({"key": key, "offset": 0, "byte_size": size}).encode()
+            self._call("POST", f"/v2/systemsharedmemory/region/{region}/register", body)
+
+        def unregister(region: str) -> None:
+            self._call("POST", f"/v2/systemsharedmemory/region/{region}/unregister", b"")
+
+        return SharedMemoryRegions(register, unregister, name)
 
     def metadata(self, timeout=None) -> dict:
         return json.loads(self._call("GET", self.model_path, timeout=timeout)[0])

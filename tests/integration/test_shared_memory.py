@@ -316,3 +316,28 @@ def test_unregistering_under_load_loses_nothing_and_frees_the_region_once_its_re
         os.readlink(f"/proc/{shm_server.proc.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{shm_server.proc.pid}/fd")
     ]
     assert not [link for link in links if key[1:] in link], "the region is still open after its requests ended"
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_the_python_clients_send_tensors_through_shared_memory_and_answer_as_over_the_socket(shm_server, protocol):
+    from mhaserve.client import Client, HttpClient, WeightsOptions
+
+    if protocol == "grpc":
+        client = Client(shm_server.url, token=TOKEN)
+    else:
+        client = HttpClient(shm_server.http_url.removeprefix("http://"), token=TOKEN)
+    query, key = rand(2, 5, D, seed=7), rand(2, 9, D, seed=8)
+    mask = np.array([[1] * 9, [1] * 4 + [0] * 5], dtype=bool)
+    top_k = WeightsOptions(heads=(0, 2), top_k=3)
+    with client, client.shared_memory() as regions:
+        for kwargs in ({}, {"key": key, "value": key, "mask": mask}, {"weights": top_k, "attn_weights_mean": True}):
+            over_socket = client.infer(query, **kwargs)
+            through_memory = client.infer(query, shared_memory=regions, **kwargs)
+            assert through_memory.outputs.keys() == over_socket.outputs.keys()
+            for name, array in over_socket.outputs.items():
+                assert np.array_equal(through_memory.outputs[name], array), (kwargs, name)
+        longer = rand(1, 40, D, seed=9)  # more than the regions hold: they grow
+        assert np.array_equal(client.infer(longer, shared_memory=regions).output, client.infer(longer).output)
+        assert len(http(shm_server, "GET", "/v2/systemsharedmemory/status")[1]) == 2
+    assert http(shm_server, "GET", "/v2/systemsharedmemory/status")[1] == []
+    assert not [name for name in os.listdir("/dev/shm") if name.startswith(regions.name)]

@@ -1,0 +1,158 @@
+"""System shared memory against the socket, on this server and on Triton (PyTriton's tritonserver from
+../shared/peers), all driven by the same perf_analyzer, side by side in one run.
+
+    PEERS_DIR=/tmp/peers/.peers ../shared/peers/setup_peers.sh     # once (for Triton)
+    .venv/bin/python benchmarks/bench_shared_memory.py --peers-dir /tmp/peers/.peers
+
+Shapes [1,128,512] and [1,512,512], every output the model lists (perf_analyzer asks for all: mhaserve's
+attention weights' mean too), concurrency 1 and 16; perf_analyzer
+--shared-memory none and system (inputs and outputs in regions it registers). perf_analyzer's shared memory does
+not support optional inputs, so mhaserve gets query, key, value and a [1, L, L] BOOL mask (the same values for
+query, key and value), and Triton its one input x: mhaserve's requests carry three times the input bytes and the mask.
+Prints a markdown table and the ratios. Every timed step holds /tmp/bench.lock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import fcntl
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+from mhaserve.testing.server_process import ServerProcess
+
+ROOT = Path(__file__).resolve().parents[1]
+PEERS = (ROOT / ".." / "shared" / "peers").resolve()
+PERF_ANALYZER = Path(os.environ.get("PERF_ANALYZER", ROOT / ".tools/perf_analyzer/run"))
+LOCK = os.environ.get("BENCH_LOCK", "/tmp/bench.lock")
+D = 512
+WEIGHTS_BYTES = {128: 4 * 8 * 128 * 128, 512: 4 * 8 * 512 * 512}
+
+
+@contextmanager
+def bench_lock():
+    with open(LOCK, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def input_data(folder: Path, length: int, names: tuple[str, ...], batched: bool) -> Path:
+    """perf_analyzer's JSON input data: one random request (finite values; its own random data holds NaN)."""
+    query = np.random.default_rng(length).standard_normal((1, length, D)).astype(np.float32)
+    shape = [length, D] if batched else [1, length, D]
+    step = {name: {"content": query.ravel().tolist(), "shape": shape} for name in names}
+    if "mask" in names:
+        step["mask"] = {"content": [True] * length * length, "shape": [1, length, length]}
+    path = folder / f"{'-'.join(names)}-{length}.json"
+    path.write_text(json.dumps({"data": [step]}))
+    return path
+
+
+def perf_analyzer(url: str, data: Path, length: int, concurrency: int, shared_memory: str, batched: bool, seconds):
+    with tempfile.TemporaryDirectory() as folder:
+        report = Path(folder) / "pa.csv"
+        command = [
+            str(PERF_ANALYZER), "-m", "mha", "-i", "grpc", "-u", url, "--input-data", str(data),
+            "--shared-memory", shared_memory, "--output-shared-memory-size", str(WEIGHTS_BYTES[length]),
+            "--concurrency-range", str(concurrency), "--measurement-interval", str(int(seconds * 1000)),
+            "--stability-percentage", "1000", "--max-trials", "3", "-f", str(report),
+            *(("-b", "1") if batched else ()),
+        ]  # fmt: skip
+        with bench_lock():
+            done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            return {"error": (done.stdout + done.stderr).strip().splitlines()[-1]}
+        row = next(csv.DictReader(report.open()))
+        return {"infer_per_s": float(row["Inferences/Second"]), "p50_ms": int(row["p50 latency"]) / 1000}
+
+
+def start_triton(peers_dir: Path) -> None:
+    environment = {**os.environ, "PEERS_DIR": str(peers_dir)}
+    command = [str(PEERS / "start_peer.sh"), "pytriton-batch", "127.0.0.1:8001", "serve_pytriton.sh"]
+    done = subprocess.run(command, capture_output=True, text=True, env=environment)
+    if done.returncode != 0:
+        raise SystemExit(f"Triton did not start: {done.stdout[-2000:]}{done.stderr[-2000:]}")
+
+
+def stop_triton(peers_dir: Path) -> None:
+    environment = {**os.environ, "PEERS_DIR": str(peers_dir)}
+    subprocess.run([str(PEERS / "stop_peer.sh"), "pytriton-batch"], env=environment, capture_output=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--peers-dir", type=Path, default=None, help="the peers' PEERS_DIR (omit: mhaserve only)")
+    parser.add_argument("--lengths", default="128,512")
+    parser.add_argument("--concurrency", default="1,16")
+    parser.add_argument("--seconds", type=float, default=4.0, help="perf_analyzer's measurement window")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of every point, alternating; medians")
+    args = parser.parse_args()
+    lengths = [int(x) for x in args.lengths.split(",")]
+    concurrencies = [int(x) for x in args.concurrency.split(",")]
+    results: dict[tuple, list[dict]] = {}
+    folder = Path(tempfile.mkdtemp(prefix="bench-shm-"))
+
+    def measure(server: str, url: str, names: tuple[str, ...], batched: bool) -> None:
+        for length in lengths:
+            data = input_data(folder, length, names, batched)
+            for concurrency in concurrencies:
+                for _ in range(args.rounds):
+                    for shared in ("none", "system"):
+                        point = perf_analyzer(url, data, length, concurrency, shared, batched, args.seconds)
+                        print(f"{server} L={length} c={concurrency} shm={shared}: {point}", file=sys.stderr, flush=True)
+                        results.setdefault((server, length, concurrency, shared), []).append(point)
+
+    server_args = ("--allow-client-shm", "true", "--max-inflight-bytes", str(4 << 30), "--metrics-port", "-1")
+    with ServerProcess(None, *server_args) as server:
+        measure("mhaserve", server.url, ("query", "key", "value", "mask"), batched=False)
+    if args.peers_dir is not None:
+        start_triton(args.peers_dir)
+        try:
+            measure("triton", "127.0.0.1:8001", ("x",), batched=True)
+        finally:
+            stop_triton(args.peers_dir)
+
+    def median(key, field):
+        values = [p[field] for p in results.get(key, []) if field in p]
+        return float(np.median(values)) if values else float("nan")
+
+    servers = ["mhaserve"] + ["triton"] * (args.peers_dir is not None)
+    print("| server | shape | c | socket p50 ms | shm p50 ms | shm/socket p50 | socket infer/s | shm infer/s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for server in servers:
+        for length in lengths:
+            for c in concurrencies:
+                socket_p50, shm_p50 = (
+                    median((server, length, c, "none"), "p50_ms"),
+                    median((server, length, c, "system"), "p50_ms"),
+                )
+                print(
+                    f"| {server} | [1,{length},{D}] | {c} | {socket_p50:.2f} | {shm_p50:.2f} | "
+                    f"{shm_p50 / socket_p50:.2f} | "
+                    f"{median((server, length, c, 'none'), 'infer_per_s'):.0f} | "
+                    f"{median((server, length, c, 'system'), 'infer_per_s'):.0f} |"
+                )
+    if args.peers_dir is not None:
+        print("\nmhaserve shared memory p50 over Triton's shared memory p50:")
+        for length in lengths:
+            for c in concurrencies:
+                ours, theirs = (
+                    median(("mhaserve", length, c, "system"), "p50_ms"),
+                    median(("triton", length, c, "system"), "p50_ms"),
+                )
+                print(f"  [1,{length},{D}] c={c}: {ours / theirs:.2f}")
+
+
+if __name__ == "__main__":
+    main()
