@@ -6,6 +6,7 @@ Each subcommand imports what it needs when it runs, so ``serve`` and ``infer`` n
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -236,6 +237,7 @@ def _add_infer(sub) -> None:
                    "averaged over heads (h times fewer bytes)")  # fmt: skip
     p.add_argument("--repeat", type=int, default=1, help="calls to time (default 1)")
     p.add_argument("--timeout", type=float, default=30.0, help="deadline per call, seconds")
+    _add_shared_memory_argument(p)
     p.add_argument("--save", type=Path, help="write inputs and outputs to this .npz")
     p.add_argument("--heatmap", type=Path, help="draw one item's attention weights to this .png (needs the plot extra)")
     p.add_argument("--head", type=_head, default=None, help="head for --heatmap, or 'mean' for the mean over "
@@ -244,6 +246,14 @@ def _add_infer(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     _add_weights_arguments(p)
     p.set_defaults(run=_run_infer)
+
+
+def _add_shared_memory_argument(parser) -> None:
+    parser.add_argument(
+        "--shared-memory", choices=("none", "system"), default="none",
+        help="system: send the tensors through POSIX shared memory (a server on this host, run with "
+        "--allow-client-shm true); none (default): through the socket",
+    )  # fmt: skip
 
 
 def _head(text: str) -> int | str:
@@ -283,17 +293,20 @@ def _run_infer(args) -> int:
             arrays["key"] = rng.standard_normal((batch, args.kv_len, d_model), dtype=np.float32)
             arrays["value"] = rng.standard_normal((batch, args.kv_len, d_model), dtype=np.float32)
         latencies = []
+        regions = client.shared_memory() if args.shared_memory == "system" else contextlib.nullcontext()
         try:
-            for _ in range(max(1, args.repeat)):
-                started = time.perf_counter()
-                result = client.infer(
-                    **arrays,
-                    attn_weights=all_weights,
-                    attn_weights_mean=mean_weights,
-                    timeout=args.timeout,
-                    weights=weights,
-                )
-                latencies.append((time.perf_counter() - started) * 1000)
+            with regions:
+                for _ in range(max(1, args.repeat)):
+                    started = time.perf_counter()
+                    result = client.infer(
+                        **arrays,
+                        attn_weights=all_weights,
+                        attn_weights_mean=mean_weights,
+                        timeout=args.timeout,
+                        weights=weights,
+                        shared_memory=regions if args.shared_memory == "system" else None,
+                    )
+                    latencies.append((time.perf_counter() - started) * 1000)
         except RequestFailed as error:
             print(_failure(error), file=sys.stderr)
             return 1

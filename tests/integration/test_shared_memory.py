@@ -341,3 +341,26 @@ def test_the_python_clients_send_tensors_through_shared_memory_and_answer_as_ove
         assert len(http(shm_server, "GET", "/v2/systemsharedmemory/status")[1]) == 2
     assert http(shm_server, "GET", "/v2/systemsharedmemory/status")[1] == []
     assert not [name for name in os.listdir("/dev/shm") if name.startswith(regions.name)]
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_mhaserve_infer_takes_shared_memory_and_says_in_one_line_when_the_server_refuses_it(
+    shm_server, server, tmp_path, protocol
+):
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+
+    def infer_cli(target, *args):
+        url = target.url if protocol == "grpc" else target.http_url.removeprefix("http://")
+        command = [sys.executable, "-m", "mhaserve.cli", "infer", "--protocol", protocol, "--url", url, "--q-len", "12",
+                   "--save", str(tmp_path / f"{len(args)}.npz"), *args]  # fmt: skip
+        return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+    socket = infer_cli(shm_server, "--token-file", str(token_file))
+    through_memory = infer_cli(shm_server, "--token-file", str(token_file), "--shared-memory", "system")
+    assert socket.returncode == 0 and through_memory.returncode == 0, socket.stderr + through_memory.stderr
+    a, b = np.load(tmp_path / "2.npz"), np.load(tmp_path / "4.npz")
+    assert all(np.array_equal(a[name], b[name]) for name in ("output", "attn_weights"))
+    refused = infer_cli(server, "--shared-memory", "system")
+    assert refused.returncode == 1 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert "--allow-client-shm true" in refused.stderr
