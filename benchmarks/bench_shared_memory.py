@@ -9,7 +9,8 @@ attention weights' mean too), concurrency 1 and 16; perf_analyzer
 --shared-memory none and system (inputs and outputs in regions it registers). perf_analyzer's shared memory does
 not support optional inputs, so mhaserve gets query, key, value and a [1, L, L] BOOL mask (the same values for
 query, key and value), and Triton its one input x: mhaserve's requests carry three times the input bytes and the mask.
-Prints a markdown table and the ratios. Every timed step holds /tmp/bench.lock.
+Then mhaserve's own Python client, one call at a time (its outputs read back from the region). Prints a
+markdown table and the ratios. Every timed step holds /tmp/bench.lock.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -77,6 +79,26 @@ def perf_analyzer(url: str, data: Path, length: int, concurrency: int, shared_me
         return {"infer_per_s": float(row["Inferences/Second"]), "p50_ms": int(row["p50 latency"]) / 1000}
 
 
+def python_client(url: str, lengths: list[int], calls: int) -> None:
+    """mhaserve's own Client, one call at a time, socket and shared memory alternating (outputs read back)."""
+    from mhaserve.client import Client
+
+    print("\nmhaserve's Python client, c=1, output and attn_weights, socket and shared memory alternating:")
+    with Client(url) as client, client.shared_memory() as regions:
+        for length in lengths:
+            query = np.random.default_rng(length).standard_normal((1, length, D), dtype=np.float32)
+            took: dict[str, list[float]] = {"socket": [], "shm": []}
+            with bench_lock():
+                for call in range(calls + 3):  # three warm-up pairs
+                    for mode in ("socket", "shm"):
+                        started = time.perf_counter()
+                        client.infer(query, shared_memory=regions if mode == "shm" else None)
+                        if call >= 3:
+                            took[mode].append((time.perf_counter() - started) * 1000)
+            socket, shm = np.median(took["socket"]), np.median(took["shm"])
+            print(f"  [1,{length},{D}]: p50 socket {socket:.1f} ms, shm {shm:.1f} ms, shm/socket {shm / socket:.2f}")
+
+
 def start_triton(peers_dir: Path) -> None:
     environment = {**os.environ, "PEERS_DIR": str(peers_dir)}
     command = [str(PEERS / "start_peer.sh"), "pytriton-batch", "127.0.0.1:8001", "serve_pytriton.sh"]
@@ -97,6 +119,7 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,16")
     parser.add_argument("--seconds", type=float, default=4.0, help="perf_analyzer's measurement window")
     parser.add_argument("--rounds", type=int, default=2, help="runs of every point, alternating; medians")
+    parser.add_argument("--calls", type=int, default=15, help="the Python client's timed calls per mode and shape")
     args = parser.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     concurrencies = [int(x) for x in args.concurrency.split(",")]
@@ -116,6 +139,7 @@ def main() -> None:
     server_args = ("--allow-client-shm", "true", "--max-inflight-bytes", str(4 << 30), "--metrics-port", "-1")
     with ServerProcess(None, *server_args) as server:
         measure("mhaserve", server.url, ("query", "key", "value", "mask"), batched=False)
+        python_client(server.url, lengths, args.calls)
     if args.peers_dir is not None:
         start_triton(args.peers_dir)
         try:
