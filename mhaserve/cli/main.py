@@ -428,6 +428,7 @@ def _add_bench(sub) -> None:
     p.add_argument("--warmup", type=float, default=2.0, help="seconds per point before measuring (default 2)")
     p.add_argument("--processes", type=int, default=None, help="client processes (default: cores, at most 4)")
     p.add_argument("--timeout", type=float, default=60.0, help="deadline per request, seconds")
+    _add_shared_memory_argument(p)
     p.add_argument("--json", type=Path, help="write the results as JSON")
     p.add_argument("--csv", type=Path, help="write the results as CSV")
     p.add_argument("--plot-dir", type=Path, help="write latency_percentiles.png and latency_histogram.png here")
@@ -454,6 +455,7 @@ def _run_bench(args) -> int:
         protocol=args.protocol,
         application=args.application or "",
         weights=_weights_options(args),
+        shared_memory=args.shared_memory,
     )
     if args.rate:
         points = [Point("open", rate, args.duration, args.warmup) for rate in args.rate]

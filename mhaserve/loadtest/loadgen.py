@@ -45,6 +45,7 @@ class Workload:
     distinct_requests: int = 64  # prebuilt per process; drawn round-robin
     weights: WeightsOptions | None = None  # what each request asks of the attention weights
     attn_weights_mean: bool = False
+    shared_memory: str = "none"  # system: tensors through POSIX shared memory (a server on this host)
 
     @property
     def shape_text(self) -> str:
@@ -98,6 +99,7 @@ class PointResult:
             "load": self.point.load,
             "shape": self.workload.shape_text,
             "attn_weights": self.workload.attn_weights,
+            "shared_memory": self.workload.shared_memory,
             "weights_options": json.dumps(self.workload.weights.parameters()) if self.workload.weights else "",
             "processes": self.processes,
             "duration_s": self.point.duration_s,
@@ -131,39 +133,78 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+@contextlib.contextmanager
+def _regions_pool(client):
+    """Shared-memory regions for requests in flight, one set each, made as concurrency needs them (the first
+    requests pay the registration), reused, and unregistered and removed at the end."""
+    made, free = [], []
+
+    @contextlib.contextmanager
+    def take():
+        regions = free.pop() if free else None
+        if regions is None:
+            regions = client.shared_memory()
+            made.append(regions)
+        try:
+            yield regions
+        finally:
+            free.append(regions)
+
+    try:
+        yield take
+    finally:
+        for regions in made:
+            regions.close()
+
+
 @contextlib.asynccontextmanager
 async def _grpc_sender(url: str, workload: Workload, seed: int, timeout_s: float, tls, token):
     """An async function sending request i and returning its final status, over gRPC."""
     import grpc
 
-    from mhaserve.client.grpc import build_infer_request, call_metadata, open_channel
+    from mhaserve.client.grpc import Client, build_infer_request, call_metadata, open_channel
     from mhaserve.protos.generated import grpc_service_pb2 as pb
     from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
 
-    requests = [
-        build_infer_request(
+    queries = _queries(workload, seed)
+
+    def request(q, regions=None, heads=0):
+        return build_infer_request(
             workload.model,
             q,
             attn_weights=workload.attn_weights,
             attn_weights_mean=workload.attn_weights_mean,
             version=workload.version,
             weights=workload.weights,
+            shared_memory=regions,
+            num_heads=heads,
         )
-        for q in _queries(workload, seed)
-    ]
+
+    shared = workload.shared_memory == "system"
+    requests = [] if shared else [request(q) for q in queries]
     metadata = call_metadata(token, workload.application)  # no retries: a load test reports every refusal
     async with open_channel(url, tls, aio=True) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         await stub.ServerLive(pb.ServerLiveRequest(), timeout=30, wait_for_ready=True, metadata=metadata)
+        with contextlib.ExitStack() as stack:
+            if shared:  # registrations go through a blocking client; inference stays on this channel
+                control = Client(url, workload.model, tls=tls, token=token, version=workload.version)
+                stack.enter_context(control)
+                heads, take = control.num_heads(), stack.enter_context(_regions_pool(control))
 
-        async def send(i: int) -> str:
-            try:
-                await stub.ModelInfer(requests[i % len(requests)], timeout=timeout_s, metadata=metadata)
-                return "OK"
-            except grpc.aio.AioRpcError as error:
-                return error.code().name
+            async def send(i: int) -> str:
+                try:
+                    if not shared:
+                        await stub.ModelInfer(requests[i % len(requests)], timeout=timeout_s, metadata=metadata)
+                        return "OK"
+                    with take() as regions:
+                        placed = request(queries[i % len(queries)], regions, heads)
+                        await stub.ModelInfer(placed, timeout=timeout_s, metadata=metadata)
+                    return "OK"
+                except grpc.aio.AioRpcError as error:
+                    return error.code().name
 
-        yield send
+            yield send
 
 
 @contextlib.asynccontextmanager
@@ -171,17 +212,22 @@ async def _http_sender(url: str, workload: Workload, seed: int, timeout_s: float
     """The same over HTTP/REST, each request's body built beforehand (binary tensor data)."""
     import aiohttp
 
-    from mhaserve.client.http import STATUS_NAMES, build_http_infer_body, ssl_context
+    from mhaserve.client.http import STATUS_NAMES, HttpClient, build_http_infer_body, ssl_context
 
-    bodies = [
-        build_http_infer_body(
+    queries = _queries(workload, seed)
+
+    def body(q, regions=None, heads=0):
+        return build_http_infer_body(
             q,
             attn_weights=workload.attn_weights,
             attn_weights_mean=workload.attn_weights_mean,
             weights=workload.weights,
+            shared_memory=regions,
+            num_heads=heads,
         )
-        for q in _queries(workload, seed)
-    ]
+
+    shared = workload.shared_memory == "system"
+    bodies = [] if shared else [body(q) for q in queries]
     path = f"/v2/models/{workload.model}" + (f"/versions/{workload.version}" if workload.version else "")
     base = f"{'https' if tls else 'http'}://{url}"
     auth = {"Authorization": f"Bearer {token}"} if token else {}
@@ -190,21 +236,30 @@ async def _http_sender(url: str, workload: Workload, seed: int, timeout_s: float
     async with aiohttp.ClientSession(base, connector=connector, timeout=timeout, headers=auth) as session:
         async with session.get("/v2/health/live") as response:
             response.raise_for_status()
+        with contextlib.ExitStack() as stack:
+            if shared:
+                control = HttpClient(url, workload.model, tls=tls, token=token, version=workload.version)
+                heads, take = control.num_heads(), stack.enter_context(_regions_pool(control))
 
-        async def send(i: int) -> str:
-            body, headers = bodies[i % len(bodies)]
-            try:
-                async with session.post(path + "/infer", data=body, headers=headers) as response:
+            async def post(payload, headers) -> str:
+                async with session.post(path + "/infer", data=payload, headers=headers) as response:
                     await response.read()
-                    return (
-                        "OK" if response.status == 200 else STATUS_NAMES.get(response.status, f"HTTP_{response.status}")
-                    )
-            except asyncio.TimeoutError:
-                return "DEADLINE_EXCEEDED"
-            except aiohttp.ClientError:
-                return "UNAVAILABLE"
+                    if response.status == 200:
+                        return "OK"
+                    return STATUS_NAMES.get(response.status, f"HTTP_{response.status}")
 
-        yield send
+            async def send(i: int) -> str:
+                try:
+                    if not shared:
+                        return await post(*bodies[i % len(bodies)])
+                    with take() as regions:
+                        return await post(*body(queries[i % len(queries)], regions, heads))
+                except asyncio.TimeoutError:
+                    return "DEADLINE_EXCEEDED"
+                except aiohttp.ClientError:
+                    return "UNAVAILABLE"
+
+            yield send
 
 
 async def _drive(url: str, workload: Workload, point: Point, share: float, seed: int, timeout_s: float, tls, token):

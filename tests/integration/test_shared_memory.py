@@ -364,3 +364,20 @@ def test_mhaserve_infer_takes_shared_memory_and_says_in_one_line_when_the_server
     refused = infer_cli(server, "--shared-memory", "system")
     assert refused.returncode == 1 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
     assert "--allow-client-shm true" in refused.stderr
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_mhaserve_bench_loads_the_server_through_shared_memory_and_cleans_up(shm_server, tmp_path, protocol):
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    url = shm_server.url if protocol == "grpc" else shm_server.http_url.removeprefix("http://")
+    command = [sys.executable, "-m", "mhaserve.cli", "bench", "--protocol", protocol, "--url", url, "--token-file",
+               str(token_file), "--shared-memory", "system", "--concurrency", "3", "--duration", "1", "--warmup",
+               "0.5", "--processes", "1", "--lengths", "4..12", "--json", str(tmp_path / "bench.json")]  # fmt: skip
+    before = {name for name in os.listdir("/dev/shm") if name.startswith("mhaserve-")}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (row,) = json.loads((tmp_path / "bench.json").read_text())["points"]
+    assert row["shared_memory"] == "system" and row["requests"] > 0 and row["errors"] == 0, row
+    assert http(shm_server, "GET", "/v2/systemsharedmemory/status")[1] == []
+    assert {name for name in os.listdir("/dev/shm") if name.startswith("mhaserve-")} <= before
