@@ -9,6 +9,8 @@ attention weights' mean too), concurrency 1 and 16; perf_analyzer
 --shared-memory none and system (inputs and outputs in regions it registers). perf_analyzer's shared memory does
 not support optional inputs, so mhaserve gets query, key, value and a [1, L, L] BOOL mask (the same values for
 query, key and value), and Triton its one input x: mhaserve's requests carry three times the input bytes and the mask.
+PyTriton runs from a copy of the peers' scripts with its shared-memory endpoints open (PyTriton 0.7 restricts
+them behind a random token by default, which perf_analyzer cannot send).
 Then mhaserve's own Python client, one call at a time (its outputs read back from the region). Prints a
 markdown table and the ratios. Every timed step holds /tmp/bench.lock.
 """
@@ -20,6 +22,7 @@ import csv
 import fcntl
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -99,22 +102,39 @@ def python_client(url: str, lengths: list[int], calls: int) -> None:
             print(f"  [1,{length},{D}]: p50 socket {socket:.1f} ms, shm {shm:.1f} ms, shm/socket {shm / socket:.2f}")
 
 
-def start_triton(peers_dir: Path) -> None:
+RESTRICTED = 'restricted = ["shared-memory", "model-repository", "trace", "logging"]'
+
+
+def peers_with_shared_memory_open(folder: Path) -> Path:
+    """A copy of the peers' scripts whose PyTriton leaves the shared-memory endpoints open: PyTriton 0.7 puts
+    them behind a random access token (as the peers' serve_pytriton.py asks), which perf_analyzer cannot send."""
+    copy = folder / "peers"
+    shutil.copytree(PEERS, copy, ignore=shutil.ignore_patterns(".peers", "results-*"))
+    script = copy / "serve_pytriton.py"
+    text = script.read_text()
+    if RESTRICTED not in text:
+        raise SystemExit(f"{script}: its restricted endpoints changed; update RESTRICTED here")
+    script.write_text(text.replace(RESTRICTED, RESTRICTED.replace('"shared-memory", ', "")))
+    return copy
+
+
+def start_triton(scripts: Path, peers_dir: Path) -> None:
     environment = {**os.environ, "PEERS_DIR": str(peers_dir)}
-    command = [str(PEERS / "start_peer.sh"), "pytriton-batch", "127.0.0.1:8001", "serve_pytriton.sh"]
+    command = [str(scripts / "start_peer.sh"), "pytriton-shm", "127.0.0.1:8001", "serve_pytriton.sh"]
     done = subprocess.run(command, capture_output=True, text=True, env=environment)
     if done.returncode != 0:
         raise SystemExit(f"Triton did not start: {done.stdout[-2000:]}{done.stderr[-2000:]}")
 
 
-def stop_triton(peers_dir: Path) -> None:
+def stop_triton(scripts: Path, peers_dir: Path) -> None:
     environment = {**os.environ, "PEERS_DIR": str(peers_dir)}
-    subprocess.run([str(PEERS / "stop_peer.sh"), "pytriton-batch"], env=environment, capture_output=True)
+    subprocess.run([str(scripts / "stop_peer.sh"), "pytriton-shm"], env=environment, capture_output=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--peers-dir", type=Path, default=None, help="the peers' PEERS_DIR (omit: mhaserve only)")
+    parser.add_argument("--servers", default="mhaserve,triton", help="which to measure (triton needs --peers-dir)")
     parser.add_argument("--lengths", default="128,512")
     parser.add_argument("--concurrency", default="1,16")
     parser.add_argument("--seconds", type=float, default=4.0, help="perf_analyzer's measurement window")
@@ -137,21 +157,23 @@ def main() -> None:
                         results.setdefault((server, length, concurrency, shared), []).append(point)
 
     server_args = ("--allow-client-shm", "true", "--max-inflight-bytes", str(4 << 30), "--metrics-port", "-1")
-    with ServerProcess(None, *server_args) as server:
-        measure("mhaserve", server.url, ("query", "key", "value", "mask"), batched=False)
-        python_client(server.url, lengths, args.calls)
-    if args.peers_dir is not None:
-        start_triton(args.peers_dir)
+    servers = [name for name in args.servers.split(",") if name != "triton" or args.peers_dir is not None]
+    if "mhaserve" in servers:
+        with ServerProcess(None, *server_args) as server:
+            measure("mhaserve", server.url, ("query", "key", "value", "mask"), batched=False)
+            python_client(server.url, lengths, args.calls)
+    if "triton" in servers:
+        scripts = peers_with_shared_memory_open(folder)
+        start_triton(scripts, args.peers_dir)
         try:
             measure("triton", "127.0.0.1:8001", ("x",), batched=True)
         finally:
-            stop_triton(args.peers_dir)
+            stop_triton(scripts, args.peers_dir)
 
     def median(key, field):
         values = [p[field] for p in results.get(key, []) if field in p]
         return float(np.median(values)) if values else float("nan")
 
-    servers = ["mhaserve"] + ["triton"] * (args.peers_dir is not None)
     print("| server | shape | c | socket p50 ms | shm p50 ms | shm/socket p50 | socket infer/s | shm infer/s |")
     print("|---|---|---|---|---|---|---|---|")
     for server in servers:
@@ -167,7 +189,7 @@ def main() -> None:
                     f"{median((server, length, c, 'none'), 'infer_per_s'):.0f} | "
                     f"{median((server, length, c, 'system'), 'infer_per_s'):.0f} |"
                 )
-    if args.peers_dir is not None:
+    if servers == ["mhaserve", "triton"]:
         print("\nmhaserve shared memory p50 over Triton's shared memory p50:")
         for length in lengths:
             for c in concurrencies:

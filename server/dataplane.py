@@ -336,7 +336,7 @@ class InferenceCall:
             request, attention = _decoded(decode, wire, served.signature, dataplane.limits)
         placed = request.output_placements()
         if request.shared_inputs or placed:
-            attention = await self._use_shared_memory(request, placed)
+            attention = await self._use_shared_memory(request, placed) or attention
         self.rows = attention.batch_size
         self.request_id = request.id
         self.timing.input_ns = time.perf_counter_ns() - self.started
@@ -360,9 +360,10 @@ class InferenceCall:
             await self._in_shared_memory(self._write_outputs, sum(outputs[n].nbytes for n in placed), outputs, placed)
         return InferenceResponse(signature, request, outputs, frozenset(placed))
 
-    async def _use_shared_memory(self, request: InferenceRequest, placed: dict) -> AttentionRequest:
+    async def _use_shared_memory(self, request: InferenceRequest, placed: dict) -> AttentionRequest | None:
         """Hold the regions the request's tensors lie in (checked: registered, windows inside them), then read
-        its inputs from them, counted in the budget like a body being received, and check the request."""
+        its inputs from them, counted in the budget like a body being received, and check the request (None:
+        no input was in shared memory)."""
         dataplane = self._dataplane
         windows = {f"input '{name}'": shared.placement for name, shared in request.shared_inputs.items()}
         windows.update({f"output '{name}'": placement for name, placement in placed.items()})
@@ -374,6 +375,8 @@ class InferenceCall:
                     f"input '{name}': shared_memory_byte_size {shared.placement.byte_size}, expected {expected} "
                     f"({shared.datatype} {list(shared.shape)})"
                 )
+        if not request.shared_inputs:  # only outputs go to shared memory: the request was checked already
+            return None
         total = sum(shared.placement.byte_size for shared in request.shared_inputs.values())
         self.receiving(total)
         return await self._in_shared_memory(self._read_inputs, total, request)
