@@ -267,9 +267,9 @@ class SharedMemoryRegistry:
         """What a CUDA shared-memory registration is answered."""
         return RequestError(
             ErrorKind.UNIMPLEMENTED,
-            "CUDA shared memory is not offered by this server: ONNX Runtime's Python API takes inputs and outputs in "
-            "device memory only through its own allocations (IOBinding), not through another process's cudaIpc "
-            "handle; use system shared memory (--allow-client-shm true)",
+            "CUDA shared memory is not offered by this server: opening another process's cudaIpc handle and binding "
+            "it to ONNX Runtime is not built (it needs a GPU to be built and tested on); use system shared memory "
+            "(--allow-client-shm true)",
         )
 
     def close(self) -> None:
