@@ -61,8 +61,8 @@ def decode_grpc_request(request: pb.ModelInferRequest) -> InferenceRequest:
     """The tensors, requested outputs and parameters of ``request`` (RequestError on the first problem). Inputs
     in shared memory carry no contents; ``raw_input_contents`` holds one entry per other input, in order."""
     raw_contents = request.raw_input_contents
-    placements = {t.name: placement_of(_parameters(t.parameters), f"input '{t.name}'") for t in request.inputs}
-    sent = sum(placement is None for placement in placements.values())
+    placements = [placement_of(_parameters(t.parameters), f"input '{t.name}'") for t in request.inputs]
+    sent = placements.count(None)
     if raw_contents and len(raw_contents) != sent:
         raise invalid(
             f"raw_input_contents holds {len(raw_contents)} entries for {sent} inputs not in shared memory; "
@@ -71,9 +71,8 @@ def decode_grpc_request(request: pb.ModelInferRequest) -> InferenceRequest:
     arrays: dict[str, np.ndarray] = {}
     shared: dict[str, SharedInput] = {}
     raw_index = 0
-    for tensor in request.inputs:
+    for tensor, placement in zip(request.inputs, placements, strict=True):
         check_input_header(tensor.name, tensor.datatype, arrays.keys() | shared.keys())
-        placement = placements[tensor.name]
         if placement is not None:
             if tensor.HasField("contents"):
                 raise invalid(f"input '{tensor.name}': has contents and a shared memory region; give one")
