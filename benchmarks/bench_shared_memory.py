@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import fcntl
 import json
 import os
 import shutil
@@ -27,29 +26,18 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
+from bench_serving import PEERS_SCRIPTS as PEERS
+from bench_serving import bench_lock
 
 from mhaserve.testing.server_process import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[1]
-PEERS = (ROOT / ".." / "shared" / "peers").resolve()
 PERF_ANALYZER = Path(os.environ.get("PERF_ANALYZER", ROOT / ".tools/perf_analyzer/run"))
-LOCK = os.environ.get("BENCH_LOCK", "/tmp/bench.lock")
 D = 512
 WEIGHTS_BYTES = {128: 4 * 8 * 128 * 128, 512: 4 * 8 * 512 * 512}
-
-
-@contextmanager
-def bench_lock():
-    with open(LOCK, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def input_data(folder: Path, length: int, names: tuple[str, ...], batched: bool) -> Path:
