@@ -4,8 +4,18 @@
 #   server-gpu  server with onnxruntime-gpu[cuda,cudnn]: CUDA and cuDNN come from PyPI, no CUDA base image;
 #               the server still checks that the CUDA provider is really active (--device cuda refuses otherwise)
 #   prometheus  Debian's Prometheus scraping the compose file's servers (the monitoring profile)
-# BASE_IMAGE: any Debian-like image with python3 (>= 3.10), venv and pip.
+# BASE_IMAGE: any Debian-like image with python3 (>= 3.11), venv and pip.
+# Each Python image installs its dependencies (read from pyproject.toml alone) in a layer of its own, then
+# mhaserve itself without them: a change to the code rebuilds only that last layer, in seconds.
 ARG BASE_IMAGE=python:3.11-slim-bookworm
+
+FROM scratch AS source
+COPY pyproject.toml setup.py README.md /src/
+COPY mhaserve /src/mhaserve
+COPY model /src/model
+COPY export /src/export
+COPY server /src/server
+COPY protos /src/protos
 
 FROM ${BASE_IMAGE} AS base
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
@@ -14,15 +24,12 @@ RUN python3 -m venv /opt/venv \
  && useradd --system --create-home --uid 10001 --home-dir /home/mhaserve mhaserve \
  && mkdir -p /models && chown mhaserve /models
 WORKDIR /opt/mhaserve
-COPY pyproject.toml setup.py README.md ./
-COPY mhaserve ./mhaserve
-COPY model ./model
-COPY export ./export
-COPY server ./server
-COPY protos ./protos
+COPY pyproject.toml docker/requirements.py ./
 
 FROM base AS server
-RUN pip install . && pip check
+RUN python3 requirements.py pyproject.toml > requirements.txt && pip install -r requirements.txt
+COPY --from=source /src ./
+RUN pip install --no-deps --no-build-isolation . && pip check
 USER mhaserve
 # Out of the source tree, so `python -c "import mhaserve"` finds the installed package.
 WORKDIR /home/mhaserve
@@ -41,15 +48,20 @@ FROM base AS export
 # TORCH_INDEX_URL (PyTorch's CPU index) supplies it.
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 COPY docker/wheels/ /tmp/wheels/
-RUN pip install --find-links /tmp/wheels --extra-index-url "${TORCH_INDEX_URL}" ".[export]" \
+RUN python3 requirements.py pyproject.toml export > requirements.txt \
+ && pip install --find-links /tmp/wheels --extra-index-url "${TORCH_INDEX_URL}" -r requirements.txt \
  && rm -rf /tmp/wheels
+COPY --from=source /src ./
+RUN pip install --no-deps --no-build-isolation . && pip check
 USER mhaserve
 WORKDIR /home/mhaserve
 ENTRYPOINT ["mhaserve"]
 CMD ["export", "--out", "/models/mha"]
 
 FROM base AS server-gpu
-RUN pip install ".[gpu]"
+RUN python3 requirements.py pyproject.toml gpu > requirements.txt && pip install -r requirements.txt
+COPY --from=source /src ./
+RUN pip install --no-deps --no-build-isolation . && pip check
 USER mhaserve
 WORKDIR /home/mhaserve
 EXPOSE 8001 8000 8002

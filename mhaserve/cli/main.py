@@ -53,11 +53,11 @@ def _export_dir(args) -> Path:
 
 
 def _run_export(args) -> int:
+    args.out = _export_dir(args)  # before torch is imported: a wrong path is refused at once
+
     from mhaserve.export.model_dir import export_model_dir
     from mhaserve.export.onnx_export import DEFAULT_OPSET
     from mhaserve.model import DEFAULT_D_MODEL, DEFAULT_NUM_HEADS, load_checkpoint, seeded_module
-
-    args.out = _export_dir(args)
 
     if args.weights:
         module, source = load_checkpoint(args.weights, args.heads, args.prefix)

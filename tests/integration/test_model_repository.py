@@ -448,14 +448,15 @@ def test_a_file_linked_from_outside_the_repository_is_refused_at_start_and_in_po
     assert all(label.startswith("NOT_FOUND") for label in traffic.labels(("b", "7"))), traffic.labels(("b", "7"))
 
 
-def test_export_writes_the_next_version_into_a_repository(tmp_path):
+def test_export_writes_the_next_version_into_a_repository(tmp_path, small_model_dir):
     repository = tmp_path / "repository"
+    add_version(repository, "tiny", 1, small_model_dir)
     command = [sys.executable, "-m", "mhaserve.cli", "export", "--d-model", "32", "--heads", "4",
                "--validation-seed", "0", "--repository", str(repository), "--name", "tiny"]  # fmt: skip
-    for _ in range(2):
-        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
     assert sorted(p.name for p in (repository / "tiny").iterdir()) == ["1", "2"]
+    assert json.loads((repository / "tiny" / "2" / "manifest.json").read_text())["valid"] is True
     refused = subprocess.run([*command[:-1], "../tiny"], capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert refused.stderr.strip().count("\n") == 0 and "not allowed" in refused.stderr
