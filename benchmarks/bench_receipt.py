@@ -8,7 +8,8 @@ bearer token, and is sent, 8 clients at once, authenticated:
 - HTTP bodies of about 300 KB with `Content-Encoding: gzip`, each inflating past the body limit (161 MiB);
 - HTTP binary bodies of 150 MiB each, of a wrong d_model (tritonclient.http's binary form);
 - gRPC messages of 150 MiB each, of a wrong d_model, then [32, 512, 512] requests over the budget.
-Per attack: the idle RSS before it, the peak RSS during it, RSS 3 s after, and the answers by status.
+Per attack: the idle RSS before it, the peak RSS during it, RSS 3 s after, and the answers by status. The gRPC
+clients share one connection, as channels to one address in one process do.
 Not a test: BENCHMARKS.md records the figures with this command.
 """
 
@@ -127,6 +128,13 @@ def measure(name: str, server: ServerProcess) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline", help="a revision to measure as well (e.g. HEAD~3)")
+    parser.add_argument(
+        "--also",
+        action="append",
+        default=[],
+        metavar="FLAGS",
+        help='the working tree again with these server flags too (e.g. "--grpc-max-connections 1")',
+    )
     args = parser.parse_args()
     model_dir = ensure_default_model()
     with tempfile.TemporaryDirectory() as tmp:
@@ -150,6 +158,9 @@ def main() -> None:
                 subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(checkout)], check=False)
         with ServerProcess(model_dir, *flags) as current:
             measure("working tree", current)
+        for extra in args.also:
+            with ServerProcess(model_dir, *flags, *extra.split()) as current:
+                measure(f"working tree, `{extra}`", current)
 
 
 if __name__ == "__main__":

@@ -108,6 +108,12 @@ class ServerSettings:
     # Per connection. Above max_queue_size, so a burst meets the queue (RESOURCE_EXHAUSTED, which names the
     # limit) before HTTP/2 refuses streams (the client sees UNAVAILABLE "Stream removed").
     max_concurrent_streams: int = setting(1024, "concurrent RPCs per client connection")
+    grpc_max_connections: int = setting(
+        1000,
+        "gRPC connections open at once; beyond, new ones are closed before they are read (the client sees "
+        "UNAVAILABLE). What gRPC receives beyond --max-inflight-bytes is at most this x --max-concurrent-streams "
+        "x --max-message-bytes",
+    )
     reuse_port: bool = setting(
         False,
         "share the port with other mhaserve processes (SO_REUSEPORT): the kernel spreads connections over them, "
@@ -266,7 +272,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     if settings.device not in ("auto", "cpu", "cuda"):
         raise UsageError(f"--device must be auto, cpu or cuda, got {settings.device!r}")
     for name in ("max_batch_size", "max_q_len", "max_kv_len", "inference_workers", "max_queue_size",
-                 "max_inflight_bytes", "max_health_watchers", "http_max_connections", "client_shm_max_regions",
+                 "max_inflight_bytes", "max_health_watchers", "http_max_connections", "grpc_max_connections",
+                 "client_shm_max_regions",
                  "client_shm_max_bytes"):  # fmt: skip
         if getattr(settings, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")

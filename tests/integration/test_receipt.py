@@ -1,8 +1,11 @@
-"""HTTP bodies as they are received: counted against the memory budget before they are buffered (refused
-with 429 at once when it is full), compressed ones inflated in bounded steps and refused with 413 as soon as
-they pass the body limit, unknown encodings refused with 415, and the memory given back afterwards.
+"""Requests as they are received, before they are decoded: HTTP bodies counted against the memory budget before
+they are buffered (refused with 429 at once when it is full), compressed ones inflated in bounded steps and
+refused with 413 as soon as they pass the body limit, unknown encodings refused with 415; gRPC messages, which
+grpcio's core receives whole before any handler runs, bounded by how many calls may be receiving at once
+(--max-receiving-messages) and how long a message may take (--grpc-read-timeout-s); and the memory given
+back afterwards.
 
-Real server processes, raw sockets and tritonclient.http; RSS read from /proc.
+Real server processes, raw sockets, h2 and tritonclient.http; RSS read from /proc.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import gzip
 import json
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -21,6 +25,7 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
+from mhaserve.client.grpc import Client
 from mhaserve.loadtest.checked_load import peak_rss_mib, reset_peak_rss, rss_mib
 from tests.support import SMALL_D_MODEL, eager, rand
 
@@ -154,3 +159,80 @@ def test_a_slow_chunked_upload_holds_its_share_while_it_arrives(start_server, sm
     assert " 429 " in refused.partition("\r\n")[0], refused[:300]  # 5 MiB held + 4 MiB > 8 MiB
     assert " 400 " in answered.partition("\r\n")[0], answered[:300]  # received whole, then refused as no request
     assert "inputs" in answered
+
+
+# Sends `count` ModelInfer messages of about `mib` MiB at once, each on a connection of its own, and prints each
+# call's status. In its own process, so that the server's RSS is measured alone.
+GRPC_SENDER = r"""
+import sys, threading
+import grpc
+from mhaserve.protos.generated import grpc_service_pb2 as pb
+
+url, mib, count, width = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+rows = (mib << 20) // (4 * width)
+tensor = pb.ModelInferRequest.InferInputTensor(name="query", datatype="FP32", shape=[1, rows, width])
+wire = pb.ModelInferRequest(model_name="mha", inputs=[tensor], raw_input_contents=[bytes(4 * rows * width)])
+wire = wire.SerializeToString()
+start = threading.Barrier(count)
+statuses = []
+
+def send():
+    options = [("grpc.max_send_message_length", -1), ("grpc.use_local_subchannel_pool", 1)]
+    with grpc.insecure_channel(url, options=options) as channel:
+        call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+        start.wait()
+        try:
+            call(wire, timeout=120)
+            statuses.append("OK")
+        except grpc.RpcError as error:
+            statuses.append(f"{error.code().name}: {error.details()}")
+
+threads = [threading.Thread(target=send) for _ in range(count)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+print("\n".join(statuses))
+"""
+GRPC_BUDGET = ("--max-message-bytes", str(64 << 20), "--max-inflight-bytes", str(64 << 20), "--warmup-runs", "1")
+
+
+def grpc_messages_at_once(server, mib: int = 48, count: int = 8) -> tuple[list[str], float, float, float]:
+    """``count`` messages of ``mib`` MiB (of the wrong width) at once: their statuses, the server's idle RSS,
+    its peak over idle while they arrived, and its RSS over idle 3.5 s later."""
+    time.sleep(1.0)
+    pid = server.proc.pid
+    idle = rss_mib(pid)
+    reset_peak_rss(pid)
+    done = subprocess.run([sys.executable, "-c", GRPC_SENDER, server.url, str(mib), str(count), str(D + 1)],
+                          capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    peak = peak_rss_mib(pid) - idle
+    time.sleep(3.5)
+    return done.stdout.splitlines(), idle, peak, rss_mib(pid) - idle
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/PID/status")
+def test_grpc_receipt_is_bounded_by_connections_and_streams(start_server, small_model_dir, small_module):
+    """grpcio's core receives a message whole before any handler runs, so what it holds beyond the budget is
+    bounded by how many messages can arrive at once: --grpc-max-connections x --max-concurrent-streams."""
+    capped = start_server(small_model_dir, *GRPC_BUDGET, "--grpc-max-connections", "1", "--max-concurrent-streams", "1")
+    statuses, idle, peak, after = grpc_messages_at_once(capped, mib=32, count=12)
+    kinds = sorted(set(s.split(":")[0] for s in statuses))
+    print(f"\n12 x 32 MiB gRPC messages at once, 64 MiB budget, 1 connection of 1 stream: peak {peak:+.0f} MiB, "
+          f"3.5 s after {after:+.0f} MiB over {idle:.0f} MiB; {kinds}")  # fmt: skip
+    assert sum(s.startswith("UNAVAILABLE") for s in statuses) >= 6, statuses  # connections closed unread
+    # the others were received, then refused by the budget or for their width
+    assert all(s.startswith(("UNAVAILABLE", "RESOURCE_EXHAUSTED", "INVALID_ARGUMENT")) for s in statuses), statuses
+    # one message at a time: gRPC's buffers and the bytes handed over took about 6 times its size (measured)
+    assert peak < 7 * 32 + 64, f"peak {peak:.0f} MiB over idle"
+    assert after < 48, f"{after:.0f} MiB still held 3.5 s after"  # its pages given back once idle
+    with Client(capped.url) as client:  # and it serves as before
+        query = rand(1, 5, D, seed=4)
+        np.testing.assert_allclose(client.infer(query).output, eager(small_module, query)[0], atol=1e-5)
+
+    uncapped = start_server(small_model_dir, *GRPC_BUDGET)
+    statuses, _, uncapped_peak, _ = grpc_messages_at_once(uncapped, mib=32, count=12)
+    print(f"the same with the default caps: peak {uncapped_peak:+.0f} MiB")
+    assert not any(s.startswith("UNAVAILABLE") for s in statuses), statuses
+    assert uncapped_peak > 1.5 * peak  # what the caps kept out
