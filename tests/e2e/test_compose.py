@@ -6,9 +6,9 @@ No registry can be reached from here, so the base image is made with debootstrap
 test's own Docker data root between runs); it trusts the host's CA certificates so builds reach PyPI
 through this machine's proxy. The project's Dockerfile knows nothing of this: it only takes BASE_IMAGE.
 
-Users run Compose v2 (`docker compose`); Debian ships v1.29 (`docker-compose`). Both read the file and run
-the deployment here: the newest present builds the images and runs every test, and the other brings the
-same images up, serves, drains and leaves nothing, and reads the GPU and TLS variants alike.
+Users run Compose v2 (`docker compose`); Debian ships v1.29 (`docker-compose`). The newest present builds the
+images and runs every test; the other reads the GPU and TLS variants alike, and with MHASERVE_TEST_COMPOSE_V1_UP=1
+also brings the same images up, serves, drains and leaves nothing.
 Needs root, dockerd, compose and debootstrap (tests/tools/install_docker.sh); skipped without them.
 """
 
@@ -276,6 +276,8 @@ def test_compose_up_serves_eager_answers_then_drains_and_leaves_nothing(docker_e
     _, env, project = stack
     docker = docker_engine
     default_model = compose_version == docker.newest_compose
+    if not default_model and os.environ.get("MHASERVE_TEST_COMPOSE_V1_UP") != "1":
+        pytest.skip("Compose v1 reads the file in the config tests; set MHASERVE_TEST_COMPOSE_V1_UP=1 to bring it up")
     width, heads = (512, 8) if default_model else (64, 4)
 
     def compose(*args, **kw):

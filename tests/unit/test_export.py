@@ -273,10 +273,12 @@ def run_cli(*args, timeout=300):
     )
 
 
-def test_cli_export_then_validate(tmp_path):
+def test_cli_export_with_a_triton_repo_then_validate(tmp_path):
     out = tmp_path / "cli"
-    done = run_cli("export", "--d-model", "32", "--heads", "2", "--seed", "4", "--out", str(out))
+    done = run_cli("export", "--d-model", "32", "--heads", "2", "--seed", "4", "--out", str(out),
+                   "--triton-repo", str(tmp_path / "repo"))  # fmt: skip
     assert done.returncode == 0, done.stderr
+    assert "dims: 32" in (tmp_path / "repo" / "mha" / "config.pbtxt").read_text()
     assert "[ 68/68]" in done.stderr and "68 passed, 0 failed" in done.stderr
     assert "Traceback" not in done.stderr and "Warning" not in done.stderr
     assert json.loads((out / "manifest.json").read_text())["source"] == {"kind": "seed", "seed": 4}
@@ -333,14 +335,3 @@ def test_triton_repo_describes_the_exported_model(small_model_dir, tmp_path):
     assert described == graph
     assert described["query"] == (mc.TYPE_FP32, [-1, SMALL_D_MODEL])
     assert described["attn_weights"] == (mc.TYPE_FP32, [SMALL_HEADS, -1, -1])
-
-
-def test_export_cli_writes_a_triton_repo(tmp_path):
-    import subprocess
-    import sys
-
-    command = [sys.executable, "-m", "mhaserve.cli", "export", "--d-model", "32", "--heads", "2", "--out",
-               str(tmp_path / "mha"), "--triton-repo", str(tmp_path / "repo"), "--validation-seed", "0"]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert "dims: 32" in (tmp_path / "repo" / "mha" / "config.pbtxt").read_text()
