@@ -12,7 +12,10 @@ query, key and value), and Triton its one input x: mhaserve's requests carry thr
 PyTriton runs from a copy of the peers' scripts with its shared-memory endpoints open (PyTriton 0.7 restricts
 them behind a random token by default, which perf_analyzer cannot send).
 Then mhaserve's own Python client, one call at a time (its outputs read back from the region). Prints a
-markdown table and the ratios. Every timed step holds /tmp/bench.lock.
+markdown table and the ratios, and where mhaserve's time goes at concurrency 1: its own statistics over each
+perf_analyzer run (the run as served; the rest of the server's time), what lies outside the server (the
+client and the round trip), and the floor: ONNX Runtime's run of the same request in this process, with an
+idle gap before each run as a served call has. Every timed step holds /tmp/bench.lock.
 """
 
 from __future__ import annotations
@@ -68,6 +71,35 @@ def perf_analyzer(url: str, data: Path, length: int, concurrency: int, shared_me
             return {"error": (done.stdout + done.stderr).strip().splitlines()[-1]}
         row = next(csv.DictReader(report.open()))
         return {"infer_per_s": float(row["Inferences/Second"]), "p50_ms": int(row["p50 latency"]) / 1000}
+
+
+def server_phases(url: str):
+    """The server's cumulative success count and time, and its run (compute) time, for one model."""
+    from mhaserve.client import Client
+
+    with Client(url) as client:
+        stats = client.statistics().inference_stats
+    return stats.success.count, stats.success.ns, stats.compute_infer.ns
+
+
+def onnx_runtime_floor(length: int, runs: int = 40, gap_s: float = 0.005) -> float:
+    """p50 ms of the served session's run of perf_analyzer's request (query, key, value, an all-True mask; output
+    and attention weights), in this process, after an idle gap like a served call's."""
+    from mhaserve.export.default_model import ensure_default_model
+    from mhaserve.server.session import AttentionSession
+
+    session = AttentionSession(ensure_default_model(), device="cpu")
+    query = np.random.default_rng(length).standard_normal((1, length, D)).astype(np.float32)
+    mask = np.ones((1, 1, length, length), dtype=bool)
+    took = []
+    with bench_lock():
+        for run in range(runs + 5):
+            time.sleep(gap_s)
+            started = time.perf_counter()
+            session.run(["output", "attn_weights"], query, query, query, mask)
+            if run >= 5:
+                took.append((time.perf_counter() - started) * 1000)
+    return float(np.median(took))
 
 
 def python_client(url: str, lengths: list[int], calls: int) -> None:
@@ -140,7 +172,13 @@ def main() -> None:
             for concurrency in concurrencies:
                 for _ in range(args.rounds):
                     for shared in ("none", "system"):
+                        before = server_phases(url) if server == "mhaserve" else None
                         point = perf_analyzer(url, data, length, concurrency, shared, batched, args.seconds)
+                        if before is not None and "p50_ms" in point:
+                            after = server_phases(url)
+                            count, success_ns, infer_ns = (a - b for a, b in zip(after, before, strict=True))
+                            point["server_ms"] = success_ns / max(count, 1) / 1e6
+                            point["run_ms"] = infer_ns / max(count, 1) / 1e6
                         print(f"{server} L={length} c={concurrency} shm={shared}: {point}", file=sys.stderr, flush=True)
                         results.setdefault((server, length, concurrency, shared), []).append(point)
 
@@ -177,6 +215,20 @@ def main() -> None:
                     f"{median((server, length, c, 'none'), 'infer_per_s'):.0f} | "
                     f"{median((server, length, c, 'system'), 'infer_per_s'):.0f} |"
                 )
+    if "mhaserve" in servers and 1 in concurrencies:
+        print("\nWhere mhaserve's time goes at c=1 (ms; the server's means from its statistics, perf_analyzer's p50):")
+        print("| shape | path | p50 | in the server | of which the run | the rest of the server | outside the server |")
+        print("|---|---|--:|--:|--:|--:|--:|")
+        for length in lengths:
+            for shared in ("none", "system"):
+                key = ("mhaserve", length, 1, shared)
+                p50, server, run = (median(key, field) for field in ("p50_ms", "server_ms", "run_ms"))
+                print(f"| [1,{length},{D}] | {'shared memory' if shared == 'system' else 'socket'} | {p50:.2f} | "
+                      f"{server:.2f} | {run:.2f} | {server - run:.2f} | {p50 - server:.2f} |")  # fmt: skip
+            floor = onnx_runtime_floor(length)
+            socket = median(("mhaserve", length, 1, "none"), "p50_ms")
+            print(f"| [1,{length},{D}] | ONNX Runtime alone, in process | {floor:.2f} | | | | |")
+            print(f"\n  [1,{length},{D}]: the floor is {floor / socket:.2f} of the socket's p50")
     if servers == ["mhaserve", "triton"]:
         print("\nmhaserve shared memory p50 over Triton's shared memory p50:")
         for length in lengths:

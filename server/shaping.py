@@ -98,6 +98,16 @@ def weights_shaping(
     return shaping, (OUTPUT, *TOP_K_OUTPUTS) if ranked else None
 
 
+def mean_over_heads(weights: np.ndarray) -> np.ndarray:
+    """``weights.mean(axis=1)``, bit for bit: float32 as one sum and one division in place, which took half of
+    ``mean``'s time at [1, 8, 512, 512]; float16 through ``mean``, which sums it in float32."""
+    if weights.dtype != np.float32:
+        return weights.mean(axis=1)
+    total = np.add.reduce(weights, axis=1)
+    np.true_divide(total, weights.shape[1], out=total)
+    return total
+
+
 def shaped_weights(weights: np.ndarray, outputs: tuple[str, ...], shaping: WeightsShaping) -> dict[str, np.ndarray]:
     """The weights' outputs a request asked for, from its rows ``weights`` [B, h, Lq, Lk] of a run."""
     if shaping is NO_SHAPING:  # the common case: views of the run's weights, no copy
@@ -105,7 +115,7 @@ def shaped_weights(weights: np.ndarray, outputs: tuple[str, ...], shaping: Weigh
         if ATTN_WEIGHTS in outputs:
             answer[ATTN_WEIGHTS] = weights
         if ATTN_WEIGHTS_MEAN in outputs:
-            answer[ATTN_WEIGHTS_MEAN] = weights.mean(axis=1)
+            answer[ATTN_WEIGHTS_MEAN] = mean_over_heads(weights)
         answer.update(_unranked(weights.shape[:-1], weights.dtype, outputs))
         return answer
     chosen = weights
@@ -120,7 +130,7 @@ def shaped_weights(weights: np.ndarray, outputs: tuple[str, ...], shaping: Weigh
     if ATTN_WEIGHTS in outputs:
         answer[ATTN_WEIGHTS] = _as(chosen, dtype)
     if ATTN_WEIGHTS_MEAN in outputs:
-        answer[ATTN_WEIGHTS_MEAN] = _as(chosen.mean(axis=1), dtype)
+        answer[ATTN_WEIGHTS_MEAN] = _as(mean_over_heads(chosen), dtype)
     if shaping.top_k is None and shaping.top_p is None:
         answer.update(_unranked(chosen.shape[:-1], dtype, outputs))
     elif ATTN_TOP_K_VALUES in outputs or ATTN_TOP_K_INDICES in outputs:

@@ -136,3 +136,19 @@ def test_a_mixed_take_looks_down_the_queue_and_runs_the_oldest_request_first(sma
     assert runs_made(queued) == [(4, 60), (4, 2)]
     # Equal lengths take what they took before: one run of the batch limit per take.
     assert runs_made([request(8, i) for i in range(8)]) == [(4, 8), (4, 8)]
+
+
+def test_an_answer_with_nan_or_inf_is_refused_and_the_output_vouches_for_the_weights():
+    from mhaserve.server.batcher import overflow_error
+
+    weights = np.full((1, 2, 3, 3), 1 / 3, dtype=np.float32)
+    output = np.ones((1, 3, 4), dtype=np.float32)
+    assert overflow_error({"output": output, "attn_weights": weights}) is None
+    nan_output = output.copy()
+    nan_output[0, 1, 2] = np.nan  # as a NaN weight makes its row's output through P·V
+    assert "output 'output' has 1 non-finite" in overflow_error({"output": nan_output, "attn_weights": weights}).message
+    nan_weights = weights.copy()
+    nan_weights[0, 0, 1] = np.nan
+    refused = overflow_error({"attn_weights": nan_weights}, "float16")  # no output to vouch: the weights are summed
+    assert "overflowed float16: output 'attn_weights' has 3 non-finite" in refused.message
+    assert "output 'output' has 1" in overflow_error({"attn_weights": weights, "output": np.float32([np.inf])}).message

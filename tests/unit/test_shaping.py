@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mhaserve.server.errors import ErrorKind, RequestError
-from mhaserve.server.shaping import NO_SHAPING, shaped_weights, top_k, top_p, weights_shaping
+from mhaserve.server.shaping import NO_SHAPING, mean_over_heads, shaped_weights, top_k, top_p, weights_shaping
 
 TOP_K = ("attn_weights_top_k_values", "attn_weights_top_k_indices")
 
@@ -145,3 +145,12 @@ def test_top_k_outputs_asked_for_without_a_ranking_come_back_empty():
         heads = 2 if parameters else 3
         assert answer[TOP_K[0]].shape == answer[TOP_K[1]].shape == (2, heads, 5, 0)
         assert answer[TOP_K[1]].dtype == np.int64
+
+
+@pytest.mark.parametrize("heads", [8, 12])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_the_mean_over_heads_is_numpys_mean_bit_for_bit(heads, dtype):
+    weights = np.random.default_rng(heads).random((2, heads, 9, 13)).astype(dtype)
+    for view in (weights, weights[:, ::2], weights[:, :, 2:7, 1:]):  # selections of heads, rows and keys too
+        got, want = mean_over_heads(view), view.mean(axis=1)
+        assert got.dtype == want.dtype and np.array_equal(got, want)
