@@ -224,9 +224,10 @@ def test_grpc_receipt_is_bounded_by_connections_and_streams(start_server, small_
     assert sum(s.startswith("UNAVAILABLE") for s in statuses) >= 6, statuses  # connections closed unread
     # the others were received, then refused by the budget or for their width
     assert all(s.startswith(("UNAVAILABLE", "RESOURCE_EXHAUSTED", "INVALID_ARGUMENT")) for s in statuses), statuses
-    # one message at a time: gRPC's buffers and the bytes handed over took about 6 times its size (measured)
-    assert peak < 7 * 32 + 64, f"peak {peak:.0f} MiB over idle"
-    assert after < 48, f"{after:.0f} MiB still held 3.5 s after"  # its pages given back once idle
+    # one message at a time: gRPC's buffers and the bytes handed over took about 6 times its size (measured:
+    # +192-244 MiB, two of them received one after the other)
+    assert peak < 7 * 32 + 96, f"peak {peak:.0f} MiB over idle"
+    assert after < 64, f"{after:.0f} MiB still held 3.5 s after"  # its pages given back once idle (+13-43)
     with Client(capped.url) as client:  # and it serves as before
         query = rand(1, 5, D, seed=4)
         np.testing.assert_allclose(client.infer(query).output, eager(small_module, query)[0], atol=1e-5)
