@@ -5,7 +5,8 @@ the peers (PyTriton and MLServer from ../shared/peers), all driven by the same c
     .venv/bin/python benchmarks/bench_serving.py --peers-dir /tmp/peers/.peers --out bench-results
 
 Shapes [1,16,512] and [1,128,512] with attention weights, concurrency 1, 4, 16; then a mixed-length
-run (16..128) at concurrency 16 with `mhaserve bench` (plots in --out). Every timed step holds
+run (16..128) at concurrency 16 with `mhaserve bench` (plots in --out). `--int8` adds mhaserve serving an int8
+export of the same module (`mhaserve export --precision int8`), and its ratios to the best peer. Every timed step holds
 /tmp/bench.lock; the peers' start script takes the lock itself, so this script never holds it
 across one. The peers serve a single-input (self-attention) export of the *same* module and
 weights, since they take one input; mhaserve serves its own export.
@@ -137,11 +138,13 @@ class MhaServer:
             server.stop()
 
 
-def loadgen(peers_dir: Path, label: str, url: str, input_name: str, seconds: float, out: Path) -> None:
+def loadgen(
+    peers_dir: Path, label: str, url: str, input_name: str, seconds: float, out: Path, concurrency=CONCURRENCY
+) -> None:
     """The peers' loadgen.py over the shape x concurrency matrix, each point under the lock."""
     python = peers_dir / "venv" / "bin" / "python"
     for shape in SHAPES:
-        for c in CONCURRENCY:
+        for c in concurrency:
             command = ["flock", LOCK, str(python), str(PEERS_SCRIPTS / "loadgen.py"), "--url", url, "--model", "mha",
                        "--input", input_name, "--outputs", "output,attn_weights", "--shape", shape, "-c", str(c),
                        "--seconds", str(seconds), "--warmup", "1.5", "--label", label, "--json", str(out)]  # fmt: skip
@@ -205,6 +208,20 @@ def report(inproc: list[dict], served: list[dict], mixed: dict | None) -> None:
         return pick(found, key=lambda r: r[key]) if found else None
 
     print("\n### Targets (ratios from this run)\n")
+    for shape in SHAPES:
+        for c in sorted({r["concurrency"] for r in served}):
+            int8, fp32 = point("mhaserve-int8", shape, c), point("mhaserve-batch", shape, c)
+            peer_thr, peer_p50 = best_peer(shape, c), best_peer(shape, c, "p50_us", min)
+            if not int8 or "p50_us" not in int8:
+                continue
+            line = f"- mhaserve-int8 [{shape}] c={c}:"
+            if fp32:
+                line += f" / mhaserve fp32 throughput = {int8['infer_per_s'] / fp32['infer_per_s']:.2f};"
+            if peer_thr and peer_p50:
+                throughput, p50 = int8["infer_per_s"] / peer_thr["infer_per_s"], int8["p50_us"] / peer_p50["p50_us"]
+                line += (f" / best peer throughput ({peer_thr['label']}) = {throughput:.2f} (goal >= 1.5); "
+                         f"p50 / best peer p50 ({peer_p50['label']}) = {p50:.2f} (goal <= 0.5)")  # fmt: skip
+            print(line)
     off = point("mhaserve-nobatch", "1,16,512", 16)
     for label in ("mhaserve-batch", "mhaserve-batch-2proc"):
         big, small, c1 = point(label, "1,128,512", 16), point(label, "1,16,512", 16), point(label, "1,16,512", 1)
@@ -237,8 +254,14 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
     parser.add_argument("--skip-peers", action="store_true")
+    parser.add_argument("--int8", action="store_true", help="also serve an int8 export of the same module")
+    parser.add_argument("--only", default=None, help="comma-separated labels of the mhaserve variants to run "
+                        "(default all)")  # fmt: skip
+    parser.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)), help="comma-separated")
+    parser.add_argument("--skip-mixed", action="store_true", help="no mixed-length run")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    concurrency = tuple(int(c) for c in args.concurrency.split(","))
 
     from mhaserve.export.default_model import ensure_default_model
     from mhaserve.model import seeded_module
@@ -260,10 +283,25 @@ def main() -> int:
         # Both cores for Python's side too: two processes on one port, one ORT thread each.
         ("mhaserve-batch-2proc", ("--intra-op-threads", "1"), 2),
     )
+    folders = {label: model_dir for label, *_ in variants}
+    if args.int8:
+        from mhaserve.export.model_dir import export_model_dir
+
+        int8_dir = args.out / "int8"
+        log(f"exporting the same module in int8 to {int8_dir}")
+        manifest = export_model_dir(module, int8_dir, precision="int8", validation_seed=0, report=lambda _: None)
+        if not manifest["valid"]:
+            raise SystemExit(f"the int8 export is not valid: {manifest['validation']['worst_failure']}")
+        variants += (("mhaserve-int8", threads, 1),)
+        folders["mhaserve-int8"] = int8_dir
+    only = None if args.only is None else set(args.only.split(","))
     for label, extra, instances in variants:
+        if only is not None and label not in only:
+            continue
         log(label)
-        with MhaServer(model_dir, *extra, instances=instances):
-            loadgen(args.peers_dir, label, f"127.0.0.1:{MHASERVE_PORT}", "query", args.seconds, served_file)
+        with MhaServer(folders[label], *extra, instances=instances):
+            loadgen(args.peers_dir, label, f"127.0.0.1:{MHASERVE_PORT}", "query", args.seconds, served_file,
+                    concurrency)  # fmt: skip
     if args.peers_dir and not args.skip_peers:
         peer_env = {"MODEL": str(peer_model.resolve()), "INPUT_NAME": "x", "ORT_INTRA_OP_THREADS": str(args.threads)}
         for name, url, command in (
@@ -274,11 +312,13 @@ def main() -> int:
             # MLServer in-process (PARALLEL_WORKERS=0), as the peers' README runs it.
             env = {**peer_env, "PARALLEL_WORKERS": "0"} if name == "mlserver" else peer_env
             if start_peer(args.peers_dir, name, url, *command, env=env):
-                loadgen(args.peers_dir, name, url, "x", args.seconds, served_file)
+                loadgen(args.peers_dir, name, url, "x", args.seconds, served_file, concurrency)
             stop_peer(args.peers_dir, name)
     served = [json.loads(line) for line in served_file.read_text().splitlines()]
-    log("mixed lengths")
-    mixed = mixed_lengths(model_dir, args.seconds, args.out)
+    mixed = None
+    if not args.skip_mixed:
+        log("mixed lengths")
+        mixed = mixed_lengths(model_dir, args.seconds, args.out)
     (args.out / "inproc.json").write_text(json.dumps(inproc, indent=1))
     report(inproc, served, mixed)
     return 0

@@ -18,6 +18,7 @@ import onnxruntime as ort
 import torch
 
 import mhaserve
+from mhaserve.contract.errors import UsageError
 from mhaserve.contract.model_dir import (
     MANIFEST_FORMAT,
     METADATA_PREFIX,
@@ -39,9 +40,11 @@ from .validate import (
     UserModuleReference,
     export_holds,
     input_limit,
+    max_errors,
     status_counts,
     validate,
     validate_scales,
+    worst_failure,
 )
 
 _ONNX_DTYPES = {
@@ -128,6 +131,8 @@ def export_model_dir(
         "validation": {
             "passed": passed,
             "tolerance": asdict(TOLERANCES[precision]),
+            # where an export that does not hold is furthest past its tolerance (None where it holds)
+            "worst_failure": worst_failure(results, scales, precision),
             "seed": validation_seed,
             "counts": status_counts(results),
             "cases": [r.as_dict() for r in results],
@@ -223,6 +228,9 @@ def revalidate_model_dir(
     results = validate(module, path, seed=seed, report=report, precision=precision)
     scales = validate_scales(module, path, seed=seed, report=report, precision=precision)
     holds = export_holds(results, scales)
+    failure = worst_failure(results, scales, precision)
+    if failure is not None:
+        (report or (lambda line: print(line, file=sys.stderr, flush=True)))(failure)
     if manifest.get("files", {}).get("output_only") == OUTPUT_ONLY_FILE:
         holds = holds and export_holds(
             *_validate_output_only(module, module, str(model_dir / OUTPUT_ONLY_FILE), seed, report)
@@ -281,3 +289,54 @@ def export_module(
         report=report,
         reference=reference,
     )
+
+
+def check_on_inputs(
+    model_dir: str | Path,
+    inputs: str | Path,
+    against: str | Path | None = None,
+    report: Callable[[str], None] | None = None,
+) -> bool:
+    """The folder's answers on a user's own inputs against float32's: eager PyTorch on the folder's own weights, or
+    the answers of ``against`` (another folder, a float32 export of the same weights). ``inputs`` is an .npz holding
+    ``query`` and optionally ``key``, ``value`` and ``mask`` (``[B, Lk]``, ``[B, Lq, Lk]`` or the served rank 4), as
+    ``mhaserve infer --save`` writes it. Reports the worst errors; True where they are within the folder's
+    precision's tolerance (validate.TOLERANCES)."""
+    from mhaserve.model.mha import attention_mask_4d
+
+    report = report or (lambda line: print(line, file=sys.stderr, flush=True))
+    model_dir = Path(model_dir)
+    precision = read_manifest(model_dir).get("precision", "fp32")
+    tolerance = TOLERANCES[precision]
+    try:
+        with np.load(inputs) as saved:
+            arrays = {name: saved[name] for name in ("query", "key", "value", "mask") if name in saved}
+    except (OSError, ValueError) as error:
+        raise UsageError(f"--inputs {inputs}: not a readable .npz ({error})") from None
+    if "query" not in arrays:
+        raise UsageError(f"--inputs {inputs}: holds no 'query' array (it has {', '.join(arrays) or 'none'})")
+    query = arrays["query"].astype(np.float32)
+    key = arrays.get("key", query).astype(np.float32)
+    value = arrays.get("value", key).astype(np.float32)
+    mask = arrays.get("mask")
+    allowed = np.ones((1, 1, 1, key.shape[1]), bool) if mask is None else attention_mask_4d(torch.from_numpy(mask))
+    feeds = {"query": query, "key": key, "value": value, "mask": np.ascontiguousarray(np.asarray(allowed))}
+    session = ort.InferenceSession(str(model_dir / MODEL_FILE), providers=["CPUExecutionProvider"])
+    got = session.run(["output", "attn_weights"], feeds)
+    if against is None:
+        module = load_weights(model_dir / WEIGHTS_FILE)
+        with torch.no_grad():
+            want = [t.numpy() for t in module(*(torch.from_numpy(feeds[n]) for n in ("query", "key", "value", "mask")))]
+        reference = "eager float32 PyTorch on its weights"
+    else:
+        other = ort.InferenceSession(str(Path(against) / MODEL_FILE), providers=["CPUExecutionProvider"])
+        want = other.run(["output", "attn_weights"], feeds)
+        reference = f"{against}"
+    (out_abs, out_rel), (attn_abs, attn_rel) = (max_errors(g, w) for g, w in zip(got, want, strict=True))
+    within = tolerance.output.allows(out_abs, out_rel) and tolerance.weights.allows(attn_abs, attn_rel)
+    report(
+        f"{model_dir} ({precision}) against {reference}, on {inputs} (query {list(query.shape)}, key "
+        f"{list(key.shape)}): output abs {out_abs:.2e} rel {out_rel:.2e}; weights abs {attn_abs:.2e} rel "
+        f"{attn_rel:.2e}: {'within' if within else 'NOT within'} the {precision} tolerance ({tolerance})"
+    )
+    return within

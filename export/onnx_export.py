@@ -52,7 +52,7 @@ EXAMPLE_BATCH, EXAMPLE_Q_LEN, EXAMPLE_KV_LEN = 2, 5, 7
 # Protobuf cannot hold a model over 2 GiB; beyond this, weights go to an external data file.
 SINGLE_FILE_LIMIT_BYTES = 1_800_000_000
 
-PRECISIONS = ("fp32", "fp16")
+PRECISIONS = signature.PRECISIONS
 
 
 def translations() -> dict:
@@ -236,7 +236,13 @@ def export_onnx(module: MultiHeadAttention, opset: int = DEFAULT_OPSET, precisio
         finally:
             quiet.setLevel(level)
         model = onnx.load(Path(tmp) / "model.onnx", load_external_data=True)
-    return float16_attention(model) if precision == "fp16" else model
+    if precision == "fp16":
+        return float16_attention(model)
+    if precision == "int8":
+        from .int8 import int8_projections
+
+        return int8_projections(model)
+    return model
 
 
 def check_onnx(model: onnx.ModelProto) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 from google.protobuf import text_format
 
 from mhaserve.contract.model_dir import MODEL_FILE, ModelDirError, read_manifest
-from mhaserve.contract.signature import WEIGHTS_DATATYPES
+from mhaserve.contract.signature import COMPUTES_IN, WEIGHTS_DATATYPES
 from mhaserve.protos.generated import model_config_pb2 as mc
 
 DEFAULT_MAX_BATCH_SIZE = 32
@@ -44,6 +44,10 @@ def triton_config(
             mc.ModelOutput(name="attn_weights", data_type=weights, dims=[num_heads, -1, -1]),
         ],
         dynamic_batching=mc.ModelDynamicBatching(max_queue_delay_microseconds=0),
+        parameters={
+            "precision": mc.ModelParameter(string_value=precision),
+            "computes_in": mc.ModelParameter(string_value=COMPUTES_IN[precision]),
+        },
     )
 
 

@@ -7,7 +7,7 @@ are the protocol's, so one statement serves both transports).
 from __future__ import annotations
 
 import mhaserve
-from mhaserve.contract.signature import input_specs, output_specs
+from mhaserve.contract.signature import COMPUTES_IN, input_specs, output_specs
 
 from .registry import ServedModel
 from .shared_memory import RegionStatus
@@ -63,7 +63,13 @@ def model_config(served: ServedModel) -> dict:
         ],
         "default_model_filename": "model.onnx",
         # What a client sizing buffers for the weights needs (a shared-memory window): the heads dim is -1 above.
-        "parameters": {"d_model": {"string_value": str(s.d_model)}, "num_heads": {"string_value": str(s.num_heads)}},
+        # and what the graph computes in (an int8 model's tensors are FP32 like a float32 model's).
+        "parameters": {
+            "d_model": {"string_value": str(s.d_model)},
+            "num_heads": {"string_value": str(s.num_heads)},
+            "precision": {"string_value": s.precision},
+            "computes_in": {"string_value": COMPUTES_IN[s.precision]},
+        },
     }
 
 

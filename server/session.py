@@ -106,6 +106,14 @@ class AttentionSession:
         path = check_model_file(model_dir, manifest)
         if device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
+        if manifest.get("precision") == "int8":  # export/int8.py: its products have CPU kernels only
+            if device == "cuda":
+                raise DeviceUnavailable(
+                    f"--device cuda: {model_dir} is an int8 export, and ONNX Runtime's CUDA provider has no kernel "
+                    "for its uint8 x int8 products (MatMulIntegerToFloat); serve it with --device cpu, or export "
+                    "fp16 for the GPU"
+                )
+            device = "cpu"
         self.intra_op_threads = intra_op_threads or os.cpu_count() or 1
         options = _session_options(self.intra_op_threads, inter_op_threads)
         self._session = self._load(path, options, device, cuda_tf32)

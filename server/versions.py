@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mhaserve.contract.cpu import int8_warning
 from mhaserve.contract.signature import GRAPH_OUTPUT_NAMES
 
 from .batcher import Batcher, BatchResult
@@ -21,7 +22,7 @@ from .memory import MemoryBudget, run_workspace_bytes
 from .metrics import Metrics
 from .registry import ServedModel
 from .run_cost import RunCost
-from .session import AttentionSession
+from .session import CPU, AttentionSession
 from .statistics import ModelStatistics
 from .tensors import Limits, ModelSignature
 from .threads import lowered_pool
@@ -88,6 +89,8 @@ class VersionFactory:
             session.provider, "yes" if session.has_output_only_graph else "no", model_dir,
             extra={"model": name, "version": str(version)},
         )  # fmt: skip
+        if signature.precision == "int8" and session.provider == CPU and (warning := int8_warning()) is not None:
+            log.warning("model '%s' version %s: %s", name, version, warning)
         return ServedModel(signature, model_dir, session, batcher, model_metrics, stats)
 
     def _open_session(self, model_dir: Path) -> tuple[AttentionSession, RunCost | None]:

@@ -31,7 +31,8 @@ def _add_export(sub) -> None:
     p.add_argument("--prefix", help="the key prefix of one attention layer in --weights (e.g. encoder.layers.3.)")
     p.add_argument("--opset", type=int, default=None, help="ONNX opset (default 18)")
     p.add_argument("--precision", choices=PRECISIONS, default="fp32", help="what the graph computes in; fp16 "
-                   "takes and returns float32 but returns the attention weights in float16 (default fp32)")  # fmt: skip
+                   "takes and returns float32 but returns the attention weights in float16; int8 computes the four "
+                   "projections in int8, validated within its own tolerance (default fp32)")  # fmt: skip
     p.add_argument("--name", default="mha", help="model name the server registers; with --repository, the model's "
                    "folder (default mha)")  # fmt: skip
     p.add_argument("--validation-seed", type=int, default=None, help="seed of the validation inputs (default random)")
@@ -80,6 +81,11 @@ def _run_export(args) -> int:
         f"and validating it against eager PyTorch",
         file=sys.stderr,
     )
+    if args.precision == "int8":
+        from mhaserve.contract.cpu import int8_warning
+
+        if (warning := int8_warning()) is not None:
+            print(f"warning: {warning}", file=sys.stderr)
     manifest = export_model_dir(
         module,
         args.out,
@@ -90,6 +96,9 @@ def _run_export(args) -> int:
         validation_seed=args.validation_seed,
     )
     verdict = "valid" if manifest["valid"] else "NOT valid (validation failed)"
+    failure = manifest["validation"]["worst_failure"]
+    if failure is not None:
+        verdict += f"; {failure}"
     print(f"wrote {args.out} in {manifest['export_seconds']} s: {verdict}", file=sys.stderr)
     if manifest["valid"] and args.triton_repo:
         from mhaserve.export.triton_repo import write_triton_repo
@@ -102,12 +111,21 @@ def _add_validate(sub) -> None:
     p = sub.add_parser("validate", help="re-run the validation matrix on an exported model folder")
     p.add_argument("model_dir", type=Path, help="the model folder 'mhaserve export' wrote")
     p.add_argument("--seed", type=int, default=None, help="seed of the validation inputs (default random)")
+    p.add_argument("--inputs", type=Path, help="instead, compare the folder's answers on your own inputs (an .npz "
+                   "with query and optionally key, value, mask, as 'mhaserve infer --save' writes) against float32's, "
+                   "within the folder's precision's tolerance")  # fmt: skip
+    p.add_argument("--against", type=Path, help="with --inputs: a float32 folder of the same weights to compare "
+                   "against (default: eager float32 PyTorch on the folder's own weights)")  # fmt: skip
     p.set_defaults(run=_run_validate)
 
 
 def _run_validate(args) -> int:
-    from mhaserve.export.model_dir import revalidate_model_dir
+    from mhaserve.export.model_dir import check_on_inputs, revalidate_model_dir
 
+    if args.inputs is not None:
+        return 0 if check_on_inputs(args.model_dir, args.inputs, args.against) else 1
+    if args.against is not None:
+        raise UsageError("--against compares answers on --inputs; there is no --inputs")
     return 0 if revalidate_model_dir(args.model_dir, seed=args.seed) else 1
 
 

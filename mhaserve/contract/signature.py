@@ -28,8 +28,15 @@ DEFAULT_OUTPUT_NAMES = (OUTPUT, ATTN_WEIGHTS)
 # The precisions a model is exported in, and the datatype its attention weights are returned in. Every
 # model takes FP32 inputs and returns an FP32 output; a float16 model returns its weights in float16,
 # half the bytes of the largest tensor an answer holds (B * h * Lq * Lk values).
-WEIGHTS_DATATYPES = {"fp32": "FP32", "fp16": "FP16"}
+WEIGHTS_DATATYPES = {"fp32": "FP32", "fp16": "FP16", "int8": "FP32"}
 PRECISIONS = tuple(WEIGHTS_DATATYPES)
+# What each precision's graph computes in, as the model's config and the server's start-up line say it.
+COMPUTES_IN = {
+    "fp32": "float32",
+    "fp16": "float16 value path (V projection, weighted sum, W_o); float32 attention weights",
+    "int8": "int8 projections W_q, W_k, W_v, W_o (inputs per token, weights per output column); float32 scores, "
+    "softmax and weighted sum",
+}
 
 
 @dataclass(frozen=True)

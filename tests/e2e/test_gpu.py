@@ -36,7 +36,7 @@ def cuda_unusable() -> str | None:
 pytestmark = pytest.mark.skipif(cuda_unusable() is not None, reason=f"no usable GPU: {cuda_unusable()}")
 
 # TF32 rounds a float32 product's inputs to 10 bits of mantissa, as float16 does: the same relative bound.
-TF32 = TOLERANCES["fp16"]
+TF32 = TOLERANCES["fp16"].output
 
 
 def eager_on_gpu(module, query, key=None, value=None, mask=None):
@@ -107,8 +107,18 @@ def test_float16_export_on_the_gpu_is_within_its_tolerance_of_float32_eager(star
         result = client.infer(query)
     want_out, want_attn = eager_on_gpu(small_module, query)
     assert result.attn_weights.dtype == np.float16
-    assert_within_relative(result.output, want_out, TOLERANCES["fp16"])
-    assert_within_relative(result.attn_weights, want_attn, TOLERANCES["fp16"])
+    assert_within_relative(result.output, want_out, TOLERANCES["fp16"].output)
+    assert_within_relative(result.attn_weights, want_attn, TOLERANCES["fp16"].output)
+
+
+def test_an_int8_export_is_served_on_the_cpu_provider_on_a_gpu_machine(start_server, small_module, tmp_path):
+    # Its uint8 x int8 products have no CUDA kernel: --device auto serves it on the CPU (cuda is refused).
+    folder = tmp_path / "int8"
+    assert export_model_dir(small_module, folder, precision="int8", validation_seed=0, report=lambda _: None)["valid"]
+    server = start_server(folder, *TEST_SERVER_ARGS)
+    with Client(server.url) as client:
+        client.infer(rand(2, 40, SMALL_D_MODEL, seed=5))
+    assert provider_of(server) == "CPUExecutionProvider"
 
 
 def test_tritonclient_is_served_on_the_gpu(exact_gpu_server, small_module, tmp_path):

@@ -42,7 +42,8 @@ def fp16_server(fp16_model_dir):
 def test_manifest_and_graph_say_float16_weights_and_float32_everything_else(fp16_model_dir):
     manifest = read_manifest(fp16_model_dir)
     assert manifest["precision"] == "fp16"
-    assert manifest["validation"]["tolerance"] == {"max_abs": None, "max_rel": FP16.max_rel}
+    bound = {"max_abs": None, "max_rel": FP16.output.max_rel}
+    assert manifest["validation"]["tolerance"] == {"output": bound, "weights": bound}
     assert {t["name"]: t["dtype"] for t in manifest["inputs"] + manifest["outputs"]} == {
         "query": "float32", "key": "float32", "value": "float32", "mask": "bool",
         "output": "float32", "attn_weights": "float16",
@@ -159,7 +160,7 @@ def test_a_precision_this_version_does_not_serve_is_refused_in_one_line(fp16_mod
     shutil.copytree(fp16_model_dir, folder)
     manifest = json.loads((folder / "manifest.json").read_text())
     (folder / "manifest.json").write_text(json.dumps(manifest | {"precision": "bf16"}))
-    with pytest.raises(ModelDirError, match="precision 'bf16', expected one of fp32, fp16"):
+    with pytest.raises(ModelDirError, match="precision 'bf16', expected one of fp32, fp16, int8"):
         read_manifest(folder)
     done = subprocess.run(
         [sys.executable, "-m", "mhaserve.cli", "export", "--precision", "bf16", "--out", str(tmp_path / "x")],
@@ -210,7 +211,7 @@ def test_every_answer_at_every_input_scale_is_accurate(start_server, precision, 
     if precision == "fp32":
         assert export_model_dir(small_module, folder, validation_seed=0, report=lambda _: None)["valid"]
     exact = copy.deepcopy(small_module).double()
-    tolerance = SCALE_TOLERANCES[precision].max_rel
+    tolerance = SCALE_TOLERANCES[precision].output.max_rel
     server = start_server(folder, *TEST_SERVER_ARGS)
     with Client(server.url) as client:
         for scale in SCALES:

@@ -65,11 +65,11 @@ TEST_SERVER_ARGS = ("--max-batch-size", "8", "--max-q-len", "64", "--max-kv-len"
 
 
 def assert_within_relative(got, want, tolerance=None):
-    """Within a relative tolerance (validate.TOLERANCES, float16's by default): the largest error over the
+    """Within a relative tolerance (a validate.Bound, float16's by default): the largest error over the
     reference's largest value."""
     from mhaserve.export.validate import TOLERANCES
 
-    tolerance = tolerance or TOLERANCES["fp16"]
+    tolerance = tolerance or TOLERANCES["fp16"].output
     assert got.shape == want.shape
     error = np.max(np.abs(got.astype(np.float64) - want))
     assert error <= tolerance.max_rel * max(np.max(np.abs(want)), 1e-30), error

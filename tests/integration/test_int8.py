@@ -1,0 +1,196 @@
+"""An int8 export (`mhaserve export --precision int8`): the four projections in int8, validated against float32
+eager within int8's own tolerance (a relative error of the output, an absolute error of the weights), refused where
+the policy is not met, and served with FP32 tensors to every client, each answer the same in any batch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.request
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from mhaserve.client.grpc import Client
+from mhaserve.contract.model_dir import ModelDirError, read_manifest
+from mhaserve.export.model_dir import export_model_dir, revalidate_model_dir
+from mhaserve.export.validate import TOLERANCES
+from mhaserve.model import seeded_module
+from mhaserve.testing.server_process import ServerProcess
+from tests.support import SMALL_D_MODEL, SMALL_HEADS, TEST_SERVER_ARGS, eager, rand
+from tests.support.requests import infer_concurrently, mixed_requests
+from tests.support.triton import INPUTS, cases, run_triton_client
+
+INT8 = TOLERANCES["int8"]
+
+
+def assert_within_int8(output, weights, want_output, want_weights):
+    """The int8 policy: the output within a relative error of its largest magnitude, the weights within an
+    absolute error."""
+    output_error = np.abs(output.astype(np.float64) - want_output).max() / np.abs(want_output).max()
+    assert output_error <= INT8.output.max_rel, output_error
+    if weights is not None:
+        assert np.abs(weights.astype(np.float64) - want_weights).max() <= INT8.weights.max_abs
+
+
+@pytest.fixture(scope="module")
+def int8_model_dir(tmp_path_factory, small_module):
+    out = tmp_path_factory.mktemp("int8") / "mha"
+    manifest = export_model_dir(small_module, out, precision="int8", validation_seed=0, report=lambda _: None)
+    assert manifest["valid"], manifest["validation"]["worst_failure"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def int8_server(int8_model_dir):
+    # A 30 ms queue delay makes merging certain for the batching test.
+    args = (*TEST_SERVER_ARGS, "--max-batch-size", "64", "--max-queue-delay-us", "30000")
+    with ServerProcess(int8_model_dir, *args) as process:
+        yield process
+
+
+def test_the_manifest_records_int8_its_tolerance_and_every_case(int8_model_dir):
+    manifest = read_manifest(int8_model_dir)
+    assert manifest["precision"] == "int8" and manifest["valid"]
+    validation = manifest["validation"]
+    assert validation["tolerance"] == {
+        "output": {"max_abs": None, "max_rel": INT8.output.max_rel},
+        "weights": {"max_abs": INT8.weights.max_abs, "max_rel": None},
+    }
+    assert len(validation["cases"]) == 68 and validation["counts"]["fail"] == 0
+    assert all(c["output_max_rel"] <= INT8.output.max_rel for c in validation["cases"] if c["status"] == "pass")
+    assert validation["worst_failure"] is None
+    assert validation["input_scales"]["max_abs_input"] is not None
+    # FP32 in and out, as for a float32 export: every client works unchanged.
+    assert {t["dtype"] for t in manifest["inputs"] + manifest["outputs"]} == {"float32", "bool"}
+    graph = onnx.load(str(int8_model_dir / "model.onnx"))
+    assert sum(n.op_type == "MatMulIntegerToFloat" for n in graph.graph.node) == 4
+    matrices = [t for t in graph.graph.initializer if len(t.dims) == 2]
+    float_weights = {t.name for t in matrices if t.data_type == onnx.TensorProto.FLOAT}
+    assert not float_weights, f"float32 projection matrices left in the graph: {float_weights}"
+    assert revalidate_model_dir(int8_model_dir, seed=1, report=lambda _: None)
+
+
+def test_tritonclient_gets_fp32_answers_within_the_int8_policy(int8_server, small_module, tmp_path):
+    results = run_triton_client(int8_server, tmp_path, "sync")
+    for case, arrays in cases().items():  # self- and cross-attention, key padding, full masks, length 1
+        want_out, want_weights = eager(small_module, *(arrays.get(n) for n in INPUTS))
+        assert results[f"{case}_output"].dtype == results[f"{case}_attn_weights"].dtype == np.float32
+        assert_within_int8(results[f"{case}_output"], results[f"{case}_attn_weights"], want_out, want_weights)
+
+
+def test_a_fully_masked_row_is_zeros_in_int8(int8_server):
+    query = rand(1, 6, SMALL_D_MODEL, seed=4)
+    mask = np.ones((1, 6, 6), dtype=bool)
+    mask[0, 2] = False
+    with Client(int8_server.url) as client:
+        result = client.infer(query, mask=mask)
+    assert not result.output[0, 2].any() and not result.attn_weights[0, :, 2].any()
+
+
+def test_each_answer_in_a_batch_across_lengths_equals_its_unbatched_answer(int8_server, small_module):
+    # Inputs are rounded per token: a request's answer does not depend on its neighbours in a run, nor on the
+    # padding of a run across lengths (one scale per tensor would move it by about the policy's bound).
+    requests = mixed_requests(24, seed=5)
+    requests[0] = (requests[0][0] * np.float32(0.25), *requests[0][1:])  # a neighbour of another scale
+    with Client(int8_server.url) as client:
+        before = client.statistics()
+        batched = infer_concurrently(int8_server.url, requests)
+        merged = client.statistics().execution_count - before.execution_count
+        alone = [client.infer(q, k, v, m, attn_weights=w) for q, k, v, m, w in requests]
+    assert merged < len(requests) // 2, f"{len(requests)} concurrent requests took {merged} runs: not merged"
+    for (query, key, value, mask, weights), one, other in zip(requests, batched, alone, strict=True):
+        np.testing.assert_allclose(one.output, other.output, rtol=0, atol=1e-5)
+        if weights:
+            np.testing.assert_allclose(one.attn_weights, other.attn_weights, rtol=0, atol=1e-5)
+        want_out, want_weights = eager(small_module, query, key, value, mask)
+        assert_within_int8(one.output, one.attn_weights if weights else None, want_out, want_weights)
+
+
+def test_the_config_and_the_triton_repository_say_int8(int8_server, int8_model_dir, tmp_path):
+    from google.protobuf import text_format
+
+    from mhaserve.export.triton_repo import write_triton_repo
+    from mhaserve.protos.generated import model_config_pb2 as mc
+
+    with urllib.request.urlopen(f"{int8_server.http_url}/v2/models/mha/config", timeout=10) as response:
+        parameters = json.load(response)["parameters"]
+    assert parameters["precision"] == {"string_value": "int8"}
+    assert parameters["computes_in"]["string_value"].startswith("int8 projections")
+    target = write_triton_repo(int8_model_dir, tmp_path / "repo")
+    config = text_format.Parse((target / "config.pbtxt").read_text(), mc.ModelConfig())
+    assert config.parameters["precision"].string_value == "int8"
+    assert {t.data_type for t in config.output} == {mc.TYPE_FP32}
+    assert "precision=int8" in int8_server.log
+
+
+def module_int8_cannot_hold():
+    """Query and key projections eight times larger: scores 64 times larger make the softmax turn on differences
+    the rounding of Q and K to 8 bits moves (float32 is exact enough for them)."""
+    module = seeded_module(SMALL_D_MODEL, SMALL_HEADS, seed=2)
+    with torch.no_grad():
+        module.W_q.weight *= 8
+        module.W_k.weight *= 8
+    return module
+
+
+def test_an_export_beyond_the_policy_is_refused_naming_the_worst_case(tmp_path):
+    from mhaserve.model import save_weights
+
+    weights = tmp_path / "sharp.pt"
+    save_weights(module_int8_cannot_hold(), weights)
+    out = tmp_path / "sharp"
+    done = subprocess.run(
+        [sys.executable, "-m", "mhaserve.cli", "export", "--weights", str(weights), "--precision", "int8",
+         "--out", str(out), "--validation-seed", "0"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr[-2000:]
+    verdict = done.stderr.strip().splitlines()[-1]
+    assert "NOT valid" in verdict and "worst case:" in verdict and "int8 tolerance" in verdict, verdict
+    manifest = read_manifest(out)
+    assert not manifest["valid"] and manifest["validation"]["worst_failure"] in verdict
+    with pytest.raises(ModelDirError, match="failed validation"):
+        from mhaserve.server.session import AttentionSession
+
+        AttentionSession(out, device="cpu")
+    # The same weights in float32 are exported and valid: the refusal is int8's, not the module's.
+    assert export_model_dir(module_int8_cannot_hold(), tmp_path / "f32", validation_seed=0, report=lambda _: None)[
+        "valid"
+    ]
+
+
+def test_validate_inputs_compares_int8_with_float32_on_a_users_npz(int8_model_dir, small_model_dir, tmp_path):
+    rng = np.random.default_rng(9)
+    query = rng.standard_normal((2, 12, SMALL_D_MODEL), dtype=np.float32)
+    keep = np.arange(12)[None, :] < np.array([[9], [12]])
+    saved = tmp_path / "requests.npz"
+    np.savez(saved, query=query, mask=keep)
+
+    def validate(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "mhaserve.cli", "validate", str(int8_model_dir), "--inputs", *args],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+
+    against_eager = validate(str(saved))
+    assert against_eager.returncode == 0, against_eager.stderr
+    assert "within the int8 tolerance" in against_eager.stderr and "output abs" in against_eager.stderr
+    against_folder = validate(str(saved), "--against", str(small_model_dir))
+    assert against_folder.returncode == 0 and str(small_model_dir) in against_folder.stderr, against_folder.stderr
+    # Inputs past the validated range, where the rounding of Q and K moves the weights: it says so and exits 1.
+    np.savez(saved, query=query * np.float32(4), mask=keep)
+    beyond = validate(str(saved))
+    assert beyond.returncode == 1 and "NOT within the int8 tolerance" in beyond.stderr, beyond.stderr
+    missing = validate(str(tmp_path / "none.npz"))
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr and "--inputs" in missing.stderr
+
+
+def test_device_cuda_with_an_int8_folder_is_refused_in_one_line(int8_model_dir):
+    process = ServerProcess(int8_model_dir, "--device", "cuda", "--warmup-runs", "0").start(wait=False)
+    assert process.wait_exit(60) == 3, process.log
+    assert "cannot serve: --device cuda:" in process.log and "int8 export" in process.log, process.log
+    assert "Traceback" not in process.log
