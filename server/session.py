@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from mhaserve.contract.cpu import int8_support
 from mhaserve.contract.model_dir import (
     METADATA_PREFIX,
     ModelDirError,
@@ -107,6 +108,8 @@ class AttentionSession:
         if device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
         if manifest.get("precision") == "int8":  # export/int8.py: its products have CPU kernels only
+            if not (support := int8_support()).usable:
+                raise ModelDirError(f"{model_dir}: {support.message}")
             if device == "cuda":
                 raise DeviceUnavailable(
                     f"--device cuda: {model_dir} is an int8 export, and ONNX Runtime's CUDA provider has no kernel "

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mhaserve.contract.cpu import int8_warning
+from mhaserve.contract.cpu import int8_support
 from mhaserve.contract.signature import GRAPH_OUTPUT_NAMES
 
 from .batcher import Batcher, BatchResult
@@ -22,7 +22,7 @@ from .memory import MemoryBudget, run_workspace_bytes
 from .metrics import Metrics
 from .registry import ServedModel
 from .run_cost import RunCost
-from .session import CPU, AttentionSession
+from .session import AttentionSession
 from .statistics import ModelStatistics
 from .tensors import Limits, ModelSignature
 from .threads import lowered_pool
@@ -89,7 +89,7 @@ class VersionFactory:
             session.provider, "yes" if session.has_output_only_graph else "no", model_dir,
             extra={"model": name, "version": str(version)},
         )  # fmt: skip
-        if signature.precision == "int8" and session.provider == CPU and (warning := int8_warning()) is not None:
+        if signature.precision == "int8" and (warning := int8_support().message) is not None:
             log.warning("model '%s' version %s: %s", name, version, warning)
         return ServedModel(signature, model_dir, session, batcher, model_metrics, stats)
 

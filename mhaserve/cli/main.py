@@ -82,9 +82,9 @@ def _run_export(args) -> int:
         file=sys.stderr,
     )
     if args.precision == "int8":
-        from mhaserve.contract.cpu import int8_warning
+        from mhaserve.contract.cpu import int8_support
 
-        if (warning := int8_warning()) is not None:
+        if (warning := int8_support().message) is not None:  # refused or not, validation says if it holds here
             print(f"warning: {warning}", file=sys.stderr)
     manifest = export_model_dir(
         module,

@@ -1,12 +1,15 @@
-"""What this machine's CPU offers that int8 speed depends on, read from its flags (Linux's /proc/cpuinfo).
+"""What this machine's CPU offers that int8 depends on, read from its flags (Linux's /proc/cpuinfo).
 
-ONNX Runtime multiplies int8 matrices with 8-bit dot-product instructions where the CPU has them (AVX-512 VNNI,
-AVX-VNNI or AMX on x86, the dot-product extension on Arm). Without them it sums pairs of 8-bit products in 16 bits
-(x86 AVX2), which saturates with full 8-bit weights and may be no faster than float32 (BENCHMARKS.md, "int8").
+ONNX Runtime multiplies uint8 inputs by int8 weights with 8-bit dot-product instructions where the CPU has them
+(AVX-512 VNNI, AVX-VNNI or AMX on x86, the dot-product extension on Arm). An x86 CPU without them gets AVX2's
+``vpmaddubsw``, which sums pairs of products in 16 bits and saturates with full 8-bit weights: measured on such a
+CPU, an output was 0.3 of its magnitude off (BENCHMARKS.md, "int8 projections"). So int8 is refused there, not
+served wrong. Arm without the dot-product extension widens before it adds: only slower.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 INT8_DOT_PRODUCT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8", "asimddp", "i8mm")
@@ -26,14 +29,22 @@ def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> set[str] | None:
     return flags
 
 
-def int8_warning(cpuinfo: str | Path = "/proc/cpuinfo") -> str | None:
-    """A one-line warning where this CPU lacks 8-bit dot-product instructions (or they cannot be read), else None."""
+@dataclass(frozen=True)
+class Int8Support:
+    usable: bool  # False: int8 products would saturate here
+    message: str | None  # why not, or a warning; None: nothing to say
+
+
+def int8_support(cpuinfo: str | Path = "/proc/cpuinfo") -> Int8Support:
     flags = cpu_flags(cpuinfo)
     if flags is None:
-        return "int8: cannot read this CPU's flags to check for 8-bit dot-product instructions (VNNI)"
-    if flags.isdisjoint(INT8_DOT_PRODUCT_FLAGS):
-        return (
-            "int8: this CPU has no 8-bit dot-product instructions (VNNI); int8 products may be slower than float32 "
-            "here, and int8 weights saturate"
+        return Int8Support(True, "int8: cannot read this CPU's flags to check for 8-bit dot-product instructions")
+    if not flags.isdisjoint(INT8_DOT_PRODUCT_FLAGS):
+        return Int8Support(True, None)
+    if "avx2" in flags or "sse2" in flags:  # x86
+        return Int8Support(
+            False,
+            "int8: this x86 CPU has no 8-bit dot-product instructions (AVX-512 VNNI, AVX-VNNI or AMX), where ONNX "
+            "Runtime's int8 products saturate; serve a float32 export here",
         )
-    return None
+    return Int8Support(True, "int8: this CPU has no 8-bit dot-product instructions; int8 may be slower than float32")
