@@ -176,7 +176,7 @@ async def serve(settings: ServerSettings, model_dir) -> int:
         "tls=%s auth=%s metrics=%s http=%s address=%s:%d",
         "; ".join(
             f"model={m.signature.name} version={m.signature.version} d_model={m.signature.d_model} "
-            f"heads={m.signature.num_heads} opset={m.session.info.opset}"
+            f"heads={m.signature.num_heads} precision={m.signature.precision} opset={m.session.info.opset}"
             for m in served
         )
         or "model=none",

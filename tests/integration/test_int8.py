@@ -124,7 +124,8 @@ def test_the_config_and_the_triton_repository_say_int8(int8_server, int8_model_d
     config = text_format.Parse((target / "config.pbtxt").read_text(), mc.ModelConfig())
     assert config.parameters["precision"].string_value == "int8"
     assert {t.data_type for t in config.output} == {mc.TYPE_FP32}
-    assert "precision=int8" in int8_server.log
+    serving = next(line for line in int8_server.lines if "serving model=" in line)
+    assert "precision=int8" in serving and "provider=CPUExecutionProvider" in serving, serving
 
 
 def module_int8_cannot_hold():
