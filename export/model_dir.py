@@ -309,10 +309,13 @@ def check_on_inputs(
     precision = read_manifest(model_dir).get("precision", "fp32")
     tolerance = TOLERANCES[precision]
     try:
-        with np.load(inputs) as saved:
-            arrays = {name: saved[name] for name in ("query", "key", "value", "mask") if name in saved}
-    except (OSError, ValueError) as error:
-        raise UsageError(f"--inputs {inputs}: not a readable .npz ({error})") from None
+        saved = np.load(inputs)
+    except (OSError, ValueError, EOFError) as error:
+        raise UsageError(f"--inputs {inputs}: not a readable .npz ({error or type(error).__name__})") from None
+    if not isinstance(saved, np.lib.npyio.NpzFile):
+        raise UsageError(f"--inputs {inputs}: one array, not an .npz of named arrays (query, key, value, mask)")
+    with saved:
+        arrays = {name: saved[name] for name in ("query", "key", "value", "mask") if name in saved}
     if "query" not in arrays:
         raise UsageError(f"--inputs {inputs}: holds no 'query' array (it has {', '.join(arrays) or 'none'})")
     query = arrays["query"].astype(np.float32)

@@ -283,6 +283,19 @@ def _head(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected a head number or 'mean', got {text!r}") from None
 
 
+def _load_array(name: str, path: Path):
+    """One .npy array for --query/--key/--value/--mask, or a one-line usage error."""
+    import numpy as np
+
+    try:
+        array = np.load(path)
+    except (OSError, ValueError, EOFError) as error:
+        raise UsageError(f"--{name} {path}: not a readable .npy ({error or type(error).__name__})") from None
+    if not isinstance(array, np.ndarray):
+        raise UsageError(f"--{name} {path}: an .npz of several arrays; pass one .npy per input")
+    return array
+
+
 def _run_infer(args) -> int:
     import time
 
@@ -301,9 +314,8 @@ def _run_infer(args) -> int:
         if d_model is None:
             return 1
         rng = np.random.default_rng(args.seed)
-        arrays = {
-            name: np.load(getattr(args, name)) for name in ("query", "key", "value", "mask") if getattr(args, name)
-        }
+        arrays = {name: _load_array(name, getattr(args, name)) for name in ("query", "key", "value", "mask")
+                  if getattr(args, name)}  # fmt: skip
         if "query" not in arrays:
             arrays["query"] = rng.standard_normal((args.batch, args.q_len, d_model), dtype=np.float32)
         if args.kv_len and "key" not in arrays:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import grpc
@@ -390,6 +392,18 @@ def test_infer_cli_asks_for_the_mean_over_heads_alone(server, small_module, tmp_
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert done.returncode == 2 and f"--head {H}: the model has heads 0..{H - 1}" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("content", [b"", b"not numpy"], ids=["empty", "garbage"])
+def test_infer_cli_says_in_one_line_that_an_input_file_is_unreadable(server, tmp_path, content):
+    bad = tmp_path / "query.npy"
+    bad.write_bytes(content)
+    done = subprocess.run(
+        [sys.executable, "-m", "mhaserve.cli", "infer", "--url", server.url, "--query", str(bad)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2 and f"--query {bad}: not a readable .npy" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
 
 
