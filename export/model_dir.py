@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime
 import os
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -41,6 +40,7 @@ from .validate import (
     export_holds,
     input_limit,
     max_errors,
+    report_to_stderr,
     status_counts,
     validate,
     validate_scales,
@@ -198,8 +198,7 @@ def _validate_output_only(
     reference and the same exact answer as the full graph's), its table rows marked as such."""
 
     def marked(line: str) -> None:
-        line = f"output-only graph: {line}"
-        report(line) if report is not None else print(line, file=sys.stderr, flush=True)
+        (report or report_to_stderr)(f"output-only graph: {line}")
 
     return validate(reference, graph, seed=seed, report=marked), validate_scales(
         module, graph, seed=seed, report=marked
@@ -230,7 +229,7 @@ def revalidate_model_dir(
     holds = export_holds(results, scales)
     failure = worst_failure(results, scales, precision)
     if failure is not None:
-        (report or (lambda line: print(line, file=sys.stderr, flush=True)))(failure)
+        (report or report_to_stderr)(failure)
     if manifest.get("files", {}).get("output_only") == OUTPUT_ONLY_FILE:
         holds = holds and export_holds(
             *_validate_output_only(module, module, str(model_dir / OUTPUT_ONLY_FILE), seed, report)
@@ -304,7 +303,7 @@ def check_on_inputs(
     precision's tolerance (validate.TOLERANCES)."""
     from mhaserve.model.mha import attention_mask_4d
 
-    report = report or (lambda line: print(line, file=sys.stderr, flush=True))
+    report = report or report_to_stderr
     model_dir = Path(model_dir)
     precision = read_manifest(model_dir).get("precision", "fp32")
     tolerance = TOLERANCES[precision]
@@ -334,7 +333,7 @@ def check_on_inputs(
     else:
         other = ort.InferenceSession(str(Path(against) / MODEL_FILE), providers=["CPUExecutionProvider"])
         want = other.run(["output", "attn_weights"], feeds)
-        reference = f"{against}"
+        reference = str(against)
     (out_abs, out_rel), (attn_abs, attn_rel) = (max_errors(g, w) for g, w in zip(got, want, strict=True))
     within = tolerance.output.allows(out_abs, out_rel) and tolerance.weights.allows(attn_abs, attn_rel)
     report(

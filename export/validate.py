@@ -57,11 +57,17 @@ class Bound:
     max_abs: float | None = None  # the largest absolute error
     max_rel: float | None = None  # the largest absolute error over the reference's largest magnitude
 
+    @property
+    def limit(self) -> float:
+        return self.max_abs if self.max_abs is not None else self.max_rel
+
+    def judged(self, max_abs: float, max_rel: float) -> float:
+        """The one of the two errors this bound holds to its limit."""
+        return max_abs if self.max_abs is not None else max_rel
+
     def allows(self, max_abs: float, max_rel: float) -> bool:
         # NaN compares false: a NaN anywhere fails the case.
-        if self.max_abs is not None:
-            return max_abs <= self.max_abs
-        return max_rel <= self.max_rel
+        return self.judged(max_abs, max_rel) <= self.limit
 
     def __str__(self) -> str:
         if self.max_abs is not None:
@@ -210,6 +216,11 @@ class UserModuleReference:
             return returned.float().numpy(), None
         output, weights = returned[0], returned[1] if len(returned) > 1 else None
         return output.float().numpy(), None if weights is None else weights.float().numpy()
+
+
+def report_to_stderr(line: str) -> None:
+    """Where a validation's table rows go when the caller gives no ``report``."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def validation_cases() -> list[ValidationCase]:
@@ -393,7 +404,7 @@ def validate_scales(
     export is within its precision's tolerance of the exact answer, or no further from it than EAGER_ERROR_FACTOR
     times eager float32 PyTorch is."""
     tolerance = SCALE_TOLERANCES[precision]
-    report = report or (lambda line: print(line, file=sys.stderr, flush=True))
+    report = report or report_to_stderr
     module = module.eval()
     exact = copy.deepcopy(module).double()
     session = ort.InferenceSession(onnx_model, providers=["CPUExecutionProvider"])
@@ -469,7 +480,7 @@ def worst_failure(results: list[CaseResult], scales: list[ScaleResult], precisio
         pairs = [(tolerance.output, result.output_max_abs, result.output_max_rel)]
         if result.attn_max_abs is not None:
             pairs.append((tolerance.weights, result.attn_max_abs, result.attn_max_rel))
-        over = [a / b.max_abs if b.max_abs is not None else r / b.max_rel for b, a, r in pairs]
+        over = [bound.judged(max_abs, max_rel) / bound.limit for bound, max_abs, max_rel in pairs]
         return float("inf") if any(np.isnan(over)) else max(over)
 
     failed = [r for r in results if r.failed]
@@ -518,7 +529,7 @@ def validate(
     module itself, or a reference wrapping a user's module.
     """
     tolerance = TOLERANCES[precision]
-    report = report or (lambda line: print(line, file=sys.stderr, flush=True))
+    report = report or report_to_stderr
     if isinstance(reference, MultiHeadAttention):
         reference = ServedModuleReference(reference)
     session = ort.InferenceSession(onnx_model, providers=["CPUExecutionProvider"])
