@@ -108,8 +108,11 @@ class AttentionSession:
         if device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
         if manifest.get("precision") == "int8":  # export/int8.py: its products have CPU kernels only
-            if not (support := int8_support()).usable:
+            support = int8_support()
+            if not support.usable:
                 raise ModelDirError(f"{model_dir}: {support.message}")
+            if support.message is not None:
+                log.warning("%s: %s", model_dir, support.message)
             if device == "cuda":
                 raise DeviceUnavailable(
                     f"--device cuda: {model_dir} is an int8 export, and ONNX Runtime's CUDA provider has no kernel "

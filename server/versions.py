@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 
-from mhaserve.contract.cpu import int8_support
 from mhaserve.contract.signature import GRAPH_OUTPUT_NAMES
 
 from .batcher import Batcher, BatchResult
@@ -89,8 +88,6 @@ class VersionFactory:
             session.provider, "yes" if session.has_output_only_graph else "no", model_dir,
             extra={"model": name, "version": str(version)},
         )  # fmt: skip
-        if signature.precision == "int8" and (warning := int8_support().message) is not None:
-            log.warning("model '%s' version %s: %s", name, version, warning)
         return ServedModel(signature, model_dir, session, batcher, model_metrics, stats)
 
     def _open_session(self, model_dir: Path) -> tuple[AttentionSession, RunCost | None]:
