@@ -36,7 +36,7 @@ import torch
 from onnx import TensorProto, numpy_helper
 from onnx import helper as make
 
-from mhaserve.export.int8 import int8_projections, projection_matmuls, quantize_columns
+from mhaserve.export.int8 import int8_projections, projection_matmuls, quantize_columns, replace_nodes
 from mhaserve.export.onnx_export import export_onnx
 from mhaserve.model import MultiHeadAttention, seeded_module
 
@@ -54,20 +54,18 @@ def signed_inputs(model: onnx.ModelProto) -> onnx.ModelProto:
     """Inputs per token as int8 (no zero point) into MatMulInteger, then Cast and the two scales: the form ONNX
     Runtime's CUDA provider has a kernel for (int8 x int8)."""
     model = onnx.ModelProto.FromString(model.SerializeToString())
-    graph = model.graph
-    initializers = {t.name: t for t in graph.initializer}
-    graph.initializer.extend([
+    initializers = {t.name: t for t in model.graph.initializer}
+    added = [
         numpy_helper.from_array(np.array([-1], np.int64), "s8.last_axis"),
         numpy_helper.from_array(np.array(1e-30, np.float32), "s8.smallest"),
         numpy_helper.from_array(np.array(127.0, np.float32), "s8.levels"),
-    ])  # fmt: skip
+    ]
     replaced = {}
     for matmul in projection_matmuls(model):
         x, weight = matmul.input
         quantized, column_scale = quantize_columns(numpy_helper.to_array(initializers[weight]))
         p = f"{matmul.name}.s8"
-        graph.initializer.extend([numpy_helper.from_array(quantized, f"{p}.w"),
-                                  numpy_helper.from_array(column_scale, f"{p}.cs")])  # fmt: skip
+        added += [numpy_helper.from_array(quantized, f"{p}.w"), numpy_helper.from_array(column_scale, f"{p}.cs")]
         replaced[matmul.name] = [
             make.make_node("Abs", [x], [f"{p}.abs"]),
             make.make_node("ReduceMax", [f"{p}.abs", "s8.last_axis"], [f"{p}.max"], keepdims=1),
@@ -81,9 +79,7 @@ def signed_inputs(model: onnx.ModelProto) -> onnx.ModelProto:
             make.make_node("Mul", [f"{p}.f", f"{p}.cs"], [f"{p}.bc"]),
             make.make_node("Mul", [f"{p}.bc", f"{p}.rs"], list(matmul.output)),
         ]
-    nodes = [n for node in graph.node for n in replaced.get(node.name, [node])]
-    del graph.node[:]
-    graph.node.extend(nodes)
+    replace_nodes(model, replaced, added)
     return model
 
 

@@ -86,15 +86,22 @@ def int8_projections(model: onnx.ModelProto) -> onnx.ModelProto:
             ),
             node("Mul", [f"{p}.by_column", f"{p}.row_scale"], list(matmul.output), name=f"{p}.by_row"),
         ]
-    nodes = []
-    for node in graph.node:
-        nodes.extend(replaced.get(node.name, [node]))
-    del graph.node[:]
-    graph.node.extend(nodes)
-    used = {name for node in graph.node for name in node.input}
-    kept = [t for t in graph.initializer if t.name in used]
-    del graph.initializer[:]
-    graph.initializer.extend(kept + [t for t in shared if t.name in used])
+    replace_nodes(model, replaced, shared)
     if not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.append(make.make_opsetid("com.microsoft", 1))
     return model
+
+
+def replace_nodes(
+    model: onnx.ModelProto, replaced: dict[str, list[onnx.NodeProto]], added: list[onnx.TensorProto]
+) -> None:
+    """In place: each node named in ``replaced`` becomes its list of nodes, in order; of the initializers, the
+    graph's own and ``added``, only those some node reads are kept (the float32 weight matrices go)."""
+    graph = model.graph
+    nodes = [n for node in graph.node for n in replaced.get(node.name, [node])]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    used = {name for node in graph.node for name in node.input}
+    kept = [t for t in [*graph.initializer, *added] if t.name in used]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
