@@ -20,7 +20,7 @@ from mhaserve.export.model_dir import export_model_dir, revalidate_model_dir
 from mhaserve.export.validate import TOLERANCES
 from mhaserve.model import seeded_module
 from mhaserve.testing.server_process import ServerProcess
-from tests.support import SMALL_D_MODEL, SMALL_HEADS, TEST_SERVER_ARGS, eager, rand
+from tests.support import SMALL_D_MODEL, SMALL_HEADS, TEST_SERVER_ARGS, assert_within_relative, eager, rand
 from tests.support.requests import infer_concurrently, mixed_requests
 from tests.support.triton import INPUTS, cases, run_triton_client
 
@@ -30,8 +30,7 @@ INT8 = TOLERANCES["int8"]
 def assert_within_int8(output, weights, want_output, want_weights):
     """The int8 policy: the output within a relative error of its largest magnitude, the weights within an
     absolute error."""
-    output_error = np.abs(output.astype(np.float64) - want_output).max() / np.abs(want_output).max()
-    assert output_error <= INT8.output.max_rel, output_error
+    assert_within_relative(output, want_output, INT8.output)
     if weights is not None:
         assert np.abs(weights.astype(np.float64) - want_weights).max() <= INT8.weights.max_abs
 
