@@ -22,6 +22,7 @@ WHEELS=(
   protobuf==6.33.6
   prometheus-client==0.26.0
   aiohttp==3.14.5 orjson==3.13.0
+  swagger-ui-bundle==1.1.0
   tritonclient==2.73.0 python-rapidjson==1.25
 )
 
