@@ -99,7 +99,7 @@ def ray_batched_replica_class():
             arrays = await asyncio.get_running_loop().run_in_executor(
                 None, served.session.run, merged.outputs, merged.query, merged.key, merged.value, merged.mask
             )
-            answers = split(merged, dict(zip(merged.outputs, arrays, strict=True)), decoded)
+            answers, _ = split(merged, dict(zip(merged.outputs, arrays, strict=True)), decoded)
             return [
                 _Serialized(encode_grpc_response(InferenceResponse(served.signature, r, {n: a[n] for n in d.outputs})))
                 for r, d, a in zip(requests, decoded, answers, strict=True)

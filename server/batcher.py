@@ -53,26 +53,30 @@ class QueueFull(RequestError):
 
 
 class ComputationOverflowed(RequestError):
-    def __init__(self, name: str, count: int, computed_in: str):
+    def __init__(self, asked: tuple[str, ...], checked: str, count: int, computed_in: str):
+        derived = "" if asked == (checked,) else f", from which {', '.join(asked)} would be cut"
         super().__init__(
             ErrorKind.INVALID_ARGUMENT,
-            f"the computation overflowed {computed_in}: output '{name}' has {count} non-finite values (NaN or "
-            f"Inf); inputs of this magnitude cannot be attended over in {computed_in}",
+            f"the computation overflowed {computed_in}: output '{checked}' has {count} non-finite values (NaN or "
+            f"Inf){derived}; inputs of this magnitude cannot be attended over in {computed_in}",
         )
 
 
-def overflow_error(answer: dict[str, np.ndarray], computed_in: str = "float32") -> ComputationOverflowed | None:
-    """An answer holding NaN or Inf is never returned as OK (one sum per output, as for inputs). Where the answer
-    holds the output, its sum alone vouches for the rest: the weights are a softmax, in [0, 1] unless NaN, and a
-    NaN weight makes its query row's output NaN through P·V (the zeroing of a fully masked row multiplies, which
-    keeps NaN), so the weights, their mean and any selection of them are finite when the output is. It spares a
-    pass over the weights, the largest tensor an answer holds (8 MiB at [1, 512, 512])."""
-    checked = {OUTPUT: answer[OUTPUT]} if OUTPUT in answer else answer
-    for name, array in checked.items():
-        bad = count_non_finite(array)
-        if bad:
-            return ComputationOverflowed(name, bad, computed_in)
-    return None
+def overflow_error(
+    asked: tuple[str, ...], output: np.ndarray | None, weights: np.ndarray | None, computed_in: str = "float32"
+) -> ComputationOverflowed | None:
+    """The one check that no answer derived from an overflowed run is returned as OK, for every output a request
+    can ask for, made on a request's rows of the run before anything is cut from them. Where the request asked for
+    the output, its sum alone vouches for the rest: the weights are a softmax, in [0, 1] unless NaN, and a NaN
+    weight makes its query row's output NaN through P·V (the zeroing of a fully masked row multiplies, which keeps
+    NaN). That spares a pass over the weights, the largest tensor an answer holds. Otherwise every weights output
+    (top-k values and indices, top-p, heads/rows/keys, the mean, float16) is cut from ``weights``, summed once: a
+    NaN weight ranks anywhere in a top-k and makes a top-p row empty, so the cut answers cannot be checked."""
+    checked, array = (OUTPUT, output) if output is not None else (ATTN_WEIGHTS, weights)
+    if array is None:
+        return None
+    bad = count_non_finite(array)
+    return ComputationOverflowed(asked, checked, bad, computed_in) if bad else None
 
 
 class DeadlineExpiredInQueue(RequestError):
@@ -147,28 +151,35 @@ def merge(requests: list[AttentionRequest]) -> Merged:
     return Merged(query, key, value, mask, outputs, parts)
 
 
-def split(merged: Merged, results: dict[str, np.ndarray], requests: list[AttentionRequest]):
+def split(
+    merged: Merged, results: dict[str, np.ndarray], requests: list[AttentionRequest], computed_in: str = "float32"
+) -> tuple[list[dict[str, np.ndarray] | None], list[RequestError | None]]:
     """Each request's own rows of the merged results, holding only the outputs it asked for, its weights shaped
-    as it asked (shaping.shaped_weights)."""
-    answers = []
+    as it asked (shaping.shaped_weights); or, where the run overflowed on its rows, no answer and the error."""
+    answers, errors = [], []
     for (start, batch, lq, lk), request in zip(merged.parts, requests, strict=True):
         rows = slice(start, start + batch)
-        answer = {}
-        if OUTPUT in request.outputs:
-            answer[OUTPUT] = results[OUTPUT][rows, :lq]
-        if ATTN_WEIGHTS in results:
-            weights = results[ATTN_WEIGHTS][rows, :, :lq, :lk]
+        output = results[OUTPUT][rows, :lq] if OUTPUT in request.outputs else None
+        weights = results[ATTN_WEIGHTS][rows, :, :lq, :lk] if ATTN_WEIGHTS in results else None
+        derived = weights if any(name != OUTPUT for name in request.outputs) else None
+        error = overflow_error(request.outputs, output, derived, computed_in)
+        errors.append(error)
+        if error is not None:
+            answers.append(None)
+            continue
+        answer = {} if output is None else {OUTPUT: output}
+        if weights is not None:
             answer.update(shaped_weights(weights, request.outputs, request.shaping))
         answers.append({name: answer[name] for name in request.outputs})  # in the order asked for
-    return answers
+    return answers, errors
 
 
 @dataclass
 class BatchResult:
     """What one merged run produced, with its timing, for statistics and metrics."""
 
-    answers: list[dict[str, np.ndarray]]
-    errors: list[RequestError | None]  # per answer: one that must not be returned (overflow_error)
+    answers: list[dict[str, np.ndarray] | None]
+    errors: list[RequestError | None]  # per request: why it has no answer (overflow_error)
     batch_size: int  # rows
     q_len: int  # padded to the longest
     kv_len: int
@@ -351,8 +362,7 @@ class Batcher:
         merged_at = time.perf_counter_ns()
         arrays = self._run_model(merged.outputs, merged.query, merged.key, merged.value, merged.mask)
         ran_at = time.perf_counter_ns()
-        answers = split(merged, dict(zip(merged.outputs, arrays, strict=True)), requests)
-        errors = [overflow_error(answer, self.computed_in) for answer in answers]
+        answers, errors = split(merged, dict(zip(merged.outputs, arrays, strict=True)), requests, self.computed_in)
         finished = time.perf_counter_ns()
         rows = merged.query.shape[0]
         return BatchResult(

@@ -99,14 +99,9 @@ class AttentionSession:
     ):
         model_dir = Path(model_dir)
         manifest = read_manifest(model_dir)
-        if not manifest.get("valid"):
-            raise ModelDirError(
-                f"{model_dir}: the export failed validation (manifest 'valid' is false); "
-                f"re-export it or check it with 'mhaserve validate {model_dir}'"
-            )
-        path = check_model_file(model_dir, manifest)
         if device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
+        # The CPU first: on one whose int8 products saturate, the export's failed validation is a consequence.
         if manifest.get("precision") == "int8":  # export/int8.py: its products have CPU kernels only
             support = int8_support()
             if not support.usable:
@@ -120,6 +115,12 @@ class AttentionSession:
                     "fp16 for the GPU"
                 )
             device = "cpu"
+        if not manifest.get("valid"):
+            raise ModelDirError(
+                f"{model_dir}: the export failed validation (manifest 'valid' is false); "
+                f"re-export it or check it with 'mhaserve validate {model_dir}'"
+            )
+        path = check_model_file(model_dir, manifest)
         self.intra_op_threads = intra_op_threads or os.cpu_count() or 1
         options = _session_options(self.intra_op_threads, inter_op_threads)
         self._session = self._load(path, options, device, cuda_tf32)

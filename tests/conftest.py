@@ -23,6 +23,18 @@ def pytest_collection_modifyitems(items):
             item.add_marker(scope)
 
 
+def pytest_report_header(config):
+    """The CPU the suite runs on, so that a red run says which machine it was: int8 (and its tests) depends on
+    8-bit dot-product instructions."""
+    from mhaserve.contract.cpu import INT8_DOT_PRODUCT_FLAGS, cpu_flags, cpu_model, int8_support
+
+    flags = cpu_flags() or set()
+    shown = [f for f in ("avx2", "avx512f", *INT8_DOT_PRODUCT_FLAGS) if f in flags]
+    support = int8_support()
+    int8 = "int8 served here" if support.usable else "int8 refused here (its products would saturate)"
+    return f"cpu: {cpu_model()}; flags: {' '.join(shown) or 'none of interest'}; {int8}"
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
     report = yield

@@ -9,6 +9,7 @@ served wrong. Arm without the dot-product extension widens before it adds: only 
 
 from __future__ import annotations
 
+import platform
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +28,18 @@ def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> set[str] | None:
         if name.strip() in ("flags", "Features"):  # x86, Arm
             flags.update(value.split())
     return flags
+
+
+def cpu_model(cpuinfo: str | Path = "/proc/cpuinfo") -> str:
+    """The CPU's model name as the kernel reports it (x86's "model name"), else the machine's architecture."""
+    try:
+        for line in Path(cpuinfo).read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name.strip() in ("model name", "Model name", "cpu model"):
+                return value.strip()
+    except OSError:
+        pass
+    return platform.machine() or "unknown"
 
 
 @dataclass(frozen=True)

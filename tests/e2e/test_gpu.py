@@ -113,6 +113,10 @@ def test_float16_export_on_the_gpu_is_within_its_tolerance_of_float32_eager(star
 
 def test_an_int8_export_is_served_on_the_cpu_provider_on_a_gpu_machine(start_server, small_module, tmp_path):
     # Its uint8 x int8 products have no CUDA kernel: --device auto serves it on the CPU (cuda is refused).
+    from mhaserve.contract.cpu import int8_support
+
+    if not (support := int8_support()).usable:
+        pytest.skip(support.message)
     folder = tmp_path / "int8"
     assert export_model_dir(small_module, folder, precision="int8", validation_seed=0, report=lambda _: None)["valid"]
     server = start_server(folder, *TEST_SERVER_ARGS)

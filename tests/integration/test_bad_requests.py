@@ -246,6 +246,39 @@ def test_a_computation_that_overflows_is_refused_never_answered_with_nan(stub, s
     assert [o.name for o in response.outputs] == ["output", "attn_weights"]
 
 
+# Every kind of output a request can ask for, alone and together: each is cut from the run's weights.
+DERIVED_FROM_THE_WEIGHTS = {
+    "top-k indices": (["attn_weights_top_k_indices"], {"attn_top_k": 4}),
+    "top-k values and indices": (["attn_weights_top_k_values", "attn_weights_top_k_indices"], {"attn_top_k": 4}),
+    "top-p indices": (["attn_weights_top_k_indices"], {"attn_top_p": 0.9}),
+    "top-p values and indices": (["attn_weights_top_k_values", "attn_weights_top_k_indices"], {"attn_top_p": 0.9}),
+    "a head's rows": (["attn_weights"], {"attn_heads": "1", "attn_rows": "0:2"}),
+    "a key window in fp16": (["attn_weights"], {"attn_keys": "1:3", "attn_weights_precision": "FP16"}),
+    "the mean over heads": (["attn_weights_mean"], {}),
+    "the output and top-k": (["output", "attn_weights_top_k_indices"], {"attn_top_k": 2}),
+}
+
+
+@pytest.mark.parametrize("scale", [1e20, 1e24, 1e30])
+@pytest.mark.parametrize("asked", DERIVED_FROM_THE_WEIGHTS)
+def test_nothing_cut_from_an_overflowed_run_comes_back_ok(stub, small_module, scale, asked):
+    from tests.support import eager
+
+    outputs, parameters = DERIVED_FROM_THE_WEIGHTS[asked]
+    x = (np.random.default_rng(1).uniform(-1, 1, (1, 4, D)) * scale).astype(np.float32)
+    assert np.isfinite(x).all() and np.isnan(eager(small_module, x)[1]).any()  # q·k overflows float32
+    request = build_infer_request("mha", x)
+    del request.outputs[:]
+    request.outputs.extend(pb.ModelInferRequest.InferRequestedOutputTensor(name=name) for name in outputs)
+    for name, value in parameters.items():
+        field = "int64_param" if isinstance(value, int) else "double_param" if isinstance(value, float) else None
+        setattr(request.parameters[name], field or "string_param", value)
+    with pytest.raises(grpc.RpcError) as error:
+        stub.ModelInfer(request, timeout=10)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, error.value.details()
+    assert "the computation overflowed float32" in error.value.details()
+
+
 @pytest.mark.parametrize("true_byte", [0x02, 0x80, 0xFF])
 def test_any_nonzero_bool_mask_byte_means_true(stub, true_byte):
     # Raw BOOL bytes other than 0/1 reached ONNX Runtime as they were: rows summing to 2, or NaN, with OK.

@@ -12,7 +12,7 @@ import pytest
 
 from mhaserve.client.grpc import AsyncClient, Client
 from mhaserve.testing.server_process import ServerProcess
-from tests.support import SMALL_D_MODEL, eager, inflight_and_counts, rand, scrape
+from tests.support import SMALL_D_MODEL, eager, rand, scrape
 from tests.support.requests import infer_concurrently, mixed_requests
 
 D = SMALL_D_MODEL
@@ -105,47 +105,46 @@ def test_full_queue_refuses_at_once_and_serves_what_it_accepted(start_server, sm
 
 @pytest.mark.parametrize("fault", ["deadline", "cancel"])
 def test_expired_or_cancelled_requests_leave_the_queue_uncomputed(start_server, small_model_dir, fault):
-    # One long run holds the one worker for a few hundred milliseconds; a marker queued behind it shows the
-    # victims will queue too. (Eight slow requests used to stand in for it, awaited until seven were queued:
-    # when the worker kept up with their decoding, seven never were, and the test waited for ever.)
-    # The full graph: the output-only one runs the long request so fast that the marker may never queue behind it.
-    args = ("--max-batch-size", "16", "--max-q-len", "1024", "--max-kv-len", "1024", "--dynamic-batching", "false",
-            "--output-only-graph", "false")  # fmt: skip
-    server = start_server(small_model_dir, *args, "--max-inflight-bytes", str(4 << 30), "--warmup-runs", "0")
+    # A long queue delay holds whatever is queued for HOLD_S, however fast or slow the machine is: a marker starts
+    # the wait, the victims queue behind it and expire or are cancelled within it, and the run at its end takes
+    # the marker alone. (A long run holding the worker raced on a loaded machine: the marker could run first.)
+    hold_s = 6.0
+    args = ("--max-batch-size", "64", "--max-queue-delay-us", str(int(hold_s * 1e6)))
+    server = start_server(small_model_dir, *args, "--warmup-runs", "0")
 
     async def until(condition, what: str) -> None:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + hold_s
         while not await asyncio.to_thread(condition):
-            assert time.monotonic() < deadline, f"{what} did not happen within 30 s"
+            assert time.monotonic() < deadline, f"{what} did not happen within the queue delay ({hold_s} s)"
             await asyncio.sleep(0.005)
 
     async def scenario():
         async with AsyncClient(server.url) as client:
-            blocker = asyncio.create_task(client.infer(rand(16, 1024, D), attn_weights=False, timeout=120))
-            await until(lambda: inflight_and_counts(server)[0] > 0, "the long request's admission")
             marker = asyncio.create_task(client.infer(rand(1, 4, D), timeout=120))
             await until(lambda: pending_requests(server) >= 1, "the marker's queueing")
             if fault == "deadline":
-                victims = [client.infer(rand(1, 4, D), timeout=0.05) for _ in range(5)]
+                victims = [client.infer(rand(1, 4, D), timeout=1.0) for _ in range(5)]
                 outcomes = await asyncio.gather(*victims, return_exceptions=True)
                 codes = {e.code() for e in outcomes}
                 assert codes == {grpc.StatusCode.DEADLINE_EXCEEDED}, codes
             else:
                 victims = [asyncio.create_task(client.infer(rand(1, 4, D), timeout=60)) for _ in range(5)]
-                await asyncio.sleep(0.05)
+                await until(lambda: pending_requests(server) >= 6, "the victims' queueing")
                 for task in victims:
                     task.cancel()
                 outcomes = await asyncio.gather(*victims, return_exceptions=True)
                 assert all(isinstance(o, asyncio.CancelledError) for o in outcomes), outcomes
-            return await asyncio.gather(blocker, marker)
+            assert not marker.done()  # still held: the victims left the queue before any run
+            return await marker
 
-    asyncio.run(scenario())
+    started = time.monotonic()
+    assert asyncio.run(scenario()).output.shape == (1, 4, D)
+    assert time.monotonic() - started >= hold_s * 0.9  # the marker was held for the delay, not run at once
     with Client(server.url) as client:
         stats = client.statistics()
-        assert client.infer(rand(1, 4, D)).output.shape == (1, 4, D)
-    # Only the long request (16 rows) and the marker were ever computed; the five victims were dropped.
-    assert stats.inference_count == 16 + 1
-    assert stats.execution_count == 2
+    # Only the marker was ever computed: one run of one row; the five victims were dropped from the queue.
+    assert stats.inference_count == 1 and stats.execution_count == 1, stats
+    assert pending_requests(server) == 0
 
 
 def test_padding_share_is_a_metric_and_the_flag_keeps_one_padded_run(start_server, small_model_dir, small_module):

@@ -1,6 +1,12 @@
 """An int8 export (`mhaserve export --precision int8`): the four projections in int8, validated against float32
 eager within int8's own tolerance (a relative error of the output, an absolute error of the weights), refused where
-the policy is not met, and served with FP32 tensors to every client, each answer the same in any batch."""
+the policy is not met, and served with FP32 tensors to every client, each answer the same in any batch.
+
+What a user meets depends on the CPU. Where it has 8-bit dot-product instructions (VNNI, AMX, Arm's dot product)
+the small module's int8 export is valid and served. Where it has not (an x86 CPU with AVX2 alone), ONNX Runtime's
+products saturate: that same export is refused, and so is serving any int8 folder. The tests of a refused export
+run on both kinds of CPU: here the refused folder is the small module's own export, there a module whose scores
+int8 cannot hold."""
 
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ import pytest
 import torch
 
 from mhaserve.client.grpc import Client
+from mhaserve.contract.cpu import int8_support
 from mhaserve.contract.model_dir import ModelDirError, read_manifest
 from mhaserve.export.model_dir import export_model_dir, revalidate_model_dir
 from mhaserve.export.validate import TOLERANCES
@@ -25,6 +32,7 @@ from tests.support.requests import infer_concurrently, mixed_requests
 from tests.support.triton import INPUTS, cases, run_triton_client
 
 INT8 = TOLERANCES["int8"]
+INT8_HERE = int8_support()  # int8_model_dir skips where this CPU cannot run int8; the refused-export tests run anyway
 
 
 def assert_within_int8(output, weights, want_output, want_weights):
@@ -37,6 +45,8 @@ def assert_within_int8(output, weights, want_output, want_weights):
 
 @pytest.fixture(scope="module")
 def int8_model_dir(tmp_path_factory, small_module):
+    if not INT8_HERE.usable:
+        pytest.skip(INT8_HERE.message)
     out = tmp_path_factory.mktemp("int8") / "mha"
     manifest = export_model_dir(small_module, out, precision="int8", validation_seed=0, report=lambda _: None)
     assert manifest["valid"], manifest["validation"]["worst_failure"]
@@ -137,30 +147,77 @@ def module_int8_cannot_hold():
     return module
 
 
-def test_an_export_beyond_the_policy_is_refused_naming_the_worst_case(tmp_path):
+@pytest.fixture(scope="module")
+def refused_export(tmp_path_factory, small_module):
+    """``mhaserve export --precision int8`` of weights int8 cannot hold here: the small module's own on a CPU whose
+    int8 products saturate, a module with sharper scores where the CPU has 8-bit dot products. (module, the
+    command's result, its folder)."""
     from mhaserve.model import save_weights
 
-    weights = tmp_path / "sharp.pt"
-    save_weights(module_int8_cannot_hold(), weights)
-    out = tmp_path / "sharp"
+    module = small_module if not INT8_HERE.usable else module_int8_cannot_hold()
+    root = tmp_path_factory.mktemp("refused")
+    save_weights(module, root / "weights.pt")
+    out = root / "mha"
     done = subprocess.run(
-        [sys.executable, "-m", "mhaserve.cli", "export", "--weights", str(weights), "--precision", "int8",
+        [sys.executable, "-m", "mhaserve.cli", "export", "--weights", str(root / "weights.pt"), "--precision", "int8",
          "--out", str(out), "--validation-seed", "0"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
+    return module, done, out
+
+
+def test_an_export_beyond_the_policy_is_refused_naming_the_worst_case(refused_export, tmp_path):
+    module, done, out = refused_export
     assert done.returncode == 1, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
     verdict = done.stderr.strip().splitlines()[-1]
     assert "NOT valid" in verdict and "worst case:" in verdict and "int8 tolerance" in verdict, verdict
+    if not INT8_HERE.usable:  # said before the export's minute of validation, not only after it
+        assert INT8_HERE.message in done.stderr
     manifest = read_manifest(out)
-    assert not manifest["valid"] and manifest["validation"]["worst_failure"] in verdict
-    with pytest.raises(ModelDirError, match="failed validation"):
-        from mhaserve.server.session import AttentionSession
-
-        AttentionSession(out, device="cpu")
+    assert manifest["precision"] == "int8" and not manifest["valid"]
+    assert manifest["validation"]["worst_failure"] in verdict
     # The same weights in float32 are exported and valid: the refusal is int8's, not the module's.
-    assert export_model_dir(module_int8_cannot_hold(), tmp_path / "f32", validation_seed=0, report=lambda _: None)[
-        "valid"
-    ]
+    assert export_model_dir(module, tmp_path / "f32", validation_seed=0, report=lambda _: None)["valid"]
+
+
+def test_serving_a_refused_int8_folder_is_one_line_that_says_why(refused_export):
+    _, _, out = refused_export
+    process = ServerProcess(out, "--warmup-runs", "0").start(wait=False)
+    assert process.wait_exit(60) == 3, process.log
+    assert "Traceback" not in process.log
+    refusal = next(line for line in process.log.splitlines() if "cannot serve:" in line)
+    # Where the CPU cannot run int8 that is the reason given (a float32 export is the way out), else validation.
+    why = INT8_HERE.message if not INT8_HERE.usable else "failed validation"
+    assert str(out) in refusal and why in refusal, refusal
+
+
+def test_a_repository_serves_its_other_versions_beside_a_refused_int8_one(
+    refused_export, small_model_dir, small_module, tmp_path
+):
+    import shutil
+
+    import grpc
+
+    from mhaserve.protos.generated import grpc_service_pb2 as pb
+    from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
+
+    _, _, out = refused_export
+    repository = tmp_path / "repository"
+    shutil.copytree(small_model_dir, repository / "mha" / "1")
+    shutil.copytree(out, repository / "mha" / "2")
+    query = rand(1, 5, SMALL_D_MODEL, seed=3)
+    with ServerProcess(None, *TEST_SERVER_ARGS, "--model-repository", str(repository)) as server:
+        with grpc.insecure_channel(server.url) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            index = {m.version: (m.state, m.reason) for m in stub.RepositoryIndex(pb.RepositoryIndexRequest()).models}
+        with Client(server.url) as client:
+            result = client.infer(query)
+    # The newest version is refused for the reason serving it alone gives; the one before it serves.
+    assert index["1"] == ("READY", ""), index
+    state, reason = index["2"]
+    assert state == "UNAVAILABLE" and (INT8_HERE.message if not INT8_HERE.usable else "failed validation") in reason
+    np.testing.assert_allclose(result.output, eager(small_module, query)[0], rtol=0, atol=1e-5)
 
 
 def test_validate_inputs_compares_int8_with_float32_on_a_users_npz(int8_model_dir, small_model_dir, tmp_path):
@@ -187,6 +244,16 @@ def test_validate_inputs_compares_int8_with_float32_on_a_users_npz(int8_model_di
     assert beyond.returncode == 1 and "NOT within the int8 tolerance" in beyond.stderr, beyond.stderr
     missing = validate(str(tmp_path / "none.npz"))
     assert missing.returncode == 2 and "Traceback" not in missing.stderr and "--inputs" in missing.stderr
+
+
+def test_a_valid_int8_folder_is_refused_on_a_cpu_whose_products_saturate(int8_model_dir, tmp_path, monkeypatch):
+    from mhaserve.server import session
+
+    avx2 = tmp_path / "cpuinfo"
+    avx2.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n")
+    monkeypatch.setattr(session, "int8_support", lambda: int8_support(avx2))
+    with pytest.raises(ModelDirError, match="no 8-bit dot-product instructions.*serve a float32 export here"):
+        session.AttentionSession(int8_model_dir, device="cpu")
 
 
 def test_device_cuda_with_an_int8_folder_is_refused_in_one_line(int8_model_dir):

@@ -23,7 +23,8 @@ def test_merged_run_gives_each_request_its_unbatched_answer(small_model_dir):
     assert merged.query.shape[0] == sum(r.batch_size for r in requests)
     assert merged.query.shape[1] == max(r.query.shape[1] for r in requests)
     arrays = session.run(merged.outputs, merged.query, merged.key, merged.value, merged.mask)
-    answers = split(merged, dict(zip(merged.outputs, arrays, strict=True)), requests)
+    answers, errors = split(merged, dict(zip(merged.outputs, arrays, strict=True)), requests)
+    assert errors == [None] * len(requests)
     for request, answer in zip(requests, answers, strict=True):
         alone = dict(zip(request.outputs, session.run(request.outputs, request.query, request.key, request.value,
                                                       request.mask), strict=True))  # fmt: skip
@@ -143,12 +144,15 @@ def test_an_answer_with_nan_or_inf_is_refused_and_the_output_vouches_for_the_wei
 
     weights = np.full((1, 2, 3, 3), 1 / 3, dtype=np.float32)
     output = np.ones((1, 3, 4), dtype=np.float32)
-    assert overflow_error({"output": output, "attn_weights": weights}) is None
+    both = ("output", "attn_weights")
+    assert overflow_error(both, output, weights) is None
     nan_output = output.copy()
     nan_output[0, 1, 2] = np.nan  # as a NaN weight makes its row's output through P·V
-    assert "output 'output' has 1 non-finite" in overflow_error({"output": nan_output, "attn_weights": weights}).message
+    assert "output 'output' has 1 non-finite" in overflow_error(both, nan_output, weights).message
     nan_weights = weights.copy()
     nan_weights[0, 0, 1] = np.nan
-    refused = overflow_error({"attn_weights": nan_weights}, "float16")  # no output to vouch: the weights are summed
+    # No output to vouch: the weights every weights output is cut from are summed, whatever was asked of them.
+    refused = overflow_error(("attn_top_k_indices",), None, nan_weights, "float16")
     assert "overflowed float16: output 'attn_weights' has 3 non-finite" in refused.message
-    assert "output 'output' has 1" in overflow_error({"attn_weights": weights, "output": np.float32([np.inf])}).message
+    assert "from which attn_top_k_indices would be cut" in refused.message
+    assert "output 'output' has 1" in overflow_error(both, np.float32([np.inf]), weights).message

@@ -31,3 +31,12 @@ def test_int8_warns_on_arm_without_them_and_where_it_cannot_tell(tmp_path):
     assert int8_support(arm).usable and "slower" in int8_support(arm).message
     unknown = int8_support(tmp_path / "absent")
     assert unknown.usable and "cannot read this CPU's flags" in unknown.message
+
+
+def test_the_cpu_model_is_read_for_the_suites_header(tmp_path):
+    from mhaserve.contract.cpu import cpu_model
+
+    path = tmp_path / "cpuinfo"
+    path.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 7B13\nflags\t\t: avx2\n")
+    assert cpu_model(path) == "AMD EPYC 7B13"
+    assert cpu_model(tmp_path / "absent")  # the architecture where there is no cpuinfo
