@@ -35,10 +35,15 @@ HTTP_STATUS = {
 }
 
 
+MESSAGE_AT_MOST = 2000  # characters; parameters.quoted keeps a client's values far shorter
+
+
 class RequestError(Exception):
     """A request this server refuses: its kind and a message naming what was expected and what came."""
 
     def __init__(self, kind: ErrorKind, message: str):
+        if len(message) > MESSAGE_AT_MOST:  # it travels in gRPC trailers, whose size is limited
+            message = f"{message[: MESSAGE_AT_MOST - 40]}... ({len(message)} characters in all)"
         super().__init__(message)
         self.kind = kind
         self.message = message

@@ -34,6 +34,7 @@ from mhaserve.contract.signature import (
 
 from . import kernels
 from .errors import invalid
+from .parameters import integer, number, quoted, text
 
 WEIGHTS_DATATYPES = {"FP32": np.dtype(np.float32), "FP16": np.dtype(np.float16)}
 TOP_K_OUTPUTS = (ATTN_TOP_K_VALUES, ATTN_TOP_K_INDICES)
@@ -68,7 +69,9 @@ def weights_shaping(
     it gets when it named none (None: the model's defaults)."""
     unknown = sorted(name for name in parameters if name.startswith("attn_") and name not in SHAPING_PARAMETERS)
     if unknown:
-        raise invalid(f"unknown parameter '{unknown[0]}'; the weights' options are {', '.join(SHAPING_PARAMETERS)}")
+        raise invalid(
+            f"unknown parameter {quoted(unknown[0])}; the weights' options are {', '.join(SHAPING_PARAMETERS)}"
+        )
     given = [name for name in SHAPING_PARAMETERS if name in parameters]
     top_k_named = [name for name in named if name in TOP_K_OUTPUTS]
     if not given:
@@ -227,27 +230,21 @@ def weights_answer_bytes(shaping: WeightsShaping, outputs, batch, num_heads, q_l
     return total
 
 
-def _text(value, name: str) -> str:
-    if isinstance(value, bool) or not isinstance(value, str | int):
-        raise invalid(f"parameter '{name}' must be a string, got {value!r}")
-    return str(value)
-
-
 def _heads(value, num_heads: int) -> tuple[int, ...] | None:
     if value is None:
         return None
-    text = _text(value, "attn_heads")
+    given = text(value, "attn_heads")
     try:
-        heads = tuple(int(part) for part in text.split(","))
+        heads = tuple(int(part) for part in given.split(","))
     except ValueError:
-        raise invalid(f"parameter 'attn_heads' must list head numbers like \"0,3\", got {text!r}") from None
+        raise invalid(f"parameter 'attn_heads' must list head numbers like \"0,3\", got {quoted(given)}") from None
     for head in heads:
         if not 0 <= head < num_heads:
             raise invalid(
                 f"parameter 'attn_heads': head {head} is out of range; this model has heads 0..{num_heads - 1}"
             )
     if len(set(heads)) != len(heads):
-        raise invalid(f"parameter 'attn_heads' names a head more than once: {text!r}")
+        raise invalid(f"parameter 'attn_heads' names a head more than once: {quoted(given)}")
     return heads
 
 
@@ -256,18 +253,18 @@ def _window(value, name: str, length: int, what: str) -> tuple[int, int] | None:
     and within the request's ``length``."""
     if value is None:
         return None
-    text = _text(value, name).strip()
-    parts = text.split(":")
+    given = text(value, name).strip()
+    parts = given.split(":")
     try:
         if len(parts) != 2:
             raise ValueError
         start, stop = (int(part) if part.strip() else default for part, default in zip(parts, (0, length), strict=True))
     except ValueError:
-        raise invalid(f"parameter '{name}' must be a range like \"0:32\" (start:stop), got {text!r}") from None
+        raise invalid(f"parameter '{name}' must be a range like \"0:32\" (start:stop), got {quoted(given)}") from None
     start, stop = (index + length if index < 0 else index for index in (start, stop))
     if not 0 <= start < stop <= length:
         raise invalid(
-            f"parameter '{name}': {text!r} is no non-empty range of the request's {length} {what} (0..{length})"
+            f"parameter '{name}': {quoted(given)} is no non-empty range of the request's {length} {what} (0..{length})"
         )
     return start, stop
 
@@ -275,33 +272,19 @@ def _window(value, name: str, length: int, what: str) -> tuple[int, int] | None:
 def _top_k(value, window: int) -> int | None:
     if value is None:
         return None
-    try:
-        k = int(value) if not isinstance(value, bool | float) else None
-    except ValueError:
-        k = None
-    if k is None:
-        raise invalid(f"parameter 'attn_top_k' must be an integer, got {value!r}")
-    if not 1 <= k <= window:
-        raise invalid(f"parameter 'attn_top_k': {k} is outside 1..{window}, the keys each row has to rank")
-    return k
+    return integer(value, "attn_top_k", 1, window, "the keys each row has to rank")
 
 
 def _top_p(value) -> float | None:
     if value is None:
         return None
-    try:
-        p = float(value) if not isinstance(value, bool) else None
-    except ValueError:
-        p = None
-    if p is None or not 0 < p <= 1:
-        raise invalid(f"parameter 'attn_top_p' must be a number in (0, 1], got {value!r}")
-    return p
+    return number(value, "attn_top_p", 0, 1, low_open=True)
 
 
 def _precision(value) -> np.dtype | None:
     if value is None:
         return None
-    text = _text(value, "attn_weights_precision").upper()
-    if text not in WEIGHTS_DATATYPES:
-        raise invalid(f"parameter 'attn_weights_precision' must be FP32 or FP16, got {value!r}")
-    return WEIGHTS_DATATYPES[text]
+    given = text(value, "attn_weights_precision").upper()
+    if given not in WEIGHTS_DATATYPES:
+        raise invalid(f"parameter 'attn_weights_precision' must be FP32 or FP16, got {quoted(value)}")
+    return WEIGHTS_DATATYPES[given]

@@ -34,6 +34,7 @@ import grpc
 import mhaserve
 
 from .errors import HTTP_STATUS, ErrorKind, RequestError, invalid
+from .parameters import quoted
 
 if TYPE_CHECKING:
     from .batcher import BatchResult
@@ -47,6 +48,7 @@ GRPC_SERVICE = "inference.GRPCInferenceService"
 # Triton's settings that do not apply to OpenTelemetry export (trace files); accepted as Triton reports them.
 FILE_SETTINGS = ("trace_file", "log_frequency")
 SETTABLE = ("trace_level", "trace_rate", "trace_count")
+UINT32_MAX, INT32_MAX = 2**32 - 1, 2**31 - 1
 
 
 class TracingUnavailable(Exception):
@@ -113,27 +115,30 @@ def checked_settings(base: TraceSettings, changes: Mapping[str, Sequence[str]]) 
         if name == "trace_level":
             levels = [v.upper() for v in values]
             if not levels or any(v not in LEVELS for v in levels):
-                raise ValueError(f"trace_level: expected OFF or TIMESTAMPS, got {list(values)}")
+                raise ValueError(f"trace_level: expected OFF or TIMESTAMPS, got {quoted(list(values))}")
             settings = replace(settings, level="TIMESTAMPS" if "TIMESTAMPS" in levels else "OFF")
         elif name in ("trace_rate", "trace_count"):
             try:
                 number = int(value)
             except ValueError:
-                raise ValueError(f"{name}: expected an integer, got {value!r}") from None
-            if name == "trace_rate" and number < 0:
-                raise ValueError(f"trace_rate: expected 0 or more (one request in every N; 0: none), got {number}")
-            if name == "trace_count" and number < -1:
-                raise ValueError(f"trace_count: expected -1 (no end) or 0 or more, got {number}")
+                raise ValueError(f"{name}: expected an integer, got {quoted(value)}") from None
+            # Triton's ranges: the rate is a uint32, the count an int32.
+            if name == "trace_rate" and not 0 <= number <= UINT32_MAX:
+                raise ValueError(
+                    f"trace_rate: expected 0..{UINT32_MAX} (one request in every N; 0: none), got {number}"
+                )
+            if name == "trace_count" and not -1 <= number <= INT32_MAX:
+                raise ValueError(f"trace_count: expected -1 (no end) or 0..{INT32_MAX}, got {number}")
             settings = replace(settings, **{name.removeprefix("trace_"): number})
         elif name in FILE_SETTINGS:
             if value not in ("", "0"):
                 raise ValueError(f"{name}: trace files are not written here (traces are exported over OTLP)")
         elif name == "trace_mode":
             if value.lower() != "opentelemetry":
-                raise ValueError(f"trace_mode: this server traces with OpenTelemetry only, got {value!r}")
+                raise ValueError(f"trace_mode: this server traces with OpenTelemetry only, got {quoted(value)}")
         else:
             raise ValueError(
-                f"unknown trace setting {name!r}: expected trace_level, trace_rate, trace_count, trace_mode, "
+                f"unknown trace setting {quoted(name)}: expected trace_level, trace_rate, trace_count, trace_mode, "
                 "trace_file or log_frequency"
             )
     return settings

@@ -26,6 +26,7 @@ from .. import describe
 from ..dataplane import DataPlane, InferenceCall
 from ..errors import HTTP_STATUS, ErrorKind, RequestError, invalid
 from ..inference import InferenceRequest, InferenceResponse, RequestedOutput, SharedInput, decodes_slowly
+from ..parameters import boolean, quoted
 from ..security import bearer_token_matches
 from ..shared_memory import placement_of
 from ..tensors import (
@@ -100,6 +101,11 @@ def json_response(value, status: int = 200) -> web.Response:
 # -- the wire format ------------------------------------------------------------------------------------
 
 
+def _word(value) -> bool:
+    """A trace setting's value: a string, or an integer written as one."""
+    return isinstance(value, str | int) and not isinstance(value, bool)
+
+
 def _parameters(entry: dict, where: str) -> dict:
     parameters = entry.get("parameters") or {}
     if not isinstance(parameters, dict):
@@ -163,7 +169,15 @@ def decode_rest_request(name: str, version: str, body: bytes, header_length: int
     ):
         raise invalid("'outputs' must be a list of objects with a 'name'")
     requested = tuple(RequestedOutput(o["name"], _parameters(o, f"output '{o['name']}'")) for o in outputs)
-    return InferenceRequest(name, version, str(document.get("id", "")), arrays, requested, parameters, shared)
+    if "binary_data_output" in parameters:
+        boolean(parameters["binary_data_output"], "binary_data_output")
+    for output in requested:
+        if "binary_data" in output.parameters:
+            boolean(output.parameters["binary_data"], "binary_data")
+    request_id = document.get("id", "")
+    if not isinstance(request_id, str):
+        raise invalid(f"the request's 'id' must be a string, got {quoted(request_id)}")
+    return InferenceRequest(name, version, request_id, arrays, requested, parameters, shared)
 
 
 def _as_written(value) -> str:
@@ -488,12 +502,15 @@ class RestTransport:
             for name, value in given.items():
                 if value is None:
                     changes[name] = []
-                elif isinstance(value, list) and all(isinstance(v, str | int) for v in value):
+                elif isinstance(value, list) and all(_word(v) for v in value):
                     changes[name] = [str(v) for v in value]
-                elif isinstance(value, str | int) and not isinstance(value, bool):
+                elif _word(value):
                     changes[name] = [str(value)]
                 else:
-                    raise invalid(f"trace setting '{name}': expected a string, a list of strings or null, got {value}")
+                    raise invalid(
+                        f"trace setting {quoted(name)}: expected a string, a list of strings or null, "
+                        f"got {quoted(value)}"
+                    )
         settings = self.dataplane.trace_settings(request.match_info.get("name", ""), changes)
         answer = {name: values if name == "trace_level" else values[0] for name, values in settings.items()}
         return web.Response(body=orjson.dumps(answer), content_type="application/json")

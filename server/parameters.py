@@ -1,0 +1,82 @@
+"""Request parameters read by type: one function per type, whatever the transport carried.
+
+A value of any other JSON or protobuf type (a list, an object, a bool where a number goes, text that is no
+number) is refused as INVALID_ARGUMENT naming the parameter, what it takes and what came; no parsing error
+reaches the generic handler. A client's value is quoted clipped (``quoted``): an error message travels back in
+gRPC trailers, whose size is limited, and a log line should not carry a client's 20 KB.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .errors import invalid
+
+QUOTED_AT_MOST = 100  # characters of a client's value an error message repeats
+
+
+def quoted(value: object) -> str:
+    """``repr(value)``, clipped to QUOTED_AT_MOST characters with its full length said."""
+    text = repr(value)
+    if len(text) <= QUOTED_AT_MOST:
+        return text
+    return f"{text[:QUOTED_AT_MOST]}... ({len(text)} characters)"
+
+
+def text(value: object, name: str) -> str:
+    """A string (an integer is taken as its digits: a client may send ``attn_heads`` 3 as a number)."""
+    if isinstance(value, bool) or not isinstance(value, str | int):
+        raise invalid(f"parameter '{name}' must be a string, got {_kind(value)} {quoted(value)}")
+    return str(value)
+
+
+def integer(value: object, name: str, low: int, high: int, what: str = "") -> int:
+    """An integer in [low, high]: a number without a fraction, or text of one."""
+    number = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    elif isinstance(value, float) and value.is_integer():
+        number = int(value)
+    elif isinstance(value, str):
+        try:
+            number = int(value.strip())
+        except ValueError:
+            pass
+    if number is None:
+        raise invalid(f"parameter '{name}' must be an integer, got {_kind(value)} {quoted(value)}")
+    if not low <= number <= high:
+        raise invalid(f"parameter '{name}': {number} is outside {low}..{high}{', ' + what if what else ''}")
+    return number
+
+
+def number(value: object, name: str, low: float, high: float, low_open: bool = False) -> float:
+    """A finite number in [low, high] (or (low, high] with ``low_open``): a number, or text of one."""
+    result = None
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        result = float(value)
+    elif isinstance(value, str):
+        try:
+            result = float(value.strip())
+        except ValueError:
+            pass
+    span = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+    if result is None or not math.isfinite(result):
+        raise invalid(f"parameter '{name}' must be a number in {span}, got {_kind(value)} {quoted(value)}")
+    if not (low < result if low_open else low <= result) or result > high:
+        raise invalid(f"parameter '{name}' must be a number in {span}, got {result:g}")
+    return result
+
+
+def boolean(value: object, name: str) -> bool:
+    """true or false: a JSON or protobuf bool (Triton's clients send these as bools)."""
+    if not isinstance(value, bool):
+        raise invalid(f"parameter '{name}' must be true or false, got {_kind(value)} {quoted(value)}")
+    return value
+
+
+def _kind(value: object) -> str:
+    """The value's type in the words of JSON, which most clients write."""
+    if value is None:
+        return "null"
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
+            dict: "an object"}.get(type(value), type(value).__name__)  # fmt: skip
