@@ -91,6 +91,12 @@ async def serve(settings: ServerSettings, model_dir) -> int:
         return 2
     if token is not None and credentials is None and settings.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("a bearer token over plain text can be read by anyone on the network: use TLS as well")
+    if settings.allow_client_shm and settings.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning(
+            "--allow-client-shm true with --host %s: shared memory is refused (PERMISSION_DENIED, HTTP 403) to "
+            "every caller not on loopback; clients on other hosts send their tensors in the request",
+            settings.host,
+        )
     server = grpc.aio.server(
         interceptors=[BearerTokenInterceptor(token, dataplane.record_unauthenticated)] if token else [],
         options=[

@@ -228,7 +228,12 @@ class DataPlane:
 
     @contextlib.asynccontextmanager
     async def inference(
-        self, protocol: str, timeout_s: float | None = None, method: str = "", headers: HeadersOf | None = None
+        self,
+        protocol: str,
+        timeout_s: float | None = None,
+        method: str = "",
+        headers: HeadersOf | None = None,
+        peer: str = "",
     ) -> AsyncIterator[InferenceCall]:
         """One inference call's life, whichever transport makes it: in it the transport reads its request,
         runs it with ``call.infer`` and encodes the answer with ``call.encode``. Whatever happens inside (a
@@ -241,8 +246,9 @@ class DataPlane:
         is open (an answer never taken is counted CANCELLED, not OK).
 
         ``method`` names the call as its transport does (the RPC, or the HTTP route) and ``headers`` gives its
-        headers or metadata, read only if the call is traced."""
-        call = InferenceCall(self, protocol, timeout_s, method, headers)
+        headers or metadata, read only if the call is traced; ``peer`` the caller's address (shared memory is
+        for callers on this host only)."""
+        call = InferenceCall(self, protocol, timeout_s, method, headers, peer)
         self.accounting.requests_in_flight += 1
         try:
             yield call
@@ -292,9 +298,16 @@ class InferenceCall:
     """One call inside ``DataPlane.inference``: the version it resolved to, its rows, timing and memory."""
 
     def __init__(
-        self, dataplane: DataPlane, protocol: str, timeout_s: float | None, method: str, headers: HeadersOf | None
+        self,
+        dataplane: DataPlane,
+        protocol: str,
+        timeout_s: float | None,
+        method: str,
+        headers: HeadersOf | None,
+        peer: str = "",
     ):
         self._dataplane = dataplane
+        self.peer = peer
         self.protocol = protocol
         self.timeout_s = timeout_s
         self.method = method
@@ -367,7 +380,7 @@ class InferenceCall:
         dataplane = self._dataplane
         windows = {f"input '{name}'": shared.placement for name, shared in request.shared_inputs.items()}
         windows.update({f"output '{name}'": placement for name, placement in placed.items()})
-        self._regions = dataplane.shared_memory.use(windows)
+        self._regions = dataplane.shared_memory.use(self.peer, windows)
         for name, shared in request.shared_inputs.items():
             expected = byte_count(name, shared.datatype, shared.shape)
             if shared.placement.byte_size != expected:

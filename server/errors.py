@@ -16,6 +16,7 @@ class ErrorKind(enum.Enum):
     UNAVAILABLE = enum.auto()  # loading, unloading or shutting down: retry (elsewhere)
     DEADLINE_EXCEEDED = enum.auto()
     FAILED_PRECONDITION = enum.auto()  # the server's configuration forbids it (e.g. the model control mode)
+    PERMISSION_DENIED = enum.auto()  # not from where it is allowed (shared memory from another host)
     ALREADY_EXISTS = enum.auto()  # a name already taken (a shared-memory region)
     UNIMPLEMENTED = enum.auto()  # a part of the protocol this server does not offer (CUDA shared memory)
     INTERNAL = enum.auto()
@@ -25,6 +26,7 @@ class ErrorKind(enum.Enum):
 HTTP_STATUS = {
     ErrorKind.INVALID_ARGUMENT: 400,
     ErrorKind.FAILED_PRECONDITION: 400,
+    ErrorKind.PERMISSION_DENIED: 403,
     ErrorKind.NOT_FOUND: 404,
     ErrorKind.ALREADY_EXISTS: 409,
     ErrorKind.UNIMPLEMENTED: 501,

@@ -14,9 +14,11 @@ Plain Python: the transports parse the protocol's messages and parameters, this 
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import stat
+import urllib.parse
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,6 +62,24 @@ def placement_of(parameters, where: str) -> Placement | None:
         if type(value) is not int or not 0 <= value <= LARGEST:
             raise invalid(f"{where}: '{key}' must be an integer from 0 to 2^63-1, got {value!r}")
     return Placement(region, offset, size)
+
+
+def is_local_peer(peer: str) -> bool:
+    """Whether a caller's address is this host's loopback or a Unix-domain socket. ``peer`` as gRPC gives it
+    (``ipv4:127.0.0.1:5000``, ``ipv6:%5B::1%5D:5000``, ``unix:/path``) or as aiohttp does (``127.0.0.1``)."""
+    peer = urllib.parse.unquote(peer)
+    if peer.startswith(("unix:", "unix-abstract:")):
+        return True
+    host = peer
+    if peer.startswith(("ipv4:", "ipv6:")):
+        host = peer[5:].rsplit(":", 1)[0].strip("[]")
+    try:
+        address = ipaddress.ip_address(host.split("%")[0])  # an IPv6 zone ("%eth0") is no part of the address
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback
 
 
 @dataclass(frozen=True)
@@ -147,16 +167,24 @@ class SharedMemoryRegistry:
         self.shm_dir = shm_dir
         self._regions: dict[str, Region] = {}
 
-    def _check_allowed(self) -> None:
+    def check_allowed(self, peer: str) -> None:
+        """Refuse unless shared memory is on and ``peer`` (the caller's address, as is_local_peer reads it) is
+        this host: a region is opened with the server's permissions, and only a caller here shares its memory."""
         if not self.allowed:
             raise RequestError(
                 ErrorKind.FAILED_PRECONDITION,
                 "client shared memory is off on this server; start it with --allow-client-shm true to register and "
                 "use system shared-memory regions",
             )
+        if not is_local_peer(peer):
+            raise RequestError(
+                ErrorKind.PERMISSION_DENIED,
+                f"shared memory is only for clients on the server's own host, over loopback (127.0.0.1 or ::1); "
+                f"this call came from {peer or 'an unknown address'}: send the tensors in the request instead",
+            )
 
-    def register(self, name: str, key: str, offset, byte_size) -> None:
-        self._check_allowed()
+    def register(self, peer: str, name: str, key: str, offset, byte_size) -> None:
+        self.check_allowed(peer)
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise invalid(f"shared memory region name {name!r}: expected 1 to 128 letters, digits or any of '_.-:'")
         if name in self._regions:
@@ -215,19 +243,19 @@ class SharedMemoryRegistry:
                 f"permissions: {error.strerror}"
             ) from None
 
-    def status(self, name: str = "") -> list[RegionStatus]:
+    def status(self, peer: str, name: str = "") -> list[RegionStatus]:
         """Region ``name`` (NOT_FOUND if not registered), or every region if empty."""
-        self._check_allowed()
+        self.check_allowed(peer)
         if not name:
             return [region.status for region in self._regions.values()]
         if name not in self._regions:
             raise RequestError(ErrorKind.NOT_FOUND, f"no shared memory region '{name}' is registered")
         return [self._regions[name].status]
 
-    def unregister(self, name: str = "") -> None:
+    def unregister(self, peer: str, name: str = "") -> None:
         """Forget region ``name`` (every region if empty; a name not registered: nothing to do, as in Triton). One
         in use stays open until its requests are done."""
-        self._check_allowed()
+        self.check_allowed(peer)
         for each in [name] if name else list(self._regions):
             region = self._regions.pop(each, None)
             if region is not None:
@@ -235,10 +263,10 @@ class SharedMemoryRegistry:
                 if region.users == 0:
                     region.close()
 
-    def use(self, placements: dict[str, Placement]) -> dict[str, Region]:
+    def use(self, peer: str, placements: dict[str, Placement]) -> dict[str, Region]:
         """The regions (by name) that ``placements`` (tensor description -> placement) name, each window
         checked, held open until ``done`` even if unregistered meanwhile; the whole set or nothing."""
-        self._check_allowed()
+        self.check_allowed(peer)
         regions = {}
         for where, placement in placements.items():
             region = self._regions.get(placement.region)
@@ -256,9 +284,9 @@ class SharedMemoryRegistry:
             if region.users == 0 and region.unregistered:
                 region.close()
 
-    def cuda_status(self, name: str = "") -> list:
+    def cuda_status(self, peer: str, name: str = "") -> list:
         """CUDA regions: none is ever registered (``cuda_refused``)."""
-        self._check_allowed()
+        self.check_allowed(peer)
         if name:
             raise RequestError(ErrorKind.NOT_FOUND, f"no CUDA shared memory region '{name}' is registered")
         return []

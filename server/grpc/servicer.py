@@ -23,6 +23,11 @@ from .protobuf import decode_grpc_request, encode_grpc_response, grpc_decodes_sl
 
 log = logging.getLogger("mhaserve.server")
 
+SHARED_MEMORY_RPCS = (
+    "SystemSharedMemoryStatus", "SystemSharedMemoryRegister", "SystemSharedMemoryUnregister",
+    "CudaSharedMemoryStatus", "CudaSharedMemoryUnregister",
+)  # fmt: skip
+
 # The data plane's refusals as gRPC statuses (the kinds are named after them).
 GRPC_STATUS = {kind: grpc.StatusCode[kind.name] for kind in ErrorKind}
 
@@ -77,28 +82,29 @@ class ProtocolAnswers:
         value = pb.TraceSettingResponse.SettingValue
         return pb.TraceSettingResponse(settings={name: value(value=values) for name, values in settings.items()})
 
-    async def SystemSharedMemoryStatus(self, request):
-        rows = describe.shared_memory_status(self.dataplane.shared_memory.status(request.name))
+    async def SystemSharedMemoryStatus(self, request, peer: str = ""):
+        rows = describe.shared_memory_status(self.dataplane.shared_memory.status(peer, request.name))
         regions = {"regions": {row["name"]: row for row in rows}}
         return json_format.ParseDict(regions, pb.SystemSharedMemoryStatusResponse())
 
-    async def SystemSharedMemoryRegister(self, request):
-        self.dataplane.shared_memory.register(request.name, request.key, request.offset, request.byte_size)
+    async def SystemSharedMemoryRegister(self, request, peer: str = ""):
+        registry = self.dataplane.shared_memory
+        registry.register(peer, request.name, request.key, request.offset, request.byte_size)
         return pb.SystemSharedMemoryRegisterResponse()
 
-    async def SystemSharedMemoryUnregister(self, request):
-        self.dataplane.shared_memory.unregister(request.name)
+    async def SystemSharedMemoryUnregister(self, request, peer: str = ""):
+        self.dataplane.shared_memory.unregister(peer, request.name)
         return pb.SystemSharedMemoryUnregisterResponse()
 
-    async def CudaSharedMemoryStatus(self, request):
-        self.dataplane.shared_memory.cuda_status(request.name)
+    async def CudaSharedMemoryStatus(self, request, peer: str = ""):
+        self.dataplane.shared_memory.cuda_status(peer, request.name)
         return pb.CudaSharedMemoryStatusResponse()
 
     async def CudaSharedMemoryRegister(self, request):
         raise self.dataplane.shared_memory.cuda_refused()
 
-    async def CudaSharedMemoryUnregister(self, request):
-        self.dataplane.shared_memory.cuda_status()  # nothing to unregister, if allowed at all
+    async def CudaSharedMemoryUnregister(self, request, peer: str = ""):
+        self.dataplane.shared_memory.cuda_status(peer)  # nothing to unregister, if allowed at all
         return pb.CudaSharedMemoryUnregisterResponse()
 
     async def ModelStatistics(self, request):
@@ -136,8 +142,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @answering_errors
     async def ModelInfer(self, message: ReceivedMessage, context):
+        metadata = lambda: dict(context.invocation_metadata() or ())  # noqa: E731
         async with self.dataplane.inference(
-            self.protocol, context.time_remaining(), "ModelInfer", lambda: dict(context.invocation_metadata() or ())
+            self.protocol, context.time_remaining(), "ModelInfer", metadata, context.peer()
         ) as call:
             answer = await infer_grpc(call, await message.counted_and_parsed(call))
             call.deliver_later()
@@ -187,7 +194,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             try:
                 async with self.dataplane.inference(
                     self.protocol, context.time_remaining(), "ModelStreamInfer",
-                    lambda: dict(context.invocation_metadata() or ()),
+                    lambda: dict(context.invocation_metadata() or ()), context.peer(),
                 ) as call:  # fmt: skip
                     answer = await infer_grpc(call, await message.counted_and_parsed(call), streamed=True)
                     call.deliver_later()
@@ -205,7 +212,9 @@ def _answered(name: str):
     async def rpc(self, request, context):
         if isinstance(request, RequestError):  # bytes that were no request message
             raise request
-        return await getattr(self.answers, name)(request)
+        answer = getattr(self.answers, name)
+        # The shared-memory RPCs ask where the caller is: only one on this host shares its memory.
+        return await (answer(request, context.peer()) if name in SHARED_MEMORY_RPCS else answer(request))
 
     rpc.__name__ = rpc.__qualname__ = name
     return rpc

@@ -26,6 +26,7 @@ def _json(schema: dict, description: str) -> dict:
 ERROR_DESCRIPTIONS = {
     400: "refused: malformed (a wrong shape, datatype, name or value), or forbidden by the server's configuration",
     401: "a missing or wrong bearer token (when the server has one)",
+    403: "not allowed from where it came (shared memory from a caller not on the server's host)",
     404: "no such model or version",
     409: "the name is taken (a shared-memory region registered already)",
     413: "the body is over the limit, or inflates past it",

@@ -101,6 +101,11 @@ def json_response(value, status: int = 200) -> web.Response:
 # -- the wire format ------------------------------------------------------------------------------------
 
 
+def _peer(request: web.Request) -> str:
+    """The caller's address as aiohttp saw it ("" where it cannot tell)."""
+    return request.remote or ""
+
+
 def _word(value) -> bool:
     """A trace setting's value: a string, or an integer written as one."""
     return isinstance(value, str | int) and not isinstance(value, bool)
@@ -518,8 +523,8 @@ class RestTransport:
     async def shared_memory_status(self, request):
         region, shared_memory = request.match_info.get("region", ""), self.dataplane.shared_memory
         if request.path.startswith("/v2/cuda"):
-            return json_response(shared_memory.cuda_status(region))
-        return json_response(describe.shared_memory_status(shared_memory.status(region)))
+            return json_response(shared_memory.cuda_status(_peer(request), region))
+        return json_response(describe.shared_memory_status(shared_memory.status(_peer(request), region)))
 
     async def shared_memory_register(self, request):
         """``{"key": "/name", "offset": 0, "byte_size": N}`` (CUDA: refused, see SharedMemoryRegistry.cuda_refused)."""
@@ -535,16 +540,17 @@ class RestTransport:
                 'the register request must be a JSON object like {"key": "/name", "offset": 0, "byte_size": N}'
             )
         region = request.match_info["region"]
-        self.dataplane.shared_memory.register(region, given["key"], given.get("offset", 0), given["byte_size"])
+        peer = _peer(request)
+        self.dataplane.shared_memory.register(peer, region, given["key"], given.get("offset", 0), given["byte_size"])
         return web.Response(status=200)
 
     async def shared_memory_unregister(self, request):
         await self._body(request)
         region, shared_memory = request.match_info.get("region", ""), self.dataplane.shared_memory
         if request.path.startswith("/v2/cuda"):
-            shared_memory.cuda_status()  # no CUDA region is ever registered: nothing to do, if allowed at all
+            shared_memory.cuda_status(_peer(request))  # no CUDA region is ever registered: nothing to do
         else:
-            shared_memory.unregister(region)
+            shared_memory.unregister(_peer(request), region)
         return web.Response(status=200)
 
     async def api_document(self, request):
@@ -559,7 +565,7 @@ class RestTransport:
     async def infer(self, request: web.Request):
         name, version = request.match_info["name"], request.match_info.get("version", "")
         route = request.match_info.route.resource.canonical
-        async with self.dataplane.inference("http", None, route, lambda: request.headers) as call:
+        async with self.dataplane.inference("http", None, route, lambda: request.headers, _peer(request)) as call:
             header_length = header_length_of(request.headers.get(HEADER_LENGTH))  # before the body is read
             body = await self._body(request, call)
             call.bytes_in = request.content_length or len(body)  # as sent: compressed, if it was

@@ -381,3 +381,50 @@ def test_mhaserve_bench_loads_the_server_through_shared_memory_and_cleans_up(shm
     assert row["shared_memory"] == "system" and row["requests"] > 0 and row["errors"] == 0, row
     assert http(shm_server, "GET", "/v2/systemsharedmemory/status")[1] == []
     assert {name for name in os.listdir("/dev/shm") if name.startswith("mhaserve-")} <= before
+
+
+@pytest.fixture
+def far_host():
+    """Another host: a network namespace of this test's own, joined by a veth pair (skipped where none can be
+    made)."""
+    from tests.support.netns import other_host, why_no_namespace
+
+    if (why := why_no_namespace()) is not None:
+        pytest.skip(why)
+    made = other_host()
+    try:
+        host = made.__enter__()
+    except RuntimeError as error:
+        pytest.skip(f"no network namespace here: {error}")
+    yield host
+    made.__exit__(None, None, None)
+
+
+def test_shared_memory_is_refused_to_a_caller_on_another_host_whatever_it_asks(small_model_dir, region, far_host):
+    from mhaserve.testing.server_process import ServerProcess
+
+    key, _ = region(4096)
+    args = (*TEST_SERVER_ARGS, *SHM_ARGS, "--host", "0.0.0.0")
+    with ServerProcess(small_model_dir, *args) as server:
+        http_port = server.http_url.rsplit(":", 1)[1]
+        assert "shared memory is refused (PERMISSION_DENIED, HTTP 403) to every caller not on loopback" in server.log
+        # From loopback the same server registers a region: the one the far requests then name.
+        assert register(server, "near", key, 4096, headers={})[0] == 200
+        done = far_host.run(
+            sys.executable, str(CLIENT_SCRIPTS / "shm_from_afar.py"), f"{far_host.server_address}:{server.port}",
+            f"http://{far_host.server_address}:{http_port}", str(D), key,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        answers = json.loads(done.stdout)
+        # Untouched by the far calls, and still served to loopback.
+        assert http(server, "GET", "/v2/systemsharedmemory/status", headers={}) == (
+            200,
+            [{"name": "near", "key": key, "offset": 0, "byte_size": 4096}],
+        )
+    assert answers.pop("grpc plain infer") == "OK", answers  # the other host reaches the server
+    for call in ("grpc register", "grpc status", "grpc unregister", "grpc infer into shared memory"):
+        assert answers[call] == "PERMISSION_DENIED", (call, answers)
+        assert f"came from ipv4:{far_host.address}" in answers[f"{call} message"], answers
+    for call in ("http register", "http status", "http unregister", "http infer into shared memory"):
+        assert answers[call] == 403, (call, answers)
+        assert "only for clients on the server's own host" in answers[f"{call} message"], answers
