@@ -46,21 +46,31 @@ with grpc.insecure_channel(grpc_address) as channel:
     stub = pb_grpc.GRPCInferenceServiceStub(channel)
     query = np.ones((1, 2, d_model), np.float32)
     grpc_call("grpc plain infer", stub.ModelInfer, build_infer_request("mha", query))
-    grpc_call("grpc register", stub.SystemSharedMemoryRegister,
-              pb.SystemSharedMemoryRegisterRequest(name="afar", key=key, offset=0, byte_size=64))
+    grpc_call(
+        "grpc register",
+        stub.SystemSharedMemoryRegister,
+        pb.SystemSharedMemoryRegisterRequest(name="afar", key=key, offset=0, byte_size=64),
+    )
     grpc_call("grpc status", stub.SystemSharedMemoryStatus, pb.SystemSharedMemoryStatusRequest())
     grpc_call("grpc unregister", stub.SystemSharedMemoryUnregister, pb.SystemSharedMemoryUnregisterRequest())
     placed = build_infer_request("mha", query)
     placed.outputs[0].parameters["shared_memory_region"].string_param = "near"
     placed.outputs[0].parameters["shared_memory_byte_size"].int64_param = 2 * d_model * 4
     grpc_call("grpc infer into shared memory", stub.ModelInfer, placed)
-http_call("http register", "/v2/systemsharedmemory/region/afar/register",
-          {"key": key, "offset": 0, "byte_size": 64})
+http_call("http register", "/v2/systemsharedmemory/region/afar/register", {"key": key, "offset": 0, "byte_size": 64})
 http_call("http status", "/v2/systemsharedmemory/status")
 http_call("http unregister", "/v2/systemsharedmemory/unregister", {})
-http_call("http infer into shared memory", "/v2/models/mha/infer", {
-    "inputs": [{"name": "query", "shape": [1, 2, d_model], "datatype": "FP32", "data": [1.0] * (2 * d_model)}],
-    "outputs": [{"name": "output", "parameters": {"shared_memory_region": "near",
-                                                   "shared_memory_byte_size": 2 * d_model * 4}}],
-})
+http_call(
+    "http infer into shared memory",
+    "/v2/models/mha/infer",
+    {
+        "inputs": [{"name": "query", "shape": [1, 2, d_model], "datatype": "FP32", "data": [1.0] * (2 * d_model)}],
+        "outputs": [
+            {
+                "name": "output",
+                "parameters": {"shared_memory_region": "near", "shared_memory_byte_size": 2 * d_model * 4},
+            }
+        ],
+    },
+)
 print(json.dumps(answers))
