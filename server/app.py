@@ -7,6 +7,7 @@ import gc
 import logging
 import os
 import signal
+import time
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -211,6 +212,7 @@ async def serve(settings: ServerSettings, model_dir) -> int:
     await asyncio.wait({stop_task, done_task}, return_when=asyncio.FIRST_COMPLETED)
     if polling is not None:
         polling.cancel()
+    stopping_since = time.monotonic()
     if stop.is_set():
         log.info(
             "shutting down: NOT_SERVING, refusing new requests, %.1f s for in-flight ones",
@@ -228,7 +230,9 @@ async def serve(settings: ServerSettings, model_dir) -> int:
         await _stop_rest(http_runner)
     await _stop_rest(metrics_runner)
     await asyncio.to_thread(dataplane.shutdown)
-    await asyncio.to_thread(dataplane.tracing.shutdown)  # the spans not yet exported
+    # The spans not yet exported, in what is left of the grace period (half a second at least).
+    flush_s = max(0.5, settings.grace_seconds - (time.monotonic() - stopping_since))
+    await asyncio.to_thread(dataplane.tracing.shutdown, flush_s)
     # Calls still inside the handler when the grace period ended were cut off: say how many.
     outcomes = ", ".join(f"{status} {n}" for status, n in sorted(dataplane.accounting.outcomes.items())) or "none"
     log.info(

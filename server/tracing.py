@@ -232,10 +232,21 @@ class Tracing:
                     self._refresh()
         return RequestTrace(self._tracer, call, signature, headers if traceparent else None)
 
-    def shutdown(self) -> None:
-        """Export what is left (the batch processor's queue), within its own timeout."""
-        if self._provider is not None:
-            self._provider.shutdown()
+    def shutdown(self, timeout_s: float) -> None:
+        """Export what is left (the batch processor's queue) for at most ``timeout_s``: an OTLP endpoint that
+        never answers must not hold the stop past its grace period (the exporter would wait out its own timeout,
+        and retry). What is not exported by then is dropped, and said."""
+        if self._provider is None:
+            return
+        flush = threading.Thread(target=self._provider.shutdown, name="otlp-flush", daemon=True)
+        flush.start()
+        flush.join(timeout_s)
+        if flush.is_alive():
+            log.warning(
+                "tracing: the spans not exported within %.1f s of the stop were dropped (the OTLP endpoint did not "
+                "answer in time)",
+                timeout_s,
+            )
 
 
 def _parent_sampled(traceparent: str | None) -> bool:
@@ -276,7 +287,8 @@ def _make_tracer(endpoint: str | None):
     attributes = {"service.version": mhaserve.__version__}
     if not os.environ.get("OTEL_SERVICE_NAME"):
         attributes["service.name"] = "mhaserve"
-    provider = TracerProvider(resource=Resource.create(attributes))
+    # Not at the interpreter's exit: the stop flushes within its grace period (Tracing.shutdown).
+    provider = TracerProvider(resource=Resource.create(attributes), shutdown_on_exit=False)
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint) if endpoint else
                                                    OTLPSpanExporter()))  # fmt: skip
     log.info("tracing: OpenTelemetry spans exported over OTLP %s to %s", protocol, endpoint or "the OTEL_* endpoint")

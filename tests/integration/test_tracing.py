@@ -293,3 +293,39 @@ print(sorted(m for m in sys.modules if m.startswith("opentelemetry")))
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_sigterm_with_an_otlp_endpoint_that_never_answers_exits_within_the_grace_period(
+    start_server, small_model_dir, protocol
+):
+    import signal
+    import socket
+    import time
+
+    silent = socket.socket()  # accepts connections into its backlog and never reads a byte
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(64)
+    try:
+        env = {
+            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{silent.getsockname()[1]}",
+            "OTEL_EXPORTER_OTLP_PROTOCOL": protocol,
+            "OTEL_BSP_SCHEDULE_DELAY": "50",
+        }
+        grace = 3.0
+        server = start_server(
+            small_model_dir, *TEST_SERVER_ARGS, "--trace-config", "mode=opentelemetry", "--trace-config", "rate=1",
+            "--trace-config", "level=TIMESTAMPS", "--grace-seconds", str(grace), env=env,
+        )  # fmt: skip
+        with Client(server.url) as client:
+            for seed in range(20):  # spans queued for an endpoint that will not take them
+                infer(client, 4, seed)
+        time.sleep(0.5)  # the exporter is now waiting on the silent endpoint
+        stopped = time.monotonic()
+        server.signal(signal.SIGTERM)
+        assert server.wait_exit(grace + 20) == 0, server.log
+        took = time.monotonic() - stopped
+    finally:
+        silent.close()
+    assert took <= grace + 2, f"exited {took:.1f} s after SIGTERM, grace {grace} s"
+    assert "stopped: inference calls by status: OK 20" in server.log, server.log
