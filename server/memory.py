@@ -21,7 +21,7 @@ from __future__ import annotations
 import heapq
 
 from .errors import ErrorKind, RequestError
-from .shaping import weights_answer_bytes
+from .shaping import ranking_bytes, weights_answer_bytes
 from .tensors import AttentionRequest, weights_dtype
 
 F32 = 4
@@ -59,8 +59,11 @@ def input_bytes(request: AttentionRequest) -> int:
 
 
 def request_workspace_bytes(request: AttentionRequest, num_heads: int) -> int:
+    """Its share of a run's workspace, and what ranking its weights (top-k, top-p) holds after the run."""
     batch, q_len, d_model = request.query.shape
-    return run_workspace_bytes(batch, q_len, request.key.shape[1], d_model, num_heads)
+    kv_len = request.key.shape[1]
+    ranking = ranking_bytes(request.shaping, batch, num_heads, q_len, kv_len)
+    return run_workspace_bytes(batch, q_len, kv_len, d_model, num_heads) + ranking
 
 
 class InflightBytesExceeded(RequestError):

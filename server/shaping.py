@@ -164,9 +164,13 @@ def top_k(weights: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return values.astype(weights.dtype, copy=False), positions
 
 
-# Top-p ranks a row's first keys only, then more where those do not hold p of its mass: attention rows are
-# mostly peaked, and a full sort of every row costs several times the model run.
+# Top-p ranks a row's first keys only, then the whole row where those do not hold p of its mass: attention rows are
+# mostly peaked, and a full sort of every row costs several times the model run. (Ranking twice as many keys at a
+# time until p was reached took 3-5x longer on flat rows, which need every key.)
 FIRST_RANKED = 32
+# The most a top-p request's ranking holds at once, per (row, key) of its selection: the ranked values (float32),
+# their positions (int64) and their running sum (float64), and the answer's padded copies of the first two.
+TOP_P_BYTES_PER_KEY = 4 + 8 + 8 + 4 + 8
 
 
 def top_p(weights: np.ndarray, p: float) -> tuple[np.ndarray, np.ndarray]:
@@ -178,24 +182,27 @@ def top_p(weights: np.ndarray, p: float) -> tuple[np.ndarray, np.ndarray]:
     # a rounding step, and p = 1 must still be reached at the last key that carries weight.
     target = p * flat.sum(axis=1, dtype=np.float64) * (1 - 1e-12)
     counts = np.zeros(len(flat), np.int64)
-    values = np.zeros((len(flat), 0), weights.dtype)
-    positions = np.zeros((len(flat), 0), np.int64)
     pending = np.flatnonzero(target > 0)  # a row with no weight holds no key
     k = min(FIRST_RANKED, length)
-    while pending.size:
+    values = np.zeros((len(flat), k), weights.dtype)
+    positions = np.zeros((len(flat), k), np.int64)
+    if pending.size:
         ranked, where = top_k(flat[pending], k)
         running = np.cumsum(ranked, axis=1, dtype=np.float64)
-        reached = running[:, -1] >= target[pending]
-        if k == length:
-            reached[:] = True
+        reached = (running[:, -1] >= target[pending]) | (k == length)
         done = pending[reached]
         counts[done] = np.argmax(running[reached] >= target[done, None], axis=1) + 1
-        if values.shape[1] < k:
-            values = np.pad(values, ((0, 0), (0, k - values.shape[1])))
-            positions = np.pad(positions, ((0, 0), (0, k - positions.shape[1])))
         values[done], positions[done] = ranked[reached], where[reached]
         pending = pending[~reached]
-        k = min(2 * k, length)
+    if pending.size:  # the rest ranked whole: a stable sort of the negated weights puts ties at the lower key
+        order = np.argsort(-flat[pending], axis=1, kind="stable")
+        ranked = np.take_along_axis(flat[pending], order, axis=1)
+        running = np.cumsum(ranked, axis=1, dtype=np.float64)
+        counts[pending] = np.argmax(running >= target[pending, None], axis=1) + 1
+        largest = int(counts[pending].max())
+        values = np.pad(values, ((0, 0), (0, max(0, largest - k))))
+        positions = np.pad(positions, ((0, 0), (0, max(0, largest - k))))
+        values[pending, :largest], positions[pending, :largest] = ranked[:, :largest], order[:, :largest]
     largest = int(counts.max(initial=0))
     used = np.arange(largest) < counts[:, None]
     values = np.where(used, values[:, :largest], 0).astype(weights.dtype)
@@ -228,6 +235,17 @@ def weights_answer_bytes(shaping: WeightsShaping, outputs, batch, num_heads, q_l
     if ATTN_TOP_K_INDICES in outputs:
         total += 8 * b * h * lq * k
     return total
+
+
+def ranking_bytes(shaping: WeightsShaping, batch, num_heads, q_len, kv_len) -> int:
+    """The most ranking the request's weights holds at once, in the worker after its run: top-p at its worst, a
+    flat row ranked whole (TOP_P_BYTES_PER_KEY); top-k's k values and positions."""
+    b, h, lq, lk = shaping.selected_shape(batch, num_heads, q_len, kv_len)
+    if shaping.top_p is not None:
+        return TOP_P_BYTES_PER_KEY * b * h * lq * lk
+    if shaping.top_k is not None:
+        return (4 + 8) * b * h * lq * shaping.top_k
+    return 0
 
 
 def _heads(value, num_heads: int) -> tuple[int, ...] | None:

@@ -154,3 +154,15 @@ def test_the_mean_over_heads_is_numpys_mean_bit_for_bit(heads, dtype):
     for view in (weights, weights[:, ::2], weights[:, :, 2:7, 1:]):  # selections of heads, rows and keys too
         got, want = mean_over_heads(view), view.mean(axis=1)
         assert got.dtype == want.dtype and np.array_equal(got, want)
+
+
+def test_ranking_is_counted_in_the_budget_at_its_worst():
+    from mhaserve.server.shaping import TOP_P_BYTES_PER_KEY, WeightsShaping, ranking_bytes
+
+    # Top-p at a flat row ranks every key of the selection; top-k its k.
+    assert ranking_bytes(WeightsShaping(top_p=0.9), 1, 8, 512, 512) == TOP_P_BYTES_PER_KEY * 8 * 512 * 512
+    assert ranking_bytes(WeightsShaping(heads=(0,), keys=(0, 128), top_p=1.0), 2, 8, 64, 512) == (
+        TOP_P_BYTES_PER_KEY * 2 * 1 * 64 * 128
+    )
+    assert ranking_bytes(WeightsShaping(top_k=4), 1, 8, 16, 16) == 12 * 8 * 16 * 4
+    assert ranking_bytes(WeightsShaping(heads=(1, 2)), 1, 8, 16, 16) == 0
