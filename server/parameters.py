@@ -32,16 +32,9 @@ def text(value: object, name: str) -> str:
 
 def integer(value: object, name: str, low: int, high: int, what: str = "") -> int:
     """An integer in [low, high]: a number without a fraction, or text of one."""
-    number = None
-    if isinstance(value, int) and not isinstance(value, bool):
-        number = value
-    elif isinstance(value, float) and value.is_integer():
-        number = int(value)
-    elif isinstance(value, str):
-        try:
-            number = int(value.strip())
-        except ValueError:
-            pass
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    number = _read(value, int, int)
     if number is None:
         raise invalid(f"parameter '{name}' must be an integer, got {_kind(value)} {quoted(value)}")
     if not low <= number <= high:
@@ -51,20 +44,27 @@ def integer(value: object, name: str, low: int, high: int, what: str = "") -> in
 
 def number(value: object, name: str, low: float, high: float, low_open: bool = False) -> float:
     """A finite number in [low, high] (or (low, high] with ``low_open``): a number, or text of one."""
-    result = None
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        result = float(value)
-    elif isinstance(value, str):
-        try:
-            result = float(value.strip())
-        except ValueError:
-            pass
+    result = _read(value, int | float, float)
     span = f"{'(' if low_open else '['}{low:g}, {high:g}]"
     if result is None or not math.isfinite(result):
         raise invalid(f"parameter '{name}' must be a number in {span}, got {_kind(value)} {quoted(value)}")
     if not (low < result if low_open else low <= result) or result > high:
         raise invalid(f"parameter '{name}' must be a number in {span}, got {result:g}")
     return result
+
+
+def _read(value: object, kinds, convert):
+    """``convert(value)`` for a value of ``kinds`` or text that converts; None for anything else (a bool too)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, kinds):
+        return convert(value)
+    if isinstance(value, str):
+        try:
+            return convert(value.strip())
+        except ValueError:
+            return None
+    return None
 
 
 def boolean(value: object, name: str) -> bool:
