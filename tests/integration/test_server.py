@@ -184,6 +184,9 @@ class RecordingContext:
     def time_remaining(self):
         return None
 
+    def peer(self):
+        return "ipv4:127.0.0.1:50000"
+
     async def abort(self, code, details):
         raise Aborted(code, details)
 

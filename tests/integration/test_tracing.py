@@ -236,7 +236,7 @@ def test_bad_trace_settings_are_refused_naming_the_setting_and_the_token_guards_
     for settings, words in (
         ({"trace_level": ["LOUD"]}, "trace_level: expected OFF or TIMESTAMPS, got ['LOUD']"),
         ({"trace_rate": ["often"]}, "trace_rate: expected an integer, got 'often'"),
-        ({"trace_count": ["-5"]}, "trace_count: expected -1 (no end) or 0 or more, got -5"),
+        ({"trace_count": ["-5"]}, "trace_count: expected -1 (no end) or 0..2147483647, got -5"),
         ({"trace_file": ["/tmp/t.json"]}, "trace_file: trace files are not written here"),
         ({"trace_colour": ["red"]}, "unknown trace setting 'trace_colour'"),
     ):
