@@ -42,7 +42,7 @@ def main() -> None:
             reset_peak_rss(pid)
             answers = collections.Counter()
 
-            def send() -> None:
+            def send(answers=answers) -> None:
                 # A subchannel pool of its own: a connection of its own, as a client on another host has.
                 options = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_send_message_length", -1)]
                 with grpc.insecure_channel(server.url, options=options) as channel:

@@ -13,6 +13,7 @@ from types import MappingProxyType
 
 import numpy as np
 
+from .errors import ErrorKind, RequestError
 from .shaping import weights_shaping
 from .shared_memory import Placement, placement_of
 from .tensors import AttentionRequest, Limits, ModelSignature, build_request
@@ -92,9 +93,20 @@ class InferenceResponse:
         return self.request.id
 
 
+# Triton's sequence protocol, as tritonclient's infer(sequence_id=, sequence_start=, sequence_end=) sends it.
+SEQUENCE_PARAMETERS = ("sequence_id", "sequence_start", "sequence_end")
+
+
 def attention_request(request: InferenceRequest, model: ModelSignature, limits: Limits) -> AttentionRequest:
     """``request`` checked against the model and the limits: arrays ready for the graph, and what it asked of
     the weights (RequestError otherwise)."""
+    asked = [name for name in SEQUENCE_PARAMETERS if request.parameters.get(name) not in (None, 0, "", False)]
+    if asked:  # answered as a stateless request, a sequence's step would be wrong with OK
+        raise RequestError(
+            ErrorKind.UNIMPLEMENTED,
+            f"parameter '{asked[0]}': this server keeps no sequence state, so a step of a sequence cannot be "
+            "answered; send the whole sequence so far in one request, with a causal mask",
+        )
     named = tuple(o.name for o in request.outputs)
     attention = build_request(request.inputs, request.id, named, model, limits)
     q_len, kv_len = attention.query.shape[1], attention.key.shape[1]
