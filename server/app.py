@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import gc
 import logging
 import os
@@ -21,6 +22,7 @@ from .config import ServerSettings
 from .dataplane import DataPlane
 from .grpc.servicer import InferenceServicer, add_inference_service
 from .malloc import tune_malloc
+from .ports import bind_failure
 from .rest.prometheus import start_metrics
 from .rest.routes import RestTransport
 from .rest.site import start_site
@@ -123,9 +125,12 @@ async def serve(settings: ServerSettings, model_dir) -> int:
         server,
     )
     address = f"{settings.host}:{settings.port}"
-    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    try:
+        port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    except RuntimeError:  # grpcio: "Failed to bind to address ..."
+        port = 0
     if port == 0:
-        log.error("could not bind %s:%s", settings.host, settings.port)
+        log.error("cannot serve: %s", bind_failure("--port", settings.host, settings.port))
         return 2
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -133,7 +138,10 @@ async def serve(settings: ServerSettings, model_dir) -> int:
     try:  # the same protocol over HTTP/REST, on this loop and this data plane; probes answer during the load
         http_runner, http_address = await start_rest(settings, dataplane, token, receive_limit)
     except (OSError, SecurityConfigError) as error:
-        log.error("could not start HTTP/REST on %s:%s: %s", settings.host, settings.http_port, error)
+        if getattr(error, "errno", None) == errno.EADDRINUSE:
+            log.error("cannot serve: %s", bind_failure("--http-port", settings.host, settings.http_port))
+        else:
+            log.error("could not start HTTP/REST on %s:%s: %s", settings.host, settings.http_port, error)
         await server.stop(0)
         return 2
 
@@ -160,9 +168,12 @@ async def serve(settings: ServerSettings, model_dir) -> int:
     try:
         metrics_runner, metrics_address = await start_metrics(settings, dataplane.metrics)
     except OSError as error:
-        log.error(
-            "could not start the metrics endpoint on %s:%s: %s", settings.metrics_host, settings.metrics_port, error
-        )
+        if error.errno == errno.EADDRINUSE:
+            log.error("cannot serve: %s", bind_failure("--metrics-port", settings.metrics_host, settings.metrics_port))
+        else:
+            log.error(
+                "could not start the metrics endpoint on %s:%s: %s", settings.metrics_host, settings.metrics_port, error
+            )
         await asyncio.gather(server.stop(0), _stop_rest(http_runner))
         return 2
     # What start-up made (modules, the sessions, gRPC: 40k objects) lives as long as the process. Frozen, a

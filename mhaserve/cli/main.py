@@ -142,6 +142,10 @@ def _run_serve(args) -> int:
     from mhaserve.server.config import settings_from_args
 
     settings = settings_from_args(args)
+    from mhaserve.server.ports import busy_port_message
+
+    if (busy := busy_port_message(settings)) is not None:  # before a first run's export, not after it
+        raise UsageError(busy)
     if settings.model_repository:
         return run(settings, None)
     from mhaserve.export.default_model import ensure_default_model

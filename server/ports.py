@@ -1,0 +1,76 @@
+"""The ports a server will listen on, checked before anything slow (a first run's export, a model's load): a busy
+one is said in one line, naming the address, what holds it where this machine tells (Linux's /proc), and the flag
+that picks another."""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+from pathlib import Path
+
+from .config import ServerSettings
+
+
+def planned_ports(settings: ServerSettings) -> list[tuple[str, str, int]]:
+    """(flag, host, port) of each fixed port the settings ask for (0: any free port, -1: off)."""
+    ports = [("--port", settings.host, settings.port), ("--http-port", settings.host, settings.http_port)]
+    ports.append(("--metrics-port", settings.metrics_host, settings.metrics_port))
+    return [(flag, host, port) for flag, host, port in ports if port > 0]
+
+
+def busy_port_message(settings: ServerSettings) -> str | None:
+    """One line for the first planned port that cannot be bound, or None where all can."""
+    if settings.reuse_port:  # asked to share the port with other mhaserve processes
+        return None
+    for flag, host, port in planned_ports(settings):
+        if not _can_bind(host, port):
+            return bind_failure(flag, host, port)
+    return None
+
+
+def bind_failure(flag: str, host: str, port: int) -> str:
+    holder = _holder(port)
+    held = f" (held by {holder})" if holder else ""
+    return f"{host}:{port} is already in use{held}; stop that, or pick another port with {flag}"
+
+
+def _can_bind(host: str, port: int) -> bool:
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror:
+        return True  # an address that does not resolve is the bind's to report
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: TIME_WAIT is no clash
+        try:
+            probe.bind(address)
+        except OSError as error:
+            return error.errno != errno.EADDRINUSE
+    return True
+
+
+def _holder(port: int) -> str | None:
+    """The process listening on ``port``, as "name (pid N)", where /proc says; None elsewhere."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # LISTEN
+                inodes.add(fields[9])
+    if not inodes:
+        return None
+    wanted = {f"socket:[{inode}]" for inode in inodes}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                if os.readlink(f"/proc/{pid}/fd/{fd}") in wanted:
+                    name = Path(f"/proc/{pid}/comm").read_text().strip()
+                    return f"{name} (pid {pid})"
+        except OSError:  # gone, or not ours to read
+            continue
+    return None

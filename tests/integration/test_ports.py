@@ -1,0 +1,37 @@
+"""A port the server would listen on that is already taken is said at once, in one line that names the address,
+what holds it and the flag that picks another, before a first run's export: not after it, not as a traceback."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+
+@pytest.mark.parametrize("flag", ["--port", "--http-port", "--metrics-port"])
+def test_a_busy_port_is_one_line_naming_the_flag_before_the_first_export(tmp_path, flag):
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(1)
+    taken = holder.getsockname()[1]
+    others = {"--port": "0", "--http-port": "0", "--metrics-port": "0"}
+    others[flag] = str(taken)
+    env = {"HOME": str(tmp_path), "XDG_CACHE_HOME": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin"}
+    try:
+        started = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, "-m", "mhaserve.cli", "serve", *(a for f, p in others.items() for a in (f, p))],
+            capture_output=True, text=True, timeout=120, env=env,
+        )  # fmt: skip
+        took = time.monotonic() - started
+    finally:
+        holder.close()
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert f"127.0.0.1:{taken} is already in use" in lines[0] and flag in lines[0], lines[0]
+    assert "pid " in lines[0] and "python" in lines[0]  # what holds it: this test's own process
+    assert took < 15, f"{took:.1f} s: the port was checked after something slow"
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("model.onnx"))  # no export
