@@ -7,6 +7,7 @@ import ctypes
 import io
 import logging
 import os
+import re
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -175,7 +176,7 @@ class AttentionSession:
 
     @staticmethod
     def _create(path: Path, options: ort.SessionOptions, device: str, cuda_tf32: bool) -> ort.InferenceSession:
-        if device == "cpu":
+        if device == "cpu" or (device == "auto" and not gpu_present()):  # no GPU: nothing to try, or to warn of
             return ort.InferenceSession(str(path), options, providers=[CPU])
         if CUDA in ort.get_available_providers():
             _load_pip_cuda_libraries()
@@ -253,6 +254,15 @@ def _load_pip_cuda_libraries() -> None:
     if hasattr(ort, "preload_dlls"):  # onnxruntime-gpu >= 1.21
         with contextlib.redirect_stdout(io.StringIO()):
             ort.preload_dlls()
+
+
+def gpu_present() -> bool:
+    """Whether this machine shows a GPU's device node (NVIDIA's /dev/nvidia0.., WSL2's /dev/dxg); where it
+    shows none, ``--device auto`` serves on the CPU without trying CUDA or warning about it."""
+    try:
+        return any(re.fullmatch(r"nvidia\d+|dxg", name) for name in os.listdir("/dev"))
+    except OSError:
+        return True  # cannot tell: try, and say what failed
 
 
 def _cuda_unusable_reason() -> str:

@@ -308,16 +308,19 @@ def test_inference_threads_run_below_the_grpc_thread(server):
     assert sum(value == 10 for value in nice.values()) >= intra_op_threads, nice
 
 
-def test_device_auto_without_cuda_serves_on_cpu_with_one_warning(server):
+def test_device_auto_without_cuda_serves_on_cpu_with_one_warning_only_where_a_gpu_is_present(server):
     import onnxruntime as ort
 
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        pytest.skip("this onnxruntime has no CUDA provider at all")
+    from mhaserve.server.session import gpu_present
+
     line = next(line for line in server.lines if "serving model=" in line)
     if "provider=CUDAExecutionProvider" in line:
         pytest.skip("CUDA is usable here")
     assert "provider=CPUExecutionProvider" in line
-    assert sum("CUDA is not usable" in line for line in server.lines) == 1
+    warnings = sum("CUDA is not usable" in line for line in server.lines)
+    # A machine with no GPU at all hears nothing of CUDA: the serving line's provider says it all.
+    expected = 1 if gpu_present() and "CUDAExecutionProvider" in ort.get_available_providers() else 0
+    assert warnings == expected, server.log
 
 
 def test_device_cuda_refuses_to_start_without_cuda(start_server, small_model_dir):
