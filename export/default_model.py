@@ -22,20 +22,30 @@ def default_model_dir() -> Path:
     return Path(root) / "models" / "mha-d512-h8-seed0"
 
 
-def ensure_default_model() -> Path:
-    """Export the default model once; later calls find it valid in the cache and return at once."""
-    model_dir = default_model_dir()
+def _why_not_ready(model_dir: Path) -> str | None:
+    """Why the cached default model cannot be served as it is (None: it can)."""
     try:
         manifest = read_manifest(model_dir)
         check_model_file(model_dir, manifest)
-        if not manifest.get("valid"):
-            why = "its validation failed"
-        elif output_only_file(model_dir, manifest) is None:
-            why = "an older export, without the output-only graph"
-        else:
-            return model_dir
     except ModelDirError as error:
-        why = str(error) if model_dir.exists() else "there is none yet"
+        return str(error) if model_dir.exists() else "there is none yet"
+    if not manifest.get("valid"):
+        return "its validation failed"
+    if output_only_file(model_dir, manifest) is None:
+        return "an older export, without the output-only graph"
+    return None
+
+
+def default_model_ready() -> bool:
+    return _why_not_ready(default_model_dir()) is None
+
+
+def ensure_default_model() -> Path:
+    """Export the default model once; later calls find it valid in the cache and return at once."""
+    model_dir = default_model_dir()
+    why = _why_not_ready(model_dir)
+    if why is None:
+        return model_dir
     # A damaged cache (a cut-short model.onnx, an older export) is rebuilt rather than failing every start.
     print(f"exporting the default model into {model_dir} ({why}; needs the 'export' extra)", file=sys.stderr)
     # In a child process, so the serving process never imports torch.

@@ -13,6 +13,25 @@ from pathlib import Path
 from mhaserve.contract.errors import UsageError
 from mhaserve.contract.signature import PRECISIONS
 
+# What each optional part needs, checked before a command starts its work: (modules, what they are).
+EXTRAS = {
+    "export": (("torch", "onnx", "onnxscript"), "torch and onnx"),
+    "plot": (("matplotlib",), "matplotlib"),
+}
+
+
+def require_extra(extra: str, for_what: str) -> None:
+    """A missing extra is one line naming the install command (in a clone, and for an installed package)."""
+    import importlib.util
+
+    modules, what = EXTRAS[extra]
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise UsageError(
+            f"{for_what} needs the '{extra}' extra ({what}; {', '.join(missing)} not installed): in a clone, "
+            f".venv/bin/pip install -e '.[{extra}]'; else pip install 'mhaserve[{extra}]'"
+        )
+
 
 def _add_export(sub) -> None:
     p = sub.add_parser("export", help="export the MHA module to a validated ONNX model folder")
@@ -55,6 +74,7 @@ def _export_dir(args) -> Path:
 
 def _run_export(args) -> int:
     args.out = _export_dir(args)  # before torch is imported: a wrong path is refused at once
+    require_extra("export", "mhaserve export")
 
     from mhaserve.export.model_dir import export_model_dir
     from mhaserve.export.onnx_export import DEFAULT_OPSET
@@ -120,6 +140,10 @@ def _add_validate(sub) -> None:
 
 
 def _run_validate(args) -> int:
+    if not (args.model_dir / "manifest.json").is_file():
+        what = "no such folder" if not args.model_dir.exists() else "no manifest.json in it"
+        raise UsageError(f"{args.model_dir}: {what}; give a folder 'mhaserve export' wrote")
+    require_extra("export", "mhaserve validate")  # it runs eager PyTorch beside the export
     from mhaserve.export.model_dir import check_on_inputs, revalidate_model_dir
 
     if args.inputs is not None:
@@ -148,7 +172,10 @@ def _run_serve(args) -> int:
         raise UsageError(busy)
     if settings.model_repository:
         return run(settings, None)
-    from mhaserve.export.default_model import ensure_default_model
+    from mhaserve.export.default_model import default_model_ready, ensure_default_model
+
+    if settings.model_dir is None and not default_model_ready():
+        require_extra("export", "the first run's export of the default model")
 
     return run(settings, settings.model_dir or ensure_default_model())
 
@@ -471,6 +498,8 @@ def _add_bench(sub) -> None:
 
 
 def _run_bench(args) -> int:
+    if args.plot_dir:  # before the sweep, not after it
+        require_extra("plot", "--plot-dir")
     from mhaserve.loadtest import report
     from mhaserve.loadtest.loadgen import LoadGenerator, Point, Workload, default_processes
 
