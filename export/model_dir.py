@@ -65,6 +65,9 @@ def describe_tensors(values) -> list[dict]:
     return described
 
 
+VALIDATION_FILE = "validation.txt"  # every validation row of the export, as it was printed
+
+
 def export_model_dir(
     module: MultiHeadAttention,
     out_dir: str | Path,
@@ -88,6 +91,13 @@ def export_model_dir(
     out_dir = Path(out_dir)
     module = module.eval()
     started = time.perf_counter()
+    rows: list[str] = []  # the whole validation table, kept in the folder (VALIDATION_FILE)
+    shown = report or report_to_stderr
+
+    def report(line: str) -> None:
+        rows.append(line)
+        shown(line)
+
     onnx_model = export_onnx(module, opset, precision)
     check_onnx(onnx_model)
     if validation_seed is None:
@@ -183,6 +193,7 @@ def export_model_dir(
         if output_only is not None:
             save_onnx(output_only, staging / OUTPUT_ONLY_FILE)
             manifest["files"]["output_only_sha256"] = file_sha256(staging / OUTPUT_ONLY_FILE)
+        (staging / VALIDATION_FILE).write_text("\n".join(rows) + "\n")
         write_manifest(staging, manifest)
         _replace_dir(staging, out_dir)
     except BaseException:

@@ -56,7 +56,33 @@ def _add_export(sub) -> None:
                    "folder (default mha)")  # fmt: skip
     p.add_argument("--validation-seed", type=int, default=None, help="seed of the validation inputs (default random)")
     p.add_argument("--triton-repo", type=Path, help="also write a Triton model repository (config.pbtxt, 1/model.onnx)")
+    p.add_argument("--verbose", action="store_true", help="print every validation row (default: the summaries and "
+                   "any failing row; every row goes to the folder's validation.txt)")  # fmt: skip
     p.set_defaults(run=_run_export)
+
+
+class ValidationProgress:
+    """The export's validation on the terminal: its summaries and any row that did not pass (every row with
+    ``verbose``); on a terminal, the rows counted on one line as they go. The whole table is in the folder."""
+
+    def __init__(self, verbose: bool):
+        self.verbose = verbose
+        self.counting = sys.stderr.isatty()
+        self.rows = 0
+
+    def __call__(self, line: str) -> None:
+        row = line.removeprefix("output-only graph: ").startswith("[")
+        if self.verbose or not row or not line.rstrip().endswith("pass"):
+            self._end_count()
+            print(line, file=sys.stderr, flush=True)
+        elif self.counting:
+            self.rows += 1
+            print(f"\rvalidating: {self.rows} cases passed", end="", file=sys.stderr, flush=True)
+
+    def _end_count(self) -> None:
+        if self.rows:
+            print(file=sys.stderr)
+            self.rows = 0
 
 
 def _export_dir(args) -> Path:
@@ -114,11 +140,14 @@ def _run_export(args) -> int:
         source=source,
         name=args.name,
         validation_seed=args.validation_seed,
+        report=ValidationProgress(args.verbose),
     )
     verdict = "valid" if manifest["valid"] else "NOT valid (validation failed)"
     failure = manifest["validation"]["worst_failure"]
     if failure is not None:
         verdict += f"; {failure}"
+    if not args.verbose:
+        print(f"every validation row: {args.out / 'validation.txt'}", file=sys.stderr)
     print(f"wrote {args.out} in {manifest['export_seconds']} s: {verdict}", file=sys.stderr)
     if manifest["valid"] and args.triton_repo:
         from mhaserve.export.triton_repo import write_triton_repo

@@ -43,12 +43,13 @@ def assert_same(got, want, atol=1e-5):
         np.testing.assert_allclose(g, w, rtol=0, atol=atol)
 
 
-def test_folder_holds_the_graphs_weights_and_manifest(small_model_dir):
+def test_folder_holds_the_graphs_weights_manifest_and_validation_table(small_model_dir):
     # torch.export's ONNX program is saved with external data; our folder holds one file per graph unless huge.
     assert sorted(p.name for p in small_model_dir.iterdir()) == [
         "manifest.json",
         "model.onnx",
         "model_output_only.onnx",
+        "validation.txt",
         "weights.pt",
     ]
     for name in ("model.onnx", "model_output_only.onnx"):
@@ -279,7 +280,10 @@ def test_cli_export_with_a_triton_repo_then_validate(tmp_path):
                    "--triton-repo", str(tmp_path / "repo"))  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "dims: 32" in (tmp_path / "repo" / "mha" / "config.pbtxt").read_text()
-    assert "[ 68/68]" in done.stderr and "68 passed, 0 failed" in done.stderr
+    # On the terminal the summaries, every row in the folder (and on the terminal with --verbose).
+    assert "68 passed, 0 failed" in done.stderr and "[ 68/68]" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) <= 10, done.stderr
+    assert "[ 68/68]" in (out / "validation.txt").read_text() and str(out / "validation.txt") in done.stderr
     assert "Traceback" not in done.stderr and "Warning" not in done.stderr
     assert json.loads((out / "manifest.json").read_text())["source"] == {"kind": "seed", "seed": 4}
 
