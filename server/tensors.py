@@ -170,17 +170,17 @@ def build_request(
     if batch > limits.max_batch_size:
         raise RequestError(
             ErrorKind.RESOURCE_EXHAUSTED,
-            f"input 'query': batch {batch} exceeds the limit max_batch_size={limits.max_batch_size}",
+            f"input 'query': batch {batch} exceeds the limit max_batch_size={limits.max_batch_size} (the server's --max-batch-size raises it)",
         )
     if q_len > limits.max_q_len:
         raise RequestError(
             ErrorKind.RESOURCE_EXHAUSTED,
-            f"input 'query': q_len {q_len} exceeds the limit max_q_len={limits.max_q_len}",
+            f"input 'query': q_len {q_len} exceeds the limit max_q_len={limits.max_q_len} (the server's --max-q-len raises it)",
         )
     if kv_len > limits.max_kv_len:
         raise RequestError(
             ErrorKind.RESOURCE_EXHAUSTED,
-            f"input 'key': kv_len {kv_len} exceeds the limit max_kv_len={limits.max_kv_len}",
+            f"input 'key': kv_len {kv_len} exceeds the limit max_kv_len={limits.max_kv_len} (the server's --max-kv-len raises it)",
         )
     checked = []
     for name in ("query", "key", "value"):

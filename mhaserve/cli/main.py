@@ -243,9 +243,15 @@ def _client(args, tls, token):
     return Client(args.url, args.model, tls=tls, token=token, version=args.version, application=args.application)
 
 
-def _failure(error) -> str:
-    """A refused call as STATUS: message, whichever protocol carried it."""
-    return f"{error.status_name}: {error.message}"
+def _failure(error, args=None) -> str:
+    """A refused call as STATUS: message, whichever protocol carried it; a port of the other protocol said so."""
+    message = f"{error.status_name}: {error.message}"
+    protocol = getattr(args, "protocol", "grpc")
+    if protocol == "http" and "BadStatusLine" in error.message:  # an HTTP/1.1 client at a gRPC (HTTP/2) port
+        return f"{args.url} speaks gRPC, not HTTP/REST: drop --protocol http, or give the HTTP port (default 8000)"
+    if protocol == "grpc" and ("http1.x server" in error.message or "Expected SETTINGS frame" in error.message):
+        return f"{args.url} speaks HTTP/REST, not gRPC: add --protocol http, or give the gRPC port (default 8001)"
+    return message
 
 
 def _connection(args):
@@ -274,7 +280,7 @@ def _model_width(client, args, timeout: float) -> int | None:
     try:
         return client.model_width(timeout=timeout)
     except RequestFailed as error:
-        print(f"cannot reach model '{args.model}' at {args.url}: {_failure(error)}", file=sys.stderr)
+        print(f"cannot reach model '{args.model}' at {args.url}: {_failure(error, args)}", file=sys.stderr)
         return None
 
 

@@ -55,3 +55,17 @@ def test_validate_of_a_folder_that_is_not_a_model_is_one_line(tmp_path):
     (tmp_path / "empty").mkdir()
     done, _ = mhaserve("validate", str(tmp_path / "empty"), tmp_path=tmp_path)
     assert_one_line(done, "no manifest.json")
+
+
+def test_a_port_of_the_other_protocol_is_named_as_such(server, tmp_path):
+    grpc_address, http_address = server.url, server.http_url.removeprefix("http://")
+    done, _ = mhaserve("infer", "--protocol", "http", "--url", grpc_address, tmp_path=tmp_path)
+    assert f"{grpc_address} speaks gRPC, not HTTP/REST: drop --protocol http" in done.stderr, done.stderr
+    done, _ = mhaserve("infer", "--url", http_address, tmp_path=tmp_path)
+    assert f"{http_address} speaks HTTP/REST, not gRPC: add --protocol http" in done.stderr, done.stderr
+    assert "BadStatusLine" not in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_length_over_the_limit_names_the_flag_that_raises_it(server, tmp_path):
+    done, _ = mhaserve("infer", "--url", server.url, "--q-len", "65", tmp_path=tmp_path)  # the test server's 64
+    assert "exceeds the limit max_q_len=64 (the server's --max-q-len raises it)" in done.stderr, done.stderr
