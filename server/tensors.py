@@ -167,21 +167,17 @@ def build_request(
         else:
             _check_sequence(value, "value", model.d_model, batch=batch, length=(kv_len, "the length of 'key'"))
 
-    if batch > limits.max_batch_size:
-        raise RequestError(
-            ErrorKind.RESOURCE_EXHAUSTED,
-            f"input 'query': batch {batch} exceeds the limit max_batch_size={limits.max_batch_size} (the server's --max-batch-size raises it)",
-        )
-    if q_len > limits.max_q_len:
-        raise RequestError(
-            ErrorKind.RESOURCE_EXHAUSTED,
-            f"input 'query': q_len {q_len} exceeds the limit max_q_len={limits.max_q_len} (the server's --max-q-len raises it)",
-        )
-    if kv_len > limits.max_kv_len:
-        raise RequestError(
-            ErrorKind.RESOURCE_EXHAUSTED,
-            f"input 'key': kv_len {kv_len} exceeds the limit max_kv_len={limits.max_kv_len} (the server's --max-kv-len raises it)",
-        )
+    for tensor, what, size, limit in (
+        ("query", "batch", batch, "max_batch_size"),
+        ("query", "q_len", q_len, "max_q_len"),
+        ("key", "kv_len", kv_len, "max_kv_len"),
+    ):
+        if size > getattr(limits, limit):
+            raise RequestError(
+                ErrorKind.RESOURCE_EXHAUSTED,
+                f"input '{tensor}': {what} {size} exceeds the limit {limit}={getattr(limits, limit)} (the server's "
+                f"--{limit.replace('_', '-')} raises it)",
+            )
     checked = []
     for name in ("query", "key", "value"):
         array = arrays.get(name)
