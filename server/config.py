@@ -254,10 +254,19 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
             type=convert,
             default=None if repeated else default,
             action="append" if repeated else "store",
-            help=f"{f.metadata['help']} [env {env}; default {getattr(defaults, f.name) or 'none'}]",
+            help=f"{f.metadata['help']} [env {env}; default {_shown(getattr(defaults, f.name))}]",
         )
         if repeated:
             parser.set_defaults(**{f.name + "_default": default})
+
+
+def _shown(default) -> str:
+    """A default as the server takes it: false and 0 as such (they are values), none only where none is set."""
+    if isinstance(default, bool):
+        return "true" if default else "false"
+    if default is None or default == "" or default == ():
+        return "none"
+    return ",".join(map(str, default)) if isinstance(default, tuple) else str(default)
 
 
 def _value(args: argparse.Namespace, name: str):

@@ -185,7 +185,9 @@ def _run_validate(args) -> int:
 def _add_serve(sub) -> None:
     from mhaserve.server.config import add_server_arguments
 
-    p = sub.add_parser("serve", help="serve a model folder over gRPC (default: the embedded default model)")
+    p = sub.add_parser(
+        "serve", help="serve a model folder over gRPC and HTTP/REST (default: the embedded default model)"
+    )
     add_server_arguments(p)
     p.set_defaults(run=_run_serve)
 
@@ -664,7 +666,7 @@ def _run_ray_deploy(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mhaserve", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="mhaserve", description=__doc__.splitlines()[0].replace("``", ""))
     sub = parser.add_subparsers(dest="command", required=True)
     _add_export(sub)
     _add_validate(sub)
