@@ -254,13 +254,13 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
             type=convert,
             default=None if repeated else default,
             action="append" if repeated else "store",
-            help=f"{f.metadata['help']} [env {env}; default {_shown(getattr(defaults, f.name))}]",
+            help=f"{f.metadata['help']} [env {env}; default {shown_default(getattr(defaults, f.name))}]",
         )
         if repeated:
             parser.set_defaults(**{f.name + "_default": default})
 
 
-def _shown(default) -> str:
+def shown_default(default) -> str:
     """A default as the server takes it: false and 0 as such (they are values), none only where none is set."""
     if isinstance(default, bool):
         return "true" if default else "false"

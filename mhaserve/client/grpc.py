@@ -220,6 +220,10 @@ class _Connection:
         application: str | None = None,
         retry: RetryPolicy = DEFAULT_RETRY,
     ):
+        """A channel to the server at ``url`` (host:port), for ``model`` (``version`` empty: its newest ready
+        version). ``max_message_bytes`` bounds each message both ways; ``tls`` and ``token`` as the server asks;
+        ``application`` names a Ray Serve application behind Ray's gRPC proxy; ``retry`` says which refusals are
+        sent again and how often (``NO_RETRIES`` for none)."""
         self.model = model
         self.version = version  # empty: the newest ready version of the model
         self.retry = retry

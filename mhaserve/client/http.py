@@ -121,6 +121,8 @@ class HttpClient:
 
     def __init__(self, url: str = "127.0.0.1:8000", model: str = "mha", *, tls: TLS | None = None,
                  token: str | None = None, version: str = ""):  # fmt: skip
+        """A client of the server's HTTP/REST port at ``url`` (host:port) for ``model`` (``version`` empty: its
+        newest ready version), over HTTPS with ``tls``, with the bearer ``token`` if the server has one."""
         self.base = f"{'https' if tls else 'http'}://{url}"
         self.model, self.version = model, version
         self._context = ssl_context(tls)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 from dataclasses import fields
@@ -53,6 +54,14 @@ def test_the_docs_site_builds_strict_with_every_command_setting_and_metric(tmp_p
 
     client = page("reference/client")  # the client API, from its docstrings
     assert "traceparent" in client and "WeightsOptions" in client and "HttpClient" in client
+    client_text = re.sub(r"<[^>]+>", "", client)
+    for constructor in ('Client(\n    url: str = "127.0.0.1:8001"', 'HttpClient(\n    url: str = "127.0.0.1:8000"'):
+        assert constructor in client_text.replace("&quot;", '"'), constructor
+
+    # Placeholders shown as written (not eaten as HTML tags), no table without rows, defaults where they exist.
+    assert "DIR/&lt;model&gt;/&lt;version&gt;/" in settings and "DIR///" not in settings
+    assert not re.search(r"<tbody>\s*</tbody>", cli) and "DIR/NAME/&lt;n+1&gt;/" in cli
+    assert re.search(r"<code>--d-model</code></td>\s*<td>512</td>", cli), "the export's --d-model default"
 
     grpc_page = page("reference/grpc")
     for method in ("ModelInfer", "ModelStreamInfer", "TraceSetting", "RepositoryModelLoad"):
