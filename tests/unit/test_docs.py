@@ -63,6 +63,13 @@ def test_the_docs_site_builds_strict_with_every_command_setting_and_metric(tmp_p
     assert not re.search(r"<tbody>\s*</tbody>", cli) and "DIR/NAME/&lt;n+1&gt;/" in cli
     assert re.search(r"<code>--d-model</code></td>\s*<td>512</td>", cli), "the export's --d-model default"
 
+    # Pictures: the architecture drawn by Mermaid, and images from real runs that the pages show.
+    assert 'class="mermaid"' in page("explanation/architecture")
+    assert 'src="../../images/heatmap.png"' in page("tutorials/first-model")
+    assert 'src="../../images/latency_percentiles.png"' in page("how-to/load-test")
+    for image in ("heatmap.png", "latency_percentiles.png"):
+        assert (site / "images" / image).stat().st_size > 10_000, image
+
     grpc_page = page("reference/grpc")
     for method in ("ModelInfer", "ModelStreamInfer", "TraceSetting", "RepositoryModelLoad"):
         assert method in grpc_page
