@@ -6,6 +6,8 @@ Served at ``/v2/docs/openapi.json``, with Swagger UI at ``/v2/docs``.
 
 from __future__ import annotations
 
+import functools
+
 import mhaserve
 from mhaserve.contract.datatypes import DATATYPES
 from mhaserve.contract.signature import INPUT_NAMES, OUTPUT_NAMES, SHAPING_PARAMETERS
@@ -66,7 +68,7 @@ def _parameters(*names: str) -> list[dict]:
             for n in names]  # fmt: skip
 
 
-def _model_paths(prefix: str, path_parameters: tuple[str, ...]) -> dict:
+def _model_paths(prefix: str, path_parameters: tuple[str, ...], example_width: int) -> dict:
     parameters = _parameters(*path_parameters)
     return {
         prefix: {
@@ -119,7 +121,7 @@ def _model_paths(prefix: str, path_parameters: tuple[str, ...]) -> dict:
                 "requestBody": {
                     "required": True,
                     "content": {
-                        JSON: {"schema": _ref("InferenceRequest")},
+                        JSON: {"schema": _ref("InferenceRequest"), "examples": _infer_examples(example_width)},
                         "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
                     },
                 },
@@ -135,6 +137,25 @@ def _model_paths(prefix: str, path_parameters: tuple[str, ...]) -> dict:
                 },
             }
         },
+    }
+
+
+TRACE_EXAMPLE = {"trace_level": ["TIMESTAMPS"], "trace_rate": "100", "trace_count": "-1"}
+
+
+def _infer_examples(width: int) -> dict:
+    """Request bodies a server of this width accepts as they are: two tokens of self-attention."""
+    query = {"name": "query", "shape": [1, 2, width], "datatype": "FP32", "data": [0.5] * width + [-0.5] * width}
+    return {
+        "output and weights": {"summary": "the output and every head's weights", "value": {"inputs": [query]}},
+        "top keys": {
+            "summary": "the output and each row's strongest key per head",
+            "value": {
+                "inputs": [query],
+                "parameters": {"attn_top_k": 1},
+                "outputs": [{"name": "output"}, {"name": "attn_weights_top_k_indices"}],
+            },
+        },  # fmt: skip
     }
 
 
@@ -155,7 +176,12 @@ def _shared_memory_paths(kind: str) -> dict:
         "parameters": _parameters("region"),
         "requestBody": {
             "required": True,
-            "content": {JSON: {"schema": _ref("SystemSharedMemoryRegister") if system else {"type": "object"}}},
+            "content": {
+                JSON: {
+                    "schema": _ref("SystemSharedMemoryRegister") if system else {"type": "object"},
+                    "example": {"key": "/mha_inputs", "offset": 0, "byte_size": 1048576} if system else {},
+                }
+            },
         },
         "responses": {"200": {"description": "registered"}, **_errors(400, 409, 429, 501, *COMMON)},
     }
@@ -172,8 +198,10 @@ def _shared_memory_paths(kind: str) -> dict:
     }  # fmt: skip
 
 
-def document() -> dict:
-    """The OpenAPI 3.0 document of this server's REST API."""
+@functools.cache
+def document(example_width: int = 512) -> dict:
+    """The OpenAPI 3.0 document of this server's REST API; its request examples ("Try it out") sized for a model
+    of ``example_width`` (the served model's d_model)."""
     tensor_names = {"type": "string", "description": f"one of {', '.join(INPUT_NAMES)}"}
     schemas = {
         "Error": {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}},
@@ -353,7 +381,12 @@ def document() -> dict:
                 "summary": "The model repository's index: every version the server holds, and its state",
                 "tags": ["repository"],
                 "requestBody": {
-                    "content": {JSON: {"schema": {"type": "object", "properties": {"ready": {"type": "boolean"}}}}}
+                    "content": {
+                        JSON: {
+                            "schema": {"type": "object", "properties": {"ready": {"type": "boolean"}}},
+                            "example": {"ready": True},
+                        }
+                    }
                 },
                 "responses": {
                     "200": _json({"type": "array", "items": _ref("RepositoryIndexEntry")}, "the index"),
@@ -366,7 +399,7 @@ def document() -> dict:
                 "summary": "Load a model's versions (explicit model control mode)",
                 "tags": ["repository"],
                 "parameters": _parameters("name"),
-                "requestBody": {"content": {JSON: {"schema": LOAD_BODY}}},
+                "requestBody": {"content": {JSON: {"schema": LOAD_BODY, "example": {}}}},
                 "responses": {"200": {"description": "loaded: its versions serve"}, **_errors(400, 404, 503, *COMMON)},
             },
         },
@@ -375,7 +408,7 @@ def document() -> dict:
                 "summary": "Unload a model (explicit model control mode): in-flight requests finish first",
                 "tags": ["repository"],
                 "parameters": _parameters("name"),
-                "requestBody": {"content": {JSON: {"schema": {"type": "object"}}}},
+                "requestBody": {"content": {JSON: {"schema": {"type": "object"}, "example": {}}}},
                 "responses": {"200": {"description": "unloaded"}, **_errors(400, 404, 503, *COMMON)},
             },
         },
@@ -384,7 +417,7 @@ def document() -> dict:
             "post": {
                 "summary": "Change the global trace settings",
                 "tags": ["trace"],
-                "requestBody": {"content": {JSON: {"schema": _ref("TraceSettingsUpdate")}}},
+                "requestBody": {"content": {JSON: {"schema": _ref("TraceSettingsUpdate"), "example": TRACE_EXAMPLE}}},
                 "responses": trace_responses,
             },
         },
@@ -399,14 +432,14 @@ def document() -> dict:
                 "summary": "Change a model's trace settings",
                 "tags": ["trace"],
                 "parameters": _parameters("name"),
-                "requestBody": {"content": {JSON: {"schema": _ref("TraceSettingsUpdate")}}},
+                "requestBody": {"content": {JSON: {"schema": _ref("TraceSettingsUpdate"), "example": TRACE_EXAMPLE}}},
                 "responses": trace_responses,
             },
         },
         **_shared_memory_paths("system"),
         **_shared_memory_paths("cuda"),
-        **_model_paths("/v2/models/{name}", ("name",)),
-        **_model_paths("/v2/models/{name}/versions/{version}", MODEL),
+        **_model_paths("/v2/models/{name}", ("name",), example_width),
+        **_model_paths("/v2/models/{name}/versions/{version}", MODEL, example_width),
     }
     assert set(ERROR_DESCRIPTIONS) >= set(HTTP_STATUS.values())
     return {

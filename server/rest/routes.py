@@ -299,7 +299,6 @@ class RestTransport:
         self.read_timeout_s = read_timeout_s
         self.write_timeout_s = write_timeout_s
         self._inflating = asyncio.Semaphore(INFLATING_AT_ONCE)
-        self._openapi = openapi.document()
 
     def application(self) -> web.Application:
         app = web.Application(client_max_size=self.body_limit, middlewares=[self._errors, self._authenticate])
@@ -554,7 +553,8 @@ class RestTransport:
         return web.Response(status=200)
 
     async def api_document(self, request):
-        return json_response(self._openapi)
+        served = self.dataplane.served_models()
+        return json_response(openapi.document(served[0].signature.d_model if served else 512))
 
     async def api_page(self, request):
         return web.Response(text=API_PAGE, content_type="text/html")

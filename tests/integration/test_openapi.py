@@ -17,7 +17,7 @@ from mhaserve.server.config import ServerSettings
 from mhaserve.server.dataplane import DataPlane
 from mhaserve.server.rest.openapi import document
 from mhaserve.server.rest.routes import RestTransport
-from tests.support import TEST_SERVER_ARGS
+from tests.support import SMALL_D_MODEL, TEST_SERVER_ARGS
 
 DOCS_ROUTES = re.compile(r"^/v2/docs")
 
@@ -56,7 +56,27 @@ def test_the_api_page_and_document_are_served_behind_the_token(start_server, sma
     status, script, _ = get(server.http_url + "/v2/docs/static/swagger-ui-bundle.js", bearer)
     assert status == 200 and len(script) > 100_000  # Swagger UI itself, from the installed package
     status, served_document, _ = get(server.http_url + "/v2/docs/openapi.json", bearer)
-    assert status == 200 and json.loads(served_document) == json.loads(json.dumps(document()))
+    # The document itself, with "Try it out" examples sized for the served model (d_model 64 here).
+    assert status == 200 and json.loads(served_document) == json.loads(json.dumps(document(SMALL_D_MODEL)))
+
+
+def test_every_request_body_has_an_example_and_the_infer_examples_are_served_as_they_are(server):
+    status, raw, _ = get(server.http_url + "/v2/docs/openapi.json")
+    spec = json.loads(raw)
+    for path, item in spec["paths"].items():
+        for method, operation in item.items():
+            if "requestBody" in operation:
+                body = operation["requestBody"]["content"]["application/json"]
+                assert "example" in body or "examples" in body, f"{method.upper()} {path}"
+    examples = spec["paths"]["/v2/models/{name}/infer"]["post"]["requestBody"]["content"]["application/json"]
+    for name, example in examples["examples"].items():
+        request = urllib.request.Request(
+            server.http_url + "/v2/models/mha/infer", json.dumps(example["value"]).encode(),
+            {"Content-Type": "application/json"},
+        )  # fmt: skip
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            outputs = {o["name"]: o["shape"] for o in json.load(answer)["outputs"]}
+        assert outputs["output"] == [1, 2, SMALL_D_MODEL], name
 
 
 def test_schemathesis_finds_no_server_error_and_no_answer_unlike_the_document(start_server, small_model_dir, tmp_path):
