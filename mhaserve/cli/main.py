@@ -530,11 +530,21 @@ def _add_bench(sub) -> None:
     p.add_argument("--json", type=Path, help="write the results as JSON")
     p.add_argument("--csv", type=Path, help="write the results as CSV")
     p.add_argument("--plot-dir", type=Path, help="write latency_percentiles.png and latency_histogram.png here")
+    p.add_argument("--slo", action="append", default=[], metavar="TARGET", help="a target each point must meet, "
+                   "repeatable: p50|p90|p95|p99|p99.9<TIME (ms or s), errors<N%%, throughput>N; the command exits 1 "
+                   "when one is missed (a CI gate), and reports the goodput (requests a second within the latency "
+                   "targets)")  # fmt: skip
     _add_weights_arguments(p)
     p.set_defaults(run=_run_bench)
 
 
 def _run_bench(args) -> int:
+    from mhaserve.loadtest.slo import goodput, parse_slo, verdicts
+
+    try:
+        slos = [parse_slo(text) for text in args.slo]
+    except ValueError as error:
+        raise UsageError(str(error)) from None
     if args.plot_dir:  # before the sweep, not after it
         require_extra("plot", "--plot-dir")
     from mhaserve.loadtest import report
@@ -543,6 +553,7 @@ def _run_bench(args) -> int:
     tls, token = _connection(args)
     with _client(args, tls, token) as client:
         d_model = _model_width(client, args, timeout=10)
+        described = _model_described(client, args) if d_model is not None else {}
     if d_model is None:
         return 1
     workload = Workload(
@@ -568,16 +579,28 @@ def _run_bench(args) -> int:
           f"up to {processes} client processes", file=sys.stderr)  # fmt: skip
     results = []
     print(report.table_header())
+    judged = []  # per point: its SLO verdicts and goodput
     with LoadGenerator(args.url, processes, args.timeout, tls=tls, token=token) as generator:
         for i, point in enumerate(points, 1):
             print(f"[{i}/{len(points)}] {point.label} ...", file=sys.stderr, flush=True)
             results.append(generator.measure(workload, point))
             print(report.table_row(results[-1]), flush=True)
+            judged.append({"slo": verdicts(results[-1], slos), "goodput_per_s": goodput(results[-1], slos)})
     for line in report.notes(results):
         print(line)
-    meta = {"url": args.url, "model": args.model, "processes": processes, "title": title}
+    missed = []
+    for result, verdict in zip(results, judged, strict=True):
+        if slos:
+            held = ", ".join(
+                f"{v['slo']} {'held' if v['held'] else 'MISSED'} ({v['observed']})" for v in verdict["slo"]
+            )
+            good = f"; goodput {verdict['goodput_per_s']:.1f}/s" if verdict["goodput_per_s"] is not None else ""
+            print(f"{result.point.label}: {held}{good}")
+        missed += [f"{v['slo']} at {result.point.label} ({v['observed']})" for v in verdict["slo"] if not v["held"]]
+    meta = {"url": args.url, "model": args.model, "processes": processes, "title": title, "slo": args.slo,
+            **report.run_metadata(sys.argv, described)}  # fmt: skip
     if args.json:
-        report.write_json(results, args.json, meta)
+        report.write_json(results, args.json, meta, judged)
         print(f"wrote {args.json}", file=sys.stderr)
     if args.csv:
         report.write_csv(results, args.csv)
@@ -585,7 +608,27 @@ def _run_bench(args) -> int:
     if args.plot_dir:
         for path in report.plot(results, args.plot_dir, title):
             print(f"wrote {path}", file=sys.stderr)
+    if missed:
+        print(f"SLO missed: {'; '.join(missed)}")
+        return 1
+    if slos:
+        print(f"SLO held at every point: {', '.join(args.slo)}")
     return 0
+
+
+def _model_described(client, args) -> dict:
+    """The model as the server describes it (name, versions, platform), for the run's record."""
+    from google.protobuf import json_format
+
+    from mhaserve.client import RequestFailed
+
+    try:
+        metadata = client.metadata(timeout=10)
+    except RequestFailed:
+        return {"name": args.model}
+    if not isinstance(metadata, dict):  # gRPC's ModelMetadataResponse
+        metadata = json_format.MessageToDict(metadata, preserving_proto_field_name=True)
+    return {key: metadata[key] for key in ("name", "versions", "platform") if key in metadata}
 
 
 def _add_ray_deploy(sub) -> None:

@@ -25,7 +25,7 @@ import numpy as np
 
 from mhaserve.client.common import WeightsOptions
 
-PERCENTILES = (50, 90, 95, 99)
+PERCENTILES = (50, 90, 95, 99, 99.9)
 OPEN_LOOP_MAX_OUTSTANDING = 4096  # a server this far behind has failed the point anyway
 
 
@@ -83,7 +83,7 @@ class PointResult:
     processes: int
     count: int
     throughput: float  # successful requests per second
-    latency_ms: dict[str, float]  # p50, p90, p95, p99, max, mean
+    latency_ms: dict[str, float]  # p50, p90, p95, p99, p99.9, max, mean
     errors: dict[str, int]
     error_latency_ms: dict[str, dict[str, float]]  # per error status: how fast those answers came (p50, p99, max)
     client_cpu_cores: float  # all client processes together
@@ -337,10 +337,10 @@ def summarize(point: Point, workload: Workload, parts: list[WorkerResult]) -> Po
         for status, v in refused.items()
     }
     if latencies.size:
-        latency = {f"p{q}": float(np.percentile(latencies, q)) for q in PERCENTILES}
+        latency = {f"p{q:g}": float(np.percentile(latencies, q)) for q in PERCENTILES}
         latency |= {"max": float(latencies.max()), "mean": float(latencies.mean())}
     else:
-        latency = {k: float("nan") for k in (*(f"p{q}" for q in PERCENTILES), "max", "mean")}
+        latency = {k: float("nan") for k in (*(f"p{q:g}" for q in PERCENTILES), "max", "mean")}
     cpu_cores = sum(p.cpu_s for p in parts) / point.duration_s
     # A client process near a full core cannot send faster: the figures then measure the client.
     client_bound = any(p.cpu_s / point.duration_s > 0.85 for p in parts) or max(p.behind_ms for p in parts) > 50

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .loadgen import PointResult
 
-COLUMNS = ("load", "req/s", "p50 ms", "p90 ms", "p95 ms", "p99 ms", "max ms", "errors", "client cpu")
+COLUMNS = ("load", "req/s", "p50 ms", "p90 ms", "p95 ms", "p99 ms", "p99.9 ms", "max ms", "errors", "client cpu")
 
 
 def table_header() -> str:
@@ -19,7 +19,7 @@ def table_row(r: PointResult) -> str:
     lat = r.latency_ms
     errors = ",".join(f"{k}:{v}" for k, v in sorted(r.errors.items())) or "0"
     cells = [f"{r.point.label:>15}", f"{r.throughput:9.1f}"]
-    cells += [f"{lat[k]:9.3f}" for k in ("p50", "p90", "p95", "p99", "max")]
+    cells += [f"{lat[k]:9.3f}" for k in ("p50", "p90", "p95", "p99", "p99.9", "max")]
     cells += [f"{errors:>9}", f"{r.client_cpu_cores:8.2f}c" + ("!" if r.client_bound else " ")]
     return "  ".join(cells)
 
@@ -43,8 +43,37 @@ def notes(results: list[PointResult]) -> list[str]:
     return lines
 
 
-def write_json(results: list[PointResult], path: Path, meta: dict) -> None:
-    path.write_text(json.dumps({"meta": meta, "points": [r.row() for r in results]}, indent=2) + "\n")
+def run_metadata(command: list[str], model: dict) -> dict:
+    """What was run, where and when: the UTC date, mhaserve's version (and git revision in a checkout), the
+    client's host, the command line, and the model as the server described it."""
+    import datetime
+    import os
+    import platform
+    import subprocess
+
+    import mhaserve
+    from mhaserve.contract.cpu import cpu_model
+
+    checkout = Path(mhaserve.__file__).resolve().parents[1]
+    try:
+        revision = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                  text=True, timeout=5).stdout.strip() or None  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        revision = None
+    return {
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "mhaserve": mhaserve.__version__,
+        "git_revision": revision,
+        "client_host": {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version()},
+        "command": command,
+        "model": model,
+    }
+
+
+def write_json(results: list[PointResult], path: Path, meta: dict, extra: list[dict] | None = None) -> None:
+    """The run's metadata and a record per point (with ``extra``'s fields per point: SLO verdicts, goodput)."""
+    points = [{**r.row(), **(extra[i] if extra else {})} for i, r in enumerate(results)]
+    path.write_text(json.dumps({"meta": meta, "points": points}, indent=2) + "\n")
 
 
 def write_csv(results: list[PointResult], path: Path) -> None:

@@ -59,3 +59,40 @@ def test_refused_requests_are_counted_by_status(server, tmp_path):
     refused = point["error_latency_ms"]["RESOURCE_EXHAUSTED"]
     assert 0 < refused["p50"] <= refused["p99"] <= refused["max"]
     assert f"{point['errors']} RESOURCE_EXHAUSTED answered in p50" in done.stdout
+
+
+def test_an_slo_that_cannot_hold_exits_1_naming_it_and_one_that_holds_exits_0(server, tmp_path):
+    missed = bench(server, "--concurrency", "1", "--slo", "p50<0.001ms", "--slo", "errors<1%")
+    assert missed.returncode == 1, missed.stderr
+    assert "p50<0.001ms MISSED" in missed.stdout and "errors<1% held (0.00%)" in missed.stdout
+    assert "SLO missed: p50<0.001ms at concurrency 1" in missed.stdout
+    held = bench(server, "--concurrency", "1,2", "--slo", "p99.9<60s", "--slo", "throughput>1",
+                 "--json", str(tmp_path / "r.json"))  # fmt: skip
+    assert held.returncode == 0 and "SLO held at every point: p99.9<60s, throughput>1" in held.stdout, held.stdout
+    points = json.loads((tmp_path / "r.json").read_text())["points"]
+    for point in points:
+        assert [v["held"] for v in point["slo"]] == [True, True]
+        # Goodput: every request answered within 60 s counts.
+        assert point["goodput_per_s"] == point["requests"] / point["duration_s"]
+
+
+def test_a_bad_slo_is_one_line_and_exit_code_2(server):
+    done = bench(server, "--slo", "p42<3ms")
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and "expected p50, p90, p95, p99 or p99.9" in lines[0], done.stderr
+
+
+def test_the_json_records_what_was_run_and_the_high_tail(server, tmp_path):
+    done = bench(server, "--concurrency", "1", "--json", str(tmp_path / "r.json"))
+    assert done.returncode == 0, done.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    meta, (point,) = report["meta"], report["points"]
+    assert (
+        meta["date_utc"].endswith("+00:00")
+        and meta["mhaserve"]
+        and meta["command"][-2:] == ["--json", str(tmp_path / "r.json")]
+    )
+    assert meta["client_host"]["cores"] >= 1 and meta["client_host"]["cpu"]
+    assert meta["model"]["name"] == "mha" and meta["model"]["versions"] == ["1"]
+    assert point["p99_ms"] <= point["p99.9_ms"] <= point["max_ms"]
+    assert "p99.9 ms" in done.stdout

@@ -1,0 +1,79 @@
+"""Latency targets for ``mhaserve bench --slo``: whether each point met them (a CI gate), and its goodput.
+
+An SLO is ``p50<10ms``, ``p90<..``, ``p99<..``, ``p99.9<0.2s`` (ms or s), ``errors<1%`` (of the requests sent) or
+``throughput>100`` (successful requests a second). Goodput is the requests a second answered within every latency
+target: the tightest of them, applied to each request (as AIPerf's ``--goodput``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from .loadgen import PointResult
+
+LATENCIES = ("p50", "p90", "p95", "p99", "p99.9")
+_SLO = re.compile(r"^\s*(p50|p90|p95|p99|p99\.9|errors|throughput)\s*([<>])\s*([0-9]*\.?[0-9]+)\s*(ms|s|%)?\s*$")
+
+
+@dataclass(frozen=True)
+class Slo:
+    metric: str  # one of LATENCIES, "errors", "throughput"
+    limit: float  # ms for a latency, a fraction for errors, requests/s for throughput
+    text: str  # as the user wrote it
+
+    def observed(self, result: PointResult) -> float:
+        if self.metric == "throughput":
+            return result.throughput
+        if self.metric == "errors":
+            sent = result.count + sum(result.errors.values())
+            return sum(result.errors.values()) / sent if sent else 0.0
+        return result.latency_ms[self.metric]
+
+    def held(self, result: PointResult) -> bool:
+        observed = self.observed(result)
+        if np.isnan(observed):  # no request answered: no latency held
+            return False
+        return observed > self.limit if self.metric == "throughput" else observed < self.limit
+
+    def shown(self, value: float) -> str:
+        if self.metric == "errors":
+            return f"{value * 100:.2f}%"
+        return f"{value:.1f}/s" if self.metric == "throughput" else f"{value:.3f} ms"
+
+
+def parse_slo(text: str) -> Slo:
+    """``p99<20ms``, ``errors<1%``, ``throughput>100``; ValueError saying what is expected otherwise."""
+    match = _SLO.match(text)
+    if match is None:
+        raise ValueError(
+            f"--slo {text!r}: expected p50, p90, p95, p99 or p99.9 '<' a time (e.g. p99<20ms, p99.9<0.5s), "
+            "errors<N%, or throughput>N"
+        )
+    metric, sign, number, unit = match.groups()
+    value = float(number)
+    if metric in LATENCIES:
+        if sign != "<" or unit not in ("ms", "s"):
+            raise ValueError(f"--slo {text!r}: a latency target reads like {metric}<20ms or {metric}<0.5s")
+        return Slo(metric, value * 1000 if unit == "s" else value, text.strip())
+    if metric == "errors":
+        if sign != "<" or unit != "%":
+            raise ValueError(f"--slo {text!r}: an error target reads like errors<1%")
+        return Slo(metric, value / 100, text.strip())
+    if sign != ">" or unit is not None:
+        raise ValueError(f"--slo {text!r}: a throughput target reads like throughput>100 (requests a second)")
+    return Slo(metric, value, text.strip())
+
+
+def goodput(result: PointResult, slos: list[Slo]) -> float | None:
+    """Requests a second answered within the tightest latency target; None where no latency target is set."""
+    limits = [slo.limit for slo in slos if slo.metric in LATENCIES]
+    if not limits:
+        return None
+    return int(np.count_nonzero(result.latencies_ms <= min(limits))) / result.point.duration_s
+
+
+def verdicts(result: PointResult, slos: list[Slo]) -> list[dict]:
+    return [{"slo": slo.text, "held": slo.held(result), "observed": slo.shown(slo.observed(result))} for slo in slos]
