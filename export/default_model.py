@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mhaserve.contract.model_dir import ModelDirError, check_model_file, output_only_file, read_manifest
+from mhaserve.contract.model_dir import ModelDirError, check_model_file, output_only_file, read_manifest, step_file
 
 
 def default_model_dir() -> Path:
@@ -33,6 +33,8 @@ def _why_not_ready(model_dir: Path) -> str | None:
         return "its validation failed"
     if output_only_file(model_dir, manifest) is None:
         return "an older export, without the output-only graph"
+    if step_file(model_dir, manifest) is None:
+        return "an older export, without the step graph that serves sequences"
     return None
 
 

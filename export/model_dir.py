@@ -23,6 +23,7 @@ from mhaserve.contract.model_dir import (
     METADATA_PREFIX,
     MODEL_FILE,
     OUTPUT_ONLY_FILE,
+    STEP_FILE,
     WEIGHTS_FILE,
     file_sha256,
     read_manifest,
@@ -32,6 +33,7 @@ from mhaserve.model import MultiHeadAttention, load_weights, module_from_state_d
 
 from .onnx_export import DEFAULT_OPSET, check_onnx, export_onnx, save_onnx
 from .output_only import output_only_graph
+from .step import step_graph, validate_steps
 from .validate import (
     SCALE_TOLERANCES,
     TOLERANCES,
@@ -117,6 +119,13 @@ def export_model_dir(
             reference, module, output_only.SerializeToString(), validation_seed, report
         )
         passed = passed and export_holds(output_only_results, output_only_scales)
+    # The step graph serves sequences from float32 exports; a float16 or int8 folder has none (refused there).
+    step = step_graph(module) if precision == "fp32" else None
+    step_results = []
+    if step is not None:
+        check_onnx(step)
+        step_results = validate_steps(module, step.SerializeToString(), validation_seed, report)
+        passed = passed and all(r["status"] == "pass" for r in step_results)
 
     manifest = {
         "format": MANIFEST_FORMAT,
@@ -166,6 +175,12 @@ def export_model_dir(
                 "scales": [r.as_dict() for r in output_only_scales],
             },
         }
+    if step is not None:
+        manifest["files"]["step"] = STEP_FILE
+        manifest["validation"]["step"] = {
+            "passed": all(r["status"] == "pass" for r in step_results),
+            "cases": step_results,
+        }
     metadata = {
         "name": name,
         "d_model": module.d_model,
@@ -177,7 +192,7 @@ def export_model_dir(
         "torch_version": torch.__version__,
         "mhaserve_version": mhaserve.__version__,
     }
-    for graph in (onnx_model, output_only) if output_only is not None else (onnx_model,):
+    for graph in (g for g in (onnx_model, output_only, step) if g is not None):
         onnx.helper.set_model_props(graph, {METADATA_PREFIX + k: str(v) for k, v in metadata.items()})
         graph.producer_name = "mhaserve"
         graph.producer_version = mhaserve.__version__
@@ -193,6 +208,9 @@ def export_model_dir(
         if output_only is not None:
             save_onnx(output_only, staging / OUTPUT_ONLY_FILE)
             manifest["files"]["output_only_sha256"] = file_sha256(staging / OUTPUT_ONLY_FILE)
+        if step is not None:
+            save_onnx(step, staging / STEP_FILE)
+            manifest["files"]["step_sha256"] = file_sha256(staging / STEP_FILE)
         (staging / VALIDATION_FILE).write_text("\n".join(rows) + "\n")
         write_manifest(staging, manifest)
         _replace_dir(staging, out_dir)

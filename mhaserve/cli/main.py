@@ -71,7 +71,7 @@ class ValidationProgress:
         self.rows = 0
 
     def __call__(self, line: str) -> None:
-        row = line.removeprefix("output-only graph: ").startswith("[")
+        row = line.removeprefix("output-only graph: ").removeprefix("step graph: ").startswith("[")
         if self.verbose or not row or not line.rstrip().endswith("pass"):
             self._end_count()
             print(line, file=sys.stderr, flush=True)

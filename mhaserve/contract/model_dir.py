@@ -12,6 +12,7 @@ MODEL_FILE = "model.onnx"
 # The same model without the attention-weights output, for requests that ask for none of them (written for
 # float32 exports; a folder without it, float16 or exported before it existed, serves them from model.onnx).
 OUTPUT_ONLY_FILE = "model_output_only.onnx"
+STEP_FILE = "model_step.onnx"  # one step of a growing sequence, over the keys and values the server keeps
 WEIGHTS_FILE = "weights.pt"
 MANIFEST_FILE = "manifest.json"
 MANIFEST_FORMAT = "mhaserve-model/1"
@@ -84,7 +85,7 @@ def check_model_file(model_dir: str | Path, manifest: dict, name: str = MODEL_FI
     return path
 
 
-_SHA256_KEYS = {MODEL_FILE: "model_sha256", OUTPUT_ONLY_FILE: "output_only_sha256"}
+_SHA256_KEYS = {MODEL_FILE: "model_sha256", OUTPUT_ONLY_FILE: "output_only_sha256", STEP_FILE: "step_sha256"}
 
 
 def output_only_file(model_dir: str | Path, manifest: dict) -> Path | None:
@@ -92,6 +93,13 @@ def output_only_file(model_dir: str | Path, manifest: dict) -> Path | None:
     if manifest.get("files", {}).get("output_only") != OUTPUT_ONLY_FILE:
         return None
     return check_model_file(model_dir, manifest, OUTPUT_ONLY_FILE)
+
+
+def step_file(model_dir: str | Path, manifest: dict) -> Path | None:
+    """The checked step graph, or None for a folder exported without one (float16, int8, or an older export)."""
+    if manifest.get("files", {}).get("step") != STEP_FILE:
+        return None
+    return check_model_file(model_dir, manifest, STEP_FILE)
 
 
 def write_manifest(model_dir: str | Path, manifest: dict) -> None:

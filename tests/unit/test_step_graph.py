@@ -1,0 +1,36 @@
+"""The step graph: a sequence fed in random steps of 1-8 rows, from an empty cache, answers each step's rows as
+eager PyTorch's causal answer for the whole sequence does; an export records its validation in the manifest."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mhaserve.export.step import STEP_CASES, step_graph, validate_steps
+from mhaserve.model import seeded_module
+
+
+@pytest.mark.parametrize("d_model,heads", [(512, 8), (768, 12)])
+def test_steps_equal_the_causal_answer_for_the_whole_sequence(d_model, heads):
+    module = seeded_module(d_model, heads, seed=3)
+    results = validate_steps(module, step_graph(module).SerializeToString(), seed=11, report=lambda _: None)
+    assert [r["status"] for r in results] == ["pass"] * len(STEP_CASES)
+    for result, (batch, length) in zip(results, STEP_CASES, strict=True):
+        assert sum(result["steps"]) == length and max(result["steps"]) <= 8 and result["batch"] == batch
+        assert result["output_max_abs"] < 1e-5 and result["weights_max_abs"] < 1e-5
+
+
+def test_a_step_graph_of_other_weights_fails_its_validation():
+    module, other = seeded_module(64, 4, seed=1), seeded_module(64, 4, seed=2)
+    rows = []
+    results = validate_steps(module, step_graph(other).SerializeToString(), seed=0, report=rows.append)
+    assert all(r["status"] == "FAIL" for r in results) and all(row.endswith("FAIL") for row in rows)
+
+
+def test_the_export_writes_and_records_the_step_graph(small_model_dir):
+    manifest = json.loads((small_model_dir / "manifest.json").read_text())
+    assert manifest["files"]["step"] == "model_step.onnx" and len(manifest["files"]["step_sha256"]) == 64
+    step = manifest["validation"]["step"]
+    assert step["passed"] and len(step["cases"]) == len(STEP_CASES)
+    assert "step graph: [1/3]" in (small_model_dir / "validation.txt").read_text()
