@@ -186,6 +186,7 @@ async def serve(settings: ServerSettings, model_dir) -> int:
     polling = None
     if settings.model_repository and settings.model_control_mode == "poll":
         polling = asyncio.create_task(dataplane.poll_repository())
+    reaping = asyncio.create_task(dataplane.drop_idle_sequences())
     served = dataplane.served_models()
     log.info(
         "serving %s repository=%s control=%s provider=%s intra_op_threads=%d workers=%d "
@@ -223,6 +224,7 @@ async def serve(settings: ServerSettings, model_dir) -> int:
     await asyncio.wait({stop_task, done_task}, return_when=asyncio.FIRST_COMPLETED)
     if polling is not None:
         polling.cancel()
+    reaping.cancel()
     stopping_since = time.monotonic()
     if stop.is_set():
         log.info(

@@ -105,6 +105,16 @@ class ServerSettings:
     max_q_len: int = setting(512, "longest query a request may carry")
     max_kv_len: int = setting(512, "longest key/value a request may carry")
     max_message_bytes: int = setting(0, "gRPC message size limit, both ways (0 = derived from the limits above)")
+    # Sequences (Triton's sequence_id/sequence_start/sequence_end): the keys and values kept between steps.
+    max_sequences: int = setting(
+        1024, "sequences live at once (their keys and values kept); beyond, RESOURCE_EXHAUSTED"
+    )
+    max_sequence_length: int = setting(4096, "rows a sequence may grow to; beyond, RESOURCE_EXHAUSTED")
+    sequence_idle_timeout_s: float = setting(
+        60.0,
+        "a sequence with no step for this long is dropped and its memory returned (Triton's "
+        "max_sequence_idle_microseconds)",
+    )
     # Per connection. Above max_queue_size, so a burst meets the queue (RESOURCE_EXHAUSTED, which names the
     # limit) before HTTP/2 refuses streams (the client sees UNAVAILABLE "Stream removed").
     max_concurrent_streams: int = setting(1024, "concurrent RPCs per client connection")
@@ -282,10 +292,12 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         raise UsageError(f"--device must be auto, cpu or cuda, got {settings.device!r}")
     for name in ("max_batch_size", "max_q_len", "max_kv_len", "inference_workers", "max_queue_size",
                  "max_inflight_bytes", "max_health_watchers", "http_max_connections", "grpc_max_connections",
-                 "client_shm_max_regions",
+                 "client_shm_max_regions", "max_sequences", "max_sequence_length",
                  "client_shm_max_bytes"):  # fmt: skip
         if getattr(settings, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
+    if not settings.sequence_idle_timeout_s > 0:
+        raise UsageError("--sequence-idle-timeout-s must be more than 0")
     if settings.drain_seconds < 0 or settings.grace_seconds < 0:
         raise UsageError("--drain-seconds and --grace-seconds must be 0 or more")
     if settings.keepalive_time_s <= 0 or settings.keepalive_timeout_s <= 0:

@@ -22,14 +22,18 @@ import numpy as np
 
 from mhaserve.contract.model_dir import ModelDirError, read_manifest
 from mhaserve.contract.repository import ModelRepository, VersionPolicy
+from mhaserve.contract.signature import OUTPUT
 
 from .accounting import RequestAccounting
+from .batcher import overflow_error
 from .config import ServerSettings
 from .errors import ErrorKind, RequestError, inference_failed, invalid
 from .inference import OFF_LOOP_BYTES, InferenceRequest, InferenceResponse, attention_request
 from .memory import MemoryBudget, answer_bytes, input_bytes, request_workspace_bytes
 from .metrics import Metrics
 from .registry import ModelRegistry, ServedModel
+from .sequences import Sequences
+from .shaping import shaped_weights, weights_shaping
 from .shared_memory import Region, SharedMemoryRegistry
 from .statistics import RequestTiming
 from .tensors import AttentionRequest, Limits, ModelSignature, array_from_bytes, byte_count, wire_bytes
@@ -100,6 +104,10 @@ class DataPlane:
         self.shared_memory = SharedMemoryRegistry(
             settings.allow_client_shm, settings.client_shm_max_regions, settings.client_shm_max_bytes
         )
+        self.sequences = Sequences(
+            budget, settings.max_sequences, settings.max_sequence_length, settings.sequence_idle_timeout_s
+        )
+        self.metrics.watch_sequences(self.sequences)
 
     def _sessions(self) -> list:
         return [served.session for served in self.registry.served_models() if served.session is not None]
@@ -287,7 +295,15 @@ class DataPlane:
     def record_unauthenticated(self, method: str) -> None:
         self.accounting.record_unauthenticated(method)
 
+    async def drop_idle_sequences(self) -> None:
+        """Until the server drains: the sequences idle past their timeout are dropped, their memory returned,
+        whether or not other steps come."""
+        while not self.draining:
+            await asyncio.sleep(min(self.settings.sequence_idle_timeout_s, 5.0))
+            self.sequences.drop_idle()
+
     def shutdown(self) -> None:
+        self.sequences.drop_all("the server stopped")
         self._executor.shutdown(wait=True)
         self._decoder.shutdown(wait=True)
         self.versions.shutdown()
@@ -350,6 +366,10 @@ class InferenceCall:
         placed = request.output_placements()
         if request.shared_inputs or placed:
             attention = await self._use_shared_memory(request, placed) or attention
+        if attention.sequence is not None:
+            if placed:
+                raise invalid("a step of a sequence answers over the socket: its outputs cannot go to shared memory")
+            return await self._step(request, attention)
         self.rows = attention.batch_size
         self.request_id = request.id
         self.timing.input_ns = time.perf_counter_ns() - self.started
@@ -372,6 +392,51 @@ class InferenceCall:
         if placed:
             await self._in_shared_memory(self._write_outputs, sum(outputs[n].nbytes for n in placed), outputs, placed)
         return InferenceResponse(signature, request, outputs, frozenset(placed))
+
+    async def _step(self, request: InferenceRequest, attention: AttentionRequest) -> InferenceResponse:
+        """One step of a sequence (server/sequences.py): run over its cache, in its order, and grow the cache."""
+        dataplane, served, step = self._dataplane, self.served, attention.sequence
+        signature, sequences = served.signature, dataplane.sequences
+        self.rows = batch = attention.batch_size
+        self.request_id = request.id
+        sequence = sequences.begin(step, served, batch)
+        async with sequence.lock:  # a second step of the same sequence waits for this one
+            if sequence.ended:
+                raise invalid(f"sequence {step.id!r} is not live: it ended while this step waited")
+            rows = attention.query.shape[1]
+            sequences.check_growth(sequence, rows)
+            total = sequence.length + rows
+            named = tuple(o.name for o in request.outputs)
+            shaping, outputs = weights_shaping(request.parameters, named, signature.num_heads, rows, total)
+            attention.shaping, attention.key = shaping, np.empty((batch, total, 0), np.float32)  # sized as it runs
+            if outputs is not None:
+                attention.outputs = outputs
+            self.timing.input_ns = time.perf_counter_ns() - self.started
+            self._answer = answer_bytes(attention, signature.num_heads, signature.precision)
+            needed = input_bytes(attention) + self._answer
+            self._receipt_done()
+            workspace = request_workspace_bytes(attention, signature.num_heads)
+            self._waiting = dataplane.accounting.admit(needed, batch, workspace)
+            self._reserved = needed
+            started = time.perf_counter_ns()
+            output, weights, key, value = await asyncio.get_running_loop().run_in_executor(
+                dataplane._executor, served.session.run_step, attention.query, sequence.key, sequence.value
+            )
+            self.timing.infer_ns = time.perf_counter_ns() - started
+            self.run_rows, self.run_started_ns = batch, started
+            dataplane.accounting.budget.run_ended(self._waiting)
+            self._waiting = None
+            asked = attention.outputs
+            derived = weights if any(name != OUTPUT for name in asked) else None
+            error = overflow_error(asked, output if OUTPUT in asked else None, derived, signature.precision)
+            if error is not None:  # the cache is not grown by a step that overflowed
+                raise error
+            if not sequence.ended:  # restarted while this step ran: its answer stands, the old cache does not
+                sequences.grow(sequence, key, value)
+            answer = {OUTPUT: output, **shaped_weights(weights, asked, shaping)}
+        if step.end:
+            sequences.end(sequence)
+        return InferenceResponse(signature, request, {name: answer[name] for name in asked}, frozenset())
 
     async def _use_shared_memory(self, request: InferenceRequest, placed: dict) -> AttentionRequest | None:
         """Hold the regions the request's tensors lie in (checked: registered, windows inside them), then read

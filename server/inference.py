@@ -13,7 +13,8 @@ from types import MappingProxyType
 
 import numpy as np
 
-from .errors import ErrorKind, RequestError
+from .errors import ErrorKind, RequestError, invalid
+from .sequences import sequence_parameters
 from .shaping import weights_shaping
 from .shared_memory import Placement, placement_of
 from .tensors import AttentionRequest, Limits, ModelSignature, build_request
@@ -93,22 +94,29 @@ class InferenceResponse:
         return self.request.id
 
 
-# Triton's sequence protocol, as tritonclient's infer(sequence_id=, sequence_start=, sequence_end=) sends it.
-SEQUENCE_PARAMETERS = ("sequence_id", "sequence_start", "sequence_end")
-
-
 def attention_request(request: InferenceRequest, model: ModelSignature, limits: Limits) -> AttentionRequest:
     """``request`` checked against the model and the limits: arrays ready for the graph, and what it asked of
     the weights (RequestError otherwise)."""
-    asked = [name for name in SEQUENCE_PARAMETERS if request.parameters.get(name) not in (None, 0, "", False)]
-    if asked:  # answered as a stateless request, a sequence's step would be wrong with OK
-        raise RequestError(
-            ErrorKind.UNIMPLEMENTED,
-            f"parameter '{asked[0]}': this server keeps no sequence state, so a step of a sequence cannot be "
-            "answered; send the whole sequence so far in one request, with a causal mask",
-        )
+    step = sequence_parameters(request.parameters)
+    if step is not None:  # answered as a stateless request, a step of a sequence would be wrong with OK
+        if not model.serves_sequences:
+            raise RequestError(
+                ErrorKind.UNIMPLEMENTED,
+                f"parameter 'sequence_id': model '{model.name}' version {model.version} serves no sequences (its "
+                "folder has no step graph: sequences are served from float32 exports of this mhaserve); send the "
+                "whole sequence so far in one request, with a causal mask",
+            )
+        given = sorted(set(request.inputs) - {"query"})
+        if given:
+            raise invalid(
+                f"input '{given[0]}': a step of a sequence carries its new rows as 'query' alone (they are its new "
+                "keys and values too; the server keeps the rest)"
+            )
     named = tuple(o.name for o in request.outputs)
     attention = build_request(request.inputs, request.id, named, model, limits)
+    if step is not None:
+        attention.sequence = step  # shaped once the sequence's length is known
+        return attention
     q_len, kv_len = attention.query.shape[1], attention.key.shape[1]
     attention.shaping, outputs = weights_shaping(request.parameters, named, model.num_heads, q_len, kv_len)
     if outputs is not None:

@@ -85,6 +85,8 @@ class Metrics:
             "RPCs refused for a missing or wrong bearer token",
             registry=self.registry,
         )
+        self._sequences = None  # the data plane's Sequences, once watched
+        self.registry.register(_SequenceCollector(self))
         self._families = (
             self._count, self._exec_count, self._request_seconds, self._queue_seconds, self._compute_seconds,
             self._batch_size, self._padding, self._pending,
@@ -94,6 +96,9 @@ class Metrics:
         self._request_counters: dict[tuple[str, str, str, str], Counter] = {}
         self._queue_depths: dict[tuple[str, str], Callable[[], int]] = {}
         self._models: dict[tuple[str, str], ModelMetrics] = {}
+
+    def watch_sequences(self, sequences) -> None:
+        self._sequences = sequences
 
     def for_model(self, model: str, version: str, queue_depth: Callable[[], int]) -> ModelMetrics:
         # The gauge keeps its function in a reference cycle (prometheus_client's set_function), which only the
@@ -165,3 +170,29 @@ class ModelMetrics:
         self._exec_count.inc()
         self._batch_size.observe(rows)
         self._padding.observe(padding_ratio)
+
+
+class _SequenceCollector:
+    """The live sequences, read when scraped: how many, their cache's bytes, steps, and ends by timeout."""
+
+    def __init__(self, metrics: Metrics):
+        self._metrics = metrics
+
+    def describe(self):
+        return self.collect()
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        sequences = self._metrics._sequences
+        live, cache = (len(sequences.live), sequences.cache_bytes) if sequences is not None else (0, 0)
+        steps, timed_out = (sequences.steps_total, sequences.timed_out_total) if sequences is not None else (0, 0)
+        yield GaugeMetricFamily("mhaserve_sequences_live", "Sequences whose keys and values the server keeps", live)
+        yield GaugeMetricFamily(
+            "mhaserve_sequence_cache_bytes", "Bytes of the live sequences' keys and values (in --max-inflight-bytes)",
+            cache,
+        )  # fmt: skip
+        yield CounterMetricFamily("mhaserve_sequence_steps", "Steps of sequences answered", steps)
+        yield CounterMetricFamily(
+            "mhaserve_sequences_timed_out", "Sequences dropped after --sequence-idle-timeout-s idle", timed_out
+        )

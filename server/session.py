@@ -22,6 +22,7 @@ from mhaserve.contract.model_dir import (
     check_model_file,
     output_only_file,
     read_manifest,
+    step_file,
 )
 from mhaserve.contract.signature import OUTPUT, PRECISIONS
 
@@ -133,6 +134,13 @@ class AttentionSession:
             self._output_only = self._load(
                 output_only_path, options, "cpu" if self.provider == CPU else device, cuda_tf32
             )
+        step_path = step_file(model_dir, manifest)
+        # On the provider the full graph got, as the output-only graph; None: this folder serves no sequences.
+        self._step = (
+            None
+            if step_path is None
+            else self._load(step_path, options, "cpu" if self.provider == CPU else device, cuda_tf32)
+        )
         # A run with this option gives ONNX Runtime's arenas back the chunks no run is using, at its end.
         self._shrink = ort.RunOptions()
         arenas = "cpu:0;gpu:0" if self.provider == CUDA else "cpu:0"
@@ -203,6 +211,14 @@ class AttentionSession:
         output_only = tuple(output_names) == (OUTPUT,) and key.shape[1] >= OUTPUT_ONLY_FROM_KV_LEN
         session = self._output_only if output_only and self._output_only is not None else self._session
         return session.run(list(output_names), {"query": query, "key": key, "value": value, "mask": mask})
+
+    @property
+    def serves_sequences(self) -> bool:
+        return self._step is not None
+
+    def run_step(self, query, past_key, past_value) -> list[np.ndarray]:
+        """One step of a sequence (export/step.py): [output, attn_weights, present_key, present_value]."""
+        return self._step.run(None, {"query": query, "past_key": past_key, "past_value": past_value})
 
     def release_memory(self) -> None:
         """Shrink the arena: after a burst of large runs it holds their peak until the process exits. One tiny

@@ -46,6 +46,7 @@ class ModelSignature:
     num_heads: int
     precision: str = "fp32"  # the export's (signature.PRECISIONS): the datatype of the weights returned
     max_abs_input: float | None = None  # inputs larger in magnitude are refused (the export's validated range)
+    serves_sequences: bool = False  # the folder has a step graph (export/step.py)
 
 
 @dataclass
@@ -59,6 +60,7 @@ class AttentionRequest:
     mask: np.ndarray  # [B|1, 1, Lq|1, Lk] bool; all True when the request had none
     outputs: tuple[str, ...]  # requested outputs, in the order to return them
     shaping: WeightsShaping = NO_SHAPING  # what the request asked of the weights' outputs
+    sequence: object = None  # a sequences.StepOf: the request is a step of a sequence (its shaping comes later)
 
     @property
     def batch_size(self) -> int:

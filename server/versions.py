@@ -73,7 +73,9 @@ class VersionFactory:
             computed_in=session.info.computed_in,
         )
         info = session.info
-        signature = ModelSignature(name, version, info.d_model, info.num_heads, info.precision, info.max_abs_input)
+        signature = ModelSignature(
+            name, version, info.d_model, info.num_heads, info.precision, info.max_abs_input, session.serves_sequences
+        )
         needed = self.settings.message_limits(signature.d_model, signature.num_heads)
         if self.message_limits and any(n > bound for n, bound in zip(needed, self.message_limits, strict=True)):
             log.warning(

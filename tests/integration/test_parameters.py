@@ -118,34 +118,15 @@ def test_a_trace_setting_of_a_wrong_type_or_range_is_refused(server, stub, setti
         assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and name in error.value.details()
 
 
-@pytest.mark.parametrize("sequence_id", [7, "chat-1"])
-def test_a_step_of_a_sequence_is_refused_not_answered_as_a_stateless_request(server, stub, sequence_id):
-    # Triton's sequence parameters, as tritonclient sends them; this server keeps no sequence state, and answering
-    # a step as if it were the whole sequence would be wrong with OK. (tritonclient.grpc cannot share a process
-    # with this server's protos: its request is built here as it builds it.)
-    import tritonclient.http as triton_http
-    from tritonclient.utils import InferenceServerException
-
-    request = build_infer_request("mha", np.ones((1, 2, SMALL_D_MODEL), np.float32))
-    field = "string_param" if isinstance(sequence_id, str) else "int64_param"
-    setattr(request.parameters["sequence_id"], field, sequence_id)
-    request.parameters["sequence_start"].bool_param = True
-    request.parameters["sequence_end"].bool_param = False
-    with pytest.raises(grpc.RpcError) as refused:
-        stub.ModelInfer(request, timeout=10)
-    assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
-    assert "sequence_id" in refused.value.details() and "keeps no sequence state" in refused.value.details()
-
-    query = triton_http.InferInput("query", [1, 2, SMALL_D_MODEL], "FP32")
-    query.set_data_from_numpy(np.ones((1, 2, SMALL_D_MODEL), np.float32))
-    client = triton_http.InferenceServerClient(server.http_url.removeprefix("http://"))
-    try:
-        with pytest.raises(InferenceServerException) as error:
-            client.infer("mha", [query], sequence_id=sequence_id, sequence_start=True)
-        assert "sequence_id" in str(error.value) and "keeps no sequence state" in str(error.value)
-        assert client.infer("mha", [query]).as_numpy("output").shape == (1, 2, SMALL_D_MODEL)  # stateless: served
-    finally:
-        client.close()
+@pytest.mark.parametrize(
+    "parameters",
+    [{"sequence_id": [7]}, {"sequence_id": True}, {"sequence_id": 2**64}, {"sequence_id": 7, "sequence_start": "yes"},
+     {"sequence_end": True}],
+    ids=repr,
+)  # fmt: skip
+def test_sequence_parameters_of_a_wrong_type_are_400_naming_them(server, parameters):
+    status, body = post(f"{server.http_url}/v2/models/mha/infer", infer_body(parameters=parameters))
+    assert status == 400 and "sequence_" in body["error"], body
 
 
 def test_no_bad_parameter_reached_the_servers_error_handler(server):

@@ -1,0 +1,171 @@
+"""Sequences: attention over a growing sequence, one step at a time, with its projected keys and values kept here.
+
+A request joins a sequence with Triton's sequence parameters (``sequence_id``, a uint64 or a string;
+``sequence_start``; ``sequence_end``), as tritonclient's ``infer(..., sequence_id=, sequence_start=,
+sequence_end=)`` sends them. A step carries only its new rows (``query``; self-attention: they are the new keys and
+values too); the server runs the model folder's step graph (export/step.py) over the sequence's cache and answers
+the new rows' output and their attention weights over every key so far, ``[B, h, new, past + new]``.
+
+- ``sequence_start`` begins a sequence (an id in use is restarted, as in Triton); a step without it must name a
+  live sequence; ``sequence_end`` answers the step, then drops the sequence and returns its memory.
+- Steps of one sequence run in their order: a second step while one runs waits for it.
+- The cache counts in the memory budget from the step that grows it; ``--max-sequences`` live at once,
+  ``--max-sequence-length`` rows each, and a sequence idle for ``--sequence-idle-timeout-s`` is dropped.
+- A sequence keeps the version it started on until it ends or times out, through unloads and swaps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import ErrorKind, RequestError, invalid
+from .memory import MemoryBudget
+from .parameters import boolean, quoted
+
+UINT64_MAX = 2**64 - 1
+REMEMBERED_ENDS = 4096  # ids recently ended or timed out, to say so when a late step names one
+
+
+@dataclass(frozen=True)
+class StepOf:
+    """What a request's sequence parameters say."""
+
+    id: int | str
+    start: bool
+    end: bool
+
+
+def sequence_parameters(parameters: Mapping[str, object]) -> StepOf | None:
+    """The request's place in a sequence, or None for a request outside any (no id, or id 0 / "" as Triton's
+    clients send for none)."""
+    sequence_id = parameters.get("sequence_id")
+    start = boolean(parameters.get("sequence_start", False), "sequence_start")
+    end = boolean(parameters.get("sequence_end", False), "sequence_end")
+    if sequence_id in (None, 0, ""):
+        if start or end:
+            raise invalid(
+                "parameters 'sequence_start'/'sequence_end' need a 'sequence_id' (a non-zero integer or a string)"
+            )
+        return None
+    if isinstance(sequence_id, bool) or not isinstance(sequence_id, int | str):
+        raise invalid(f"parameter 'sequence_id' must be an integer or a string, got {quoted(sequence_id)}")
+    if isinstance(sequence_id, int) and not 0 < sequence_id <= UINT64_MAX:
+        raise invalid(f"parameter 'sequence_id' must be an unsigned 64-bit integer, got {sequence_id}")
+    if isinstance(sequence_id, str) and len(sequence_id) > 256:
+        raise invalid(f"parameter 'sequence_id' must be at most 256 characters, got {len(sequence_id)}")
+    return StepOf(sequence_id, start, end)
+
+
+@dataclass
+class Sequence:
+    id: int | str
+    served: object  # the ServedModel it started on (entered: not unloaded while the sequence lives)
+    batch: int
+    key: np.ndarray  # [B, h, length, d_k] float32, projected
+    value: np.ndarray
+    last_used: float = field(default_factory=time.monotonic)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    steps: int = 0
+    ended: bool = False
+
+    @property
+    def length(self) -> int:
+        return self.key.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return self.key.nbytes + self.value.nbytes
+
+
+class Sequences:
+    """The live sequences of the process; event loop only."""
+
+    def __init__(self, budget: MemoryBudget, max_sequences: int, max_length: int, idle_timeout_s: float):
+        self.budget = budget
+        self.max_sequences = max_sequences
+        self.max_length = max_length
+        self.idle_timeout_s = idle_timeout_s
+        self.live: dict[int | str, Sequence] = {}
+        self._gone: OrderedDict[int | str, str] = OrderedDict()  # id -> why it is no longer live
+        self.steps_total = 0
+        self.timed_out_total = 0
+
+    @property
+    def cache_bytes(self) -> int:
+        return sum(sequence.nbytes for sequence in self.live.values())
+
+    def begin(self, step: StepOf, served, batch: int) -> Sequence:
+        """The sequence this step belongs to: new (or restarted) at ``sequence_start``, else the live one."""
+        self.drop_idle()
+        if step.start:
+            if step.id in self.live:
+                self._drop(self.live[step.id], "restarted")
+            elif len(self.live) >= self.max_sequences:
+                raise RequestError(
+                    ErrorKind.RESOURCE_EXHAUSTED,
+                    f"sequence {step.id!r}: {len(self.live)} sequences are live, the limit --max-sequences="
+                    f"{self.max_sequences}; end one (sequence_end) or retry later",
+                )
+            signature = served.signature
+            empty = np.zeros((batch, signature.num_heads, 0, signature.d_model // signature.num_heads), np.float32)
+            served.enter()
+            sequence = Sequence(step.id, served, batch, empty, empty.copy())
+            self.live[step.id] = sequence
+            self._gone.pop(step.id, None)
+            return sequence
+        sequence = self.live.get(step.id)
+        if sequence is None:
+            why = self._gone.get(step.id, "never started (its first step needs sequence_start)")
+            raise invalid(f"sequence {step.id!r} is not live: {why}")
+        if sequence.batch != batch:
+            raise invalid(f"sequence {step.id!r} has batch {sequence.batch}; this step's query has batch {batch}")
+        return sequence
+
+    def check_growth(self, sequence: Sequence, rows: int) -> None:
+        if sequence.length + rows > self.max_length:
+            raise RequestError(
+                ErrorKind.RESOURCE_EXHAUSTED,
+                f"sequence {sequence.id!r}: {sequence.length} rows + {rows} would pass --max-sequence-length="
+                f"{self.max_length}; end it and start another",
+            )
+
+    def grow(self, sequence: Sequence, key: np.ndarray, value: np.ndarray) -> None:
+        """The step's cache replaces the sequence's: its new bytes are taken in the budget (RESOURCE_EXHAUSTED
+        when they do not fit: the sequence stays as it was)."""
+        added = key.nbytes + value.nbytes - sequence.nbytes
+        self.budget.take(added, f"sequence {sequence.id!r}'s keys and values")
+        sequence.key, sequence.value = key, value
+        sequence.steps += 1
+        sequence.last_used = time.monotonic()
+        self.steps_total += 1
+
+    def end(self, sequence: Sequence, why: str = "ended (sequence_end)") -> None:
+        if self.live.get(sequence.id) is sequence:
+            self._drop(sequence, why)
+
+    def drop_idle(self) -> None:
+        """Drop the sequences idle past the timeout, returning their memory."""
+        now = time.monotonic()
+        for sequence in [s for s in self.live.values() if now - s.last_used > self.idle_timeout_s]:
+            if not sequence.lock.locked():
+                self.timed_out_total += 1
+                self._drop(sequence, f"dropped after {self.idle_timeout_s:g} s idle (--sequence-idle-timeout-s)")
+
+    def drop_all(self, why: str) -> None:
+        for sequence in list(self.live.values()):
+            self._drop(sequence, why)
+
+    def _drop(self, sequence: Sequence, why: str) -> None:
+        del self.live[sequence.id]
+        sequence.ended = True
+        self.budget.release(sequence.nbytes)
+        sequence.served.leave()
+        self._gone[sequence.id] = why
+        while len(self._gone) > REMEMBERED_ENDS:
+            self._gone.popitem(last=False)

@@ -1,0 +1,250 @@
+"""Sequences: attention over a growing sequence, one step at a time, with the keys and values kept on the server,
+in Triton's sequence protocol. The steps' answers, put together, equal the stateless causal answer for the whole
+sequence; the cache is bounded, counted and returned; ids that are not live are refused saying why."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import subprocess
+import sys
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from mhaserve.client.grpc import build_infer_request
+from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
+from mhaserve.testing.server_process import ServerProcess
+from tests.support import CLIENT_SCRIPTS, SMALL_D_MODEL, TEST_SERVER_ARGS, eager, scrape
+
+D = SMALL_D_MODEL
+IDLE_S = 1.5
+
+
+@pytest.fixture(scope="module")
+def sequence_server(small_model_dir):
+    args = (*TEST_SERVER_ARGS, "--sequence-idle-timeout-s", str(IDLE_S), "--max-sequence-length", "256",
+            "--max-sequences", "16")  # fmt: skip
+    with ServerProcess(small_model_dir, *args) as server:
+        yield server
+
+
+@pytest.fixture
+def stub(sequence_server):
+    with grpc.insecure_channel(sequence_server.url) as channel:
+        yield pb_grpc.GRPCInferenceServiceStub(channel)
+
+
+def random_steps(length: int, rng) -> list[int]:
+    steps = []
+    while sum(steps) < length:
+        steps.append(min(int(rng.integers(1, 9)), length - sum(steps)))
+    return steps
+
+
+def step(stub, sequence_id, rows: np.ndarray, start=False, end=False, **parameters) -> dict[str, np.ndarray]:
+    """One step as tritonclient sends it (sequence parameters beside the request's own)."""
+    request = build_infer_request("mha", rows)
+    field = "string_param" if isinstance(sequence_id, str) else "int64_param"
+    setattr(request.parameters["sequence_id"], field, sequence_id)
+    request.parameters["sequence_start"].bool_param = start
+    request.parameters["sequence_end"].bool_param = end
+    for name, value in parameters.items():
+        setattr(request.parameters[name], "int64_param" if isinstance(value, int) else "string_param", value)
+        if name == "attn_top_k":
+            del request.outputs[:]
+    response = stub.ModelInfer(request, timeout=30)
+    return {
+        o.name: np.frombuffer(raw, np.float32 if o.datatype == "FP32" else np.int64).reshape(o.shape)
+        for o, raw in zip(response.outputs, response.raw_output_contents, strict=True)
+    }
+
+
+def assert_equals_the_causal_answer(module, x, steps, answers):
+    length = x.shape[1]
+    want_output, want_weights = eager(module, x, mask=np.tril(np.ones((1, length, length), bool)))
+    position = 0
+    for rows, answer in zip(steps, answers, strict=True):
+        end = position + rows
+        scale = np.abs(want_output).max()
+        assert np.abs(answer["output"] - want_output[:, position:end]).max() <= 1e-4 * scale
+        assert np.abs(answer["attn_weights"] - want_weights[:, :, position:end, :end]).max() <= 1e-5
+        position = end
+
+
+@pytest.mark.parametrize("mode", ["unary", "stream"])
+def test_tritonclient_grpc_steps_equal_the_stateless_causal_answer(sequence_server, small_module, tmp_path, mode):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((2, 200, D), dtype=np.float32)
+    steps = random_steps(200, rng)
+    np.savez(tmp_path / "in.npz", x=x, steps=np.array(steps))
+    done = subprocess.run(
+        [sys.executable, str(CLIENT_SCRIPTS / "triton_sequence.py"), sequence_server.url, str(tmp_path / "in.npz"),
+         str(tmp_path / "out.npz"), mode, "7001" if mode == "unary" else "chat-7001"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    out = np.load(tmp_path / "out.npz")
+    assert "error" not in out.files, str(out["error"])
+    answers = [
+        {"output": out[f"step{i}_output"], "attn_weights": out[f"step{i}_attn_weights"]} for i in range(len(steps))
+    ]
+    assert_equals_the_causal_answer(small_module, x, steps, answers)
+
+
+def test_tritonclient_http_steps_equal_the_stateless_causal_answer(sequence_server, small_module):
+    import tritonclient.http as triton_http
+
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((1, 60, D), dtype=np.float32)
+    steps = random_steps(60, rng)
+    client = triton_http.InferenceServerClient(sequence_server.http_url.removeprefix("http://"))
+    answers, position = [], 0
+    try:
+        for index, rows in enumerate(steps):
+            query = triton_http.InferInput("query", [1, rows, D], "FP32")
+            query.set_data_from_numpy(np.ascontiguousarray(x[:, position : position + rows]))
+            result = client.infer("mha", [query], sequence_id=99, sequence_start=index == 0,
+                                  sequence_end=index == len(steps) - 1)  # fmt: skip
+            answers.append({"output": result.as_numpy("output"), "attn_weights": result.as_numpy("attn_weights")})
+            position += rows
+    finally:
+        client.close()
+    assert_equals_the_causal_answer(small_module, x, steps, answers)
+
+
+def test_eight_sequences_interleaved_from_threads_each_equal_their_own_answer(stub, small_module):
+    rng = np.random.default_rng(3)
+    sequences = {f"thread-{i}": rng.standard_normal((1, 48, D), dtype=np.float32) for i in range(8)}
+    plans = {name: random_steps(48, rng) for name in sequences}
+
+    def run(name):
+        x, answers, position = sequences[name], [], 0
+        for index, rows in enumerate(plans[name]):
+            answers.append(step(stub, name, x[:, position : position + rows], start=index == 0,
+                                end=index == len(plans[name]) - 1))  # fmt: skip
+            position += rows
+        return answers
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = dict(zip(sequences, pool.map(run, sequences), strict=True))
+    for name, answers in results.items():
+        assert_equals_the_causal_answer(small_module, sequences[name], plans[name], answers)
+
+
+def test_ids_that_are_not_live_are_refused_saying_why(stub):
+    rows = np.ones((1, 2, D), np.float32)
+    for sequence_id, why in ((123456, "never started"), ("ended-one", "ended (sequence_end)")):
+        if why.startswith("ended"):
+            step(stub, sequence_id, rows, start=True, end=True)
+        with pytest.raises(grpc.RpcError) as refused:
+            step(stub, sequence_id, rows)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"sequence {sequence_id!r} is not live: {why}" in refused.value.details()
+    with pytest.raises(grpc.RpcError) as refused:  # the end flag without an id
+        request = build_infer_request("mha", rows)
+        request.parameters["sequence_end"].bool_param = True
+        stub.ModelInfer(request, timeout=10)
+    assert "need a 'sequence_id'" in refused.value.details()
+
+
+def test_sequence_start_with_a_live_id_restarts_it(stub, small_module):
+    rng = np.random.default_rng(4)
+    first, second = (rng.standard_normal((1, 5, D), dtype=np.float32) for _ in range(2))
+    step(stub, 555, first, start=True)
+    again = step(stub, 555, second, start=True)  # restarted: the first rows are forgotten
+    assert again["attn_weights"].shape == (1, 4, 5, 5)
+    assert_equals_the_causal_answer(small_module, second, [5], [again])
+    step(stub, 555, second[:, :1], end=True)
+
+
+def test_a_step_can_ask_for_the_newest_rows_top_keys(stub):
+    rows = np.random.default_rng(5).standard_normal((1, 12, D), dtype=np.float32)
+    step(stub, "topk", rows[:, :10], start=True)
+    answer = step(stub, "topk", rows[:, 10:], end=True, attn_top_k=3)
+    values, keys = answer["attn_weights_top_k_values"], answer["attn_weights_top_k_indices"]
+    assert values.shape == keys.shape == (1, 4, 2, 3) and keys.max() <= 11 and (np.diff(values, axis=-1) <= 0).all()
+
+
+def test_the_cache_is_counted_and_returned_at_end_and_at_the_idle_timeout(sequence_server, stub):
+    def samples():
+        values = scrape(sequence_server.metrics_url)
+        return {name: value for (name, _), value in values.items() if "sequence" in name}
+
+    before = samples()
+    rows = np.ones((1, 40, D), np.float32)
+    step(stub, "counted", rows, start=True)
+    held = samples()
+    # Keys and values of 40 rows, 4 heads of 16: 2 x 40 x 64 float32.
+    assert held["mhaserve_sequence_cache_bytes"] - before["mhaserve_sequence_cache_bytes"] == 2 * 40 * D * 4
+    assert held["mhaserve_sequences_live"] == before["mhaserve_sequences_live"] + 1
+    step(stub, "counted", rows[:, :1], end=True)
+    assert samples()["mhaserve_sequence_cache_bytes"] == before["mhaserve_sequence_cache_bytes"]
+
+    step(stub, "forgotten", rows, start=True)
+    time.sleep(IDLE_S + 2.5)  # the server drops it by itself, whether or not other steps come
+    after = samples()
+    assert after["mhaserve_sequences_live"] == before["mhaserve_sequences_live"]
+    assert after["mhaserve_sequences_timed_out_total"] >= before["mhaserve_sequences_timed_out_total"] + 1
+    with pytest.raises(grpc.RpcError) as refused:
+        step(stub, "forgotten", rows[:, :1])
+    assert f"dropped after {IDLE_S:g} s idle" in refused.value.details()
+
+
+def test_a_sequence_past_its_limits_is_refused_and_left_as_it_was(stub):
+    rows = np.ones((1, 64, D), np.float32)
+    step(stub, "long", rows, start=True)
+    for _ in range(3):
+        step(stub, "long", rows)  # 256 rows: the limit
+    with pytest.raises(grpc.RpcError) as refused:
+        step(stub, "long", rows[:, :1])
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "--max-sequence-length=256" in refused.value.details()
+    assert step(stub, "long", rows[:, :1], start=True)["attn_weights"].shape == (1, 4, 1, 1)  # a restart: free
+    step(stub, "long", rows[:, :1], end=True)
+
+
+def test_the_budget_refuses_a_step_that_would_not_fit_and_the_sequence_stays_as_it_was(start_server, small_model_dir):
+    server = start_server(small_model_dir, *TEST_SERVER_ARGS, "--max-inflight-bytes", str(12 << 20))
+    with grpc.insecure_channel(server.url) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        rows = np.ones((8, 64, D), np.float32)  # each step adds 8 x 64 rows of keys and values: 256 KiB
+        step(stub, "big", rows, start=True)
+        grown = 1
+        with pytest.raises(grpc.RpcError) as refused:
+            for _ in range(64):  # the cache and each step's weights over it grow until the budget refuses
+                step(stub, "big", rows)
+                grown += 1
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_inflight_bytes" in refused.value.details()
+        last = step(stub, "big", rows[:, :1], end=True)  # still live, as it was before the refused step
+        assert last["attn_weights"].shape == (8, 4, 1, 64 * grown + 1)
+        cache = {n: v for (n, _), v in scrape(server.metrics_url).items() if n == "mhaserve_sequence_cache_bytes"}
+        assert cache == {"mhaserve_sequence_cache_bytes": 0}  # returned at its end
+    server.signal()
+    assert server.wait_exit(30) == 0
+
+
+def test_a_folder_without_a_step_graph_refuses_sequences(start_server, small_module, tmp_path):
+    from mhaserve.export.model_dir import export_model_dir
+
+    folder = tmp_path / "fp16"
+    export_model_dir(small_module, folder, precision="fp16", validation_seed=0, report=lambda _: None)
+    server = start_server(folder, *TEST_SERVER_ARGS)
+    with grpc.insecure_channel(server.url) as channel:
+        with pytest.raises(grpc.RpcError) as refused:
+            step(pb_grpc.GRPCInferenceServiceStub(channel), 1, np.ones((1, 2, D), np.float32), start=True)
+    assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert "serves no sequences" in refused.value.details()
+
+
+def test_drain_with_live_sequences_exits_cleanly(start_server, small_model_dir):
+    server = start_server(small_model_dir, *TEST_SERVER_ARGS)
+    with grpc.insecure_channel(server.url) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        for name in ("a", "b", "c"):
+            step(stub, name, np.ones((1, 8, D), np.float32), start=True)
+    server.signal()
+    assert server.wait_exit(30) == 0, server.log
+    assert "Traceback" not in server.log
