@@ -1,0 +1,122 @@
+"""Sequences against resending the prefix: a server of the embedded default model (512/8), one client process.
+
+    flock /tmp/bench.lock .venv/bin/python benchmarks/bench_sequences.py [--rounds 3] [--calls 30]
+
+Printed, each figure the median of ``--calls`` calls per round, rounds alternating the variants:
+- a one-row step at position 500 against the 500-row prefix sent with a causal mask, output only (c=1);
+- a one-row step at position 500 against one at position 10;
+- steps a second with 1, 16 and 64 sequences stepping at once at position ~256 (output only, gRPC aio);
+- first, the server's RSS per live sequence of 256 rows against its keys' and values' bytes.
+Not a test: BENCHMARKS.md records the figures with this command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+
+import grpc
+import numpy as np
+
+from mhaserve.client.grpc import build_infer_request
+from mhaserve.export.default_model import ensure_default_model
+from mhaserve.loadtest.checked_load import rss_mib
+from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
+from mhaserve.testing.server_process import ServerProcess
+
+D, H = 512, 8
+
+
+def request(rows: np.ndarray, sequence=None, start=False, end=False, mask=None):
+    message = build_infer_request("mha", rows, mask=mask, attn_weights=False)
+    if sequence is not None:
+        message.parameters["sequence_id"].string_param = sequence
+        message.parameters["sequence_start"].bool_param = start
+        message.parameters["sequence_end"].bool_param = end
+    return message
+
+
+async def grow(stub, name: str, length: int, rng) -> None:
+    x = rng.standard_normal((1, length, D), dtype=np.float32)
+    await stub.ModelInfer(request(x, name, start=True), timeout=60)
+
+
+async def timed_ms(stub, make, calls: int) -> float:
+    times = []
+    for _ in range(calls):
+        message = make()
+        started = time.perf_counter()
+        await stub.ModelInfer(message, timeout=60)
+        times.append((time.perf_counter() - started) * 1000)
+    return statistics.median(times)
+
+
+async def main(rounds: int, calls: int, server: ServerProcess) -> None:
+    rng = np.random.default_rng(0)
+    row = rng.standard_normal((1, 1, D), dtype=np.float32)
+    prefix = rng.standard_normal((1, 500, D), dtype=np.float32)
+    causal = np.tril(np.ones((1, 500, 500), bool))
+    async with grpc.aio.insecure_channel(server.url, options=[("grpc.max_receive_message_length", -1)]) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        # First, on a server that has not yet run steps: what a live sequence holds.
+        before = rss_mib(server.proc.pid)
+        for i in range(64):
+            await grow(stub, f"memory-{i}", 256, rng)
+        await asyncio.sleep(1)
+        after = rss_mib(server.proc.pid)
+        cache_mib = 64 * 2 * 256 * D * 4 / 2**20
+        grown = after - before
+        print(f"64 live sequences of 256 rows: RSS +{grown:.1f} MiB for {cache_mib:.1f} MiB of keys and values "
+              f"({grown / cache_mib:.2f}x)")  # fmt: skip
+        for i in range(64):
+            await stub.ModelInfer(request(row, f"memory-{i}", end=True), timeout=60)
+
+        figures = {"step at 500": [], "prefix of 500": [], "step at 10": []}
+        for number in range(rounds):
+            # Each call steps a fresh sequence grown to the position, then ended: the position stays put.
+            for name in ("step at 500", "prefix of 500", "step at 10"):
+                if name == "prefix of 500":
+                    figures[name].append(await timed_ms(stub, lambda: request(prefix, mask=causal), calls))
+                    continue
+                position = 500 if name == "step at 500" else 10
+                sequence = f"round{number}-{position}"
+                await grow(stub, sequence, position, rng)
+                figures[name].append(await timed_ms(stub, lambda s=sequence: request(row, s, start=False), calls))
+                await stub.ModelInfer(request(row, sequence, end=True), timeout=60)
+        med = {name: statistics.median(values) for name, values in figures.items()}
+        print(f"c=1, output only, median of {rounds} rounds x {calls} calls (the step grows its sequence each call):")
+        for name, value in med.items():
+            print(f"  {name:>14}: {value:8.3f} ms  (rounds: {', '.join(f'{v:.3f}' for v in figures[name])})")
+        print(f"  step at 500 / prefix of 500: {med['step at 500'] / med['prefix of 500']:.3f}")
+        print(f"  step at 500 / step at 10:    {med['step at 500'] / med['step at 10']:.3f}")
+
+        for concurrency in (1, 16, 64):
+            names = [f"conc{concurrency}-{i}" for i in range(concurrency)]
+            for name in names:
+                await grow(stub, name, 256, rng)
+            done = 0
+
+            async def stepper(name: str, stop: float) -> None:
+                nonlocal done
+                while time.perf_counter() < stop:
+                    await stub.ModelInfer(request(row, name), timeout=60)
+                    done += 1
+
+            started = time.perf_counter()
+            await asyncio.gather(*(stepper(name, started + 5.0) for name in names))
+            rate = done / (time.perf_counter() - started)
+            print(f"{concurrency:3d} sequences at ~256 rows: {rate:8.1f} steps/s")
+            for name in names:
+                await stub.ModelInfer(request(row, name, end=True), timeout=60)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--calls", type=int, default=30)
+    args = parser.parse_args()
+    flags = ("--warmup-runs", "1", "--max-sequence-length", "4096", "--max-kv-len", "512", "--max-q-len", "512")
+    with ServerProcess(ensure_default_model(), *flags) as served:
+        asyncio.run(main(args.rounds, args.calls, served))
