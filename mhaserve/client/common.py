@@ -4,6 +4,7 @@ outputs it asks for, and the result it gets back."""
 from __future__ import annotations
 
 import os
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -114,6 +115,60 @@ class WeightsOptions:
             "attn_weights_precision": self.precision.upper() if self.precision else None,
         }
         return {name: value for name, value in values.items() if value is not None}
+
+
+@dataclass(frozen=True)
+class SequenceStep:
+    """A request's place in a sequence the server keeps (Triton's sequence parameters)."""
+
+    id: int | str
+    start: bool = False
+    end: bool = False
+
+    def parameters(self) -> dict[str, int | str | bool]:
+        return {"sequence_id": self.id, "sequence_start": self.start, "sequence_end": self.end}
+
+
+class Sequence:
+    """A sequence kept on the server, stepped with its new rows: ``with client.sequence() as s: s.step(rows)``.
+    The first step starts it (``sequence_start``), ``step(rows, end=True)`` answers and ends it; one left without
+    an end is dropped by the server after its idle timeout. ``step`` takes ``infer``'s other arguments."""
+
+    def __init__(self, client, sequence_id: int | str | None = None):
+        self.client = client
+        self.id = sequence_id if sequence_id is not None else f"seq-{uuid.uuid4().hex}"
+        self.steps = 0
+        self.ended = False
+
+    def _next(self, end: bool) -> SequenceStep:
+        if self.ended:
+            raise ValueError(f"sequence {self.id!r} has ended; start another with client.sequence()")
+        step = SequenceStep(self.id, start=self.steps == 0, end=end)
+        self.steps += 1
+        self.ended = end
+        return step
+
+    def step(self, rows, *, end: bool = False, **infer) -> InferResult:
+        return self.client.infer(rows, sequence=self._next(end), **infer)
+
+    def __enter__(self) -> Sequence:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+class AsyncSequence(Sequence):
+    """As Sequence, for AsyncClient: ``async with client.sequence() as s: await s.step(rows)``."""
+
+    async def step(self, rows, *, end: bool = False, **infer) -> InferResult:
+        return await self.client.infer(rows, sequence=self._next(end), **infer)
+
+    async def __aenter__(self) -> AsyncSequence:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        pass
 
 
 def request_inputs(query, key=None, value=None, mask=None) -> list[tuple[str, np.ndarray]]:

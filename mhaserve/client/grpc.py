@@ -31,7 +31,17 @@ from mhaserve.contract.datatypes import DATATYPES, datatype_of
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
 
-from .common import TLS, InferResult, RequestFailed, WeightsOptions, request_inputs, requested_outputs
+from .common import (
+    TLS,
+    AsyncSequence,
+    InferResult,
+    RequestFailed,
+    Sequence,
+    SequenceStep,
+    WeightsOptions,
+    request_inputs,
+    requested_outputs,
+)
 from .shared_memory import SharedMemoryRegions
 
 # Large enough for any response of the server's default limits (32 x 512 x 512 with weights);
@@ -148,6 +158,7 @@ def build_infer_request(
     weights: WeightsOptions | None = None,
     shared_memory: SharedMemoryRegions | None = None,
     num_heads: int = 0,
+    sequence: SequenceStep | None = None,
 ) -> pb.ModelInferRequest:
     """One ModelInferRequest with every input as raw bytes (query, key, value FP32; mask as given), or written
     into ``shared_memory``'s input region, the outputs then asked into its output region (sized for a model of
@@ -172,9 +183,12 @@ def build_infer_request(
             _in_shared_memory(tensor.parameters, in_region, offset, array.nbytes)
         for name in outputs:
             _in_shared_memory(request.outputs.add(name=name).parameters, out_region, *windows[name])
-    for name, value in (weights.parameters() if weights else {}).items():
+    parameters = {**(weights.parameters() if weights else {}), **(sequence.parameters() if sequence else {})}
+    for name, value in parameters.items():
         parameter = request.parameters[name]
-        if isinstance(value, str):
+        if isinstance(value, bool):
+            parameter.bool_param = value
+        elif isinstance(value, str):
             parameter.string_param = value
         elif isinstance(value, int):
             parameter.int64_param = value
@@ -254,17 +268,23 @@ class Client(_Connection):
         weights: WeightsOptions | None = None,
         traceparent: str = "",
         shared_memory: SharedMemoryRegions | None = None,
+        sequence: SequenceStep | None = None,
     ) -> InferResult:
         """``weights``: what to ask of the attention weights (heads, rows, keys, top-k or top-p, precision);
         ``traceparent``: a W3C trace context, so that the server's span of this call continues the caller's trace;
-        ``shared_memory``: regions from ``shared_memory()`` the tensors go through instead of the socket."""
+        ``shared_memory``: regions from ``shared_memory()`` the tensors go through instead of the socket;
+        ``sequence``: the request is a step of a sequence the server keeps (``sequence()`` makes the steps)."""
         heads = self.num_heads(timeout) if shared_memory is not None else 0
         request = build_infer_request(
             self.model, query, key, value, mask, attn_weights, request_id, attn_weights_mean, self.version, weights,
-            shared_memory, heads,
+            shared_memory, heads, sequence,
         )  # fmt: skip
         answer = self._call(self._stub.ModelInfer, request, timeout, self._traced(traceparent))
         return parse_infer_response(answer, shared_memory)
+
+    def sequence(self, sequence_id: int | str | None = None) -> Sequence:
+        """A sequence kept on the server, stepped with its new rows (an id of its own unless given)."""
+        return Sequence(self, sequence_id)
 
     def num_heads(self, timeout=None) -> int:
         """The model's heads (from its config's parameters), asked once."""
@@ -353,15 +373,31 @@ class AsyncClient(_Connection):
         attn_weights_mean=False,
         weights: WeightsOptions | None = None,
         traceparent: str = "",
+        sequence: SequenceStep | None = None,
     ) -> InferResult:
         """``weights``: what to ask of the attention weights (heads, rows, keys, top-k or top-p, precision);
-        ``traceparent``: a W3C trace context, so that the server's span of this call continues the caller's trace."""
+        ``traceparent``: a W3C trace context, so that the server's span of this call continues the caller's trace;
+        ``sequence``: the request is a step of a sequence the server keeps (``sequence()`` makes the steps)."""
         request = build_infer_request(
-            self.model, query, key, value, mask, attn_weights, request_id, attn_weights_mean, self.version, weights
+            self.model,
+            query,
+            key,
+            value,
+            mask,
+            attn_weights,
+            request_id,
+            attn_weights_mean,
+            self.version,
+            weights,
+            sequence=sequence,
         )
         return parse_infer_response(
             await self._call(self._stub.ModelInfer, request, timeout, self._traced(traceparent))
         )
+
+    def sequence(self, sequence_id: int | str | None = None) -> AsyncSequence:
+        """As Client.sequence: ``async with client.sequence() as s: await s.step(rows)``."""
+        return AsyncSequence(self, sequence_id)
 
     async def _call(self, rpc, request, timeout, metadata=None):
         """As Client._call, awaiting."""

@@ -18,7 +18,16 @@ import numpy as np
 
 from mhaserve.contract.datatypes import DATATYPES, datatype_of
 
-from .common import TLS, InferResult, RequestFailed, WeightsOptions, request_inputs, requested_outputs
+from .common import (
+    TLS,
+    InferResult,
+    RequestFailed,
+    Sequence,
+    SequenceStep,
+    WeightsOptions,
+    request_inputs,
+    requested_outputs,
+)
 from .shared_memory import SharedMemoryRegions
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -52,6 +61,7 @@ def build_http_infer_body(
     weights: WeightsOptions | None = None,
     shared_memory: SharedMemoryRegions | None = None,
     num_heads: int = 0,
+    sequence: SequenceStep | None = None,
 ) -> tuple[bytes, dict[str, str]]:
     """An infer request's body and headers: a JSON header, then every input's bytes; outputs asked as binary,
     the weights shaped as ``weights`` says. With ``shared_memory``, the tensors go through its regions instead
@@ -70,8 +80,9 @@ def build_http_infer_body(
                      for name, array, offset in placed]  # fmt: skip
         outputs = [{"name": n, "parameters": _in_shared_memory(out_region, *windows[n])} for n in names]
     document = {"id": request_id, "inputs": described, "outputs": outputs}
-    if weights is not None:
-        document["parameters"] = weights.parameters()
+    parameters = {**(weights.parameters() if weights else {}), **(sequence.parameters() if sequence else {})}
+    if parameters:
+        document["parameters"] = parameters
     header = json.dumps(document).encode()
     if not chunks:
         return header, {"Content-Type": "application/json"}
@@ -154,17 +165,32 @@ class HttpClient:
 
     def infer(self, query, key=None, value=None, mask=None, attn_weights=True, timeout=None, request_id="",
               attn_weights_mean=False, weights: WeightsOptions | None = None,
-              traceparent: str = "", shared_memory: SharedMemoryRegions | None = None) -> InferResult:  # fmt: skip
+              traceparent: str = "", shared_memory: SharedMemoryRegions | None = None,
+              sequence: SequenceStep | None = None) -> InferResult:  # fmt: skip
         """As the gRPC client's ``infer``."""
         heads = self.num_heads(timeout) if shared_memory is not None else 0
         body, headers = build_http_infer_body(
-            query, key, value, mask, attn_weights, request_id, attn_weights_mean, weights, shared_memory, heads
+            query,
+            key,
+            value,
+            mask,
+            attn_weights,
+            request_id,
+            attn_weights_mean,
+            weights,
+            shared_memory,
+            heads,
+            sequence,
         )
         if traceparent:
             headers["traceparent"] = traceparent
         answer, answer_headers = self._call("POST", self.model_path + "/infer", body, headers, timeout)
         length = answer_headers.get(HEADER_LENGTH)
         return parse_http_infer_response(answer, int(length) if length is not None else None, shared_memory)
+
+    def sequence(self, sequence_id: int | str | None = None) -> Sequence:
+        """As the gRPC client's ``sequence``."""
+        return Sequence(self, sequence_id)
 
     def num_heads(self, timeout=None) -> int:
         """The model's heads (from its config's parameters), asked once."""

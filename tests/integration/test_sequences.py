@@ -248,3 +248,31 @@ def test_drain_with_live_sequences_exits_cleanly(start_server, small_model_dir):
     server.signal()
     assert server.wait_exit(30) == 0, server.log
     assert "Traceback" not in server.log
+
+
+@pytest.mark.parametrize("kind", ["grpc", "aio", "http"])
+def test_the_projects_clients_step_a_sequence_with_a_handle(sequence_server, small_module, kind):
+    import asyncio
+
+    from mhaserve.client import AsyncClient, Client, HttpClient, WeightsOptions
+
+    x = np.random.default_rng(6).standard_normal((1, 9, D), dtype=np.float32)
+    steps = [4, 1, 4]
+    if kind == "aio":
+
+        async def run():
+            async with AsyncClient(sequence_server.url) as client, client.sequence() as sequence:
+                return [await sequence.step(x[:, 0:4]), await sequence.step(x[:, 4:5]),
+                        await sequence.step(x[:, 5:9], end=True)]  # fmt: skip
+
+        results = asyncio.run(run())
+    else:
+        client = Client(sequence_server.url) if kind == "grpc" else HttpClient(sequence_server.http_url[7:])
+        with client, client.sequence() as sequence:
+            results = [sequence.step(x[:, 0:4]), sequence.step(x[:, 4:5]), sequence.step(x[:, 5:9], end=True)]
+            with pytest.raises(ValueError, match="has ended"):
+                sequence.step(x[:, :1])
+            top = client.sequence().step(x[:, :3], weights=WeightsOptions(top_k=2), end=True).top_k
+            assert top[1].shape == (1, 4, 3, 2)
+    answers = [{"output": r.output, "attn_weights": r.attn_weights} for r in results]
+    assert_equals_the_causal_answer(small_module, x, steps, answers)
