@@ -286,6 +286,33 @@ def _model_width(client, args, timeout: float) -> int | None:
         return None
 
 
+def _infer_steps(client, arrays: dict, args) -> int:
+    """The query's rows, ``args.steps`` a step, as a sequence: each step's newest row's strongest keys, head 0."""
+    import time
+
+    from mhaserve.client import RequestFailed, WeightsOptions
+
+    if set(arrays) != {"query"} or args.shared_memory == "system":
+        raise UsageError("--steps sends the query alone (a step's rows are its new keys and values), over the socket")
+    query, top = arrays["query"], args.top_k or 3
+    with client.sequence() as sequence:
+        for start in range(0, query.shape[1], args.steps):
+            rows = query[:, start : start + args.steps]
+            end = start + rows.shape[1] >= query.shape[1]
+            started = time.perf_counter()
+            try:
+                result = sequence.step(rows, weights=WeightsOptions(top_k=min(top, start + rows.shape[1])), end=end,
+                                       timeout=args.timeout)  # fmt: skip
+            except RequestFailed as error:
+                print(_failure(error, args), file=sys.stderr)
+                return 1
+            values, keys = result.top_k
+            newest = ", ".join(f"{k} ({v:.2f})" for k, v in zip(keys[0, 0, -1], values[0, 0, -1], strict=True))
+            print(f"rows {start}..{start + rows.shape[1] - 1}: {(time.perf_counter() - started) * 1000:7.3f} ms; "
+                  f"row {start + rows.shape[1] - 1} attends most to keys {newest} (head 0)")  # fmt: skip
+    return 0
+
+
 def _add_weights_arguments(p) -> None:
     """What a request asks of the attention weights: the server's attn_* request parameters."""
     p.add_argument("--heads", type=_int_list, default=None, help="only these heads' weights, e.g. 0,3")
@@ -322,6 +349,9 @@ def _add_infer(sub) -> None:
     p.add_argument("--mean-weights", action="store_true", help="ask for attn_weights_mean [B, Lq, Lk], the weights "
                    "averaged over heads (h times fewer bytes)")  # fmt: skip
     p.add_argument("--repeat", type=int, default=1, help="calls to time (default 1)")
+    p.add_argument("--steps", type=int, default=0, metavar="N", help="a sequence instead: the query's rows sent one "
+                   "step at a time (N rows a step) to a sequence kept on the server, printing each step's newest row's "
+                   "strongest keys (--top-k of them, default 3) as it goes")  # fmt: skip
     p.add_argument("--timeout", type=float, default=30.0, help="deadline per call, seconds")
     _add_shared_memory_argument(p)
     p.add_argument("--save", type=Path, help="write inputs and outputs to this .npz")
@@ -390,6 +420,8 @@ def _run_infer(args) -> int:
             batch = arrays["query"].shape[0]
             arrays["key"] = rng.standard_normal((batch, args.kv_len, d_model), dtype=np.float32)
             arrays["value"] = rng.standard_normal((batch, args.kv_len, d_model), dtype=np.float32)
+        if args.steps:
+            return _infer_steps(client, arrays, args)
         latencies = []
         regions = client.shared_memory() if args.shared_memory == "system" else contextlib.nullcontext()
         try:

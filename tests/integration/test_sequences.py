@@ -276,3 +276,25 @@ def test_the_projects_clients_step_a_sequence_with_a_handle(sequence_server, sma
             assert top[1].shape == (1, 4, 3, 2)
     answers = [{"output": r.output, "attn_weights": r.attn_weights} for r in results]
     assert_equals_the_causal_answer(small_module, x, steps, answers)
+
+
+def test_steps_of_one_sequence_sent_at_once_run_one_after_the_other(stub):
+    rows = np.ones((1, 3, D), np.float32)
+    step(stub, "together", rows, start=True)
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(lambda _: step(stub, "together", rows), range(6)))
+    # Each saw the cache as the steps before it left it: the keys it attends over are 3 more than another's.
+    assert sorted(a["attn_weights"].shape[-1] for a in answers) == [6, 9, 12, 15, 18, 21]
+    assert step(stub, "together", rows[:, :1], end=True)["attn_weights"].shape == (1, 4, 1, 22)
+
+
+def test_mhaserve_infer_steps_shows_the_newest_rows_top_keys_as_it_goes(sequence_server):
+    done = subprocess.run(
+        [sys.executable, "-m", "mhaserve.cli", "infer", "--url", sequence_server.url, "--q-len", "9", "--steps", "4",
+         "--top-k", "2"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert [line.split(":")[0] for line in lines] == ["rows 0..3", "rows 4..7", "rows 8..8"]
+    assert "row 8 attends most to keys" in lines[-1] and lines[-1].count("(") == 3  # two keys, and the head
