@@ -34,3 +34,19 @@ def test_the_export_writes_and_records_the_step_graph(small_model_dir):
     step = manifest["validation"]["step"]
     assert step["passed"] and len(step["cases"]) == len(STEP_CASES)
     assert "step graph: [1/3]" in (small_model_dir / "validation.txt").read_text()
+
+
+def test_validate_checks_the_step_graph_of_a_folder_again(small_model_dir, tmp_path):
+    import shutil
+
+    import onnx
+
+    from mhaserve.export.model_dir import revalidate_model_dir
+
+    folder = tmp_path / "copy"
+    shutil.copytree(small_model_dir, folder)
+    assert revalidate_model_dir(folder, seed=5, report=lambda _: None)
+    onnx.save(step_graph(seeded_module(64, 4, seed=9)), str(folder / "model_step.onnx"))  # another module's steps
+    rows = []
+    assert not revalidate_model_dir(folder, seed=5, report=rows.append)
+    assert any(row.startswith("step graph:") and row.endswith("FAIL") for row in rows)
