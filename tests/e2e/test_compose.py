@@ -218,7 +218,9 @@ def _readable_by_the_image(path: Path) -> None:
 def _assert_loadtest_points_without_errors(loadtest: subprocess.CompletedProcess, points: int = 2) -> None:
     """``mhaserve bench``'s table from the loadtest profile: one row per concurrency, none with errors."""
     rows = [line for line in loadtest.stdout.splitlines() if line.strip().startswith("concurrency")]
-    errors_column = 8
+    from mhaserve.loadtest.report import COLUMNS
+
+    errors_column = COLUMNS.index("errors") + 1  # the load's label is two words: "concurrency 4"
     assert len(rows) == points and all(row.split()[errors_column] == "0" for row in rows), (
         loadtest.stdout + loadtest.stderr
     )
