@@ -395,11 +395,19 @@ class InferenceCall:
 
     async def _step(self, request: InferenceRequest, attention: AttentionRequest) -> InferenceResponse:
         """One step of a sequence (server/sequences.py): run over its cache, in its order, and grow the cache."""
-        dataplane, served, step = self._dataplane, self.served, attention.sequence
-        signature, sequences = served.signature, dataplane.sequences
+        dataplane, step, sequences = self._dataplane, attention.sequence, self._dataplane.sequences
         self.rows = batch = attention.batch_size
         self.request_id = request.id
-        sequence = sequences.begin(step, served, batch)
+        sequence = sequences.begin(step, self.served, batch)
+        # The version the sequence started on answers every step of it: its cache holds that version's keys and
+        # values, whatever version has been loaded since.
+        served = sequence.served
+        signature = served.signature
+        if request.version and request.version != signature.version:
+            raise invalid(
+                f"sequence {step.id!r} runs on version {signature.version} (where it started); this step names "
+                f"version {request.version}"
+            )
         async with sequence.lock:  # a second step of the same sequence waits for this one
             if sequence.ended:
                 raise invalid(f"sequence {step.id!r} is not live: it ended while this step waited")

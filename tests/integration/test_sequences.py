@@ -298,3 +298,37 @@ def test_mhaserve_infer_steps_shows_the_newest_rows_top_keys_as_it_goes(sequence
     lines = done.stdout.strip().splitlines()
     assert [line.split(":")[0] for line in lines] == ["rows 0..3", "rows 4..7", "rows 8..8"]
     assert "row 8 attends most to keys" in lines[-1] and lines[-1].count("(") == 3  # two keys, and the head
+
+
+def test_a_sequence_keeps_its_version_through_a_swap_and_new_ones_take_the_new(small_model_dir, small_module, tmp_path):
+    import shutil
+
+    from mhaserve.client import Client
+    from mhaserve.export.model_dir import export_model_dir
+    from mhaserve.model import seeded_module
+
+    repository = tmp_path / "repository"
+    shutil.copytree(small_model_dir, repository / "mha" / "1")
+    newer = seeded_module(D, 4, seed=8)
+    args = (*TEST_SERVER_ARGS, "--model-repository", str(repository), "--model-control-mode", "poll",
+            "--repository-poll-secs", "0.3")  # fmt: skip
+    x = np.random.default_rng(7).standard_normal((1, 12, D), dtype=np.float32)
+    with ServerProcess(None, *args) as server, Client(server.url) as client:
+        old = client.sequence()
+        answers = [old.step(x[:, :5])]
+        export_model_dir(newer, tmp_path / "v2", validation_seed=0, report=lambda _: None)
+        (tmp_path / "v2").rename(repository / "mha" / "2")
+        deadline = time.monotonic() + 30
+        while client.infer(x[:, :1]).model_version != "2":  # the poll loads version 2; stateless calls move to it
+            assert time.monotonic() < deadline, "version 2 was not served"
+            time.sleep(0.2)
+        answers += [old.step(x[:, 5:9]), old.step(x[:, 9:], end=True)]
+        assert [a.model_version for a in answers] == ["1", "1", "1"]  # the version it started on, to its end
+        fresh = client.sequence().step(x[:, :5], end=True)
+    assert_equals_the_causal_answer(
+        small_module, x, [5, 4, 3], [{"output": a.output, "attn_weights": a.attn_weights} for a in answers]
+    )
+    assert fresh.model_version == "2"
+    assert_equals_the_causal_answer(
+        newer, x[:, :5], [5], [{"output": fresh.output, "attn_weights": fresh.attn_weights}]
+    )
