@@ -264,7 +264,7 @@ def revalidate_model_dir(
             *_validate_output_only(module, module, str(model_dir / OUTPUT_ONLY_FILE), seed, report)
         )
     if manifest.get("files", {}).get("step") == STEP_FILE:
-        steps = validate_steps(module, str(model_dir / STEP_FILE), seed or 0, report or report_to_stderr)
+        steps = validate_steps(module, str(model_dir / STEP_FILE), seed, report or report_to_stderr)
         holds = holds and all(r["status"] == "pass" for r in steps)
     return holds
 

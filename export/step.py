@@ -110,7 +110,9 @@ STEP_CASES = ((1, 23), (2, 40), (3, 64))
 MAX_STEP_ROWS = 8
 
 
-def validate_steps(module: MultiHeadAttention, graph: bytes, seed: int, report: Callable[[str], None]) -> list[dict]:
+def validate_steps(
+    module: MultiHeadAttention, graph: bytes | str, seed: int | None, report: Callable[[str], None]
+) -> list[dict]:
     """Each case's sequence fed to the step graph in random steps from an empty cache, every step's output rows
     and weight rows against eager PyTorch's causal answer for the whole sequence (float32's tolerance)."""
     tolerance = TOLERANCES["fp32"]

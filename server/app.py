@@ -92,9 +92,10 @@ async def serve(settings: ServerSettings, model_dir) -> int:
     except SecurityConfigError as error:
         log.error("cannot serve: %s", error)
         return 2
-    if token is not None and credentials is None and settings.host not in ("127.0.0.1", "localhost", "::1"):
+    on_loopback = settings.host in ("127.0.0.1", "localhost", "::1")
+    if token is not None and credentials is None and not on_loopback:
         log.warning("a bearer token over plain text can be read by anyone on the network: use TLS as well")
-    if settings.allow_client_shm and settings.host not in ("127.0.0.1", "localhost", "::1"):
+    if settings.allow_client_shm and not on_loopback:
         log.warning(
             "--allow-client-shm true with --host %s: shared memory is refused (PERMISSION_DENIED, HTTP 403) to "
             "every caller not on loopback; clients on other hosts send their tensors in the request",

@@ -161,17 +161,26 @@ def split(
         rows = slice(start, start + batch)
         output = results[OUTPUT][rows, :lq] if OUTPUT in request.outputs else None
         weights = results[ATTN_WEIGHTS][rows, :, :lq, :lk] if ATTN_WEIGHTS in results else None
-        derived = weights if any(name != OUTPUT for name in request.outputs) else None
-        error = overflow_error(request.outputs, output, derived, computed_in)
+        answer, error = answer_of(request.outputs, request.shaping, output, weights, computed_in)
+        answers.append(answer)
         errors.append(error)
-        if error is not None:
-            answers.append(None)
-            continue
-        answer = {} if output is None else {OUTPUT: output}
-        if weights is not None:
-            answer.update(shaped_weights(weights, request.outputs, request.shaping))
-        answers.append({name: answer[name] for name in request.outputs})  # in the order asked for
     return answers, errors
+
+
+def answer_of(
+    asked: tuple[str, ...], shaping, output: np.ndarray | None, weights: np.ndarray | None, computed_in: str
+) -> tuple[dict[str, np.ndarray] | None, RequestError | None]:
+    """A request's answer from its rows of a run (``output`` None where it did not ask for it), the outputs it
+    asked for in its order, its weights shaped as it asked; or, where the run overflowed, no answer and the
+    error (overflow_error)."""
+    derived = weights if any(name != OUTPUT for name in asked) else None
+    error = overflow_error(asked, output, derived, computed_in)
+    if error is not None:
+        return None, error
+    answer = {} if output is None else {OUTPUT: output}
+    if weights is not None:
+        answer.update(shaped_weights(weights, asked, shaping))
+    return {name: answer[name] for name in asked}, None
 
 
 @dataclass

@@ -25,7 +25,7 @@ from mhaserve.contract.repository import ModelRepository, VersionPolicy
 from mhaserve.contract.signature import OUTPUT
 
 from .accounting import RequestAccounting
-from .batcher import overflow_error
+from .batcher import answer_of
 from .config import ServerSettings
 from .errors import ErrorKind, RequestError, inference_failed, invalid
 from .inference import OFF_LOOP_BYTES, InferenceRequest, InferenceResponse, attention_request
@@ -33,7 +33,7 @@ from .memory import MemoryBudget, answer_bytes, input_bytes, request_workspace_b
 from .metrics import Metrics
 from .registry import ModelRegistry, ServedModel
 from .sequences import Sequences
-from .shaping import shaped_weights, weights_shaping
+from .shaping import weights_shaping
 from .shared_memory import Region, SharedMemoryRegistry
 from .statistics import RequestTiming
 from .tensors import AttentionRequest, Limits, ModelSignature, array_from_bytes, byte_count, wire_bytes
@@ -435,16 +435,16 @@ class InferenceCall:
             dataplane.accounting.budget.run_ended(self._waiting)
             self._waiting = None
             asked = attention.outputs
-            derived = weights if any(name != OUTPUT for name in asked) else None
-            error = overflow_error(asked, output if OUTPUT in asked else None, derived, signature.precision)
+            answer, error = answer_of(
+                asked, shaping, output if OUTPUT in asked else None, weights, served.batcher.computed_in
+            )
             if error is not None:  # the cache is not grown by a step that overflowed
                 raise error
             if not sequence.ended:  # restarted while this step ran: its answer stands, the old cache does not
                 sequences.grow(sequence, key, value)
-            answer = {OUTPUT: output, **shaped_weights(weights, asked, shaping)}
         if step.end:
             sequences.end(sequence)
-        return InferenceResponse(signature, request, {name: answer[name] for name in asked}, frozenset())
+        return InferenceResponse(signature, request, answer, frozenset())
 
     async def _use_shared_memory(self, request: InferenceRequest, placed: dict) -> AttentionRequest | None:
         """Hold the regions the request's tensors lie in (checked: registered, windows inside them), then read

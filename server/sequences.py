@@ -71,7 +71,6 @@ class Sequence:
     value: np.ndarray
     last_used: float = field(default_factory=time.monotonic)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    steps: int = 0
     ended: bool = False
 
     @property
@@ -141,7 +140,6 @@ class Sequences:
         added = key.nbytes + value.nbytes - sequence.nbytes
         self.budget.take(added, f"sequence {sequence.id!r}'s keys and values")
         sequence.key, sequence.value = key, value
-        sequence.steps += 1
         sequence.last_used = time.monotonic()
         self.steps_total += 1
 
