@@ -13,6 +13,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import TYPE_CHECKING
 
+from .errors import RequestError
 from .logs import access_line
 from .malloc import release_free_memory
 from .memory import MemoryBudget
@@ -22,7 +23,7 @@ from .session import AttentionSession
 from .statistics import RequestTiming
 
 if TYPE_CHECKING:
-    from .dataplane import InferenceCall
+    from .calls import CallRecord
 
 log = logging.getLogger("mhaserve.server")
 
@@ -34,6 +35,36 @@ IDLE_RELEASE_S = 2.0
 # Low, because a gRPC message takes several times its size in gRPC's buffers while it is received (one of
 # 32 MiB left 160 MiB in the heap).
 RECEIVED_BYTES_BEFORE_TRIM = 8 << 20
+
+
+class Receipt:
+    """One request's bytes as its transport receives them: counted against the budget until the request is
+    admitted (its inputs are counted then) or refused, and refused (RESOURCE_EXHAUSTED) before they are read
+    (HTTP) or parsed (gRPC, whose core receives a message whole before any handler runs)."""
+
+    def __init__(self, accounting: RequestAccounting):
+        self._accounting = accounting
+        self.held = 0
+
+    def add(self, nbytes: int) -> None:
+        """``nbytes`` more are about to be read (or were read just now), or the request is refused."""
+        self._accounting.budget.take(nbytes, "the request as received")
+        self.held += nbytes
+
+    def add_received(self, nbytes: int) -> None:
+        """``nbytes`` are in memory already (a gRPC message): counted as ``add`` counts them; refused, their pages
+        are still given back once the server is idle."""
+        try:
+            self.add(nbytes)
+        except RequestError:
+            self._accounting.received_dropped(nbytes)
+            raise
+
+    def close(self) -> None:
+        """The request was admitted or refused: its received bytes leave the budget (once)."""
+        if self.held:
+            self._accounting.received_released(self.held)
+            self.held = 0
 
 
 class RequestAccounting:
@@ -50,7 +81,7 @@ class RequestAccounting:
         self.outcomes: Counter[str] = Counter()  # inference calls by final status since start
 
     def settle(
-        self, call: InferenceCall, reserved: int, delivered: bool, status: str = "", *, freed: bool = True
+        self, call: CallRecord, reserved: int, delivered: bool, status: str = "", *, freed: bool = True
     ) -> Callable[[], None] | None:
         """A request's end: its status is recorded (and its access log line written) and its memory leaves the
         budget; or, ``freed`` False (the transport still holds the answer), the function that releases it

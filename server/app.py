@@ -1,4 +1,5 @@
-"""The server process: bind, report NOT_SERVING, load and warm the model, report SERVING, drain on SIGTERM."""
+"""The server: one object whose life is named phases (bind, load, serve, drain, stop), and the process that
+runs it until SIGTERM or SIGINT. Tests drive the same phases in their own process."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ from .tracing import TracingUnavailable
 log = logging.getLogger("mhaserve.server")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
+HEALTH_SERVICES = ("", SERVICE_NAME)
 
 
 class BoundedHealthServicer(health.aio.HealthServicer):
@@ -64,197 +66,247 @@ class BoundedHealthServicer(health.aio.HealthServicer):
             self._watchers -= 1
 
 
-async def serve(settings: ServerSettings, model_dir) -> int:
-    """Run until SIGTERM or SIGINT; return the exit code."""
-    try:
-        dataplane = DataPlane(settings, model_dir)
-    except TracingUnavailable as error:
-        log.error("cannot trace: %s", error)
-        return 2
-    health_servicer = BoundedHealthServicer(settings.max_health_watchers)
-    # The port is bound before the models load (health says NOT_SERVING meanwhile), so the message limits
-    # come from the manifests' sizes rather than the sessions: the largest of what start-up may serve.
-    try:
-        configs = dataplane.model_configs()
-    except ModelDirError as error:
-        log.error("cannot serve: %s", error)
-        return 3
-    if settings.model_repository and not settings.model_repository.is_dir():
-        log.error("cannot serve: --model-repository %s is not a folder", settings.model_repository)
-        return 3
-    limits = [settings.message_limits(c["d_model"], c["num_heads"]) for c in configs]
-    limits = limits or [settings.message_limits(512, 8)]  # an empty repository: models added later
-    receive_limit, send_limit = max(r for r, _ in limits), max(s for _, s in limits)
-    dataplane.versions.message_limits = (receive_limit, send_limit)
-    try:
-        credentials = server_credentials(settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file)
-        token = load_token(settings.auth_token_file)
-    except SecurityConfigError as error:
-        log.error("cannot serve: %s", error)
-        return 2
-    on_loopback = settings.host in ("127.0.0.1", "localhost", "::1")
-    if token is not None and credentials is None and not on_loopback:
-        log.warning("a bearer token over plain text can be read by anyone on the network: use TLS as well")
-    if settings.allow_client_shm and not on_loopback:
-        log.warning(
-            "--allow-client-shm true with --host %s: shared memory is refused (PERMISSION_DENIED, HTTP 403) to "
-            "every caller not on loopback; clients on other hosts send their tensors in the request",
-            settings.host,
-        )
-    server = grpc.aio.server(
-        interceptors=[BearerTokenInterceptor(token, dataplane.record_unauthenticated)] if token else [],
-        options=[
-            ("grpc.max_receive_message_length", receive_limit),
-            ("grpc.max_send_message_length", send_limit),
-            ("grpc.max_concurrent_streams", settings.max_concurrent_streams),
-            # Closed before their first byte is read. grpcio's core receives each message whole, before any handler
-            # can count or refuse it: connections x streams x the receive limit bounds what it holds.
-            ("grpc.max_allowed_incoming_connections", settings.grpc_max_connections),
-            # Off by default, so a second server on a taken port fails loudly instead of sharing it.
-            ("grpc.so_reuseport", int(settings.reuse_port)),
-            ("grpc.keepalive_time_ms", int(settings.keepalive_time_s * 1000)),
-            ("grpc.keepalive_timeout_ms", int(settings.keepalive_timeout_s * 1000)),
-            ("grpc.http2.ping_timeout_ms", int(settings.keepalive_timeout_s * 1000)),
-            ("grpc.keepalive_permit_without_calls", 1),  # a dead idle connection is found too
-            ("grpc.http2.max_pings_without_data", 0),
-        ],
-    )
-    add_inference_service(InferenceServicer(dataplane), server)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-        server,
-    )
-    address = f"{settings.host}:{settings.port}"
-    try:
-        port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
-    except RuntimeError:  # grpcio: "Failed to bind to address ..."
-        port = 0
-    if port == 0:
-        log.error("cannot serve: %s", bind_failure("--port", settings.host, settings.port))
-        return 2
-    for service in ("", SERVICE_NAME):
-        await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-    await server.start()
-    try:  # the same protocol over HTTP/REST, on this loop and this data plane; probes answer during the load
-        http_runner, http_address = await start_rest(settings, dataplane, token, receive_limit)
-    except (OSError, SecurityConfigError) as error:
-        if getattr(error, "errno", None) == errno.EADDRINUSE:
-            log.error("cannot serve: %s", bind_failure("--http-port", settings.host, settings.http_port))
-        else:
-            log.error("could not start HTTP/REST on %s:%s: %s", settings.host, settings.http_port, error)
-        await server.stop(0)
-        return 2
+class StartFailed(Exception):
+    """The server cannot serve: the reason, one line, and the process's exit code (2: a setting or a port;
+    3: what it was asked to serve)."""
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
+    def __init__(self, reason: str, exit_code: int):
+        super().__init__(reason)
+        self.reason, self.exit_code = reason, exit_code
 
-    # SIGTERM during a load (a large model takes a while) stops the process then, not after the load.
-    loading = asyncio.ensure_future(dataplane.start())
-    stopping = asyncio.ensure_future(stop.wait())
-    await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    if not loading.done():
-        log.info("stopped while loading the model: nothing was served")
-        await server.stop(0)
-        raise LoadAbandoned
-    stopping.cancel()
-    try:
-        loading.result()
-    except (ModelDirError, DeviceUnavailable, ValueError) as error:
-        log.error("cannot serve: %s", error)
-        await asyncio.gather(server.stop(0), _stop_rest(http_runner))
-        return 3
-    try:
-        metrics_runner, metrics_address = await start_metrics(settings, dataplane.metrics)
-    except OSError as error:
-        if error.errno == errno.EADDRINUSE:
-            log.error("cannot serve: %s", bind_failure("--metrics-port", settings.metrics_host, settings.metrics_port))
-        else:
-            log.error(
-                "could not start the metrics endpoint on %s:%s: %s", settings.metrics_host, settings.metrics_port, error
+
+class Server:
+    """One server, gRPC and HTTP/REST on one data plane, in phases on the running event loop:
+
+    - ``bind``: the ports open; health and the ready RPCs say NOT_SERVING, probes answer;
+    - ``load``: the models of start-up load and warm, then the metrics port opens;
+    - ``serve``: SERVING, the background tasks start, the serving line is logged;
+    - ``drain``: NOT_SERVING, new calls refused (retryable), in-flight ones get the grace period;
+    - ``stop``: the ports close, the workers end, spans are flushed, the stop line is logged.
+
+    ``bind`` and ``load`` raise StartFailed; after a failure ``stop`` closes what was opened."""
+
+    def __init__(self, settings: ServerSettings, model_dir=None):
+        self.settings = settings
+        self.model_dir = model_dir if model_dir is not None else settings.model_dir
+        self.dataplane: DataPlane | None = None
+        self.port = 0  # gRPC's, once bound
+        self.http_address = "off"
+        self.metrics_address = "off"
+        self._grpc: grpc.aio.Server | None = None
+        self._health: BoundedHealthServicer | None = None
+        self._credentials = None
+        self._token: bytes | None = None
+        self._http_runner = None
+        self._metrics_runner = None
+        self._tasks: list[asyncio.Task] = []
+        self._served = False  # ``serve`` ran: ``stop`` logs the calls' outcomes
+        self._draining_since: float | None = None
+
+    # -- bind -------------------------------------------------------------------------------------------
+
+    async def bind(self) -> None:
+        settings = self.settings
+        try:
+            self.dataplane = dataplane = DataPlane(settings, self.model_dir)
+        except TracingUnavailable as error:
+            raise StartFailed(f"cannot trace: {error}", 2) from None
+        # The port is bound before the models load (health says NOT_SERVING meanwhile), so the message limits
+        # come from the manifests' sizes rather than the sessions: the largest of what start-up may serve.
+        try:
+            configs = dataplane.model_configs()
+        except ModelDirError as error:
+            raise StartFailed(f"cannot serve: {error}", 3) from None
+        if settings.model_repository and not settings.model_repository.is_dir():
+            raise StartFailed(f"cannot serve: --model-repository {settings.model_repository} is not a folder", 3)
+        limits = [settings.message_limits(c["d_model"], c["num_heads"]) for c in configs]
+        limits = limits or [settings.message_limits(512, 8)]  # an empty repository: models added later
+        receive_limit, send_limit = max(r for r, _ in limits), max(s for _, s in limits)
+        dataplane.versions.message_limits = (receive_limit, send_limit)
+        try:
+            self._credentials = server_credentials(
+                settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file
             )
-        await asyncio.gather(server.stop(0), _stop_rest(http_runner))
-        return 2
-    # What start-up made (modules, the sessions, gRPC: 40k objects) lives as long as the process. Frozen, a
-    # full collection, when one comes under load, no longer walks it (BENCHMARKS.md, "Figures behind the
-    # server's defaults"). Refcounting still frees what start-up drops later.
-    gc.collect()
-    gc.freeze()
-    for service in ("", SERVICE_NAME):
-        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    polling = None
-    if settings.model_repository and settings.model_control_mode == "poll":
-        polling = asyncio.create_task(dataplane.poll_repository())
-    reaping = asyncio.create_task(dataplane.drop_idle_sequences())
-    served = dataplane.served_models()
-    log.info(
-        "serving %s repository=%s control=%s provider=%s intra_op_threads=%d workers=%d "
-        "batching=%s max_batch_size=%d max_queue_delay_us=%d max_queue_size=%d max_receive_bytes=%d max_send_bytes=%d "
-        "max_inflight_bytes=%d "
-        "tls=%s auth=%s metrics=%s http=%s address=%s:%d",
-        "; ".join(
+            self._token = load_token(settings.auth_token_file)
+        except SecurityConfigError as error:
+            raise StartFailed(f"cannot serve: {error}", 2) from None
+        self._warn_about_exposure()
+        self._grpc = self._grpc_server(receive_limit, send_limit)
+        address = f"{settings.host}:{settings.port}"
+        try:
+            if self._credentials is not None:
+                port = self._grpc.add_secure_port(address, self._credentials)
+            else:
+                port = self._grpc.add_insecure_port(address)
+        except RuntimeError:  # grpcio: "Failed to bind to address ..."
+            port = 0
+        if port == 0:
+            raise StartFailed(f"cannot serve: {bind_failure('--port', settings.host, settings.port)}", 2)
+        self.port = port
+        for service in HEALTH_SERVICES:
+            await self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self._grpc.start()
+        try:  # the same protocol over HTTP/REST, on this loop and this data plane; probes answer during the load
+            self._http_runner, self.http_address = await start_rest(settings, dataplane, self._token, receive_limit)
+        except (OSError, SecurityConfigError) as error:
+            if getattr(error, "errno", None) == errno.EADDRINUSE:
+                reason = f"cannot serve: {bind_failure('--http-port', settings.host, settings.http_port)}"
+            else:
+                reason = f"could not start HTTP/REST on {settings.host}:{settings.http_port}: {error}"
+            raise StartFailed(reason, 2) from None
+
+    def _warn_about_exposure(self) -> None:
+        settings = self.settings
+        on_loopback = settings.host in ("127.0.0.1", "localhost", "::1")
+        if self._token is not None and self._credentials is None and not on_loopback:
+            log.warning("a bearer token over plain text can be read by anyone on the network: use TLS as well")
+        if settings.allow_client_shm and not on_loopback:
+            log.warning(
+                "--allow-client-shm true with --host %s: shared memory is refused (PERMISSION_DENIED, HTTP 403) to "
+                "every caller not on loopback; clients on other hosts send their tensors in the request",
+                settings.host,
+            )
+
+    def _grpc_server(self, receive_limit: int, send_limit: int) -> grpc.aio.Server:
+        settings, dataplane, token = self.settings, self.dataplane, self._token
+        server = grpc.aio.server(
+            interceptors=[BearerTokenInterceptor(token, dataplane.record_unauthenticated)] if token else [],
+            options=[
+                ("grpc.max_receive_message_length", receive_limit),
+                ("grpc.max_send_message_length", send_limit),
+                ("grpc.max_concurrent_streams", settings.max_concurrent_streams),
+                # Closed before their first byte is read. grpcio's core receives each message whole, before any
+                # handler can count or refuse it: connections x streams x the receive limit bounds what it holds.
+                ("grpc.max_allowed_incoming_connections", settings.grpc_max_connections),
+                # Off by default, so a second server on a taken port fails loudly instead of sharing it.
+                ("grpc.so_reuseport", int(settings.reuse_port)),
+                ("grpc.keepalive_time_ms", int(settings.keepalive_time_s * 1000)),
+                ("grpc.keepalive_timeout_ms", int(settings.keepalive_timeout_s * 1000)),
+                ("grpc.http2.ping_timeout_ms", int(settings.keepalive_timeout_s * 1000)),
+                ("grpc.keepalive_permit_without_calls", 1),  # a dead idle connection is found too
+                ("grpc.http2.max_pings_without_data", 0),
+            ],
+        )
+        self._health = BoundedHealthServicer(settings.max_health_watchers)
+        add_inference_service(InferenceServicer(dataplane), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            server,
+        )
+        return server
+
+    # -- load -------------------------------------------------------------------------------------------
+
+    async def load(self) -> None:
+        settings = self.settings
+        try:
+            await self.dataplane.start()
+        except (ModelDirError, DeviceUnavailable, ValueError) as error:
+            raise StartFailed(f"cannot serve: {error}", 3) from None
+        try:
+            self._metrics_runner, self.metrics_address = await start_metrics(settings, self.dataplane.metrics)
+        except OSError as error:
+            if error.errno == errno.EADDRINUSE:
+                busy = bind_failure("--metrics-port", settings.metrics_host, settings.metrics_port)
+                reason = f"cannot serve: {busy}"
+            else:
+                where = f"{settings.metrics_host}:{settings.metrics_port}"
+                reason = f"could not start the metrics endpoint on {where}: {error}"
+            raise StartFailed(reason, 2) from None
+
+    # -- serve ------------------------------------------------------------------------------------------
+
+    async def serve(self) -> None:
+        settings, dataplane = self.settings, self.dataplane
+        for service in HEALTH_SERVICES:
+            await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        if settings.model_repository and settings.model_control_mode == "poll":
+            self._tasks.append(asyncio.create_task(dataplane.poll_repository()))
+        self._tasks.append(asyncio.create_task(dataplane.drop_idle_sequences()))
+        self._served = True
+        log.info("%s", self.serving_line())
+
+    def serving_line(self) -> str:
+        """What serves and how: the line that says the server is up (tests and scripts read its addresses)."""
+        settings = self.settings
+        served = self.dataplane.served_models()
+        models = "; ".join(
             f"model={m.signature.name} version={m.signature.version} d_model={m.signature.d_model} "
             f"heads={m.signature.num_heads} precision={m.signature.precision} opset={m.session.info.opset}"
             for m in served
         )
-        or "model=none",
-        settings.model_repository or "off",
-        settings.model_control_mode if settings.model_repository else "none",
-        served[0].session.provider if served else "-",
-        served[0].session.intra_op_threads if served else settings.intra_op_threads,
-        settings.inference_workers,
-        "on" if settings.dynamic_batching else "off",
-        settings.max_batch_size,
-        settings.max_queue_delay_us,
-        settings.max_queue_size,
-        receive_limit,
-        send_limit,
-        settings.max_inflight_bytes,
-        ("mutual" if settings.tls_client_ca_file else "on") if credentials else "off",
-        "token" if token else "off",
-        metrics_address,
-        http_address,
-        settings.host,
-        port,
-    )
-
-    stop_task = asyncio.create_task(stop.wait())
-    done_task = asyncio.create_task(server.wait_for_termination())
-    await asyncio.wait({stop_task, done_task}, return_when=asyncio.FIRST_COMPLETED)
-    if polling is not None:
-        polling.cancel()
-    reaping.cancel()
-    stopping_since = time.monotonic()
-    if stop.is_set():
-        log.info(
-            "shutting down: NOT_SERVING, refusing new requests, %.1f s for in-flight ones",
-            settings.grace_seconds,
+        receive_limit, send_limit = self.dataplane.versions.message_limits
+        tls = ("mutual" if settings.tls_client_ca_file else "on") if self._credentials else "off"
+        return (
+            f"serving {models or 'model=none'} repository={settings.model_repository or 'off'} "
+            f"control={settings.model_control_mode if settings.model_repository else 'none'} "
+            f"provider={served[0].session.provider if served else '-'} "
+            f"intra_op_threads={served[0].session.intra_op_threads if served else settings.intra_op_threads} "
+            f"workers={settings.inference_workers} batching={'on' if settings.dynamic_batching else 'off'} "
+            f"max_batch_size={settings.max_batch_size} max_queue_delay_us={settings.max_queue_delay_us} "
+            f"max_queue_size={settings.max_queue_size} max_receive_bytes={receive_limit} "
+            f"max_send_bytes={send_limit} max_inflight_bytes={settings.max_inflight_bytes} "
+            f"tls={tls} auth={'token' if self._token else 'off'} metrics={self.metrics_address} "
+            f"http={self.http_address} address={settings.host}:{self.port}"
         )
-        # In-flight requests keep running; the ready RPCs and health report the drain, and new calls get
-        # UNAVAILABLE "shutting down" (retryable) from the handler. The port stays open for drain_seconds
-        # first: calls that had reached gRPC but not yet a handler would otherwise be cut off by the
-        # server's stop with a bare CANCELLED, which clients do not retry.
-        dataplane.draining = True
-        await health_servicer.enter_graceful_shutdown()
+
+    async def wait_for_termination(self) -> None:
+        """Until gRPC stops by itself (it does not, unless stopped)."""
+        await self._grpc.wait_for_termination()
+
+    # -- drain and stop ---------------------------------------------------------------------------------
+
+    async def drain(self) -> None:
+        """In-flight requests keep running; the ready RPCs and health report the drain, and new calls get
+        UNAVAILABLE "shutting down" (retryable) from the handler. The port stays open for drain_seconds
+        first: calls that had reached gRPC but not yet a handler would otherwise be cut off by the server's
+        stop with a bare CANCELLED, which clients do not retry."""
+        settings = self.settings
+        self._draining_since = time.monotonic()
+        log.info("shutting down: NOT_SERVING, refusing new requests, %.1f s for in-flight ones", settings.grace_seconds)
+        self._cancel_tasks()
+        self.dataplane.draining = True
+        await self._health.enter_graceful_shutdown()
         await asyncio.sleep(settings.drain_seconds)
-        await asyncio.gather(server.stop(settings.grace_seconds), _stop_rest(http_runner))
-    else:
-        await _stop_rest(http_runner)
-    await _stop_rest(metrics_runner)
-    await asyncio.to_thread(dataplane.shutdown)
-    # The spans not yet exported, in what is left of the grace period (half a second at least).
-    flush_s = max(0.5, settings.grace_seconds - (time.monotonic() - stopping_since))
-    await asyncio.to_thread(dataplane.tracing.shutdown, flush_s)
-    # Calls still inside the handler when the grace period ended were cut off: say how many.
-    outcomes = ", ".join(f"{status} {n}" for status, n in sorted(dataplane.accounting.outcomes.items())) or "none"
-    log.info(
-        "stopped: inference calls by status: %s; %d in flight at exit",
-        outcomes,
-        dataplane.accounting.requests_in_flight,
-    )
-    return 0
+        await asyncio.gather(self._grpc.stop(settings.grace_seconds), _stop_runner(self._http_runner))
+        self._http_runner = None
+
+    async def close_ports(self) -> None:
+        if self._grpc is not None:
+            await self._grpc.stop(0)
+        await _stop_runner(self._http_runner)
+        await _stop_runner(self._metrics_runner)
+        self._http_runner = self._metrics_runner = None
+
+    async def stop(self) -> None:
+        """Close what is open (in-flight calls are cut off unless ``drain`` ran first), end the workers, flush
+        the spans not yet exported within what is left of the grace period, and log the stop line (after a
+        failed start, only the closing)."""
+        settings = self.settings
+        self._cancel_tasks()
+        stopping_since = self._draining_since or time.monotonic()
+        await self.close_ports()
+        dataplane = self.dataplane
+        if dataplane is None:
+            return
+        await asyncio.to_thread(dataplane.shutdown)
+        if not self._served:
+            return
+        flush_s = max(0.5, settings.grace_seconds - (time.monotonic() - stopping_since))  # half a second at least
+        await asyncio.to_thread(dataplane.tracing.shutdown, flush_s)
+        # Calls still inside the handler when the grace period ended were cut off: say how many.
+        outcomes = ", ".join(f"{status} {n}" for status, n in sorted(dataplane.accounting.outcomes.items())) or "none"
+        log.info(
+            "stopped: inference calls by status: %s; %d in flight at exit",
+            outcomes,
+            dataplane.accounting.requests_in_flight,
+        )
+
+    def _cancel_tasks(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        self._tasks = []
 
 
 async def start_rest(settings: ServerSettings, dataplane: DataPlane, token, body_limit: int):
@@ -276,13 +328,51 @@ async def start_rest(settings: ServerSettings, dataplane: DataPlane, token, body
     return runner, f"{settings.host}:{port}"
 
 
-async def _stop_rest(runner) -> None:
+async def _stop_runner(runner) -> None:
     if runner is not None:
         await runner.cleanup()
 
 
 class LoadAbandoned(Exception):
     """SIGTERM or SIGINT came while the model was loading."""
+
+
+async def serve(settings: ServerSettings, model_dir) -> int:
+    """The process's server: run until SIGTERM or SIGINT (then drain); return the exit code."""
+    server = Server(settings, model_dir)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        await server.bind()
+        # SIGTERM during a load (a large model takes a while) stops the process then, not after the load.
+        loading = asyncio.ensure_future(server.load())
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not loading.done():
+            log.info("stopped while loading the model: nothing was served")
+            await server.close_ports()
+            raise LoadAbandoned
+        stopping.cancel()
+        loading.result()
+    except StartFailed as failure:
+        log.error("%s", failure.reason)
+        await server.stop()
+        return failure.exit_code
+    # What start-up made (modules, the sessions, gRPC: 40k objects) lives as long as the process. Frozen, a
+    # full collection, when one comes under load, no longer walks it (BENCHMARKS.md, "Figures behind the
+    # server's defaults"). Refcounting still frees what start-up drops later.
+    gc.collect()
+    gc.freeze()
+    await server.serve()
+    stop_task = asyncio.create_task(stop.wait())
+    done_task = asyncio.create_task(server.wait_for_termination())
+    await asyncio.wait({stop_task, done_task}, return_when=asyncio.FIRST_COMPLETED)
+    if stop.is_set():
+        await server.drain()
+    await server.stop()
+    return 0
 
 
 def run(settings: ServerSettings, model_dir) -> int:

@@ -40,6 +40,7 @@ from mhaserve.contract.signature import ATTN_WEIGHTS, OUTPUT, graph_outputs_for
 from .errors import ErrorKind, RequestError
 from .run_cost import RunCost, plan_runs
 from .shaping import shaped_weights
+from .statistics import BatchResult
 from .tensors import AttentionRequest, count_non_finite
 from .tracing import RequestTrace, record_run
 
@@ -181,23 +182,6 @@ def answer_of(
     if weights is not None:
         answer.update(shaped_weights(weights, asked, shaping))
     return {name: answer[name] for name in asked}, None
-
-
-@dataclass
-class BatchResult:
-    """What one merged run produced, with its timing, for statistics and metrics."""
-
-    answers: list[dict[str, np.ndarray] | None]
-    errors: list[RequestError | None]  # per request: why it has no answer (overflow_error)
-    batch_size: int  # rows
-    q_len: int  # padded to the longest
-    kv_len: int
-    padding_ratio: float  # Merged.padding_ratio
-    started_ns: int
-    finished_ns: int
-    merge_ns: int
-    model_ns: int
-    split_ns: int
 
 
 @dataclass

@@ -13,7 +13,7 @@ from pathlib import Path
 from mhaserve.contract.errors import UsageError
 from mhaserve.contract.repository import VersionPolicy
 
-from .tracing import parse_trace_config
+from .trace_settings import parse_trace_config
 
 ENV_PREFIX = "MHASERVE_"
 

@@ -24,8 +24,9 @@ from mhaserve.contract.model_dir import ModelDirError, read_manifest
 from mhaserve.contract.repository import ModelRepository, VersionPolicy
 from mhaserve.contract.signature import OUTPUT
 
-from .accounting import RequestAccounting
+from .accounting import Receipt, RequestAccounting
 from .batcher import answer_of
+from .calls import CallRecord, HeadersOf
 from .config import ServerSettings
 from .errors import ErrorKind, RequestError, inference_failed, invalid
 from .inference import OFF_LOOP_BYTES, InferenceRequest, InferenceResponse, attention_request
@@ -34,11 +35,11 @@ from .metrics import Metrics
 from .registry import ModelRegistry, ServedModel
 from .sequences import Sequences
 from .shaping import weights_shaping
-from .shared_memory import Region, SharedMemoryRegistry
-from .statistics import RequestTiming
-from .tensors import AttentionRequest, Limits, ModelSignature, array_from_bytes, byte_count, wire_bytes
+from .shared_memory import NOTHING_HELD, SharedMemoryRegistry
+from .tensors import AttentionRequest, Limits, ModelSignature, byte_count
 from .threads import lowered_pool
-from .tracing import HeadersOf, Tracing, parse_trace_config
+from .trace_settings import parse_trace_config
+from .tracing import Tracing
 from .versions import VersionFactory
 
 log = logging.getLogger("mhaserve.server")
@@ -310,8 +311,9 @@ class DataPlane:
         self.shared_memory.close()
 
 
-class InferenceCall:
-    """One call inside ``DataPlane.inference``: the version it resolved to, its rows, timing and memory."""
+class InferenceCall(CallRecord):
+    """One call inside ``DataPlane.inference``: the version it resolved to, its rows, timing and memory. The
+    transport counts what it receives in ``receipt`` and hands over the rest with ``infer``."""
 
     def __init__(
         self,
@@ -322,38 +324,22 @@ class InferenceCall:
         headers: HeadersOf | None,
         peer: str = "",
     ):
+        super().__init__(protocol, timeout_s, method, headers, peer)
         self._dataplane = dataplane
-        self.peer = peer
-        self.protocol = protocol
-        self.timeout_s = timeout_s
-        self.method = method
-        self.headers = headers
-        self.started = time.perf_counter_ns()
-        self.timing = RequestTiming()
-        self.rows = 0
-        self.status = "UNKNOWN"
-        self.served: ServedModel | None = None
+        self.receipt = Receipt(dataplane.accounting)  # its request as received, until it is admitted
         self._reserved = 0  # this call's bytes in the budget
         self._answer = 0  # of which its answer's
-        self._received = 0  # its request's bytes as the transport receives them, until it is admitted
         self._waiting = None  # its run's workspace, until the run ends
         self._deliver_later = False
         self._settle: Callable | None = None
-        self.request_id = ""  # the protocol's request id, once decoded
-        self.bytes_in = 0  # the request's bytes as received (set by the transport)
-        self.bytes_out = 0  # the answer's bytes as written
-        self.trace = None  # a RequestTrace, if this call is traced
-        self.run_started_ns = 0  # when the run it was in started
-        self.encoded_ns = 0  # when its answer was encoded
-        self.run_rows = 0  # the rows of the run it was in
-        self._regions: dict[str, Region] = {}  # the shared-memory regions its tensors lie in, held until it ends
+        self._regions = NOTHING_HELD  # the shared-memory regions its tensors lie in, until it ends
 
     async def infer(
         self, name: str, version: str, decode: Callable[..., InferenceRequest], *wire, slow: bool = False
     ) -> InferenceResponse:
         """Resolve the version ``name``/``version`` names, decode ``decode(*wire)`` and check it against that
         version (on the decode thread when ``slow``: inference.decodes_slowly), take its memory in the budget
-        or refuse it, run it (batched) and return the outputs it asked for."""
+        or refuse it, run it (batched, or as a sequence's step) and return the outputs it asked for."""
         dataplane = self._dataplane
         self.served = served = dataplane.resolve(name, version)
         served.enter()  # from here the version is not unloaded under this request
@@ -363,42 +349,48 @@ class InferenceCall:
             request, attention = await dataplane.off_loop(_decoded, decode, wire, served.signature, dataplane.limits)
         else:
             request, attention = _decoded(decode, wire, served.signature, dataplane.limits)
+        self.request_id = request.id
         placed = request.output_placements()
         if request.shared_inputs or placed:
             attention = await self._use_shared_memory(request, placed) or attention
+        self.rows = attention.batch_size
         if attention.sequence is not None:
             if placed:
                 raise invalid("a step of a sequence answers over the socket: its outputs cannot go to shared memory")
             return await self._step(request, attention)
-        self.rows = attention.batch_size
-        self.request_id = request.id
-        self.timing.input_ns = time.perf_counter_ns() - self.started
         if self.trace is not None:
             self.trace.decoded(attention, request.id)
         signature = served.signature
-        self._answer = answer_bytes(attention, signature.num_heads, signature.precision)
-        needed = input_bytes(attention) + self._answer
-        accounting = dataplane.accounting
-        self._receipt_done()  # from here its inputs are counted as decoded (input_bytes counts the body too)
-        self._waiting = accounting.admit(needed, self.rows, request_workspace_bytes(attention, signature.num_heads))
-        self._reserved = needed  # (a refusal took nothing)
+        self._admit(attention, signature)
         answer = await served.batcher.submit(attention, self.timeout_s, self.trace)
         self.timing.queue_ns, self.timing.infer_ns = answer.queue_ns, answer.infer_ns
-        self.run_rows, self.run_started_ns = answer.run_rows, answer.run_started_ns
-        accounting.budget.run_ended(self._waiting)
-        self._waiting = None
+        self._run_ended(answer.run_rows, answer.run_started_ns)
         outputs = {o: answer.outputs[o] for o in attention.outputs}
         placed = {name: placement for name, placement in placed.items() if name in outputs}
         if placed:
-            await self._in_shared_memory(self._write_outputs, sum(outputs[n].nbytes for n in placed), outputs, placed)
+            await self._off_loop_if_large(self._regions.write, sum(outputs[n].nbytes for n in placed), outputs, placed)
         return InferenceResponse(signature, request, outputs, frozenset(placed))
+
+    def _admit(self, attention: AttentionRequest, signature: ModelSignature) -> None:
+        """Its decoded inputs and its answer taken in the budget, with its run's workspace, or refused; from
+        here its inputs count as decoded (input_bytes counts the body too), no longer as received."""
+        self.timing.input_ns = time.perf_counter_ns() - self.started
+        self._answer = answer_bytes(attention, signature.num_heads, signature.precision)
+        needed = input_bytes(attention) + self._answer
+        self.receipt.close()
+        workspace = request_workspace_bytes(attention, signature.num_heads)
+        self._waiting = self._dataplane.accounting.admit(needed, self.rows, workspace)
+        self._reserved = needed  # (a refusal took nothing)
+
+    def _run_ended(self, run_rows: int, run_started_ns: int) -> None:
+        self.run_rows, self.run_started_ns = run_rows, run_started_ns
+        self._dataplane.accounting.budget.run_ended(self._waiting)
+        self._waiting = None
 
     async def _step(self, request: InferenceRequest, attention: AttentionRequest) -> InferenceResponse:
         """One step of a sequence (server/sequences.py): run over its cache, in its order, and grow the cache."""
         dataplane, step, sequences = self._dataplane, attention.sequence, self._dataplane.sequences
-        self.rows = batch = attention.batch_size
-        self.request_id = request.id
-        sequence = sequences.begin(step, self.served, batch)
+        sequence = sequences.begin(step, self.served, attention.batch_size)
         # The version the sequence started on answers every step of it: its cache holds that version's keys and
         # values, whatever version has been loaded since.
         served = sequence.served
@@ -416,24 +408,16 @@ class InferenceCall:
             total = sequence.length + rows
             named = tuple(o.name for o in request.outputs)
             shaping, outputs = weights_shaping(request.parameters, named, signature.num_heads, rows, total)
-            attention.shaping, attention.key = shaping, np.empty((batch, total, 0), np.float32)  # sized as it runs
+            attention.shaping, attention.key = shaping, np.empty((attention.batch_size, total, 0), np.float32)
             if outputs is not None:
                 attention.outputs = outputs
-            self.timing.input_ns = time.perf_counter_ns() - self.started
-            self._answer = answer_bytes(attention, signature.num_heads, signature.precision)
-            needed = input_bytes(attention) + self._answer
-            self._receipt_done()
-            workspace = request_workspace_bytes(attention, signature.num_heads)
-            self._waiting = dataplane.accounting.admit(needed, batch, workspace)
-            self._reserved = needed
+            self._admit(attention, signature)
             started = time.perf_counter_ns()
             output, weights, key, value = await asyncio.get_running_loop().run_in_executor(
                 dataplane._executor, served.session.run_step, attention.query, sequence.key, sequence.value
             )
             self.timing.infer_ns = time.perf_counter_ns() - started
-            self.run_rows, self.run_started_ns = batch, started
-            dataplane.accounting.budget.run_ended(self._waiting)
-            self._waiting = None
+            self._run_ended(attention.batch_size, started)
             asked = attention.outputs
             answer, error = answer_of(
                 asked, shaping, output if OUTPUT in asked else None, weights, served.batcher.computed_in
@@ -450,10 +434,9 @@ class InferenceCall:
         """Hold the regions the request's tensors lie in (checked: registered, windows inside them), then read
         its inputs from them, counted in the budget like a body being received, and check the request (None:
         no input was in shared memory)."""
-        dataplane = self._dataplane
         windows = {f"input '{name}'": shared.placement for name, shared in request.shared_inputs.items()}
         windows.update({f"output '{name}'": placement for name, placement in placed.items()})
-        self._regions = dataplane.shared_memory.use(self.peer, windows)
+        self._regions = self._dataplane.shared_memory.use(self.peer, windows)
         for name, shared in request.shared_inputs.items():
             expected = byte_count(name, shared.datatype, shared.shape)
             if shared.placement.byte_size != expected:
@@ -464,10 +447,10 @@ class InferenceCall:
         if not request.shared_inputs:  # only outputs go to shared memory: the request was checked already
             return None
         total = sum(shared.placement.byte_size for shared in request.shared_inputs.values())
-        self.receiving(total)
-        return await self._in_shared_memory(self._read_inputs, total, request)
+        self.receipt.add(total)
+        return await self._off_loop_if_large(self._read_inputs, total, request)
 
-    async def _in_shared_memory(self, function, nbytes: int, *args):
+    async def _off_loop_if_large(self, function, nbytes: int, *args):
         """``function(*args)``, on the decode thread when it moves more than a megabyte."""
         if nbytes > OFF_LOOP_BYTES:
             return await self._dataplane.off_loop(function, *args)
@@ -475,40 +458,8 @@ class InferenceCall:
 
     def _read_inputs(self, request: InferenceRequest) -> AttentionRequest:
         for name, shared in request.shared_inputs.items():
-            region = self._regions[shared.placement.region]
-            raw = region.read(shared.placement, f"input '{name}'")
-            where = f"shared memory region '{region.name}'"
-            request.inputs[name] = array_from_bytes(name, shared.datatype, shared.shape, raw, where)
-        signature = self.served.signature
-        return attention_request(request, signature, self._dataplane.limits)
-
-    def _write_outputs(self, outputs: dict, placed: dict) -> None:
-        for name, placement in placed.items():
-            data = wire_bytes(np.ascontiguousarray(outputs[name]))
-            self._regions[placement.region].write(placement, data, f"output '{name}'")
-
-    def receiving(self, nbytes: int) -> None:
-        """The transport holds, or is about to read, ``nbytes`` more of this call's request as received: they
-        count against the budget until the request is admitted or refused, or the call is refused
-        (RESOURCE_EXHAUSTED) before they are read (HTTP) or parsed (gRPC, whose core receives a message whole
-        before any handler runs)."""
-        self._dataplane.accounting.budget.take(nbytes, "the request as received")
-        self._received += nbytes
-
-    def received(self, nbytes: int) -> None:
-        """``nbytes`` of this call's request are in memory already (gRPC's core receives a message whole): counted
-        as ``receiving`` counts them; refused, their pages are still given back once the server is idle."""
-        self.bytes_in = nbytes
-        try:
-            self.receiving(nbytes)
-        except RequestError:
-            self._dataplane.accounting.received_dropped(nbytes)
-            raise
-
-    def _receipt_done(self) -> None:
-        if self._received:
-            self._dataplane.accounting.received_released(self._received)
-            self._received = 0
+            request.inputs[name] = self._regions.read(name, shared.datatype, shared.shape, shared.placement)
+        return attention_request(request, self.served.signature, self._dataplane.limits)
 
     def encode(self, encode: Callable[..., T], response: InferenceResponse, *args, **kwargs) -> T:
         """``encode(response, ...)``, timed as the call's output time; the inputs leave the budget after it (the
@@ -537,9 +488,8 @@ class InferenceCall:
 
     def end(self) -> None:
         accounting = self._dataplane.accounting
-        self._dataplane.shared_memory.done(self._regions)
-        self._regions = {}
-        self._receipt_done()  # refused while or after it was received, before its admission
+        self._regions.release()
+        self.receipt.close()  # refused while or after it was received, before its admission
         accounting.budget.run_ended(self._waiting)  # refused by the queue, expired or cancelled before its run ended
         if self.served is not None:
             self.served.leave()  # the answer is encoded: unloading need not wait for its delivery

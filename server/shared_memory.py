@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import ErrorKind, RequestError, invalid
+from .tensors import array_from_bytes, wire_bytes
 
 SHM_DIR = "/dev/shm"
 # POSIX shm_open names: one optional leading slash, then a file name in SHM_DIR (no further slash).
@@ -154,6 +155,34 @@ class Region:
             self.fd = -1
 
 
+class HeldRegions:
+    """The regions one request's tensors lie in, held open (even if unregistered meanwhile) until ``release``:
+    its inputs are read from them and its outputs written into them."""
+
+    def __init__(self, registry: SharedMemoryRegistry | None = None, regions: dict[str, Region] | None = None):
+        self._registry, self._regions = registry, regions or {}
+
+    def read(self, name: str, datatype: str, shape, placement: Placement) -> np.ndarray:
+        """Input ``name`` as an array, from its window (checked: its size is the header's)."""
+        region = self._regions[placement.region]
+        raw = region.read(placement, f"input '{name}'")
+        return array_from_bytes(name, datatype, shape, raw, f"shared memory region '{region.name}'")
+
+    def write(self, outputs: dict[str, np.ndarray], placed: dict[str, Placement]) -> None:
+        """Each output in ``placed`` into its window."""
+        for name, placement in placed.items():
+            data = wire_bytes(np.ascontiguousarray(outputs[name]))
+            self._regions[placement.region].write(placement, data, f"output '{name}'")
+
+    def release(self) -> None:
+        if self._registry is not None:
+            self._registry.done(self._regions)
+        self._registry, self._regions = None, {}
+
+
+NOTHING_HELD = HeldRegions()
+
+
 class SharedMemoryRegistry:
     """The registered regions of one server: register, status, unregister, and the regions a request uses
     (``use``/``done``), within ``max_regions`` regions and ``max_bytes`` registered bytes. ``allowed`` False:
@@ -263,9 +292,9 @@ class SharedMemoryRegistry:
                 if region.users == 0:
                     region.close()
 
-    def use(self, peer: str, placements: dict[str, Placement]) -> dict[str, Region]:
-        """The regions (by name) that ``placements`` (tensor description -> placement) name, each window
-        checked, held open until ``done`` even if unregistered meanwhile; the whole set or nothing."""
+    def use(self, peer: str, placements: dict[str, Placement]) -> HeldRegions:
+        """The regions that ``placements`` (tensor description -> placement) name, each window checked, held
+        open until released even if unregistered meanwhile; the whole set or nothing."""
         self.check_allowed(peer)
         regions = {}
         for where, placement in placements.items():
@@ -276,7 +305,7 @@ class SharedMemoryRegistry:
             regions[region.name] = region
         for region in regions.values():
             region.users += 1
-        return regions
+        return HeldRegions(self, regions)
 
     def done(self, regions: dict[str, Region]) -> None:
         for region in regions.values():

@@ -1,4 +1,5 @@
-"""Per-version counters in the shape of Triton's statistics extension (durations in nanoseconds)."""
+"""Per-version counters in the shape of Triton's statistics extension (durations in nanoseconds), and the
+records they count: one request's timing, one batched run's result."""
 
 from __future__ import annotations
 
@@ -6,7 +7,26 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from .batcher import BatchResult
+import numpy as np
+
+from .errors import RequestError
+
+
+@dataclass
+class BatchResult:
+    """What one merged run produced, with its timing, for statistics and metrics."""
+
+    answers: list[dict[str, np.ndarray] | None]
+    errors: list[RequestError | None]  # per request: why it has no answer (overflow_error)
+    batch_size: int  # rows
+    q_len: int  # padded to the longest
+    kv_len: int
+    padding_ratio: float  # Merged.padding_ratio
+    started_ns: int
+    finished_ns: int
+    merge_ns: int
+    model_ns: int
+    split_ns: int
 
 
 @dataclass

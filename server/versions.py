@@ -14,7 +14,7 @@ import numpy as np
 
 from mhaserve.contract.signature import GRAPH_OUTPUT_NAMES
 
-from .batcher import Batcher, BatchResult
+from .batcher import Batcher
 from .config import ServerSettings
 from .malloc import release_free_memory
 from .memory import MemoryBudget, run_workspace_bytes
@@ -22,7 +22,7 @@ from .metrics import Metrics
 from .registry import ServedModel
 from .run_cost import RunCost
 from .session import AttentionSession
-from .statistics import ModelStatistics
+from .statistics import BatchResult, ModelStatistics
 from .tensors import Limits, ModelSignature
 from .threads import lowered_pool
 

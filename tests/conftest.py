@@ -72,22 +72,43 @@ def server(small_model_dir):
 
 
 @pytest.fixture
-def start_server(request):
-    """Starts a real server process for this test: ``start_server(model_dir, *flags, env=..., port=...,
-    wait=True)``. Every one it started is stopped when the test ends, and a failed test shows their logs."""
+def start_server_process(request):
+    """Starts a real server process for this test, where the process is the point (signals, exit codes, memory
+    as RSS, environment variables): ``start_server_process(model_dir, *flags, env=..., port=..., wait=True)``.
+    Every one it started is stopped when the test ends, and a failed test shows their logs."""
     from mhaserve.testing.server_process import ServerProcess
 
+    def start(model_dir, *args, wait: bool = True, **options):
+        return ServerProcess(model_dir, *args, **options), {"wait": wait}
+
+    yield from _started_for_test(request, start)
+
+
+@pytest.fixture
+def start_server(request):
+    """Starts a real server in this process for this test (tests/support/in_process.py): ``start_server(
+    model_dir, *flags, port=...)``, the flags of ``mhaserve serve``. Stopped when the test ends; a failed test
+    shows their logs."""
+    from tests.support.in_process import InProcessServer
+
+    def start(model_dir, *args, **options):
+        return InProcessServer(model_dir, *args, **options), {}
+
+    yield from _started_for_test(request, start)
+
+
+def _started_for_test(request, start):
     started = []
 
-    def start(model_dir, *args, wait: bool = True, **options):
-        process = ServerProcess(model_dir, *args, **options)
-        started.append(process)
-        return process.start(wait=wait)
+    def starting(*args, **options):
+        server, start_options = start(*args, **options)
+        started.append(server)  # stopped, and its log shown, even if its start fails
+        return server.start(**start_options)
 
-    yield start
-    for process in started:
-        process.stop()
+    yield starting
+    for server in started:
+        server.stop()
     report = getattr(request.node, "report_call", None)
     if report is not None and report.failed:
-        for number, process in enumerate(started):
-            report.sections.append((f"server {number} log", process.log[-20000:]))
+        for number, server in enumerate(started):
+            report.sections.append((f"server {number} log", server.log[-20000:]))

@@ -44,6 +44,14 @@ class ServerProcess:
         return f"{self.host}:{self.port}"
 
     @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
     def log(self) -> str:
         return "".join(self.lines)
 

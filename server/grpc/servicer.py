@@ -162,29 +162,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         until then. The budget bounds what slow readers hold, and max_concurrent_streams what one connection
         holds. (Writing a unary answer from the handler, as a one-answer stream, cost more per call than
         being told by the call's done callback: BENCHMARKS, "gRPC answers held in the budget until written".)"""
-        timeout = self.dataplane.settings.write_timeout_s
-        gave_up = []
-
-        def give_up() -> None:
-            log.info(
-                "a gRPC client did not read its %d-byte answer within %g s: counted CANCELLED, held until taken "
-                "or its connection closes",
-                size,
-                timeout,
-            )
-            gave_up.append(sent(False, freed=False))
-
-        timer = asyncio.get_running_loop().call_later(timeout, give_up)
-
-        def ended(future: asyncio.Future) -> None:
-            if gave_up:
-                if gave_up[0] is not None:
-                    gave_up[0]()
-                return
-            timer.cancel()
-            sent(not future.cancelled() and future.exception() is None, size)
-
-        written.add_done_callback(ended)
+        _Delivery(sent, size, self.dataplane.settings.write_timeout_s).when_written(written)
 
     async def ModelStreamInfer(self, request_iterator, context):
         # Answers in request order; a refused request answers with error_message and the stream goes on,
@@ -205,6 +183,38 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             size = len(answer) if isinstance(answer, bytes) else answer.ByteSize()
             self._settle_when_written(call.sent, write, size)
             await write
+
+
+class _Delivery:
+    """One answer on its way: recorded as sent when gRPC has written it (or gave up on it), or, not taken within
+    ``timeout`` seconds, counted CANCELLED then, its memory released only once gRPC lets go of it."""
+
+    def __init__(self, sent, size: int, timeout: float):
+        self._sent, self._size, self._timeout = sent, size, timeout
+        self._given_up = False
+        self._release = None  # what releases a given-up answer's memory, once gRPC drops it
+        self._timer = asyncio.get_running_loop().call_later(timeout, self._give_up)
+
+    def when_written(self, written: asyncio.Future) -> None:
+        written.add_done_callback(self._written)
+
+    def _give_up(self) -> None:
+        log.info(
+            "a gRPC client did not read its %d-byte answer within %g s: counted CANCELLED, held until taken or its "
+            "connection closes",
+            self._size,
+            self._timeout,
+        )
+        self._given_up = True
+        self._release = self._sent(False, freed=False)
+
+    def _written(self, future: asyncio.Future) -> None:
+        if self._given_up:
+            if self._release is not None:
+                self._release()
+            return
+        self._timer.cancel()
+        self._sent(not future.cancelled() and future.exception() is None, self._size)
 
 
 def _answered(name: str):
@@ -252,7 +262,8 @@ class ReceivedMessage:
         self._raw, self._request_class, self._off_loop = raw, request_class, off_loop
 
     async def counted_and_parsed(self, call: InferenceCall):
-        call.received(len(self._raw))
+        call.bytes_in = len(self._raw)
+        call.receipt.add_received(len(self._raw))
         try:
             return await _parsed(self._request_class, self._raw, self._off_loop)
         except DecodeError:

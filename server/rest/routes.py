@@ -23,6 +23,7 @@ from aiohttp import web
 from mhaserve.contract.datatypes import datatype_of
 
 from .. import describe
+from ..accounting import Receipt
 from ..dataplane import DataPlane, InferenceCall
 from ..errors import HTTP_STATUS, ErrorKind, RequestError, invalid
 from ..inference import InferenceRequest, InferenceResponse, RequestedOutput, SharedInput, decodes_slowly
@@ -373,29 +374,29 @@ class RestTransport:
         self.dataplane.record_unauthenticated(request.path)
         return error_response(401, "missing or wrong bearer token: send the header 'Authorization: Bearer <token>'")
 
-    async def _body(self, request: web.Request, call: InferenceCall | None = None) -> bytes | bytearray:
+    async def _body(self, request: web.Request, receipt: Receipt | None = None) -> bytes | bytearray:
         """The whole body, inflated if it came compressed, within body_limit bytes both ways, its bytes counted
-        in ``call``'s share of the memory budget as they arrive (refused at once when it is full). The body
+        in the request's ``receipt`` as they arrive (refused at once when it is full). The body
         must arrive within read_timeout_s: a client that sends half a body is not waited for forever."""
         encoding = request.headers.get("Content-Encoding", "identity").strip().lower() or "identity"
         if encoding != "identity" and encoding not in CONTENT_ENCODINGS:
             raise UnsupportedEncoding(encoding)
         try:
             async with asyncio.timeout(self.read_timeout_s):
-                body = await self._receive(request, call)
+                body = await self._receive(request, receipt)
         except TimeoutError:
             raise RequestError(
                 ErrorKind.DEADLINE_EXCEEDED, f"the request body did not arrive within {self.read_timeout_s:g} s"
             ) from None
-        return body if encoding == "identity" else await self._inflate(body, encoding, call)
+        return body if encoding == "identity" else await self._inflate(body, encoding, receipt)
 
-    async def _receive(self, request: web.Request, call: InferenceCall | None) -> bytearray:
+    async def _receive(self, request: web.Request, receipt: Receipt | None) -> bytearray:
         declared = request.content_length
         if declared is not None and declared > self.body_limit:
             raise BodyTooLarge(self.body_limit)  # before a byte of it is read
         if declared is not None:
-            if call is not None:
-                call.receiving(declared)
+            if receipt is not None:
+                receipt.add(declared)
             body = bytearray(declared)  # one buffer, filled in place
             filled = 0
             async for chunk in request.content.iter_any():
@@ -408,14 +409,14 @@ class RestTransport:
         async for chunk in request.content.iter_any():
             if len(body) + len(chunk) > self.body_limit:
                 raise BodyTooLarge(self.body_limit)
-            if call is not None:
-                call.receiving(len(chunk))
+            if receipt is not None:
+                receipt.add(len(chunk))
             body += chunk
         return body
 
-    async def _inflate(self, compressed: bytearray, encoding: str, call: InferenceCall | None) -> bytes:
+    async def _inflate(self, compressed: bytearray, encoding: str, receipt: Receipt | None) -> bytes:
         """``compressed`` inflated step by step off the event loop, refused (413) as soon as it grows past the
-        body limit, each step's bytes counted in ``call``'s share of the budget before the next."""
+        body limit, each step's bytes counted in the request's ``receipt`` before the next."""
         async with self._inflating:
             inflater = zlib.decompressobj(CONTENT_ENCODINGS[encoding])
             pieces: list[bytes] = []  # joined once at the end: a growing buffer would be copied as it grows
@@ -431,14 +432,14 @@ class RestTransport:
                     inflated += len(piece)
                     if inflated > self.body_limit:
                         raise BodyTooLarge(self.body_limit, encoding)
-                    if call is not None:
-                        call.receiving(len(piece))
+                    if receipt is not None:
+                        receipt.add(len(piece))
                     pieces.append(piece)
                     pending = inflater.unconsumed_tail
             if not inflater.eof:
                 raise invalid(f"the request body ends inside its {encoding} stream")
-            if call is not None:
-                call.receiving(inflated)  # the joined copy, beside the pieces for a moment
+            if receipt is not None:
+                receipt.add(inflated)  # the joined copy, beside the pieces for a moment
             return b"".join(pieces)
 
     async def live(self, request):
@@ -567,7 +568,7 @@ class RestTransport:
         route = request.match_info.route.resource.canonical
         async with self.dataplane.inference("http", None, route, lambda: request.headers, _peer(request)) as call:
             header_length = header_length_of(request.headers.get(HEADER_LENGTH))  # before the body is read
-            body = await self._body(request, call)
+            body = await self._body(request, call.receipt)
             call.bytes_in = request.content_length or len(body)  # as sent: compressed, if it was
             payload, json_length = await infer_rest(call, name, version, body, header_length)
             call.deliver_later()

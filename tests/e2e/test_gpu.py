@@ -69,10 +69,10 @@ def exact_gpu_server(small_model_dir):
         yield process
 
 
-def test_device_cuda_and_auto_both_serve_on_the_cuda_provider(start_server, gpu_server, small_model_dir):
+def test_device_cuda_and_auto_both_serve_on_the_cuda_provider(start_server_process, gpu_server, small_model_dir):
     # The server's own check: the session's first provider, not the list of providers built in.
     assert provider_of(gpu_server) == "CUDAExecutionProvider"
-    auto = start_server(small_model_dir, "--device", "auto", *TEST_SERVER_ARGS)
+    auto = start_server_process(small_model_dir, "--device", "auto", *TEST_SERVER_ARGS)
     assert provider_of(auto) == "CUDAExecutionProvider"
 
 
@@ -97,11 +97,13 @@ def test_tf32_answers_are_within_its_stated_tolerance(gpu_server, small_module):
     assert_within_relative(result.attn_weights, want_attn, TF32)
 
 
-def test_float16_export_on_the_gpu_is_within_its_tolerance_of_float32_eager(start_server, small_module, tmp_path):
+def test_float16_export_on_the_gpu_is_within_its_tolerance_of_float32_eager(
+    start_server_process, small_module, tmp_path
+):
     folder = tmp_path / "fp16"
     assert export_model_dir(small_module, folder, precision="fp16", validation_seed=0, report=lambda _: None)["valid"]
     query = rand(2, 40, SMALL_D_MODEL, seed=5)
-    server = start_server(folder, "--device", "cuda", *TEST_SERVER_ARGS)
+    server = start_server_process(folder, "--device", "cuda", *TEST_SERVER_ARGS)
     with Client(server.url) as client:
         assert provider_of(server) == "CUDAExecutionProvider"
         result = client.infer(query)
@@ -111,7 +113,7 @@ def test_float16_export_on_the_gpu_is_within_its_tolerance_of_float32_eager(star
     assert_within_relative(result.attn_weights, want_attn, TOLERANCES["fp16"].output)
 
 
-def test_an_int8_export_is_served_on_the_cpu_provider_on_a_gpu_machine(start_server, small_module, tmp_path):
+def test_an_int8_export_is_served_on_the_cpu_provider_on_a_gpu_machine(start_server_process, small_module, tmp_path):
     # Its uint8 x int8 products have no CUDA kernel: --device auto serves it on the CPU (cuda is refused).
     from mhaserve.contract.cpu import int8_support
 
@@ -119,7 +121,7 @@ def test_an_int8_export_is_served_on_the_cpu_provider_on_a_gpu_machine(start_ser
         pytest.skip(support.message)
     folder = tmp_path / "int8"
     assert export_model_dir(small_module, folder, precision="int8", validation_seed=0, report=lambda _: None)["valid"]
-    server = start_server(folder, *TEST_SERVER_ARGS)
+    server = start_server_process(folder, *TEST_SERVER_ARGS)
     with Client(server.url) as client:
         client.infer(rand(2, 40, SMALL_D_MODEL, seed=5))
     assert provider_of(server) == "CPUExecutionProvider"
@@ -135,12 +137,14 @@ def test_tritonclient_is_served_on_the_gpu(exact_gpu_server, small_module, tmp_p
         np.testing.assert_allclose(results[f"{case}_attn_weights"], want_attn, rtol=0, atol=1e-5)
 
 
-def test_concurrent_mixed_lengths_are_batched_on_the_gpu_each_equal_eager(start_server, small_model_dir, small_module):
+def test_concurrent_mixed_lengths_are_batched_on_the_gpu_each_equal_eager(
+    start_server_process, small_model_dir, small_module
+):
     requests = mixed_requests(24, seed=5)
     args = ("--device", "cuda", "--cuda-tf32", "false", "--max-batch-size", "64", "--max-q-len", "64",
             "--max-kv-len", "64", "--max-queue-delay-us", "30000", "--warmup-runs", "1")  # fmt: skip
 
-    server = start_server(small_model_dir, *args)
+    server = start_server_process(small_model_dir, *args)
     with Client(server.url) as client:
         before = client.statistics()
         results = infer_concurrently(server.url, requests)

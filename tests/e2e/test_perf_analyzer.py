@@ -20,9 +20,11 @@ RUN = Path(os.environ.get("PERF_ANALYZER", ROOT / ".tools/perf_analyzer/run"))
 @pytest.mark.skipif(not RUN.exists(), reason=f"perf_analyzer is not installed at {RUN}")
 @pytest.mark.parametrize("shared_memory", ["none", "system"])
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
-def test_perf_analyzer_measures_the_server(server, start_server, small_model_dir, tmp_path, protocol, shared_memory):
+def test_perf_analyzer_measures_the_server(
+    server, start_server_process, small_model_dir, tmp_path, protocol, shared_memory
+):
     if shared_memory == "system":  # inputs and outputs in regions it registers, then unregisters
-        server = start_server(small_model_dir, *TEST_SERVER_ARGS, "--allow-client-shm", "true")
+        server = start_server_process(small_model_dir, *TEST_SERVER_ARGS, "--allow-client-shm", "true")
     report = tmp_path / "pa.csv"
     url = server.url if protocol == "grpc" else server.http_url.removeprefix("http://")
     command = [

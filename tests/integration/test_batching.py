@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from mhaserve.client.grpc import AsyncClient, Client
-from mhaserve.testing.server_process import ServerProcess
 from tests.support import SMALL_D_MODEL, eager, rand, scrape
+from tests.support.in_process import InProcessServer
 from tests.support.requests import infer_concurrently, mixed_requests
 
 D = SMALL_D_MODEL
@@ -22,7 +22,7 @@ D = SMALL_D_MODEL
 def batching_server(small_model_dir):
     # A 30 ms queue delay makes merging certain in a test; the default (0) merges only under load.
     args = ("--max-batch-size", "64", "--max-q-len", "64", "--max-kv-len", "64", "--max-queue-delay-us", "30000")
-    with ServerProcess(small_model_dir, *args, "--warmup-runs", "1") as process:
+    with InProcessServer(small_model_dir, *args, "--warmup-runs", "1") as process:
         yield process
 
 

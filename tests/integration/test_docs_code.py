@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from mhaserve.testing.server_process import ServerProcess
 from tests.support import ROOT
+from tests.support.in_process import InProcessServer
 
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs" / "tutorials").glob("*.md")),
              *sorted((ROOT / "docs" / "how-to").glob("*.md"))]  # fmt: skip
@@ -70,7 +70,7 @@ def test_the_docs_have_python_blocks_to_run():
 def docs_server():
     from mhaserve.export.default_model import ensure_default_model
 
-    with ServerProcess(ensure_default_model(), "--allow-client-shm", "true", "--warmup-runs", "0") as server:
+    with InProcessServer(ensure_default_model(), "--allow-client-shm", "true", "--warmup-runs", "0") as server:
         yield server
 
 

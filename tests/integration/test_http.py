@@ -213,8 +213,8 @@ def test_over_the_body_limit_is_413(start_server, small_model_dir):
     assert status == 413 and "100000 bytes" in json.loads(body)["error"]
 
 
-def test_token_on_http_health_open(start_server, small_model_dir):
-    server = start_server(small_model_dir, *TEST_SERVER_ARGS, env={"MHASERVE_AUTH_TOKEN": TOKEN})
+def test_token_on_http_health_open(start_server_process, small_model_dir):
+    server = start_server_process(small_model_dir, *TEST_SERVER_ARGS, env={"MHASERVE_AUTH_TOKEN": TOKEN})
     assert call(server, "GET", "/v2/health/ready")[0] == 200
     status, headers, body = call(server, "POST", "/v2/models/mha/infer", infer_json(rand(1, 2, D)))
     assert status == 401 and headers["WWW-Authenticate"] == "Bearer" and "Bearer" in json.loads(body)["error"]
@@ -315,11 +315,11 @@ def test_an_http_and_a_grpc_request_are_merged_into_one_run(start_server, small_
         np.testing.assert_allclose(weights, want_attn, rtol=0, atol=1e-6)
 
 
-def test_sigterm_drains_http_like_grpc_nothing_accepted_is_lost(start_server, small_model_dir):
+def test_sigterm_drains_http_like_grpc_nothing_accepted_is_lost(start_server_process, small_model_dir):
     from concurrent.futures import ThreadPoolExecutor
 
     args = ("--max-batch-size", "32", "--max-q-len", "512", "--grace-seconds", "30", "--drain-seconds", "2")
-    server = start_server(small_model_dir, *args, "--warmup-runs", "0")
+    server = start_server_process(small_model_dir, *args, "--warmup-runs", "0")
     queries = [rand(16, 384, D, seed=i) for i in range(12)]
 
     def binary_infer(query):

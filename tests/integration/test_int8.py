@@ -28,6 +28,7 @@ from mhaserve.export.validate import TOLERANCES
 from mhaserve.model import seeded_module
 from mhaserve.testing.server_process import ServerProcess
 from tests.support import SMALL_D_MODEL, SMALL_HEADS, TEST_SERVER_ARGS, assert_within_relative, eager, rand
+from tests.support.in_process import InProcessServer
 from tests.support.requests import infer_concurrently, mixed_requests
 from tests.support.triton import INPUTS, cases, run_triton_client
 
@@ -57,7 +58,7 @@ def int8_model_dir(tmp_path_factory, small_module):
 def int8_server(int8_model_dir):
     # A 30 ms queue delay makes merging certain for the batching test.
     args = (*TEST_SERVER_ARGS, "--max-batch-size", "64", "--max-queue-delay-us", "30000")
-    with ServerProcess(int8_model_dir, *args) as process:
+    with InProcessServer(int8_model_dir, *args) as process:
         yield process
 
 
@@ -207,7 +208,7 @@ def test_a_repository_serves_its_other_versions_beside_a_refused_int8_one(
     shutil.copytree(small_model_dir, repository / "mha" / "1")
     shutil.copytree(out, repository / "mha" / "2")
     query = rand(1, 5, SMALL_D_MODEL, seed=3)
-    with ServerProcess(None, *TEST_SERVER_ARGS, "--model-repository", str(repository)) as server:
+    with InProcessServer(None, *TEST_SERVER_ARGS, "--model-repository", str(repository)) as server:
         with grpc.insecure_channel(server.url) as channel:
             stub = pb_grpc.GRPCInferenceServiceStub(channel)
             index = {m.version: (m.state, m.reason) for m in stub.RepositoryIndex(pb.RepositoryIndexRequest()).models}

@@ -4,6 +4,7 @@ request is answered, new ones are refused, and the process exits 0. Message limi
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import grpc
@@ -12,7 +13,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from mhaserve.client.grpc import AsyncClient, Client, build_infer_request
+from mhaserve.client.grpc import NO_RETRIES, AsyncClient, Client, build_infer_request
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
 from mhaserve.testing.server_process import ServerProcess, free_port
@@ -26,10 +27,10 @@ FAST_RECONNECT = [("grpc.initial_reconnect_backoff_ms", 10), ("grpc.min_reconnec
                   ("grpc.max_reconnect_backoff_ms", 50)]  # fmt: skip
 
 
-def test_health_is_not_serving_until_warm_then_serving(start_server, small_model_dir):
+def test_health_is_not_serving_until_warm_then_serving(start_server_process, small_model_dir):
     port = free_port()
     # ~4000 warm-up runs keep the model loading for about a second: long enough to watch.
-    process = start_server(small_model_dir, "--warmup-runs", "4000", port=port, wait=False)
+    process = start_server_process(small_model_dir, "--warmup-runs", "4000", port=port, wait=False)
     observed = []  # (health status, ServerReady) pairs, in order
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}", options=FAST_RECONNECT) as channel:
@@ -60,9 +61,9 @@ def test_health_is_not_serving_until_warm_then_serving(start_server, small_model
         process.stop()
 
 
-def test_inference_while_loading_is_unavailable(start_server, small_model_dir):
+def test_inference_while_loading_is_unavailable(start_server_process, small_model_dir):
     port = free_port()
-    process = start_server(small_model_dir, "--warmup-runs", "4000", port=port, wait=False)
+    process = start_server_process(small_model_dir, "--warmup-runs", "4000", port=port, wait=False)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}", options=FAST_RECONNECT) as channel:
             health = health_pb2_grpc.HealthStub(channel)
@@ -81,10 +82,10 @@ def queued_requests(server) -> float:
     return sum(value for (name, _), value in samples.items() if name == "mhaserve_inference_pending_request_count")
 
 
-def test_sigterm_under_load_answers_every_accepted_request(start_server, small_model_dir, small_module):
+def test_sigterm_under_load_answers_every_accepted_request(start_server_process, small_model_dir, small_module):
     # One request a run: the 24 runs take long enough that most calls are still queued when the signal comes.
     args = ("--max-batch-size", "16", "--max-q-len", "512", "--grace-seconds", "30", "--warmup-runs", "0")
-    server = start_server(small_model_dir, *args)
+    server = start_server_process(small_model_dir, *args)
     rng = np.random.default_rng(0)
     queries = [rng.standard_normal((16, 384, D), dtype=np.float32) for _ in range(24)]
 
@@ -145,10 +146,10 @@ def test_sigterm_under_load_answers_every_accepted_request(start_server, small_m
         server.stop()
 
 
-def test_sigint_also_stops_cleanly(start_server, small_model_dir):
+def test_sigint_also_stops_cleanly(start_server_process, small_model_dir):
     import signal
 
-    server = start_server(small_model_dir, "--warmup-runs", "0")
+    server = start_server_process(small_model_dir, "--warmup-runs", "0")
     server.signal(signal.SIGINT)
     assert server.wait_exit(30) == 0
 
@@ -217,3 +218,68 @@ def test_health_watch_streams_are_bounded_and_check_stays_open(start_server, sma
 
     server = start_server(small_model_dir, "--max-health-watchers", "3", "--warmup-runs", "0")
     asyncio.run(scenario(server.url))
+
+
+def test_the_servers_phases_each_say_so_in_process(small_model_dir):
+    """bind, load, serve, drain and stop, driven one by one in this test's event loop: health and the ready
+    RPC follow them, a drained server refuses new calls as retryable, and the stop line counts the calls."""
+    from mhaserve.server.app import Server
+    from tests.support.in_process import InProcessServer
+
+    settings = InProcessServer(small_model_dir, "--warmup-runs", "0", "--drain-seconds", "1").settings
+
+    async def phases() -> dict[str, object]:
+        server, seen = Server(settings), {}
+        await server.bind()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+
+            async def state() -> tuple[int, bool]:
+                checked = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+                return checked.status, (await stub.ServerReady(pb.ServerReadyRequest(), timeout=5)).ready
+
+            seen["bound"] = await state()
+            await server.load()
+            seen["loaded"] = await state()
+            await server.serve()
+            seen["serving"] = await state()
+            async with AsyncClient(f"127.0.0.1:{server.port}", retry=NO_RETRIES) as client:
+                await client.infer(np.ones((1, 3, D), np.float32))
+                draining = asyncio.create_task(server.drain())  # the port stays open for drain_seconds
+                await asyncio.sleep(0.2)
+                seen["draining"] = await state()
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await client.infer(np.ones((1, 3, D), np.float32), timeout=5)
+                seen["refused"] = refused.value.code(), refused.value.details()
+                await draining
+        await server.stop()
+        return seen
+
+    lines = []
+    handler = _LineCatcher(lines)
+    logger = logging.getLogger("mhaserve.server")
+    logger.addHandler(handler)
+    level, logger.level = logger.level, logging.INFO
+    try:
+        seen = asyncio.run(phases())
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert seen["bound"] == (NOT_SERVING, False)
+    assert seen["loaded"] == (NOT_SERVING, True)  # the models serve; health waits for the serve phase
+    assert seen["serving"] == (SERVING, True)
+    assert seen["draining"] == (NOT_SERVING, False)
+    assert any(line.startswith("serving model=mha version=1") for line in lines)
+    code, details = seen["refused"]
+    assert code == grpc.StatusCode.UNAVAILABLE and "shutting down" in details, details
+    assert lines[-1] == "stopped: inference calls by status: OK 1, UNAVAILABLE 1; 0 in flight at exit", lines[-3:]
+
+
+class _LineCatcher(logging.Handler):
+    def __init__(self, lines: list[str]):
+        super().__init__()
+        self.lines = lines
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())

@@ -60,8 +60,8 @@ def traffic(server) -> dict[str, int]:
     return {"grpc OK": statuses.count("OK"), "grpc INVALID_ARGUMENT": statuses.count("INVALID_ARGUMENT")}
 
 
-def test_json_logs_parse_line_by_line_and_the_access_log_has_a_line_per_request(start_server, small_model_dir):
-    server = start_server(small_model_dir, *TEST_SERVER_ARGS, "--log-format", "json", "--access-log", "true")
+def test_json_logs_parse_line_by_line_and_the_access_log_has_a_line_per_request(start_server_process, small_model_dir):
+    server = start_server_process(small_model_dir, *TEST_SERVER_ARGS, "--log-format", "json", "--access-log", "true")
     sent = traffic(server)
     server.stop()
     entries = [json.loads(line) for line in server.lines]  # every line is one JSON object
@@ -80,9 +80,9 @@ def test_json_logs_parse_line_by_line_and_the_access_log_has_a_line_per_request(
     assert by_id["over-http"]["protocol"] == "http" and by_id["over-http"]["status"] == "OK"
 
 
-def test_the_access_log_is_off_unless_asked_and_text_by_default(start_server, small_model_dir):
-    quiet = start_server(small_model_dir, *TEST_SERVER_ARGS)
-    loud = start_server(small_model_dir, *TEST_SERVER_ARGS, "--access-log", "true")
+def test_the_access_log_is_off_unless_asked_and_text_by_default(start_server_process, small_model_dir):
+    quiet = start_server_process(small_model_dir, *TEST_SERVER_ARGS)
+    loud = start_server_process(small_model_dir, *TEST_SERVER_ARGS, "--access-log", "true")
     for server in (quiet, loud):
         with Client(server.url) as client:
             client.infer(rand(1, 4, SMALL_D_MODEL), request_id="abc")

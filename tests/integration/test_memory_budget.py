@@ -25,11 +25,11 @@ D = SMALL_D_MODEL
 LIMITS = ("--max-batch-size", "8", "--max-q-len", "2048", "--max-kv-len", "2048", "--warmup-runs", "1")
 
 
-def test_refused_requests_leave_no_memory_behind(start_server, small_model_dir):
+def test_refused_requests_leave_no_memory_behind(start_server_process, small_model_dir):
     # grpc.aio keeps an aborted call's exception in a reference cycle: each refused request's message and
     # arrays stayed until a full garbage collection, about 700 MiB after a flood of refused 4 MiB requests.
     query = rand(8, 2048, D)  # a 4 MiB message, refused by a budget smaller than it
-    server = start_server(small_model_dir, *LIMITS, "--max-inflight-bytes", str(1 << 20))
+    server = start_server_process(small_model_dir, *LIMITS, "--max-inflight-bytes", str(1 << 20))
     with Client(server.url) as client:
         codes = []
 
@@ -51,13 +51,13 @@ def test_refused_requests_leave_no_memory_behind(start_server, small_model_dir):
     assert grown < 48, f"60 refused 4 MiB requests left {grown:.0f} MiB behind"
 
 
-def test_a_request_is_admitted_only_when_its_real_peak_fits_the_budget(start_server, small_model_dir):
+def test_a_request_is_admitted_only_when_its_real_peak_fits_the_budget(start_server_process, small_model_dir):
     # The budget counted inputs and outputs only: ONNX Runtime's workspace (scores, masked scores, softmax,
     # projections) is several times that, so one admitted request could take several budgets.
     budget_mib = 64
     shapes = [(1, 512, True), (2, 512, False), (2, 512, True), (4, 512, False), (8, 512, False)]
     admitted, refused = {}, []
-    server = start_server(small_model_dir, *LIMITS, "--max-inflight-bytes", str(budget_mib << 20))
+    server = start_server_process(small_model_dir, *LIMITS, "--max-inflight-bytes", str(budget_mib << 20))
     pid = server.proc.pid
     with Client(server.url) as client:
         for batch, length, weights in shapes:
@@ -77,10 +77,10 @@ def test_a_request_is_admitted_only_when_its_real_peak_fits_the_budget(start_ser
     assert all(peak < budget_mib for peak in admitted.values()), admitted
 
 
-def test_a_flood_stays_within_the_budget_and_memory_goes_back_when_idle(start_server, small_model_dir):
+def test_a_flood_stays_within_the_budget_and_memory_goes_back_when_idle(start_server_process, small_model_dir):
     budget_mib = 256
     query = rand(8, 256, D, seed=3)  # each answer holds 8 MiB of attention weights; each run ~40 MiB workspace
-    server = start_server(small_model_dir, *LIMITS, "--max-inflight-bytes", str(budget_mib << 20))
+    server = start_server_process(small_model_dir, *LIMITS, "--max-inflight-bytes", str(budget_mib << 20))
     pid = server.proc.pid
     with Client(server.url) as client:
         client.infer(query, timeout=30)  # the first large run sizes ONNX Runtime's arena once

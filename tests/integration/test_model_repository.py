@@ -24,8 +24,8 @@ from mhaserve.contract.model_dir import MANIFEST_FILE, MODEL_FILE
 from mhaserve.loadtest.checked_load import Reference
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
-from mhaserve.testing.server_process import ServerProcess
 from tests.support import CLIENT_SCRIPTS, SMALL_D_MODEL, TEST_SERVER_ARGS, rand, scrape
+from tests.support.in_process import InProcessServer
 
 SCRIPT = CLIENT_SCRIPTS / "triton_repository.py"
 WIDE_D_MODEL, WIDE_HEADS = 96, 6
@@ -74,8 +74,8 @@ def triton(server, tmp_path, steps, token=None) -> list[dict]:
     return json.loads(results_path.read_text())
 
 
-def repository_server(repository: Path, *args: str, env=None) -> ServerProcess:
-    return ServerProcess(None, *TEST_SERVER_ARGS, "--model-repository", str(repository), *args, env=env)
+def repository_server(repository: Path, *args: str) -> InProcessServer:
+    return InProcessServer(None, *TEST_SERVER_ARGS, "--model-repository", str(repository), *args)
 
 
 def index(server) -> dict[tuple[str, str], tuple[str, str]]:
@@ -147,8 +147,10 @@ def test_explicit_mode_loads_and_unloads_with_tritonclient_and_refuses_paths_out
     add_version(outside, "evil", 1, exports["small_v1"])
     os.symlink(outside / "evil", repository / "evil")  # a model folder that is a link out of the repository
     os.symlink(outside / "evil" / "1", repository / "mha" / "5")  # and a version that is one
-    args = ("--model-control-mode", "explicit", "--load-model", "mha")
-    with repository_server(repository, *args, env={"MHASERVE_AUTH_TOKEN": TOKEN}) as server:
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    args = ("--model-control-mode", "explicit", "--load-model", "mha", "--auth-token-file", str(token_file))
+    with repository_server(repository, *args) as server:
         without_token = triton(server, tmp_path, [["index"], ["load", "wide"]])
         results = triton(server, tmp_path, [
             ["index"],
@@ -326,7 +328,7 @@ class Traffic:
         return counts
 
 
-def poll_server(repository: Path) -> ServerProcess:
+def poll_server(repository: Path) -> InProcessServer:
     return repository_server(
         repository, "--model-control-mode", "poll", "--repository-poll-secs", "0.2", "--version-policy", "all"
     )

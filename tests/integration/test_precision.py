@@ -18,8 +18,8 @@ from mhaserve.contract.model_dir import ModelDirError, read_manifest
 from mhaserve.export.model_dir import export_model_dir, revalidate_model_dir
 from mhaserve.export.onnx_export import export_onnx
 from mhaserve.export.validate import TOLERANCES, ValidationCase, validate
-from mhaserve.testing.server_process import ServerProcess
 from tests.support import SMALL_D_MODEL, SMALL_HEADS, TEST_SERVER_ARGS, assert_within_relative, eager, rand
+from tests.support.in_process import InProcessServer
 from tests.support.triton import INPUTS, cases, run_triton_client, triton_http, triton_infer
 
 FP16 = TOLERANCES["fp16"]
@@ -35,7 +35,7 @@ def fp16_model_dir(tmp_path_factory, small_module):
 
 @pytest.fixture(scope="module")
 def fp16_server(fp16_model_dir):
-    with ServerProcess(fp16_model_dir, *TEST_SERVER_ARGS) as process:
+    with InProcessServer(fp16_model_dir, *TEST_SERVER_ARGS) as process:
         yield process
 
 

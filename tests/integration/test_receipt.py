@@ -74,8 +74,8 @@ def test_bad_compressed_bodies_are_refused_with_a_clear_error(start_server, smal
     assert status == 200 and [o["name"] for o in answer["outputs"]] == ["output"]
 
 
-def test_a_body_inflating_past_the_limit_is_refused_before_it_is_inflated_whole(start_server, small_model_dir):
-    server = start_server(small_model_dir, *ARGS)
+def test_a_body_inflating_past_the_limit_is_refused_before_it_is_inflated_whole(start_server_process, small_model_dir):
+    server = start_server_process(small_model_dir, *ARGS)
     bomb = gzip.compress(b" " * (8 * BODY_LIMIT), compresslevel=9)  # 256 MiB of spaces in about 250 KB
     pid = server.proc.pid
     before = rss_mib(pid)
@@ -109,9 +109,11 @@ def test_a_body_is_refused_before_it_is_read_when_the_budget_is_full(start_serve
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/PID/status")
-def test_many_compressed_bodies_at_once_stay_within_the_budget_and_memory_goes_back(start_server, small_model_dir):
+def test_many_compressed_bodies_at_once_stay_within_the_budget_and_memory_goes_back(
+    start_server_process, small_model_dir
+):
     budget = 64 << 20
-    server = start_server(small_model_dir, *ARGS, "--max-inflight-bytes", str(budget))
+    server = start_server_process(small_model_dir, *ARGS, "--max-inflight-bytes", str(budget))
     pid = server.proc.pid
     bomb = gzip.compress(b" " * (2 * BODY_LIMIT), compresslevel=9)
     post(server.http_url, json_request(rand(1, 4, D)), {})  # the handler's first-use allocations
@@ -213,10 +215,12 @@ def grpc_messages_at_once(server, mib: int, count: int, settle: float = 3.5) -> 
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/PID/status")
-def test_grpc_receipt_is_bounded_by_connections_and_streams(start_server, small_model_dir, small_module):
+def test_grpc_receipt_is_bounded_by_connections_and_streams(start_server_process, small_model_dir, small_module):
     """grpcio's core receives a message whole before any handler runs, so what it holds beyond the budget is
     bounded by how many messages can arrive at once: --grpc-max-connections x --max-concurrent-streams."""
-    capped = start_server(small_model_dir, *GRPC_BUDGET, "--grpc-max-connections", "1", "--max-concurrent-streams", "1")
+    capped = start_server_process(
+        small_model_dir, *GRPC_BUDGET, "--grpc-max-connections", "1", "--max-concurrent-streams", "1"
+    )
     statuses, idle, peak, after = grpc_messages_at_once(capped, mib=32, count=12)
     kinds = sorted(set(s.split(":")[0] for s in statuses))
     print(f"\n12 x 32 MiB gRPC messages at once, 64 MiB budget, 1 connection of 1 stream: peak {peak:+.0f} MiB, "
@@ -232,7 +236,7 @@ def test_grpc_receipt_is_bounded_by_connections_and_streams(start_server, small_
         query = rand(1, 5, D, seed=4)
         np.testing.assert_allclose(client.infer(query).output, eager(small_module, query)[0], atol=1e-5)
 
-    uncapped = start_server(small_model_dir, *GRPC_BUDGET)
+    uncapped = start_server_process(small_model_dir, *GRPC_BUDGET)
     statuses, _, uncapped_peak, _ = grpc_messages_at_once(uncapped, mib=32, count=12, settle=0)
     print(f"the same with the default caps: peak {uncapped_peak:+.0f} MiB")
     assert not any(s.startswith("UNAVAILABLE") for s in statuses), statuses

@@ -50,8 +50,10 @@ def wait_until_idle(server, timeout: float = 20.0) -> None:
         time.sleep(0.1)
 
 
-def test_soak_mixed_lengths_zero_errors_checked_answers_bounded_memory(start_server, small_model_dir, reference):
-    server = start_server(small_model_dir, *TEST_SERVER_ARGS)
+def test_soak_mixed_lengths_zero_errors_checked_answers_bounded_memory(
+    start_server_process, small_model_dir, reference
+):
+    server = start_server_process(small_model_dir, *TEST_SERVER_ARGS)
     report = asyncio.run(
         run_checked_load(
             server.url,
@@ -71,10 +73,10 @@ def test_soak_mixed_lengths_zero_errors_checked_answers_bounded_memory(start_ser
     wait_until_idle(server)
 
 
-def test_burst_over_capacity_gets_fast_refusals_and_correct_answers(start_server, small_model_dir, reference):
+def test_burst_over_capacity_gets_fast_refusals_and_correct_answers(start_server_process, small_model_dir, reference):
     # One request per run, eight waiting at most: a burst of 600 is far over what the queue takes.
     args = (*TEST_SERVER_ARGS, "--max-queue-size", "8", "--inference-workers", "1", "--dynamic-batching", "false")
-    server = start_server(small_model_dir, *args)
+    server = start_server_process(small_model_dir, *args)
     rng = np.random.default_rng(7)
     calls = [make_call(rng, Shapes(SMALL_D_MODEL, 32, 64, max_batch=8)) for _ in range(600)]
     report = asyncio.run(burst(server.url, calls, timeout_s=60))

@@ -18,9 +18,9 @@ from mhaserve.client.grpc import build_infer_request, open_channel
 from mhaserve.loadtest.checked_load import peak_rss_mib, rss_mib
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
-from mhaserve.testing.server_process import ServerProcess
 from tests.support import SMALL_D_MODEL, TEST_SERVER_ARGS, eager, rand, scrape
 from tests.support.certs import CertificateAuthority
+from tests.support.in_process import InProcessServer
 
 TOKEN = "s3cret-token-for-tests"
 
@@ -47,7 +47,7 @@ def tls_token_server(small_model_dir, pki):
     token_file.write_text(TOKEN + "\n")
     args = ("--tls-cert-file", str(pki["server"].cert), "--tls-key-file", str(pki["server"].key),
             "--auth-token-file", str(token_file))  # fmt: skip
-    with ServerProcess(small_model_dir, *TEST_SERVER_ARGS, *args) as process:
+    with InProcessServer(small_model_dir, *TEST_SERVER_ARGS, *args) as process:
         yield process
 
 
@@ -56,7 +56,7 @@ def mtls_server(small_model_dir, pki):
     """Mutual TLS: only clients with a certificate from the client CA get in."""
     args = ("--tls-cert-file", str(pki["server"].cert), "--tls-key-file", str(pki["server"].key),
             "--tls-client-ca-file", str(pki["client_ca"]))  # fmt: skip
-    with ServerProcess(small_model_dir, *TEST_SERVER_ARGS, *args) as process:
+    with InProcessServer(small_model_dir, *TEST_SERVER_ARGS, *args) as process:
         yield process
 
 
@@ -161,8 +161,8 @@ def test_mutual_tls_admits_only_clients_with_a_certificate_from_the_client_ca(mt
     assert "tls=mutual" in mtls_server.log
 
 
-def test_token_from_the_environment_on_a_plain_text_server(start_server, small_model_dir):
-    server = start_server(small_model_dir, *TEST_SERVER_ARGS, env={"MHASERVE_AUTH_TOKEN": TOKEN})
+def test_token_from_the_environment_on_a_plain_text_server(start_server_process, small_model_dir):
+    server = start_server_process(small_model_dir, *TEST_SERVER_ARGS, env={"MHASERVE_AUTH_TOKEN": TOKEN})
     assert _infer(server.url, token=TOKEN).output.shape == (1, 4, SMALL_D_MODEL)
     assert _code(lambda: _infer(server.url, token="nope")) == grpc.StatusCode.UNAUTHENTICATED
     assert _code(lambda: _infer(server.url)) == grpc.StatusCode.UNAUTHENTICATED
@@ -177,8 +177,8 @@ def test_token_from_the_environment_on_a_plain_text_server(start_server, small_m
         (("--tls-client-ca-file", "/nonexistent/ca.pem"), "needs --tls-cert-file and --tls-key-file"),
     ],
 )
-def test_incomplete_tls_settings_refuse_to_start(start_server, small_model_dir, args, message):
-    server = start_server(small_model_dir, *args, wait=False)
+def test_incomplete_tls_settings_refuse_to_start(start_server_process, small_model_dir, args, message):
+    server = start_server_process(small_model_dir, *args, wait=False)
     assert server.wait_exit(30) == 2
     assert message in server.log
 
@@ -212,7 +212,9 @@ def test_the_receive_limit_is_the_largest_valid_request_compressed_or_not(start_
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/PID/status")
-def test_unauthenticated_calls_cost_the_server_no_memory_for_their_messages(start_server, small_model_dir, tmp_path):
+def test_unauthenticated_calls_cost_the_server_no_memory_for_their_messages(
+    start_server_process, small_model_dir, tmp_path
+):
     # The token was checked only after the whole message was received: 8 concurrent unauthenticated 24 MiB
     # calls took the server from 117 to 855 MB. A refused call's message is now never read.
     import threading
@@ -220,7 +222,7 @@ def test_unauthenticated_calls_cost_the_server_no_memory_for_their_messages(star
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
     limits = ("--max-batch-size", "8", "--max-q-len", "4096", "--max-kv-len", "4096", "--warmup-runs", "1")
-    server = start_server(small_model_dir, *limits, "--auth-token-file", str(token_file))
+    server = start_server_process(small_model_dir, *limits, "--auth-token-file", str(token_file))
     x = np.zeros((8, 4096, SMALL_D_MODEL), np.float32)  # 8 MiB each for query, key and value
     request = build_infer_request("mha", x, x, x).SerializeToString()
     before = rss_mib(server.proc.pid)

@@ -15,8 +15,8 @@ import pytest
 
 from mhaserve.client.grpc import build_infer_request
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
-from mhaserve.testing.server_process import ServerProcess
 from tests.support import CLIENT_SCRIPTS, SMALL_D_MODEL, TEST_SERVER_ARGS, eager, scrape
+from tests.support.in_process import InProcessServer
 
 D = SMALL_D_MODEL
 IDLE_S = 1.5
@@ -26,7 +26,7 @@ IDLE_S = 1.5
 def sequence_server(small_model_dir):
     args = (*TEST_SERVER_ARGS, "--sequence-idle-timeout-s", str(IDLE_S), "--max-sequence-length", "256",
             "--max-sequences", "16")  # fmt: skip
-    with ServerProcess(small_model_dir, *args) as server:
+    with InProcessServer(small_model_dir, *args) as server:
         yield server
 
 
@@ -205,8 +205,10 @@ def test_a_sequence_past_its_limits_is_refused_and_left_as_it_was(stub):
     step(stub, "long", rows[:, :1], end=True)
 
 
-def test_the_budget_refuses_a_step_that_would_not_fit_and_the_sequence_stays_as_it_was(start_server, small_model_dir):
-    server = start_server(small_model_dir, *TEST_SERVER_ARGS, "--max-inflight-bytes", str(12 << 20))
+def test_the_budget_refuses_a_step_that_would_not_fit_and_the_sequence_stays_as_it_was(
+    start_server_process, small_model_dir
+):
+    server = start_server_process(small_model_dir, *TEST_SERVER_ARGS, "--max-inflight-bytes", str(12 << 20))
     with grpc.insecure_channel(server.url) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         rows = np.ones((8, 64, D), np.float32)  # each step adds 8 x 64 rows of keys and values: 256 KiB
@@ -239,8 +241,8 @@ def test_a_folder_without_a_step_graph_refuses_sequences(start_server, small_mod
     assert "serves no sequences" in refused.value.details()
 
 
-def test_drain_with_live_sequences_exits_cleanly(start_server, small_model_dir):
-    server = start_server(small_model_dir, *TEST_SERVER_ARGS)
+def test_drain_with_live_sequences_exits_cleanly(start_server_process, small_model_dir):
+    server = start_server_process(small_model_dir, *TEST_SERVER_ARGS)
     with grpc.insecure_channel(server.url) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         for name in ("a", "b", "c"):
@@ -313,7 +315,7 @@ def test_a_sequence_keeps_its_version_through_a_swap_and_new_ones_take_the_new(s
     args = (*TEST_SERVER_ARGS, "--model-repository", str(repository), "--model-control-mode", "poll",
             "--repository-poll-secs", "0.3")  # fmt: skip
     x = np.random.default_rng(7).standard_normal((1, 12, D), dtype=np.float32)
-    with ServerProcess(None, *args) as server, Client(server.url) as client:
+    with InProcessServer(None, *args) as server, Client(server.url) as client:
         old = client.sequence()
         answers = [old.step(x[:, :5])]
         export_model_dir(newer, tmp_path / "v2", validation_seed=0, report=lambda _: None)

@@ -323,10 +323,10 @@ def test_device_auto_without_cuda_serves_on_cpu_with_one_warning_only_where_a_gp
     assert warnings == expected, server.log
 
 
-def test_device_cuda_refuses_to_start_without_cuda(start_server, small_model_dir):
+def test_device_cuda_refuses_to_start_without_cuda(start_server_process, small_model_dir):
     import onnxruntime as ort
 
-    process = start_server(small_model_dir, "--device", "cuda", wait=False)
+    process = start_server_process(small_model_dir, "--device", "cuda", wait=False)
     code = process.wait_exit(60)
     if code is None or "provider=CUDAExecutionProvider" in process.log:
         process.stop()
@@ -340,7 +340,7 @@ def test_device_cuda_refuses_to_start_without_cuda(start_server, small_model_dir
         assert "no CUDA provider" in process.log
 
 
-def test_refuses_a_folder_whose_validation_failed(start_server, tmp_path, small_model_dir):
+def test_refuses_a_folder_whose_validation_failed(start_server_process, tmp_path, small_model_dir):
     import json
     import shutil
 
@@ -349,7 +349,7 @@ def test_refuses_a_folder_whose_validation_failed(start_server, tmp_path, small_
     manifest = json.loads((folder / "manifest.json").read_text())
     manifest["valid"] = False
     (folder / "manifest.json").write_text(json.dumps(manifest))
-    process = start_server(folder, wait=False)
+    process = start_server_process(folder, wait=False)
     assert process.wait_exit(60) != 0
     assert "failed validation" in process.log
 

@@ -89,11 +89,13 @@ def socket_answer(server, query) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def shm_server(small_model_dir):
-    from mhaserve.testing.server_process import ServerProcess
+def shm_server(small_model_dir, tmp_path_factory):
+    from tests.support.in_process import InProcessServer
 
+    token_file = tmp_path_factory.mktemp("shm-token") / "token"
+    token_file.write_text(TOKEN)
     args = (*TEST_SERVER_ARGS, *SHM_ARGS, "--client-shm-max-regions", "6", "--client-shm-max-bytes", str(64 << 20))
-    with ServerProcess(small_model_dir, *args, env={"MHASERVE_AUTH_TOKEN": TOKEN}) as process:
+    with InProcessServer(small_model_dir, *args, "--auth-token-file", str(token_file)) as process:
         yield process
 
 
@@ -269,10 +271,21 @@ def test_a_region_truncated_under_the_server_is_refused_and_the_server_keeps_ser
         status, answer = infer(shm_server, [shm_input("query", query.shape, "shrinks", query.nbytes)], output)
         assert status == 400 and "output 'output'" in answer["error"] and "truncated" in answer["error"], answer
         assert os.stat(f"/dev/shm/{key[1:]}").st_size == query.nbytes  # not grown back by the server
-        assert shm_server.proc.poll() is None
+        assert shm_server.alive
         assert socket_answer(shm_server, query).shape == query.shape
     finally:
         http(shm_server, "POST", "/v2/systemsharedmemory/region/shrinks/unregister")
+
+
+def open_files(pid: int) -> list[str]:
+    """What the process's descriptors point at (one closed while they are read is left out)."""
+    links = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            links.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except FileNotFoundError:
+            pass
+    return links
 
 
 def test_unregistering_under_load_loses_nothing_and_frees_the_region_once_its_requests_end(shm_server, region):
@@ -283,6 +296,7 @@ def test_unregistering_under_load_loses_nothing_and_frees_the_region_once_its_re
     for n, query in enumerate(queries):
         shm.buf[n * size : (n + 1) * size] = query.tobytes()
     expected = [socket_answer(shm_server, query) for query in queries]
+    before = [link for link in open_files(shm_server.pid) if key[1:] in link]  # the test's own, in process
     assert register(shm_server, "busy", key, 2 * calls * size)[0] == 200
     unregistered_at = []
     answered_at = [None] * calls
@@ -312,10 +326,8 @@ def test_unregistering_under_load_loses_nothing_and_frees_the_region_once_its_re
         written = np.frombuffer(shm.buf[(calls + n) * size : (calls + n + 1) * size], dtype=np.float32)
         assert np.array_equal(written.reshape(queries[n].shape), expected[n]), n
     assert any(answered_at[n] > unregistered_at[0] for n in ok), "no request was still running at the unregister"
-    links = [
-        os.readlink(f"/proc/{shm_server.proc.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{shm_server.proc.pid}/fd")
-    ]
-    assert not [link for link in links if key[1:] in link], "the region is still open after its requests ended"
+    links = open_files(shm_server.pid)
+    assert [link for link in links if key[1:] in link] == before, "the region is still open after its requests ended"
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
@@ -401,11 +413,11 @@ def far_host():
 
 
 def test_shared_memory_is_refused_to_a_caller_on_another_host_whatever_it_asks(small_model_dir, region, far_host):
-    from mhaserve.testing.server_process import ServerProcess
+    from tests.support.in_process import InProcessServer
 
     key, _ = region(4096)
     args = (*TEST_SERVER_ARGS, *SHM_ARGS, "--host", "0.0.0.0")
-    with ServerProcess(small_model_dir, *args) as server:
+    with InProcessServer(small_model_dir, *args) as server:
         http_port = server.http_url.rsplit(":", 1)[1]
         assert "shared memory is refused (PERMISSION_DENIED, HTTP 403) to every caller not on loopback" in server.log
         # From loopback the same server registers a region: the one the far requests then name.

@@ -98,14 +98,14 @@ class ZeroWindowGrpcClient:
         self.sock.close()
 
 
-def test_grpc_answers_a_client_never_reads_stay_in_the_budget_and_end_cancelled(start_server, small_model_dir):
+def test_grpc_answers_a_client_never_reads_stay_in_the_budget_and_end_cancelled(start_server_process, small_model_dir):
     """The review's case: 40 large answers to a zero-window client took RSS to 3.4 GB under a 64 MiB budget,
     while the budget read 0 and the stop line counted them OK."""
     budget = 96 << 20
     query = rand(8, 256, D, seed=1)  # each answer carries 8 MiB of attention weights (17 MiB in the budget)
     message = build_infer_request("mha", query, attn_weights=True).SerializeToString()
     args = ("--max-batch-size", "8", "--max-q-len", "256", "--max-kv-len", "256", "--warmup-runs", "1")
-    server = start_server(small_model_dir, *args, "--max-inflight-bytes", str(budget), "--write-timeout-s", "3")
+    server = start_server_process(small_model_dir, *args, "--max-inflight-bytes", str(budget), "--write-timeout-s", "3")
     baseline = rss_mib(server.proc.pid)
     reader = ZeroWindowGrpcClient(server.url)
     streams = [reader.call(message) for _ in range(40)]
@@ -244,10 +244,10 @@ def _typed_mask_message() -> bytes:
     return request.SerializeToString()
 
 
-def test_health_stays_fast_while_typed_contents_are_converted(start_server, small_model_dir):
+def test_health_stays_fast_while_typed_contents_are_converted(start_server_process, small_model_dir):
     """The review's case: three callers sending 8 MiB typed masks pushed health-check p50 to 697 ms."""
     message = _typed_mask_message()
-    server = start_server(small_model_dir, *TEST_SERVER_ARGS, "--max-message-bytes", str(64 << 20))
+    server = start_server_process(small_model_dir, *TEST_SERVER_ARGS, "--max-message-bytes", str(64 << 20))
     latencies, codes = health_latencies_under_load(server.url, message, 8, settle_s=2.0)
     latencies.sort()
     p50, p99 = statistics.median(latencies), latencies[int(0.99 * (len(latencies) - 1))]

@@ -1,0 +1,58 @@
+"""Server settings as ``mhaserve serve`` parses them, in process: every rule's refusal names the flag."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from mhaserve.contract.errors import UsageError
+from mhaserve.server.config import ServerSettings, add_server_arguments, settings_from_args
+
+
+def settings(*flags: str) -> ServerSettings:
+    parser = argparse.ArgumentParser()
+    add_server_arguments(parser)
+    return settings_from_args(parser.parse_args(list(flags)))
+
+
+def test_the_defaults_are_the_dataclass_defaults():
+    assert settings() == ServerSettings()
+
+
+def test_flags_set_their_fields_and_repeated_flags_add_up():
+    parsed = settings("--max-batch-size", "4", "--dynamic-batching", "false", "--load-model", "a",
+                      "--load-model", "b", "--model-repository", "r", "--model-control-mode", "explicit")  # fmt: skip
+    assert parsed.max_batch_size == 4 and parsed.dynamic_batching is False and parsed.load_model == ("a", "b")
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (("--max-batch-size", "0"), "--max-batch-size must be at least 1"),
+        (("--sequence-idle-timeout-s", "0"), "--sequence-idle-timeout-s must be more than 0"),
+        (("--drain-seconds", "-1"), "--drain-seconds and --grace-seconds must be 0 or more"),
+        (("--inference-nice", "20"), "--inference-nice must be between 0 and 19"),
+        (("--max-queue-delay-us", "-5"), "--max-queue-delay-us must be 0 or more"),
+        (("--log-format", "xml"), "--log-format must be text or json, got 'xml'"),
+        (("--device", "tpu"), "--device must be auto, cpu or cuda, got 'tpu'"),
+        (("--trace-config", "rate=-1"), "--trace-config: trace_rate: expected 0..4294967295"),
+        (("--model-control-mode", "explicit"), "need --model-repository"),
+        (("--model-repository", "r", "--model-dir", "m"), "not both"),
+        (("--model-repository", "r", "--version-policy", "newest"), "--version-policy"),
+        (("--http-read-timeout-s", "0"), "--http-read-timeout-s must be more than 0"),
+    ],
+)
+def test_a_setting_that_cannot_work_is_refused_naming_its_flag(flags, words):
+    with pytest.raises(UsageError) as refused:
+        settings(*flags)
+    assert words in str(refused.value)
+
+
+def test_message_limits_carry_the_largest_request_and_answer_unless_set():
+    derived = settings("--max-batch-size", "2", "--max-q-len", "8", "--max-kv-len", "8")
+    receive, send = derived.message_limits(64, 4)
+    largest_request = 4 * 2 * 64 * (8 + 2 * 8) + 8 * 2 * 8 * 8
+    largest_answer = 4 * 2 * 8 * 64 + 4 * 2 * 5 * 8 * 8
+    assert receive == largest_request + (1 << 20) and send == largest_answer + (1 << 20)
+    assert settings("--max-message-bytes", "12345").message_limits(64, 4) == (12345, 12345)
