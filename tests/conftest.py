@@ -1,8 +1,11 @@
-"""Fixtures: small seeded models and their exports, made once per test session, and real server processes.
+"""Fixtures: small seeded models and their exports, made once per test session (per worker under -n), and
+real servers: in the test's process (``start_server``), or in a process of their own where the process is the
+point (``start_server_process``: signals, exit codes, memory as RSS, environment variables).
 
-Tests sit by scope: ``unit`` runs in process, ``integration`` starts real server processes on 127.0.0.1,
-``e2e`` drives engines beside them (Docker Compose, a Ray cluster, Kubernetes manifests, perf_analyzer, a
-GPU). Each test gets its folder's marker: ``pytest -m unit`` runs the fast ones.
+Tests sit by scope: ``unit`` runs in process, ``integration`` talks to real servers on 127.0.0.1, ``e2e``
+drives engines beside them (Docker Compose, a Ray cluster, Kubernetes manifests, perf_analyzer, a GPU). Each
+test gets its folder's marker: ``pytest -m unit`` runs the fast ones; ``perf`` marks the thresholds that need
+a quiet machine, run alone after the rest.
 """
 
 from __future__ import annotations

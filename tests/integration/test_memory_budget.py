@@ -25,6 +25,7 @@ D = SMALL_D_MODEL
 LIMITS = ("--max-batch-size", "8", "--max-q-len", "2048", "--max-kv-len", "2048", "--warmup-runs", "1")
 
 
+@pytest.mark.perf
 def test_refused_requests_leave_no_memory_behind(start_server_process, small_model_dir):
     # grpc.aio keeps an aborted call's exception in a reference cycle: each refused request's message and
     # arrays stayed until a full garbage collection, about 700 MiB after a flood of refused 4 MiB requests.
@@ -51,6 +52,7 @@ def test_refused_requests_leave_no_memory_behind(start_server_process, small_mod
     assert grown < 48, f"60 refused 4 MiB requests left {grown:.0f} MiB behind"
 
 
+@pytest.mark.perf
 def test_a_request_is_admitted_only_when_its_real_peak_fits_the_budget(start_server_process, small_model_dir):
     # The budget counted inputs and outputs only: ONNX Runtime's workspace (scores, masked scores, softmax,
     # projections) is several times that, so one admitted request could take several budgets.
@@ -77,6 +79,7 @@ def test_a_request_is_admitted_only_when_its_real_peak_fits_the_budget(start_ser
     assert all(peak < budget_mib for peak in admitted.values()), admitted
 
 
+@pytest.mark.perf
 def test_a_flood_stays_within_the_budget_and_memory_goes_back_when_idle(start_server_process, small_model_dir):
     budget_mib = 256
     query = rand(8, 256, D, seed=3)  # each answer holds 8 MiB of attention weights; each run ~40 MiB workspace

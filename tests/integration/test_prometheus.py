@@ -96,6 +96,7 @@ def wait_for_scrapes(count: int = 3) -> None:
     time.sleep(count * SCRAPE_S + 0.2)
 
 
+@pytest.mark.perf
 def test_prometheus_counts_and_rates_match_the_requests_sent(scraped_server):
     server, prometheus = scraped_server
     ok = 'sum(mhaserve_inference_request_total{model="mha", status="OK"})'

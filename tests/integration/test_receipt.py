@@ -74,6 +74,7 @@ def test_bad_compressed_bodies_are_refused_with_a_clear_error(start_server, smal
     assert status == 200 and [o["name"] for o in answer["outputs"]] == ["output"]
 
 
+@pytest.mark.perf
 def test_a_body_inflating_past_the_limit_is_refused_before_it_is_inflated_whole(start_server_process, small_model_dir):
     server = start_server_process(small_model_dir, *ARGS)
     bomb = gzip.compress(b" " * (8 * BODY_LIMIT), compresslevel=9)  # 256 MiB of spaces in about 250 KB
@@ -108,6 +109,7 @@ def test_a_body_is_refused_before_it_is_read_when_the_budget_is_full(start_serve
     assert "the request as received" in rest and f"max_inflight_bytes={budget}" in rest
 
 
+@pytest.mark.perf
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/PID/status")
 def test_many_compressed_bodies_at_once_stay_within_the_budget_and_memory_goes_back(
     start_server_process, small_model_dir
@@ -214,6 +216,7 @@ def grpc_messages_at_once(server, mib: int, count: int, settle: float = 3.5) -> 
     return done.stdout.splitlines(), idle, peak, rss_mib(pid) - idle
 
 
+@pytest.mark.perf
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/PID/status")
 def test_grpc_receipt_is_bounded_by_connections_and_streams(start_server_process, small_model_dir, small_module):
     """grpcio's core receives a message whole before any handler runs, so what it holds beyond the budget is

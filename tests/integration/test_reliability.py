@@ -50,6 +50,7 @@ def wait_until_idle(server, timeout: float = 20.0) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.perf
 def test_soak_mixed_lengths_zero_errors_checked_answers_bounded_memory(
     start_server_process, small_model_dir, reference
 ):
@@ -73,6 +74,7 @@ def test_soak_mixed_lengths_zero_errors_checked_answers_bounded_memory(
     wait_until_idle(server)
 
 
+@pytest.mark.perf
 def test_burst_over_capacity_gets_fast_refusals_and_correct_answers(start_server_process, small_model_dir, reference):
     # One request per run, eight waiting at most: a burst of 600 is far over what the queue takes.
     args = (*TEST_SERVER_ARGS, "--max-queue-size", "8", "--inference-workers", "1", "--dynamic-batching", "false")
@@ -223,6 +225,7 @@ def test_a_silent_client_connection_is_closed_by_keepalive_and_its_calls_dropped
         assert direct.infer(rand(1, 3, SMALL_D_MODEL), timeout=10).output.shape == (1, 3, SMALL_D_MODEL)
 
 
+@pytest.mark.perf
 def test_stalled_connections_do_not_keep_others_from_being_served(server):
     stalled = []
     try:
@@ -281,6 +284,7 @@ def test_the_client_retries_unavailable_with_backoff_until_a_server_comes_up(sma
         server.stop()
 
 
+@pytest.mark.perf
 def test_a_client_retries_only_retryable_statuses_and_never_past_its_deadline(server):
     with Client(f"127.0.0.1:{free_port()}", retry=RetryPolicy(max_attempts=100)) as client:
         started = time.monotonic()

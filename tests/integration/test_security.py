@@ -211,6 +211,7 @@ def test_the_receive_limit_is_the_largest_valid_request_compressed_or_not(start_
         assert answer.outputs
 
 
+@pytest.mark.perf
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/PID/status")
 def test_unauthenticated_calls_cost_the_server_no_memory_for_their_messages(
     start_server_process, small_model_dir, tmp_path

@@ -18,6 +18,7 @@ import h2.connection
 import h2.events
 import h2.settings
 import numpy as np
+import pytest
 
 from mhaserve.client.grpc import Client, build_infer_request
 from mhaserve.loadtest.checked_load import health_latencies_under_load, rss_mib
@@ -98,6 +99,7 @@ class ZeroWindowGrpcClient:
         self.sock.close()
 
 
+@pytest.mark.perf
 def test_grpc_answers_a_client_never_reads_stay_in_the_budget_and_end_cancelled(start_server_process, small_model_dir):
     """The review's case: 40 large answers to a zero-window client took RSS to 3.4 GB under a 64 MiB budget,
     while the budget read 0 and the stop line counted them OK."""
@@ -244,6 +246,7 @@ def _typed_mask_message() -> bytes:
     return request.SerializeToString()
 
 
+@pytest.mark.perf
 def test_health_stays_fast_while_typed_contents_are_converted(start_server_process, small_model_dir):
     """The review's case: three callers sending 8 MiB typed masks pushed health-check p50 to 697 ms."""
     message = _typed_mask_message()
