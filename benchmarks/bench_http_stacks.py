@@ -67,8 +67,8 @@ async def serve(stack: str, port: int, model_dir: Path, stacks_path: str | None)
     from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
 
-    from mhaserve.server.errors import RequestError
-    from mhaserve.server.rest.routes import HEADER_LENGTH, HTTP_STATUS, header_length_of, infer_rest
+    from mhaserve.server.errors import HTTP_STATUS, RequestError
+    from mhaserve.server.rest.codec import HEADER_LENGTH, header_length_of, infer_rest
 
     async def infer(request):
         """RestTransport.infer on Starlette's request and response: the same infer_rest."""

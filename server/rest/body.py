@@ -1,0 +1,126 @@
+"""Request bodies off the HTTP connection: read within a time limit and a size limit, inflated (gzip, deflate)
+step by step off the event loop, and counted in the request's receipt as they arrive, so that a body the
+memory budget cannot hold is refused before it is read whole."""
+
+from __future__ import annotations
+
+import asyncio
+import zlib
+
+from aiohttp import web
+
+from ..accounting import Receipt
+from ..errors import ErrorKind, RequestError, invalid
+
+
+class BodyTooLarge(RequestError):
+    """A body over the limit: RESOURCE_EXHAUSTED in the metrics as over gRPC, but 413 (not 429: a retry fails too)."""
+
+    http_status = 413
+
+    def __init__(self, limit: int, encoding: str | None = None):
+        over = "is over" if encoding is None else f"inflates ({encoding}) past"
+        super().__init__(
+            ErrorKind.RESOURCE_EXHAUSTED,
+            f"the request body {over} the limit of {limit} bytes (the largest valid request; large tensors travel "
+            "as binary data)",
+        )
+
+
+class UnsupportedEncoding(RequestError):
+    """A Content-Encoding the server cannot inflate: 415, as RFC 9110 says."""
+
+    http_status = 415
+
+    def __init__(self, encoding: str):
+        super().__init__(
+            ErrorKind.INVALID_ARGUMENT,
+            f"Content-Encoding {encoding!r} is not accepted; send the body as is, or gzip or deflate it",
+        )
+
+
+# Compressed bodies are inflated in steps of at most this many bytes, each off the event loop and counted
+# against the body limit and the memory budget before the next; at most INFLATING_AT_ONCE bodies at a time.
+INFLATE_STEP = 4 << 20
+INFLATE_INPUT_SLICE = 1 << 20
+INFLATING_AT_ONCE = 2
+CONTENT_ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}  # zlib's wbits for each
+
+
+class BodyReader:
+    """Reads the bodies of one HTTP port: at most ``body_limit`` bytes both ways, arriving within
+    ``read_timeout_s``; ``off_loop`` runs a step of inflating off the event loop."""
+
+    def __init__(self, body_limit: int, read_timeout_s: float, off_loop):
+        self.body_limit = body_limit
+        self.read_timeout_s = read_timeout_s
+        self._off_loop = off_loop
+        self._inflating = asyncio.Semaphore(INFLATING_AT_ONCE)
+
+    async def read(self, request: web.Request, receipt: Receipt | None = None) -> bytes | bytearray:
+        """The whole body, inflated if it came compressed, within body_limit bytes both ways, its bytes counted
+        in the request's ``receipt`` as they arrive (refused at once when it is full). The body
+        must arrive within read_timeout_s: a client that sends half a body is not waited for forever."""
+        encoding = request.headers.get("Content-Encoding", "identity").strip().lower() or "identity"
+        if encoding != "identity" and encoding not in CONTENT_ENCODINGS:
+            raise UnsupportedEncoding(encoding)
+        try:
+            async with asyncio.timeout(self.read_timeout_s):
+                body = await self._receive(request, receipt)
+        except TimeoutError:
+            raise RequestError(
+                ErrorKind.DEADLINE_EXCEEDED, f"the request body did not arrive within {self.read_timeout_s:g} s"
+            ) from None
+        return body if encoding == "identity" else await self._inflate(body, encoding, receipt)
+
+    async def _receive(self, request: web.Request, receipt: Receipt | None) -> bytearray:
+        declared = request.content_length
+        if declared is not None and declared > self.body_limit:
+            raise BodyTooLarge(self.body_limit)  # before a byte of it is read
+        if declared is not None:
+            if receipt is not None:
+                receipt.add(declared)
+            body = bytearray(declared)  # one buffer, filled in place
+            filled = 0
+            async for chunk in request.content.iter_any():
+                body[filled : filled + len(chunk)] = chunk
+                filled += len(chunk)
+            if filled != declared:
+                raise invalid(f"the request body ended after {filled} of its {declared} bytes (Content-Length)")
+            return body
+        body = bytearray()  # chunked: counted chunk by chunk
+        async for chunk in request.content.iter_any():
+            if len(body) + len(chunk) > self.body_limit:
+                raise BodyTooLarge(self.body_limit)
+            if receipt is not None:
+                receipt.add(len(chunk))
+            body += chunk
+        return body
+
+    async def _inflate(self, compressed: bytearray, encoding: str, receipt: Receipt | None) -> bytes:
+        """``compressed`` inflated step by step off the event loop, refused (413) as soon as it grows past the
+        body limit, each step's bytes counted in the request's ``receipt`` before the next."""
+        async with self._inflating:
+            inflater = zlib.decompressobj(CONTENT_ENCODINGS[encoding])
+            pieces: list[bytes] = []  # joined once at the end: a growing buffer would be copied as it grows
+            inflated = 0
+            view = memoryview(compressed)
+            for start in range(0, len(view), INFLATE_INPUT_SLICE):
+                pending = view[start : start + INFLATE_INPUT_SLICE]
+                while pending and not inflater.eof:
+                    try:
+                        piece = await self._off_loop(inflater.decompress, pending, INFLATE_STEP)
+                    except zlib.error as error:
+                        raise invalid(f"the request body is not valid {encoding} data ({error})") from None
+                    inflated += len(piece)
+                    if inflated > self.body_limit:
+                        raise BodyTooLarge(self.body_limit, encoding)
+                    if receipt is not None:
+                        receipt.add(len(piece))
+                    pieces.append(piece)
+                    pending = inflater.unconsumed_tail
+            if not inflater.eof:
+                raise invalid(f"the request body ends inside its {encoding} stream")
+            if receipt is not None:
+                receipt.add(inflated)  # the joined copy, beside the pieces for a moment
+            return b"".join(pieces)
