@@ -1,7 +1,8 @@
 """The REST API as an OpenAPI 3.0 document: KServe's v2 protocol with Triton's extensions, as this server serves
-it. Tensor and parameter names come from the served signature; a test checks that every route of the REST
-transport is documented here and every path here is routed, so the document cannot drift from the server.
-Served at ``/v2/docs/openapi.json``, with Swagger UI at ``/v2/docs``.
+it, and its route table: each operation names the transport's method that answers it (``x-handler``), and the
+transport's router is built from these paths, so the document and the server cannot drift apart. Tensor and
+parameter names come from the served signature. Served at ``/v2/docs/openapi.json``, with Swagger UI at
+``/v2/docs``.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ def _model_paths(prefix: str, path_parameters: tuple[str, ...], example_width: i
         prefix: {
             "get": {
                 "summary": "Model metadata: its versions, inputs and outputs",
+                "x-handler": "model_metadata",
                 "tags": ["models"],
                 "parameters": parameters,
                 "responses": {"200": _json(_ref("ModelMetadata"), "the model"), **_errors(404, 503, *COMMON)},
@@ -82,6 +84,7 @@ def _model_paths(prefix: str, path_parameters: tuple[str, ...], example_width: i
         prefix + "/ready": {
             "get": {
                 "summary": "Whether the model (version) serves now",
+                "x-handler": "model_ready",
                 "tags": ["health"],
                 "parameters": parameters,
                 "responses": {
@@ -94,6 +97,7 @@ def _model_paths(prefix: str, path_parameters: tuple[str, ...], example_width: i
         prefix + "/config": {
             "get": {
                 "summary": "The model's configuration, as Triton's model_config",
+                "x-handler": "model_config",
                 "tags": ["models"],
                 "parameters": parameters,
                 "responses": {"200": _json({"type": "object"}, "the configuration"), **_errors(404, 503, *COMMON)},
@@ -102,6 +106,7 @@ def _model_paths(prefix: str, path_parameters: tuple[str, ...], example_width: i
         prefix + "/stats": {
             "get": {
                 "summary": "Statistics of the model (version), as Triton's statistics extension",
+                "x-handler": "statistics",
                 "tags": ["models"],
                 "parameters": parameters,
                 "responses": {"200": _json(_ref("Statistics"), "the statistics"), **_errors(404, 503, *COMMON)},
@@ -110,6 +115,7 @@ def _model_paths(prefix: str, path_parameters: tuple[str, ...], example_width: i
         prefix + "/infer": {
             "post": {
                 "summary": "Inference: the attention output, and the attention weights shaped as asked",
+                "x-handler": "infer",
                 "description": (
                     "JSON, or binary tensor data: a JSON header of `Inference-Header-Content-Length` bytes followed "
                     "by each input's raw little-endian bytes (an input's `binary_data_size` parameter). Outputs are "
@@ -172,6 +178,7 @@ def _shared_memory_paths(kind: str) -> dict:
         "summary": "Register a region: a window of a POSIX shared-memory object" + off
         if system
         else "Refused (501): this server offers system shared memory only",
+        "x-handler": "shared_memory_register",
         "tags": tags,
         "parameters": _parameters("region"),
         "requestBody": {
@@ -187,15 +194,26 @@ def _shared_memory_paths(kind: str) -> dict:
     }
     return {
         prefix + "/status": {"get": {"summary": f"Every registered {kind} region" + off, "tags": tags,
-                                     "responses": status}},
+                                     "x-handler": "shared_memory_status", "responses": status}},
         region + "/status": {"get": {"summary": f"One registered {kind} region", "tags": tags,
-                                     "parameters": _parameters("region"), "responses": status}},
+                                     "x-handler": "shared_memory_status", "parameters": _parameters("region"),
+                                     "responses": status}},
         region + "/register": {"post": register},
         prefix + "/unregister": {"post": {"summary": f"Unregister every {kind} region", "tags": tags,
-                                          "responses": done}},
+                                          "x-handler": "shared_memory_unregister", "responses": done}},
         region + "/unregister": {"post": {"summary": f"Unregister one {kind} region; requests using it finish first",
-                                          "tags": tags, "parameters": _parameters("region"), "responses": done}},
+                                          "x-handler": "shared_memory_unregister", "tags": tags,
+                                          "parameters": _parameters("region"), "responses": done}},
     }  # fmt: skip
+
+
+def operations() -> list[tuple[str, str, str]]:
+    """The route table: (method, path, handler) for every documented operation, in the order they are matched."""
+    return [
+        (method.upper(), path, operation["x-handler"])
+        for path, item in document()["paths"].items()
+        for method, operation in item.items()
+    ]
 
 
 @functools.cache
@@ -349,6 +367,7 @@ def document(example_width: int = 512) -> dict:
         "/v2/health/live": {
             "get": {
                 "summary": "Whether the process is up (no token needed)",
+                "x-handler": "live",
                 "tags": ["health"],
                 "security": [],
                 "responses": {"200": {"description": "live"}},
@@ -357,6 +376,7 @@ def document(example_width: int = 512) -> dict:
         "/v2/health/ready": {
             "get": {
                 "summary": "Whether start-up's models serve and the server is not draining (no token needed)",
+                "x-handler": "ready",
                 "tags": ["health"],
                 "security": [],
                 "responses": {"200": {"description": "ready"}, "503": {"description": "not ready"}},
@@ -365,6 +385,7 @@ def document(example_width: int = 512) -> dict:
         "/v2": {
             "get": {
                 "summary": "Server metadata: name, version, protocol extensions",
+                "x-handler": "server_metadata",
                 "tags": ["server"],
                 "responses": {"200": _json(_ref("ServerMetadata"), "the server"), **_errors(*COMMON)},
             },
@@ -372,6 +393,7 @@ def document(example_width: int = 512) -> dict:
         "/v2/models/stats": {
             "get": {
                 "summary": "Statistics of every served version",
+                "x-handler": "statistics",
                 "tags": ["models"],
                 "responses": {"200": _json(_ref("Statistics"), "the statistics"), **_errors(*COMMON)},
             },
@@ -379,6 +401,7 @@ def document(example_width: int = 512) -> dict:
         "/v2/repository/index": {
             "post": {
                 "summary": "The model repository's index: every version the server holds, and its state",
+                "x-handler": "repository_index",
                 "tags": ["repository"],
                 "requestBody": {
                     "content": {
@@ -397,6 +420,7 @@ def document(example_width: int = 512) -> dict:
         "/v2/repository/models/{name}/load": {
             "post": {
                 "summary": "Load a model's versions (explicit model control mode)",
+                "x-handler": "load",
                 "tags": ["repository"],
                 "parameters": _parameters("name"),
                 "requestBody": {"content": {JSON: {"schema": LOAD_BODY, "example": {}}}},
@@ -406,6 +430,7 @@ def document(example_width: int = 512) -> dict:
         "/v2/repository/models/{name}/unload": {
             "post": {
                 "summary": "Unload a model (explicit model control mode): in-flight requests finish first",
+                "x-handler": "unload",
                 "tags": ["repository"],
                 "parameters": _parameters("name"),
                 "requestBody": {"content": {JSON: {"schema": {"type": "object"}, "example": {}}}},
@@ -413,9 +438,15 @@ def document(example_width: int = 512) -> dict:
             },
         },
         "/v2/trace/setting": {
-            "get": {"summary": "The global trace settings", "tags": ["trace"], "responses": trace_responses},
+            "get": {
+                "summary": "The global trace settings",
+                "x-handler": "trace_setting",
+                "tags": ["trace"],
+                "responses": trace_responses,
+            },
             "post": {
                 "summary": "Change the global trace settings",
+                "x-handler": "trace_setting",
                 "tags": ["trace"],
                 "requestBody": {"content": {JSON: {"schema": _ref("TraceSettingsUpdate"), "example": TRACE_EXAMPLE}}},
                 "responses": trace_responses,
@@ -424,12 +455,14 @@ def document(example_width: int = 512) -> dict:
         "/v2/models/{name}/trace/setting": {
             "get": {
                 "summary": "A model's trace settings",
+                "x-handler": "trace_setting",
                 "tags": ["trace"],
                 "parameters": _parameters("name"),
                 "responses": trace_responses,
             },
             "post": {
                 "summary": "Change a model's trace settings",
+                "x-handler": "trace_setting",
                 "tags": ["trace"],
                 "parameters": _parameters("name"),
                 "requestBody": {"content": {JSON: {"schema": _ref("TraceSettingsUpdate"), "example": TRACE_EXAMPLE}}},

@@ -72,46 +72,13 @@ class RestTransport:
 
     def application(self) -> web.Application:
         app = web.Application(client_max_size=self.body_limit, middlewares=[self._errors, self._authenticate])
-        model = "/v2/models/{name}"
-        version = model + "/versions/{version}"
+        for method, path, handler in openapi.operations():  # the documented operations, and only they
+            if method == "GET":
+                app.router.add_get(path, getattr(self, handler))  # HEAD too
+            else:
+                app.router.add_route(method, path, getattr(self, handler))
         app.add_routes(
             [
-                web.get("/v2/health/live", self.live),
-                web.get("/v2/health/ready", self.ready),
-                web.get("/v2", self.server_metadata),
-                web.get("/v2/models/stats", self.statistics),
-                web.post("/v2/repository/index", self.repository_index),
-                web.post("/v2/repository/models/{name}/load", self.load),
-                web.post("/v2/repository/models/{name}/unload", self.unload),
-                web.get("/v2/trace/setting", self.trace_setting),
-                web.post("/v2/trace/setting", self.trace_setting),
-            ]
-        )
-        for prefix in (model, version):
-            app.add_routes(
-                [
-                    web.get(prefix, self.model_metadata),
-                    web.get(prefix + "/ready", self.model_ready),
-                    web.get(prefix + "/config", self.model_config),
-                    web.get(prefix + "/stats", self.statistics),
-                    web.post(prefix + "/infer", self.infer),
-                ]
-            )
-        for kind in ("system", "cuda"):  # Triton's shared-memory extensions
-            prefix, region = f"/v2/{kind}sharedmemory", f"/v2/{kind}sharedmemory/region/{{region}}"
-            app.add_routes(
-                [
-                    web.get(prefix + "/status", self.shared_memory_status),
-                    web.get(region + "/status", self.shared_memory_status),
-                    web.post(region + "/register", self.shared_memory_register),
-                    web.post(prefix + "/unregister", self.shared_memory_unregister),
-                    web.post(region + "/unregister", self.shared_memory_unregister),
-                ]
-            )
-        app.add_routes(
-            [
-                web.get(model + "/trace/setting", self.trace_setting),
-                web.post(model + "/trace/setting", self.trace_setting),
                 # The API's OpenAPI document and Swagger UI over it, from the installed package's files.
                 web.get("/v2/docs", self.api_page),
                 web.get("/v2/docs/openapi.json", self.api_document),
