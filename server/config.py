@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -21,46 +22,101 @@ ENV_PREFIX = "MHASERVE_"
 GRPC_MAX_MESSAGE_BYTES = 2**31 - 1
 
 
-def setting(default, help: str):
-    """A setting's default and its help text, which ``--help`` and the reference documents print."""
-    return field(default=default, metadata={"help": help})
+SECTIONS = ("model and repository", "transport", "limits and memory", "batching", "sequences", "devices",
+            "security", "shared memory", "lifecycle", "logs and tracing")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What a setting's value must be: ``holds(value)``, said as ``--flag must be <said>``."""
+
+    holds: Callable[[object], bool]
+    said: str
+    show_value: bool = False  # the refusal quotes what came (a word, not a number)
+
+
+def at_least(minimum: float) -> Rule:
+    return Rule(lambda value: value >= minimum, "0 or more" if minimum == 0 else f"at least {minimum}")
+
+
+def more_than(minimum: float) -> Rule:
+    return Rule(lambda value: value > minimum, f"more than {minimum}")
+
+
+def between(low: int, high: int, why: str) -> Rule:
+    return Rule(lambda value: low <= value <= high, f"between {low} and {high} ({why})")
+
+
+def one_of(*choices: str) -> Rule:
+    return Rule(lambda value: value in choices, f"{', '.join(choices[:-1])} or {choices[-1]}", show_value=True)
+
+
+def setting(default, help: str, *, section: str, rule: Rule | None = None):
+    """A setting's default, its help text (``--help`` and the reference documents print it), the section it is
+    listed in, and the rule its value must keep (checked wherever it comes from: flag, variable or default)."""
+    assert section in SECTIONS, section
+    return field(default=default, metadata={"help": help, "section": section, "rule": rule})
 
 
 @dataclass
 class ServerSettings:
     model_dir: Path | None = setting(
-        None, "model folder written by 'mhaserve export' (default: the embedded default model)"
+        None,
+        "model folder written by 'mhaserve export' (default: the embedded default model)",
+        section="model and repository",
     )
     model_repository: Path | None = setting(
         None,
         "serve a model repository instead: DIR/<model>/<version>/ folders written by 'mhaserve export "
         "--repository DIR --name NAME'",
+        section="model and repository",
     )
     model_control_mode: str = setting(
         "none",
         "none: load the repository at start; poll: also rescan it every --repository-poll-secs (new versions "
         "load, removed ones unload); explicit: load only --load-model at start, then what "
         "RepositoryModelLoad/Unload ask for",
+        section="model and repository",
+        rule=one_of("none", "poll", "explicit"),
     )
-    repository_poll_secs: float = setting(15.0, "poll mode: seconds between rescans of the repository")
+    repository_poll_secs: float = setting(
+        15.0, "poll mode: seconds between rescans of the repository", section="model and repository", rule=more_than(0)
+    )
     load_model: tuple[str, ...] = setting(
-        (), "explicit mode: a model to load at start (repeat it, or comma-separate; '*' = all)"
+        (),
+        "explicit mode: a model to load at start (repeat it, or comma-separate; '*' = all)",
+        section="model and repository",
     )
     version_policy: str = setting(
-        "latest:1", "which versions of each model serve: latest (latest:N for the newest N), all, or specific:V[,V...]"
+        "latest:1",
+        "which versions of each model serve: latest (latest:N for the newest N), all, or specific:V[,V...]",
+        section="model and repository",
     )
-    host: str = setting("127.0.0.1", "address to listen on")
-    port: int = setting(8001, "gRPC port (0 = any free port)")
-    http_port: int = setting(8000, "HTTP/REST port, the same protocol as gRPC (0 = any free port, -1 = no HTTP)")
+    host: str = setting("127.0.0.1", "address to listen on", section="transport")
+    port: int = setting(8001, "gRPC port (0 = any free port)", section="transport")
+    http_port: int = setting(
+        8000, "HTTP/REST port, the same protocol as gRPC (0 = any free port, -1 = no HTTP)", section="transport"
+    )
     http_read_timeout_s: float = setting(
-        30.0, "seconds an HTTP request's body may take to arrive; a slower client is answered 504 and dropped"
+        30.0,
+        "seconds an HTTP request's body may take to arrive; a slower client is answered 504 and dropped",
+        section="transport",
+        rule=more_than(0),
     )
-    http_idle_timeout_s: float = setting(75.0, "seconds an HTTP connection may stay open without a request")
+    http_idle_timeout_s: float = setting(
+        75.0, "seconds an HTTP connection may stay open without a request", section="transport", rule=more_than(0)
+    )
     http_max_connections: int = setting(
-        1000, "HTTP connections open at once; beyond, new ones are answered 503 and closed"
+        1000,
+        "HTTP connections open at once; beyond, new ones are answered 503 and closed",
+        section="transport",
+        rule=at_least(1),
     )
     device: str = setting(
-        "auto", "auto: CUDA when really usable, else CPU with a warning; cuda: refuse to start without it"
+        "auto",
+        "auto: CUDA when really usable, else CPU with a warning; cuda: refuse to start without it",
+        section="devices",
+        rule=one_of("auto", "cpu", "cuda"),
     )
     # ONNX Runtime's CUDA provider rounds float32 matrix products' inputs to TF32 (10 bits of mantissa) on
     # tensor cores unless told not to; false asks for exact float32 products.
@@ -69,9 +125,12 @@ class ServerSettings:
         "on CUDA, let float32 matrix products run in TF32 on tensor cores (ONNX Runtime's own default: inputs "
         "rounded to 10 bits of mantissa, as float16's, which puts the scores of large inputs off by their "
         "magnitude times 1e-3); false (the default): exact float32 products",
+        section="devices",
     )
-    intra_op_threads: int = setting(0, "ONNX Runtime threads per run (0 = one per core)")
-    inference_workers: int = setting(1, "model runs allowed at once; more than one only helps with spare cores")
+    intra_op_threads: int = setting(0, "ONNX Runtime threads per run (0 = one per core)", section="devices")
+    inference_workers: int = setting(
+        1, "model runs allowed at once; more than one only helps with spare cores", section="devices", rule=at_least(1)
+    )
     # Inference threads run at a lower priority than the gRPC thread, so that when model runs fill every
     # core the server still receives, refuses (RESOURCE_EXHAUSTED) and answers promptly, at the same
     # throughput (BENCHMARKS.md, "Figures behind the server's defaults").
@@ -79,55 +138,84 @@ class ServerSettings:
         10,
         "nice value of the inference threads, ONNX Runtime's included (Linux; 0-19, 0 = same priority as the gRPC"
         " thread that receives, refuses and answers requests)",
+        section="devices",
+        rule=between(0, 19, "a thread may lower its priority, not raise it"),
     )
     max_batch_size: int = setting(
         32,
         "largest batch a request may carry (RESOURCE_EXHAUSTED beyond); also the most rows dynamic batching "
         "merges into one run",
+        section="batching",
+        rule=at_least(1),
     )
-    dynamic_batching: bool = setting(True, "merge concurrent requests, of any lengths, into one model run")
+    dynamic_batching: bool = setting(
+        True, "merge concurrent requests, of any lengths, into one model run", section="batching"
+    )
     output_only_graph: bool = setting(
         True,
         "run requests that ask for no attention weights on the model folder's output-only graph, where it has "
         "one (faster from about 512 tokens; holds a second copy of the projection weights)",
+        section="devices",
     )
     length_aware_batching: bool = setting(
         True,
         "split queued requests of different lengths into runs where padding would cost more than another run (a "
         "cost model fitted at warm-up); false: one run padded to the longest",
+        section="batching",
     )
     max_queue_delay_us: int = setting(
         0,
         "how long a partial batch may wait for more requests (0 = run at once when a worker is free; batches "
         "still form under load)",
+        section="batching",
+        rule=at_least(0),
     )
-    max_queue_size: int = setting(256, "requests allowed to wait for a worker; beyond it RESOURCE_EXHAUSTED at once")
-    max_q_len: int = setting(512, "longest query a request may carry")
-    max_kv_len: int = setting(512, "longest key/value a request may carry")
-    max_message_bytes: int = setting(0, "gRPC message size limit, both ways (0 = derived from the limits above)")
+    max_queue_size: int = setting(
+        256,
+        "requests allowed to wait for a worker; beyond it RESOURCE_EXHAUSTED at once",
+        section="batching",
+        rule=at_least(1),
+    )
+    max_q_len: int = setting(512, "longest query a request may carry", section="limits and memory", rule=at_least(1))
+    max_kv_len: int = setting(
+        512, "longest key/value a request may carry", section="limits and memory", rule=at_least(1)
+    )
+    max_message_bytes: int = setting(
+        0, "gRPC message size limit, both ways (0 = derived from the limits above)", section="limits and memory"
+    )
     # Sequences (Triton's sequence_id/sequence_start/sequence_end): the keys and values kept between steps.
     max_sequences: int = setting(
-        1024, "sequences live at once (their keys and values kept); beyond, RESOURCE_EXHAUSTED"
+        1024,
+        "sequences live at once (their keys and values kept); beyond, RESOURCE_EXHAUSTED",
+        section="sequences",
+        rule=at_least(1),
     )
-    max_sequence_length: int = setting(4096, "rows a sequence may grow to; beyond, RESOURCE_EXHAUSTED")
+    max_sequence_length: int = setting(
+        4096, "rows a sequence may grow to; beyond, RESOURCE_EXHAUSTED", section="sequences", rule=at_least(1)
+    )
     sequence_idle_timeout_s: float = setting(
         60.0,
         "a sequence with no step for this long is dropped and its memory returned (Triton's "
         "max_sequence_idle_microseconds)",
+        section="sequences",
+        rule=more_than(0),
     )
     # Per connection. Above max_queue_size, so a burst meets the queue (RESOURCE_EXHAUSTED, which names the
     # limit) before HTTP/2 refuses streams (the client sees UNAVAILABLE "Stream removed").
-    max_concurrent_streams: int = setting(1024, "concurrent RPCs per client connection")
+    max_concurrent_streams: int = setting(1024, "concurrent RPCs per client connection", section="transport")
     grpc_max_connections: int = setting(
         1000,
         "gRPC connections open at once; beyond, new ones are closed before they are read (the client sees "
         "UNAVAILABLE). What gRPC receives beyond --max-inflight-bytes is at most this x --max-concurrent-streams "
         "x --max-message-bytes",
+        section="transport",
+        rule=at_least(1),
     )
     reuse_port: bool = setting(
         False,
         "share the port with other mhaserve processes (SO_REUSEPORT): the kernel spreads connections over them, "
         "one Python event loop per core",
+        section="transport",
     )
     # Every request queued or running counts its inputs and outputs; beyond this RESOURCE_EXHAUSTED, so a
     # burst of large requests meets a clear refusal rather than the kernel's out-of-memory killer.
@@ -135,52 +223,78 @@ class ServerSettings:
         1 << 30,
         "memory that requests in flight may take (inputs, answers until written, ONNX Runtime's run workspace); "
         "beyond it RESOURCE_EXHAUSTED at once",
+        section="limits and memory",
+        rule=at_least(1),
     )
     tls_cert_file: Path | None = setting(
-        None, "PEM certificate (chain) of the gRPC port; with --tls-key-file turns TLS on"
+        None, "PEM certificate (chain) of the gRPC port; with --tls-key-file turns TLS on", section="security"
     )
-    tls_key_file: Path | None = setting(None, "PEM private key of --tls-cert-file")
+    tls_key_file: Path | None = setting(None, "PEM private key of --tls-cert-file", section="security")
     tls_client_ca_file: Path | None = setting(
-        None, "PEM CA bundle; clients must present a certificate it signed (mutual TLS)"
+        None, "PEM CA bundle; clients must present a certificate it signed (mutual TLS)", section="security"
     )
     auth_token_file: Path | None = setting(
         None,
         "file holding the bearer token every RPC but health must carry (or set $MHASERVE_AUTH_TOKEN; none: no token)",
+        section="security",
     )
     # A client that stops answering HTTP/2 pings (vanished without closing, a network partition) has its
     # connection closed, and its calls cancelled, after keepalive_time_s + keepalive_timeout_s.
-    keepalive_time_s: float = setting(30.0, "ping each client connection after this many idle seconds")
-    keepalive_timeout_s: float = setting(10.0, "close a connection whose ping is not answered within this many seconds")
+    keepalive_time_s: float = setting(
+        30.0, "ping each client connection after this many idle seconds", section="transport", rule=more_than(0)
+    )
+    keepalive_timeout_s: float = setting(
+        10.0,
+        "close a connection whose ping is not answered within this many seconds",
+        section="transport",
+        rule=more_than(0),
+    )
     # An answer not taken by its client within this (gRPC or HTTP) is dropped, its call cancelled: until
     # then it counts in max_inflight_bytes, so clients that do not read hold the budget, not more.
     write_timeout_s: float = setting(
         30.0,
         "seconds a client may take to read its answer (gRPC and HTTP); a slower one has its call cancelled (HTTP:"
         " its connection closed) and the request is counted CANCELLED",
+        section="transport",
+        rule=more_than(0),
     )
     drain_seconds: float = setting(
         1.0,
         "on SIGTERM/SIGINT, keep the port open this long, refusing new calls with UNAVAILABLE (retryable), before"
         " closing it",
+        section="lifecycle",
+        rule=at_least(0),
     )
-    grace_seconds: float = setting(10.0, "on SIGTERM/SIGINT, time for in-flight requests to finish")
+    grace_seconds: float = setting(
+        10.0, "on SIGTERM/SIGINT, time for in-flight requests to finish", section="lifecycle", rule=at_least(0)
+    )
     max_health_watchers: int = setting(
         64,
         "health Watch streams open at once (health needs no token); beyond, RESOURCE_EXHAUSTED (Check is not limited)",
+        section="limits and memory",
+        rule=at_least(1),
     )
-    warmup_runs: int = setting(2, "model runs at each warm-up shape before reporting ready (0 = none)")
+    warmup_runs: int = setting(
+        2, "model runs at each warm-up shape before reporting ready (0 = none)", section="devices"
+    )
     metrics_port: int = setting(
-        8002, "Prometheus metrics port (0 = any free port, -1 = no endpoint); it serves /metrics only"
+        8002,
+        "Prometheus metrics port (0 = any free port, -1 = no endpoint); it serves /metrics only",
+        section="transport",
     )
     # Plain HTTP with no token: loopback unless asked, whatever --host is (a scraper elsewhere: its address).
     metrics_host: str = setting(
         "127.0.0.1",
         "address of the metrics port, apart from --host: plain HTTP with no token, so loopback unless a scraper "
         "elsewhere needs it",
+        section="transport",
     )
-    log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR")
+    log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR", section="logs and tracing")
     log_format: str = setting(
-        "text", "text, or json: one JSON object a line (time, level, logger, message, and the request's fields)"
+        "text",
+        "text, or json: one JSON object a line (time, level, logger, message, and the request's fields)",
+        section="logs and tracing",
+        rule=one_of("text", "json"),
     )
     trace_config: tuple[str, ...] = setting(
         (),
@@ -189,6 +303,7 @@ class ServerSettings:
         "(-1: no end), level=OFF|TIMESTAMPS, "
         "opentelemetry,url=HOST:PORT/v1/traces the OTLP endpoint; export is configured by the OTEL_* variables "
         "(needs the tracing extra)",
+        section="logs and tracing",
     )
     # Off by default, as in Triton: a registered region is opened with the server's permissions, so any local
     # client able to reach the port could have the server read and write shared-memory objects it may open.
@@ -196,15 +311,25 @@ class ServerSettings:
         False,
         "let clients on this host register system shared-memory regions (objects in /dev/shm) and have inputs read "
         "from and outputs written into them (Triton's system shared-memory extension)",
+        section="shared memory",
     )
-    client_shm_max_regions: int = setting(128, "shared-memory regions registered at once; beyond, RESOURCE_EXHAUSTED")
+    client_shm_max_regions: int = setting(
+        128,
+        "shared-memory regions registered at once; beyond, RESOURCE_EXHAUSTED",
+        section="shared memory",
+        rule=at_least(1),
+    )
     client_shm_max_bytes: int = setting(
-        1 << 36, "bytes of shared-memory regions registered at once (their windows summed); beyond, RESOURCE_EXHAUSTED"
+        1 << 36,
+        "bytes of shared-memory regions registered at once (their windows summed); beyond, RESOURCE_EXHAUSTED",
+        section="shared memory",
+        rule=at_least(1),
     )
     access_log: bool = setting(
         False,
         "one line per inference request (logger mhaserve.access): protocol, model, version, status, request id, "
         "rows, bytes in and out, queue, compute and total time",
+        section="logs and tracing",
     )
 
     def message_limits(self, d_model: int, num_heads: int) -> tuple[int, int]:
@@ -246,8 +371,9 @@ def _converter(field_type):
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
-    """One --flag per setting; its default comes from the environment variable if set."""
+    """One --flag per setting, listed by section; its default comes from the environment variable if set."""
     defaults = ServerSettings()
+    groups = {section: parser.add_argument_group(section) for section in SECTIONS}
     for f in fields(ServerSettings):
         env = ENV_PREFIX + f.name.upper()
         convert = _converter(f.type if isinstance(f.type, str) else f.type.__name__)
@@ -258,7 +384,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
             except (ValueError, argparse.ArgumentTypeError) as exc:
                 parser.error(f"{env}={os.environ[env]!r}: {exc}")
         repeated = convert is _names  # --load-model a --load-model b,c
-        parser.add_argument(
+        groups[f.metadata["section"]].add_argument(
             "--" + f.name.replace("_", "-"),
             dest=f.name,
             type=convert,
@@ -288,43 +414,21 @@ def _value(args: argparse.Namespace, name: str):
 
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     settings = ServerSettings(**{f.name: _value(args, f.name) for f in fields(ServerSettings)})
-    if settings.device not in ("auto", "cpu", "cuda"):
-        raise UsageError(f"--device must be auto, cpu or cuda, got {settings.device!r}")
-    for name in ("max_batch_size", "max_q_len", "max_kv_len", "inference_workers", "max_queue_size",
-                 "max_inflight_bytes", "max_health_watchers", "http_max_connections", "grpc_max_connections",
-                 "client_shm_max_regions", "max_sequences", "max_sequence_length",
-                 "client_shm_max_bytes"):  # fmt: skip
-        if getattr(settings, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
-    if not settings.sequence_idle_timeout_s > 0:
-        raise UsageError("--sequence-idle-timeout-s must be more than 0")
-    if settings.drain_seconds < 0 or settings.grace_seconds < 0:
-        raise UsageError("--drain-seconds and --grace-seconds must be 0 or more")
-    if settings.keepalive_time_s <= 0 or settings.keepalive_timeout_s <= 0:
-        raise UsageError("--keepalive-time-s and --keepalive-timeout-s must be more than 0")
-    if not 0 <= settings.inference_nice <= 19:
-        raise UsageError("--inference-nice must be between 0 and 19 (a thread may lower its priority, not raise it)")
-    if settings.max_queue_delay_us < 0:
-        raise UsageError("--max-queue-delay-us must be 0 or more")
-    if settings.log_format not in ("text", "json"):
-        raise UsageError(f"--log-format must be text or json, got {settings.log_format!r}")
+    for f in fields(ServerSettings):
+        rule, value = f.metadata["rule"], getattr(settings, f.name)
+        if rule is not None and not rule.holds(value):
+            got = f", got {value!r}" if rule.show_value else ""
+            raise UsageError(f"--{f.name.replace('_', '-')} must be {rule.said}{got}")
     try:
         parse_trace_config(settings.trace_config)
     except ValueError as error:
         raise UsageError(f"--trace-config: {error}") from None
-    if settings.model_control_mode not in ("none", "poll", "explicit"):
-        raise UsageError(f"--model-control-mode must be none, poll or explicit, got {settings.model_control_mode!r}")
     if settings.model_dir and settings.model_repository:
         raise UsageError("give --model-dir or --model-repository, not both")
     if not settings.model_repository and (settings.model_control_mode != "none" or settings.load_model):
         raise UsageError("--model-control-mode and --load-model need --model-repository")
     if settings.load_model and settings.model_control_mode != "explicit":
         raise UsageError("--load-model needs --model-control-mode explicit (the other modes load every model)")
-    for name in ("http_read_timeout_s", "write_timeout_s", "http_idle_timeout_s"):
-        if getattr(settings, name) <= 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be more than 0")
-    if settings.repository_poll_secs <= 0:
-        raise UsageError("--repository-poll-secs must be more than 0")
     try:
         VersionPolicy.parse(settings.version_policy)
     except ValueError as error:

@@ -13,7 +13,7 @@ from dataclasses import fields
 from mkdocs.structure.files import File
 
 from mhaserve.cli.main import build_parser
-from mhaserve.server.config import ENV_PREFIX, ServerSettings, shown_default
+from mhaserve.server.config import ENV_PREFIX, SECTIONS, ServerSettings, shown_default
 from mhaserve.server.errors import HTTP_STATUS, ErrorKind, RequestError
 from mhaserve.server.metrics import Metrics
 from mhaserve.server.rest import routes
@@ -67,12 +67,18 @@ def settings_page() -> str:
     defaults = ServerSettings()
     lines = [GENERATED, "# Server settings\n",
              "Each setting of `mhaserve serve`: a flag, an environment variable, and a default. A flag wins over the "
-             "variable, the variable over the default.\n",
-             "| flag | variable | default | what |", "|---|---|---|---|"]  # fmt: skip
-    for f in fields(ServerSettings):
-        shown = f"`{shown_default(getattr(defaults, f.name))}`"
-        flag = "--" + f.name.replace("_", "-")
-        lines.append(f"| `{flag}` | `{ENV_PREFIX}{f.name.upper()}` | {_cell(shown)} | {_cell(f.metadata['help'])} |")
+             "variable, the variable over the default. `mhaserve serve --help` lists them in the same "
+             "sections.\n"]  # fmt: skip
+    for section in SECTIONS:
+        lines += [f"\n## {section.capitalize()}\n", "| flag | variable | default | what |", "|---|---|---|---|"]
+        for f in fields(ServerSettings):
+            if f.metadata["section"] != section:
+                continue
+            shown = f"`{shown_default(getattr(defaults, f.name))}`"
+            flag = "--" + f.name.replace("_", "-")
+            lines.append(
+                f"| `{flag}` | `{ENV_PREFIX}{f.name.upper()}` | {_cell(shown)} | {_cell(f.metadata['help'])} |"
+            )
     return "\n".join(lines) + "\n"
 
 

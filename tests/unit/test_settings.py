@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import fields
 
 import pytest
 
 from mhaserve.contract.errors import UsageError
-from mhaserve.server.config import ServerSettings, add_server_arguments, settings_from_args
+from mhaserve.server.config import SECTIONS, ServerSettings, add_server_arguments, settings_from_args
 
 
 def settings(*flags: str) -> ServerSettings:
@@ -31,7 +32,7 @@ def test_flags_set_their_fields_and_repeated_flags_add_up():
     [
         (("--max-batch-size", "0"), "--max-batch-size must be at least 1"),
         (("--sequence-idle-timeout-s", "0"), "--sequence-idle-timeout-s must be more than 0"),
-        (("--drain-seconds", "-1"), "--drain-seconds and --grace-seconds must be 0 or more"),
+        (("--drain-seconds", "-1"), "--drain-seconds must be 0 or more"),
         (("--inference-nice", "20"), "--inference-nice must be between 0 and 19"),
         (("--max-queue-delay-us", "-5"), "--max-queue-delay-us must be 0 or more"),
         (("--log-format", "xml"), "--log-format must be text or json, got 'xml'"),
@@ -47,6 +48,20 @@ def test_a_setting_that_cannot_work_is_refused_naming_its_flag(flags, words):
     with pytest.raises(UsageError) as refused:
         settings(*flags)
     assert words in str(refused.value)
+
+
+def test_every_setting_has_a_section_and_help_lists_them_by_section():
+    parser = argparse.ArgumentParser()
+    add_server_arguments(parser)
+    titles = [group.title for group in parser._action_groups if group.title in SECTIONS]
+    assert titles == list(SECTIONS)
+    listed = {
+        action.dest for group in parser._action_groups if group.title in SECTIONS for action in group._group_actions
+    }
+    assert listed == {f.name for f in fields(ServerSettings)}
+    text = parser.format_help()
+    batching = text.index("\nbatching:")
+    assert batching < text.index("--max-queue-delay-us", batching) < text.index("\nsequences:")
 
 
 def test_message_limits_carry_the_largest_request_and_answer_unless_set():
