@@ -195,7 +195,7 @@ def formats() -> None:
 
 
 def speed() -> None:
-    from mhaserve.export.model_dir import export_model_dir
+    from mhaserve.export.writer import export_model_dir
     from mhaserve.server.session import AttentionSession
 
     print("| shape | fp32 ms | int8 ms | fp32 / int8 |")
@@ -221,7 +221,7 @@ def speed() -> None:
 
 
 def accuracy() -> None:
-    from mhaserve.export.model_dir import export_model_dir
+    from mhaserve.export.writer import export_model_dir
 
     print("| model | weights | cases passed | worst output rel err | worst weights abs err | "
           "holds for inputs up to | float32 holds up to |")  # fmt: skip

@@ -285,7 +285,7 @@ def main() -> int:
     )
     folders = {label: model_dir for label, *_ in variants}
     if args.int8:
-        from mhaserve.export.model_dir import export_model_dir
+        from mhaserve.export.writer import export_model_dir
 
         int8_dir = args.out / "int8"
         log(f"exporting the same module in int8 to {int8_dir}")

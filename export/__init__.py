@@ -10,7 +10,7 @@ __all__ = ["export_module"]
 
 def __getattr__(name: str):
     if name == "export_module":
-        from .model_dir import export_module
+        from .writer import export_module
 
         return export_module
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -36,7 +36,7 @@ from . import kernels
 from .errors import invalid
 from .parameters import integer, number, quoted, text
 
-WEIGHTS_DATATYPES = {"FP32": np.dtype(np.float32), "FP16": np.dtype(np.float16)}
+ASKABLE_WEIGHTS_DTYPES = {"FP32": np.dtype(np.float32), "FP16": np.dtype(np.float16)}  # attn_weights_precision
 TOP_K_OUTPUTS = (ATTN_TOP_K_VALUES, ATTN_TOP_K_INDICES)
 
 
@@ -303,6 +303,6 @@ def _precision(value) -> np.dtype | None:
     if value is None:
         return None
     given = text(value, "attn_weights_precision").upper()
-    if given not in WEIGHTS_DATATYPES:
+    if given not in ASKABLE_WEIGHTS_DTYPES:
         raise invalid(f"parameter 'attn_weights_precision' must be FP32 or FP16, got {quoted(value)}")
-    return WEIGHTS_DATATYPES[given]
+    return ASKABLE_WEIGHTS_DTYPES[given]

@@ -55,7 +55,7 @@ def small_module():
 @pytest.fixture(scope="session")
 def small_model_dir(tmp_path_factory, small_module):
     """A validated export of the small module (the matrix runs in about a second at this size)."""
-    from mhaserve.export.model_dir import export_model_dir
+    from mhaserve.export.writer import export_model_dir
 
     out = tmp_path_factory.mktemp("small") / "mha"
     manifest = export_model_dir(

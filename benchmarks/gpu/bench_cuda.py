@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from mhaserve.contract.signature import PRECISIONS
-from mhaserve.export.model_dir import export_model_dir
+from mhaserve.export.writer import export_model_dir
 from mhaserve.loadtest.loadgen import LoadGenerator, Workload, default_processes
 from mhaserve.loadtest.loadgen import Point as LoadPoint
 from mhaserve.model.weights import seeded_module

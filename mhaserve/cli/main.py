@@ -102,8 +102,8 @@ def _run_export(args) -> int:
     args.out = _export_dir(args)  # before torch is imported: a wrong path is refused at once
     require_extra("export", "mhaserve export")
 
-    from mhaserve.export.model_dir import export_model_dir
     from mhaserve.export.onnx_export import DEFAULT_OPSET
+    from mhaserve.export.writer import export_model_dir
     from mhaserve.model import DEFAULT_D_MODEL, DEFAULT_NUM_HEADS, load_checkpoint, seeded_module
 
     if args.weights:
@@ -173,7 +173,7 @@ def _run_validate(args) -> int:
         what = "no such folder" if not args.model_dir.exists() else "no manifest.json in it"
         raise UsageError(f"{args.model_dir}: {what}; give a folder 'mhaserve export' wrote")
     require_extra("export", "mhaserve validate")  # it runs eager PyTorch beside the export
-    from mhaserve.export.model_dir import check_on_inputs, revalidate_model_dir
+    from mhaserve.export.writer import check_on_inputs, revalidate_model_dir
 
     if args.inputs is not None:
         return 0 if check_on_inputs(args.model_dir, args.inputs, args.against) else 1

@@ -23,8 +23,8 @@ import torch
 from mhaserve.client.grpc import Client
 from mhaserve.contract.cpu import int8_support
 from mhaserve.contract.model_dir import ModelDirError, read_manifest
-from mhaserve.export.model_dir import export_model_dir, revalidate_model_dir
 from mhaserve.export.validate import TOLERANCES
+from mhaserve.export.writer import export_model_dir, revalidate_model_dir
 from mhaserve.model import seeded_module
 from mhaserve.testing.server_process import ServerProcess
 from tests.support import SMALL_D_MODEL, SMALL_HEADS, TEST_SERVER_ARGS, assert_within_relative, eager, rand

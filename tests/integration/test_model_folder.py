@@ -16,7 +16,7 @@ import onnxruntime as ort
 import pytest
 
 from mhaserve.client.grpc import Client
-from mhaserve.export.model_dir import export_model_dir
+from mhaserve.export.writer import export_model_dir
 from mhaserve.server.session import OUTPUT_ONLY_FROM_KV_LEN, AttentionSession
 from mhaserve.testing.server_process import ServerProcess, free_port
 from tests.support import SMALL_D_MODEL, eager, rand
@@ -177,7 +177,7 @@ def test_a_file_onnx_runtime_cannot_load_is_refused(small_model_dir, tmp_path):
 
 
 def test_a_failed_re_export_leaves_the_valid_folder_as_it_was(small_module, small_model_dir, tmp_path, monkeypatch):
-    import mhaserve.export.model_dir as model_dir
+    import mhaserve.export.writer as model_dir
 
     folder = copy_of(small_model_dir, tmp_path, "mha")
     before = {p.name: p.read_bytes() for p in folder.iterdir()}

@@ -35,7 +35,7 @@ TOKEN = "repository-token"
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory, small_model_dir):
     """Model folders to put into repositories: two versions of the small model, and a wider model."""
-    from mhaserve.export.model_dir import export_model_dir
+    from mhaserve.export.writer import export_model_dir
     from mhaserve.model import seeded_module
 
     root = tmp_path_factory.mktemp("exports")

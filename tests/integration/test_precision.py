@@ -15,9 +15,9 @@ import pytest
 from mhaserve.client.grpc import Client
 from mhaserve.client.http import HttpClient
 from mhaserve.contract.model_dir import ModelDirError, read_manifest
-from mhaserve.export.model_dir import export_model_dir, revalidate_model_dir
 from mhaserve.export.onnx_export import export_onnx
 from mhaserve.export.validate import TOLERANCES, ValidationCase, validate
+from mhaserve.export.writer import export_model_dir, revalidate_model_dir
 from tests.support import SMALL_D_MODEL, SMALL_HEADS, TEST_SERVER_ARGS, assert_within_relative, eager, rand
 from tests.support.in_process import InProcessServer
 from tests.support.triton import INPUTS, cases, run_triton_client, triton_http, triton_infer

@@ -229,7 +229,7 @@ def test_the_budget_refuses_a_step_that_would_not_fit_and_the_sequence_stays_as_
 
 
 def test_a_folder_without_a_step_graph_refuses_sequences(start_server, small_module, tmp_path):
-    from mhaserve.export.model_dir import export_model_dir
+    from mhaserve.export.writer import export_model_dir
 
     folder = tmp_path / "fp16"
     export_model_dir(small_module, folder, precision="fp16", validation_seed=0, report=lambda _: None)
@@ -306,7 +306,7 @@ def test_a_sequence_keeps_its_version_through_a_swap_and_new_ones_take_the_new(s
     import shutil
 
     from mhaserve.client import Client
-    from mhaserve.export.model_dir import export_model_dir
+    from mhaserve.export.writer import export_model_dir
     from mhaserve.model import seeded_module
 
     repository = tmp_path / "repository"

@@ -16,9 +16,9 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from mhaserve.export.model_dir import export_model_dir, revalidate_model_dir
 from mhaserve.export.onnx_export import check_onnx, export_onnx
 from mhaserve.export.validate import ValidationCase, validate, validation_cases
+from mhaserve.export.writer import export_model_dir, revalidate_model_dir
 from tests.support import SMALL_D_MODEL, SMALL_HEADS, eager, rand
 
 D = SMALL_D_MODEL
@@ -95,7 +95,7 @@ def test_output_only_graph_answers_as_the_eager_module(small_model_dir, small_mo
 
 
 def test_a_failing_output_only_graph_marks_the_folder_not_valid(small_module, tmp_path, monkeypatch):
-    import mhaserve.export.model_dir as model_dir
+    import mhaserve.export.writer as model_dir
     from mhaserve.export.output_only import output_only_graph
 
     def off_by_a_bias(module):
@@ -252,7 +252,7 @@ def test_validation_catches_a_static_shape_export(small_module, tmp_path):
 
 
 def test_failed_validation_marks_the_folder_not_valid(small_module, tmp_path, monkeypatch):
-    import mhaserve.export.model_dir as model_dir
+    import mhaserve.export.writer as model_dir
 
     real_export = model_dir.export_onnx
 

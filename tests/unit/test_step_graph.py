@@ -41,7 +41,7 @@ def test_validate_checks_the_step_graph_of_a_folder_again(small_model_dir, tmp_p
 
     import onnx
 
-    from mhaserve.export.model_dir import revalidate_model_dir
+    from mhaserve.export.writer import revalidate_model_dir
 
     folder = tmp_path / "copy"
     shutil.copytree(small_model_dir, folder)
