@@ -26,11 +26,12 @@ import numpy as np
 
 from mhaserve.client.grpc import Client, build_infer_request
 from mhaserve.client.http import HttpClient
+from mhaserve.contract.signature import ModelSignature
 from mhaserve.export.default_model import ensure_default_model
 from mhaserve.loadtest.checked_load import peak_rss_mib, reset_peak_rss, rss_mib
 from mhaserve.server.grpc.protobuf import decode_infer_request
 from mhaserve.server.memory import answer_bytes, input_bytes, request_workspace_bytes
-from mhaserve.server.tensors import Limits, ModelSignature
+from mhaserve.server.tensors import Limits
 from mhaserve.testing.server_process import ServerProcess
 
 D, H = 512, 8

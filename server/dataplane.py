@@ -22,7 +22,7 @@ import numpy as np
 
 from mhaserve.contract.model_dir import ModelDirError, read_manifest
 from mhaserve.contract.repository import ModelRepository, VersionPolicy
-from mhaserve.contract.signature import OUTPUT
+from mhaserve.contract.signature import OUTPUT, ModelSignature
 
 from .accounting import Receipt, RequestAccounting
 from .batcher import answer_of
@@ -36,7 +36,7 @@ from .registry import ModelRegistry, ServedModel
 from .sequences import Sequences
 from .shaping import weights_shaping
 from .shared_memory import NOTHING_HELD, SharedMemoryRegistry
-from .tensors import AttentionRequest, Limits, ModelSignature, byte_count
+from .tensors import AttentionRequest, Limits, byte_count
 from .threads import lowered_pool
 from .trace_settings import parse_trace_config
 from .tracing import Tracing

@@ -13,11 +13,13 @@ from types import MappingProxyType
 
 import numpy as np
 
+from mhaserve.contract.signature import ModelSignature
+
 from .errors import ErrorKind, RequestError, invalid
 from .sequences import sequence_parameters
 from .shaping import weights_shaping
 from .shared_memory import Placement, placement_of
-from .tensors import AttentionRequest, Limits, ModelSignature, build_request
+from .tensors import AttentionRequest, Limits, build_request
 
 NO_PARAMETERS: Mapping[str, object] = MappingProxyType({})
 

@@ -19,13 +19,13 @@ from typing import Protocol
 
 from mhaserve.contract.model_dir import ModelDirError, read_manifest
 from mhaserve.contract.repository import ModelRepository, RepositoryPathError, VersionPolicy
+from mhaserve.contract.signature import ModelSignature
 
 from .batcher import Batcher
 from .errors import ErrorKind, RequestError
 from .metrics import ModelMetrics
 from .session import AttentionSession
 from .statistics import ModelStatistics
-from .tensors import ModelSignature
 
 log = logging.getLogger("mhaserve.server")
 

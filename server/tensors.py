@@ -15,7 +15,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from mhaserve.contract.datatypes import DATATYPES
-from mhaserve.contract.signature import DEFAULT_OUTPUT_NAMES, INPUT_NAMES, OUTPUT_NAMES, WEIGHTS_DATATYPES
+from mhaserve.contract.signature import (
+    DEFAULT_OUTPUT_NAMES,
+    INPUT_NAMES,
+    OUTPUT_NAMES,
+    WEIGHTS_DATATYPES,
+    ModelSignature,
+)
 
 from .errors import ErrorKind, RequestError, invalid
 from .shaping import NO_SHAPING, WeightsShaping
@@ -36,17 +42,6 @@ class Limits:
     max_batch_size: int
     max_q_len: int
     max_kv_len: int
-
-
-@dataclass(frozen=True)
-class ModelSignature:
-    name: str
-    version: str
-    d_model: int
-    num_heads: int
-    precision: str = "fp32"  # the export's (signature.PRECISIONS): the datatype of the weights returned
-    max_abs_input: float | None = None  # inputs larger in magnitude are refused (the export's validated range)
-    serves_sequences: bool = False  # the folder has a step graph (export/step.py)
 
 
 @dataclass

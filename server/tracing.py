@@ -37,9 +37,11 @@ from .errors import HTTP_STATUS, ErrorKind, RequestError, invalid
 from .trace_settings import SETTABLE, TraceSettings, checked_settings
 
 if TYPE_CHECKING:
+    from mhaserve.contract.signature import ModelSignature
+
     from .calls import CallRecord
     from .statistics import BatchResult
-    from .tensors import AttentionRequest, ModelSignature
+    from .tensors import AttentionRequest
 
 log = logging.getLogger("mhaserve.server")
 

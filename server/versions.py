@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mhaserve.contract.signature import GRAPH_OUTPUT_NAMES
+from mhaserve.contract.signature import GRAPH_OUTPUT_NAMES, ModelSignature
 
 from .batcher import Batcher
 from .config import ServerSettings
@@ -23,7 +23,7 @@ from .registry import ServedModel
 from .run_cost import RunCost
 from .session import AttentionSession
 from .statistics import BatchResult, ModelStatistics
-from .tensors import Limits, ModelSignature
+from .tensors import Limits
 from .threads import lowered_pool
 
 log = logging.getLogger("mhaserve.server")

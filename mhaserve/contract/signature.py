@@ -77,3 +77,17 @@ def graph_outputs_for(requested: tuple[str, ...]) -> tuple[str, ...]:
     """The graph outputs a run must fetch to answer ``requested`` (the mean is taken from the weights)."""
     needed = {*requested, ATTN_WEIGHTS} if set(requested) & set(WEIGHTS_OUTPUT_NAMES) else set(requested)
     return tuple(name for name in GRAPH_OUTPUT_NAMES if name in needed)
+
+
+@dataclass(frozen=True)
+class ModelSignature:
+    """What a served version is, as every part of the server reads it: its name and version, its size, the
+    precision it was exported in, and what its folder allows."""
+
+    name: str
+    version: str
+    d_model: int
+    num_heads: int
+    precision: str = "fp32"  # the export's (PRECISIONS): the datatype of the weights returned
+    max_abs_input: float | None = None  # inputs larger in magnitude are refused (the export's validated range)
+    serves_sequences: bool = False  # the folder has a step graph (export/step.py)

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from mhaserve.contract.datatypes import datatype_of
+from mhaserve.contract.signature import ModelSignature
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 
 from ..errors import invalid
@@ -24,15 +25,7 @@ from ..inference import (
     decodes_slowly,
 )
 from ..shared_memory import placement_of
-from ..tensors import (
-    AttentionRequest,
-    Limits,
-    ModelSignature,
-    array_from_bytes,
-    array_from_values,
-    check_input_header,
-    wire_bytes,
-)
+from ..tensors import AttentionRequest, Limits, array_from_bytes, array_from_values, check_input_header, wire_bytes
 
 # The typed `contents` field that carries each datatype.
 CONTENTS_FIELDS = {

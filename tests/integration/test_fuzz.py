@@ -20,17 +20,12 @@ from hypothesis import strategies as st
 
 from mhaserve.client.grpc import build_infer_request
 from mhaserve.contract.datatypes import DATATYPES
+from mhaserve.contract.signature import ModelSignature
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
 from mhaserve.server.errors import ErrorKind, RequestError
 from mhaserve.server.grpc.protobuf import CONTENTS_FIELDS, decode_infer_request
-from mhaserve.server.tensors import (
-    INPUT_NAMES,
-    OUTPUT_NAMES,
-    AttentionRequest,
-    Limits,
-    ModelSignature,
-)
+from mhaserve.server.tensors import INPUT_NAMES, OUTPUT_NAMES, AttentionRequest, Limits
 from tests.support import SMALL_D_MODEL, SMALL_HEADS, rand
 
 D = SMALL_D_MODEL

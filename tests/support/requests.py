@@ -7,8 +7,9 @@ import asyncio
 import numpy as np
 
 from mhaserve.client.grpc import AsyncClient, build_infer_request
+from mhaserve.contract.signature import ModelSignature
 from mhaserve.server.grpc.protobuf import decode_infer_request
-from mhaserve.server.tensors import AttentionRequest, Limits, ModelSignature
+from mhaserve.server.tensors import AttentionRequest, Limits
 
 from . import SMALL_D_MODEL, SMALL_HEADS, rand
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from mhaserve.contract.signature import ModelSignature
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.server.grpc.protobuf import encode_grpc_response
 from mhaserve.server.inference import InferenceRequest, InferenceResponse
-from mhaserve.server.tensors import ModelSignature
 from tests.support import rand
 
 MODEL = ModelSignature("mha", "1", 64, 4)

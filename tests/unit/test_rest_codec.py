@@ -11,6 +11,7 @@ import numpy as np
 import orjson
 import pytest
 
+from mhaserve.contract.signature import ModelSignature
 from mhaserve.server.config import ServerSettings
 from mhaserve.server.dataplane import DataPlane
 from mhaserve.server.errors import RequestError
@@ -18,7 +19,6 @@ from mhaserve.server.inference import InferenceResponse
 from mhaserve.server.rest.codec import HEADER_LENGTH, decode_rest_request, encode_rest_response
 from mhaserve.server.rest.routes import RestTransport
 from mhaserve.server.rest.site import start_site
-from mhaserve.server.tensors import ModelSignature
 from tests.support import SMALL_D_MODEL, eager, rand
 
 BODY_LIMIT = 200_000
