@@ -32,8 +32,8 @@ log = logging.getLogger("mhaserve.server")
 IDLE_RELEASE_S = 2.0
 # Request bodies received and dropped (refused ones too) leave their pages in the heap, which glibc keeps up
 # to its raised trim threshold (malloc.tune_malloc); past this many bytes the idle release gives them back.
-# Low, because a gRPC message takes several times its size in gRPC's buffers while it is received (one of
-# 32 MiB left 160 MiB in the heap).
+# Low, because a gRPC message takes several times its size in gRPC's buffers while it is received
+# (BENCHMARKS.md, "Memory while requests are received").
 RECEIVED_BYTES_BEFORE_TRIM = 8 << 20
 
 

@@ -360,7 +360,7 @@ async def serve(settings: ServerSettings, model_dir) -> int:
         log.error("%s", failure.reason)
         await server.stop()
         return failure.exit_code
-    # What start-up made (modules, the sessions, gRPC: 40k objects) lives as long as the process. Frozen, a
+    # What start-up made (modules, the sessions, gRPC's objects) lives as long as the process. Frozen, a
     # full collection, when one comes under load, no longer walks it (BENCHMARKS.md, "Figures behind the
     # server's defaults"). Refcounting still frees what start-up drops later.
     gc.collect()

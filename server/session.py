@@ -80,8 +80,8 @@ def _session_options(intra_op_threads: int, inter_op_threads: int) -> ort.Sessio
     return options
 
 
-# The output-only graph runs where it was measured faster: from 256 keys (1.02-1.10x in process at 256, 1.06-1.22x
-# at 512); below, both graphs take the same time within noise (BENCHMARKS.md, "The output-only graph").
+# The output-only graph runs where it was measured faster, from 256 keys; below, both graphs take the same time
+# within noise (BENCHMARKS.md, "The output-only graph").
 OUTPUT_ONLY_FROM_KV_LEN = 256
 
 
