@@ -6,7 +6,9 @@
 #   prometheus  Debian's Prometheus scraping the compose file's servers (the monitoring profile)
 # BASE_IMAGE: any Debian-like image with python3 (>= 3.11), venv and pip.
 # Each Python image installs its dependencies (read from pyproject.toml alone) in a layer of its own, then
-# mhaserve itself without them: a change to the code rebuilds only that last layer, in seconds.
+# mhaserve itself without them: a change to the code rebuilds only that last layer, in seconds. The layer is
+# keyed by the image's requirements list, not by pyproject.toml: a change elsewhere in it (the test extra,
+# pytest's settings) rebuilds nothing.
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 
 FROM scratch AS source
@@ -17,6 +19,13 @@ COPY export /src/export
 COPY server /src/server
 COPY protos /src/protos
 
+FROM ${BASE_IMAGE} AS requirements
+WORKDIR /requirements
+COPY pyproject.toml docker/requirements.py ./
+RUN python3 requirements.py pyproject.toml > server.txt \
+ && python3 requirements.py pyproject.toml export > export.txt \
+ && python3 requirements.py pyproject.toml gpu > server-gpu.txt
+
 FROM ${BASE_IMAGE} AS base
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
     VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:$PATH
@@ -24,10 +33,10 @@ RUN python3 -m venv /opt/venv \
  && useradd --system --create-home --uid 10001 --home-dir /home/mhaserve mhaserve \
  && mkdir -p /models && chown mhaserve /models
 WORKDIR /opt/mhaserve
-COPY pyproject.toml docker/requirements.py ./
 
 FROM base AS server
-RUN python3 requirements.py pyproject.toml > requirements.txt && pip install -r requirements.txt
+COPY --from=requirements /requirements/server.txt requirements.txt
+RUN pip install -r requirements.txt
 COPY --from=source /src ./
 RUN pip install --no-deps --no-build-isolation . && pip check
 USER mhaserve
@@ -48,8 +57,8 @@ FROM base AS export
 # TORCH_INDEX_URL (PyTorch's CPU index) supplies it.
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 COPY docker/wheels/ /tmp/wheels/
-RUN python3 requirements.py pyproject.toml export > requirements.txt \
- && pip install --find-links /tmp/wheels --extra-index-url "${TORCH_INDEX_URL}" -r requirements.txt \
+COPY --from=requirements /requirements/export.txt requirements.txt
+RUN pip install --find-links /tmp/wheels --extra-index-url "${TORCH_INDEX_URL}" -r requirements.txt \
  && rm -rf /tmp/wheels
 COPY --from=source /src ./
 RUN pip install --no-deps --no-build-isolation . && pip check
@@ -59,7 +68,8 @@ ENTRYPOINT ["mhaserve"]
 CMD ["export", "--out", "/models/mha"]
 
 FROM base AS server-gpu
-RUN python3 requirements.py pyproject.toml gpu > requirements.txt && pip install -r requirements.txt
+COPY --from=requirements /requirements/server-gpu.txt requirements.txt
+RUN pip install -r requirements.txt
 COPY --from=source /src ./
 RUN pip install --no-deps --no-build-isolation . && pip check
 USER mhaserve
