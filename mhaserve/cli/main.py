@@ -612,7 +612,15 @@ def _run_bench(args) -> int:
     results = []
     print(report.table_header())
     judged = []  # per point: its SLO verdicts and goodput
-    with LoadGenerator(args.url, processes, args.timeout, tls=tls, token=token) as generator:
+    from mhaserve.loadtest.server_side import counters_of
+
+    statistics_client = _client(args, tls, token)  # the server's side of each point: its statistics, read twice
+    with (
+        statistics_client,
+        LoadGenerator(
+            args.url, processes, args.timeout, tls=tls, token=token, counters=counters_of(statistics_client)
+        ) as generator,
+    ):
         for i, point in enumerate(points, 1):
             print(f"[{i}/{len(points)}] {point.label} ...", file=sys.stderr, flush=True)
             results.append(generator.measure(workload, point))

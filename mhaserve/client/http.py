@@ -214,6 +214,11 @@ class HttpClient:
     def metadata(self, timeout=None) -> dict:
         return json.loads(self._call("GET", self.model_path, timeout=timeout)[0])
 
+    def statistics(self, timeout=None) -> dict:
+        """The server's counters for this model's version (Triton's statistics extension), as JSON; with no
+        version given, the newest served one's."""
+        return json.loads(self._call("GET", self.model_path + "/stats", timeout=timeout)[0])["model_stats"][-1]
+
     def model_width(self, timeout=None) -> int:
         return int(self.metadata(timeout)["inputs"][0]["shape"][-1])
 

@@ -18,12 +18,15 @@ import multiprocessing
 import os
 import resource
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from mhaserve.client.common import WeightsOptions
+
+from .server_side import WindowReads
 
 PERCENTILES = (50, 90, 95, 99, 99.9)
 OPEN_LOOP_MAX_OUTSTANDING = 4096  # a server this far behind has failed the point anyway
@@ -91,6 +94,7 @@ class PointResult:
     behind_ms: float
     dropped: int
     latencies_ms: np.ndarray = field(repr=False)
+    server: dict | None = None  # the server's side of the window (server_side.split), where it was read
 
     def row(self) -> dict:
         """A flat record for JSON and CSV."""
@@ -113,6 +117,7 @@ class PointResult:
             "client_bound": self.client_bound,
             "open_loop_behind_ms": round(self.behind_ms, 3),
             "open_loop_dropped": self.dropped,
+            "server": self.server,
         }
 
 
@@ -373,20 +378,38 @@ def shares(point: Point, processes: int) -> list[float]:
 class LoadGenerator:
     """A pool of client processes, reused across points (each costs ~0.5 s to start)."""
 
-    def __init__(self, url: str, processes: int, timeout_s: float = 60.0, tls=None, token: str | None = None):
+    def __init__(
+        self,
+        url: str,
+        processes: int,
+        timeout_s: float = 60.0,
+        tls=None,
+        token: str | None = None,
+        counters: Callable[[], dict] | None = None,
+    ):
+        """``counters``: reads the server's statistics (server_side.counters_of), for the server's side of each
+        point; None: the client's side only."""
         self.url = url
         self.tls, self.token = tls, token
         self.processes = processes
         self.timeout_s = timeout_s
+        self._counters = counters
         # spawn, not fork: gRPC's threads do not survive a fork.
         self._pool = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"))
+        # Started now, not at the first point: a point's window then starts when its clients connect.
+        for started in [self._pool.submit(cpu_seconds) for _ in range(processes)]:
+            started.result()
 
     def measure(self, workload: Workload, point: Point) -> PointResult:
         futures = [
             self._pool.submit(run_worker, self.url, workload, point, share, 1 + i, self.timeout_s, self.tls, self.token)
             for i, share in enumerate(shares(point, self.processes))
         ]
-        return summarize(point, workload, [f.result() for f in futures])
+        reads = WindowReads(self._counters, point.warmup_s, point.duration_s) if self._counters else None
+        result = summarize(point, workload, [f.result() for f in futures])
+        if reads is not None:
+            result.server = reads.result(result.latency_ms.get("mean") if result.count else None)
+        return result
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

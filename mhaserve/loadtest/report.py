@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from .loadgen import PointResult
+from .server_side import SPLIT_FIELDS
 
 COLUMNS = ("load", "req/s", "p50 ms", "p90 ms", "p95 ms", "p99 ms", "p99.9 ms", "max ms", "errors", "client cpu")
 
@@ -37,10 +38,27 @@ def notes(results: list[PointResult]) -> list[str]:
                 f"{r.point.label}: {r.errors[status]} {status} answered in p50 {latency['p50']:.3f} ms, "
                 f"p99 {latency['p99']:.3f} ms, max {latency['max']:.3f} ms"
             )
+    for r in results:
+        if r.server is not None:
+            lines.append(server_line(r))
     dropped = sum(r.dropped for r in results)
     if dropped:
         lines.append(f"! open loop: {dropped} sends skipped with too many requests outstanding (server overloaded)")
     return lines
+
+
+def server_line(r: PointResult) -> str:
+    """The server's side of a point, per request: its time, of which queue and compute, and the rest."""
+    s = r.server
+    rest = s["transport_and_client_ms"]
+    rows = f"; {s['rows_per_run']:.1f} rows per run" if s["rows_per_run"] is not None else ""
+    return (
+        f"{r.point.label}: server {s['server_ms']:.3f} ms a request ({s['requests']} requests): queue "
+        f"{s['queue_ms']:.3f}, compute input {s['compute_input_ms']:.3f}, infer {s['compute_infer_ms']:.3f}, "
+        f"output {s['compute_output_ms']:.3f}"
+        + (f"; transport and client {rest:.3f} ms (of the mean)" if rest is not None else "")
+        + rows
+    )
 
 
 def run_metadata(command: list[str], model: dict) -> dict:
@@ -83,6 +101,8 @@ def write_csv(results: list[PointResult], path: Path) -> None:
         row["error_latency_ms"] = ";".join(
             f"{k}:p50={v['p50']:.3f},p99={v['p99']:.3f}" for k, v in sorted(row["error_latency_ms"].items())
         )
+        server = row.pop("server") or {}
+        row.update({f"server_{key}": server.get(key) for key in SPLIT_FIELDS})
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()

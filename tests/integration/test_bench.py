@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 SHORT = ("--duration", "1", "--warmup", "0.3", "--processes", "2")
 
 
@@ -96,3 +98,24 @@ def test_the_json_records_what_was_run_and_the_high_tail(server, tmp_path):
     assert meta["model"]["name"] == "mha" and meta["model"]["versions"] == ["1"]
     assert point["p99_ms"] <= point["p99.9_ms"] <= point["max_ms"]
     assert "p99.9 ms" in done.stdout
+
+
+def test_each_point_has_the_servers_queue_and_compute_within_the_clients_latency(server, tmp_path):
+    http = server.http_url.removeprefix("http://")
+    for protocol, url in (("grpc", server.url), ("http", http)):
+        out = tmp_path / f"{protocol}.json"
+        command = [sys.executable, "-m", "mhaserve.cli", "bench", "--url", url, "--protocol", protocol, *SHORT,
+                   "--concurrency", "2", "--lengths", "8..32", "--json", str(out),
+                   "--csv", str(tmp_path / "r.csv")]  # fmt: skip
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        (point,) = json.loads(out.read_text())["points"]
+        side = point["server"]
+        assert side["requests"] > 0 and side["rows_per_run"] >= 1
+        stages = side["queue_ms"] + side["compute_input_ms"] + side["compute_infer_ms"] + side["compute_output_ms"]
+        assert 0 < stages <= side["server_ms"] * 1.001 + 1e-3  # the stages are parts of the server's time
+        assert stages < point["mean_ms"]  # queue and compute lie inside the client's latency
+        assert side["transport_and_client_ms"] == pytest.approx(point["mean_ms"] - side["server_ms"], abs=1e-3)
+        assert "concurrency 2: server " in done.stdout and " a request (" in done.stdout
+        (row,) = csv.DictReader((tmp_path / "r.csv").open())
+        assert float(row["server_compute_infer_ms"]) == pytest.approx(side["compute_infer_ms"], rel=1e-3)

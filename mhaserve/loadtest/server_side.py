@@ -1,0 +1,94 @@
+"""The server's side of a load test's point: its statistics (Triton's statistics extension, which it serves
+over both protocols) read at the start and the end of the measured window, and what the requests completed
+in between cost it on average: queue, compute (input, infer, output), its whole time, and the rows of its runs.
+What the client measured beyond the server's time is the transport's and the client's."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+STAGES = ("queue", "compute_input", "compute_infer", "compute_output")
+SPLIT_FIELDS = (
+    "requests",
+    "server_ms",
+    *(f"{stage}_ms" for stage in STAGES),
+    "rows_per_run",
+    "transport_and_client_ms",
+)
+
+
+def counters_of(client) -> Callable[[], dict]:
+    """A function reading ``client``'s model's statistics as a plain dict (the extension's fields, integers)."""
+    from google.protobuf import json_format
+
+    def read() -> dict:
+        stats = client.statistics(timeout=10)
+        if isinstance(stats, dict):  # over HTTP/REST: JSON already
+            return stats
+        as_json = json_format.MessageToDict(
+            stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+        )
+        return _integers(as_json)
+
+    return read
+
+
+def _integers(value):
+    """protobuf's JSON writes 64-bit integers as strings: back to integers."""
+    if isinstance(value, dict):
+        return {k: _integers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_integers(v) for v in value]
+    if isinstance(value, str) and value.isdigit():
+        return int(value)
+    return value
+
+
+def split(before: dict, after: dict, client_mean_ms: float | None) -> dict | None:
+    """Per request completed between the two reads, in milliseconds; None when none completed."""
+    stats_before, stats_after = before["inference_stats"], after["inference_stats"]
+
+    def delta(stage: str, field: str) -> int:
+        return int(stats_after.get(stage, {}).get(field, 0)) - int(stats_before.get(stage, {}).get(field, 0))
+
+    requests = delta("success", "count")
+    if requests <= 0:
+        return None
+    side = {"requests": requests, "server_ms": delta("success", "ns") / requests / 1e6}
+    side.update({f"{stage}_ms": delta(stage, "ns") / requests / 1e6 for stage in STAGES})
+    runs = int(after.get("execution_count", 0)) - int(before.get("execution_count", 0))
+    rows = int(after.get("inference_count", 0)) - int(before.get("inference_count", 0))
+    side["rows_per_run"] = rows / runs if runs > 0 else None
+    side["transport_and_client_ms"] = None if client_mean_ms is None else client_mean_ms - side["server_ms"]
+    return side
+
+
+class WindowReads:
+    """Reads the counters at ``warmup_s`` and at ``warmup_s + duration_s`` from now, on a thread of its own, by
+    the load test's clock (its client processes start theirs as they connect, a few milliseconds later)."""
+
+    def __init__(self, read: Callable[[], dict], warmup_s: float, duration_s: float):
+        self._read, self._warmup_s, self._duration_s = read, warmup_s, duration_s
+        self.before: dict | None = None
+        self.after: dict | None = None
+        self.error: str | None = None
+        self._thread = threading.Thread(target=self._run, name="server-statistics", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        started = time.monotonic()
+        try:
+            time.sleep(self._warmup_s)
+            self.before = self._read()
+            time.sleep(max(0.0, started + self._warmup_s + self._duration_s - time.monotonic()))
+            self.after = self._read()
+        except Exception as error:  # the server's side is extra: a failed read leaves it out, the point stands
+            self.error = f"{type(error).__name__}: {error}"
+
+    def result(self, client_mean_ms: float | None) -> dict | None:
+        self._thread.join()
+        if self.before is None or self.after is None:
+            return None
+        return split(self.before, self.after, client_mean_ms)
