@@ -536,11 +536,40 @@ def _length_range(text: str) -> tuple[int, int]:
     return low, high
 
 
+def _compare_runs(words: list[str]) -> int:
+    """``bench compare A.json B.json``: B against A, point by point."""
+    import json
+
+    from mhaserve.loadtest.rounds import compare
+
+    if len(words) != 3 or words[0] != "compare":
+        raise UsageError(f"bench takes 'compare A.json B.json' or options only, got {' '.join(words)!r}")
+    runs = []
+    for path in words[1:]:
+        try:
+            runs.append(json.loads(Path(path).read_text()))
+        except (OSError, ValueError) as error:
+            raise UsageError(f"{path}: not a 'mhaserve bench --json' file ({error})") from None
+        if not isinstance(runs[-1], dict) or "points" not in runs[-1]:
+            raise UsageError(f"{path}: not a 'mhaserve bench --json' file (no 'points')")
+    lines = compare(*runs)
+    if not lines:
+        print(f"no point of {words[2]} was measured in {words[1]} (same mode, load, shape and outputs)")
+        return 1
+    print(f"{words[2]} against {words[1]}, after / before:")
+    for line in lines:
+        print(line)
+    return 0
+
+
 def _add_bench(sub) -> None:
     p = sub.add_parser(
         "bench",
-        help="load-test a server: closed-loop concurrency sweep or open-loop rates; table, JSON/CSV, plots",
+        help="load-test a server: closed-loop concurrency sweep or open-loop rates; table, JSON/CSV, plots; "
+        "'bench compare A.json B.json' compares two runs",
     )
+    p.add_argument("compare", nargs="*", metavar="compare A.json B.json",
+                   help="compare two runs' --json files point by point instead of measuring")  # fmt: skip
     _add_connection_arguments(p)
     _add_protocol_argument(p)
     p.add_argument("--model", default="mha", help="model name (default mha)")
@@ -558,6 +587,8 @@ def _add_bench(sub) -> None:
     p.add_argument("--warmup", type=float, default=2.0, help="seconds per point before measuring (default 2)")
     p.add_argument("--processes", type=int, default=None, help="client processes (default: cores, at most 4)")
     p.add_argument("--timeout", type=float, default=60.0, help="deadline per request, seconds")
+    p.add_argument("--rounds", type=int, default=1, help="measure each point this many times: the median round "
+                   "is reported, each figure's lowest and highest beside it (default 1)")  # fmt: skip
     _add_shared_memory_argument(p)
     p.add_argument("--json", type=Path, help="write the results as JSON")
     p.add_argument("--csv", type=Path, help="write the results as CSV")
@@ -571,6 +602,10 @@ def _add_bench(sub) -> None:
 
 
 def _run_bench(args) -> int:
+    if args.compare:
+        return _compare_runs(args.compare)
+    if args.rounds < 1:
+        raise UsageError(f"--rounds must be at least 1, got {args.rounds}")
     from mhaserve.loadtest.slo import goodput, parse_slo, verdicts
 
     try:
@@ -612,6 +647,7 @@ def _run_bench(args) -> int:
     results = []
     print(report.table_header())
     judged = []  # per point: its SLO verdicts and goodput
+    from mhaserve.loadtest.rounds import of_rounds, rounds_line
     from mhaserve.loadtest.server_side import counters_of
 
     statistics_client = _client(args, tls, token)  # the server's side of each point: its statistics, read twice
@@ -623,11 +659,14 @@ def _run_bench(args) -> int:
     ):
         for i, point in enumerate(points, 1):
             print(f"[{i}/{len(points)}] {point.label} ...", file=sys.stderr, flush=True)
-            results.append(generator.measure(workload, point))
+            rounds = [generator.measure(workload, point) for _ in range(args.rounds)]
+            results.append(of_rounds(rounds) if args.rounds > 1 else rounds[0])
             print(report.table_row(results[-1]), flush=True)
             judged.append({"slo": verdicts(results[-1], slos), "goodput_per_s": goodput(results[-1], slos)})
     for line in report.notes(results):
         print(line)
+    for result in results if args.rounds > 1 else ():
+        print(rounds_line(result))
     missed = []
     for result, verdict in zip(results, judged, strict=True):
         if slos:

@@ -95,6 +95,7 @@ class PointResult:
     dropped: int
     latencies_ms: np.ndarray = field(repr=False)
     server: dict | None = None  # the server's side of the window (server_side.split), where it was read
+    rounds: dict | None = None  # with --rounds: every round's figures, their medians and spread (rounds.of_rounds)
 
     def row(self) -> dict:
         """A flat record for JSON and CSV."""
@@ -118,6 +119,7 @@ class PointResult:
             "open_loop_behind_ms": round(self.behind_ms, 3),
             "open_loop_dropped": self.dropped,
             "server": self.server,
+            "rounds": self.rounds,
         }
 
 

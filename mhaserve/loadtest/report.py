@@ -53,7 +53,7 @@ def server_line(r: PointResult) -> str:
     rest = s["transport_and_client_ms"]
     rows = f"; {s['rows_per_run']:.1f} rows per run" if s["rows_per_run"] is not None else ""
     return (
-        f"{r.point.label}: server {s['server_ms']:.3f} ms a request ({s['requests']} requests): queue "
+        f"server side at {r.point.label}: {s['server_ms']:.3f} ms a request ({s['requests']} requests): queue "
         f"{s['queue_ms']:.3f}, compute input {s['compute_input_ms']:.3f}, infer {s['compute_infer_ms']:.3f}, "
         f"output {s['compute_output_ms']:.3f}"
         + (f"; transport and client {rest:.3f} ms (of the mean)" if rest is not None else "")
@@ -101,6 +101,7 @@ def write_csv(results: list[PointResult], path: Path) -> None:
         row["error_latency_ms"] = ";".join(
             f"{k}:p50={v['p50']:.3f},p99={v['p99']:.3f}" for k, v in sorted(row["error_latency_ms"].items())
         )
+        row.pop("rounds")
         server = row.pop("server") or {}
         row.update({f"server_{key}": server.get(key) for key in SPLIT_FIELDS})
     with path.open("w", newline="") as f:

@@ -116,6 +116,35 @@ def test_each_point_has_the_servers_queue_and_compute_within_the_clients_latency
         assert 0 < stages <= side["server_ms"] * 1.001 + 1e-3  # the stages are parts of the server's time
         assert stages < point["mean_ms"]  # queue and compute lie inside the client's latency
         assert side["transport_and_client_ms"] == pytest.approx(point["mean_ms"] - side["server_ms"], abs=1e-3)
-        assert "concurrency 2: server " in done.stdout and " a request (" in done.stdout
+        assert "server side at concurrency 2: " in done.stdout and " a request (" in done.stdout
         (row,) = csv.DictReader((tmp_path / "r.csv").open())
         assert float(row["server_compute_infer_ms"]) == pytest.approx(side["compute_infer_ms"], rel=1e-3)
+
+
+def test_rounds_give_each_figure_its_spread_and_compare_says_what_differs_beyond_it(server, tmp_path):
+    for name in ("a", "b"):
+        done = bench(server, "--concurrency", "2", "--rounds", "2", "--json", str(tmp_path / f"{name}.json"))
+        assert done.returncode == 0, done.stderr
+        assert "rounds at concurrency 2: 2, median [lowest, highest]: req/s " in done.stdout
+    (point,) = json.loads((tmp_path / "b.json").read_text())["points"]
+    rounds = point["rounds"]
+    assert rounds["n"] == 2 and len(rounds["throughput_per_s"]["rounds"]) == 2
+    low, high = rounds["p99_ms"]["interval"]
+    assert low <= rounds["p99_ms"]["median"] <= high
+    assert point["throughput_per_s"] == pytest.approx(min(rounds["throughput_per_s"]["rounds"]), rel=1e-2)
+    compare = [
+        sys.executable,
+        "-m",
+        "mhaserve.cli",
+        "bench",
+        "compare",
+        str(tmp_path / "a.json"),
+        str(tmp_path / "b.json"),
+    ]
+    done = subprocess.run(compare, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    (line,) = [line for line in done.stdout.splitlines() if line.startswith("concurrency 2 [1,16,64]")]
+    assert "req/s " in line and "p50 " in line and "p99 " in line
+    assert line.count("within noise") + line.count("beyond noise") == 3
+    wrong = subprocess.run([*compare[:5], str(tmp_path / "a.json")], capture_output=True, text=True, timeout=60)
+    assert wrong.returncode == 2 and wrong.stderr.strip().count("\n") == 0 and "Traceback" not in wrong.stderr
