@@ -288,6 +288,9 @@ async def _drive(url: str, workload: Workload, point: Point, share: float, seed:
         async def mark_window() -> None:
             await asyncio.sleep(max(0.0, (measure_from - time.perf_counter_ns()) / 1e9))
             cpu_at_start.append(cpu_seconds())
+            _report_window("start")
+            await asyncio.sleep(max(0.0, (end - time.perf_counter_ns()) / 1e9))
+            _report_window("end")
 
         marker = asyncio.create_task(mark_window())
         behind_ns, dropped = 0, 0
@@ -325,6 +328,19 @@ async def _drive(url: str, workload: Workload, point: Point, share: float, seed:
         cpu = cpu_seconds() - cpu_at_start[0]
     failed = {status: np.asarray(values, dtype=np.int64) for status, values in error_latencies.items()}
     return WorkerResult(np.asarray(latencies, dtype=np.int64), failed, cpu, behind_ns / 1e6, dropped)
+
+
+_window_marks = None  # in a client process: where it says that its measured window starts and ends
+
+
+def _start_client_process(marks) -> None:
+    global _window_marks
+    _window_marks = marks
+
+
+def _report_window(edge: str) -> None:
+    if _window_marks is not None:
+        _window_marks.put(edge)
 
 
 def run_worker(
@@ -397,17 +413,25 @@ class LoadGenerator:
         self.timeout_s = timeout_s
         self._counters = counters
         # spawn, not fork: gRPC's threads do not survive a fork.
-        self._pool = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"))
+        context = multiprocessing.get_context("spawn")
+        self._window_marks = context.Queue()  # each client process says when its window starts and ends
+        self._pool = ProcessPoolExecutor(
+            processes, mp_context=context, initializer=_start_client_process, initargs=(self._window_marks,)
+        )
         # Started now, not at the first point: a point's window then starts when its clients connect.
         for started in [self._pool.submit(cpu_seconds) for _ in range(processes)]:
             started.result()
 
     def measure(self, workload: Workload, point: Point) -> PointResult:
+        while not self._window_marks.empty():  # a previous point's, if it ended early
+            self._window_marks.get_nowait()
         futures = [
             self._pool.submit(run_worker, self.url, workload, point, share, 1 + i, self.timeout_s, self.tls, self.token)
             for i, share in enumerate(shares(point, self.processes))
         ]
-        reads = WindowReads(self._counters, point.warmup_s, point.duration_s) if self._counters else None
+        reads = None
+        if self._counters is not None:
+            reads = WindowReads(self._counters, self._window_marks, len(futures), point.warmup_s + point.duration_s)
         result = summarize(point, workload, [f.result() for f in futures])
         if reads is not None:
             result.server = reads.result(result.latency_ms.get("mean") if result.count else None)

@@ -1,12 +1,12 @@
 """The server's side of a load test's point: its statistics (Triton's statistics extension, which it serves
-over both protocols) read at the start and the end of the measured window, and what the requests completed
-in between cost it on average: queue, compute (input, infer, output), its whole time, and the rows of its runs.
-What the client measured beyond the server's time is the transport's and the client's."""
+over both protocols) read when the client processes have started their measured window and when they have
+ended it, and what the requests completed in between cost it on average: queue, compute (input, infer,
+output), its whole time, and the rows of its runs. What the client measured beyond the server's time is the
+transport's and the client's."""
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 
 STAGES = ("queue", "compute_input", "compute_infer", "compute_output")
@@ -66,23 +66,28 @@ def split(before: dict, after: dict, client_mean_ms: float | None) -> dict | Non
 
 
 class WindowReads:
-    """Reads the counters at ``warmup_s`` and at ``warmup_s + duration_s`` from now, on a thread of its own, by
-    the load test's clock (its client processes start theirs as they connect, a few milliseconds later)."""
+    """Reads the counters when every client process has started its measured window, and again when every one
+    has ended it (each says so on ``marks``), on a thread of its own."""
 
-    def __init__(self, read: Callable[[], dict], warmup_s: float, duration_s: float):
-        self._read, self._warmup_s, self._duration_s = read, warmup_s, duration_s
+    def __init__(self, read: Callable[[], dict], marks, clients: int, longest_s: float):
+        self._read, self._marks, self._clients, self._longest_s = read, marks, clients, longest_s
         self.before: dict | None = None
         self.after: dict | None = None
         self.error: str | None = None
         self._thread = threading.Thread(target=self._run, name="server-statistics", daemon=True)
         self._thread.start()
 
+    def _wait_for(self, edge: str) -> None:
+        seen = 0
+        while seen < self._clients:
+            if self._marks.get(timeout=self._longest_s + 60) == edge:
+                seen += 1
+
     def _run(self) -> None:
-        started = time.monotonic()
         try:
-            time.sleep(self._warmup_s)
+            self._wait_for("start")
             self.before = self._read()
-            time.sleep(max(0.0, started + self._warmup_s + self._duration_s - time.monotonic()))
+            self._wait_for("end")
             self.after = self._read()
         except Exception as error:  # the server's side is extra: a failed read leaves it out, the point stands
             self.error = f"{type(error).__name__}: {error}"
