@@ -281,6 +281,13 @@ class DataPlane:
         values one by one, parsing megabytes of typed protobuf) is kept off the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self._decoder, _pausing_after, function, *args)
 
+    async def off_loop_if_large(self, function, nbytes: int, *args):
+        """``function(*args)``, on the decode thread when it moves more than OFF_LOOP_BYTES (a message to parse,
+        tensors to copy), else here."""
+        if nbytes > OFF_LOOP_BYTES:
+            return await self.off_loop(function, *args)
+        return function(*args)
+
     # -- what the transports describe ---------------------------------------------------------------------
 
     def ready_versions(self, name: str) -> list[int]:
@@ -368,7 +375,9 @@ class InferenceCall(CallRecord):
         outputs = {o: answer.outputs[o] for o in attention.outputs}
         placed = {name: placement for name, placement in placed.items() if name in outputs}
         if placed:
-            await self._off_loop_if_large(self._regions.write, sum(outputs[n].nbytes for n in placed), outputs, placed)
+            await self._dataplane.off_loop_if_large(
+                self._regions.write, sum(outputs[n].nbytes for n in placed), outputs, placed
+            )
         return InferenceResponse(signature, request, outputs, frozenset(placed))
 
     def _admit(self, attention: AttentionRequest, signature: ModelSignature) -> None:
@@ -448,13 +457,7 @@ class InferenceCall(CallRecord):
             return None
         total = sum(shared.placement.byte_size for shared in request.shared_inputs.values())
         self.receipt.add(total)
-        return await self._off_loop_if_large(self._read_inputs, total, request)
-
-    async def _off_loop_if_large(self, function, nbytes: int, *args):
-        """``function(*args)``, on the decode thread when it moves more than a megabyte."""
-        if nbytes > OFF_LOOP_BYTES:
-            return await self._dataplane.off_loop(function, *args)
-        return function(*args)
+        return await self._dataplane.off_loop_if_large(self._read_inputs, total, request)
 
     def _read_inputs(self, request: InferenceRequest) -> AttentionRequest:
         for name, shared in request.shared_inputs.items():

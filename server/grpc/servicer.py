@@ -18,7 +18,6 @@ from mhaserve.protos.generated import model_config_pb2 as mc
 from .. import describe
 from ..dataplane import DataPlane, InferenceCall
 from ..errors import ErrorKind, RequestError
-from ..inference import OFF_LOOP_BYTES
 from .protobuf import decode_grpc_request, encode_grpc_response, grpc_decodes_slowly
 
 log = logging.getLogger("mhaserve.server")
@@ -258,35 +257,33 @@ class ReceivedMessage:
     """An inference request message as gRPC received it, parsed on demand: its bytes count in the memory
     budget before the parse copies them, so a request the budget cannot hold is refused unparsed."""
 
-    def __init__(self, raw: bytes, request_class, off_loop):
-        self._raw, self._request_class, self._off_loop = raw, request_class, off_loop
+    def __init__(self, raw: bytes, request_class, off_loop_if_large):
+        self._raw, self._request_class, self._off_loop_if_large = raw, request_class, off_loop_if_large
 
     async def counted_and_parsed(self, call: InferenceCall):
         call.bytes_in = len(self._raw)
         call.receipt.add_received(len(self._raw))
         try:
-            return await _parsed(self._request_class, self._raw, self._off_loop)
+            return await _parsed(self._request_class, self._raw, self._off_loop_if_large)
         except DecodeError:
             raise RequestError(ErrorKind.INVALID_ARGUMENT, _undecodable(self._request_class, self._raw)) from None
         finally:
             self._raw = None  # the parsed message holds what the request needs
 
 
-async def _parsed(request_class, raw: bytes, off_loop):
+async def _parsed(request_class, raw: bytes, off_loop_if_large):
     """The message; a large one is parsed on the decode thread (typed contents parse in one long call)."""
-    if len(raw) > OFF_LOOP_BYTES:
-        return await off_loop(request_class.FromString, raw)
-    return request_class.FromString(raw)
+    return await off_loop_if_large(request_class.FromString, len(raw), raw)
 
 
-def _parsing_unary(behavior, request_class, off_loop, inference: bool):
+def _parsing_unary(behavior, request_class, off_loop_if_large, inference: bool):
     async def handle(raw: bytes, context):
         try:
             if inference:  # parsed in the call, once counted
-                request = ReceivedMessage(raw, request_class, off_loop)
+                request = ReceivedMessage(raw, request_class, off_loop_if_large)
             else:
                 try:
-                    request = await _parsed(request_class, raw, off_loop)
+                    request = await _parsed(request_class, raw, off_loop_if_large)
                 except DecodeError:  # the method refuses it
                     request = RequestError(ErrorKind.INVALID_ARGUMENT, _undecodable(request_class, raw))
             return await behavior(request, context)
@@ -312,11 +309,11 @@ def _forget_locals(error: BaseException | None) -> None:
         error = error.__context__
 
 
-def _parsing_stream(behavior, request_class, off_loop):
+def _parsing_stream(behavior, request_class, off_loop_if_large):
     async def handle(raw_iterator, context):
         async def requests():  # one bad message is that message's error, not the stream's end
             async for raw in raw_iterator:
-                yield ReceivedMessage(raw, request_class, off_loop)
+                yield ReceivedMessage(raw, request_class, off_loop_if_large)
 
         await behavior(requests(), context)  # it writes its answers itself
 
@@ -344,6 +341,7 @@ def add_inference_service(servicer: InferenceServicer, server) -> None:
     other malformed request.
     """
     service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    parse = servicer.dataplane.off_loop_if_large  # a large message is parsed off the event loop
     handlers = {}
     for method in service.methods:
         request_class = getattr(pb, method.input_type.name)
@@ -351,10 +349,10 @@ def add_inference_service(servicer: InferenceServicer, server) -> None:
         behavior = getattr(servicer, method.name)
         if method.client_streaming and method.server_streaming:
             handler = grpc.stream_stream_rpc_method_handler(
-                _parsing_stream(behavior, request_class, servicer.dataplane.off_loop), response_serializer=serialize
+                _parsing_stream(behavior, request_class, parse), response_serializer=serialize
             )
         elif not (method.client_streaming or method.server_streaming):
-            parsing = _parsing_unary(behavior, request_class, servicer.dataplane.off_loop, method.name == "ModelInfer")
+            parsing = _parsing_unary(behavior, request_class, parse, method.name == "ModelInfer")
             handler = grpc.unary_unary_rpc_method_handler(parsing, response_serializer=serialize)
         else:  # the protocol has no such RPC; refuse to guess
             raise TypeError(f"{method.full_name}: half-streaming RPCs are not handled")

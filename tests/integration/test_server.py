@@ -212,7 +212,7 @@ def test_a_failing_model_run_answers_internal_and_the_next_request_is_served(sma
         wire = build_infer_request("mha", rand(1, 4, D, seed=18), request_id="good").SerializeToString()
 
         def good():  # as gRPC hands the servicer an inference request
-            return ReceivedMessage(wire, pb.ModelInferRequest, dataplane.off_loop)
+            return ReceivedMessage(wire, pb.ModelInferRequest, dataplane.off_loop_if_large)
 
         batcher = dataplane.resolve("mha", "").batcher
         working_run = batcher._run_model
