@@ -418,9 +418,6 @@ class LoadGenerator:
         self._pool = ProcessPoolExecutor(
             processes, mp_context=context, initializer=_start_client_process, initargs=(self._window_marks,)
         )
-        # Started now, not at the first point: a point's window then starts when its clients connect.
-        for started in [self._pool.submit(cpu_seconds) for _ in range(processes)]:
-            started.result()
 
     def measure(self, workload: Workload, point: Point) -> PointResult:
         while not self._window_marks.empty():  # a previous point's, if it ended early
