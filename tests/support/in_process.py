@@ -35,7 +35,7 @@ class _Lines(logging.Handler):
 
 class InProcessServer:
     """``InProcessServer(model_dir, *flags)``: what ``ServerProcess`` offers (url, http_url, metrics_url, log,
-    stop_line, stop), plus ``dataplane`` to look inside. ``start`` raises StartFailed if it cannot serve."""
+    stop_line, pid, alive, stop). ``start`` raises StartFailed if it cannot serve."""
 
     def __init__(self, model_dir: Path | None, *args: str, port: int = 0):
         parser = argparse.ArgumentParser()
@@ -72,10 +72,6 @@ class InProcessServer:
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
-
-    @property
-    def dataplane(self):
-        return self.server.dataplane
 
     @property
     def stop_line(self) -> str:
@@ -136,10 +132,6 @@ class InProcessServer:
         self._started.set()
         await self._stop.wait()
         await server.stop()
-
-    def call(self, coroutine_function, *args, timeout: float = 30.0):
-        """``await coroutine_function(*args)`` on the server's loop, from the test's thread: its result."""
-        return asyncio.run_coroutine_threadsafe(coroutine_function(*args), self._loop).result(timeout)
 
     def stop(self) -> None:
         """Stop it, cutting off what is in flight (SIGTERM's drain is tested on server processes)."""
