@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import statistics
 
-from .loadgen import PointResult
+from .loadgen import Point, PointResult
 
 FIGURES = (("throughput_per_s", "req/s"), ("p50_ms", "p50"), ("p99_ms", "p99"))
 
@@ -59,7 +59,7 @@ def compare(before: dict, after: dict) -> list[str]:
         base = earlier.get(_key(point))
         if base is None:
             continue
-        label = f"{'concurrency' if point['mode'] == 'closed' else 'rate'} {point['load']:g} {point['shape']}"
+        label = f"{Point(point['mode'], point['load'], point['duration_s'], 0).label} {point['shape']}"
         cells, verdicts = [], []
         for name, shown in FIGURES:
             was, was_interval = _figure(base, name)
