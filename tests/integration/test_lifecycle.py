@@ -220,7 +220,7 @@ def test_health_watch_streams_are_bounded_and_check_stays_open(start_server, sma
     asyncio.run(scenario(server.url))
 
 
-def test_the_servers_phases_each_say_so_in_process(small_model_dir):
+def test_the_servers_phases_each_say_so_in_process(small_model_dir, caplog):
     """bind, load, serve, drain and stop, driven one by one in this test's event loop: health and the ready
     RPC follow them, a drained server refuses new calls as retryable, and the stop line counts the calls."""
     from mhaserve.server.app import Server
@@ -256,16 +256,9 @@ def test_the_servers_phases_each_say_so_in_process(small_model_dir):
         await server.stop()
         return seen
 
-    lines = []
-    handler = _LineCatcher(lines)
-    logger = logging.getLogger("mhaserve.server")
-    logger.addHandler(handler)
-    level, logger.level = logger.level, logging.INFO
-    try:
-        seen = asyncio.run(phases())
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
+    caplog.set_level(logging.INFO, logger="mhaserve.server")
+    seen = asyncio.run(phases())
+    lines = [record.getMessage() for record in caplog.records if record.name == "mhaserve.server"]
     assert seen["bound"] == (NOT_SERVING, False)
     assert seen["loaded"] == (NOT_SERVING, True)  # the models serve; health waits for the serve phase
     assert seen["serving"] == (SERVING, True)
@@ -274,12 +267,3 @@ def test_the_servers_phases_each_say_so_in_process(small_model_dir):
     code, details = seen["refused"]
     assert code == grpc.StatusCode.UNAVAILABLE and "shutting down" in details, details
     assert lines[-1] == "stopped: inference calls by status: OK 1, UNAVAILABLE 1; 0 in flight at exit", lines[-3:]
-
-
-class _LineCatcher(logging.Handler):
-    def __init__(self, lines: list[str]):
-        super().__init__()
-        self.lines = lines
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
