@@ -422,8 +422,8 @@ class InferenceCall(CallRecord):
                 attention.outputs = outputs
             self._admit(attention, signature)
             started = time.perf_counter_ns()
-            output, weights, key, value = await asyncio.get_running_loop().run_in_executor(
-                dataplane._executor, served.session.run_step, attention.query, sequence.key, sequence.value
+            output, weights, cache = await asyncio.get_running_loop().run_in_executor(
+                dataplane._executor, served.session.run_step, attention.query, sequence.cache
             )
             self.timing.infer_ns = time.perf_counter_ns() - started
             self._run_ended(attention.batch_size, started)
@@ -434,7 +434,7 @@ class InferenceCall(CallRecord):
             if error is not None:  # the cache is not grown by a step that overflowed
                 raise error
             if not sequence.ended:  # restarted while this step ran: its answer stands, the old cache does not
-                sequences.grow(sequence, key, value)
+                sequences.grow(sequence, cache)
         if step.end:
             sequences.end(sequence)
         return InferenceResponse(signature, request, answer, frozenset())

@@ -22,11 +22,10 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from .errors import ErrorKind, RequestError, invalid
 from .memory import MemoryBudget
 from .parameters import boolean, quoted
+from .session import StepCache
 
 UINT64_MAX = 2**64 - 1
 REMEMBERED_ENDS = 4096  # ids recently ended or timed out, to say so when a late step names one
@@ -67,19 +66,18 @@ class Sequence:
     id: int | str
     served: object  # the ServedModel it started on (entered: not unloaded while the sequence lives)
     batch: int
-    key: np.ndarray  # [B, h, length, d_k] float32, projected
-    value: np.ndarray
+    cache: StepCache  # its projected keys and values, where the step graph runs
     last_used: float = field(default_factory=time.monotonic)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     ended: bool = False
 
     @property
     def length(self) -> int:
-        return self.key.shape[2]
+        return self.cache.length
 
     @property
     def nbytes(self) -> int:
-        return self.key.nbytes + self.value.nbytes
+        return self.cache.nbytes
 
 
 class Sequences:
@@ -111,10 +109,8 @@ class Sequences:
                     f"sequence {step.id!r}: {len(self.live)} sequences are live, the limit --max-sequences="
                     f"{self.max_sequences}; end one (sequence_end) or retry later",
                 )
-            signature = served.signature
-            empty = np.zeros((batch, signature.num_heads, 0, signature.d_model // signature.num_heads), np.float32)
             served.enter()
-            sequence = Sequence(step.id, served, batch, empty, empty.copy())
+            sequence = Sequence(step.id, served, batch, served.session.empty_cache(batch))
             self.live[step.id] = sequence
             self._gone.pop(step.id, None)
             return sequence
@@ -134,12 +130,11 @@ class Sequences:
                 f"{self.max_length}; end it and start another",
             )
 
-    def grow(self, sequence: Sequence, key: np.ndarray, value: np.ndarray) -> None:
+    def grow(self, sequence: Sequence, cache: StepCache) -> None:
         """The step's cache replaces the sequence's: its new bytes are taken in the budget (RESOURCE_EXHAUSTED
         when they do not fit: the sequence stays as it was)."""
-        added = key.nbytes + value.nbytes - sequence.nbytes
-        self.budget.take(added, f"sequence {sequence.id!r}'s keys and values")
-        sequence.key, sequence.value = key, value
+        self.budget.take(cache.nbytes - sequence.nbytes, f"sequence {sequence.id!r}'s keys and values")
+        sequence.cache = cache
         sequence.last_used = time.monotonic()
         self.steps_total += 1
 

@@ -55,6 +55,26 @@ class ModelInfo:
         return {"fp16": "float16"}.get(self.precision, "float32")
 
 
+@dataclass(frozen=True)
+class StepCache:
+    """A sequence's projected keys and values, [B, h, length, d_k] float32 each, where the step graph runs: host
+    arrays on the CPU; on CUDA, OrtValues in the GPU's memory, so a step sends only its new rows to the device and
+    brings back only its answer."""
+
+    key: np.ndarray | ort.OrtValue
+    value: np.ndarray | ort.OrtValue
+    length: int
+    nbytes: int
+    device: str  # "cpu" or "cuda"
+
+    @classmethod
+    def of(cls, key, value) -> StepCache:
+        on_host = isinstance(key, np.ndarray)
+        shape = key.shape if on_host else key.shape()
+        nbytes = 2 * int(np.prod(shape)) * np.dtype(np.float32).itemsize
+        return cls(key, value, shape[2], nbytes, "cpu" if on_host else key.device_name())
+
+
 _CPU_ARENA_SHARED = False
 
 
@@ -216,9 +236,37 @@ class AttentionSession:
     def serves_sequences(self) -> bool:
         return self._step is not None
 
-    def run_step(self, query, past_key, past_value) -> list[np.ndarray]:
-        """One step of a sequence (export/step.py): [output, attn_weights, present_key, present_value]."""
-        return self._step.run(None, {"query": query, "past_key": past_key, "past_value": past_value})
+    @property
+    def _cache_device(self) -> str:
+        return "cuda" if self._step.get_providers()[0] == CUDA else "cpu"
+
+    def empty_cache(self, batch: int) -> StepCache:
+        """The cache of a sequence before its first step: no rows."""
+        d_k = self.info.d_model // self.info.num_heads
+        empty = np.zeros((batch, self.info.num_heads, 0, d_k), np.float32)
+        if self._cache_device == "cpu":
+            return StepCache.of(empty, empty.copy())
+        return StepCache.of(*(ort.OrtValue.ortvalue_from_numpy(empty, "cuda", 0) for _ in range(2)))
+
+    def run_step(self, query: np.ndarray, cache: StepCache) -> tuple[np.ndarray, np.ndarray, StepCache]:
+        """One step of a sequence (export/step.py): its rows' output and attention weights, and the cache grown by
+        its rows. On CUDA the cache stays in the GPU's memory (I/O binding): only the rows and the answer cross.
+        On the CPU, where nothing crosses, the plain run is the cheaper call."""
+        if self._cache_device == "cpu":
+            feed = {"query": query, "past_key": cache.key, "past_value": cache.value}
+            output, weights, key, value = self._step.run(None, feed)
+            return output, weights, StepCache.of(key, value)
+        binding = self._step.io_binding()
+        binding.bind_cpu_input("query", query)
+        binding.bind_ortvalue_input("past_key", cache.key)
+        binding.bind_ortvalue_input("past_value", cache.value)
+        binding.bind_output("output")
+        binding.bind_output("attn_weights")
+        binding.bind_output("present_key", "cuda", 0)
+        binding.bind_output("present_value", "cuda", 0)
+        self._step.run_with_iobinding(binding)
+        output, weights, key, value = binding.get_outputs()
+        return output.numpy(), weights.numpy(), StepCache.of(key, value)
 
     def release_memory(self) -> None:
         """Shrink the arena: after a burst of large runs it holds their peak until the process exits. One tiny

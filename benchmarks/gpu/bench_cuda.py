@@ -22,6 +22,10 @@ tensor written once and read once in device memory, over the device's measured c
 ``--served SECONDS`` also serves each export (``mhaserve serve --device DEVICE``) and measures it with
 ``mhaserve bench``'s load generator for that many seconds per point: concurrency 1 (p50 against the
 in-process time) and concurrency 16 (requests/s), with and without the weights.
+``--steps`` also measures sequence steps (the step graph, d 512/8 and 4096/32): a one-row step at positions 16, 512
+and 2048 with the cache where the server keeps it (``AttentionSession.run_step``: on the device, I/O binding)
+against the same step with the cache sent from host memory each time (the step graph's plain run), and against
+resending the whole prefix as one causal request (output only).
 ``--device cpu`` runs the same on the CPU, where there are no copies: a dry run on a machine without a GPU.
 Not a test: it prints numbers, and BENCHMARKS.md records them with the GPU, driver and versions.
 """
@@ -48,7 +52,7 @@ from mhaserve.export.writer import export_model_dir
 from mhaserve.loadtest.loadgen import LoadGenerator, Workload, default_processes
 from mhaserve.loadtest.loadgen import Point as LoadPoint
 from mhaserve.model.weights import seeded_module
-from mhaserve.server.session import AttentionSession
+from mhaserve.server.session import AttentionSession, StepCache
 from mhaserve.server.tensors import weights_dtype
 from mhaserve.testing.server_process import ServerProcess
 
@@ -189,6 +193,49 @@ def measure_served(batch, length, d_model, heads, precision, device, seconds, fo
                 )
 
 
+STEP_MODELS = [(512, 8), (4096, 32)]
+STEP_POSITIONS = [16, 512, 2048]
+
+
+def measure_steps(d_model, heads, device, repeats, folder: Path) -> list[dict]:
+    """A one-row step at each position: cache kept on the device, cache sent from the host, prefix resent."""
+    module = seeded_module(d_model, heads).eval()
+    manifest = export_model_dir(module, folder, report=lambda line: None)
+    if not manifest.get("valid"):
+        raise SystemExit(f"the export of {d_model}/{heads} failed validation: see {folder}")
+    session = AttentionSession(folder, device)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    rows = []
+    for position in STEP_POSITIONS:
+        kept, sent, resent = step_times(session, position, repeats, sync)
+        rows.append({"model": f"{d_model}/{heads}", "position": position, "kept_ms": kept, "sent_ms": sent,
+                     "prefix_ms": resent})  # fmt: skip
+        print(
+            f"{d_model:>6}/{heads:<3} {position:>8} | {kept:9.3f} {sent:9.3f} {resent:10.3f} | {sent / kept:11.2f} "
+            f"{kept / resent:13.3f}",
+            flush=True,
+        )
+    return rows
+
+
+def step_times(session: AttentionSession, position: int, repeats: int, sync) -> tuple[float, float, float]:
+    d_model, heads = session.info.d_model, session.info.num_heads
+    rng = np.random.default_rng(position)
+    row = rng.standard_normal((1, 1, d_model), dtype=np.float32)
+    past_key, past_value = (rng.standard_normal((1, heads, position, d_model // heads), dtype=np.float32) for _ in "kv")
+    if session.provider == "CUDAExecutionProvider":  # the server keeps it in the GPU's memory
+        cache = StepCache.of(*(ort.OrtValue.ortvalue_from_numpy(a, "cuda", 0) for a in (past_key, past_value)))
+    else:
+        cache = StepCache.of(past_key, past_value)
+    prefix = rng.standard_normal((1, position + 1, d_model), dtype=np.float32)
+    causal = np.tril(np.ones((1, 1, position + 1, position + 1), bool))
+    kept = median_ms(lambda: session.run_step(row, cache), repeats, sync)
+    feed = {"query": row, "past_key": past_key, "past_value": past_value}
+    sent = median_ms(lambda: session._step.run(None, feed), repeats, sync)
+    resent = median_ms(lambda: session.run(("output",), prefix, prefix, prefix, causal), repeats, sync)
+    return kept, sent, resent
+
+
 def format_point(p: Point) -> str:
     sdpa = f"{p.sdpa_ms:8.3f}" if p.sdpa_ms is not None else f"{'':>8}"
     bound = f"{p.bound_ms:8.3f}" if p.bound_ms else f"{'-':>8}"
@@ -206,6 +253,7 @@ def main() -> int:
     parser.add_argument("--precisions", default="fp32,fp16", help="exports to measure, comma-separated")
     parser.add_argument("--served", type=float, default=0, metavar="SECONDS",
                         help="also serve each export, SECONDS per point (default: in process only)")  # fmt: skip
+    parser.add_argument("--steps", action="store_true", help="also measure sequence steps (cache kept or sent)")
     parser.add_argument("--out", type=Path, help="also write the points as JSON")
     args = parser.parse_args()
     precisions = args.precisions.split(",")
@@ -230,8 +278,14 @@ def main() -> int:
                 if args.served:
                     measure_served(*shape, args.device, args.served, folder, measured)
                 points += measured
+        steps = []
+        if args.steps:
+            print(f"\n{'model':>10} {'position':>8} | {'kept ms':>9} {'sent ms':>9} {'prefix ms':>10} | "
+                  f"sent / kept {'kept / prefix':>12}")  # fmt: skip
+            for d_model, heads in STEP_MODELS:
+                steps += measure_steps(d_model, heads, args.device, args.repeats, Path(scratch) / f"step{d_model}")
     if args.out:
-        args.out.write_text(json.dumps([asdict(p) for p in points], indent=1))
+        args.out.write_text(json.dumps({"points": [asdict(p) for p in points], "steps": steps}, indent=1))
     return 0
 
 

@@ -181,3 +181,25 @@ def test_a_long_mixed_run_does_not_grow_gpu_memory(gpu_server):
     assert after - settled <= 64, f"GPU memory grew from {settled} to {after} MiB over 4000 more requests"
     with Client(gpu_server.url) as client:
         assert client.statistics().inference_count >= 4400
+
+
+def test_sequence_steps_on_the_gpu_equal_the_causal_answer_with_the_cache_in_gpu_memory(
+    start_server, small_model_dir, small_module
+):
+    server = start_server(small_model_dir, "--device", "cuda", "--cuda-tf32", "false", *TEST_SERVER_ARGS)
+    x = rand(2, 60, SMALL_D_MODEL, seed=8)
+    steps = [1, 3, 8, 1, 7, 2, 8, 8, 1, 5, 8, 8]
+    assert sum(steps) == x.shape[1]
+    want_out, want_attn = eager_on_gpu(small_module, x, mask=np.tril(np.ones((1, 60, 60), bool)))
+    with Client(server.url) as client, client.sequence("on-gpu") as sequence:
+        position = 0
+        for rows in steps:
+            result = sequence.step(x[:, position : position + rows])
+            end = position + rows
+            np.testing.assert_allclose(result.output, want_out[:, position:end], rtol=0, atol=1e-5)
+            np.testing.assert_allclose(result.attn_weights, want_attn[:, :, position:end, :end], rtol=0, atol=1e-5)
+            position = end
+        cache = server.server.dataplane.sequences.live["on-gpu"].cache
+        assert (cache.device, cache.length) == ("cuda", 60)
+        sequence.step(x[:, :1], end=True)
+    assert server.server.dataplane.sequences.live == {}
