@@ -1,9 +1,10 @@
 """The CUDA path on a real GPU: the provider really active, answers equal eager PyTorch on the same GPU,
-batching across lengths, and a long run that does not grow the GPU's memory.
+batching across lengths, sequence steps with their cache in the GPU's memory, and a long run that does not grow
+the GPU's memory.
 
 Skipped, with the reason, where no GPU is usable: CI installs the CPU build of onnxruntime. On a GPU
-machine, benchmarks/gpu/setup.sh installs onnxruntime-gpu first on PYTHONPATH; then
-``python -m pytest tests/e2e/test_gpu.py``.
+machine, benchmarks/gpu/setup.sh installs onnxruntime-gpu first on PYTHONPATH; then benchmarks/gpu/check.sh
+runs these tests (and the benchmarks) from outside the checkout.
 """
 
 from __future__ import annotations
