@@ -243,6 +243,7 @@ class Batcher:
         self.computed_in = computed_in  # the model's precision, named in an overflow's error
         self.run_cost = run_cost  # None: one padded run of everything taken (length-aware batching off)
         self._executor = executor
+        self.workers = workers
         self._idle_workers = workers
         self.max_batch_size = max_batch_size
         self.max_queue_size = max_queue_size

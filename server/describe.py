@@ -46,9 +46,10 @@ def model_metadata(served: ServedModel, ready_versions: list[int]) -> dict:
 
 def model_config(served: ServedModel) -> dict:
     """Triton's ModelConfig: max_batch_size 0 because the batch dim is part of every shape, as in the
-    metadata (no implicit batching)."""
+    metadata (no implicit batching). Its parameters also say how this version is served (the provider, and the
+    settings named as ``mhaserve serve``'s flags), so that a load test can record what it measured."""
     s = served.signature
-    return {
+    config = {
         "name": s.name,
         "platform": PLATFORM,
         "backend": "onnxruntime",
@@ -69,7 +70,33 @@ def model_config(served: ServedModel) -> dict:
             "num_heads": {"string_value": str(s.num_heads)},
             "precision": {"string_value": s.precision},
             "computes_in": {"string_value": COMPUTES_IN[s.precision]},
+            **{name: {"string_value": value} for name, value in serving_settings(served).items()},
         },
+    }
+    if served.batcher.enabled:
+        config["dynamic_batching"] = {"max_queue_delay_microseconds": round(served.batcher.max_queue_delay_s * 1e6)}
+    return config
+
+
+def serving_settings(served: ServedModel) -> dict[str, str]:
+    """How this version runs: its provider and the settings that shape its latency, as text."""
+    session, batcher = served.session, served.batcher
+
+    def text(value) -> str:
+        return str(value).lower() if isinstance(value, bool) else str(value)
+
+    return {
+        name: text(value)
+        for name, value in (
+            ("provider", session.provider),
+            ("intra_op_threads", session.intra_op_threads),
+            ("inference_workers", batcher.workers),
+            ("dynamic_batching", batcher.enabled),
+            ("max_batch_size", batcher.max_batch_size),
+            ("max_queue_delay_us", round(batcher.max_queue_delay_s * 1e6)),
+            ("length_aware_batching", batcher.run_cost is not None),
+            ("output_only_graph", session.has_output_only_graph),
+        )
     }
 
 

@@ -593,6 +593,8 @@ def _add_bench(sub) -> None:
     p.add_argument("--json", type=Path, help="write the results as JSON")
     p.add_argument("--csv", type=Path, help="write the results as CSV")
     p.add_argument("--plot-dir", type=Path, help="write latency_percentiles.png and latency_histogram.png here")
+    p.add_argument("--report", type=Path, metavar="FILE.html", help="write one self-contained HTML report: the "
+                   "run, the table, SLO verdicts, the server's side and the plots (needs the plot extra)")  # fmt: skip
     p.add_argument("--slo", action="append", default=[], metavar="TARGET", help="a target each point must meet, "
                    "repeatable: p50|p90|p95|p99|p99.9<TIME (ms or s), errors<N%%, throughput>N; the command exits 1 "
                    "when one is missed (a CI gate), and reports the goodput (requests a second within the latency "
@@ -612,8 +614,9 @@ def _run_bench(args) -> int:
         slos = [parse_slo(text) for text in args.slo]
     except ValueError as error:
         raise UsageError(str(error)) from None
-    if args.plot_dir:  # before the sweep, not after it
-        require_extra("plot", "--plot-dir")
+    for asked, flag in ((args.plot_dir, "--plot-dir"), (args.report, "--report")):
+        if asked:  # before the sweep, not after it
+            require_extra("plot", flag)
     from mhaserve.loadtest import report
     from mhaserve.loadtest.loadgen import LoadGenerator, Point, Workload, default_processes
 
@@ -687,6 +690,9 @@ def _run_bench(args) -> int:
     if args.plot_dir:
         for path in report.plot(results, args.plot_dir, title):
             print(f"wrote {path}", file=sys.stderr)
+    if args.report:
+        report.write_html(results, args.report, meta, judged, title)
+        print(f"wrote {args.report}", file=sys.stderr)
     if missed:
         print(f"SLO missed: {'; '.join(missed)}")
         return 1
@@ -696,18 +702,26 @@ def _run_bench(args) -> int:
 
 
 def _model_described(client, args) -> dict:
-    """The model as the server describes it (name, versions, platform), for the run's record."""
+    """The model as the server describes it (name, versions, platform, precision) and how the server runs it (its
+    provider and settings, from the model's configuration), for the run's record."""
     from google.protobuf import json_format
 
     from mhaserve.client import RequestFailed
 
     try:
-        metadata = client.metadata(timeout=10)
+        metadata, config = client.metadata(timeout=10), client.config(timeout=10)
     except RequestFailed:
         return {"name": args.model}
-    if not isinstance(metadata, dict):  # gRPC's ModelMetadataResponse
+    if not isinstance(metadata, dict):  # gRPC's messages
         metadata = json_format.MessageToDict(metadata, preserving_proto_field_name=True)
-    return {key: metadata[key] for key in ("name", "versions", "platform") if key in metadata}
+        config = json_format.MessageToDict(config, preserving_proto_field_name=True)
+    parameters = {name: p.get("string_value", "") for name, p in config.get("parameters", {}).items()}
+    described = {key: metadata[key] for key in ("name", "versions", "platform") if key in metadata}
+    described["precision"] = parameters.pop("precision", None)
+    for shape in ("d_model", "num_heads", "computes_in"):
+        parameters.pop(shape, None)
+    provider = {"provider": parameters.pop("provider")} if "provider" in parameters else {}
+    return {**described, "served_with": {**provider, **dict(sorted(parameters.items()))}}
 
 
 def _add_ray_deploy(sub) -> None:

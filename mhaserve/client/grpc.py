@@ -289,10 +289,14 @@ class Client(_Connection):
     def num_heads(self, timeout=None) -> int:
         """The model's heads (from its config's parameters), asked once."""
         if self._num_heads is None:
-            config = self._call(self._stub.ModelConfig, pb.ModelConfigRequest(name=self.model, version=self.version),
-                                timeout).config  # fmt: skip
-            self._num_heads = int(config.parameters["num_heads"].string_value)
+            self._num_heads = int(self.config(timeout).parameters["num_heads"].string_value)
         return self._num_heads
+
+    def config(self, timeout=None):
+        """The model's configuration (Triton's ModelConfig): its tensors, and in ``parameters`` its d_model,
+        heads, precision and how the server runs it (provider, batching, threads)."""
+        request = pb.ModelConfigRequest(name=self.model, version=self.version)
+        return self._call(self._stub.ModelConfig, request, timeout).config
 
     def shared_memory(self, name: str | None = None) -> SharedMemoryRegions:
         """Regions on this host for ``infer(..., shared_memory=...)``: registered with the server when first used,

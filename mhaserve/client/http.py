@@ -195,9 +195,12 @@ class HttpClient:
     def num_heads(self, timeout=None) -> int:
         """The model's heads (from its config's parameters), asked once."""
         if self._num_heads is None:
-            config = json.loads(self._call("GET", self.model_path + "/config", timeout=timeout)[0])
-            self._num_heads = int(config["parameters"]["num_heads"]["string_value"])
+            self._num_heads = int(self.config(timeout)["parameters"]["num_heads"]["string_value"])
         return self._num_heads
+
+    def config(self, timeout=None) -> dict:
+        """As the gRPC client's ``config``, as JSON."""
+        return json.loads(self._call("GET", self.model_path + "/config", timeout=timeout)[0])
 
     def shared_memory(self, name: str | None = None) -> SharedMemoryRegions:
         """As the gRPC client's ``shared_memory``."""

@@ -1,8 +1,11 @@
-"""What ``mhaserve bench`` shows and writes: a terminal table, JSON or CSV, and PNG plots."""
+"""What ``mhaserve bench`` shows and writes: a terminal table, JSON or CSV, PNG plots, and one HTML report."""
 
 from __future__ import annotations
 
+import base64
 import csv
+import html
+import io
 import json
 from pathlib import Path
 
@@ -16,13 +19,17 @@ def table_header() -> str:
     return "  ".join(f"{c:>15}" if i == 0 else f"{c:>9}" for i, c in enumerate(COLUMNS))
 
 
-def table_row(r: PointResult) -> str:
+def row_cells(r: PointResult) -> list[str]:
+    """A point's figures as the table shows them, one per column ("!" marks a client-bound point)."""
     lat = r.latency_ms
     errors = ",".join(f"{k}:{v}" for k, v in sorted(r.errors.items())) or "0"
-    cells = [f"{r.point.label:>15}", f"{r.throughput:9.1f}"]
-    cells += [f"{lat[k]:9.3f}" for k in ("p50", "p90", "p95", "p99", "p99.9", "max")]
-    cells += [f"{errors:>9}", f"{r.client_cpu_cores:8.2f}c" + ("!" if r.client_bound else " ")]
-    return "  ".join(cells)
+    cells = [r.point.label, f"{r.throughput:.1f}", *(f"{lat[k]:.3f}" for k in ("p50", "p90", "p95", "p99", "p99.9",
+             "max")), errors]  # fmt: skip
+    return [*cells, f"{r.client_cpu_cores:8.2f}c" + ("!" if r.client_bound else " ")]
+
+
+def table_row(r: PointResult) -> str:
+    return "  ".join(f"{c:>15}" if i == 0 else f"{c:>9}" for i, c in enumerate(row_cells(r)))
 
 
 def notes(results: list[PointResult]) -> list[str]:
@@ -110,19 +117,28 @@ def write_csv(results: list[PointResult], path: Path) -> None:
         writer.writerows(rows)
 
 
+PLOTS = ("latency_percentiles.png", "latency_histogram.png")
+
+
 def plot(results: list[PointResult], out_dir: Path, title: str) -> list[Path]:
-    """Latency percentiles against throughput and against load, and a latency histogram per point."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as missing:
-        raise SystemExit("plots need matplotlib: pip install 'mhaserve[plot]'") from missing
-    import numpy as np
-
+    """The plots as PNG files in ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
+    for name, png in zip(PLOTS, plot_images(results, title), strict=True):
+        written.append(out_dir / name)
+        written[-1].write_bytes(png)
+    return written
+
+
+def plot_images(results: list[PointResult], title: str) -> list[bytes]:
+    """Latency percentiles against throughput and against load, and a latency histogram per point (PNG bytes)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    images = []
     xlabel = "concurrency" if results[0].point.mode == "closed" else "offered rate (req/s)"
     fig, (by_throughput, by_load) = plt.subplots(1, 2, figsize=(12, 4.5))
     for q in ("p50", "p90", "p99", "max"):
@@ -139,9 +155,7 @@ def plot(results: list[PointResult], out_dir: Path, title: str) -> list[Path]:
         ax.legend()
     fig.suptitle(title)
     fig.tight_layout()
-    written.append(out_dir / "latency_percentiles.png")
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
+    images.append(_png(fig, plt))
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     finite = [r for r in results if r.latencies_ms.size]
@@ -157,7 +171,107 @@ def plot(results: list[PointResult], out_dir: Path, title: str) -> list[Path]:
     ax.legend()
     ax.set_title(title)
     fig.tight_layout()
-    written.append(out_dir / "latency_histogram.png")
-    fig.savefig(written[-1], dpi=110)
+    images.append(_png(fig, plt))
+    return images
+
+
+def _png(fig, plt) -> bytes:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110)
     plt.close(fig)
-    return written
+    return buffer.getvalue()
+
+
+_STYLE = """
+body { font-family: system-ui, sans-serif; margin: 2em; color: #222; max-width: 1200px; }
+table { border-collapse: collapse; margin: 1em 0; }
+th, td { border: 1px solid #ccc; padding: 0.3em 0.6em; text-align: right; }
+th { background: #f3f3f3; } td.text, th.text { text-align: left; }
+.held { color: #176b2c; } .missed { color: #b00020; font-weight: bold; }
+img { max-width: 100%; } code { background: #f3f3f3; padding: 0 0.2em; }
+"""
+
+
+def write_html(results: list[PointResult], path: Path, meta: dict, judged: list[dict], title: str) -> None:
+    """One self-contained file: what was run, the table with each point's SLO verdicts, the server's side of each
+    point, the rounds' spread and the plots, embedded; nothing is fetched when it is opened."""
+
+    def cells(values, tag="td") -> str:
+        return "".join(
+            f'<{tag} class="text">{html.escape(str(v))}</{tag}>' if isinstance(v, str) and i == 0
+            else f"<{tag}>{html.escape(str(v))}</{tag}>"
+            for i, v in enumerate(values)
+        )  # fmt: skip
+
+    def table(header, rows) -> str:
+        body = "".join(f"<tr>{cells(row)}</tr>" for row in rows)
+        return f"<table><tr>{cells(header, 'th')}</tr>{body}</table>"
+
+    parts = [f"<h1>mhaserve bench</h1><p>{html.escape(title)}</p>"]
+    model = meta.get("model") or {}
+
+    def listed(value) -> str:
+        return ", ".join(map(str, value)) if isinstance(value, list) else str(value)
+
+    about = [
+        ("date (UTC)", meta.get("date_utc")),
+        ("mhaserve", f"{meta.get('mhaserve')}" + (f" ({meta['git_revision']})" if meta.get("git_revision") else "")),
+        ("command", " ".join(meta.get("command") or [])),
+        ("client host", ", ".join(f"{k} {v}" for k, v in (meta.get("client_host") or {}).items())),
+        ("client processes", meta.get("processes")),
+        ("model", ", ".join(f"{k} {listed(v)}" for k, v in model.items() if k != "served_with")),
+        ("served with", ", ".join(f"{k}={v}" for k, v in (model.get("served_with") or {}).items())),
+        ("SLO", ", ".join(meta.get("slo") or []) or "none"),
+    ]
+    parts.append('<h2>The run</h2><table>' + "".join(
+        f'<tr><th class="text">{html.escape(k)}</th><td class="text"><code>{html.escape(str(v))}</code></td></tr>'
+        for k, v in about
+    ) + "</table>")  # fmt: skip
+
+    parts.append("<h2>Points</h2>" + table(COLUMNS, [[c.strip() for c in row_cells(r)] for r in results]))
+    if any(v["slo"] for v in judged):
+        verdicts = []
+        for r, verdict in zip(results, judged, strict=True):
+            held = " ".join(
+                f'<span class="{"held" if v["held"] else "missed"}">{html.escape(v["slo"])} '
+                f"{'held' if v['held'] else 'MISSED'} ({html.escape(str(v['observed']))})</span>;"
+                for v in verdict["slo"]
+            )
+            good = verdict["goodput_per_s"]
+            verdicts.append(
+                f'<tr><td class="text">{html.escape(r.point.label)}</td><td class="text">{held}</td>'
+                f"<td>{'' if good is None else f'{good:.1f}'}</td></tr>"
+            )
+        parts.append(
+            '<h2>SLO</h2><table><tr><th class="text">load</th><th class="text">targets</th><th>goodput /s</th></tr>'
+            + "".join(verdicts) + "</table>"
+        )  # fmt: skip
+    split = [r for r in results if r.server is not None]
+    if split:
+        header = ("load", "requests", "server ms", "queue ms", "compute input ms", "compute infer ms",
+                  "compute output ms", "transport and client ms", "rows per run")  # fmt: skip
+
+        def number(value, digits=3) -> str:
+            return "" if value is None else f"{value:.{digits}f}"
+
+        parts.append("<h2>The server's side (per request, the server's statistics over each window)</h2>" + table(
+            header,
+            [[r.point.label, r.server["requests"], *(number(r.server[k]) for k in ("server_ms", "queue_ms",
+              "compute_input_ms", "compute_infer_ms", "compute_output_ms", "transport_and_client_ms")),
+              number(r.server["rows_per_run"], 1)] for r in split],
+        ))  # fmt: skip
+    spread = [r for r in results if r.rounds]
+    if spread:
+        from .rounds import rounds_line
+
+        parts.append("<h2>Rounds</h2><ul>" + "".join(f"<li>{html.escape(rounds_line(r))}</li>" for r in spread)
+                     + "</ul>")  # fmt: skip
+    parts.append("<h2>Plots</h2>" + "".join(
+        f'<p><img alt="{name}" src="data:image/png;base64,{base64.b64encode(png).decode()}"></p>'
+        for name, png in zip(PLOTS, plot_images(results, title), strict=True)
+    ))  # fmt: skip
+    document = (
+        f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
+        f"<style>{_STYLE}</style></head><body>{''.join(parts)}</body></html>\n"
+    )
+    path.write_text(document)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import base64
 import csv
 import json
+import re
 import subprocess
 import sys
 
@@ -96,6 +98,11 @@ def test_the_json_records_what_was_run_and_the_high_tail(server, tmp_path):
     )
     assert meta["client_host"]["cores"] >= 1 and meta["client_host"]["cpu"]
     assert meta["model"]["name"] == "mha" and meta["model"]["versions"] == ["1"]
+    assert meta["model"]["precision"] == "fp32"
+    # How the server runs the model, as its configuration says: the provider and the settings it was started with.
+    served_with = meta["model"]["served_with"]
+    assert served_with["provider"] == "CPUExecutionProvider" and served_with["max_batch_size"] == "8"
+    assert served_with["dynamic_batching"] == "true" and int(served_with["intra_op_threads"]) >= 1
     assert point["p99_ms"] <= point["p99.9_ms"] <= point["max_ms"]
     assert "p99.9 ms" in done.stdout
 
@@ -146,5 +153,31 @@ def test_rounds_give_each_figure_its_spread_and_compare_says_what_differs_beyond
     (line,) = [line for line in done.stdout.splitlines() if line.startswith("concurrency 2 [1,16,64]")]
     assert "req/s " in line and "p50 " in line and "p99 " in line
     assert line.count("within noise") + line.count("beyond noise") == 3
+    # The ratio is the two runs' figures, divided: b's throughput over a's.
+    a, b = (json.loads((tmp_path / f"{n}.json").read_text())["points"][0]["rounds"] for n in "ab")
+    ratio = float(re.search(r"req/s (\d+\.\d+) ", line).group(1))
+    assert ratio == pytest.approx(b["throughput_per_s"]["median"] / a["throughput_per_s"]["median"], abs=0.006)
+    itself = subprocess.run([*compare[:5], str(tmp_path / "a.json"), str(tmp_path / "a.json")], capture_output=True,
+                            text=True, timeout=60)  # fmt: skip
+    (line,) = [line for line in itself.stdout.splitlines() if line.startswith("concurrency 2 [1,16,64]")]
+    assert line.count(" 1.00 (") == 3 and line.count("within noise") == 3, line
     wrong = subprocess.run([*compare[:5], str(tmp_path / "a.json")], capture_output=True, text=True, timeout=60)
     assert wrong.returncode == 2 and wrong.stderr.strip().count("\n") == 0 and "Traceback" not in wrong.stderr
+
+
+def test_the_html_report_holds_the_run_the_verdicts_the_server_side_and_the_plots_and_loads_nothing(server, tmp_path):
+    report = tmp_path / "report.html"
+    done = bench(server, "--concurrency", "1,2", "--slo", "p99<60s", "--slo", "p50<0.001ms", "--report", str(report))
+    assert done.returncode == 1, done.stderr  # the impossible p50 target is missed: the gate still writes the report
+    page = report.read_text()
+    assert page.startswith("<!DOCTYPE html>") and f"wrote {report}" in done.stderr
+    assert "provider=CPUExecutionProvider" in page and "max_batch_size=8" in page  # how the server ran it
+    for label in ("concurrency 1", "concurrency 2"):
+        assert page.count(f">{label}</td>") == 3  # in the table, the SLO verdicts and the server's side
+    assert page.count("p99&lt;60s held") == 2 and page.count("p50&lt;0.001ms MISSED") == 2
+    assert "compute infer ms" in page and "transport and client ms" in page
+    images = re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
+    assert len(images) == 2 and all(base64.b64decode(i)[:8] == b"\x89PNG\r\n\x1a\n" for i in images)
+    # Self-contained: nothing a browser would fetch.
+    assert not re.search(r"""(src|href)\s*=\s*["'](?!data:)""", page)
+    assert not re.search(r"<script|<link|@import|url\(", page)
