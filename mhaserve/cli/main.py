@@ -537,13 +537,13 @@ def _length_range(text: str) -> tuple[int, int]:
 
 
 def _compare_runs(words: list[str]) -> int:
-    """``bench compare A.json B.json``: B against A, point by point."""
+    """``bench compare A.json B.json [C.json ...]``: each later run against A, point by point."""
     import json
 
     from mhaserve.loadtest.rounds import compare
 
-    if len(words) != 3 or words[0] != "compare":
-        raise UsageError(f"bench takes 'compare A.json B.json' or options only, got {' '.join(words)!r}")
+    if len(words) < 3 or words[0] != "compare":
+        raise UsageError(f"bench takes 'compare A.json B.json [...]' or options only, got {' '.join(words)!r}")
     runs = []
     for path in words[1:]:
         try:
@@ -552,24 +552,27 @@ def _compare_runs(words: list[str]) -> int:
             raise UsageError(f"{path}: not a 'mhaserve bench --json' file ({error})") from None
         if not isinstance(runs[-1], dict) or "points" not in runs[-1]:
             raise UsageError(f"{path}: not a 'mhaserve bench --json' file (no 'points')")
-    lines = compare(*runs)
-    if not lines:
-        print(f"no point of {words[2]} was measured in {words[1]} (same mode, load, shape and outputs)")
-        return 1
-    print(f"{words[2]} against {words[1]}, after / before:")
-    for line in lines:
-        print(line)
-    return 0
+    compared = 0
+    for path, run in zip(words[2:], runs[1:], strict=True):
+        lines = compare(runs[0], run)
+        if not lines:
+            print(f"no point of {path} was measured in {words[1]} (same mode, load, shape and outputs)")
+            continue
+        compared += 1
+        print(f"{path} against {words[1]}, after / before:")
+        for line in lines:
+            print(line)
+    return 0 if compared == len(runs) - 1 else 1
 
 
 def _add_bench(sub) -> None:
     p = sub.add_parser(
         "bench",
         help="load-test a server: closed-loop concurrency sweep or open-loop rates; table, JSON/CSV, plots; "
-        "'bench compare A.json B.json' compares two runs",
+        "'bench compare A.json B.json [...]' compares runs",
     )
-    p.add_argument("compare", nargs="*", metavar="compare A.json B.json",
-                   help="compare two runs' --json files point by point instead of measuring")  # fmt: skip
+    p.add_argument("compare", nargs="*", metavar="compare A.json B.json [...]",
+                   help="compare runs' --json files with the first, point by point, instead of measuring")  # fmt: skip
     _add_connection_arguments(p)
     _add_protocol_argument(p)
     p.add_argument("--model", default="mha", help="model name (default mha)")
