@@ -1,12 +1,14 @@
 """The site's pictures, from real runs: a server of the embedded default model (512/8) on free local ports, then
-`mhaserve infer --heatmap` (one head's attention over a causal 48-token sequence) and a short `mhaserve bench`
-sweep with `--plot-dir`. Run from a clone with the export, test (or plot) extras; the images are checked in.
+`mhaserve infer --heatmap` (one head's attention over a causal 48-token sequence), a short `mhaserve bench`
+sweep with `--plot-dir`, and the sequence tutorial's own drawing block (one row a step). Run from a clone with the
+export, test (or plot) extras; the images are checked in.
 
     .venv/bin/python docs/images/make_images.py
 """
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
+TUTORIAL = HERE.parent / "tutorials" / "sequence.md"
 
 
 def main() -> None:
@@ -29,7 +32,9 @@ def main() -> None:
         causal.unlink()
         subprocess.run([*cli, "bench", "--url", server.url, "--lengths", "16..128", "--concurrency", "1,4,16",
                         "--duration", "4", "--warmup", "1", "--plot-dir", str(HERE)], check=True)  # fmt: skip
-    for name in ("heatmap.png", "latency_percentiles.png", "latency_histogram.png"):
+        (drawing,) = [b for b in re.findall(r"```python\n(.*?)```", TUTORIAL.read_text(), re.S) if ".savefig(" in b]
+        subprocess.run([sys.executable, "-c", drawing.replace("127.0.0.1:8001", server.url)], cwd=HERE, check=True)
+    for name in ("heatmap.png", "latency_percentiles.png", "latency_histogram.png", "sequence_attention.png"):
         print(f"wrote {HERE / name} ({(HERE / name).stat().st_size // 1024} KiB)")
 
 
