@@ -586,6 +586,9 @@ def _add_bench(sub) -> None:
     p.add_argument("--lengths", type=_length_range, default=(16, 16), help="sequence length, or MIN..MAX drawn "
                    "uniformly per request (default 16)")  # fmt: skip
     p.add_argument("--no-weights", action="store_true", help="ask for the output only, not attn_weights")
+    p.add_argument("--sequence", type=int, default=0, metavar="LENGTH", help="each caller grows sequences kept on "
+                   "the server, one row a step, to LENGTH rows, then starts another: steps/s, and each step's latency "
+                   "by its position (closed loop)")  # fmt: skip
     p.add_argument("--duration", type=float, default=10.0, help="measured seconds per point (default 10)")
     p.add_argument("--warmup", type=float, default=2.0, help="seconds per point before measuring (default 2)")
     p.add_argument("--processes", type=int, default=None, help="client processes (default: cores, at most 4)")
@@ -611,6 +614,15 @@ def _run_bench(args) -> int:
         return _compare_runs(args.compare)
     if args.rounds < 1:
         raise UsageError(f"--rounds must be at least 1, got {args.rounds}")
+    if args.sequence:
+        if args.sequence < 1:
+            raise UsageError(f"--sequence takes a length of at least 1 row, got {args.sequence}")
+        if args.rate:
+            raise UsageError("--sequence is a closed loop (each caller steps its sequences in order): give "
+                             "--concurrency, not --rate")  # fmt: skip
+        if args.shared_memory != "none":
+            raise UsageError("--sequence sends its one-row steps over the socket; leave out --shared-memory")
+        args.lengths = (1, 1)  # a step carries one new row
     from mhaserve.loadtest.slo import goodput, parse_slo, verdicts
 
     try:
@@ -640,6 +652,7 @@ def _run_bench(args) -> int:
         application=args.application or "",
         weights=_weights_options(args),
         shared_memory=args.shared_memory,
+        sequence_length=args.sequence,
     )
     if args.rate:
         points = [Point("open", rate, args.duration, args.warmup) for rate in args.rate]

@@ -5,6 +5,11 @@ Open loop: requests sent on a fixed schedule (``rate`` per second) whatever the 
 latency counted from the *scheduled* send time, so a stalled server shows up as queueing delay
 instead of being hidden by the client waiting with it (coordinated omission).
 
+Sequences (``Workload.sequence_length``): each closed-loop caller grows sequences kept on the server one row a
+step, in Triton's sequence protocol, from ``sequence_start`` to ``sequence_end`` at that length, then starts
+another; each step's latency is kept with its position, so a point also says how a step's time grows with the
+sequence.
+
 Each client process prebuilds its requests, so the loop itself only sends, waits and records, and
 reports its own CPU time: a client near one core per process is the bottleneck, not the server.
 """
@@ -13,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import multiprocessing
 import os
@@ -24,7 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mhaserve.client.common import WeightsOptions
+from mhaserve.client.common import SequenceStep, WeightsOptions
 
 from .server_side import WindowReads
 
@@ -49,11 +55,13 @@ class Workload:
     weights: WeightsOptions | None = None  # what each request asks of the attention weights
     attn_weights_mean: bool = False
     shared_memory: str = "none"  # system: tensors through POSIX shared memory (a server on this host)
+    sequence_length: int = 0  # > 0: each request is a one-row step of a sequence grown to this many rows
 
     @property
     def shape_text(self) -> str:
         length = str(self.min_len) if self.min_len == self.max_len else f"{self.min_len}..{self.max_len}"
-        return f"[{self.batch},{length},{self.d_model}]"
+        steps = f" steps to {self.sequence_length}" if self.sequence_length else ""
+        return f"[{self.batch},{length},{self.d_model}]{steps}"
 
 
 @dataclass(frozen=True)
@@ -77,6 +85,7 @@ class WorkerResult:
     cpu_s: float  # this process's user + system time in the window
     behind_ms: float = 0.0  # open loop: how late the worst send left (the client falling behind)
     dropped: int = 0  # open loop: sends skipped because too many were outstanding
+    positions: np.ndarray | None = None  # sequences: each latency's step position (rows after it), in order
 
 
 @dataclass
@@ -96,6 +105,7 @@ class PointResult:
     latencies_ms: np.ndarray = field(repr=False)
     server: dict | None = None  # the server's side of the window (server_side.split), where it was read
     rounds: dict | None = None  # with --rounds: every round's figures, their medians and spread (rounds.of_rounds)
+    by_position: dict | None = None  # sequences: steps, p50 and p99 per range of positions ("1-16", "17-128", ...)
 
     def row(self) -> dict:
         """A flat record for JSON and CSV."""
@@ -120,6 +130,7 @@ class PointResult:
             "open_loop_dropped": self.dropped,
             "server": self.server,
             "rounds": self.rounds,
+            "by_position": self.by_position,
         }
 
 
@@ -175,7 +186,7 @@ async def _grpc_sender(url: str, workload: Workload, seed: int, timeout_s: float
 
     queries = _queries(workload, seed)
 
-    def request(q, regions=None, heads=0):
+    def request(q, regions=None, heads=0, sequence=None):
         return build_infer_request(
             workload.model,
             q,
@@ -185,6 +196,7 @@ async def _grpc_sender(url: str, workload: Workload, seed: int, timeout_s: float
             weights=workload.weights,
             shared_memory=regions,
             num_heads=heads,
+            sequence=sequence,
         )
 
     shared = workload.shared_memory == "system"
@@ -199,8 +211,12 @@ async def _grpc_sender(url: str, workload: Workload, seed: int, timeout_s: float
                 stack.enter_context(control)
                 heads, take = control.num_heads(), stack.enter_context(_regions_pool(control))
 
-            async def send(i: int) -> str:
+            async def send(i: int, step: SequenceStep | None = None) -> str:
                 try:
+                    if step is not None:  # a sequence's step: its parameters differ from call to call
+                        await stub.ModelInfer(request(queries[i % len(queries)], sequence=step), timeout=timeout_s,
+                                              metadata=metadata)  # fmt: skip
+                        return "OK"
                     if not shared:
                         await stub.ModelInfer(requests[i % len(requests)], timeout=timeout_s, metadata=metadata)
                         return "OK"
@@ -223,7 +239,7 @@ async def _http_sender(url: str, workload: Workload, seed: int, timeout_s: float
 
     queries = _queries(workload, seed)
 
-    def body(q, regions=None, heads=0):
+    def body(q, regions=None, heads=0, sequence=None):
         return build_http_infer_body(
             q,
             attn_weights=workload.attn_weights,
@@ -231,6 +247,7 @@ async def _http_sender(url: str, workload: Workload, seed: int, timeout_s: float
             weights=workload.weights,
             shared_memory=regions,
             num_heads=heads,
+            sequence=sequence,
         )
 
     shared = workload.shared_memory == "system"
@@ -255,8 +272,10 @@ async def _http_sender(url: str, workload: Workload, seed: int, timeout_s: float
                         return "OK"
                     return STATUS_NAMES.get(response.status, f"HTTP_{response.status}")
 
-            async def send(i: int) -> str:
+            async def send(i: int, step: SequenceStep | None = None) -> str:
                 try:
+                    if step is not None:
+                        return await post(*body(queries[i % len(queries)], sequence=step))
                     if not shared:
                         return await post(*bodies[i % len(bodies)])
                     with take() as regions:
@@ -271,6 +290,7 @@ async def _http_sender(url: str, workload: Workload, seed: int, timeout_s: float
 
 async def _drive(url: str, workload: Workload, point: Point, share: float, seed: int, timeout_s: float, tls, token):
     latencies: list[int] = []
+    positions: list[int] = []  # sequences: the step position of each latency
     error_latencies: dict[str, list[int]] = {}
     sender = _http_sender if workload.protocol == "http" else _grpc_sender
     async with sender(url, workload, seed, timeout_s, tls, token) as send:
@@ -279,11 +299,14 @@ async def _drive(url: str, workload: Workload, point: Point, share: float, seed:
         end = measure_from + int(point.duration_s * 1e9)
         cpu_at_start: list[float] = []
 
-        async def call(i: int, sent_ns: int) -> None:
-            status = await send(i)
+        async def call(i: int, sent_ns: int, step: SequenceStep | None = None, position: int = 0) -> str:
+            status = await send(i, step) if step is not None else await send(i)
             done = time.perf_counter_ns()
             if sent_ns >= measure_from and done <= end:
                 (latencies if status == "OK" else error_latencies.setdefault(status, [])).append(done - sent_ns)
+                if status == "OK" and step is not None:
+                    positions.append(position)
+            return status
 
         async def mark_window() -> None:
             await asyncio.sleep(max(0.0, (measure_from - time.perf_counter_ns()) / 1e9))
@@ -294,7 +317,26 @@ async def _drive(url: str, workload: Workload, point: Point, share: float, seed:
 
         marker = asyncio.create_task(mark_window())
         behind_ns, dropped = 0, 0
-        if point.mode == "closed":
+        if workload.sequence_length:
+
+            async def grower(index: int) -> None:
+                """Sequences one after another, one row a step; a refused step abandons its sequence."""
+                i, length = index, workload.sequence_length
+                for n in itertools.count():
+                    name = f"bench-{os.getpid()}-{index}-{n}"
+                    for position in range(1, length + 1):
+                        if (now := time.perf_counter_ns()) >= end:
+                            if position > 1:  # ended, so that it holds no memory on the server after the run
+                                await send(i, SequenceStep(name, start=False, end=True))
+                            return
+                        step = SequenceStep(name, start=position == 1, end=position == length)
+                        status = await call(i, now, step, position)
+                        i += 1
+                        if status != "OK":
+                            break
+
+            await asyncio.gather(*(grower(i) for i in range(int(share))))
+        elif point.mode == "closed":
 
             async def caller(index: int) -> None:
                 i = index
@@ -327,7 +369,8 @@ async def _drive(url: str, workload: Workload, point: Point, share: float, seed:
         await marker
         cpu = cpu_seconds() - cpu_at_start[0]
     failed = {status: np.asarray(values, dtype=np.int64) for status, values in error_latencies.items()}
-    return WorkerResult(np.asarray(latencies, dtype=np.int64), failed, cpu, behind_ns / 1e6, dropped)
+    steps = np.asarray(positions, dtype=np.int64) if workload.sequence_length else None
+    return WorkerResult(np.asarray(latencies, dtype=np.int64), failed, cpu, behind_ns / 1e6, dropped, steps)
 
 
 _window_marks = None  # in a client process: where it says that its measured window starts and ends
@@ -367,6 +410,10 @@ def summarize(point: Point, workload: Workload, parts: list[WorkerResult]) -> Po
     cpu_cores = sum(p.cpu_s for p in parts) / point.duration_s
     # A client process near a full core cannot send faster: the figures then measure the client.
     client_bound = any(p.cpu_s / point.duration_s > 0.85 for p in parts) or max(p.behind_ms for p in parts) > 50
+    by_position = None
+    if workload.sequence_length:
+        by_position = steps_by_position(np.concatenate([p.positions for p in parts]), latencies,
+                                        workload.sequence_length)  # fmt: skip
     return PointResult(
         point=point,
         workload=workload,
@@ -381,7 +428,33 @@ def summarize(point: Point, workload: Workload, parts: list[WorkerResult]) -> Po
         behind_ms=max(p.behind_ms for p in parts),
         dropped=sum(p.dropped for p in parts),
         latencies_ms=latencies,
+        by_position=by_position,
     )
+
+
+def position_ranges(length: int) -> list[tuple[int, int]]:
+    """The ranges of step positions a sequence's figures are given for: 1-16, 17-128, 129-512, then x4, to length."""
+    bounds = [16, 128, 512]
+    while bounds[-1] < length:
+        bounds.append(bounds[-1] * 4)
+    ranges, low = [], 1
+    for high in [b for b in bounds if b < length] + [length]:
+        ranges.append((low, high))
+        low = high + 1
+    return ranges
+
+
+def steps_by_position(positions: np.ndarray, latencies_ms: np.ndarray, length: int) -> dict:
+    """Steps, p50 and p99 per range of positions: how a step's time grows as its sequence does."""
+    figures = {}
+    for low, high in position_ranges(length):
+        inside = latencies_ms[(positions >= low) & (positions <= high)]
+        figures[f"{low}-{high}"] = {
+            "steps": int(inside.size),
+            "p50": float(np.percentile(inside, 50)) if inside.size else None,
+            "p99": float(np.percentile(inside, 99)) if inside.size else None,
+        }
+    return figures
 
 
 def shares(point: Point, processes: int) -> list[float]:

@@ -48,6 +48,9 @@ def notes(results: list[PointResult]) -> list[str]:
     for r in results:
         if r.server is not None:
             lines.append(server_line(r))
+    for r in results:
+        if r.by_position is not None:
+            lines.append(position_line(r))
     dropped = sum(r.dropped for r in results)
     if dropped:
         lines.append(f"! open loop: {dropped} sends skipped with too many requests outstanding (server overloaded)")
@@ -66,6 +69,16 @@ def server_line(r: PointResult) -> str:
         + (f"; transport and client {rest:.3f} ms (of the mean)" if rest is not None else "")
         + rows
     )
+
+
+def position_line(r: PointResult) -> str:
+    """How a sequence step's latency grows with its position, per range of positions."""
+    ranges = "; ".join(
+        f"{positions} p50 {f['p50']:.3f} p99 {f['p99']:.3f} ms ({f['steps']} steps)" if f["steps"] else
+        f"{positions}: no steps"
+        for positions, f in r.by_position.items()
+    )  # fmt: skip
+    return f"steps at {r.point.label} by position: {ranges}"
 
 
 def run_metadata(command: list[str], model: dict) -> dict:
@@ -109,6 +122,7 @@ def write_csv(results: list[PointResult], path: Path) -> None:
             f"{k}:p50={v['p50']:.3f},p99={v['p99']:.3f}" for k, v in sorted(row["error_latency_ms"].items())
         )
         row.pop("rounds")
+        row["by_position"] = json.dumps(row["by_position"]) if row["by_position"] else ""
         server = row.pop("server") or {}
         row.update({f"server_{key}": server.get(key) for key in SPLIT_FIELDS})
     with path.open("w", newline="") as f:
@@ -260,6 +274,10 @@ def write_html(results: list[PointResult], path: Path, meta: dict, judged: list[
               "compute_input_ms", "compute_infer_ms", "compute_output_ms", "transport_and_client_ms")),
               number(r.server["rows_per_run"], 1)] for r in split],
         ))  # fmt: skip
+    grown = [r for r in results if r.by_position]
+    if grown:
+        parts.append("<h2>Sequence steps by position</h2><ul>" + "".join(
+            f"<li>{html.escape(position_line(r))}</li>" for r in grown) + "</ul>")  # fmt: skip
     spread = [r for r in results if r.rounds]
     if spread:
         from .rounds import rounds_line

@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from tests.support import scrape
+
 SHORT = ("--duration", "1", "--warmup", "0.3", "--processes", "2")
 
 
@@ -184,3 +186,32 @@ def test_the_html_report_holds_the_run_the_verdicts_the_server_side_and_the_plot
     # Self-contained: nothing a browser would fetch.
     assert not re.search(r"""(src|href)\s*=\s*["'](?!data:)""", page)
     assert not re.search(r"<script|<link|@import|url\(", page)
+
+
+def test_sequences_are_grown_a_row_a_step_with_each_steps_latency_by_position_and_ended(server, tmp_path):
+    live, steps = ("mhaserve_sequences_live", ()), ("mhaserve_sequence_steps_total", ())
+    before = scrape(server.metrics_url)
+    done = bench(server, "--sequence", "40", "--concurrency", "2", "--no-weights", "--json", str(tmp_path / "r.json"),
+                 "--csv", str(tmp_path / "r.csv"))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    (point,) = json.loads((tmp_path / "r.json").read_text())["points"]
+    assert point["shape"] == "[1,1,64] steps to 40" and point["errors"] == 0
+    by_position = point["by_position"]
+    assert list(by_position) == ["1-16", "17-40"]
+    assert sum(f["steps"] for f in by_position.values()) == point["requests"]  # every step has its position
+    for figures in by_position.values():
+        assert figures["steps"] > 0 and 0 < figures["p50"] <= figures["p99"]
+    assert "steps at concurrency 2 by position: 1-16 p50 " in done.stdout
+    (row,) = csv.DictReader((tmp_path / "r.csv").open())
+    assert json.loads(row["by_position"]) == by_position
+    # Each caller ended the sequence it was growing when the run ended: none is left holding memory.
+    after = scrape(server.metrics_url)
+    assert after[live] == before[live]
+    assert after[steps] - before[steps] >= point["requests"]
+
+
+def test_a_sequence_run_is_closed_loop_only():
+    done = subprocess.run([sys.executable, "-m", "mhaserve.cli", "bench", "--sequence", "40", "--rate", "10"],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 2 and "give --concurrency, not --rate" in done.stderr
+    assert done.stderr.strip().count("\n") == 0
