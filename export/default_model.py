@@ -35,6 +35,8 @@ def _why_not_ready(model_dir: Path) -> str | None:
         return "an older export, without the output-only graph"
     if step_file(model_dir, manifest) is None:
         return "an older export, without the step graph that serves sequences"
+    if not any("batched" in case for case in manifest.get("validation", {}).get("step", {}).get("cases", [])):
+        return "an older export, whose step graph runs each sequence's steps alone"
     return None
 
 

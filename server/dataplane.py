@@ -398,7 +398,7 @@ class InferenceCall(CallRecord):
 
     async def _step(self, request: InferenceRequest, attention: AttentionRequest) -> InferenceResponse:
         """One step of a sequence (server/sequences.py): run over its cache, in its order, and grow the cache."""
-        dataplane, step, sequences = self._dataplane, attention.sequence, self._dataplane.sequences
+        step, sequences = attention.sequence, self._dataplane.sequences
         sequence = sequences.begin(step, self.served, attention.batch_size)
         # The version the sequence started on answers every step of it: its cache holds that version's keys and
         # values, whatever version has been loaded since.
@@ -422,9 +422,7 @@ class InferenceCall(CallRecord):
                 attention.outputs = outputs
             self._admit(attention, signature)
             started = time.perf_counter_ns()
-            output, weights, cache = await asyncio.get_running_loop().run_in_executor(
-                dataplane._executor, served.session.run_step, attention.query, sequence.cache
-            )
+            output, weights, cache = await served.steps.run(attention.query, sequence.cache)
             self.timing.infer_ns = time.perf_counter_ns() - started
             self._run_ended(attention.batch_size, started)
             asked = attention.outputs

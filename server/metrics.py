@@ -86,6 +86,7 @@ class Metrics:
             registry=self.registry,
         )
         self._sequences = None  # the data plane's Sequences, once watched
+        self.sequence_step_runs = 0  # runs of step graphs, each of one or more sequences' steps
         self.registry.register(_SequenceCollector(self))
         self._families = (
             self._count, self._exec_count, self._request_seconds, self._queue_seconds, self._compute_seconds,
@@ -99,6 +100,9 @@ class Metrics:
 
     def watch_sequences(self, sequences) -> None:
         self._sequences = sequences
+
+    def step_run_made(self) -> None:
+        self.sequence_step_runs += 1
 
     def for_model(self, model: str, version: str, queue_depth: Callable[[], int]) -> ModelMetrics:
         # The gauge keeps its function in a reference cycle (prometheus_client's set_function), which only the
@@ -193,6 +197,10 @@ class _SequenceCollector:
             cache,
         )  # fmt: skip
         yield CounterMetricFamily("mhaserve_sequence_steps", "Steps of sequences answered", steps)
+        yield CounterMetricFamily(
+            "mhaserve_sequence_step_runs", "Runs of the step graph (steps of several sequences share one on the CPU)",
+            self._metrics.sequence_step_runs,
+        )  # fmt: skip
         yield CounterMetricFamily(
             "mhaserve_sequences_timed_out", "Sequences dropped after --sequence-idle-timeout-s idle", timed_out
         )

@@ -24,6 +24,7 @@ from mhaserve.contract.signature import ModelSignature
 from .batcher import Batcher
 from .errors import ErrorKind, RequestError
 from .metrics import ModelMetrics
+from .sequences import StepRuns
 from .session import AttentionSession
 from .statistics import ModelStatistics
 
@@ -42,6 +43,7 @@ class ServedModel:
     batcher: Batcher
     metrics: ModelMetrics
     stats: ModelStatistics = field(default_factory=ModelStatistics)
+    steps: StepRuns | None = None  # its sequences' steps, where its folder has a step graph
     requests_in_flight: int = 0  # inference calls resolved to this version and not yet answered
     idle: asyncio.Event = field(default_factory=asyncio.Event)  # set whenever requests_in_flight is 0
 

@@ -19,8 +19,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from .errors import ErrorKind, RequestError, invalid
 from .memory import MemoryBudget
@@ -162,3 +164,60 @@ class Sequences:
         self._gone[sequence.id] = why
         while len(self._gone) > REMEMBERED_ENDS:
             self._gone.popitem(last=False)
+
+
+class StepRuns:
+    """One served version's sequence steps, run on its step graph: the steps of different sequences that gathered
+    while a run was in progress go together as the next run (as dynamic batching does for stateless requests at no
+    queue delay), if they carry the same number of new rows, up to ``max_rows`` batch rows, and their pasts are
+    within twofold of the first's length, which bounds the padding a run holds. Event loop only."""
+
+    def __init__(self, session, executor, max_rows: int, on_run: Callable[[], None] = lambda: None):
+        self._session, self._executor, self._max_rows, self._on_run = session, executor, max_rows, on_run
+        self._waiting: list[tuple[np.ndarray, StepCache, asyncio.Future]] = []
+        self._runner: asyncio.Task | None = None
+
+    async def run(self, query: np.ndarray, cache: StepCache) -> tuple[np.ndarray, np.ndarray, StepCache]:
+        """The step's output, attention weights and grown cache."""
+        answer = asyncio.get_running_loop().create_future()
+        self._waiting.append((query, cache, answer))
+        if self._runner is None:
+            self._runner = asyncio.create_task(self._run_waiting())
+        return await answer
+
+    def _next_group(self) -> list[tuple[np.ndarray, StepCache, asyncio.Future]]:
+        """The first waiting step, and those that may share its run."""
+        first = self._waiting[0]
+        group, rows, new_rows, length = [first], first[0].shape[0], first[0].shape[1], max(first[1].length, 1)
+        if not self._session.batches_steps:
+            return group
+        for waiting in self._waiting[1:]:
+            query, cache, _ = waiting
+            if query.shape[1] != new_rows or rows + query.shape[0] > self._max_rows:
+                continue
+            if length / 2 <= max(cache.length, 1) <= length * 2:
+                group.append(waiting)
+                rows += query.shape[0]
+        return group
+
+    async def _run_waiting(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while self._waiting:
+                group = self._next_group()
+                taken = {id(waiting) for waiting in group}
+                self._waiting = [waiting for waiting in self._waiting if id(waiting) not in taken]
+                steps = [(query, cache) for query, cache, _ in group]
+                try:
+                    answers = await loop.run_in_executor(self._executor, self._session.run_steps, steps)
+                except Exception as error:  # each step of the run gets its error
+                    for *_, answer in group:
+                        if not answer.done():
+                            answer.set_exception(error)
+                    continue
+                self._on_run()
+                for (*_, answer), result in zip(group, answers, strict=True):
+                    if not answer.done():  # a step whose caller gave up: its sequence is not grown
+                        answer.set_result(result)
+        finally:
+            self._runner = None

@@ -25,6 +25,7 @@ from mhaserve.contract.model_dir import (
     step_file,
 )
 from mhaserve.contract.signature import OUTPUT, PRECISIONS
+from mhaserve.contract.steps import PAST_LENGTHS, own_cache, own_weights, padded_pasts
 
 log = logging.getLogger("mhaserve.server")
 
@@ -161,6 +162,10 @@ class AttentionSession:
             if step_path is None
             else self._load(step_path, options, "cpu" if self.provider == CPU else device, cuda_tf32)
         )
+        # Folders exported before steps of several sequences shared a run have no past_lengths input.
+        self._step_takes_lengths = self._step is not None and PAST_LENGTHS in {i.name for i in self._step.get_inputs()}
+        # Where a sequence's cache lives: the GPU's memory when the step graph runs on CUDA.
+        self._cache_device = "cuda" if self._step is not None and self._step.get_providers()[0] == CUDA else "cpu"
         # A run with this option gives ONNX Runtime's arenas back the chunks no run is using, at its end.
         self._shrink = ort.RunOptions()
         arenas = "cpu:0;gpu:0" if self.provider == CUDA else "cpu:0"
@@ -236,10 +241,6 @@ class AttentionSession:
     def serves_sequences(self) -> bool:
         return self._step is not None
 
-    @property
-    def _cache_device(self) -> str:
-        return "cuda" if self._step.get_providers()[0] == CUDA else "cpu"
-
     def empty_cache(self, batch: int) -> StepCache:
         """The cache of a sequence before its first step: no rows."""
         d_k = self.info.d_model // self.info.num_heads
@@ -248,18 +249,49 @@ class AttentionSession:
             return StepCache.of(empty, empty.copy())
         return StepCache.of(*(ort.OrtValue.ortvalue_from_numpy(empty, "cuda", 0) for _ in range(2)))
 
+    @property
+    def batches_steps(self) -> bool:
+        """Steps of several sequences can share a run: on the CPU, with a step graph that takes past_lengths. On
+        CUDA each step keeps its cache on the device and runs alone."""
+        return self._cache_device == "cpu" and self._step_takes_lengths
+
+    def run_steps(self, steps: list[tuple[np.ndarray, StepCache]]) -> list[tuple[np.ndarray, np.ndarray, StepCache]]:
+        """Steps of several sequences, each of the same number of new rows, as one run: their pasts padded on the
+        left (contract/steps.py), each answer and grown cache cut back to its own rows."""
+        if len(steps) == 1:
+            return [self.run_step(*steps[0])]
+        keys, lengths = padded_pasts([cache.key for _, cache in steps])
+        values, _ = padded_pasts([cache.value for _, cache in steps])
+        rows = np.concatenate([query for query, _ in steps])
+        feed = {"query": rows, "past_key": keys, "past_value": values, PAST_LENGTHS: lengths}
+        output, weights, key, value = self._step.run(None, feed)
+        answers, first, longest = [], 0, keys.shape[2]
+        for query, cache in steps:
+            batch, past = query.shape[0], cache.length
+
+            where = (first, batch, past, longest)
+            # Copies: the batch's buffers, padding and other sequences' rows, are not kept by this sequence.
+            own_keys, own_values = (np.ascontiguousarray(own_cache(a, *where)) for a in (key, value))
+            own_answer = np.ascontiguousarray(own_weights(weights, *where))
+            answers.append((output[first : first + batch], own_answer, StepCache.of(own_keys, own_values)))
+            first += batch
+        return answers
+
     def run_step(self, query: np.ndarray, cache: StepCache) -> tuple[np.ndarray, np.ndarray, StepCache]:
         """One step of a sequence (export/step.py): its rows' output and attention weights, and the cache grown by
         its rows. On CUDA the cache stays in the GPU's memory (I/O binding): only the rows and the answer cross.
         On the CPU, where nothing crosses, the plain run is the cheaper call."""
+        lengths = {PAST_LENGTHS: np.full(query.shape[0], cache.length, np.int64)} if self._step_takes_lengths else {}
         if self._cache_device == "cpu":
-            feed = {"query": query, "past_key": cache.key, "past_value": cache.value}
+            feed = {"query": query, "past_key": cache.key, "past_value": cache.value, **lengths}
             output, weights, key, value = self._step.run(None, feed)
             return output, weights, StepCache.of(key, value)
         binding = self._step.io_binding()
         binding.bind_cpu_input("query", query)
         binding.bind_ortvalue_input("past_key", cache.key)
         binding.bind_ortvalue_input("past_value", cache.value)
+        for name, array in lengths.items():
+            binding.bind_cpu_input(name, array)
         binding.bind_output("output")
         binding.bind_output("attn_weights")
         binding.bind_output("present_key", "cuda", 0)

@@ -21,6 +21,7 @@ from .memory import MemoryBudget, run_workspace_bytes
 from .metrics import Metrics
 from .registry import ServedModel
 from .run_cost import RunCost
+from .sequences import StepRuns
 from .session import AttentionSession
 from .statistics import BatchResult, ModelStatistics
 from .tensors import Limits
@@ -90,7 +91,10 @@ class VersionFactory:
             session.provider, "yes" if session.has_output_only_graph else "no", model_dir,
             extra={"model": name, "version": str(version)},
         )  # fmt: skip
-        return ServedModel(signature, model_dir, session, batcher, model_metrics, stats)
+        steps = None
+        if session.serves_sequences:
+            steps = StepRuns(session, self._executor, self.settings.max_batch_size, self.metrics.step_run_made)
+        return ServedModel(signature, model_dir, session, batcher, model_metrics, stats, steps=steps)
 
     def _open_session(self, model_dir: Path) -> tuple[AttentionSession, RunCost | None]:
         session = AttentionSession(

@@ -245,3 +245,22 @@ def test_a_default_cache_without_the_output_only_graph_is_exported_again(
     default_model.ensure_default_model()
     assert exports and exports[0][-3:] == ["export", "--out", str(folder)]
     assert "an older export, without the output-only graph" in capsys.readouterr().err
+
+
+def test_a_default_cache_whose_step_graph_runs_steps_alone_is_exported_again(
+    small_model_dir, tmp_path, monkeypatch, capsys
+):
+    import mhaserve.export.default_model as default_model
+
+    monkeypatch.setenv("MHASERVE_CACHE", str(tmp_path / "cache"))
+    folder = default_model.default_model_dir()
+    shutil.copytree(small_model_dir, folder)
+    exports = []
+    done = subprocess.CompletedProcess([], 0)
+    monkeypatch.setattr(default_model.subprocess, "run", lambda command: exports.append(command) or done)
+    # An export from before steps of several sequences shared a run: no batched case in its validation.
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["validation"]["step"]["cases"] = [c for c in manifest["validation"]["step"]["cases"] if "batched" not in c]
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    default_model.ensure_default_model()
+    assert exports and "whose step graph runs each sequence's steps alone" in capsys.readouterr().err

@@ -6,21 +6,16 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import shutil
-import subprocess
 import time
 import urllib.parse
 import urllib.request
-from pathlib import Path
 
 import pytest
 
 from mhaserve.client.grpc import Client
-from mhaserve.testing.server_process import free_port
+from mhaserve.testing.prometheus import PROMETHEUS, Prometheus, dashboard_queries
 from tests.support import SMALL_D_MODEL, TEST_SERVER_ARGS, rand
 
-PROMETHEUS = shutil.which("prometheus")
-DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "mhaserve.json"
 SCRAPE_MS = 500
 SCRAPE_S = SCRAPE_MS / 1000
 
@@ -29,64 +24,11 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-class Prometheus:
-    def __init__(self, target: str, folder: Path):
-        config = folder / "prometheus.yml"
-        config.write_text(
-            f"global:\n  scrape_interval: {SCRAPE_MS}ms\n  evaluation_interval: {SCRAPE_MS}ms\n"
-            f"scrape_configs:\n  - job_name: mhaserve\n    static_configs:\n      - targets: ['{target}']\n"
-        )
-        self.url = f"http://127.0.0.1:{free_port()}"
-        self.proc = subprocess.Popen(
-            [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={folder / 'data'}",
-             f"--web.listen-address={self.url.removeprefix('http://')}", "--log.level=warn"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        deadline = time.monotonic() + 30
-        while not self._ready():
-            assert self.proc.poll() is None, f"prometheus exited: {self.proc.stderr.read()}"
-            assert time.monotonic() < deadline, "prometheus was not ready within 30 s"
-            time.sleep(0.1)
-
-    def _ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(self.url + "/-/ready", timeout=2) as answer:
-                return answer.status == 200
-        except OSError:
-            return False
-
-    def query(self, expression: str, at: float | None = None) -> list[dict]:
-        """The instant query's result vector (status success asserted)."""
-        parameters = {"query": expression, **({"time": f"{at:.3f}"} if at is not None else {})}
-        with urllib.request.urlopen(f"{self.url}/api/v1/query?{urllib.parse.urlencode(parameters)}") as answer:
-            body = json.loads(answer.read())
-        assert body["status"] == "success", (expression, body)
-        return body["data"]["result"]
-
-    def value(self, expression: str, at: float | None = None) -> float:
-        result = self.query(expression, at)
-        assert len(result) == 1, (expression, result)
-        return float(result[0]["value"][1])
-
-    def wait_until(self, expression: str, expected: float, timeout: float = 20.0) -> None:
-        """Until the query gives ``expected``: a scrape has seen what was sent."""
-        deadline = time.monotonic() + timeout
-        while True:
-            result = self.query(expression)
-            if result and float(result[0]["value"][1]) == expected:
-                return
-            assert time.monotonic() < deadline, f"{expression} gave {result}, expected {expected}"
-            time.sleep(0.1)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(20)
-
-
 @pytest.fixture
 def scraped_server(start_server, small_model_dir, tmp_path):
     server = start_server(small_model_dir, *TEST_SERVER_ARGS)
-    prometheus = Prometheus(server.metrics_url.removeprefix("http://").removesuffix("/metrics"), tmp_path)
+    target = server.metrics_url.removeprefix("http://").removesuffix("/metrics")
+    prometheus = Prometheus(target, tmp_path, SCRAPE_MS)
     prometheus.wait_until('up{job="mhaserve"}', 1)
     yield server, prometheus
     prometheus.stop()
@@ -144,13 +86,8 @@ def test_every_dashboard_query_evaluates_to_data_on_a_real_prometheus(scraped_se
                 client.infer(rand(2, 8, SMALL_D_MODEL))
             wait_for_scrapes(1)
     wait_for_scrapes()
-    dashboard = json.loads(DASHBOARD.read_text())
-    grafana = {"$model": ".*", "$version": ".*", "$__rate_interval": "5s"}
-    for panel in dashboard["panels"]:
-        for target in panel["targets"]:
-            expression = target["expr"]
-            for variable, value in grafana.items():
-                expression = expression.replace(variable, value)
+    for panel, targets in dashboard_queries():
+        for _, expression in targets:
             result = prometheus.query(expression)
             if "unauthenticated" in expression:
                 continue  # nothing was refused: no series, and that is right

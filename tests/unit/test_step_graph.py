@@ -1,5 +1,6 @@
 """The step graph: a sequence fed in random steps of 1-8 rows, from an empty cache, answers each step's rows as
-eager PyTorch's causal answer for the whole sequence does; an export records its validation in the manifest."""
+eager PyTorch's causal answer for the whole sequence does, alone and stepped together with sequences of other
+lengths (their pasts padded); an export records its validation in the manifest."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 
 import pytest
 
-from mhaserve.export.step import STEP_CASES, step_graph, validate_steps
+from mhaserve.export.step import BATCHED_CASE, STEP_CASES, step_graph, validate_steps
 from mhaserve.model import seeded_module
 
 
@@ -15,10 +16,15 @@ from mhaserve.model import seeded_module
 def test_steps_equal_the_causal_answer_for_the_whole_sequence(d_model, heads):
     module = seeded_module(d_model, heads, seed=3)
     results = validate_steps(module, step_graph(module).SerializeToString(), seed=11, report=lambda _: None)
-    assert [r["status"] for r in results] == ["pass"] * len(STEP_CASES)
-    for result, (batch, length) in zip(results, STEP_CASES, strict=True):
+    assert [r["status"] for r in results] == ["pass"] * (len(STEP_CASES) + 1)
+    *alone, together = results
+    for result, (batch, length) in zip(alone, STEP_CASES, strict=True):
         assert sum(result["steps"]) == length and max(result["steps"]) <= 8 and result["batch"] == batch
         assert result["output_max_abs"] < 1e-5 and result["weights_max_abs"] < 1e-5
+    # Sequences of different lengths stepped as one batch, each against its own causal answer.
+    assert together["batched"] == [list(case) for case in BATCHED_CASE]
+    assert together["steps"] == min(length for _, length in BATCHED_CASE) - 1
+    assert together["output_max_abs"] < 1e-5 and together["weights_max_abs"] < 1e-5
 
 
 def test_a_step_graph_of_other_weights_fails_its_validation():
@@ -32,8 +38,9 @@ def test_the_export_writes_and_records_the_step_graph(small_model_dir):
     manifest = json.loads((small_model_dir / "manifest.json").read_text())
     assert manifest["files"]["step"] == "model_step.onnx" and len(manifest["files"]["step_sha256"]) == 64
     step = manifest["validation"]["step"]
-    assert step["passed"] and len(step["cases"]) == len(STEP_CASES)
+    assert step["passed"] and len(step["cases"]) == len(STEP_CASES) + 1
     assert "step graph: [1/3]" in (small_model_dir / "validation.txt").read_text()
+    assert "stepped together" in (small_model_dir / "validation.txt").read_text()
 
 
 def test_validate_checks_the_step_graph_of_a_folder_again(small_model_dir, tmp_path):

@@ -1,0 +1,69 @@
+"""Steps of several sequences in one run of the step graph (server/sequences.py StepRuns): those that gather while a
+run is in progress share the next one when they carry the same number of new rows and their pasts are of comparable
+length; each answer and grown cache equals its step run alone."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from server.sequences import StepRuns
+from server.session import AttentionSession
+from tests.support import SMALL_D_MODEL
+
+
+@pytest.fixture(scope="module")
+def session(small_model_dir):
+    return AttentionSession(small_model_dir, "cpu", 1)
+
+
+def grown(session, length: int, seed: int):
+    """A sequence's cache after a prompt of ``length`` rows."""
+    prompt = np.random.default_rng(seed).standard_normal((1, length, SMALL_D_MODEL), dtype=np.float32)
+    return session.run_step(prompt, session.empty_cache(1))[2]
+
+
+def run_at_once(session, steps, max_rows=32) -> tuple[list, int]:
+    """The steps sent together, as concurrent requests do; their answers and how many runs they took."""
+    runs = []
+
+    async def send():
+        with ThreadPoolExecutor(1) as executor:
+            step_runs = StepRuns(session, executor, max_rows, on_run=lambda: runs.append(1))
+            return await asyncio.gather(*(step_runs.run(query, cache) for query, cache in steps))
+
+    return asyncio.run(send()), len(runs)
+
+
+def rows(count: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((1, count, SMALL_D_MODEL), dtype=np.float32)
+
+
+def assert_equal_to_alone(session, steps, answers):
+    for (query, cache), (output, weights, after) in zip(steps, answers, strict=True):
+        want_output, want_weights, want_cache = session.run_step(query, cache)
+        np.testing.assert_allclose(output, want_output, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(weights, want_weights, rtol=0, atol=1e-7)
+        assert after.length == cache.length + query.shape[1] and after.nbytes == want_cache.nbytes
+        np.testing.assert_allclose(after.key, want_cache.key, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(after.value, want_cache.value, rtol=0, atol=1e-6)
+
+
+def test_steps_of_sequences_of_different_lengths_share_one_run_each_equal_to_its_run_alone(session):
+    steps = [(rows(1, 10 + i), grown(session, length, i)) for i, length in enumerate((12, 17, 24, 20))]
+    answers, runs = run_at_once(session, steps)
+    assert runs == 1
+    assert_equal_to_alone(session, steps, answers)
+
+
+def test_steps_of_other_new_rows_or_a_far_longer_past_or_past_the_rows_limit_run_apart(session):
+    short, long = grown(session, 10, 1), grown(session, 40, 2)
+    # Two new rows against one; a past four times as long; then a third step beyond two rows a run.
+    steps = [(rows(1, 3), short), (rows(2, 4), short), (rows(1, 5), long), (rows(1, 6), grown(session, 12, 3)),
+             (rows(1, 7), grown(session, 11, 4))]  # fmt: skip
+    answers, runs = run_at_once(session, steps, max_rows=2)
+    assert runs == 4  # [0, 3], [1], [2], [4]
+    assert_equal_to_alone(session, steps, answers)
