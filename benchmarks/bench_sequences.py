@@ -5,9 +5,10 @@
 Printed, each figure the median of ``--calls`` calls per round, rounds alternating the variants:
 - a one-row step at position 500 against the 500-row prefix sent with a causal mask, output only (c=1);
 - a one-row step at position 500 against one at position 10;
-- steps a second with 1, 16 and 64 sequences stepping at once at position ~256 (output only, gRPC aio), on the
-  server as it runs (steps of several sequences sharing a run) and, side by side, on a second server whose
-  ``--max-batch-size 1`` runs each step alone; rounds alternate the two;
+- steps a second with 1, 16 and 64 sequences stepping at once at about 32 and 256 rows (output only, gRPC aio),
+  on the server as it runs (steps of several sequences sharing a call, short ones one padded run) and, side by
+  side, on a second server whose ``--max-batch-size 1`` runs each step alone; rounds alternate the two; then the
+  transport's ceiling, stateless one-row requests;
 - first, the server's RSS per live sequence of 256 rows against its keys' and values' bytes.
 Not a test: BENCHMARKS.md records the figures with this command.
 """
@@ -95,14 +96,14 @@ async def main(rounds: int, calls: int, server: ServerProcess) -> None:
         print(f"  step at 500 / step at 10:    {med['step at 500'] / med['step at 10']:.3f}")
 
 
-async def steps_per_second(url: str, concurrency: int, rng, seconds: float = 5.0) -> float:
-    """Steps a second with ``concurrency`` sequences of ~256 rows stepping at once, one row a step."""
+async def steps_per_second(url: str, concurrency: int, rng, seconds: float = 5.0, position: int = 256) -> float:
+    """Steps a second with ``concurrency`` sequences of about ``position`` rows stepping at once, one row a step."""
     async with grpc.aio.insecure_channel(url) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         row = rng.standard_normal((1, 1, D), dtype=np.float32)
         names = [f"conc{concurrency}-{i}-{rng.integers(1 << 30)}" for i in range(concurrency)]
         for name in names:
-            await grow(stub, name, 256, rng)
+            await grow(stub, name, position, rng)
         done = 0
 
         async def stepper(name: str, stop: float) -> None:
@@ -137,15 +138,16 @@ async def stateless_per_second(url: str, concurrency: int, seconds: float = 5.0)
         return done / (time.perf_counter() - started)
 
 
-async def merged_against_alone(merged: ServerProcess, alone: ServerProcess, rounds: int) -> None:
+async def merged_against_alone(merged: ServerProcess, alone: ServerProcess, rounds: int, position: int) -> None:
     rng = np.random.default_rng(1)
-    print(f"steps/s at ~256 rows, median of {rounds} rounds (merged: steps share runs; alone: --max-batch-size 1):")
+    print(f"steps/s at ~{position} rows, median of {rounds} rounds (merged: steps share calls; alone: "
+          "--max-batch-size 1):")  # fmt: skip
     medians = {}
     for concurrency in (1, 16, 64):
         rates = {"merged": [], "alone": []}
         for _ in range(rounds):
             for name, server in (("merged", merged), ("alone", alone)):
-                rates[name].append(await steps_per_second(server.url, concurrency, rng))
+                rates[name].append(await steps_per_second(server.url, concurrency, rng, position=position))
         medians[concurrency] = {name: statistics.median(values) for name, values in rates.items()}
         m, a = medians[concurrency]["merged"], medians[concurrency]["alone"]
         print(f"{concurrency:3d} sequences: merged {m:8.1f}  alone {a:8.1f}  merged / alone {m / a:5.2f}  "
@@ -153,6 +155,8 @@ async def merged_against_alone(merged: ServerProcess, alone: ServerProcess, roun
               f"alone {', '.join(f'{r:.0f}' for r in rates['alone'])})")  # fmt: skip
     for name in ("merged", "alone"):
         print(f"{name}: 64 sequences / 1 sequence: {medians[64][name] / medians[1][name]:.2f}")
+    if position != 256:
+        return
     ceiling = statistics.median([await stateless_per_second(merged.url, 64) for _ in range(rounds)])
     print(f"ceiling: stateless one-row requests, output only, 64 at once: {ceiling:.1f}/s "
           f"(merged 64 sequences: {medians[64]['merged'] / ceiling:.2f} of it)")  # fmt: skip
@@ -167,4 +171,5 @@ if __name__ == "__main__":
     with ServerProcess(ensure_default_model(), *flags) as served:
         asyncio.run(main(args.rounds, args.calls, served))
         with ServerProcess(ensure_default_model(), *flags, "--max-batch-size", "1") as alone:
-            asyncio.run(merged_against_alone(served, alone, args.rounds))
+            for position in (32, 256):
+                asyncio.run(merged_against_alone(served, alone, args.rounds, position))

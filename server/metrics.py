@@ -101,8 +101,8 @@ class Metrics:
     def watch_sequences(self, sequences) -> None:
         self._sequences = sequences
 
-    def step_run_made(self) -> None:
-        self.sequence_step_runs += 1
+    def step_runs_made(self, runs: int) -> None:
+        self.sequence_step_runs += runs
 
     def for_model(self, model: str, version: str, queue_depth: Callable[[], int]) -> ModelMetrics:
         # The gauge keeps its function in a reference cycle (prometheus_client's set_function), which only the
@@ -198,7 +198,8 @@ class _SequenceCollector:
         )  # fmt: skip
         yield CounterMetricFamily("mhaserve_sequence_steps", "Steps of sequences answered", steps)
         yield CounterMetricFamily(
-            "mhaserve_sequence_step_runs", "Runs of the step graph (steps of several sequences share one on the CPU)",
+            "mhaserve_sequence_step_runs",
+            "Runs of the step graph (steps of several short sequences share one on the CPU)",
             self._metrics.sequence_step_runs,
         )  # fmt: skip
         yield CounterMetricFamily(

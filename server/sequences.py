@@ -167,13 +167,14 @@ class Sequences:
 
 
 class StepRuns:
-    """One served version's sequence steps, run on its step graph: the steps of different sequences that gathered
-    while a run was in progress go together as the next run (as dynamic batching does for stateless requests at no
-    queue delay), if they carry the same number of new rows, up to ``max_rows`` batch rows, and their pasts are
-    within twofold of the first's length, which bounds the padding a run holds. Event loop only."""
+    """One served version's sequence steps, on its step graph: the steps of different sequences that gathered while
+    a call was in progress go together in the next one (as dynamic batching does for stateless requests at no queue
+    delay), if they carry the same number of new rows, up to ``max_rows`` batch rows; the session runs them as one
+    padded batch where that pays, else one after another in that call (AttentionSession.run_steps). Event loop
+    only."""
 
-    def __init__(self, session, executor, max_rows: int, on_run: Callable[[], None] = lambda: None):
-        self._session, self._executor, self._max_rows, self._on_run = session, executor, max_rows, on_run
+    def __init__(self, session, executor, max_rows: int, on_runs: Callable[[int], None] = lambda runs: None):
+        self._session, self._executor, self._max_rows, self._on_runs = session, executor, max_rows, on_runs
         self._waiting: list[tuple[np.ndarray, StepCache, asyncio.Future]] = []
         self._runner: asyncio.Task | None = None
 
@@ -186,16 +187,14 @@ class StepRuns:
         return await answer
 
     def _next_group(self) -> list[tuple[np.ndarray, StepCache, asyncio.Future]]:
-        """The first waiting step, and those that may share its run."""
+        """The first waiting step, and those that may share its call."""
         first = self._waiting[0]
-        group, rows, new_rows, length = [first], first[0].shape[0], first[0].shape[1], max(first[1].length, 1)
+        group, rows, new_rows = [first], first[0].shape[0], first[0].shape[1]
         if not self._session.batches_steps:
             return group
         for waiting in self._waiting[1:]:
-            query, cache, _ = waiting
-            if query.shape[1] != new_rows or rows + query.shape[0] > self._max_rows:
-                continue
-            if length / 2 <= max(cache.length, 1) <= length * 2:
+            query = waiting[0]
+            if query.shape[1] == new_rows and rows + query.shape[0] <= self._max_rows:
                 group.append(waiting)
                 rows += query.shape[0]
         return group
@@ -209,13 +208,13 @@ class StepRuns:
                 self._waiting = [waiting for waiting in self._waiting if id(waiting) not in taken]
                 steps = [(query, cache) for query, cache, _ in group]
                 try:
-                    answers = await loop.run_in_executor(self._executor, self._session.run_steps, steps)
+                    answers, runs = await loop.run_in_executor(self._executor, self._session.run_steps, steps)
                 except Exception as error:  # each step of the run gets its error
                     for *_, answer in group:
                         if not answer.done():
                             answer.set_exception(error)
                     continue
-                self._on_run()
+                self._on_runs(runs)
                 for (*_, answer), result in zip(group, answers, strict=True):
                     if not answer.done():  # a step whose caller gave up: its sequence is not grown
                         answer.set_result(result)

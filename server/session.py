@@ -101,6 +101,10 @@ def _session_options(intra_op_threads: int, inter_op_threads: int) -> ort.Sessio
     return options
 
 
+# Steps of several sequences run as one padded batch while their padded pasts' keys and values fit in this many
+# bytes; past it, one after another was measured faster (BENCHMARKS.md, "Sequences").
+PADDED_STEPS_BYTES = 4 << 20
+
 # The output-only graph runs where it was measured faster, from 256 keys; below, both graphs take the same time
 # within noise (BENCHMARKS.md, "The output-only graph").
 OUTPUT_ONLY_FROM_KV_LEN = 256
@@ -255,11 +259,19 @@ class AttentionSession:
         CUDA each step keeps its cache on the device and runs alone."""
         return self._cache_device == "cpu" and self._step_takes_lengths
 
-    def run_steps(self, steps: list[tuple[np.ndarray, StepCache]]) -> list[tuple[np.ndarray, np.ndarray, StepCache]]:
-        """Steps of several sequences, each of the same number of new rows, as one run: their pasts padded on the
-        left (contract/steps.py), each answer and grown cache cut back to its own rows."""
-        if len(steps) == 1:
-            return [self.run_step(*steps[0])]
+    def run_steps(
+        self, steps: list[tuple[np.ndarray, StepCache]]
+    ) -> tuple[list[tuple[np.ndarray, np.ndarray, StepCache]], int]:
+        """Steps of several sequences, each of the same number of new rows, in one call: as one run, their pasts
+        padded on the left (contract/steps.py) and each answer and grown cache cut back to its own rows, while the
+        padded pasts are small and of comparable lengths; else one run after another, since copying long pasts
+        into one batch costs more than the runs it saves. Returns the answers and how many runs they took."""
+        pasts = [cache.length for _, cache in steps]
+        rows = sum(query.shape[0] for query, _ in steps)
+        d_k = self.info.d_model // self.info.num_heads
+        padded_bytes = 2 * rows * self.info.num_heads * max(pasts) * d_k * np.dtype(np.float32).itemsize
+        if len(steps) == 1 or padded_bytes > PADDED_STEPS_BYTES or max(pasts) > 2 * max(min(pasts), 1):
+            return [self.run_step(query, cache) for query, cache in steps], len(steps)
         keys, lengths = padded_pasts([cache.key for _, cache in steps])
         values, _ = padded_pasts([cache.value for _, cache in steps])
         rows = np.concatenate([query for query, _ in steps])
@@ -275,7 +287,7 @@ class AttentionSession:
             own_answer = np.ascontiguousarray(own_weights(weights, *where))
             answers.append((output[first : first + batch], own_answer, StepCache.of(own_keys, own_values)))
             first += batch
-        return answers
+        return answers, 1
 
     def run_step(self, query: np.ndarray, cache: StepCache) -> tuple[np.ndarray, np.ndarray, StepCache]:
         """One step of a sequence (export/step.py): its rows' output and attention weights, and the cache grown by

@@ -93,7 +93,7 @@ class VersionFactory:
         )  # fmt: skip
         steps = None
         if session.serves_sequences:
-            steps = StepRuns(session, self._executor, self.settings.max_batch_size, self.metrics.step_run_made)
+            steps = StepRuns(session, self._executor, self.settings.max_batch_size, self.metrics.step_runs_made)
         return ServedModel(signature, model_dir, session, batcher, model_metrics, stats, steps=steps)
 
     def _open_session(self, model_dir: Path) -> tuple[AttentionSession, RunCost | None]:

@@ -1,6 +1,6 @@
-"""Steps of several sequences in one run of the step graph (server/sequences.py StepRuns): those that gather while a
-run is in progress share the next one when they carry the same number of new rows and their pasts are of comparable
-length; each answer and grown cache equals its step run alone."""
+"""Steps of several sequences in one call of the step graph (server/sequences.py StepRuns): those that gather while
+a call is in progress share the next one when they carry the same number of new rows; short pasts of comparable
+length run as one padded batch, others one after another; each answer and grown cache equals its step run alone."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from server.sequences import StepRuns
-from server.session import AttentionSession
-from tests.support import SMALL_D_MODEL
+from mhaserve.server.sequences import StepRuns
+from mhaserve.server.session import PADDED_STEPS_BYTES, AttentionSession, StepCache
+from tests.support import SMALL_D_MODEL, SMALL_HEADS
 
 
 @pytest.fixture(scope="module")
@@ -32,10 +32,10 @@ def run_at_once(session, steps, max_rows=32) -> tuple[list, int]:
 
     async def send():
         with ThreadPoolExecutor(1) as executor:
-            step_runs = StepRuns(session, executor, max_rows, on_run=lambda: runs.append(1))
+            step_runs = StepRuns(session, executor, max_rows, on_runs=runs.append)
             return await asyncio.gather(*(step_runs.run(query, cache) for query, cache in steps))
 
-    return asyncio.run(send()), len(runs)
+    return asyncio.run(send()), sum(runs)
 
 
 def rows(count: int, seed: int) -> np.ndarray:
@@ -61,9 +61,21 @@ def test_steps_of_sequences_of_different_lengths_share_one_run_each_equal_to_its
 
 def test_steps_of_other_new_rows_or_a_far_longer_past_or_past_the_rows_limit_run_apart(session):
     short, long = grown(session, 10, 1), grown(session, 40, 2)
-    # Two new rows against one; a past four times as long; then a third step beyond two rows a run.
+    # Calls of at most two rows: [0, 2], [1] (two new rows), [3, 4]; in the first, a past four times as long as
+    # the other runs apart from it.
     steps = [(rows(1, 3), short), (rows(2, 4), short), (rows(1, 5), long), (rows(1, 6), grown(session, 12, 3)),
              (rows(1, 7), grown(session, 11, 4))]  # fmt: skip
     answers, runs = run_at_once(session, steps, max_rows=2)
-    assert runs == 4  # [0, 3], [1], [2], [4]
+    assert runs == 4
+    assert_equal_to_alone(session, steps, answers)
+
+
+def test_long_pasts_run_one_after_another_in_one_call(session):
+    heads, d_k, length = SMALL_HEADS, SMALL_D_MODEL // SMALL_HEADS, 2500
+    assert 2 * 4 * heads * length * d_k * 4 > PADDED_STEPS_BYTES  # four such pasts, padded, would pass the bound
+    rng = np.random.default_rng(9)
+    pasts = [rng.standard_normal((2, 1, heads, length + i, d_k), dtype=np.float32) for i in range(4)]
+    steps = [(rows(1, 20 + i), StepCache.of(*past)) for i, past in enumerate(pasts)]
+    answers, runs = run_at_once(session, steps)
+    assert runs == 4
     assert_equal_to_alone(session, steps, answers)
