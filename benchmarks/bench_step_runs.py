@@ -1,5 +1,5 @@
 """Steps of several sequences in one call of the step graph, in process: AttentionSession.run_steps (one padded run
-where the pasts are short, else one run after another) against one run_step call per step, at pasts of 32 and 256
+where the pasts are short, else one run after another) against one run_step call per step, at pasts of 32, 128 and 256
 rows, 4 and 16 sequences, the embedded default model (512/8). Median of 30 calls each.
 
     flock /tmp/bench.lock .venv/bin/python benchmarks/bench_step_runs.py
@@ -37,7 +37,7 @@ def main() -> None:
         prompt = rng.standard_normal((1, length, 512), dtype=np.float32)
         return session.run_step(prompt, session.empty_cache(1))[2]
 
-    for past in (32, 256):
+    for past in (32, 128, 256):
         for sequences in (4, 16):
             steps = [(rng.standard_normal((1, 1, 512), dtype=np.float32), grown(past + i)) for i in range(sequences)]
             together = median_ms(lambda steps=steps: session.run_steps(steps))

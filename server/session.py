@@ -101,9 +101,10 @@ def _session_options(intra_op_threads: int, inter_op_threads: int) -> ort.Sessio
     return options
 
 
-# Steps of several sequences run as one padded batch while their padded pasts' keys and values fit in this many
-# bytes; past it, one after another was measured faster (BENCHMARKS.md, "Sequences").
-PADDED_STEPS_BYTES = 4 << 20
+# Steps of several sequences run as one padded batch while each past's keys and values (per batch row) and the
+# padded batch's fit these bounds; past them, one after another was measured faster (BENCHMARKS.md, "Sequences").
+PADDED_STEP_PAST_BYTES = 512 << 10
+PADDED_STEPS_BYTES = 16 << 20
 
 # The output-only graph runs where it was measured faster, from 256 keys; below, both graphs take the same time
 # within noise (BENCHMARKS.md, "The output-only graph").
@@ -268,9 +269,9 @@ class AttentionSession:
         into one batch costs more than the runs it saves. Returns the answers and how many runs they took."""
         pasts = [cache.length for _, cache in steps]
         rows = sum(query.shape[0] for query, _ in steps)
-        d_k = self.info.d_model // self.info.num_heads
-        padded_bytes = 2 * rows * self.info.num_heads * max(pasts) * d_k * np.dtype(np.float32).itemsize
-        if len(steps) == 1 or padded_bytes > PADDED_STEPS_BYTES or max(pasts) > 2 * max(min(pasts), 1):
+        longest_bytes = 2 * max(pasts) * self.info.d_model * np.dtype(np.float32).itemsize  # keys and values
+        short = longest_bytes <= PADDED_STEP_PAST_BYTES and rows * longest_bytes <= PADDED_STEPS_BYTES
+        if len(steps) == 1 or not short or max(pasts) > 2 * max(min(pasts), 1):
             return [self.run_step(query, cache) for query, cache in steps], len(steps)
         keys, lengths = padded_pasts([cache.key for _, cache in steps])
         values, _ = padded_pasts([cache.value for _, cache in steps])

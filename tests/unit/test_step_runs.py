@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from mhaserve.server.sequences import StepRuns
-from mhaserve.server.session import PADDED_STEPS_BYTES, AttentionSession, StepCache
+from mhaserve.server.session import PADDED_STEP_PAST_BYTES, AttentionSession, StepCache
 from tests.support import SMALL_D_MODEL, SMALL_HEADS
 
 
@@ -71,8 +71,8 @@ def test_steps_of_other_new_rows_or_a_far_longer_past_or_past_the_rows_limit_run
 
 
 def test_long_pasts_run_one_after_another_in_one_call(session):
-    heads, d_k, length = SMALL_HEADS, SMALL_D_MODEL // SMALL_HEADS, 2500
-    assert 2 * 4 * heads * length * d_k * 4 > PADDED_STEPS_BYTES  # four such pasts, padded, would pass the bound
+    heads, d_k, length = SMALL_HEADS, SMALL_D_MODEL // SMALL_HEADS, 1100
+    assert 2 * length * SMALL_D_MODEL * 4 > PADDED_STEP_PAST_BYTES  # each past too long to pad into a batch
     rng = np.random.default_rng(9)
     pasts = [rng.standard_normal((2, 1, heads, length + i, d_k), dtype=np.float32) for i in range(4)]
     steps = [(rows(1, 20 + i), StepCache.of(*past)) for i, past in enumerate(pasts)]
