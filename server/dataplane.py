@@ -244,8 +244,9 @@ class DataPlane:
         headers: HeadersOf | None = None,
         peer: str = "",
     ) -> AsyncIterator[InferenceCall]:
-        """One inference call's life, whichever transport makes it: in it the transport reads its request,
-        runs it with ``call.infer`` and encodes the answer with ``call.encode``. Whatever happens inside (a
+        """One inference call's life, whichever transport makes it: in it the transport reads its request and
+        decodes it into the neutral InferenceRequest (``call.decoded``, which keeps large work off the event loop),
+        runs it with ``call.infer(request)`` and encodes the answer with ``call.encode``. Whatever happens inside (a
         refusal by the transport itself too) is the call's status, recorded with its timing in the statistics,
         the metrics and the stop line's counts. A failure that is no refusal leaves as an INTERNAL RequestError
         saying so, and the server keeps serving.
@@ -341,21 +342,26 @@ class InferenceCall(CallRecord):
         self._settle: Callable | None = None
         self._regions = NOTHING_HELD  # the shared-memory regions its tensors lie in, until it ends
 
-    async def infer(
-        self, name: str, version: str, decode: Callable[..., InferenceRequest], *wire, slow: bool = False
-    ) -> InferenceResponse:
-        """Resolve the version ``name``/``version`` names, decode ``decode(*wire)`` and check it against that
-        version (on the decode thread when ``slow``: inference.decodes_slowly), take its memory in the budget
-        or refuse it, run it (batched, or as a sequence's step) and return the outputs it asked for."""
+    async def decoded(self, decode: Callable[..., InferenceRequest], *wire, slow: bool = False) -> InferenceRequest:
+        """The transport's request off its wire, ``decode(*wire)``: on the decode thread when ``slow``
+        (inference.decodes_slowly: values converted one by one, megabytes to copy)."""
+        return await self._dataplane.off_loop(decode, *wire) if slow else decode(*wire)
+
+    async def infer(self, request: InferenceRequest) -> InferenceResponse:
+        """Resolve the version the request names, check the request against it (off the event loop when its
+        tensors are large), take its memory in the budget or refuse it, run it (batched, or as a sequence's
+        step) and return the outputs it asked for."""
         dataplane = self._dataplane
-        self.served = served = dataplane.resolve(name, version)
+        self.served = served = dataplane.resolve(request.model, request.version)
         served.enter()  # from here the version is not unloaded under this request
         if dataplane.tracing.active:
             self.trace = dataplane.tracing.begin(self, served.signature)
-        if slow:
-            request, attention = await dataplane.off_loop(_decoded, decode, wire, served.signature, dataplane.limits)
-        else:
-            request, attention = _decoded(decode, wire, served.signature, dataplane.limits)
+        attention = None  # inputs still in shared memory are checked once read
+        if not request.shared_inputs:
+            nbytes = sum(array.nbytes for array in request.inputs.values())
+            attention = await dataplane.off_loop_if_large(
+                attention_request, nbytes, request, served.signature, dataplane.limits
+            )
         self.request_id = request.id
         placed = request.output_placements()
         if request.shared_inputs or placed:
@@ -501,12 +507,3 @@ class InferenceCall(CallRecord):
             self._settle = settle
         else:
             settle(self.status == "OK", self.status)
-
-
-def _decoded(
-    decode, wire, signature: ModelSignature, limits: Limits
-) -> tuple[InferenceRequest, AttentionRequest | None]:
-    """The request off the wire, and checked against the model unless some of its inputs are still in shared
-    memory (None: InferenceCall reads them first)."""
-    request = decode(*wire)
-    return request, None if request.shared_inputs else attention_request(request, signature, limits)

@@ -235,10 +235,8 @@ for _name in ANSWERED_RPCS:
 
 async def infer_grpc(call: InferenceCall, request: pb.ModelInferRequest, streamed: bool = False) -> bytes:
     """One ModelInferRequest through the data plane, as the native server and each Ray replica answer it."""
-    response = await call.infer(
-        request.model_name, request.model_version, decode_grpc_request, request, slow=grpc_decodes_slowly(request)
-    )
-    return call.encode(encode_grpc_response, response, streamed=streamed)
+    decoded = await call.decoded(decode_grpc_request, request, slow=grpc_decodes_slowly(request))
+    return call.encode(encode_grpc_response, await call.infer(decoded), streamed=streamed)
 
 
 def streamed_refusal(error: RequestError) -> pb.ModelStreamInferResponse:

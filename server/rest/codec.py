@@ -196,5 +196,5 @@ async def infer_rest(
     the JSON header's length when binary outputs follow it."""
     json_length = len(body) if header_length is None else min(header_length, len(body))
     slow = decodes_slowly(len(body), json_length)  # JSON values convert one by one; binary ones in whole arrays
-    response = await call.infer(name, version, decode_rest_request, name, version, body, header_length, slow=slow)
-    return call.encode(encode_rest_response, response)
+    request = await call.decoded(decode_rest_request, name, version, body, header_length, slow=slow)
+    return call.encode(encode_rest_response, await call.infer(request))

@@ -22,11 +22,6 @@ def request_of(query: np.ndarray, *outputs: str, model: str = "mha", **parameter
     )
 
 
-def as_is(request: InferenceRequest) -> InferenceRequest:
-    """A transport's decode, for a request that is already neutral."""
-    return request
-
-
 def run(scenario, model_dir, **settings):
     """``scenario(dataplane)`` on a started data plane serving ``model_dir``, in a loop of its own."""
 
@@ -43,7 +38,7 @@ def run(scenario, model_dir, **settings):
 
 async def infer(dataplane: DataPlane, request: InferenceRequest, peer: str = "127.0.0.1"):
     async with dataplane.inference("test", peer=peer) as call:
-        return await call.infer(request.model, request.version, as_is, request)
+        return await call.infer(request)
 
 
 def test_one_call_answers_eagers_values_and_is_counted_once(small_model_dir, small_module):
@@ -101,7 +96,7 @@ def test_received_bytes_count_until_admission_and_a_full_budget_refuses_them_unr
         async with dataplane.inference("test") as call:
             call.receipt.add(1000)
             during = budget.request_bytes
-            await call.infer("mha", "", as_is, request_of(rand(1, 3, SMALL_D_MODEL)))
+            await call.infer(request_of(rand(1, 3, SMALL_D_MODEL)))
         after = budget.request_bytes
         with pytest.raises(RequestError) as refused:
             async with dataplane.inference("test") as call:
@@ -117,7 +112,7 @@ def test_an_answer_delivered_later_stays_in_the_budget_until_sent(small_model_di
     async def scenario(dataplane):
         budget = dataplane.accounting.budget
         async with dataplane.inference("test") as call:
-            await call.infer("mha", "", as_is, request_of(rand(1, 6, SMALL_D_MODEL), "attn_weights"))
+            await call.infer(request_of(rand(1, 6, SMALL_D_MODEL), "attn_weights"))
             call.deliver_later()
         waiting = budget.request_bytes, dict(dataplane.accounting.outcomes)
         call.sent(False, 0)  # the client never took it
