@@ -254,6 +254,10 @@ class Batcher:
         self._timer: asyncio.TimerHandle | None = None
 
     @property
+    def max_queue_delay_us(self) -> int:
+        return round(self.max_queue_delay_s * 1e6)
+
+    @property
     def queue_depth(self) -> int:
         return len(self._queue)
 

@@ -74,7 +74,7 @@ def model_config(served: ServedModel) -> dict:
         },
     }
     if served.batcher.enabled:
-        config["dynamic_batching"] = {"max_queue_delay_microseconds": round(served.batcher.max_queue_delay_s * 1e6)}
+        config["dynamic_batching"] = {"max_queue_delay_microseconds": served.batcher.max_queue_delay_us}
     return config
 
 
@@ -93,7 +93,7 @@ def serving_settings(served: ServedModel) -> dict[str, str]:
             ("inference_workers", batcher.workers),
             ("dynamic_batching", batcher.enabled),
             ("max_batch_size", batcher.max_batch_size),
-            ("max_queue_delay_us", round(batcher.max_queue_delay_s * 1e6)),
+            ("max_queue_delay_us", batcher.max_queue_delay_us),
             ("length_aware_batching", batcher.run_cost is not None),
             ("output_only_graph", session.has_output_only_graph),
         )

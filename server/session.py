@@ -275,14 +275,13 @@ class AttentionSession:
             return [self.run_step(query, cache) for query, cache in steps], len(steps)
         keys, lengths = padded_pasts([cache.key for _, cache in steps])
         values, _ = padded_pasts([cache.value for _, cache in steps])
-        rows = np.concatenate([query for query, _ in steps])
-        feed = {"query": rows, "past_key": keys, "past_value": values, PAST_LENGTHS: lengths}
+        queries = np.concatenate([query for query, _ in steps])
+        feed = {"query": queries, "past_key": keys, "past_value": values, PAST_LENGTHS: lengths}
         output, weights, key, value = self._step.run(None, feed)
         answers, first, longest = [], 0, keys.shape[2]
         for query, cache in steps:
-            batch, past = query.shape[0], cache.length
-
-            where = (first, batch, past, longest)
+            batch = query.shape[0]
+            where = (first, batch, cache.length, longest)
             # Copies: the batch's buffers, padding and other sequences' rows, are not kept by this sequence.
             own_keys, own_values = (np.ascontiguousarray(own_cache(a, *where)) for a in (key, value))
             own_answer = np.ascontiguousarray(own_weights(weights, *where))

@@ -300,7 +300,7 @@ async def _drive(url: str, workload: Workload, point: Point, share: float, seed:
         cpu_at_start: list[float] = []
 
         async def call(i: int, sent_ns: int, step: SequenceStep | None = None, position: int = 0) -> str:
-            status = await send(i, step) if step is not None else await send(i)
+            status = await send(i, step)
             done = time.perf_counter_ns()
             if sent_ns >= measure_from and done <= end:
                 (latencies if status == "OK" else error_latencies.setdefault(status, [])).append(done - sent_ns)

@@ -225,9 +225,10 @@ def test_a_damaged_default_cache_is_rebuilt_on_start(small_model_dir, tmp_path):
         process.wait(30)
 
 
-def test_a_default_cache_without_the_output_only_graph_is_exported_again(
-    small_model_dir, tmp_path, monkeypatch, capsys
-):
+@pytest.fixture
+def default_cache(small_model_dir, tmp_path, monkeypatch):
+    """A default-model cache holding a copy of the small export, and the export commands a start would run (none
+    is run): (folder, exports)."""
     import mhaserve.export.default_model as default_model
 
     monkeypatch.setenv("MHASERVE_CACHE", str(tmp_path / "cache"))
@@ -240,27 +241,27 @@ def test_a_default_cache_without_the_output_only_graph_is_exported_again(
         return subprocess.CompletedProcess(command, 0)
 
     monkeypatch.setattr(default_model.subprocess, "run", export)
-    assert default_model.ensure_default_model() == folder and exports == []  # up to date: used as it is
+    return folder, exports
+
+
+def test_a_default_cache_without_the_output_only_graph_is_exported_again(default_cache, capsys):
+    from mhaserve.export.default_model import ensure_default_model
+
+    folder, exports = default_cache
+    assert ensure_default_model() == folder and exports == []  # up to date: used as it is
     without_output_only_graph(folder)
-    default_model.ensure_default_model()
+    ensure_default_model()
     assert exports and exports[0][-3:] == ["export", "--out", str(folder)]
     assert "an older export, without the output-only graph" in capsys.readouterr().err
 
 
-def test_a_default_cache_whose_step_graph_runs_steps_alone_is_exported_again(
-    small_model_dir, tmp_path, monkeypatch, capsys
-):
-    import mhaserve.export.default_model as default_model
+def test_a_default_cache_whose_step_graph_runs_steps_alone_is_exported_again(default_cache, capsys):
+    from mhaserve.export.default_model import ensure_default_model
 
-    monkeypatch.setenv("MHASERVE_CACHE", str(tmp_path / "cache"))
-    folder = default_model.default_model_dir()
-    shutil.copytree(small_model_dir, folder)
-    exports = []
-    done = subprocess.CompletedProcess([], 0)
-    monkeypatch.setattr(default_model.subprocess, "run", lambda command: exports.append(command) or done)
+    folder, exports = default_cache
     # An export from before steps of several sequences shared a run: no batched case in its validation.
     manifest = json.loads((folder / "manifest.json").read_text())
     manifest["validation"]["step"]["cases"] = [c for c in manifest["validation"]["step"]["cases"] if "batched" not in c]
     (folder / "manifest.json").write_text(json.dumps(manifest))
-    default_model.ensure_default_model()
+    ensure_default_model()
     assert exports and "whose step graph runs each sequence's steps alone" in capsys.readouterr().err
