@@ -175,9 +175,10 @@ class Server:
                 ("grpc.max_receive_message_length", receive_limit),
                 ("grpc.max_send_message_length", send_limit),
                 ("grpc.max_concurrent_streams", settings.max_concurrent_streams),
-                # Closed before their first byte is read. grpcio's core receives each message whole, before any
-                # handler can count or refuse it: connections x streams x the receive limit bounds what it holds.
                 ("grpc.max_allowed_incoming_connections", settings.grpc_max_connections),
+                # A request not yet read is held to the stream's initial window; BDP probing would grow windows
+                # to megabytes per connection, received whether or not a handler reads them.
+                ("grpc.http2.bdp_probe", 0),
                 # Off by default, so a second server on a taken port fails loudly instead of sharing it.
                 ("grpc.so_reuseport", int(settings.reuse_port)),
                 ("grpc.keepalive_time_ms", int(settings.keepalive_time_s * 1000)),

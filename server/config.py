@@ -205,10 +205,32 @@ class ServerSettings:
     max_concurrent_streams: int = setting(1024, "concurrent RPCs per client connection", section="transport")
     grpc_max_connections: int = setting(
         1000,
-        "gRPC connections open at once; beyond, new ones are closed before they are read (the client sees "
-        "UNAVAILABLE). What gRPC receives beyond --max-inflight-bytes is at most this x --max-concurrent-streams "
-        "x --max-message-bytes",
+        "gRPC connections open at once; beyond, new ones are closed before they are read (the client sees UNAVAILABLE)",
         section="transport",
+        rule=at_least(1),
+    )
+    # grpcio's core would receive every open call's request at once, whole, before any handler could count it;
+    # read when the handler asks, a request waits unread in HTTP/2's flow-control window instead.
+    max_receiving_bytes: int = setting(
+        512 << 20,
+        "memory gRPC requests being received at once may take: each reserves three times --max-message-bytes "
+        "while it arrives (grpcio's buffers and two copies; one may always arrive); the others wait unread, "
+        "their senders held by HTTP/2 flow control",
+        section="limits and memory",
+        rule=at_least(1),
+    )
+    grpc_read_timeout_s: float = setting(
+        30.0,
+        "seconds a gRPC request may take to arrive once its turn to be received has come; a slower one is "
+        "refused DEADLINE_EXCEEDED",
+        section="transport",
+        rule=more_than(0),
+    )
+    max_inference_streams: int = setting(
+        64,
+        "ModelStreamInfer streams open at once; beyond, RESOURCE_EXHAUSTED. Each may be receiving a request at "
+        "any moment, so what streams hold while receiving is at most this x --max-message-bytes",
+        section="limits and memory",
         rule=at_least(1),
     )
     reuse_port: bool = setting(

@@ -236,6 +236,7 @@ for _name in ANSWERED_RPCS:
 async def infer_grpc(call: InferenceCall, request: pb.ModelInferRequest, streamed: bool = False) -> bytes:
     """One ModelInferRequest through the data plane, as the native server and each Ray replica answer it."""
     decoded = await call.decoded(decode_grpc_request, request, slow=grpc_decodes_slowly(request))
+    request = None  # the arrays hold the contents now; the parsed message's copy goes
     return call.encode(encode_grpc_response, await call.infer(decoded), streamed=streamed)
 
 
@@ -260,7 +261,7 @@ class ReceivedMessage:
 
     async def counted_and_parsed(self, call: InferenceCall):
         call.bytes_in = len(self._raw)
-        call.receipt.add_received(len(self._raw))
+        call.receipt.add_received(PARSE_COPIES * len(self._raw))
         try:
             return await _parsed(self._request_class, self._raw, self._off_loop_if_large)
         except DecodeError:
@@ -274,11 +275,52 @@ async def _parsed(request_class, raw: bytes, off_loop_if_large):
     return await off_loop_if_large(request_class.FromString, len(raw), raw)
 
 
-def _parsing_unary(behavior, request_class, off_loop_if_large, inference: bool):
-    async def handle(raw: bytes, context):
+# What a request of n bytes takes while grpcio receives it: n in its core's buffers, then a bytearray it copies
+# them into and the bytes it makes of that.
+GRPCIO_RECEIPT_COPIES = 3
+# What a received request of n bytes takes until it is decoded: its bytes, then the parsed message and the
+# arrays decoded from it.
+PARSE_COPIES = 2
+
+
+class RequestReader:
+    """Reads a call's request when its handler asks, a few at a time.
+
+    A unary request is one grpcio's core would receive whole, for every open call at once, before any handler
+    runs. Read on demand instead, a request not yet read waits in its stream's flow-control window (64 KiB with
+    BDP probing off) while its sender is held back; at most ``slots`` requests arrive at once, each within the
+    receive limit, so what gRPC holds while receiving is bounded however many connections are open. A read that
+    has not finished ``timeout_s`` after its turn came is refused, so a slow sender cannot keep its slot."""
+
+    def __init__(self, receiving_bytes: int, receive_limit: int, timeout_s: float):
+        self.slots = max(1, receiving_bytes // (GRPCIO_RECEIPT_COPIES * receive_limit))
+        self._turns = asyncio.Semaphore(self.slots)
+        self._timeout_s = timeout_s
+
+    async def read(self, context) -> bytes:
+        async with self._turns:
+            try:
+                raw = await asyncio.wait_for(context.read(), self._timeout_s)
+            except asyncio.TimeoutError:  # not yet the built-in TimeoutError on Python 3.10
+                raise RequestError(
+                    ErrorKind.DEADLINE_EXCEEDED,
+                    f"the request did not arrive within --grpc-read-timeout-s ({self._timeout_s:g} s)",
+                ) from None
+        if raw is grpc.aio.EOF:
+            raise RequestError(ErrorKind.INVALID_ARGUMENT, "the call ended without a request message")
+        return raw
+
+
+def _reading_unary(behavior, request_class, off_loop_if_large, reader: RequestReader, inference: bool):
+    async def handle(request_iterator, context):
         try:
+            try:
+                raw = await reader.read(context)
+            except RequestError as error:
+                await context.abort(GRPC_STATUS[error.kind], error.message)
             if inference:  # parsed in the call, once counted
                 request = ReceivedMessage(raw, request_class, off_loop_if_large)
+                raw = None  # the message alone holds it, and lets go once parsed
             else:
                 try:
                     request = await _parsed(request_class, raw, off_loop_if_large)
@@ -307,13 +349,24 @@ def _forget_locals(error: BaseException | None) -> None:
         error = error.__context__
 
 
-def _parsing_stream(behavior, request_class, off_loop_if_large):
+def _parsing_stream(behavior, request_class, off_loop_if_large, open_streams: asyncio.Semaphore, limit: int):
+    """A stream reads its next request only once the last one is answered; each open stream may be receiving
+    one, so the number open at once is what bounds them (a read turn held by an idle stream would stall every
+    other call)."""
+
     async def handle(raw_iterator, context):
+        if open_streams.locked():
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"too many inference streams open: --max-inference-streams is {limit}; retry once one ends",
+            )
+
         async def requests():  # one bad message is that message's error, not the stream's end
             async for raw in raw_iterator:
                 yield ReceivedMessage(raw, request_class, off_loop_if_large)
 
-        await behavior(requests(), context)  # it writes its answers itself
+        async with open_streams:
+            await behavior(requests(), context)  # it writes its answers itself
 
     return handle
 
@@ -339,7 +392,11 @@ def add_inference_service(servicer: InferenceServicer, server) -> None:
     other malformed request.
     """
     service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
-    parse = servicer.dataplane.off_loop_if_large  # a large message is parsed off the event loop
+    dataplane = servicer.dataplane
+    parse = dataplane.off_loop_if_large  # a large message is parsed off the event loop
+    settings, (receive_limit, _) = dataplane.settings, dataplane.versions.message_limits
+    reader = RequestReader(settings.max_receiving_bytes, receive_limit, settings.grpc_read_timeout_s)
+    open_streams = asyncio.Semaphore(settings.max_inference_streams)
     handlers = {}
     for method in service.methods:
         request_class = getattr(pb, method.input_type.name)
@@ -347,11 +404,14 @@ def add_inference_service(servicer: InferenceServicer, server) -> None:
         behavior = getattr(servicer, method.name)
         if method.client_streaming and method.server_streaming:
             handler = grpc.stream_stream_rpc_method_handler(
-                _parsing_stream(behavior, request_class, parse), response_serializer=serialize
+                _parsing_stream(behavior, request_class, parse, open_streams, settings.max_inference_streams),
+                response_serializer=serialize,
             )
         elif not (method.client_streaming or method.server_streaming):
-            parsing = _parsing_unary(behavior, request_class, parse, method.name == "ModelInfer")
-            handler = grpc.unary_unary_rpc_method_handler(parsing, response_serializer=serialize)
+            # Request-streaming on the server's side (the wire is the same), so that the request is read when
+            # the reader gives it its turn rather than by grpcio as soon as the call opens.
+            reading = _reading_unary(behavior, request_class, parse, reader, method.name == "ModelInfer")
+            handler = grpc.stream_unary_rpc_method_handler(reading, response_serializer=serialize)
         else:  # the protocol has no such RPC; refuse to guess
             raise TypeError(f"{method.full_name}: half-streaming RPCs are not handled")
         handlers[method.name] = handler

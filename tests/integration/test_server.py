@@ -4,6 +4,7 @@ RPCs, requested outputs, streaming, statistics, device choice, and a server proc
 from __future__ import annotations
 
 import asyncio
+import queue
 import re
 import subprocess
 import sys
@@ -170,6 +171,26 @@ def test_stream_infer_answers_in_order_and_survives_a_bad_request(stub, small_mo
     assert "INVALID_ARGUMENT" in responses[1].error_message and "d_model" in responses[1].error_message
     out = np.frombuffer(responses[2].infer_response.raw_output_contents[0], dtype=np.float32).reshape(1, 4, D)
     np.testing.assert_allclose(out, eager(small_module, good)[0], atol=1e-5)
+
+
+def test_inference_streams_past_their_cap_are_refused_until_one_ends(start_server, small_model_dir):
+    """Each open stream may be receiving a request at any moment, so their number is what bounds them."""
+    server = start_server(small_model_dir, "--warmup-runs", "0", "--max-inference-streams", "1")
+    request = build_infer_request("mha", rand(1, 4, D, seed=16))
+    with grpc.insecure_channel(server.url) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        sending = queue.Queue()
+        first = stub.ModelStreamInfer(iter(sending.get, None), timeout=30)
+        sending.put(request)
+        assert not next(first).error_message  # open, and answered
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.ModelStreamInfer(iter([request]), timeout=10))
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "--max-inference-streams is 1" in refused.value.details()
+        sending.put(None)
+        assert list(first) == []  # ended
+        answers = list(stub.ModelStreamInfer(iter([request]), timeout=10))
+        assert len(answers) == 1 and not answers[0].error_message
 
 
 class Aborted(Exception):

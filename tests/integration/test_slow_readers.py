@@ -65,7 +65,8 @@ class ZeroWindowGrpcClient:
                     self.statuses[event.stream_id] = headers[b"grpc-status"].decode()
         self._flush()  # ping acknowledgements
 
-    def call(self, message: bytes) -> int:
+    def call(self, message: bytes, stop_after: int | None = None) -> int:
+        """Sends one ModelInfer call; with ``stop_after``, only that many bytes of it, the call left open."""
         stream = self.conn.get_next_available_stream_id()
         headers = [
             (":method", "POST"), (":scheme", "http"), (":path", MODEL_INFER), (":authority", self.authority),
@@ -73,6 +74,8 @@ class ZeroWindowGrpcClient:
         ]  # fmt: skip
         self.conn.send_headers(stream, headers)
         data = b"\x00" + len(message).to_bytes(4, "big") + message
+        if stop_after is not None:
+            data = data[:stop_after]
         while data:  # within the server's flow-control window
             window = min(self.conn.local_flow_control_window(stream), self.conn.max_outbound_frame_size)
             if window == 0:
@@ -81,8 +84,9 @@ class ZeroWindowGrpcClient:
             self.conn.send_data(stream, data[:window])
             data = data[window:]
             self._flush()
-        self.conn.end_stream(stream)
-        self._flush()
+        if stop_after is None:
+            self.conn.end_stream(stream)
+            self._flush()
         return stream
 
     def pump(self, seconds: float) -> None:
@@ -133,6 +137,29 @@ def test_grpc_answers_a_client_never_reads_stay_in_the_budget_and_end_cancelled(
     assert held_after_timeout == held and held_after_close == 0
     assert counts["grpc CANCELLED"] == stuck and counts["grpc RESOURCE_EXHAUSTED"] == len(refused)
     assert counts["grpc OK"] == 1
+
+
+def test_a_grpc_request_that_stops_arriving_is_refused_at_the_read_timeout_and_frees_its_turn(
+    start_server, small_model_dir
+):
+    """Requests are received a few at a time (here one): a sender that stops halfway keeps its turn only until
+    --grpc-read-timeout-s, is refused DEADLINE_EXCEEDED then, and the call waiting behind it is served."""
+    server = start_server(
+        small_model_dir, *TEST_SERVER_ARGS, "--max-receiving-bytes", "1", "--grpc-read-timeout-s", "1"
+    )
+    stalled = ZeroWindowGrpcClient(server.url)
+    message = build_infer_request("mha", rand(1, 64, D, seed=5)).SerializeToString()
+    stream = stalled.call(message, stop_after=len(message) // 2)
+    time.sleep(0.3)  # its turn has come
+    started = time.monotonic()
+    with Client(server.url) as client:
+        query = rand(1, 4, D, seed=6)
+        assert client.infer(query).output.shape == (1, 4, D)
+    waited = time.monotonic() - started
+    stalled.pump(0.5)
+    stalled.close()
+    assert stalled.statuses.get(stream) == str(grpc.StatusCode.DEADLINE_EXCEEDED.value[0])
+    assert waited > 0.5, f"served after {waited:.2f} s, before the stalled request's turn ended"
 
 
 def _binary_infer_request(query: np.ndarray, host: str) -> bytes:
