@@ -18,14 +18,11 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TypeVar
 
-import numpy as np
-
 from mhaserve.contract.model_dir import ModelDirError, read_manifest
 from mhaserve.contract.repository import ModelRepository, VersionPolicy
-from mhaserve.contract.signature import OUTPUT, ModelSignature
+from mhaserve.contract.signature import ModelSignature
 
 from .accounting import Receipt, RequestAccounting
-from .batcher import answer_of
 from .calls import CallRecord, HeadersOf
 from .config import ServerSettings
 from .errors import ErrorKind, RequestError, inference_failed, invalid
@@ -34,7 +31,6 @@ from .memory import MemoryBudget, answer_bytes, input_bytes, request_workspace_b
 from .metrics import Metrics
 from .registry import ModelRegistry, ServedModel
 from .sequences import Sequences
-from .shaping import weights_shaping
 from .shared_memory import NOTHING_HELD, SharedMemoryRegistry
 from .tensors import AttentionRequest, Limits, byte_count
 from .threads import lowered_pool
@@ -370,14 +366,14 @@ class InferenceCall(CallRecord):
         if attention.sequence is not None:
             if placed:
                 raise invalid("a step of a sequence answers over the socket: its outputs cannot go to shared memory")
-            return await self._step(request, attention)
+            return await dataplane.sequences.step(self, request, attention)
         if self.trace is not None:
             self.trace.decoded(attention, request.id)
         signature = served.signature
-        self._admit(attention, signature)
+        self.admit(attention, signature)
         answer = await served.batcher.submit(attention, self.timeout_s, self.trace)
         self.timing.queue_ns, self.timing.infer_ns = answer.queue_ns, answer.infer_ns
-        self._run_ended(answer.run_rows, answer.run_started_ns)
+        self.run_ended(answer.run_rows, answer.run_started_ns)
         outputs = {o: answer.outputs[o] for o in attention.outputs}
         placed = {name: placement for name, placement in placed.items() if name in outputs}
         if placed:
@@ -386,7 +382,7 @@ class InferenceCall(CallRecord):
             )
         return InferenceResponse(signature, request, outputs, frozenset(placed))
 
-    def _admit(self, attention: AttentionRequest, signature: ModelSignature) -> None:
+    def admit(self, attention: AttentionRequest, signature: ModelSignature) -> None:
         """Its decoded inputs and its answer taken in the budget, with its run's workspace, or refused; from
         here its inputs count as decoded (input_bytes counts the body too), no longer as received."""
         self.timing.input_ns = time.perf_counter_ns() - self.started
@@ -397,51 +393,10 @@ class InferenceCall(CallRecord):
         self._waiting = self._dataplane.accounting.admit(needed, self.rows, workspace)
         self._reserved = needed  # (a refusal took nothing)
 
-    def _run_ended(self, run_rows: int, run_started_ns: int) -> None:
+    def run_ended(self, run_rows: int, run_started_ns: int) -> None:
         self.run_rows, self.run_started_ns = run_rows, run_started_ns
         self._dataplane.accounting.budget.run_ended(self._waiting)
         self._waiting = None
-
-    async def _step(self, request: InferenceRequest, attention: AttentionRequest) -> InferenceResponse:
-        """One step of a sequence (server/sequences.py): run over its cache, in its order, and grow the cache."""
-        step, sequences = attention.sequence, self._dataplane.sequences
-        sequence = sequences.begin(step, self.served, attention.batch_size)
-        # The version the sequence started on answers every step of it: its cache holds that version's keys and
-        # values, whatever version has been loaded since.
-        served = sequence.served
-        signature = served.signature
-        if request.version and request.version != signature.version:
-            raise invalid(
-                f"sequence {step.id!r} runs on version {signature.version} (where it started); this step names "
-                f"version {request.version}"
-            )
-        async with sequence.lock:  # a second step of the same sequence waits for this one
-            if sequence.ended:
-                raise invalid(f"sequence {step.id!r} is not live: it ended while this step waited")
-            rows = attention.query.shape[1]
-            sequences.check_growth(sequence, rows)
-            total = sequence.length + rows
-            named = tuple(o.name for o in request.outputs)
-            shaping, outputs = weights_shaping(request.parameters, named, signature.num_heads, rows, total)
-            attention.shaping, attention.key = shaping, np.empty((attention.batch_size, total, 0), np.float32)
-            if outputs is not None:
-                attention.outputs = outputs
-            self._admit(attention, signature)
-            started = time.perf_counter_ns()
-            output, weights, cache = await served.steps.run(attention.query, sequence.cache)
-            self.timing.infer_ns = time.perf_counter_ns() - started
-            self._run_ended(attention.batch_size, started)
-            asked = attention.outputs
-            answer, error = answer_of(
-                asked, shaping, output if OUTPUT in asked else None, weights, served.batcher.computed_in
-            )
-            if error is not None:  # the cache is not grown by a step that overflowed
-                raise error
-            if not sequence.ended:  # restarted while this step ran: its answer stands, the old cache does not
-                sequences.grow(sequence, cache)
-        if step.end:
-            sequences.end(sequence)
-        return InferenceResponse(signature, request, answer, frozenset())
 
     async def _use_shared_memory(self, request: InferenceRequest, placed: dict) -> AttentionRequest | None:
         """Hold the regions the request's tensors lie in (checked: registered, windows inside them), then read

@@ -16,7 +16,7 @@ import numpy as np
 from mhaserve.contract.signature import ModelSignature
 
 from .errors import ErrorKind, RequestError, invalid
-from .sequences import sequence_parameters
+from .parameters import sequence_parameters
 from .shaping import weights_shaping
 from .shared_memory import Placement, placement_of
 from .tensors import AttentionRequest, Limits, build_request

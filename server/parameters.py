@@ -9,8 +9,12 @@ gRPC trailers, whose size is limited, and a log line should not carry a client's
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 from .errors import invalid
+
+UINT64_MAX = 2**64 - 1
 
 QUOTED_AT_MOST = 100  # characters of a client's value an error message repeats
 
@@ -80,3 +84,33 @@ def _kind(value: object) -> str:
         return "null"
     return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
             dict: "an object"}.get(type(value), type(value).__name__)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class StepOf:
+    """What a request's sequence parameters say."""
+
+    id: int | str
+    start: bool
+    end: bool
+
+
+def sequence_parameters(parameters: Mapping[str, object]) -> StepOf | None:
+    """The request's place in a sequence, or None for a request outside any (no id, or id 0 / "" as Triton's
+    clients send for none)."""
+    sequence_id = parameters.get("sequence_id")
+    start = boolean(parameters.get("sequence_start", False), "sequence_start")
+    end = boolean(parameters.get("sequence_end", False), "sequence_end")
+    if sequence_id in (None, 0, ""):
+        if start or end:
+            raise invalid(
+                "parameters 'sequence_start'/'sequence_end' need a 'sequence_id' (a non-zero integer or a string)"
+            )
+        return None
+    if isinstance(sequence_id, bool) or not isinstance(sequence_id, int | str):
+        raise invalid(f"parameter 'sequence_id' must be an integer or a string, got {quoted(sequence_id)}")
+    if isinstance(sequence_id, int) and not 0 < sequence_id <= UINT64_MAX:
+        raise invalid(f"parameter 'sequence_id' must be an unsigned 64-bit integer, got {sequence_id}")
+    if isinstance(sequence_id, str) and len(sequence_id) > 256:
+        raise invalid(f"parameter 'sequence_id' must be at most 256 characters, got {len(sequence_id)}")
+    return StepOf(sequence_id, start, end)

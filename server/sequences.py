@@ -19,48 +19,23 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from mhaserve.contract.signature import OUTPUT
+
+from .batcher import answer_of
 from .errors import ErrorKind, RequestError, invalid
+from .inference import InferenceRequest, InferenceResponse
 from .memory import MemoryBudget
-from .parameters import boolean, quoted
+from .parameters import StepOf
 from .session import StepCache
+from .shaping import weights_shaping
+from .tensors import AttentionRequest
 
-UINT64_MAX = 2**64 - 1
 REMEMBERED_ENDS = 4096  # ids recently ended or timed out, to say so when a late step names one
-
-
-@dataclass(frozen=True)
-class StepOf:
-    """What a request's sequence parameters say."""
-
-    id: int | str
-    start: bool
-    end: bool
-
-
-def sequence_parameters(parameters: Mapping[str, object]) -> StepOf | None:
-    """The request's place in a sequence, or None for a request outside any (no id, or id 0 / "" as Triton's
-    clients send for none)."""
-    sequence_id = parameters.get("sequence_id")
-    start = boolean(parameters.get("sequence_start", False), "sequence_start")
-    end = boolean(parameters.get("sequence_end", False), "sequence_end")
-    if sequence_id in (None, 0, ""):
-        if start or end:
-            raise invalid(
-                "parameters 'sequence_start'/'sequence_end' need a 'sequence_id' (a non-zero integer or a string)"
-            )
-        return None
-    if isinstance(sequence_id, bool) or not isinstance(sequence_id, int | str):
-        raise invalid(f"parameter 'sequence_id' must be an integer or a string, got {quoted(sequence_id)}")
-    if isinstance(sequence_id, int) and not 0 < sequence_id <= UINT64_MAX:
-        raise invalid(f"parameter 'sequence_id' must be an unsigned 64-bit integer, got {sequence_id}")
-    if isinstance(sequence_id, str) and len(sequence_id) > 256:
-        raise invalid(f"parameter 'sequence_id' must be at most 256 characters, got {len(sequence_id)}")
-    return StepOf(sequence_id, start, end)
 
 
 @dataclass
@@ -123,6 +98,48 @@ class Sequences:
         if sequence.batch != batch:
             raise invalid(f"sequence {step.id!r} has batch {sequence.batch}; this step's query has batch {batch}")
         return sequence
+
+    async def step(self, call, request: InferenceRequest, attention: AttentionRequest) -> InferenceResponse:
+        """One step of a sequence, for ``call`` (the InferenceCall, which admits it into the budget and times it):
+        run over the sequence's cache, in its order, and grow the cache."""
+        step = attention.sequence
+        sequence = self.begin(step, call.served, attention.batch_size)
+        # The version the sequence started on answers every step of it: its cache holds that version's keys and
+        # values, whatever version has been loaded since.
+        served = sequence.served
+        signature = served.signature
+        if request.version and request.version != signature.version:
+            raise invalid(
+                f"sequence {step.id!r} runs on version {signature.version} (where it started); this step names "
+                f"version {request.version}"
+            )
+        async with sequence.lock:  # a second step of the same sequence waits for this one
+            if sequence.ended:
+                raise invalid(f"sequence {step.id!r} is not live: it ended while this step waited")
+            rows = attention.query.shape[1]
+            self.check_growth(sequence, rows)
+            total = sequence.length + rows
+            named = tuple(o.name for o in request.outputs)
+            shaping, outputs = weights_shaping(request.parameters, named, signature.num_heads, rows, total)
+            attention.shaping, attention.key = shaping, np.empty((attention.batch_size, total, 0), np.float32)
+            if outputs is not None:
+                attention.outputs = outputs
+            call.admit(attention, signature)
+            started = time.perf_counter_ns()
+            output, weights, cache = await served.steps.run(attention.query, sequence.cache)
+            call.timing.infer_ns = time.perf_counter_ns() - started
+            call.run_ended(attention.batch_size, started)
+            asked = attention.outputs
+            answer, error = answer_of(
+                asked, shaping, output if OUTPUT in asked else None, weights, served.batcher.computed_in
+            )
+            if error is not None:  # the cache is not grown by a step that overflowed
+                raise error
+            if not sequence.ended:  # restarted while this step ran: its answer stands, the old cache does not
+                self.grow(sequence, cache)
+        if step.end:
+            self.end(sequence)
+        return InferenceResponse(signature, request, answer, frozenset())
 
     def check_growth(self, sequence: Sequence, rows: int) -> None:
         if sequence.length + rows > self.max_length:

@@ -55,7 +55,7 @@ class AttentionRequest:
     mask: np.ndarray  # [B|1, 1, Lq|1, Lk] bool; all True when the request had none
     outputs: tuple[str, ...]  # requested outputs, in the order to return them
     shaping: WeightsShaping = NO_SHAPING  # what the request asked of the weights' outputs
-    sequence: object = None  # a sequences.StepOf: the request is a step of a sequence (its shaping comes later)
+    sequence: object = None  # a parameters.StepOf: the request is a step of a sequence (its shaping comes later)
 
     @property
     def batch_size(self) -> int:

@@ -120,7 +120,9 @@ def test_each_point_has_the_servers_queue_and_compute_within_the_clients_latency
         assert done.returncode == 0, done.stderr
         (point,) = json.loads(out.read_text())["points"]
         side = point["server"]
-        assert side["requests"] > 0 and side["rows_per_run"] >= 1
+        # A run is counted when it ends, its requests once answered: at each edge of the window a run of each
+        # caller's may be counted without its request.
+        assert side["requests"] > 0 and side["rows_per_run"] >= side["requests"] / (side["requests"] + 2 * 2)
         stages = side["queue_ms"] + side["compute_input_ms"] + side["compute_infer_ms"] + side["compute_output_ms"]
         assert 0 < stages <= side["server_ms"] * 1.001 + 1e-3  # the stages are parts of the server's time
         assert stages < point["mean_ms"]  # queue and compute lie inside the client's latency

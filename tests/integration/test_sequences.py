@@ -205,10 +205,8 @@ def test_a_sequence_past_its_limits_is_refused_and_left_as_it_was(stub):
     step(stub, "long", rows[:, :1], end=True)
 
 
-def test_the_budget_refuses_a_step_that_would_not_fit_and_the_sequence_stays_as_it_was(
-    start_server_process, small_model_dir
-):
-    server = start_server_process(small_model_dir, *TEST_SERVER_ARGS, "--max-inflight-bytes", str(12 << 20))
+def test_the_budget_refuses_a_step_that_would_not_fit_and_the_sequence_stays_as_it_was(start_server, small_model_dir):
+    server = start_server(small_model_dir, *TEST_SERVER_ARGS, "--max-inflight-bytes", str(12 << 20))
     with grpc.insecure_channel(server.url) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         rows = np.ones((8, 64, D), np.float32)  # each step adds 8 x 64 rows of keys and values: 256 KiB
@@ -224,8 +222,6 @@ def test_the_budget_refuses_a_step_that_would_not_fit_and_the_sequence_stays_as_
         assert last["attn_weights"].shape == (8, 4, 1, 64 * grown + 1)
         cache = {n: v for (n, _), v in scrape(server.metrics_url).items() if n == "mhaserve_sequence_cache_bytes"}
         assert cache == {"mhaserve_sequence_cache_bytes": 0}  # returned at its end
-    server.signal()
-    assert server.wait_exit(30) == 0
 
 
 def test_a_folder_without_a_step_graph_refuses_sequences(start_server, small_module, tmp_path):
