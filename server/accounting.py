@@ -67,6 +67,41 @@ class Receipt:
             self.held = 0
 
 
+class CallMemory:
+    """One call's bytes in the budget, from receipt to delivery: its request as received (``receipt``) until it is
+    admitted; then its inputs, its answer and its run's workspace: the workspace until its run ends, the inputs
+    until the answer is encoded, the answer until it is sent (``reserved`` then, for the call's settlement)."""
+
+    def __init__(self, accounting: RequestAccounting):
+        self._accounting = accounting
+        self.receipt = Receipt(accounting)
+        self.reserved = 0  # in the budget, received bytes apart
+        self._answer = 0  # of which the answer's
+        self._waiting = None  # its run's workspace, until the run ends
+
+    def admit(self, inputs: int, answer: int, rows: int, workspace: int) -> None:
+        """Its decoded inputs and its answer taken, with its run's workspace, or refused; from here its inputs
+        count as decoded, no longer as received."""
+        self.receipt.close()
+        self._waiting = self._accounting.admit(inputs + answer, rows, workspace)
+        self.reserved, self._answer = inputs + answer, answer  # (a refusal took nothing)
+
+    def run_ended(self) -> None:
+        self._accounting.budget.run_ended(self._waiting)
+        self._waiting = None
+
+    def answer_encoded(self) -> None:
+        """The inputs go; the answer stays until it is sent."""
+        self._accounting.budget.release(self.reserved - self._answer)
+        self.reserved = self._answer
+
+    def call_ended(self) -> None:
+        """What a call refused while or after it was received, or expired or cancelled before its run ended,
+        still held goes."""
+        self.receipt.close()
+        self.run_ended()
+
+
 class RequestAccounting:
     def __init__(
         self, budget: MemoryBudget, metrics: Metrics, executor: Executor, sessions: Callable[[], list[AttentionSession]]

@@ -22,7 +22,7 @@ from mhaserve.contract.model_dir import ModelDirError, read_manifest
 from mhaserve.contract.repository import ModelRepository, VersionPolicy
 from mhaserve.contract.signature import ModelSignature
 
-from .accounting import Receipt, RequestAccounting
+from .accounting import CallMemory, RequestAccounting
 from .calls import CallRecord, HeadersOf
 from .config import ServerSettings
 from .errors import ErrorKind, RequestError, inference_failed, invalid
@@ -32,7 +32,7 @@ from .metrics import Metrics
 from .registry import ModelRegistry, ServedModel
 from .sequences import Sequences
 from .shared_memory import NOTHING_HELD, SharedMemoryRegistry
-from .tensors import AttentionRequest, Limits, byte_count
+from .tensors import AttentionRequest, Limits
 from .threads import lowered_pool
 from .trace_settings import parse_trace_config
 from .tracing import Tracing
@@ -330,10 +330,8 @@ class InferenceCall(CallRecord):
     ):
         super().__init__(protocol, timeout_s, method, headers, peer)
         self._dataplane = dataplane
-        self.receipt = Receipt(dataplane.accounting)  # its request as received, until it is admitted
-        self._reserved = 0  # this call's bytes in the budget
-        self._answer = 0  # of which its answer's
-        self._waiting = None  # its run's workspace, until the run ends
+        self.memory = CallMemory(dataplane.accounting)
+        self.receipt = self.memory.receipt  # its request as received, until it is admitted
         self._deliver_later = False
         self._settle: Callable | None = None
         self._regions = NOTHING_HELD  # the shared-memory regions its tensors lie in, until it ends
@@ -383,35 +381,21 @@ class InferenceCall(CallRecord):
         return InferenceResponse(signature, request, outputs, frozenset(placed))
 
     def admit(self, attention: AttentionRequest, signature: ModelSignature) -> None:
-        """Its decoded inputs and its answer taken in the budget, with its run's workspace, or refused; from
-        here its inputs count as decoded (input_bytes counts the body too), no longer as received."""
+        """Its decoded inputs, its answer and its run's workspace taken in the budget, or refused."""
         self.timing.input_ns = time.perf_counter_ns() - self.started
-        self._answer = answer_bytes(attention, signature.num_heads, signature.precision)
-        needed = input_bytes(attention) + self._answer
-        self.receipt.close()
+        answer = answer_bytes(attention, signature.num_heads, signature.precision)
         workspace = request_workspace_bytes(attention, signature.num_heads)
-        self._waiting = self._dataplane.accounting.admit(needed, self.rows, workspace)
-        self._reserved = needed  # (a refusal took nothing)
+        self.memory.admit(input_bytes(attention), answer, self.rows, workspace)
 
     def run_ended(self, run_rows: int, run_started_ns: int) -> None:
         self.run_rows, self.run_started_ns = run_rows, run_started_ns
-        self._dataplane.accounting.budget.run_ended(self._waiting)
-        self._waiting = None
+        self.memory.run_ended()
 
     async def _use_shared_memory(self, request: InferenceRequest, placed: dict) -> AttentionRequest | None:
         """Hold the regions the request's tensors lie in (checked: registered, windows inside them), then read
         its inputs from them, counted in the budget like a body being received, and check the request (None:
         no input was in shared memory)."""
-        windows = {f"input '{name}'": shared.placement for name, shared in request.shared_inputs.items()}
-        windows.update({f"output '{name}'": placement for name, placement in placed.items()})
-        self._regions = self._dataplane.shared_memory.use(self.peer, windows)
-        for name, shared in request.shared_inputs.items():
-            expected = byte_count(name, shared.datatype, shared.shape)
-            if shared.placement.byte_size != expected:
-                raise invalid(
-                    f"input '{name}': shared_memory_byte_size {shared.placement.byte_size}, expected {expected} "
-                    f"({shared.datatype} {list(shared.shape)})"
-                )
+        self._regions = self._dataplane.shared_memory.held_for(self.peer, request.shared_inputs, placed)
         if not request.shared_inputs:  # only outputs go to shared memory: the request was checked already
             return None
         total = sum(shared.placement.byte_size for shared in request.shared_inputs.values())
@@ -428,8 +412,7 @@ class InferenceCall(CallRecord):
         answer stays until it is sent)."""
         started = time.perf_counter_ns()
         encoded = encode(response, *args, **kwargs)
-        self._dataplane.accounting.budget.release(self._reserved - self._answer)
-        self._reserved = self._answer
+        self.memory.answer_encoded()
         self.encoded_ns = time.perf_counter_ns()
         self.timing.output_ns = self.encoded_ns - started
         return encoded
@@ -451,13 +434,12 @@ class InferenceCall(CallRecord):
     def end(self) -> None:
         accounting = self._dataplane.accounting
         self._regions.release()
-        self.receipt.close()  # refused while or after it was received, before its admission
-        accounting.budget.run_ended(self._waiting)  # refused by the queue, expired or cancelled before its run ended
+        self.memory.call_ended()
         if self.served is not None:
             self.served.leave()  # the answer is encoded: unloading need not wait for its delivery
         if self.status != "OK":
             self.timing.input_ns = time.perf_counter_ns() - self.started - self.timing.queue_ns - self.timing.infer_ns
-        settle = functools.partial(accounting.settle, self, self._reserved)
+        settle = functools.partial(accounting.settle, self, self.memory.reserved)
         if self.status == "OK" and self._deliver_later:
             self._settle = settle
         else:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import ErrorKind, RequestError, invalid
-from .tensors import array_from_bytes, wire_bytes
+from .tensors import array_from_bytes, byte_count, wire_bytes
 
 SHM_DIR = "/dev/shm"
 # POSIX shm_open names: one optional leading slash, then a file name in SHM_DIR (no further slash).
@@ -306,6 +306,22 @@ class SharedMemoryRegistry:
         for region in regions.values():
             region.users += 1
         return HeldRegions(self, regions)
+
+    def held_for(self, peer: str, inputs: dict, outputs: dict[str, Placement]) -> HeldRegions:
+        """The regions a request's tensors lie in (``inputs``: name -> its SharedInput; ``outputs``: name ->
+        placement), held as ``use`` holds them, each input's window checked against its datatype and shape."""
+        windows = {f"input '{name}'": shared.placement for name, shared in inputs.items()}
+        windows.update({f"output '{name}'": placement for name, placement in outputs.items()})
+        held = self.use(peer, windows)
+        for name, shared in inputs.items():
+            expected = byte_count(name, shared.datatype, shared.shape)
+            if shared.placement.byte_size != expected:
+                held.release()
+                raise invalid(
+                    f"input '{name}': shared_memory_byte_size {shared.placement.byte_size}, expected {expected} "
+                    f"({shared.datatype} {list(shared.shape)})"
+                )
+        return held
 
     def done(self, regions: dict[str, Region]) -> None:
         for region in regions.values():
