@@ -72,9 +72,16 @@ def _serve_bytes(port: int, infer) -> None:
         server = grpc.aio.server(
             options=[("grpc.max_receive_message_length", 1 << 30), ("grpc.max_send_message_length", 1 << 30)]
         )
-        handler = grpc.method_handlers_generic_handler(
-            "inference.GRPCInferenceService", {"ModelInfer": grpc.unary_unary_rpc_method_handler(infer)}
-        )
+        live = b"\x08\x01"  # ServerLiveResponse(live=True), which load generators ask before they start
+
+        async def server_live(request: bytes, context) -> bytes:
+            return live
+
+        handlers = {
+            "ModelInfer": grpc.unary_unary_rpc_method_handler(infer),
+            "ServerLive": grpc.unary_unary_rpc_method_handler(server_live),
+        }
+        handler = grpc.method_handlers_generic_handler("inference.GRPCInferenceService", handlers)
         server.add_generic_rpc_handlers((handler,))
         server.add_insecure_port(f"127.0.0.1:{port}")
         await server.start()
