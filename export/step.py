@@ -11,7 +11,10 @@ together, equal the stateless answer for the whole sequence under a causal mask 
 alone and batched with other sequences, as every graph of an export is: validate_steps).
 
 Built from the module's four projections with ONNX's own operators, as the output-only graph is, not traced:
-torch.export cannot leave the past length free down to 0.
+torch.export cannot leave the past length free down to 0. ONNX's ``Attention`` operator (opset 23, with past and
+present) gave bit-identical answers on ONNX Runtime's CPU provider and saved little of a served step, while
+warning on every run about its weights' inferred shape (BENCHMARKS.md, "The step graph: the module's own
+operators against ONNX's Attention op").
 """
 
 from __future__ import annotations

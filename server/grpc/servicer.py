@@ -287,8 +287,8 @@ class RequestReader:
     """Reads a call's request when its handler asks, a few at a time.
 
     A unary request is one grpcio's core would receive whole, for every open call at once, before any handler
-    runs. Read on demand instead, a request not yet read waits in its stream's flow-control window (64 KiB with
-    BDP probing off) while its sender is held back; at most ``slots`` requests arrive at once, each within the
+    runs. Read on demand instead, a request not yet read waits in its stream's flow-control window (256 KiB, not
+    grown: BDP probing off) while its sender is held back; at most ``slots`` requests arrive at once, each within the
     receive limit, so what gRPC holds while receiving is bounded however many connections are open. A read that
     has not finished ``timeout_s`` after its turn came is refused, so a slow sender cannot keep its slot."""
 
