@@ -213,8 +213,9 @@ def test_over_the_body_limit_is_413(start_server, small_model_dir):
     assert status == 413 and "100000 bytes" in json.loads(body)["error"]
 
 
-def test_token_on_http_health_open(start_server_process, small_model_dir):
-    server = start_server_process(small_model_dir, *TEST_SERVER_ARGS, env={"MHASERVE_AUTH_TOKEN": TOKEN})
+def test_token_on_http_health_open(start_server, small_model_dir, monkeypatch):
+    monkeypatch.setenv("MHASERVE_AUTH_TOKEN", TOKEN)
+    server = start_server(small_model_dir, *TEST_SERVER_ARGS)
     assert call(server, "GET", "/v2/health/ready")[0] == 200
     status, headers, body = call(server, "POST", "/v2/models/mha/infer", infer_json(rand(1, 2, D)))
     assert status == 401 and headers["WWW-Authenticate"] == "Bearer" and "Bearer" in json.loads(body)["error"]

@@ -161,8 +161,9 @@ def test_mutual_tls_admits_only_clients_with_a_certificate_from_the_client_ca(mt
     assert "tls=mutual" in mtls_server.log
 
 
-def test_token_from_the_environment_on_a_plain_text_server(start_server_process, small_model_dir):
-    server = start_server_process(small_model_dir, *TEST_SERVER_ARGS, env={"MHASERVE_AUTH_TOKEN": TOKEN})
+def test_token_from_the_environment_on_a_plain_text_server(start_server, small_model_dir, monkeypatch):
+    monkeypatch.setenv("MHASERVE_AUTH_TOKEN", TOKEN)
+    server = start_server(small_model_dir, *TEST_SERVER_ARGS)
     assert _infer(server.url, token=TOKEN).output.shape == (1, 4, SMALL_D_MODEL)
     assert _code(lambda: _infer(server.url, token="nope")) == grpc.StatusCode.UNAUTHENTICATED
     assert _code(lambda: _infer(server.url)) == grpc.StatusCode.UNAUTHENTICATED
