@@ -229,7 +229,7 @@ class ServerSettings:
     max_inference_streams: int = setting(
         64,
         "ModelStreamInfer streams open at once; beyond, RESOURCE_EXHAUSTED. Each may be receiving a request at "
-        "any moment, so what streams hold while receiving is at most this x --max-message-bytes",
+        "any moment, so what streams hold while receiving is at most three times this x --max-message-bytes",
         section="limits and memory",
         rule=at_least(1),
     )
