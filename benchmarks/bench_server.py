@@ -125,15 +125,21 @@ def record_answers(infer: Callable[[bytes], bytes], shapes) -> tuple[dict, Path]
     return requests, answers
 
 
-def start_helper(role: str, argument: Path, threads: int) -> tuple[subprocess.Popen, Callable[[bytes], bytes]]:
-    """This script as the echo or the bare server (``role``) in its own process, once it is ready; its call."""
+def start_helper_process(role: str, argument: Path, threads: int) -> tuple[subprocess.Popen, str]:
+    """This script as the echo or the bare server (``role``) in its own process, once it is ready; its address."""
     from mhaserve.testing.server_process import free_port
 
     port = free_port()
     command = [sys.executable, __file__, "--threads", str(threads), f"--{role}-server", str(port), str(argument)]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     process.stdout.readline()  # ready
-    return process, bytes_call(f"127.0.0.1:{port}")
+    return process, f"127.0.0.1:{port}"
+
+
+def start_helper(role: str, argument: Path, threads: int) -> tuple[subprocess.Popen, Callable[[bytes], bytes]]:
+    """The helper server ``role`` started as ``start_helper_process`` starts it; its call."""
+    process, url = start_helper_process(role, argument, threads)
+    return process, bytes_call(url)
 
 
 def percentile(values, q):

@@ -18,16 +18,15 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
+from bench_server import start_helper_process  # this folder's: the bare server
+
 from mhaserve.export.default_model import ensure_default_model
 from mhaserve.loadtest.loadgen import LoadGenerator, Point, Workload, default_processes
-from mhaserve.testing.server_process import ServerProcess, free_port
+from mhaserve.testing.server_process import ServerProcess
 
-HERE = Path(__file__).resolve().parent
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -35,15 +34,6 @@ def cpu_seconds(pid: int) -> float:
     """User + system CPU time of ``pid`` and its threads, from /proc."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime
-
-
-def start_bare(model_dir: Path, threads: int) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    command = [sys.executable, str(HERE / "bench_server.py"), "--threads", str(threads), "--bare-server", str(port),
-               str(model_dir)]  # fmt: skip
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
-    process.stdout.readline()  # ready
-    return process, f"127.0.0.1:{port}"
 
 
 def measured(url: str, pid: int, length: int, concurrency: int, args) -> dict:
@@ -73,7 +63,7 @@ def main() -> None:
     args = parser.parse_args()
     points = [tuple(int(n) for n in p.split("x")) for p in args.points.split(",")]
     model_dir = ensure_default_model()
-    bare, bare_url = start_bare(model_dir, args.threads)
+    bare, bare_url = start_helper_process("bare", model_dir, args.threads)
     figures: dict[tuple, dict[str, list[dict]]] = {}
     try:
         with ServerProcess(model_dir, "--intra-op-threads", str(args.threads)) as server:

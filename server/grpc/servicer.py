@@ -349,10 +349,11 @@ def _forget_locals(error: BaseException | None) -> None:
         error = error.__context__
 
 
-def _parsing_stream(behavior, request_class, off_loop_if_large, open_streams: asyncio.Semaphore, limit: int):
+def _parsing_stream(behavior, request_class, off_loop_if_large, limit: int):
     """A stream reads its next request only once the last one is answered; each open stream may be receiving
     one, so the number open at once is what bounds them (a read turn held by an idle stream would stall every
     other call)."""
+    open_streams = asyncio.Semaphore(limit)
 
     async def handle(raw_iterator, context):
         if open_streams.locked():
@@ -396,7 +397,6 @@ def add_inference_service(servicer: InferenceServicer, server) -> None:
     parse = dataplane.off_loop_if_large  # a large message is parsed off the event loop
     settings, (receive_limit, _) = dataplane.settings, dataplane.versions.message_limits
     reader = RequestReader(settings.max_receiving_bytes, receive_limit, settings.grpc_read_timeout_s)
-    open_streams = asyncio.Semaphore(settings.max_inference_streams)
     handlers = {}
     for method in service.methods:
         request_class = getattr(pb, method.input_type.name)
@@ -404,7 +404,7 @@ def add_inference_service(servicer: InferenceServicer, server) -> None:
         behavior = getattr(servicer, method.name)
         if method.client_streaming and method.server_streaming:
             handler = grpc.stream_stream_rpc_method_handler(
-                _parsing_stream(behavior, request_class, parse, open_streams, settings.max_inference_streams),
+                _parsing_stream(behavior, request_class, parse, settings.max_inference_streams),
                 response_serializer=serialize,
             )
         elif not (method.client_streaming or method.server_streaming):
