@@ -16,14 +16,17 @@ from typing import TYPE_CHECKING
 from .errors import RequestError
 from .logs import access_line
 from .malloc import release_free_memory
-from .memory import MemoryBudget
+from .memory import MemoryBudget, answer_bytes, input_bytes, request_workspace_bytes
 from .metrics import Metrics
 from .registry import ServedModel
 from .session import AttentionSession
 from .statistics import RequestTiming
 
 if TYPE_CHECKING:
+    from mhaserve.contract.signature import ModelSignature
+
     from .calls import CallRecord
+    from .tensors import AttentionRequest
 
 log = logging.getLogger("mhaserve.server")
 
@@ -79,11 +82,13 @@ class CallMemory:
         self._answer = 0  # of which the answer's
         self._waiting = None  # its run's workspace, until the run ends
 
-    def admit(self, inputs: int, answer: int, rows: int, workspace: int) -> None:
+    def admit(self, attention: AttentionRequest, signature: ModelSignature) -> None:
         """Its decoded inputs and its answer taken, with its run's workspace, or refused; from here its inputs
         count as decoded, no longer as received."""
         self.receipt.close()
-        self._waiting = self._accounting.admit(inputs + answer, rows, workspace)
+        inputs, answer = input_bytes(attention), answer_bytes(attention, signature.num_heads, signature.precision)
+        workspace = request_workspace_bytes(attention, signature.num_heads)
+        self._waiting = self._accounting.admit(inputs + answer, attention.batch_size, workspace)
         self.reserved, self._answer = inputs + answer, answer  # (a refusal took nothing)
 
     def run_ended(self) -> None:

@@ -27,7 +27,7 @@ from .calls import CallRecord, HeadersOf
 from .config import ServerSettings
 from .errors import ErrorKind, RequestError, inference_failed, invalid
 from .inference import OFF_LOOP_BYTES, InferenceRequest, InferenceResponse, attention_request
-from .memory import MemoryBudget, answer_bytes, input_bytes, request_workspace_bytes
+from .memory import MemoryBudget
 from .metrics import Metrics
 from .registry import ModelRegistry, ServedModel
 from .sequences import Sequences
@@ -350,16 +350,14 @@ class InferenceCall(CallRecord):
         served.enter()  # from here the version is not unloaded under this request
         if dataplane.tracing.active:
             self.trace = dataplane.tracing.begin(self, served.signature)
-        attention = None  # inputs still in shared memory are checked once read
-        if not request.shared_inputs:
-            nbytes = sum(array.nbytes for array in request.inputs.values())
-            attention = await dataplane.off_loop_if_large(
-                attention_request, nbytes, request, served.signature, dataplane.limits
-            )
         self.request_id = request.id
         placed = request.output_placements()
-        if request.shared_inputs or placed:
-            attention = await self._use_shared_memory(request, placed) or attention
+        shared = sum(each.placement.byte_size for each in request.shared_inputs.values())
+        if request.shared_inputs or placed:  # their regions held, windows checked, until the call ends
+            self._regions = dataplane.shared_memory.held_for(self.peer, request.shared_inputs, placed)
+            self.receipt.add(shared)  # read from shared memory like a body being received
+        nbytes = shared + sum(array.nbytes for array in request.inputs.values())
+        attention = await dataplane.off_loop_if_large(self._checked, nbytes, request)
         self.rows = attention.batch_size
         if attention.sequence is not None:
             if placed:
@@ -380,32 +378,19 @@ class InferenceCall(CallRecord):
             )
         return InferenceResponse(signature, request, outputs, frozenset(placed))
 
+    def _checked(self, request: InferenceRequest) -> AttentionRequest:
+        """The request, its inputs in shared memory read, checked against the version it resolved to."""
+        self._regions.read_inputs(request.shared_inputs, request.inputs)
+        return attention_request(request, self.served.signature, self._dataplane.limits)
+
     def admit(self, attention: AttentionRequest, signature: ModelSignature) -> None:
         """Its decoded inputs, its answer and its run's workspace taken in the budget, or refused."""
         self.timing.input_ns = time.perf_counter_ns() - self.started
-        answer = answer_bytes(attention, signature.num_heads, signature.precision)
-        workspace = request_workspace_bytes(attention, signature.num_heads)
-        self.memory.admit(input_bytes(attention), answer, self.rows, workspace)
+        self.memory.admit(attention, signature)
 
     def run_ended(self, run_rows: int, run_started_ns: int) -> None:
         self.run_rows, self.run_started_ns = run_rows, run_started_ns
         self.memory.run_ended()
-
-    async def _use_shared_memory(self, request: InferenceRequest, placed: dict) -> AttentionRequest | None:
-        """Hold the regions the request's tensors lie in (checked: registered, windows inside them), then read
-        its inputs from them, counted in the budget like a body being received, and check the request (None:
-        no input was in shared memory)."""
-        self._regions = self._dataplane.shared_memory.held_for(self.peer, request.shared_inputs, placed)
-        if not request.shared_inputs:  # only outputs go to shared memory: the request was checked already
-            return None
-        total = sum(shared.placement.byte_size for shared in request.shared_inputs.values())
-        self.receipt.add(total)
-        return await self._dataplane.off_loop_if_large(self._read_inputs, total, request)
-
-    def _read_inputs(self, request: InferenceRequest) -> AttentionRequest:
-        for name, shared in request.shared_inputs.items():
-            request.inputs[name] = self._regions.read(name, shared.datatype, shared.shape, shared.placement)
-        return attention_request(request, self.served.signature, self._dataplane.limits)
 
     def encode(self, encode: Callable[..., T], response: InferenceResponse, *args, **kwargs) -> T:
         """``encode(response, ...)``, timed as the call's output time; the inputs leave the budget after it (the

@@ -162,11 +162,14 @@ class HeldRegions:
     def __init__(self, registry: SharedMemoryRegistry | None = None, regions: dict[str, Region] | None = None):
         self._registry, self._regions = registry, regions or {}
 
-    def read(self, name: str, datatype: str, shape, placement: Placement) -> np.ndarray:
-        """Input ``name`` as an array, from its window (checked: its size is the header's)."""
-        region = self._regions[placement.region]
-        raw = region.read(placement, f"input '{name}'")
-        return array_from_bytes(name, datatype, shape, raw, f"shared memory region '{region.name}'")
+    def read_inputs(self, shared_inputs: dict, inputs: dict[str, np.ndarray]) -> None:
+        """The inputs a request left in shared memory (name -> its SharedInput), read from their windows into
+        ``inputs``."""
+        for name, shared in shared_inputs.items():
+            region = self._regions[shared.placement.region]
+            raw = region.read(shared.placement, f"input '{name}'")
+            where = f"shared memory region '{region.name}'"
+            inputs[name] = array_from_bytes(name, shared.datatype, shared.shape, raw, where)
 
     def write(self, outputs: dict[str, np.ndarray], placed: dict[str, Placement]) -> None:
         """Each output in ``placed`` into its window."""
