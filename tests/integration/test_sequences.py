@@ -237,15 +237,15 @@ def test_a_folder_without_a_step_graph_refuses_sequences(start_server, small_mod
     assert "serves no sequences" in refused.value.details()
 
 
-def test_drain_with_live_sequences_exits_cleanly(start_server_process, small_model_dir):
-    server = start_server_process(small_model_dir, *TEST_SERVER_ARGS)
+def test_a_drain_with_live_sequences_stops_cleanly(start_server, small_model_dir):
+    server = start_server(small_model_dir, *TEST_SERVER_ARGS)
     with grpc.insecure_channel(server.url) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         for name in ("a", "b", "c"):
             step(stub, name, np.ones((1, 8, D), np.float32), start=True)
-    server.signal()
-    assert server.wait_exit(30) == 0, server.log
-    assert "Traceback" not in server.log
+    server.stop(drain=True)  # raises what the drain or the stop raised
+    assert "Traceback" not in server.log and "ERROR" not in server.log, server.log
+    assert "stopped:" in server.stop_line
 
 
 @pytest.mark.parametrize("kind", ["grpc", "aio", "http"])

@@ -361,7 +361,9 @@ def test_device_cuda_refuses_to_start_without_cuda(start_server_process, small_m
         assert "no CUDA provider" in process.log
 
 
-def test_refuses_a_folder_whose_validation_failed(start_server_process, tmp_path, small_model_dir):
+def test_a_folder_whose_validation_failed_is_refused_with_one_line_and_exit_code_3(
+    start_server_process, tmp_path, small_model_dir
+):
     import json
     import shutil
 
@@ -371,8 +373,10 @@ def test_refuses_a_folder_whose_validation_failed(start_server_process, tmp_path
     manifest["valid"] = False
     (folder / "manifest.json").write_text(json.dumps(manifest))
     process = start_server_process(folder, wait=False)
-    assert process.wait_exit(60) != 0
-    assert "failed validation" in process.log
+    assert process.wait_exit(60) == 3, process.log
+    assert "Traceback" not in process.log
+    refusals = [line for line in process.log.splitlines() if "cannot serve" in line]
+    assert len(refusals) == 1 and "failed validation" in refusals[0], process.log
 
 
 def test_infer_cli_prints_shapes_saves_npz_and_draws_a_heatmap(server, small_module, tmp_path):

@@ -52,7 +52,8 @@ class InProcessServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._started = threading.Event()
-        self._failure: BaseException | None = None
+        self._failure: BaseException | None = None  # what the start, or the drain and stop, raised
+        self._drain = False
         self._thread: threading.Thread | None = None
         self._handler = _Lines(self.lines)
         self._levels: list[tuple[logging.Logger, int]] = []
@@ -131,15 +132,24 @@ class InProcessServer:
             self.metrics_url = f"http://{server.metrics_address}/metrics"
         self._started.set()
         await self._stop.wait()
-        await server.stop()
+        try:
+            if self._drain:
+                await server.drain()
+            await server.stop()
+        except BaseException as failure:  # raised by ``stop`` in the test's thread
+            self._failure = failure
 
-    def stop(self) -> None:
-        """Stop it, cutting off what is in flight (SIGTERM's drain is tested on server processes)."""
+    def stop(self, drain: bool = False) -> None:
+        """Stop it, after the drain SIGTERM starts (``drain``), else cutting off what is in flight (the signal
+        itself is tested on server processes). Raises what the drain or the stop raised."""
         if self._thread is None or not self._thread.is_alive():
             return
+        self._drain = drain
         self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(60)
         self._unlisten()
+        if self._failure is not None:
+            raise self._failure
 
     def __enter__(self):
         return self.start()
