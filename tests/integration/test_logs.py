@@ -80,17 +80,19 @@ def test_json_logs_parse_line_by_line_and_the_access_log_has_a_line_per_request(
     assert by_id["over-http"]["protocol"] == "http" and by_id["over-http"]["status"] == "OK"
 
 
-def test_the_access_log_is_off_unless_asked_and_text_by_default(start_server_process, small_model_dir):
-    quiet = start_server_process(small_model_dir, *TEST_SERVER_ARGS)
-    loud = start_server_process(small_model_dir, *TEST_SERVER_ARGS, "--access-log", "true")
-    for server in (quiet, loud):
-        with Client(server.url) as client:
-            client.infer(rand(1, 4, SMALL_D_MODEL), request_id="abc")
-        server.stop()
-    assert not any("mhaserve.access" in line for line in quiet.lines)
+def test_the_access_log_is_off_unless_asked_and_text_by_default(server, start_server, small_model_dir):
+    # The shared server process runs with the defaults: text lines on stderr, no access log.
+    with Client(server.url) as client:
+        client.infer(rand(1, 4, SMALL_D_MODEL), request_id="abc")
+    serving = next(line for line in server.lines if "serving model=" in line)
+    assert " INFO mhaserve.server: serving model=" in serving and not serving.lstrip().startswith("{")
+    assert not any("mhaserve.access" in line for line in server.lines)
+    loud = start_server(small_model_dir, *TEST_SERVER_ARGS, "--access-log", "true")
+    with Client(loud.url) as client:
+        client.infer(rand(1, 4, SMALL_D_MODEL), request_id="abc")
+    loud.stop()
     (line,) = [line for line in loud.lines if "mhaserve.access" in line]
     assert "INFO mhaserve.access: grpc mha/1 OK id='abc' rows=1 in=" in line and "total_ms=" in line
-    assert not line.lstrip().startswith("{")
 
 
 def test_a_bad_log_format_is_one_line_and_exit_code_2(small_model_dir):
