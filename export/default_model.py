@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mhaserve.contract.model_dir import ModelDirError, check_model_file, output_only_file, read_manifest, step_file
+from mhaserve.contract.model_dir import why_not_current
 
 
 def default_model_dir() -> Path:
@@ -22,32 +22,14 @@ def default_model_dir() -> Path:
     return Path(root) / "models" / "mha-d512-h8-seed0"
 
 
-def _why_not_ready(model_dir: Path) -> str | None:
-    """Why the cached default model cannot be served as it is (None: it can)."""
-    try:
-        manifest = read_manifest(model_dir)
-        check_model_file(model_dir, manifest)
-    except ModelDirError as error:
-        return str(error) if model_dir.exists() else "there is none yet"
-    if not manifest.get("valid"):
-        return "its validation failed"
-    if output_only_file(model_dir, manifest) is None:
-        return "an older export, without the output-only graph"
-    if step_file(model_dir, manifest) is None:
-        return "an older export, without the step graph that serves sequences"
-    if not any("batched" in case for case in manifest.get("validation", {}).get("step", {}).get("cases", [])):
-        return "an older export, whose step graph runs each sequence's steps alone"
-    return None
-
-
 def default_model_ready() -> bool:
-    return _why_not_ready(default_model_dir()) is None
+    return why_not_current(default_model_dir()) is None
 
 
 def ensure_default_model() -> Path:
     """Export the default model once; later calls find it valid in the cache and return at once."""
     model_dir = default_model_dir()
-    why = _why_not_ready(model_dir)
+    why = why_not_current(model_dir)
     if why is None:
         return model_dir
     # A damaged cache (a cut-short model.onnx, an older export) is rebuilt rather than failing every start.

@@ -56,6 +56,9 @@ def _add_export(sub) -> None:
                    "folder (default mha)")  # fmt: skip
     p.add_argument("--validation-seed", type=int, default=None, help="seed of the validation inputs (default random)")
     p.add_argument("--triton-repo", type=Path, help="also write a Triton model repository (config.pbtxt, 1/model.onnx)")
+    p.add_argument("--keep-current", action="store_true", help="if --out already holds a valid, intact export of "
+                   "these weights and settings, keep it and exit 0 instead of exporting again (Compose's export "
+                   "service, at every 'up')")  # fmt: skip
     p.add_argument("--verbose", action="store_true", help="print every validation row (default: the summaries and "
                    "any failing row; every row goes to the folder's validation.txt)")  # fmt: skip
     p.set_defaults(run=_run_export)
@@ -99,6 +102,8 @@ def _export_dir(args) -> Path:
 
 
 def _run_export(args) -> int:
+    if args.keep_current and args.repository is not None:
+        raise UsageError("--keep-current keeps what --out holds; --repository always writes a new version")
     args.out = _export_dir(args)  # before torch is imported: a wrong path is refused at once
     require_extra("export", "mhaserve export")
 
@@ -122,6 +127,17 @@ def _run_export(args) -> int:
         except ValueError as error:  # sizes that do not fit: the module's own message says how
             raise UsageError(str(error)) from None
         source = {"kind": "seed", "seed": args.seed}
+    if args.keep_current:
+        from mhaserve.contract.model_dir import why_not_current
+
+        config = {"d_model": module.d_model, "num_heads": module.num_heads, "d_k": module.d_k}
+        wanted = {"name": args.name, "config": config, "precision": args.precision,
+                  "opset": args.opset or DEFAULT_OPSET, "source": source}  # fmt: skip
+        why = why_not_current(args.out, wanted)
+        if why is None:
+            print(f"{args.out} already holds this export, valid and intact: kept", file=sys.stderr)
+            return 0
+        print(f"{args.out}: {why}", file=sys.stderr)
     print(
         f"exporting MHA d_model={module.d_model} heads={module.num_heads} in {args.precision} to {args.out} "
         f"and validating it against eager PyTorch",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 from mhaserve.contract.signature import PRECISIONS
@@ -100,6 +101,33 @@ def step_file(model_dir: str | Path, manifest: dict) -> Path | None:
     if manifest.get("files", {}).get("step") != STEP_FILE:
         return None
     return check_model_file(model_dir, manifest, STEP_FILE)
+
+
+def why_not_current(model_dir: str | Path, wanted: Mapping[str, object] | None = None) -> str | None:
+    """Why ``model_dir`` does not hold a valid, intact export that serves as it is (float32 folders: with the
+    output-only graph and the batched step graph), of what ``wanted`` says (manifest keys, and the values an
+    export would write there); None if it does."""
+    try:
+        manifest = read_manifest(model_dir)
+        check_model_file(model_dir, manifest)
+        output_only = output_only_file(model_dir, manifest)
+        step = step_file(model_dir, manifest)
+    except ModelDirError as error:
+        return str(error) if Path(model_dir).exists() else "there is none yet"
+    if not manifest.get("valid"):
+        return "its validation failed"
+    for key, value in (wanted or {}).items():
+        if manifest.get(key) != value:
+            return f"it holds {key} {manifest.get(key)!r}, not {value!r}"
+    if manifest.get("precision", "fp32") != "fp32":
+        return None  # float16 and int8 folders have neither graph
+    if output_only is None:
+        return "an older export, without the output-only graph"
+    if step is None:
+        return "an older export, without the step graph that serves sequences"
+    if not any("batched" in case for case in manifest.get("validation", {}).get("step", {}).get("cases", [])):
+        return "an older export, whose step graph runs each sequence's steps alone"
+    return None
 
 
 def write_manifest(model_dir: str | Path, manifest: dict) -> None:

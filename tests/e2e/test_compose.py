@@ -334,6 +334,12 @@ def test_compose_up_serves_eager_answers_then_drains_and_leaves_nothing(docker_e
     logs = docker.docker("logs", server).stderr
     assert "shutting down" in logs and "stopped" in logs
 
+    # A later `up` keeps the export the volume holds rather than exporting it again.
+    compose("up", "-d", "server", timeout=600)
+    export_state = json.loads(docker.docker("inspect", "--format", "{{json .State}}", export).stdout)
+    assert export_state["ExitCode"] == 0, export_state
+    assert "/models/mha/1 already holds this export, valid and intact: kept" in docker.docker("logs", export).stderr
+
     compose("--profile", "loadtest", "down", "-v", timeout=120)
     leftovers = docker.docker("ps", "-aq", "--filter", f"label=com.docker.compose.project={project}").stdout.split()
     assert leftovers == []

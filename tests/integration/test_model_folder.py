@@ -270,3 +270,36 @@ def test_a_default_cache_whose_step_graph_runs_steps_alone_is_exported_again(def
     (folder / "manifest.json").write_text(json.dumps(manifest))
     ensure_default_model()
     assert exports and "whose step graph runs each sequence's steps alone" in capsys.readouterr().err
+
+
+def test_export_keep_current_keeps_a_folder_of_the_same_weights_and_exports_anything_else(
+    small_model_dir, tmp_path, monkeypatch, capsys
+):
+    import mhaserve.export.writer as writer
+    from mhaserve.cli import main as cli
+    from tests.support import SMALL_HEADS
+
+    folder = copy_of(small_model_dir, tmp_path)  # the small module: seed 1
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    exported = []
+
+    def export(module, out, **options):  # the export itself is tested elsewhere: here, whether it runs
+        exported.append(options["source"])
+        return {"valid": True, "validation": {"worst_failure": None}, "export_seconds": 0.0}
+
+    monkeypatch.setattr(writer, "export_model_dir", export)
+
+    def run(*extra: str) -> str:
+        sizes = ["--d-model", str(SMALL_D_MODEL), "--heads", str(SMALL_HEADS)]
+        assert cli(["export", "--out", str(folder), *sizes, "--keep-current", *extra]) == 0
+        return capsys.readouterr().err
+
+    assert "valid and intact: kept" in run("--seed", "1") and exported == []
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    assert "it holds source {'kind': 'seed', 'seed': 1}, not {'kind': 'seed', 'seed': 2}" in run("--seed", "2")
+    assert "it holds precision 'fp32', not 'fp16'" in run("--seed", "1", "--precision", "fp16")
+    (folder / "model.onnx").write_bytes(before["model.onnx"][:100])
+    assert "differs from the manifest's" in run("--seed", "1")
+    assert exported == [{"kind": "seed", "seed": 2}, {"kind": "seed", "seed": 1}, {"kind": "seed", "seed": 1}]
+    assert cli(["export", "--repository", str(tmp_path / "repo"), "--keep-current"]) == 2
+    assert "--repository always writes a new version" in capsys.readouterr().err
