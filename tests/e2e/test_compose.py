@@ -389,7 +389,8 @@ def test_two_replicas_both_serve_a_round_robin_client(docker_engine, stack):
         stored = int(float(result[0]["value"][1])) if result else None
     with urllib.request.urlopen(prometheus + urllib.parse.quote('count(up{job="mhaserve"} == 1)')) as answer:
         assert json.loads(answer.read())["data"]["result"][0]["value"][1] == "2"
-    compose("--profile", "loadtest", "--profile", "monitoring", "down", "-v", timeout=120, env=monitoring_env)
+    # The models volume stays: the next tests' export service keeps what it holds (the stack's end drops it).
+    compose("--profile", "loadtest", "--profile", "monitoring", "down", timeout=120, env=monitoring_env)
 
 
 def test_tls_override_serves_only_tls_clients_with_the_token(docker_engine, stack, tmp_path):
@@ -433,7 +434,7 @@ def test_tls_override_serves_only_tls_clients_with_the_token(docker_engine, stac
 
     loadtest = compose(*TLS_OVERRIDE, "--profile", "loadtest", "run", "--rm", "loadtest", timeout=300, env=tls_env)
     _assert_loadtest_points_without_errors(loadtest)
-    compose(*TLS_OVERRIDE, "--profile", "loadtest", "down", "-v", timeout=120, env=tls_env)
+    compose(*TLS_OVERRIDE, "--profile", "loadtest", "down", timeout=120, env=tls_env)  # the volume stays
 
 
 def test_a_version_added_with_compose_run_is_served_under_load_without_a_restart(docker_engine, stack):
@@ -493,7 +494,7 @@ def test_a_version_added_with_compose_run_is_served_under_load_without_a_restart
     logs = docker.docker("logs", server).stderr
     assert "model 'mha' version 2 ready" in logs and "model 'mha' version 1 unloaded" in logs
     print(f"\nversion added under load: answers by version {dict(versions)}, no errors, no restart")
-    compose("--profile", "loadtest", "down", "-v", timeout=120, env=poll_env)
+    compose("--profile", "loadtest", "down", "-v", timeout=120, env=poll_env)  # version 2 goes with the volume
 
 
 class EagerReference:
