@@ -136,6 +136,7 @@ def _run_export(args) -> int:
         why = why_not_current(args.out, wanted)
         if why is None:
             print(f"{args.out} already holds this export, valid and intact: kept", file=sys.stderr)
+            _write_triton_repo(args)
             return 0
         print(f"{args.out}: {why}", file=sys.stderr)
     print(
@@ -165,11 +166,17 @@ def _run_export(args) -> int:
     if not args.verbose:
         print(f"every validation row: {args.out / 'validation.txt'}", file=sys.stderr)
     print(f"wrote {args.out} in {manifest['export_seconds']} s: {verdict}", file=sys.stderr)
-    if manifest["valid"] and args.triton_repo:
+    if manifest["valid"]:
+        _write_triton_repo(args)
+    return 0 if manifest["valid"] else 1
+
+
+def _write_triton_repo(args) -> None:
+    """With --triton-repo, the valid folder --out as a Triton model too."""
+    if args.triton_repo:
         from mhaserve.export.triton_repo import write_triton_repo
 
         print(f"wrote Triton model {write_triton_repo(args.out, args.triton_repo)}", file=sys.stderr)
-    return 0 if manifest["valid"] else 1
 
 
 def _add_validate(sub) -> None:

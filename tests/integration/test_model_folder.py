@@ -294,8 +294,9 @@ def test_export_keep_current_keeps_a_folder_of_the_same_weights_and_exports_anyt
         assert cli(["export", "--out", str(folder), *sizes, "--keep-current", *extra]) == 0
         return capsys.readouterr().err
 
-    assert "valid and intact: kept" in run("--seed", "1") and exported == []
+    assert "valid and intact: kept" in run("--seed", "1", "--triton-repo", str(tmp_path / "triton")) and exported == []
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    assert (tmp_path / "triton" / "mha" / "1" / "model.onnx").read_bytes() == before["model.onnx"]
     assert "it holds source {'kind': 'seed', 'seed': 1}, not {'kind': 'seed', 'seed': 2}" in run("--seed", "2")
     assert "it holds precision 'fp32', not 'fp16'" in run("--seed", "1", "--precision", "fp16")
     (folder / "model.onnx").write_bytes(before["model.onnx"][:100])
