@@ -7,6 +7,7 @@ transport's and the client's."""
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Callable
 
 STAGES = ("queue", "compute_input", "compute_infer", "compute_output")
@@ -54,20 +55,20 @@ def split(before: dict, after: dict, client_mean_ms: float | None) -> dict | Non
 
 class WindowReads:
     """Reads the counters when every client process has started its measured window, and again when every one
-    has ended it (each says so on ``marks``), on a thread of its own."""
+    has ended it (each says so on ``marks``), on a thread of its own. A process that started late (a loaded
+    machine) may end its window before another starts: its end is counted when it comes, not lost."""
 
     def __init__(self, read: Callable[[], dict], marks, clients: int, longest_s: float):
         self._read, self._marks, self._clients, self._longest_s = read, marks, clients, longest_s
+        self._seen: Counter[str] = Counter()
         self.before: dict | None = None
         self.after: dict | None = None
         self._thread = threading.Thread(target=self._run, name="server-statistics", daemon=True)
         self._thread.start()
 
     def _wait_for(self, edge: str) -> None:
-        seen = 0
-        while seen < self._clients:
-            if self._marks.get(timeout=self._longest_s + 60) == edge:
-                seen += 1
+        while self._seen[edge] < self._clients:
+            self._seen[self._marks.get(timeout=self._longest_s + 60)] += 1
 
     def _run(self) -> None:
         try:
