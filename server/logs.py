@@ -47,9 +47,14 @@ class JsonFormatter(logging.Formatter):
         return orjson.dumps(entry).decode()
 
 
+def formatter(log_format: str) -> logging.Formatter:
+    """How a line is written in ``log_format`` (FORMATS)."""
+    return JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT)
+
+
 def configure(level: str, log_format: str, access_log: bool) -> None:
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT))
+    handler.setFormatter(formatter(log_format))
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
     logging.captureWarnings(True)  # Python warnings become log lines, in the same format
     ACCESS.setLevel(logging.INFO if access_log else logging.WARNING)

@@ -37,14 +37,18 @@ def receiver(request):
     receiver.close()
 
 
-def traced_server(start_server_process, model_dir, receiver: OtlpReceiver, *flags: str, **kwargs):
-    env = {
+def traced_server(start_server, monkeypatch, model_dir, receiver: OtlpReceiver, *flags: str):
+    """A server in process whose OpenTelemetry exporter the OTEL_* variables point at ``receiver`` (read when
+    tracing starts); a grace period at its stop, within which it flushes its spans."""
+    otel = {
         "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
         "OTEL_EXPORTER_OTLP_PROTOCOL": receiver.protocol,
         "OTEL_BSP_SCHEDULE_DELAY": "50",
         "OTEL_SERVICE_NAME": "attention-under-test",
     }
-    return start_server_process(model_dir, *TEST_SERVER_ARGS, *flags, env=env, **kwargs)
+    for name, value in otel.items():
+        monkeypatch.setenv(name, value)
+    return start_server(model_dir, *TEST_SERVER_ARGS, "--grace-seconds", "5", *flags)
 
 
 def infer(client: Client, length: int, seed: int = 0, traceparent: str = ""):
@@ -64,10 +68,10 @@ def trace_setting(url: str, model: str = "", token: str = "", **settings: list[s
 
 @pytest.mark.otlp("grpc")
 def test_every_request_is_a_server_span_with_its_phases_and_every_batched_run_links_the_requests_it_served(
-    start_server_process, small_model_dir, receiver
+    start_server, monkeypatch, small_model_dir, receiver
 ):
     server = traced_server(
-        start_server_process, small_model_dir, receiver, "--trace-config", "mode=opentelemetry",
+        start_server, monkeypatch, small_model_dir, receiver, "--trace-config", "mode=opentelemetry",
         "--trace-config", "rate=1", "--max-queue-delay-us", "20000",
     )  # fmt: skip
     lengths = [3 + 3 * i for i in range(16)]  # mixed lengths, sent together: batched across lengths
@@ -124,10 +128,11 @@ def test_every_request_is_a_server_span_with_its_phases_and_every_batched_run_li
 
 @pytest.mark.otlp("http/protobuf")
 def test_a_callers_trace_context_is_the_parent_over_grpc_and_http_and_refusals_carry_their_status(
-    start_server_process, small_model_dir, receiver
+    start_server, monkeypatch, small_model_dir, receiver
 ):
-    server = traced_server(start_server_process, small_model_dir, receiver, "--trace-config", "mode=opentelemetry",
-                           "--trace-config", "rate=1", "--log-format", "json", "--access-log", "true")  # fmt: skip
+    server = traced_server(start_server, monkeypatch, small_model_dir, receiver, "--trace-config",
+                           "mode=opentelemetry", "--trace-config", "rate=1", "--log-format", "json", "--access-log",
+                           "true")  # fmt: skip
     traceparent = f"00-{CALLER_TRACE}-{CALLER_SPAN}-01"
     with Client(server.url) as client:
         infer(client, 4, traceparent=traceparent)
@@ -159,12 +164,12 @@ def test_a_callers_trace_context_is_the_parent_over_grpc_and_http_and_refusals_c
 
 
 def test_rate_and_count_sample_requests_and_a_sampled_caller_is_traced_at_rate_zero(
-    start_server_process, small_model_dir
+    start_server, monkeypatch, small_model_dir
 ):
     receiver = OtlpReceiver("grpc")
     try:
-        server = traced_server(start_server_process, small_model_dir, receiver, "--trace-config", "mode=opentelemetry",
-                               "--trace-config", "rate=3")  # fmt: skip
+        server = traced_server(start_server, monkeypatch, small_model_dir, receiver, "--trace-config",
+                               "mode=opentelemetry", "--trace-config", "rate=3")  # fmt: skip
         with Client(server.url) as client:
             for index in range(9):
                 infer(client, 4 + index)
@@ -193,11 +198,11 @@ def test_rate_and_count_sample_requests_and_a_sampled_caller_is_traced_at_rate_z
 
 
 def test_trace_settings_turn_tracing_on_and_off_at_run_time_globally_and_per_model(
-    start_server_process, small_model_dir
+    start_server, monkeypatch, small_model_dir
 ):
     receiver = OtlpReceiver("http/protobuf")
     try:
-        server = traced_server(start_server_process, small_model_dir, receiver)  # tracing off at start
+        server = traced_server(start_server, monkeypatch, small_model_dir, receiver)  # tracing off at start
         with triton_http.InferenceServerClient(server.http_url.removeprefix("http://")) as http_client:
             assert "trace" in http_client.get_server_metadata()["extensions"]
             assert http_client.get_trace_settings() == {

@@ -18,16 +18,16 @@ from pathlib import Path
 
 from mhaserve.server.app import Server, StartFailed
 from mhaserve.server.config import add_server_arguments, settings_from_args
-from mhaserve.server.logs import ACCESS, TEXT_FORMAT
+from mhaserve.server.logs import ACCESS, formatter
 
 
 class _Lines(logging.Handler):
-    """The server's log lines, kept as the process's stderr would show them."""
+    """The server's log lines, kept as the process's stderr would show them (in ``--log-format``)."""
 
-    def __init__(self, lines: list[str]):
+    def __init__(self, lines: list[str], log_format: str):
         super().__init__()
         self.lines = lines
-        self.setFormatter(logging.Formatter(TEXT_FORMAT))
+        self.setFormatter(formatter(log_format))
 
     def emit(self, record: logging.LogRecord) -> None:
         self.lines.append(self.format(record) + "\n")
@@ -55,7 +55,7 @@ class InProcessServer:
         self._failure: BaseException | None = None  # what the start, or the drain and stop, raised
         self._drain = False
         self._thread: threading.Thread | None = None
-        self._handler = _Lines(self.lines)
+        self._handler = _Lines(self.lines, self.settings.log_format)
         self._levels: list[tuple[logging.Logger, int]] = []
 
     @property
