@@ -26,9 +26,8 @@ from mhaserve.contract.model_dir import ModelDirError, read_manifest
 from mhaserve.export.validate import TOLERANCES
 from mhaserve.export.writer import export_model_dir, revalidate_model_dir
 from mhaserve.model import seeded_module
-from mhaserve.server.app import StartFailed
 from tests.support import SMALL_D_MODEL, SMALL_HEADS, TEST_SERVER_ARGS, assert_within_relative, eager, rand
-from tests.support.in_process import InProcessServer
+from tests.support.in_process import InProcessServer, refused_start
 from tests.support.requests import infer_concurrently, mixed_requests
 from tests.support.triton import INPUTS, cases, run_triton_client
 
@@ -184,11 +183,9 @@ def test_an_export_beyond_the_policy_is_refused_naming_the_worst_case(refused_ex
 
 def test_serving_a_refused_int8_folder_is_refused_saying_why(refused_export):
     _, _, out = refused_export
-    server = InProcessServer(out, "--warmup-runs", "0")
-    with pytest.raises(StartFailed) as failed:
-        server.start()
-    assert failed.value.exit_code == 3 and "Traceback" not in server.log, server.log
-    refusal = failed.value.reason
+    failure, log = refused_start(out, "--warmup-runs", "0")
+    assert failure.exit_code == 3 and "Traceback" not in log, log
+    refusal = failure.reason
     # Where the CPU cannot run int8 that is the reason given (a float32 export is the way out), else validation.
     why = INT8_HERE.message if not INT8_HERE.usable else "failed validation"
     assert str(out) in refusal and why in refusal, refusal
@@ -259,8 +256,6 @@ def test_a_valid_int8_folder_is_refused_on_a_cpu_whose_products_saturate(int8_mo
 
 
 def test_device_cuda_with_an_int8_folder_is_refused_saying_why(int8_model_dir):
-    server = InProcessServer(int8_model_dir, "--device", "cuda", "--warmup-runs", "0")
-    with pytest.raises(StartFailed) as failed:
-        server.start()
-    assert failed.value.exit_code == 3, server.log
-    assert failed.value.reason.startswith("cannot serve: --device cuda:") and "int8 export" in failed.value.reason
+    failure, log = refused_start(int8_model_dir, "--device", "cuda", "--warmup-runs", "0")
+    assert failure.exit_code == 3, log
+    assert failure.reason.startswith("cannot serve: --device cuda:") and "int8 export" in failure.reason

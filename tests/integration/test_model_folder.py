@@ -17,11 +17,10 @@ import pytest
 
 from mhaserve.client.grpc import Client
 from mhaserve.export.writer import export_model_dir
-from mhaserve.server.app import StartFailed
 from mhaserve.server.session import OUTPUT_ONLY_FROM_KV_LEN, AttentionSession
 from mhaserve.testing.server_process import free_port
 from tests.support import SMALL_D_MODEL, eager, rand
-from tests.support.in_process import InProcessServer
+from tests.support.in_process import refused_start
 
 
 def copy_of(folder, tmp_path, name="copy"):
@@ -39,12 +38,10 @@ def edit_manifest(folder, change):
 def refusal(folder) -> str:
     """The server's log when it refuses to serve ``folder``: a start that fails as exit code 3 would (the code and
     the one line of a process are test_server.py's)."""
-    server = InProcessServer(folder, "--warmup-runs", "0")
-    with pytest.raises(StartFailed) as failed:
-        server.start()
-    assert failed.value.exit_code == 3, server.log
-    assert "cannot serve" in server.log and "Traceback" not in server.log and "Event loop" not in server.log
-    return server.log
+    failure, log = refused_start(folder, "--warmup-runs", "0")
+    assert failure.exit_code == 3, log
+    assert "cannot serve" in log and "Traceback" not in log and "Event loop" not in log
+    return log
 
 
 def test_a_weight_changed_after_export_is_refused(small_model_dir, tmp_path):

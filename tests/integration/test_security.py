@@ -18,10 +18,9 @@ from mhaserve.client.grpc import build_infer_request, open_channel
 from mhaserve.loadtest.checked_load import peak_rss_mib, rss_mib
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
-from mhaserve.server.app import StartFailed
 from tests.support import SMALL_D_MODEL, TEST_SERVER_ARGS, eager, rand, scrape
 from tests.support.certs import CertificateAuthority
-from tests.support.in_process import InProcessServer
+from tests.support.in_process import InProcessServer, refused_start
 
 TOKEN = "s3cret-token-for-tests"
 
@@ -180,10 +179,8 @@ def test_token_from_the_environment_on_a_plain_text_server(start_server, small_m
     ],
 )
 def test_incomplete_tls_settings_refuse_to_start(small_model_dir, args, message):
-    server = InProcessServer(small_model_dir, *args)
-    with pytest.raises(StartFailed) as failed:
-        server.start()
-    assert failed.value.exit_code == 2 and message in failed.value.reason, server.log
+    failure, log = refused_start(small_model_dir, *args)
+    assert failure.exit_code == 2 and message in failure.reason, log
 
 
 def test_the_receive_limit_is_the_largest_valid_request_compressed_or_not(start_server, small_model_dir):

@@ -156,3 +156,15 @@ class InProcessServer:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+def refused_start(model_dir: Path | None, *args: str) -> tuple[StartFailed, str]:
+    """Why a server with these flags refuses to start, which it must (its exit code is the process's), and its
+    log lines."""
+    server = InProcessServer(model_dir, *args)
+    try:
+        server.start()
+    except StartFailed as failure:
+        return failure, server.log
+    server.stop()
+    raise AssertionError(f"the server started; a refusal was expected:\n{server.log}")
