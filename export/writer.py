@@ -70,6 +70,18 @@ def describe_tensors(values) -> list[dict]:
 VALIDATION_FILE = "validation.txt"  # every validation row of the export, as it was printed
 
 
+def export_identity(module: MultiHeadAttention, *, name: str, precision: str, opset: int, source: dict | None) -> dict:
+    """What a folder's manifest says it is an export of: its name, the module's sizes, the precision, the opset and
+    where the weights came from (``mhaserve export --keep-current`` keeps a folder whose manifest says the same)."""
+    return {
+        "name": name,
+        "config": {"d_model": module.d_model, "num_heads": module.num_heads, "d_k": module.d_k},
+        "precision": precision,
+        "opset": opset,
+        "source": source or {"kind": "module"},
+    }
+
+
 def export_model_dir(
     module: MultiHeadAttention,
     out_dir: str | Path,
@@ -129,17 +141,13 @@ def export_model_dir(
 
     manifest = {
         "format": MANIFEST_FORMAT,
-        "name": name,
+        **export_identity(module, name=name, precision=precision, opset=opset, source=source),
         "valid": passed,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "config": {"d_model": module.d_model, "num_heads": module.num_heads, "d_k": module.d_k},
-        "precision": precision,
-        "source": source or {"kind": "module"},
         "files": {"model": MODEL_FILE, "weights": WEIGHTS_FILE},
         "inputs": describe_tensors(onnx_model.graph.input),
         "outputs": describe_tensors(onnx_model.graph.output),
         "mask": "0/False = may not attend; rank 4 [B|1, 1, Lq|1, Lk]; a fully masked query row gives zeros",
-        "opset": opset,
         "exporter": "torch.onnx (torch.export, dynamo=True)",
         "versions": {
             "mhaserve": mhaserve.__version__,

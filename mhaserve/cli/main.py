@@ -108,7 +108,7 @@ def _run_export(args) -> int:
     require_extra("export", "mhaserve export")
 
     from mhaserve.export.onnx_export import DEFAULT_OPSET
-    from mhaserve.export.writer import export_model_dir
+    from mhaserve.export.writer import export_identity, export_model_dir
     from mhaserve.model import DEFAULT_D_MODEL, DEFAULT_NUM_HEADS, load_checkpoint, seeded_module
 
     if args.weights:
@@ -127,12 +127,11 @@ def _run_export(args) -> int:
         except ValueError as error:  # sizes that do not fit: the module's own message says how
             raise UsageError(str(error)) from None
         source = {"kind": "seed", "seed": args.seed}
+    opset = args.opset or DEFAULT_OPSET
     if args.keep_current:
         from mhaserve.contract.model_dir import why_not_current
 
-        config = {"d_model": module.d_model, "num_heads": module.num_heads, "d_k": module.d_k}
-        wanted = {"name": args.name, "config": config, "precision": args.precision,
-                  "opset": args.opset or DEFAULT_OPSET, "source": source}  # fmt: skip
+        wanted = export_identity(module, name=args.name, precision=args.precision, opset=opset, source=source)
         why = why_not_current(args.out, wanted)
         if why is None:
             print(f"{args.out} already holds this export, valid and intact: kept", file=sys.stderr)
@@ -152,7 +151,7 @@ def _run_export(args) -> int:
     manifest = export_model_dir(
         module,
         args.out,
-        opset=args.opset or DEFAULT_OPSET,
+        opset=opset,
         precision=args.precision,
         source=source,
         name=args.name,
