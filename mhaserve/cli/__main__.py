@@ -1,5 +1,5 @@
 import sys
 
-from .main import main
+from .main import process_main
 
-sys.exit(main())
+sys.exit(process_main())

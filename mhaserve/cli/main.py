@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import signal
 import sys
 from pathlib import Path
 
@@ -862,3 +863,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+class Terminated(BaseException):
+    """SIGTERM before the command takes it over (the server does from its bind on: it stops its load, or drains)."""
+
+
+def _terminated(signum, frame):
+    raise Terminated
+
+
+def process_main() -> int:
+    """The ``mhaserve`` process: ``main``, hearing SIGTERM from its first line on. In a container the command is
+    process 1, to which the kernel delivers no signal it has no handler for: a stop during the start (the
+    imports, the first run's export) would otherwise wait out the engine's whole grace period, then kill."""
+    signal.signal(signal.SIGTERM, _terminated)
+    try:
+        return main()
+    except Terminated:
+        print("mhaserve: stopped (SIGTERM)", file=sys.stderr)
+        return 128 + signal.SIGTERM

@@ -4,8 +4,12 @@ request is answered, new ones are refused, and the process exits 0. Message limi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
+import signal
 import time
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -147,8 +151,6 @@ def test_sigterm_under_load_answers_every_accepted_request(start_server_process,
 
 
 def test_sigint_also_stops_cleanly(start_server_process, small_model_dir):
-    import signal
-
     server = start_server_process(small_model_dir, "--warmup-runs", "0")
     server.signal(signal.SIGINT)
     assert server.wait_exit(30) == 0
@@ -194,6 +196,42 @@ def test_sigterm_while_loading_stops_at_once(small_model_dir):
         assert "stopped while loading the model" in process.log and "Traceback" not in process.log
     finally:
         process.stop()
+
+
+def test_sigterm_during_the_start_stops_a_containers_first_process(small_model_dir):
+    # In a container the server is process 1, and the kernel delivers it no signal it has no handler for: a stop
+    # during the start (the imports, a first export) was lost, and the engine killed it after its grace period.
+    # ``unshare`` makes the server process 1 of a PID namespace of its own, as a container engine does.
+    process = ServerProcess(small_model_dir, "--device", "cpu")
+    process.command = ["unshare", "--pid", "--fork", "--kill-child", *process.command]
+    process.start(wait=False)
+    try:
+        first = _child_of(process.pid)
+        while not _handles(first, signal.SIGTERM):  # the command's own first line; the server's comes later
+            assert process.alive, process.log
+            time.sleep(0.002)
+        sent = time.monotonic()
+        os.kill(first, signal.SIGTERM)
+        assert process.wait_exit(10) == 128 + signal.SIGTERM
+        assert time.monotonic() - sent < 3, process.log
+        assert "stopped (SIGTERM)" in process.log and "Traceback" not in process.log
+    finally:
+        process.stop()
+
+
+def _child_of(pid: int, timeout: float = 10) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(FileNotFoundError):
+            if children := Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+                return int(children[0])
+        time.sleep(0.002)
+    raise AssertionError(f"process {pid} started no child in {timeout} s")
+
+
+def _handles(pid: int, signum: int) -> bool:
+    caught = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("SigCgt:"))
+    return bool(int(caught.split()[1], 16) >> (signum - 1) & 1)
 
 
 def test_health_watch_streams_are_bounded_and_check_stays_open(start_server, small_model_dir):
