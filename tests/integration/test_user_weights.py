@@ -3,13 +3,12 @@
 Each module here is written as a user would write it (like the design documents, nn.MultiheadAttention,
 a BERT-style encoder), trained a few steps so its weights are not the default initialisation, saved
 with torch.save or safetensors, exported with ``mhaserve export --weights``, served by a real server,
-and called with tritonclient: the answers equal the user's module's own eager output.
+and called over gRPC: the answers equal the user's module's own eager output.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import math
 import subprocess
@@ -22,9 +21,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 from mhaserve.cli import main as cli
+from mhaserve.client.grpc import Client
 from mhaserve.export import export_module
 from mhaserve.model import MultiHeadAttention, save_weights
-from tests.support.triton import run_triton_client
 
 D, H = 32, 4
 TOLERANCE = 1e-5
@@ -211,7 +210,6 @@ def save_plainly(module, path):
         torch.save(module.state_dict(), path)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("tritonclient") is None, reason="tritonclient comes with the test extra")
 @pytest.mark.parametrize(("kind", "layout", "prefix", "suffix"), MATRIX, ids=[f"{m[0]}{m[3]}" for m in MATRIX])
 def test_a_trained_checkpoint_is_served_equal_to_its_module(
     start_server, kind, layout, prefix, suffix, tmp_path, capsys
@@ -234,10 +232,11 @@ def test_a_trained_checkpoint_is_served_equal_to_its_module(
     arrays = request_arrays(kind)
     want_out, want_weights = eager_answer(kind, module, arrays)
     server = start_server(out, "--warmup-runs", "1")
-    got = run_triton_client(server, tmp_path, "sync", {"case": arrays}, outputs="output,attn_weights")
-    np.testing.assert_allclose(got["case_output"], want_out, rtol=0, atol=TOLERANCE)
+    with Client(server.url) as client:
+        got = client.infer(arrays["query"], arrays.get("key"), arrays.get("value"), mask=arrays["mask"])
+    np.testing.assert_allclose(got.output, want_out, rtol=0, atol=TOLERANCE)
     if want_weights is not None:
-        np.testing.assert_allclose(got["case_attn_weights"], want_weights, rtol=0, atol=TOLERANCE)
+        np.testing.assert_allclose(got.attn_weights, want_weights, rtol=0, atol=TOLERANCE)
 
 
 def test_export_module_validates_against_the_users_own_module(tmp_path):
