@@ -26,7 +26,6 @@ back for more company, as Triton's ``max_queue_delay_microseconds`` does.
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
 from collections import deque
 from collections.abc import Callable
@@ -285,9 +284,7 @@ class Batcher:
             batch, runs = self._take_runs()
             if batch:
                 self._idle_workers -= 1
-                loop = asyncio.get_running_loop()
-                take = loop.run_in_executor(self._executor, self._run_all, runs, loop)
-                take.add_done_callback(functools.partial(self._finished, batch))
+                self._executor.submit(self._run_all, runs, batch, asyncio.get_running_loop())
 
     def _should_wait(self) -> bool:
         """With a queue delay, a partial batch waits until its oldest request has waited that long."""
@@ -342,15 +339,21 @@ class Batcher:
         # to its end, and raised p99: BENCHMARKS.md, "Length-aware batching").
         return batch, sorted(runs, key=lambda run: run[0].enqueued_ns)
 
-    def _run_all(self, runs: list[list[_Pending]], loop: asyncio.AbstractEventLoop) -> None:
-        """In a worker thread: the take's runs one after another, each run's answers sent as it ends."""
-        for run in runs:
-            try:
-                result = self._run(run)
-            except Exception as error:  # this run's requests fail; the take's other runs go on
-                loop.call_soon_threadsafe(self._deliver, run, None, error)
-            else:
-                loop.call_soon_threadsafe(self._deliver, run, result, None)
+    def _run_all(self, runs: list[list[_Pending]], batch: list[_Pending], loop: asyncio.AbstractEventLoop) -> None:
+        """In a worker thread: the take's runs one after another, each run's answers sent as it ends; the last
+        run's delivery also frees the worker, so that a take wakes the event loop once per run and no more."""
+        try:
+            for number, run in enumerate(runs, 1):
+                take = batch if number == len(runs) else None
+                try:
+                    result = self._run(run)
+                except Exception as error:  # this run's requests fail; the take's other runs go on
+                    loop.call_soon_threadsafe(self._deliver, run, None, error, take)
+                else:
+                    loop.call_soon_threadsafe(self._deliver, run, result, None, take)
+        except BaseException as error:  # the worker itself failed: what it took must not wait forever
+            loop.call_soon_threadsafe(self._finished, batch, error)
+            raise
 
     def _run(self, batch: list[_Pending]) -> BatchResult:
         """In a worker thread: merge, run the model, split."""
@@ -377,7 +380,15 @@ class Batcher:
             finished - ran_at,
         )
 
-    def _deliver(self, run: list[_Pending], result: BatchResult | None, error: Exception | None) -> None:
+    def _deliver(
+        self, run: list[_Pending], result: BatchResult | None, error: Exception | None, take: list[_Pending] | None
+    ) -> None:
+        """A run's answers to their callers; ``take``, after the take's last run: the worker is free."""
+        self._answer(run, result, error)
+        if take is not None:
+            self._finished(take)
+
+    def _answer(self, run: list[_Pending], result: BatchResult | None, error: Exception | None) -> None:
         if result is not None and self._on_batch is not None:
             self._on_batch(result)
         if result is not None:
@@ -396,10 +407,9 @@ class Batcher:
                     Answer(result.answers[index], queue_ns, infer_ns, result.batch_size, result.started_ns)
                 )
 
-    def _finished(self, batch: list[_Pending], done) -> None:
+    def _finished(self, batch: list[_Pending], error: BaseException | None = None) -> None:
         """The take is over (its answers were delivered as each run ended): free the worker, take more."""
         self._idle_workers += 1
-        error = done.exception()
         for pending in batch:  # only if the worker itself failed can a future still be open here
             if error is not None and not pending.future.done():
                 pending.future.set_exception(error)

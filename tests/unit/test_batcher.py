@@ -156,3 +156,46 @@ def test_an_answer_with_nan_or_inf_is_refused_and_the_output_vouches_for_the_wei
     assert "overflowed float16: output 'attn_weights' has 3 non-finite" in refused.message
     assert "from which attn_top_k_indices would be cut" in refused.message
     assert "output 'output' has 1" in overflow_error(both, np.float32([np.inf]), weights).message
+
+
+def test_a_failed_run_fails_its_requests_and_the_worker_serves_the_next_take(small_model_dir):
+    # A run that raised fails its requests alone. The worker is free as soon as its take's last run is delivered
+    # (the same wake of the event loop): after the failed run, and after a take of two runs, the next request is
+    # taken and answered.
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mhaserve.server.batcher import Batcher
+    from mhaserve.server.run_cost import RunCost
+
+    session = AttentionSession(small_model_dir, device="cpu", intra_op_threads=1)
+    calls = []
+
+    def run_model(*args):
+        calls.append(args[1].shape)
+        if len(calls) == 1:
+            raise RuntimeError("the model's run failed")
+        return session.run(*args)
+
+    def request(length, seed):
+        return as_attention_request(rand(1, length, D, seed=seed), None, None, None, False)
+
+    async def scenario():
+        with ThreadPoolExecutor(1) as executor:
+            each_length_alone = RunCost(1e-9, 0.0, 1.0)
+            batcher = Batcher(run_model, executor, workers=1, max_batch_size=4, max_queue_size=64,
+                              run_cost=each_length_alone)  # fmt: skip
+            with pytest.raises(RuntimeError, match="the model's run failed"):
+                await batcher.submit(request(3, 0))
+            batcher._idle_workers = 0  # hold the worker: one take of two lengths, two runs
+            mixed = [asyncio.ensure_future(batcher.submit(request(length, i))) for i, length in enumerate((2, 60))]
+            await asyncio.sleep(0)
+            batcher._idle_workers = 1
+            batcher._dispatch()
+            answers = await asyncio.gather(*mixed)
+            free_when_answered = batcher._idle_workers
+            after = await asyncio.wait_for(batcher.submit(request(5, 9)), 30)
+            return answers, after, free_when_answered
+
+    answers, after, idle = asyncio.run(scenario())
+    assert [a.outputs["output"].shape for a in answers] == [(1, 2, D), (1, 60, D)]
+    assert len(calls) == 4 and after.outputs["output"].shape == (1, 5, D) and idle == 1
