@@ -1,9 +1,10 @@
 """A user's own trained attention layer, saved the plain way, exported with the CLI and served.
 
 Each module here is written as a user would write it (like the design documents, nn.MultiheadAttention,
-a BERT-style encoder), trained a few steps so its weights are not the default initialisation, saved
-with torch.save or safetensors, exported with ``mhaserve export --weights``, served by a real server,
-and called over gRPC: the answers equal the user's module's own eager output.
+a BERT-style encoder), trained a few steps so its weights are not the default initialisation and saved
+with torch.save or safetensors. Every file is read as ``mhaserve export --weights`` reads it, into a module
+that answers as the user's own; one file of each family is exported with the command, served by a real
+server and called over gRPC: the answers equal the user's module's own eager output.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from torch import nn
 from mhaserve.cli import main as cli
 from mhaserve.client.grpc import Client
 from mhaserve.export import export_module
-from mhaserve.model import MultiHeadAttention, save_weights
+from mhaserve.model import MultiHeadAttention, load_checkpoint, save_weights
 
 D, H = 32, 4
 TOLERANCE = 1e-5
@@ -211,6 +212,31 @@ def save_plainly(module, path):
 
 
 @pytest.mark.parametrize(("kind", "layout", "prefix", "suffix"), MATRIX, ids=[f"{m[0]}{m[3]}" for m in MATRIX])
+def test_every_saved_layout_is_read_into_the_served_module_equal_to_its_own(kind, layout, prefix, suffix, tmp_path):
+    # What the export reads from each file, before any graph is made: the served module, called as the server
+    # calls it, answers as the user's module does.
+    module = user_module(kind)
+    weights = tmp_path / f"attn{suffix}"
+    save_plainly(module, weights)
+    served, source = load_checkpoint(weights, H if kind != "mhaserve" else None, prefix)
+    assert source["layout"] == layout and (served.d_model, served.num_heads) == (D, H)
+    arrays = request_arrays(kind)
+    want_out, want_weights = eager_answer(kind, module, arrays)
+    query, keep = torch.from_numpy(arrays["query"]), torch.from_numpy(arrays["mask"])
+    key, value = (torch.from_numpy(arrays[n]) if n in arrays else None for n in ("key", "value"))
+    with torch.no_grad():
+        out, weights_out = served(query, key, value, mask=keep)
+    np.testing.assert_allclose(out.numpy(), want_out, rtol=0, atol=TOLERANCE)
+    if want_weights is not None:
+        np.testing.assert_allclose(weights_out.numpy(), want_weights, rtol=0, atol=TOLERANCE)
+
+
+# Exported with the command and served, one file of each family: torch.save and safetensors, a prefix with and
+# without its dot, self- and cross-attention, BERT's padding mask.
+SERVED = [m for m in MATRIX if f"{m[0]}{m[3]}" in ("W_q.pt", "w_q.safetensors", "mha.bin", "bert.safetensors")]
+
+
+@pytest.mark.parametrize(("kind", "layout", "prefix", "suffix"), SERVED, ids=[f"{m[0]}{m[3]}" for m in SERVED])
 def test_a_trained_checkpoint_is_served_equal_to_its_module(
     start_server, kind, layout, prefix, suffix, tmp_path, capsys
 ):
