@@ -10,6 +10,8 @@ a quiet machine, run alone after the rest.
 
 from __future__ import annotations
 
+import fcntl
+import os
 from pathlib import Path
 
 import pytest
@@ -54,14 +56,21 @@ def small_module():
 
 @pytest.fixture(scope="session")
 def small_model_dir(tmp_path_factory, small_module):
-    """A validated export of the small module (the matrix runs in about a second at this size)."""
+    """A validated export of the small module, made once per run: the first test worker to ask exports it, the
+    others wait for it and share it. Tests copy it before changing anything in it."""
     from mhaserve.export.writer import export_model_dir
 
-    out = tmp_path_factory.mktemp("small") / "mha"
-    manifest = export_model_dir(
-        small_module, out, source={"kind": "seed", "seed": 1}, validation_seed=0, report=lambda _: None
-    )
-    assert manifest["valid"], "the fixture model failed validation"
+    run = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        run = run.parent  # each worker's folder lies in the run's
+    out = run / "small-model" / "mha"
+    with open(run / "small-model.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "manifest.json").exists():  # written last, the folder renamed into place whole
+            manifest = export_model_dir(
+                small_module, out, source={"kind": "seed", "seed": 1}, validation_seed=0, report=lambda _: None
+            )
+            assert manifest["valid"], "the fixture model failed validation"
     return out
 
 
