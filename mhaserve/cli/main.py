@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import sys
 from pathlib import Path
@@ -865,21 +866,17 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-class Terminated(BaseException):
-    """SIGTERM before the command takes it over (the server does from its bind on: it stops its load, or drains)."""
-
-
-def _terminated(signum, frame):
-    raise Terminated
+def _stopped(signum, frame):
+    os.write(2, b"mhaserve: stopped (SIGTERM)\n")
+    os._exit(128 + signum)  # as the signal's default action would end it: at once, wherever it is
 
 
 def process_main() -> int:
-    """The ``mhaserve`` process: ``main``, hearing SIGTERM from its first line on. In a container the command is
-    process 1, to which the kernel delivers no signal it has no handler for: a stop during the start (the
-    imports, the first run's export) would otherwise wait out the engine's whole grace period, then kill."""
-    signal.signal(signal.SIGTERM, _terminated)
-    try:
-        return main()
-    except Terminated:
-        print("mhaserve: stopped (SIGTERM)", file=sys.stderr)
-        return 128 + signal.SIGTERM
+    """The ``mhaserve`` process: ``main``, ended by SIGTERM from its first line on as the signal's default action
+    ends a process. In a container the command is process 1, to which the kernel delivers no signal it has no
+    handler for: a stop during the start (the imports, the first run's export) would otherwise wait out the
+    engine's whole grace period, then kill. (Raising an exception from the handler instead was not enough: one
+    that lands inside a C extension's import is turned into an ImportError, or lost.) The server takes SIGTERM
+    over at its bind: from there it stops its load, or drains."""
+    signal.signal(signal.SIGTERM, _stopped)
+    return main()
