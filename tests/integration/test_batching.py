@@ -12,25 +12,18 @@ import pytest
 
 from mhaserve.client.grpc import AsyncClient, Client
 from tests.support import SMALL_D_MODEL, eager, rand, scrape
-from tests.support.in_process import InProcessServer
-from tests.support.requests import infer_concurrently, mixed_requests
+from tests.support.requests import infer_concurrently, merged_when_all_queued, mixed_requests
 
 D = SMALL_D_MODEL
 
 
-@pytest.fixture(scope="module")
-def batching_server(small_model_dir):
-    # A 30 ms queue delay makes merging certain in a test; the default (0) merges only under load.
-    args = ("--max-batch-size", "64", "--max-q-len", "64", "--max-kv-len", "64", "--max-queue-delay-us", "30000")
-    with InProcessServer(small_model_dir, *args, "--warmup-runs", "1") as process:
-        yield process
-
-
-def test_concurrent_mixed_lengths_each_equal_eager(batching_server, small_module):
+def test_concurrent_mixed_lengths_each_equal_eager(start_server, small_model_dir, small_module):
     requests = mixed_requests(24, seed=3)
-    with Client(batching_server.url) as client:
+    args = ("--max-q-len", "64", "--max-kv-len", "64", "--warmup-runs", "1", *merged_when_all_queued(requests))
+    server = start_server(small_model_dir, *args)
+    with Client(server.url) as client:
         before = client.statistics()
-        results = infer_concurrently(batching_server.url, requests)
+        results = infer_concurrently(server.url, requests)
         after = client.statistics()
     for (query, key, value, mask, weights), result in zip(requests, results, strict=True):
         want_out, want_attn = eager(small_module, query, key, value, mask)

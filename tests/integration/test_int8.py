@@ -26,9 +26,10 @@ from mhaserve.contract.model_dir import ModelDirError, read_manifest
 from mhaserve.export.validate import TOLERANCES
 from mhaserve.export.writer import export_model_dir, revalidate_model_dir
 from mhaserve.model import seeded_module
+from mhaserve.server.session import AttentionSession
 from tests.support import SMALL_D_MODEL, SMALL_HEADS, TEST_SERVER_ARGS, assert_within_relative, eager, rand
 from tests.support.in_process import InProcessServer, refused_start
-from tests.support.requests import infer_concurrently, mixed_requests
+from tests.support.requests import as_attention_request, infer_concurrently, merged_when_all_queued, mixed_requests
 from tests.support.triton import INPUTS, cases, run_triton_client
 
 INT8 = TOLERANCES["int8"]
@@ -55,9 +56,7 @@ def int8_model_dir(tmp_path_factory, small_module):
 
 @pytest.fixture(scope="module")
 def int8_server(int8_model_dir):
-    # A 30 ms queue delay makes merging certain for the batching test.
-    args = (*TEST_SERVER_ARGS, "--max-batch-size", "64", "--max-queue-delay-us", "30000")
-    with InProcessServer(int8_model_dir, *args) as process:
+    with InProcessServer(int8_model_dir, *TEST_SERVER_ARGS) as process:
         yield process
 
 
@@ -100,21 +99,26 @@ def test_a_fully_masked_row_is_zeros_in_int8(int8_server):
     assert not result.output[0, 2].any() and not result.attn_weights[0, :, 2].any()
 
 
-def test_each_answer_in_a_batch_across_lengths_equals_its_unbatched_answer(int8_server, small_module):
+def test_each_answer_in_a_batch_across_lengths_equals_its_unbatched_answer(int8_model_dir, small_module):
     # Inputs are rounded per token: a request's answer does not depend on its neighbours in a run, nor on the
     # padding of a run across lengths (one scale per tensor would move it by about the policy's bound).
     requests = mixed_requests(24, seed=5)
     requests[0] = (requests[0][0] * np.float32(0.25), *requests[0][1:])  # a neighbour of another scale
-    with Client(int8_server.url) as client:
-        before = client.statistics()
-        batched = infer_concurrently(int8_server.url, requests)
-        merged = client.statistics().execution_count - before.execution_count
-        alone = [client.infer(q, k, v, m, attn_weights=w) for q, k, v, m, w in requests]
+    with InProcessServer(int8_model_dir, *TEST_SERVER_ARGS, *merged_when_all_queued(requests)) as server:
+        with Client(server.url) as client:
+            before = client.statistics()
+            batched = infer_concurrently(server.url, requests)
+            merged = client.statistics().execution_count - before.execution_count
     assert merged < len(requests) // 2, f"{len(requests)} concurrent requests took {merged} runs: not merged"
-    for (query, key, value, mask, weights), one, other in zip(requests, batched, alone, strict=True):
-        np.testing.assert_allclose(one.output, other.output, rtol=0, atol=1e-5)
+    session = AttentionSession(int8_model_dir, device="cpu", intra_op_threads=1)
+    for request, one in zip(requests, batched, strict=True):
+        query, key, value, mask, weights = request
+        alone = as_attention_request(*request)  # the same request, run by itself
+        ran = session.run(alone.outputs, alone.query, alone.key, alone.value, alone.mask)
+        other = dict(zip(alone.outputs, ran, strict=True))
+        np.testing.assert_allclose(one.output, other["output"], rtol=0, atol=1e-5)
         if weights:
-            np.testing.assert_allclose(one.attn_weights, other.attn_weights, rtol=0, atol=1e-5)
+            np.testing.assert_allclose(one.attn_weights, other["attn_weights"], rtol=0, atol=1e-5)
         want_out, want_weights = eager(small_module, query, key, value, mask)
         assert_within_int8(one.output, one.attn_weights if weights else None, want_out, want_weights)
 

@@ -40,6 +40,13 @@ def mixed_requests(count: int, seed: int = 0):
     return requests
 
 
+def merged_when_all_queued(requests) -> tuple[str, ...]:
+    """Server flags under which a take fires once every one of ``requests`` is queued (their rows fill the batch),
+    however slowly a loaded machine sends them: the merge a test then sees does not depend on the machine."""
+    rows = sum(query.shape[0] for query, *_ in requests)
+    return ("--max-batch-size", str(rows), "--max-queue-delay-us", str(60_000_000))
+
+
 def as_attention_request(query, key, value, mask, attn_weights) -> AttentionRequest:
     """Decoded as the server decodes it: the client's request through the codec."""
     request = build_infer_request("mha", query, key, value, mask, attn_weights)
