@@ -384,11 +384,6 @@ class Batcher:
         self, run: list[_Pending], result: BatchResult | None, error: Exception | None, take: list[_Pending] | None
     ) -> None:
         """A run's answers to their callers; ``take``, after the take's last run: the worker is free."""
-        self._answer(run, result, error)
-        if take is not None:
-            self._finished(take)
-
-    def _answer(self, run: list[_Pending], result: BatchResult | None, error: Exception | None) -> None:
         if result is not None and self._on_batch is not None:
             self._on_batch(result)
         if result is not None:
@@ -406,6 +401,8 @@ class Batcher:
                 pending.future.set_result(
                     Answer(result.answers[index], queue_ns, infer_ns, result.batch_size, result.started_ns)
                 )
+        if take is not None:
+            self._finished(take)
 
     def _finished(self, batch: list[_Pending], error: BaseException | None = None) -> None:
         """The take is over (its answers were delivered as each run ended): free the worker, take more."""

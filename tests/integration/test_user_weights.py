@@ -202,6 +202,12 @@ MATRIX = [
 ]
 
 
+def case_id(case) -> str:
+    """A MATRIX row's name: its kind and its file's suffix."""
+    kind, _, _, suffix = case
+    return f"{kind}{suffix}"
+
+
 def save_plainly(module, path):
     if path.suffix == ".safetensors":
         save_file({k: v.contiguous() for k, v in module.state_dict().items()}, str(path))
@@ -211,7 +217,7 @@ def save_plainly(module, path):
         torch.save(module.state_dict(), path)
 
 
-@pytest.mark.parametrize(("kind", "layout", "prefix", "suffix"), MATRIX, ids=[f"{m[0]}{m[3]}" for m in MATRIX])
+@pytest.mark.parametrize(("kind", "layout", "prefix", "suffix"), MATRIX, ids=map(case_id, MATRIX))
 def test_every_saved_layout_is_read_into_the_served_module_equal_to_its_own(kind, layout, prefix, suffix, tmp_path):
     # What the export reads from each file, before any graph is made: the served module, called as the server
     # calls it, answers as the user's module does.
@@ -233,10 +239,10 @@ def test_every_saved_layout_is_read_into_the_served_module_equal_to_its_own(kind
 
 # Exported with the command and served, one file of each family: torch.save and safetensors, a prefix with and
 # without its dot, self- and cross-attention, BERT's padding mask.
-SERVED = [m for m in MATRIX if f"{m[0]}{m[3]}" in ("W_q.pt", "w_q.safetensors", "mha.bin", "bert.safetensors")]
+SERVED = [m for m in MATRIX if case_id(m) in ("W_q.pt", "w_q.safetensors", "mha.bin", "bert.safetensors")]
 
 
-@pytest.mark.parametrize(("kind", "layout", "prefix", "suffix"), SERVED, ids=[f"{m[0]}{m[3]}" for m in SERVED])
+@pytest.mark.parametrize(("kind", "layout", "prefix", "suffix"), SERVED, ids=map(case_id, SERVED))
 def test_a_trained_checkpoint_is_served_equal_to_its_module(
     start_server, kind, layout, prefix, suffix, tmp_path, capsys
 ):
