@@ -266,15 +266,17 @@ class ModelRegistry:
         replaced = previous.served if previous is not None and previous.state == READY else None
         if replaced is None:
             versions[number] = VersionState(LOADING)
+        stamp = None
         try:
-            # Taken before loading: a file changed while it loads differs from it at the next poll.
+            # Taken before loading, whether the load succeeds or fails: a folder still being written while it
+            # loads (read half old, half new) differs from this stamp at the next poll, which tries it again.
             stamp = self.repository.version_stamp(name, number)  # a file linked out of the repository is refused
             served = await self._versions.load(name, number, self.repository.version_dir(name, number))
         except (ModelDirError, RepositoryPathError, ValueError, RuntimeError) as error:
             reason = str(error)
             if replaced is not None:
                 await self._retire(replaced, versions, number, reason)
-            versions[number] = VersionState(UNAVAILABLE, reason, stamp=self._stamp(name, number))
+            versions[number] = VersionState(UNAVAILABLE, reason, stamp=stamp or self._stamp(name, number))
             log.warning("model '%s' version %d not loaded: %s", name, number, reason)
             return reason
         except BaseException:
