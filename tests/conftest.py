@@ -10,8 +10,6 @@ a quiet machine, run alone after the rest.
 
 from __future__ import annotations
 
-import fcntl
-import os
 from pathlib import Path
 
 import pytest
@@ -55,23 +53,19 @@ def small_module():
 
 
 @pytest.fixture(scope="session")
-def small_model_dir(tmp_path_factory, small_module):
-    """A validated export of the small module, made once per run: the first test worker to ask exports it, the
-    others wait for it and share it. Tests copy it before changing anything in it."""
-    from mhaserve.export.writer import export_model_dir
+def exported(request):
+    """``exported.folder(name, module, **options)``: a validated export of ``module``, made once and kept while the
+    code, libraries, weights and options that decide it are the same (tests/support/exports.py)."""
+    from tests.support.exports import ExportCache
 
-    run = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        run = run.parent  # each worker's folder lies in the run's
-    out = run / "small-model" / "mha"
-    with open(run / "small-model.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (out / "manifest.json").exists():  # written last, the folder renamed into place whole
-            manifest = export_model_dir(
-                small_module, out, source={"kind": "seed", "seed": 1}, validation_seed=0, report=lambda _: None
-            )
-            assert manifest["valid"], "the fixture model failed validation"
-    return out
+    return ExportCache(Path(request.config.cache.mkdir("exports")))
+
+
+@pytest.fixture(scope="session")
+def small_model_dir(exported, small_module):
+    """A validated export of the small module, shared by every test that serves it. Tests copy it before changing
+    anything in it."""
+    return exported.folder("small", small_module, source={"kind": "seed", "seed": 1})
 
 
 # A stopped test server closes its port at once, unless the test asks for a drain (a later flag wins): the second

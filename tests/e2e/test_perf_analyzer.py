@@ -34,7 +34,7 @@ def test_perf_analyzer_measures_the_server(
         "--shape", f"query:1,16,{D}", "--shape", f"key:1,16,{D}", "--shape", f"value:1,16,{D}",
         "--shape", "mask:1,16,16",
         "--shared-memory", shared_memory,
-        "--concurrency-range", "1:2", "--measurement-interval", "1000", "-f", str(report),
+        "--concurrency-range", "1:2", "--measurement-interval", "500", "-f", str(report),
         # This checks behaviour, not speed: on a shared 2-core box windows vary by more than its default
         # 10%, and it then gives up ("Failed to obtain stable measurement"). Accept any variation.
         "--stability-percentage", "1000", "--max-trials", "3",

@@ -24,7 +24,7 @@ from mhaserve.client.grpc import Client
 from mhaserve.contract.cpu import int8_support
 from mhaserve.contract.model_dir import ModelDirError, read_manifest
 from mhaserve.export.validate import TOLERANCES
-from mhaserve.export.writer import export_model_dir, revalidate_model_dir
+from mhaserve.export.writer import revalidate_model_dir
 from mhaserve.model import seeded_module
 from mhaserve.server.session import AttentionSession
 from tests.support import SMALL_D_MODEL, SMALL_HEADS, TEST_SERVER_ARGS, assert_within_relative, eager, rand
@@ -45,13 +45,10 @@ def assert_within_int8(output, weights, want_output, want_weights):
 
 
 @pytest.fixture(scope="module")
-def int8_model_dir(tmp_path_factory, small_module):
+def int8_model_dir(exported, small_module):
     if not INT8_HERE.usable:
         pytest.skip(INT8_HERE.message)
-    out = tmp_path_factory.mktemp("int8") / "mha"
-    manifest = export_model_dir(small_module, out, precision="int8", validation_seed=0, report=lambda _: None)
-    assert manifest["valid"], manifest["validation"]["worst_failure"]
-    return out
+    return exported.folder("int8", small_module, precision="int8")
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +167,7 @@ def refused_export(tmp_path_factory, small_module):
     return module, done, out
 
 
-def test_an_export_beyond_the_policy_is_refused_naming_the_worst_case(refused_export, tmp_path):
+def test_an_export_beyond_the_policy_is_refused_naming_the_worst_case(refused_export, exported):
     module, done, out = refused_export
     assert done.returncode == 1, done.stderr[-2000:]
     assert "Traceback" not in done.stderr
@@ -182,7 +179,7 @@ def test_an_export_beyond_the_policy_is_refused_naming_the_worst_case(refused_ex
     assert manifest["precision"] == "int8" and not manifest["valid"]
     assert manifest["validation"]["worst_failure"] in verdict
     # The same weights in float32 are exported and valid: the refusal is int8's, not the module's.
-    assert export_model_dir(module, tmp_path / "f32", validation_seed=0, report=lambda _: None)["valid"]
+    assert read_manifest(exported.folder("int8-refused-as-fp32", module))["valid"]
 
 
 def test_serving_a_refused_int8_folder_is_refused_saying_why(refused_export):

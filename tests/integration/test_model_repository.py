@@ -33,22 +33,17 @@ TOKEN = "repository-token"
 
 
 @pytest.fixture(scope="module")
-def exports(tmp_path_factory, small_model_dir):
+def exports(exported, small_model_dir):
     """Model folders to put into repositories: two versions of the small model, and a wider model."""
-    from mhaserve.export.writer import export_model_dir
     from mhaserve.model import seeded_module
 
-    root = tmp_path_factory.mktemp("exports")
     folders = {"small_v1": small_model_dir}
     for key, (d_model, heads, seed) in {
         "small_v2": (SMALL_D_MODEL, 4, 2),
         "small_v3": (SMALL_D_MODEL, 4, 5),
         "wide": (WIDE_D_MODEL, WIDE_HEADS, 3),
     }.items():
-        module = seeded_module(d_model, heads, seed=seed)
-        manifest = export_model_dir(module, root / key, validation_seed=0, report=lambda _: None)
-        assert manifest["valid"]
-        folders[key] = root / key
+        folders[key] = exported.folder(key, seeded_module(d_model, heads, seed=seed))
     return folders
 
 

@@ -17,7 +17,7 @@ from mhaserve.client.http import HttpClient
 from mhaserve.contract.model_dir import ModelDirError, read_manifest
 from mhaserve.export.onnx_export import export_onnx
 from mhaserve.export.validate import TOLERANCES, ValidationCase, validate
-from mhaserve.export.writer import export_model_dir, revalidate_model_dir
+from mhaserve.export.writer import revalidate_model_dir
 from tests.support import SMALL_D_MODEL, SMALL_HEADS, TEST_SERVER_ARGS, assert_within_relative, eager, rand
 from tests.support.in_process import InProcessServer
 from tests.support.triton import INPUTS, cases, run_triton_client, triton_http, triton_infer
@@ -26,11 +26,8 @@ FP16 = TOLERANCES["fp16"]
 
 
 @pytest.fixture(scope="module")
-def fp16_model_dir(tmp_path_factory, small_module):
-    out = tmp_path_factory.mktemp("fp16") / "mha"
-    manifest = export_model_dir(small_module, out, precision="fp16", validation_seed=0, report=lambda _: None)
-    assert manifest["valid"], "the float16 export failed validation"
-    return out
+def fp16_model_dir(exported, small_module):
+    return exported.folder("fp16", small_module, precision="fp16")
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +194,9 @@ SCALES = (0.01, 1, 10, 30, 100, 1000)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
-def test_every_answer_at_every_input_scale_is_accurate(start_server, precision, small_module, fp16_model_dir, tmp_path):
+def test_every_answer_at_every_input_scale_is_accurate(
+    start_server, precision, small_module, small_model_dir, fp16_model_dir
+):
     """Query [1, 16, d] at scales where a float16 score product went wrong by a third of a row's mass with OK:
     each answer is within the precision's tolerance of the exact (float64) answer, or no further from it than
     EAGER_ERROR_FACTOR times eager float32 is (inputs past the validated range are refused: the tests above)."""
@@ -207,9 +206,7 @@ def test_every_answer_at_every_input_scale_is_accurate(start_server, precision, 
 
     from mhaserve.export.validate import EAGER_ERROR_FACTOR, SCALE_TOLERANCES
 
-    folder = fp16_model_dir if precision == "fp16" else tmp_path / "fp32"
-    if precision == "fp32":
-        assert export_model_dir(small_module, folder, validation_seed=0, report=lambda _: None)["valid"]
+    folder = fp16_model_dir if precision == "fp16" else small_model_dir
     exact = copy.deepcopy(small_module).double()
     tolerance = SCALE_TOLERANCES[precision].output.max_rel
     server = start_server(folder, *TEST_SERVER_ARGS)

@@ -224,12 +224,8 @@ def test_the_budget_refuses_a_step_that_would_not_fit_and_the_sequence_stays_as_
         assert cache == {"mhaserve_sequence_cache_bytes": 0}  # returned at its end
 
 
-def test_a_folder_without_a_step_graph_refuses_sequences(start_server, small_module, tmp_path):
-    from mhaserve.export.writer import export_model_dir
-
-    folder = tmp_path / "fp16"
-    export_model_dir(small_module, folder, precision="fp16", validation_seed=0, report=lambda _: None)
-    server = start_server(folder, *TEST_SERVER_ARGS)
+def test_a_folder_without_a_step_graph_refuses_sequences(start_server, exported, small_module):
+    server = start_server(exported.folder("fp16", small_module, precision="fp16"), *TEST_SERVER_ARGS)
     with grpc.insecure_channel(server.url) as channel:
         with pytest.raises(grpc.RpcError) as refused:
             step(pb_grpc.GRPCInferenceServiceStub(channel), 1, np.ones((1, 2, D), np.float32), start=True)

@@ -1,0 +1,62 @@
+"""Exports the tests serve rather than test, made once and kept in pytest's cache folder (.pytest_cache) for as
+long as what decides their content is the same: the code that writes a folder (the model, the exporter, the
+folder's contract), the libraries it runs on, the module's weights and the export's options. The test workers of
+a run share them, and so do the two phases of the README's test command and a developer's next run; a change to
+any of those makes a new export. Tests copy a folder before changing anything in it."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib
+import re
+import shutil
+from importlib import metadata
+from pathlib import Path
+
+# What an export's files depend on besides the module and the options.
+WRITER_PACKAGES = ("mhaserve.model", "mhaserve.export", "mhaserve.contract")
+LIBRARIES = ("torch", "onnx", "onnxscript", "onnxruntime-gpu", "onnxruntime", "numpy")
+
+
+def _writer_digest():
+    digest = hashlib.sha256()
+    for package in WRITER_PACKAGES:
+        folder = Path(importlib.import_module(package).__file__).parent
+        for source in sorted(folder.rglob("*.py")):
+            digest.update(str(source.relative_to(folder)).encode())
+            digest.update(source.read_bytes())
+    for library in LIBRARIES:
+        try:
+            digest.update(f"{library}=={metadata.version(library)}".encode())
+        except metadata.PackageNotFoundError:
+            digest.update(f"{library} absent".encode())
+    return digest
+
+
+class ExportCache:
+    def __init__(self, root: Path):
+        self.root = root
+        self._writer = _writer_digest()
+
+    def folder(self, name: str, module, **options) -> Path:
+        """A validated export of ``module`` with ``export_model_dir``'s ``options`` (validation seed 0 unless
+        given), exported by the first worker to ask and shared by the others: ``<cache>/<name>-<key>/mha``."""
+        from mhaserve.export.writer import export_model_dir
+
+        options = {"validation_seed": 0, **options}
+        digest = self._writer.copy()
+        digest.update(type(module).__qualname__.encode() + repr(sorted(options.items())).encode())
+        for key, tensor in sorted(module.state_dict().items()):
+            digest.update(key.encode() + tensor.detach().cpu().contiguous().numpy().tobytes())
+        entry = self.root / f"{name}-{digest.hexdigest()[:16]}"
+        out = entry / "mha"
+        with open(self.root / f"{name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (out / "manifest.json").exists():  # written last, the folder renamed into place whole
+                for stale in self.root.iterdir():  # this name's, made by code or weights that have changed since
+                    if re.fullmatch(rf"{re.escape(name)}-[0-9a-f]{{16}}", stale.name):
+                        shutil.rmtree(stale)
+                manifest = export_model_dir(module, out, report=lambda _: None, **options)
+                assert manifest["valid"], f"the {name} export failed validation: {manifest['validation']}"
+        return out
