@@ -10,6 +10,7 @@ a quiet machine, run alone after the rest.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -53,12 +54,19 @@ def small_module():
 
 
 @pytest.fixture(scope="session")
-def exported(request):
+def exported(request, tmp_path_factory):
     """``exported.folder(name, module, **options)``: a validated export of ``module``, made once and kept while the
-    code, libraries, weights and options that decide it are the same (tests/support/exports.py)."""
+    code, libraries, weights and options that decide it are the same (tests/support/exports.py). With pytest's
+    cache off (-p no:cacheprovider), kept for this run only, in the folder its workers share."""
     from tests.support.exports import ExportCache
 
-    return ExportCache(Path(request.config.cache.mkdir("exports")))
+    if getattr(request.config, "cache", None) is not None:
+        return ExportCache(Path(request.config.cache.mkdir("exports")))
+    run = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        run = run.parent  # each worker's folder lies in the run's
+    (run / "exports").mkdir(exist_ok=True)
+    return ExportCache(run / "exports")
 
 
 @pytest.fixture(scope="session")
