@@ -42,6 +42,7 @@ class ExportCache:
     def folder(self, name: str, module, **options) -> Path:
         """A validated export of ``module`` with ``export_model_dir``'s ``options`` (validation seed 0 unless
         given), exported by the first worker to ask and shared by the others: ``<cache>/<name>-<key>/mha``."""
+        from mhaserve.contract.model_dir import why_not_current
         from mhaserve.export.writer import export_model_dir
 
         options = {"validation_seed": 0, **options}
@@ -53,8 +54,10 @@ class ExportCache:
         out = entry / "mha"
         with open(self.root / f"{name}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            if not (out / "manifest.json").exists():  # written last, the folder renamed into place whole
-                for stale in self.root.iterdir():  # this name's, made by code or weights that have changed since
+            # Kept only while valid and intact, as the server checks a folder: a test that changed it by mistake
+            # costs the next run an export, not a wrong folder.
+            if why_not_current(out) is not None:
+                for stale in self.root.iterdir():  # this name's: made by other code or weights, or damaged
                     if re.fullmatch(rf"{re.escape(name)}-[0-9a-f]{{16}}", stale.name):
                         shutil.rmtree(stale)
                 manifest = export_model_dir(module, out, report=lambda _: None, **options)
