@@ -276,7 +276,9 @@ class ModelRegistry:
             reason = str(error)
             if replaced is not None:
                 await self._retire(replaced, versions, number, reason)
-            versions[number] = VersionState(UNAVAILABLE, reason, stamp=stamp or self._stamp(name, number))
+            if stamp is None:  # the stamp itself was refused: kept as the refusal, compared like any stamp
+                stamp = self._stamp(name, number)
+            versions[number] = VersionState(UNAVAILABLE, reason, stamp=stamp)
             log.warning("model '%s' version %d not loaded: %s", name, number, reason)
             return reason
         except BaseException:

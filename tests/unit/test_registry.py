@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 from pathlib import Path
 
 from mhaserve.contract.model_dir import ModelDirError
@@ -155,9 +156,7 @@ def test_a_model_folder_removed_from_the_repository_is_unloaded_and_leaves_the_i
 
     async def scenario():
         await registry.poll()
-        (tmp_path / "b" / "1" / "model.onnx").unlink()
-        (tmp_path / "b" / "1").rmdir()
-        (tmp_path / "b").rmdir()
+        shutil.rmtree(tmp_path / "b")
         await registry.poll()
 
     asyncio.run(scenario())
