@@ -101,14 +101,17 @@ def sequence_parameters(parameters: Mapping[str, object]) -> StepOf | None:
     sequence_id = parameters.get("sequence_id")
     start = boolean(parameters.get("sequence_start", False), "sequence_start")
     end = boolean(parameters.get("sequence_end", False), "sequence_end")
+    # Only integers and strings are ids: false and 0.0 equal 0 in Python, and would pass for "no sequence".
+    if sequence_id is not None and (isinstance(sequence_id, bool) or not isinstance(sequence_id, int | str)):
+        raise invalid(
+            f"parameter 'sequence_id' must be an integer or a string, got {_kind(sequence_id)} {quoted(sequence_id)}"
+        )
     if sequence_id in (None, 0, ""):
         if start or end:
             raise invalid(
                 "parameters 'sequence_start'/'sequence_end' need a 'sequence_id' (a non-zero integer or a string)"
             )
         return None
-    if isinstance(sequence_id, bool) or not isinstance(sequence_id, int | str):
-        raise invalid(f"parameter 'sequence_id' must be an integer or a string, got {quoted(sequence_id)}")
     if isinstance(sequence_id, int) and not 0 < sequence_id <= UINT64_MAX:
         raise invalid(f"parameter 'sequence_id' must be an unsigned 64-bit integer, got {sequence_id}")
     if isinstance(sequence_id, str) and len(sequence_id) > 256:

@@ -8,6 +8,8 @@ the new rows' output and their attention weights over every key so far, ``[B, h,
 
 - ``sequence_start`` begins a sequence (an id in use is restarted, as in Triton); a step without it must name a
   live sequence; ``sequence_end`` answers the step, then drops the sequence and returns its memory.
+- A refused step changes no sequence: a start becomes live (and restarts the id's old sequence) only once its
+  step is answered, and a step that is refused leaves its sequence's cache as it was.
 - Steps of one sequence run in their order: a second step while one runs waits for it.
 - The cache counts in the memory budget from the step that grows it; ``--max-sequences`` live at once,
   ``--max-sequence-length`` rows each, and a sequence idle for ``--sequence-idle-timeout-s`` is dropped.
@@ -46,6 +48,7 @@ class Sequence:
     cache: StepCache  # its projected keys and values, where the step graph runs
     last_used: float = field(default_factory=time.monotonic)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    started: bool = True  # False until its first step is answered (Sequences.begin, commit)
     ended: bool = False
 
     @property
@@ -69,28 +72,25 @@ class Sequences:
         self._gone: OrderedDict[int | str, str] = OrderedDict()  # id -> why it is no longer live
         self.steps_total = 0
         self.timed_out_total = 0
+        self._starting = 0  # starts whose first step is under way: they count against max_sequences
 
     @property
     def cache_bytes(self) -> int:
         return sum(sequence.nbytes for sequence in self.live.values())
 
     def begin(self, step: StepOf, served, batch: int) -> Sequence:
-        """The sequence this step belongs to: new (or restarted) at ``sequence_start``, else the live one."""
+        """The sequence this step belongs to: at ``sequence_start`` a new one, not yet live (``commit`` makes it
+        live once its first step is answered), else the live one."""
         self.drop_idle()
         if step.start:
-            if step.id in self.live:
-                self._drop(self.live[step.id], "restarted")
-            elif len(self.live) >= self.max_sequences:
+            starting = len(self.live) + self._starting
+            if step.id not in self.live and starting >= self.max_sequences:
                 raise RequestError(
                     ErrorKind.RESOURCE_EXHAUSTED,
-                    f"sequence {step.id!r}: {len(self.live)} sequences are live, the limit --max-sequences="
+                    f"sequence {step.id!r}: {starting} sequences are live or starting, the limit --max-sequences="
                     f"{self.max_sequences}; end one (sequence_end) or retry later",
                 )
-            served.enter()
-            sequence = Sequence(step.id, served, batch, served.session.empty_cache(batch))
-            self.live[step.id] = sequence
-            self._gone.pop(step.id, None)
-            return sequence
+            return Sequence(step.id, served, batch, served.session.empty_cache(batch), started=False)
         sequence = self.live.get(step.id)
         if sequence is None:
             why = self._gone.get(step.id, "never started (its first step needs sequence_start)")
@@ -104,6 +104,18 @@ class Sequences:
         run over the sequence's cache, in its order, and grow the cache."""
         step = attention.sequence
         sequence = self.begin(step, call.served, attention.batch_size)
+        if sequence.started:
+            return await self._step(call, request, attention, sequence)
+        self._starting += 1
+        try:
+            return await self._step(call, request, attention, sequence)
+        finally:
+            self._starting -= 1
+
+    async def _step(
+        self, call, request: InferenceRequest, attention: AttentionRequest, sequence: Sequence
+    ) -> InferenceResponse:
+        step = attention.sequence
         # The version the sequence started on answers every step of it: its cache holds that version's keys and
         # values, whatever version has been loaded since.
         served = sequence.served
@@ -137,6 +149,8 @@ class Sequences:
                 raise error
             if not sequence.ended:  # restarted while this step ran: its answer stands, the old cache does not
                 self.grow(sequence, cache)
+            if not sequence.started:
+                self._commit(sequence)
         if step.end:
             self.end(sequence)
         return InferenceResponse(signature, request, answer, frozenset())
@@ -156,6 +170,15 @@ class Sequences:
         sequence.cache = cache
         sequence.last_used = time.monotonic()
         self.steps_total += 1
+
+    def _commit(self, sequence: Sequence) -> None:
+        """A started sequence's first step was answered: it is live, in place of any of its id (restarted)."""
+        if sequence.id in self.live:
+            self._drop(self.live[sequence.id], "restarted")
+        sequence.served.enter()
+        sequence.started = True
+        self.live[sequence.id] = sequence
+        self._gone.pop(sequence.id, None)
 
     def end(self, sequence: Sequence, why: str = "ended (sequence_end)") -> None:
         if self.live.get(sequence.id) is sequence:

@@ -296,3 +296,19 @@ def test_any_nonzero_bool_mask_byte_means_true(stub, true_byte):
     got = answer(ones * true_byte)
     for g, w in zip(got, want, strict=True):
         assert np.array_equal(g, w) and np.isfinite(g).all()
+
+
+@pytest.mark.parametrize("outputs", [["output", "attn_weights"], ["attn_weights"], ["output"]])
+def test_a_masked_key_never_takes_the_weight_at_a_crafted_scale(stub, small_module, outputs):
+    # Built from the served weights: the allowed key's score overflows to -inf, the masked key's is 0. The mask's
+    # bias is finite, so the masked key took every head's weight, every value finite, with OK.
+    from tests.support.crafted import crafted_cross_attention
+
+    query, key, mask = crafted_cross_attention(small_module)
+    request = build_infer_request("mha", query, key, key, mask[:, 0, 0])  # key padding [1, 0]
+    del request.outputs[:]
+    request.outputs.extend(pb.ModelInferRequest.InferRequestedOutputTensor(name=name) for name in outputs)
+    with pytest.raises(grpc.RpcError) as error:
+        stub.ModelInfer(request, timeout=10)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, error.value.details()
+    assert "the computation overflowed float32" in error.value.details()

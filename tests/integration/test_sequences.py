@@ -149,6 +149,49 @@ def test_ids_that_are_not_live_are_refused_saying_why(stub):
     assert "need a 'sequence_id'" in refused.value.details()
 
 
+@pytest.mark.parametrize("field,value", [("bool_param", False), ("bool_param", True), ("double_param", 0.0),
+                                         ("double_param", 42.0)])  # fmt: skip
+def test_only_integers_and_strings_are_ids(stub, field, value):
+    request = build_infer_request("mha", np.ones((1, 2, D), np.float32))
+    setattr(request.parameters["sequence_id"], field, value)
+    with pytest.raises(grpc.RpcError) as refused:  # false and 0.0 were answered statelessly, as no id
+        stub.ModelInfer(request, timeout=10)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "'sequence_id' must be an integer or a string" in refused.value.details()
+
+
+def test_a_refused_start_leaves_the_live_sequence_as_it_was(stub, small_module):
+    x = np.random.default_rng(8).standard_normal((1, 7, D), dtype=np.float32)
+    answers = [step(stub, "kept", x[:, :6], start=True)]
+    for bad in ({"attn_top_k": 0}, {"attn_top_k": 99}):  # refused after the id was read
+        with pytest.raises(grpc.RpcError) as refused:
+            step(stub, "kept", x[:, :6], start=True, **bad)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    answers.append(step(stub, "kept", x[:, 6:], end=True))  # over all 7 keys, not a restart's
+    assert_equals_the_causal_answer(small_module, x, [6, 1], answers)
+
+
+def test_a_refused_first_step_starts_no_sequence(stub):
+    rows = np.ones((1, 2, D), np.float32)
+    with pytest.raises(grpc.RpcError):
+        step(stub, "never", rows, start=True, attn_top_k=0)
+    with pytest.raises(grpc.RpcError):
+        step(stub, "never", np.ones((1, 300, D), np.float32), start=True)  # past --max-sequence-length
+    with pytest.raises(grpc.RpcError) as refused:  # not answered at position 0 as if it had started
+        step(stub, "never", rows)
+    assert "sequence 'never' is not live: never started" in refused.value.details()
+
+
+def test_a_step_whose_masked_future_would_take_the_weight_is_refused(stub, small_module):
+    from tests.support.crafted import crafted_first_step
+
+    x = crafted_first_step(small_module)  # row 0's own score below the mask's bias, its future row's small
+    with pytest.raises(grpc.RpcError) as refused:
+        step(stub, "crafted", x, start=True)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "the computation overflowed float32" in refused.value.details()
+
+
 def test_sequence_start_with_a_live_id_restarts_it(stub, small_module):
     rng = np.random.default_rng(4)
     first, second = (rng.standard_normal((1, 5, D), dtype=np.float32) for _ in range(2))
