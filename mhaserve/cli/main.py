@@ -560,6 +560,17 @@ def _length_range(text: str) -> tuple[int, int]:
     return low, high
 
 
+def _check_writable(path: Path, flag: str) -> None:
+    """A file the command will write at its end can be: its folder exists and takes files, and it is no folder."""
+    folder = path.parent
+    if path.is_dir():
+        raise UsageError(f"{flag} {path}: is a folder; give a file name")
+    if not folder.is_dir():
+        raise UsageError(f"{flag} {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise UsageError(f"{flag} {path}: cannot be written (permissions)")
+
+
 def _compare_runs(words: list[str]) -> int:
     """``bench compare A.json B.json [C.json ...]``: each later run against A, point by point."""
     import json
@@ -574,8 +585,13 @@ def _compare_runs(words: list[str]) -> int:
             runs.append(json.loads(Path(path).read_text()))
         except (OSError, ValueError) as error:
             raise UsageError(f"{path}: not a 'mhaserve bench --json' file ({error})") from None
-        if not isinstance(runs[-1], dict) or "points" not in runs[-1]:
-            raise UsageError(f"{path}: not a 'mhaserve bench --json' file (no 'points')")
+        if not isinstance(runs[-1], dict) or not isinstance(runs[-1].get("points"), list):
+            raise UsageError(f"{path}: not a 'mhaserve bench --json' file (no list of 'points')")
+        try:  # every field compare reads, read before any line is printed
+            compare(runs[-1], runs[-1])
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as error:
+            what = f"{type(error).__name__}: {error}"[:200]
+            raise UsageError(f"{path}: not a 'mhaserve bench --json' file (a point it holds: {what})") from None
     compared = 0
     for path, run in zip(words[2:], runs[1:], strict=True):
         lines = compare(runs[0], run)
@@ -656,6 +672,9 @@ def _run_bench(args) -> int:
     for asked, flag in ((args.plot_dir, "--plot-dir"), (args.report, "--report")):
         if asked:  # before the sweep, not after it
             require_extra("plot", flag)
+    for path, flag in ((args.json, "--json"), (args.csv, "--csv"), (args.report, "--report")):
+        if path is not None:  # before the sweep: a path that cannot be written would lose its results
+            _check_writable(path, flag)
     from mhaserve.loadtest import report
     from mhaserve.loadtest.loadgen import LoadGenerator, Point, Workload, default_processes
 

@@ -7,6 +7,7 @@ target: the tightest of them, applied to each request (as AIPerf's ``--goodput``
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -15,7 +16,11 @@ import numpy as np
 from .loadgen import PointResult
 
 LATENCIES = ("p50", "p90", "p95", "p99", "p99.9")
-_SLO = re.compile(r"^\s*(p50|p90|p95|p99|p99\.9|errors|throughput)\s*([<>])\s*([0-9]*\.?[0-9]+)\s*(ms|s|%)?\s*$")
+# One way to read each number (digits, then an optional fraction; or a fraction alone): a pattern with two ways
+# ([0-9]*\.?[0-9]+) backtracks over every split of a long run of digits that fails to match, quadratic in its length.
+_SLO = re.compile(
+    r"^\s*(p50|p90|p95|p99|p99\.9|errors|throughput)\s*([<>])\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*(ms|s|%)?\s*$"
+)
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,8 @@ def parse_slo(text: str) -> Slo:
         )
     metric, sign, number, unit = match.groups()
     value = float(number)
+    if not math.isfinite(value):
+        raise ValueError(f"--slo {text[:40]!r}...: the number is too large to be a target")
     if metric in LATENCIES:
         if sign != "<" or unit not in ("ms", "s"):
             raise ValueError(f"--slo {text!r}: a latency target reads like {metric}<20ms or {metric}<0.5s")
