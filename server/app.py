@@ -23,7 +23,7 @@ from .config import ServerSettings
 from .dataplane import DataPlane
 from .grpc.servicer import InferenceServicer, add_inference_service
 from .malloc import tune_malloc
-from .ports import bind_failure
+from .ports import bind_failure, host_port
 from .rest.prometheus import start_metrics
 from .rest.routes import RestTransport
 from .rest.site import start_site
@@ -132,7 +132,7 @@ class Server:
             raise StartFailed(f"cannot serve: {error}", 2) from None
         self._warn_about_exposure()
         self._grpc = self._grpc_server(receive_limit, send_limit)
-        address = f"{settings.host}:{settings.port}"
+        address = host_port(settings.host, settings.port)
         try:
             if self._credentials is not None:
                 port = self._grpc.add_secure_port(address, self._credentials)
@@ -152,7 +152,7 @@ class Server:
             if getattr(error, "errno", None) == errno.EADDRINUSE:
                 reason = f"cannot serve: {bind_failure('--http-port', settings.host, settings.http_port)}"
             else:
-                reason = f"could not start HTTP/REST on {settings.host}:{settings.http_port}: {error}"
+                reason = f"could not start HTTP/REST on {host_port(settings.host, settings.http_port)}: {error}"
             raise StartFailed(reason, 2) from None
 
     def _warn_about_exposure(self) -> None:
@@ -214,7 +214,7 @@ class Server:
                 busy = bind_failure("--metrics-port", settings.metrics_host, settings.metrics_port)
                 reason = f"cannot serve: {busy}"
             else:
-                where = f"{settings.metrics_host}:{settings.metrics_port}"
+                where = host_port(settings.metrics_host, settings.metrics_port)
                 reason = f"could not start the metrics endpoint on {where}: {error}"
             raise StartFailed(reason, 2) from None
 
@@ -251,7 +251,7 @@ class Server:
             f"max_queue_size={settings.max_queue_size} max_receive_bytes={receive_limit} "
             f"max_send_bytes={send_limit} max_inflight_bytes={settings.max_inflight_bytes} "
             f"tls={tls} auth={'token' if self._token else 'off'} metrics={self.metrics_address} "
-            f"http={self.http_address} address={settings.host}:{self.port}"
+            f"http={self.http_address} address={host_port(settings.host, self.port)}"
         )
 
     async def wait_for_termination(self) -> None:
@@ -328,7 +328,7 @@ async def start_rest(settings: ServerSettings, dataplane: DataPlane, token, body
         shutdown_timeout_s=settings.grace_seconds,  # in-flight HTTP requests get the same grace as gRPC's
         what="HTTP",
     )
-    return runner, f"{settings.host}:{port}"
+    return runner, host_port(settings.host, port)
 
 
 async def _stop_runner(runner) -> None:

@@ -436,6 +436,9 @@ def _value(args: argparse.Namespace, name: str):
 
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     settings = ServerSettings(**{f.name: _value(args, f.name) for f in fields(ServerSettings)})
+    # An IPv6 address may come bracketed as in a URL ([::]); sockets take it bare.
+    settings.host, settings.metrics_host = (host.removeprefix("[").removesuffix("]") for host in
+                                            (settings.host, settings.metrics_host))  # fmt: skip
     for f in fields(ServerSettings):
         rule, value = f.metadata["rule"], getattr(settings, f.name)
         if rule is not None and not rule.holds(value):

@@ -265,6 +265,11 @@ class DataPlane:
         except asyncio.CancelledError:
             call.status = "CANCELLED"  # the client went away or its deadline passed
             raise
+        except ConnectionError as error:  # its connection closed while the request was read (an HTTP body)
+            call.status = ErrorKind.CANCELLED.name
+            log.info("a %s client's connection closed before its request was read (%s): counted CANCELLED",
+                     protocol, error)  # fmt: skip
+            raise RequestError(ErrorKind.CANCELLED, "the connection closed before the request was read") from None
         except Exception as error:  # a bug or a runtime failure: say so, keep serving
             call.status = ErrorKind.INTERNAL.name
             log.exception("inference failed")

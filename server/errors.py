@@ -19,6 +19,7 @@ class ErrorKind(enum.Enum):
     PERMISSION_DENIED = enum.auto()  # not from where it is allowed (shared memory from another host)
     ALREADY_EXISTS = enum.auto()  # a name already taken (a shared-memory region)
     UNIMPLEMENTED = enum.auto()  # a part of the protocol this server does not offer (CUDA shared memory)
+    CANCELLED = enum.auto()  # the client went away before its request was read: its doing, not the server's
     INTERNAL = enum.auto()
 
 
@@ -34,6 +35,7 @@ HTTP_STATUS = {
     ErrorKind.UNAVAILABLE: 503,
     ErrorKind.DEADLINE_EXCEEDED: 504,
     ErrorKind.INTERNAL: 500,
+    ErrorKind.CANCELLED: 499,  # nginx's "client closed request": no one reads it, but logs and spans say so
 }
 
 

@@ -29,10 +29,15 @@ def busy_port_message(settings: ServerSettings) -> str | None:
     return None
 
 
+def host_port(host: str, port: int) -> str:
+    """ "host:port" as gRPC parses an address and as a user pastes it: an IPv6 literal in brackets ([::]:8001)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def bind_failure(flag: str, host: str, port: int) -> str:
     holder = _holder(port)
     held = f" (held by {holder})" if holder else ""
-    return f"{host}:{port} is already in use{held}; stop that, or pick another port with {flag}"
+    return f"{host_port(host, port)} is already in use{held}; stop that, or pick another port with {flag}"
 
 
 def _can_bind(host: str, port: int) -> bool:

@@ -35,6 +35,7 @@ ERROR_DESCRIPTIONS = {
     413: "the body is over the limit, or inflates past it",
     415: "a Content-Encoding the server cannot inflate",
     429: "over a limit, or the queue or the memory budget is full: retry later",
+    499: "the client closed its connection before its request was read (counted and logged; no one reads it)",
     500: "the server failed (a bug or a runtime failure); it keeps serving",
     501: "a part of the protocol this server does not offer (CUDA shared memory)",
     503: "loading, unloading or shutting down: retry (elsewhere)",

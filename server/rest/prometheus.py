@@ -7,6 +7,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..config import ServerSettings
 from ..metrics import Metrics
+from ..ports import host_port
 from .site import start_site
 
 METRICS_MAX_CONNECTIONS = 64  # a scraper or two, and a person with curl
@@ -25,7 +26,7 @@ async def start_metrics(settings: ServerSettings, metrics: Metrics):
         idle_timeout_s=METRICS_IDLE_TIMEOUT_S,
         what="metrics",
     )
-    return runner, f"{settings.metrics_host}:{port}"
+    return runner, host_port(settings.metrics_host, port)
 
 
 def metrics_application(metrics: Metrics) -> web.Application:

@@ -258,6 +258,37 @@ def test_a_client_sending_half_a_body_is_dropped_after_the_read_timeout(start_se
     assert triton_http(server).is_server_ready()
 
 
+def test_a_client_gone_mid_body_is_counted_cancelled_in_one_log_line(start_server, small_model_dir):
+    import struct
+
+    server = start_server(small_model_dir, *TEST_SERVER_ARGS)
+    host, port = server.http_url.removeprefix("http://").split(":")
+
+    def cancelled_and_internal() -> tuple[float, float]:
+        samples = scrape(server.metrics_url)
+        return tuple(
+            sum(v for (name, labels), v in samples.items()
+                if name == "mhaserve_inference_request_total" and ("status", status) in labels)
+            for status in ("CANCELLED", "INTERNAL")
+        )  # fmt: skip
+
+    before = cancelled_and_internal()
+    for _ in range(3):
+        connection = socket.create_connection((host, int(port)), timeout=10)
+        connection.sendall(b"POST /v2/models/mha/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n{" * 1)
+        connection.sendall(b" " * 5000)
+        time.sleep(0.2)  # the server is reading the body
+        connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # closed with a reset
+        connection.close()
+    deadline = time.monotonic() + 5
+    while cancelled_and_internal()[0] < before[0] + 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    cancelled, internal = cancelled_and_internal()
+    assert (cancelled - before[0], internal - before[1]) == (3, 0)  # the client's doing, not the server's error
+    assert "Traceback" not in server.log and "ConnectionResetError" not in server.log
+    assert triton_http(server).is_server_ready()
+
+
 def test_http_and_grpc_requests_share_the_statistics_and_metrics_name_the_protocol(server):
     def ok_by_protocol() -> dict[str, float]:
         samples = scrape(server.metrics_url)

@@ -35,3 +35,23 @@ def test_a_busy_port_is_one_line_naming_the_flag_before_the_first_export(tmp_pat
     assert "pid " in lines[0] and "python" in lines[0]  # what holds it: this test's own process
     assert took < 15, f"{took:.1f} s: the port was checked after something slow"
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("model.onnx"))  # no export
+
+
+@pytest.mark.parametrize("host", ["::", "[::]", "::1"])
+def test_an_ipv6_host_serves_grpc_and_http(start_server, small_model_dir, host):
+    # '--host ::' failed as ":::0 is already in use" (gRPC takes an IPv6 address in brackets) and '[::]' when HTTP
+    # started (a socket takes it bare).
+    import urllib.request
+
+    import grpc
+
+    from mhaserve.protos.generated import grpc_service_pb2 as pb
+    from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
+
+    server = start_server(small_model_dir, "--host", host)
+    assert server.http_url.startswith("http://[")
+    with grpc.insecure_channel(f"[::1]:{server.port}") as channel:
+        assert pb_grpc.GRPCInferenceServiceStub(channel).ServerLive(pb.ServerLiveRequest(), timeout=10).live
+    http_port = server.http_url.rsplit(":", 1)[1]
+    with urllib.request.urlopen(f"http://[::1]:{http_port}/v2/health/ready", timeout=10) as response:
+        assert response.status == 200
