@@ -29,7 +29,9 @@ from .rest.routes import RestTransport
 from .rest.site import start_site
 from .security import (
     BearerTokenInterceptor,
+    Callers,
     SecurityConfigError,
+    Tokens,
     load_token,
     server_credentials,
     server_ssl_context,
@@ -96,7 +98,8 @@ class Server:
         self._grpc: grpc.aio.Server | None = None
         self._health: BoundedHealthServicer | None = None
         self._credentials = None
-        self._token: bytes | None = None
+        self._token: Tokens | None = None
+        self.callers = Callers()  # who is who, once the security settings are read
         self._http_runner = None
         self._metrics_runner = None
         self._tasks: list[asyncio.Task] = []
@@ -128,6 +131,7 @@ class Server:
                 settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file
             )
             self._token = load_token(settings.auth_token_file)
+            self.callers = Callers(self._token, certificates=settings.tls_client_ca_file is not None)
         except SecurityConfigError as error:
             raise StartFailed(f"cannot serve: {error}", 2) from None
         self._warn_about_exposure()
@@ -147,7 +151,7 @@ class Server:
             await self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self._grpc.start()
         try:  # the same protocol over HTTP/REST, on this loop and this data plane; probes answer during the load
-            self._http_runner, self.http_address = await start_rest(settings, dataplane, self._token, receive_limit)
+            self._http_runner, self.http_address = await start_rest(settings, dataplane, self.callers, receive_limit)
         except (OSError, SecurityConfigError) as error:
             if getattr(error, "errno", None) == errno.EADDRINUSE:
                 reason = f"cannot serve: {bind_failure('--http-port', settings.host, settings.http_port)}"
@@ -191,7 +195,7 @@ class Server:
             ],
         )
         self._health = BoundedHealthServicer(settings.max_health_watchers)
-        add_inference_service(InferenceServicer(dataplane), server)
+        add_inference_service(InferenceServicer(dataplane, callers=self.callers), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
@@ -312,11 +316,11 @@ class Server:
         self._tasks = []
 
 
-async def start_rest(settings: ServerSettings, dataplane: DataPlane, token, body_limit: int):
+async def start_rest(settings: ServerSettings, dataplane: DataPlane, callers: Callers, body_limit: int):
     """The HTTP/REST port: (its runner, "host:port"), or (None, "off")."""
     if settings.http_port < 0:
         return None, "off"
-    transport = RestTransport(dataplane, token, body_limit, settings.http_read_timeout_s, settings.write_timeout_s)
+    transport = RestTransport(dataplane, callers, body_limit, settings.http_read_timeout_s, settings.write_timeout_s)
     context = server_ssl_context(settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file)
     runner, port = await start_site(
         transport.application(),

@@ -13,12 +13,21 @@ HeadersOf = Callable[[], Mapping[str, str]]  # the call's headers or metadata, r
 
 
 class CallRecord:
-    def __init__(self, protocol: str, timeout_s: float | None, method: str, headers: HeadersOf | None, peer: str = ""):
+    def __init__(
+        self,
+        protocol: str,
+        timeout_s: float | None,
+        method: str,
+        headers: HeadersOf | None,
+        peer: str = "",
+        caller: str = "",
+    ):
         self.protocol = protocol  # what it is counted as: "grpc", "http", or a Ray replica's
         self.timeout_s = timeout_s  # the caller's deadline, if any
         self.method = method  # the RPC or the HTTP route
         self.headers = headers
         self.peer = peer  # the caller's address (shared memory is for callers on this host only)
+        self.caller = caller  # who it comes from (security.caller_identity): "" where callers are not told apart
         self.started = time.perf_counter_ns()
         self.timing = RequestTiming()
         self.rows = 0

@@ -190,6 +190,20 @@ class ServerSettings:
         section="sequences",
         rule=at_least(1),
     )
+    max_sequences_per_client: int = setting(
+        256,
+        "sequences one client may hold live of --max-sequences, where the server tells clients apart (named tokens "
+        "in --auth-token-file, or client certificates); beyond, RESOURCE_EXHAUSTED",
+        section="sequences",
+        rule=at_least(1),
+    )
+    max_sequence_bytes_per_client: int = setting(
+        256 << 20,
+        "bytes of keys and values one client's sequences may hold of --max-inflight-bytes, where the server tells "
+        "clients apart; beyond, RESOURCE_EXHAUSTED",
+        section="sequences",
+        rule=at_least(1),
+    )
     max_sequence_length: int = setting(
         4096, "rows a sequence may grow to; beyond, RESOURCE_EXHAUSTED", section="sequences", rule=at_least(1)
     )
@@ -213,16 +227,24 @@ class ServerSettings:
     # read when the handler asks, a request waits unread in HTTP/2's flow-control window instead.
     max_receiving_bytes: int = setting(
         512 << 20,
-        "memory gRPC requests being received at once may take: each reserves three times --max-message-bytes "
-        "while it arrives (grpcio's buffers and two copies; one may always arrive); the others wait unread, "
-        "their senders held by HTTP/2 flow control",
+        "memory gRPC requests still arriving after --grpc-small-read-ms may take: each takes a turn that reserves "
+        "three times --max-message-bytes (grpcio's buffers and two copies; one turn at least); with no turn free "
+        "such a request is refused RESOURCE_EXHAUSTED (retry)",
         section="limits and memory",
         rule=at_least(1),
     )
+    # Small requests (within HTTP/2's 256 KiB stream window, already sent) are read at once by every call on its
+    # own; only a request still arriving after this needs a turn, so a stalled sender never delays them.
+    grpc_small_read_ms: float = setting(
+        100.0,
+        "milliseconds a gRPC request may take to arrive without a receiving turn (see --max-receiving-bytes); what "
+        "arrives within it is read whatever else is arriving or stalled",
+        section="transport",
+        rule=more_than(0),
+    )
     grpc_read_timeout_s: float = setting(
         30.0,
-        "seconds a gRPC request may take to arrive once its turn to be received has come; a slower one is "
-        "refused DEADLINE_EXCEEDED",
+        "seconds a gRPC request may take to arrive from when its read began; a slower one is refused DEADLINE_EXCEEDED",
         section="transport",
         rule=more_than(0),
     )
@@ -232,6 +254,20 @@ class ServerSettings:
         "any moment, so what streams hold while receiving is at most three times this x --max-message-bytes",
         section="limits and memory",
         rule=at_least(1),
+    )
+    max_inference_streams_per_client: int = setting(
+        16,
+        "ModelStreamInfer streams one client (a connection) may hold open of --max-inference-streams; beyond, "
+        "RESOURCE_EXHAUSTED",
+        section="limits and memory",
+        rule=at_least(1),
+    )
+    stream_idle_timeout_s: float = setting(
+        120.0,
+        "seconds a ModelStreamInfer stream may wait for its next request; then it is ended DEADLINE_EXCEEDED and "
+        "its place freed",
+        section="transport",
+        rule=more_than(0),
     )
     reuse_port: bool = setting(
         False,
@@ -257,7 +293,8 @@ class ServerSettings:
     )
     auth_token_file: Path | None = setting(
         None,
-        "file holding the bearer token every RPC but health must carry (or set $MHASERVE_AUTH_TOKEN; none: no token)",
+        "file holding the bearer token every RPC but health must carry, or one 'NAME TOKEN' line per client so that "
+        "each client's sequences are its own (or set $MHASERVE_AUTH_TOKEN; none: no token)",
         section="security",
     )
     # A client that stops answering HTTP/2 pings (vanished without closing, a network partition) has its

@@ -102,7 +102,12 @@ class DataPlane:
             settings.allow_client_shm, settings.client_shm_max_regions, settings.client_shm_max_bytes
         )
         self.sequences = Sequences(
-            budget, settings.max_sequences, settings.max_sequence_length, settings.sequence_idle_timeout_s
+            budget,
+            settings.max_sequences,
+            settings.max_sequence_length,
+            settings.sequence_idle_timeout_s,
+            settings.max_sequences_per_client,
+            settings.max_sequence_bytes_per_client,
         )
         self.metrics.watch_sequences(self.sequences)
 
@@ -239,6 +244,7 @@ class DataPlane:
         method: str = "",
         headers: HeadersOf | None = None,
         peer: str = "",
+        caller: str = "",
     ) -> AsyncIterator[InferenceCall]:
         """One inference call's life, whichever transport makes it: in it the transport reads its request and
         decodes it into the neutral InferenceRequest (``call.decoded``, which keeps large work off the event loop),
@@ -253,8 +259,9 @@ class DataPlane:
 
         ``method`` names the call as its transport does (the RPC, or the HTTP route) and ``headers`` gives its
         headers or metadata, read only if the call is traced; ``peer`` the caller's address (shared memory is
-        for callers on this host only)."""
-        call = InferenceCall(self, protocol, timeout_s, method, headers, peer)
+        for callers on this host only); ``caller`` who it comes from (security.caller_identity), to whom the
+        sequences it starts belong."""
+        call = InferenceCall(self, protocol, timeout_s, method, headers, peer, caller)
         self.accounting.requests_in_flight += 1
         try:
             yield call
@@ -332,8 +339,9 @@ class InferenceCall(CallRecord):
         method: str,
         headers: HeadersOf | None,
         peer: str = "",
+        caller: str = "",
     ):
-        super().__init__(protocol, timeout_s, method, headers, peer)
+        super().__init__(protocol, timeout_s, method, headers, peer, caller)
         self._dataplane = dataplane
         self.memory = CallMemory(dataplane.accounting)
         self.receipt = self.memory.receipt  # its request as received, until it is admitted

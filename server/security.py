@@ -11,6 +11,7 @@ import hmac
 import logging
 import os
 import ssl
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -47,28 +48,93 @@ def server_credentials(cert_file: Path | None, key_file: Path | None, client_ca_
     )
 
 
-def load_token(token_file: Path | None) -> bytes | None:
-    """The bearer token from ``token_file`` or $MHASERVE_AUTH_TOKEN (surrounding whitespace dropped); None: no auth."""
+@dataclass(frozen=True)
+class Tokens:
+    """The bearer tokens the server takes, each with its holder's name: one token without a name (every holder
+    is the same caller, as with one shared secret), or one per client, ``NAME TOKEN`` a line, so that callers can
+    be told apart (a sequence answers only the caller that started it)."""
+
+    names: dict[bytes, str]  # token -> its holder's name ("" for a single unnamed token)
+
+    def holder(self, authorization: str | bytes) -> str | None:
+        """The name of the token an ``Authorization`` value (gRPC metadata or HTTP header) carries as
+        ``Bearer <token>``; None when it carries none of them."""
+        value = authorization.encode() if isinstance(authorization, str) else authorization
+        scheme, _, presented = value.partition(b" ")
+        if scheme.lower() != b"bearer":  # case-insensitive (RFC 7235)
+            return None
+        presented = presented.strip()
+        found = None
+        for token, name in self.names.items():  # every one compared, in constant time: no timing says which
+            if hmac.compare_digest(presented, token):
+                found = name
+        return found
+
+    def holder_of(self, values) -> str | None:
+        """The holder named by exactly one ``authorization`` value among ``values``; None otherwise."""
+        return self.holder(values[0]) if len(values) == 1 else None
+
+
+def load_token(token_file: Path | None) -> Tokens | None:
+    """The bearer tokens from ``token_file`` (one token, or ``NAME TOKEN`` lines; ``#`` starts a comment) or the one
+    token in $MHASERVE_AUTH_TOKEN (surrounding whitespace dropped); None: no auth."""
     if token_file is not None:
-        token = _read(token_file, "token file").strip()
+        text = _read(token_file, "token file")
         source = str(token_file)
     else:
-        token = os.environ.get(TOKEN_ENV, "").strip().encode()
+        text = os.environ.get(TOKEN_ENV, "").strip().encode()
         source = "$" + TOKEN_ENV
-        if not token:
+        if not text:
             return None
-    if not token:
+    lines = [line.split() for line in text.splitlines() if line.strip() and not line.lstrip().startswith(b"#")]
+    if not lines:
         raise SecurityConfigError(f"the bearer token from {source} is empty")
-    return token
+    if len(lines) == 1 and len(lines[0]) == 1:
+        return Tokens({lines[0][0]: ""})
+    names: dict[bytes, str] = {}
+    for number, fields in enumerate(lines, 1):
+        if len(fields) != 2:
+            raise SecurityConfigError(
+                f"{source}: line {number} of the tokens: expected 'NAME TOKEN' (one client a line), got {len(fields)} "
+                "words"
+            )
+        name, token = fields[0].decode(errors="replace"), fields[1]
+        if token in names:
+            raise SecurityConfigError(f"{source}: clients {names[token]!r} and {name!r} have the same token")
+        if name in names.values():
+            raise SecurityConfigError(f"{source}: the client name {name!r} is given twice")
+        names[token] = name
+    return Tokens(names)
 
 
-def bearer_token_matches(authorization: str | bytes, token: bytes) -> bool:
-    """An ``Authorization`` value (gRPC metadata or HTTP header) that carries ``Bearer <token>``."""
-    value = authorization.encode() if isinstance(authorization, str) else authorization
-    scheme, _, credentials = value.partition(b" ")
-    # The scheme is case-insensitive (RFC 7235); the token is compared in constant time, so its
-    # bytes cannot be guessed one by one from response times.
-    return scheme.lower() == b"bearer" and hmac.compare_digest(credentials.strip(), token)
+def certificate_name(certificate: dict | None) -> str:
+    """A verified client certificate's subject common name, as ssl.getpeercert() gives it ("" for none)."""
+    for entry in (certificate or {}).get("subject", ()):
+        for key, value in entry:
+            if key == "commonName":
+                return value
+    return ""
+
+
+@dataclass(frozen=True)
+class Callers:
+    """How the server tells its callers apart, to whom the state a call creates (a sequence) belongs: by the name
+    of the token a call carries (named tokens), else by its client certificate's name (mutual TLS). With neither
+    (no auth, or one shared token) every caller is the same one, "", and sequence ids are global as in Triton."""
+
+    tokens: Tokens | None = None
+    certificates: bool = False  # mutual TLS: every caller presents a certificate the client CA signed
+
+    @property
+    def told_apart(self) -> bool:
+        return self.certificates or (self.tokens is not None and any(self.tokens.names.values()))
+
+    def identify(self, authorization_values, certificate: str) -> str:
+        """The caller of a call that presented ``authorization_values`` and a certificate named ``certificate``."""
+        holder = self.tokens.holder_of(authorization_values) if self.tokens is not None else None
+        if holder:
+            return f"token {holder}"
+        return f"certificate {certificate}" if certificate else ""
 
 
 def server_ssl_context(cert_file: Path | None, key_file: Path | None, client_ca_file: Path | None):
@@ -87,13 +153,13 @@ def server_ssl_context(cert_file: Path | None, key_file: Path | None, client_ca_
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """UNAUTHENTICATED, before any decoding, for a call without ``authorization: Bearer <token>``."""
 
-    def __init__(self, token: bytes, on_refusal=None):
-        self._token = token
+    def __init__(self, tokens: Tokens, on_refusal=None):
+        self._tokens = tokens
         self._on_refusal = on_refusal or (lambda method: None)
 
     def _authorized(self, metadata) -> bool:
         presented = [value for key, value in (metadata or ()) if key == "authorization"]
-        return len(presented) == 1 and bearer_token_matches(presented[0], self._token)
+        return self._tokens.holder_of(presented) is not None
 
     async def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method

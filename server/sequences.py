@@ -8,6 +8,11 @@ the new rows' output and their attention weights over every key so far, ``[B, h,
 
 - ``sequence_start`` begins a sequence (an id in use is restarted, as in Triton); a step without it must name a
   live sequence; ``sequence_end`` answers the step, then drops the sequence and returns its memory.
+- A sequence belongs to the caller that started it (security.Callers: a named token, a client certificate): its
+  id names it for that caller alone, so another caller naming the same id meets no sequence, as if it did not
+  exist, and cannot read or change it; each such caller holds at most ``--max-sequences-per-client`` sequences and
+  ``--max-sequence-bytes-per-client`` of caches. Where callers are not told apart (no auth, one shared token),
+  ids are global, as in Triton.
 - A refused step changes no sequence: a start becomes live (and restarts the id's old sequence) only once its
   step is answered, and a step that is refused leaves its sequence's cache as it was.
 - Steps of one sequence run in their order: a second step while one runs waits for it.
@@ -42,6 +47,7 @@ REMEMBERED_ENDS = 4096  # ids recently ended or timed out, to say so when a late
 
 @dataclass
 class Sequence:
+    caller: str  # who started it (security.Callers); "" where callers are not told apart
     id: int | str
     served: object  # the ServedModel it started on (entered: not unloaded while the sequence lives)
     batch: int
@@ -50,6 +56,10 @@ class Sequence:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     started: bool = True  # False until its first step is answered (Sequences.begin, commit)
     ended: bool = False
+
+    @property
+    def key(self) -> tuple[str, int | str]:
+        return self.caller, self.id
 
     @property
     def length(self) -> int:
@@ -63,13 +73,24 @@ class Sequence:
 class Sequences:
     """The live sequences of the process; event loop only."""
 
-    def __init__(self, budget: MemoryBudget, max_sequences: int, max_length: int, idle_timeout_s: float):
+    def __init__(
+        self,
+        budget: MemoryBudget,
+        max_sequences: int,
+        max_length: int,
+        idle_timeout_s: float,
+        per_client: int | None = None,
+        bytes_per_client: int | None = None,
+    ):
         self.budget = budget
         self.max_sequences = max_sequences
         self.max_length = max_length
         self.idle_timeout_s = idle_timeout_s
-        self.live: dict[int | str, Sequence] = {}
-        self._gone: OrderedDict[int | str, str] = OrderedDict()  # id -> why it is no longer live
+        self.per_client = max_sequences if per_client is None else per_client
+        self.bytes_per_client = bytes_per_client  # None: no share of its own
+        self.live: dict[tuple[str, int | str], Sequence] = {}  # (caller, id) -> its sequence
+        self._gone: OrderedDict[tuple[str, int | str], str] = OrderedDict()  # (caller, id) -> why no longer live
+        self._starting_by: dict[str, int] = {}  # caller -> its starts whose first step is under way
         self.steps_total = 0
         self.timed_out_total = 0
         self._starting = 0  # starts whose first step is under way: they count against max_sequences
@@ -78,22 +99,30 @@ class Sequences:
     def cache_bytes(self) -> int:
         return sum(sequence.nbytes for sequence in self.live.values())
 
-    def begin(self, step: StepOf, served, batch: int) -> Sequence:
+    def begin(self, step: StepOf, served, batch: int, caller: str = "") -> Sequence:
         """The sequence this step belongs to: at ``sequence_start`` a new one, not yet live (``commit`` makes it
-        live once its first step is answered), else the live one."""
+        live once its first step is answered), else ``caller``'s live one of that id."""
         self.drop_idle()
+        key = (caller, step.id)
         if step.start:
             starting = len(self.live) + self._starting
-            if step.id not in self.live and starting >= self.max_sequences:
+            if key not in self.live and starting >= self.max_sequences:
                 raise RequestError(
                     ErrorKind.RESOURCE_EXHAUSTED,
                     f"sequence {step.id!r}: {starting} sequences are live or starting, the limit --max-sequences="
                     f"{self.max_sequences}; end one (sequence_end) or retry later",
                 )
-            return Sequence(step.id, served, batch, served.session.empty_cache(batch), started=False)
-        sequence = self.live.get(step.id)
+            own = self._held_by(caller)
+            if caller and key not in self.live and own >= self.per_client:
+                raise RequestError(
+                    ErrorKind.RESOURCE_EXHAUSTED,
+                    f"sequence {step.id!r}: this client has {own} sequences live or starting, its share "
+                    f"--max-sequences-per-client={self.per_client}; end one (sequence_end) or retry later",
+                )
+            return Sequence(caller, step.id, served, batch, served.session.empty_cache(batch), started=False)
+        sequence = self.live.get(key)
         if sequence is None:
-            why = self._gone.get(step.id, "never started (its first step needs sequence_start)")
+            why = self._gone.get(key, "never started (its first step needs sequence_start)")
             raise invalid(f"sequence {step.id!r} is not live: {why}")
         if sequence.batch != batch:
             raise invalid(f"sequence {step.id!r} has batch {sequence.batch}; this step's query has batch {batch}")
@@ -103,14 +132,22 @@ class Sequences:
         """One step of a sequence, for ``call`` (the InferenceCall, which admits it into the budget and times it):
         run over the sequence's cache, in its order, and grow the cache."""
         step = attention.sequence
-        sequence = self.begin(step, call.served, attention.batch_size)
+        sequence = self.begin(step, call.served, attention.batch_size, call.caller)
         if sequence.started:
             return await self._step(call, request, attention, sequence)
         self._starting += 1
+        self._starting_by[sequence.caller] = self._starting_by.get(sequence.caller, 0) + 1
         try:
             return await self._step(call, request, attention, sequence)
         finally:
             self._starting -= 1
+            self._starting_by[sequence.caller] -= 1
+            if not self._starting_by[sequence.caller]:
+                del self._starting_by[sequence.caller]
+
+    def _held_by(self, caller: str) -> int:
+        """The sequences ``caller`` has live or starting."""
+        return sum(1 for s in self.live.values() if s.caller == caller) + self._starting_by.get(caller, 0)
 
     async def _step(
         self, call, request: InferenceRequest, attention: AttentionRequest, sequence: Sequence
@@ -166,22 +203,31 @@ class Sequences:
     def grow(self, sequence: Sequence, cache: StepCache) -> None:
         """The step's cache replaces the sequence's: its new bytes are taken in the budget (RESOURCE_EXHAUSTED
         when they do not fit: the sequence stays as it was)."""
-        self.budget.take(cache.nbytes - sequence.nbytes, f"sequence {sequence.id!r}'s keys and values")
+        growth = cache.nbytes - sequence.nbytes
+        if sequence.caller and self.bytes_per_client is not None:
+            own = sum(s.nbytes for s in self.live.values() if s.caller == sequence.caller and s is not sequence)
+            if own + cache.nbytes > self.bytes_per_client:
+                raise RequestError(
+                    ErrorKind.RESOURCE_EXHAUSTED,
+                    f"sequence {sequence.id!r}: this client's sequences would hold {own + cache.nbytes} bytes of keys "
+                    f"and values, past its share --max-sequence-bytes-per-client={self.bytes_per_client}; end one",
+                )
+        self.budget.take(growth, f"sequence {sequence.id!r}'s keys and values")
         sequence.cache = cache
         sequence.last_used = time.monotonic()
         self.steps_total += 1
 
     def _commit(self, sequence: Sequence) -> None:
         """A started sequence's first step was answered: it is live, in place of any of its id (restarted)."""
-        if sequence.id in self.live:
-            self._drop(self.live[sequence.id], "restarted")
+        if sequence.key in self.live:
+            self._drop(self.live[sequence.key], "restarted")
         sequence.served.enter()
         sequence.started = True
-        self.live[sequence.id] = sequence
-        self._gone.pop(sequence.id, None)
+        self.live[sequence.key] = sequence
+        self._gone.pop(sequence.key, None)
 
     def end(self, sequence: Sequence, why: str = "ended (sequence_end)") -> None:
-        if self.live.get(sequence.id) is sequence:
+        if self.live.get(sequence.key) is sequence:
             self._drop(sequence, why)
 
     def drop_idle(self) -> None:
@@ -197,11 +243,11 @@ class Sequences:
             self._drop(sequence, why)
 
     def _drop(self, sequence: Sequence, why: str) -> None:
-        del self.live[sequence.id]
+        del self.live[sequence.key]
         sequence.ended = True
         self.budget.release(sequence.nbytes)
         sequence.served.leave()
-        self._gone[sequence.id] = why
+        self._gone[sequence.key] = why
         while len(self._gone) > REMEMBERED_ENDS:
             self._gone.popitem(last=False)
 

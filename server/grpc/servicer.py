@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import traceback
@@ -18,6 +19,7 @@ from mhaserve.protos.generated import model_config_pb2 as mc
 from .. import describe
 from ..dataplane import DataPlane, InferenceCall
 from ..errors import ErrorKind, RequestError
+from ..security import Callers
 from .protobuf import decode_grpc_request, encode_grpc_response, grpc_decodes_slowly
 
 log = logging.getLogger("mhaserve.server")
@@ -134,16 +136,25 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     """Protobuf to and from the data plane; every decision (which version, whether to refuse) is the data
     plane's, and its RequestErrors become statuses through ``answering_errors``."""
 
-    def __init__(self, dataplane: DataPlane, protocol: str = "grpc"):
+    def __init__(self, dataplane: DataPlane, protocol: str = "grpc", callers: Callers | None = None):
         self.dataplane = dataplane
         self.answers = ProtocolAnswers(dataplane)
         self.protocol = protocol  # what inference calls are counted as
+        self.callers = callers or Callers()
+
+    def caller(self, context) -> str:
+        """Who the call comes from (security.Callers): "" unless the server tells callers apart."""
+        if not self.callers.told_apart:
+            return ""
+        presented = [value for key, value in (context.invocation_metadata() or ()) if key == "authorization"]
+        names = (context.auth_context() or {}).get("x509_common_name") or ()
+        return self.callers.identify(presented, names[0].decode(errors="replace") if names else "")
 
     @answering_errors
     async def ModelInfer(self, message: ReceivedMessage, context):
         metadata = lambda: dict(context.invocation_metadata() or ())  # noqa: E731
         async with self.dataplane.inference(
-            self.protocol, context.time_remaining(), "ModelInfer", metadata, context.peer()
+            self.protocol, context.time_remaining(), "ModelInfer", metadata, context.peer(), self.caller(context)
         ) as call:
             answer = await infer_grpc(call, await message.counted_and_parsed(call))
             call.deliver_later()
@@ -166,17 +177,19 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelStreamInfer(self, request_iterator, context):
         # Answers in request order; a refused request answers with error_message and the stream goes on,
         # an undecodable one too.
+        caller = self.caller(context)
         async for message in request_iterator:
             call = None
             try:
                 async with self.dataplane.inference(
                     self.protocol, context.time_remaining(), "ModelStreamInfer",
-                    lambda: dict(context.invocation_metadata() or ()), context.peer(),
+                    lambda: dict(context.invocation_metadata() or ()), context.peer(), caller,
                 ) as call:  # fmt: skip
                     answer = await infer_grpc(call, await message.counted_and_parsed(call), streamed=True)
                     call.deliver_later()
             except RequestError as error:
                 answer = streamed_refusal(error)
+                _forget_locals(error)  # the refused request's bytes and arrays go now, not at a collection
             # The next request is not read before this answer is written.
             write = asyncio.ensure_future(context.write(answer))
             size = len(answer) if isinstance(answer, bytes) else answer.ByteSize()
@@ -284,31 +297,55 @@ PARSE_COPIES = 2
 
 
 class RequestReader:
-    """Reads a call's request when its handler asks, a few at a time.
+    """Reads a call's request when its handler asks: small ones at once, large or slow ones a few at a time.
 
-    A unary request is one grpcio's core would receive whole, for every open call at once, before any handler
-    runs. Read on demand instead, a request not yet read waits in its stream's flow-control window (256 KiB, not
-    grown: BDP probing off) while its sender is held back; at most ``slots`` requests arrive at once, each within the
-    receive limit, so what gRPC holds while receiving is bounded however many connections are open. A read that
-    has not finished ``timeout_s`` after its turn came is refused, so a slow sender cannot keep its slot."""
+    A request not yet read waits in its stream's flow-control window (256 KiB, not grown: BDP probing off) while
+    its sender is held back; once a read is asked for, gRPC's core receives the whole message, up to the receive
+    limit. So every read first runs on its own for ``small_read_s``: a request that fits the window, or arrives
+    that fast, is read then, whatever other senders are doing or failing to do. One still arriving after that
+    needs one of ``slots`` receiving turns (each reserves three times the receive limit in --max-receiving-bytes);
+    with none free it is refused RESOURCE_EXHAUSTED at once, not queued (its bytes would go on arriving while it
+    waited), and one that has not arrived ``timeout_s`` after its read began is refused DEADLINE_EXCEEDED. What
+    reads hold at once is the turns' share plus what arrives within ``small_read_s``; a stalled sender can hold a
+    turn, never another caller's small request."""
 
-    def __init__(self, receiving_bytes: int, receive_limit: int, timeout_s: float):
+    def __init__(self, receiving_bytes: int, receive_limit: int, timeout_s: float, small_read_s: float):
         self.slots = max(1, receiving_bytes // (GRPCIO_RECEIPT_COPIES * receive_limit))
-        self._turns = asyncio.Semaphore(self.slots)
+        self._free = self.slots
         self._timeout_s = timeout_s
+        self._small_read_s = min(small_read_s, timeout_s)
 
     async def read(self, context) -> bytes:
-        async with self._turns:
-            try:
-                raw = await asyncio.wait_for(context.read(), self._timeout_s)
-            except asyncio.TimeoutError:  # not yet the built-in TimeoutError on Python 3.10
-                raise RequestError(
-                    ErrorKind.DEADLINE_EXCEEDED,
-                    f"the request did not arrive within --grpc-read-timeout-s ({self._timeout_s:g} s)",
-                ) from None
+        reading = asyncio.ensure_future(context.read())
+        try:
+            await asyncio.wait((reading,), timeout=self._small_read_s)
+            if not reading.done():
+                await self._finish_with_a_turn(reading)
+            raw = reading.result()
+        finally:
+            reading.cancel()  # a refused read's bytes are not awaited (nothing, once it is done)
         if raw is grpc.aio.EOF:
             raise RequestError(ErrorKind.INVALID_ARGUMENT, "the call ended without a request message")
         return raw
+
+    async def _finish_with_a_turn(self, reading: asyncio.Future) -> None:
+        if not self._free:
+            raise RequestError(
+                ErrorKind.RESOURCE_EXHAUSTED,
+                f"the request had not arrived {self._small_read_s * 1000:g} ms after its read began "
+                f"(--grpc-small-read-ms), and the {self.slots} turn(s) for requests still arriving "
+                "(--max-receiving-bytes) are taken; retry",
+            )
+        self._free -= 1
+        try:
+            await asyncio.wait_for(asyncio.shield(reading), self._timeout_s - self._small_read_s)
+        except asyncio.TimeoutError:  # not yet the built-in TimeoutError on Python 3.10
+            raise RequestError(
+                ErrorKind.DEADLINE_EXCEEDED,
+                f"the request did not arrive within --grpc-read-timeout-s ({self._timeout_s:g} s)",
+            ) from None
+        finally:
+            self._free += 1
 
 
 def _reading_unary(behavior, request_class, off_loop_if_large, reader: RequestReader, inference: bool):
@@ -349,25 +386,78 @@ def _forget_locals(error: BaseException | None) -> None:
         error = error.__context__
 
 
-def _parsing_stream(behavior, request_class, off_loop_if_large, limit: int):
+class StreamIdle(Exception):
+    """A stream's next request did not come within the idle timeout."""
+
+
+class StreamSlots:
+    """The ModelStreamInfer streams open at once: at most ``limit`` in all and ``per_client`` for one client (a
+    caller the server tells apart, else a connection), so that one client's idle streams cannot lock every other
+    client out of streaming."""
+
+    def __init__(self, limit: int, per_client: int):
+        self.limit, self.per_client = limit, min(per_client, limit)
+        self.open = 0
+        self._by_client: dict[str, int] = {}
+
+    def refusal(self, client: str) -> str | None:
+        if self.open >= self.limit:
+            return f"too many inference streams open: --max-inference-streams is {self.limit}; retry once one ends"
+        if self._by_client.get(client, 0) >= self.per_client:
+            return (
+                f"this client has {self.per_client} inference streams open, its share "
+                "(--max-inference-streams-per-client); end one, or send on those it has"
+            )
+        return None
+
+    @contextlib.contextmanager
+    def held(self, client: str):
+        self.open += 1
+        self._by_client[client] = self._by_client.get(client, 0) + 1
+        try:
+            yield
+        finally:
+            self.open -= 1
+            self._by_client[client] -= 1
+            if not self._by_client[client]:
+                del self._by_client[client]
+
+
+def _parsing_stream(behavior, request_class, off_loop_if_large, slots: StreamSlots, idle_timeout_s: float, caller_of):
     """A stream reads its next request only once the last one is answered; each open stream may be receiving
     one, so the number open at once is what bounds them (a read turn held by an idle stream would stall every
-    other call)."""
-    open_streams = asyncio.Semaphore(limit)
+    other call). A stream whose next request has not come within ``idle_timeout_s`` is ended DEADLINE_EXCEEDED,
+    its slot freed."""
 
     async def handle(raw_iterator, context):
-        if open_streams.locked():
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"too many inference streams open: --max-inference-streams is {limit}; retry once one ends",
-            )
+        client = caller_of(context) or context.peer()  # a connection, where callers are not told apart
+        refusal = slots.refusal(client)
+        if refusal is not None:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
 
         async def requests():  # one bad message is that message's error, not the stream's end
-            async for raw in raw_iterator:
+            received = raw_iterator.__aiter__()
+            while True:
+                try:
+                    raw = await asyncio.wait_for(received.__anext__(), idle_timeout_s)
+                except StopAsyncIteration:
+                    return
+                except asyncio.TimeoutError:  # not yet the built-in TimeoutError on Python 3.10
+                    raise StreamIdle from None
                 yield ReceivedMessage(raw, request_class, off_loop_if_large)
+                raw = None
 
-        async with open_streams:
-            await behavior(requests(), context)  # it writes its answers itself
+        with slots.held(client):
+            try:
+                await behavior(requests(), context)  # it writes its answers itself
+            except StreamIdle:
+                pass
+            else:
+                return
+        await context.abort(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            f"no request on this stream for {idle_timeout_s:g} s (--stream-idle-timeout-s): ended",
+        )
 
     return handle
 
@@ -396,7 +486,10 @@ def add_inference_service(servicer: InferenceServicer, server) -> None:
     dataplane = servicer.dataplane
     parse = dataplane.off_loop_if_large  # a large message is parsed off the event loop
     settings, (receive_limit, _) = dataplane.settings, dataplane.versions.message_limits
-    reader = RequestReader(settings.max_receiving_bytes, receive_limit, settings.grpc_read_timeout_s)
+    reader = RequestReader(
+        settings.max_receiving_bytes, receive_limit, settings.grpc_read_timeout_s, settings.grpc_small_read_ms / 1000
+    )
+    streams = StreamSlots(settings.max_inference_streams, settings.max_inference_streams_per_client)
     handlers = {}
     for method in service.methods:
         request_class = getattr(pb, method.input_type.name)
@@ -404,7 +497,9 @@ def add_inference_service(servicer: InferenceServicer, server) -> None:
         behavior = getattr(servicer, method.name)
         if method.client_streaming and method.server_streaming:
             handler = grpc.stream_stream_rpc_method_handler(
-                _parsing_stream(behavior, request_class, parse, settings.max_inference_streams),
+                _parsing_stream(
+                    behavior, request_class, parse, streams, settings.stream_idle_timeout_s, servicer.caller
+                ),
                 response_serializer=serialize,
             )
         elif not (method.client_streaming or method.server_streaming):

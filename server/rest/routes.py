@@ -17,7 +17,7 @@ from .. import describe
 from ..dataplane import DataPlane
 from ..errors import HTTP_STATUS, RequestError, invalid
 from ..parameters import quoted
-from ..security import bearer_token_matches
+from ..security import Callers, certificate_name
 from . import openapi
 from .body import BodyReader
 from .codec import HEADER_LENGTH, header_length_of, infer_rest
@@ -62,10 +62,16 @@ def _word(value) -> bool:
 
 class RestTransport:
     def __init__(
-        self, dataplane: DataPlane, token: bytes | None, body_limit: int, read_timeout_s: float, write_timeout_s: float
+        self,
+        dataplane: DataPlane,
+        callers: Callers | None,
+        body_limit: int,
+        read_timeout_s: float,
+        write_timeout_s: float,
     ):
         self.dataplane = dataplane
-        self.token = token
+        self.callers = callers or Callers()
+        self.tokens = self.callers.tokens
         self.body_limit = body_limit
         self._bodies = BodyReader(body_limit, read_timeout_s, dataplane.off_loop)
         self.write_timeout_s = write_timeout_s
@@ -102,13 +108,19 @@ class RestTransport:
     @web.middleware
     async def _authenticate(self, request: web.Request, handler):
         """Before the body is read: a refused request costs its headers, not its body."""
-        if self.token is None or request.path in OPEN_PATHS:
+        if self.tokens is None or request.path in OPEN_PATHS:
             return await handler(request)
-        presented = request.headers.getall("Authorization", [])
-        if len(presented) == 1 and bearer_token_matches(presented[0], self.token):
+        if self.tokens.holder_of(request.headers.getall("Authorization", [])) is not None:
             return await handler(request)
         self.dataplane.record_unauthenticated(request.path)
         return error_response(401, "missing or wrong bearer token: send the header 'Authorization: Bearer <token>'")
+
+    def _caller(self, request: web.Request) -> str:
+        """Who the request comes from (security.Callers): "" unless the server tells callers apart."""
+        if not self.callers.told_apart:
+            return ""
+        certificate = request.transport.get_extra_info("peercert") if request.transport is not None else None
+        return self.callers.identify(request.headers.getall("Authorization", []), certificate_name(certificate))
 
     async def live(self, request):
         return web.Response(status=200)
@@ -234,7 +246,10 @@ class RestTransport:
     async def infer(self, request: web.Request):
         name, version = request.match_info["name"], request.match_info.get("version", "")
         route = request.match_info.route.resource.canonical
-        async with self.dataplane.inference("http", None, route, lambda: request.headers, _peer(request)) as call:
+        caller = self._caller(request)
+        async with self.dataplane.inference(
+            "http", None, route, lambda: request.headers, _peer(request), caller
+        ) as call:
             header_length = header_length_of(request.headers.get(HEADER_LENGTH))  # before the body is read
             body = await self._bodies.read(request, call.receipt)
             call.bytes_in = request.content_length or len(body)  # as sent: compressed, if it was

@@ -193,6 +193,52 @@ def test_inference_streams_past_their_cap_are_refused_until_one_ends(start_serve
         assert len(answers) == 1 and not answers[0].error_message
 
 
+def test_one_clients_idle_streams_leave_room_for_other_clients(start_server, small_model_dir):
+    """64 idle streams from one client locked every other client out of streaming."""
+    server = start_server(small_model_dir, "--warmup-runs", "0", "--max-inference-streams", "4",
+                          "--max-inference-streams-per-client", "2")  # fmt: skip
+    request = build_infer_request("mha", rand(1, 4, D, seed=16))
+    own_connection = [("grpc.use_local_subchannel_pool", 1)]
+    with (
+        grpc.insecure_channel(server.url, options=own_connection) as greedy,
+        grpc.insecure_channel(server.url, options=own_connection) as other,
+    ):
+        greedy_stub, other_stub = pb_grpc.GRPCInferenceServiceStub(greedy), pb_grpc.GRPCInferenceServiceStub(other)
+        held = []
+        for _ in range(2):
+            sending = queue.Queue()
+            held.append((sending, greedy_stub.ModelStreamInfer(iter(sending.get, None), timeout=30)))
+            sending.put(request)
+            assert not next(held[-1][1]).error_message  # open, answered, then idle
+        with pytest.raises(grpc.RpcError) as refused:
+            list(greedy_stub.ModelStreamInfer(iter([request]), timeout=10))
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "--max-inference-streams-per-client" in refused.value.details()
+        answers = list(other_stub.ModelStreamInfer(iter([request]), timeout=10))  # another client streams
+        assert len(answers) == 1 and not answers[0].error_message
+        for sending, _ in held:
+            sending.put(None)
+
+
+def test_an_idle_stream_is_ended_and_its_place_freed(start_server, small_model_dir):
+    server = start_server(small_model_dir, "--warmup-runs", "0", "--max-inference-streams", "1",
+                          "--stream-idle-timeout-s", "0.5")  # fmt: skip
+    request = build_infer_request("mha", rand(1, 4, D, seed=16))
+    with grpc.insecure_channel(server.url) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        sending = queue.Queue()
+        idle = stub.ModelStreamInfer(iter(sending.get, None), timeout=30)
+        sending.put(request)
+        assert not next(idle).error_message
+        with pytest.raises(grpc.RpcError) as ended:  # no second request: ended by the server
+            next(idle)
+        assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "--stream-idle-timeout-s" in ended.value.details()
+        answers = list(stub.ModelStreamInfer(iter([request]), timeout=10))  # its place is free
+        assert len(answers) == 1 and not answers[0].error_message
+        sending.put(None)
+
+
 class Aborted(Exception):
     def __init__(self, code, details):
         super().__init__(f"{code.name}: {details}")

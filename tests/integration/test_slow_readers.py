@@ -23,6 +23,7 @@ import pytest
 from mhaserve.client.grpc import Client, build_infer_request
 from mhaserve.loadtest.checked_load import health_latencies_under_load, rss_mib
 from mhaserve.protos.generated import grpc_service_pb2 as pb
+from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
 from tests.support import (
     SMALL_D_MODEL,
     SMALL_HEADS,
@@ -142,24 +143,55 @@ def test_grpc_answers_a_client_never_reads_stay_in_the_budget_and_end_cancelled(
 def test_a_grpc_request_that_stops_arriving_is_refused_at_the_read_timeout_and_frees_its_turn(
     start_server, small_model_dir
 ):
-    """Requests are received a few at a time (here one): a sender that stops halfway keeps its turn only until
-    --grpc-read-timeout-s, is refused DEADLINE_EXCEEDED then, and the call waiting behind it is served."""
+    """A request that has not arrived within --grpc-small-read-ms takes a receiving turn (here the only one): a
+    sender that stops halfway keeps it only until --grpc-read-timeout-s and is refused DEADLINE_EXCEEDED then;
+    meanwhile another slow request finds no turn free and is refused RESOURCE_EXHAUSTED at once, and small
+    requests are served as if nothing were stalled."""
     server = start_server(
-        small_model_dir, *TEST_SERVER_ARGS, "--max-receiving-bytes", "1", "--grpc-read-timeout-s", "1"
+        small_model_dir, *TEST_SERVER_ARGS, "--max-receiving-bytes", "1", "--grpc-read-timeout-s", "1.5"
     )
     stalled = ZeroWindowGrpcClient(server.url)
     message = build_infer_request("mha", rand(1, 64, D, seed=5)).SerializeToString()
-    stream = stalled.call(message, stop_after=len(message) // 2)
-    time.sleep(0.3)  # its turn has come
+    first = stalled.call(message, stop_after=len(message) // 2)
+    time.sleep(0.4)  # past the small read: it holds the turn
+    second = stalled.call(message, stop_after=len(message) // 2)
     started = time.monotonic()
     with Client(server.url) as client:
-        query = rand(1, 4, D, seed=6)
-        assert client.infer(query).output.shape == (1, 4, D)
-    waited = time.monotonic() - started
+        assert client.infer(rand(1, 4, D, seed=6)).output.shape == (1, 4, D)
+    served_in = time.monotonic() - started
     stalled.pump(0.5)
+    assert stalled.statuses.get(second) == str(grpc.StatusCode.RESOURCE_EXHAUSTED.value[0])
+    stalled.pump(1.0)
     stalled.close()
-    assert stalled.statuses.get(stream) == str(grpc.StatusCode.DEADLINE_EXCEEDED.value[0])
-    assert waited > 0.5, f"served after {waited:.2f} s, before the stalled request's turn ended"
+    assert stalled.statuses.get(first) == str(grpc.StatusCode.DEADLINE_EXCEEDED.value[0])
+    assert served_in < 0.5, f"served after {served_in:.2f} s, behind the stalled request"
+
+
+@pytest.mark.parametrize("connections,calls", [(1, 1), (4, 1), (1, 4), (16, 1)])
+def test_stalled_senders_delay_no_one_elses_calls(start_server, small_model_dir, connections, calls):
+    """Senders that stop after their headers or half their message, on one connection or many, with one
+    receiving turn for the whole server: another client's small ModelInfer, ServerLive, ModelReady and model
+    metadata are answered at once (each waited out the stalled sender's 30 s read timeout, in turn)."""
+    server = start_server(small_model_dir, *TEST_SERVER_ARGS, "--max-receiving-bytes", "1")
+    message = build_infer_request("mha", rand(1, 64, D, seed=5)).SerializeToString()
+    stallers = [ZeroWindowGrpcClient(server.url) for _ in range(connections)]
+    for number, staller in enumerate(stallers):
+        for call in range(calls):
+            staller.call(message, stop_after=0 if (number + call) % 2 else len(message) // 2)
+    time.sleep(0.3)
+    latencies = []
+    with Client(server.url) as client, grpc.insecure_channel(server.url) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        for _ in range(20):
+            started = time.monotonic()
+            client.infer(rand(1, 16, D, seed=7), timeout=5)
+            stub.ServerLive(pb.ServerLiveRequest(), timeout=5)
+            stub.ModelReady(pb.ModelReadyRequest(name="mha"), timeout=5)
+            stub.ModelMetadata(pb.ModelMetadataRequest(name="mha"), timeout=5)
+            latencies.append(time.monotonic() - started)
+    for staller in stallers:
+        staller.close()
+    assert max(latencies) < 1.0, f"slowest round {max(latencies):.2f} s with {connections}x{calls} stalled"
 
 
 def _binary_infer_request(query: np.ndarray, host: str) -> bytes:

@@ -1,0 +1,115 @@
+"""Callers told apart: each client's named token (or its client certificate under mutual TLS) is its identity, and
+a sequence answers only the identity that started it: another client naming the same id meets no sequence, as if
+it did not exist, and cannot read or change it. Each client holds at most its share of the sequences."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+
+from mhaserve.client import TLS, Client
+from mhaserve.client.common import SequenceStep
+from tests.support import SMALL_D_MODEL, TEST_SERVER_ARGS, eager, rand
+from tests.support.certs import CertificateAuthority
+from tests.support.in_process import InProcessServer
+
+D = SMALL_D_MODEL
+TOKENS = {"alice": "token-of-alice", "bob": "token-of-bob"}
+
+
+@pytest.fixture(scope="module")
+def named_tokens_server(small_model_dir, tmp_path_factory):
+    token_file = tmp_path_factory.mktemp("tokens") / "tokens"
+    token_file.write_text("# one client a line\n" + "".join(f"{name} {token}\n" for name, token in TOKENS.items()))
+    args = ("--auth-token-file", str(token_file), "--max-sequences-per-client", "2")
+    with InProcessServer(small_model_dir, *TEST_SERVER_ARGS, *args) as server:
+        yield server
+
+
+def steps_of_two_clients(alice: Client, bob: Client, small_module):
+    """Alice starts sequence 42; Bob names 42 too: first without a start, then starting his own."""
+    x = rand(1, 4, D, seed=21)
+    alice.infer(x[:, :3], sequence=SequenceStep(42, start=True))
+    with pytest.raises(grpc.RpcError) as refused:  # Alice's keys and values are not Bob's to read
+        bob.infer(x[:, 3:], sequence=SequenceStep(42))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "sequence 42 is not live: never started" in refused.value.details()
+    own = bob.infer(rand(1, 5, D, seed=22), sequence=SequenceStep(42, start=True))  # his own 42
+    assert own.attn_weights.shape == (1, 4, 5, 5)
+    last = alice.infer(x[:, 3:], sequence=SequenceStep(42, end=True))  # untouched: over her 4 keys
+    want_output, want_weights = eager(small_module, x, mask=np.tril(np.ones((1, 4, 4), bool)))
+    np.testing.assert_allclose(last.output, want_output[:, 3:], atol=1e-4 * np.abs(want_output).max())
+    np.testing.assert_allclose(last.attn_weights, want_weights[:, :, 3:], atol=1e-5)
+    bob.infer(rand(1, 1, D), sequence=SequenceStep(42, end=True))
+
+
+def test_a_sequence_answers_only_the_token_that_started_it(named_tokens_server, small_module):
+    url = named_tokens_server.url
+    with Client(url, token=TOKENS["alice"]) as alice, Client(url, token=TOKENS["bob"]) as bob:
+        steps_of_two_clients(alice, bob, small_module)
+
+
+def test_over_http_too_a_sequence_answers_only_the_token_that_started_it(named_tokens_server):
+    import json
+    import urllib.error
+    import urllib.request
+
+    def http_step(token: str, start: bool, end: bool = False) -> tuple[int, dict]:
+        body = {"inputs": [{"name": "query", "shape": [1, 1, D], "datatype": "FP32", "data": [0.5] * D}],
+                "parameters": {"sequence_id": 77, "sequence_start": start, "sequence_end": end}}  # fmt: skip
+        request = urllib.request.Request(
+            named_tokens_server.http_url + "/v2/models/mha/infer", data=json.dumps(body).encode(),
+            headers={"Authorization": f"Bearer {token}"}, method="POST",
+        )  # fmt: skip
+        try:
+            with urllib.request.urlopen(request, timeout=10) as answer:
+                return answer.status, json.loads(answer.read())
+        except urllib.error.HTTPError as error:
+            return error.code, json.loads(error.read())
+
+    assert http_step(TOKENS["alice"], start=True)[0] == 200
+    status, answer = http_step(TOKENS["bob"], start=False)
+    assert status == 400 and "sequence 77 is not live: never started" in answer["error"]
+    assert http_step(TOKENS["alice"], start=False, end=True)[0] == 200
+
+
+def test_each_named_client_holds_its_share_of_the_sequences(named_tokens_server):
+    url = named_tokens_server.url
+    rows = rand(1, 2, D)
+    with Client(url, token=TOKENS["alice"]) as alice, Client(url, token=TOKENS["bob"]) as bob:
+        for sequence_id in ("a1", "a2"):
+            alice.infer(rows, sequence=SequenceStep(sequence_id, start=True))
+        with pytest.raises(grpc.RpcError) as refused:
+            alice.infer(rows, sequence=SequenceStep("a3", start=True))
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "--max-sequences-per-client=2" in refused.value.details()
+        alice.infer(rows, sequence=SequenceStep("a1", start=True))  # restarting one of hers takes no more
+        bob.infer(rows, sequence=SequenceStep("b1", start=True, end=True))  # the others are not held back
+        for sequence_id in ("a1", "a2"):
+            alice.infer(rows, sequence=SequenceStep(sequence_id, end=True))
+
+
+def test_client_certificates_tell_callers_apart(small_model_dir, small_module, tmp_path):
+    server_ca, client_ca = CertificateAuthority(tmp_path, "server"), CertificateAuthority(tmp_path, "clients")
+    server_cert = server_ca.issue("server", "localhost", server=True)
+    alice_cert, bob_cert = (client_ca.issue(name, name, server=False) for name in ("alice", "bob"))
+    args = ("--tls-cert-file", str(server_cert.cert), "--tls-key-file", str(server_cert.key),
+            "--tls-client-ca-file", str(client_ca.bundle))  # fmt: skip
+    with InProcessServer(small_model_dir, *TEST_SERVER_ARGS, *args) as server:
+        url = server.url.replace("127.0.0.1", "localhost")
+
+        def tls(cert):
+            return TLS(ca=server_ca.bundle, cert=cert.cert, key=cert.key)
+
+        with Client(url, tls=tls(alice_cert)) as alice, Client(url, tls=tls(bob_cert)) as bob:
+            steps_of_two_clients(alice, bob, small_module)
+
+
+def test_without_identities_ids_are_global_as_in_triton(start_server, small_model_dir):
+    server = start_server(small_model_dir, *TEST_SERVER_ARGS)
+    x = rand(1, 3, D, seed=23)
+    with Client(server.url) as one, Client(server.url) as other:
+        one.infer(x[:, :2], sequence=SequenceStep("shared", start=True))
+        answer = other.infer(x[:, 2:], sequence=SequenceStep("shared", end=True))
+    assert answer.attn_weights.shape == (1, 4, 1, 3)

@@ -1,0 +1,46 @@
+"""The token file: one shared token, or one named token per client; a call's caller is its token's name, else its
+certificate's, else no one in particular."""
+
+from __future__ import annotations
+
+import pytest
+
+from mhaserve.server.security import Callers, SecurityConfigError, Tokens, certificate_name, load_token
+
+
+def test_one_token_is_shared_and_names_no_one(tmp_path):
+    (tmp_path / "token").write_text("  s3cret\n")
+    tokens = load_token(tmp_path / "token")
+    assert tokens == Tokens({b"s3cret": ""}) and tokens.holder("Bearer s3cret") == ""
+    assert not Callers(tokens).told_apart and Callers(tokens).identify(["Bearer s3cret"], "") == ""
+
+
+def test_named_tokens_name_their_holders(tmp_path):
+    (tmp_path / "tokens").write_text("# clients\nalice aaa\n\nbob bbb\n")
+    tokens = load_token(tmp_path / "tokens")
+    assert tokens.holder("bearer aaa") == "alice" and tokens.holder("Bearer bbb") == "bob"
+    assert tokens.holder("Bearer ccc") is None and tokens.holder("Basic aaa") is None
+    assert tokens.holder_of(["Bearer aaa", "Bearer bbb"]) is None  # two tokens: neither
+    callers = Callers(tokens, certificates=True)
+    assert callers.told_apart and callers.identify(["Bearer bbb"], "alice-cert") == "token bob"
+    assert callers.identify([], "alice-cert") == "certificate alice-cert"
+
+
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        ("alice aaa\nbob\n", "line 2 of the tokens: expected 'NAME TOKEN'"),
+        ("alice aaa\nbob aaa\n", "clients 'alice' and 'bob' have the same token"),
+        ("alice aaa\nalice bbb\n", "the client name 'alice' is given twice"),
+        ("# nothing\n\n", "is empty"),
+    ],
+)
+def test_a_token_file_that_is_not_clear_is_refused_saying_why(tmp_path, content, message):
+    (tmp_path / "tokens").write_text(content)
+    with pytest.raises(SecurityConfigError, match=message):
+        load_token(tmp_path / "tokens")
+
+
+def test_a_certificates_name_is_its_subjects_common_name():
+    certificate = {"subject": ((("countryName", "FR"),), (("commonName", "alice"),))}
+    assert certificate_name(certificate) == "alice" and certificate_name(None) == ""
