@@ -209,6 +209,15 @@ class DataPlane:
             raise ShuttingDown()
         return self.registry.resolve(name, version)
 
+    def served_for(self, request: InferenceRequest, caller: str) -> ServedModel:
+        """The served version an inference request goes to: a step of a live sequence to the version the sequence
+        started on, whether or not that version still takes new requests (an unloaded or replaced version serves
+        its sequences to their end); any other request to the version it names."""
+        if self.draining:
+            raise ShuttingDown()
+        sequence = self.sequences.continued_by(request.parameters, request.model, caller)
+        return sequence.served if sequence is not None else self.registry.resolve(request.model, request.version)
+
     def statistics_of(self, name: str, version: str) -> list[ServedModel]:
         """The versions a statistics request names: one version, every version of a model, or every one."""
         if name and version:
@@ -359,7 +368,7 @@ class InferenceCall(CallRecord):
         tensors are large), take its memory in the budget or refuse it, run it (batched, or as a sequence's
         step) and return the outputs it asked for."""
         dataplane = self._dataplane
-        self.served = served = dataplane.resolve(request.model, request.version)
+        self.served = served = dataplane.served_for(request, self.caller)
         served.enter()  # from here the version is not unloaded under this request
         if dataplane.tracing.active:
             self.trace = dataplane.tracing.begin(self, served.signature)

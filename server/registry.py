@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -46,6 +47,8 @@ class ServedModel:
     steps: StepRuns | None = None  # its sequences' steps, where its folder has a step graph
     requests_in_flight: int = 0  # inference calls resolved to this version and not yet answered
     idle: asyncio.Event = field(default_factory=asyncio.Event)  # set whenever requests_in_flight is 0
+    sequences_live: int = 0  # sequences started on this version and not yet ended
+    _unload_once_released: Callable[[], None] | None = None  # an unload put off until its last sequence ends
 
     def __post_init__(self):
         self.idle.set()
@@ -58,6 +61,23 @@ class ServedModel:
         self.requests_in_flight -= 1
         if not self.requests_in_flight:
             self.idle.set()
+
+    def sequence_started(self) -> None:
+        self.sequences_live += 1
+
+    def sequence_ended(self) -> None:
+        self.sequences_live -= 1
+        if not self.sequences_live and self._unload_once_released is not None:
+            unload, self._unload_once_released = self._unload_once_released, None
+            unload()
+
+    def unload_once_released(self, unload: Callable[[], None]) -> None:
+        """``unload()`` once its last live sequence ends (at once if none is live): an unload or a newer version
+        waits for requests in flight, never for a sequence's idle timeout; its sequences step on meanwhile."""
+        if self.sequences_live:
+            self._unload_once_released = unload
+        else:
+            unload()
 
 
 @dataclass
@@ -109,6 +129,7 @@ class ModelRegistry:
         self.models: dict[str, dict[int, VersionState]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._refused: set[str] = set()  # model folders polling cannot serve (said once in the log)
+        self._deferred_unloads: set[asyncio.Task] = set()  # unloads put off until a version's sequences ended
 
     # -- resolving requests ------------------------------------------------------------------------------
 
@@ -300,7 +321,20 @@ class ModelRegistry:
         if versions is not None:
             versions[number] = VersionState(UNLOADING, reason)
         await served.idle.wait()
-        await self._versions.unload(served)
+        if not served.sequences_live:
+            await self._versions.unload(served)
+            return
+        log.info(
+            "model '%s' version %s: unloaded once its %d live sequence(s) end; they step on it until then",
+            served.signature.name, served.signature.version, served.sequences_live,
+        )  # fmt: skip
+        loop = asyncio.get_running_loop()  # its last sequence may end on another thread (a stop's drop_all)
+        served.unload_once_released(lambda: loop.is_closed() or loop.call_soon_threadsafe(self._unload_later, served))
+
+    def _unload_later(self, served: ServedModel) -> None:
+        task = asyncio.ensure_future(self._versions.unload(served))
+        self._deferred_unloads.add(task)  # held until done: a task only the loop references may be collected
+        task.add_done_callback(self._deferred_unloads.discard)
 
     async def _unload_one(self, name: str, number: int, versions: dict[int, VersionState], reason: str) -> None:
         entry = versions.get(number)

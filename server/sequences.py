@@ -37,7 +37,7 @@ from .batcher import answer_of
 from .errors import ErrorKind, RequestError, invalid
 from .inference import InferenceRequest, InferenceResponse
 from .memory import MemoryBudget
-from .parameters import StepOf
+from .parameters import StepOf, sequence_parameters
 from .session import StepCache
 from .shaping import weights_shaping
 from .tensors import AttentionRequest
@@ -49,7 +49,7 @@ REMEMBERED_ENDS = 4096  # ids recently ended or timed out, to say so when a late
 class Sequence:
     caller: str  # who started it (security.Callers); "" where callers are not told apart
     id: int | str
-    served: object  # the ServedModel it started on (entered: not unloaded while the sequence lives)
+    served: object  # the ServedModel it started on (its session not unloaded while the sequence lives)
     batch: int
     cache: StepCache  # its projected keys and values, where the step graph runs
     last_used: float = field(default_factory=time.monotonic)
@@ -145,6 +145,18 @@ class Sequences:
             if not self._starting_by[sequence.caller]:
                 del self._starting_by[sequence.caller]
 
+    def continued_by(self, parameters, model: str, caller: str) -> Sequence | None:
+        """The live sequence of ``model`` a request's parameters continue (a step without ``sequence_start``), if
+        any; malformed parameters are left for the request's own check to refuse."""
+        try:
+            step = sequence_parameters(parameters)
+        except RequestError:
+            return None
+        if step is None or step.start:
+            return None
+        sequence = self.live.get((caller, step.id))
+        return sequence if sequence is not None and sequence.served.signature.name == model else None
+
     def _held_by(self, caller: str) -> int:
         """The sequences ``caller`` has live or starting."""
         return sum(1 for s in self.live.values() if s.caller == caller) + self._starting_by.get(caller, 0)
@@ -221,7 +233,7 @@ class Sequences:
         """A started sequence's first step was answered: it is live, in place of any of its id (restarted)."""
         if sequence.key in self.live:
             self._drop(self.live[sequence.key], "restarted")
-        sequence.served.enter()
+        sequence.served.sequence_started()
         sequence.started = True
         self.live[sequence.key] = sequence
         self._gone.pop(sequence.key, None)
@@ -246,7 +258,7 @@ class Sequences:
         del self.live[sequence.key]
         sequence.ended = True
         self.budget.release(sequence.nbytes)
-        sequence.served.leave()
+        sequence.served.sequence_ended()
         self._gone[sequence.key] = why
         while len(self._gone) > REMEMBERED_ENDS:
             self._gone.popitem(last=False)

@@ -80,13 +80,14 @@ class BodyReader:
         if declared is not None:
             if receipt is not None:
                 receipt.add(declared)
-            body = bytearray(declared)  # one buffer, filled in place
-            filled = 0
+            # Grown as the bytes come (a large buffer grows in place: glibc remaps it), not allocated at the declared
+            # size: zeroing 150 MiB for a client that declares it and sends 1 KB took the event loop for tens of ms
+            # and the memory at once.
+            body = bytearray()
             async for chunk in request.content.iter_any():
-                body[filled : filled + len(chunk)] = chunk
-                filled += len(chunk)
-            if filled != declared:
-                raise invalid(f"the request body ended after {filled} of its {declared} bytes (Content-Length)")
+                body += chunk
+            if len(body) != declared:
+                raise invalid(f"the request body ended after {len(body)} of its {declared} bytes (Content-Length)")
             return body
         body = bytearray()  # chunked: counted chunk by chunk
         async for chunk in request.content.iter_any():

@@ -369,3 +369,83 @@ def test_a_sequence_keeps_its_version_through_a_swap_and_new_ones_take_the_new(s
     assert_equals_the_causal_answer(
         newer, x[:, :5], [5], [{"output": fresh.output, "attn_weights": fresh.attn_weights}]
     )
+
+
+def model_ready(server, name: str) -> bool:
+    from mhaserve.protos.generated import grpc_service_pb2 as pb
+
+    with grpc.insecure_channel(server.url) as channel:
+        try:
+            return (
+                pb_grpc.GRPCInferenceServiceStub(channel).ModelReady(pb.ModelReadyRequest(name=name), timeout=10).ready
+            )
+        except grpc.RpcError as error:  # a model the server no longer holds at all
+            if error.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+            return False
+
+
+def test_a_live_sequence_stalls_neither_the_poll_nor_an_unload(small_model_dir, small_module, tmp_path):
+    """A sequence alive on version 1 held it UNLOADING until the sequence's idle timeout, and the whole poll with it
+    (a model added meanwhile was not served); an explicit unload took as long, and meanwhile the sequence could
+    neither step nor end. Now the version goes at once for new requests, and its live sequences step on it to their
+    end."""
+    import shutil
+
+    from mhaserve.client import Client
+
+    repository = tmp_path / "repository"
+    shutil.copytree(small_model_dir, repository / "mha" / "1")
+    args = (*TEST_SERVER_ARGS, "--model-repository", str(repository), "--model-control-mode", "poll",
+            "--repository-poll-secs", "0.3", "--sequence-idle-timeout-s", "60")  # fmt: skip
+    x = np.random.default_rng(9).standard_normal((1, 8, D), dtype=np.float32)
+    with InProcessServer(None, *args) as server, Client(server.url) as client:
+        live = client.sequence()
+        answers = [live.step(x[:, :5])]
+        shutil.copytree(small_model_dir, repository / "mha" / "2")  # version 1 retired by the policy
+        shutil.copytree(small_model_dir, repository / "other" / "1")  # a new model, for the same poll
+        deadline = time.monotonic() + 10
+        while not model_ready(server, "other"):
+            assert time.monotonic() < deadline, "the poll stalled behind the live sequence"
+            time.sleep(0.1)
+        shutil.rmtree(repository / "mha")  # and then the model goes
+        deadline = time.monotonic() + 10
+        while model_ready(server, "mha"):
+            assert time.monotonic() < deadline, "mha was not unloaded"
+            time.sleep(0.1)
+        answers += [live.step(x[:, 5:7]), live.step(x[:, 7:], end=True)]  # to its end, on version 1
+        with pytest.raises(grpc.RpcError):  # new sequences find no version of mha
+            client.sequence().step(x[:, :1])
+    assert [a.model_version for a in answers] == ["1", "1", "1"]
+    assert_equals_the_causal_answer(
+        small_module, x, [5, 2, 1], [{"output": a.output, "attn_weights": a.attn_weights} for a in answers]
+    )
+
+
+def test_an_explicit_unload_does_not_wait_for_live_sequences(small_model_dir, small_module, tmp_path):
+    import shutil
+
+    from mhaserve.client import Client
+    from mhaserve.protos.generated import grpc_service_pb2 as pb
+
+    repository = tmp_path / "repository"
+    shutil.copytree(small_model_dir, repository / "mha" / "1")
+    args = (*TEST_SERVER_ARGS, "--model-repository", str(repository), "--model-control-mode", "explicit",
+            "--load-model", "mha", "--sequence-idle-timeout-s", "60")  # fmt: skip
+    x = np.random.default_rng(10).standard_normal((1, 6, D), dtype=np.float32)
+    with InProcessServer(None, *args) as server, Client(server.url) as client:
+        live, left = client.sequence(), client.sequence()
+        answers = [live.step(x[:, :4])]
+        left.step(x[:, :2])  # still live on the unloaded version when the server stops
+        with grpc.insecure_channel(server.url) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            started = time.monotonic()
+            stub.RepositoryModelUnload(pb.RepositoryModelUnloadRequest(model_name="mha"), timeout=30)
+            took = time.monotonic() - started
+        assert took < 3, f"the unload waited {took:.1f} s for the live sequence"
+        assert not model_ready(server, "mha")
+        answers += [live.step(x[:, 4:5]), live.step(x[:, 5:], end=True)]
+    assert "Traceback" not in server.log
+    assert_equals_the_causal_answer(
+        small_module, x, [4, 1, 1], [{"output": a.output, "attn_weights": a.attn_weights} for a in answers]
+    )
