@@ -161,12 +161,13 @@ def main() -> None:
     parser.add_argument("--baseline", required=True, help="the revision to compare with (e.g. HEAD~3)")
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--deadline", type=float, default=2.0, help="each call's deadline, seconds")
+    parser.add_argument("--current-only", action="store_true", help="skip the baseline (its calls wait out deadlines)")
     args = parser.parse_args()
     model_dir = ensure_default_model()
     print(f"{'server':>8} {'':>11} | {'call':<14} {'p50 ms':>7} {'p99 ms':>7} {'max ms':>7}")
-    with baseline_checkout(args.baseline) as (baseline_env, _):
-        with ServerProcess(model_dir, env=baseline_env) as baseline:
-            measure("baseline", baseline, args)
+    if not args.current_only:
+        with baseline_checkout(args.baseline) as (baseline_env, _), ServerProcess(model_dir, env=baseline_env) as old:
+            measure("baseline", old, args)
     with ServerProcess(model_dir) as current:
         measure("current", current, args)
 

@@ -157,8 +157,10 @@ class RequestAccounting:
         self._release(nbytes)
 
     def received_dropped(self, nbytes: int) -> None:
-        """A request received whole and refused before it was counted: its pages are given back once idle."""
+        """A request received (whole, or in part and abandoned) and refused before it was counted: its pages are
+        given back once idle."""
         self._received_since_release += nbytes
+        self._release(0)
 
     def admit(self, request_bytes: int, rows: int, workspace: int) -> object:
         """Take a request's share of max_inflight_bytes, for every model together, or refuse it."""

@@ -227,18 +227,19 @@ class ServerSettings:
     # read when the handler asks, a request waits unread in HTTP/2's flow-control window instead.
     max_receiving_bytes: int = setting(
         512 << 20,
-        "memory gRPC requests still arriving after --grpc-small-read-ms may take: each takes a turn that reserves "
+        "memory gRPC requests still arriving after --grpc-first-read-ms may take: each takes a turn that reserves "
         "three times --max-message-bytes (grpcio's buffers and two copies; one turn at least); with no turn free "
         "such a request is refused RESOURCE_EXHAUSTED (retry)",
         section="limits and memory",
         rule=at_least(1),
     )
-    # Small requests (within HTTP/2's 256 KiB stream window, already sent) are read at once by every call on its
-    # own; only a request still arriving after this needs a turn, so a stalled sender never delays them.
-    grpc_small_read_ms: float = setting(
-        100.0,
-        "milliseconds a gRPC request may take to arrive without a receiving turn (see --max-receiving-bytes); what "
-        "arrives within it is read whatever else is arriving or stalled",
+    # Small requests (within HTTP/2's 256 KiB stream window, already sent) are read in their first read, a few
+    # connections at a time; only a request still arriving after it needs a turn, so a stalled sender never holds
+    # them up for longer than this.
+    grpc_first_read_ms: float = setting(
+        25.0,
+        "milliseconds a gRPC request may take to arrive without a receiving turn (see --max-receiving-bytes); a "
+        "few connections' requests are read so at once, so what they take is bounded",
         section="transport",
         rule=more_than(0),
     )

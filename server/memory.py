@@ -92,6 +92,7 @@ class MemoryBudget:
         self.max_batch_size = max_batch_size  # None: batching off, one request per run
         self.padded_runs = padded_runs  # every waiting request may be padded to the longest (length-aware off)
         self.request_bytes = 0  # inputs and answers of the requests in flight
+        self.kept_bytes = 0  # what outlives requests (sequences' keys and values): held, yet no request is in flight
         self._waiting: dict[object, tuple[int, int]] = {}  # token -> (rows, workspace), until its run ends
         self._largest_runs: list[int] = []  # the workers' largest run workspaces since the arenas were given back
 
@@ -102,10 +103,16 @@ class MemoryBudget:
 
     @property
     def held(self) -> int:
-        return self.request_bytes + max(self.kept_workspace, self._runs_may_need(list(self._waiting.values())))
+        return (
+            self.request_bytes
+            + self.kept_bytes
+            + max(self.kept_workspace, self._runs_may_need(list(self._waiting.values())))
+        )
 
     @property
     def idle(self) -> bool:
+        """No request in flight (what is kept between them, a live sequence's cache, does not count): the arenas'
+        and the heap's free memory may be given back."""
         return self.request_bytes == 0 and not self._waiting
 
     def _runs_may_need(self, waiting) -> int:
@@ -124,7 +131,8 @@ class MemoryBudget:
         """Take a request's share, or refuse it (RESOURCE_EXHAUSTED) when that would go over the limit; the
         token it returns is given to ``run_ended``."""
         waiting = [*self._waiting.values(), (rows, workspace)]
-        if self.request_bytes + request_bytes + max(self.kept_workspace, self._runs_may_need(waiting)) > self.limit:
+        needed = self.request_bytes + self.kept_bytes + request_bytes
+        if needed + max(self.kept_workspace, self._runs_may_need(waiting)) > self.limit:
             raise InflightBytesExceeded(self.held, request_bytes + workspace, self.limit)
         token = object()
         self._waiting[token] = (rows, workspace)
@@ -137,6 +145,16 @@ class MemoryBudget:
         if self.held + nbytes > self.limit:
             raise InflightBytesExceeded(self.held, nbytes, self.limit, what)
         self.request_bytes += nbytes
+
+    def keep(self, nbytes: int, what: str) -> None:
+        """Count ``nbytes`` of state kept between requests (a sequence's cache), or refuse them
+        (RESOURCE_EXHAUSTED) when that would go over the limit; ``let_go`` gives them back."""
+        if self.held + nbytes > self.limit:
+            raise InflightBytesExceeded(self.held, nbytes, self.limit, what)
+        self.kept_bytes += nbytes
+
+    def let_go(self, nbytes: int) -> None:
+        self.kept_bytes -= nbytes
 
     def run_made(self, workspace: int) -> None:
         """A run of this workspace was made: the arena keeps its space for the next runs."""

@@ -224,7 +224,7 @@ class Sequences:
                     f"sequence {sequence.id!r}: this client's sequences would hold {own + cache.nbytes} bytes of keys "
                     f"and values, past its share --max-sequence-bytes-per-client={self.bytes_per_client}; end one",
                 )
-        self.budget.take(growth, f"sequence {sequence.id!r}'s keys and values")
+        self.budget.keep(growth, f"sequence {sequence.id!r}'s keys and values")
         sequence.cache = cache
         sequence.last_used = time.monotonic()
         self.steps_total += 1
@@ -257,7 +257,7 @@ class Sequences:
     def _drop(self, sequence: Sequence, why: str) -> None:
         del self.live[sequence.key]
         sequence.ended = True
-        self.budget.release(sequence.nbytes)
+        self.budget.let_go(sequence.nbytes)
         sequence.served.sequence_ended()
         self._gone[sequence.key] = why
         while len(self._gone) > REMEMBERED_ENDS:

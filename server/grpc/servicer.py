@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import logging
 import traceback
+from collections.abc import Callable
 
 import grpc
 from google.protobuf import json_format
@@ -288,6 +290,10 @@ async def _parsed(request_class, raw: bytes, off_loop_if_large):
     return await off_loop_if_large(request_class.FromString, len(raw), raw)
 
 
+# Requests in their first read at once (RequestReader). On loopback a whole message arrives within a first read, so
+# each one at once may add a message to what receipt holds; one, fairly shared (FirstReads), keeps small requests
+# unheld behind 16 stalled senders (BENCHMARKS.md, "Stalled senders").
+FIRST_READS_AT_ONCE = 1
 # What a request of n bytes takes while grpcio receives it: n in its core's buffers, then a bytearray it copies
 # them into and the bytes it makes of that.
 GRPCIO_RECEIPT_COPIES = 3
@@ -301,24 +307,42 @@ class RequestReader:
 
     A request not yet read waits in its stream's flow-control window (256 KiB, not grown: BDP probing off) while
     its sender is held back; once a read is asked for, gRPC's core receives the whole message, up to the receive
-    limit. So every read first runs on its own for ``small_read_s``: a request that fits the window, or arrives
-    that fast, is read then, whatever other senders are doing or failing to do. One still arriving after that
-    needs one of ``slots`` receiving turns (each reserves three times the receive limit in --max-receiving-bytes);
-    with none free it is refused RESOURCE_EXHAUSTED at once, not queued (its bytes would go on arriving while it
-    waited), and one that has not arrived ``timeout_s`` after its read began is refused DEADLINE_EXCEEDED. What
-    reads hold at once is the turns' share plus what arrives within ``small_read_s``; a stalled sender can hold a
-    turn, never another caller's small request."""
+    limit. So a read first runs for ``first_read_s`` without a turn: a request within the window, or one that
+    arrives that fast, is read then, whatever other senders do or fail to do. At most ``first_reads`` run at once,
+    one per connection, the calls of connections in good standing first (FirstReads): the others wait unread, so
+    what first reads take is bounded, and stalled senders queue behind themselves. A request still arriving after
+    its first read needs one of ``slots`` receiving turns (each reserves three times the receive limit in
+    --max-receiving-bytes); with none free it is refused RESOURCE_EXHAUSTED at once rather than queued (its bytes
+    would go on arriving while it waited), and one that has not arrived ``timeout_s`` after its read began is
+    refused DEADLINE_EXCEEDED. A stalled sender can hold a turn, and a first read for ``first_read_s``; never
+    another caller's small request for longer."""
 
-    def __init__(self, receiving_bytes: int, receive_limit: int, timeout_s: float, small_read_s: float):
+    def __init__(
+        self,
+        receiving_bytes: int,
+        receive_limit: int,
+        timeout_s: float,
+        first_read_s: float,
+        first_reads: int = FIRST_READS_AT_ONCE,
+        abandoned: Callable[[int], None] = lambda nbytes: None,
+    ):
         self.slots = max(1, receiving_bytes // (GRPCIO_RECEIPT_COPIES * receive_limit))
         self._free = self.slots
         self._timeout_s = timeout_s
-        self._small_read_s = min(small_read_s, timeout_s)
+        self._first_read_s = min(first_read_s, timeout_s)
+        self._first_reads = FirstReads(first_reads)
+        self._abandoned = abandoned  # told of a read refused part-way: grpcio may have taken up to the limit for it
+        self._receive_limit = receive_limit
 
     async def read(self, context) -> bytes:
-        reading = asyncio.ensure_future(context.read())
+        connection = context.peer()
+        await self._first_reads.acquire(connection)
         try:
-            await asyncio.wait((reading,), timeout=self._small_read_s)
+            reading = asyncio.ensure_future(context.read())
+            await asyncio.wait((reading,), timeout=self._first_read_s)
+        finally:
+            self._first_reads.release(connection, went_long=not reading.done())
+        try:
             if not reading.done():
                 await self._finish_with_a_turn(reading)
             raw = reading.result()
@@ -330,15 +354,16 @@ class RequestReader:
 
     async def _finish_with_a_turn(self, reading: asyncio.Future) -> None:
         if not self._free:
+            self._abandoned(self._receive_limit)
             raise RequestError(
                 ErrorKind.RESOURCE_EXHAUSTED,
-                f"the request had not arrived {self._small_read_s * 1000:g} ms after its read began "
-                f"(--grpc-small-read-ms), and the {self.slots} turn(s) for requests still arriving "
+                f"the request had not arrived {self._first_read_s * 1000:g} ms after its read began "
+                f"(--grpc-first-read-ms), and the {self.slots} turn(s) for requests still arriving "
                 "(--max-receiving-bytes) are taken; retry",
             )
         self._free -= 1
         try:
-            await asyncio.wait_for(asyncio.shield(reading), self._timeout_s - self._small_read_s)
+            await asyncio.wait_for(asyncio.shield(reading), self._timeout_s - self._first_read_s)
         except asyncio.TimeoutError:  # not yet the built-in TimeoutError on Python 3.10
             raise RequestError(
                 ErrorKind.DEADLINE_EXCEEDED,
@@ -346,6 +371,72 @@ class RequestReader:
             ) from None
         finally:
             self._free += 1
+
+
+class FirstReads:
+    """The first reads under way at once (RequestReader): at most ``limit``, one per connection. A connection whose
+    last first read went long (a stalled sender, or a large request) waits behind those whose last one did not: a
+    stalled sender that reopens its call at once queues behind itself, not before other callers' small requests.
+    Event loop only."""
+
+    REMEMBERED = 4096  # connections remembered as having gone long, the oldest forgotten first
+
+    def __init__(self, limit: int):
+        self._free = limit
+        self._busy: set[str] = set()  # connections with a first read under way
+        self._went_long: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._waiting: dict[bool, collections.deque] = {False: collections.deque(), True: collections.deque()}
+
+    async def acquire(self, connection: str) -> None:
+        suspect = connection in self._went_long
+        ahead = (self._waiting[False], self._waiting[True]) if suspect else (self._waiting[False],)
+        if self._free and connection not in self._busy and not self._eligible(ahead):
+            self._take(connection)
+            return
+        handed = asyncio.get_running_loop().create_future()
+        entry = (connection, handed)
+        self._waiting[suspect].append(entry)
+        try:
+            await handed
+        except asyncio.CancelledError:
+            if handed.done() and not handed.cancelled():  # handed a slot, then gone: pass it on
+                self.release(connection, went_long=False)
+            else:
+                self._waiting[suspect].remove(entry)
+            raise
+
+    def release(self, connection: str, went_long: bool) -> None:
+        self._free += 1
+        self._busy.discard(connection)
+        if went_long:
+            self._went_long[connection] = None
+            self._went_long.move_to_end(connection)
+            while len(self._went_long) > self.REMEMBERED:
+                self._went_long.popitem(last=False)
+        else:
+            self._went_long.pop(connection, None)
+        self._hand_on()
+
+    def _eligible(self, queues) -> bool:
+        """Whether any waiter in ``queues`` could take a free slot (its connection has no first read under way)."""
+        return any(connection not in self._busy for queue in queues for connection, _ in queue)
+
+    def _take(self, connection: str) -> None:
+        self._free -= 1
+        self._busy.add(connection)
+
+    def _hand_on(self) -> None:
+        """Free slots to the waiters first in line: those of connections in good standing, then the others."""
+        for queue in (self._waiting[False], self._waiting[True]):
+            for entry in list(queue):
+                if not self._free:
+                    return
+                connection, handed = entry
+                if connection in self._busy or handed.done():
+                    continue
+                queue.remove(entry)
+                self._take(connection)
+                handed.set_result(None)
 
 
 def _reading_unary(behavior, request_class, off_loop_if_large, reader: RequestReader, inference: bool):
@@ -487,7 +578,11 @@ def add_inference_service(servicer: InferenceServicer, server) -> None:
     parse = dataplane.off_loop_if_large  # a large message is parsed off the event loop
     settings, (receive_limit, _) = dataplane.settings, dataplane.versions.message_limits
     reader = RequestReader(
-        settings.max_receiving_bytes, receive_limit, settings.grpc_read_timeout_s, settings.grpc_small_read_ms / 1000
+        settings.max_receiving_bytes,
+        receive_limit,
+        settings.grpc_read_timeout_s,
+        settings.grpc_first_read_ms / 1000,
+        abandoned=dataplane.accounting.received_dropped,
     )
     streams = StreamSlots(settings.max_inference_streams, settings.max_inference_streams_per_client)
     handlers = {}

@@ -449,3 +449,22 @@ def test_an_explicit_unload_does_not_wait_for_live_sequences(small_model_dir, sm
     assert_equals_the_causal_answer(
         small_module, x, [4, 1, 1], [{"output": a.output, "attn_weights": a.attn_weights} for a in answers]
     )
+
+
+def test_a_live_sequence_does_not_keep_a_bursts_memory(start_server, small_model_dir):
+    """The arenas' and the heap's free memory are given back once no request is in flight, live sequences or not
+    (their caches counted as what they are): one live sequence held a burst's memory until it ended."""
+    from tests.support import inflight_and_counts
+
+    server = start_server(small_model_dir, *TEST_SERVER_ARGS)
+    with grpc.insecure_channel(server.url) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        step(stub, "kept", np.ones((1, 1, D), np.float32), start=True)  # its cache: 2 x 1 row x 64 float32
+        burst = build_infer_request("mha", np.random.default_rng(11).standard_normal((8, 64, D), dtype=np.float32))
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            list(pool.map(lambda _: stub.ModelInfer(burst, timeout=30), range(32)))
+        deadline = time.monotonic() + 10
+        while (held := inflight_and_counts(server)[0]) != 2 * D * 4 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert held == 2 * D * 4, f"{held:.0f} bytes held with only a 1-row sequence live"
+        step(stub, "kept", np.ones((1, 1, D), np.float32), end=True)

@@ -73,7 +73,7 @@ def test_grpc_answers_a_client_never_reads_stay_in_the_budget_and_end_cancelled(
 def test_a_grpc_request_that_stops_arriving_is_refused_at_the_read_timeout_and_frees_its_turn(
     start_server, small_model_dir
 ):
-    """A request that has not arrived within --grpc-small-read-ms takes a receiving turn (here the only one): a
+    """A request that has not arrived within --grpc-first-read-ms takes a receiving turn (here the only one): a
     sender that stops halfway keeps it only until --grpc-read-timeout-s and is refused DEADLINE_EXCEEDED then;
     meanwhile another slow request finds no turn free and is refused RESOURCE_EXHAUSTED at once, and small
     requests are served as if nothing were stalled."""

@@ -1,0 +1,58 @@
+"""The first reads of gRPC requests: one connection's at a time, and a connection whose last first read went long
+(a stalled sender) waits behind connections in good standing, however early it asked."""
+
+from __future__ import annotations
+
+import asyncio
+
+from mhaserve.server.grpc.servicer import FirstReads
+
+
+def test_a_stalled_connection_queues_behind_callers_in_good_standing():
+    async def scenario() -> list[str]:
+        reads = FirstReads(1)
+        order = []
+        await reads.acquire("stalled")
+        reads.release("stalled", went_long=True)  # its last first read went long
+        await reads.acquire("holder")
+
+        async def read(connection: str, went_long: bool = False) -> None:
+            await reads.acquire(connection)
+            order.append(connection)
+            reads.release(connection, went_long)
+
+        stalled = asyncio.create_task(read("stalled", went_long=True))  # asks first
+        await asyncio.sleep(0)
+        fresh = asyncio.create_task(read("fresh"))
+        await asyncio.sleep(0)
+        reads.release("holder", went_long=False)
+        await asyncio.gather(stalled, fresh)
+        return order
+
+    assert asyncio.run(scenario()) == ["fresh", "stalled"]
+
+
+def test_one_first_read_per_connection_and_a_cancelled_waiter_passes_its_turn_on():
+    async def scenario() -> list[str]:
+        reads = FirstReads(2)
+        order = []
+        await reads.acquire("a")
+
+        async def read(connection: str) -> None:
+            await reads.acquire(connection)
+            order.append(connection)
+            reads.release(connection, went_long=False)
+
+        second_of_a = asyncio.create_task(read("a"))  # waits for a's first read, though a slot is free
+        await asyncio.sleep(0)
+        assert order == []
+        gone = asyncio.create_task(read("c"))
+        await asyncio.sleep(0)  # took the free slot at once
+        b = asyncio.create_task(read("b"))
+        reads.release("a", went_long=False)
+        gone.cancel()
+        await asyncio.gather(second_of_a, b, return_exceptions=True)
+        return order
+
+    order = asyncio.run(scenario())
+    assert "a" in order and "b" in order
