@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-import math
 import tempfile
 import warnings
 from pathlib import Path
@@ -36,7 +35,6 @@ from torch.export import Dim
 
 from mhaserve.contract import signature
 from mhaserve.model import MultiHeadAttention
-from mhaserve.model.mha import SCORE_REACH_LIMIT
 
 # The opset torch.export's ONNX translation is written for; ReduceMax takes its axes as an input from 18.
 DEFAULT_OPSET = 18
@@ -61,14 +59,11 @@ def translations() -> dict:
     """The custom ops as ONNX."""
     lowest = float(torch.finfo(torch.float32).min)
 
-    def masked_softmax(scores, allowed, reach):
+    def masked_softmax(scores, allowed):
         """model.mha.masked_softmax in ONNX, broadcasting the mask at run time."""
         allowed = op.CastLike(allowed, scores)
         lowest_half = op.CastLike(op.Constant(value_float=lowest / 2), scores)
         bias = op.Mul(op.Sub(op.CastLike(op.Constant(value_float=1.0), scores), allowed), lowest_half)
-        within = op.Less(reach, op.CastLike(op.Constant(value_float=SCORE_REACH_LIMIT), reach))
-        zero, nan = (op.CastLike(op.Constant(value_float=v), scores) for v in (0.0, math.nan))
-        bias = op.Add(bias, op.Where(within, zero, nan))
         attends = op.ReduceMax(allowed, op.Constant(value_ints=[-1]), keepdims=1)
         weights = op.Mul(op.Softmax(op.Add(scores, bias), axis=-1), attends)
         return weights, op.ReduceMax(attends, op.Constant(value_ints=[1]), keepdims=0)

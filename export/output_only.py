@@ -19,7 +19,7 @@ from onnx import TensorProto, numpy_helper
 from onnx import helper as make
 
 from mhaserve.contract import signature
-from mhaserve.model import SCORE_REACH_LIMIT, MultiHeadAttention
+from mhaserve.model import MultiHeadAttention
 
 OPSET = 18
 CONTRIB_DOMAIN = "com.microsoft"
@@ -39,39 +39,6 @@ def _linear(module: MultiHeadAttention, name: str, source: str, target: str) -> 
     nodes = [
         make.make_node("MatMul", [source, f"{name}.weight_t"], [f"{name}.product"], name=f"{name}.matmul"),
         make.make_node("Add", [f"{name}.product", f"{name}.bias"], [target], name=f"{name}.add"),
-    ]
-    return initializers, nodes
-
-
-def score_reach_guard(query: str, key: str, rank: int, d_k: int, target: str) -> tuple[list, list]:
-    """``target`` [B, 1, 1, 1]: 0 where batch row b's raw scores stay within model.mha.SCORE_REACH_LIMIT
-    (d_k * max|q| * max|k|, ``query`` and ``key`` of rank 3 [B, L, d] or 4 [B, h, L, d_k]), else NaN; added to
-    the mask's bias, as model.mha.masked_softmax does, so that a masked key never takes a row's weight."""
-    axes = list(range(1, rank))
-    initializers = [
-        _constant(f"{target}.axes", axes, np.int64),
-        _constant(f"{target}.d_k", float(d_k), np.float32),
-        _constant(f"{target}.limit", SCORE_REACH_LIMIT, np.float32),
-        _constant(f"{target}.zero", 0.0, np.float32),
-        _constant(f"{target}.nan", np.nan, np.float32),
-    ]
-    nodes = []
-    for name in (query, key):
-        nodes += [
-            make.make_node("Abs", [name], [f"{target}.{name}.abs"]),
-            make.make_node("ReduceMax", [f"{target}.{name}.abs", f"{target}.axes"], [f"{target}.{name}.max"]),
-        ]
-    reach = f"{target}.reach"
-    nodes += [
-        make.make_node("Mul", [f"{target}.{query}.max", f"{target}.{key}.max"], [f"{reach}.qk"]),
-        make.make_node("Mul", [f"{reach}.qk", f"{target}.d_k"], [reach if rank == 4 else f"{reach}.3"]),
-    ]
-    if rank == 3:
-        initializers.append(_constant(f"{target}.head_axis", [1], np.int64))
-        nodes.append(make.make_node("Unsqueeze", [f"{reach}.3", f"{target}.head_axis"], [reach]))
-    nodes += [
-        make.make_node("Less", [reach, f"{target}.limit"], [f"{target}.within"]),
-        make.make_node("Where", [f"{target}.within", f"{target}.zero", f"{target}.nan"], [target]),
     ]
     return initializers, nodes
 
@@ -96,8 +63,6 @@ def output_only_graph(module: MultiHeadAttention) -> onnx.ModelProto:
         initializers += more
         nodes += steps
     heads_in = ["W_q.out", "W_k.out", "W_v.out"]
-    more, guard_nodes = score_reach_guard("W_q.out", "W_k.out", 3, module.d_k, "reach_guard")
-    initializers += more
     unmasked = make.make_graph(
         [make.make_node("MultiHeadAttention", heads_in, ["context_unmasked"], domain=CONTRIB_DOMAIN, num_heads=heads)],
         "every_key_allowed",
@@ -109,7 +74,7 @@ def output_only_graph(module: MultiHeadAttention) -> onnx.ModelProto:
             # The fused kernel takes a bias of [B|1, 1, Lq, Lk]: a mask broadcast over query rows is expanded.
             make.make_node("Shape", [signature.QUERY], ["query_length"], start=1, end=2),
             make.make_node("Concat", ["ones_2", "query_length", "ones_1"], ["bias_shape"], axis=0),
-            make.make_node("Expand", ["guarded_bias", "bias_shape"], ["bias_rows"]),
+            make.make_node("Expand", ["bias", "bias_shape"], ["bias_rows"]),
             make.make_node(
                 "MultiHeadAttention",
                 [*heads_in, "", "", "bias_rows"],  # inputs 3 and 4 (packed bias, key padding) unused
@@ -126,8 +91,6 @@ def output_only_graph(module: MultiHeadAttention) -> onnx.ModelProto:
         make.make_node("Cast", [signature.MASK], ["allowed"], to=TensorProto.FLOAT),
         make.make_node("Sub", ["one", "allowed"], ["blocked"]),
         make.make_node("Mul", ["blocked", "masked_bias"], ["bias"]),
-        *guard_nodes,
-        make.make_node("Add", ["bias", "reach_guard"], ["guarded_bias"]),
         make.make_node("ReduceMin", ["allowed"], ["every_key_allowed_f"], keepdims=0),
         make.make_node("Cast", ["every_key_allowed_f"], ["every_key_allowed"], to=TensorProto.BOOL),
         make.make_node("If", ["every_key_allowed"], ["context"], then_branch=unmasked, else_branch=masked),

@@ -33,7 +33,7 @@ from mhaserve.contract import signature
 from mhaserve.contract.steps import PAST_LENGTHS, own_cache, own_weights, padded_pasts
 from mhaserve.model import MultiHeadAttention
 
-from .output_only import _constant, _linear, score_reach_guard
+from .output_only import _constant, _linear
 from .validate import TOLERANCES
 
 OPSET = 18
@@ -70,9 +70,6 @@ def step_graph(module: MultiHeadAttention) -> onnx.ModelProto:
         nodes += steps
     nodes += _heads("q_flat", "q", heads, d_k) + _heads("k_flat", "k_new", heads, d_k)
     nodes += _heads("v_flat", "v_new", heads, d_k)
-    # Over the whole cache: a past row's key meets every later step's query.
-    more, guard_nodes = score_reach_guard("q", PRESENT_KEY, 4, d_k, "reach_guard")
-    initializers += more
     nodes += [
         make.make_node("Concat", [PAST_KEY, "k_new"], [PRESENT_KEY], axis=2),
         make.make_node("Concat", [PAST_VALUE, "v_new"], [PRESENT_VALUE], axis=2),
@@ -96,9 +93,7 @@ def step_graph(module: MultiHeadAttention) -> onnx.ModelProto:
         make.make_node("GreaterOrEqual", ["keys_row", "own_from"], ["own"]),
         make.make_node("And", ["causal", "own"], ["allowed"]),
         make.make_node("Where", ["allowed", "no_bias", "masked_bias"], ["bias"]),
-        *guard_nodes,
-        make.make_node("Add", ["bias", "reach_guard"], ["guarded_bias"]),
-        make.make_node("Add", ["scores", "guarded_bias"], ["biased"]),
+        make.make_node("Add", ["scores", "bias"], ["biased"]),
         make.make_node("Softmax", ["biased"], [signature.ATTN_WEIGHTS], axis=-1),
         make.make_node("MatMul", [signature.ATTN_WEIGHTS, PRESENT_VALUE], ["context_heads"]),
         make.make_node("Transpose", ["context_heads"], ["context_split"], perm=[0, 2, 1, 3]),

@@ -29,7 +29,13 @@ from mhaserve.contract.model_dir import (
     read_manifest,
     write_manifest,
 )
-from mhaserve.model import MultiHeadAttention, load_weights, module_from_state_dict, save_weights
+from mhaserve.model import (
+    MultiHeadAttention,
+    load_weights,
+    mask_exact_input_limit,
+    module_from_state_dict,
+    save_weights,
+)
 
 from .onnx_export import DEFAULT_OPSET, check_onnx, export_onnx, save_onnx
 from .output_only import output_only_graph
@@ -148,6 +154,8 @@ def export_model_dir(
         "inputs": describe_tensors(onnx_model.graph.input),
         "outputs": describe_tensors(onnx_model.graph.output),
         "mask": "0/False = may not attend; rank 4 [B|1, 1, Lq|1, Lk]; a fully masked query row gives zeros",
+        # the largest query and key magnitude up to which a mask decides exactly: the server refuses inputs past it
+        "mask_exact_input_limit": mask_exact_input_limit(module),
         "exporter": "torch.onnx (torch.export, dynamo=True)",
         "versions": {
             "mhaserve": mhaserve.__version__,

@@ -9,6 +9,7 @@ from .mha import (
     MultiHeadAttention,
     attention_mask_4d,
     causal_mask,
+    mask_exact_input_limit,
 )
 from .weights import from_torch_mha, load_weights, save_weights, seeded_module, to_torch_mha
 
@@ -23,6 +24,7 @@ __all__ = [
     "MultiHeadAttention",
     "attention_mask_4d",
     "causal_mask",
+    "mask_exact_input_limit",
     "from_torch_mha",
     "load_weights",
     "save_weights",

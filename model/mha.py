@@ -5,9 +5,8 @@ softmax(Q K^T / sqrt(d_k)) V per head, with separate W_q, W_k, W_v, W_o projecti
 
 Masks follow one rule everywhere: a mask value of 0 (or False) means "may not attend".
 A query row whose keys are all masked gets attention weights of zero and an output of zero
-(plain softmax would give NaN there). A masked key gets exactly zero weight: where the scores of a batch
-row could reach so far that the mask's finite bias no longer decides (SCORE_REACH_LIMIT), that row's answer
-is NaN, which the server refuses, rather than a finite answer with the weight on a masked key.
+(plain softmax would give NaN there). A masked key gets exactly zero weight for inputs up to
+mask_exact_input_limit, which the server enforces.
 """
 
 from __future__ import annotations
@@ -21,10 +20,10 @@ DEFAULT_D_MODEL = 512
 DEFAULT_NUM_HEADS = 8
 DEFAULT_SEED = 0
 
-# The mask is a bias of half float32's lowest value. While every score of a row lies within +-2**125, a masked
-# key's biased score stays below every allowed one by more than 1e38, so exp() makes its weight exactly 0; past
-# that, an allowed score that overflowed to -inf (or one below -1.7e38) would lose to a masked key, every value
-# still finite. The bound is d_k * max|q| * max|k| per batch row, which no query-key product can pass.
+# A mask is a bias of half float32's lowest value. While every raw score q.k lies within +-2**125, a masked key's
+# biased score stays below every allowed one by more than 1e38, so exp() makes its weight exactly 0; past that, an
+# allowed score that overflowed to -inf (or fell below -1.7e38) would lose to a masked key, every value still
+# finite. mask_exact_input_limit turns this into a largest input magnitude, which the server enforces.
 SCORE_REACH_LIMIT = 2.0**125
 
 
@@ -80,9 +79,9 @@ class MultiHeadAttention(nn.Module):
             rows_attending = None
         elif torch.compiler.is_exporting():
             # One opaque op for torch.export (see masked_softmax_op), so the mask's dims stay free.
-            weights, rows_attending = masked_softmax_op(scores, attention_mask_4d(mask), score_reach(q, k))
+            weights, rows_attending = masked_softmax_op(scores, attention_mask_4d(mask))
         else:
-            weights, rows_attending = masked_softmax(scores, attention_mask_4d(mask), score_reach(q, k))
+            weights, rows_attending = masked_softmax(scores, attention_mask_4d(mask))
         # Dropout (training only) acts on what multiplies V; the returned weights stay the softmax.
         context = torch.matmul(self.attn_dropout(weights), v)
         output = self.W_o(self._merge_heads(context))
@@ -109,20 +108,11 @@ def _reshape_last_dim(x: torch.Tensor, tail: tuple[int, ...]) -> torch.Tensor:
     return x.reshape(*x.shape[:2], *tail)
 
 
-def score_reach(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """[B, 1, 1, 1]: how far the raw scores q.k of each batch row can reach, d_k * max|q| * max|k| (q and k are
-    [B, h, L, d_k]); compared with SCORE_REACH_LIMIT by masked_softmax."""
-    return q.abs().amax(dim=(1, 2, 3), keepdim=True) * k.abs().amax(dim=(1, 2, 3), keepdim=True) * q.shape[-1]
-
-
-def masked_softmax(
-    scores: torch.Tensor, allowed: torch.Tensor, reach: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def masked_softmax(scores: torch.Tensor, allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax over keys where ``allowed`` (bool, broadcastable to scores), and which query rows attend at all.
 
-    Returns the weights (zero on a row with every key masked; NaN on every row of a batch row whose ``reach``
-    is not below SCORE_REACH_LIMIT, see score_reach) and a [B or 1, Lq or 1, 1] factor, 1 where a query row may
-    attend to some key in some head, else 0.
+    Returns the weights (zero on a row with every key masked) and a [B or 1, Lq or 1, 1] factor, 1 where a
+    query row may attend to some key in some head, else 0.
     """
     allowed = allowed.to(scores.dtype)  # 1 = may attend, 0 = may not
     # The mask becomes an additive bias at its own (small, broadcast) shape: half the lowest finite value,
@@ -131,9 +121,6 @@ def masked_softmax(
     # broadcast Add over the scores replaces a full-size select (BENCHMARKS.md, "What the graph is made of, and
     # why").
     bias = (1 - allowed) * (torch.finfo(scores.dtype).min / 2)
-    # NaN where the bias might not decide (a comparison that NaN fails too): added to the mask's bias, at its
-    # size ([B, 1, Lq, Lk]), not the scores'.
-    bias = bias + torch.where(reach < SCORE_REACH_LIMIT, 0.0, math.nan).to(scores.dtype)
     # A row with every key masked is defined as zeros: multiply by whether the row attends at all
     # (a max over 0/1 rather than any(), which exports as three nodes and a cast back).
     attends = allowed.amax(dim=-1, keepdim=True)  # [B or 1, h or 1, Lq or 1, 1]
@@ -145,14 +132,12 @@ def masked_softmax(
 # fix its batch to 1 or tie it to the query's batch. Inside a custom op whose declared outputs have the
 # scores' (or the mask's own) shape, no such guard is made, and ONNX broadcasts at run time.
 @torch.library.custom_op("mhaserve::masked_softmax", mutates_args=())
-def masked_softmax_op(
-    scores: torch.Tensor, allowed: torch.Tensor, reach: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return masked_softmax(scores, allowed, reach)
+def masked_softmax_op(scores: torch.Tensor, allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return masked_softmax(scores, allowed)
 
 
 @masked_softmax_op.register_fake
-def _(scores, allowed, reach):
+def _(scores, allowed):
     rows = allowed.new_empty((allowed.shape[0], allowed.shape[2], 1), dtype=scores.dtype)
     return torch.empty_like(scores), rows
 
@@ -175,6 +160,25 @@ def reshape_op(x: torch.Tensor, tail: list[int]) -> torch.Tensor:
 @reshape_op.register_fake
 def _(x, tail):
     return x.new_empty((x.shape[0], x.shape[1], *tail))
+
+
+def mask_exact_input_limit(module: MultiHeadAttention) -> float:
+    """The largest input magnitude m up to which every raw score q.k stays within SCORE_REACH_LIMIT, so that a mask
+    decides exactly (masked keys get weight 0): |q.k| <= d_k * max|q| * max|k|, and max|q| <= A_q * m + B_q with A_q
+    the largest row sum of |W_q| and B_q the largest |b_q| (the same for k). Computed in float64, rounded down."""
+
+    def reach(layer: nn.Linear) -> tuple[float, float]:
+        weight, bias = layer.weight.detach().double(), layer.bias.detach().double()
+        return float(weight.abs().sum(dim=1).max()), float(bias.abs().max())
+
+    (a_q, b_q), (a_k, b_k) = reach(module.W_q), reach(module.W_k)
+    # d_k (a_q m + b_q)(a_k m + b_k) = limit, for m > 0
+    a = module.d_k * a_q * a_k
+    b = module.d_k * (a_q * b_k + a_k * b_q)
+    c = module.d_k * b_q * b_k - SCORE_REACH_LIMIT
+    if a == 0:
+        return math.inf  # the scores do not depend on the inputs
+    return 0.99 * (-b + math.sqrt(b * b - 4 * a * c)) / (2 * a)
 
 
 def attention_mask_4d(mask: torch.Tensor) -> torch.Tensor:

@@ -50,6 +50,9 @@ class ModelInfo:
     # The largest input magnitude the export was validated at (its manifest's input scales); None: no limit,
     # for float32, the eager module's own arithmetic.
     max_abs_input: float | None = None
+    # The largest query and key magnitude up to which a mask decides exactly (model.mha.mask_exact_input_limit,
+    # from the manifest); None for folders exported before it was recorded.
+    mask_exact_input_limit: float | None = None
 
     @property
     def computed_in(self) -> str:
@@ -197,6 +200,15 @@ class AttentionSession:
         if self.info.precision != "fp32":
             limit = _validated_input_limit(model_dir, manifest, self.info.precision)
             self.info = replace(self.info, max_abs_input=limit)
+        mask_limit = manifest.get("mask_exact_input_limit")
+        if type(mask_limit) in (int, float) and mask_limit > 0:
+            self.info = replace(self.info, mask_exact_input_limit=float(mask_limit))
+        else:
+            log.warning(
+                "%s: exported before mhaserve recorded the input range within which masks decide exactly; inputs "
+                "near float32's range could give a masked key the weight. Export it again to have them refused",
+                model_dir,
+            )
 
     @property
     def has_output_only_graph(self) -> bool:

@@ -182,6 +182,8 @@ def build_request(
             _check_finite(array, name)
             if model.max_abs_input is not None:
                 _check_validated_range(array, name, model)
+            if model.mask_exact_input_limit is not None and name != "value":
+                _check_mask_exact_range(array, name, model.mask_exact_input_limit)
             checked.append(array)
 
     mask = _attention_mask(arrays.get("mask"), batch, q_len, kv_len)
@@ -233,6 +235,16 @@ def _check_validated_range(array: np.ndarray, name: str, model: ModelSignature) 
             f"input '{name}': values up to {largest:.6g} in magnitude; this {model.precision} export of model "
             f"'{model.name}' was validated for inputs up to {model.max_abs_input:.6g} and would not answer accurately "
             "past it; scale the inputs down, or serve a float32 export"
+        )
+
+
+def _check_mask_exact_range(array: np.ndarray, name: str, limit: float) -> None:
+    largest = max(float(array.max()), -float(array.min()))
+    if largest > limit:
+        raise invalid(
+            f"input '{name}': values up to {largest:.6g} in magnitude; past {limit:.6g} this model's query-key scores "
+            "could overflow float32 where a mask no longer decides (a masked key could take the weight); scale the "
+            "inputs down"
         )
 
 

@@ -75,7 +75,14 @@ class VersionFactory:
         )
         info = session.info
         signature = ModelSignature(
-            name, version, info.d_model, info.num_heads, info.precision, info.max_abs_input, session.serves_sequences
+            name,
+            version,
+            info.d_model,
+            info.num_heads,
+            info.precision,
+            info.max_abs_input,
+            session.serves_sequences,
+            info.mask_exact_input_limit,
         )
         needed = self.settings.message_limits(signature.d_model, signature.num_heads)
         if self.message_limits and any(n > bound for n, bound in zip(needed, self.message_limits, strict=True)):

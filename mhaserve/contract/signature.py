@@ -91,3 +91,6 @@ class ModelSignature:
     precision: str = "fp32"  # the export's (PRECISIONS): the datatype of the weights returned
     max_abs_input: float | None = None  # inputs larger in magnitude are refused (the export's validated range)
     serves_sequences: bool = False  # the folder has a step graph (export/step.py)
+    # queries and keys larger in magnitude are refused: past it a mask's bias might not decide (its scores could
+    # overflow past it), and a masked key could take the weight
+    mask_exact_input_limit: float | None = None
