@@ -8,8 +8,9 @@ packages ahead of the working tree's editable install, Python 3.11 or newer), be
 tree. Both serve the embedded default model (512/8) with the same arguments, and are up for the whole run; each
 point is measured on one, then the other, in alternating order from round to round, with `mhaserve bench`'s
 load generator (gRPC, or HTTP/REST with --protocol http; with the attention weights). Per point: requests/s,
-p50 and p99 of each, the cores its clients took (they share the machine with the servers), and the ratio of the
-working tree's requests/s to the baseline's, per round and as the median. Not a test: BENCHMARKS.md records the
+p50 and p99 of each, the cores its clients took (they share the machine with the servers), the server's
+CPU-seconds per 1,000 requests (less noisy than requests/s on a shared machine), and the ratios of the working
+tree's figures to the baseline's, per round and as the median. Not a test: BENCHMARKS.md records the
 figures.
 """
 
@@ -23,6 +24,8 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+
+from bench_server_cpu import cpu_seconds
 
 from mhaserve.export.default_model import ensure_default_model
 from mhaserve.loadtest.loadgen import LoadGenerator, Point, Workload, default_processes
@@ -97,9 +100,10 @@ def main() -> None:
 
 
 def compare(baseline: ServerProcess, current: ServerProcess, args) -> None:
-    columns = "req/s p50 p99 client-cores"
+    columns = "req/s p50 p99 client-cores cpu-s/1k"
     print(f"{'point':>16} {'round':>5} | {'baseline ' + columns:>30} | {'current ' + columns:>30} | ratio")
     ratios: dict[tuple[int, int], list[float]] = {}
+    cpu_ratios: dict[tuple[int, int], list[float]] = {}
     points = parse_points(args.points)
     for round_number in range(args.rounds):
         order = [("baseline", baseline), ("current", current)]
@@ -108,23 +112,31 @@ def compare(baseline: ServerProcess, current: ServerProcess, args) -> None:
         for length, concurrency in points:
             workload = Workload(512, 1, length, length, attn_weights=True, protocol=args.protocol)
             point = Point("closed", concurrency, args.duration, args.warmup)
-            results = {}
+            results, cpu = {}, {}
             for name, server in order:
                 url = server.url if args.protocol == "grpc" else server.http_url.removeprefix("http://")
                 with LoadGenerator(url, args.processes) as generator:
+                    before = cpu_seconds(server.proc.pid)
                     results[name] = generator.measure(workload, point)
+                    # the server's CPU over the point (warm-up included), per 1,000 requests measured
+                    cpu[name] = (cpu_seconds(server.proc.pid) - before) / max(1, results[name].count) * 1000
             ratio = results["current"].throughput / results["baseline"].throughput
             ratios.setdefault((length, concurrency), []).append(ratio)
+            cpu_ratios.setdefault((length, concurrency), []).append(cpu["current"] / cpu["baseline"])
             cells = [
-                f"{r.throughput:8.1f} {r.latency_ms['p50']:6.2f} {r.latency_ms['p99']:7.2f} {r.client_cpu_cores:5.2f}"
-                for r in (results["baseline"], results["current"])
+                f"{r.throughput:8.1f} {r.latency_ms['p50']:6.2f} {r.latency_ms['p99']:7.2f} {r.client_cpu_cores:5.2f} "
+                f"{cpu[name]:6.2f}"
+                for name, r in (("baseline", results["baseline"]), ("current", results["current"]))
             ]
             label = f"[1,{length:>3},512] c{concurrency:<3}"
             print(f"{label} {round_number + 1:>5} | {cells[0]} | {cells[1]} | {ratio:5.2f}", flush=True)
-    print("\nmedian ratio, current / baseline requests/s:")
-    for (length, concurrency), values in ratios.items():
+    print("\nmedian ratio, current / baseline: requests/s, and the server's CPU-seconds per 1,000 requests:")
+    for key, values in ratios.items():
+        length, concurrency = key
         rounds = ", ".join(f"{v:.2f}" for v in values)
-        print(f"[1,{length:>3},512] c{concurrency:<3} {statistics.median(values):.2f} ({rounds})")
+        cpu_rounds = ", ".join(f"{v:.2f}" for v in cpu_ratios[key])
+        print(f"[1,{length:>3},512] c{concurrency:<3} {statistics.median(values):.2f} ({rounds}); CPU "
+              f"{statistics.median(cpu_ratios[key]):.2f} ({cpu_rounds})")  # fmt: skip
 
 
 if __name__ == "__main__":
