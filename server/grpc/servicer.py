@@ -297,7 +297,7 @@ async def _parsed(request_class, raw: bytes, off_loop_if_large):
 FIRST_READS_AT_ONCE = 1
 # A first read's time while every receiving turn is taken: a request already sent within the stream's window is
 # read in well under it.
-BUSY_FIRST_READ_S = 0.003
+BUSY_FIRST_READ_S = 0.010
 # What a request of n bytes takes while grpcio receives it: n in its core's buffers, then a bytearray it copies
 # them into and the bytes it makes of that.
 GRPCIO_RECEIPT_COPIES = 3
@@ -347,6 +347,7 @@ class RequestReader:
         # With every turn taken, a first read that goes long is refused, and what arrives until then is waste: it
         # gets BUSY_FIRST_READ_S (on loopback a 96 MiB message arrives within the 25 ms a first read otherwise has).
         first_read_s = self._first_read_s if self._free else min(self._first_read_s, BUSY_FIRST_READ_S)
+        reading.first_read_s, reading.due = first_read_s, loop.time() + first_read_s
         first_read_over = loop.call_later(first_read_s, self._first_read_over, reading, connection)
         timed_out = loop.call_later(self._timeout_s, self._read_timed_out, reading)
         try:
@@ -356,7 +357,10 @@ class RequestReader:
                 raise
             raw = None
         finally:
+            reading.finished = True
             first_read_over.cancel()
+            if reading.rearmed is not None:
+                reading.rearmed.cancel()
             timed_out.cancel()
             if reading.first:
                 self._first_reads.release(connection, went_long=False)
@@ -370,7 +374,20 @@ class RequestReader:
         return raw
 
     def _first_read_over(self, reading: _Read, connection: str) -> None:
+        """The first read's time is up; decided a loop tick later, so that a read whose completion is already queued
+        (a loaded loop runs its timers late) ends first. A timer late by more than its own time (a starved loop, not
+        a slow sender) gives the read that time once more."""
+        loop = asyncio.get_running_loop()
+        if loop.time() - reading.due > reading.first_read_s and reading.rearmed is None:
+            reading.rearmed = loop.call_later(reading.first_read_s, self._first_read_over, reading, connection)
+            reading.due = loop.time() + reading.first_read_s
+            return
+        loop.call_soon(self._first_read_decided, reading, connection)
+
+    def _first_read_decided(self, reading: _Read, connection: str) -> None:
         """The request is still arriving: it takes a turn, or is refused (its bytes would go on arriving)."""
+        if reading.finished:
+            return
         reading.first = False
         self._first_reads.release(connection, went_long=True)
         if self._free:
@@ -382,7 +399,7 @@ class RequestReader:
             reading,
             RequestError(
                 ErrorKind.RESOURCE_EXHAUSTED,
-                f"the request had not arrived {self._first_read_s * 1000:g} ms after its read began "
+                f"the request had not arrived {reading.first_read_s * 1000:g} ms after its read began "
                 f"(--grpc-first-read-ms), and the {self.slots} turn(s) for requests still arriving "
                 "(--max-receiving-bytes) are taken; retry",
             ),
@@ -412,6 +429,10 @@ class _Read:
     """One call's read under way: its context, whether it holds its first read or a turn, and why it was refused."""
 
     context: object
+    first_read_s: float = 0.0
+    due: float = 0.0  # when its first read's time is up, on the loop's clock
+    rearmed: asyncio.TimerHandle | None = None  # the first read's timer again, once, after a starved loop
+    finished: bool = False  # its read has ended
     first: bool = True
     turn: bool = False
     refusal: RequestError | None = None
