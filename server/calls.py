@@ -27,7 +27,7 @@ class CallRecord:
         self.method = method  # the RPC or the HTTP route
         self.headers = headers
         self.peer = peer  # the caller's address (shared memory is for callers on this host only)
-        self.caller = caller  # who it comes from (security.caller_identity): "" where callers are not told apart
+        self.caller = caller  # who it comes from (security.Callers.identify): "" where callers are not told apart
         self.started = time.perf_counter_ns()
         self.timing = RequestTiming()
         self.rows = 0

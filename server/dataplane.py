@@ -215,7 +215,11 @@ class DataPlane:
         its sequences to their end); any other request to the version it names."""
         if self.draining:
             raise ShuttingDown()
-        sequence = self.sequences.continued_by(request.parameters, request.model, caller)
+        try:
+            step = request.sequence_step
+        except RequestError:  # refused by the request's own check, once it has a version
+            step = None
+        sequence = self.sequences.continued_by(step, request.model, caller)
         return sequence.served if sequence is not None else self.registry.resolve(request.model, request.version)
 
     def statistics_of(self, name: str, version: str) -> list[ServedModel]:
@@ -268,7 +272,7 @@ class DataPlane:
 
         ``method`` names the call as its transport does (the RPC, or the HTTP route) and ``headers`` gives its
         headers or metadata, read only if the call is traced; ``peer`` the caller's address (shared memory is
-        for callers on this host only); ``caller`` who it comes from (security.caller_identity), to whom the
+        for callers on this host only); ``caller`` who it comes from (security.Callers.identify), to whom the
         sequences it starts belong."""
         call = InferenceCall(self, protocol, timeout_s, method, headers, peer, caller)
         self.accounting.requests_in_flight += 1

@@ -7,6 +7,7 @@ in between (which version, whether to refuse, how to run) is the data plane's: `
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -16,7 +17,7 @@ import numpy as np
 from mhaserve.contract.signature import ModelSignature
 
 from .errors import ErrorKind, RequestError, invalid
-from .parameters import sequence_parameters
+from .parameters import StepOf, sequence_parameters
 from .shaping import weights_shaping
 from .shared_memory import Placement, placement_of
 from .tensors import AttentionRequest, Limits, build_request
@@ -67,6 +68,12 @@ class InferenceRequest:
     parameters: Mapping[str, object] = field(default_factory=lambda: NO_PARAMETERS)
     shared_inputs: dict[str, SharedInput] = field(default_factory=dict)  # read from shared memory by the data plane
 
+    @functools.cached_property
+    def sequence_step(self) -> StepOf | None:
+        """Its place in a sequence (parameters.sequence_parameters: RequestError if malformed), read once: the data
+        plane routes by it and attention_request checks it."""
+        return sequence_parameters(self.parameters)
+
     def output(self, name: str) -> RequestedOutput:
         """The output ``name`` as the request asked for it (no options if it named none)."""
         return next((o for o in self.outputs if o.name == name), RequestedOutput(name))
@@ -99,7 +106,7 @@ class InferenceResponse:
 def attention_request(request: InferenceRequest, model: ModelSignature, limits: Limits) -> AttentionRequest:
     """``request`` checked against the model and the limits: arrays ready for the graph, and what it asked of
     the weights (RequestError otherwise)."""
-    step = sequence_parameters(request.parameters)
+    step = request.sequence_step
     if step is not None:  # answered as a stateless request, a step of a sequence would be wrong with OK
         if not model.serves_sequences:
             raise RequestError(

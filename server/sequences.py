@@ -37,7 +37,7 @@ from .batcher import answer_of
 from .errors import ErrorKind, RequestError, invalid
 from .inference import InferenceRequest, InferenceResponse
 from .memory import MemoryBudget
-from .parameters import StepOf, sequence_parameters
+from .parameters import StepOf
 from .session import StepCache
 from .shaping import weights_shaping
 from .tensors import AttentionRequest
@@ -90,10 +90,10 @@ class Sequences:
         self.bytes_per_client = bytes_per_client  # None: no share of its own
         self.live: dict[tuple[str, int | str], Sequence] = {}  # (caller, id) -> its sequence
         self._gone: OrderedDict[tuple[str, int | str], str] = OrderedDict()  # (caller, id) -> why no longer live
-        self._starting_by: dict[str, int] = {}  # caller -> its starts whose first step is under way
+        # caller -> its starts whose first step is under way: they count against the limits as live ones do
+        self._starting_by: dict[str, int] = {}
         self.steps_total = 0
         self.timed_out_total = 0
-        self._starting = 0  # starts whose first step is under way: they count against max_sequences
 
     @property
     def cache_bytes(self) -> int:
@@ -105,7 +105,7 @@ class Sequences:
         self.drop_idle()
         key = (caller, step.id)
         if step.start:
-            starting = len(self.live) + self._starting
+            starting = len(self.live) + sum(self._starting_by.values())
             if key not in self.live and starting >= self.max_sequences:
                 raise RequestError(
                     ErrorKind.RESOURCE_EXHAUSTED,
@@ -135,23 +135,16 @@ class Sequences:
         sequence = self.begin(step, call.served, attention.batch_size, call.caller)
         if sequence.started:
             return await self._step(call, request, attention, sequence)
-        self._starting += 1
         self._starting_by[sequence.caller] = self._starting_by.get(sequence.caller, 0) + 1
         try:
             return await self._step(call, request, attention, sequence)
         finally:
-            self._starting -= 1
             self._starting_by[sequence.caller] -= 1
             if not self._starting_by[sequence.caller]:
                 del self._starting_by[sequence.caller]
 
-    def continued_by(self, parameters, model: str, caller: str) -> Sequence | None:
-        """The live sequence of ``model`` a request's parameters continue (a step without ``sequence_start``), if
-        any; malformed parameters are left for the request's own check to refuse."""
-        try:
-            step = sequence_parameters(parameters)
-        except RequestError:
-            return None
+    def continued_by(self, step: StepOf | None, model: str, caller: str) -> Sequence | None:
+        """The live sequence of ``model`` that ``step`` continues (a step without ``sequence_start``), if any."""
         if step is None or step.start:
             return None
         sequence = self.live.get((caller, step.id))

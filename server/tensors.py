@@ -180,10 +180,13 @@ def build_request(
         array = arrays.get(name)
         if array is not None and not any(array is seen for seen in checked):  # self-attention: one check
             _check_finite(array, name)
-            if model.max_abs_input is not None:
-                _check_validated_range(array, name, model)
-            if model.mask_exact_input_limit is not None and name != "value":
-                _check_mask_exact_range(array, name, model.mask_exact_input_limit)
+            masks_bound = model.mask_exact_input_limit is not None and name != "value"  # values make no scores
+            if model.max_abs_input is not None or masks_bound:
+                largest = max(float(array.max()), -float(array.min()))
+                if model.max_abs_input is not None:
+                    _check_validated_range(largest, name, model)
+                if masks_bound:
+                    _check_mask_exact_range(largest, name, model.mask_exact_input_limit)
             checked.append(array)
 
     mask = _attention_mask(arrays.get("mask"), batch, q_len, kv_len)
@@ -228,8 +231,7 @@ def _check_finite(array: np.ndarray, name: str) -> None:
         raise invalid(f"input '{name}': {bad} non-finite values (NaN or Inf); expected finite FP32 values")
 
 
-def _check_validated_range(array: np.ndarray, name: str, model: ModelSignature) -> None:
-    largest = max(float(array.max()), -float(array.min()))
+def _check_validated_range(largest: float, name: str, model: ModelSignature) -> None:
     if largest > model.max_abs_input:
         raise invalid(
             f"input '{name}': values up to {largest:.6g} in magnitude; this {model.precision} export of model "
@@ -238,8 +240,7 @@ def _check_validated_range(array: np.ndarray, name: str, model: ModelSignature) 
         )
 
 
-def _check_mask_exact_range(array: np.ndarray, name: str, limit: float) -> None:
-    largest = max(float(array.max()), -float(array.min()))
+def _check_mask_exact_range(largest: float, name: str, limit: float) -> None:
     if largest > limit:
         raise invalid(
             f"input '{name}': values up to {largest:.6g} in magnitude; past {limit:.6g} this model's query-key scores "

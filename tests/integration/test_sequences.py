@@ -385,6 +385,15 @@ def model_ready(server, name: str) -> bool:
             return False
 
 
+def repository_of_one_version(small_model_dir, tmp_path):
+    """A model repository holding the small model as mha version 1."""
+    import shutil
+
+    repository = tmp_path / "repository"
+    shutil.copytree(small_model_dir, repository / "mha" / "1")
+    return repository
+
+
 def test_a_live_sequence_stalls_neither_the_poll_nor_an_unload(small_model_dir, small_module, tmp_path):
     """A sequence alive on version 1 held it UNLOADING until the sequence's idle timeout, and the whole poll with it
     (a model added meanwhile was not served); an explicit unload took as long, and meanwhile the sequence could
@@ -394,8 +403,7 @@ def test_a_live_sequence_stalls_neither_the_poll_nor_an_unload(small_model_dir, 
 
     from mhaserve.client import Client
 
-    repository = tmp_path / "repository"
-    shutil.copytree(small_model_dir, repository / "mha" / "1")
+    repository = repository_of_one_version(small_model_dir, tmp_path)
     args = (*TEST_SERVER_ARGS, "--model-repository", str(repository), "--model-control-mode", "poll",
             "--repository-poll-secs", "0.3", "--sequence-idle-timeout-s", "60")  # fmt: skip
     x = np.random.default_rng(9).standard_normal((1, 8, D), dtype=np.float32)
@@ -423,13 +431,10 @@ def test_a_live_sequence_stalls_neither_the_poll_nor_an_unload(small_model_dir, 
 
 
 def test_an_explicit_unload_does_not_wait_for_live_sequences(small_model_dir, small_module, tmp_path):
-    import shutil
-
     from mhaserve.client import Client
     from mhaserve.protos.generated import grpc_service_pb2 as pb
 
-    repository = tmp_path / "repository"
-    shutil.copytree(small_model_dir, repository / "mha" / "1")
+    repository = repository_of_one_version(small_model_dir, tmp_path)
     args = (*TEST_SERVER_ARGS, "--model-repository", str(repository), "--model-control-mode", "explicit",
             "--load-model", "mha", "--sequence-idle-timeout-s", "60")  # fmt: skip
     x = np.random.default_rng(10).standard_normal((1, 6, D), dtype=np.float32)

@@ -173,24 +173,35 @@ def test_stream_infer_answers_in_order_and_survives_a_bad_request(stub, small_mo
     np.testing.assert_allclose(out, eager(small_module, good)[0], atol=1e-5)
 
 
+def open_stream(stub, request) -> tuple[queue.Queue, object]:
+    """A ModelStreamInfer stream left open after its first request is answered: (where to send more, or None to end
+    it; its answers)."""
+    sending = queue.Queue()
+    answers = stub.ModelStreamInfer(iter(sending.get, None), timeout=30)
+    sending.put(request)
+    assert not next(answers).error_message  # open, and answered
+    return sending, answers
+
+
+def answered_on_a_new_stream(stub, request) -> bool:
+    answers = list(stub.ModelStreamInfer(iter([request]), timeout=10))
+    return len(answers) == 1 and not answers[0].error_message
+
+
 def test_inference_streams_past_their_cap_are_refused_until_one_ends(start_server, small_model_dir):
     """Each open stream may be receiving a request at any moment, so their number is what bounds them."""
     server = start_server(small_model_dir, "--warmup-runs", "0", "--max-inference-streams", "1")
     request = build_infer_request("mha", rand(1, 4, D, seed=16))
     with grpc.insecure_channel(server.url) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
-        sending = queue.Queue()
-        first = stub.ModelStreamInfer(iter(sending.get, None), timeout=30)
-        sending.put(request)
-        assert not next(first).error_message  # open, and answered
+        sending, first = open_stream(stub, request)
         with pytest.raises(grpc.RpcError) as refused:
             list(stub.ModelStreamInfer(iter([request]), timeout=10))
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "--max-inference-streams is 1" in refused.value.details()
         sending.put(None)
         assert list(first) == []  # ended
-        answers = list(stub.ModelStreamInfer(iter([request]), timeout=10))
-        assert len(answers) == 1 and not answers[0].error_message
+        assert answered_on_a_new_stream(stub, request)
 
 
 def test_one_clients_idle_streams_leave_room_for_other_clients(start_server, small_model_dir):
@@ -204,18 +215,12 @@ def test_one_clients_idle_streams_leave_room_for_other_clients(start_server, sma
         grpc.insecure_channel(server.url, options=own_connection) as other,
     ):
         greedy_stub, other_stub = pb_grpc.GRPCInferenceServiceStub(greedy), pb_grpc.GRPCInferenceServiceStub(other)
-        held = []
-        for _ in range(2):
-            sending = queue.Queue()
-            held.append((sending, greedy_stub.ModelStreamInfer(iter(sending.get, None), timeout=30)))
-            sending.put(request)
-            assert not next(held[-1][1]).error_message  # open, answered, then idle
+        held = [open_stream(greedy_stub, request) for _ in range(2)]  # open, answered, then idle
         with pytest.raises(grpc.RpcError) as refused:
             list(greedy_stub.ModelStreamInfer(iter([request]), timeout=10))
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "--max-inference-streams-per-client" in refused.value.details()
-        answers = list(other_stub.ModelStreamInfer(iter([request]), timeout=10))  # another client streams
-        assert len(answers) == 1 and not answers[0].error_message
+        assert answered_on_a_new_stream(other_stub, request)  # another client streams
         for sending, _ in held:
             sending.put(None)
 
@@ -226,16 +231,12 @@ def test_an_idle_stream_is_ended_and_its_place_freed(start_server, small_model_d
     request = build_infer_request("mha", rand(1, 4, D, seed=16))
     with grpc.insecure_channel(server.url) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
-        sending = queue.Queue()
-        idle = stub.ModelStreamInfer(iter(sending.get, None), timeout=30)
-        sending.put(request)
-        assert not next(idle).error_message
+        sending, idle = open_stream(stub, request)
         with pytest.raises(grpc.RpcError) as ended:  # no second request: ended by the server
             next(idle)
         assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert "--stream-idle-timeout-s" in ended.value.details()
-        answers = list(stub.ModelStreamInfer(iter([request]), timeout=10))  # its place is free
-        assert len(answers) == 1 and not answers[0].error_message
+        assert answered_on_a_new_stream(stub, request)  # its place is free
         sending.put(None)
 
 
