@@ -1,6 +1,7 @@
 """The served code of another revision against the working tree's, side by side in one run.
 
     flock /tmp/bench.lock .venv/bin/python benchmarks/bench_revisions.py --baseline REV [--rounds 3] [--duration 8]
+        [--current REV2]   # a second revision in place of the working tree: to bisect a change in speed
 
 For a change meant to keep speed (a restructuring, a new check on the request path): REV is checked out into a
 temporary worktree and served from there (the same virtual environment; ``PYTHONPATH`` puts that revision's
@@ -78,19 +79,31 @@ def baseline_checkout(revision: str) -> Iterator[tuple[dict[str, str], Path]]:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(checkout)], check=False)
 
 
+@contextlib.contextmanager
+def revision_checkout(revision: str | None) -> Iterator[tuple[dict[str, str] | None, Path]]:
+    """``revision`` as baseline_checkout gives it, or the working tree where it is None."""
+    if revision is None:
+        yield None, ROOT
+    else:
+        with baseline_checkout(revision) as checked_out:
+            yield checked_out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline", required=True, help="the revision to compare with (e.g. HEAD~3)")
+    parser.add_argument("--current", help="a revision to measure instead of the working tree (to bisect)")
     parser.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
     add_round_arguments(parser, ",".join(f"{length}x{c}" for length, c in POINTS))
     args = parser.parse_args()
     model_dir = ensure_default_model()
     with (
         baseline_checkout(args.baseline) as (baseline_env, checkout),
+        revision_checkout(args.current) as (current_env, current_checkout),
         ServerProcess(model_dir, env=baseline_env) as baseline,
-        ServerProcess(model_dir) as current,
+        ServerProcess(model_dir, env=current_env) as current,
     ):
-        for server, expected in ((baseline, checkout), (current, ROOT)):
+        for server, expected in ((baseline, checkout), (current, current_checkout)):
             where = subprocess.run(
                 [sys.executable, "-c", "import mhaserve.server as s; print(s.__path__[0])"],
                 env=server.env, capture_output=True, text=True, check=True,

@@ -30,6 +30,7 @@ from mhaserve.contract.model_dir import (
     write_manifest,
 )
 from mhaserve.model import (
+    HEADS_ATTRIBUTES,
     MultiHeadAttention,
     load_weights,
     mask_exact_input_limit,
@@ -285,10 +286,6 @@ def revalidate_model_dir(
     return holds
 
 
-# Attributes under which attention modules keep their number of heads.
-_HEADS_ATTRIBUTES = ("num_heads", "n_heads", "h", "heads", "num_attention_heads", "n_head")
-
-
 def export_module(
     module: torch.nn.Module,
     out_dir: str | Path,
@@ -308,12 +305,14 @@ def export_module(
     ``nn.MultiheadAttention``. Its weights (found in its state dict as ``mhaserve export --weights``
     finds them in a file; ``prefix`` picks one layer of several) go into the served graph, and the
     export is validated against the module's own eager output. ``num_heads`` defaults to the module's
-    ``num_heads`` (or ``n_heads``, ``h``, ...) attribute.
+    ``num_heads`` (or ``n_heads``, ``h``, ...) attribute; given as well, the two must agree.
     """
-    if num_heads is None:
-        found = [getattr(module, a) for a in _HEADS_ATTRIBUTES if isinstance(getattr(module, a, None), int)]
-        num_heads = found[0] if found else None
     where = type(module).__name__
+    found = [getattr(module, a) for a in HEADS_ATTRIBUTES if type(getattr(module, a, None)) is int]
+    if num_heads is not None and found and found[0] != num_heads:
+        raise UsageError(f"{where} has {found[0]} heads, num_heads={num_heads} says otherwise")
+    if num_heads is None:
+        num_heads = found[0] if found else None
     served, layer = module_from_state_dict(module.state_dict(), num_heads, prefix, where)
     if isinstance(module, torch.nn.MultiheadAttention):
         reference = TorchMultiheadAttentionReference(module)

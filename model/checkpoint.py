@@ -8,14 +8,20 @@ Layouts read, each under any key prefix (``module.``, ``encoder.layers.3.self_at
 - mhaserve's own weights files (``save_weights``: the state dict with ``d_model`` and ``num_heads``).
 
 Files: ``.safetensors`` (the safetensors package) or anything else torch.load reads with
-``weights_only=True`` (``.pt``, ``.pth``, ``.bin``), so a pickle holding arbitrary objects is refused.
-Nested dicts (``{"state_dict": ...}``, ``{"model": ...}``) are read as dotted prefixes. Every shape is
-checked before a module is built, and every refusal is a CheckpointError of one line naming the key
-and the shapes found.
+``weights_only=True`` (``.pt``, ``.pth``, ``.bin``). Nested dicts (``{"state_dict": ...}``,
+``{"model": ...}``) are read as dotted prefixes. A whole module saved with ``torch.save(model)`` is read
+without running any of its code (SavedModuleReader): its tensors, and its attention layer's head count
+from the layer's own attributes. Every shape is checked before a module is built, and every refusal is a
+CheckpointError of one line naming the key and the shapes found.
+
+The head count is not in a bare state dict's shapes: it is read where the weights say it (mhaserve's own
+files, a safetensors file's ``num_heads`` metadata, a saved module's attributes, a ``config.json`` beside
+the file as Hugging Face writes it), and a ``--heads`` that contradicts any of them is refused.
 """
 
 from __future__ import annotations
 
+import json
 import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -63,6 +69,14 @@ class AttentionLayer:
     prefix: str
 
 
+# Where modules keep their head count: the design documents' (h, num_heads), nn.MultiheadAttention's (num_heads),
+# Hugging Face's (num_attention_heads, n_head, ...).
+HEADS_ATTRIBUTES = ("num_heads", "n_heads", "h", "heads", "nhead", "n_head", "num_attention_heads")
+# What a config.json beside the weights may call it (Hugging Face's configs), and d_model.
+CONFIG_HEADS_KEYS = ("num_attention_heads", "num_heads", "n_head", "n_heads", "nhead", "encoder_attention_heads")
+CONFIG_D_MODEL_KEYS = ("hidden_size", "d_model", "n_embd", "embed_dim")
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     """A weights file as read: its flat state dict, and what the file says beside the tensors."""
@@ -70,6 +84,20 @@ class Checkpoint:
     state: dict[str, torch.Tensor]
     num_heads: int | None  # when the file carries it (mhaserve's own files, safetensors metadata)
     mhaserve_format: bool
+    # a saved module's head counts by module path ("" the module itself, "layers.0.self_attn." one inside it)
+    module_heads: dict[str, int] | None = None
+    module_class: str | None = None  # a saved module's class, as the file names it
+
+    def heads_of(self, layer: AttentionLayer) -> int | None:
+        """The head count the file gives ``layer``: the file's own, or the attribute of the innermost module on the
+        path from the layer's prefix to its query projection that has one."""
+        if self.num_heads is not None or not self.module_heads:
+            return self.num_heads
+        path, found = layer.prefix, self.module_heads.get(layer.prefix)
+        for part in layer.layout.query.split(".")[:-2]:  # the modules between the prefix and the projection
+            path += part + "."
+            found = self.module_heads.get(path, found)
+        return found
 
 
 def find_layers(state: Mapping[str, torch.Tensor]) -> list[AttentionLayer]:
@@ -177,7 +205,10 @@ def module_from_state_dict(
     d_model = served["W_q.weight"].shape[0]
     marker = layer.prefix + layer.layout.query
     if num_heads is None:
-        raise CheckpointError(f"{where}: the number of heads is not in the file; give it with --heads")
+        raise CheckpointError(
+            f"{where}: the number of heads is not in the file (a state dict's shapes do not say it); give your "
+            "module's with --heads, or keep a config.json naming num_attention_heads beside the file"
+        )
     if num_heads <= 0 or d_model % num_heads:
         raise CheckpointError(
             f"{where}: d_model {d_model} (from '{marker}' {_shape(state[marker])}) is not "
@@ -201,11 +232,8 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
     except pickle.UnpicklingError as error:
         lines = [line.strip() for line in str(error).splitlines() if line.strip()]
         globals_refused = [line for line in lines if line.startswith("WeightsUnpickler error: Unsupported global")]
-        if globals_refused:  # a pickled object (a whole nn.Module, say): loading it could run any code
-            raise CheckpointError(
-                f"{path}: holds Python objects other than tensors and plain containers, refused "
-                f"(read with weights_only=True): {globals_refused[0].split('. ')[0]}"
-            ) from None
+        if globals_refused:  # a pickled object (a whole nn.Module, say): read it without running its code
+            return SavedModuleReader.read(path)
         found = [line for line in lines if line.startswith("Unsupported") or "load key" in line]
         why = (found or lines or [""])[0]
         raise CheckpointError(f"{path}: not a readable PyTorch checkpoint (UnpicklingError: {why})") from None
@@ -226,6 +254,98 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
             shape = _shape(found) if isinstance(found, torch.Tensor) else "none"
             raise CheckpointError(f"{path}: 'd_model' is {d_model!r} but 'W_q.weight' has shape {shape}")
     return Checkpoint(state, num_heads, mhaserve_format)
+
+
+class _Unrun:
+    """An object of a class a pickle names, rebuilt without importing or running that class: its state is kept."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __setstate__(self, state):
+        if isinstance(state, tuple) and len(state) == 2:  # (dict state, slots state)
+            state = {**(state[0] or {}), **(state[1] or {})}
+        if isinstance(state, dict):
+            self.__dict__.update(state)
+
+
+class SavedModuleReader(pickle.Unpickler):
+    """Reads a whole saved module (``torch.save(model)``) without running any of its code: the globals torch.load
+    allows with ``weights_only=True`` (tensors, containers) are themselves, every other class is an _Unrun that
+    keeps its state. The module's parameters and buffers make the state dict; its attributes, the head counts."""
+
+    _allowed: dict | None = None
+
+    def find_class(self, module: str, name: str):
+        if SavedModuleReader._allowed is None:
+            from torch._weights_only_unpickler import _get_allowed_globals
+
+            SavedModuleReader._allowed = _get_allowed_globals()
+        found = SavedModuleReader._allowed.get(f"{module}.{name}")
+        if found is not None:
+            return found
+        return type(name, (_Unrun,), {"__module__": module, "__qualname__": name})
+
+    @classmethod
+    def read(cls, path: Path) -> Checkpoint:
+        pickle_module = type("pickle_module", (), {"Unpickler": cls, "load": pickle.load, "__name__": "pickle"})
+        try:
+            saved = torch.load(path, map_location="cpu", weights_only=False, pickle_module=pickle_module)
+        except Exception as error:
+            first = (str(error).strip().splitlines() or [""])[0].split(". ")[0]
+            raise CheckpointError(f"{path}: not a readable saved module ({type(error).__name__}: {first})") from None
+        state, heads = {}, {}
+        _walk_module(saved, "", state, heads)
+        if not state:
+            raise CheckpointError(f"{path}: holds a {type(saved).__qualname__} with no tensors, expected a module")
+        kind = type(saved)
+        return Checkpoint(state, None, False, heads, f"{kind.__module__}.{kind.__qualname__}")
+
+
+def _walk_module(saved, prefix: str, state: dict, heads: dict) -> None:
+    """A saved object's tensors by dotted key, its modules' parameters and buffers as a state dict names them, and
+    each module's head count (HEADS_ATTRIBUTES) by its path."""
+    if isinstance(saved, torch.Tensor):
+        state[prefix.removesuffix(".")] = saved
+    elif isinstance(saved, Mapping):
+        for key, value in saved.items():
+            _walk_module(value, f"{prefix}{key}.", state, heads)
+    elif isinstance(saved, _Unrun):
+        found = [getattr(saved, a) for a in HEADS_ATTRIBUTES if type(getattr(saved, a, None)) is int]
+        if found:
+            heads[prefix] = found[0]
+        for held in ("_parameters", "_buffers", "_modules"):
+            members = saved.__dict__.get(held)
+            if isinstance(members, Mapping):
+                for key, value in members.items():
+                    if value is not None:
+                        _walk_module(value, f"{prefix}{key}.", state, heads)
+
+
+def heads_from_config(weights: Path, d_model: int) -> tuple[int, Path] | None:
+    """The head count a ``config.json`` beside ``weights`` gives (Hugging Face's keys), and the file; None without
+    one or without such a key. A config whose size contradicts ``d_model`` is refused: it is not these weights'."""
+    config = weights.parent / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        fields = json.loads(config.read_text())
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"{config}: not readable JSON ({error})") from None
+    if not isinstance(fields, dict):
+        return None
+    heads = next((fields[k] for k in CONFIG_HEADS_KEYS if k in fields), None)
+    if heads is None:
+        return None
+    size = next((fields[k] for k in CONFIG_D_MODEL_KEYS if k in fields), d_model)
+    if type(heads) is not int or heads <= 0:
+        raise CheckpointError(f"{config}: the number of heads is {heads!r}, expected a positive integer")
+    if size != d_model:
+        raise CheckpointError(
+            f"{config}: says a model size of {size!r}, while {weights.name} holds d_model {d_model}: not this "
+            "file's configuration (move it, or name the heads with --heads)"
+        )
+    return heads, config
 
 
 def _read_safetensors(path: Path) -> Checkpoint:
@@ -256,22 +376,42 @@ def _flatten(tree: Mapping, prefix: str = "") -> dict:
 def load_checkpoint(
     path: str | Path, num_heads: int | None = None, prefix: str | None = None
 ) -> tuple[MultiHeadAttention, dict]:
-    """The served module from a weights file, and the source to record: path, layout, prefix, sha256.
+    """The served module from a weights file, and the source to record: path, layout, prefix, sha256, and where the
+    head count came from (``heads_from``: "--heads" alone where nothing else says it).
 
-    ``num_heads`` is needed unless the file carries it; given as well, the two must agree.
+    ``num_heads`` is needed unless the weights say it (the file, or a config.json beside it); given as well, they
+    must agree.
     """
+    path = Path(path)
     checkpoint = read_checkpoint(path)
     where = str(path)
-    if checkpoint.num_heads is not None and num_heads is not None and num_heads != checkpoint.num_heads:
-        raise CheckpointError(f"{where}: the file says {checkpoint.num_heads} heads, --heads says {num_heads}")
-    heads = num_heads if num_heads is not None else checkpoint.num_heads
-    module, layer = module_from_state_dict(checkpoint.state, heads, prefix, where)
+    layer = pick_layer(checkpoint.state, prefix, where)
+    said = []  # (heads, who says so)
+    in_file = checkpoint.heads_of(layer)
+    if in_file is not None:
+        said.append((in_file, "the saved module" if checkpoint.module_class else "the file"))
+    d_model = projections(checkpoint.state, layer, where)["W_q.weight"].shape[0]
+    config = heads_from_config(path, d_model)
+    if config is not None:
+        said.append((config[0], str(config[1])))
+    if num_heads is not None:
+        said.append((num_heads, "--heads"))
+    if len({heads for heads, _ in said}) > 1:
+        disagreeing = ", ".join(f"{who} says {heads} heads" for heads, who in said)
+        raise CheckpointError(
+            f"{where}: {disagreeing}; a wrong count exports and validates but answers unlike the trained module"
+        )
+    heads, heads_from = said[0] if said else (None, None)
+    module, layer = module_from_state_dict(checkpoint.state, heads, layer.prefix, where)
     source = {
         "kind": "checkpoint",
         "path": str(path),
-        "format": "safetensors" if Path(path).suffix == ".safetensors" else "torch",
+        "format": "safetensors" if path.suffix == ".safetensors" else "torch",
         "layout": MHASERVE_LAYOUT if checkpoint.mhaserve_format else layer.layout.name,
         "prefix": layer.prefix,
+        "heads_from": heads_from,
         "sha256": file_sha256(path),
     }
+    if checkpoint.module_class:
+        source["module_class"] = checkpoint.module_class
     return module, source

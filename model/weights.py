@@ -25,11 +25,16 @@ def seeded_module(
 
 
 def save_weights(module: MultiHeadAttention, path: str | Path) -> None:
-    """Write the state dict with the configuration needed to rebuild the module."""
-    torch.save(
-        {"d_model": module.d_model, "num_heads": module.num_heads, "state_dict": module.state_dict()},
-        Path(path),
-    )
+    """Write the state dict with the configuration needed to rebuild the module: a torch.save file, or for a
+    ``.safetensors`` path a safetensors file with ``d_model`` and ``num_heads`` in its metadata."""
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        from safetensors.torch import save_file
+
+        sizes = {"d_model": str(module.d_model), "num_heads": str(module.num_heads)}
+        save_file({k: v.contiguous() for k, v in module.state_dict().items()}, str(path), metadata=sizes)
+        return
+    torch.save({"d_model": module.d_model, "num_heads": module.num_heads, "state_dict": module.state_dict()}, path)
 
 
 def load_weights(path: str | Path) -> MultiHeadAttention:

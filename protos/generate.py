@@ -38,6 +38,9 @@ def generate(out_dir: Path) -> list[Path]:
     written = sorted(p for p in out_dir.iterdir() if p.suffix in (".py", ".pyi"))
     for path in written:
         text = re.sub(r"^import (\w+_pb2) as ", r"from . import \1 as ", path.read_text(), flags=re.M)
+        text = text.replace("_descriptor_pool.Default().AddSerializedFile(", "_mhaserve_pool.POOL.AddSerializedFile(")
+        text = text.replace("from google.protobuf import descriptor_pool as _descriptor_pool\n",
+                            "from .. import pool as _mhaserve_pool\n")  # fmt: skip
         text = re.sub(
             r"BuildTopDescriptorsAndMessages\(DESCRIPTOR, '\w+', ",
             "BuildTopDescriptorsAndMessages(DESCRIPTOR, __name__, ",

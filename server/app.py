@@ -13,10 +13,11 @@ import time
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from mhaserve.contract.model_dir import ModelDirError
 from mhaserve.protos.generated import grpc_service_pb2 as pb
+from mhaserve.protos.pool import POOL, add_file
 
 from . import logs
 from .config import ServerSettings
@@ -197,10 +198,11 @@ class Server:
         self._health = BoundedHealthServicer(settings.max_health_watchers)
         add_inference_service(InferenceServicer(dataplane, callers=self.callers), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            server,
-        )
+        health_service = health_pb2.DESCRIPTOR.services_by_name["Health"]
+        for described in (health_pb2.DESCRIPTOR, reflection_pb2.DESCRIPTOR):
+            add_file(described)  # reflection reads one pool: the protocol's, which holds them all
+        names = (SERVICE_NAME, health_service.full_name, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, server, POOL)
         return server
 
     # -- load -------------------------------------------------------------------------------------------

@@ -51,6 +51,9 @@ def one_of(*choices: str) -> Rule:
     return Rule(lambda value: value in choices, f"{', '.join(choices[:-1])} or {choices[-1]}", show_value=True)
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
 def setting(default, help: str, *, section: str, rule: Rule | None = None):
     """A setting's default, its help text (``--help`` and the reference documents print it), the section it is
     listed in, and the rule its value must keep (checked wherever it comes from: flag, variable or default)."""
@@ -78,6 +81,12 @@ class ServerSettings:
         "RepositoryModelLoad/Unload ask for",
         section="model and repository",
         rule=one_of("none", "poll", "explicit"),
+    )
+    exit_on_error: bool = setting(
+        True,
+        "a start that loads no model of the repository ends with exit code 3, naming each version's reason; false: "
+        "start anyway, serving none until one loads",
+        section="model and repository",
     )
     repository_poll_secs: float = setting(
         15.0, "poll mode: seconds between rescans of the repository", section="model and repository", rule=more_than(0)
@@ -349,7 +358,12 @@ class ServerSettings:
         "elsewhere needs it",
         section="transport",
     )
-    log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR", section="logs and tracing")
+    log_level: str = setting(
+        "INFO",
+        "DEBUG, INFO, WARNING or ERROR (any case)",
+        section="logs and tracing",
+        rule=Rule(lambda value: value.upper() in LOG_LEVELS, "DEBUG, INFO, WARNING or ERROR", show_value=True),
+    )
     log_format: str = setting(
         "text",
         "text, or json: one JSON object a line (time, level, logger, message, and the request's fields)",
@@ -407,12 +421,11 @@ class ServerSettings:
         return min(request + envelope, GRPC_MAX_MESSAGE_BYTES), min(response + envelope, GRPC_MAX_MESSAGE_BYTES)
 
 
-def _parse_bool(text: str) -> bool:
+def parse_bool(text: str) -> bool:
+    """A switch's value: true or false (any case), one spelling wherever a switch is set, flag or variable."""
     value = text.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
+    if value in ("true", "false"):
+        return value == "true"
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
@@ -427,7 +440,7 @@ def _names(text: str) -> tuple[str, ...]:
 def _converter(field_type):
     if field_type.startswith("tuple"):
         return _names
-    return {"int": int, "float": float, "bool": _parse_bool, "str": str}.get(field_type, _optional_path)
+    return {"int": int, "float": float, "bool": parse_bool, "str": str}.get(field_type, _optional_path)
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:

@@ -137,10 +137,33 @@ class DataPlane:
 
     async def start(self) -> None:
         """Load what the control mode loads at start-up. A single folder that cannot load is an error; in a
-        repository a broken version is reported in the index and the rest serve."""
-        if self.registry.repository is None:
+        repository a broken version is reported in the index and the rest serve, but a start that was to load
+        models and serves none is an error (ModelDirError naming each version's reason), unless
+        --exit-on-error false."""
+        repository = self.registry.repository
+        if repository is None:
             await self.registry.load_single_dir()
-        elif self.settings.model_control_mode == "explicit":
+            self.started = True
+            return
+        if (misplaced := repository.misplaced()) is not None:
+            raise ModelDirError(misplaced)
+        refused = await self._load_repository()
+        meant_to_load = self.settings.model_control_mode != "explicit" or self.settings.load_model
+        if meant_to_load and not self.registry.served_models() and self.settings.exit_on_error:
+            rows = [f"{name} version {version}: {reason or state}" for name, version, state, reason in self.index()]
+            empty = "it holds no model folders (REPOSITORY/NAME/VERSION/, an export each)"
+            found = "; ".join(rows + refused) if rows or refused else empty
+            raise ModelDirError(
+                f"no model of --model-repository {repository.root} loaded: {found} "
+                "(--exit-on-error false starts anyway, serving none)"
+            )
+        self.started = True
+
+    async def _load_repository(self) -> list[str]:
+        """Load what the control mode loads at start; returns the --load-model names refused outright (a version
+        that fails is in the index with its reason)."""
+        refused = []
+        if self.settings.model_control_mode == "explicit":
             names = self.settings.load_model
             for name in self.registry.repository.model_names() if "*" in names else names:
                 try:
@@ -148,9 +171,10 @@ class DataPlane:
                         log.warning("model '%s' %s", name, failure)
                 except RequestError as error:
                     log.warning("--load-model %s: %s", name, error.message)
+                    refused.append(f"--load-model {name}: {error.message}")
         else:
             await self.registry.poll()
-        self.started = True
+        return refused
 
     async def poll_repository(self) -> None:
         """Poll mode: rescan the repository every repository_poll_secs until cancelled."""

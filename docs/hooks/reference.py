@@ -79,7 +79,28 @@ def settings_page() -> str:
             lines.append(
                 f"| `{flag}` | `{ENV_PREFIX}{f.name.upper()}` | {_cell(shown)} | {_cell(f.metadata['help'])} |"
             )
+    lines += ["\n## Other environment variables\n",
+              "Read by the commands and the server besides the settings above (none of them has a flag).\n",
+              "| variable | read by | what |", "|---|---|---|"]  # fmt: skip
+    lines += [f"| `{name}` | {_cell(reader)} | {_cell(what)} |" for name, reader, what in OTHER_ENVIRONMENT]
     return "\n".join(lines) + "\n"
+
+
+# Every environment variable the code reads that is not a setting (tests/unit/test_docs.py finds them in the code).
+OTHER_ENVIRONMENT = [
+    ("MHASERVE_CACHE", "`mhaserve serve` without a model",
+     "where the embedded default model is exported on the first start and kept (in `models/mha-d512-h8-seed0`); "
+     "default `$XDG_CACHE_HOME/mhaserve`, else `~/.cache/mhaserve`"),
+    ("XDG_CACHE_HOME", "`mhaserve serve` without a model", "the user's cache folder, when `MHASERVE_CACHE` is unset"),
+    ("MHASERVE_AUTH_TOKEN", "`mhaserve serve`",
+     "the bearer token(s) clients must send, as `--auth-token-file` holds them (the file wins where both are set)"),
+    ("MHASERVE_TOKEN", "`mhaserve infer`, `bench`, the Python clients",
+     "the bearer token to send, unless `--token-file` (or `token=`) gives one"),
+    ("OTEL_EXPORTER_OTLP_PROTOCOL", "`mhaserve serve --trace-config ...`",
+     "the OTLP exporter's protocol: `http/protobuf` (default) or `grpc`; `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL` wins"),
+    ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "`mhaserve serve --trace-config ...`", "the same, for traces only"),
+    ("OTEL_SERVICE_NAME", "`mhaserve serve --trace-config ...`", "the traces' service name (default `mhaserve`)"),
+]  # fmt: skip
 
 
 def metrics_page() -> str:

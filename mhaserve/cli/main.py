@@ -117,10 +117,15 @@ def _run_export(args) -> int:
         module, source = load_checkpoint(args.weights, args.heads, args.prefix)
         if args.d_model is not None and args.d_model != module.d_model:
             raise UsageError(f"--d-model {args.d_model}, but {args.weights} holds d_model {module.d_model}")
-        heads_from = "--heads" if args.heads is not None else "the file"
-        print(f"read {source['layout']} weights at prefix {source['prefix']!r} from {args.weights}: "
-              f"d_model {module.d_model} (from the shapes), {module.num_heads} heads (from {heads_from})",
+        saved = f" (a saved {source['module_class']})" if "module_class" in source else ""
+        print(f"read {source['layout']} weights at prefix {source['prefix']!r} from {args.weights}{saved}: "
+              f"d_model {module.d_model} (from the shapes), {module.num_heads} heads (from {source['heads_from']})",
               file=sys.stderr)  # fmt: skip
+        if source["heads_from"] == "--heads":
+            print(f"note: {args.weights} does not say its number of heads; {module.num_heads} is taken from --heads "
+                  "as given: a wrong count validates (it is checked against these weights, not your module) but "
+                  "answers unlike your module. export_module(your_module) checks against the module itself",
+                  file=sys.stderr)  # fmt: skip
     else:
         if args.prefix is not None:
             raise UsageError("--prefix picks a layer of --weights; there is no --weights")
@@ -545,16 +550,27 @@ def _run_health(args) -> int:
 
 
 def _int_list(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError:
+        expected = "expected whole numbers separated by commas (e.g. 1,4,16)"
+        raise argparse.ArgumentTypeError(f"{expected}, got {text!r}") from None
 
 
 def _float_list(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x]
+    try:
+        return [float(x) for x in text.split(",") if x]
+    except ValueError:
+        expected = "expected numbers separated by commas (e.g. 100,200.5)"
+        raise argparse.ArgumentTypeError(f"{expected}, got {text!r}") from None
 
 
 def _length_range(text: str) -> tuple[int, int]:
     low, _, high = text.partition("..")
-    low, high = int(low), int(high or low)
+    try:
+        low, high = int(low), int(high or low)
+    except ValueError:
+        low = high = 0  # refused below, with what it takes
     if not 1 <= low <= high:
         raise argparse.ArgumentTypeError(f"expected LEN or MIN..MAX with 1 <= MIN <= MAX, got {text!r}")
     return low, high
@@ -663,7 +679,7 @@ def _run_bench(args) -> int:
         if args.shared_memory != "none":
             raise UsageError("--sequence sends its one-row steps over the socket; leave out --shared-memory")
         args.lengths = (1, 1)  # a step carries one new row
-    from mhaserve.loadtest.slo import goodput, parse_slo, verdicts
+    from mhaserve.loadtest.slo import goodput, parse_slo, summary, summary_lines, verdicts
 
     try:
         slos = [parse_slo(text) for text in args.slo]
@@ -704,8 +720,10 @@ def _run_bench(args) -> int:
     processes = args.processes or default_processes()
     weights = "with attn_weights" if workload.attn_weights else "output only"
     title = f"{args.url} ({args.protocol}) {args.model} {workload.shape_text} {weights}"
-    print(f"mhaserve bench: {title}; {len(points)} points x ({args.warmup:g} s warm-up + {args.duration:g} s), "
-          f"up to {processes} client processes", file=sys.stderr)  # fmt: skip
+    rounds = f" x {args.rounds} rounds" if args.rounds > 1 else ""
+    about = len(points) * args.rounds * (args.warmup + args.duration)
+    print(f"mhaserve bench: {title}; {len(points)} points{rounds} x ({args.warmup:g} s warm-up + {args.duration:g} "
+          f"s): about {about:g} s, up to {processes} client processes", file=sys.stderr)  # fmt: skip
     results = []
     print(report.table_header())
     judged = []  # per point: its SLO verdicts and goodput
@@ -747,11 +765,13 @@ def _run_bench(args) -> int:
         report.write_csv(results, args.csv)
         print(f"wrote {args.csv}", file=sys.stderr)
     if args.plot_dir:
-        for path in report.plot(results, args.plot_dir, title):
+        for path in report.plot(results, args.plot_dir, title, slos):
             print(f"wrote {path}", file=sys.stderr)
     if args.report:
-        report.write_html(results, args.report, meta, judged, title)
+        report.write_html(results, args.report, meta, judged, title, slos)
         print(f"wrote {args.report}", file=sys.stderr)
+    for line in summary_lines(summary(results, slos)) if slos else ():
+        print(line)
     if missed:
         print(f"SLO missed: {'; '.join(missed)}")
         return 1
@@ -860,8 +880,15 @@ def _run_ray_deploy(args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose refusal is its one line and where to look, not the whole usage first."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n(the flags: {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mhaserve", description=__doc__.splitlines()[0].replace("``", ""))
+    parser = _Parser(prog="mhaserve", description=__doc__.splitlines()[0].replace("``", ""))
     sub = parser.add_subparsers(dest="command", required=True)
     _add_export(sub)
     _add_validate(sub)

@@ -328,11 +328,14 @@ class Client(_Connection):
             attempt += 1
 
     def ready(self, timeout=None) -> bool:
+        """Whether the server has a ready version of this client's model (and version, if one was named)."""
         return self._call(
             self._stub.ModelReady, pb.ModelReadyRequest(name=self.model, version=self.version), timeout
         ).ready
 
     def wait_ready(self, timeout: float = 60.0) -> None:
+        """Block until the channel to the server is connected, or raise ``grpc.FutureTimeoutError`` after
+        ``timeout`` seconds (a server starting up: its port opens when it is ready to serve)."""
         grpc.channel_ready_future(self._channel).result(timeout=timeout)
 
     def model_width(self, timeout=None) -> int:
@@ -340,6 +343,8 @@ class Client(_Connection):
         return self.metadata(timeout).inputs[0].shape[-1]
 
     def metadata(self, timeout=None) -> pb.ModelMetadataResponse:
+        """The model's metadata (the protocol's ModelMetadataResponse): its versions, platform, and each input
+        and output with datatype and shape (-1 for a dynamic axis)."""
         return self._call(
             self._stub.ModelMetadata, pb.ModelMetadataRequest(name=self.model, version=self.version), timeout
         )
@@ -351,6 +356,7 @@ class Client(_Connection):
         return self._call(self._stub.ModelStatistics, request, timeout).model_stats[-1]
 
     def close(self) -> None:
+        """Close the channel; the ``with`` block does this on exit."""
         self._channel.close()
 
     def __enter__(self):
@@ -419,14 +425,18 @@ class AsyncClient(_Connection):
             attempt += 1
 
     async def ready(self, timeout=None) -> bool:
+        """Whether the server has a ready version of this client's model (and version, if one was named)."""
         request = pb.ModelReadyRequest(name=self.model, version=self.version)
         return (await self._call(self._stub.ModelReady, request, timeout)).ready
 
     async def metadata(self, timeout=None) -> pb.ModelMetadataResponse:
+        """The model's metadata (the protocol's ModelMetadataResponse): its versions, platform, and each input
+        and output with datatype and shape (-1 for a dynamic axis)."""
         request = pb.ModelMetadataRequest(name=self.model, version=self.version)
         return await self._call(self._stub.ModelMetadata, request, timeout)
 
     async def close(self) -> None:
+        """Close the channel; the ``async with`` block does this on exit."""
         await self._channel.close()
 
     async def __aenter__(self):

@@ -142,6 +142,7 @@ class HttpClient:
 
     @property
     def model_path(self) -> str:
+        """The model's (and version's) path under which the protocol's model endpoints lie."""
         return f"/v2/models/{self.model}" + (f"/versions/{self.version}" if self.version else "")
 
     def _call(self, method: str, path: str, body: bytes | None = None, headers=None, timeout=None):
@@ -215,6 +216,8 @@ class HttpClient:
         return SharedMemoryRegions(register, unregister, name)
 
     def metadata(self, timeout=None) -> dict:
+        """The model's metadata as JSON: its versions, platform, and each input and output with datatype and
+        shape (-1 for a dynamic axis)."""
         return json.loads(self._call("GET", self.model_path, timeout=timeout)[0])
 
     def statistics(self, timeout=None) -> dict:
@@ -223,9 +226,11 @@ class HttpClient:
         return json.loads(self._call("GET", self.model_path + "/stats", timeout=timeout)[0])["model_stats"][-1]
 
     def model_width(self, timeout=None) -> int:
+        """The served model's d_model, from its metadata."""
         return int(self.metadata(timeout)["inputs"][0]["shape"][-1])
 
     def ready(self, timeout=None) -> bool:
+        """Whether the server has a ready version of this client's model (and version, if one was named)."""
         try:
             self._call("GET", self.model_path + "/ready", timeout=timeout)
             return True
@@ -241,7 +246,7 @@ class HttpClient:
             return False
 
     def close(self) -> None:
-        pass
+        """Nothing to close: each call opens and closes its own connection. For symmetry with ``Client``."""
 
     def __enter__(self):
         return self

@@ -41,6 +41,25 @@ class ModelRepository:
             return []
         return sorted(p.name for p in self.root.iterdir() if MODEL_NAME.fullmatch(p.name) and p.is_dir())
 
+    def misplaced(self) -> str | None:
+        """What the folder is instead, where it is not a repository but something a user may take for one: a model
+        folder itself, or one model's folder of versions. None otherwise."""
+        from .model_dir import MANIFEST_FILE
+
+        if (self.root / MANIFEST_FILE).is_file():
+            return (
+                f"{self.root} is a model folder (it holds {MANIFEST_FILE}), not a repository of them: serve it with "
+                f"--model-dir {self.root}, or put it in a repository as REPOSITORY/NAME/1/"
+            )
+        entries = sorted(self.root.iterdir()) if self.root.is_dir() else []
+        versions = [p.name for p in entries if VERSION.fullmatch(p.name)]
+        if versions and any((self.root / v / MANIFEST_FILE).is_file() for v in versions):
+            return (
+                f"{self.root} holds version folders ({', '.join(versions)}): it is one model's folder; give the folder "
+                f"above it as --model-repository ({self.root.parent})"
+            )
+        return None
+
     def model_dir(self, name: str) -> Path:
         return self._inside(self.root / check_model_name(name), f"model {name!r}")
 

@@ -134,18 +134,20 @@ def write_csv(results: list[PointResult], path: Path) -> None:
 PLOTS = ("latency_percentiles.png", "latency_histogram.png")
 
 
-def plot(results: list[PointResult], out_dir: Path, title: str) -> list[Path]:
+def plot(results: list[PointResult], out_dir: Path, title: str, slos=()) -> list[Path]:
     """The plots as PNG files in ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, png in zip(PLOTS, plot_images(results, title), strict=True):
+    for name, png in zip(PLOTS, plot_images(results, title, slos), strict=True):
         written.append(out_dir / name)
         written[-1].write_bytes(png)
     return written
 
 
-def plot_images(results: list[PointResult], title: str) -> list[bytes]:
-    """Latency percentiles against throughput and against load, and a latency histogram per point (PNG bytes)."""
+def plot_images(results: list[PointResult], title: str, slos=()) -> list[bytes]:
+    """Latency percentiles against throughput and against load, and a latency histogram per point (PNG bytes);
+    each SLO (slo.Slo) drawn where it applies: a latency target across both percentile plots and the histogram,
+    a throughput target up the plot by throughput."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -163,6 +165,12 @@ def plot_images(results: list[PointResult], title: str) -> list[bytes]:
     by_load.set_xlabel(xlabel)
     if results[0].point.mode == "closed" and len(results) > 1:
         by_load.set_xscale("log", base=2)
+    for slo in slos:
+        if slo.metric == "throughput":
+            by_throughput.axvline(slo.limit, color="#b00020", linestyle="--", label=f"SLO {slo.text}")
+        elif slo.metric != "errors":
+            for ax in (by_throughput, by_load):
+                ax.axhline(slo.limit, color="#b00020", linestyle="--", label=f"SLO {slo.text}")
     for ax in (by_throughput, by_load):
         ax.set_ylabel("latency (ms)")
         ax.grid(True, alpha=0.3)
@@ -180,6 +188,9 @@ def plot_images(results: list[PointResult], title: str) -> list[bytes]:
         for r in finite:
             ax.hist(r.latencies_ms, bins=bins, histtype="step", label=r.point.label)
         ax.set_xscale("log")
+    for slo in slos:
+        if slo.metric not in ("throughput", "errors"):
+            ax.axvline(slo.limit, color="#b00020", linestyle="--", label=f"SLO {slo.text}")
     ax.set_xlabel("latency (ms)")
     ax.set_ylabel("requests")
     ax.legend()
@@ -202,13 +213,18 @@ table { border-collapse: collapse; margin: 1em 0; }
 th, td { border: 1px solid #ccc; padding: 0.3em 0.6em; text-align: right; }
 th { background: #f3f3f3; } td.text, th.text { text-align: left; }
 .held { color: #176b2c; } .missed { color: #b00020; font-weight: bold; }
+.verdict { padding: 0.6em 1em; border-radius: 4px; font-size: 1.2em; font-weight: bold; color: white; }
+.verdict.pass { background: #176b2c; } .verdict.fail { background: #b00020; }
+.verdict ul { margin: 0.3em 0 0; font-size: 0.8em; font-weight: normal; }
 img { max-width: 100%; } code { background: #f3f3f3; padding: 0 0.2em; }
 """
 
 
-def write_html(results: list[PointResult], path: Path, meta: dict, judged: list[dict], title: str) -> None:
-    """One self-contained file: what was run, the table with each point's SLO verdicts, the server's side of each
-    point, the rounds' spread and the plots, embedded; nothing is fetched when it is opened."""
+def write_html(results: list[PointResult], path: Path, meta: dict, judged: list[dict], title: str, slos=()) -> None:
+    """One self-contained file: the verdict (PASS or FAIL per SLO and for the run), what was run, the table with
+    each point's SLO verdicts, the server's side of each point, the rounds' spread and the plots with the SLOs
+    drawn, embedded; nothing is fetched when it is opened."""
+    from .slo import summary
 
     def cells(values, tag="td") -> str:
         return "".join(
@@ -222,6 +238,19 @@ def write_html(results: list[PointResult], path: Path, meta: dict, judged: list[
         return f"<table><tr>{cells(header, 'th')}</tr>{body}</table>"
 
     parts = [f"<h1>mhaserve bench</h1><p>{html.escape(title)}</p>"]
+    if slos:
+        summarised = summary(results, list(slos))
+        passed = all(s["passed"] for s in summarised)
+        parts.append(
+            f'<div class="verdict {"pass" if passed else "fail"}">{"PASS" if passed else "FAIL"}: '
+            f"{sum(s['passed'] for s in summarised)} of {len(summarised)} SLOs held at every point<ul>"
+            + "".join(
+                f"<li>{'PASS' if s['passed'] else 'FAIL'} {html.escape(s['slo'])} (worst: "
+                f"{html.escape(s['worst'])} at {html.escape(s['at'])})</li>"
+                for s in summarised
+            )
+            + "</ul></div>"
+        )
     model = meta.get("model") or {}
 
     def listed(value) -> str:
@@ -286,7 +315,7 @@ def write_html(results: list[PointResult], path: Path, meta: dict, judged: list[
                      + "</ul>")  # fmt: skip
     parts.append("<h2>Plots</h2>" + "".join(
         f'<p><img alt="{name}" src="data:image/png;base64,{base64.b64encode(png).decode()}"></p>'
-        for name, png in zip(PLOTS, plot_images(results, title), strict=True)
+        for name, png in zip(PLOTS, plot_images(results, title, slos), strict=True)
     ))  # fmt: skip
     document = (
         f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'

@@ -31,12 +31,14 @@ def of_rounds(rounds: list[PointResult]) -> PointResult:
 
 
 def rounds_line(r: PointResult) -> str:
+    """The figures the table shows (the median round's) with each one's lowest and highest over the rounds."""
+    shown = {"throughput_per_s": r.throughput, "p50_ms": r.latency_ms["p50"], "p99_ms": r.latency_ms["p99"]}
     parts = []
     for name, label in FIGURES:
-        figure = r.rounds[name]
-        low, high = figure["interval"]
-        parts.append(f"{label} {figure['median']:.3f} [{low:.3f}, {high:.3f}]")
-    return f"rounds at {r.point.label}: {r.rounds['n']}, median [lowest, highest]: " + ", ".join(parts)
+        low, high = r.rounds[name]["interval"]
+        parts.append(f"{label} {shown[name]:.3f} [{low:.3f}, {high:.3f}]")
+    return (f"rounds at {r.point.label}: {r.rounds['n']}; the median round (by req/s), each figure [lowest, "
+            "highest] over the rounds: " + ", ".join(parts))  # fmt: skip
 
 
 def _key(point: dict) -> tuple:

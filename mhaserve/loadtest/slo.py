@@ -84,3 +84,29 @@ def goodput(result: PointResult, slos: list[Slo]) -> float | None:
 
 def verdicts(result: PointResult, slos: list[Slo]) -> list[dict]:
     return [{"slo": slo.text, "held": slo.held(result), "observed": slo.shown(slo.observed(result))} for slo in slos]
+
+
+def summary(results: list[PointResult], slos: list[Slo]) -> list[dict]:
+    """Per SLO, over the whole run: PASS where it held at every point, and its worst point (as k6 reports a
+    threshold): {"slo", "passed", "worst", "at"}."""
+    lines = []
+    for slo in slos:
+        observed = [slo.observed(r) for r in results]
+        # The worst point: the lowest throughput, else the highest latency or error rate (an unanswered point first).
+        pick = min if slo.metric == "throughput" else max
+        worst = pick(range(len(results)), key=lambda i: (math.inf if slo.metric != "throughput" else -math.inf)
+                     if np.isnan(observed[i]) else observed[i])  # fmt: skip
+        lines.append({
+            "slo": slo.text,
+            "passed": all(slo.held(r) for r in results),
+            "worst": slo.shown(observed[worst]),
+            "at": results[worst].point.label,
+        })  # fmt: skip
+    return lines
+
+
+def summary_lines(summarised: list[dict]) -> list[str]:
+    """The verdict lines that end a run: one per SLO, then the whole run's."""
+    lines = [f"{'PASS' if s['passed'] else 'FAIL'}  {s['slo']}  (worst: {s['worst']} at {s['at']})" for s in summarised]
+    held = sum(s["passed"] for s in summarised)
+    return [*lines, f"{'PASS' if held == len(summarised) else 'FAIL'}: {held} of {len(summarised)} SLOs held"]

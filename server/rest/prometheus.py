@@ -33,6 +33,14 @@ def metrics_application(metrics: Metrics) -> web.Application:
     async def scrape(request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
+    async def elsewhere(request: web.Request) -> web.Response:
+        # A client sent here by mistake (the inference API is another port) is told where to go.
+        error = (
+            f"{request.path}: this is the metrics port, which serves /metrics only; the HTTP/REST API is on --http-port"
+        )
+        return web.json_response({"error": error}, status=404)
+
     app = web.Application()
     app.router.add_get("/metrics", scrape)
+    app.router.add_route("*", "/{anything:.*}", elsewhere)
     return app

@@ -72,6 +72,11 @@ def test_an_slo_that_cannot_hold_exits_1_naming_it_and_one_that_holds_exits_0(se
     assert missed.returncode == 1, missed.stderr
     assert "p50<0.001ms MISSED" in missed.stdout and "errors<1% held (0.00%)" in missed.stdout
     assert "SLO missed: p50<0.001ms at concurrency 1" in missed.stdout
+    # As k6 ends a run: a line per SLO, PASS or FAIL with its worst point, then the run's.
+    assert "FAIL  p50<0.001ms  (worst: " in missed.stdout and "PASS  errors<1%  (worst: 0.00% at concurrency 1)" in (
+        missed.stdout
+    )
+    assert missed.stdout.rstrip().splitlines()[-2] == "FAIL: 1 of 2 SLOs held"
     held = bench(server, "--concurrency", "1,2", "--slo", "p99.9<60s", "--slo", "throughput>1",
                  "--json", str(tmp_path / "r.json"))  # fmt: skip
     assert held.returncode == 0 and "SLO held at every point: p99.9<60s, throughput>1" in held.stdout, held.stdout
@@ -136,8 +141,11 @@ def test_rounds_give_each_figure_its_spread_and_compare_says_what_differs_beyond
     for name in ("a", "b"):
         done = bench(server, "--concurrency", "2", "--rounds", "2", "--json", str(tmp_path / f"{name}.json"))
         assert done.returncode == 0, done.stderr
-        assert "rounds at concurrency 2: 2, median [lowest, highest]: req/s " in done.stdout
+        assert "mhaserve bench: " in done.stderr and "1 points x 2 rounds x (" in done.stderr  # the whole run's time
     (point,) = json.loads((tmp_path / "b.json").read_text())["points"]
+    # The rounds line gives the table's figures (the median round's), each with its spread over the rounds.
+    (line,) = [line for line in done.stdout.splitlines() if line.startswith("rounds at concurrency 2: 2; ")]
+    assert f"req/s {point['throughput_per_s']:.3f} [" in line and f"p99 {point['p99_ms']:.3f} [" in line, line
     rounds = point["rounds"]
     assert rounds["n"] == 2 and len(rounds["throughput_per_s"]["rounds"]) == 2
     low, high = rounds["p99_ms"]["interval"]
@@ -182,6 +190,9 @@ def test_the_html_report_holds_the_run_the_verdicts_the_server_side_and_the_plot
     for label in ("concurrency 1", "concurrency 2"):
         assert page.count(f">{label}</td>") == 3  # in the table, the SLO verdicts and the server's side
     assert page.count("p99&lt;60s held") == 2 and page.count("p50&lt;0.001ms MISSED") == 2
+    # The verdict first: the run's, then each SLO's with its worst point.
+    assert page.index('<div class="verdict fail">FAIL: 1 of 2 SLOs held at every point') < page.index("<h2>The run")
+    assert "<li>PASS p99&lt;60s (worst: " in page and "<li>FAIL p50&lt;0.001ms (worst: " in page
     assert "compute infer ms" in page and "transport and client ms" in page
     images = re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
     assert len(images) == 2 and all(base64.b64decode(i)[:8] == b"\x89PNG\r\n\x1a\n" for i in images)

@@ -327,12 +327,19 @@ def test_statistics_count_inferences(stub, client):
     assert after.last_inference > 0
 
 
-def test_reflection_lists_the_services(server):
+def test_reflection_lists_and_describes_the_services(server):
+    from google.protobuf.descriptor_pool import DescriptorPool
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
     with grpc.insecure_channel(server.url) as channel:
-        services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
+        database = ProtoReflectionDescriptorDatabase(channel)
+        services = set(database.get_services())
+        described = DescriptorPool(database)  # what grpcurl's "describe" does: each file fetched by symbol
+        infer = described.FindServiceByName("inference.GRPCInferenceService").methods_by_name["ModelInfer"]
+        check = described.FindServiceByName("grpc.health.v1.Health").methods_by_name["Check"]
     assert {"inference.GRPCInferenceService", "grpc.health.v1.Health"} <= services
+    assert infer.input_type.fields_by_name["raw_input_contents"].number == 7
+    assert check.output_type.full_name == "grpc.health.v1.HealthCheckResponse"
 
 
 def test_health_service_reports_serving(server):

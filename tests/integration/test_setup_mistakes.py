@@ -69,3 +69,67 @@ def test_a_port_of_the_other_protocol_is_named_as_such(server, tmp_path):
 def test_a_length_over_the_limit_names_the_flag_that_raises_it(server, tmp_path):
     done, _ = mhaserve("infer", "--url", server.url, "--q-len", "65", tmp_path=tmp_path)  # the test server's 64
     assert "exceeds the limit max_q_len=64 (the server's --max-q-len raises it)" in done.stderr, done.stderr
+
+
+def test_a_bad_setting_is_refused_before_the_first_export(tmp_path):
+    # No default model in this HOME's cache: a refusal after the export would take a minute, and export it.
+    for args, said in [
+        (["--log-level", "verbose"], "--log-level must be DEBUG, INFO, WARNING or ERROR, got 'verbose'"),
+        (["--dynamic-batching", "yes"], "--dynamic-batching: expected true or false, got 'yes'"),
+    ]:
+        done, took = mhaserve("serve", *args, tmp_path=tmp_path)
+        first, *rest = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and said in first and rest in ([], ["(the flags: mhaserve serve --help)"]), done
+        assert took < 15 and not (tmp_path / "cache" / "mhaserve").exists()
+
+
+def test_an_argument_error_is_two_lines_not_the_usage(tmp_path):
+    done, _ = mhaserve("bench", "--concurrency", "1,four", tmp_path=tmp_path)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 2, done.stderr
+    assert lines == [
+        "mhaserve bench: error: argument --concurrency: expected whole numbers separated by commas (e.g. 1,4,16), "
+        "got '1,four'",
+        "(the flags: mhaserve bench --help)",
+    ]
+    done, _ = mhaserve("serve", "--no-such-flag", tmp_path=tmp_path)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 2 and "--no-such-flag" in done.stderr
+
+
+def start_failure(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    done, _ = mhaserve("serve", "--port", "0", "--http-port", "0", "--metrics-port", "0", *args, tmp_path=tmp_path)
+    assert "Traceback" not in done.stderr, done.stderr
+    return done
+
+
+def test_a_repository_where_nothing_loads_ends_the_start_with_each_reason(tmp_path, small_model_dir):
+    repository = tmp_path / "repo"
+    (repository / "mha" / "1").mkdir(parents=True)
+    (repository / "mha" / "1" / "model.onnx").write_text("not a model")
+    done = start_failure(tmp_path, "--model-repository", str(repository))
+    assert done.returncode == 3, done.stderr
+    assert f"no model of --model-repository {repository} loaded: mha version 1: " in done.stderr
+    assert "manifest.json: no manifest" in done.stderr
+
+    (tmp_path / "empty").mkdir()
+    done = start_failure(tmp_path, "--model-repository", str(tmp_path / "empty"))
+    assert done.returncode == 3 and "it holds no model folders" in done.stderr, done.stderr
+
+
+def test_a_model_folder_given_as_a_repository_is_named_as_such(tmp_path, small_model_dir):
+    done = start_failure(tmp_path, "--model-repository", str(small_model_dir))
+    assert done.returncode == 3, done.stderr
+    assert f"{small_model_dir} is a model folder (it holds manifest.json), not a repository" in done.stderr
+    assert f"--model-dir {small_model_dir}" in done.stderr
+
+    model = tmp_path / "repo" / "mha"
+    model.mkdir(parents=True)
+    (model / "1").symlink_to(small_model_dir, target_is_directory=True)
+    done = start_failure(tmp_path, "--model-repository", str(model))
+    assert done.returncode == 3 and "holds version folders (1): it is one model's folder" in done.stderr
+
+
+def test_exit_on_error_false_starts_with_nothing_loaded(start_server_process, tmp_path):
+    (tmp_path / "repo" / "mha" / "1").mkdir(parents=True)
+    server = start_server_process(None, "--model-repository", str(tmp_path / "repo"), "--exit-on-error", "false")
+    assert any("serving model=none" in line for line in server.lines)

@@ -9,6 +9,7 @@ server and called over gRPC: the answers equal the user's module's own eager out
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import math
@@ -339,10 +340,15 @@ def refusal_cases(tmp_path):
             tmp_path / "whole.pt",
             ["--heads", "5"],
         ),
-        "the number of heads is not in the file; give it with --heads": (tmp_path / "whole.pt", []),
+        "the number of heads is not in the file (a state dict's shapes do not say it); give your module's with "
+        "--heads": (tmp_path / "whole.pt", []),
         "not a readable PyTorch checkpoint": (tmp_path / "cut.pt", ["--heads", "4"]),
         "not a readable PyTorch checkpoint (": (tmp_path / "text.pt", ["--heads", "4"]),
-        "holds Python objects other than tensors": (write(tmp_path / "obj.pt", nn.Linear(2, 2)), ["--heads", "4"]),
+        # A pickled object is read without running its class's code: a date holds no module.
+        "holds a date with no tensors, expected a module": (
+            write(tmp_path / "obj.pt", datetime.date(2026, 11, 27)),
+            ["--heads", "4"],
+        ),
         "no such file": (tmp_path / "absent.pt", ["--heads", "4"]),
         # A crafted mhaserve file: its declared width is checked against the tensors before anything is built
         # (a module of d_model 40000 would have allocated 25 GB first).

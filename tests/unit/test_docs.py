@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import subprocess
 import sys
 from dataclasses import fields
@@ -75,3 +76,64 @@ def test_the_docs_site_builds_strict_with_every_command_setting_and_metric(tmp_p
         assert method in grpc_page
 
     assert "Monitor it" in page("how-to/monitoring") and "trace_rate" in page("how-to/monitoring")
+
+
+COMMAND_BLOCKS = ("", "bash", "sh", "shell")  # fenced blocks read as commands; output is fenced as ```text
+
+
+def test_every_command_block_pastes_into_bash_as_it_is():
+    # An unquoted '<' or '>' is a redirection: `--slo throughput>100` pasted writes a file named 100.
+    from tests.integration.test_docs_code import fenced_blocks
+
+    pasted_wrong = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        for info, code in fenced_blocks(page.read_text()):
+            if info not in COMMAND_BLOCKS:
+                continue
+            where = f"{page.relative_to(ROOT)}: {code.splitlines()[0][:80]}"
+            words = shlex.shlex(code, posix=True, punctuation_chars=True)
+            words.whitespace_split = True
+            try:
+                redirections = [w for w in words if set(w) & set("<>") and set(w) <= set("<>&|;0123456789")]
+            except ValueError as error:  # an unclosed quote: not something bash runs
+                pasted_wrong.append(f"{where} ({error}; fence output as ```text)")
+                continue
+            if redirections:
+                pasted_wrong.append(f"{where} (redirects with {' '.join(redirections)}; quote it)")
+    assert not pasted_wrong, "\n".join(pasted_wrong)
+
+
+def test_the_client_reference_is_complete():
+    # The reference is made from the docstrings: a public call without one is missing from it.
+    from mhaserve.client import AsyncClient, Client, HttpClient
+
+    undocumented = [
+        f"{cls.__name__}.{name}"
+        for cls in (Client, AsyncClient, HttpClient)
+        for name, member in vars(cls).items()
+        if not name.startswith("_")
+        and callable(getattr(member, "fget", member))
+        and not getattr(getattr(member, "fget", member), "__doc__", None)
+    ]
+    assert not undocumented, undocumented
+
+
+def test_every_environment_variable_the_code_reads_is_in_the_reference():
+    import sys
+
+    sys.path.insert(0, str(ROOT / "docs" / "hooks"))
+    try:
+        from reference import OTHER_ENVIRONMENT, settings_page
+    finally:
+        sys.path.pop(0)
+    read = set()
+    for folder in ("mhaserve", "server", "export", "model"):
+        for source in (ROOT / folder).rglob("*.py"):
+            text = source.read_text()
+            read |= set(re.findall(r"""os\.environ(?:\.get\(|\[)\s*["']([A-Z_]+)["']""", text))
+            read |= set(re.findall(r"""^[A-Z_]*_ENV = ["']([A-Z_]+)["']""", text, flags=re.M))
+    assert read, "the scan finds what the code reads"
+    page = settings_page()
+    missing = sorted(name for name in read if f"`{name}`" not in page)
+    assert not missing, missing
+    assert {name for name, _, _ in OTHER_ENVIRONMENT} >= {"MHASERVE_CACHE", "MHASERVE_TOKEN", "MHASERVE_AUTH_TOKEN"}

@@ -2,7 +2,7 @@
 
     python dump_descriptors.py tritonclient|mhaserve
 
-One process per set: both define the same protobuf package and cannot share a descriptor pool.
+One process per set, so that each is read as it stands alone.
 """
 
 import json
