@@ -18,7 +18,7 @@ import pytest
 from tests.support import ROOT
 from tests.support.in_process import InProcessServer
 
-DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs" / "tutorials").glob("*.md")),
+DOCUMENTS = [ROOT / "README.md", ROOT / "docs" / "index.md", *sorted((ROOT / "docs" / "tutorials").glob("*.md")),
              *sorted((ROOT / "docs" / "how-to").glob("*.md"))]  # fmt: skip
 # The tutorials' commands run with the checkout's environment on PATH (bare `mhaserve`); the how-tos' from the checkout.
 CALLS_A_SERVER = re.compile(r"^((\.venv/bin/)?mhaserve (infer|health|bench) |curl -s |(\.venv/bin/)?python -c )")
