@@ -94,6 +94,8 @@ def main() -> None:
     parser.add_argument("--baseline", required=True, help="the revision to compare with (e.g. HEAD~3)")
     parser.add_argument("--current", help="a revision to measure instead of the working tree (to bisect)")
     parser.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
+    parser.add_argument("--rate", type=float, help="an open loop at this many requests a second instead of the points' "
+                        "callers: the same work for both, so the server's CPU per request compares alone")  # fmt: skip
     add_round_arguments(parser, ",".join(f"{length}x{c}" for length, c in POINTS))
     args = parser.parse_args()
     model_dir = ensure_default_model()
@@ -124,7 +126,11 @@ def compare(baseline: ServerProcess, current: ServerProcess, args) -> None:
             order.reverse()
         for length, concurrency in points:
             workload = Workload(512, 1, length, length, attn_weights=True, protocol=args.protocol)
-            point = Point("closed", concurrency, args.duration, args.warmup)
+            point = (
+                Point("open", args.rate, args.duration, args.warmup)
+                if args.rate
+                else Point("closed", concurrency, args.duration, args.warmup)
+            )
             results, cpu = {}, {}
             for name, server in order:
                 url = server.url if args.protocol == "grpc" else server.http_url.removeprefix("http://")

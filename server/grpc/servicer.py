@@ -347,9 +347,11 @@ class RequestReader:
         # With every turn taken, a first read that goes long is refused, and what arrives until then is waste: it
         # gets BUSY_FIRST_READ_S (on loopback a 96 MiB message arrives within the 25 ms a first read otherwise has).
         first_read_s = self._first_read_s if self._free else min(self._first_read_s, BUSY_FIRST_READ_S)
-        reading.first_read_s, reading.due = first_read_s, loop.time() + first_read_s
+        reading.started = loop.time()
+        reading.first_read_s, reading.due = first_read_s, reading.started + first_read_s
+        # The read timeout is armed only for a read that outlasts its first read (_first_read_decided): a timer
+        # per request would keep --grpc-read-timeout-s worth of requests' timers in the loop's heap.
         first_read_over = loop.call_later(first_read_s, self._first_read_over, reading, connection)
-        timed_out = loop.call_later(self._timeout_s, self._read_timed_out, reading)
         try:
             raw = await context.read()
         except Exception:
@@ -361,7 +363,8 @@ class RequestReader:
             first_read_over.cancel()
             if reading.rearmed is not None:
                 reading.rearmed.cancel()
-            timed_out.cancel()
+            if reading.timed_out is not None:
+                reading.timed_out.cancel()
             if reading.first:
                 self._first_reads.release(connection, went_long=False)
             if reading.turn:
@@ -393,6 +396,8 @@ class RequestReader:
         if self._free:
             self._free -= 1
             reading.turn = True
+            loop = asyncio.get_running_loop()
+            reading.timed_out = loop.call_at(reading.started + self._timeout_s, self._read_timed_out, reading)
             return
         self._abandoned(self._receive_limit)
         self._refuse(
@@ -430,7 +435,9 @@ class _Read:
 
     context: object
     first_read_s: float = 0.0
-    due: float = 0.0  # when its first read's time is up, on the loop's clock
+    started: float = 0.0  # when its read began, on the loop's clock
+    due: float = 0.0  # when its first read's time is up
+    timed_out: asyncio.TimerHandle | None = None  # the read timeout, once the read outlasts its first read
     rearmed: asyncio.TimerHandle | None = None  # the first read's timer again, once, after a starved loop
     finished: bool = False  # its read has ended
     first: bool = True

@@ -133,3 +133,10 @@ def test_exit_on_error_false_starts_with_nothing_loaded(start_server_process, tm
     (tmp_path / "repo" / "mha" / "1").mkdir(parents=True)
     server = start_server_process(None, "--model-repository", str(tmp_path / "repo"), "--exit-on-error", "false")
     assert any("serving model=none" in line for line in server.lines)
+
+
+def test_a_client_sent_to_the_metrics_port_is_told_where_it_is(server, tmp_path):
+    metrics = server.metrics_url.removeprefix("http://").removesuffix("/metrics")
+    done, _ = mhaserve("infer", "--protocol", "http", "--url", metrics, tmp_path=tmp_path)
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert "this is the metrics port, which serves /metrics only; the HTTP/REST API is on --http-port" in done.stderr
