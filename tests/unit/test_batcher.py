@@ -159,9 +159,9 @@ def test_an_answer_with_nan_or_inf_is_refused_and_the_output_vouches_for_the_wei
 
 
 def test_a_failed_run_fails_its_requests_and_the_worker_serves_the_next_take(small_model_dir):
-    # A run that raised fails its requests alone. The worker is free as soon as its take's last run is delivered
-    # (the same wake of the event loop): after the failed run, and after a take of two runs, the next request is
-    # taken and answered.
+    # A run that raised fails its requests alone, and the worker is freed once its take's runs are over (by a
+    # wake of its own, after the last run's answers): after the failed run, and after a take of two runs, the next
+    # request is taken and answered, and the worker is free again after it.
     from concurrent.futures import ThreadPoolExecutor
 
     from mhaserve.server.batcher import Batcher
@@ -192,9 +192,12 @@ def test_a_failed_run_fails_its_requests_and_the_worker_serves_the_next_take(sma
             batcher._idle_workers = 1
             batcher._dispatch()
             answers = await asyncio.gather(*mixed)
-            free_when_answered = batcher._idle_workers
             after = await asyncio.wait_for(batcher.submit(request(5, 9)), 30)
-            return answers, after, free_when_answered
+            for _ in range(100):  # the wake that frees the worker follows its answers
+                if batcher._idle_workers:
+                    break
+                await asyncio.sleep(0.01)
+            return answers, after, batcher._idle_workers
 
     answers, after, idle = asyncio.run(scenario())
     assert [a.outputs["output"].shape for a in answers] == [(1, 2, D), (1, 60, D)]
