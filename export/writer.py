@@ -286,6 +286,13 @@ def revalidate_model_dir(
     return holds
 
 
+def reference_of(module: torch.nn.Module):
+    """What an export of ``module``'s weights is validated against: the module's own eager answers."""
+    if isinstance(module, torch.nn.MultiheadAttention):
+        return TorchMultiheadAttentionReference(module)
+    return UserModuleReference(module)
+
+
 def export_module(
     module: torch.nn.Module,
     out_dir: str | Path,
@@ -314,10 +321,7 @@ def export_module(
     if num_heads is None:
         num_heads = found[0] if found else None
     served, layer = module_from_state_dict(module.state_dict(), num_heads, prefix, where)
-    if isinstance(module, torch.nn.MultiheadAttention):
-        reference = TorchMultiheadAttentionReference(module)
-    else:
-        reference = UserModuleReference(module)
+    reference = reference_of(module.get_submodule(layer.prefix.removesuffix(".")))
     source = {
         "kind": "module",
         "class": f"{type(module).__module__}.{type(module).__qualname__}",

@@ -322,6 +322,25 @@ def _walk_module(saved, prefix: str, state: dict, heads: dict) -> None:
                         _walk_module(value, f"{prefix}{key}.", state, heads)
 
 
+def load_saved_module(path: str | Path, prefix: str) -> torch.nn.Module:
+    """The attention layer at ``prefix`` of a whole saved module, loaded as torch.load loads it without
+    ``weights_only``: its classes imported and its pickled code run, so only for a file its user trusts
+    (``mhaserve export --trust-module``). It is what the export is then validated against."""
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=False)
+    except (ImportError, AttributeError) as error:  # the module's class is not importable here
+        raise CheckpointError(
+            f"{path}: its module's code cannot be loaded here ({type(error).__name__}: {error}); put the module's "
+            "package on PYTHONPATH, or drop --trust-module"
+        ) from None
+    if not isinstance(saved, torch.nn.Module):
+        raise CheckpointError(f"{path}: holds a {type(saved).__name__}, not a saved module (--trust-module)")
+    try:
+        return saved.get_submodule(prefix.removesuffix(".")).eval()
+    except AttributeError:
+        raise CheckpointError(f"{path}: no module at {prefix!r} to validate against") from None
+
+
 def heads_from_config(weights: Path, d_model: int) -> tuple[int, Path] | None:
     """The head count a ``config.json`` beside ``weights`` gives (Hugging Face's keys), and the file; None without
     one or without such a key. A config whose size contradicts ``d_model`` is refused: it is not these weights'."""

@@ -50,6 +50,10 @@ def _add_export(sub) -> None:
                          "a module with W_q..W_o or w_q..w_o, nn.MultiheadAttention, a BERT-style encoder, or "
                          "mhaserve's own file")  # fmt: skip
     p.add_argument("--prefix", help="the key prefix of one attention layer in --weights (e.g. encoder.layers.3.)")
+    p.add_argument("--trust-module", action="store_true", help="with --weights of a whole saved module "
+                   "(torch.save(model)): also load it as torch.load does, running the code it was saved with (only "
+                   "for a file you trust; its classes must be importable), and validate the export against its own "
+                   "answers instead of against its weights in mhaserve's module")  # fmt: skip
     p.add_argument("--opset", type=int, default=None, help="ONNX opset (default 18)")
     p.add_argument("--precision", choices=PRECISIONS, default="fp32", help="what the graph computes in; fp16 "
                    "takes and returns float32 but returns the attention weights in float16; int8 computes the four "
@@ -121,14 +125,26 @@ def _run_export(args) -> int:
         print(f"read {source['layout']} weights at prefix {source['prefix']!r} from {args.weights}{saved}: "
               f"d_model {module.d_model} (from the shapes), {module.num_heads} heads (from {source['heads_from']})",
               file=sys.stderr)  # fmt: skip
+        reference = None
+        if args.trust_module:
+            if "module_class" not in source:
+                raise UsageError(f"--trust-module: {args.weights} holds tensors, not a whole saved module")
+            from mhaserve.export.writer import reference_of
+            from mhaserve.model.checkpoint import load_saved_module
+
+            reference = reference_of(load_saved_module(args.weights, source["prefix"]))
+            source["validated_against"] = "the saved module"
+            print(f"validating against the saved {source['module_class']} itself (--trust-module)", file=sys.stderr)
         if source["heads_from"] == "--heads":
             print(f"note: {args.weights} does not say its number of heads; {module.num_heads} is taken from --heads "
                   "as given: a wrong count validates (it is checked against these weights, not your module) but "
                   "answers unlike your module. export_module(your_module) checks against the module itself",
                   file=sys.stderr)  # fmt: skip
     else:
-        if args.prefix is not None:
-            raise UsageError("--prefix picks a layer of --weights; there is no --weights")
+        if args.prefix is not None or args.trust_module:
+            flag = "--prefix picks a layer of" if args.prefix is not None else "--trust-module loads"
+            raise UsageError(f"{flag} --weights; there is no --weights")
+        reference = None
         try:
             module = seeded_module(args.d_model or DEFAULT_D_MODEL, args.heads or DEFAULT_NUM_HEADS, args.seed)
         except ValueError as error:  # sizes that do not fit: the module's own message says how
@@ -164,6 +180,7 @@ def _run_export(args) -> int:
         name=args.name,
         validation_seed=args.validation_seed,
         report=ValidationProgress(args.verbose),
+        reference=reference,
     )
     verdict = "valid" if manifest["valid"] else "NOT valid (validation failed)"
     failure = manifest["validation"]["worst_failure"]

@@ -37,6 +37,19 @@ class DocSelfAttention(nn.Module):
         DocSelfAttention.restored += 1
         super().__setstate__(state)
 
+    def forward(self, x, mask=None):
+        return attention(self, x, mask, self.h)
+
+
+def attention(module, x, mask, heads):
+    b, n, d = x.shape
+    q, k, v = (w(x).view(b, n, heads, d // heads).transpose(1, 2) for w in (module.W_q, module.W_k, module.W_v))
+    scores = q @ k.transpose(-2, -1) / (d // heads) ** 0.5
+    if mask is not None:
+        scores = scores.masked_fill(mask == 0, float("-inf"))
+    weights = torch.softmax(scores, dim=-1)
+    return module.W_o((weights @ v).transpose(1, 2).reshape(b, n, d)), weights
+
 
 class Block(nn.Module):
     """A transformer block holding nn.MultiheadAttention at ``attn``."""
@@ -115,3 +128,30 @@ def test_the_export_says_when_the_heads_are_taken_on_trust(tmp_path, capsys):
     assert cli(["export", "--weights", str(tmp_path / "attn.pt"), "--heads", "8", "--out", str(tmp_path / "m")]) == 0
     err = capsys.readouterr().err
     assert "8 heads (from --heads)" in err and "does not say its number of heads" in err
+
+
+class MisnamedHeads(DocSelfAttention):
+    """A module whose attribute says 8 heads while its forward splits into 4: its own answers are the truth."""
+
+    def forward(self, x, mask=None):
+        return attention(self, x, mask, 4)
+
+
+def test_trust_module_validates_against_the_saved_module_itself(tmp_path, capsys):
+    torch.manual_seed(3)
+    torch.save(MisnamedHeads(D, 8), tmp_path / "model.pt")
+    export = ["export", "--weights", str(tmp_path / "model.pt"), "--validation-seed", "0"]
+    # Read without running it: 8 heads from its attribute, validated against those weights in 8 heads: valid.
+    assert cli([*export, "--out", str(tmp_path / "by-weights")]) == 0
+    # Loaded and run (--trust-module): its own answers differ, and the export says so.
+    assert cli([*export, "--trust-module", "--out", str(tmp_path / "by-module")]) == 1
+    err = capsys.readouterr().err
+    assert "validating against the saved" in err and "MisnamedHeads itself (--trust-module)" in err
+    manifest = json.loads((tmp_path / "by-module" / "manifest.json").read_text())
+    assert manifest["valid"] is False and manifest["source"]["validated_against"] == "the saved module"
+
+    torch.save(DocSelfAttention(D, 8), tmp_path / "true.pt")
+    assert cli(["export", "--weights", str(tmp_path / "true.pt"), "--trust-module", "--out", str(tmp_path / "t")]) == 0
+    torch.save(DocSelfAttention(D, 8).state_dict(), tmp_path / "state.pt")
+    refused = cli(["export", "--weights", str(tmp_path / "state.pt"), "--heads", "8", "--trust-module"])
+    assert refused == 2 and "holds tensors, not a whole saved module" in capsys.readouterr().err
