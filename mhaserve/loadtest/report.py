@@ -167,7 +167,7 @@ def plot_images(results: list[PointResult], title: str, slos=()) -> list[bytes]:
         by_load.set_xscale("log", base=2)
     for slo in slos:
         if slo.metric == "throughput":
-            by_throughput.axvline(slo.limit, color="#b00020", linestyle="--", label=f"SLO {slo.text}")
+            by_throughput.axvline(slo.limit, color="#b00020", linestyle=":", label=f"SLO {slo.text}")
         elif slo.metric != "errors":
             for ax in (by_throughput, by_load):
                 ax.axhline(slo.limit, color="#b00020", linestyle="--", label=f"SLO {slo.text}")
