@@ -158,6 +158,14 @@ def test_an_answer_with_nan_or_inf_is_refused_and_the_output_vouches_for_the_wei
     assert "output 'output' has 1" in overflow_error(both, np.float32([np.inf]), weights).message
 
 
+async def worker_freed(batcher) -> None:
+    for _ in range(500):
+        if batcher._idle_workers:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the worker was not freed within 5 s")
+
+
 def test_a_failed_run_fails_its_requests_and_the_worker_serves_the_next_take(small_model_dir):
     # A run that raised fails its requests alone, and the worker is freed once its take's runs are over (by a
     # wake of its own, after the last run's answers): after the failed run, and after a take of two runs, the next
@@ -186,6 +194,7 @@ def test_a_failed_run_fails_its_requests_and_the_worker_serves_the_next_take(sma
                               run_cost=each_length_alone)  # fmt: skip
             with pytest.raises(RuntimeError, match="the model's run failed"):
                 await batcher.submit(request(3, 0))
+            await worker_freed(batcher)  # the wake that frees the worker follows its answers
             batcher._idle_workers = 0  # hold the worker: one take of two lengths, two runs
             mixed = [asyncio.ensure_future(batcher.submit(request(length, i))) for i, length in enumerate((2, 60))]
             await asyncio.sleep(0)
@@ -193,10 +202,7 @@ def test_a_failed_run_fails_its_requests_and_the_worker_serves_the_next_take(sma
             batcher._dispatch()
             answers = await asyncio.gather(*mixed)
             after = await asyncio.wait_for(batcher.submit(request(5, 9)), 30)
-            for _ in range(100):  # the wake that frees the worker follows its answers
-                if batcher._idle_workers:
-                    break
-                await asyncio.sleep(0.01)
+            await worker_freed(batcher)
             return answers, after, batcher._idle_workers
 
     answers, after, idle = asyncio.run(scenario())

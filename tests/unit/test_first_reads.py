@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from mhaserve.server.grpc.servicer import FirstReads
+from mhaserve.server.grpc.receipt import FirstReads
 
 
 def test_a_stalled_connection_queues_behind_callers_in_good_standing():

@@ -1,0 +1,238 @@
+"""``mhaserve bench`` and ``mhaserve bench compare``: load tests with SLO gates and reports, and runs compared."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from mhaserve.contract.errors import UsageError
+
+from .common import (
+    add_connection_arguments,
+    add_protocol_argument,
+    add_shared_memory_argument,
+    add_weights_arguments,
+    check_writable,
+    connection_of,
+    float_list,
+    int_list,
+    length_range,
+    make_client,
+    model_width,
+    require_extra,
+    weights_options,
+)
+
+
+def _compare_runs(words: list[str]) -> int:
+    """``bench compare A.json B.json [C.json ...]``: each later run against A, point by point."""
+    import json
+
+    from mhaserve.loadtest.rounds import compare
+
+    if len(words) < 3 or words[0] != "compare":
+        raise UsageError(f"bench takes 'compare A.json B.json [...]' or options only, got {' '.join(words)!r}")
+    runs = []
+    for path in words[1:]:
+        try:
+            runs.append(json.loads(Path(path).read_text()))
+        except (OSError, ValueError) as error:
+            raise UsageError(f"{path}: not a 'mhaserve bench --json' file ({error})") from None
+        if not isinstance(runs[-1], dict) or not isinstance(runs[-1].get("points"), list):
+            raise UsageError(f"{path}: not a 'mhaserve bench --json' file (no list of 'points')")
+        try:  # every field compare reads, read before any line is printed
+            compare(runs[-1], runs[-1])
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as error:
+            what = f"{type(error).__name__}: {error}"[:200]
+            raise UsageError(f"{path}: not a 'mhaserve bench --json' file (a point it holds: {what})") from None
+    compared = 0
+    for path, run in zip(words[2:], runs[1:], strict=True):
+        lines = compare(runs[0], run)
+        if not lines:
+            print(f"no point of {path} was measured in {words[1]} (same mode, load, shape and outputs)")
+            continue
+        compared += 1
+        print(f"{path} against {words[1]}, after / before:")
+        for line in lines:
+            print(line)
+    return 0 if compared == len(runs) - 1 else 1
+
+
+def add_bench(sub) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="load-test a server: closed-loop concurrency sweep or open-loop rates; table, JSON/CSV, plots; "
+        "'bench compare A.json B.json [...]' compares runs",
+    )
+    p.add_argument("compare", nargs="*", metavar="compare A.json B.json [...]",
+                   help="compare runs' --json files with the first, point by point, instead of measuring")  # fmt: skip
+    add_connection_arguments(p)
+    add_protocol_argument(p)
+    p.add_argument("--model", default="mha", help="model name (default mha)")
+    p.add_argument("--version", default="", help="model version (default: the newest ready one)")
+    load = p.add_mutually_exclusive_group()
+    load.add_argument("--concurrency", type=int_list, default=None, help="closed loop: e.g. 1,4,16,64 (default 1,4,16)")
+    load.add_argument("--rate", type=float_list, default=None, help="open loop: requests/s, e.g. 100,200,400")
+    p.add_argument("--batch", type=int, default=1, help="batch of each request (default 1)")
+    p.add_argument("--lengths", type=length_range, default=(16, 16), help="sequence length, or MIN..MAX drawn "
+                   "uniformly per request (default 16)")  # fmt: skip
+    p.add_argument("--no-weights", action="store_true", help="ask for the output only, not attn_weights")
+    p.add_argument("--sequence", type=int, default=0, metavar="LENGTH", help="each caller grows sequences kept on "
+                   "the server, one row a step, to LENGTH rows, then starts another: steps/s, and each step's latency "
+                   "by its position (closed loop)")  # fmt: skip
+    p.add_argument("--duration", type=float, default=10.0, help="measured seconds per point (default 10)")
+    p.add_argument("--warmup", type=float, default=2.0, help="seconds per point before measuring (default 2)")
+    p.add_argument("--processes", type=int, default=None, help="client processes (default: cores, at most 4)")
+    p.add_argument("--timeout", type=float, default=60.0, help="deadline per request, seconds")
+    p.add_argument("--rounds", type=int, default=1, help="measure each point this many times: the median round "
+                   "is reported, each figure's lowest and highest beside it (default 1)")  # fmt: skip
+    add_shared_memory_argument(p)
+    p.add_argument("--json", type=Path, help="write the results as JSON")
+    p.add_argument("--csv", type=Path, help="write the results as CSV")
+    p.add_argument("--plot-dir", type=Path, help="write latency_percentiles.png and latency_histogram.png here")
+    p.add_argument("--report", type=Path, metavar="FILE.html", help="write one self-contained HTML report: the "
+                   "run, the table, SLO verdicts, the server's side and the plots (needs the plot extra)")  # fmt: skip
+    p.add_argument("--slo", action="append", default=[], metavar="TARGET", help="a target each point must meet, "
+                   "repeatable: p50|p90|p95|p99|p99.9<TIME (ms or s), errors<N%%, throughput>N; the command exits 1 "
+                   "when one is missed (a CI gate), and reports the goodput (requests a second within the latency "
+                   "targets)")  # fmt: skip
+    add_weights_arguments(p)
+    p.set_defaults(run=_run_bench)
+
+
+def _run_bench(args) -> int:
+    if args.compare:
+        return _compare_runs(args.compare)
+    if args.rounds < 1:
+        raise UsageError(f"--rounds must be at least 1, got {args.rounds}")
+    if args.sequence:
+        if args.sequence < 1:
+            raise UsageError(f"--sequence takes a length of at least 1 row, got {args.sequence}")
+        if args.rate:
+            raise UsageError("--sequence is a closed loop (each caller steps its sequences in order): give "
+                             "--concurrency, not --rate")  # fmt: skip
+        if args.shared_memory != "none":
+            raise UsageError("--sequence sends its one-row steps over the socket; leave out --shared-memory")
+        args.lengths = (1, 1)  # a step carries one new row
+    from mhaserve.loadtest.slo import goodput, parse_slo, summary, summary_lines, verdicts
+
+    try:
+        slos = [parse_slo(text) for text in args.slo]
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    for asked, flag in ((args.plot_dir, "--plot-dir"), (args.report, "--report")):
+        if asked:  # before the sweep, not after it
+            require_extra("plot", flag)
+    for path, flag in ((args.json, "--json"), (args.csv, "--csv"), (args.report, "--report")):
+        if path is not None:  # before the sweep: a path that cannot be written would lose its results
+            check_writable(path, flag)
+    from mhaserve.loadtest import report
+    from mhaserve.loadtest.loadgen import LoadGenerator, Point, Workload, default_processes
+
+    tls, token = connection_of(args)
+    with make_client(args, tls, token) as client:
+        d_model = model_width(client, args, timeout=10)
+        described = _model_described(client, args) if d_model is not None else {}
+    if d_model is None:
+        return 1
+    workload = Workload(
+        d_model,
+        args.batch,
+        *args.lengths,
+        attn_weights=not args.no_weights,
+        model=args.model,
+        version=args.version,
+        protocol=args.protocol,
+        application=args.application or "",
+        weights=weights_options(args),
+        shared_memory=args.shared_memory,
+        sequence_length=args.sequence,
+    )
+    if args.rate:
+        points = [Point("open", rate, args.duration, args.warmup) for rate in args.rate]
+    else:
+        points = [Point("closed", c, args.duration, args.warmup) for c in (args.concurrency or [1, 4, 16])]
+    processes = args.processes or default_processes()
+    weights = "with attn_weights" if workload.attn_weights else "output only"
+    title = f"{args.url} ({args.protocol}) {args.model} {workload.shape_text} {weights}"
+    rounds = f" x {args.rounds} rounds" if args.rounds > 1 else ""
+    about = len(points) * args.rounds * (args.warmup + args.duration)
+    print(f"mhaserve bench: {title}; {len(points)} points{rounds} x ({args.warmup:g} s warm-up + {args.duration:g} "
+          f"s): about {about:g} s, up to {processes} client processes", file=sys.stderr)  # fmt: skip
+    results = []
+    print(report.table_header())
+    judged = []  # per point: its SLO verdicts and goodput
+    from mhaserve.loadtest.rounds import of_rounds, rounds_line
+    from mhaserve.loadtest.server_side import counters_of
+
+    statistics_client = make_client(args, tls, token)  # the server's side of each point: its statistics, read twice
+    with (
+        statistics_client,
+        LoadGenerator(
+            args.url, processes, args.timeout, tls=tls, token=token, counters=counters_of(statistics_client)
+        ) as generator,
+    ):
+        for i, point in enumerate(points, 1):
+            print(f"[{i}/{len(points)}] {point.label} ...", file=sys.stderr, flush=True)
+            rounds = [generator.measure(workload, point) for _ in range(args.rounds)]
+            results.append(of_rounds(rounds) if args.rounds > 1 else rounds[0])
+            print(report.table_row(results[-1]), flush=True)
+            judged.append({"slo": verdicts(results[-1], slos), "goodput_per_s": goodput(results[-1], slos)})
+    for line in report.notes(results):
+        print(line)
+    for result in results if args.rounds > 1 else ():
+        print(rounds_line(result))
+    missed = []
+    for result, verdict in zip(results, judged, strict=True):
+        if slos:
+            held = ", ".join(
+                f"{v['slo']} {'held' if v['held'] else 'MISSED'} ({v['observed']})" for v in verdict["slo"]
+            )
+            good = f"; goodput {verdict['goodput_per_s']:.1f}/s" if verdict["goodput_per_s"] is not None else ""
+            print(f"{result.point.label}: {held}{good}")
+        missed += [f"{v['slo']} at {result.point.label} ({v['observed']})" for v in verdict["slo"] if not v["held"]]
+    meta = {"url": args.url, "model": args.model, "processes": processes, "title": title, "slo": args.slo,
+            **report.run_metadata(sys.argv, described)}  # fmt: skip
+    if args.json:
+        report.write_json(results, args.json, meta, judged)
+        print(f"wrote {args.json}", file=sys.stderr)
+    if args.csv:
+        report.write_csv(results, args.csv)
+        print(f"wrote {args.csv}", file=sys.stderr)
+    if args.plot_dir:
+        for path in report.plot(results, args.plot_dir, title, slos):
+            print(f"wrote {path}", file=sys.stderr)
+    if args.report:
+        report.write_html(results, args.report, meta, judged, title, slos)
+        print(f"wrote {args.report}", file=sys.stderr)
+    for line in summary_lines(summary(results, slos)) if slos else ():
+        print(line)
+    if missed:
+        print(f"SLO missed: {'; '.join(missed)}")
+        return 1
+    if slos:
+        print(f"SLO held at every point: {', '.join(args.slo)}")
+    return 0
+
+
+def _model_described(client, args) -> dict:
+    """The model as the server describes it (name, versions, platform, precision) and how the server runs it (its
+    provider and settings, from the model's configuration), for the run's record."""
+    from google.protobuf import json_format
+
+    from mhaserve.client import RequestFailed
+
+    try:
+        metadata, config = client.metadata(timeout=10), client.config(timeout=10)
+    except RequestFailed:
+        return {"name": args.model}
+    if not isinstance(metadata, dict):  # gRPC's messages
+        metadata = json_format.MessageToDict(metadata, preserving_proto_field_name=True)
+        config = json_format.MessageToDict(config, preserving_proto_field_name=True)
+    parameters = {name: p.get("string_value", "") for name, p in config.get("parameters", {}).items()}
+    described = {key: metadata[key] for key in ("name", "versions", "platform") if key in metadata}
+    described["precision"] = parameters.pop("precision", None)
+    for shape in ("d_model", "num_heads", "computes_in"):
+        parameters.pop(shape, None)
+    provider = {"provider": parameters.pop("provider")} if "provider" in parameters else {}
+    return {**described, "served_with": {**provider, **dict(sorted(parameters.items()))}}

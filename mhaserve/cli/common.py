@@ -1,0 +1,172 @@
+"""What several commands share: the extras they need, how they reach a server (address, TLS, token, protocol),
+what a request asks of the attention weights, and the argument types."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from mhaserve.contract.errors import UsageError
+
+# What each optional part needs, checked before a command starts its work: (modules, what they are).
+EXTRAS = {
+    "export": (("torch", "onnx", "onnxscript"), "torch and onnx"),
+    "plot": (("matplotlib",), "matplotlib"),
+}
+
+
+def require_extra(extra: str, for_what: str) -> None:
+    """A missing extra is one line naming the install command (in a clone, and for an installed package)."""
+    import importlib.util
+
+    modules, what = EXTRAS[extra]
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise UsageError(
+            f"{for_what} needs the '{extra}' extra ({what}; {', '.join(missing)} not installed): in a clone, "
+            f".venv/bin/pip install -e '.[{extra}]'; else pip install 'mhaserve[{extra}]'"
+        )
+
+
+def add_connection_arguments(p) -> None:
+    """Where the server is and how to reach it: the same flags for every command that calls one."""
+    p.add_argument("--url", default=None, help="server address host:port (default 127.0.0.1:8001, with --protocol "
+                   "http 127.0.0.1:8000)")  # fmt: skip
+    p.add_argument("--tls", action="store_true", help="connect with TLS, checking the server against the system's "
+                   "CA roots (implied by --tls-ca)")  # fmt: skip
+    p.add_argument("--tls-ca", type=Path, help="PEM CA bundle that signed the server's certificate (turns TLS on)")
+    p.add_argument("--tls-cert", type=Path, help="PEM client certificate, for a server with mutual TLS")
+    p.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
+    p.add_argument("--tls-server-name", help="name to check the server's certificate against (default: the URL's host)")
+    p.add_argument("--token-file", type=Path, help="file holding the bearer token (default: $MHASERVE_TOKEN if set)")
+
+
+def add_protocol_argument(p) -> None:
+    p.add_argument("--protocol", choices=("grpc", "http"), default="grpc",
+                   help="gRPC, or the same protocol over HTTP/REST (default grpc)")  # fmt: skip
+    p.add_argument("--application", default=None, help="Ray Serve application to call through Ray's gRPC proxy "
+                   "('mhaserve ray-deploy --name'; sent as 'application' metadata)")  # fmt: skip
+
+
+def make_client(args, tls, token):
+    """The gRPC or HTTP client the flags ask for (the same calls)."""
+    if args.protocol == "http":
+        from mhaserve.client.http import HttpClient
+
+        if args.application:
+            raise UsageError("--application names a Ray Serve application behind Ray's gRPC proxy: use --protocol grpc")
+
+        return HttpClient(args.url, args.model, tls=tls, token=token, version=args.version)
+    from mhaserve.client.grpc import Client
+
+    return Client(args.url, args.model, tls=tls, token=token, version=args.version, application=args.application)
+
+
+def failure_message(error, args=None) -> str:
+    """A refused call as STATUS: message, whichever protocol carried it; a port of the other protocol said so."""
+    message = f"{error.status_name}: {error.message}"
+    protocol = getattr(args, "protocol", "grpc")
+    if protocol == "http" and "BadStatusLine" in error.message:  # an HTTP/1.1 client at a gRPC (HTTP/2) port
+        return f"{args.url} speaks gRPC, not HTTP/REST: drop --protocol http, or give the HTTP port (default 8000)"
+    if protocol == "grpc" and ("http1.x server" in error.message or "Expected SETTINGS frame" in error.message):
+        return f"{args.url} speaks HTTP/REST, not gRPC: add --protocol http, or give the gRPC port (default 8001)"
+    return message
+
+
+def connection_of(args):
+    """(TLS or None, token or None) from the connection flags."""
+    from mhaserve.client import TLS, read_token
+
+    if args.url is None:
+        args.url = "127.0.0.1:8000" if getattr(args, "protocol", "grpc") == "http" else "127.0.0.1:8001"
+
+    tls = None
+    if args.tls or args.tls_ca or args.tls_cert or args.tls_key:
+        if (args.tls_cert is None) != (args.tls_key is None):
+            raise SystemExit("--tls-cert and --tls-key go together")
+        tls = TLS(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
+    try:
+        return tls, read_token(args.token_file)
+    except OSError as error:
+        raise SystemExit(f"cannot read --token-file {args.token_file}: {error.strerror}") from None
+
+
+def model_width(client, args, timeout: float) -> int | None:
+    """The served model's d_model from its metadata; None, with the reason on stderr, when it cannot be had."""
+
+    from mhaserve.client import RequestFailed
+
+    try:
+        return client.model_width(timeout=timeout)
+    except RequestFailed as error:
+        print(f"cannot reach model '{args.model}' at {args.url}: {failure_message(error, args)}", file=sys.stderr)
+        return None
+
+
+def add_weights_arguments(p) -> None:
+    """What a request asks of the attention weights: the server's attn_* request parameters."""
+    p.add_argument("--heads", type=int_list, default=None, help="only these heads' weights, e.g. 0,3")
+    p.add_argument("--rows", default=None, help="only these query rows, a start:stop range, e.g. 0:32")
+    p.add_argument("--keys", default=None, help="only these key positions, a start:stop range")
+    ranked = p.add_mutually_exclusive_group()
+    ranked.add_argument("--top-k", type=int, default=None, help="the k highest-weighted keys of each query row "
+                        "(values and key positions)")  # fmt: skip
+    ranked.add_argument("--top-p", type=float, default=None, help="each row's fewest keys holding this fraction "
+                        "of its weight")  # fmt: skip
+    p.add_argument("--weights-precision", choices=("fp32", "fp16"), default=None,
+                   help="the weights' datatype (fp16: half the bytes; default: the model's)")  # fmt: skip
+
+
+def weights_options(args):
+    from mhaserve.client import WeightsOptions
+
+    options = WeightsOptions(args.heads, args.rows, args.keys, args.top_k, args.top_p, args.weights_precision)
+    return options if options.parameters() else None
+
+
+def add_shared_memory_argument(parser) -> None:
+    parser.add_argument(
+        "--shared-memory", choices=("none", "system"), default="none",
+        help="system: send the tensors through POSIX shared memory (a server on this host, run with "
+        "--allow-client-shm true); none (default): through the socket",
+    )  # fmt: skip
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError:
+        expected = "expected whole numbers separated by commas (e.g. 1,4,16)"
+        raise argparse.ArgumentTypeError(f"{expected}, got {text!r}") from None
+
+
+def float_list(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x]
+    except ValueError:
+        expected = "expected numbers separated by commas (e.g. 100,200.5)"
+        raise argparse.ArgumentTypeError(f"{expected}, got {text!r}") from None
+
+
+def length_range(text: str) -> tuple[int, int]:
+    low, _, high = text.partition("..")
+    try:
+        low, high = int(low), int(high or low)
+    except ValueError:
+        low = high = 0  # refused below, with what it takes
+    if not 1 <= low <= high:
+        raise argparse.ArgumentTypeError(f"expected LEN or MIN..MAX with 1 <= MIN <= MAX, got {text!r}")
+    return low, high
+
+
+def check_writable(path: Path, flag: str) -> None:
+    """A file the command will write at its end can be: its folder exists and takes files, and it is no folder."""
+    folder = path.parent
+    if path.is_dir():
+        raise UsageError(f"{flag} {path}: is a folder; give a file name")
+    if not folder.is_dir():
+        raise UsageError(f"{flag} {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise UsageError(f"{flag} {path}: cannot be written (permissions)")

@@ -1,0 +1,227 @@
+"""``mhaserve infer`` and ``mhaserve health``: one call to a running server, and its health."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from pathlib import Path
+
+from mhaserve.contract.errors import UsageError
+
+from .common import (
+    add_connection_arguments,
+    add_protocol_argument,
+    add_shared_memory_argument,
+    add_weights_arguments,
+    connection_of,
+    failure_message,
+    make_client,
+    model_width,
+    weights_options,
+)
+
+
+def _infer_steps(client, arrays: dict, args) -> int:
+    """The query's rows, ``args.steps`` a step, as a sequence: each step's newest row's strongest keys, head 0."""
+    import time
+
+    from mhaserve.client import RequestFailed, WeightsOptions
+
+    if set(arrays) != {"query"} or args.shared_memory == "system":
+        raise UsageError("--steps sends the query alone (a step's rows are its new keys and values), over the socket")
+    query, top = arrays["query"], args.top_k or 3
+    with client.sequence() as sequence:
+        for start in range(0, query.shape[1], args.steps):
+            rows = query[:, start : start + args.steps]
+            end = start + rows.shape[1] >= query.shape[1]
+            started = time.perf_counter()
+            try:
+                result = sequence.step(rows, weights=WeightsOptions(top_k=min(top, start + rows.shape[1])), end=end,
+                                       timeout=args.timeout)  # fmt: skip
+            except RequestFailed as error:
+                print(failure_message(error, args), file=sys.stderr)
+                return 1
+            values, keys = result.top_k
+            newest = ", ".join(f"{k} ({v:.2f})" for k, v in zip(keys[0, 0, -1], values[0, 0, -1], strict=True))
+            print(f"rows {start}..{start + rows.shape[1] - 1}: {(time.perf_counter() - started) * 1000:7.3f} ms; "
+                  f"row {start + rows.shape[1] - 1} attends most to keys {newest} (head 0)")  # fmt: skip
+    return 0
+
+
+def add_infer(sub) -> None:
+    p = sub.add_parser("infer", help="call a server with random or .npy inputs; print shapes and latency")
+    add_connection_arguments(p)
+    add_protocol_argument(p)
+    p.add_argument("--model", default="mha", help="model name (default mha)")
+    p.add_argument("--version", default="", help="model version (default: the newest ready one)")
+    p.add_argument("--batch", type=int, default=1, help="batch of the random inputs")
+    p.add_argument("--q-len", type=int, default=16, help="query length of the random inputs")
+    p.add_argument("--kv-len", type=int, default=None, help="key/value length: cross-attention (default self)")
+    for name in ("query", "key", "value", "mask"):
+        p.add_argument(f"--{name}", type=Path, help=f"{name} from a .npy file")
+    p.add_argument("--no-weights", action="store_true", help="do not ask for every head's attn_weights")
+    p.add_argument("--mean-weights", action="store_true", help="ask for attn_weights_mean [B, Lq, Lk], the weights "
+                   "averaged over heads (h times fewer bytes)")  # fmt: skip
+    p.add_argument("--repeat", type=int, default=1, help="calls to time (default 1)")
+    p.add_argument("--steps", type=int, default=0, metavar="N", help="a sequence instead: the query's rows sent one "
+                   "step at a time (N rows a step) to a sequence kept on the server, printing each step's newest row's "
+                   "strongest keys (--top-k of them, default 3) as it goes")  # fmt: skip
+    p.add_argument("--timeout", type=float, default=30.0, help="deadline per call, seconds")
+    add_shared_memory_argument(p)
+    p.add_argument("--save", type=Path, help="write inputs and outputs to this .npz")
+    p.add_argument("--heatmap", type=Path, help="draw one item's attention weights to this .png (needs the plot extra)")
+    p.add_argument("--head", type=_head, default=None, help="head for --heatmap, or 'mean' for the mean over "
+                   "heads (default: the first head asked for)")  # fmt: skip
+    p.add_argument("--item", type=int, default=0, help="batch item for --heatmap (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    add_weights_arguments(p)
+    p.set_defaults(run=_run_infer)
+
+
+def _head(text: str) -> int | str:
+    if text == "mean":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a head number or 'mean', got {text!r}") from None
+
+
+def _load_array(name: str, path: Path):
+    """One .npy array for --query/--key/--value/--mask, or a one-line usage error."""
+    import numpy as np
+
+    try:
+        array = np.load(path)
+    except (OSError, ValueError, EOFError) as error:
+        raise UsageError(f"--{name} {path}: not a readable .npy ({error or type(error).__name__})") from None
+    if not isinstance(array, np.ndarray):
+        raise UsageError(f"--{name} {path}: an .npz of several arrays; pass one .npy per input")
+    return array
+
+
+def _run_infer(args) -> int:
+    import time
+
+    import numpy as np
+
+    from mhaserve.client import RequestFailed
+
+    weights = weights_options(args)
+    ranked = weights is not None and weights.ranked
+    # A heatmap of the mean needs only the mean; one of a head needs the heads' weights, or their top keys.
+    mean_weights = args.mean_weights or (args.heatmap is not None and args.head == "mean")
+    all_weights = not args.no_weights or (args.heatmap is not None and args.head != "mean" and not ranked)
+    tls, token = connection_of(args)
+    with make_client(args, tls, token) as client:
+        d_model = model_width(client, args, timeout=args.timeout)
+        if d_model is None:
+            return 1
+        rng = np.random.default_rng(args.seed)
+        arrays = {name: _load_array(name, getattr(args, name)) for name in ("query", "key", "value", "mask")
+                  if getattr(args, name)}  # fmt: skip
+        if "query" not in arrays:
+            arrays["query"] = rng.standard_normal((args.batch, args.q_len, d_model), dtype=np.float32)
+        if args.kv_len and "key" not in arrays:
+            batch = arrays["query"].shape[0]
+            arrays["key"] = rng.standard_normal((batch, args.kv_len, d_model), dtype=np.float32)
+            arrays["value"] = rng.standard_normal((batch, args.kv_len, d_model), dtype=np.float32)
+        if args.steps:
+            return _infer_steps(client, arrays, args)
+        latencies = []
+        regions = client.shared_memory() if args.shared_memory == "system" else contextlib.nullcontext()
+        try:
+            with regions:
+                for _ in range(max(1, args.repeat)):
+                    started = time.perf_counter()
+                    result = client.infer(
+                        **arrays,
+                        attn_weights=all_weights,
+                        attn_weights_mean=mean_weights,
+                        timeout=args.timeout,
+                        weights=weights,
+                        shared_memory=regions if args.shared_memory == "system" else None,
+                    )
+                    latencies.append((time.perf_counter() - started) * 1000)
+        except RequestFailed as error:
+            print(failure_message(error), file=sys.stderr)
+            return 1
+    outputs = result.outputs
+    shapes = ", ".join(f"{k} {list(v.shape)} {v.dtype}" for k, v in arrays.items())
+    print(f"inputs: {shapes}")
+    print("  ".join(f"{name}: {list(array.shape)}" for name, array in outputs.items()))
+    print(f"answered by model '{args.model}' version {result.model_version}")
+    lat = np.array(latencies)
+    print(
+        f"latency ms over {len(lat)} calls: p50 {np.percentile(lat, 50):.3f}  p90 {np.percentile(lat, 90):.3f}  "
+        f"min {lat.min():.3f}  max {lat.max():.3f} (first call included)"
+    )
+    if args.save:
+        np.savez(args.save, **arrays, **outputs)
+        print(f"saved {args.save}")
+    if args.heatmap:
+        from mhaserve.cli.heatmap import write_heatmap
+
+        batch = result.output.shape[0]
+        if not 0 <= args.item < batch:
+            raise UsageError(f"--item {args.item}: the batch has items 0..{batch - 1}")
+        kv_len = arrays.get("key", arrays["query"]).shape[1]
+        drawn, what = _heatmap_weights(result, args, weights, kv_len)
+        write_heatmap(drawn, args.heatmap, title=f"{args.model}: item {args.item}, {what}")
+        print(f"wrote {args.heatmap} (item {args.item}, {what})")
+    return 0
+
+
+def _heatmap_weights(result, args, options, kv_len: int):
+    """The [Lq', Lk] map to draw for ``--head`` and what it shows: the head's (or the mean's) weights as asked
+    for, or its top keys as a sparse map over every key position."""
+    import numpy as np
+
+    item = args.item
+    if args.head == "mean":
+        return result.attn_weights_mean[item], "mean over heads"
+    chosen = list(options.heads) if options is not None and options.heads is not None else None
+    head = args.head if args.head is not None else (chosen[0] if chosen else 0)
+    if chosen is not None and head not in chosen:
+        raise UsageError(f"--head {head}: the request asked for heads {','.join(map(str, chosen))} only")
+    position = chosen.index(head) if chosen is not None else head
+    if result.top_k is not None:
+        if not 0 <= position < result.top_k[0].shape[1]:
+            raise UsageError(f"--head {head}: the model has heads 0..{result.top_k[0].shape[1] - 1}")
+        values, indices = (array[item, position] for array in result.top_k)
+        sparse = np.zeros((values.shape[0], kv_len), np.float32)
+        rows = np.arange(values.shape[0])[:, None].repeat(values.shape[1], axis=1)
+        kept = indices >= 0
+        sparse[rows[kept], indices[kept]] = values[kept]
+        return sparse, f"head {head}, top keys"
+    heads = result.attn_weights.shape[1]
+    if not 0 <= position < heads:
+        raise UsageError(f"--head {head}: the model has heads 0..{heads - 1} (or 'mean')")
+    return result.attn_weights[item, position], f"head {head}"
+
+
+def add_health(sub) -> None:
+    p = sub.add_parser("health", help="ask a server's grpc.health.v1 service; exit 0 only when SERVING")
+    add_connection_arguments(p)
+    p.add_argument("--timeout", type=float, default=3.0, help="deadline of the health check, seconds")
+    p.set_defaults(run=_run_health)
+
+
+def _run_health(args) -> int:
+    """For container healthchecks and scripts: one line, and the exit status says it."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from mhaserve.client.grpc import open_channel
+
+    tls, _ = connection_of(args)  # health needs no token
+    with open_channel(args.url, tls) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=args.timeout)
+        except grpc.RpcError as error:
+            print(f"{args.url}: {error.code().name}", file=sys.stderr)
+            return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(f"{args.url}: {status}")
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1

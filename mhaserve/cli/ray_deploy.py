@@ -1,0 +1,85 @@
+"""``mhaserve ray-deploy``: the model as a Ray Serve application on a running Ray cluster."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from mhaserve.contract.errors import UsageError
+
+
+def add_ray_deploy(sub) -> None:
+    p = sub.add_parser(
+        "ray-deploy",
+        help="deploy a model folder on a Ray cluster as a Ray Serve application (OIP over Ray's gRPC proxy)",
+    )
+    p.add_argument("model_dir", type=Path, help="model folder written by 'mhaserve export', at this path on every node")
+    p.add_argument("--address", default="auto", help="the cluster's address, as 'ray start' printed it (default: auto)")
+    p.add_argument("--name", default="mha", help="application and model name; clients send it as 'application' "
+                   "metadata (default mha)")  # fmt: skip
+    p.add_argument("--min-replicas", type=int, default=1, help="replicas kept however idle (default 1)")
+    p.add_argument("--max-replicas", type=int, default=2, help="replicas at most, added on load (default 2)")
+    p.add_argument("--target-ongoing-requests", type=float, default=8,
+                   help="requests in progress per replica that autoscaling aims at (default 8)")  # fmt: skip
+    p.add_argument("--replica-cpus", type=float, default=1, help="CPUs each replica reserves; ONNX Runtime runs as "
+                   "many threads (default 1)")  # fmt: skip
+    p.add_argument("--max-replicas-per-node", type=int, default=None, help="spread replicas over at least "
+                   "replicas/N nodes (default: Ray's spread, no bound)")  # fmt: skip
+    p.add_argument("--grpc-port", type=int, default=9000, help="the proxies' gRPC port (default 9000)")
+    p.add_argument("--http-port", type=int, default=8000, help="the proxies' HTTP port (default 8000)")
+    p.add_argument("--proxy-location", choices=("EveryNode", "HeadOnly"), default="EveryNode",
+                   help="a proxy on every node with a replica, or on the head only (default EveryNode)")  # fmt: skip
+    p.set_defaults(run=_run_ray_deploy)
+
+
+def _reachable(address: str, timeout_s: float = 5.0) -> bool:
+    """Whether something listens at HOST:PORT (ray.init would wait for minutes on a wrong address)."""
+    import socket
+
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def _run_ray_deploy(args) -> int:
+    from mhaserve.contract.model_dir import ModelDirError, read_manifest
+
+    try:
+        read_manifest(args.model_dir)
+    except (ModelDirError, ValueError) as error:
+        raise UsageError(f"{args.model_dir}: {error}") from None
+    if not 1 <= args.min_replicas <= args.max_replicas:
+        raise UsageError(f"need 1 <= --min-replicas <= --max-replicas, got {args.min_replicas} and {args.max_replicas}")
+    if args.address != "auto" and not _reachable(args.address):
+        raise UsageError(f"no Ray cluster answers at --address {args.address} (start one with 'ray start --head')")
+    try:
+        from mhaserve.server.ray.deployment import deploy
+    except ImportError as error:
+        raise UsageError(f"ray-deploy needs Ray Serve: pip install 'mhaserve[ray]' ({error})") from None
+    try:
+        name = deploy(
+            args.model_dir,
+            address=args.address,
+            name=args.name,
+            grpc_port=args.grpc_port,
+            http_port=args.http_port,
+            proxy_location=args.proxy_location,
+            min_replicas=args.min_replicas,
+            max_replicas=args.max_replicas,
+            target_ongoing_requests=args.target_ongoing_requests,
+            replica_cpus=args.replica_cpus,
+            max_replicas_per_node=args.max_replicas_per_node,
+        )
+    except ConnectionError as error:
+        raise UsageError(f"no Ray cluster at --address {args.address}: {error}") from None
+    except Exception as error:  # Ray's own failure (a replica that cannot start, a port taken): one line
+        message = str(error).strip().splitlines()
+        print(f"mhaserve ray-deploy: deploying failed: {type(error).__name__}: {message[-1] if message else ''}",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    print(f"application '{name}' serves the Open Inference Protocol on the proxies' gRPC port {args.grpc_port}; "
+          f"send metadata 'application: {name}' (mhaserve infer/bench --application {name})")  # fmt: skip
+    return 0

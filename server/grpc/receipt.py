@@ -1,0 +1,289 @@
+"""gRPC receipt: when a call's request is read, and what refuses it while it is still arriving.
+
+grpcio's core receives a message whole once its read is asked for, before any handler can count or refuse it, so the
+server asks for reads itself (the unary handlers are request-streaming on the server's side, the wire the same):
+RequestReader gives each unary request a short first read, one at a time and fairly across connections
+(FirstReads), then a receiving turn or a refusal; StreamSlots bounds the ModelStreamInfer streams open at once, in
+all and per client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from ..errors import ErrorKind, RequestError
+
+# The data plane's refusals as gRPC statuses (the kinds are named after them).
+GRPC_STATUS = {kind: grpc.StatusCode[kind.name] for kind in ErrorKind}
+
+
+# Requests in their first read at once (RequestReader). On loopback a whole message arrives within a first read, so
+# each one at once may add a message to what receipt holds; one, fairly shared (FirstReads), keeps small requests
+# unheld behind 16 stalled senders (BENCHMARKS.md, "Stalled senders").
+FIRST_READS_AT_ONCE = 1
+# A first read's time while every receiving turn is taken: a request already sent within the stream's window is
+# read in well under it.
+BUSY_FIRST_READ_S = 0.010
+# What a request of n bytes takes while grpcio receives it: n in its core's buffers, then a bytearray it copies
+# them into and the bytes it makes of that.
+GRPCIO_RECEIPT_COPIES = 3
+
+
+class RequestReader:
+    """Reads a call's request when its handler asks: small ones at once, large or slow ones a few at a time.
+
+    A request not yet read waits in its stream's flow-control window (256 KiB, not grown: BDP probing off) while
+    its sender is held back; once a read is asked for, gRPC's core receives the whole message, up to the receive
+    limit. So a read first runs for ``first_read_s`` without a turn: a request within the window, or one that
+    arrives that fast, is read then, whatever other senders do or fail to do. At most ``first_reads`` run at once,
+    one per connection, the calls of connections in good standing first (FirstReads): the others wait unread, so
+    what first reads take is bounded, and stalled senders queue behind themselves. A request still arriving after
+    its first read needs one of ``slots`` receiving turns (each reserves three times the receive limit in
+    --max-receiving-bytes); with none free it is refused RESOURCE_EXHAUSTED at once rather than queued (its bytes
+    would go on arriving while it waited), and one that has not arrived ``timeout_s`` after its read began is
+    refused DEADLINE_EXCEEDED. A stalled sender can hold a turn, and a first read for ``first_read_s``; never
+    another caller's small request for longer."""
+
+    def __init__(
+        self,
+        receiving_bytes: int,
+        receive_limit: int,
+        timeout_s: float,
+        first_read_s: float,
+        first_reads: int = FIRST_READS_AT_ONCE,
+        abandoned: Callable[[int], None] = lambda nbytes: None,
+    ):
+        self.slots = max(1, receiving_bytes // (GRPCIO_RECEIPT_COPIES * receive_limit))
+        self._free = self.slots
+        self._timeout_s = timeout_s
+        self._first_read_s = min(first_read_s, timeout_s)
+        self._first_reads = FirstReads(first_reads)
+        self._abandoned = abandoned  # told of a read refused part-way: grpcio may have taken up to the limit for it
+        self._receive_limit = receive_limit
+
+    async def read(self, context) -> bytes:
+        connection = context.peer()
+        await self._first_reads.acquire(connection)
+        # Timers, not a task racing the read (a task per request cost 2% of the requests a second at [1,16,512]):
+        # the read is awaited in the call's own task, and a timer that refuses it answers the call meanwhile.
+        loop, reading = asyncio.get_running_loop(), _Read(context)
+        # With every turn taken, a first read that goes long is refused, and what arrives until then is waste: it
+        # gets BUSY_FIRST_READ_S (on loopback a 96 MiB message arrives within the 25 ms a first read otherwise has).
+        first_read_s = self._first_read_s if self._free else min(self._first_read_s, BUSY_FIRST_READ_S)
+        reading.started = loop.time()
+        reading.first_read_s, reading.due = first_read_s, reading.started + first_read_s
+        # The read timeout is armed only for a read that outlasts its first read (_first_read_decided): a timer
+        # per request would keep --grpc-read-timeout-s worth of requests' timers in the loop's heap.
+        first_read_over = loop.call_later(first_read_s, self._first_read_over, reading, connection)
+        try:
+            raw = await context.read()
+        except Exception:
+            if reading.refusal is None:
+                raise
+            raw = None
+        finally:
+            reading.finished = True
+            first_read_over.cancel()
+            if reading.rearmed is not None:
+                reading.rearmed.cancel()
+            if reading.timed_out is not None:
+                reading.timed_out.cancel()
+            if reading.first:
+                self._first_reads.release(connection, went_long=False)
+            if reading.turn:
+                self._free += 1
+        if reading.refusal is not None:  # answered by _refuse: once its status is sent, the handler ends
+            await reading.answering
+            raise AlreadyAnswered
+        if raw is grpc.aio.EOF:
+            raise RequestError(ErrorKind.INVALID_ARGUMENT, "the call ended without a request message")
+        return raw
+
+    def _first_read_over(self, reading: _Read, connection: str) -> None:
+        """The first read's time is up; decided a loop tick later, so that a read whose completion is already queued
+        (a loaded loop runs its timers late) ends first. A timer late by more than its own time (a starved loop, not
+        a slow sender) gives the read that time once more."""
+        loop = asyncio.get_running_loop()
+        if loop.time() - reading.due > reading.first_read_s and reading.rearmed is None:
+            reading.rearmed = loop.call_later(reading.first_read_s, self._first_read_over, reading, connection)
+            reading.due = loop.time() + reading.first_read_s
+            return
+        loop.call_soon(self._first_read_decided, reading, connection)
+
+    def _first_read_decided(self, reading: _Read, connection: str) -> None:
+        """The request is still arriving: it takes a turn, or is refused (its bytes would go on arriving)."""
+        if reading.finished:
+            return
+        reading.first = False
+        self._first_reads.release(connection, went_long=True)
+        if self._free:
+            self._free -= 1
+            reading.turn = True
+            loop = asyncio.get_running_loop()
+            reading.timed_out = loop.call_at(reading.started + self._timeout_s, self._read_timed_out, reading)
+            return
+        self._abandoned(self._receive_limit)
+        self._refuse(
+            reading,
+            RequestError(
+                ErrorKind.RESOURCE_EXHAUSTED,
+                f"the request had not arrived {reading.first_read_s * 1000:g} ms after its read began "
+                f"(--grpc-first-read-ms), and the {self.slots} turn(s) for requests still arriving "
+                "(--max-receiving-bytes) are taken; retry",
+            ),
+        )
+
+    def _read_timed_out(self, reading: _Read) -> None:
+        self._refuse(
+            reading,
+            RequestError(
+                ErrorKind.DEADLINE_EXCEEDED,
+                f"the request did not arrive within --grpc-read-timeout-s ({self._timeout_s:g} s)",
+            ),
+        )
+
+    @staticmethod
+    def _refuse(reading: _Read, refusal: RequestError) -> None:
+        """Answer the call with ``refusal`` now, while its read is under way: the read then ends (its request is
+        never taken whole) and the call's task goes on from it. (Cancelling the task's wait on the read instead
+        left the message's bytes held for good: 50-110 MiB a burst of 32 refused 96 MiB requests.)"""
+        if reading.refusal is None:
+            reading.refusal = refusal
+            reading.answering = asyncio.ensure_future(_answer_with(reading.context, refusal))
+
+
+@dataclass
+class _Read:
+    """One call's read under way: its context, whether it holds its first read or a turn, and why it was refused."""
+
+    context: object
+    first_read_s: float = 0.0
+    started: float = 0.0  # when its read began, on the loop's clock
+    due: float = 0.0  # when its first read's time is up
+    timed_out: asyncio.TimerHandle | None = None  # the read timeout, once the read outlasts its first read
+    rearmed: asyncio.TimerHandle | None = None  # the first read's timer again, once, after a starved loop
+    finished: bool = False  # its read has ended
+    first: bool = True
+    turn: bool = False
+    refusal: RequestError | None = None
+    answering: asyncio.Future | None = None
+
+
+class AlreadyAnswered(Exception):
+    """The call was answered with its refusal while its request was still arriving."""
+
+
+async def _answer_with(context, refusal: RequestError) -> None:
+    try:
+        await context.abort(GRPC_STATUS[refusal.kind], refusal.message)
+    except BaseException:  # grpc.aio raises to end the handler that aborts; this is not the handler
+        pass
+
+
+class FirstReads:
+    """The first reads under way at once (RequestReader): at most ``limit``, one per connection. A connection whose
+    last first read went long (a stalled sender, or a large request) waits behind those whose last one did not: a
+    stalled sender that reopens its call at once queues behind itself, not before other callers' small requests.
+    Event loop only."""
+
+    REMEMBERED = 4096  # connections remembered as having gone long, the oldest forgotten first
+
+    def __init__(self, limit: int):
+        self._free = limit
+        self._busy: set[str] = set()  # connections with a first read under way
+        self._went_long: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._waiting: dict[bool, collections.deque] = {False: collections.deque(), True: collections.deque()}
+
+    async def acquire(self, connection: str) -> None:
+        suspect = connection in self._went_long
+        ahead = (self._waiting[False], self._waiting[True]) if suspect else (self._waiting[False],)
+        if self._free and connection not in self._busy and not self._eligible(ahead):
+            self._take(connection)
+            return
+        handed = asyncio.get_running_loop().create_future()
+        entry = (connection, handed)
+        self._waiting[suspect].append(entry)
+        try:
+            await handed
+        except asyncio.CancelledError:
+            if handed.done() and not handed.cancelled():  # handed a slot, then gone: pass it on
+                self.release(connection, went_long=False)
+            else:
+                self._waiting[suspect].remove(entry)
+            raise
+
+    def release(self, connection: str, went_long: bool) -> None:
+        self._free += 1
+        self._busy.discard(connection)
+        if went_long:
+            self._went_long[connection] = None
+            self._went_long.move_to_end(connection)
+            while len(self._went_long) > self.REMEMBERED:
+                self._went_long.popitem(last=False)
+        else:
+            self._went_long.pop(connection, None)
+        self._hand_on()
+
+    def _eligible(self, queues) -> bool:
+        """Whether any waiter in ``queues`` could take a free slot (its connection has no first read under way)."""
+        return any(connection not in self._busy for queue in queues for connection, _ in queue)
+
+    def _take(self, connection: str) -> None:
+        self._free -= 1
+        self._busy.add(connection)
+
+    def _hand_on(self) -> None:
+        """Free slots to the waiters first in line: those of connections in good standing, then the others."""
+        for queue in (self._waiting[False], self._waiting[True]):
+            for entry in list(queue):
+                if not self._free:
+                    return
+                connection, handed = entry
+                if connection in self._busy or handed.done():
+                    continue
+                queue.remove(entry)
+                self._take(connection)
+                handed.set_result(None)
+
+
+class StreamIdle(Exception):
+    """A stream's next request did not come within the idle timeout."""
+
+
+class StreamSlots:
+    """The ModelStreamInfer streams open at once: at most ``limit`` in all and ``per_client`` for one client (a
+    caller the server tells apart, else a connection), so that one client's idle streams cannot lock every other
+    client out of streaming."""
+
+    def __init__(self, limit: int, per_client: int):
+        self.limit, self.per_client = limit, min(per_client, limit)
+        self.open = 0
+        self._by_client: dict[str, int] = {}
+
+    def refusal(self, client: str) -> str | None:
+        if self.open >= self.limit:
+            return f"too many inference streams open: --max-inference-streams is {self.limit}; retry once one ends"
+        if self._by_client.get(client, 0) >= self.per_client:
+            return (
+                f"this client has {self.per_client} inference streams open, its share "
+                "(--max-inference-streams-per-client); end one, or send on those it has"
+            )
+        return None
+
+    @contextlib.contextmanager
+    def held(self, client: str):
+        self.open += 1
+        self._by_client[client] = self._by_client.get(client, 0) + 1
+        try:
+            yield
+        finally:
+            self.open -= 1
+            self._by_client[client] -= 1
+            if not self._by_client[client]:
+                del self._by_client[client]
