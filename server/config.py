@@ -451,7 +451,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         env = ENV_PREFIX + f.name.upper()
         convert = _converter(f.type if isinstance(f.type, str) else f.type.__name__)
         default = getattr(defaults, f.name)
-        if env in os.environ:
+        if os.environ.get(env):  # set and not empty: Compose passes an unset variable as empty
             try:
                 default = convert(os.environ[env])
             except (ValueError, argparse.ArgumentTypeError) as exc:

@@ -71,3 +71,43 @@ def test_message_limits_carry_the_largest_request_and_answer_unless_set():
     largest_answer = 4 * 2 * 8 * 64 + 4 * 2 * 5 * 8 * 8
     assert receive == largest_request + (1 << 20) and send == largest_answer + (1 << 20)
     assert settings("--max-message-bytes", "12345").message_limits(64, 4) == (12345, 12345)
+
+
+def test_compose_and_env_say_only_what_differs_from_the_defaults():
+    # A default repeated in .env or docker-compose.yml goes stale when the server's changes.
+    import re
+
+    from mhaserve.server.config import ServerSettings, parse_bool
+    from tests.support import ROOT
+
+    defaults = ServerSettings()
+    said = [line.split("=", 1) for line in (ROOT / ".env").read_text().splitlines() if line[:1].isalpha()]
+    compose = (ROOT / "docker-compose.yml").read_text()
+    said += re.findall(r"^\s+(MHASERVE_[A-Z_]+): \$\{MHASERVE_[A-Z_]+:-([^}]*)\}", compose, flags=re.M)
+    said += re.findall(r"^\s+(MHASERVE_[A-Z_]+): ([^$\s][^#\n]*?)\s*(?:#.*)?$", compose, flags=re.M)
+    repeated = []
+    for variable, value in said:
+        name = variable.removeprefix("MHASERVE_").lower()
+        if not hasattr(defaults, name) or value.strip('"') == "":
+            continue
+        default = getattr(defaults, name)
+        kind = type(default)
+        text = value.strip('"')
+        taken = parse_bool(text) if kind is bool else kind(text) if kind in (int, float) else text
+        if taken == default:
+            repeated.append(f"{variable}={value}")
+    assert not repeated, repeated
+
+
+def test_an_empty_variable_is_the_default(monkeypatch):
+    # Compose passes a variable the environment does not set as empty.
+    import argparse
+
+    from mhaserve.server.config import ServerSettings, add_server_arguments, settings_from_args
+
+    monkeypatch.setenv("MHASERVE_MAX_BATCH_SIZE", "")
+    monkeypatch.setenv("MHASERVE_DYNAMIC_BATCHING", "")
+    parser = argparse.ArgumentParser()
+    add_server_arguments(parser)
+    settings = settings_from_args(parser.parse_args([]))
+    assert (settings.max_batch_size, settings.dynamic_batching) == (ServerSettings().max_batch_size, True)
