@@ -342,8 +342,8 @@ class Batcher:
     def _run_all(self, runs: list[list[_Pending]], batch: list[_Pending], loop: asyncio.AbstractEventLoop) -> None:
         """In a worker thread: the take's runs one after another, each run's answers sent as it ends, then the
         worker freed by a wake of the event loop of its own. (Freed in the same callback as the last answers, the
-        next take came sooner and smaller under load: 7.1-7.4 rows a run against 8.7-8.9 at [1,16,512] with 16
-        callers, and fewer requests a second; BENCHMARKS.md, "Against b7536cc".)"""
+        next take came sooner and smaller under load, and fewer requests a second: BENCHMARKS.md, "Against
+        b7536cc".)"""
         try:
             for run in runs:
                 try:

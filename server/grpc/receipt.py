@@ -70,11 +70,11 @@ class RequestReader:
     async def read(self, context) -> bytes:
         connection = context.peer()
         await self._first_reads.acquire(connection)
-        # Timers, not a task racing the read (a task per request cost 2% of the requests a second at [1,16,512]):
+        # Timers, not a task racing the read (a task per request cost throughput: BENCHMARKS.md, "Hostile clients"):
         # the read is awaited in the call's own task, and a timer that refuses it answers the call meanwhile.
         loop, reading = asyncio.get_running_loop(), _Read(context)
         # With every turn taken, a first read that goes long is refused, and what arrives until then is waste: it
-        # gets BUSY_FIRST_READ_S (on loopback a 96 MiB message arrives within the 25 ms a first read otherwise has).
+        # gets BUSY_FIRST_READ_S (on loopback a large message arrives whole within a first read's usual time).
         first_read_s = self._first_read_s if self._free else min(self._first_read_s, BUSY_FIRST_READ_S)
         reading.started = loop.time()
         reading.first_read_s, reading.due = first_read_s, reading.started + first_read_s
@@ -152,7 +152,7 @@ class RequestReader:
     def _refuse(reading: _Read, refusal: RequestError) -> None:
         """Answer the call with ``refusal`` now, while its read is under way: the read then ends (its request is
         never taken whole) and the call's task goes on from it. (Cancelling the task's wait on the read instead
-        left the message's bytes held for good: 50-110 MiB a burst of 32 refused 96 MiB requests.)"""
+        left the message's bytes held for good, burst after burst: BENCHMARKS.md, "Hostile clients".)"""
         if reading.refusal is None:
             reading.refusal = refusal
             reading.answering = asyncio.ensure_future(_answer_with(reading.context, refusal))

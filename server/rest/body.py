@@ -81,8 +81,8 @@ class BodyReader:
             if receipt is not None:
                 receipt.add(declared)
             # Grown as the bytes come (a large buffer grows in place: glibc remaps it), not allocated at the declared
-            # size: zeroing 150 MiB for a client that declares it and sends 1 KB took the event loop for tens of ms
-            # and the memory at once.
+            # size: zeroing the declared size for a client that declares much and sends little would hold the event
+            # loop and the memory at once.
             body = bytearray()
             async for chunk in request.content.iter_any():
                 body += chunk
