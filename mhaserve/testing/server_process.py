@@ -87,7 +87,11 @@ class ServerProcess:
         self.proc.send_signal(signum)
 
     def wait_exit(self, timeout: float = 30.0) -> int:
-        return self.proc.wait(timeout)
+        """The exit code, once the process has ended and its last log lines are read (they may still be in the
+        pipe when it exits)."""
+        code = self.proc.wait(timeout)
+        self._reader.join(5)
+        return code
 
     @property
     def stop_line(self) -> str:
