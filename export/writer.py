@@ -30,8 +30,8 @@ from mhaserve.contract.model_dir import (
     write_manifest,
 )
 from mhaserve.model import (
-    HEADS_ATTRIBUTES,
     MultiHeadAttention,
+    declared_heads,
     load_weights,
     mask_exact_input_limit,
     module_from_state_dict,
@@ -315,11 +315,11 @@ def export_module(
     ``num_heads`` (or ``n_heads``, ``h``, ...) attribute; given as well, the two must agree.
     """
     where = type(module).__name__
-    found = [getattr(module, a) for a in HEADS_ATTRIBUTES if type(getattr(module, a, None)) is int]
-    if num_heads is not None and found and found[0] != num_heads:
-        raise UsageError(f"{where} has {found[0]} heads, num_heads={num_heads} says otherwise")
+    found = declared_heads(module)
+    if num_heads is not None and found is not None and found != num_heads:
+        raise UsageError(f"{where} has {found} heads, num_heads={num_heads} says otherwise")
     if num_heads is None:
-        num_heads = found[0] if found else None
+        num_heads = found
     served, layer = module_from_state_dict(module.state_dict(), num_heads, prefix, where)
     reference = reference_of(module.get_submodule(layer.prefix.removesuffix(".")))
     source = {

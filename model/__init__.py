@@ -1,6 +1,6 @@
 """The multi-head attention module (torch). Nothing on the serving path imports this package."""
 
-from .checkpoint import HEADS_ATTRIBUTES, CheckpointError, load_checkpoint, module_from_state_dict
+from .checkpoint import CheckpointError, declared_heads, load_checkpoint, module_from_state_dict
 from .mha import (
     DEFAULT_D_MODEL,
     DEFAULT_NUM_HEADS,
@@ -15,7 +15,7 @@ from .weights import from_torch_mha, load_weights, save_weights, seeded_module, 
 
 __all__ = [
     "CheckpointError",
-    "HEADS_ATTRIBUTES",
+    "declared_heads",
     "load_checkpoint",
     "module_from_state_dict",
     "DEFAULT_D_MODEL",

@@ -77,6 +77,11 @@ CONFIG_HEADS_KEYS = ("num_attention_heads", "num_heads", "n_head", "n_heads", "n
 CONFIG_D_MODEL_KEYS = ("hidden_size", "d_model", "n_embd", "embed_dim")
 
 
+def declared_heads(module) -> int | None:
+    """The head count a module keeps in its first attribute of HEADS_ATTRIBUTES that holds an integer, if any."""
+    return next((value for a in HEADS_ATTRIBUTES if type(value := getattr(module, a, None)) is int), None)
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     """A weights file as read: its flat state dict, and what the file says beside the tensors."""
@@ -311,9 +316,8 @@ def _walk_module(saved, prefix: str, state: dict, heads: dict) -> None:
         for key, value in saved.items():
             _walk_module(value, f"{prefix}{key}.", state, heads)
     elif isinstance(saved, _Unrun):
-        found = [getattr(saved, a) for a in HEADS_ATTRIBUTES if type(getattr(saved, a, None)) is int]
-        if found:
-            heads[prefix] = found[0]
+        if (found := declared_heads(saved)) is not None:
+            heads[prefix] = found
         for held in ("_parameters", "_buffers", "_modules"):
             members = saved.__dict__.get(held)
             if isinstance(members, Mapping):

@@ -134,20 +134,21 @@ def add_shared_memory_argument(parser) -> None:
     )  # fmt: skip
 
 
-def int_list(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x]
-    except ValueError:
-        expected = "expected whole numbers separated by commas (e.g. 1,4,16)"
-        raise argparse.ArgumentTypeError(f"{expected}, got {text!r}") from None
+def _comma_list(convert, expected: str):
+    """An argument type for numbers separated by commas, refusing what ``convert`` cannot read as ``expected``
+    says (argparse would otherwise name the function: "invalid int_list value")."""
+
+    def parse(text: str) -> list:
+        try:
+            return [convert(x) for x in text.split(",") if x]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{expected}, got {text!r}") from None
+
+    return parse
 
 
-def float_list(text: str) -> list[float]:
-    try:
-        return [float(x) for x in text.split(",") if x]
-    except ValueError:
-        expected = "expected numbers separated by commas (e.g. 100,200.5)"
-        raise argparse.ArgumentTypeError(f"{expected}, got {text!r}") from None
+int_list = _comma_list(int, "expected whole numbers separated by commas (e.g. 1,4,16)")
+float_list = _comma_list(float, "expected numbers separated by commas (e.g. 100,200.5)")
 
 
 def length_range(text: str) -> tuple[int, int]:

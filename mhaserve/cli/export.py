@@ -96,6 +96,7 @@ def _run_export(args) -> int:
     from mhaserve.export.writer import export_identity, export_model_dir
     from mhaserve.model import DEFAULT_D_MODEL, DEFAULT_NUM_HEADS, load_checkpoint, seeded_module
 
+    reference = None  # what the export is validated against, where not its own module (--trust-module)
     if args.weights:
         module, source = load_checkpoint(args.weights, args.heads, args.prefix)
         if args.d_model is not None and args.d_model != module.d_model:
@@ -104,7 +105,6 @@ def _run_export(args) -> int:
         print(f"read {source['layout']} weights at prefix {source['prefix']!r} from {args.weights}{saved}: "
               f"d_model {module.d_model} (from the shapes), {module.num_heads} heads (from {source['heads_from']})",
               file=sys.stderr)  # fmt: skip
-        reference = None
         if args.trust_module:
             if "module_class" not in source:
                 raise UsageError(f"--trust-module: {args.weights} holds tensors, not a whole saved module")
@@ -123,7 +123,6 @@ def _run_export(args) -> int:
         if args.prefix is not None or args.trust_module:
             flag = "--prefix picks a layer of" if args.prefix is not None else "--trust-module loads"
             raise UsageError(f"{flag} --weights; there is no --weights")
-        reference = None
         try:
             module = seeded_module(args.d_model or DEFAULT_D_MODEL, args.heads or DEFAULT_NUM_HEADS, args.seed)
         except ValueError as error:  # sizes that do not fit: the module's own message says how

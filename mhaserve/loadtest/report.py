@@ -11,6 +11,7 @@ from pathlib import Path
 
 from .loadgen import PointResult
 from .server_side import SPLIT_FIELDS
+from .slo import LATENCIES, summary
 
 COLUMNS = ("load", "req/s", "p50 ms", "p90 ms", "p95 ms", "p99 ms", "p99.9 ms", "max ms", "errors", "client cpu")
 
@@ -168,7 +169,7 @@ def plot_images(results: list[PointResult], title: str, slos=()) -> list[bytes]:
     for slo in slos:
         if slo.metric == "throughput":
             by_throughput.axvline(slo.limit, color="#b00020", linestyle=":", label=f"SLO {slo.text}")
-        elif slo.metric != "errors":
+        elif slo.metric in LATENCIES:
             for ax in (by_throughput, by_load):
                 ax.axhline(slo.limit, color="#b00020", linestyle="--", label=f"SLO {slo.text}")
     for ax in (by_throughput, by_load):
@@ -189,7 +190,7 @@ def plot_images(results: list[PointResult], title: str, slos=()) -> list[bytes]:
             ax.hist(r.latencies_ms, bins=bins, histtype="step", label=r.point.label)
         ax.set_xscale("log")
     for slo in slos:
-        if slo.metric not in ("throughput", "errors"):
+        if slo.metric in LATENCIES:
             ax.axvline(slo.limit, color="#b00020", linestyle="--", label=f"SLO {slo.text}")
     ax.set_xlabel("latency (ms)")
     ax.set_ylabel("requests")
@@ -224,7 +225,6 @@ def write_html(results: list[PointResult], path: Path, meta: dict, judged: list[
     """One self-contained file: the verdict (PASS or FAIL per SLO and for the run), what was run, the table with
     each point's SLO verdicts, the server's side of each point, the rounds' spread and the plots with the SLOs
     drawn, embedded; nothing is fetched when it is opened."""
-    from .slo import summary
 
     def cells(values, tag="td") -> str:
         return "".join(

@@ -92,10 +92,8 @@ def summary(results: list[PointResult], slos: list[Slo]) -> list[dict]:
     lines = []
     for slo in slos:
         observed = [slo.observed(r) for r in results]
-        # The worst point: the lowest throughput, else the highest latency or error rate (an unanswered point first).
-        pick = min if slo.metric == "throughput" else max
-        worst = pick(range(len(results)), key=lambda i: (math.inf if slo.metric != "throughput" else -math.inf)
-                     if np.isnan(observed[i]) else observed[i])  # fmt: skip
+        shortfalls = [_shortfall(slo, value) for value in observed]
+        worst = shortfalls.index(max(shortfalls))
         lines.append({
             "slo": slo.text,
             "passed": all(slo.held(r) for r in results),
@@ -103,6 +101,14 @@ def summary(results: list[PointResult], slos: list[Slo]) -> list[dict]:
             "at": results[worst].point.label,
         })  # fmt: skip
     return lines
+
+
+def _shortfall(slo: Slo, observed: float) -> float:
+    """How far a point is from holding ``slo``, to find its worst: an unanswered point first, else the lowest
+    throughput, or the highest latency or error rate."""
+    if np.isnan(observed):
+        return math.inf
+    return -observed if slo.metric == "throughput" else observed
 
 
 def summary_lines(summarised: list[dict]) -> list[str]:
