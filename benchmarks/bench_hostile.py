@@ -27,10 +27,10 @@ from bench_revisions import baseline_checkout
 
 from mhaserve.client.grpc import build_infer_request
 from mhaserve.export.default_model import ensure_default_model
+from mhaserve.loadtest.server_process import ServerProcess
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
 from mhaserve.testing.raw_grpc import ZeroWindowGrpcClient
-from mhaserve.testing.server_process import ServerProcess
 
 D = 512
 STALLERS = (1, 4, 16)

@@ -36,7 +36,7 @@ import numpy as np
 from mhaserve.client.grpc import Client
 from mhaserve.export.default_model import ensure_default_model
 from mhaserve.loadtest.loadgen import LoadGenerator, Point, Workload
-from mhaserve.testing.server_process import ServerProcess, free_port
+from mhaserve.loadtest.server_process import ServerProcess, free_port
 
 SHAPES = (16, 128)
 CONCURRENCY = (1, 16)

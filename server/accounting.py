@@ -38,6 +38,10 @@ IDLE_RELEASE_S = 2.0
 # Low, because a gRPC message takes several times its size in gRPC's buffers while it is received
 # (BENCHMARKS.md, "Memory while requests are received").
 RECEIVED_BYTES_BEFORE_TRIM = 8 << 20
+# Received bytes dropped during a burst, past which the heap is trimmed at once, not only once idle: each of gRPC's
+# threads receives into an arena of its own, which keeps what it freed, so a burst of large messages received one
+# after another would otherwise hold about one message per arena.
+RECEIVED_BYTES_BEFORE_BUSY_TRIM = 256 << 20
 
 
 class Receipt:
@@ -117,6 +121,8 @@ class RequestAccounting:
         self._sessions = sessions  # the sessions whose arenas an idle release empties
         self._idle_release: asyncio.TimerHandle | None = None  # armed when the budget becomes idle
         self._received_since_release = 0  # request bodies received and freed since the last idle release
+        self._received_since_trim = 0  # ... and since the heap was last trimmed
+        self._trimming = None  # the heap's trim under way during a burst
         self.requests_in_flight = 0  # inference calls inside a handler (event loop only)
         self.outcomes: Counter[str] = Counter()  # inference calls by final status since start
 
@@ -153,14 +159,25 @@ class RequestAccounting:
     def received_released(self, nbytes: int) -> None:
         """A request body's bytes, counted while it was received, leave the budget (admitted, the request's
         inputs are counted instead; refused, they are freed)."""
-        self._received_since_release += nbytes
+        self._received(nbytes)
         self._release(nbytes)
 
     def received_dropped(self, nbytes: int) -> None:
         """A request received (whole, or in part and abandoned) and refused before it was counted: its pages are
         given back once idle."""
-        self._received_since_release += nbytes
+        self._received(nbytes)
         self._release(0)
+
+    def _received(self, nbytes: int) -> None:
+        self._received_since_release += nbytes
+        self._received_since_trim += nbytes
+        if self._received_since_trim >= RECEIVED_BYTES_BEFORE_BUSY_TRIM and self._trimming is None:
+            self._received_since_trim = 0
+            self._trimming = self._executor.submit(release_free_memory)
+            self._trimming.add_done_callback(self._trimmed)
+
+    def _trimmed(self, _) -> None:
+        self._trimming = None  # a thread's callback: a plain assignment, read on the loop
 
     def admit(self, request_bytes: int, rows: int, workspace: int) -> object:
         """Take a request's share of max_inflight_bytes, for every model together, or refuse it."""

@@ -272,6 +272,17 @@ class ServerSettings:
         section="limits and memory",
         rule=at_least(1),
     )
+    # grpcio receives a stream's next message whole as soon as its read is asked for, and a stream waiting for its
+    # next request cannot be told from one receiving it: only the number of streams reading at once bounds them.
+    stream_reads_at_once: int = setting(
+        0,
+        "ModelStreamInfer streams that may be reading their next request at once (0: every open stream); others "
+        "wait to read, their senders held to HTTP/2's stream window. Bounds what streams hold while receiving to "
+        "three times this x --max-message-bytes, at a price: a stream waiting for a request it is not yet sent "
+        "holds its read, so streams beyond this many wait on the streams that are idle",
+        section="limits and memory",
+        rule=at_least(0),
+    )
     stream_idle_timeout_s: float = setting(
         120.0,
         "seconds a ModelStreamInfer stream may wait for its next request; then it is ended DEADLINE_EXCEEDED and "

@@ -51,10 +51,10 @@ from mhaserve.contract.signature import PRECISIONS
 from mhaserve.export.writer import export_model_dir
 from mhaserve.loadtest.loadgen import LoadGenerator, Workload, default_processes
 from mhaserve.loadtest.loadgen import Point as LoadPoint
+from mhaserve.loadtest.server_process import ServerProcess
 from mhaserve.model.weights import seeded_module
 from mhaserve.server.session import AttentionSession, StepCache
 from mhaserve.server.tensors import weights_dtype
-from mhaserve.testing.server_process import ServerProcess
 
 # (batch, length, d_model, heads)
 SHAPES = [(1, 16, 512, 8), (1, 128, 512, 8), (8, 512, 512, 8), (32, 128, 768, 12), (1, 2048, 4096, 32)]

@@ -4,7 +4,7 @@ grpcio's core receives a message whole once its read is asked for, before any ha
 server asks for reads itself (the unary handlers are request-streaming on the server's side, the wire the same):
 RequestReader gives each unary request a short first read, one at a time and fairly across connections
 (FirstReads), then a receiving turn or a refusal; StreamSlots bounds the ModelStreamInfer streams open at once, in
-all and per client.
+all and per client, and StreamReads those reading their next request at once.
 """
 
 from __future__ import annotations
@@ -254,6 +254,50 @@ class FirstReads:
 
 class StreamIdle(Exception):
     """A stream's next request did not come within the idle timeout."""
+
+
+class StreamReads:
+    """The ModelStreamInfer streams reading their next request at once: at most ``limit`` (0: any number), the
+    others waiting their turn in order, their senders held to the stream's flow-control window. A stream reads from
+    asking for its next request until it has it whole, idle or not: grpcio receives a read's message whole, so only
+    their number bounds what streams take while receiving. Event loop only."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._reading = 0
+        self._waiting: collections.deque[asyncio.Future] = collections.deque()
+
+    @contextlib.asynccontextmanager
+    async def reading(self):
+        if not self.limit:
+            yield
+            return
+        if self._reading < self.limit and not self._waiting:
+            self._reading += 1
+        else:
+            handed = asyncio.get_running_loop().create_future()
+            self._waiting.append(handed)
+            try:
+                await handed
+            except asyncio.CancelledError:
+                if handed.done() and not handed.cancelled():  # handed the read, then gone: pass it on
+                    self._hand_on()
+                else:
+                    self._waiting.remove(handed)
+                raise
+        try:
+            yield
+        finally:
+            self._hand_on()
+
+    def _hand_on(self) -> None:
+        """A read ends: the first stream still waiting reads next (the count stays), else one reads fewer."""
+        while self._waiting:
+            handed = self._waiting.popleft()
+            if not handed.done():
+                handed.set_result(None)
+                return
+        self._reading -= 1
 
 
 class StreamSlots:

@@ -20,7 +20,7 @@ from ..dataplane import DataPlane, InferenceCall
 from ..errors import ErrorKind, RequestError
 from ..security import Callers
 from .protobuf import decode_grpc_request, encode_grpc_response, grpc_decodes_slowly
-from .receipt import GRPC_STATUS, AlreadyAnswered, RequestReader, StreamIdle, StreamSlots
+from .receipt import GRPC_STATUS, AlreadyAnswered, RequestReader, StreamIdle, StreamReads, StreamSlots
 
 log = logging.getLogger("mhaserve.server")
 
@@ -276,8 +276,8 @@ class ReceivedMessage:
 
     async def counted_and_parsed(self, call: InferenceCall):
         call.bytes_in = len(self._raw)
-        call.receipt.add_received(PARSE_COPIES * len(self._raw))
-        try:
+        try:  # refused by the budget or parsed, the bytes go now: a stream holds its message while it reads on
+            call.receipt.add_received(PARSE_COPIES * len(self._raw))
             return await _parsed(self._request_class, self._raw, self._off_loop_if_large)
         except DecodeError:
             raise RequestError(ErrorKind.INVALID_ARGUMENT, _undecodable(self._request_class, self._raw)) from None
@@ -330,27 +330,31 @@ def _forget_locals(error: BaseException | None) -> None:
         error = error.__context__
 
 
-def _parsing_stream(behavior, request_class, off_loop_if_large, slots: StreamSlots, idle_timeout_s: float, caller_of):
-    """A stream reads its next request only once the last one is answered; each open stream may be receiving
-    one, so the number open at once is what bounds them (a read turn held by an idle stream would stall every
-    other call). A stream whose next request has not come within ``idle_timeout_s`` is ended DEADLINE_EXCEEDED,
-    its slot freed."""
+def _parsing_stream(
+    behavior, request_class, off_loop_if_large, slots: StreamSlots, reads: StreamReads, idle_timeout_s: float, caller_of
+):
+    """A stream reads its next request only once the last one is answered, and while ``reads`` lets it: each
+    stream reading may be receiving a request, so the number reading at once (else the number open) is what bounds
+    them. A stream whose next request has not come within ``idle_timeout_s`` of its read is ended
+    DEADLINE_EXCEEDED, its slot freed."""
 
-    async def handle(raw_iterator, context):
+    async def handle(_, context):
         client = caller_of(context) or context.peer()  # a connection, where callers are not told apart
         refusal = slots.refusal(client)
         if refusal is not None:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
 
         async def requests():  # one bad message is that message's error, not the stream's end
-            received = raw_iterator.__aiter__()
             while True:
                 try:
-                    raw = await asyncio.wait_for(received.__anext__(), idle_timeout_s)
-                except StopAsyncIteration:
-                    return
+                    async with reads.reading():  # idle only once reading: till then its request may be waiting
+                        # context.read(), not the request iterator: grpcio's iterator keeps each message in its
+                        # frame until the next one comes, so every open stream would hold its last request.
+                        raw = await asyncio.wait_for(context.read(), idle_timeout_s)
                 except asyncio.TimeoutError:  # not yet the built-in TimeoutError on Python 3.10
                     raise StreamIdle from None
+                if raw is grpc.aio.EOF:
+                    return
                 yield ReceivedMessage(raw, request_class, off_loop_if_large)
                 raw = None
 
@@ -401,6 +405,7 @@ def add_inference_service(servicer: InferenceServicer, server) -> None:
         abandoned=dataplane.accounting.received_dropped,
     )
     streams = StreamSlots(settings.max_inference_streams, settings.max_inference_streams_per_client)
+    stream_reads = StreamReads(settings.stream_reads_at_once)
     handlers = {}
     for method in service.methods:
         request_class = getattr(pb, method.input_type.name)
@@ -409,7 +414,13 @@ def add_inference_service(servicer: InferenceServicer, server) -> None:
         if method.client_streaming and method.server_streaming:
             handler = grpc.stream_stream_rpc_method_handler(
                 _parsing_stream(
-                    behavior, request_class, parse, streams, settings.stream_idle_timeout_s, servicer.caller
+                    behavior,
+                    request_class,
+                    parse,
+                    streams,
+                    stream_reads,
+                    settings.stream_idle_timeout_s,
+                    servicer.caller,
                 ),
                 response_serializer=serialize,
             )

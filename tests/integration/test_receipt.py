@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import queue
 import socket
 import subprocess
 import sys
@@ -20,12 +21,14 @@ import urllib.error
 import urllib.request
 import zlib
 
+import grpc
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
-from mhaserve.client.grpc import Client
+from mhaserve.client.grpc import Client, build_infer_request, parse_infer_response
 from mhaserve.loadtest.checked_load import peak_rss_mib, reset_peak_rss, rss_mib
+from mhaserve.protos.generated import grpc_service_pb2 as pb
 from tests.support import SMALL_D_MODEL, eager, rand
 
 D = SMALL_D_MODEL
@@ -164,14 +167,15 @@ def test_a_slow_chunked_upload_holds_its_share_while_it_arrives(start_server, sm
     assert "inputs" in answered
 
 
-# Sends `count` ModelInfer messages of about `mib` MiB at once, each on a connection of its own, and prints each
-# call's status. In its own process, so that the server's RSS is measured alone.
+# Sends `count` ModelInfer messages of about `mib` MiB at once (or, with `stream`, one on a ModelStreamInfer stream
+# each), each on a connection of its own, and prints each call's status. In its own process, so that the server's
+# RSS is measured alone.
 GRPC_SENDER = r"""
-import sys, threading
+import sys, threading, time
 import grpc
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 
-url, mib, count, width = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+url, mib, count, width, rpc = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 rows = (mib << 20) // (4 * width)
 tensor = pb.ModelInferRequest.InferInputTensor(name="query", datatype="FP32", shape=[1, rows, width])
 wire = pb.ModelInferRequest(model_name="mha", inputs=[tensor], raw_input_contents=[bytes(4 * rows * width)])
@@ -182,20 +186,38 @@ statuses = []
 def send():
     options = [("grpc.max_send_message_length", -1), ("grpc.use_local_subchannel_pool", 1)]
     with grpc.insecure_channel(url, options=options) as channel:
-        call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
         start.wait()
         try:
-            call(wire, timeout=120)
-            statuses.append("OK")
+            if rpc.startswith("stream"):  # "stream-held": the stream stays open, idle, until stdin closes
+                call = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer")
+                answers = call(held(wire), timeout=120)
+                answer = pb.ModelStreamInferResponse.FromString(next(answers))
+                statuses.append(answer.error_message or "OK")
+                release.wait()
+            else:
+                channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")(wire, timeout=120)
+                statuses.append("OK")
         except grpc.RpcError as error:
             statuses.append(f"{error.code().name}: {error.details()}")
 
-threads = [threading.Thread(target=send) for _ in range(count)]
+release = threading.Event()
+
+def held(wire):
+    yield wire
+    if rpc == "stream-held":
+        release.wait()
+
+threads = [threading.Thread(target=send, daemon=True) for _ in range(count)]
 for thread in threads:
     thread.start()
+while len(statuses) < count and any(thread.is_alive() for thread in threads):
+    time.sleep(0.05)
+print("\n".join(statuses), flush=True)
+if rpc == "stream-held":
+    sys.stdin.read()
+release.set()
 for thread in threads:
     thread.join()
-print("\n".join(statuses))
 """
 MESSAGE_MIB, BUDGET_MIB = 96, 256
 GRPC_LIMITS = (
@@ -204,14 +226,17 @@ GRPC_LIMITS = (
 )  # fmt: skip
 
 
-def grpc_messages_at_once(server, mib: int, count: int, settle: float = 3.5) -> tuple[list[str], float, float, float]:
-    """``count`` messages of ``mib`` MiB (of the wrong width) at once: their statuses, the server's idle RSS,
-    its peak over idle while they arrived, and its RSS over idle ``settle`` seconds later."""
+def grpc_messages_at_once(
+    server, mib: int, count: int, settle: float = 3.5, rpc: str = "unary"
+) -> tuple[list[str], float, float, float]:
+    """``count`` messages of ``mib`` MiB (of the wrong width) at once, as ModelInfer calls or one on each of
+    ``count`` ModelStreamInfer streams (``rpc="stream"``): their statuses, the server's idle RSS, its peak over idle
+    while they arrived, and its RSS over idle ``settle`` seconds later."""
     time.sleep(1.0)
     pid = server.proc.pid
     idle = rss_mib(pid)
     reset_peak_rss(pid)
-    done = subprocess.run([sys.executable, "-c", GRPC_SENDER, server.url, str(mib), str(count), str(D + 1)],
+    done = subprocess.run([sys.executable, "-c", GRPC_SENDER, server.url, str(mib), str(count), str(D + 1), rpc],
                           capture_output=True, text=True, timeout=180)  # fmt: skip
     assert done.returncode == 0, done.stderr
     peak = peak_rss_mib(pid) - idle
@@ -240,3 +265,76 @@ def test_grpc_receipt_stays_bounded_however_many_connections_send_at_once(
     with Client(server.url) as client:  # and it serves as before
         query = rand(1, 5, D, seed=4)
         np.testing.assert_allclose(client.infer(query).output, eager(small_module, query)[0], atol=1e-5)
+
+
+@pytest.mark.perf
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/PID/status")
+def test_streams_reading_a_few_at_a_time_stay_within_the_budget(start_server_process, small_model_dir):
+    """grpcio receives a stream's next message whole once its read is asked for; with --stream-reads-at-once the
+    streams read one at a time, the others held to their window, so 16 streams sending 96 MiB each stay within
+    idle + the budget + 512 MiB as unary calls do (every open stream reading at once took +1.1 to +2.3 GiB)."""
+    server = start_server_process(small_model_dir, *GRPC_LIMITS, "--stream-reads-at-once", "1")
+    for count in (8, 16):
+        statuses, idle, peak, after = grpc_messages_at_once(server, mib=MESSAGE_MIB, count=count, rpc="stream")
+        print(f"\n{count} streams x {MESSAGE_MIB} MiB, 1 reading at a time, {BUDGET_MIB} MiB budget: "
+              f"peak {peak:+.0f} MiB, 3.5 s after {after:+.0f} MiB over {idle:.0f} MiB")  # fmt: skip
+        assert len(statuses) == count
+        assert all(s.startswith(("INVALID_ARGUMENT", "RESOURCE_EXHAUSTED")) for s in statuses), statuses
+        assert peak < BUDGET_MIB + 512, f"peak {peak:.0f} MiB over idle with {count} streams"
+        assert after < 2 * MESSAGE_MIB, f"{after:.0f} MiB still held 3.5 s after"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/PID/status")
+def test_an_open_stream_holds_no_request_it_has_answered(start_server_process, small_model_dir):
+    """grpcio's request iterator keeps each message until the next one comes: 8 open streams, each answered for
+    its one 96 MiB request, held 8 x 96 MiB while they stayed open. Read with context.read(), they hold none."""
+    server = start_server_process(small_model_dir, *GRPC_LIMITS)
+    time.sleep(1.0)
+    idle = rss_mib(server.proc.pid)
+    count = 8
+    sender = subprocess.Popen(
+        [sys.executable, "-c", GRPC_SENDER, server.url, str(MESSAGE_MIB), str(count), str(D + 1), "stream-held"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        statuses = [sender.stdout.readline().strip() for _ in range(count)]  # every stream answered, all open
+        time.sleep(3.5)
+        held = rss_mib(server.proc.pid) - idle
+    finally:
+        sender.stdin.close()
+        sender.wait(timeout=60)
+    print(f"\n{count} open streams, each answered for one {MESSAGE_MIB} MiB request: {held:+.0f} MiB over idle")
+    assert all(s.startswith(("INVALID_ARGUMENT", "RESOURCE_EXHAUSTED")) for s in statuses), statuses
+    assert held < 2 * MESSAGE_MIB, f"{held:.0f} MiB held by {count} open streams"
+
+
+def test_a_stream_waits_to_read_while_the_streams_reading_are_idle_and_reads_once_one_ends(
+    start_server, small_model_dir, small_module
+):
+    """The price of --stream-reads-at-once, bounded: a stream reading but idle holds its read until its idle
+    timeout ends it, and the stream waiting behind it is answered then, not lost."""
+    server = start_server(small_model_dir, "--stream-reads-at-once", "1", "--stream-idle-timeout-s", "1.5")
+    query = rand(1, 3, D, seed=9)
+    with grpc.insecure_channel(server.url) as channel:
+        stream = channel.stream_stream(
+            "/inference.GRPCInferenceService/ModelStreamInfer",
+            request_serializer=pb.ModelInferRequest.SerializeToString,
+            response_deserializer=pb.ModelStreamInferResponse.FromString,
+        )
+        idle_requests = queue.Queue()
+        idle = stream(iter(idle_requests.get, None), timeout=30)  # open, sending nothing: it reads, idle
+        time.sleep(0.3)
+        started = time.monotonic()
+        answer = next(stream(iter([build_infer_request("mha", query)]), timeout=30))
+        waited = time.monotonic() - started
+        with pytest.raises(grpc.RpcError) as ended:
+            next(idle)
+        idle_requests.put(None)
+    assert (
+        ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "--stream-idle-timeout-s" in ended.value.details()
+    )
+    assert 0.8 < waited < 10, f"answered after {waited:.2f} s"
+    assert not answer.error_message
+    np.testing.assert_allclose(
+        parse_infer_response(answer.infer_response).output, eager(small_module, query)[0], atol=1e-5
+    )

@@ -513,7 +513,7 @@ def test_health_command_says_serving_or_fails(server):
     import subprocess
     import sys
 
-    from mhaserve.testing.server_process import free_port
+    from mhaserve.loadtest.server_process import free_port
 
     command = [sys.executable, "-m", "mhaserve.cli", "health", "--url"]
     serving = subprocess.run([*command, server.url], capture_output=True, text=True, timeout=60)

@@ -1,14 +1,17 @@
 """Small pieces at the transports' and the load test's edges, each alone: the stream slots (how many inference
-streams one client may hold), a folder taken for a repository, and a load test's verdict per SLO."""
+streams one client may hold) and reads (how many read at once), a folder taken for a repository, and a load test's
+verdict per SLO."""
 
 from __future__ import annotations
+
+import asyncio
 
 import numpy as np
 
 from mhaserve.contract.repository import ModelRepository
 from mhaserve.loadtest.loadgen import Point, PointResult, Workload
 from mhaserve.loadtest.slo import parse_slo, summary, summary_lines
-from mhaserve.server.grpc.receipt import StreamSlots
+from mhaserve.server.grpc.receipt import StreamReads, StreamSlots
 
 
 def test_one_client_holds_its_share_of_the_streams_and_the_rest_stay_open_to_others():
@@ -56,3 +59,39 @@ def test_each_slo_passes_only_if_it_held_at_every_point_and_names_its_worst():
         "PASS  throughput>1000  (worst: 1800.0/s at concurrency 16)",
         "PASS: 2 of 2 SLOs held",
     ]
+
+
+def test_streams_read_a_few_at_a_time_in_the_order_they_asked_and_a_stream_gone_passes_its_turn_on():
+    async def scenario():
+        reads, order = StreamReads(limit=1), []
+
+        async def stream(name: str, hold: asyncio.Event):
+            async with reads.reading():
+                order.append(name)
+                await hold.wait()
+
+        first, second, third = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        a = asyncio.create_task(stream("a", first))
+        await asyncio.sleep(0)
+        b = asyncio.create_task(stream("b", second))
+        c = asyncio.create_task(stream("c", third))
+        await asyncio.sleep(0.01)
+        assert order == ["a"]  # one reads; the others wait, unread
+        b.cancel()  # gone while waiting: it takes no turn
+        first.set()
+        third.set()
+        await asyncio.gather(a, c)
+        assert order == ["a", "c"]
+        async with reads.reading():  # every turn given back
+            pass
+
+    asyncio.run(scenario())
+
+
+def test_with_no_limit_every_stream_reads_at_once():
+    async def scenario():
+        reads = StreamReads(limit=0)
+        async with reads.reading(), reads.reading(), reads.reading():
+            return True
+
+    assert asyncio.run(scenario())

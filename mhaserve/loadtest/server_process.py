@@ -1,4 +1,4 @@
-"""A real ``mhaserve serve`` process on 127.0.0.1, started and stopped by tests and benchmarks; its log is kept."""
+"""A real ``mhaserve serve`` process on 127.0.0.1, started and stopped by tune, tests and benchmarks; its log kept."""
 
 from __future__ import annotations
 
