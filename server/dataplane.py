@@ -431,7 +431,7 @@ class InferenceCall(CallRecord):
     def _checked(self, request: InferenceRequest) -> AttentionRequest:
         """The request, its inputs in shared memory read, checked against the version it resolved to."""
         self._regions.read_inputs(request.shared_inputs, request.inputs)
-        return attention_request(request, self.served.signature, self._dataplane.limits)
+        return attention_request(request, self.served.signature, self.served.limits or self._dataplane.limits)
 
     def admit(self, attention: AttentionRequest, signature: ModelSignature) -> None:
         """Its decoded inputs, its answer and its run's workspace taken in the budget, or refused."""

@@ -25,9 +25,11 @@ from mhaserve.contract.signature import ModelSignature
 from .batcher import Batcher
 from .errors import ErrorKind, RequestError
 from .metrics import ModelMetrics
+from .model_config import ModelSettings
 from .sequences import StepRuns
 from .session import AttentionSession
 from .statistics import ModelStatistics
+from .tensors import Limits
 
 log = logging.getLogger("mhaserve.server")
 
@@ -45,6 +47,8 @@ class ServedModel:
     metrics: ModelMetrics
     stats: ModelStatistics = field(default_factory=ModelStatistics)
     steps: StepRuns | None = None  # its sequences' steps, where its folder has a step graph
+    limits: Limits | None = None  # what one request may carry, with its model's own batch cap
+    settings: ModelSettings | None = None  # how it is served: its config.pbtxt over the server's settings
     requests_in_flight: int = 0  # inference calls resolved to this version and not yet answered
     idle: asyncio.Event = field(default_factory=asyncio.Event)  # set whenever requests_in_flight is 0
     sequences_live: int = 0  # sequences started on this version and not yet ended
@@ -101,7 +105,7 @@ class ModelNotFound(RequestError):
 class VersionLoader(Protocol):
     """What makes and takes apart served versions (server.versions.VersionFactory)."""
 
-    async def load(self, name: str, number: int, model_dir: Path) -> ServedModel: ...
+    async def load(self, name: str, number: int, model_dir: Path, config_dir: Path) -> ServedModel: ...
 
     async def unload(self, served: ServedModel) -> None: ...
 
@@ -202,7 +206,7 @@ class ModelRegistry:
         name = str(read_manifest(self.single_dir).get("name") or "mha")
         self.models[name] = {1: VersionState(LOADING)}
         try:
-            served = await self._versions.load(name, 1, self.single_dir)
+            served = await self._versions.load(name, 1, self.single_dir, self.single_dir)
         except BaseException:
             del self.models[name]
             raise
@@ -292,7 +296,8 @@ class ModelRegistry:
             # Taken before loading, whether the load succeeds or fails: a folder still being written while it
             # loads (read half old, half new) differs from this stamp at the next poll, which tries it again.
             stamp = self.repository.version_stamp(name, number)  # a file linked out of the repository is refused
-            served = await self._versions.load(name, number, self.repository.version_dir(name, number))
+            version_dir = self.repository.version_dir(name, number)
+            served = await self._versions.load(name, number, version_dir, version_dir.parent)
         except (ModelDirError, RepositoryPathError, ValueError, RuntimeError) as error:
             reason = str(error)
             if replaced is not None:

@@ -42,6 +42,8 @@ class Limits:
     max_batch_size: int
     max_q_len: int
     max_kv_len: int
+    set_by: str = ""  # the model's config.pbtxt, where it sets one of these (``configured``); else the server's flags
+    configured: tuple[str, ...] = ()
 
 
 @dataclass
@@ -170,10 +172,12 @@ def build_request(
         ("key", "kv_len", kv_len, "max_kv_len"),
     ):
         if size > getattr(limits, limit):
+            set_by = f"the server's --{limit.replace('_', '-')} raises it"
+            if limit in limits.configured:
+                set_by = f"set by {limits.set_by}"
             raise RequestError(
                 ErrorKind.RESOURCE_EXHAUSTED,
-                f"input '{tensor}': {what} {size} exceeds the limit {limit}={getattr(limits, limit)} (the server's "
-                f"--{limit.replace('_', '-')} raises it)",
+                f"input '{tensor}': {what} {size} exceeds the limit {limit}={getattr(limits, limit)} ({set_by})",
             )
     checked = []
     for name in ("query", "key", "value"):

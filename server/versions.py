@@ -19,6 +19,7 @@ from .config import ServerSettings
 from .malloc import release_free_memory
 from .memory import MemoryBudget, run_workspace_bytes
 from .metrics import Metrics
+from .model_config import ModelSettings, model_settings
 from .registry import ServedModel
 from .run_cost import RunCost
 from .sequences import StepRuns
@@ -46,9 +47,12 @@ class VersionFactory:
         # workers for its seconds of session creation and warm-up (at the same lowered priority).
         self._loader = lowered_pool(1, "load", settings.inference_nice)
 
-    async def load(self, name: str, number: int, model_dir: Path) -> ServedModel:
+    async def load(self, name: str, number: int, model_dir: Path, config_dir: Path) -> ServedModel:
+        """Version ``number`` of ``name`` from ``model_dir``, served as ``config_dir``'s config.pbtxt says (the
+        server's settings where it says nothing)."""
         loop = asyncio.get_running_loop()
-        session, run_cost = await loop.run_in_executor(self._loader, self._open_session, model_dir)
+        model = model_settings(self.settings, config_dir)
+        session, run_cost = await loop.run_in_executor(self._loader, self._open_session, model_dir, model)
         version = str(number)
         stats = ModelStatistics()
         batcher: Batcher | None = None
@@ -64,11 +68,11 @@ class VersionFactory:
         batcher = Batcher(
             session.run,
             self._executor,
-            workers=self.settings.inference_workers,
-            max_batch_size=self.settings.max_batch_size,
-            max_queue_size=self.settings.max_queue_size,
-            max_queue_delay_s=self.settings.max_queue_delay_us / 1e6,
-            enabled=self.settings.dynamic_batching,
+            workers=model.inference_workers,
+            max_batch_size=model.max_batch_size,
+            max_queue_size=model.max_queue_size,
+            max_queue_delay_s=model.max_queue_delay_us / 1e6,
+            enabled=model.dynamic_batching,
             on_batch=on_batch,
             run_cost=run_cost,
             computed_in=session.info.computed_in,
@@ -91,29 +95,32 @@ class VersionFactory:
                 "limits bound at start (%d/%d): its largest calls will be refused; restart, or set --max-message-bytes",
                 name, version, signature.d_model, *needed, *self.message_limits,
             )  # fmt: skip
+        configured = f" configured by {model.source}" if model.source else ""
         log.info(
             "loaded model=%s version=%s d_model=%d heads=%d precision=%s opset=%s provider=%s output_only_graph=%s "
-            "from %s",
+            "from %s%s",
             name, version, signature.d_model, signature.num_heads, signature.precision, session.info.opset,
-            session.provider, "yes" if session.has_output_only_graph else "no", model_dir,
+            session.provider, "yes" if session.has_output_only_graph else "no", model_dir, configured,
             extra={"model": name, "version": str(version)},
         )  # fmt: skip
         steps = None
         if session.serves_sequences:
-            steps = StepRuns(session, self._executor, self.settings.max_batch_size, self.metrics.step_runs_made)
-        return ServedModel(signature, model_dir, session, batcher, model_metrics, stats, steps=steps)
+            steps = StepRuns(session, self._executor, model.max_batch_size, self.metrics.step_runs_made)
+        limits = model.limits(self.settings)
+        return ServedModel(signature, model_dir, session, batcher, model_metrics, stats, steps=steps, limits=limits,
+                           settings=model)  # fmt: skip
 
-    def _open_session(self, model_dir: Path) -> tuple[AttentionSession, RunCost | None]:
+    def _open_session(self, model_dir: Path, model: ModelSettings) -> tuple[AttentionSession, RunCost | None]:
         session = AttentionSession(
             model_dir,
             self.settings.device,
-            self.settings.intra_op_threads,
+            model.intra_op_threads,
             cuda_tf32=self.settings.cuda_tf32,
-            output_only=self.settings.output_only_graph,
+            output_only=model.output_only_graph,
         )
         session.warm_up(self.settings.warmup_runs)
         run_cost = None
-        if self.settings.dynamic_batching and self.settings.length_aware_batching:
+        if model.dynamic_batching and model.length_aware_batching:
             run_cost = self._fit_run_cost(session)
         return session, run_cost
 

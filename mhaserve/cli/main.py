@@ -1,4 +1,4 @@
-"""The ``mhaserve`` command: export, validate, serve, infer, bench, health, ray-deploy.
+"""The ``mhaserve`` command: export, validate, serve, infer, bench, tune, health, ray-deploy.
 
 Each subcommand imports what it needs when it runs, so ``serve`` and ``infer`` never load torch."""
 
@@ -16,6 +16,7 @@ from .export import add_export, add_validate
 from .infer import add_health, add_infer
 from .ray_deploy import add_ray_deploy
 from .serve import add_serve
+from .tune import add_tune
 
 
 class _Parser(argparse.ArgumentParser):
@@ -33,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve(sub)
     add_infer(sub)
     add_bench(sub)
+    add_tune(sub)
     add_health(sub)
     add_ray_deploy(sub)
     return parser

@@ -16,6 +16,7 @@ from pathlib import Path
 # One path component a human would type: no separators, no leading dot (so no '.', '..' or hidden folders).
 MODEL_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
 VERSION = re.compile(r"[1-9][0-9]{0,8}")
+MODEL_CONFIG_FILE = "config.pbtxt"  # a model's own configuration, beside its version folders (server.model_config)
 
 
 class RepositoryPathError(ValueError):
@@ -79,7 +80,8 @@ class ModelRepository:
     def version_stamp(self, name: str, number: int) -> tuple:
         """What the version's folder holds now, as the file system identifies it: the folder's own device and
         inode, and each file's relative name, device, inode, size and modification time (a symlinked file by
-        its target). Any rewrite, replacement or rename of the folder or a file in it changes the stamp.
+        its target). Any rewrite, replacement or rename of the folder or a file in it changes the stamp, and so
+        does one of the model's config.pbtxt beside the version folders (every version is served as it says).
 
         Every file, at any depth, must resolve inside the repository: model.onnx, the manifest and external
         data are read from this folder, so a symlink out of it is refused (RepositoryPathError)."""
@@ -94,6 +96,11 @@ class ModelRepository:
                     self._inside(path, f"model {name!r} version {number}: file {relative!r}")
                     info = path.stat()
                     files.append((relative, info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns))
+            config = directory.parent / MODEL_CONFIG_FILE
+            if config.exists():
+                self._inside(config, f"model {name!r}: file {MODEL_CONFIG_FILE!r}")
+                info = config.stat()
+                files.append((f"../{MODEL_CONFIG_FILE}", info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns))
         except FileNotFoundError:  # the folder, or a dangling link in it: stamped as absent
             return ()
         return ((own.st_dev, own.st_ino), *sorted(files))

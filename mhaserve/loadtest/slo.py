@@ -37,6 +37,15 @@ class Slo:
             return sum(result.errors.values()) / sent if sent else 0.0
         return result.latency_ms[self.metric]
 
+    def miss(self, result: PointResult) -> float:
+        """How many times over its target the point is (below 1: held with room; inf: nothing answered)."""
+        observed = self.observed(result)
+        if np.isnan(observed):
+            return math.inf
+        if self.metric == "throughput":
+            return self.limit / observed if observed else math.inf
+        return observed / self.limit if self.limit else (math.inf if observed else 0.0)
+
     def held(self, result: PointResult) -> bool:
         observed = self.observed(result)
         if np.isnan(observed):  # no request answered: no latency held

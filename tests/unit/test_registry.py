@@ -26,7 +26,7 @@ class Loader:
         self.refuse: dict[tuple[str, int], str] = {}
         self.while_loading = None
 
-    async def load(self, name: str, number: int, model_dir: Path) -> ServedModel:
+    async def load(self, name: str, number: int, model_dir: Path, config_dir: Path) -> ServedModel:
         self.loads.append((name, number))
         if self.while_loading is not None:
             self.while_loading()

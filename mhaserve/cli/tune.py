@@ -1,0 +1,163 @@
+"""``mhaserve tune``: the server settings that meet an SLO at the most throughput, searched on this machine."""
+
+from __future__ import annotations
+
+import shlex
+import signal
+import sys
+from pathlib import Path
+
+from mhaserve.contract.errors import UsageError
+from mhaserve.contract.repository import MODEL_CONFIG_FILE
+
+from .common import check_writable, int_list, length_range, require_extra
+
+
+def add_tune(sub) -> None:
+    p = sub.add_parser(
+        "tune",
+        help="search the server's settings (batching, queue delay, threads, workers) for the most throughput "
+        "within an SLO, each candidate served by a real server process on this machine",
+    )
+    p.add_argument("model_dir", nargs="?", type=Path, default=None,
+                   help="the model folder to serve (default: the embedded default model)")  # fmt: skip
+    p.add_argument("--model-repository", type=Path, default=None, help="serve a repository instead; with --model")
+    p.add_argument("--model", default="mha", help="the model to load the requests at (default mha)")
+    p.add_argument("--slo", action="append", default=[], metavar="TARGET",
+                   help="a target the chosen setting must meet, repeatable, as bench takes it: p99<20ms, "
+                   "errors<1%%, throughput>N")  # fmt: skip
+    load = p.add_mutually_exclusive_group()
+    load.add_argument("--concurrency", type=int_list, default=None, help="closed loop callers, e.g. 16 or 4,16 "
+                      "(default 16)")  # fmt: skip
+    load.add_argument("--rate", type=int_list, default=None, help="open loop: requests/s, e.g. 500,1000")
+    p.add_argument("--batch", type=int, default=1, help="batch of each request (default 1)")
+    p.add_argument("--lengths", type=length_range, default=(16, 16), help="sequence length, or MIN..MAX drawn "
+                   "uniformly per request (default 16)")  # fmt: skip
+    p.add_argument("--no-weights", action="store_true", help="requests ask for the output only")
+    p.add_argument("--search", choices=("quick", "full"), default="quick", help="quick: one knob at a time from "
+                   "the defaults (default); full: every distinct setting")  # fmt: skip
+    p.add_argument("--knobs", default=None, metavar="NAME,...", help="search only these settings, e.g. "
+                   "max_batch_size,max_queue_delay_us (default: every one that applies here)")  # fmt: skip
+    p.add_argument("--repeats", type=int, default=2, help="measure each candidate's points this many times; the "
+                   "median is kept, with its spread (default 2)")  # fmt: skip
+    p.add_argument("--duration", type=float, default=4.0, help="measured seconds per point (default 4)")
+    p.add_argument("--warmup", type=float, default=1.0, help="seconds per point before measuring (default 1)")
+    p.add_argument("--processes", type=int, default=None, help="client processes (default: cores, at most 4)")
+    p.add_argument("--server-flags", default="", metavar="'FLAGS'", help="flags every candidate's server gets, "
+                   "e.g. '--max-q-len 1024' (quoted)")  # fmt: skip
+    p.add_argument("--env-file", type=Path, default=Path("mhaserve-tuned.env"), help="where the chosen setting "
+                   "is written as MHASERVE_* variables (default mhaserve-tuned.env)")  # fmt: skip
+    p.add_argument("--write-model-config", action="store_true", help="also write the chosen setting as the "
+                   "model's config.pbtxt, where the server reads it (the model folder, or its folder in the "
+                   "repository)")  # fmt: skip
+    p.add_argument("--json", type=Path, help="write every candidate's figures as JSON")
+    p.add_argument("--report", type=Path, metavar="FILE.html", help="write an HTML report with the throughput-p99 "
+                   "plot (needs the plot extra)")  # fmt: skip
+    p.set_defaults(run=_run_tune)
+
+
+def _run_tune(args) -> int:
+    from mhaserve.loadtest.slo import parse_slo
+
+    try:
+        slos = [parse_slo(text) for text in args.slo]
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    if not slos:
+        raise UsageError("give at least one --slo, e.g. --slo 'p99<20ms': tune looks for the most throughput within it")
+    if args.repeats < 1:
+        raise UsageError(f"--repeats must be at least 1, got {args.repeats}")
+    if args.duration <= 0 or args.warmup < 0:
+        raise UsageError("--duration must be more than 0 and --warmup 0 or more")
+    if args.model_dir is not None and args.model_repository is not None:
+        raise UsageError("give a model folder or --model-repository, not both")
+    for folder in (args.model_dir, args.model_repository):
+        if folder is not None and not folder.is_dir():
+            raise UsageError(f"{folder}: no such folder")
+    if args.report:
+        require_extra("plot", "--report")
+    for path, flag in ((args.env_file, "--env-file"), (args.json, "--json"), (args.report, "--report")):
+        if path is not None:  # before any candidate runs, not after
+            check_writable(path, flag)
+    try:
+        server_flags = shlex.split(args.server_flags)
+    except ValueError as error:
+        raise UsageError(f"--server-flags {args.server_flags!r}: {error}") from None
+
+    from mhaserve.loadtest import tune_report
+    from mhaserve.loadtest.loadgen import LoadGenerator, Point, Workload, default_processes
+    from mhaserve.loadtest.server_process import free_port
+    from mhaserve.loadtest.tune import CandidateRunner, full_sweep, knobs_for, quick_search
+
+    workload = Workload(0, args.batch, *args.lengths, attn_weights=not args.no_weights, model=args.model)
+    if args.rate:
+        points = [Point("open", rate, args.duration, args.warmup) for rate in args.rate]
+    else:
+        points = [Point("closed", c, args.duration, args.warmup) for c in (args.concurrency or [16])]
+    knobs = knobs_for(workload)
+    if args.knobs is not None:
+        asked = [name.strip().replace("-", "_") for name in args.knobs.split(",") if name.strip()]
+        unknown = [name for name in asked if name not in {k.name for k in knobs}]
+        if unknown or not asked:
+            raise UsageError(f"--knobs {args.knobs!r}: expected names among {', '.join(k.name for k in knobs)} "
+                             "(the settings that apply to this machine and workload)")  # fmt: skip
+        knobs = [k for k in knobs if k.name in asked]
+    if args.model_repository is not None:
+        model_args = ["--model-repository", str(args.model_repository)]
+        served = f"--model-repository {args.model_repository}"
+        config_path = args.model_repository / args.model / MODEL_CONFIG_FILE
+    else:
+        model_dir = args.model_dir
+        if model_dir is None:
+            from mhaserve.export.default_model import ensure_default_model
+
+            model_dir = ensure_default_model()
+        model_args = ["--model-dir", str(model_dir)]
+        served = f"--model-dir {model_dir}"
+        config_path = model_dir / MODEL_CONFIG_FILE
+    if config_path.exists():  # it would override every candidate's flags
+        raise UsageError(f"{config_path} sets how the model is served, over any candidate's flags: tune a copy of the "
+                         "model without it (or move it aside), then keep the setting tune finds")  # fmt: skip
+    planned = (1 + sum(len(k.values) - 1 for k in knobs)) if args.search == "quick" else len(full_sweep(knobs))
+    per_candidate = 3 + len(points) * args.repeats * (args.warmup + args.duration)
+    processes = args.processes or default_processes()
+    print(f"mhaserve tune: {args.search} search over {', '.join(k.flag for k in knobs)}; up to {planned} candidates x "
+          f"{len(points)} points x {args.repeats} repeats: about {planned * per_candidate / 60:.0f} min "
+          f"(Ctrl-C stops and keeps what was measured)", file=sys.stderr)  # fmt: skip
+    port = free_port()
+    measured = []
+    interrupted = False
+    # SIGTERM as Ctrl-C: the candidate's server and the client processes are stopped, what was measured reported.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    with LoadGenerator(f"127.0.0.1:{port}", processes, timeout_s=60.0) as generator:
+        runner = CandidateRunner([*model_args, "--warmup-runs", "2", *server_flags], workload, points, slos,
+                                 args.repeats, generator, port)  # fmt: skip
+        candidates = quick_search(knobs, runner) if args.search == "quick" else map(runner, full_sweep(knobs))
+        try:
+            for result in candidates:
+                measured.append(result)
+                print(tune_report.progress_line(len(measured), planned, result, measured), file=sys.stderr,
+                      flush=True)  # fmt: skip
+        except KeyboardInterrupt:
+            interrupted = True
+            print(f"stopped after {len(measured)} candidates: reporting what was measured", file=sys.stderr)
+    if not measured:
+        return 130 if interrupted else 1
+    run = tune_report.TuneRun(measured, slos, points, runner.workload, args.search, served, interrupted, sys.argv)
+    for line in run.lines():
+        print(line)
+    chosen = run.chosen
+    run.write_env(args.env_file)
+    print(f"wrote {args.env_file}", file=sys.stderr)
+    if args.write_model_config and chosen is not None:
+        run.write_model_config(config_path, args.model)
+        print(f"wrote {config_path}: the model is served so; serve it: {run.serve_command(chosen, config_path)}")
+    if args.json:
+        run.write_json(args.json)
+        print(f"wrote {args.json}", file=sys.stderr)
+    if args.report:
+        run.write_html(args.report)
+        print(f"wrote {args.report}", file=sys.stderr)
+    if interrupted:
+        return 130
+    return 0 if chosen is not None and chosen.held else 1

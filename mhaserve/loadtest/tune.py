@@ -1,0 +1,259 @@
+"""``mhaserve tune``'s search: server settings tried one real server process at a time under the load ``bench``
+drives, for the most throughput within an SLO.
+
+A candidate is a setting of the knobs that apply to this machine (``knobs_for``); each is served by a fresh
+``mhaserve serve`` on the same free port, measured at every load point (repeated, the median kept with its
+spread), and stopped. The quick search steps one knob at a time from the defaults, keeping a value only where it
+measured better; the full sweep tries every distinct combination. Ranking: candidates whose every SLO held at some
+point first, by the throughput of their best such point; then the others, by how close they came to holding it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+
+from .loadgen import LoadGenerator, Point, PointResult, Workload
+from .slo import Slo
+
+# A value must beat the best so far by this much to be kept: closer figures are within this machine's noise.
+KEEP_IF_BETTER_BY = 1.03
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One server setting tune may change: its field in the server's settings, the values tried, its default."""
+
+    name: str
+    values: tuple
+    default: object
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def variable(self) -> str:
+        return "MHASERVE_" + self.name.upper()
+
+
+def shown(value) -> str:
+    """A value as the server's flags and variables take it (booleans are true or false)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def knobs_for(workload: Workload, cores: int | None = None, cuda: bool = False) -> list[Knob]:
+    """The knobs that can change this workload's figures on this machine: threads and workers up to its cores,
+    the output-only graph only for requests that ask for no weights, length-aware batching only for mixed
+    lengths. (CUDA has no knob here that keeps answers the same: TF32 changes them.)"""
+    cores = cores or os.cpu_count() or 1
+    knobs = [
+        Knob("dynamic_batching", (True, False), True),
+        Knob("max_queue_delay_us", (0, 250, 1000, 4000), 0),
+        Knob("max_batch_size", tuple(sorted({max(workload.batch, b) for b in (4, 8, 16, 32)})), 32),
+        # 0 is one thread per core: the values past it are the fewer threads this machine allows
+        Knob("intra_op_threads", (0, *range(1, cores)), 0),
+        Knob("inference_workers", tuple(range(1, min(cores, 4) + 1)), 1),
+    ]
+    if workload.min_len != workload.max_len:
+        knobs.append(Knob("length_aware_batching", (True, False), True))
+    if not workload.attn_weights:
+        knobs.append(Knob("output_only_graph", (True, False), True))
+    del cuda  # no CUDA knob changes throughput without changing answers
+    return [knob for knob in knobs if len(knob.values) > 1]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A setting of the knobs, as the values that differ from the defaults (sorted by name)."""
+
+    changed: tuple[tuple[str, object], ...]
+
+    @classmethod
+    def of(cls, values: dict, knobs: list[Knob]) -> Candidate:
+        """The candidate these values make, knobs that cannot matter left at their defaults: without dynamic
+        batching, the batching knobs (the batch cap then only bounds a request's own batch, which every value
+        tried admits); so that each distinct setting is tried once."""
+        values = dict(values)
+        if values.get("dynamic_batching") is False:
+            for name in ("max_queue_delay_us", "length_aware_batching", "max_batch_size"):
+                values.pop(name, None)
+        defaults = {knob.name: knob.default for knob in knobs}
+        return cls(tuple(sorted((k, v) for k, v in values.items() if defaults.get(k, object()) != v)))
+
+    def values(self, knobs: list[Knob]) -> dict:
+        return {**{knob.name: knob.default for knob in knobs}, **dict(self.changed)}
+
+    def flags(self) -> list[str]:
+        return [part for name, value in self.changed for part in ("--" + name.replace("_", "-"), shown(value))]
+
+    @property
+    def label(self) -> str:
+        return " ".join(self.flags()) or "(defaults)"
+
+
+@dataclass
+class Measured:
+    """One candidate's figures: its points (each the median of its repeats), its peak memory, or why it failed."""
+
+    candidate: Candidate
+    points: list[PointResult] = field(default_factory=list)
+    verdicts: list[bool] = field(default_factory=list)  # per point: every SLO held
+    misses: list[float] = field(default_factory=list)  # per point: its worst SLO's times over target (Slo.miss)
+    peak_rss_mib: float | None = None
+    failed: str = ""
+    seconds: float = 0.0
+
+    @property
+    def best(self) -> PointResult | None:
+        """The point it is judged by: its highest throughput where every SLO held, else its highest throughput."""
+        if not self.points:
+            return None
+        held = [p for p, ok in zip(self.points, self.verdicts, strict=True) if ok]
+        return max(held or self.points, key=lambda p: p.throughput)
+
+    @property
+    def held(self) -> bool:
+        return any(self.verdicts)
+
+    @property
+    def miss(self) -> float:
+        """How far its closest point is from every SLO held (Slo.miss; inf with no point)."""
+        return min(self.misses, default=float("inf"))
+
+    def rank_key(self) -> tuple:
+        """Holding the SLO first, by throughput; then the others by how close they came to it."""
+        best = self.best
+        return (not self.failed, self.held, best.throughput if self.held else -self.miss)
+
+    def spread(self) -> tuple[float, float] | None:
+        """The best point's lowest and highest throughput over its repeats."""
+        best = self.best
+        if best is None or not best.rounds:
+            return None
+        return tuple(best.rounds["throughput_per_s"]["interval"])
+
+
+def better(challenger: Measured, incumbent: Measured | None) -> bool:
+    """Whether ``challenger`` should replace ``incumbent``: it holds the SLO where the other does not, or holds it
+    as well with more throughput beyond the noise margin."""
+    if incumbent is None:
+        return True
+    a, b = challenger.rank_key(), incumbent.rank_key()
+    if a[:2] != b[:2]:
+        return a[:2] > b[:2]
+    if challenger.held:
+        return a[2] > b[2] * KEEP_IF_BETTER_BY
+    return challenger.miss * KEEP_IF_BETTER_BY < incumbent.miss
+
+
+def quick_search(knobs: list[Knob], measure: Callable[[Candidate], Measured]) -> Iterable[Measured]:
+    """Coordinate steps from the defaults: each knob's other values tried with the best setting so far, the
+    best kept. Yields each measurement as it is made."""
+    best_values = {knob.name: knob.default for knob in knobs}
+    defaults = Candidate.of(best_values, knobs)
+    seen = {defaults}
+    best = measure(defaults)
+    yield best
+    for knob in knobs:
+        step_best = None
+        for value in knob.values:
+            candidate = Candidate.of({**best_values, knob.name: value}, knobs)
+            if candidate in seen:
+                continue
+            seen.add(candidate)
+            measured = measure(candidate)
+            yield measured
+            if better(measured, best) and better(measured, step_best):
+                step_best = measured
+        if step_best is not None:
+            best = step_best
+            best_values = step_best.candidate.values(knobs)
+
+
+def full_sweep(knobs: list[Knob]) -> list[Candidate]:
+    """Every distinct setting of the knobs, the defaults first."""
+    candidates = [Candidate.of({k.name: k.default for k in knobs}, knobs)]
+    for values in itertools.product(*(knob.values for knob in knobs)):
+        candidate = Candidate.of(dict(zip((k.name for k in knobs), values, strict=True)), knobs)
+        if candidate not in candidates:
+            candidates.append(candidate)
+    return candidates
+
+
+def pareto_front(measured: list[Measured]) -> list[Measured]:
+    """The candidates no other beats on both throughput and p99 at their best points, by throughput."""
+    scored = [m for m in measured if m.best is not None and not m.failed]
+    front = [
+        m
+        for m in scored
+        if not any(
+            o.best.throughput >= m.best.throughput
+            and o.best.latency_ms["p99"] <= m.best.latency_ms["p99"]
+            and (o.best.throughput, o.best.latency_ms["p99"]) != (m.best.throughput, m.best.latency_ms["p99"])
+            for o in scored
+        )
+    ]
+    return sorted(front, key=lambda m: -m.best.throughput)
+
+
+class CandidateRunner:
+    """Serves each candidate in a fresh server process on one port and measures it with one pool of clients."""
+
+    def __init__(
+        self,
+        serve_args: list[str],
+        workload: Workload,
+        points: list[Point],
+        slos: list[Slo],
+        repeats: int,
+        generator: LoadGenerator,
+        port: int,
+        start_timeout_s: float = 120.0,
+    ):
+        self.serve_args, self.workload, self.points, self.slos = serve_args, workload, points, slos
+        self.repeats, self.generator, self.port = repeats, generator, port
+        self.start_timeout_s = start_timeout_s
+
+    def __call__(self, candidate: Candidate) -> Measured:
+        from mhaserve.loadtest.checked_load import peak_rss_mib, reset_peak_rss
+
+        from .rounds import of_rounds
+        from .server_process import ServerProcess
+
+        measured = Measured(candidate)
+        started = time.monotonic()
+        server = ServerProcess(None, *self.serve_args, *candidate.flags(), port=self.port)
+        try:
+            try:
+                server.start(timeout=self.start_timeout_s)
+            except RuntimeError:
+                measured.failed = _why_not_started(server)
+                return measured
+            if not self.workload.d_model:  # the model's width, asked of the first server that starts
+                from mhaserve.client.grpc import Client
+
+                with Client(server.url, model=self.workload.model) as client:
+                    self.workload = replace(self.workload, d_model=client.model_width(timeout=30))
+            reset_peak_rss(server.pid)
+            for point in self.points:
+                rounds = [self.generator.measure(self.workload, point) for _ in range(self.repeats)]
+                result = of_rounds(rounds) if self.repeats > 1 else rounds[0]
+                measured.points.append(result)
+                measured.verdicts.append(all(slo.held(result) for slo in self.slos) if result.count else False)
+                measured.misses.append(max((slo.miss(result) for slo in self.slos), default=0.0))
+            measured.peak_rss_mib = peak_rss_mib(server.pid)
+        finally:
+            server.stop()
+            measured.seconds = time.monotonic() - started
+        return measured
+
+
+def _why_not_started(server) -> str:
+    """The server's own last words: its error line, else its exit."""
+    lines = [line.strip() for line in server.lines if line.strip()]
+    errors = [line for line in lines if "error" in line.lower() or "cannot" in line.lower()]
+    return (errors or lines or [f"exit {server.proc.poll()}"])[-1][:300]

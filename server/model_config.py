@@ -1,0 +1,163 @@
+"""A model's own configuration: ``config.pbtxt`` in its folder, read as Triton reads it (protobuf text format of
+Triton's ModelConfig), so that one model batches, queues and runs as it needs while the server's flags stay the
+defaults for every model that says nothing, and the ceilings for what it may ask.
+
+Where it is: ``REPOSITORY/NAME/config.pbtxt`` beside the version folders, as in a Triton repository; with
+``--model-dir DIR``, ``DIR/config.pbtxt``. Read at each version's load, so a new version takes the file as it is
+then. Triton's fields where they mean the same here:
+
+    max_batch_size: 8                                    the batch cap (rows a request and a run may hold)
+    dynamic_batching { max_queue_delay_microseconds: 500
+                       default_queue_policy { max_queue_size: 64 } }
+    instance_group [ { count: 2 } ]                      model runs at once (the inference workers it uses)
+
+and mhaserve's own settings, named as the server's flags, in ``parameters``:
+
+    parameters { key: "dynamic_batching" value { string_value: "false" } }
+
+Anything else Triton's format holds (inputs, outputs, platform: the model's own folder says those; fields this
+server has no use for, such as sequence_batching or optimization) is read past.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+from google.protobuf import text_format
+
+from mhaserve.contract.model_dir import ModelDirError
+from mhaserve.contract.repository import MODEL_CONFIG_FILE as CONFIG_FILE
+from mhaserve.protos.generated import model_config_pb2 as mc
+
+from .config import ServerSettings, _converter
+from .tensors import Limits
+
+log = logging.getLogger("mhaserve.server")
+
+# What export's Triton repository writes to describe the model: read past, not settings.
+DESCRIPTIVE_PARAMETERS = frozenset({"precision", "computes_in", "d_model", "num_heads", "provider"})
+
+
+class ModelConfigError(ModelDirError):
+    """A model's config.pbtxt that cannot be served as written: the version is not loaded, and says why."""
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """How one model is served: the server's settings, overridden where its config.pbtxt says otherwise."""
+
+    max_batch_size: int
+    dynamic_batching: bool
+    max_queue_delay_us: int
+    max_queue_size: int
+    inference_workers: int
+    intra_op_threads: int
+    length_aware_batching: bool
+    output_only_graph: bool
+    max_q_len: int
+    max_kv_len: int
+    source: Path | None = None  # the config.pbtxt it was read from; None: the server's flags alone
+
+    @classmethod
+    def of_server(cls, settings: ServerSettings) -> ModelSettings:
+        return cls(**{f.name: getattr(settings, f.name) for f in fields(cls) if f.name != "source"})
+
+    def as_text(self) -> dict[str, str]:
+        return {f.name: _text(getattr(self, f.name)) for f in fields(self) if f.name != "source"}
+
+    def limits(self, settings: ServerSettings) -> Limits:
+        """What one request to this model may carry, naming this file where it set a limit."""
+        names = ("max_batch_size", "max_q_len", "max_kv_len")
+        configured = tuple(name for name in names if getattr(self, name) != getattr(settings, name))
+        return Limits(*(getattr(self, name) for name in names), str(self.source or ""), configured)
+
+
+# Settings a model may ask no more of than the server was started with: its memory estimates, its message limits
+# and its inference workers are the process's.
+CEILINGS = {name: "--" + name.replace("_", "-") for name in ("max_batch_size", "inference_workers", "max_q_len",
+                                                             "max_kv_len")}  # fmt: skip
+PARAMETERS = tuple(f.name for f in fields(ModelSettings) if f.name != "source")
+
+
+def model_settings(settings: ServerSettings, folder: Path) -> ModelSettings:
+    """``folder``'s config.pbtxt over the server's settings; the server's alone where there is none. Raises
+    ModelConfigError naming the file and the field for a file that cannot be served as written."""
+    path = folder / CONFIG_FILE
+    server = ModelSettings.of_server(settings)
+    if not path.is_file():
+        return server
+    try:
+        text = path.read_text()
+        config = _parsed(text)
+    except (text_format.ParseError, UnicodeDecodeError) as error:
+        raise ModelConfigError(f"{path}: not a model configuration in Triton's text format ({error})") from None
+    asked: dict[str, object] = {}
+    if config.max_batch_size:
+        asked["max_batch_size"] = config.max_batch_size
+    if config.HasField("dynamic_batching"):
+        batching = config.dynamic_batching
+        asked["dynamic_batching"] = True
+        asked["max_queue_delay_us"] = batching.max_queue_delay_microseconds
+        if batching.default_queue_policy.max_queue_size:
+            asked["max_queue_size"] = batching.default_queue_policy.max_queue_size
+    if config.instance_group:
+        asked["inference_workers"] = sum(group.count or 1 for group in config.instance_group)
+    for key, parameter in config.parameters.items():
+        if key in DESCRIPTIVE_PARAMETERS:
+            continue
+        if key not in PARAMETERS:
+            raise ModelConfigError(
+                f"{path}: parameter '{key}' is not a setting a model may set; expected one of {', '.join(PARAMETERS)}"
+            )
+        kind = next(f for f in fields(ServerSettings) if f.name == key).type
+        try:
+            asked[key] = _converter(kind if isinstance(kind, str) else kind.__name__)(parameter.string_value)
+        except (ValueError, argparse.ArgumentTypeError) as error:
+            raise ModelConfigError(f"{path}: parameter '{key}': {error}") from None
+    for key, value in asked.items():
+        rule = next(f for f in fields(ServerSettings) if f.name == key).metadata["rule"]
+        if rule is not None and not rule.holds(value):
+            raise ModelConfigError(f"{path}: {key} must be {rule.said}, got {value!r}")
+        if key in CEILINGS and value > getattr(settings, key):
+            raise ModelConfigError(
+                f"{path}: {key} {value} is above the server's {CEILINGS[key]} {getattr(settings, key)}, the most any "
+                "model may ask for (the server's memory estimates, message limits and inference workers are sized "
+                "by it)"
+            )
+    return replace(server, **asked, source=path)
+
+
+def _parsed(text: str) -> mc.ModelConfig:
+    """Triton's fields mhaserve has no use for (version_policy, optimization, model_warmup, ...) are read past, so
+    that a Triton repository's file serves as it is; said once in the log, since a misspelt field reads the same."""
+    try:
+        return text_format.Parse(text, mc.ModelConfig())
+    except text_format.ParseError as error:
+        if "has no field named" not in str(error):
+            raise
+        log.warning("config.pbtxt: fields mhaserve does not read are read past (the first: %s)", error)
+        return text_format.Parse(text, mc.ModelConfig(), allow_unknown_field=True)
+
+
+def config_text(name: str, values: dict[str, object]) -> str:
+    """A config.pbtxt that sets ``values`` (settings named as the server's flags), in Triton's fields where they
+    mean the same and mhaserve's parameters otherwise."""
+    config = mc.ModelConfig(name=name)
+    rest = dict(values)
+    if "max_batch_size" in rest:
+        config.max_batch_size = rest.pop("max_batch_size")
+    if rest.get("dynamic_batching", None) is not False and "max_queue_delay_us" in rest:
+        config.dynamic_batching.max_queue_delay_microseconds = rest.pop("max_queue_delay_us")
+        rest.pop("dynamic_batching", None)
+    if "inference_workers" in rest:
+        config.instance_group.add(count=rest.pop("inference_workers"))
+    for key, value in rest.items():
+        config.parameters[key].string_value = _text(value)
+    return text_format.MessageToString(config)
+
+
+def _text(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)

@@ -1,0 +1,117 @@
+"""A configuration per model: a model's config.pbtxt (Triton's text format, beside its versions) sets how that
+model batches and runs, the server's flags the defaults for models that say nothing and the ceilings for what
+one may ask; a file that cannot be served as written keeps its version out with the reason; a changed file
+reloads the model in poll mode. Real in-process servers, the project's gRPC client and tritonclient's."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import numpy as np
+import pytest
+import tritonclient.grpc as tritongrpc
+
+from mhaserve.client.grpc import NO_RETRIES, Client
+from tests.integration.test_model_repository import add_version, index, refused, repository_server
+from tests.support import SMALL_D_MODEL, eager, rand
+
+CONFIGURED = """
+max_batch_size: 4
+dynamic_batching { max_queue_delay_microseconds: 500 default_queue_policy { max_queue_size: 16 } }
+parameters { key: "length_aware_batching" value { string_value: "false" } }
+parameters { key: "max_q_len" value { string_value: "32" } }
+"""
+
+
+def served_with(url: str, model: str) -> dict[str, str]:
+    """How the server says it serves ``model``: its ModelConfig's parameters, as tritonclient reads them."""
+    config = tritongrpc.InferenceServerClient(url).get_model_config(model, as_json=True)["config"]
+    return {key: value["string_value"] for key, value in config["parameters"].items()}
+
+
+def test_each_model_is_served_as_its_config_says_and_the_others_as_the_flags_say(tmp_path, small_model_dir,
+                                                                                small_module):  # fmt: skip
+    repository = tmp_path / "repository"
+    add_version(repository, "configured", 1, small_model_dir)
+    add_version(repository, "plain", 1, small_model_dir)
+    (repository / "configured" / "config.pbtxt").write_text(CONFIGURED)
+    with repository_server(repository, "--max-batch-size", "16") as server:
+        configured, plain = served_with(server.url, "configured"), served_with(server.url, "plain")
+        query = rand(8, 3, SMALL_D_MODEL, seed=2)
+        with Client(server.url, model="configured", retry=NO_RETRIES) as client:
+            with pytest.raises(grpc.RpcError) as refused_batch:
+                client.infer(query)
+            four = client.infer(query[:4])
+            with pytest.raises(grpc.RpcError) as refused_length:
+                client.infer(rand(1, 33, SMALL_D_MODEL))
+        with Client(server.url, model="plain", retry=NO_RETRIES) as client:
+            eight = client.infer(query)
+    assert (configured["max_batch_size"], configured["max_queue_delay_us"], configured["max_queue_size"]) == (
+        "4", "500", "16"
+    )  # fmt: skip
+    assert configured["length_aware_batching"] == "false" and configured["dynamic_batching"] == "true"
+    assert configured["model_config"] == str(repository / "configured" / "config.pbtxt")
+    assert (plain["max_batch_size"], plain["max_queue_delay_us"], plain["model_config"]) == ("16", "0", "none")
+    assert plain["length_aware_batching"] == "true"
+    # the model's own cap refuses a batch of 8, naming the file that set it; the other model takes it
+    assert refused_batch.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "max_batch_size=4 (set by " in refused_batch.value.details()
+    assert "configured/config.pbtxt" in refused_batch.value.details()
+    assert "max_q_len=32 (set by " in refused_length.value.details()
+    assert (configured["max_q_len"], plain["max_q_len"]) == ("32", "64")  # the test servers' --max-q-len 64
+    np.testing.assert_allclose(four.output, eager(small_module, query[:4])[0], atol=1e-5)
+    np.testing.assert_allclose(eight.output, eager(small_module, query)[0], atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("max_batch_size: 64", "max_batch_size 64 is above the server's --max-batch-size 8"),
+        ("instance_group [ { count: 3 } ]", "inference_workers 3 is above the server's --inference-workers 1"),
+        ('parameters { key: "warp_drive" value { string_value: "on" } }', "parameter 'warp_drive' is not a setting"),
+        ('parameters { key: "dynamic_batching" value { string_value: "yes" } }', "expected true or false"),
+        ("dynamic_batching { max_queue_delay_microseconds: -5 }", "not a model configuration"),
+        ("max_batch_size: [", "not a model configuration in Triton's text format"),
+    ],
+)
+def test_a_config_that_cannot_be_served_as_written_keeps_its_model_out_and_says_why(
+    tmp_path, small_model_dir, text, says
+):
+    repository = tmp_path / "repository"
+    add_version(repository, "broken", 1, small_model_dir)
+    add_version(repository, "fine", 1, small_model_dir)
+    (repository / "broken" / "config.pbtxt").write_text(text)
+    with repository_server(repository, "--exit-on-error", "false") as server:
+        rows = index(server)
+        with Client(server.url, model="fine") as client:
+            client.infer(rand(1, 2, SMALL_D_MODEL))
+    assert refused(rows, "broken", "1")
+    state, reason = rows[("broken", "1")]
+    assert "config.pbtxt" in reason and says in reason, reason
+    assert rows[("fine", "1")] == ("READY", "")
+
+
+def test_a_changed_config_reloads_the_model_in_poll_mode(tmp_path, small_model_dir):
+    repository = tmp_path / "repository"
+    add_version(repository, "a", 1, small_model_dir)
+    server_args = ("--model-control-mode", "poll", "--repository-poll-secs", "0.2")
+    with repository_server(repository, *server_args) as server:
+        assert served_with(server.url, "a")["max_batch_size"] == "8"
+        (repository / "a" / "config.pbtxt").write_text("max_batch_size: 2")
+        deadline = time.monotonic() + 15
+        while served_with(server.url, "a")["max_batch_size"] != "2" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert served_with(server.url, "a")["max_batch_size"] == "2"
+
+
+def test_a_model_folder_served_alone_reads_its_own_config(start_server, small_model_dir, tmp_path):
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(small_model_dir, folder)
+    (folder / "config.pbtxt").write_text('dynamic_batching { }\nparameters { key: "intra_op_threads" '
+                                         'value { string_value: "1" } }')  # fmt: skip
+    server = start_server(folder, "--dynamic-batching", "false")
+    settings = served_with(server.url, "mha")
+    assert settings["dynamic_batching"] == "true" and settings["intra_op_threads"] == "1"

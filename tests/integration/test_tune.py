@@ -1,0 +1,134 @@
+"""``mhaserve tune`` as a user runs it: real server processes started and stopped per candidate, bench's load,
+the reports and the chosen setting written, a candidate that cannot start named and passed over, Ctrl-C keeping
+what was measured, and mistakes refused before any server starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mhaserve.server.config import ServerSettings
+from mhaserve.server.model_config import model_settings
+
+SHORT = ("--duration", "0.6", "--warmup", "0.2", "--repeats", "1", "--concurrency", "2", "--processes", "1")
+
+
+def tune(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mhaserve.cli", "tune", *args], capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+
+
+def serving_processes() -> list[str]:
+    found = subprocess.run(["pgrep", "-af", "mhaserve.cli serve"], capture_output=True, text=True).stdout
+    return [line for line in found.splitlines() if "pgrep" not in line]
+
+
+def test_tune_serves_each_candidate_and_writes_the_best_setting_under_the_slo(small_model_dir, tmp_path):
+    before = serving_processes()
+    model = tmp_path / "model"
+    shutil.copytree(small_model_dir, model)
+    done = tune(str(model), "--slo", "p99<5s", "--knobs", "max_batch_size", *SHORT, "--write-model-config",
+                "--env-file", str(tmp_path / "tuned.env"), "--json", str(tmp_path / "tune.json"),
+                "--report", str(tmp_path / "tune.html"))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    page = (tmp_path / "tune.html").read_text()
+    assert "data:image/png;base64," in page and "serve it:" in page and "--max-batch-size 16" in page
+    assert "http://" not in page and "https://" not in page  # nothing fetched when it opens
+    run = json.loads((tmp_path / "tune.json").read_text())
+    # the defaults (a cap of 32), then the three other caps: each served and measured once
+    assert [c["flags"] for c in run["candidates"]] == [
+        [], ["--max-batch-size", "4"], ["--max-batch-size", "8"], ["--max-batch-size", "16"]
+    ]  # fmt: skip
+    for candidate in run["candidates"]:
+        assert candidate["failed"] is None and candidate["held"] and candidate["peak_rss_mib"] > 0
+        assert candidate["points"][0]["requests"] > 0 and candidate["points"][0]["errors"] == 0
+    assert "[4/4]" in done.stderr and "best so far" in done.stderr
+    chosen = run["chosen"]
+    assert chosen is not None
+    env = [line for line in (tmp_path / "tuned.env").read_text().splitlines() if not line.startswith("#")]
+    assert env == [f"MHASERVE_{name.upper()}={str(value).lower()}" for name, value in chosen.items()]
+    assert f"serve it: mhaserve serve --model-dir {model}" in done.stdout
+    # the model's own configuration says the same, and a server reads it so
+    written = model_settings(ServerSettings(), model)
+    assert written.source == model / "config.pbtxt"
+    assert {k: v for k, v in written.as_text().items() if k in chosen} == {k: str(v) for k, v in chosen.items()}
+    assert serving_processes() == before  # every candidate's server stopped
+    again = tune(str(model), "--slo", "p99<5s", timeout=60)  # its config would override every candidate
+    assert again.returncode == 2 and "config.pbtxt sets how the model is served" in again.stderr
+
+
+def test_a_candidate_that_cannot_start_is_named_and_the_search_goes_on(small_model_dir, tmp_path):
+    # every candidate is given a flag the server refuses: each says why, and the run ends without a choice
+    done = tune(str(small_model_dir), "--slo", "p99<5s", "--knobs", "dynamic_batching", *SHORT,
+                "--server-flags", "--max-q-len 0", "--env-file", str(tmp_path / "tuned.env"))  # fmt: skip
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert done.stderr.count("failed to start") == 2
+    assert "max-q-len" in done.stderr or "max_q_len" in done.stderr
+    assert "no candidate held every SLO" in done.stdout
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    state = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True).stdout.strip()
+    return not state.startswith("Z")  # a zombie has ended
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="signals a process group")
+@pytest.mark.parametrize("stop", ["ctrl-c", "sigterm"])
+def test_ctrl_c_or_sigterm_stops_the_search_and_keeps_what_was_measured(small_model_dir, tmp_path, stop):
+    before = serving_processes()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "mhaserve.cli", "tune", str(small_model_dir), "--slo", "p99<5s", *SHORT,
+         "--json", str(tmp_path / "tune.json"), "--env-file", str(tmp_path / "tuned.env")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    progress = []
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        line = process.stderr.readline()
+        progress.append(line)
+        if line.startswith("[2/"):
+            break
+    children = [int(pid) for pid in subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True,
+                                                    text=True).stdout.split()]  # fmt: skip
+    if stop == "ctrl-c":
+        os.killpg(process.pid, signal.SIGINT)  # as a terminal's Ctrl-C reaches the whole foreground group
+    else:
+        process.send_signal(signal.SIGTERM)  # as a supervisor stops it: the command alone
+    out, err = process.communicate(timeout=120)
+    assert children and not [pid for pid in children if alive(pid)]  # its server and client processes ended
+    assert process.returncode == 130, "".join(progress) + err
+    assert "stopped after 2 candidates" in err
+    run = json.loads((tmp_path / "tune.json").read_text())
+    assert run["stopped_early"] and len(run["candidates"]) == 2
+    assert "(quick search, stopped early)" in out
+    assert serving_processes() == before
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        ((), "give at least one --slo"),
+        (("--slo", "p99<<1"), "expected p50, p90"),
+        (("--slo", "p99<1s", "--knobs", "warp_drive"), "expected names among dynamic_batching"),
+        (("--slo", "p99<1s", "--env-file", "/no/such/folder/tuned.env"), "the folder /no/such/folder does not exist"),
+        (("--slo", "p99<1s", "--repeats", "0"), "--repeats must be at least 1"),
+        (("/no/such/model", "--slo", "p99<1s"), "no such folder"),
+    ],
+)
+def test_mistakes_are_one_line_and_exit_2_before_any_server_starts(args, says):
+    started = time.monotonic()
+    done = tune(*args, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert says in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert time.monotonic() - started < 30

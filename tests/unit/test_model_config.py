@@ -1,0 +1,79 @@
+"""A model's config.pbtxt read alone: Triton's fields where they mean the same, mhaserve's settings as parameters,
+the server's flags where the file says nothing, and the file a tune writes read back as what it chose."""
+
+from __future__ import annotations
+
+import pytest
+
+from mhaserve.server.config import ServerSettings
+from mhaserve.server.model_config import ModelConfigError, ModelSettings, config_text, model_settings
+
+
+def test_no_file_is_the_server_s_settings(tmp_path):
+    settings = ServerSettings(max_batch_size=16, max_queue_delay_us=200)
+    assert model_settings(settings, tmp_path) == ModelSettings.of_server(settings)
+    assert model_settings(settings, tmp_path).source is None
+
+
+def test_triton_s_fields_and_mhaserve_s_parameters_override_the_flags_and_nothing_else(tmp_path):
+    (tmp_path / "config.pbtxt").write_text(
+        'name: "mha" platform: "onnxruntime_onnx" max_batch_size: 8\n'
+        'input [ { name: "query" data_type: TYPE_FP32 dims: [ -1, 512 ] } ]\n'
+        "dynamic_batching { max_queue_delay_microseconds: 300 default_queue_policy { max_queue_size: 9 } }\n"
+        "instance_group [ { count: 1 kind: KIND_CPU } ]\n"
+        'parameters { key: "output_only_graph" value { string_value: "false" } }\n'
+        'parameters { key: "precision" value { string_value: "fp32" } }\n'  # export's description: read past
+    )
+    model = model_settings(ServerSettings(dynamic_batching=False, intra_op_threads=2), tmp_path)
+    assert (model.max_batch_size, model.dynamic_batching, model.max_queue_delay_us, model.max_queue_size) == (
+        8, True, 300, 9
+    )  # fmt: skip
+    assert (model.inference_workers, model.output_only_graph, model.intra_op_threads) == (1, False, 2)
+    assert model.source == tmp_path / "config.pbtxt"
+
+
+def test_export_s_own_triton_config_serves_as_it_is(tmp_path):
+    from google.protobuf import text_format
+
+    from mhaserve.export.triton_repo import triton_config
+
+    (tmp_path / "config.pbtxt").write_text(text_format.MessageToString(triton_config("mha", 512, 8)))
+    model = model_settings(ServerSettings(), tmp_path)
+    assert (model.max_batch_size, model.dynamic_batching, model.max_queue_delay_us) == (32, True, 0)
+
+
+def test_a_setting_a_model_may_not_ask_for_is_refused_naming_the_file(tmp_path):
+    (tmp_path / "config.pbtxt").write_text('parameters { key: "max_inflight_bytes" value { string_value: "1" } }')
+    with pytest.raises(ModelConfigError, match=r"config.pbtxt: parameter 'max_inflight_bytes' is not a setting"):
+        model_settings(ServerSettings(), tmp_path)
+    (tmp_path / "config.pbtxt").write_text('parameters { key: "max_queue_size" value { string_value: "0" } }')
+    with pytest.raises(ModelConfigError, match="max_queue_size must be at least 1, got 0"):
+        model_settings(ServerSettings(), tmp_path)
+
+
+@pytest.mark.parametrize(
+    "chosen",
+    [
+        {"max_batch_size": 4, "max_queue_delay_us": 1000},
+        {"dynamic_batching": False, "intra_op_threads": 1},
+        {"dynamic_batching": True, "inference_workers": 2, "length_aware_batching": False},
+        {},
+    ],
+)
+def test_a_written_config_reads_back_as_the_setting_it_was_written_from(tmp_path, chosen):
+    settings = ServerSettings(inference_workers=2)
+    (tmp_path / "config.pbtxt").write_text(config_text("mha", chosen))
+    model = model_settings(settings, tmp_path)
+    expected = {**ModelSettings.of_server(settings).as_text(), **{k: str(v).lower() for k, v in chosen.items()}}
+    if chosen.get("max_queue_delay_us"):
+        expected["dynamic_batching"] = "true"
+    assert model.as_text() == expected
+
+
+def test_triton_s_fields_this_server_has_no_use_for_are_read_past(tmp_path, caplog):
+    (tmp_path / "config.pbtxt").write_text(
+        "version_policy { latest { num_versions: 2 } }\nmax_batch_size: 8\n"
+        "sequence_batching { max_sequence_idle_microseconds: 5000000 }\n"
+    )
+    assert model_settings(ServerSettings(), tmp_path).max_batch_size == 8
+    assert "read past (the first:" in caplog.text and "version_policy" in caplog.text

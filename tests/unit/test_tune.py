@@ -1,0 +1,112 @@
+"""``mhaserve tune``'s search, alone: which knobs apply, which settings are distinct, how the quick search steps,
+what ranks first, and the setting it writes. The servers and the load are faked here (a table of figures);
+tests/integration/test_tune.py runs the real thing."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mhaserve.loadtest.loadgen import Point, PointResult, Workload
+from mhaserve.loadtest.slo import parse_slo
+from mhaserve.loadtest.tune import Candidate, Measured, better, full_sweep, knobs_for, pareto_front, quick_search
+from mhaserve.loadtest.tune_report import TuneRun
+
+WORKLOAD = Workload(512)
+POINT = Point("closed", 16, 1.0, 0.0)
+SLO = parse_slo("p99<20ms")
+
+
+def measured(candidate: Candidate, throughput: float, p99_ms: float) -> Measured:
+    latencies = {"p50": p99_ms / 2, "p90": p99_ms, "p95": p99_ms, "p99": p99_ms, "p99.9": p99_ms, "max": p99_ms,
+                 "mean": p99_ms / 2}  # fmt: skip
+    point = PointResult(POINT, WORKLOAD, 1, int(throughput), throughput, latencies, {}, {}, 0.1, False, 0.0, 0,
+                        np.full(3, p99_ms))  # fmt: skip
+    return Measured(candidate, [point], [SLO.held(point)], [SLO.miss(point)], peak_rss_mib=200.0)
+
+
+def test_only_knobs_that_apply_here_are_searched():
+    names = lambda knobs: {k.name: k.values for k in knobs}  # noqa: E731
+    two_cores = names(knobs_for(WORKLOAD, cores=2))
+    assert two_cores["intra_op_threads"] == (0, 1) and two_cores["inference_workers"] == (1, 2)
+    assert "length_aware_batching" not in two_cores  # one length: nothing to split
+    assert "output_only_graph" not in two_cores  # the weights are asked for: the full graph runs anyway
+    mixed_output_only = names(knobs_for(Workload(512, 1, 16, 128, attn_weights=False), cores=2))
+    assert {"length_aware_batching", "output_only_graph"} <= set(mixed_output_only)
+    one_core = names(knobs_for(WORKLOAD, cores=1))
+    assert "intra_op_threads" not in one_core and "inference_workers" not in one_core
+    assert min(names(knobs_for(Workload(512, batch=8), cores=2))["max_batch_size"]) == 8  # never below a request
+
+
+def test_a_setting_is_what_differs_from_the_defaults_and_batching_knobs_go_without_batching():
+    knobs = knobs_for(Workload(512, 1, 16, 64), cores=2)
+    defaults = {k.name: k.default for k in knobs}
+    assert Candidate.of(defaults, knobs).label == "(defaults)"
+    off = Candidate.of({**defaults, "dynamic_batching": False, "max_queue_delay_us": 1000, "max_batch_size": 8}, knobs)
+    assert off == Candidate.of({**defaults, "dynamic_batching": False}, knobs)
+    assert off.flags() == ["--dynamic-batching", "false"]
+    sweep = full_sweep(knobs)
+    assert sweep[0].label == "(defaults)" and len(set(sweep)) == len(sweep)
+    # with batching on, 4 delays x 4 caps x 2 x 2 threads and workers x 2 length-aware; off, its knobs idle
+    assert len(sweep) == (4 * 4 * 2) * 2 * 2 + 2 * 2
+
+
+def test_the_quick_search_steps_one_knob_at_a_time_and_keeps_only_what_measured_better():
+    knobs = knobs_for(WORKLOAD, cores=2)
+    # throughput rises with a smaller batch cap and with one thread; a 4 ms delay misses the SLO
+    figures = {"max_batch_size": {4: 1.3, 8: 1.2, 16: 1.02, 32: 1.0}, "intra_op_threads": {0: 1.0, 1: 1.1}}
+
+    def measure(candidate: Candidate) -> Measured:
+        values = candidate.values(knobs)
+        throughput = 1000.0
+        for name, by_value in figures.items():
+            throughput *= by_value[values[name]]
+        if not values["dynamic_batching"]:
+            throughput *= 0.7
+        return measured(candidate, throughput, 30.0 if values["max_queue_delay_us"] == 4000 else 10.0)
+
+    runs = list(quick_search(knobs, measure))
+    assert runs[0].candidate.label == "(defaults)"
+    assert len(runs) == 1 + sum(len(k.values) - 1 for k in knobs)  # each other value once
+    best = max(runs, key=Measured.rank_key)
+    assert best.candidate.values(knobs)["max_batch_size"] == 4
+    assert best.candidate.values(knobs)["intra_op_threads"] == 1  # tried with the batch cap already kept
+    assert best.best.throughput == 1000.0 * 1.3 * 1.1
+    # 1.02x is within the noise margin: not kept over the defaults
+    assert not better(measured(Candidate(()), 1020.0, 10.0), measured(Candidate(()), 1000.0, 10.0))
+
+
+def test_holding_the_slo_ranks_before_throughput_and_the_front_keeps_the_undominated():
+    fast_but_late = measured(Candidate((("max_queue_delay_us", 4000),)), 3000.0, 40.0)
+    held = measured(Candidate(()), 1500.0, 12.0)
+    quicker = measured(Candidate((("max_batch_size", 4),)), 1200.0, 6.0)
+    dominated = measured(Candidate((("max_batch_size", 8),)), 1100.0, 14.0)
+    assert better(held, fast_but_late) and not better(fast_but_late, held)
+    assert max([fast_but_late, held, quicker, dominated], key=Measured.rank_key) is held
+    assert pareto_front([fast_but_late, held, quicker, dominated]) == [fast_but_late, held, quicker]
+
+
+def test_the_chosen_setting_is_written_as_the_variables_the_server_reads(tmp_path):
+    defaults = measured(Candidate(()), 1000.0, 12.0)
+    tuned = measured(Candidate((("dynamic_batching", True), ("max_batch_size", 4))), 1300.0, 9.0)
+    run = TuneRun([defaults, tuned], [SLO], [POINT], WORKLOAD, "quick", "--model-dir m", False, ["mhaserve", "tune"])
+    run.write_env(tmp_path / "tuned.env")
+    written = (tmp_path / "tuned.env").read_text().splitlines()
+    assert [line for line in written if not line.startswith("#")] == [
+        "MHASERVE_DYNAMIC_BATCHING=true", "MHASERVE_MAX_BATCH_SIZE=4"
+    ]  # fmt: skip
+    lines = run.lines()
+    assert "best: --dynamic-batching true --max-batch-size 4, 1300.0 req/s within the SLO" in lines[-2]
+    assert "(1.30x; the defaults held the SLO)" in lines[-2]
+    assert lines[-1] == "serve it: mhaserve serve --model-dir m --dynamic-batching true --max-batch-size 4"
+    missed = TuneRun([measured(Candidate(()), 1000.0, 50.0)], [SLO], [POINT], WORKLOAD, "quick", "--model-dir m",
+                     False, [])  # fmt: skip
+    assert missed.chosen is None and "no candidate held every SLO" in missed.lines()[-1]
+    missed.write_env(tmp_path / "none.env")
+    assert all(line.startswith("#") for line in (tmp_path / "none.env").read_text().splitlines())
+
+
+def test_where_no_setting_holds_the_slo_the_one_closest_to_it_ranks_first():
+    late = measured(Candidate(()), 3000.0, 30.0)  # 1.5 times the 20 ms target
+    closer = measured(Candidate((("max_batch_size", 4),)), 1500.0, 24.0)  # 1.2 times
+    assert better(closer, late) and not better(late, closer)
+    assert not better(measured(Candidate(()), 1500.0, 23.9), closer)  # within the noise margin
