@@ -353,7 +353,8 @@ class DataPlane:
         """Until the server drains: the sequences idle past their timeout are dropped, their memory returned,
         whether or not other steps come."""
         while not self.draining:
-            await asyncio.sleep(min(self.settings.sequence_idle_timeout_s, 5.0))
+            # a model's config.pbtxt may give its sequences less than the server's timeout: looked at each second
+            await asyncio.sleep(min(self.settings.sequence_idle_timeout_s, 1.0))
             self.sequences.drop_idle()
 
     def shutdown(self) -> None:

@@ -166,6 +166,14 @@ class MemoryBudget:
     def release(self, request_bytes: int) -> None:
         self.request_bytes -= request_bytes
 
+    def provide_for(self, max_batch_size: int | None, padded_runs: bool) -> None:
+        """A model is served that batches up to ``max_batch_size`` rows (None: it does not batch), padded or
+        not: the estimate covers its runs too (a model's config.pbtxt may batch or pad where the flags did not;
+        never beyond the server's --max-batch-size)."""
+        if max_batch_size is not None:
+            self.max_batch_size = max(self.max_batch_size or 0, max_batch_size)
+        self.padded_runs = self.padded_runs or padded_runs
+
     def workspace_given_back(self) -> None:
         """The arenas were shrunk: the workspace kept for later runs is gone."""
         self._largest_runs = []

@@ -10,13 +10,15 @@ then. Triton's fields where they mean the same here:
     dynamic_batching { max_queue_delay_microseconds: 500
                        default_queue_policy { max_queue_size: 64 } }
     instance_group [ { count: 2 } ]                      model runs at once (the inference workers it uses)
+    sequence_batching { max_sequence_idle_microseconds: 60000000 }   (in place of dynamic_batching, as in Triton)
 
-and mhaserve's own settings, named as the server's flags, in ``parameters``:
+and mhaserve's own settings, named as the server's flags, in ``parameters`` (the limits ``max_q_len`` and
+``max_kv_len`` among them):
 
     parameters { key: "dynamic_batching" value { string_value: "false" } }
 
 Anything else Triton's format holds (inputs, outputs, platform: the model's own folder says those; fields this
-server has no use for, such as sequence_batching or optimization) is read past.
+server has no use for, such as version_policy or optimization) is read past.
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ class ModelSettings:
     output_only_graph: bool
     max_q_len: int
     max_kv_len: int
+    max_sequence_length: int
+    sequence_idle_timeout_s: float
     source: Path | None = None  # the config.pbtxt it was read from; None: the server's flags alone
 
     @classmethod
@@ -103,6 +107,8 @@ def model_settings(settings: ServerSettings, folder: Path) -> ModelSettings:
         asked["max_queue_delay_us"] = batching.max_queue_delay_microseconds
         if batching.default_queue_policy.max_queue_size:
             asked["max_queue_size"] = batching.default_queue_policy.max_queue_size
+    if config.HasField("sequence_batching") and config.sequence_batching.max_sequence_idle_microseconds:
+        asked["sequence_idle_timeout_s"] = config.sequence_batching.max_sequence_idle_microseconds / 1e6
     if config.instance_group:
         asked["inference_workers"] = sum(group.count or 1 for group in config.instance_group)
     for key, parameter in config.parameters.items():

@@ -198,12 +198,22 @@ class Sequences:
         return InferenceResponse(signature, request, answer, frozenset())
 
     def check_growth(self, sequence: Sequence, rows: int) -> None:
-        if sequence.length + rows > self.max_length:
+        limit, named = self._of_model(sequence, "max_sequence_length", self.max_length)
+        if sequence.length + rows > limit:
             raise RequestError(
                 ErrorKind.RESOURCE_EXHAUSTED,
-                f"sequence {sequence.id!r}: {sequence.length} rows + {rows} would pass --max-sequence-length="
-                f"{self.max_length}; end it and start another",
+                f"sequence {sequence.id!r}: {sequence.length} rows + {rows} would pass {named}={limit}; end it and "
+                "start another",
             )
+
+    @staticmethod
+    def _of_model(sequence: Sequence, name: str, server_value):
+        """A sequence setting of the model it runs on (its config.pbtxt, else the server's flag), and its name."""
+        settings = getattr(sequence.served, "settings", None)
+        value = getattr(settings, name, server_value) if settings is not None else server_value
+        if value != server_value:
+            return value, f"{name} ({settings.source})"
+        return value, "--" + name.replace("_", "-")
 
     def grow(self, sequence: Sequence, cache: StepCache) -> None:
         """The step's cache replaces the sequence's: its new bytes are taken in the budget (RESOURCE_EXHAUSTED
@@ -238,10 +248,11 @@ class Sequences:
     def drop_idle(self) -> None:
         """Drop the sequences idle past the timeout, returning their memory."""
         now = time.monotonic()
-        for sequence in [s for s in self.live.values() if now - s.last_used > self.idle_timeout_s]:
-            if not sequence.lock.locked():
+        for sequence in list(self.live.values()):
+            timeout, named = self._of_model(sequence, "sequence_idle_timeout_s", self.idle_timeout_s)
+            if now - sequence.last_used > timeout and not sequence.lock.locked():
                 self.timed_out_total += 1
-                self._drop(sequence, f"dropped after {self.idle_timeout_s:g} s idle (--sequence-idle-timeout-s)")
+                self._drop(sequence, f"dropped after {timeout:g} s idle ({named})")
 
     def drop_all(self, why: str) -> None:
         for sequence in list(self.live.values()):

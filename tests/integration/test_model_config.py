@@ -115,3 +115,32 @@ def test_a_model_folder_served_alone_reads_its_own_config(start_server, small_mo
     server = start_server(folder, "--dynamic-batching", "false")
     settings = served_with(server.url, "mha")
     assert settings["dynamic_batching"] == "true" and settings["intra_op_threads"] == "1"
+
+
+def test_a_model_s_sequences_follow_its_config(small_model_dir, tmp_path):
+    import shutil
+
+    from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
+    from tests.integration.test_sequences import step
+    from tests.support import TEST_SERVER_ARGS
+    from tests.support.in_process import InProcessServer
+
+    folder = tmp_path / "model"
+    shutil.copytree(small_model_dir, folder)
+    config = "sequence_batching { max_sequence_idle_microseconds: 500000 }\n"
+    config += 'parameters { key: "max_sequence_length" value { string_value: "8" } }'
+    (folder / "config.pbtxt").write_text(config)
+    args = (*TEST_SERVER_ARGS, "--sequence-idle-timeout-s", "60", "--max-sequence-length", "256")
+    with InProcessServer(folder, *args) as server, grpc.insecure_channel(server.url) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        rows = np.ones((1, 6, SMALL_D_MODEL), np.float32)
+        step(stub, 7, rows, start=True)
+        with pytest.raises(grpc.RpcError) as too_long:
+            step(stub, 7, rows[:, :3])
+        step(stub, 8, rows[:, :1], start=True)
+        time.sleep(2.0)  # past the model's 0.5 s, far within the server's 60 s
+        with pytest.raises(grpc.RpcError) as dropped:
+            step(stub, 8, rows[:, :1])
+    assert too_long.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert f"would pass max_sequence_length ({folder / 'config.pbtxt'})=8" in too_long.value.details()
+    assert f"dropped after 0.5 s idle (sequence_idle_timeout_s ({folder / 'config.pbtxt'}))" in dropped.value.details()

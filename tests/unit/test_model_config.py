@@ -77,3 +77,41 @@ def test_triton_s_fields_this_server_has_no_use_for_are_read_past(tmp_path, capl
     )
     assert model_settings(ServerSettings(), tmp_path).max_batch_size == 8
     assert "read past (the first:" in caplog.text and "version_policy" in caplog.text
+
+
+def test_a_limit_the_model_sets_is_named_with_its_file_and_the_others_with_the_server_s_flag(tmp_path):
+    import numpy as np
+
+    from mhaserve.contract.signature import ModelSignature
+    from mhaserve.server.errors import RequestError
+    from mhaserve.server.tensors import build_request
+
+    (tmp_path / "config.pbtxt").write_text('max_batch_size: 2\nparameters { key: "max_kv_len" value '
+                                           '{ string_value: "8" } }')  # fmt: skip
+    settings = ServerSettings(max_batch_size=4, max_q_len=16, max_kv_len=16)
+    limits = model_settings(settings, tmp_path).limits(settings)
+    assert (limits.max_batch_size, limits.max_q_len, limits.max_kv_len) == (2, 16, 8)
+    signature = ModelSignature("mha", "1", 4, 2)
+
+    def refusal(batch: int, q_len: int, kv_len: int) -> str:
+        query = np.zeros((batch, q_len, 4), np.float32)
+        key = np.zeros((batch, kv_len, 4), np.float32)
+        with pytest.raises(RequestError) as refused:
+            build_request({"query": query, "key": key}, "", ("output",), signature, limits)
+        return refused.value.message
+
+    assert refusal(3, 1, 1).endswith(f"batch 3 exceeds the limit max_batch_size=2 (set by {tmp_path}/config.pbtxt)")
+    assert refusal(1, 1, 9).endswith(f"kv_len 9 exceeds the limit max_kv_len=8 (set by {tmp_path}/config.pbtxt)")
+    assert refusal(1, 17, 1).endswith("q_len 17 exceeds the limit max_q_len=16 (the server's --max-q-len raises it)")
+
+
+def test_the_budget_provides_for_a_model_that_batches_or_pads_where_the_flags_did_not():
+    from mhaserve.server.memory import MemoryBudget
+
+    budget = MemoryBudget(1 << 30, workers=1, max_batch_size=None)  # the server: --dynamic-batching false
+    waiting = [(1, 100), (1, 100), (1, 400)]  # (rows, workspace) of three one-row requests
+    assert budget._runs_may_need(waiting) == 400  # one request a run: the largest
+    budget.provide_for(8, padded_runs=False)  # a model batching up to 8 rows
+    assert budget._runs_may_need(waiting) == 600  # one run may take all three
+    budget.provide_for(8, padded_runs=True)  # ... padded to the longest
+    assert budget._runs_may_need(waiting) == 1200
