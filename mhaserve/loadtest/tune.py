@@ -33,11 +33,11 @@ class Knob:
 
     @property
     def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
+        return flag_of(self.name)
 
-    @property
-    def variable(self) -> str:
-        return "MHASERVE_" + self.name.upper()
+
+def flag_of(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 def shown(value) -> str:
@@ -45,10 +45,10 @@ def shown(value) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def knobs_for(workload: Workload, cores: int | None = None, cuda: bool = False) -> list[Knob]:
+def knobs_for(workload: Workload, cores: int | None = None) -> list[Knob]:
     """The knobs that can change this workload's figures on this machine: threads and workers up to its cores,
     the output-only graph only for requests that ask for no weights, length-aware batching only for mixed
-    lengths. (CUDA has no knob here that keeps answers the same: TF32 changes them.)"""
+    lengths. (No CUDA knob: the one there is, TF32, changes the answers, not only their speed.)"""
     cores = cores or os.cpu_count() or 1
     knobs = [
         Knob("dynamic_batching", (True, False), True),
@@ -62,7 +62,6 @@ def knobs_for(workload: Workload, cores: int | None = None, cuda: bool = False) 
         knobs.append(Knob("length_aware_batching", (True, False), True))
     if not workload.attn_weights:
         knobs.append(Knob("output_only_graph", (True, False), True))
-    del cuda  # no CUDA knob changes throughput without changing answers
     return [knob for knob in knobs if len(knob.values) > 1]
 
 
@@ -88,7 +87,7 @@ class Candidate:
         return {**{knob.name: knob.default for knob in knobs}, **dict(self.changed)}
 
     def flags(self) -> list[str]:
-        return [part for name, value in self.changed for part in ("--" + name.replace("_", "-"), shown(value))]
+        return [part for name, value in self.changed for part in (flag_of(name), shown(value))]
 
     @property
     def label(self) -> str:

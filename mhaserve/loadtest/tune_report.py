@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .loadgen import Point, Workload
 from .slo import Slo
-from .tune import Measured, pareto_front
+from .tune import Measured, pareto_front, shown
 
 COLUMNS = ("setting", "req/s", "spread", "p50 ms", "p99 ms", "SLO", "peak RSS MiB", "at")
 
@@ -141,7 +141,7 @@ class TuneRun:
             if not chosen.candidate.changed:
                 lines.append("# the defaults were best: nothing to set")
             for name, value in chosen.candidate.changed:
-                lines.append(f"MHASERVE_{name.upper()}={str(value).lower() if isinstance(value, bool) else value}")
+                lines.append(f"MHASERVE_{name.upper()}={shown(value)}")
         path.write_text("\n".join(lines) + "\n")
 
     def as_json(self) -> dict:
