@@ -87,7 +87,7 @@ def _run_tune(args) -> int:
     from mhaserve.loadtest import tune_report
     from mhaserve.loadtest.loadgen import LoadGenerator, Point, Workload, default_processes
     from mhaserve.loadtest.server_process import free_port
-    from mhaserve.loadtest.tune import CandidateRunner, full_sweep, knobs_for, quick_search
+    from mhaserve.loadtest.tune import CandidateRunner, full_sweep, knobs_for, quick_plan, quick_search
 
     workload = Workload(0, args.batch, *args.lengths, attn_weights=not args.no_weights, model=args.model)
     if args.rate:
@@ -118,7 +118,7 @@ def _run_tune(args) -> int:
     if config_path.exists():  # it would override every candidate's flags
         raise UsageError(f"{config_path} sets how the model is served, over any candidate's flags: tune a copy of the "
                          "model without it (or move it aside), then keep the setting tune finds")  # fmt: skip
-    planned = (1 + sum(len(k.values) - 1 for k in knobs)) if args.search == "quick" else len(full_sweep(knobs))
+    planned = quick_plan(knobs) if args.search == "quick" else len(full_sweep(knobs))
     per_candidate = 3 + len(points) * args.repeats * (args.warmup + args.duration)
     processes = args.processes or default_processes()
     print(f"mhaserve tune: {args.search} search over {', '.join(k.flag for k in knobs)}; up to {planned} candidates x "

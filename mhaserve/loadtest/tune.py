@@ -11,6 +11,7 @@ point first, by the throughput of their best such point; then the others, by how
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -21,6 +22,8 @@ from .slo import Slo
 
 # A value must beat the best so far by this much to be kept: closer figures are within this machine's noise.
 KEEP_IF_BETTER_BY = 1.03
+# The knobs the quick search tries in every pairing, not one at a time.
+JOINT = ("max_queue_delay_us", "max_batch_size")
 
 
 @dataclass(frozen=True)
@@ -50,8 +53,9 @@ def knobs_for(workload: Workload, cores: int | None = None) -> list[Knob]:
     the output-only graph only for requests that ask for no weights, length-aware batching only for mixed
     lengths. (No CUDA knob: the one there is, TF32, changes the answers, not only their speed.)"""
     cores = cores or os.cpu_count() or 1
+    # Batching's own knobs first and batching on or off last: the quick search compares the best batching it
+    # found with none, rather than leaving batching early and its knobs untried.
     knobs = [
-        Knob("dynamic_batching", (True, False), True),
         Knob("max_queue_delay_us", (0, 250, 1000, 4000), 0),
         Knob("max_batch_size", tuple(sorted({max(workload.batch, b) for b in (4, 8, 16, 32)})), 32),
         # 0 is one thread per core: the values past it are the fewer threads this machine allows
@@ -62,6 +66,7 @@ def knobs_for(workload: Workload, cores: int | None = None) -> list[Knob]:
         knobs.append(Knob("length_aware_batching", (True, False), True))
     if not workload.attn_weights:
         knobs.append(Knob("output_only_graph", (True, False), True))
+    knobs.append(Knob("dynamic_batching", (True, False), True))
     return [knob for knob in knobs if len(knob.values) > 1]
 
 
@@ -150,27 +155,48 @@ def better(challenger: Measured, incumbent: Measured | None) -> bool:
 
 
 def quick_search(knobs: list[Knob], measure: Callable[[Candidate], Measured]) -> Iterable[Measured]:
-    """Coordinate steps from the defaults: each knob's other values tried with the best setting so far, the
-    best kept. Yields each measurement as it is made."""
-    best_values = {knob.name: knob.default for knob in knobs}
-    defaults = Candidate.of(best_values, knobs)
-    seen = {defaults}
-    best = measure(defaults)
-    yield best
-    for knob in knobs:
-        step_best = None
-        for value in knob.values:
-            candidate = Candidate.of({**best_values, knob.name: value}, knobs)
-            if candidate in seen:
-                continue
-            seen.add(candidate)
-            measured = measure(candidate)
+    """Every pairing of the queue delay and the batch cap (they act together: a long delay pays only with a cap
+    that fills), the defaults first; then one step per other knob from the best so far, each of its values
+    tried with the rest as they are and the best kept. A setting is measured once. Yields each measurement as it
+    is made."""
+    defaults = {knob.name: knob.default for knob in knobs}
+    joint = [knob for knob in knobs if knob.name in JOINT]
+    seen: set[Candidate] = set()
+    best = None
+
+    def step(values: dict):
+        nonlocal best
+        candidate = Candidate.of(values, knobs)
+        if candidate in seen:
+            return None
+        seen.add(candidate)
+        measured = measure(candidate)
+        if better(measured, best):
+            best = measured
+        return measured
+
+    grid = itertools.product(*(knob.values for knob in joint))
+    pairings = []
+    for values in [tuple(k.default for k in joint), *grid]:
+        measured = step({**defaults, **dict(zip((k.name for k in joint), values, strict=True))})
+        if measured is not None:
+            pairings.append(measured)
             yield measured
-            if better(measured, best) and better(measured, step_best):
-                step_best = measured
-        if step_best is not None:
-            best = step_best
-            best_values = step_best.candidate.values(knobs)
+    # the grid's best on equal terms, kept over the defaults only beyond the noise margin
+    top = max(pairings, key=Measured.rank_key)
+    best = top if better(top, pairings[0]) else pairings[0]
+    for knob in (k for k in knobs if k.name not in JOINT):
+        start = best.candidate.values(knobs)
+        for value in knob.values:
+            measured = step({**start, knob.name: value})
+            if measured is not None:
+                yield measured
+
+
+def quick_plan(knobs: list[Knob]) -> int:
+    """How many settings the quick search measures at most."""
+    joint = [len(k.values) for k in knobs if k.name in JOINT]
+    return (math.prod(joint) if joint else 1) + sum(len(k.values) - 1 for k in knobs if k.name not in JOINT)
 
 
 def full_sweep(knobs: list[Knob]) -> list[Candidate]:

@@ -120,7 +120,7 @@ def test_ctrl_c_or_sigterm_stops_the_search_and_keeps_what_was_measured(small_mo
     [
         ((), "give at least one --slo"),
         (("--slo", "p99<<1"), "expected p50, p90"),
-        (("--slo", "p99<1s", "--knobs", "warp_drive"), "expected names among dynamic_batching"),
+        (("--slo", "p99<1s", "--knobs", "warp_drive"), "expected names among max_queue_delay_us"),
         (("--slo", "p99<1s", "--env-file", "/no/such/folder/tuned.env"), "the folder /no/such/folder does not exist"),
         (("--slo", "p99<1s", "--repeats", "0"), "--repeats must be at least 1"),
         (("/no/such/model", "--slo", "p99<1s"), "no such folder"),
