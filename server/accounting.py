@@ -38,9 +38,10 @@ IDLE_RELEASE_S = 2.0
 # Low, because a gRPC message takes several times its size in gRPC's buffers while it is received
 # (BENCHMARKS.md, "Memory while requests are received").
 RECEIVED_BYTES_BEFORE_TRIM = 8 << 20
-# Received bytes dropped during a burst, past which the heap is trimmed at once, not only once idle: each of gRPC's
-# threads receives into an arena of its own, which keeps what it freed, so a burst of large messages received one
-# after another would otherwise hold about one message per arena.
+# Received bytes refused unadmitted during a burst, past which the heap is trimmed at once, not only once idle: each
+# of gRPC's threads receives into an arena of its own, which keeps what it freed, so a burst of large refused
+# messages would otherwise hold about one message per arena. Only refused bytes count: under steady load the pages
+# admitted requests free are the next requests'.
 RECEIVED_BYTES_BEFORE_BUSY_TRIM = 256 << 20
 
 
@@ -159,22 +160,19 @@ class RequestAccounting:
     def received_released(self, nbytes: int) -> None:
         """A request body's bytes, counted while it was received, leave the budget (admitted, the request's
         inputs are counted instead; refused, they are freed)."""
-        self._received(nbytes)
+        self._received_since_release += nbytes
         self._release(nbytes)
 
     def received_dropped(self, nbytes: int) -> None:
         """A request received (whole, or in part and abandoned) and refused before it was counted: its pages are
-        given back once idle."""
-        self._received(nbytes)
-        self._release(0)
-
-    def _received(self, nbytes: int) -> None:
+        given back once idle, or at once in a burst of them."""
         self._received_since_release += nbytes
         self._received_since_trim += nbytes
         if self._received_since_trim >= RECEIVED_BYTES_BEFORE_BUSY_TRIM and self._trimming is None:
             self._received_since_trim = 0
             self._trimming = self._executor.submit(release_free_memory)
             self._trimming.add_done_callback(self._trimmed)
+        self._release(0)
 
     def _trimmed(self, _) -> None:
         self._trimming = None  # a thread's callback: a plain assignment, read on the loop
