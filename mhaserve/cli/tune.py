@@ -36,6 +36,9 @@ def add_tune(sub) -> None:
     p.add_argument("--no-weights", action="store_true", help="requests ask for the output only")
     p.add_argument("--search", choices=("quick", "full"), default="quick", help="quick: one knob at a time from "
                    "the defaults (default); full: every distinct setting")  # fmt: skip
+    p.add_argument("--also-model", action="append", type=Path, default=[], metavar="DIR",
+                   help="another export of the same model (float16, int8) tried as a knob of its own; int8 only "
+                   "where this CPU has 8-bit dot-product instructions (repeatable)")  # fmt: skip
     p.add_argument("--knobs", default=None, metavar="NAME,...", help="search only these settings, e.g. "
                    "max_batch_size,max_queue_delay_us (default: every one that applies here)")  # fmt: skip
     p.add_argument("--repeats", type=int, default=2, help="measure each candidate's points this many times; the "
@@ -87,7 +90,7 @@ def _run_tune(args) -> int:
     from mhaserve.loadtest import tune_report
     from mhaserve.loadtest.loadgen import LoadGenerator, Point, Workload, default_processes
     from mhaserve.loadtest.server_process import free_port
-    from mhaserve.loadtest.tune import CandidateRunner, full_sweep, knobs_for, quick_plan, quick_search
+    from mhaserve.loadtest.tune import CandidateRunner, exports_knob, full_sweep, knobs_for, quick_plan, quick_search
 
     workload = Workload(0, args.batch, *args.lengths, attn_weights=not args.no_weights, model=args.model)
     if args.rate:
@@ -95,6 +98,20 @@ def _run_tune(args) -> int:
     else:
         points = [Point("closed", c, args.duration, args.warmup) for c in (args.concurrency or [16])]
     knobs = knobs_for(workload)
+    if args.also_model:
+        from mhaserve.contract.cpu import int8_support
+        from mhaserve.contract.model_dir import ModelDirError
+
+        if args.model_repository is not None or args.model_dir is None:
+            raise UsageError("--also-model takes other exports of the model folder given first, not of a repository "
+                             "or the default model")  # fmt: skip
+        try:
+            exports, left_out = exports_knob(args.model_dir, args.also_model, int8_support().usable)
+        except ModelDirError as error:
+            raise UsageError(f"--also-model: {error}") from None
+        for line in left_out:
+            print(f"mhaserve tune: {line}", file=sys.stderr)
+        knobs += [exports] if exports else []
     if args.knobs is not None:
         asked = [name.strip().replace("-", "_") for name in args.knobs.split(",") if name.strip()]
         unknown = [name for name in asked if name not in {k.name for k in knobs}]
@@ -115,9 +132,10 @@ def _run_tune(args) -> int:
         model_args = ["--model-dir", str(model_dir)]
         served = f"--model-dir {model_dir}"
         config_path = model_dir / MODEL_CONFIG_FILE
-    if config_path.exists():  # it would override every candidate's flags
-        raise UsageError(f"{config_path} sets how the model is served, over any candidate's flags: tune a copy of the "
-                         "model without it (or move it aside), then keep the setting tune finds")  # fmt: skip
+    for config in (config_path, *(folder / MODEL_CONFIG_FILE for folder in args.also_model)):
+        if config.exists():  # it would override every candidate's flags
+            raise UsageError(f"{config} sets how the model is served, over any candidate's flags: tune a copy of "
+                             "the model without it (or move it aside), then keep the setting tune finds")  # fmt: skip
     planned = quick_plan(knobs) if args.search == "quick" else len(full_sweep(knobs))
     per_candidate = 3 + len(points) * args.repeats * (args.warmup + args.duration)
     processes = args.processes or default_processes()
@@ -150,6 +168,8 @@ def _run_tune(args) -> int:
     run.write_env(args.env_file)
     print(f"wrote {args.env_file}", file=sys.stderr)
     if args.write_model_config and chosen is not None:
+        chosen_dir = dict(chosen.candidate.changed).get("model_dir")
+        config_path = chosen_dir / MODEL_CONFIG_FILE if chosen_dir else config_path
         run.write_model_config(config_path, args.model)
         print(f"wrote {config_path}: the model is served so; serve it: {run.serve_command(chosen, config_path)}")
     if args.json:

@@ -16,6 +16,7 @@ import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from .loadgen import LoadGenerator, Point, PointResult, Workload
 from .slo import Slo
@@ -46,6 +47,29 @@ def flag_of(name: str) -> str:
 def shown(value) -> str:
     """A value as the server's flags and variables take it (booleans are true or false)."""
     return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def exports_knob(model_dir: Path, others: list[Path], int8_usable: bool) -> tuple[Knob | None, list[str]]:
+    """Other exports of the served model (another precision) as a knob, and a line for each one left out: one
+    of another model or shape, and int8 where this CPU would saturate its products (Int8Support)."""
+    from mhaserve.contract.model_dir import read_manifest
+
+    def served_as(manifest: dict) -> tuple:
+        return manifest.get("name") or "mha", manifest["config"]["d_model"], manifest["config"]["num_heads"]
+
+    base = served_as(read_manifest(model_dir))
+    folders, notes = [model_dir], []
+    for folder in others:
+        manifest = read_manifest(folder)
+        if served_as(manifest) != base:
+            notes.append(f"{folder}: not an export of the same model and shape as {model_dir}; left out")
+        elif manifest.get("precision") == "int8" and not int8_usable:
+            notes.append(f"{folder}: int8, whose products this CPU would saturate (no VNNI); left out")
+        else:
+            folders.append(folder)
+    if len(folders) == 1:
+        return None, notes
+    return Knob("model_dir", tuple(folders), model_dir), notes
 
 
 def knobs_for(workload: Workload, cores: int | None = None) -> list[Knob]:

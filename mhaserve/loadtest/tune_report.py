@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .loadgen import Point, Workload
 from .slo import Slo
-from .tune import Measured, pareto_front, shown
+from .tune import Measured, flag_of, pareto_front, shown
 
 COLUMNS = ("setting", "req/s", "spread", "p50 ms", "p99 ms", "SLO", "peak RSS MiB", "at")
 
@@ -82,10 +82,13 @@ class TuneRun:
     def serve_command(self, m: Measured, model_config: Path | None = None) -> str:
         """The command that serves ``m``'s setting: as flags; or, with the setting in the model's ``model_config``,
         the flags its ceilings need (more inference workers than the server's default)."""
+        changed = dict(m.candidate.changed)
+        served = f"--model-dir {changed['model_dir']}" if "model_dir" in changed else self.served
         if model_config is None:
-            return " ".join(["mhaserve serve", self.served, *m.candidate.flags()])
-        workers = dict(m.candidate.changed).get("inference_workers")
-        return " ".join(["mhaserve serve", self.served, *(("--inference-workers", str(workers)) if workers else ())])
+            flags = [f for name, value in changed.items() if name != "model_dir" for f in (flag_of(name), shown(value))]
+            return " ".join(["mhaserve serve", served, *flags])
+        workers = changed.get("inference_workers")
+        return " ".join(["mhaserve serve", served, *(("--inference-workers", str(workers)) if workers else ())])
 
     def write_model_config(self, path: Path, name: str) -> None:
         """The chosen setting as the model's config.pbtxt (Triton's fields where they mean the same)."""
@@ -94,7 +97,8 @@ class TuneRun:
         chosen = self.chosen
         header = f"# mhaserve tune: {self.title}\n# {chosen.best.throughput:.1f} req/s, p99 " \
                  f"{chosen.best.latency_ms['p99']:.2f} ms at {chosen.best.point.label}\n"  # fmt: skip
-        path.write_text(header + config_text(name, dict(chosen.candidate.changed)))
+        settings = {k: v for k, v in chosen.candidate.changed if k != "model_dir"}  # the folder, not a setting
+        path.write_text(header + config_text(name, settings))
 
     def lines(self) -> list[str]:
         widths = [max(len(str(row[i])) for row in [COLUMNS, *map(_figures, self.ranked)]) for i in range(len(COLUMNS))]

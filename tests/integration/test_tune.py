@@ -132,3 +132,19 @@ def test_mistakes_are_one_line_and_exit_2_before_any_server_starts(args, says):
     assert done.returncode == 2, done.stderr
     assert says in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert time.monotonic() - started < 30
+
+
+def test_other_exports_of_the_model_are_a_knob_and_another_model_s_is_left_out(exported, small_module,
+                                                                              small_model_dir, tmp_path):  # fmt: skip
+    from mhaserve.model import seeded_module
+
+    fp16 = exported.folder("fp16", small_module, precision="fp16")
+    wider = exported.folder("wide", seeded_module(96, 6, seed=3))
+    done = tune(str(small_model_dir), "--also-model", str(fp16), "--also-model", str(wider), "--slo", "p99<5s",
+                "--knobs", "model_dir", *SHORT, "--json", str(tmp_path / "tune.json"),
+                "--env-file", str(tmp_path / "tuned.env"))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"{wider}: not an export of the same model and shape" in done.stderr
+    run = json.loads((tmp_path / "tune.json").read_text())
+    assert [c["flags"] for c in run["candidates"]] == [[], ["--model-dir", str(fp16)]]
+    assert all(c["held"] and c["points"][0]["errors"] == 0 for c in run["candidates"])
