@@ -43,6 +43,9 @@ def add_tune(sub) -> None:
                    "max_batch_size,max_queue_delay_us (default: every one that applies here)")  # fmt: skip
     p.add_argument("--repeats", type=int, default=2, help="measure each candidate's points this many times; the "
                    "median is kept, with its spread (default 2)")  # fmt: skip
+    p.add_argument("--confirm", type=int, default=3, metavar="ROUNDS", help="measure the search's best and the "
+                   "defaults again side by side, alternating, this many rounds; the best is kept only if it wins "
+                   "most (default 3; 0: keep the search's best as measured)")  # fmt: skip
     p.add_argument("--duration", type=float, default=4.0, help="measured seconds per point (default 4)")
     p.add_argument("--warmup", type=float, default=1.0, help="seconds per point before measuring (default 1)")
     p.add_argument("--processes", type=int, default=None, help="client processes (default: cores, at most 4)")
@@ -68,6 +71,8 @@ def _run_tune(args) -> int:
         raise UsageError(str(error)) from None
     if not slos:
         raise UsageError("give at least one --slo, e.g. --slo 'p99<20ms': tune looks for the most throughput within it")
+    if args.confirm < 0:
+        raise UsageError(f"--confirm must be 0 or more, got {args.confirm}")
     if args.repeats < 1:
         raise UsageError(f"--repeats must be at least 1, got {args.repeats}")
     if args.duration <= 0 or args.warmup < 0:
@@ -90,7 +95,16 @@ def _run_tune(args) -> int:
     from mhaserve.loadtest import tune_report
     from mhaserve.loadtest.loadgen import LoadGenerator, Point, Workload, default_processes
     from mhaserve.loadtest.server_process import free_port
-    from mhaserve.loadtest.tune import CandidateRunner, exports_knob, full_sweep, knobs_for, quick_plan, quick_search
+    from mhaserve.loadtest.tune import (
+        Candidate,
+        CandidateRunner,
+        confirm,
+        exports_knob,
+        full_sweep,
+        knobs_for,
+        quick_plan,
+        quick_search,
+    )
 
     workload = Workload(0, args.batch, *args.lengths, attn_weights=not args.no_weights, model=args.model)
     if args.rate:
@@ -159,9 +173,24 @@ def _run_tune(args) -> int:
         except KeyboardInterrupt:
             interrupted = True
             print(f"stopped after {len(measured)} candidates: reporting what was measured", file=sys.stderr)
-    if not measured:
-        return 130 if interrupted else 1
-    run = tune_report.TuneRun(measured, slos, points, runner.workload, args.search, served, interrupted, sys.argv)
+        if not measured:
+            return 130 if interrupted else 1
+        run = tune_report.TuneRun(measured, slos, points, runner.workload, args.search, served, interrupted,
+                                  sys.argv)  # fmt: skip
+        leader = run.leader
+        if not interrupted and args.confirm and leader is not None and leader.candidate.changed:
+            run.confirmation = []
+            try:
+                for number, (defaults, best) in enumerate(
+                    confirm(leader.candidate, Candidate(()), runner, args.confirm), 1
+                ):
+                    run.confirmation.append((defaults, best))
+                    print(f"[confirm {number}/{args.confirm}] {leader.candidate.label}: "
+                          f"{tune_report.within_slo(best)} against the defaults' {tune_report.within_slo(defaults)}",
+                          file=sys.stderr, flush=True)  # fmt: skip
+            except KeyboardInterrupt:
+                interrupted = run.interrupted = True
+                print("stopped while confirming: the rounds measured decide", file=sys.stderr)
     for line in run.lines():
         print(line)
     chosen = run.chosen

@@ -217,6 +217,24 @@ def quick_search(knobs: list[Knob], measure: Callable[[Candidate], Measured]) ->
                 yield measured
 
 
+def confirm(best: Candidate, defaults: Candidate, measure: Callable[[Candidate], Measured], rounds: int
+            ) -> Iterable[tuple[Measured, Measured]]:  # fmt: skip
+    """The search's best and the defaults measured again side by side, alternating which goes first, ``rounds``
+    times: the best of many noisy measurements is biased upward (the winner's curse), so it is kept only where it
+    wins these. Yields (defaults, best) per round."""
+    for round_number in range(rounds):
+        if round_number % 2:
+            tried = measure(best)
+            yield measure(defaults), tried
+        else:
+            yield measure(defaults), measure(best)
+
+
+def confirmed(rounds: list[tuple[Measured, Measured]]) -> bool:
+    """Whether the best beat the defaults in most rounds (Measured ranking, beyond the noise margin)."""
+    return sum(better(best, defaults) for defaults, best in rounds) * 2 > len(rounds)
+
+
 def quick_plan(knobs: list[Knob]) -> int:
     """How many settings the quick search measures at most."""
     joint = [len(k.values) for k in knobs if k.name in JOINT]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .loadgen import Point, Workload
 from .slo import Slo
-from .tune import Measured, flag_of, pareto_front, shown
+from .tune import Measured, better, confirmed, flag_of, pareto_front, shown
 
 COLUMNS = ("setting", "req/s", "spread", "p50 ms", "p99 ms", "SLO", "peak RSS MiB", "at")
 
@@ -34,6 +34,13 @@ def _figures(m: Measured) -> list[str]:
         f"{m.peak_rss_mib:.0f}" if m.peak_rss_mib is not None else "",
         best.point.label,
     ]
+
+
+def within_slo(m: Measured) -> str:
+    """A candidate's throughput where the SLO held, for a line."""
+    if m.failed or m.best is None:
+        return "failed to start"
+    return f"{m.best.throughput:.1f} req/s" if m.held else f"SLO missed ({m.miss:.2f} times its target)"
 
 
 def progress_line(n: int, planned: int, m: Measured, so_far: list[Measured]) -> str:
@@ -58,6 +65,7 @@ class TuneRun:
     served: str  # the model flags every candidate was served with
     interrupted: bool
     command: list[str]
+    confirmation: list[tuple[Measured, Measured]] | None = None  # (defaults, best) measured again per round
 
     @property
     def ranked(self) -> list[Measured]:
@@ -68,10 +76,33 @@ class TuneRun:
         return next((m for m in self.measured if not m.candidate.changed), None)
 
     @property
-    def chosen(self) -> Measured | None:
-        """The best candidate that held every SLO; None where none did."""
+    def leader(self) -> Measured | None:
+        """The search's best candidate that held every SLO; None where none did."""
         best = self.ranked[0] if self.measured else None
         return best if best is not None and best.held and not best.failed else None
+
+    @property
+    def chosen(self) -> Measured | None:
+        """The leader, where the side-by-side rounds confirmed it over the defaults (or none were run); else the
+        defaults where they held the SLO."""
+        leader = self.leader
+        if leader is None or not leader.candidate.changed or not self.confirmation:
+            return leader
+        if confirmed(self.confirmation):
+            return leader
+        defaults = self.defaults
+        return defaults if defaults is not None and defaults.held else None
+
+    def confirmation_line(self) -> str | None:
+        if not self.confirmation:
+            return None
+        leader = self.leader
+
+        rounds = "; ".join(f"{within_slo(b)} against {within_slo(d)}" for d, b in self.confirmation)
+        wins = sum(better(b, d) for d, b in self.confirmation)
+        verdict = "kept" if confirmed(self.confirmation) else "not kept: the defaults stay"
+        return (f"side by side with the defaults, {len(self.confirmation)} alternating rounds: "
+                f"{leader.candidate.label} {rounds}; it won {wins}: {verdict}")  # fmt: skip
 
     @property
     def title(self) -> str:
@@ -111,6 +142,8 @@ class TuneRun:
             f"{m.candidate.label} ({m.best.throughput:.1f} req/s, p99 {m.best.latency_ms['p99']:.2f} ms)" for m in front
         ))  # fmt: skip
         chosen, defaults = self.chosen, self.defaults
+        if self.confirmation_line():
+            out.append(self.confirmation_line())
         if chosen is None:
             closest = self.ranked[0]
             near = "" if closest.failed or closest.best is None else (
@@ -157,6 +190,16 @@ class TuneRun:
             "stopped_early": self.interrupted,
             "slo": [s.text for s in self.slos],
             "chosen": dict(chosen.candidate.changed) if chosen else None,
+            "confirmation": [
+                {
+                    "defaults": d.best.row() if d.best else None,
+                    "best": b.best.row() if b.best else None,
+                    "defaults_held": d.held,
+                    "best_held": b.held,
+                    "best_won": better(b, d),
+                }
+                for d, b in self.confirmation or []
+            ],  # fmt: skip
             "front": [m.candidate.label for m in pareto_front(self.measured)],
             "candidates": [
                 {

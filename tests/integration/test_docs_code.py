@@ -29,7 +29,7 @@ ELSEWHERE = re.compile(r"--url (?!127\.0\.0\.1)")  # a block for another host (a
 # machine, which `bench` reports with exit code 1 and "SLO missed", never a traceback or a usage error.
 SHORT_LOAD = "--duration 0.5 --warmup 0.2 "
 # A tune (which starts its own servers of the default model) cut to one knob's values, each measured once.
-SHORT_TUNE = "--duration 0.3 --warmup 0.1 --repeats 1 --knobs max_batch_size --processes 1 "
+SHORT_TUNE = "--duration 0.3 --warmup 0.1 --repeats 1 --confirm 1 --knobs max_batch_size --processes 1 "
 EXPECTED = re.compile(r"^\s*print\(.*\)\s+#\s*(.+)$")
 
 

@@ -52,6 +52,9 @@ def test_tune_serves_each_candidate_and_writes_the_best_setting_under_the_slo(sm
     assert "[4/4]" in done.stderr and "best so far" in done.stderr
     chosen = run["chosen"]
     assert chosen is not None
+    # a leader other than the defaults is measured again beside them, three alternating rounds, before it is kept
+    assert len(run["confirmation"]) in (0, 3)
+    assert ("side by side with the defaults, 3 alternating rounds" in done.stdout) == bool(run["confirmation"])
     env = [line for line in (tmp_path / "tuned.env").read_text().splitlines() if not line.startswith("#")]
     assert env == [f"MHASERVE_{name.upper()}={str(value).lower()}" for name, value in chosen.items()]
     assert f"serve it: mhaserve serve --model-dir {model}" in done.stdout

@@ -12,6 +12,7 @@ from mhaserve.loadtest.tune import (
     Candidate,
     Measured,
     better,
+    confirmed,
     full_sweep,
     knobs_for,
     pareto_front,
@@ -116,3 +117,22 @@ def test_where_no_setting_holds_the_slo_the_one_closest_to_it_ranks_first():
     closer = measured(Candidate((("max_batch_size", 4),)), 1500.0, 24.0)  # 1.2 times
     assert better(closer, late) and not better(late, closer)
     assert not better(measured(Candidate(()), 1500.0, 23.9), closer)  # within the noise margin
+
+
+def test_the_search_s_best_is_kept_only_if_it_wins_most_rounds_side_by_side_with_the_defaults():
+    defaults, tuned = Candidate(()), Candidate((("max_queue_delay_us", 1000),))
+    searched = [measured(defaults, 1000.0, 12.0), measured(tuned, 1400.0, 9.0)]  # a lucky measurement, perhaps
+
+    def run_with(rounds):
+        return TuneRun(searched, [SLO], [POINT], WORKLOAD, "quick", "--model-dir m", False, [], rounds)
+
+    lost = run_with([(measured(defaults, 1000.0, 12.0), measured(tuned, 1010.0, 12.0))] * 2
+                    + [(measured(defaults, 1000.0, 12.0), measured(tuned, 1100.0, 12.0))])  # fmt: skip
+    assert not confirmed(lost.confirmation) and lost.chosen is searched[0]
+    assert "it won 1: not kept: the defaults stay" in lost.confirmation_line()
+    assert "best: the defaults, 1000.0 req/s within the SLO" in lost.lines()[-2]
+    won = run_with([(measured(defaults, 1000.0, 12.0), measured(tuned, 1300.0, 9.0))] * 2
+                   + [(measured(defaults, 1000.0, 12.0), measured(tuned, 990.0, 12.0))])  # fmt: skip
+    assert confirmed(won.confirmation) and won.chosen is searched[1]
+    assert "it won 2: kept" in won.confirmation_line()
+    assert run_with(None).chosen is searched[1]  # not confirmed (--confirm 0): as the search measured it
