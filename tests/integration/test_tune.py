@@ -109,7 +109,13 @@ def test_ctrl_c_or_sigterm_stops_the_search_and_keeps_what_was_measured(small_mo
     else:
         process.send_signal(signal.SIGTERM)  # as a supervisor stops it: the command alone
     out, err = process.communicate(timeout=120)
-    assert children and not [pid for pid in children if alive(pid)]  # its server and client processes ended
+    left = children  # its server, client processes and their resource tracker end (the tracker once it sees EOF)
+    deadline = time.monotonic() + 10
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = [pid for pid in left if alive(pid)]
+    assert children and not left, subprocess.run(["ps", "-o", "pid,stat,args", "-p", ",".join(map(str, left))],
+                                                 capture_output=True, text=True).stdout  # fmt: skip
     assert process.returncode == 130, "".join(progress) + err
     assert "stopped after 2 candidates" in err
     run = json.loads((tmp_path / "tune.json").read_text())
