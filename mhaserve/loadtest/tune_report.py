@@ -8,6 +8,7 @@ import base64
 import html
 import io
 import json
+import statistics
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -159,7 +160,9 @@ class TuneRun:
             against = (f" against the defaults' {defaults.best.throughput:.1f} req/s ({ratio:.2f}x; the defaults "
                        f"{held} the SLO)")  # fmt: skip
         if not chosen.candidate.changed:
-            out.append(f"best: the defaults, {chosen.best.throughput:.1f} req/s within the SLO")
+            side = [d.best.throughput for d, _ in self.confirmation or () if d.held]
+            measured_as = f"; {statistics.median(side):.1f} in the side-by-side rounds (median)" if side else ""
+            out.append(f"best: the defaults, {chosen.best.throughput:.1f} req/s within the SLO{measured_as}")
         else:
             out.append(f"best: {chosen.candidate.label}, {chosen.best.throughput:.1f} req/s within the SLO{against}")
         out.append(f"serve it: {self.serve_command(chosen)}")
