@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
 
 from mhaserve.contract.errors import UsageError
@@ -432,6 +432,10 @@ class ServerSettings:
         return min(request + envelope, GRPC_MAX_MESSAGE_BYTES), min(response + envelope, GRPC_MAX_MESSAGE_BYTES)
 
 
+# Each setting's field (its type, help, section and rule), by name.
+SETTING_FIELDS = {f.name: f for f in fields(ServerSettings)}
+
+
 def parse_bool(text: str) -> bool:
     """A switch's value: true or false (any case), one spelling wherever a switch is set, flag or variable."""
     value = text.strip().lower()
@@ -448,10 +452,22 @@ def _names(text: str) -> tuple[str, ...]:
     return tuple(name.strip() for name in text.split(",") if name.strip())
 
 
-def _converter(field_type):
+def reader_of(setting: Field):
+    """What reads a setting's value from text (a flag, a variable, a model's config.pbtxt parameter)."""
+    field_type = setting.type if isinstance(setting.type, str) else setting.type.__name__
     if field_type.startswith("tuple"):
         return _names
     return {"int": int, "float": float, "bool": parse_bool, "str": str}.get(field_type, _optional_path)
+
+
+def flag_of(name: str) -> str:
+    """A setting's command-line flag: max_batch_size is --max-batch-size."""
+    return "--" + name.replace("_", "-")
+
+
+def setting_text(value) -> str:
+    """A value as a setting's flag and variable take it: false and true, numbers as written."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
@@ -460,7 +476,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     groups = {section: parser.add_argument_group(section) for section in SECTIONS}
     for f in fields(ServerSettings):
         env = ENV_PREFIX + f.name.upper()
-        convert = _converter(f.type if isinstance(f.type, str) else f.type.__name__)
+        convert = reader_of(f)
         default = getattr(defaults, f.name)
         if os.environ.get(env):  # set and not empty: Compose passes an unset variable as empty
             try:
@@ -469,7 +485,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                 parser.error(f"{env}={os.environ[env]!r}: {exc}")
         repeated = convert is _names  # --load-model a --load-model b,c
         groups[f.metadata["section"]].add_argument(
-            "--" + f.name.replace("_", "-"),
+            flag_of(f.name),
             dest=f.name,
             type=convert,
             default=None if repeated else default,
@@ -482,11 +498,9 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
 
 def shown_default(default) -> str:
     """A default as the server takes it: false and 0 as such (they are values), none only where none is set."""
-    if isinstance(default, bool):
-        return "true" if default else "false"
     if default is None or default == "" or default == ():
         return "none"
-    return ",".join(map(str, default)) if isinstance(default, tuple) else str(default)
+    return ",".join(map(str, default)) if isinstance(default, tuple) else setting_text(default)
 
 
 def _value(args: argparse.Namespace, name: str):
@@ -505,7 +519,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         rule, value = f.metadata["rule"], getattr(settings, f.name)
         if rule is not None and not rule.holds(value):
             got = f", got {value!r}" if rule.show_value else ""
-            raise UsageError(f"--{f.name.replace('_', '-')} must be {rule.said}{got}")
+            raise UsageError(f"{flag_of(f.name)} must be {rule.said}{got}")
     try:
         parse_trace_config(settings.trace_config)
     except ValueError as error:

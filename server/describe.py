@@ -9,6 +9,7 @@ from __future__ import annotations
 import mhaserve
 from mhaserve.contract.signature import COMPUTES_IN, input_specs, output_specs
 
+from .config import setting_text
 from .registry import ServedModel
 from .shared_memory import RegionStatus
 from .statistics import Duration
@@ -81,12 +82,8 @@ def model_config(served: ServedModel) -> dict:
 def serving_settings(served: ServedModel) -> dict[str, str]:
     """How this version runs: its provider and the settings that shape its latency, as text."""
     session, batcher = served.session, served.batcher
-
-    def text(value) -> str:
-        return str(value).lower() if isinstance(value, bool) else str(value)
-
     return {
-        name: text(value)
+        name: setting_text(value)
         for name, value in (
             ("provider", session.provider),
             ("intra_op_threads", session.intra_op_threads),

@@ -34,7 +34,7 @@ from mhaserve.contract.model_dir import ModelDirError
 from mhaserve.contract.repository import MODEL_CONFIG_FILE as CONFIG_FILE
 from mhaserve.protos.generated import model_config_pb2 as mc
 
-from .config import ServerSettings, _converter
+from .config import SETTING_FIELDS, ServerSettings, flag_of, reader_of, setting_text
 from .tensors import Limits
 
 log = logging.getLogger("mhaserve.server")
@@ -70,7 +70,7 @@ class ModelSettings:
         return cls(**{f.name: getattr(settings, f.name) for f in fields(cls) if f.name != "source"})
 
     def as_text(self) -> dict[str, str]:
-        return {f.name: _text(getattr(self, f.name)) for f in fields(self) if f.name != "source"}
+        return {f.name: setting_text(getattr(self, f.name)) for f in fields(self) if f.name != "source"}
 
     def limits(self, settings: ServerSettings) -> Limits:
         """What one request to this model may carry, naming this file where it set a limit."""
@@ -81,8 +81,7 @@ class ModelSettings:
 
 # Settings a model may ask no more of than the server was started with: its memory estimates, its message limits
 # and its inference workers are the process's.
-CEILINGS = {name: "--" + name.replace("_", "-") for name in ("max_batch_size", "inference_workers", "max_q_len",
-                                                             "max_kv_len")}  # fmt: skip
+CEILINGS = ("max_batch_size", "inference_workers", "max_q_len", "max_kv_len")
 PARAMETERS = tuple(f.name for f in fields(ModelSettings) if f.name != "source")
 
 
@@ -118,18 +117,17 @@ def model_settings(settings: ServerSettings, folder: Path) -> ModelSettings:
             raise ModelConfigError(
                 f"{path}: parameter '{key}' is not a setting a model may set; expected one of {', '.join(PARAMETERS)}"
             )
-        kind = next(f for f in fields(ServerSettings) if f.name == key).type
         try:
-            asked[key] = _converter(kind if isinstance(kind, str) else kind.__name__)(parameter.string_value)
+            asked[key] = reader_of(SETTING_FIELDS[key])(parameter.string_value)
         except (ValueError, argparse.ArgumentTypeError) as error:
             raise ModelConfigError(f"{path}: parameter '{key}': {error}") from None
     for key, value in asked.items():
-        rule = next(f for f in fields(ServerSettings) if f.name == key).metadata["rule"]
+        rule = SETTING_FIELDS[key].metadata["rule"]
         if rule is not None and not rule.holds(value):
             raise ModelConfigError(f"{path}: {key} must be {rule.said}, got {value!r}")
         if key in CEILINGS and value > getattr(settings, key):
             raise ModelConfigError(
-                f"{path}: {key} {value} is above the server's {CEILINGS[key]} {getattr(settings, key)}, the most any "
+                f"{path}: {key} {value} is above the server's {flag_of(key)} {getattr(settings, key)}, the most any "
                 "model may ask for (the server's memory estimates, message limits and inference workers are sized "
                 "by it)"
             )
@@ -161,9 +159,5 @@ def config_text(name: str, values: dict[str, object]) -> str:
     if "inference_workers" in rest:
         config.instance_group.add(count=rest.pop("inference_workers"))
     for key, value in rest.items():
-        config.parameters[key].string_value = _text(value)
+        config.parameters[key].string_value = setting_text(value)
     return text_format.MessageToString(config)
-
-
-def _text(value) -> str:
-    return str(value).lower() if isinstance(value, bool) else str(value)

@@ -34,6 +34,7 @@ import numpy as np
 from mhaserve.contract.signature import OUTPUT
 
 from .batcher import answer_of
+from .config import flag_of
 from .errors import ErrorKind, RequestError, invalid
 from .inference import InferenceRequest, InferenceResponse
 from .memory import MemoryBudget
@@ -213,7 +214,7 @@ class Sequences:
         value = getattr(settings, name, server_value) if settings is not None else server_value
         if value != server_value:
             return value, f"{name} ({settings.source})"
-        return value, "--" + name.replace("_", "-")
+        return value, flag_of(name)
 
     def grow(self, sequence: Sequence, cache: StepCache) -> None:
         """The step's cache replaces the sequence's: its new bytes are taken in the budget (RESOURCE_EXHAUSTED

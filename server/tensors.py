@@ -23,6 +23,7 @@ from mhaserve.contract.signature import (
     ModelSignature,
 )
 
+from .config import flag_of
 from .errors import ErrorKind, RequestError, invalid
 from .shaping import NO_SHAPING, WeightsShaping
 
@@ -172,7 +173,7 @@ def build_request(
         ("key", "kv_len", kv_len, "max_kv_len"),
     ):
         if size > getattr(limits, limit):
-            set_by = f"the server's --{limit.replace('_', '-')} raises it"
+            set_by = f"the server's {flag_of(limit)} raises it"
             if limit in limits.configured:
                 set_by = f"set by {limits.set_by}"
             raise RequestError(

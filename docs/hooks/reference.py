@@ -13,7 +13,7 @@ from dataclasses import fields
 from mkdocs.structure.files import File
 
 from mhaserve.cli.main import build_parser
-from mhaserve.server.config import ENV_PREFIX, SECTIONS, ServerSettings, shown_default
+from mhaserve.server.config import ENV_PREFIX, SECTIONS, ServerSettings, flag_of, shown_default
 from mhaserve.server.errors import HTTP_STATUS, ErrorKind, RequestError
 from mhaserve.server.metrics import Metrics
 from mhaserve.server.rest import routes
@@ -75,7 +75,7 @@ def settings_page() -> str:
             if f.metadata["section"] != section:
                 continue
             shown = f"`{shown_default(getattr(defaults, f.name))}`"
-            flag = "--" + f.name.replace("_", "-")
+            flag = flag_of(f.name)
             lines.append(
                 f"| `{flag}` | `{ENV_PREFIX}{f.name.upper()}` | {_cell(shown)} | {_cell(f.metadata['help'])} |"
             )

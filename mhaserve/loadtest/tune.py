@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from mhaserve.server.config import flag_of, setting_text
+
 from .loadgen import LoadGenerator, Point, PointResult, Workload
 from .slo import Slo
 
@@ -38,15 +40,6 @@ class Knob:
     @property
     def flag(self) -> str:
         return flag_of(self.name)
-
-
-def flag_of(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def shown(value) -> str:
-    """A value as the server's flags and variables take it (booleans are true or false)."""
-    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def exports_knob(model_dir: Path, others: list[Path], int8_usable: bool) -> tuple[Knob | None, list[str]]:
@@ -116,7 +109,11 @@ class Candidate:
         return {**{knob.name: knob.default for knob in knobs}, **dict(self.changed)}
 
     def flags(self) -> list[str]:
-        return [part for name, value in self.changed for part in (flag_of(name), shown(value))]
+        return [part for name, value in self.changed for part in (flag_of(name), setting_text(value))]
+
+    def settings(self) -> Candidate:
+        """This candidate without the export it serves (a model folder, not a setting of the server's)."""
+        return Candidate(tuple((name, value) for name, value in self.changed if name != "model_dir"))
 
     @property
     def label(self) -> str:

@@ -13,9 +13,11 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+from mhaserve.server.config import setting_text
+
 from .loadgen import Point, Workload
 from .slo import Slo
-from .tune import Measured, better, confirmed, flag_of, pareto_front, shown
+from .tune import Measured, better, confirmed, pareto_front
 
 COLUMNS = ("setting", "req/s", "spread", "p50 ms", "p99 ms", "SLO", "peak RSS MiB", "at")
 
@@ -117,8 +119,7 @@ class TuneRun:
         changed = dict(m.candidate.changed)
         served = f"--model-dir {changed['model_dir']}" if "model_dir" in changed else self.served
         if model_config is None:
-            flags = [f for name, value in changed.items() if name != "model_dir" for f in (flag_of(name), shown(value))]
-            return " ".join(["mhaserve serve", served, *flags])
+            return " ".join(["mhaserve serve", served, *m.candidate.settings().flags()])
         workers = changed.get("inference_workers")
         return " ".join(["mhaserve serve", served, *(("--inference-workers", str(workers)) if workers else ())])
 
@@ -129,8 +130,7 @@ class TuneRun:
         chosen = self.chosen
         header = f"# mhaserve tune: {self.title}\n# {chosen.best.throughput:.1f} req/s, p99 " \
                  f"{chosen.best.latency_ms['p99']:.2f} ms at {chosen.best.point.label}\n"  # fmt: skip
-        settings = {k: v for k, v in chosen.candidate.changed if k != "model_dir"}  # the folder, not a setting
-        path.write_text(header + config_text(name, settings))
+        path.write_text(header + config_text(name, dict(chosen.candidate.settings().changed)))
 
     def lines(self) -> list[str]:
         widths = [max(len(str(row[i])) for row in [COLUMNS, *map(_figures, self.ranked)]) for i in range(len(COLUMNS))]
@@ -181,7 +181,7 @@ class TuneRun:
             if not chosen.candidate.changed:
                 lines.append("# the defaults were best: nothing to set")
             for name, value in chosen.candidate.changed:
-                lines.append(f"MHASERVE_{name.upper()}={shown(value)}")
+                lines.append(f"MHASERVE_{name.upper()}={setting_text(value)}")
         path.write_text("\n".join(lines) + "\n")
 
     def as_json(self) -> dict:
