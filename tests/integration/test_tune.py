@@ -25,13 +25,13 @@ def tune(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
                           timeout=timeout)  # fmt: skip
 
 
-def serving_processes() -> list[str]:
+def servers_of(model_dir) -> list[str]:
+    """The `mhaserve serve` processes serving this folder (other tests' servers, in parallel, serve others)."""
     found = subprocess.run(["pgrep", "-af", "mhaserve.cli serve"], capture_output=True, text=True).stdout
-    return [line for line in found.splitlines() if "pgrep" not in line]
+    return [line for line in found.splitlines() if "pgrep" not in line and f"--model-dir {model_dir} " in line]
 
 
 def test_tune_serves_each_candidate_and_writes_the_best_setting_under_the_slo(small_model_dir, tmp_path):
-    before = serving_processes()
     model = tmp_path / "model"
     shutil.copytree(small_model_dir, model)
     done = tune(str(model), "--slo", "p99<5s", "--knobs", "max_batch_size", *SHORT, "--write-model-config",
@@ -62,7 +62,7 @@ def test_tune_serves_each_candidate_and_writes_the_best_setting_under_the_slo(sm
     written = model_settings(ServerSettings(), model)
     assert written.source == model / "config.pbtxt"
     assert {k: v for k, v in written.as_text().items() if k in chosen} == {k: str(v) for k, v in chosen.items()}
-    assert serving_processes() == before  # every candidate's server stopped
+    assert servers_of(model) == []  # every candidate's server stopped
     again = tune(str(model), "--slo", "p99<5s", timeout=60)  # its config would override every candidate
     assert again.returncode == 2 and "config.pbtxt sets how the model is served" in again.stderr
 
@@ -89,9 +89,10 @@ def alive(pid: int) -> bool:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="signals a process group")
 @pytest.mark.parametrize("stop", ["ctrl-c", "sigterm"])
 def test_ctrl_c_or_sigterm_stops_the_search_and_keeps_what_was_measured(small_model_dir, tmp_path, stop):
-    before = serving_processes()
+    model = tmp_path / "model"  # a folder of its own: its servers told apart from other tests'
+    shutil.copytree(small_model_dir, model)
     process = subprocess.Popen(
-        [sys.executable, "-m", "mhaserve.cli", "tune", str(small_model_dir), "--slo", "p99<5s", *SHORT,
+        [sys.executable, "-m", "mhaserve.cli", "tune", str(model), "--slo", "p99<5s", *SHORT,
          "--json", str(tmp_path / "tune.json"), "--env-file", str(tmp_path / "tuned.env")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
@@ -121,7 +122,7 @@ def test_ctrl_c_or_sigterm_stops_the_search_and_keeps_what_was_measured(small_mo
     run = json.loads((tmp_path / "tune.json").read_text())
     assert run["stopped_early"] and len(run["candidates"]) == 2
     assert "(quick search, stopped early)" in out
-    assert serving_processes() == before
+    assert servers_of(model) == []
 
 
 @pytest.mark.parametrize(
