@@ -104,8 +104,6 @@ class DataPlane:
         self.sequences = Sequences(
             budget,
             settings.max_sequences,
-            settings.max_sequence_length,
-            settings.sequence_idle_timeout_s,
             settings.max_sequences_per_client,
             settings.max_sequence_bytes_per_client,
         )
@@ -432,7 +430,7 @@ class InferenceCall(CallRecord):
     def _checked(self, request: InferenceRequest) -> AttentionRequest:
         """The request, its inputs in shared memory read, checked against the version it resolved to."""
         self._regions.read_inputs(request.shared_inputs, request.inputs)
-        return attention_request(request, self.served.signature, self.served.limits or self._dataplane.limits)
+        return attention_request(request, self.served.signature, self.served.limits)
 
     def admit(self, attention: AttentionRequest, signature: ModelSignature) -> None:
         """Its decoded inputs, its answer and its run's workspace taken in the budget, or refused."""

@@ -94,13 +94,10 @@ def serving_settings(served: ServedModel) -> dict[str, str]:
             ("length_aware_batching", batcher.run_cost is not None),
             ("output_only_graph", session.has_output_only_graph),
             ("max_queue_size", batcher.max_queue_size),
-            *(
-                (("max_q_len", served.limits.max_q_len), ("max_kv_len", served.limits.max_kv_len))
-                if served.limits
-                else ()
-            ),  # fmt: skip
+            ("max_q_len", served.limits.max_q_len),
+            ("max_kv_len", served.limits.max_kv_len),
             # where those came from: the model's config.pbtxt over the server's flags, or the flags alone
-            ("model_config", served.settings.source if served.settings and served.settings.source else "none"),
+            ("model_config", served.settings.source or "none"),
         )
     }
 

@@ -64,25 +64,30 @@ class ModelSettings:
     max_sequence_length: int
     sequence_idle_timeout_s: float
     source: Path | None = None  # the config.pbtxt it was read from; None: the server's flags alone
+    configured: frozenset[str] = frozenset()  # the settings that file sets; the others are the server's
 
     @classmethod
     def of_server(cls, settings: ServerSettings) -> ModelSettings:
-        return cls(**{f.name: getattr(settings, f.name) for f in fields(cls) if f.name != "source"})
+        return cls(**{name: getattr(settings, name) for name in PARAMETERS})
 
     def as_text(self) -> dict[str, str]:
-        return {f.name: setting_text(getattr(self, f.name)) for f in fields(self) if f.name != "source"}
+        return {name: setting_text(getattr(self, name)) for name in PARAMETERS}
 
-    def limits(self, settings: ServerSettings) -> Limits:
+    def named(self, name: str) -> str:
+        """Where a setting comes from, for a refusal to name: this file, or the server's flag."""
+        return f"{name} ({self.source})" if name in self.configured else flag_of(name)
+
+    def limits(self) -> Limits:
         """What one request to this model may carry, naming this file where it set a limit."""
         names = ("max_batch_size", "max_q_len", "max_kv_len")
-        configured = tuple(name for name in names if getattr(self, name) != getattr(settings, name))
+        configured = tuple(name for name in names if name in self.configured)
         return Limits(*(getattr(self, name) for name in names), str(self.source or ""), configured)
 
 
 # Settings a model may ask no more of than the server was started with: its memory estimates, its message limits
 # and its inference workers are the process's.
 CEILINGS = ("max_batch_size", "inference_workers", "max_q_len", "max_kv_len")
-PARAMETERS = tuple(f.name for f in fields(ModelSettings) if f.name != "source")
+PARAMETERS = tuple(f.name for f in fields(ModelSettings) if f.name not in ("source", "configured"))
 
 
 def model_settings(settings: ServerSettings, folder: Path) -> ModelSettings:
@@ -131,7 +136,7 @@ def model_settings(settings: ServerSettings, folder: Path) -> ModelSettings:
                 "model may ask for (the server's memory estimates, message limits and inference workers are sized "
                 "by it)"
             )
-    return replace(server, **asked, source=path)
+    return replace(server, **asked, source=path, configured=frozenset(asked))
 
 
 def _parsed(text: str) -> mc.ModelConfig:

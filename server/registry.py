@@ -12,6 +12,7 @@ or a model repository, ``DIR/<model>/<version>/``, where the version policy pick
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,7 +48,6 @@ class ServedModel:
     metrics: ModelMetrics
     stats: ModelStatistics = field(default_factory=ModelStatistics)
     steps: StepRuns | None = None  # its sequences' steps, where its folder has a step graph
-    limits: Limits | None = None  # what one request may carry, with its model's own batch cap
     settings: ModelSettings | None = None  # how it is served: its config.pbtxt over the server's settings
     requests_in_flight: int = 0  # inference calls resolved to this version and not yet answered
     idle: asyncio.Event = field(default_factory=asyncio.Event)  # set whenever requests_in_flight is 0
@@ -56,6 +56,11 @@ class ServedModel:
 
     def __post_init__(self):
         self.idle.set()
+
+    @functools.cached_property
+    def limits(self) -> Limits:
+        """What one request may carry: its model's limits (read once; every request is checked against them)."""
+        return self.settings.limits()
 
     def enter(self) -> None:
         self.requests_in_flight += 1

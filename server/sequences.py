@@ -34,7 +34,6 @@ import numpy as np
 from mhaserve.contract.signature import OUTPUT
 
 from .batcher import answer_of
-from .config import flag_of
 from .errors import ErrorKind, RequestError, invalid
 from .inference import InferenceRequest, InferenceResponse
 from .memory import MemoryBudget
@@ -78,15 +77,11 @@ class Sequences:
         self,
         budget: MemoryBudget,
         max_sequences: int,
-        max_length: int,
-        idle_timeout_s: float,
         per_client: int | None = None,
         bytes_per_client: int | None = None,
     ):
         self.budget = budget
         self.max_sequences = max_sequences
-        self.max_length = max_length
-        self.idle_timeout_s = idle_timeout_s
         self.per_client = max_sequences if per_client is None else per_client
         self.bytes_per_client = bytes_per_client  # None: no share of its own
         self.live: dict[tuple[str, int | str], Sequence] = {}  # (caller, id) -> its sequence
@@ -199,7 +194,7 @@ class Sequences:
         return InferenceResponse(signature, request, answer, frozenset())
 
     def check_growth(self, sequence: Sequence, rows: int) -> None:
-        limit, named = self._of_model(sequence, "max_sequence_length", self.max_length)
+        limit, named = self._of_model(sequence, "max_sequence_length")
         if sequence.length + rows > limit:
             raise RequestError(
                 ErrorKind.RESOURCE_EXHAUSTED,
@@ -208,13 +203,10 @@ class Sequences:
             )
 
     @staticmethod
-    def _of_model(sequence: Sequence, name: str, server_value):
+    def _of_model(sequence: Sequence, name: str):
         """A sequence setting of the model it runs on (its config.pbtxt, else the server's flag), and its name."""
-        settings = getattr(sequence.served, "settings", None)
-        value = getattr(settings, name, server_value) if settings is not None else server_value
-        if value != server_value:
-            return value, f"{name} ({settings.source})"
-        return value, flag_of(name)
+        settings = sequence.served.settings
+        return getattr(settings, name), settings.named(name)
 
     def grow(self, sequence: Sequence, cache: StepCache) -> None:
         """The step's cache replaces the sequence's: its new bytes are taken in the budget (RESOURCE_EXHAUSTED
@@ -250,7 +242,7 @@ class Sequences:
         """Drop the sequences idle past the timeout, returning their memory."""
         now = time.monotonic()
         for sequence in list(self.live.values()):
-            timeout, named = self._of_model(sequence, "sequence_idle_timeout_s", self.idle_timeout_s)
+            timeout, named = self._of_model(sequence, "sequence_idle_timeout_s")
             if now - sequence.last_used > timeout and not sequence.lock.locked():
                 self.timed_out_total += 1
                 self._drop(sequence, f"dropped after {timeout:g} s idle ({named})")

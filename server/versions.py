@@ -108,9 +108,7 @@ class VersionFactory:
         steps = None
         if session.serves_sequences:
             steps = StepRuns(session, self._executor, model.max_batch_size, self.metrics.step_runs_made)
-        limits = model.limits(self.settings)
-        return ServedModel(signature, model_dir, session, batcher, model_metrics, stats, steps=steps, limits=limits,
-                           settings=model)  # fmt: skip
+        return ServedModel(signature, model_dir, session, batcher, model_metrics, stats, steps=steps, settings=model)
 
     def _open_session(self, model_dir: Path, model: ModelSettings) -> tuple[AttentionSession, RunCost | None]:
         session = AttentionSession(

@@ -89,7 +89,7 @@ def test_a_limit_the_model_sets_is_named_with_its_file_and_the_others_with_the_s
     (tmp_path / "config.pbtxt").write_text('max_batch_size: 2\nparameters { key: "max_kv_len" value '
                                            '{ string_value: "8" } }')  # fmt: skip
     settings = ServerSettings(max_batch_size=4, max_q_len=16, max_kv_len=16)
-    limits = model_settings(settings, tmp_path).limits(settings)
+    limits = model_settings(settings, tmp_path).limits()
     assert (limits.max_batch_size, limits.max_q_len, limits.max_kv_len) == (2, 16, 8)
     signature = ModelSignature("mha", "1", 4, 2)
 
