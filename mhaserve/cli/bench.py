@@ -9,14 +9,15 @@ from mhaserve.contract.errors import UsageError
 
 from .common import (
     add_connection_arguments,
+    add_point_arguments,
     add_protocol_argument,
+    add_request_arguments,
     add_shared_memory_argument,
     add_weights_arguments,
     check_writable,
     connection_of,
     float_list,
     int_list,
-    length_range,
     make_client,
     model_width,
     require_extra,
@@ -73,16 +74,11 @@ def add_bench(sub) -> None:
     load = p.add_mutually_exclusive_group()
     load.add_argument("--concurrency", type=int_list, default=None, help="closed loop: e.g. 1,4,16,64 (default 1,4,16)")
     load.add_argument("--rate", type=float_list, default=None, help="open loop: requests/s, e.g. 100,200,400")
-    p.add_argument("--batch", type=int, default=1, help="batch of each request (default 1)")
-    p.add_argument("--lengths", type=length_range, default=(16, 16), help="sequence length, or MIN..MAX drawn "
-                   "uniformly per request (default 16)")  # fmt: skip
-    p.add_argument("--no-weights", action="store_true", help="ask for the output only, not attn_weights")
+    add_request_arguments(p)
     p.add_argument("--sequence", type=int, default=0, metavar="LENGTH", help="each caller grows sequences kept on "
                    "the server, one row a step, to LENGTH rows, then starts another: steps/s, and each step's latency "
                    "by its position (closed loop)")  # fmt: skip
-    p.add_argument("--duration", type=float, default=10.0, help="measured seconds per point (default 10)")
-    p.add_argument("--warmup", type=float, default=2.0, help="seconds per point before measuring (default 2)")
-    p.add_argument("--processes", type=int, default=None, help="client processes (default: cores, at most 4)")
+    add_point_arguments(p, duration_s=10.0, warmup_s=2.0)
     p.add_argument("--timeout", type=float, default=60.0, help="deadline per request, seconds")
     p.add_argument("--rounds", type=int, default=1, help="measure each point this many times: the median round "
                    "is reported, each figure's lowest and highest beside it (default 1)")  # fmt: skip

@@ -151,6 +151,24 @@ int_list = _comma_list(int, "expected whole numbers separated by commas (e.g. 1,
 float_list = _comma_list(float, "expected numbers separated by commas (e.g. 100,200.5)")
 
 
+def add_request_arguments(p) -> None:
+    """What each request of a load looks like (bench and tune): its batch, its lengths, whether it asks for the
+    attention weights."""
+    p.add_argument("--batch", type=int, default=1, help="batch of each request (default 1)")
+    p.add_argument("--lengths", type=length_range, default=(16, 16), help="sequence length, or MIN..MAX drawn "
+                   "uniformly per request (default 16)")  # fmt: skip
+    p.add_argument("--no-weights", action="store_true", help="ask for the output only, not attn_weights")
+
+
+def add_point_arguments(p, duration_s: float, warmup_s: float) -> None:
+    """How long each load point runs, and from how many client processes (bench and tune)."""
+    p.add_argument("--duration", type=float, default=duration_s, help=f"measured seconds per point (default "
+                   f"{duration_s:g})")  # fmt: skip
+    p.add_argument("--warmup", type=float, default=warmup_s, help=f"seconds per point before measuring (default "
+                   f"{warmup_s:g})")  # fmt: skip
+    p.add_argument("--processes", type=int, default=None, help="client processes (default: cores, at most 4)")
+
+
 def length_range(text: str) -> tuple[int, int]:
     low, _, high = text.partition("..")
     try:

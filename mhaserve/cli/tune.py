@@ -10,7 +10,7 @@ from pathlib import Path
 from mhaserve.contract.errors import UsageError
 from mhaserve.contract.repository import MODEL_CONFIG_FILE
 
-from .common import check_writable, int_list, length_range, require_extra
+from .common import add_point_arguments, add_request_arguments, check_writable, float_list, int_list, require_extra
 
 
 def add_tune(sub) -> None:
@@ -29,13 +29,10 @@ def add_tune(sub) -> None:
     load = p.add_mutually_exclusive_group()
     load.add_argument("--concurrency", type=int_list, default=None, help="closed loop callers, e.g. 16 or 4,16 "
                       "(default 16)")  # fmt: skip
-    load.add_argument("--rate", type=int_list, default=None, help="open loop: requests/s, e.g. 500,1000")
-    p.add_argument("--batch", type=int, default=1, help="batch of each request (default 1)")
-    p.add_argument("--lengths", type=length_range, default=(16, 16), help="sequence length, or MIN..MAX drawn "
-                   "uniformly per request (default 16)")  # fmt: skip
-    p.add_argument("--no-weights", action="store_true", help="requests ask for the output only")
-    p.add_argument("--search", choices=("quick", "full"), default="quick", help="quick: one knob at a time from "
-                   "the defaults (default); full: every distinct setting")  # fmt: skip
+    load.add_argument("--rate", type=float_list, default=None, help="open loop: requests/s, e.g. 500,1000")
+    add_request_arguments(p)
+    p.add_argument("--search", choices=("quick", "full"), default="quick", help="quick: every pairing of queue "
+                   "delay and batch cap, then one knob at a time (default); full: every distinct setting")  # fmt: skip
     p.add_argument("--also-model", action="append", type=Path, default=[], metavar="DIR",
                    help="another export of the same model (float16, int8) tried as a knob of its own; int8 only "
                    "where this CPU has 8-bit dot-product instructions (repeatable)")  # fmt: skip
@@ -46,9 +43,7 @@ def add_tune(sub) -> None:
     p.add_argument("--confirm", type=int, default=3, metavar="ROUNDS", help="measure the search's best and the "
                    "defaults again side by side, alternating, this many rounds; the best is kept only if it wins "
                    "most (default 3; 0: keep the search's best as measured)")  # fmt: skip
-    p.add_argument("--duration", type=float, default=4.0, help="measured seconds per point (default 4)")
-    p.add_argument("--warmup", type=float, default=1.0, help="seconds per point before measuring (default 1)")
-    p.add_argument("--processes", type=int, default=None, help="client processes (default: cores, at most 4)")
+    add_point_arguments(p, duration_s=4.0, warmup_s=1.0)
     p.add_argument("--server-flags", default="", metavar="'FLAGS'", help="flags every candidate's server gets, "
                    "e.g. '--max-q-len 1024' (quoted)")  # fmt: skip
     p.add_argument("--env-file", type=Path, default=Path("mhaserve-tuned.env"), help="where the chosen setting "
@@ -178,7 +173,7 @@ def _run_tune(args) -> int:
         run = tune_report.TuneRun(measured, slos, points, runner.workload, args.search, served, interrupted,
                                   sys.argv)  # fmt: skip
         leader = run.leader
-        if not interrupted and args.confirm and leader is not None and leader.candidate.changed:
+        if not run.interrupted and args.confirm and leader is not None and leader.candidate.changed:
             run.confirmation = []
             try:
                 for number, (defaults, best) in enumerate(
@@ -189,7 +184,7 @@ def _run_tune(args) -> int:
                           f"{tune_report.within_slo(best)} against the defaults' {tune_report.within_slo(defaults)}",
                           file=sys.stderr, flush=True)  # fmt: skip
             except KeyboardInterrupt:
-                interrupted = run.interrupted = True
+                run.interrupted = True
                 print("stopped while confirming: the rounds measured decide", file=sys.stderr)
     for line in run.lines():
         print(line)
@@ -207,6 +202,6 @@ def _run_tune(args) -> int:
     if args.report:
         run.write_html(args.report)
         print(f"wrote {args.report}", file=sys.stderr)
-    if interrupted:
+    if run.interrupted:
         return 130
     return 0 if chosen is not None and chosen.held else 1

@@ -3,8 +3,9 @@ drives, for the most throughput within an SLO.
 
 A candidate is a setting of the knobs that apply to this machine (``knobs_for``); each is served by a fresh
 ``mhaserve serve`` on the same free port, measured at every load point (repeated, the median kept with its
-spread), and stopped. The quick search steps one knob at a time from the defaults, keeping a value only where it
-measured better; the full sweep tries every distinct combination. Ranking: candidates whose every SLO held at some
+spread), and stopped. The quick search tries every pairing of queue delay and batch cap, then one knob at a time
+from the best, keeping a value only where it measured better; the full sweep tries every distinct combination; the
+best is then measured again beside the defaults (``confirm``). Ranking: candidates whose every SLO held at some
 point first, by the throughput of their best such point; then the others, by how close they came to holding it.
 """
 
@@ -183,35 +184,32 @@ def quick_search(knobs: list[Knob], measure: Callable[[Candidate], Measured]) ->
     defaults = {knob.name: knob.default for knob in knobs}
     joint = [knob for knob in knobs if knob.name in JOINT]
     seen: set[Candidate] = set()
-    best = None
 
-    def step(values: dict):
-        nonlocal best
+    def unseen(values: dict) -> Candidate | None:
         candidate = Candidate.of(values, knobs)
         if candidate in seen:
             return None
         seen.add(candidate)
-        measured = measure(candidate)
-        if better(measured, best):
-            best = measured
-        return measured
+        return candidate
 
-    grid = itertools.product(*(knob.values for knob in joint))
     pairings = []
-    for values in [tuple(k.default for k in joint), *grid]:
-        measured = step({**defaults, **dict(zip((k.name for k in joint), values, strict=True))})
-        if measured is not None:
-            pairings.append(measured)
-            yield measured
+    for values in [tuple(k.default for k in joint), *itertools.product(*(k.values for k in joint))]:
+        candidate = unseen({**defaults, **dict(zip((k.name for k in joint), values, strict=True))})
+        if candidate is not None:
+            pairings.append(measure(candidate))
+            yield pairings[-1]
     # the grid's best on equal terms, kept over the defaults only beyond the noise margin
     top = max(pairings, key=Measured.rank_key)
     best = top if better(top, pairings[0]) else pairings[0]
     for knob in (k for k in knobs if k.name not in JOINT):
         start = best.candidate.values(knobs)
         for value in knob.values:
-            measured = step({**start, knob.name: value})
-            if measured is not None:
+            candidate = unseen({**start, knob.name: value})
+            if candidate is not None:
+                measured = measure(candidate)
                 yield measured
+                if better(measured, best):
+                    best = measured
 
 
 def confirm(best: Candidate, defaults: Candidate, measure: Callable[[Candidate], Measured], rounds: int
