@@ -236,9 +236,10 @@ class ServerSettings:
     # read when the handler asks, a request waits unread in HTTP/2's flow-control window instead.
     max_receiving_bytes: int = setting(
         512 << 20,
-        "memory gRPC requests still arriving after --grpc-first-read-ms may take: each takes a turn that reserves "
-        "three times --max-message-bytes (grpcio's buffers and two copies; one turn at least); with no turn free "
-        "such a request is refused RESOURCE_EXHAUSTED (retry)",
+        "memory gRPC requests still arriving may take: a unary request past --grpc-first-read-ms, and every "
+        "ModelStreamInfer stream reading its next request, takes a turn that reserves three times "
+        "--max-message-bytes (grpcio's buffers and two copies; one turn at least); with no turn free such a unary "
+        "request is refused RESOURCE_EXHAUSTED (retry) and a stream waits for one, its sender held to its window",
         section="limits and memory",
         rule=at_least(1),
     )
@@ -260,8 +261,7 @@ class ServerSettings:
     )
     max_inference_streams: int = setting(
         64,
-        "ModelStreamInfer streams open at once; beyond, RESOURCE_EXHAUSTED. Each may be receiving a request at "
-        "any moment, so what streams hold while receiving is at most three times this x --max-message-bytes",
+        "ModelStreamInfer streams open at once; beyond, RESOURCE_EXHAUSTED",
         section="limits and memory",
         rule=at_least(1),
     )
@@ -273,15 +273,15 @@ class ServerSettings:
         rule=at_least(1),
     )
     # grpcio receives a stream's next message whole as soon as its read is asked for, and a stream waiting for its
-    # next request cannot be told from one receiving it: only the number of streams reading at once bounds them.
-    stream_reads_at_once: int = setting(
-        0,
-        "ModelStreamInfer streams that may be reading their next request at once (0: every open stream); others "
-        "wait to read, their senders held to HTTP/2's stream window. Bounds what streams hold while receiving to "
-        "three times this x --max-message-bytes, at a price: a stream waiting for a request it is not yet sent "
-        "holds its read, so streams beyond this many wait on the streams that are idle",
-        section="limits and memory",
-        rule=at_least(0),
+    # next request cannot be told from one receiving it: streams read in receiving turns, and one idle in its turn
+    # gives way to those waiting.
+    stream_read_hold_s: float = setting(
+        1.0,
+        "seconds a ModelStreamInfer stream may hold a receiving turn (see --max-receiving-bytes) with no request "
+        "arriving while other requests wait for one; then the stream is ended UNAVAILABLE (reopen it) and its "
+        "turn handed on",
+        section="transport",
+        rule=more_than(0),
     )
     stream_idle_timeout_s: float = setting(
         120.0,

@@ -3,8 +3,9 @@
 grpcio's core receives a message whole once its read is asked for, before any handler can count or refuse it, so the
 server asks for reads itself (the unary handlers are request-streaming on the server's side, the wire the same):
 RequestReader gives each unary request a short first read, one at a time and fairly across connections
-(FirstReads), then a receiving turn or a refusal; StreamSlots bounds the ModelStreamInfer streams open at once, in
-all and per client, and StreamReads those reading their next request at once.
+(FirstReads), then a receiving turn or a refusal; a ModelStreamInfer stream reads its next request in a receiving
+turn of the same pool (ReceivingTurns), waiting in line for one; StreamSlots bounds the streams open at once, in all
+and per client.
 """
 
 from __future__ import annotations
@@ -52,15 +53,14 @@ class RequestReader:
 
     def __init__(
         self,
-        receiving_bytes: int,
+        turns: ReceivingTurns,
         receive_limit: int,
         timeout_s: float,
         first_read_s: float,
         first_reads: int = FIRST_READS_AT_ONCE,
         abandoned: Callable[[int], None] = lambda nbytes: None,
     ):
-        self.slots = max(1, receiving_bytes // (GRPCIO_RECEIPT_COPIES * receive_limit))
-        self._free = self.slots
+        self.turns = turns
         self._timeout_s = timeout_s
         self._first_read_s = min(first_read_s, timeout_s)
         self._first_reads = FirstReads(first_reads)
@@ -75,7 +75,7 @@ class RequestReader:
         loop, reading = asyncio.get_running_loop(), _Read(context)
         # With every turn taken, a first read that goes long is refused, and what arrives until then is waste: it
         # gets BUSY_FIRST_READ_S (on loopback a large message arrives whole within a first read's usual time).
-        first_read_s = self._first_read_s if self._free else min(self._first_read_s, BUSY_FIRST_READ_S)
+        first_read_s = self._first_read_s if self.turns.free else min(self._first_read_s, BUSY_FIRST_READ_S)
         reading.started = loop.time()
         reading.first_read_s, reading.due = first_read_s, reading.started + first_read_s
         # The read timeout is armed only for a read that outlasts its first read (_first_read_decided): a timer
@@ -97,7 +97,7 @@ class RequestReader:
             if reading.first:
                 self._first_reads.release(connection, went_long=False)
             if reading.turn:
-                self._free += 1
+                self.turns.give_back()
         if reading.refusal is not None:  # answered by _refuse: once its status is sent, the handler ends
             await reading.answering
             raise AlreadyAnswered
@@ -122,8 +122,7 @@ class RequestReader:
             return
         reading.first = False
         self._first_reads.release(connection, went_long=True)
-        if self._free:
-            self._free -= 1
+        if self.turns.take():
             reading.turn = True
             loop = asyncio.get_running_loop()
             reading.timed_out = loop.call_at(reading.started + self._timeout_s, self._read_timed_out, reading)
@@ -134,7 +133,7 @@ class RequestReader:
             RequestError(
                 ErrorKind.RESOURCE_EXHAUSTED,
                 f"the request had not arrived {reading.first_read_s * 1000:g} ms after its read began "
-                f"(--grpc-first-read-ms), and the {self.slots} turn(s) for requests still arriving "
+                f"(--grpc-first-read-ms), and the {self.turns.count} turn(s) for requests still arriving "
                 "(--max-receiving-bytes) are taken; retry",
             ),
         )
@@ -256,48 +255,150 @@ class StreamIdle(Exception):
     """A stream's next request did not come within the idle timeout."""
 
 
-class StreamReads:
-    """The ModelStreamInfer streams reading their next request at once: at most ``limit`` (0: any number), the
-    others waiting their turn in order, their senders held to the stream's flow-control window. A stream reads from
-    asking for its next request until it has it whole, idle or not: grpcio receives a read's message whole, so only
-    their number bounds what streams take while receiving. Event loop only."""
+class StreamEnded(Exception):
+    """The stream was ended with a refusal (its turn held idle while others waited) while it was reading."""
 
-    def __init__(self, limit: int):
-        self.limit = limit
-        self._reading = 0
-        self._waiting: collections.deque[asyncio.Future] = collections.deque()
+
+class ReceivingTurns:
+    """The receiving turns of --max-receiving-bytes, one per three messages of --max-message-bytes: what requests
+    still arriving may hold at once. A unary request that outlasts its first read takes one or is refused
+    (RequestReader); a ModelStreamInfer stream reads its next request only in one, waiting in line for it, its
+    sender held to the stream's window meanwhile. A stream waiting for a request its client has not sent cannot be
+    told from one receiving it, so a stream that has held its turn ``hold_s`` without its request arriving while
+    another request waits for one is ended UNAVAILABLE (reopen and send) and its turn handed on; its connection's
+    streams then wait behind those of other connections, so an idle or stalled stream delays another's read by
+    ``hold_s`` at most, once. Event loop only."""
+
+    REMEMBERED = 4096  # connections remembered as having held a turn idle, the oldest forgotten first
+
+    def __init__(self, receiving_bytes: int, receive_limit: int, hold_s: float):
+        self.count = max(1, receiving_bytes // (GRPCIO_RECEIPT_COPIES * receive_limit))
+        self.free = self.count
+        self._hold_s = hold_s
+        self._streams: dict[_StreamTurn, None] = {}  # streams holding a turn, the longest held first
+        # streams waiting for a turn: those of connections in good standing, then those that held one idle
+        self._waiting: dict[bool, collections.deque[_StreamTurn]] = {
+            False: collections.deque(),
+            True: collections.deque(),
+        }
+        self._held_idle: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._timer: asyncio.TimerHandle | None = None
+
+    def take(self) -> bool:
+        """A turn for a unary request still arriving, now or never (its bytes would go on arriving while it
+        waited); a stream holding one idle past ``hold_s`` gives way to it."""
+        if not self.free:
+            self._end_idle_streams(wanted=1)
+        if not self.free:
+            return False
+        self.free -= 1
+        return True
+
+    def give_back(self) -> None:
+        self.free += 1
+        self._hand_on()
 
     @contextlib.asynccontextmanager
-    async def reading(self):
-        if not self.limit:
-            yield
-            return
-        if self._reading < self.limit and not self._waiting:
-            self._reading += 1
+    async def for_stream(self, connection: str, context):
+        """Hold a turn while a stream reads its next request: waits for one in line, and raises StreamEnded (its
+        refusal already sent) once the stream was ended for holding it idle."""
+        turn = _StreamTurn(context, connection)
+        suspect = connection in self._held_idle
+        ahead = (self._waiting[False], self._waiting[True]) if suspect else (self._waiting[False],)
+        if self.free and not any(ahead):
+            self.free -= 1
+            self._hold(turn)
         else:
-            handed = asyncio.get_running_loop().create_future()
-            self._waiting.append(handed)
+            turn.handed = asyncio.get_running_loop().create_future()
+            self._waiting[suspect].append(turn)
+            self._arm()
             try:
-                await handed
+                await turn.handed
             except asyncio.CancelledError:
-                if handed.done() and not handed.cancelled():  # handed the read, then gone: pass it on
-                    self._hand_on()
-                else:
-                    self._waiting.remove(handed)
+                if turn.handed.done() and not turn.handed.cancelled():  # handed a turn, then gone: pass it on
+                    self._release(turn)
+                elif turn in self._waiting[suspect]:  # else passed over already, being done
+                    self._waiting[suspect].remove(turn)
                 raise
         try:
             yield
+        except Exception:
+            if turn.ended is None:
+                raise
         finally:
-            self._hand_on()
+            self._release(turn)
+        if turn.ended is not None:
+            await turn.ended
+            raise StreamEnded
+
+    def _hold(self, turn: _StreamTurn) -> None:
+        turn.since = asyncio.get_running_loop().time()
+        self._streams[turn] = None
+        self._held_idle.pop(turn.connection, None)
+
+    def _release(self, turn: _StreamTurn) -> None:
+        if turn in self._streams:  # an ended stream's turn was handed on when it was ended
+            del self._streams[turn]
+            self.give_back()
 
     def _hand_on(self) -> None:
-        """A read ends: the first stream still waiting reads next (the count stays), else one reads fewer."""
-        while self._waiting:
-            handed = self._waiting.popleft()
-            if not handed.done():
-                handed.set_result(None)
+        for queue in (self._waiting[False], self._waiting[True]):
+            while queue and self.free:
+                turn = queue.popleft()
+                if turn.handed.done():
+                    continue
+                self.free -= 1
+                self._hold(turn)
+                turn.handed.set_result(None)
+
+    def _arm(self) -> None:
+        """A timer for when the longest-held stream turn reaches ``hold_s``, while any stream waits."""
+        if self._timer is not None or not self._streams or not any(self._waiting.values()):
+            return
+        oldest = next(iter(self._streams))
+        self._timer = asyncio.get_running_loop().call_at(oldest.since + self._hold_s, self._held_long)
+
+    def _held_long(self) -> None:
+        self._timer = None
+        self._end_idle_streams(wanted=sum(map(len, self._waiting.values())))
+        self._arm()
+
+    def _end_idle_streams(self, wanted: int) -> None:
+        """End up to ``wanted`` streams that have held their turn ``hold_s`` with no request, longest first, and
+        hand their turns on."""
+        now = asyncio.get_running_loop().time()
+        while wanted > 0 and self._streams:
+            turn = next(iter(self._streams))
+            if now - turn.since < self._hold_s:
                 return
-        self._reading -= 1
+            del self._streams[turn]
+            self._held_idle[turn.connection] = None
+            self._held_idle.move_to_end(turn.connection)
+            while len(self._held_idle) > self.REMEMBERED:
+                self._held_idle.popitem(last=False)
+            turn.ended = asyncio.ensure_future(
+                _answer_with(
+                    turn.context,
+                    RequestError(
+                        ErrorKind.UNAVAILABLE,
+                        f"this stream held a receiving turn {self._hold_s:g} s with no request arriving while other "
+                        "requests waited for one (--stream-read-hold-s): ended; reopen it and send",
+                    ),
+                )
+            )
+            wanted -= 1
+            self.give_back()
+
+
+@dataclass(eq=False)
+class _StreamTurn:
+    """A stream's read in a turn, or waiting for one."""
+
+    context: object
+    connection: str
+    since: float = 0.0  # when it took its turn, on the loop's clock
+    handed: asyncio.Future | None = None  # while it waits: set once a turn is its
+    ended: asyncio.Future | None = None  # once ended for holding its turn idle: its refusal being sent
 
 
 class StreamSlots:

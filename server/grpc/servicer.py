@@ -20,7 +20,7 @@ from ..dataplane import DataPlane, InferenceCall
 from ..errors import ErrorKind, RequestError
 from ..security import Callers
 from .protobuf import decode_grpc_request, encode_grpc_response, grpc_decodes_slowly
-from .receipt import GRPC_STATUS, AlreadyAnswered, RequestReader, StreamIdle, StreamReads, StreamSlots
+from .receipt import GRPC_STATUS, AlreadyAnswered, ReceivingTurns, RequestReader, StreamEnded, StreamIdle, StreamSlots
 
 log = logging.getLogger("mhaserve.server")
 
@@ -331,12 +331,17 @@ def _forget_locals(error: BaseException | None) -> None:
 
 
 def _parsing_stream(
-    behavior, request_class, off_loop_if_large, slots: StreamSlots, reads: StreamReads, idle_timeout_s: float, caller_of
+    behavior,
+    request_class,
+    off_loop_if_large,
+    slots: StreamSlots,
+    turns: ReceivingTurns,
+    idle_timeout_s: float,
+    caller_of,
 ):
-    """A stream reads its next request only once the last one is answered, and while ``reads`` lets it: each
-    stream reading may be receiving a request, so the number reading at once (else the number open) is what bounds
-    them. A stream whose next request has not come within ``idle_timeout_s`` of its read is ended
-    DEADLINE_EXCEEDED, its slot freed."""
+    """A stream reads its next request only once the last one is answered, and in a receiving turn: each stream
+    reading may be receiving a request, so the turns bound what streams take while receiving. A stream whose next
+    request has not come within ``idle_timeout_s`` of its read is ended DEADLINE_EXCEEDED, its slot freed."""
 
     async def handle(_, context):
         client = caller_of(context) or context.peer()  # a connection, where callers are not told apart
@@ -347,7 +352,8 @@ def _parsing_stream(
         async def requests():  # one bad message is that message's error, not the stream's end
             while True:
                 try:
-                    async with reads.reading():  # idle only once reading: till then its request may be waiting
+                    # idle only once in its turn: till then its request may be waiting
+                    async with turns.for_stream(context.peer(), context):
                         # context.read(), not the request iterator: grpcio's iterator keeps each message in its
                         # frame until the next one comes, so every open stream would hold its last request.
                         raw = await asyncio.wait_for(context.read(), idle_timeout_s)
@@ -361,6 +367,8 @@ def _parsing_stream(
         with slots.held(client):
             try:
                 await behavior(requests(), context)  # it writes its answers itself
+            except StreamEnded:  # its refusal is sent
+                return
             except StreamIdle:
                 pass
             else:
@@ -397,15 +405,15 @@ def add_inference_service(servicer: InferenceServicer, server) -> None:
     dataplane = servicer.dataplane
     parse = dataplane.off_loop_if_large  # a large message is parsed off the event loop
     settings, (receive_limit, _) = dataplane.settings, dataplane.versions.message_limits
+    turns = ReceivingTurns(settings.max_receiving_bytes, receive_limit, settings.stream_read_hold_s)
     reader = RequestReader(
-        settings.max_receiving_bytes,
+        turns,
         receive_limit,
         settings.grpc_read_timeout_s,
         settings.grpc_first_read_ms / 1000,
         abandoned=dataplane.accounting.received_dropped,
     )
     streams = StreamSlots(settings.max_inference_streams, settings.max_inference_streams_per_client)
-    stream_reads = StreamReads(settings.stream_reads_at_once)
     handlers = {}
     for method in service.methods:
         request_class = getattr(pb, method.input_type.name)
@@ -418,7 +426,7 @@ def add_inference_service(servicer: InferenceServicer, server) -> None:
                     request_class,
                     parse,
                     streams,
-                    stream_reads,
+                    turns,
                     settings.stream_idle_timeout_s,
                     servicer.caller,
                 ),

@@ -269,14 +269,15 @@ def test_grpc_receipt_stays_bounded_however_many_connections_send_at_once(
 
 @pytest.mark.perf
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/PID/status")
-def test_streams_reading_a_few_at_a_time_stay_within_the_budget(start_server_process, small_model_dir):
-    """grpcio receives a stream's next message whole once its read is asked for; with --stream-reads-at-once the
-    streams read one at a time, the others held to their window, so 16 streams sending 96 MiB each stay within
-    idle + the budget + 512 MiB as unary calls do (every open stream reading at once took +1.1 to +2.3 GiB)."""
-    server = start_server_process(small_model_dir, *GRPC_LIMITS, "--stream-reads-at-once", "1")
+def test_streams_read_in_receiving_turns_stay_within_the_budget(start_server_process, small_model_dir):
+    """grpcio receives a stream's next message whole once its read is asked for; streams read in the receiving
+    turns that unary calls take (one per three messages of --max-message-bytes in --max-receiving-bytes), the
+    others held to their window, so 16 streams sending 96 MiB each stay within idle + the budget + 512 MiB as unary
+    calls do (every open stream reading at once took +1.1 to +2.3 GiB)."""
+    server = start_server_process(small_model_dir, *GRPC_LIMITS)
     for count in (8, 16):
         statuses, idle, peak, after = grpc_messages_at_once(server, mib=MESSAGE_MIB, count=count, rpc="stream")
-        print(f"\n{count} streams x {MESSAGE_MIB} MiB, 1 reading at a time, {BUDGET_MIB} MiB budget: "
+        print(f"\n{count} streams x {MESSAGE_MIB} MiB, in receiving turns, {BUDGET_MIB} MiB budget: "
               f"peak {peak:+.0f} MiB, 3.5 s after {after:+.0f} MiB over {idle:.0f} MiB")  # fmt: skip
         assert len(statuses) == count
         assert all(s.startswith(("INVALID_ARGUMENT", "RESOURCE_EXHAUSTED")) for s in statuses), statuses
@@ -308,14 +309,15 @@ def test_an_open_stream_holds_no_request_it_has_answered(start_server_process, s
     assert held < 2 * MESSAGE_MIB, f"{held:.0f} MiB held by {count} open streams"
 
 
-def test_a_stream_waits_to_read_while_the_streams_reading_are_idle_and_reads_once_one_ends(
+def test_a_stream_idle_in_the_only_receiving_turn_gives_way_within_the_hold_and_unary_calls_never_wait(
     start_server, small_model_dir, small_module
 ):
-    """The price of --stream-reads-at-once, bounded: a stream reading but idle holds its read until its idle
-    timeout ends it, and the stream waiting behind it is answered then, not lost."""
-    server = start_server(small_model_dir, "--stream-reads-at-once", "1", "--stream-idle-timeout-s", "1.5")
+    """Streams read in receiving turns; a stream open but sending nothing holds one. With a single turn, another
+    stream's request is read once the idle stream has held it --stream-read-hold-s (the idle one is ended
+    UNAVAILABLE, to reopen), and a small unary call meanwhile is read in its first read, not behind either."""
+    server = start_server(small_model_dir, "--max-receiving-bytes", str(11 << 20), "--stream-read-hold-s", "0.5")
     query = rand(1, 3, D, seed=9)
-    with grpc.insecure_channel(server.url) as channel:
+    with grpc.insecure_channel(server.url) as channel, Client(server.url) as client:
         stream = channel.stream_stream(
             "/inference.GRPCInferenceService/ModelStreamInfer",
             request_serializer=pb.ModelInferRequest.SerializeToString,
@@ -325,15 +327,18 @@ def test_a_stream_waits_to_read_while_the_streams_reading_are_idle_and_reads_onc
         idle = stream(iter(idle_requests.get, None), timeout=30)  # open, sending nothing: it reads, idle
         time.sleep(0.3)
         started = time.monotonic()
+        unary = client.infer(query, timeout=30)
+        unary_s = time.monotonic() - started
+        started = time.monotonic()
         answer = next(stream(iter([build_infer_request("mha", query)]), timeout=30))
         waited = time.monotonic() - started
         with pytest.raises(grpc.RpcError) as ended:
             next(idle)
         idle_requests.put(None)
-    assert (
-        ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "--stream-idle-timeout-s" in ended.value.details()
-    )
-    assert 0.8 < waited < 10, f"answered after {waited:.2f} s"
+    assert unary_s < 0.3, f"a unary call took {unary_s:.2f} s beside the idle stream"
+    np.testing.assert_allclose(unary.output, eager(small_module, query)[0], atol=1e-5)
+    assert ended.value.code() == grpc.StatusCode.UNAVAILABLE and "--stream-read-hold-s" in ended.value.details()
+    assert 0.1 < waited < 3, f"answered after {waited:.2f} s"
     assert not answer.error_message
     np.testing.assert_allclose(
         parse_infer_response(answer.infer_response).output, eager(small_module, query)[0], atol=1e-5

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import numpy as np
+import pytest
 
 from mhaserve.contract.repository import ModelRepository
 from mhaserve.loadtest.loadgen import Point, PointResult, Workload
 from mhaserve.loadtest.slo import parse_slo, summary, summary_lines
-from mhaserve.server.grpc.receipt import StreamReads, StreamSlots
+from mhaserve.server.grpc.receipt import ReceivingTurns, StreamEnded, StreamSlots
 
 
 def test_one_client_holds_its_share_of_the_streams_and_the_rest_stay_open_to_others():
@@ -61,37 +63,112 @@ def test_each_slo_passes_only_if_it_held_at_every_point_and_names_its_worst():
     ]
 
 
-def test_streams_read_a_few_at_a_time_in_the_order_they_asked_and_a_stream_gone_passes_its_turn_on():
+class Context:
+    """A stream's call as the turns see it: a read that ends when its request is sent or the call is aborted."""
+
+    def __init__(self):
+        self.refusal = None
+        self._read = asyncio.get_running_loop().create_future()
+
+    def send(self) -> None:
+        self._read.set_result(b"request")
+
+    async def read(self) -> bytes:
+        return await self._read
+
+    async def abort(self, code, details):
+        self.refusal = (code, details)
+        self._read.set_exception(RuntimeError("the call was aborted"))  # as grpc.aio ends a pending read
+        raise RuntimeError("aborted")  # and the handler that aborts
+
+
+def test_streams_take_receiving_turns_in_the_order_they_asked_and_a_stream_gone_passes_its_turn_on():
     async def scenario():
-        reads, order = StreamReads(limit=1), []
+        turns, order = ReceivingTurns(receiving_bytes=3, receive_limit=1, hold_s=60), []
+        assert turns.count == 1
 
-        async def stream(name: str, hold: asyncio.Event):
-            async with reads.reading():
+        async def stream(name: str, context: Context):
+            async with turns.for_stream(name, context):
                 order.append(name)
-                await hold.wait()
+                await context.read()
 
-        first, second, third = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        first, second, third = Context(), Context(), Context()
         a = asyncio.create_task(stream("a", first))
         await asyncio.sleep(0)
         b = asyncio.create_task(stream("b", second))
         c = asyncio.create_task(stream("c", third))
         await asyncio.sleep(0.01)
-        assert order == ["a"]  # one reads; the others wait, unread
+        assert order == ["a"] and not turns.take()  # one reads; the others wait unread, a unary read is refused
         b.cancel()  # gone while waiting: it takes no turn
-        first.set()
-        third.set()
+        first.send()
+        third.send()
         await asyncio.gather(a, c)
-        assert order == ["a", "c"]
-        async with reads.reading():  # every turn given back
-            pass
+        assert order == ["a", "c"] and turns.free == 1  # every turn given back
 
     asyncio.run(scenario())
 
 
-def test_with_no_limit_every_stream_reads_at_once():
+def test_a_stream_idle_in_its_turn_gives_way_to_a_waiting_stream_and_its_connection_waits_behind_others():
     async def scenario():
-        reads = StreamReads(limit=0)
-        async with reads.reading(), reads.reading(), reads.reading():
-            return True
+        turns, order, loop = (
+            ReceivingTurns(receiving_bytes=3, receive_limit=1, hold_s=0.3),
+            [],
+            asyncio.get_running_loop(),
+        )
+        idle_call, busy_call, turned = Context(), Context(), {}
 
-    assert asyncio.run(scenario())
+        async def stream(connection: str, context: Context):
+            async with turns.for_stream(connection, context):
+                order.append(connection)
+                turned[connection] = loop.time()
+                await context.read()
+
+        idle = asyncio.create_task(stream("idle", idle_call))  # never sent: holds its turn
+        await asyncio.sleep(0.01)
+        started = loop.time()
+        waiting = asyncio.create_task(stream("busy", busy_call))
+        await asyncio.sleep(0.35)
+        assert order == ["idle", "busy"]  # handed the turn once the idle one had held it 300 ms
+        assert 0.25 < turned["busy"] - started < 0.34
+        with pytest.raises(StreamEnded):
+            await idle
+        code, details = idle_call.refusal
+        assert code == grpc.StatusCode.UNAVAILABLE and "--stream-read-hold-s" in details
+        # The idle stream's connection, reopened, waits behind a stream of another connection that came later.
+        again = asyncio.create_task(stream("idle", Context()))
+        await asyncio.sleep(0)
+        later = asyncio.create_task(stream("other", Context()))
+        await asyncio.sleep(0)
+        busy_call.send()
+        await waiting
+        await asyncio.sleep(0.01)
+        assert order[2:] == ["other"]
+        for task in (again, later):
+            task.cancel()
+        await asyncio.gather(again, later, return_exceptions=True)
+        assert turns.free == 1
+
+    asyncio.run(scenario())
+
+
+def test_a_unary_request_still_arriving_takes_the_turn_of_a_stream_idle_in_it():
+    async def scenario():
+        turns = ReceivingTurns(receiving_bytes=3, receive_limit=1, hold_s=0.05)
+        idle_call = Context()
+        idle = asyncio.create_task(_read_in_turn(turns, idle_call))
+        await asyncio.sleep(0.01)
+        assert not turns.take()  # held 10 ms: not yet idle long enough
+        await asyncio.sleep(0.06)
+        assert turns.take()
+        with pytest.raises(StreamEnded):
+            await idle
+        assert idle_call.refusal[0] == grpc.StatusCode.UNAVAILABLE
+        turns.give_back()
+        assert turns.free == 1
+
+    asyncio.run(scenario())
+
+
+async def _read_in_turn(turns, context):
+    async with turns.for_stream("idle", context):
+        await context.read()
