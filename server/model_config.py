@@ -24,6 +24,7 @@ server has no use for, such as version_policy or optimization) is read past.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -166,3 +167,40 @@ def config_text(name: str, values: dict[str, object]) -> str:
     for key, value in rest.items():
         config.parameters[key].string_value = setting_text(value)
     return text_format.MessageToString(config)
+
+
+def config_template(name: str, description: dict[str, object], settings: ServerSettings | None = None) -> str:
+    """The config.pbtxt export writes beside a model: its name and what it is, then every setting a model may set
+    at the server's default, commented out, so that the server's flags apply until a line is uncommented."""
+    defaults = ModelSettings.of_server(settings or ServerSettings())
+    lines = [
+        f"# How the server serves model {name!r}, read at each load (Triton's config.pbtxt format and fields).",
+        "# The settings below are commented out: the server's flags apply. Uncomment one to set it for this model",
+        f"# alone; {', '.join(CEILINGS)} may ask no more than the server's flags.",
+        f"name: {json.dumps(name)}",
+        *(_parameter(key, value) for key, value in description.items()),
+    ]
+    for key in PARAMETERS:
+        value = getattr(defaults, key)
+        if key == "max_queue_delay_us":  # one block in Triton's fields: its delay is 0 where it says none
+            lines.append(f"# dynamic_batching {{ max_queue_delay_microseconds: {value} "
+                         f"default_queue_policy {{ max_queue_size: {defaults.max_queue_size} }} }}")  # fmt: skip
+        elif key != "max_queue_size":
+            lines.append("# " + _setting_line(key, value))
+    return "\n".join(lines) + "\n"
+
+
+def _parameter(key: str, value) -> str:
+    return f"parameters {{ key: {json.dumps(key)} value {{ string_value: {json.dumps(setting_text(value))} }} }}"
+
+
+def _setting_line(key: str, value) -> str:
+    """One setting as config.pbtxt says it: Triton's field where it means the same, else a parameter."""
+    triton = {
+        "max_batch_size": "max_batch_size: {}",
+        "inference_workers": "instance_group [ {{ count: {} }} ]",
+        "sequence_idle_timeout_s": "sequence_batching {{ max_sequence_idle_microseconds: {} }}",
+    }
+    if key == "sequence_idle_timeout_s":
+        value = round(value * 1e6)
+    return triton[key].format(value) if key in triton else _parameter(key, value)

@@ -136,6 +136,7 @@ def _run_export(args) -> int:
         why = why_not_current(args.out, wanted)
         if why is None:
             print(f"{args.out} already holds this export, valid and intact: kept", file=sys.stderr)
+            _write_model_config(args, module)
             _write_triton_repo(args)
             return 0
         print(f"{args.out}: {why}", file=sys.stderr)
@@ -168,8 +169,24 @@ def _run_export(args) -> int:
         print(f"every validation row: {args.out / 'validation.txt'}", file=sys.stderr)
     print(f"wrote {args.out} in {manifest['export_seconds']} s: {verdict}", file=sys.stderr)
     if manifest["valid"]:
+        _write_model_config(args, module)
         _write_triton_repo(args)
     return 0 if manifest["valid"] else 1
+
+
+def _write_model_config(args, module) -> None:
+    """The model's config.pbtxt where the server reads it (beside the version folders in a repository, else in
+    the folder), with every setting commented out; one already there is the user's and stays as it is."""
+    from mhaserve.contract.repository import MODEL_CONFIG_FILE
+    from mhaserve.server.model_config import config_template
+
+    path = (args.repository / args.name if args.repository is not None else args.out) / MODEL_CONFIG_FILE
+    if path.exists():
+        return
+    description = {"d_model": module.d_model, "num_heads": module.num_heads, "precision": args.precision}
+    path.write_text(config_template(args.name, description))
+    print(f"wrote {path}: how the server serves the model, every setting commented out (the server's flags apply)",
+          file=sys.stderr)  # fmt: skip
 
 
 def _write_triton_repo(args) -> None:

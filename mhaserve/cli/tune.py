@@ -142,7 +142,7 @@ def _run_tune(args) -> int:
         served = f"--model-dir {model_dir}"
         config_path = model_dir / MODEL_CONFIG_FILE
     for config in (config_path, *(folder / MODEL_CONFIG_FILE for folder in args.also_model)):
-        if config.exists():  # it would override every candidate's flags
+        if _sets_settings(config):  # it would override every candidate's flags
             raise UsageError(f"{config} sets how the model is served, over any candidate's flags: tune a copy of "
                              "the model without it (or move it aside), then keep the setting tune finds")  # fmt: skip
     planned = quick_plan(knobs) if args.search == "quick" else len(full_sweep(knobs))
@@ -205,3 +205,16 @@ def _run_tune(args) -> int:
     if run.interrupted:
         return 130
     return 0 if chosen is not None and chosen.held else 1
+
+
+def _sets_settings(config: Path) -> bool:
+    """Whether a model's config.pbtxt sets any setting (export's, every setting commented out, sets none)."""
+    if not config.exists():
+        return False
+    from mhaserve.server.config import ServerSettings
+    from mhaserve.server.model_config import ModelConfigError, model_settings
+
+    try:
+        return bool(model_settings(ServerSettings(), config.parent).configured)
+    except ModelConfigError as error:
+        raise UsageError(str(error)) from None

@@ -460,9 +460,11 @@ def test_export_writes_the_next_version_into_a_repository(tmp_path, small_model_
     add_version(repository, "tiny", 1, small_model_dir)
     command = ["export", "--d-model", "32", "--heads", "4", "--validation-seed", "0", "--repository",
                str(repository), "--name", "tiny"]  # fmt: skip
+    (repository / "tiny" / "config.pbtxt").write_text("max_batch_size: 4\n")  # the user's: kept as it is
     assert cli(command) == 0, capsys.readouterr().err
-    assert sorted(p.name for p in (repository / "tiny").iterdir()) == ["1", "2"]
+    assert sorted(p.name for p in (repository / "tiny").iterdir()) == ["1", "2", "config.pbtxt"]
     assert json.loads((repository / "tiny" / "2" / "manifest.json").read_text())["valid"] is True
+    assert (repository / "tiny" / "config.pbtxt").read_text() == "max_batch_size: 4\n"
     capsys.readouterr()
     assert cli([*command[:-1], "../tiny"]) == 2
     refused = capsys.readouterr().err

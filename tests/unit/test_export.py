@@ -20,6 +20,8 @@ from mhaserve.cli import main as cli
 from mhaserve.export.onnx_export import check_onnx, export_onnx
 from mhaserve.export.validate import ValidationCase, validate, validation_cases
 from mhaserve.export.writer import export_model_dir, revalidate_model_dir
+from mhaserve.server.config import ServerSettings
+from mhaserve.server.model_config import model_settings
 from tests.support import SMALL_D_MODEL, SMALL_HEADS, eager, rand
 
 D = SMALL_D_MODEL
@@ -282,9 +284,12 @@ def test_cli_export_with_a_triton_repo_then_validate(tmp_path, capsys):
                    "--triton-repo", str(tmp_path / "repo"))  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "dims: 32" in (tmp_path / "repo" / "mha" / "config.pbtxt").read_text()
+    # the folder's own configuration, where the server reads it: every setting commented out, the flags apply
+    assert model_settings(ServerSettings(), out).configured == frozenset()
+    assert '# max_batch_size: 32' in (out / "config.pbtxt").read_text() and str(out / "config.pbtxt") in done.stderr
     # On the terminal the summaries, every row in the folder (and on the terminal with --verbose).
     assert "68 passed, 0 failed" in done.stderr and "[ 68/68]" not in done.stderr
-    assert len(done.stderr.strip().splitlines()) <= 10, done.stderr
+    assert len(done.stderr.strip().splitlines()) <= 11, done.stderr
     assert "[ 68/68]" in (out / "validation.txt").read_text() and str(out / "validation.txt") in done.stderr
     assert "Traceback" not in done.stderr and "Warning" not in done.stderr
     assert json.loads((out / "manifest.json").read_text())["source"] == {"kind": "seed", "seed": 4}

@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 
 from mhaserve.server.config import ServerSettings
-from mhaserve.server.model_config import ModelConfigError, ModelSettings, config_text, model_settings
+from mhaserve.server.model_config import (
+    PARAMETERS,
+    ModelConfigError,
+    ModelSettings,
+    config_template,
+    config_text,
+    model_settings,
+)
 
 
 def test_no_file_is_the_server_s_settings(tmp_path):
@@ -115,3 +122,19 @@ def test_the_budget_provides_for_a_model_that_batches_or_pads_where_the_flags_di
     assert budget._runs_may_need(waiting) == 600  # one run may take all three
     budget.provide_for(8, padded_runs=True)  # ... padded to the longest
     assert budget._runs_may_need(waiting) == 1200
+
+
+def test_export_s_template_sets_nothing_and_each_line_uncommented_sets_its_setting_at_the_default(tmp_path):
+    settings = ServerSettings(max_queue_delay_us=500, max_sequence_length=1024)
+    template = config_template("mha", {"d_model": 64, "num_heads": 4, "precision": "fp32"}, settings)
+    (tmp_path / "config.pbtxt").write_text(template)
+    assert model_settings(settings, tmp_path).configured == frozenset()  # the flags apply
+    settings_lines = template.splitlines()[-(len(PARAMETERS) - 1) :]
+    assert all(line.startswith("# ") for line in settings_lines)  # the queue's delay and size share a line
+    set_by_lines = set()
+    for line in settings_lines:
+        (tmp_path / "config.pbtxt").write_text(template.replace(line, line[2:]))
+        read = model_settings(settings, tmp_path)
+        assert read.configured and read.as_text() == ModelSettings.of_server(settings).as_text(), line
+        set_by_lines |= read.configured
+    assert set_by_lines == set(PARAMETERS)
