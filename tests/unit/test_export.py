@@ -286,7 +286,7 @@ def test_cli_export_with_a_triton_repo_then_validate(tmp_path, capsys):
     assert "dims: 32" in (tmp_path / "repo" / "mha" / "config.pbtxt").read_text()
     # the folder's own configuration, where the server reads it: every setting commented out, the flags apply
     assert model_settings(ServerSettings(), out).configured == frozenset()
-    assert '# max_batch_size: 32' in (out / "config.pbtxt").read_text() and str(out / "config.pbtxt") in done.stderr
+    assert "# max_batch_size: 32" in (out / "config.pbtxt").read_text() and str(out / "config.pbtxt") in done.stderr
     # On the terminal the summaries, every row in the folder (and on the terminal with --verbose).
     assert "68 passed, 0 failed" in done.stderr and "[ 68/68]" not in done.stderr
     assert len(done.stderr.strip().splitlines()) <= 11, done.stderr
