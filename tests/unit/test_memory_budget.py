@@ -1,0 +1,77 @@
+"""The memory budget alone: what requests in flight hold (their bytes, what the runs that may happen at once
+need, what sequences keep), refused over the limit with the figures, and given back."""
+
+from __future__ import annotations
+
+import pytest
+
+from mhaserve.server.errors import ErrorKind
+from mhaserve.server.memory import InflightBytesExceeded, MemoryBudget
+
+
+def test_a_request_is_admitted_within_the_limit_and_refused_beyond_it_naming_the_figures():
+    budget = MemoryBudget(limit=1000)
+    token = budget.admit(request_bytes=300, rows=1, workspace=200)
+    assert budget.held == 500
+    with pytest.raises(InflightBytesExceeded) as refused:
+        budget.admit(request_bytes=300, rows=1, workspace=500)  # 600 bytes + the larger run's 500: over
+    assert refused.value.kind is ErrorKind.RESOURCE_EXHAUSTED
+    assert "needs 800 bytes" in refused.value.message and "hold 500" in refused.value.message
+    assert "max_inflight_bytes=1000" in refused.value.message
+    budget.run_ended(token)
+    budget.release(300)
+    assert budget.held == 0 and budget.idle
+
+
+def test_the_workspace_counted_is_what_the_runs_that_may_happen_at_once_need():
+    # Batching off, one worker: one request runs at a time, so only the largest waiting workspace counts.
+    alone = MemoryBudget(limit=10_000, workers=1, max_batch_size=None)
+    for workspace in (100, 400, 200):
+        alone.admit(request_bytes=0, rows=1, workspace=workspace)
+    assert alone.held == 400
+    # Batching to 2 rows with two workers: at most 4 rows run at once, at the largest workspace per row.
+    batched = MemoryBudget(limit=10_000, workers=2, max_batch_size=2)
+    for _ in range(6):
+        batched.admit(request_bytes=0, rows=1, workspace=100)
+    assert batched.held == 400
+
+
+def test_padded_runs_count_every_waiting_row_at_the_longest_row_s_workspace():
+    padded = MemoryBudget(limit=10_000, workers=1, max_batch_size=8, padded_runs=True)
+    padded.admit(request_bytes=0, rows=1, workspace=1000)  # a long request
+    padded.admit(request_bytes=0, rows=3, workspace=30)  # three short rows, padded to the long one in its run
+    assert padded.held == 4000
+    unpadded = MemoryBudget(limit=10_000, workers=1, max_batch_size=8)
+    unpadded.admit(request_bytes=0, rows=1, workspace=1000)
+    unpadded.admit(request_bytes=0, rows=3, workspace=30)
+    assert unpadded.held == 1030  # never more than the rows waiting need together
+
+
+def test_the_arenas_keep_the_largest_runs_made_until_they_are_given_back():
+    budget = MemoryBudget(limit=10_000, workers=2)
+    for workspace in (100, 700, 300):
+        budget.run_made(workspace)
+    assert budget.kept_workspace == 1000 and budget.held == 1000 and budget.idle  # held, yet nothing in flight
+    budget.workspace_given_back()
+    assert budget.held == 0
+
+
+def test_what_sequences_keep_counts_between_requests_and_is_let_go():
+    budget = MemoryBudget(limit=1000)
+    budget.keep(600, "a sequence's keys and values")
+    assert budget.held == 600 and budget.idle  # kept state is no request in flight
+    with pytest.raises(InflightBytesExceeded) as refused:
+        budget.take(500, "the request as received")
+    assert "(the request as received)" in refused.value.message
+    budget.let_go(600)
+    budget.take(500, "the request as received")
+    assert budget.held == 500 and not budget.idle
+
+
+def test_a_model_that_batches_where_the_flags_did_not_widens_the_estimate_never_narrows_it():
+    budget = MemoryBudget(limit=10_000, workers=1, max_batch_size=None)
+    budget.provide_for(max_batch_size=4, padded_runs=False)
+    budget.provide_for(max_batch_size=2, padded_runs=True)
+    assert (budget.max_batch_size, budget.padded_runs) == (4, True)
+    budget.provide_for(max_batch_size=None, padded_runs=False)
+    assert (budget.max_batch_size, budget.padded_runs) == (4, True)
