@@ -35,14 +35,14 @@ def main() -> None:
 
     def grown(length: int):
         prompt = rng.standard_normal((1, length, 512), dtype=np.float32)
-        return session.run_step(prompt, session.empty_cache(1))[2]
+        return session.steps.run_step(prompt, session.steps.empty_cache(1))[2]
 
     for past in (32, 128, 256):
         for sequences in (4, 16):
             steps = [(rng.standard_normal((1, 1, 512), dtype=np.float32), grown(past + i)) for i in range(sequences)]
-            together = median_ms(lambda steps=steps: session.run_steps(steps))
-            alone = median_ms(lambda steps=steps: [session.run_step(*step) for step in steps])
-            runs = session.run_steps(steps)[1]
+            together = median_ms(lambda steps=steps: session.steps.run_steps(steps))
+            alone = median_ms(lambda steps=steps: [session.steps.run_step(*step) for step in steps])
+            runs = session.steps.run_steps(steps)[1]
             print(f"pasts ~{past:4d} rows, {sequences:2d} sequences: one call {together:7.3f} ms ({runs} runs), "
                   f"a call each {alone:7.3f} ms, ratio {together / alone:5.2f}")  # fmt: skip
 

@@ -20,7 +20,6 @@ from typing import TypeVar
 
 from mhaserve.contract.model_dir import ModelDirError, read_manifest
 from mhaserve.contract.repository import ModelRepository, VersionPolicy
-from mhaserve.contract.signature import ModelSignature
 
 from .accounting import CallMemory, RequestAccounting
 from .calls import CallRecord, HeadersOf
@@ -88,7 +87,14 @@ class DataPlane:
         self._executor = lowered_pool(settings.inference_workers, "infer", settings.inference_nice)
         # Decodes that convert values one by one (typed contents, JSON data) run here, off the event loop.
         self._decoder = lowered_pool(1, "decode", settings.inference_nice)
-        self.versions = VersionFactory(settings, self.limits, budget, self.metrics, self._executor)
+        self.sequences = Sequences(
+            budget,
+            settings.max_sequences,
+            settings.max_sequences_per_client,
+            settings.max_sequence_bytes_per_client,
+        )
+        self.metrics.watch_sequences(self.sequences)
+        self.versions = VersionFactory(settings, self.limits, budget, self.metrics, self._executor, self.sequences)
         repository = ModelRepository(settings.model_repository) if settings.model_repository else None
         self.registry = ModelRegistry(
             self.versions,
@@ -101,13 +107,6 @@ class DataPlane:
         self.shared_memory = SharedMemoryRegistry(
             settings.allow_client_shm, settings.client_shm_max_regions, settings.client_shm_max_bytes
         )
-        self.sequences = Sequences(
-            budget,
-            settings.max_sequences,
-            settings.max_sequences_per_client,
-            settings.max_sequence_bytes_per_client,
-        )
-        self.metrics.watch_sequences(self.sequences)
 
     def _sessions(self) -> list:
         return [served.session for served in self.registry.served_models() if served.session is not None]
@@ -392,8 +391,8 @@ class InferenceCall(CallRecord):
 
     async def infer(self, request: InferenceRequest) -> InferenceResponse:
         """Resolve the version the request names, check the request against it (off the event loop when its
-        tensors are large), take its memory in the budget or refuse it, run it (batched, or as a sequence's
-        step) and return the outputs it asked for."""
+        tensors are large), hand it to the version's runtime for its kind (runtime.py: batched, or a sequence's
+        step), which admits and runs it, and return the outputs it asked for."""
         dataplane = self._dataplane
         self.served = served = dataplane.served_for(request, self.caller)
         served.enter()  # from here the version is not unloaded under this request
@@ -408,37 +407,29 @@ class InferenceCall(CallRecord):
         nbytes = shared + sum(array.nbytes for array in request.inputs.values())
         attention = await dataplane.off_loop_if_large(self._checked, nbytes, request)
         self.rows = attention.batch_size
-        if attention.sequence is not None:
-            if placed:
-                raise invalid("a step of a sequence answers over the socket: its outputs cannot go to shared memory")
-            return await dataplane.sequences.step(self, request, attention)
-        if self.trace is not None:
-            self.trace.decoded(attention, request.id)
-        signature = served.signature
-        self.admit(attention, signature)
-        answer = await served.batcher.submit(attention, self.timeout_s, self.trace)
-        self.timing.queue_ns, self.timing.infer_ns = answer.queue_ns, answer.infer_ns
-        self.run_ended(answer.run_rows, answer.run_started_ns)
-        outputs = {o: answer.outputs[o] for o in attention.outputs}
+        if attention.sequence is not None and placed:
+            raise invalid("a step of a sequence answers over the socket: its outputs cannot go to shared memory")
+        outputs = await served.runtime_for(attention).answer(self, request, attention)
         placed = {name: placement for name, placement in placed.items() if name in outputs}
         if placed:
             await self._dataplane.off_loop_if_large(
                 self._regions.write, sum(outputs[n].nbytes for n in placed), outputs, placed
             )
-        return InferenceResponse(signature, request, outputs, frozenset(placed))
+        return InferenceResponse(served.signature, request, outputs, frozenset(placed))
 
     def _checked(self, request: InferenceRequest) -> AttentionRequest:
         """The request, its inputs in shared memory read, checked against the version it resolved to."""
         self._regions.read_inputs(request.shared_inputs, request.inputs)
         return attention_request(request, self.served.signature, self.served.limits)
 
-    def admit(self, attention: AttentionRequest, signature: ModelSignature) -> None:
+    def admit(self, attention: AttentionRequest) -> None:
         """Its decoded inputs, its answer and its run's workspace taken in the budget, or refused."""
         self.timing.input_ns = time.perf_counter_ns() - self.started
-        self.memory.admit(attention, signature)
+        self.memory.admit(attention, self.served.signature)
 
-    def run_ended(self, run_rows: int, run_started_ns: int) -> None:
-        self.run_rows, self.run_started_ns = run_rows, run_started_ns
+    def ran(self, rows: int, started_ns: int, *, queue_ns: int, infer_ns: int) -> None:
+        self.run_rows, self.run_started_ns = rows, started_ns
+        self.timing.queue_ns, self.timing.infer_ns = queue_ns, infer_ns
         self.memory.run_ended()
 
     def encode(self, encode: Callable[..., T], response: InferenceResponse, *args, **kwargs) -> T:

@@ -74,14 +74,15 @@ def model_config(served: ServedModel) -> dict:
             **{name: {"string_value": value} for name, value in serving_settings(served).items()},
         },
     }
-    if served.batcher.enabled:
-        config["dynamic_batching"] = {"max_queue_delay_microseconds": served.batcher.max_queue_delay_us}
+    batcher = served.batched.batcher
+    if batcher.enabled:
+        config["dynamic_batching"] = {"max_queue_delay_microseconds": batcher.max_queue_delay_us}
     return config
 
 
 def serving_settings(served: ServedModel) -> dict[str, str]:
     """How this version runs: its provider and the settings that shape its latency, as text."""
-    session, batcher = served.session, served.batcher
+    session, batcher = served.session, served.batched.batcher
     return {
         name: setting_text(value)
         for name, value in (

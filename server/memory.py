@@ -44,7 +44,7 @@ def answer_bytes(request: AttentionRequest, num_heads: int, precision: str = "fp
     """What the answer holds from its encoding until it is written: the outputs asked for, as copied
     (the weights in the datatype the model's ``precision`` returns them in, or the request asked for)."""
     batch, q_len, d_model = request.query.shape
-    kv_len = request.key.shape[1]
+    kv_len = request.kv_len
     outputs = F32 * batch * q_len * d_model  # output is always returned
     outputs += weights_answer_bytes(
         request.shaping, request.outputs, batch, num_heads, q_len, kv_len, weights_dtype(precision).itemsize
@@ -61,7 +61,7 @@ def input_bytes(request: AttentionRequest) -> int:
 def request_workspace_bytes(request: AttentionRequest, num_heads: int) -> int:
     """Its share of a run's workspace, and what ranking its weights (top-k, top-p) holds after the run."""
     batch, q_len, d_model = request.query.shape
-    kv_len = request.key.shape[1]
+    kv_len = request.kv_len
     ranking = ranking_bytes(request.shaping, batch, num_heads, q_len, kv_len)
     return run_workspace_bytes(batch, q_len, kv_len, d_model, num_heads) + ranking
 

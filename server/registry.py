@@ -2,8 +2,8 @@
 
 Layered as MLServer layers it (registry -> runtime): the registry knows names, versions, states and
 the reasons a version is not served; each loaded version is one ``ServedModel`` owning its ONNX
-Runtime session, batcher and queue, statistics and metric labels. Transports resolve (name, version)
-here and never touch a session themselves.
+Runtime session, its runtimes (runtime.py: batched, and sequence steps), statistics and metric labels.
+Transports resolve (name, version) here and never touch a session themselves.
 
 Two sources: one model folder (served as version 1 under the manifest's name, as before repositories)
 or a model repository, ``DIR/<model>/<version>/``, where the version policy picks what is served.
@@ -23,11 +23,11 @@ from mhaserve.contract.model_dir import ModelDirError, read_manifest
 from mhaserve.contract.repository import ModelRepository, RepositoryPathError, VersionPolicy
 from mhaserve.contract.signature import ModelSignature
 
-from .batcher import Batcher
 from .errors import ErrorKind, RequestError
 from .metrics import ModelMetrics
 from .model_config import ModelSettings
-from .sequences import StepRuns
+from .runtime import BatchedRuntime, Runtime
+from .sequences import SequenceRuntime
 from .session import AttentionSession
 from .statistics import ModelStatistics
 from .tensors import Limits
@@ -44,10 +44,10 @@ class ServedModel:
     signature: ModelSignature
     model_dir: Path
     session: AttentionSession
-    batcher: Batcher
+    batched: BatchedRuntime  # its stateless requests
     metrics: ModelMetrics
     stats: ModelStatistics = field(default_factory=ModelStatistics)
-    steps: StepRuns | None = None  # its sequences' steps, where its folder has a step graph
+    sequence_steps: SequenceRuntime | None = None  # its sequences' steps, where its folder has a step graph
     settings: ModelSettings | None = None  # how it is served: its config.pbtxt over the server's settings
     requests_in_flight: int = 0  # inference calls resolved to this version and not yet answered
     idle: asyncio.Event = field(default_factory=asyncio.Event)  # set whenever requests_in_flight is 0
@@ -61,6 +61,11 @@ class ServedModel:
     def limits(self) -> Limits:
         """What one request may carry: its model's limits (read once; every request is checked against them)."""
         return self.settings.limits()
+
+    def runtime_for(self, attention) -> Runtime:
+        """The runtime that runs this kind of request: a sequence's step, or a stateless request. (A step reaches
+        here only for a version that serves sequences: inference.attention_request refuses it otherwise.)"""
+        return self.batched if attention.sequence is None else self.sequence_steps
 
     def enter(self) -> None:
         self.requests_in_flight += 1

@@ -59,10 +59,15 @@ class AttentionRequest:
     outputs: tuple[str, ...]  # requested outputs, in the order to return them
     shaping: WeightsShaping = NO_SHAPING  # what the request asked of the weights' outputs
     sequence: object = None  # a parameters.StepOf: the request is a step of a sequence (its shaping comes later)
+    attended: int | None = None  # the keys it attends over where they are not all in it (a step: its cache too)
 
     @property
     def batch_size(self) -> int:
         return self.query.shape[0]
+
+    @property
+    def kv_len(self) -> int:
+        return self.key.shape[1] if self.attended is None else self.attended
 
 
 def _shape_text(shape) -> str:

@@ -22,7 +22,8 @@ from .metrics import Metrics
 from .model_config import ModelSettings, model_settings
 from .registry import ServedModel
 from .run_cost import RunCost
-from .sequences import StepRuns
+from .runtime import BatchedRuntime
+from .sequences import SequenceRuntime, Sequences, StepRuns
 from .session import AttentionSession
 from .statistics import BatchResult, ModelStatistics
 from .tensors import Limits
@@ -35,13 +36,20 @@ class VersionFactory:
     """Loads a version into the process's shared inference workers, memory budget and metrics."""
 
     def __init__(
-        self, settings: ServerSettings, limits: Limits, budget: MemoryBudget, metrics: Metrics, executor: Executor
+        self,
+        settings: ServerSettings,
+        limits: Limits,
+        budget: MemoryBudget,
+        metrics: Metrics,
+        executor: Executor,
+        sequences: Sequences,
     ):
         self.settings = settings
         self.limits = limits
         self.budget = budget
         self.metrics = metrics
-        self._executor = executor  # the inference workers every version's batcher runs on
+        self._executor = executor  # the inference workers every version's runs are made on
+        self.sequences = sequences  # the process's live sequences, every version's steps belong to
         self.message_limits: tuple[int, int] | None = None  # (receive, send) the transport bound with
         # Loads get their own thread, so that a version loaded under load does not hold the inference
         # workers for its seconds of session creation and warm-up (at the same lowered priority).
@@ -105,10 +113,20 @@ class VersionFactory:
             session.provider, "yes" if session.has_output_only_graph else "no", model_dir, configured,
             extra={"model": name, "version": str(version)},
         )  # fmt: skip
-        steps = None
+        sequence_steps = None
         if session.serves_sequences:
-            steps = StepRuns(session, self._executor, model.max_batch_size, self.metrics.step_runs_made)
-        return ServedModel(signature, model_dir, session, batcher, model_metrics, stats, steps=steps, settings=model)
+            runs = StepRuns(session.steps, self._executor, model.max_batch_size, self.metrics.step_runs_made)
+            sequence_steps = SequenceRuntime(self.sequences, runs, info.computed_in)
+        return ServedModel(
+            signature,
+            model_dir,
+            session,
+            BatchedRuntime(batcher),
+            model_metrics,
+            stats,
+            sequence_steps=sequence_steps,
+            settings=model,
+        )
 
     def _open_session(self, model_dir: Path, model: ModelSettings) -> tuple[AttentionSession, RunCost | None]:
         session = AttentionSession(
@@ -148,7 +166,7 @@ class VersionFactory:
         # The registry drops its last reference after this returns; the session (its weights and
         # ONNX Runtime's arena) is freed with it, and the allocator is then asked to give the pages back.
         served.session = None
-        served.batcher = None
+        served.batched = served.sequence_steps = None
         loop = asyncio.get_running_loop()
         loop.call_soon(lambda: loop.run_in_executor(self._loader, release_free_memory))
 

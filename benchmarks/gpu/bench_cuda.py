@@ -53,7 +53,8 @@ from mhaserve.loadtest.loadgen import LoadGenerator, Workload, default_processes
 from mhaserve.loadtest.loadgen import Point as LoadPoint
 from mhaserve.loadtest.server_process import ServerProcess
 from mhaserve.model.weights import seeded_module
-from mhaserve.server.session import AttentionSession, StepCache
+from mhaserve.server.sequences import StepCache
+from mhaserve.server.session import AttentionSession
 from mhaserve.server.tensors import weights_dtype
 
 # (batch, length, d_model, heads)
@@ -229,9 +230,9 @@ def step_times(session: AttentionSession, position: int, repeats: int, sync) -> 
         cache = StepCache.of(past_key, past_value)
     prefix = rng.standard_normal((1, position + 1, d_model), dtype=np.float32)
     causal = np.tril(np.ones((1, 1, position + 1, position + 1), bool))
-    kept = median_ms(lambda: session.run_step(row, cache), repeats, sync)
+    kept = median_ms(lambda: session.steps.run_step(row, cache), repeats, sync)
     feed = {"query": row, "past_key": past_key, "past_value": past_value}
-    sent = median_ms(lambda: session._step.run(None, feed), repeats, sync)
+    sent = median_ms(lambda: session.steps._session.run(None, feed), repeats, sync)
     resent = median_ms(lambda: session.run(("output",), prefix, prefix, prefix, causal), repeats, sync)
     return kept, sent, resent
 

@@ -282,7 +282,7 @@ def test_a_failing_model_run_answers_internal_and_the_next_request_is_served(sma
         def good():  # as gRPC hands the servicer an inference request
             return ReceivedMessage(wire, pb.ModelInferRequest, dataplane.off_loop_if_large)
 
-        batcher = dataplane.resolve("mha", "").batcher
+        batcher = dataplane.resolve("mha", "").batched.batcher
         working_run = batcher._run_model
 
         def failing_run(*args):

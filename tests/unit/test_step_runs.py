@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from mhaserve.server.sequences import StepRuns
-from mhaserve.server.session import PADDED_STEP_PAST_BYTES, AttentionSession, StepCache
+from mhaserve.server.sequences.graph import PADDED_STEP_PAST_BYTES, StepCache
+from mhaserve.server.session import AttentionSession
 from tests.support import SMALL_D_MODEL, SMALL_HEADS
 
 
@@ -23,7 +24,7 @@ def session(small_model_dir):
 def grown(session, length: int, seed: int):
     """A sequence's cache after a prompt of ``length`` rows."""
     prompt = np.random.default_rng(seed).standard_normal((1, length, SMALL_D_MODEL), dtype=np.float32)
-    return session.run_step(prompt, session.empty_cache(1))[2]
+    return session.steps.run_step(prompt, session.steps.empty_cache(1))[2]
 
 
 def run_at_once(session, steps, max_rows=32) -> tuple[list, int]:
@@ -32,7 +33,7 @@ def run_at_once(session, steps, max_rows=32) -> tuple[list, int]:
 
     async def send():
         with ThreadPoolExecutor(1) as executor:
-            step_runs = StepRuns(session, executor, max_rows, on_runs=runs.append)
+            step_runs = StepRuns(session.steps, executor, max_rows, on_runs=runs.append)
             return await asyncio.gather(*(step_runs.run(query, cache) for query, cache in steps))
 
     return asyncio.run(send()), sum(runs)
@@ -44,7 +45,7 @@ def rows(count: int, seed: int) -> np.ndarray:
 
 def assert_equal_to_alone(session, steps, answers):
     for (query, cache), (output, weights, after) in zip(steps, answers, strict=True):
-        want_output, want_weights, want_cache = session.run_step(query, cache)
+        want_output, want_weights, want_cache = session.steps.run_step(query, cache)
         np.testing.assert_allclose(output, want_output, rtol=0, atol=1e-6)
         np.testing.assert_allclose(weights, want_weights, rtol=0, atol=1e-7)
         assert after.length == cache.length + query.shape[1] and after.nbytes == want_cache.nbytes

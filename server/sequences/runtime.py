@@ -1,0 +1,71 @@
+"""A served version's sequence runtime: a step of a sequence checked against its sequence, admitted, run over its
+cache on the version's step graph (with other sequences' steps where they can share a run), and answered; the
+cache grown only by a step that is answered."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from mhaserve.contract.signature import OUTPUT
+
+from ..answers import answer_of
+from ..errors import invalid
+from ..shaping import weights_shaping
+from .runs import StepRuns
+from .state import Sequence, Sequences
+
+
+class SequenceRuntime:
+    """Runs the steps of sequences for one served version (runtime.Runtime): its step runs, and the process's
+    sequences they belong to. A step continuing a sequence runs on the version that sequence started on (the data
+    plane resolves it there), whatever has been loaded since."""
+
+    def __init__(self, sequences: Sequences, runs: StepRuns, computed_in: str):
+        self.sequences, self.runs, self.computed_in = sequences, runs, computed_in
+
+    async def answer(self, call, request, attention) -> dict[str, np.ndarray]:
+        sequences, step = self.sequences, attention.sequence
+        sequence = sequences.begin(step, call.served, attention.batch_size, call.caller)
+        signature = sequence.served.signature
+        if request.version and request.version != signature.version:
+            raise invalid(
+                f"sequence {step.id!r} runs on version {signature.version} (where it started); this step names "
+                f"version {request.version}"
+            )
+        with sequences.starting(sequence):
+            async with sequence.lock:  # a second step of the same sequence waits for this one
+                if sequence.ended:
+                    raise invalid(f"sequence {step.id!r} is not live: it ended while this step waited")
+                answer = await self._step(call, request, attention, sequence)
+        if step.end:
+            sequences.end(sequence)
+        return answer
+
+    async def _step(self, call, request, attention, sequence: Sequence) -> dict[str, np.ndarray]:
+        rows = attention.query.shape[1]
+        self.sequences.check_growth(sequence, rows)
+        total = sequence.length + rows
+        named = tuple(o.name for o in request.outputs)
+        num_heads = sequence.served.signature.num_heads
+        attention.shaping, outputs = weights_shaping(request.parameters, named, num_heads, rows, total)
+        attention.attended = total  # its keys: the sequence's cache and its own rows
+        if outputs is not None:
+            attention.outputs = outputs
+        call.admit(attention)
+        started = time.perf_counter_ns()
+        output, weights, cache = await self.runs.run(attention.query, sequence.cache)
+        infer_ns = time.perf_counter_ns() - started
+        call.ran(attention.batch_size, started, queue_ns=0, infer_ns=infer_ns)
+        asked = attention.outputs
+        answer, error = answer_of(
+            asked, attention.shaping, output if OUTPUT in asked else None, weights, self.computed_in
+        )
+        if error is not None:  # the cache is not grown by a step that overflowed
+            raise error
+        if not sequence.ended:  # restarted while this step ran: its answer stands, the old cache does not
+            self.sequences.grow(sequence, cache)
+        if not sequence.started:
+            self.sequences.commit(sequence)
+        return answer

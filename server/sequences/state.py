@@ -1,0 +1,189 @@
+"""The live sequences of the process: who started each (its owner), its cache and version, the limits on how many
+and how large, and their ends (sequence_end, a restart, the idle timeout, the server's stop)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from ..errors import ErrorKind, RequestError, invalid
+from ..memory import MemoryBudget
+from ..parameters import StepOf
+from .graph import StepCache
+
+REMEMBERED_ENDS = 4096  # ids recently ended or timed out, to say so when a late step names one
+
+
+@dataclass
+class Sequence:
+    caller: str  # who started it (security.Callers); "" where callers are not told apart
+    id: int | str
+    served: object  # the ServedModel it started on (its session not unloaded while the sequence lives)
+    batch: int
+    cache: StepCache  # its projected keys and values, where the step graph runs
+    last_used: float = field(default_factory=time.monotonic)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    started: bool = True  # False until its first step is answered (Sequences.begin, commit)
+    ended: bool = False
+
+    @property
+    def key(self) -> tuple[str, int | str]:
+        return self.caller, self.id
+
+    @property
+    def length(self) -> int:
+        return self.cache.length
+
+    @property
+    def nbytes(self) -> int:
+        return self.cache.nbytes
+
+
+class Sequences:
+    """The live sequences of the process; event loop only."""
+
+    def __init__(
+        self,
+        budget: MemoryBudget,
+        max_sequences: int,
+        per_client: int | None = None,
+        bytes_per_client: int | None = None,
+    ):
+        self.budget = budget
+        self.max_sequences = max_sequences
+        self.per_client = max_sequences if per_client is None else per_client
+        self.bytes_per_client = bytes_per_client  # None: no share of its own
+        self.live: dict[tuple[str, int | str], Sequence] = {}  # (caller, id) -> its sequence
+        self._gone: OrderedDict[tuple[str, int | str], str] = OrderedDict()  # (caller, id) -> why no longer live
+        # caller -> its starts whose first step is under way: they count against the limits as live ones do
+        self._starting_by: dict[str, int] = {}
+        self.steps_total = 0
+        self.timed_out_total = 0
+
+    @property
+    def cache_bytes(self) -> int:
+        return sum(sequence.nbytes for sequence in self.live.values())
+
+    def begin(self, step: StepOf, served, batch: int, caller: str = "") -> Sequence:
+        """The sequence this step belongs to: at ``sequence_start`` a new one, not yet live (``commit`` makes it
+        live once its first step is answered), else ``caller``'s live one of that id."""
+        self.drop_idle()
+        key = (caller, step.id)
+        if step.start:
+            starting = len(self.live) + sum(self._starting_by.values())
+            if key not in self.live and starting >= self.max_sequences:
+                raise RequestError(
+                    ErrorKind.RESOURCE_EXHAUSTED,
+                    f"sequence {step.id!r}: {starting} sequences are live or starting, the limit --max-sequences="
+                    f"{self.max_sequences}; end one (sequence_end) or retry later",
+                )
+            own = self._held_by(caller)
+            if caller and key not in self.live and own >= self.per_client:
+                raise RequestError(
+                    ErrorKind.RESOURCE_EXHAUSTED,
+                    f"sequence {step.id!r}: this client has {own} sequences live or starting, its share "
+                    f"--max-sequences-per-client={self.per_client}; end one (sequence_end) or retry later",
+                )
+            return Sequence(caller, step.id, served, batch, served.session.steps.empty_cache(batch), started=False)
+        sequence = self.live.get(key)
+        if sequence is None:
+            why = self._gone.get(key, "never started (its first step needs sequence_start)")
+            raise invalid(f"sequence {step.id!r} is not live: {why}")
+        if sequence.batch != batch:
+            raise invalid(f"sequence {step.id!r} has batch {sequence.batch}; this step's query has batch {batch}")
+        return sequence
+
+    @contextlib.contextmanager
+    def starting(self, sequence: Sequence):
+        """While a start's first step is under way: it counts against the limits as a live sequence does."""
+        if sequence.started:
+            yield
+            return
+        self._starting_by[sequence.caller] = self._starting_by.get(sequence.caller, 0) + 1
+        try:
+            yield
+        finally:
+            self._starting_by[sequence.caller] -= 1
+            if not self._starting_by[sequence.caller]:
+                del self._starting_by[sequence.caller]
+
+    def continued_by(self, step: StepOf | None, model: str, caller: str) -> Sequence | None:
+        """The live sequence of ``model`` that ``step`` continues (a step without ``sequence_start``), if any."""
+        if step is None or step.start:
+            return None
+        sequence = self.live.get((caller, step.id))
+        return sequence if sequence is not None and sequence.served.signature.name == model else None
+
+    def _held_by(self, caller: str) -> int:
+        """The sequences ``caller`` has live or starting."""
+        return sum(1 for s in self.live.values() if s.caller == caller) + self._starting_by.get(caller, 0)
+
+    def check_growth(self, sequence: Sequence, rows: int) -> None:
+        limit, named = self._of_model(sequence, "max_sequence_length")
+        if sequence.length + rows > limit:
+            raise RequestError(
+                ErrorKind.RESOURCE_EXHAUSTED,
+                f"sequence {sequence.id!r}: {sequence.length} rows + {rows} would pass {named}={limit}; end it and "
+                "start another",
+            )
+
+    @staticmethod
+    def _of_model(sequence: Sequence, name: str):
+        """A sequence setting of the model it runs on (its config.pbtxt, else the server's flag), and its name."""
+        settings = sequence.served.settings
+        return getattr(settings, name), settings.named(name)
+
+    def grow(self, sequence: Sequence, cache: StepCache) -> None:
+        """The step's cache replaces the sequence's: its new bytes are taken in the budget (RESOURCE_EXHAUSTED
+        when they do not fit: the sequence stays as it was)."""
+        growth = cache.nbytes - sequence.nbytes
+        if sequence.caller and self.bytes_per_client is not None:
+            own = sum(s.nbytes for s in self.live.values() if s.caller == sequence.caller and s is not sequence)
+            if own + cache.nbytes > self.bytes_per_client:
+                raise RequestError(
+                    ErrorKind.RESOURCE_EXHAUSTED,
+                    f"sequence {sequence.id!r}: this client's sequences would hold {own + cache.nbytes} bytes of keys "
+                    f"and values, past its share --max-sequence-bytes-per-client={self.bytes_per_client}; end one",
+                )
+        self.budget.keep(growth, f"sequence {sequence.id!r}'s keys and values")
+        sequence.cache = cache
+        sequence.last_used = time.monotonic()
+        self.steps_total += 1
+
+    def commit(self, sequence: Sequence) -> None:
+        """A started sequence's first step was answered: it is live, in place of any of its id (restarted)."""
+        if sequence.key in self.live:
+            self._drop(self.live[sequence.key], "restarted")
+        sequence.served.sequence_started()
+        sequence.started = True
+        self.live[sequence.key] = sequence
+        self._gone.pop(sequence.key, None)
+
+    def end(self, sequence: Sequence, why: str = "ended (sequence_end)") -> None:
+        if self.live.get(sequence.key) is sequence:
+            self._drop(sequence, why)
+
+    def drop_idle(self) -> None:
+        """Drop the sequences idle past the timeout, returning their memory."""
+        now = time.monotonic()
+        for sequence in list(self.live.values()):
+            timeout, named = self._of_model(sequence, "sequence_idle_timeout_s")
+            if now - sequence.last_used > timeout and not sequence.lock.locked():
+                self.timed_out_total += 1
+                self._drop(sequence, f"dropped after {timeout:g} s idle ({named})")
+
+    def drop_all(self, why: str) -> None:
+        for sequence in list(self.live.values()):
+            self._drop(sequence, why)
+
+    def _drop(self, sequence: Sequence, why: str) -> None:
+        del self.live[sequence.key]
+        sequence.ended = True
+        self.budget.let_go(sequence.nbytes)
+        sequence.served.sequence_ended()
+        self._gone[sequence.key] = why
+        while len(self._gone) > REMEMBERED_ENDS:
+            self._gone.popitem(last=False)
