@@ -11,9 +11,9 @@ tuned to one box.
 
 CPU time, not wall time, because under load the cores are what runs compete for, and a run costs more
 CPU than its wall time shows: ONNX Runtime's threads spin for a while after each run, waiting for the
-next. Measured at 512/8 on 2 threads, a [1, 1] run took 0.24 ms but 0.91 ms of CPU with a 0.5 ms gap
-before the next; in wall time the fixed price fitted as zero, and a plan on it split 16 requests of
-lengths 16..128 into 16 runs that served fewer requests per second than one padded run.
+next. In wall time the fixed price fits as about zero, and a plan on it splits a queue of mixed lengths
+into many small runs that serve fewer requests per second than one padded run (BENCHMARKS.md,
+"Length-aware batching").
 """
 
 from __future__ import annotations

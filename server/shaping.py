@@ -165,8 +165,9 @@ def top_k(weights: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 # Top-p ranks a row's first keys only, then the whole row where those do not hold p of its mass: attention rows are
-# mostly peaked, and a full sort of every row costs several times the model run. (Ranking twice as many keys at a
-# time until p was reached took 3-5x longer on flat rows, which need every key.)
+# mostly peaked, and a full sort of every row costs several times the model run; ranking ever more keys at a time
+# until p is reached costs more than one full rank on flat rows, which need every key (BENCHMARKS.md, "Attention
+# weights shaped per request").
 FIRST_RANKED = 32
 # The most a top-p request's ranking holds at once, per (row, key) of its selection: the ranked values (float32),
 # their positions (int64) and their running sum (float64), and the answer's padded copies of the first two.

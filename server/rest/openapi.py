@@ -208,163 +208,155 @@ def _shared_memory_paths(kind: str) -> dict:
     }  # fmt: skip
 
 
-def operations() -> list[tuple[str, str, str]]:
-    """The route table: (method, path, handler) for every documented operation, in the order they are matched."""
-    return [
-        (method.upper(), path, operation["x-handler"])
-        for path, item in document()["paths"].items()
-        for method, operation in item.items()
-    ]
+# The request and answer bodies, as the protocol defines them (with Triton's extensions).
+TENSOR_NAMES = {"type": "string", "description": f"one of {', '.join(INPUT_NAMES)}"}
+SCHEMAS = {
+    "Error": {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}},
+    "ServerMetadata": {
+        "type": "object",
+        "required": ["name", "version", "extensions"],
+        "properties": {
+            "name": {"type": "string"},
+            "version": {"type": "string"},
+            "extensions": {"type": "array", "items": {"type": "string"}},
+        },
+    },
+    "TensorMetadata": {
+        "type": "object",
+        "required": ["name", "datatype", "shape"],
+        "properties": {
+            "name": {"type": "string"},
+            "datatype": {"type": "string"},
+            "shape": {"type": "array", "items": {"type": "integer"}},
+        },
+    },
+    "ModelMetadata": {
+        "type": "object",
+        "required": ["name", "versions", "platform", "inputs", "outputs"],
+        "properties": {
+            "name": {"type": "string"},
+            "versions": {"type": "array", "items": {"type": "string"}},
+            "platform": {"type": "string"},
+            "inputs": {"type": "array", "items": _ref("TensorMetadata")},
+            "outputs": {"type": "array", "items": _ref("TensorMetadata")},
+        },
+    },
+    "Parameters": {"type": "object", "additionalProperties": True},
+    "RequestInput": {
+        "type": "object",
+        "required": ["name", "shape", "datatype"],
+        "properties": {
+            "name": TENSOR_NAMES,
+            "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+            "datatype": {"type": "string", "enum": sorted(DATATYPES)},
+            "parameters": _ref("Parameters"),
+            "data": {"type": "array", "items": {}, "description": "the values, row-major (nested or flat)"},
+        },
+    },
+    "RequestOutput": {
+        "type": "object",
+        "required": ["name"],
+        "properties": {
+            "name": {"type": "string", "enum": list(OUTPUT_NAMES)},
+            "parameters": _ref("Parameters"),
+        },
+    },
+    "InferenceRequest": {
+        "type": "object",
+        "required": ["inputs"],
+        "properties": {
+            "id": {"type": "string"},
+            "parameters": {
+                "allOf": [_ref("Parameters")],
+                "description": "the attention weights' shaping: " + ", ".join(SHAPING_PARAMETERS),
+            },
+            "inputs": {"type": "array", "items": _ref("RequestInput")},
+            "outputs": {"type": "array", "items": _ref("RequestOutput")},
+        },
+    },
+    "ResponseOutput": {
+        "type": "object",
+        "required": ["name", "shape", "datatype"],
+        "properties": {
+            "name": {"type": "string"},
+            "shape": {"type": "array", "items": {"type": "integer"}},
+            "datatype": {"type": "string"},
+            "parameters": _ref("Parameters"),
+            "data": {"type": "array", "items": {}},
+        },
+    },
+    "InferenceResponse": {
+        "type": "object",
+        "required": ["model_name", "outputs"],
+        "properties": {
+            "model_name": {"type": "string"},
+            "model_version": {"type": "string"},
+            "id": {"type": "string"},
+            "parameters": _ref("Parameters"),
+            "outputs": {"type": "array", "items": _ref("ResponseOutput")},
+        },
+    },
+    "Statistics": {
+        "type": "object",
+        "required": ["model_stats"],
+        "properties": {"model_stats": {"type": "array", "items": {"type": "object"}}},
+    },
+    "RepositoryIndexEntry": {
+        "type": "object",
+        "required": ["name", "version", "state", "reason"],
+        "properties": {
+            "name": {"type": "string"},
+            "version": {"type": "string"},
+            "state": {"type": "string"},
+            "reason": {"type": "string"},
+        },
+    },
+    "SystemSharedMemoryRegion": {
+        "type": "object",
+        "required": ["name", "key", "offset", "byte_size"],
+        "properties": {
+            "name": {"type": "string"},
+            "key": {"type": "string", "description": "the POSIX shared-memory object's name (in /dev/shm)"},
+            "offset": {"type": "integer", "minimum": 0},
+            "byte_size": {"type": "integer", "minimum": 1},
+        },
+    },
+    "SystemSharedMemoryRegister": {
+        "type": "object",
+        "required": ["key", "byte_size"],
+        "properties": {
+            "key": {"type": "string", "description": "the object's name as shm_open takes it: '/name'"},
+            "offset": {"type": "integer", "minimum": 0, "description": "where the region starts in the object"},
+            "byte_size": {"type": "integer", "minimum": 1},
+        },
+    },
+    "TraceSettings": {
+        "type": "object",
+        "description": "Triton's trace settings; trace_level a list, the others strings",
+        "properties": {
+            "trace_level": {"type": "array", "items": {"type": "string", "enum": ["OFF", "TIMESTAMPS"]}},
+            "trace_rate": {"type": "string"},
+            "trace_count": {"type": "string"},
+            "trace_mode": {"type": "string"},
+            "trace_file": {"type": "string"},
+            "log_frequency": {"type": "string"},
+        },
+    },
+    "TraceSettingsUpdate": {
+        "type": "object",
+        "description": "settings to change; a setting given null goes back to the global value (or default)",
+        "additionalProperties": {
+            "nullable": True,
+            "oneOf": [{"type": "string"}, {"type": "integer"}, {"type": "array", "items": {"type": "string"}}],
+        },
+    },
+}
 
 
-@functools.cache
-def document(example_width: int = 512) -> dict:
-    """The OpenAPI 3.0 document of this server's REST API; its request examples ("Try it out") sized for a model
-    of ``example_width`` (the served model's d_model)."""
-    tensor_names = {"type": "string", "description": f"one of {', '.join(INPUT_NAMES)}"}
-    schemas = {
-        "Error": {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}},
-        "ServerMetadata": {
-            "type": "object",
-            "required": ["name", "version", "extensions"],
-            "properties": {
-                "name": {"type": "string"},
-                "version": {"type": "string"},
-                "extensions": {"type": "array", "items": {"type": "string"}},
-            },
-        },
-        "TensorMetadata": {
-            "type": "object",
-            "required": ["name", "datatype", "shape"],
-            "properties": {
-                "name": {"type": "string"},
-                "datatype": {"type": "string"},
-                "shape": {"type": "array", "items": {"type": "integer"}},
-            },
-        },
-        "ModelMetadata": {
-            "type": "object",
-            "required": ["name", "versions", "platform", "inputs", "outputs"],
-            "properties": {
-                "name": {"type": "string"},
-                "versions": {"type": "array", "items": {"type": "string"}},
-                "platform": {"type": "string"},
-                "inputs": {"type": "array", "items": _ref("TensorMetadata")},
-                "outputs": {"type": "array", "items": _ref("TensorMetadata")},
-            },
-        },
-        "Parameters": {"type": "object", "additionalProperties": True},
-        "RequestInput": {
-            "type": "object",
-            "required": ["name", "shape", "datatype"],
-            "properties": {
-                "name": tensor_names,
-                "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}},
-                "datatype": {"type": "string", "enum": sorted(DATATYPES)},
-                "parameters": _ref("Parameters"),
-                "data": {"type": "array", "items": {}, "description": "the values, row-major (nested or flat)"},
-            },
-        },
-        "RequestOutput": {
-            "type": "object",
-            "required": ["name"],
-            "properties": {
-                "name": {"type": "string", "enum": list(OUTPUT_NAMES)},
-                "parameters": _ref("Parameters"),
-            },
-        },
-        "InferenceRequest": {
-            "type": "object",
-            "required": ["inputs"],
-            "properties": {
-                "id": {"type": "string"},
-                "parameters": {
-                    "allOf": [_ref("Parameters")],
-                    "description": "the attention weights' shaping: " + ", ".join(SHAPING_PARAMETERS),
-                },
-                "inputs": {"type": "array", "items": _ref("RequestInput")},
-                "outputs": {"type": "array", "items": _ref("RequestOutput")},
-            },
-        },
-        "ResponseOutput": {
-            "type": "object",
-            "required": ["name", "shape", "datatype"],
-            "properties": {
-                "name": {"type": "string"},
-                "shape": {"type": "array", "items": {"type": "integer"}},
-                "datatype": {"type": "string"},
-                "parameters": _ref("Parameters"),
-                "data": {"type": "array", "items": {}},
-            },
-        },
-        "InferenceResponse": {
-            "type": "object",
-            "required": ["model_name", "outputs"],
-            "properties": {
-                "model_name": {"type": "string"},
-                "model_version": {"type": "string"},
-                "id": {"type": "string"},
-                "parameters": _ref("Parameters"),
-                "outputs": {"type": "array", "items": _ref("ResponseOutput")},
-            },
-        },
-        "Statistics": {
-            "type": "object",
-            "required": ["model_stats"],
-            "properties": {"model_stats": {"type": "array", "items": {"type": "object"}}},
-        },
-        "RepositoryIndexEntry": {
-            "type": "object",
-            "required": ["name", "version", "state", "reason"],
-            "properties": {
-                "name": {"type": "string"},
-                "version": {"type": "string"},
-                "state": {"type": "string"},
-                "reason": {"type": "string"},
-            },
-        },
-        "SystemSharedMemoryRegion": {
-            "type": "object",
-            "required": ["name", "key", "offset", "byte_size"],
-            "properties": {
-                "name": {"type": "string"},
-                "key": {"type": "string", "description": "the POSIX shared-memory object's name (in /dev/shm)"},
-                "offset": {"type": "integer", "minimum": 0},
-                "byte_size": {"type": "integer", "minimum": 1},
-            },
-        },
-        "SystemSharedMemoryRegister": {
-            "type": "object",
-            "required": ["key", "byte_size"],
-            "properties": {
-                "key": {"type": "string", "description": "the object's name as shm_open takes it: '/name'"},
-                "offset": {"type": "integer", "minimum": 0, "description": "where the region starts in the object"},
-                "byte_size": {"type": "integer", "minimum": 1},
-            },
-        },
-        "TraceSettings": {
-            "type": "object",
-            "description": "Triton's trace settings; trace_level a list, the others strings",
-            "properties": {
-                "trace_level": {"type": "array", "items": {"type": "string", "enum": ["OFF", "TIMESTAMPS"]}},
-                "trace_rate": {"type": "string"},
-                "trace_count": {"type": "string"},
-                "trace_mode": {"type": "string"},
-                "trace_file": {"type": "string"},
-                "log_frequency": {"type": "string"},
-            },
-        },
-        "TraceSettingsUpdate": {
-            "type": "object",
-            "description": "settings to change; a setting given null goes back to the global value (or default)",
-            "additionalProperties": {
-                "nullable": True,
-                "oneOf": [{"type": "string"}, {"type": "integer"}, {"type": "array", "items": {"type": "string"}}],
-            },
-        },
-    }
+def _server_paths() -> dict:
+    """Health, the server's metadata and statistics, the repository and trace settings."""
     trace_responses = {"200": _json(_ref("TraceSettings"), "the settings now"), **_errors(400, 404, *COMMON)}
-    paths = {
+    return {
         "/v2/health/live": {
             "get": {
                 "summary": "Whether the process is up (no token needed)",
@@ -470,6 +462,24 @@ def document(example_width: int = 512) -> dict:
                 "responses": trace_responses,
             },
         },
+    }
+
+
+def operations() -> list[tuple[str, str, str]]:
+    """The route table: (method, path, handler) for every documented operation, in the order they are matched."""
+    return [
+        (method.upper(), path, operation["x-handler"])
+        for path, item in document()["paths"].items()
+        for method, operation in item.items()
+    ]
+
+
+@functools.cache
+def document(example_width: int = 512) -> dict:
+    """The OpenAPI 3.0 document of this server's REST API; its request examples ("Try it out") sized for a model
+    of ``example_width`` (the served model's d_model)."""
+    paths = {
+        **_server_paths(),
         **_shared_memory_paths("system"),
         **_shared_memory_paths("cuda"),
         **_model_paths("/v2/models/{name}", ("name",), example_width),
@@ -489,5 +499,5 @@ def document(example_width: int = 512) -> dict:
         },
         "security": [{}, {"bearer": []}],
         "paths": paths,
-        "components": {"schemas": schemas, "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "components": {"schemas": SCHEMAS, "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
     }
