@@ -39,7 +39,7 @@ def overflow_error(
     return ComputationOverflowed(asked, checked, bad, computed_in) if bad else None
 
 
-def answer_of(
+def answer_from_run(
     asked: tuple[str, ...], shaping, output: np.ndarray | None, weights: np.ndarray | None, computed_in: str
 ) -> tuple[dict[str, np.ndarray] | None, RequestError | None]:
     """A request's answer from its rows of a run (``output`` None where it did not ask for it), the outputs it

@@ -36,7 +36,7 @@ import numpy as np
 
 from mhaserve.contract.signature import ATTN_WEIGHTS, OUTPUT, graph_outputs_for
 
-from .answers import answer_of
+from .answers import answer_from_run
 from .errors import ErrorKind, RequestError
 from .run_cost import RunCost, plan_runs
 from .statistics import BatchResult
@@ -134,7 +134,7 @@ def split(
         rows = slice(start, start + batch)
         output = results[OUTPUT][rows, :lq] if OUTPUT in request.outputs else None
         weights = results[ATTN_WEIGHTS][rows, :, :lq, :lk] if ATTN_WEIGHTS in results else None
-        answer, error = answer_of(request.outputs, request.shaping, output, weights, computed_in)
+        answer, error = answer_from_run(request.outputs, request.shaping, output, weights, computed_in)
         answers.append(answer)
         errors.append(error)
     return answers, errors

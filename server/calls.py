@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping
 
 from .statistics import RequestTiming
 
-HeadersOf = Callable[[], Mapping[str, str]]  # the call's headers or metadata, read only if needed
+ReadHeaders = Callable[[], Mapping[str, str]]  # the call's headers or metadata, read only if needed
 
 
 class CallRecord:
@@ -18,7 +18,7 @@ class CallRecord:
         protocol: str,
         timeout_s: float | None,
         method: str,
-        headers: HeadersOf | None,
+        headers: ReadHeaders | None,
         peer: str = "",
         caller: str = "",
     ):

@@ -22,7 +22,7 @@ from mhaserve.contract.model_dir import ModelDirError, read_manifest
 from mhaserve.contract.repository import ModelRepository, VersionPolicy
 
 from .accounting import CallMemory, RequestAccounting
-from .calls import CallRecord, HeadersOf
+from .calls import CallRecord, ReadHeaders
 from .config import ServerSettings
 from .errors import ErrorKind, RequestError, inference_failed, invalid
 from .inference import OFF_LOOP_BYTES, InferenceRequest, InferenceResponse, attention_request
@@ -276,7 +276,7 @@ class DataPlane:
         protocol: str,
         timeout_s: float | None = None,
         method: str = "",
-        headers: HeadersOf | None = None,
+        headers: ReadHeaders | None = None,
         peer: str = "",
         caller: str = "",
     ) -> AsyncIterator[InferenceCall]:
@@ -372,7 +372,7 @@ class InferenceCall(CallRecord):
         protocol: str,
         timeout_s: float | None,
         method: str,
-        headers: HeadersOf | None,
+        headers: ReadHeaders | None,
         peer: str = "",
         caller: str = "",
     ):

@@ -17,7 +17,7 @@ import numpy as np
 from mhaserve.contract.signature import ModelSignature
 
 from .errors import ErrorKind, RequestError, invalid
-from .parameters import StepOf, sequence_parameters
+from .parameters import SequenceParameters, sequence_parameters
 from .shaping import weights_shaping
 from .shared_memory import Placement, placement_of
 from .tensors import AttentionRequest, Limits, build_request
@@ -69,7 +69,7 @@ class InferenceRequest:
     shared_inputs: dict[str, SharedInput] = field(default_factory=dict)  # read from shared memory by the data plane
 
     @functools.cached_property
-    def sequence_step(self) -> StepOf | None:
+    def sequence_step(self) -> SequenceParameters | None:
         """Its place in a sequence (parameters.sequence_parameters: RequestError if malformed), read once: the data
         plane routes by it and attention_request checks it."""
         return sequence_parameters(self.parameters)

@@ -87,7 +87,7 @@ def _kind(value: object) -> str:
 
 
 @dataclass(frozen=True)
-class StepOf:
+class SequenceParameters:
     """What a request's sequence parameters say."""
 
     id: int | str
@@ -95,7 +95,7 @@ class StepOf:
     end: bool
 
 
-def sequence_parameters(parameters: Mapping[str, object]) -> StepOf | None:
+def sequence_parameters(parameters: Mapping[str, object]) -> SequenceParameters | None:
     """The request's place in a sequence, or None for a request outside any (no id, or id 0 / "" as Triton's
     clients send for none)."""
     sequence_id = parameters.get("sequence_id")
@@ -116,4 +116,4 @@ def sequence_parameters(parameters: Mapping[str, object]) -> StepOf | None:
         raise invalid(f"parameter 'sequence_id' must be an unsigned 64-bit integer, got {sequence_id}")
     if isinstance(sequence_id, str) and len(sequence_id) > 256:
         raise invalid(f"parameter 'sequence_id' must be at most 256 characters, got {len(sequence_id)}")
-    return StepOf(sequence_id, start, end)
+    return SequenceParameters(sequence_id, start, end)

@@ -5,7 +5,7 @@ the version's runtime for its kind (``ServedModel.runtime_for``): stateless requ
 (dynamic batching over the full graph), steps of sequences to its ``sequences.SequenceRuntime`` (the step graph
 over a sequence's cache). Each runtime admits the request through the call when it knows what the run will hold
 (``Admission.admit``: memory), says when it ran (``Admission.ran``: timing), and answers the outputs asked for,
-shaped and checked for overflow in one place (answers.answer_of). Room for more kinds: a runtime is anything with
+shaped and checked for overflow in one place (answers.answer_from_run). Room for more kinds: a runtime is anything with
 ``answer``.
 """
 

@@ -58,7 +58,7 @@ class AttentionRequest:
     mask: np.ndarray  # [B|1, 1, Lq|1, Lk] bool; all True when the request had none
     outputs: tuple[str, ...]  # requested outputs, in the order to return them
     shaping: WeightsShaping = NO_SHAPING  # what the request asked of the weights' outputs
-    sequence: object = None  # a parameters.StepOf: the request is a step of a sequence (its shaping comes later)
+    sequence: object = None  # parameters.SequenceParameters: it is a step of a sequence (shaped later)
     attended: int | None = None  # the keys it attends over where they are not all in it (a step: its cache too)
 
     @property

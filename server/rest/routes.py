@@ -55,7 +55,7 @@ def _peer(request: web.Request) -> str:
     return request.remote or ""
 
 
-def _word(value) -> bool:
+def _is_trace_value(value) -> bool:
     """A trace setting's value: a string, or an integer written as one."""
     return isinstance(value, str | int) and not isinstance(value, bool)
 
@@ -187,9 +187,9 @@ class RestTransport:
             for name, value in given.items():
                 if value is None:
                     changes[name] = []
-                elif isinstance(value, list) and all(_word(v) for v in value):
+                elif isinstance(value, list) and all(_is_trace_value(v) for v in value):
                     changes[name] = [str(v) for v in value]
-                elif _word(value):
+                elif _is_trace_value(value):
                     changes[name] = [str(value)]
                 else:
                     raise invalid(

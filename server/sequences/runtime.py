@@ -10,7 +10,7 @@ import numpy as np
 
 from mhaserve.contract.signature import OUTPUT
 
-from ..answers import answer_of
+from ..answers import answer_from_run
 from ..errors import invalid
 from ..shaping import weights_shaping
 from .runs import StepRuns
@@ -59,7 +59,7 @@ class SequenceRuntime:
         infer_ns = time.perf_counter_ns() - started
         call.ran(attention.batch_size, started, queue_ns=0, infer_ns=infer_ns)
         asked = attention.outputs
-        answer, error = answer_of(
+        answer, error = answer_from_run(
             asked, attention.shaping, output if OUTPUT in asked else None, weights, self.computed_in
         )
         if error is not None:  # the cache is not grown by a step that overflowed

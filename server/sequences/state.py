@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from ..errors import ErrorKind, RequestError, invalid
 from ..memory import MemoryBudget
-from ..parameters import StepOf
+from ..parameters import SequenceParameters
 from .graph import StepCache
 
 REMEMBERED_ENDS = 4096  # ids recently ended or timed out, to say so when a late step names one
@@ -67,7 +67,7 @@ class Sequences:
     def cache_bytes(self) -> int:
         return sum(sequence.nbytes for sequence in self.live.values())
 
-    def begin(self, step: StepOf, served, batch: int, caller: str = "") -> Sequence:
+    def begin(self, step: SequenceParameters, served, batch: int, caller: str = "") -> Sequence:
         """The sequence this step belongs to: at ``sequence_start`` a new one, not yet live (``commit`` makes it
         live once its first step is answered), else ``caller``'s live one of that id."""
         self.drop_idle()
@@ -110,7 +110,7 @@ class Sequences:
             if not self._starting_by[sequence.caller]:
                 del self._starting_by[sequence.caller]
 
-    def continued_by(self, step: StepOf | None, model: str, caller: str) -> Sequence | None:
+    def continued_by(self, step: SequenceParameters | None, model: str, caller: str) -> Sequence | None:
         """The live sequence of ``model`` that ``step`` continues (a step without ``sequence_start``), if any."""
         if step is None or step.start:
             return None

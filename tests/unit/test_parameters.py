@@ -9,7 +9,7 @@ from mhaserve.server.errors import ErrorKind, RequestError
 from mhaserve.server.parameters import (
     QUOTED_AT_MOST,
     UINT64_MAX,
-    StepOf,
+    SequenceParameters,
     boolean,
     integer,
     number,
@@ -64,8 +64,9 @@ def test_a_client_s_long_value_is_quoted_clipped_with_its_length():
 def test_a_sequence_step_is_an_id_and_its_start_and_end():
     assert sequence_parameters({}) is None
     assert sequence_parameters({"sequence_id": 0}) is None and sequence_parameters({"sequence_id": ""}) is None
-    assert sequence_parameters({"sequence_id": 7, "sequence_start": True}) == StepOf(7, True, False)
-    assert sequence_parameters({"sequence_id": "chat-1", "sequence_end": True}) == StepOf("chat-1", False, True)
+    assert sequence_parameters({"sequence_id": 7, "sequence_start": True}) == SequenceParameters(7, True, False)
+    ended = sequence_parameters({"sequence_id": "chat-1", "sequence_end": True})
+    assert ended == SequenceParameters("chat-1", False, True)
     assert sequence_parameters({"sequence_id": UINT64_MAX}).id == UINT64_MAX
 
 
