@@ -10,6 +10,7 @@ import os
 from collections.abc import Callable
 from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
+from typing import ClassVar
 
 from mhaserve.contract.errors import UsageError
 from mhaserve.contract.repository import VersionPolicy
@@ -20,10 +21,6 @@ ENV_PREFIX = "MHASERVE_"
 
 
 GRPC_MAX_MESSAGE_BYTES = 2**31 - 1
-
-
-SECTIONS = ("model and repository", "transport", "limits and memory", "batching", "sequences", "devices",
-            "security", "shared memory", "lifecycle", "logs and tracing")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -54,193 +51,107 @@ def one_of(*choices: str) -> Rule:
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
-def setting(default, help: str, *, section: str, rule: Rule | None = None):
-    """A setting's default, its help text (``--help`` and the reference documents print it), the section it is
-    listed in, and the rule its value must keep (checked wherever it comes from: flag, variable or default)."""
-    assert section in SECTIONS, section
-    return field(default=default, metadata={"help": help, "section": section, "rule": rule})
+def setting(default, help: str, *, rule: Rule | None = None):
+    """A setting's default, its help text (``--help`` and the reference documents print it), and the rule its
+    value must keep (checked wherever it comes from: flag, variable, default or a model's config.pbtxt). Its
+    section is the class that declares it."""
+    return field(default=default, metadata={"help": help, "rule": rule})
+
+
+class Section:
+    """A section of the settings: its fields, its title (--help and the settings reference list them under it),
+    and its rules: each field's own, and ``check`` for those across its fields."""
+
+    title: ClassVar[str]
+
+    @classmethod
+    def own_fields(cls) -> tuple[str, ...]:
+        return tuple(name for name in cls.__annotations__ if name != "title")
+
+    def check(self) -> None:
+        """Rules across this section's fields (UsageError naming the flags); none by default."""
 
 
 @dataclass
-class ServerSettings:
+class RepositorySettings(Section):
+    """The model folder or the repository served, and how the repository is loaded and watched."""
+
+    title: ClassVar[str] = "model and repository"
+
     model_dir: Path | None = setting(
         None,
         "model folder written by 'mhaserve export' (default: the embedded default model)",
-        section="model and repository",
     )
     model_repository: Path | None = setting(
         None,
         "serve a model repository instead: DIR/<model>/<version>/ folders written by 'mhaserve export "
         "--repository DIR --name NAME'",
-        section="model and repository",
     )
     model_control_mode: str = setting(
         "none",
         "none: load the repository at start; poll: also rescan it every --repository-poll-secs (new versions "
         "load, removed ones unload); explicit: load only --load-model at start, then what "
         "RepositoryModelLoad/Unload ask for",
-        section="model and repository",
         rule=one_of("none", "poll", "explicit"),
     )
     exit_on_error: bool = setting(
         True,
         "a start that loads no model of the repository ends with exit code 3, naming each version's reason; false: "
         "start anyway, serving none until one loads",
-        section="model and repository",
     )
     repository_poll_secs: float = setting(
-        15.0, "poll mode: seconds between rescans of the repository", section="model and repository", rule=more_than(0)
+        15.0, "poll mode: seconds between rescans of the repository", rule=more_than(0)
     )
     load_model: tuple[str, ...] = setting(
         (),
         "explicit mode: a model to load at start (repeat it, or comma-separate; '*' = all)",
-        section="model and repository",
     )
     version_policy: str = setting(
         "latest:1",
         "which versions of each model serve: latest (latest:N for the newest N), all, or specific:V[,V...]",
-        section="model and repository",
     )
-    host: str = setting("127.0.0.1", "address to listen on", section="transport")
-    port: int = setting(8001, "gRPC port (0 = any free port)", section="transport")
-    http_port: int = setting(
-        8000, "HTTP/REST port, the same protocol as gRPC (0 = any free port, -1 = no HTTP)", section="transport"
-    )
+
+    def check(self) -> None:
+        if self.model_dir and self.model_repository:
+            raise UsageError("give --model-dir or --model-repository, not both")
+        if not self.model_repository and (self.model_control_mode != "none" or self.load_model):
+            raise UsageError("--model-control-mode and --load-model need --model-repository")
+        if self.load_model and self.model_control_mode != "explicit":
+            raise UsageError("--load-model needs --model-control-mode explicit (the other modes load every model)")
+        try:
+            VersionPolicy.parse(self.version_policy)
+        except ValueError as error:
+            raise UsageError(f"--version-policy: {error}") from None
+
+
+@dataclass
+class TransportSettings(Section):
+    """The ports, connections and timeouts of gRPC, HTTP/REST and the metrics endpoint."""
+
+    title: ClassVar[str] = "transport"
+
+    host: str = setting("127.0.0.1", "address to listen on")
+    port: int = setting(8001, "gRPC port (0 = any free port)")
+    http_port: int = setting(8000, "HTTP/REST port, the same protocol as gRPC (0 = any free port, -1 = no HTTP)")
     http_read_timeout_s: float = setting(
         30.0,
         "seconds an HTTP request's body may take to arrive; a slower client is answered 504 and dropped",
-        section="transport",
         rule=more_than(0),
     )
     http_idle_timeout_s: float = setting(
-        75.0, "seconds an HTTP connection may stay open without a request", section="transport", rule=more_than(0)
+        75.0, "seconds an HTTP connection may stay open without a request", rule=more_than(0)
     )
     http_max_connections: int = setting(
         1000,
         "HTTP connections open at once; beyond, new ones are answered 503 and closed",
-        section="transport",
         rule=at_least(1),
-    )
-    device: str = setting(
-        "auto",
-        "auto: CUDA when really usable, else CPU with a warning; cuda: refuse to start without it",
-        section="devices",
-        rule=one_of("auto", "cpu", "cuda"),
-    )
-    # ONNX Runtime's CUDA provider rounds float32 matrix products' inputs to TF32 (10 bits of mantissa) on
-    # tensor cores unless told not to; false asks for exact float32 products.
-    cuda_tf32: bool = setting(
-        False,
-        "on CUDA, let float32 matrix products run in TF32 on tensor cores (ONNX Runtime's own default: inputs "
-        "rounded to 10 bits of mantissa, as float16's, which puts the scores of large inputs off by their "
-        "magnitude times 1e-3); false (the default): exact float32 products",
-        section="devices",
-    )
-    intra_op_threads: int = setting(0, "ONNX Runtime threads per run (0 = one per core)", section="devices")
-    inference_workers: int = setting(
-        1, "model runs allowed at once; more than one only helps with spare cores", section="devices", rule=at_least(1)
-    )
-    # Inference threads run at a lower priority than the gRPC thread, so that when model runs fill every
-    # core the server still receives, refuses (RESOURCE_EXHAUSTED) and answers promptly, at the same
-    # throughput (BENCHMARKS.md, "Figures behind the server's defaults").
-    inference_nice: int = setting(
-        10,
-        "nice value of the inference threads, ONNX Runtime's included (Linux; 0-19, 0 = same priority as the gRPC"
-        " thread that receives, refuses and answers requests)",
-        section="devices",
-        rule=between(0, 19, "a thread may lower its priority, not raise it"),
-    )
-    max_batch_size: int = setting(
-        32,
-        "largest batch a request may carry (RESOURCE_EXHAUSTED beyond); also the most rows dynamic batching "
-        "merges into one run",
-        section="batching",
-        rule=at_least(1),
-    )
-    dynamic_batching: bool = setting(
-        True, "merge concurrent requests, of any lengths, into one model run", section="batching"
-    )
-    output_only_graph: bool = setting(
-        True,
-        "run requests that ask for no attention weights on the model folder's output-only graph, where it has "
-        "one (faster from about 512 tokens; holds a second copy of the projection weights)",
-        section="devices",
-    )
-    length_aware_batching: bool = setting(
-        True,
-        "split queued requests of different lengths into runs where padding would cost more than another run (a "
-        "cost model fitted at warm-up); false: one run padded to the longest",
-        section="batching",
-    )
-    max_queue_delay_us: int = setting(
-        0,
-        "how long a partial batch may wait for more requests (0 = run at once when a worker is free; batches "
-        "still form under load)",
-        section="batching",
-        rule=at_least(0),
-    )
-    max_queue_size: int = setting(
-        256,
-        "requests allowed to wait for a worker; beyond it RESOURCE_EXHAUSTED at once",
-        section="batching",
-        rule=at_least(1),
-    )
-    max_q_len: int = setting(512, "longest query a request may carry", section="limits and memory", rule=at_least(1))
-    max_kv_len: int = setting(
-        512, "longest key/value a request may carry", section="limits and memory", rule=at_least(1)
-    )
-    max_message_bytes: int = setting(
-        0, "gRPC message size limit, both ways (0 = derived from the limits above)", section="limits and memory"
-    )
-    # Sequences (Triton's sequence_id/sequence_start/sequence_end): the keys and values kept between steps.
-    max_sequences: int = setting(
-        1024,
-        "sequences live at once (their keys and values kept); beyond, RESOURCE_EXHAUSTED",
-        section="sequences",
-        rule=at_least(1),
-    )
-    max_sequences_per_client: int = setting(
-        256,
-        "sequences one client may hold live of --max-sequences, where the server tells clients apart (named tokens "
-        "in --auth-token-file, or client certificates); beyond, RESOURCE_EXHAUSTED",
-        section="sequences",
-        rule=at_least(1),
-    )
-    max_sequence_bytes_per_client: int = setting(
-        256 << 20,
-        "bytes of keys and values one client's sequences may hold of --max-inflight-bytes, where the server tells "
-        "clients apart; beyond, RESOURCE_EXHAUSTED",
-        section="sequences",
-        rule=at_least(1),
-    )
-    max_sequence_length: int = setting(
-        4096, "rows a sequence may grow to; beyond, RESOURCE_EXHAUSTED", section="sequences", rule=at_least(1)
-    )
-    sequence_idle_timeout_s: float = setting(
-        60.0,
-        "a sequence with no step for this long is dropped and its memory returned (Triton's "
-        "max_sequence_idle_microseconds)",
-        section="sequences",
-        rule=more_than(0),
     )
     # Per connection. Above max_queue_size, so a burst meets the queue (RESOURCE_EXHAUSTED, which names the
     # limit) before HTTP/2 refuses streams (the client sees UNAVAILABLE "Stream removed").
-    max_concurrent_streams: int = setting(1024, "concurrent RPCs per client connection", section="transport")
+    max_concurrent_streams: int = setting(1024, "concurrent RPCs per client connection")
     grpc_max_connections: int = setting(
         1000,
         "gRPC connections open at once; beyond, new ones are closed before they are read (the client sees UNAVAILABLE)",
-        section="transport",
-        rule=at_least(1),
-    )
-    # grpcio's core would receive every open call's request at once, whole, before any handler could count it;
-    # read when the handler asks, a request waits unread in HTTP/2's flow-control window instead.
-    max_receiving_bytes: int = setting(
-        512 << 20,
-        "memory gRPC requests still arriving may take: a unary request past --grpc-first-read-ms, and every "
-        "ModelStreamInfer stream reading its next request, takes a turn that reserves three times "
-        "--max-message-bytes (grpcio's buffers and two copies; one turn at least); with no turn free such a unary "
-        "request is refused RESOURCE_EXHAUSTED (retry) and a stream waits for one, its sender held to its window",
-        section="limits and memory",
         rule=at_least(1),
     )
     # Small requests (within HTTP/2's 256 KiB stream window, already sent) are read in their first read, a few
@@ -250,27 +161,12 @@ class ServerSettings:
         25.0,
         "milliseconds a gRPC request may take to arrive without a receiving turn (see --max-receiving-bytes); a "
         "few connections' requests are read so at once, so what they take is bounded",
-        section="transport",
         rule=more_than(0),
     )
     grpc_read_timeout_s: float = setting(
         30.0,
         "seconds a gRPC request may take to arrive from when its read began; a slower one is refused DEADLINE_EXCEEDED",
-        section="transport",
         rule=more_than(0),
-    )
-    max_inference_streams: int = setting(
-        64,
-        "ModelStreamInfer streams open at once; beyond, RESOURCE_EXHAUSTED",
-        section="limits and memory",
-        rule=at_least(1),
-    )
-    max_inference_streams_per_client: int = setting(
-        16,
-        "ModelStreamInfer streams one client (a connection) may hold open of --max-inference-streams; beyond, "
-        "RESOURCE_EXHAUSTED",
-        section="limits and memory",
-        rule=at_least(1),
     )
     # grpcio receives a stream's next message whole as soon as its read is asked for, and a stream waiting for its
     # next request cannot be told from one receiving it: streams read in receiving turns, and one idle in its turn
@@ -280,53 +176,27 @@ class ServerSettings:
         "seconds a ModelStreamInfer stream may hold a receiving turn (see --max-receiving-bytes) with no request "
         "arriving while other requests wait for one; then the stream is ended UNAVAILABLE (reopen it) and its "
         "turn handed on",
-        section="transport",
         rule=more_than(0),
     )
     stream_idle_timeout_s: float = setting(
         120.0,
         "seconds a ModelStreamInfer stream may wait for its next request; then it is ended DEADLINE_EXCEEDED and "
         "its place freed",
-        section="transport",
         rule=more_than(0),
     )
     reuse_port: bool = setting(
         False,
         "share the port with other mhaserve processes (SO_REUSEPORT): the kernel spreads connections over them, "
         "one Python event loop per core",
-        section="transport",
-    )
-    # Every request queued or running counts its inputs and outputs; beyond this RESOURCE_EXHAUSTED, so a
-    # burst of large requests meets a clear refusal rather than the kernel's out-of-memory killer.
-    max_inflight_bytes: int = setting(
-        1 << 30,
-        "memory that requests in flight may take (inputs, answers until written, ONNX Runtime's run workspace); "
-        "beyond it RESOURCE_EXHAUSTED at once",
-        section="limits and memory",
-        rule=at_least(1),
-    )
-    tls_cert_file: Path | None = setting(
-        None, "PEM certificate (chain) of the gRPC port; with --tls-key-file turns TLS on", section="security"
-    )
-    tls_key_file: Path | None = setting(None, "PEM private key of --tls-cert-file", section="security")
-    tls_client_ca_file: Path | None = setting(
-        None, "PEM CA bundle; clients must present a certificate it signed (mutual TLS)", section="security"
-    )
-    auth_token_file: Path | None = setting(
-        None,
-        "file holding the bearer token every RPC but health must carry, or one 'NAME TOKEN' line per client so that "
-        "each client's sequences are its own (or set $MHASERVE_AUTH_TOKEN; none: no token)",
-        section="security",
     )
     # A client that stops answering HTTP/2 pings (vanished without closing, a network partition) has its
     # connection closed, and its calls cancelled, after keepalive_time_s + keepalive_timeout_s.
     keepalive_time_s: float = setting(
-        30.0, "ping each client connection after this many idle seconds", section="transport", rule=more_than(0)
+        30.0, "ping each client connection after this many idle seconds", rule=more_than(0)
     )
     keepalive_timeout_s: float = setting(
         10.0,
         "close a connection whose ping is not answered within this many seconds",
-        section="transport",
         rule=more_than(0),
     )
     # An answer not taken by its client within this (gRPC or HTTP) is dropped, its call cancelled: until
@@ -335,50 +205,245 @@ class ServerSettings:
         30.0,
         "seconds a client may take to read its answer (gRPC and HTTP); a slower one has its call cancelled (HTTP:"
         " its connection closed) and the request is counted CANCELLED",
-        section="transport",
         rule=more_than(0),
-    )
-    drain_seconds: float = setting(
-        1.0,
-        "on SIGTERM/SIGINT, keep the port open this long, refusing new calls with UNAVAILABLE (retryable), before"
-        " closing it",
-        section="lifecycle",
-        rule=at_least(0),
-    )
-    grace_seconds: float = setting(
-        10.0, "on SIGTERM/SIGINT, time for in-flight requests to finish", section="lifecycle", rule=at_least(0)
-    )
-    max_health_watchers: int = setting(
-        64,
-        "health Watch streams open at once (health needs no token); beyond, RESOURCE_EXHAUSTED (Check is not limited)",
-        section="limits and memory",
-        rule=at_least(1),
-    )
-    warmup_runs: int = setting(
-        2, "model runs at each warm-up shape before reporting ready (0 = none)", section="devices"
     )
     metrics_port: int = setting(
         8002,
         "Prometheus metrics port (0 = any free port, -1 = no endpoint); it serves /metrics only",
-        section="transport",
     )
     # Plain HTTP with no token: loopback unless asked, whatever --host is (a scraper elsewhere: its address).
     metrics_host: str = setting(
         "127.0.0.1",
         "address of the metrics port, apart from --host: plain HTTP with no token, so loopback unless a scraper "
         "elsewhere needs it",
-        section="transport",
     )
+
+
+@dataclass
+class LimitSettings(Section):
+    """What one request may carry, and the memory requests and connections may take."""
+
+    title: ClassVar[str] = "limits and memory"
+
+    max_q_len: int = setting(512, "longest query a request may carry", rule=at_least(1))
+    max_kv_len: int = setting(512, "longest key/value a request may carry", rule=at_least(1))
+    max_message_bytes: int = setting(0, "gRPC message size limit, both ways (0 = derived from the limits above)")
+    # grpcio's core would receive every open call's request at once, whole, before any handler could count it;
+    # read when the handler asks, a request waits unread in HTTP/2's flow-control window instead.
+    max_receiving_bytes: int = setting(
+        512 << 20,
+        "memory gRPC requests still arriving may take: a unary request past --grpc-first-read-ms, and every "
+        "ModelStreamInfer stream reading its next request, takes a turn that reserves three times "
+        "--max-message-bytes (grpcio's buffers and two copies; one turn at least); with no turn free such a unary "
+        "request is refused RESOURCE_EXHAUSTED (retry) and a stream waits for one, its sender held to its window",
+        rule=at_least(1),
+    )
+    max_inference_streams: int = setting(
+        64,
+        "ModelStreamInfer streams open at once; beyond, RESOURCE_EXHAUSTED",
+        rule=at_least(1),
+    )
+    max_inference_streams_per_client: int = setting(
+        16,
+        "ModelStreamInfer streams one client (a connection) may hold open of --max-inference-streams; beyond, "
+        "RESOURCE_EXHAUSTED",
+        rule=at_least(1),
+    )
+    # Every request queued or running counts its inputs and outputs; beyond this RESOURCE_EXHAUSTED, so a
+    # burst of large requests meets a clear refusal rather than the kernel's out-of-memory killer.
+    max_inflight_bytes: int = setting(
+        1 << 30,
+        "memory that requests in flight may take (inputs, answers until written, ONNX Runtime's run workspace); "
+        "beyond it RESOURCE_EXHAUSTED at once",
+        rule=at_least(1),
+    )
+    max_health_watchers: int = setting(
+        64,
+        "health Watch streams open at once (health needs no token); beyond, RESOURCE_EXHAUSTED (Check is not limited)",
+        rule=at_least(1),
+    )
+
+
+@dataclass
+class BatchingSettings(Section):
+    """How concurrent requests are merged into model runs."""
+
+    title: ClassVar[str] = "batching"
+
+    max_batch_size: int = setting(
+        32,
+        "largest batch a request may carry (RESOURCE_EXHAUSTED beyond); also the most rows dynamic batching "
+        "merges into one run",
+        rule=at_least(1),
+    )
+    dynamic_batching: bool = setting(True, "merge concurrent requests, of any lengths, into one model run")
+    length_aware_batching: bool = setting(
+        True,
+        "split queued requests of different lengths into runs where padding would cost more than another run (a "
+        "cost model fitted at warm-up); false: one run padded to the longest",
+    )
+    max_queue_delay_us: int = setting(
+        0,
+        "how long a partial batch may wait for more requests (0 = run at once when a worker is free; batches "
+        "still form under load)",
+        rule=at_least(0),
+    )
+    max_queue_size: int = setting(
+        256,
+        "requests allowed to wait for a worker; beyond it RESOURCE_EXHAUSTED at once",
+        rule=at_least(1),
+    )
+
+
+@dataclass
+class SequenceSettings(Section):
+    """The sequences kept between steps: how many, how large, how long."""
+
+    title: ClassVar[str] = "sequences"
+
+    # Sequences (Triton's sequence_id/sequence_start/sequence_end): the keys and values kept between steps.
+    max_sequences: int = setting(
+        1024,
+        "sequences live at once (their keys and values kept); beyond, RESOURCE_EXHAUSTED",
+        rule=at_least(1),
+    )
+    max_sequences_per_client: int = setting(
+        256,
+        "sequences one client may hold live of --max-sequences, where the server tells clients apart (named tokens "
+        "in --auth-token-file, or client certificates); beyond, RESOURCE_EXHAUSTED",
+        rule=at_least(1),
+    )
+    max_sequence_bytes_per_client: int = setting(
+        256 << 20,
+        "bytes of keys and values one client's sequences may hold of --max-inflight-bytes, where the server tells "
+        "clients apart; beyond, RESOURCE_EXHAUSTED",
+        rule=at_least(1),
+    )
+    max_sequence_length: int = setting(
+        4096, "rows a sequence may grow to; beyond, RESOURCE_EXHAUSTED", rule=at_least(1)
+    )
+    sequence_idle_timeout_s: float = setting(
+        60.0,
+        "a sequence with no step for this long is dropped and its memory returned (Triton's "
+        "max_sequence_idle_microseconds)",
+        rule=more_than(0),
+    )
+
+
+@dataclass
+class DeviceSettings(Section):
+    """Where and how the model runs: the device, ONNX Runtime's threads, the graphs used."""
+
+    title: ClassVar[str] = "devices"
+
+    device: str = setting(
+        "auto",
+        "auto: CUDA when really usable, else CPU with a warning; cuda: refuse to start without it",
+        rule=one_of("auto", "cpu", "cuda"),
+    )
+    # ONNX Runtime's CUDA provider rounds float32 matrix products' inputs to TF32 (10 bits of mantissa) on
+    # tensor cores unless told not to; false asks for exact float32 products.
+    cuda_tf32: bool = setting(
+        False,
+        "on CUDA, let float32 matrix products run in TF32 on tensor cores (ONNX Runtime's own default: inputs "
+        "rounded to 10 bits of mantissa, as float16's, which puts the scores of large inputs off by their "
+        "magnitude times 1e-3); false (the default): exact float32 products",
+    )
+    intra_op_threads: int = setting(0, "ONNX Runtime threads per run (0 = one per core)")
+    inference_workers: int = setting(
+        1, "model runs allowed at once; more than one only helps with spare cores", rule=at_least(1)
+    )
+    # Inference threads run at a lower priority than the gRPC thread, so that when model runs fill every
+    # core the server still receives, refuses (RESOURCE_EXHAUSTED) and answers promptly, at the same
+    # throughput (BENCHMARKS.md, "Figures behind the server's defaults").
+    inference_nice: int = setting(
+        10,
+        "nice value of the inference threads, ONNX Runtime's included (Linux; 0-19, 0 = same priority as the gRPC"
+        " thread that receives, refuses and answers requests)",
+        rule=between(0, 19, "a thread may lower its priority, not raise it"),
+    )
+    output_only_graph: bool = setting(
+        True,
+        "run requests that ask for no attention weights on the model folder's output-only graph, where it has "
+        "one (faster from about 512 tokens; holds a second copy of the projection weights)",
+    )
+    warmup_runs: int = setting(2, "model runs at each warm-up shape before reporting ready (0 = none)")
+
+
+@dataclass
+class SecuritySettings(Section):
+    """TLS, client certificates and bearer tokens."""
+
+    title: ClassVar[str] = "security"
+
+    tls_cert_file: Path | None = setting(
+        None, "PEM certificate (chain) of the gRPC port; with --tls-key-file turns TLS on"
+    )
+    tls_key_file: Path | None = setting(None, "PEM private key of --tls-cert-file")
+    tls_client_ca_file: Path | None = setting(
+        None, "PEM CA bundle; clients must present a certificate it signed (mutual TLS)"
+    )
+    auth_token_file: Path | None = setting(
+        None,
+        "file holding the bearer token every RPC but health must carry, or one 'NAME TOKEN' line per client so that "
+        "each client's sequences are its own (or set $MHASERVE_AUTH_TOKEN; none: no token)",
+    )
+
+
+@dataclass
+class SharedMemorySettings(Section):
+    """Triton's system shared-memory extension."""
+
+    title: ClassVar[str] = "shared memory"
+
+    # Off by default, as in Triton: a registered region is opened with the server's permissions, so any local
+    # client able to reach the port could have the server read and write shared-memory objects it may open.
+    allow_client_shm: bool = setting(
+        False,
+        "let clients on this host register system shared-memory regions (objects in /dev/shm) and have inputs read "
+        "from and outputs written into them (Triton's system shared-memory extension)",
+    )
+    client_shm_max_regions: int = setting(
+        128,
+        "shared-memory regions registered at once; beyond, RESOURCE_EXHAUSTED",
+        rule=at_least(1),
+    )
+    client_shm_max_bytes: int = setting(
+        1 << 36,
+        "bytes of shared-memory regions registered at once (their windows summed); beyond, RESOURCE_EXHAUSTED",
+        rule=at_least(1),
+    )
+
+
+@dataclass
+class LifecycleSettings(Section):
+    """Stopping: the drain and the grace given to requests in flight."""
+
+    title: ClassVar[str] = "lifecycle"
+
+    drain_seconds: float = setting(
+        1.0,
+        "on SIGTERM/SIGINT, keep the port open this long, refusing new calls with UNAVAILABLE (retryable), before"
+        " closing it",
+        rule=at_least(0),
+    )
+    grace_seconds: float = setting(10.0, "on SIGTERM/SIGINT, time for in-flight requests to finish", rule=at_least(0))
+
+
+@dataclass
+class LogSettings(Section):
+    """Logs, the access log and OpenTelemetry traces."""
+
+    title: ClassVar[str] = "logs and tracing"
+
     log_level: str = setting(
         "INFO",
         "DEBUG, INFO, WARNING or ERROR (any case)",
-        section="logs and tracing",
         rule=Rule(lambda value: value.upper() in LOG_LEVELS, "DEBUG, INFO, WARNING or ERROR", show_value=True),
     )
     log_format: str = setting(
         "text",
         "text, or json: one JSON object a line (time, level, logger, message, and the request's fields)",
-        section="logs and tracing",
         rule=one_of("text", "json"),
     )
     trace_config: tuple[str, ...] = setting(
@@ -388,34 +453,51 @@ class ServerSettings:
         "(-1: no end), level=OFF|TIMESTAMPS, "
         "opentelemetry,url=HOST:PORT/v1/traces the OTLP endpoint; export is configured by the OTEL_* variables "
         "(needs the tracing extra)",
-        section="logs and tracing",
-    )
-    # Off by default, as in Triton: a registered region is opened with the server's permissions, so any local
-    # client able to reach the port could have the server read and write shared-memory objects it may open.
-    allow_client_shm: bool = setting(
-        False,
-        "let clients on this host register system shared-memory regions (objects in /dev/shm) and have inputs read "
-        "from and outputs written into them (Triton's system shared-memory extension)",
-        section="shared memory",
-    )
-    client_shm_max_regions: int = setting(
-        128,
-        "shared-memory regions registered at once; beyond, RESOURCE_EXHAUSTED",
-        section="shared memory",
-        rule=at_least(1),
-    )
-    client_shm_max_bytes: int = setting(
-        1 << 36,
-        "bytes of shared-memory regions registered at once (their windows summed); beyond, RESOURCE_EXHAUSTED",
-        section="shared memory",
-        rule=at_least(1),
     )
     access_log: bool = setting(
         False,
         "one line per inference request (logger mhaserve.access): protocol, model, version, status, request id, "
         "rows, bytes in and out, queue, compute and total time",
-        section="logs and tracing",
     )
+
+    def check(self) -> None:
+        try:
+            parse_trace_config(self.trace_config)
+        except ValueError as error:
+            raise UsageError(f"--trace-config: {error}") from None
+
+
+# The order of the sections (--help and the settings reference list them so).
+SECTION_CLASSES = (
+    RepositorySettings,
+    TransportSettings,
+    LimitSettings,
+    BatchingSettings,
+    SequenceSettings,
+    DeviceSettings,
+    SecuritySettings,
+    SharedMemorySettings,
+    LifecycleSettings,
+    LogSettings,
+)
+SECTIONS = tuple(section.title for section in SECTION_CLASSES)
+SECTION_OF = {name: section.title for section in SECTION_CLASSES for name in section.own_fields()}
+
+
+@dataclass
+class ServerSettings(
+    LogSettings,
+    LifecycleSettings,
+    SharedMemorySettings,
+    SecuritySettings,
+    DeviceSettings,
+    SequenceSettings,
+    BatchingSettings,
+    LimitSettings,
+    TransportSettings,
+    RepositorySettings,
+):
+    """Every server setting, the sections' fields as one flat set (``settings.max_batch_size``)."""
 
     def message_limits(self, d_model: int, num_heads: int) -> tuple[int, int]:
         """(receive, send) byte limits: the configured limit for both, or the largest request and the largest
@@ -484,7 +566,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
             except (ValueError, argparse.ArgumentTypeError) as exc:
                 parser.error(f"{env}={os.environ[env]!r}: {exc}")
         repeated = convert is _names  # --load-model a --load-model b,c
-        groups[f.metadata["section"]].add_argument(
+        groups[SECTION_OF[f.name]].add_argument(
             flag_of(f.name),
             dest=f.name,
             type=convert,
@@ -515,23 +597,16 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     # An IPv6 address may come bracketed as in a URL ([::]); sockets take it bare.
     settings.host, settings.metrics_host = (host.removeprefix("[").removesuffix("]") for host in
                                             (settings.host, settings.metrics_host))  # fmt: skip
-    for f in fields(ServerSettings):
-        rule, value = f.metadata["rule"], getattr(settings, f.name)
-        if rule is not None and not rule.holds(value):
-            got = f", got {value!r}" if rule.show_value else ""
-            raise UsageError(f"{flag_of(f.name)} must be {rule.said}{got}")
-    try:
-        parse_trace_config(settings.trace_config)
-    except ValueError as error:
-        raise UsageError(f"--trace-config: {error}") from None
-    if settings.model_dir and settings.model_repository:
-        raise UsageError("give --model-dir or --model-repository, not both")
-    if not settings.model_repository and (settings.model_control_mode != "none" or settings.load_model):
-        raise UsageError("--model-control-mode and --load-model need --model-repository")
-    if settings.load_model and settings.model_control_mode != "explicit":
-        raise UsageError("--load-model needs --model-control-mode explicit (the other modes load every model)")
-    try:
-        VersionPolicy.parse(settings.version_policy)
-    except ValueError as error:
-        raise UsageError(f"--version-policy: {error}") from None
+    check_settings(settings)
     return settings
+
+
+def check_settings(settings: ServerSettings) -> None:
+    """Every section's rules, section by section: each field's own, then those across its fields (UsageError)."""
+    for section in SECTION_CLASSES:
+        for name in section.own_fields():
+            rule, value = SETTING_FIELDS[name].metadata["rule"], getattr(settings, name)
+            if rule is not None and not rule.holds(value):
+                got = f", got {value!r}" if rule.show_value else ""
+                raise UsageError(f"{flag_of(name)} must be {rule.said}{got}")
+        section.check(settings)

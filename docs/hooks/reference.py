@@ -13,7 +13,7 @@ from dataclasses import fields
 from mkdocs.structure.files import File
 
 from mhaserve.cli.main import build_parser
-from mhaserve.server.config import ENV_PREFIX, SECTIONS, ServerSettings, flag_of, shown_default
+from mhaserve.server.config import ENV_PREFIX, SECTION_OF, SECTIONS, ServerSettings, flag_of, shown_default
 from mhaserve.server.errors import HTTP_STATUS, ErrorKind, RequestError
 from mhaserve.server.metrics import Metrics
 from mhaserve.server.rest import routes
@@ -72,7 +72,7 @@ def settings_page() -> str:
     for section in SECTIONS:
         lines += [f"\n## {section.capitalize()}\n", "| flag | variable | default | what |", "|---|---|---|---|"]
         for f in fields(ServerSettings):
-            if f.metadata["section"] != section:
+            if SECTION_OF[f.name] != section:
                 continue
             shown = f"`{shown_default(getattr(defaults, f.name))}`"
             flag = flag_of(f.name)

@@ -64,6 +64,20 @@ def test_every_setting_has_a_section_and_help_lists_them_by_section():
     assert batching < text.index("--max-queue-delay-us", batching) < text.index("\nsequences:")
 
 
+def test_each_section_declares_its_settings_and_keeps_its_own_rules():
+    from mhaserve.server.config import SECTION_CLASSES, RepositorySettings, check_settings
+
+    declared = [name for section in SECTION_CLASSES for name in section.own_fields()]
+    assert sorted(declared) == sorted(f.name for f in fields(ServerSettings))  # each setting in one section
+    assert "max_batch_size" in next(s for s in SECTION_CLASSES if s.title == "batching").own_fields()
+    both = ServerSettings(model_dir="m", model_repository="r")
+    with pytest.raises(UsageError, match="not both"):
+        RepositorySettings.check(both)  # the repository section's rule across its own fields
+    with pytest.raises(UsageError, match="not both"):
+        check_settings(both)  # and so the server's, whichever way the settings were made
+    check_settings(ServerSettings())
+
+
 def test_message_limits_carry_the_largest_request_and_answer_unless_set():
     derived = settings("--max-batch-size", "2", "--max-q-len", "8", "--max-kv-len", "8")
     receive, send = derived.message_limits(64, 4)
