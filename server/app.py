@@ -39,6 +39,7 @@ from .security import (
 )
 from .session import DeviceUnavailable
 from .tracing import TracingUnavailable
+from .workers import WORKER_ENV
 
 log = logging.getLogger("mhaserve.server")
 
@@ -234,7 +235,10 @@ class Server:
             self._tasks.append(asyncio.create_task(dataplane.poll_repository()))
         self._tasks.append(asyncio.create_task(dataplane.drop_idle_sequences()))
         self._served = True
-        log.info("%s", self.serving_line())
+        line = self.serving_line()
+        if (worker := os.environ.get(WORKER_ENV)) is not None:  # one of --workers: the parent says "serving"
+            line = line.replace("serving ", f"worker {worker} ready: ", 1)
+        log.info("%s", line)
 
     def serving_line(self) -> str:
         """What serves and how: the line that says the server is up (tests and scripts read its addresses)."""
@@ -333,6 +337,7 @@ async def start_rest(settings: ServerSettings, dataplane: DataPlane, callers: Ca
         idle_timeout_s=settings.http_idle_timeout_s,
         shutdown_timeout_s=settings.grace_seconds,  # in-flight HTTP requests get the same grace as gRPC's
         what="HTTP",
+        reuse_port=settings.reuse_port,  # the kernel spreads connections over the processes sharing it
     )
     return runner, host_port(settings.host, port)
 

@@ -353,6 +353,14 @@ class DeviceSettings(Section):
     inference_workers: int = setting(
         1, "model runs allowed at once; more than one only helps with spare cores", rule=at_least(1)
     )
+    workers: int = setting(
+        1,
+        "serving processes on the same ports (0: one per core), each with its own event loop, model and batching, "
+        "the kernel spreading connections over them (SO_REUSEPORT); started, restarted and stopped as one server "
+        "with one /metrics; ONNX Runtime's threads divided between them. A sequence lives in the process that "
+        "started it",
+        rule=at_least(0),
+    )
     # Inference threads run at a lower priority than the gRPC thread, so that when model runs fill every
     # core the server still receives, refuses (RESOURCE_EXHAUSTED) and answers promptly, at the same
     # throughput (BENCHMARKS.md, "Figures behind the server's defaults").

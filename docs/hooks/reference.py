@@ -96,6 +96,9 @@ OTHER_ENVIRONMENT = [
      "the bearer token(s) clients must send, as `--auth-token-file` holds them (the file wins where both are set)"),
     ("MHASERVE_TOKEN", "`mhaserve infer`, `bench`, the Python clients",
      "the bearer token to send, unless `--token-file` (or `token=`) gives one"),
+    ("MHASERVE_WORKER", "a worker of `mhaserve serve --workers N`",
+     "set by the parent in each worker's environment: its number (its log says `worker i ready:`, not `serving`); "
+     "not for users to set"),
     ("OTEL_EXPORTER_OTLP_PROTOCOL", "`mhaserve serve --trace-config ...`",
      "the OTLP exporter's protocol: `http/protobuf` (default) or `grpc`; `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL` wins"),
     ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "`mhaserve serve --trace-config ...`", "the same, for traces only"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from mhaserve.contract.errors import UsageError
 
 from .common import (
@@ -28,11 +30,24 @@ def _run_serve(args) -> int:
 
     if (busy := busy_port_message(settings)) is not None:  # before a first run's export, not after it
         raise UsageError(busy)
-    if settings.model_repository:
-        return run(settings, None)
-    from mhaserve.export.default_model import default_model_ready, ensure_default_model
+    if settings.workers != 1:
+        from mhaserve.server.workers import check_workers
 
-    if settings.model_dir is None and not default_model_ready():
-        require_extra("export", "the first run's export of the default model")
+        check_workers(settings)
+    model_dir = None
+    if not settings.model_repository:
+        from mhaserve.export.default_model import default_model_ready, ensure_default_model
 
-    return run(settings, settings.model_dir or ensure_default_model())
+        if settings.model_dir is None and not default_model_ready():
+            require_extra("export", "the first run's export of the default model")
+        model_dir = settings.model_dir or ensure_default_model()
+    if settings.workers != 1:
+        from mhaserve.server import logs
+        from mhaserve.server.workers import run_workers
+
+        logs.configure(settings.log_level, settings.log_format, settings.access_log)
+        argv = sys.argv[sys.argv.index("serve") + 1 :]
+        if model_dir is not None and settings.model_dir is None:  # the default model, exported once, for all
+            argv += ["--model-dir", str(model_dir)]
+        return run_workers(settings, argv)
+    return run(settings, model_dir)

@@ -66,9 +66,18 @@ class CappedSite(web.TCPSite):
     """aiohttp's TCP site, answering 503 to connections beyond ``max_connections`` instead of serving them."""
 
     def __init__(
-        self, runner: web.AppRunner, host: str, port: int, *, ssl_context, max_connections: int, what: str, handler
+        self,
+        runner: web.AppRunner,
+        host: str,
+        port: int,
+        *,
+        ssl_context,
+        max_connections: int,
+        what: str,
+        handler,
+        reuse_port: bool = False,
     ):
-        super().__init__(runner, host, port, ssl_context=ssl_context)
+        super().__init__(runner, host, port, ssl_context=ssl_context, reuse_port=reuse_port or None)
         self._max_connections = max_connections
         self._refusal = _refusal(max_connections, what)
         self._handler = handler  # keyword arguments of each connection's _RequestHandler
@@ -88,6 +97,7 @@ class CappedSite(web.TCPSite):
             self._port,
             ssl=self._ssl_context,
             ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT_S if self._ssl_context else None,
+            reuse_port=self._reuse_port,
         )
         self._bound_port = self._server.sockets[0].getsockname()[1]
 
@@ -102,6 +112,7 @@ async def start_site(
     idle_timeout_s: float,
     shutdown_timeout_s: float = 0.0,
     what: str,
+    reuse_port: bool = False,
 ) -> tuple[web.AppRunner, int]:
     """Serve ``app`` on host:port; returns its runner (``cleanup()`` stops it) and the bound port."""
     # keepalive_timeout also closes a connection that never sends; compressed bodies are inflated by the routes,
@@ -110,7 +121,14 @@ async def start_site(
     runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=shutdown_timeout_s, **handler)
     await runner.setup()
     site = CappedSite(
-        runner, host, port, ssl_context=ssl_context, max_connections=max_connections, what=what, handler=handler
+        runner,
+        host,
+        port,
+        ssl_context=ssl_context,
+        max_connections=max_connections,
+        what=what,
+        handler=handler,
+        reuse_port=reuse_port,
     )
     try:
         await site.start()

@@ -1,0 +1,285 @@
+"""``mhaserve serve --workers N``: N serving processes on the same ports, started, watched and stopped as one server.
+
+Each worker is a whole ``mhaserve serve`` (its own event loop, model, batching, memory budget and sequences) bound
+with SO_REUSEPORT, so the kernel spreads connections over them; a gRPC channel stays on the worker it connected
+to. The parent imports no model runtime: it picks the ports once (a port 0 becomes one free port all share),
+divides ONNX Runtime's threads, starts the workers, relays their logs prefixed with their number, restarts one that
+dies, serves the one /metrics of the whole server (every worker's series with a ``worker`` label, from each
+worker's own metrics port on loopback), and on SIGTERM or SIGINT passes it on and waits for every worker's drain.
+
+What is per worker: a sequence (a step reaching another worker, as after a reconnect, meets no live sequence:
+NOT_FOUND-like "not live", start it again), ModelStatistics and trace settings changed at run time (each worker
+answers for itself; /metrics is the whole server's). Refused with workers, since a call would reach one worker
+alone: explicit model control (RepositoryModelLoad/Unload) and client shared memory (a region registered with one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+from mhaserve.contract.errors import UsageError
+
+from .config import ServerSettings
+from .ports import host_port
+
+log = logging.getLogger("mhaserve.server")
+
+WORKER_ENV = "MHASERVE_WORKER"  # set in a worker's environment: its number (its serving line says so)
+RESTART_DELAY_S = 1.0  # a worker that died is started again after this
+READY_TIMEOUT_S = 600.0  # a worker not serving by then (its model's load included) fails the start
+
+
+def worker_count(settings: ServerSettings) -> int:
+    return settings.workers or os.cpu_count() or 1
+
+
+def check_workers(settings: ServerSettings) -> None:
+    """What cannot work across several processes, refused before any starts (UsageError)."""
+    if settings.model_repository and settings.model_control_mode == "explicit":
+        raise UsageError(
+            "--workers with --model-control-mode explicit: a RepositoryModelLoad/Unload call would reach one "
+            "worker alone; use poll (each worker watches the repository) or none"
+        )
+    if settings.allow_client_shm:
+        raise UsageError(
+            "--workers with --allow-client-shm: a shared-memory region registered with one worker is unknown to "
+            "the others; serve one process, or send tensors in the requests"
+        )
+    if settings.port == 0 or settings.http_port == 0:
+        return
+    if settings.port == settings.http_port:
+        raise UsageError(f"--port and --http-port are both {settings.port}")
+
+
+def _free_port(host: str) -> int:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+@dataclass
+class Worker:
+    index: int
+    metrics_port: int  # its own metrics endpoint, on loopback: the parent's /metrics reads it
+    process: subprocess.Popen | None = None
+    started: float = 0.0
+    ready: threading.Event = field(default_factory=threading.Event)
+    serving_line: str = ""
+    restarts: int = 0
+
+
+class Workers:
+    """The workers of one server and what the parent does for them (see the module doc)."""
+
+    def __init__(self, settings: ServerSettings, argv: list[str]):
+        self.settings = settings
+        self.count = worker_count(settings)
+        self.port = settings.port or _free_port(settings.host)
+        self.http_port = settings.http_port if settings.http_port != 0 else _free_port(settings.host)
+        cores = os.cpu_count() or 1
+        self.threads = settings.intra_op_threads or max(1, cores // self.count)
+        self.workers = [Worker(i, _free_port("127.0.0.1")) for i in range(self.count)]
+        self._argv = argv
+        self._stopping = False
+        self._lock = threading.Lock()
+
+    def command(self, worker: Worker) -> list[str]:
+        """The worker's ``mhaserve serve``: the parent's own arguments, then what makes it one of the workers (the
+        last of a repeated flag wins)."""
+        overrides = [
+            "--workers", "1", "--reuse-port", "true", "--port", str(self.port), "--http-port", str(self.http_port),
+            "--metrics-port", str(worker.metrics_port), "--metrics-host", "127.0.0.1",
+            "--intra-op-threads", str(self.threads),
+        ]  # fmt: skip
+        return [sys.executable, "-m", "mhaserve.cli", "serve", *self._argv, *overrides]
+
+    def start(self, worker: Worker) -> None:
+        env = {**os.environ, WORKER_ENV: str(worker.index)}
+        worker.ready.clear()
+        worker.process = subprocess.Popen(
+            self.command(worker), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
+        )
+        worker.started = time.monotonic()
+        log.info("worker %d started (pid %d)", worker.index, worker.process.pid)
+        threading.Thread(target=self._relay, args=(worker, worker.process), daemon=True).start()
+
+    def _relay(self, worker: Worker, process: subprocess.Popen) -> None:
+        """The worker's log lines on the parent's stderr, each prefixed with its number; its serving line read."""
+        for line in process.stderr:
+            if f"worker {worker.index} ready: " in line:
+                worker.serving_line = line
+                worker.ready.set()
+            sys.stderr.write(f"[worker {worker.index}] {line}")
+        sys.stderr.flush()
+
+    def serving_line(self, metrics_address: str) -> str:
+        """The parent's own serving line: worker 0's, with the whole server's metrics address and its workers."""
+        line = self.workers[0].serving_line.strip()
+        served = "serving " + line.split(" ready: ", 1)[1].removesuffix('"}').removesuffix('"')
+        served = served.replace(
+            f"metrics={host_port('127.0.0.1', self.workers[0].metrics_port)}", f"metrics={metrics_address}"
+        )
+        return f"{served} processes={self.count}"
+
+    def wait_ready(self) -> int | None:
+        """None once every worker serves; else the exit code of the first that ended before it did."""
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        for worker in self.workers:
+            while not worker.ready.wait(0.05):
+                code = worker.process.poll()
+                if code is not None:
+                    return code or 1
+                if time.monotonic() > deadline:
+                    return 3
+        return None
+
+    def watch(self) -> None:
+        """Restart a worker that died, until the server stops. (Runs in a thread of its own.)"""
+        while not self._stopping:
+            time.sleep(0.2)
+            for worker in self.workers:
+                with self._lock:
+                    if self._stopping:
+                        return
+                    code = worker.process.poll()
+                    if code is None:
+                        continue
+                    log.warning("worker %d (pid %d) exited with %s; starting it again", worker.index,
+                                worker.process.pid, _exit_said(code))  # fmt: skip
+                    worker.restarts += 1
+                time.sleep(RESTART_DELAY_S)
+                with self._lock:
+                    if not self._stopping:
+                        self.start(worker)
+
+    def stop(self, signum: int = signal.SIGTERM) -> None:
+        """Every worker told to stop (each drains as one server does), then waited for; SIGKILL past the grace."""
+        with self._lock:
+            self._stopping = True
+        for worker in self.workers:
+            if worker.process is not None and worker.process.poll() is None:
+                worker.process.send_signal(signum)
+        deadline = time.monotonic() + self.settings.drain_seconds + self.settings.grace_seconds + 15
+        for worker in self.workers:
+            if worker.process is None:
+                continue
+            try:
+                worker.process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("worker %d did not stop in time: killed", worker.index)
+                worker.process.kill()
+                worker.process.wait()
+
+    def metrics_text(self) -> bytes:
+        """The whole server's metrics: each worker's, every series labelled with its worker."""
+        from prometheus_client import CollectorRegistry, generate_latest
+        from prometheus_client.parser import text_string_to_metric_families
+
+        families: dict[str, object] = {}
+        for worker in self.workers:
+            url = f"http://127.0.0.1:{worker.metrics_port}/metrics"
+            try:
+                with urllib.request.urlopen(url, timeout=5) as response:
+                    text = response.read().decode()
+            except OSError:  # restarting: its series are missing from this scrape
+                continue
+            for family in text_string_to_metric_families(text):
+                merged = families.setdefault(family.name, _empty_like(family))
+                for sample in family.samples:
+                    merged.samples.append(sample._replace(labels={**sample.labels, "worker": str(worker.index)}))
+
+        class Collected:
+            def collect(self):
+                return list(families.values())
+
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(Collected())
+        return generate_latest(registry)
+
+
+def _empty_like(family):
+    from prometheus_client.metrics_core import Metric
+
+    return Metric(family.name, family.documentation, family.type, family.unit)
+
+
+def _exit_said(code: int) -> str:
+    return f"signal {-code}" if code < 0 else f"exit code {code}"
+
+
+async def _serve_metrics(workers: Workers, settings: ServerSettings):
+    """The whole server's /metrics on --metrics-port, as one server serves it."""
+    from prometheus_client import CONTENT_TYPE_LATEST
+
+    from .rest.prometheus import METRICS_IDLE_TIMEOUT_S, METRICS_MAX_CONNECTIONS
+    from .rest.site import start_site
+
+    if settings.metrics_port < 0:
+        return None, "off"
+    from aiohttp import web
+
+    async def scrape(request):
+        body = await asyncio.get_running_loop().run_in_executor(None, workers.metrics_text)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app = web.Application()
+    app.router.add_get("/metrics", scrape)
+    runner, port = await start_site(
+        app,
+        settings.metrics_host,
+        settings.metrics_port,
+        max_connections=METRICS_MAX_CONNECTIONS,
+        idle_timeout_s=METRICS_IDLE_TIMEOUT_S,
+        what="metrics",
+    )
+    return runner, host_port(settings.metrics_host, port)
+
+
+def run_workers(settings: ServerSettings, argv: list[str]) -> int:
+    """Serve with ``settings.workers`` processes until SIGTERM or SIGINT; the exit code (a worker's start failure's,
+    else 0)."""
+    check_workers(settings)
+    workers = Workers(settings, argv)
+    return asyncio.run(_run(workers, settings))
+
+
+async def _run(workers: Workers, settings: ServerSettings) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    for worker in workers.workers:
+        workers.start(worker)
+    ready = loop.run_in_executor(None, workers.wait_ready)
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({ready, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if stop.is_set() or (failed := ready.result()) is not None:
+        await loop.run_in_executor(None, workers.stop)
+        return 0 if stop.is_set() else failed
+    stopping.cancel()
+    try:
+        runner, metrics_address = await _serve_metrics(workers, settings)
+    except OSError as error:
+        log.error("could not start the metrics endpoint: %s", error)
+        await loop.run_in_executor(None, workers.stop)
+        return 2
+    log.info("%s", workers.serving_line(metrics_address))
+    threading.Thread(target=workers.watch, daemon=True).start()
+    await stop.wait()
+    log.info("stopping: every worker drains")
+    await loop.run_in_executor(None, workers.stop)
+    if runner is not None:
+        await runner.cleanup()
+    log.info("stopped: %d workers, %d restarts", workers.count, sum(w.restarts for w in workers.workers))
+    return 0
