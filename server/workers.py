@@ -7,8 +7,8 @@ divides ONNX Runtime's threads, starts the workers, relays their logs prefixed w
 dies, serves the one /metrics of the whole server (every worker's series with a ``worker`` label, from each
 worker's own metrics port on loopback), and on SIGTERM or SIGINT passes it on and waits for every worker's drain.
 
-What is per worker: a sequence (a step reaching another worker, as after a reconnect, meets no live sequence:
-NOT_FOUND-like "not live", start it again), ModelStatistics and trace settings changed at run time (each worker
+What is per worker: a sequence (a step reaching another worker, as after a reconnect, is answered INVALID_ARGUMENT
+"sequence ... is not live": start it again), ModelStatistics and trace settings changed at run time (each worker
 answers for itself; /metrics is the whole server's). Refused with workers, since a call would reach one worker
 alone: explicit model control (RepositoryModelLoad/Unload) and client shared memory (a region registered with one).
 """
