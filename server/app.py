@@ -19,7 +19,7 @@ from mhaserve.contract.model_dir import ModelDirError
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.pool import POOL, add_file
 
-from . import logs
+from . import describe, logs
 from .config import ServerSettings
 from .dataplane import DataPlane
 from .grpc.servicer import InferenceServicer, add_inference_service
@@ -39,7 +39,7 @@ from .security import (
 )
 from .session import DeviceUnavailable
 from .tracing import TracingUnavailable
-from .workers import WORKER_ENV
+from .workers import WORKER_ENV, is_worker
 
 log = logging.getLogger("mhaserve.server")
 
@@ -215,7 +215,13 @@ class Server:
         except (ModelDirError, DeviceUnavailable, ValueError) as error:
             raise StartFailed(f"cannot serve: {error}", 3) from None
         try:
-            self._metrics_runner, self.metrics_address = await start_metrics(settings, self.dataplane.metrics)
+            own_statistics = None
+            if is_worker():  # the other workers add this one's statistics to theirs
+                served = self.dataplane.served_models
+                own_statistics = lambda: [describe.model_statistics(m) for m in served()]  # noqa: E731
+            self._metrics_runner, self.metrics_address = await start_metrics(
+                settings, self.dataplane.metrics, own_statistics
+            )
         except OSError as error:
             if error.errno == errno.EADDRINUSE:
                 busy = bind_failure("--metrics-port", settings.metrics_host, settings.metrics_port)

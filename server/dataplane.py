@@ -21,6 +21,7 @@ from typing import TypeVar
 from mhaserve.contract.model_dir import ModelDirError, read_manifest
 from mhaserve.contract.repository import ModelRepository, VersionPolicy
 
+from . import describe
 from .accounting import CallMemory, RequestAccounting
 from .calls import CallRecord, ReadHeaders
 from .config import ServerSettings
@@ -36,6 +37,7 @@ from .threads import lowered_pool
 from .trace_settings import parse_trace_config
 from .tracing import Tracing
 from .versions import VersionFactory
+from .workers import peers_statistics
 
 log = logging.getLogger("mhaserve.server")
 T = TypeVar("T")
@@ -251,6 +253,13 @@ class DataPlane:
             self.registry.resolve(name, "")  # NOT_FOUND for a model this server lacks
             return [m for m in self.registry.served_models() if m.signature.name == name]
         return self.registry.served_models()
+
+    async def statistics(self, name: str, version: str) -> list[dict]:
+        """Triton's model_stats of the versions a statistics request names, for the whole server: with --workers,
+        the other workers' figures of the same versions added."""
+        own = [describe.model_statistics(served) for served in self.statistics_of(name, version)]
+        others = await peers_statistics()
+        return describe.merged_statistics(own, others) if others else own
 
     def model_ready(self, name: str, version: str) -> bool:
         """ModelReady, as Triton answers it: whether the version serves now; false for a model this server

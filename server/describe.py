@@ -6,6 +6,8 @@ are the protocol's, so one statement serves both transports).
 
 from __future__ import annotations
 
+import copy
+
 import mhaserve
 from mhaserve.contract.signature import COMPUTES_IN, input_specs, output_specs
 
@@ -131,6 +133,37 @@ def model_statistics(served: ServedModel) -> dict:
                 for size, d in sorted(s.batch_sizes.items())
             ],
         }
+
+
+def merged_statistics(own: list[dict], others: list[list[dict]]) -> list[dict]:
+    """``own`` model_stats with the same versions' figures of other processes added (the workers of one server):
+    counts and durations summed, batch sizes merged, the last inference the latest."""
+    merged = copy.deepcopy(own)
+    by_version = {(stats["name"], stats["version"]): stats for stats in merged}
+    for process in others:
+        for theirs in process:
+            ours = by_version.get((theirs["name"], theirs["version"]))
+            if ours is None:  # a version this process does not serve (loading, say): not asked about here
+                continue
+            ours["last_inference"] = max(ours["last_inference"], theirs["last_inference"])
+            for count in ("inference_count", "execution_count"):
+                ours[count] += theirs[count]
+            for name, duration in theirs["inference_stats"].items():
+                _add(ours["inference_stats"][name], duration)
+            batches = {batch["batch_size"]: batch for batch in ours["batch_stats"]}
+            for batch in theirs["batch_stats"]:
+                if batch["batch_size"] not in batches:
+                    batches[batch["batch_size"]] = copy.deepcopy(batch)
+                    continue
+                for part in ("compute_input", "compute_infer", "compute_output"):
+                    _add(batches[batch["batch_size"]][part], batch[part])
+            ours["batch_stats"] = [batches[size] for size in sorted(batches)]
+    return merged
+
+
+def _add(total: dict, more: dict) -> None:
+    total["count"] += more["count"]
+    total["ns"] += more["ns"]
 
 
 def repository_index(rows: list[tuple[str, str, str, str]]) -> list[dict]:

@@ -7,9 +7,10 @@ divides ONNX Runtime's threads, starts the workers, relays their logs prefixed w
 dies, serves the one /metrics of the whole server (every worker's series with a ``worker`` label, from each
 worker's own metrics port on loopback), and on SIGTERM or SIGINT passes it on and waits for every worker's drain.
 
-What is per worker: a sequence (a step reaching another worker, as after a reconnect, is answered INVALID_ARGUMENT
-"sequence ... is not live": start it again), ModelStatistics and trace settings changed at run time (each worker
-answers for itself; /metrics is the whole server's). Refused with workers, since a call would reach one worker
+ModelStatistics, from whichever worker answers it, is the whole server's: the worker adds the others' (read from
+their metrics ports on loopback). What is per worker: a sequence (a step reaching another worker, as after a
+reconnect, is answered INVALID_ARGUMENT "sequence ... is not live": start it again), and trace settings changed at
+run time. Refused with workers, since a call would reach one worker
 alone: explicit model control (RepositoryModelLoad/Unload) and client shared memory (a region registered with one).
 """
 
@@ -35,6 +36,7 @@ from .ports import host_port
 log = logging.getLogger("mhaserve.server")
 
 WORKER_ENV = "MHASERVE_WORKER"  # set in a worker's environment: its number (its serving line says so)
+PEERS_ENV = "MHASERVE_WORKER_PEERS"  # and every worker's own metrics address on loopback, in worker order
 RESTART_DELAY_S = 1.0  # a worker that died is started again after this
 READY_TIMEOUT_S = 600.0  # a worker not serving by then (its model's load included) fails the start
 
@@ -105,7 +107,8 @@ class Workers:
         return [sys.executable, "-m", "mhaserve.cli", "serve", *self._argv, *overrides]
 
     def start(self, worker: Worker) -> None:
-        env = {**os.environ, WORKER_ENV: str(worker.index)}
+        peers = ",".join(f"127.0.0.1:{each.metrics_port}" for each in self.workers)
+        env = {**os.environ, WORKER_ENV: str(worker.index), PEERS_ENV: peers}
         worker.ready.clear()
         worker.process = subprocess.Popen(
             self.command(worker), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
@@ -206,6 +209,34 @@ class Workers:
         registry = CollectorRegistry(auto_describe=False)
         registry.register(Collected())
         return generate_latest(registry)
+
+
+def is_worker() -> bool:
+    """Whether this process is one of ``--workers``."""
+    return WORKER_ENV in os.environ
+
+
+async def peers_statistics(timeout_s: float = 2.0) -> list[list[dict]]:
+    """The other workers' statistics, each worker's list of model_stats (describe.model_statistics), read from
+    their own metrics ports; a worker that does not answer (restarting) is left out. [] outside workers."""
+    if not is_worker():
+        return []
+    import aiohttp
+
+    own = int(os.environ[WORKER_ENV])
+    peers = [address for index, address in enumerate(os.environ.get(PEERS_ENV, "").split(",")) if index != own]
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+
+        async def read(address: str) -> list[dict] | None:
+            try:
+                async with session.get(f"http://{address}/statistics") as response:
+                    return (await response.json())["model_stats"]
+            except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, ValueError):
+                return None
+
+        answers = await asyncio.gather(*(read(address) for address in peers if address))
+    return [answer for answer in answers if answer is not None]
 
 
 def _empty_like(family):

@@ -21,9 +21,10 @@ copy bandwidth measured here into pageable memory, where ONNX Runtime copies. Th
 tensor written once and read once in device memory, over the device's measured copy bandwidth.
 ``--served SECONDS`` also serves each export (``mhaserve serve --device DEVICE``) and measures it with
 ``mhaserve bench``'s load generator for that many seconds per point: concurrency 1 (p50 against the
-in-process time) and concurrency 16 (requests/s), with and without the weights.
+in-process time) and concurrency 16 (requests/s), with and without the weights; with ``--workers 1,4`` by one
+server process and by four worker processes (``mhaserve serve --workers``).
 ``--steps`` also measures sequence steps (the step graph, d 512/8 and 4096/32): a one-row step at positions 16, 512
-and 2048 with the cache where the server keeps it (``AttentionSession.run_step``: on the device, I/O binding)
+and 2048 with the cache where the server keeps it (``StepGraph.run_step``: on the device, I/O binding)
 against the same step with the cache sent from host memory each time (the step graph's plain run), and against
 resending the whole prefix as one causal request (output only).
 ``--device cpu`` runs the same on the CPU, where there are no copies: a dry run on a machine without a GPU.
@@ -169,29 +170,33 @@ def measure_shape(batch, length, d_model, heads, precision, device, repeats, ban
     return points
 
 
-def measure_served(batch, length, d_model, heads, precision, device, seconds, folder: Path, points: list[Point]):
-    """The export served, concurrency 1 and 16, with and without the weights; one printed line per point."""
+def measure_served(
+    batch, length, d_model, heads, precision, device, seconds, folder: Path, points: list[Point], workers=(1,)
+):
+    """The export served, concurrency 1 and 16, with and without the weights, by each count of ``workers``
+    (``mhaserve serve --workers N``); one printed line per point."""
     limits = ("--max-batch-size", str(batch), "--max-q-len", str(length), "--max-kv-len", str(length))
     # Room for 16 answers of the largest shape ([1,2048,4096/32] with weights: 512 MiB each in float32).
     budget = ("--max-inflight-bytes", str(64 << 30), "--warmup-runs", "1")
-    with ServerProcess(folder, "--device", device, *limits, *budget) as server:
-        if device == "cuda" and "provider=CUDAExecutionProvider" not in "".join(server.lines):
-            raise SystemExit(f"the server does not run on CUDA: {server.lines[-1]}")
-        with LoadGenerator(server.url, default_processes()) as generator:
-            for with_weights in (False, True):
-                in_process = next(p for p in points if p.weights == with_weights).ort_ms
-                # Few distinct requests: at [1,2048,4096] each query is 32 MiB in every client process.
-                workload = Workload(d_model, batch, length, length, attn_weights=with_weights, distinct_requests=4)
-                one = generator.measure(workload, LoadPoint("closed", 1, seconds, 1.0))
-                sixteen = generator.measure(workload, LoadPoint("closed", 16, seconds, 1.0))
-                errors = sum(one.errors.values()) + sum(sixteen.errors.values())
-                print(
-                    f"{points[0].shape:>20} {precision:>9} {'yes' if with_weights else 'no':>7} "
-                    f"| served c1 p50 {one.latency_ms['p50']:8.3f} ms ({one.latency_ms['p50'] / in_process:5.2f} x "
-                    f"in process) | c16 {sixteen.throughput:8.1f} req/s p99 {sixteen.latency_ms['p99']:8.2f} ms"
-                    + (f" | {errors} errors" if errors else ""),
-                    flush=True,
-                )
+    for count in workers:
+        with ServerProcess(folder, "--device", device, *limits, *budget, "--workers", str(count)) as server:
+            if device == "cuda" and "provider=CUDAExecutionProvider" not in "".join(server.lines):
+                raise SystemExit(f"the server does not run on CUDA: {server.lines[-1]}")
+            with LoadGenerator(server.url, default_processes()) as generator:
+                for with_weights in (False, True):
+                    in_process = next(p for p in points if p.weights == with_weights).ort_ms
+                    # Few distinct requests: at [1,2048,4096] each query is 32 MiB in every client process.
+                    workload = Workload(d_model, batch, length, length, attn_weights=with_weights, distinct_requests=4)
+                    one = generator.measure(workload, LoadPoint("closed", 1, seconds, 1.0))
+                    sixteen = generator.measure(workload, LoadPoint("closed", 16, seconds, 1.0))
+                    errors = sum(one.errors.values()) + sum(sixteen.errors.values())
+                    print(
+                        f"{points[0].shape:>20} {precision:>9} {'yes' if with_weights else 'no':>7} "
+                        f"| workers {count:>2} | served c1 p50 {one.latency_ms['p50']:8.3f} ms "
+                        f"({one.latency_ms['p50'] / in_process:5.2f} x in process) | c16 {sixteen.throughput:8.1f} "
+                        f"req/s p99 {sixteen.latency_ms['p99']:8.2f} ms" + (f" | {errors} errors" if errors else ""),
+                        flush=True,
+                    )
 
 
 STEP_MODELS = [(512, 8), (4096, 32)]
@@ -255,6 +260,7 @@ def main() -> int:
     parser.add_argument("--served", type=float, default=0, metavar="SECONDS",
                         help="also serve each export, SECONDS per point (default: in process only)")  # fmt: skip
     parser.add_argument("--steps", action="store_true", help="also measure sequence steps (cache kept or sent)")
+    parser.add_argument("--workers", default="1", help="with --served: serve with each of these --workers counts")
     parser.add_argument("--out", type=Path, help="also write the points as JSON")
     args = parser.parse_args()
     precisions = args.precisions.split(",")
@@ -277,7 +283,8 @@ def main() -> int:
                 shape = (batch, length, d_model, heads, precision)
                 measured = measure_shape(*shape, args.device, args.repeats, bandwidth, folder)
                 if args.served:
-                    measure_served(*shape, args.device, args.served, folder, measured)
+                    workers = tuple(int(n) for n in args.workers.split(","))
+                    measure_served(*shape, args.device, args.served, folder, measured, workers)
                 points += measured
         steps = []
         if args.steps:

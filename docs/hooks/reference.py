@@ -99,6 +99,9 @@ OTHER_ENVIRONMENT = [
     ("MHASERVE_WORKER", "a worker of `mhaserve serve --workers N`",
      "set by the parent in each worker's environment: its number (its log says `worker i ready:`, not `serving`); "
      "not for users to set"),
+    ("MHASERVE_WORKER_PEERS", "a worker of `mhaserve serve --workers N`",
+     "set by the parent: every worker's own metrics address on loopback, where the workers read each other's "
+     "statistics; not for users to set"),
     ("OTEL_EXPORTER_OTLP_PROTOCOL", "`mhaserve serve --trace-config ...`",
      "the OTLP exporter's protocol: `http/protobuf` (default) or `grpc`; `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL` wins"),
     ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "`mhaserve serve --trace-config ...`", "the same, for traces only"),

@@ -136,7 +136,6 @@ def _run_export(args) -> int:
         why = why_not_current(args.out, wanted)
         if why is None:
             print(f"{args.out} already holds this export, valid and intact: kept", file=sys.stderr)
-            _write_model_config(args, module)
             _write_triton_repo(args)
             return 0
         print(f"{args.out}: {why}", file=sys.stderr)

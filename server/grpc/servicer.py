@@ -106,8 +106,7 @@ class ProtocolAnswers:
         return pb.CudaSharedMemoryUnregisterResponse()
 
     async def ModelStatistics(self, request):
-        served = self.dataplane.statistics_of(request.name, request.version)
-        stats = {"model_stats": [describe.model_statistics(m) for m in served]}
+        stats = {"model_stats": await self.dataplane.statistics(request.name, request.version)}
         return json_format.ParseDict(stats, pb.ModelStatisticsResponse())
 
     async def RepositoryIndex(self, request):

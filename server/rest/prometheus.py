@@ -14,12 +14,13 @@ METRICS_MAX_CONNECTIONS = 64  # a scraper or two, and a person with curl
 METRICS_IDLE_TIMEOUT_S = 30.0
 
 
-async def start_metrics(settings: ServerSettings, metrics: Metrics):
-    """The Prometheus port: (its runner, "host:port"), or (None, "off")."""
+async def start_metrics(settings: ServerSettings, metrics: Metrics, own_statistics=None):
+    """The Prometheus port: (its runner, "host:port"), or (None, "off"). A worker of --workers also answers
+    ``GET /statistics`` there, its own model_stats (``own_statistics()``), for the other workers to add up."""
     if settings.metrics_port < 0:
         return None, "off"
     runner, port = await start_site(
-        metrics_application(metrics),
+        metrics_application(metrics, own_statistics),
         settings.metrics_host,
         settings.metrics_port,
         max_connections=METRICS_MAX_CONNECTIONS,
@@ -29,7 +30,7 @@ async def start_metrics(settings: ServerSettings, metrics: Metrics):
     return runner, host_port(settings.metrics_host, port)
 
 
-def metrics_application(metrics: Metrics) -> web.Application:
+def metrics_application(metrics: Metrics, own_statistics=None) -> web.Application:
     async def scrape(request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -42,5 +43,11 @@ def metrics_application(metrics: Metrics) -> web.Application:
 
     app = web.Application()
     app.router.add_get("/metrics", scrape)
+    if own_statistics is not None:  # a worker's port, on loopback: the parent and the other workers read it
+
+        async def statistics(request: web.Request) -> web.Response:
+            return web.json_response({"model_stats": own_statistics()})
+
+        app.router.add_get("/statistics", statistics)
     app.router.add_route("*", "/{anything:.*}", elsewhere)
     return app

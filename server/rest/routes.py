@@ -145,8 +145,8 @@ class RestTransport:
         return json_response(describe.model_config(self._resolve(request)))
 
     async def statistics(self, request):
-        served = self.dataplane.statistics_of(request.match_info.get("name", ""), request.match_info.get("version", ""))
-        return json_response({"model_stats": [describe.model_statistics(m) for m in served]})
+        name, version = request.match_info.get("name", ""), request.match_info.get("version", "")
+        return json_response({"model_stats": await self.dataplane.statistics(name, version)})
 
     async def repository_index(self, request):
         body = await self._bodies.read(request)

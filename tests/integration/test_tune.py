@@ -66,7 +66,8 @@ def test_tune_serves_each_candidate_and_writes_the_best_setting_under_the_slo(sm
     assert written.source == model / "config.pbtxt"
     assert {k: v for k, v in written.as_text().items() if k in chosen} == {k: str(v) for k, v in chosen.items()}
     assert servers_of(model) == []  # every candidate's server stopped
-    again = tune(str(model), "--slo", "p99<5s", timeout=60)  # its config would override every candidate
+    (model / "config.pbtxt").write_text("max_batch_size: 8\n")  # a config that sets something: it would override
+    again = tune(str(model), "--slo", "p99<5s", timeout=60)  # every candidate's flags
     assert again.returncode == 2 and "config.pbtxt sets how the model is served" in again.stderr
 
 

@@ -60,6 +60,10 @@ def test_workers_share_the_ports_answer_as_one_server_and_stop_together(
     np.testing.assert_allclose(http.infer(query).output, eager(small_module, query)[0], atol=1e-5)
     counts = requests_by_worker(server)  # one /metrics, each worker's series labelled
     assert set(counts) == {"0", "1"} and sum(counts.values()) == 17, counts
+    with Client(server.url) as client:  # statistics from whichever worker answers: the whole server's
+        stats = client.statistics()
+    assert stats.inference_count == 17 and stats.inference_stats.success.count == 17
+    assert http.statistics()["inference_count"] == 17
     pids = worker_pids(server)
     server.signal(signal.SIGTERM)
     assert server.wait_exit(60) == 0
