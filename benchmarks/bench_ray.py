@@ -86,7 +86,7 @@ def ray_batched_replica_class():
 
     from mhaserve.server.batcher import merge, split
     from mhaserve.server.grpc.protobuf import decode_grpc_request, encode_grpc_response
-    from mhaserve.server.inference import InferenceResponse, attention_request
+    from mhaserve.server.inference import InferenceResponse, run_inputs_of
     from mhaserve.server.ray.deployment import OipReplica, _Serialized
 
     class RayBatchedReplica(OipReplica):
@@ -94,7 +94,7 @@ def ray_batched_replica_class():
         async def _infer_batch(self, requests):
             served = self.dataplane.resolve(APP, "")
             requests = [decode_grpc_request(r) for r in requests]
-            decoded = [attention_request(r, served.signature, self.dataplane.limits) for r in requests]
+            decoded = [run_inputs_of(r, served.signature, self.dataplane.limits) for r in requests]
             merged = merge(decoded)
             arrays = await asyncio.get_running_loop().run_in_executor(
                 None, served.session.run, merged.outputs, merged.query, merged.key, merged.value, merged.mask

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from mhaserve.contract.signature import ModelSignature
 
     from .calls import CallRecord
-    from .tensors import AttentionRequest
+    from .tensors import RunInputs
 
 log = logging.getLogger("mhaserve.server")
 
@@ -87,7 +87,7 @@ class CallMemory:
         self._answer = 0  # of which the answer's
         self._waiting = None  # its run's workspace, until the run ends
 
-    def admit(self, attention: AttentionRequest, signature: ModelSignature) -> None:
+    def admit(self, attention: RunInputs, signature: ModelSignature) -> None:
         """Its decoded inputs and its answer taken, with its run's workspace, or refused; from here its inputs
         count as decoded, no longer as received."""
         self.receipt.close()

@@ -138,6 +138,15 @@ class Server:
             raise StartFailed(f"cannot serve: {error}", 2) from None
         self._warn_about_exposure()
         self._grpc = self._grpc_server(receive_limit, send_limit)
+        self._receive_limit = receive_limit
+        if not is_worker():  # probes answer (NOT_SERVING) while the models load
+            await self.listen()
+
+    async def listen(self) -> None:
+        """Bind the gRPC and HTTP ports and start answering. One of --workers listens only once its models are
+        loaded: the kernel spreads connections over the listening workers, so none is sent to one still loading
+        (a restarted worker's), while the others serve."""
+        settings = self.settings
         address = host_port(settings.host, settings.port)
         try:
             if self._credentials is not None:
@@ -153,7 +162,9 @@ class Server:
             await self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self._grpc.start()
         try:  # the same protocol over HTTP/REST, on this loop and this data plane; probes answer during the load
-            self._http_runner, self.http_address = await start_rest(settings, dataplane, self.callers, receive_limit)
+            self._http_runner, self.http_address = await start_rest(
+                settings, self.dataplane, self.callers, self._receive_limit
+            )
         except (OSError, SecurityConfigError) as error:
             if getattr(error, "errno", None) == errno.EADDRINUSE:
                 reason = f"cannot serve: {bind_failure('--http-port', settings.host, settings.http_port)}"
@@ -376,6 +387,8 @@ async def serve(settings: ServerSettings, model_dir) -> int:
             raise LoadAbandoned
         stopping.cancel()
         loading.result()
+        if not server.port:  # one of --workers: it listens once loaded
+            await server.listen()
     except StartFailed as failure:
         log.error("%s", failure.reason)
         await server.stop()

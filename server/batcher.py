@@ -40,7 +40,7 @@ from .answers import answer_from_run
 from .errors import ErrorKind, RequestError
 from .run_cost import RunCost, plan_runs
 from .statistics import BatchResult
-from .tensors import AttentionRequest
+from .tensors import RunInputs
 from .tracing import RequestTrace, record_run
 
 
@@ -84,7 +84,7 @@ def _is_unmasked(mask: np.ndarray) -> bool:
     return mask.shape[0] == 1 and mask.shape[2] == 1 and bool(mask.all())
 
 
-def merge(requests: list[AttentionRequest]) -> Merged:
+def merge(requests: list[RunInputs]) -> Merged:
     """Stack requests along the batch axis, padding lengths to the longest (see the module doc)."""
     first = requests[0]
     outputs = graph_outputs_for(tuple(name for r in requests for name in r.outputs))
@@ -125,7 +125,7 @@ def merge(requests: list[AttentionRequest]) -> Merged:
 
 
 def split(
-    merged: Merged, results: dict[str, np.ndarray], requests: list[AttentionRequest], computed_in: str = "float32"
+    merged: Merged, results: dict[str, np.ndarray], requests: list[RunInputs], computed_in: str = "float32"
 ) -> tuple[list[dict[str, np.ndarray] | None], list[RequestError | None]]:
     """Each request's own rows of the merged results, holding only the outputs it asked for, its weights shaped
     as it asked (shaping.shaped_weights); or, where the run overflowed on its rows, no answer and the error."""
@@ -142,7 +142,7 @@ def split(
 
 @dataclass
 class _Pending:
-    request: AttentionRequest
+    request: RunInputs
     future: asyncio.Future
     enqueued_ns: int
     deadline: float | None  # time.monotonic() by which the answer is due; None: no deadline
@@ -217,9 +217,7 @@ class Batcher:
     def queue_depth(self) -> int:
         return len(self._queue)
 
-    async def submit(
-        self, request: AttentionRequest, timeout_s: float | None = None, trace: RequestTrace | None = None
-    ):
+    async def submit(self, request: RunInputs, timeout_s: float | None = None, trace: RequestTrace | None = None):
         """The request's Answer, once the run it was merged into is done.
 
         Raises QueueFull at once when the queue is full, DeadlineExpiredInQueue when ``timeout_s``

@@ -26,13 +26,13 @@ from .accounting import CallMemory, RequestAccounting
 from .calls import CallRecord, ReadHeaders
 from .config import ServerSettings
 from .errors import ErrorKind, RequestError, inference_failed, invalid
-from .inference import OFF_LOOP_BYTES, InferenceRequest, InferenceResponse, attention_request
+from .inference import OFF_LOOP_BYTES, InferenceRequest, InferenceResponse, run_inputs_of
 from .memory import MemoryBudget
 from .metrics import Metrics
 from .registry import ModelRegistry, ServedModel
 from .sequences import Sequences
 from .shared_memory import NOTHING_HELD, SharedMemoryRegistry
-from .tensors import AttentionRequest, Limits
+from .tensors import Limits, RunInputs
 from .threads import lowered_pool
 from .trace_settings import parse_trace_config
 from .tracing import Tracing
@@ -426,12 +426,12 @@ class InferenceCall(CallRecord):
             )
         return InferenceResponse(served.signature, request, outputs, frozenset(placed))
 
-    def _checked(self, request: InferenceRequest) -> AttentionRequest:
+    def _checked(self, request: InferenceRequest) -> RunInputs:
         """The request, its inputs in shared memory read, checked against the version it resolved to."""
         self._regions.read_inputs(request.shared_inputs, request.inputs)
-        return attention_request(request, self.served.signature, self.served.limits)
+        return run_inputs_of(request, self.served.signature, self.served.limits)
 
-    def admit(self, attention: AttentionRequest) -> None:
+    def admit(self, attention: RunInputs) -> None:
         """Its decoded inputs, its answer and its run's workspace taken in the budget, or refused."""
         self.timing.input_ns = time.perf_counter_ns() - self.started
         self.memory.admit(attention, self.served.signature)

@@ -20,7 +20,7 @@ from .errors import ErrorKind, RequestError, invalid
 from .parameters import SequenceParameters, sequence_parameters
 from .shaping import weights_shaping
 from .shared_memory import Placement, placement_of
-from .tensors import AttentionRequest, Limits, build_request
+from .tensors import Limits, RunInputs, checked_inputs
 
 NO_PARAMETERS: Mapping[str, object] = MappingProxyType({})
 
@@ -71,7 +71,7 @@ class InferenceRequest:
     @functools.cached_property
     def sequence_step(self) -> SequenceParameters | None:
         """Its place in a sequence (parameters.sequence_parameters: RequestError if malformed), read once: the data
-        plane routes by it and attention_request checks it."""
+        plane routes by it and run_inputs_of checks it."""
         return sequence_parameters(self.parameters)
 
     def output(self, name: str) -> RequestedOutput:
@@ -103,7 +103,7 @@ class InferenceResponse:
         return self.request.id
 
 
-def attention_request(request: InferenceRequest, model: ModelSignature, limits: Limits) -> AttentionRequest:
+def run_inputs_of(request: InferenceRequest, model: ModelSignature, limits: Limits) -> RunInputs:
     """``request`` checked against the model and the limits: arrays ready for the graph, and what it asked of
     the weights (RequestError otherwise)."""
     step = request.sequence_step
@@ -122,7 +122,7 @@ def attention_request(request: InferenceRequest, model: ModelSignature, limits: 
                 "keys and values too; the server keeps the rest)"
             )
     named = tuple(o.name for o in request.outputs)
-    attention = build_request(request.inputs, request.id, named, model, limits)
+    attention = checked_inputs(request.inputs, named, model, limits)
     if step is not None:
         attention.sequence = step  # shaped once the sequence's length is known
         return attention

@@ -22,7 +22,7 @@ import heapq
 
 from .errors import ErrorKind, RequestError
 from .shaping import ranking_bytes, weights_answer_bytes
-from .tensors import AttentionRequest, weights_dtype
+from .tensors import RunInputs, weights_dtype
 
 F32 = 4
 # Fitted to bench_memory.py's per-shape peaks (512/8 model, CPU arena), rounded up; see BENCHMARKS.md.
@@ -40,7 +40,7 @@ def run_workspace_bytes(batch: int, q_len: int, kv_len: int, d_model: int, num_h
     )
 
 
-def answer_bytes(request: AttentionRequest, num_heads: int, precision: str = "fp32") -> int:
+def answer_bytes(request: RunInputs, num_heads: int, precision: str = "fp32") -> int:
     """What the answer holds from its encoding until it is written: the outputs asked for, as copied
     (the weights in the datatype the model's ``precision`` returns them in, or the request asked for)."""
     batch, q_len, d_model = request.query.shape
@@ -52,13 +52,13 @@ def answer_bytes(request: AttentionRequest, num_heads: int, precision: str = "fp
     return ANSWER_COPIES * outputs
 
 
-def input_bytes(request: AttentionRequest) -> int:
+def input_bytes(request: RunInputs) -> int:
     """The decoded inputs (self-attention shares one array), as received and as decoded."""
     inputs = {id(a): a.nbytes for a in (request.query, request.key, request.value, request.mask)}
     return INPUT_COPIES * sum(inputs.values())
 
 
-def request_workspace_bytes(request: AttentionRequest, num_heads: int) -> int:
+def request_workspace_bytes(request: RunInputs, num_heads: int) -> int:
     """Its share of a run's workspace, and what ranking its weights (top-k, top-p) holds after the run."""
     batch, q_len, d_model = request.query.shape
     kv_len = request.kv_len

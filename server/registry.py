@@ -64,7 +64,7 @@ class ServedModel:
 
     def runtime_for(self, attention) -> Runtime:
         """The runtime that runs this kind of request: a sequence's step, or a stateless request. (A step reaches
-        here only for a version that serves sequences: inference.attention_request refuses it otherwise.)"""
+        here only for a version that serves sequences: inference.run_inputs_of refuses it otherwise.)"""
         return self.batched if attention.sequence is None else self.sequence_steps
 
     def enter(self) -> None:

@@ -17,7 +17,7 @@ import numpy as np
 
 from .batcher import Batcher
 from .inference import InferenceRequest
-from .tensors import AttentionRequest
+from .tensors import RunInputs
 
 
 class Admission(Protocol):
@@ -28,7 +28,7 @@ class Admission(Protocol):
     timeout_s: float | None
     trace: object
 
-    def admit(self, attention: AttentionRequest) -> None:
+    def admit(self, attention: RunInputs) -> None:
         """Its inputs, its answer and its run's workspace taken in the memory budget, or RESOURCE_EXHAUSTED."""
 
     def ran(self, rows: int, started_ns: int, *, queue_ns: int, infer_ns: int) -> None:
@@ -36,9 +36,7 @@ class Admission(Protocol):
 
 
 class Runtime(Protocol):
-    async def answer(
-        self, call: Admission, request: InferenceRequest, attention: AttentionRequest
-    ) -> dict[str, np.ndarray]:
+    async def answer(self, call: Admission, request: InferenceRequest, attention: RunInputs) -> dict[str, np.ndarray]:
         """The outputs ``attention`` asked for, in its order (RequestError if it cannot be answered)."""
 
 
@@ -48,9 +46,7 @@ class BatchedRuntime:
     def __init__(self, batcher: Batcher):
         self.batcher = batcher
 
-    async def answer(
-        self, call: Admission, request: InferenceRequest, attention: AttentionRequest
-    ) -> dict[str, np.ndarray]:
+    async def answer(self, call: Admission, request: InferenceRequest, attention: RunInputs) -> dict[str, np.ndarray]:
         if call.trace is not None:
             call.trace.decoded(attention, request.id)
         call.admit(attention)

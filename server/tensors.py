@@ -1,4 +1,4 @@
-"""The protocol's tensor rules, for every transport: named arrays in, a validated AttentionRequest out.
+"""The protocol's tensor rules, for every transport: named arrays in, a validated RunInputs out.
 
 Every check and every message about inputs lives here: which names, datatypes and shapes a request may
 carry, how many bytes or values each holds, the limits, finiteness and the mask forms. A transport
@@ -48,10 +48,11 @@ class Limits:
 
 
 @dataclass
-class AttentionRequest:
-    """A decoded, validated request: arrays ready for the ONNX graph."""
+class RunInputs:
+    """What a run takes of a request (inference.InferenceRequest, the one request type), checked against its model
+    and limits: its arrays ready for the ONNX graph, the outputs and weights' shaping it asked for, and its place in
+    a sequence."""
 
-    id: str
     query: np.ndarray  # [B, Lq, d] float32
     key: np.ndarray  # [B, Lk, d] float32 (query itself for self-attention)
     value: np.ndarray  # [B, Lk, d] float32
@@ -151,10 +152,8 @@ def converted(values, dtype) -> np.ndarray:
     return out
 
 
-def build_request(
-    arrays: dict[str, np.ndarray], request_id: str, output_names, model: ModelSignature, limits: Limits
-) -> AttentionRequest:
-    """Validate named input arrays against the model and the limits; raise RequestError on the first problem."""
+def checked_inputs(arrays: dict[str, np.ndarray], output_names, model: ModelSignature, limits: Limits) -> RunInputs:
+    """Named input arrays checked against the model and the limits; RequestError on the first problem."""
     query = arrays.get("query")
     if query is None:
         raise invalid("input 'query' is missing; it is required ([batch, q_len, d_model] FP32)")
@@ -200,8 +199,7 @@ def build_request(
             checked.append(array)
 
     mask = _attention_mask(arrays.get("mask"), batch, q_len, kv_len)
-    return AttentionRequest(
-        id=request_id,
+    return RunInputs(
         query=query,
         key=key,
         value=value,

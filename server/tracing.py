@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
     from .calls import CallRecord
     from .statistics import BatchResult
-    from .tensors import AttentionRequest
+    from .tensors import RunInputs
 
 log = logging.getLogger("mhaserve.server")
 
@@ -256,7 +256,7 @@ class RequestTrace:
     def trace_id(self) -> str:
         return format(self.span.get_span_context().trace_id, "032x")
 
-    def decoded(self, request: AttentionRequest, request_id: str) -> None:
+    def decoded(self, request: RunInputs, request_id: str) -> None:
         attributes = {
             "mhaserve.request.query_shape": list(request.query.shape),
             "mhaserve.request.key_shape": list(request.key.shape),
@@ -304,7 +304,7 @@ class RequestTrace:
         span.end(end_time=ended_ns + offset)
 
 
-def record_run(result: BatchResult, requests: Sequence[AttentionRequest], traces: Sequence[RequestTrace]) -> None:
+def record_run(result: BatchResult, requests: Sequence[RunInputs], traces: Sequence[RequestTrace]) -> None:
     """One batched run that served traced requests: a span of its own, linked to each of their spans."""
     from opentelemetry import context, trace
 

@@ -22,7 +22,7 @@ tensor written once and read once in device memory, over the device's measured c
 ``--served SECONDS`` also serves each export (``mhaserve serve --device DEVICE``) and measures it with
 ``mhaserve bench``'s load generator for that many seconds per point: concurrency 1 (p50 against the
 in-process time) and concurrency 16 (requests/s), with and without the weights; with ``--workers 1,4`` by one
-server process and by four worker processes (``mhaserve serve --workers``).
+server process and by four worker processes (``mhaserve serve --workers``; check.sh: 1, 2, 4 and 8).
 ``--steps`` also measures sequence steps (the step graph, d 512/8 and 4096/32): a one-row step at positions 16, 512
 and 2048 with the cache where the server keeps it (``StepGraph.run_step``: on the device, I/O binding)
 against the same step with the cache sent from host memory each time (the step graph's plain run), and against

@@ -21,11 +21,11 @@ from ..inference import (
     InferenceResponse,
     RequestedOutput,
     SharedInput,
-    attention_request,
     decodes_slowly,
+    run_inputs_of,
 )
 from ..shared_memory import placement_of
-from ..tensors import AttentionRequest, Limits, array_from_bytes, array_from_values, check_input_header, wire_bytes
+from ..tensors import Limits, RunInputs, array_from_bytes, array_from_values, check_input_header, wire_bytes
 
 # The typed `contents` field that carries each datatype.
 CONTENTS_FIELDS = {
@@ -106,9 +106,9 @@ def _parameters(parameters) -> Mapping[str, object]:
     }
 
 
-def decode_infer_request(request: pb.ModelInferRequest, model: ModelSignature, limits: Limits) -> AttentionRequest:
+def decode_infer_request(request: pb.ModelInferRequest, model: ModelSignature, limits: Limits) -> RunInputs:
     """``request`` decoded and checked against the model it names and the limits (RequestError otherwise)."""
-    return attention_request(decode_grpc_request(request), model, limits)
+    return run_inputs_of(decode_grpc_request(request), model, limits)
 
 
 def encode_grpc_response(response: InferenceResponse, *, streamed: bool = False) -> bytes:

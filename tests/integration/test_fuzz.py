@@ -25,7 +25,7 @@ from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
 from mhaserve.server.errors import ErrorKind, RequestError
 from mhaserve.server.grpc.protobuf import CONTENTS_FIELDS, decode_infer_request
-from mhaserve.server.tensors import INPUT_NAMES, OUTPUT_NAMES, AttentionRequest, Limits
+from mhaserve.server.tensors import INPUT_NAMES, OUTPUT_NAMES, Limits, RunInputs
 from tests.support import SMALL_D_MODEL, SMALL_HEADS, rand
 
 D = SMALL_D_MODEL
@@ -153,7 +153,7 @@ def check_decodes_or_refuses(request: pb.ModelInferRequest) -> None:
         assert error.kind in REFUSALS, (error.kind, error.message)
         assert error.message
         return
-    assert isinstance(decoded, AttentionRequest)
+    assert isinstance(decoded, RunInputs)
     b, lq, d = decoded.query.shape
     assert d == D and 1 <= b <= LIMITS.max_batch_size and 1 <= lq <= LIMITS.max_q_len
     assert decoded.key.shape[0] == b and decoded.value.shape == decoded.key.shape

@@ -9,7 +9,7 @@ import numpy as np
 from mhaserve.client.grpc import AsyncClient, build_infer_request
 from mhaserve.contract.signature import ModelSignature
 from mhaserve.server.grpc.protobuf import decode_infer_request
-from mhaserve.server.tensors import AttentionRequest, Limits
+from mhaserve.server.tensors import Limits, RunInputs
 
 from . import SMALL_D_MODEL, SMALL_HEADS, rand
 
@@ -47,7 +47,7 @@ def merged_when_all_queued(requests) -> tuple[str, ...]:
     return ("--max-batch-size", str(rows), "--max-queue-delay-us", str(60_000_000))
 
 
-def as_attention_request(query, key, value, mask, attn_weights) -> AttentionRequest:
+def as_attention_request(query, key, value, mask, attn_weights) -> RunInputs:
     """Decoded as the server decodes it: the client's request through the codec."""
     request = build_infer_request("mha", query, key, value, mask, attn_weights)
     return decode_infer_request(request, ModelSignature("mha", "1", D, SMALL_HEADS), Limits(64, 64, 64))

@@ -91,7 +91,7 @@ def test_a_limit_the_model_sets_is_named_with_its_file_and_the_others_with_the_s
 
     from mhaserve.contract.signature import ModelSignature
     from mhaserve.server.errors import RequestError
-    from mhaserve.server.tensors import build_request
+    from mhaserve.server.tensors import checked_inputs
 
     (tmp_path / "config.pbtxt").write_text('max_batch_size: 2\nparameters { key: "max_kv_len" value '
                                            '{ string_value: "8" } }')  # fmt: skip
@@ -104,7 +104,7 @@ def test_a_limit_the_model_sets_is_named_with_its_file_and_the_others_with_the_s
         query = np.zeros((batch, q_len, 4), np.float32)
         key = np.zeros((batch, kv_len, 4), np.float32)
         with pytest.raises(RequestError) as refused:
-            build_request({"query": query, "key": key}, "", ("output",), signature, limits)
+            checked_inputs({"query": query, "key": key}, ("output",), signature, limits)
         return refused.value.message
 
     assert refusal(3, 1, 1).endswith(f"batch 3 exceeds the limit max_batch_size=2 (set by {tmp_path}/config.pbtxt)")

@@ -8,7 +8,7 @@ import pytest
 
 from mhaserve.contract.signature import ModelSignature
 from mhaserve.server.errors import ErrorKind, RequestError
-from mhaserve.server.tensors import Limits, array_from_bytes, array_from_values, build_request, element_count
+from mhaserve.server.tensors import Limits, array_from_bytes, array_from_values, checked_inputs, element_count
 
 D = 8
 MODEL = ModelSignature(name="mha", version="1", d_model=D, num_heads=2)
@@ -16,7 +16,7 @@ LIMITS = Limits(max_batch_size=4, max_q_len=16, max_kv_len=32)
 
 
 def request(model=MODEL, limits=LIMITS, **arrays):
-    return build_request(arrays, "r1", (), model, limits)
+    return checked_inputs(arrays, (), model, limits)
 
 
 def refused(kind=ErrorKind.INVALID_ARGUMENT, **arrays) -> str:
