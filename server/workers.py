@@ -17,6 +17,7 @@ alone: explicit model control (RepositoryModelLoad/Unload) and client shared mem
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import os
 import signal
@@ -111,7 +112,12 @@ class Workers:
         env = {**os.environ, WORKER_ENV: str(worker.index), PEERS_ENV: peers}
         worker.ready.clear()
         worker.process = subprocess.Popen(
-            self.command(worker), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
+            self.command(worker),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            preexec_fn=_ended_with_the_parent if sys.platform.startswith("linux") else None,
         )
         worker.started = time.monotonic()
         log.info("worker %d started (pid %d)", worker.index, worker.process.pid)
@@ -243,6 +249,18 @@ def _empty_like(family):
     from prometheus_client.metrics_core import Metric
 
     return Metric(family.name, family.documentation, family.type, family.unit)
+
+
+def _ended_with_the_parent() -> None:
+    """In a worker, before it runs (Linux): SIGTERM when the parent's starting thread ends, so that a parent killed
+    outright (SIGKILL, the OOM killer) leaves no worker holding the port. (The parent starts workers from its main
+    thread, and restarts them from its watching thread, which lives until the server stops.)"""
+    _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+# Looked up in the parent, once: between fork and exec the child only calls it (no loader lock to take there).
+PR_SET_PDEATHSIG = 1
+_PRCTL = ctypes.CDLL(None).prctl if sys.platform.startswith("linux") else None
 
 
 def _exit_said(code: int) -> str:

@@ -106,6 +106,17 @@ def test_a_worker_that_dies_is_started_again_and_the_server_keeps_answering(
             assert client.infer(rand(1, 2, SMALL_D_MODEL, seed=seed)).output.shape == (1, 2, SMALL_D_MODEL)
 
 
+def test_a_parent_killed_outright_leaves_no_worker_behind(start_server_process, small_model_dir):
+    server = start_server_process(small_model_dir, "--workers", "2")
+    pids = worker_pids(server).values()
+    server.signal(signal.SIGKILL)  # no drain, no forwarding: the workers are told by the kernel
+    server.wait_exit(30)
+    deadline = time.monotonic() + 30
+    while any(alive(pid) for pid in pids):
+        assert time.monotonic() < deadline, "a worker outlived its parent"
+        time.sleep(0.1)
+
+
 @pytest.mark.parametrize(
     ("flags", "said"),
     [
