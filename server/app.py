@@ -22,7 +22,8 @@ from mhaserve.protos.pool import POOL, add_file
 from . import describe, logs
 from .config import ServerSettings
 from .dataplane import DataPlane
-from .grpc.servicer import InferenceServicer, add_inference_service
+from .grpc.handlers import add_inference_service
+from .grpc.servicer import InferenceServicer
 from .malloc import tune_malloc
 from .ports import bind_failure, host_port
 from .rest.prometheus import start_metrics

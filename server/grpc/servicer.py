@@ -7,9 +7,7 @@ import functools
 import logging
 import traceback
 
-import grpc
 from google.protobuf import json_format
-from google.protobuf.message import DecodeError
 
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
@@ -20,7 +18,7 @@ from ..dataplane import DataPlane, InferenceCall
 from ..errors import ErrorKind, RequestError
 from ..security import Callers
 from .protobuf import decode_grpc_request, encode_grpc_response, grpc_decodes_slowly
-from .receipt import GRPC_STATUS, AlreadyAnswered, ReceivingTurns, RequestReader, StreamEnded, StreamIdle, StreamSlots
+from .receipt import GRPC_STATUS
 
 log = logging.getLogger("mhaserve.server")
 
@@ -147,7 +145,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return self.callers.identify(presented, names[0].decode(errors="replace") if names else "")
 
     @answering_errors
-    async def ModelInfer(self, message: ReceivedMessage, context):
+    async def ModelInfer(self, message, context):  # a handlers.ReceivedMessage: counted, then parsed
         metadata = lambda: dict(context.invocation_metadata() or ())  # noqa: E731
         async with self.dataplane.inference(
             self.protocol, context.time_remaining(), "ModelInfer", metadata, context.peer(), self.caller(context)
@@ -185,7 +183,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                     call.deliver_later()
             except RequestError as error:
                 answer = streamed_refusal(error)
-                _forget_locals(error)  # the refused request's bytes and arrays go now, not at a collection
+                forget_locals(error)  # the refused request's bytes and arrays go now, not at a collection
             # The next request is not read before this answer is written.
             write = asyncio.ensure_future(context.write(answer))
             size = len(answer) if isinstance(answer, bytes) else answer.ByteSize()
@@ -261,61 +259,7 @@ def _check_repository_name(name: str) -> None:
         )
 
 
-# What a received request of n bytes takes until it is decoded: its bytes, then the parsed message and the
-# arrays decoded from it.
-PARSE_COPIES = 2
-
-
-class ReceivedMessage:
-    """An inference request message as gRPC received it, parsed on demand: its bytes count in the memory
-    budget before the parse copies them, so a request the budget cannot hold is refused unparsed."""
-
-    def __init__(self, raw: bytes, request_class, off_loop_if_large):
-        self._raw, self._request_class, self._off_loop_if_large = raw, request_class, off_loop_if_large
-
-    async def counted_and_parsed(self, call: InferenceCall):
-        call.bytes_in = len(self._raw)
-        try:  # refused by the budget or parsed, the bytes go now: a stream holds its message while it reads on
-            call.receipt.add_received(PARSE_COPIES * len(self._raw))
-            return await _parsed(self._request_class, self._raw, self._off_loop_if_large)
-        except DecodeError:
-            raise RequestError(ErrorKind.INVALID_ARGUMENT, _undecodable(self._request_class, self._raw)) from None
-        finally:
-            self._raw = None  # the parsed message holds what the request needs
-
-
-async def _parsed(request_class, raw: bytes, off_loop_if_large):
-    """The message; a large one is parsed on the decode thread (typed contents parse in one long call)."""
-    return await off_loop_if_large(request_class.FromString, len(raw), raw)
-
-
-def _reading_unary(behavior, request_class, off_loop_if_large, reader: RequestReader, inference: bool):
-    async def handle(request_iterator, context):
-        try:
-            try:
-                raw = await reader.read(context)
-            except RequestError as error:
-                await context.abort(GRPC_STATUS[error.kind], error.message)
-            except AlreadyAnswered:
-                return None
-            if inference:  # parsed in the call, once counted
-                request = ReceivedMessage(raw, request_class, off_loop_if_large)
-                raw = None  # the message alone holds it, and lets go once parsed
-            else:
-                try:
-                    request = await _parsed(request_class, raw, off_loop_if_large)
-                except DecodeError:  # the method refuses it
-                    request = RequestError(ErrorKind.INVALID_ARGUMENT, _undecodable(request_class, raw))
-            return await behavior(request, context)
-        except BaseException as error:
-            _forget_locals(error)
-            raw = request = None  # this frame is in the traceback too, and still running
-            raise
-
-    return handle
-
-
-def _forget_locals(error: BaseException | None) -> None:
+def forget_locals(error: BaseException | None) -> None:
     """Clear the locals of the finished frames in ``error``'s traceback and in those of the errors it chained.
 
     grpc.aio keeps an aborted call's exception in a reference cycle, so without this the request's bytes and
@@ -327,117 +271,3 @@ def _forget_locals(error: BaseException | None) -> None:
         seen.add(id(error))
         traceback.clear_frames(error.__traceback__)
         error = error.__context__
-
-
-def _parsing_stream(
-    behavior,
-    request_class,
-    off_loop_if_large,
-    slots: StreamSlots,
-    turns: ReceivingTurns,
-    idle_timeout_s: float,
-    caller_of,
-):
-    """A stream reads its next request only once the last one is answered, and in a receiving turn: each stream
-    reading may be receiving a request, so the turns bound what streams take while receiving. A stream whose next
-    request has not come within ``idle_timeout_s`` of its read is ended DEADLINE_EXCEEDED, its slot freed."""
-
-    async def handle(_, context):
-        client = caller_of(context) or context.peer()  # a connection, where callers are not told apart
-        refusal = slots.refusal(client)
-        if refusal is not None:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
-
-        async def requests():  # one bad message is that message's error, not the stream's end
-            while True:
-                try:
-                    # idle only once in its turn: till then its request may be waiting
-                    async with turns.for_stream(context.peer(), context):
-                        # context.read(), not the request iterator: grpcio's iterator keeps each message in its
-                        # frame until the next one comes, so every open stream would hold its last request.
-                        raw = await asyncio.wait_for(context.read(), idle_timeout_s)
-                except asyncio.TimeoutError:  # not yet the built-in TimeoutError on Python 3.10
-                    raise StreamIdle from None
-                if raw is grpc.aio.EOF:
-                    return
-                yield ReceivedMessage(raw, request_class, off_loop_if_large)
-                raw = None
-
-        with slots.held(client):
-            try:
-                await behavior(requests(), context)  # it writes its answers itself
-            except StreamEnded:  # its refusal is sent
-                return
-            except StreamIdle:
-                pass
-            else:
-                return
-        await context.abort(
-            grpc.StatusCode.DEADLINE_EXCEEDED,
-            f"no request on this stream for {idle_timeout_s:g} s (--stream-idle-timeout-s): ended",
-        )
-
-    return handle
-
-
-def _serializer(response_class):
-    """Messages are serialised; bytes (inference answers, encoded by the codec in one copy) pass as they are."""
-
-    def serialize(response) -> bytes:
-        return response if isinstance(response, bytes) else response_class.SerializeToString(response)
-
-    return serialize
-
-
-def _undecodable(request_class, raw: bytes) -> str:
-    return f"the request ({len(raw)} bytes) is not a valid {request_class.DESCRIPTOR.full_name} protobuf message"
-
-
-def add_inference_service(servicer: InferenceServicer, server) -> None:
-    """Register the service as the generated ``add_..._to_server`` does, but parse requests here.
-
-    gRPC answers UNKNOWN ("Exception deserializing request") for bytes that are no protobuf message
-    of the method's type; parsing in the handler gives such a request INVALID_ARGUMENT, like any
-    other malformed request.
-    """
-    service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
-    dataplane = servicer.dataplane
-    parse = dataplane.off_loop_if_large  # a large message is parsed off the event loop
-    settings, (receive_limit, _) = dataplane.settings, dataplane.versions.message_limits
-    turns = ReceivingTurns(settings.max_receiving_bytes, receive_limit, settings.stream_read_hold_s)
-    reader = RequestReader(
-        turns,
-        receive_limit,
-        settings.grpc_read_timeout_s,
-        settings.grpc_first_read_ms / 1000,
-        abandoned=dataplane.accounting.received_dropped,
-    )
-    streams = StreamSlots(settings.max_inference_streams, settings.max_inference_streams_per_client)
-    handlers = {}
-    for method in service.methods:
-        request_class = getattr(pb, method.input_type.name)
-        serialize = _serializer(getattr(pb, method.output_type.name))
-        behavior = getattr(servicer, method.name)
-        if method.client_streaming and method.server_streaming:
-            handler = grpc.stream_stream_rpc_method_handler(
-                _parsing_stream(
-                    behavior,
-                    request_class,
-                    parse,
-                    streams,
-                    turns,
-                    settings.stream_idle_timeout_s,
-                    servicer.caller,
-                ),
-                response_serializer=serialize,
-            )
-        elif not (method.client_streaming or method.server_streaming):
-            # Request-streaming on the server's side (the wire is the same), so that the request is read when
-            # the reader gives it its turn rather than by grpcio as soon as the call opens.
-            reading = _reading_unary(behavior, request_class, parse, reader, method.name == "ModelInfer")
-            handler = grpc.stream_unary_rpc_method_handler(reading, response_serializer=serialize)
-        else:  # the protocol has no such RPC; refuse to guess
-            raise TypeError(f"{method.full_name}: half-streaming RPCs are not handled")
-        handlers[method.name] = handler
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
-    server.add_registered_method_handlers(service.full_name, handlers)

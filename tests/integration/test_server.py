@@ -271,7 +271,8 @@ class RecordingContext:
 def test_a_failing_model_run_answers_internal_and_the_next_request_is_served(small_model_dir):
     from mhaserve.server.config import ServerSettings
     from mhaserve.server.dataplane import DataPlane
-    from mhaserve.server.grpc.servicer import InferenceServicer, ReceivedMessage
+    from mhaserve.server.grpc.handlers import ReceivedMessage
+    from mhaserve.server.grpc.servicer import InferenceServicer
 
     async def scenario():
         dataplane = DataPlane(ServerSettings(intra_op_threads=1, warmup_runs=0), small_model_dir)
