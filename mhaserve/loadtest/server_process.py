@@ -37,6 +37,7 @@ class ServerProcess:
         self.metrics_url: str | None = None
         self.http_url: str | None = None  # "http://127.0.0.1:PORT" when the HTTP/REST port is on
         self.proc: subprocess.Popen | None = None
+        self._reader: threading.Thread | None = None
         self._serving = threading.Event()
 
     @property
@@ -90,7 +91,7 @@ class ServerProcess:
         """The exit code, once the process has ended and its last log lines are read (they may still be in the
         pipe when it exits)."""
         code = self.proc.wait(timeout)
-        self._reader.join(5)
+        self._last_lines_read()
         return code
 
     @property
@@ -106,8 +107,14 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-            self._reader.join(5)  # the last lines, the stop line among them
+            self._last_lines_read()  # the stop line among them
         return self.proc.returncode if self.proc else None
+
+    def _last_lines_read(self) -> None:
+        """Wait a little for the log reader to reach the end of the pipe; none to wait for where a Ctrl-C came
+        between the process's start and its reader's."""
+        if self._reader is not None and self._reader.ident is not None:
+            self._reader.join(5)
 
     def __enter__(self):
         return self.start()
