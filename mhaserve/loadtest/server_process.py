@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -21,6 +22,31 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """SIGINT and SIGTERM that come inside the block are acted on as it ends, by the handlers they had: a signal in
+    the middle of starting a server (between the fork and the process being known) would leave it running, its
+    starter gone. Main thread only (where Python runs signal handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came: list[int] = []
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    for signum in previous:
+        signal.signal(signum, lambda signum, frame: came.append(signum))
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    for signum in came[:1]:
+        handler = previous[signum]
+        if callable(handler):
+            handler(signum, None)  # Python's own for SIGINT raises KeyboardInterrupt
+        elif handler == signal.SIG_DFL:
+            signal.raise_signal(signum)
 
 
 class ServerProcess:
@@ -57,11 +83,12 @@ class ServerProcess:
         return "".join(self.lines)
 
     def start(self, wait: bool = True, timeout: float = 60.0) -> ServerProcess:
-        self.proc = subprocess.Popen(
-            self.command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=self.env
-        )
-        self._reader = threading.Thread(target=self._read_log, daemon=True)
-        self._reader.start()
+        with _signals_held():  # a Ctrl-C now is acted on once the process is known, so that stop() can end it
+            self.proc = subprocess.Popen(
+                self.command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=self.env
+            )
+            self._reader = threading.Thread(target=self._read_log, daemon=True)
+            self._reader.start()
         if wait:
             self.wait_serving(timeout)
         return self
