@@ -46,8 +46,8 @@ def test_health_is_not_serving_until_warm_then_serving(start_server_process, sma
                     status = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status
                     ready = stub.ServerReady(pb.ServerReadyRequest(), timeout=1).ready
                     observed.append((status, ready))
-                except grpc.RpcError as error:
-                    assert error.code() == grpc.StatusCode.UNAVAILABLE  # not bound yet
+                except grpc.RpcError as error:  # not bound yet, or (a loaded machine) not answered within 1 s
+                    assert error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
                 time.sleep(0.01)
             # while loading, inference is refused as UNAVAILABLE rather than left hanging
         # Health and ServerReady are two calls, so one poll may straddle the switch; each signal on its
