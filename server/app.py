@@ -26,7 +26,7 @@ from .grpc.handlers import add_inference_service
 from .grpc.servicer import InferenceServicer
 from .malloc import tune_malloc
 from .ports import bind_failure, host_port
-from .rest.prometheus import start_metrics
+from .rest.prometheus import exposition_of, start_metrics
 from .rest.routes import RestTransport
 from .rest.site import start_site
 from .security import (
@@ -232,7 +232,7 @@ class Server:
                 served = self.dataplane.served_models
                 own_statistics = lambda: [describe.model_statistics(m) for m in served()]  # noqa: E731
             self._metrics_runner, self.metrics_address = await start_metrics(
-                settings, self.dataplane.metrics, own_statistics
+                settings, exposition_of(self.dataplane.metrics), own_statistics
             )
         except OSError as error:
             if error.errno == errno.EADDRINUSE:

@@ -33,6 +33,7 @@ from mhaserve.contract.errors import UsageError
 
 from .config import ServerSettings
 from .ports import host_port
+from .rest.prometheus import start_metrics
 
 log = logging.getLogger("mhaserve.server")
 
@@ -267,34 +268,6 @@ def _exit_said(code: int) -> str:
     return f"signal {-code}" if code < 0 else f"exit code {code}"
 
 
-async def _serve_metrics(workers: Workers, settings: ServerSettings):
-    """The whole server's /metrics on --metrics-port, as one server serves it."""
-    from prometheus_client import CONTENT_TYPE_LATEST
-
-    from .rest.prometheus import METRICS_IDLE_TIMEOUT_S, METRICS_MAX_CONNECTIONS
-    from .rest.site import start_site
-
-    if settings.metrics_port < 0:
-        return None, "off"
-    from aiohttp import web
-
-    async def scrape(request):
-        body = await asyncio.get_running_loop().run_in_executor(None, workers.metrics_text)
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-    app = web.Application()
-    app.router.add_get("/metrics", scrape)
-    runner, port = await start_site(
-        app,
-        settings.metrics_host,
-        settings.metrics_port,
-        max_connections=METRICS_MAX_CONNECTIONS,
-        idle_timeout_s=METRICS_IDLE_TIMEOUT_S,
-        what="metrics",
-    )
-    return runner, host_port(settings.metrics_host, port)
-
-
 def run_workers(settings: ServerSettings, argv: list[str]) -> int:
     """Serve with ``settings.workers`` processes until SIGTERM or SIGINT; the exit code (a worker's start failure's,
     else 0)."""
@@ -317,8 +290,12 @@ async def _run(workers: Workers, settings: ServerSettings) -> int:
         await loop.run_in_executor(None, workers.stop)
         return 0 if stop.is_set() else failed
     stopping.cancel()
+
+    async def exposition() -> bytes:  # every worker's, read off the event loop
+        return await loop.run_in_executor(None, workers.metrics_text)
+
     try:
-        runner, metrics_address = await _serve_metrics(workers, settings)
+        runner, metrics_address = await start_metrics(settings, exposition)
     except OSError as error:
         log.error("could not start the metrics endpoint: %s", error)
         await loop.run_in_executor(None, workers.stop)

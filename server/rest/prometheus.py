@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -14,13 +16,14 @@ METRICS_MAX_CONNECTIONS = 64  # a scraper or two, and a person with curl
 METRICS_IDLE_TIMEOUT_S = 30.0
 
 
-async def start_metrics(settings: ServerSettings, metrics: Metrics, own_statistics=None):
-    """The Prometheus port: (its runner, "host:port"), or (None, "off"). A worker of --workers also answers
-    ``GET /statistics`` there, its own model_stats (``own_statistics()``), for the other workers to add up."""
+async def start_metrics(settings: ServerSettings, exposition: Callable[[], Awaitable[bytes]], own_statistics=None):
+    """The Prometheus port, its /metrics the text ``exposition()`` makes: (its runner, "host:port"), or (None,
+    "off"). A worker of --workers also answers ``GET /statistics`` there, its own model_stats
+    (``own_statistics()``), for the other workers to add up."""
     if settings.metrics_port < 0:
         return None, "off"
     runner, port = await start_site(
-        metrics_application(metrics, own_statistics),
+        metrics_application(exposition, own_statistics),
         settings.metrics_host,
         settings.metrics_port,
         max_connections=METRICS_MAX_CONNECTIONS,
@@ -30,9 +33,18 @@ async def start_metrics(settings: ServerSettings, metrics: Metrics, own_statisti
     return runner, host_port(settings.metrics_host, port)
 
 
-def metrics_application(metrics: Metrics, own_statistics=None) -> web.Application:
+def exposition_of(metrics: Metrics) -> Callable[[], Awaitable[bytes]]:
+    """One process's metrics in Prometheus' text format."""
+
+    async def exposition() -> bytes:
+        return generate_latest(metrics.registry)
+
+    return exposition
+
+
+def metrics_application(exposition: Callable[[], Awaitable[bytes]], own_statistics=None) -> web.Application:
     async def scrape(request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return web.Response(body=await exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def elsewhere(request: web.Request) -> web.Response:
         # A client sent here by mistake (the inference API is another port) is told where to go.
