@@ -159,8 +159,9 @@ class TransportSettings(Section):
     # them up for longer than this.
     grpc_first_read_ms: float = setting(
         25.0,
-        "milliseconds a gRPC request may take to arrive without a receiving turn (see --max-receiving-bytes); a "
-        "few connections' requests are read so at once, so what they take is bounded",
+        "milliseconds a gRPC request may take to arrive without a receiving turn (see --max-receiving-bytes), and "
+        "then wait for one while all are taken; a few connections' requests are read so at once, so what they take "
+        "is bounded",
         rule=more_than(0),
     )
     grpc_read_timeout_s: float = setting(

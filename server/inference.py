@@ -17,8 +17,7 @@ import numpy as np
 from mhaserve.contract.signature import ModelSignature
 
 from .errors import ErrorKind, RequestError, invalid
-from .parameters import SequenceParameters, sequence_parameters
-from .shaping import weights_shaping
+from .parameters import SequenceParameters, sequence_parameters, weights_shaping
 from .shared_memory import Placement, placement_of
 from .tensors import Limits, RunInputs, checked_inputs
 

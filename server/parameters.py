@@ -1,4 +1,5 @@
-"""Request parameters read by type: one function per type, whatever the transport carried.
+"""Request parameters read by type, whatever the transport carried, and what they say: a request's place in a
+sequence (``sequence_parameters``) and the shaping it asks of the attention weights (``weights_shaping``).
 
 A value of any other JSON or protobuf type (a list, an object, a bool where a number goes, text that is no
 number) is refused as INVALID_ARGUMENT naming the parameter, what it takes and what came; no parsing error
@@ -11,6 +12,16 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+import numpy as np
+
+from mhaserve.contract.signature import (
+    ATTN_TOP_K_INDICES,
+    ATTN_TOP_K_VALUES,
+    OUTPUT,
+    SHAPING_PARAMETERS,
+    WEIGHTS_OUTPUT_NAMES,
+)
 
 from .errors import invalid
 
@@ -117,3 +128,128 @@ def sequence_parameters(parameters: Mapping[str, object]) -> SequenceParameters 
     if isinstance(sequence_id, str) and len(sequence_id) > 256:
         raise invalid(f"parameter 'sequence_id' must be at most 256 characters, got {len(sequence_id)}")
     return SequenceParameters(sequence_id, start, end)
+
+
+TOP_K_OUTPUTS = (ATTN_TOP_K_VALUES, ATTN_TOP_K_INDICES)
+ASKABLE_WEIGHTS_DTYPES = {"FP32": np.dtype(np.float32), "FP16": np.dtype(np.float16)}  # attn_weights_precision
+
+
+@dataclass(frozen=True)
+class WeightsShaping:
+    """What a request asked of the weights; None everywhere: the full weights, as the model returns them."""
+
+    heads: tuple[int, ...] | None = None
+    rows: tuple[int, int] | None = None  # [start, stop) over query positions
+    keys: tuple[int, int] | None = None  # [start, stop) over key positions
+    top_k: int | None = None
+    top_p: float | None = None
+    dtype: np.dtype | None = None  # None: the model's own
+
+    def selected_shape(self, batch: int, num_heads: int, q_len: int, kv_len: int) -> tuple[int, int, int, int]:
+        """[B, h', Lq', Lk']: the weights after the head, row and key choices."""
+        heads = len(self.heads) if self.heads is not None else num_heads
+        rows = self.rows[1] - self.rows[0] if self.rows else q_len
+        keys = self.keys[1] - self.keys[0] if self.keys else kv_len
+        return batch, heads, rows, keys
+
+
+NO_SHAPING = WeightsShaping()
+
+
+def weights_shaping(
+    parameters: Mapping[str, object], named: tuple[str, ...], num_heads: int, q_len: int, kv_len: int
+) -> tuple[WeightsShaping, tuple[str, ...] | None]:
+    """The request's shaping options, checked (INVALID_ARGUMENT naming the parameter otherwise), and the outputs
+    it gets when it named none (None: the model's defaults)."""
+    unknown = sorted(name for name in parameters if name.startswith("attn_") and name not in SHAPING_PARAMETERS)
+    if unknown:
+        raise invalid(
+            f"unknown parameter {quoted(unknown[0])}; the weights' options are {', '.join(SHAPING_PARAMETERS)}"
+        )
+    given = [name for name in SHAPING_PARAMETERS if name in parameters]
+    top_k_named = [name for name in named if name in TOP_K_OUTPUTS]
+    if not given:
+        return NO_SHAPING, None
+    heads = _heads(parameters.get("attn_heads"), num_heads)
+    rows = _window(parameters.get("attn_rows"), "attn_rows", q_len, "query rows")
+    keys = _window(parameters.get("attn_keys"), "attn_keys", kv_len, "key positions")
+    window = keys[1] - keys[0] if keys else kv_len
+    top_k = _top_k(parameters.get("attn_top_k"), window)
+    top_p = _top_p(parameters.get("attn_top_p"))
+    if top_k is not None and top_p is not None:
+        raise invalid("parameters attn_top_k and attn_top_p were both given; a request asks for one of them")
+    dtype = _precision(parameters.get("attn_weights_precision"))
+    shaping = WeightsShaping(heads, rows, keys, top_k, top_p, dtype)
+    ranked = top_k is not None or top_p is not None
+    if named:
+        weights_named = [name for name in named if name in WEIGHTS_OUTPUT_NAMES]
+        if not weights_named:
+            raise invalid(
+                f"parameter '{given[0]}' shapes the attention weights, but the request asks for none of the "
+                f"weights' outputs ({', '.join(WEIGHTS_OUTPUT_NAMES)}); it named {', '.join(named)}"
+            )
+        if ranked and not top_k_named:
+            which = "attn_top_k" if top_k is not None else "attn_top_p"
+            raise invalid(f"parameter '{which}' needs the output {ATTN_TOP_K_VALUES} or {ATTN_TOP_K_INDICES}")
+        return shaping, None
+    return shaping, (OUTPUT, *TOP_K_OUTPUTS) if ranked else None
+
+
+def _heads(value, num_heads: int) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    given = text(value, "attn_heads")
+    try:
+        heads = tuple(int(part) for part in given.split(","))
+    except ValueError:
+        raise invalid(f"parameter 'attn_heads' must list head numbers like \"0,3\", got {quoted(given)}") from None
+    for head in heads:
+        if not 0 <= head < num_heads:
+            raise invalid(
+                f"parameter 'attn_heads': head {head} is out of range; this model has heads 0..{num_heads - 1}"
+            )
+    if len(set(heads)) != len(heads):
+        raise invalid(f"parameter 'attn_heads' names a head more than once: {quoted(given)}")
+    return heads
+
+
+def _window(value, name: str, length: int, what: str) -> tuple[int, int] | None:
+    """A Python-style "start:stop" range (either end may be left out, negative counts from the end), non-empty
+    and within the request's ``length``."""
+    if value is None:
+        return None
+    given = text(value, name).strip()
+    parts = given.split(":")
+    try:
+        if len(parts) != 2:
+            raise ValueError
+        start, stop = (int(part) if part.strip() else default for part, default in zip(parts, (0, length), strict=True))
+    except ValueError:
+        raise invalid(f"parameter '{name}' must be a range like \"0:32\" (start:stop), got {quoted(given)}") from None
+    start, stop = (index + length if index < 0 else index for index in (start, stop))
+    if not 0 <= start < stop <= length:
+        raise invalid(
+            f"parameter '{name}': {quoted(given)} is no non-empty range of the request's {length} {what} (0..{length})"
+        )
+    return start, stop
+
+
+def _top_k(value, window: int) -> int | None:
+    if value is None:
+        return None
+    return integer(value, "attn_top_k", 1, window, "the keys each row has to rank")
+
+
+def _top_p(value) -> float | None:
+    if value is None:
+        return None
+    return number(value, "attn_top_p", 0, 1, low_open=True)
+
+
+def _precision(value) -> np.dtype | None:
+    if value is None:
+        return None
+    given = text(value, "attn_weights_precision").upper()
+    if given not in ASKABLE_WEIGHTS_DTYPES:
+        raise invalid(f"parameter 'attn_weights_precision' must be FP32 or FP16, got {quoted(value)}")
+    return ASKABLE_WEIGHTS_DTYPES[given]

@@ -2,8 +2,8 @@
 (or the smallest set holding a fraction p of its mass), and the weights' precision.
 
 A request asks through its protocol ``parameters`` (``attn_heads``, ``attn_rows``, ``attn_keys``, ``attn_top_k``,
-``attn_top_p``, ``attn_weights_precision``); ``weights_shaping`` checks them against the model and the request's
-lengths, and ``shaped_weights`` cuts each request's answer from its rows of a batched run's weights, in the
+``attn_top_p``, ``attn_weights_precision``), read into a ``WeightsShaping`` by ``parameters.weights_shaping``;
+``shaped_weights`` cuts each request's answer from its rows of a batched run's weights, in the
 worker thread, after the run. Requests with different options share runs as any others do.
 
 Every selection is a selection of the full weights the same request would have received. The mean over heads
@@ -17,9 +17,6 @@ top-k outputs come back empty, k = 0.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
-
 import numpy as np
 
 from mhaserve.contract.signature import (
@@ -27,78 +24,12 @@ from mhaserve.contract.signature import (
     ATTN_TOP_K_VALUES,
     ATTN_WEIGHTS,
     ATTN_WEIGHTS_MEAN,
-    OUTPUT,
-    SHAPING_PARAMETERS,
-    WEIGHTS_OUTPUT_NAMES,
 )
 
 from . import kernels
-from .errors import invalid
-from .parameters import integer, number, quoted, text
+from .parameters import NO_SHAPING, WeightsShaping
 
-ASKABLE_WEIGHTS_DTYPES = {"FP32": np.dtype(np.float32), "FP16": np.dtype(np.float16)}  # attn_weights_precision
 TOP_K_OUTPUTS = (ATTN_TOP_K_VALUES, ATTN_TOP_K_INDICES)
-
-
-@dataclass(frozen=True)
-class WeightsShaping:
-    """What a request asked of the weights; None everywhere: the full weights, as the model returns them."""
-
-    heads: tuple[int, ...] | None = None
-    rows: tuple[int, int] | None = None  # [start, stop) over query positions
-    keys: tuple[int, int] | None = None  # [start, stop) over key positions
-    top_k: int | None = None
-    top_p: float | None = None
-    dtype: np.dtype | None = None  # None: the model's own
-
-    def selected_shape(self, batch: int, num_heads: int, q_len: int, kv_len: int) -> tuple[int, int, int, int]:
-        """[B, h', Lq', Lk']: the weights after the head, row and key choices."""
-        heads = len(self.heads) if self.heads is not None else num_heads
-        rows = self.rows[1] - self.rows[0] if self.rows else q_len
-        keys = self.keys[1] - self.keys[0] if self.keys else kv_len
-        return batch, heads, rows, keys
-
-
-NO_SHAPING = WeightsShaping()
-
-
-def weights_shaping(
-    parameters: Mapping[str, object], named: tuple[str, ...], num_heads: int, q_len: int, kv_len: int
-) -> tuple[WeightsShaping, tuple[str, ...] | None]:
-    """The request's shaping options, checked (INVALID_ARGUMENT naming the parameter otherwise), and the outputs
-    it gets when it named none (None: the model's defaults)."""
-    unknown = sorted(name for name in parameters if name.startswith("attn_") and name not in SHAPING_PARAMETERS)
-    if unknown:
-        raise invalid(
-            f"unknown parameter {quoted(unknown[0])}; the weights' options are {', '.join(SHAPING_PARAMETERS)}"
-        )
-    given = [name for name in SHAPING_PARAMETERS if name in parameters]
-    top_k_named = [name for name in named if name in TOP_K_OUTPUTS]
-    if not given:
-        return NO_SHAPING, None
-    heads = _heads(parameters.get("attn_heads"), num_heads)
-    rows = _window(parameters.get("attn_rows"), "attn_rows", q_len, "query rows")
-    keys = _window(parameters.get("attn_keys"), "attn_keys", kv_len, "key positions")
-    window = keys[1] - keys[0] if keys else kv_len
-    top_k = _top_k(parameters.get("attn_top_k"), window)
-    top_p = _top_p(parameters.get("attn_top_p"))
-    if top_k is not None and top_p is not None:
-        raise invalid("parameters attn_top_k and attn_top_p were both given; a request asks for one of them")
-    dtype = _precision(parameters.get("attn_weights_precision"))
-    shaping = WeightsShaping(heads, rows, keys, top_k, top_p, dtype)
-    ranked = top_k is not None or top_p is not None
-    if named:
-        weights_named = [name for name in named if name in WEIGHTS_OUTPUT_NAMES]
-        if not weights_named:
-            raise invalid(
-                f"parameter '{given[0]}' shapes the attention weights, but the request asks for none of the "
-                f"weights' outputs ({', '.join(WEIGHTS_OUTPUT_NAMES)}); it named {', '.join(named)}"
-            )
-        if ranked and not top_k_named:
-            which = "attn_top_k" if top_k is not None else "attn_top_p"
-            raise invalid(f"parameter '{which}' needs the output {ATTN_TOP_K_VALUES} or {ATTN_TOP_K_INDICES}")
-        return shaping, None
-    return shaping, (OUTPUT, *TOP_K_OUTPUTS) if ranked else None
 
 
 def mean_over_heads(weights: np.ndarray) -> np.ndarray:
@@ -247,63 +178,3 @@ def ranking_bytes(shaping: WeightsShaping, batch, num_heads, q_len, kv_len) -> i
     if shaping.top_k is not None:
         return (4 + 8) * b * h * lq * shaping.top_k
     return 0
-
-
-def _heads(value, num_heads: int) -> tuple[int, ...] | None:
-    if value is None:
-        return None
-    given = text(value, "attn_heads")
-    try:
-        heads = tuple(int(part) for part in given.split(","))
-    except ValueError:
-        raise invalid(f"parameter 'attn_heads' must list head numbers like \"0,3\", got {quoted(given)}") from None
-    for head in heads:
-        if not 0 <= head < num_heads:
-            raise invalid(
-                f"parameter 'attn_heads': head {head} is out of range; this model has heads 0..{num_heads - 1}"
-            )
-    if len(set(heads)) != len(heads):
-        raise invalid(f"parameter 'attn_heads' names a head more than once: {quoted(given)}")
-    return heads
-
-
-def _window(value, name: str, length: int, what: str) -> tuple[int, int] | None:
-    """A Python-style "start:stop" range (either end may be left out, negative counts from the end), non-empty
-    and within the request's ``length``."""
-    if value is None:
-        return None
-    given = text(value, name).strip()
-    parts = given.split(":")
-    try:
-        if len(parts) != 2:
-            raise ValueError
-        start, stop = (int(part) if part.strip() else default for part, default in zip(parts, (0, length), strict=True))
-    except ValueError:
-        raise invalid(f"parameter '{name}' must be a range like \"0:32\" (start:stop), got {quoted(given)}") from None
-    start, stop = (index + length if index < 0 else index for index in (start, stop))
-    if not 0 <= start < stop <= length:
-        raise invalid(
-            f"parameter '{name}': {quoted(given)} is no non-empty range of the request's {length} {what} (0..{length})"
-        )
-    return start, stop
-
-
-def _top_k(value, window: int) -> int | None:
-    if value is None:
-        return None
-    return integer(value, "attn_top_k", 1, window, "the keys each row has to rank")
-
-
-def _top_p(value) -> float | None:
-    if value is None:
-        return None
-    return number(value, "attn_top_p", 0, 1, low_open=True)
-
-
-def _precision(value) -> np.dtype | None:
-    if value is None:
-        return None
-    given = text(value, "attn_weights_precision").upper()
-    if given not in ASKABLE_WEIGHTS_DTYPES:
-        raise invalid(f"parameter 'attn_weights_precision' must be FP32 or FP16, got {quoted(value)}")
-    return ASKABLE_WEIGHTS_DTYPES[given]

@@ -25,7 +25,7 @@ from mhaserve.contract.signature import (
 
 from .config import flag_of
 from .errors import ErrorKind, RequestError, invalid
-from .shaping import NO_SHAPING, WeightsShaping
+from .parameters import NO_SHAPING, WeightsShaping
 
 
 def weights_dtype(precision: str) -> np.dtype:

@@ -45,11 +45,14 @@ class RequestReader:
     arrives that fast, is read then, whatever other senders do or fail to do. At most ``first_reads`` run at once,
     one per connection, the calls of connections in good standing first (FirstReads): the others wait unread, so
     what first reads take is bounded, and stalled senders queue behind themselves. A request still arriving after
-    its first read needs one of ``slots`` receiving turns (each reserves three times the receive limit in
-    --max-receiving-bytes); with none free it is refused RESOURCE_EXHAUSTED at once rather than queued (its bytes
-    would go on arriving while it waited), and one that has not arrived ``timeout_s`` after its read began is
-    refused DEADLINE_EXCEEDED. A stalled sender can hold a turn, and a first read for ``first_read_s``; never
-    another caller's small request for longer."""
+    its first read needs one of the receiving turns (each reserves three times the receive limit in
+    --max-receiving-bytes). With none free, a call from a connection in good standing waits for one in its first
+    read, up to ``first_read_s`` more (the holder is most often another request nearly arrived); one from a
+    connection in bad standing, or one still waiting then, is refused RESOURCE_EXHAUSTED (its bytes would go on
+    arriving while it waited). One that has not arrived ``timeout_s`` after its read began is refused
+    DEADLINE_EXCEEDED. A refused call puts its connection in bad standing; a request read whole restores it. A
+    stalled sender can hold a turn, and a first read for twice ``first_read_s`` once; never another caller's small
+    request for longer."""
 
     def __init__(
         self,
@@ -63,7 +66,7 @@ class RequestReader:
         self.turns = turns
         self._timeout_s = timeout_s
         self._first_read_s = min(first_read_s, timeout_s)
-        self._first_reads = FirstReads(first_reads)
+        self._first_reads = FirstReads(first_reads, turns.bad_standing)
         self._abandoned = abandoned  # told of a read refused part-way: grpcio may have taken up to the limit for it
         self._receive_limit = receive_limit
 
@@ -72,15 +75,16 @@ class RequestReader:
         await self._first_reads.acquire(connection)
         # Timers, not a task racing the read (a task per request cost throughput: BENCHMARKS.md, "Hostile clients"):
         # the read is awaited in the call's own task, and a timer that refuses it answers the call meanwhile.
-        loop, reading = asyncio.get_running_loop(), _Read(context)
-        # With every turn taken, a first read that goes long is refused, and what arrives until then is waste: it
-        # gets BUSY_FIRST_READ_S (on loopback a large message arrives whole within a first read's usual time).
+        loop, reading = asyncio.get_running_loop(), _Read(context, connection)
+        # With every turn taken, a first read that goes long waits for a turn or is refused, and what arrives
+        # meanwhile may be waste: it gets BUSY_FIRST_READ_S (on loopback a large message arrives whole within a
+        # first read's usual time).
         first_read_s = self._first_read_s if self.turns.free else min(self._first_read_s, BUSY_FIRST_READ_S)
         reading.started = loop.time()
         reading.first_read_s, reading.due = first_read_s, reading.started + first_read_s
         # The read timeout is armed only for a read that outlasts its first read (_first_read_decided): a timer
         # per request would keep --grpc-read-timeout-s worth of requests' timers in the loop's heap.
-        first_read_over = loop.call_later(first_read_s, self._first_read_over, reading, connection)
+        first_read_over = loop.call_later(first_read_s, self._first_read_over, reading)
         try:
             raw = await context.read()
         except Exception:
@@ -90,51 +94,70 @@ class RequestReader:
         finally:
             reading.finished = True
             first_read_over.cancel()
-            if reading.rearmed is not None:
-                reading.rearmed.cancel()
-            if reading.timed_out is not None:
-                reading.timed_out.cancel()
+            for timer in (reading.rearmed, reading.timed_out, reading.no_turn):
+                if timer is not None:
+                    timer.cancel()
+            if reading.withdraw is not None:  # still waiting for a turn
+                reading.withdraw()
             if reading.first:
-                self._first_reads.release(connection, went_long=False)
+                self._first_reads.release(connection)
             if reading.turn:
                 self.turns.give_back()
         if reading.refusal is not None:  # answered by _refuse: once its status is sent, the handler ends
             await reading.answering
             raise AlreadyAnswered
+        self.turns.bad_standing.discard(connection)
         if raw is grpc.aio.EOF:
             raise RequestError(ErrorKind.INVALID_ARGUMENT, "the call ended without a request message")
         return raw
 
-    def _first_read_over(self, reading: _Read, connection: str) -> None:
+    def _first_read_over(self, reading: _Read) -> None:
         """The first read's time is up; decided a loop tick later, so that a read whose completion is already queued
         (a loaded loop runs its timers late) ends first. A timer late by more than its own time (a starved loop, not
         a slow sender) gives the read that time once more."""
         loop = asyncio.get_running_loop()
         if loop.time() - reading.due > reading.first_read_s and reading.rearmed is None:
-            reading.rearmed = loop.call_later(reading.first_read_s, self._first_read_over, reading, connection)
+            reading.rearmed = loop.call_later(reading.first_read_s, self._first_read_over, reading)
             reading.due = loop.time() + reading.first_read_s
             return
-        loop.call_soon(self._first_read_decided, reading, connection)
+        loop.call_soon(self._first_read_decided, reading)
 
-    def _first_read_decided(self, reading: _Read, connection: str) -> None:
-        """The request is still arriving: it takes a turn, or is refused (its bytes would go on arriving)."""
+    def _first_read_decided(self, reading: _Read) -> None:
+        """The request is still arriving: it takes a turn, waits in its first read for one, or is refused."""
         if reading.finished:
             return
-        reading.first = False
-        self._first_reads.release(connection, went_long=True)
         if self.turns.take():
-            reading.turn = True
-            loop = asyncio.get_running_loop()
-            reading.timed_out = loop.call_at(reading.started + self._timeout_s, self._read_timed_out, reading)
-            return
+            self._turn_taken(reading)
+        elif reading.connection in self.turns.bad_standing:
+            self._no_turn_came(reading)
+        else:
+            reading.withdraw = self.turns.wait(lambda: self._turn_taken(reading))
+            reading.no_turn = asyncio.get_running_loop().call_later(self._first_read_s, self._no_turn_came, reading)
+
+    def _turn_taken(self, reading: _Read) -> None:
+        reading.withdraw = None
+        if reading.no_turn is not None:
+            reading.no_turn.cancel()
+        reading.first, reading.turn = False, True
+        self._first_reads.release(reading.connection)
+        loop = asyncio.get_running_loop()
+        reading.timed_out = loop.call_at(reading.started + self._timeout_s, self._read_timed_out, reading)
+
+    def _no_turn_came(self, reading: _Read) -> None:
+        if reading.withdraw is not None:
+            reading.withdraw()
+            reading.withdraw = None
+        reading.first = False
+        self._first_reads.release(reading.connection)
         self._abandoned(self._receive_limit)
+        waited_ms = (asyncio.get_running_loop().time() - reading.started) * 1000
         self._refuse(
             reading,
             RequestError(
                 ErrorKind.RESOURCE_EXHAUSTED,
-                f"the request had not arrived {reading.first_read_s * 1000:g} ms after its read began "
-                f"(--grpc-first-read-ms), and the {self.turns.count} turn(s) for requests still arriving "
-                "(--max-receiving-bytes) are taken; retry",
+                f"the request had not arrived {waited_ms:.0f} ms after its read began (--grpc-first-read-ms), and "
+                f"the {self.turns.count} turn(s) for requests still arriving (--max-receiving-bytes) stayed taken; "
+                "retry",
             ),
         )
 
@@ -147,14 +170,14 @@ class RequestReader:
             ),
         )
 
-    @staticmethod
-    def _refuse(reading: _Read, refusal: RequestError) -> None:
+    def _refuse(self, reading: _Read, refusal: RequestError) -> None:
         """Answer the call with ``refusal`` now, while its read is under way: the read then ends (its request is
         never taken whole) and the call's task goes on from it. (Cancelling the task's wait on the read instead
         left the message's bytes held for good, burst after burst: BENCHMARKS.md, "Hostile clients".)"""
         if reading.refusal is None:
             reading.refusal = refusal
             reading.answering = asyncio.ensure_future(_answer_with(reading.context, refusal))
+            self.turns.bad_standing.add(reading.connection)
 
 
 @dataclass
@@ -162,11 +185,14 @@ class _Read:
     """One call's read under way: its context, whether it holds its first read or a turn, and why it was refused."""
 
     context: object
+    connection: str
     first_read_s: float = 0.0
     started: float = 0.0  # when its read began, on the loop's clock
     due: float = 0.0  # when its first read's time is up
     timed_out: asyncio.TimerHandle | None = None  # the read timeout, once the read outlasts its first read
     rearmed: asyncio.TimerHandle | None = None  # the first read's timer again, once, after a starved loop
+    no_turn: asyncio.TimerHandle | None = None  # while it waits for a turn: when it gives up
+    withdraw: Callable[[], None] | None = None  # while it waits for a turn: leaves the line
     finished: bool = False  # its read has ended
     first: bool = True
     turn: bool = False
@@ -185,22 +211,42 @@ async def _answer_with(context, refusal: RequestError) -> None:
         pass
 
 
+class BadStanding:
+    """Connections in bad standing: one whose call was refused while its request arrived (a stalled sender), or
+    whose stream held a receiving turn idle. Their reads wait behind those of connections in good standing, so a
+    stalled sender that reopens its call at once queues behind itself, not before other callers. The most recent
+    REMEMBERED are kept, the oldest forgotten first. Event loop only."""
+
+    REMEMBERED = 4096
+
+    def __init__(self):
+        self._connections: collections.OrderedDict[str, None] = collections.OrderedDict()
+
+    def __contains__(self, connection: str) -> bool:
+        return connection in self._connections
+
+    def add(self, connection: str) -> None:
+        self._connections[connection] = None
+        self._connections.move_to_end(connection)
+        while len(self._connections) > self.REMEMBERED:
+            self._connections.popitem(last=False)
+
+    def discard(self, connection: str) -> None:
+        self._connections.pop(connection, None)
+
+
 class FirstReads:
-    """The first reads under way at once (RequestReader): at most ``limit``, one per connection. A connection whose
-    last first read went long (a stalled sender, or a large request) waits behind those whose last one did not: a
-    stalled sender that reopens its call at once queues behind itself, not before other callers' small requests.
-    Event loop only."""
+    """The first reads under way at once (RequestReader): at most ``limit``, one per connection, those of
+    connections in good standing first. Event loop only."""
 
-    REMEMBERED = 4096  # connections remembered as having gone long, the oldest forgotten first
-
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, bad_standing: BadStanding):
         self._free = limit
         self._busy: set[str] = set()  # connections with a first read under way
-        self._went_long: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._bad_standing = bad_standing
         self._waiting: dict[bool, collections.deque] = {False: collections.deque(), True: collections.deque()}
 
     async def acquire(self, connection: str) -> None:
-        suspect = connection in self._went_long
+        suspect = connection in self._bad_standing
         ahead = (self._waiting[False], self._waiting[True]) if suspect else (self._waiting[False],)
         if self._free and connection not in self._busy and not self._eligible(ahead):
             self._take(connection)
@@ -212,21 +258,14 @@ class FirstReads:
             await handed
         except asyncio.CancelledError:
             if handed.done() and not handed.cancelled():  # handed a slot, then gone: pass it on
-                self.release(connection, went_long=False)
+                self.release(connection)
             else:
                 self._waiting[suspect].remove(entry)
             raise
 
-    def release(self, connection: str, went_long: bool) -> None:
+    def release(self, connection: str) -> None:
         self._free += 1
         self._busy.discard(connection)
-        if went_long:
-            self._went_long[connection] = None
-            self._went_long.move_to_end(connection)
-            while len(self._went_long) > self.REMEMBERED:
-                self._went_long.popitem(last=False)
-        else:
-            self._went_long.pop(connection, None)
         self._hand_on()
 
     def _eligible(self, queues) -> bool:
@@ -261,15 +300,14 @@ class StreamEnded(Exception):
 
 class ReceivingTurns:
     """The receiving turns of --max-receiving-bytes, one per three messages of --max-message-bytes: what requests
-    still arriving may hold at once. A unary request that outlasts its first read takes one or is refused
-    (RequestReader); a ModelStreamInfer stream reads its next request only in one, waiting in line for it, its
-    sender held to the stream's window meanwhile. A stream waiting for a request its client has not sent cannot be
-    told from one receiving it, so a stream that has held its turn ``hold_s`` without its request arriving while
-    another request waits for one is ended UNAVAILABLE (reopen and send) and its turn handed on; its connection's
-    streams then wait behind those of other connections, so an idle or stalled stream delays another's read by
-    ``hold_s`` at most, once. Event loop only."""
-
-    REMEMBERED = 4096  # connections remembered as having held a turn idle, the oldest forgotten first
+    still arriving may hold at once. A unary request that outlasts its first read takes one, waits briefly for one
+    ahead of streams (its bytes are arriving), or is refused (RequestReader); a ModelStreamInfer stream reads its
+    next request only in one, waiting in line for it, its sender held to the stream's window meanwhile. A stream
+    waiting for a request its client has not sent cannot be told from one receiving it, so a stream that has held
+    its turn ``hold_s`` without its request arriving while another request waits for one is ended UNAVAILABLE
+    (reopen and send) and its turn handed on; its connection is then in bad standing, its streams behind those of
+    other connections, so an idle or stalled stream delays another's read by ``hold_s`` at most, once. Event loop
+    only."""
 
     def __init__(self, receiving_bytes: int, receive_limit: int, hold_s: float):
         self.count = max(1, receiving_bytes // (GRPCIO_RECEIPT_COPIES * receive_limit))
@@ -281,7 +319,8 @@ class ReceivingTurns:
             False: collections.deque(),
             True: collections.deque(),
         }
-        self._held_idle: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._unary_waiting: collections.deque[Callable[[], None]] = collections.deque()  # what each is told
+        self.bad_standing = BadStanding()
         self._timer: asyncio.TimerHandle | None = None
 
     def take(self) -> bool:
@@ -294,6 +333,12 @@ class ReceivingTurns:
         self.free -= 1
         return True
 
+    def wait(self, handed: Callable[[], None]) -> Callable[[], None]:
+        """Line a unary request still arriving up for the next turn given back, ahead of streams: ``handed`` is
+        called once it holds one. Returns what takes it out of line."""
+        self._unary_waiting.append(handed)
+        return lambda: self._unary_waiting.remove(handed) if handed in self._unary_waiting else None
+
     def give_back(self) -> None:
         self.free += 1
         self._hand_on()
@@ -303,7 +348,7 @@ class ReceivingTurns:
         """Hold a turn while a stream reads its next request: waits for one in line, and raises StreamEnded (its
         refusal already sent) once the stream was ended for holding it idle."""
         turn = _StreamTurn(context, connection)
-        suspect = connection in self._held_idle
+        suspect = connection in self.bad_standing
         ahead = (self._waiting[False], self._waiting[True]) if suspect else (self._waiting[False],)
         if self.free and not any(ahead):
             self.free -= 1
@@ -334,7 +379,7 @@ class ReceivingTurns:
     def _hold(self, turn: _StreamTurn) -> None:
         turn.since = asyncio.get_running_loop().time()
         self._streams[turn] = None
-        self._held_idle.pop(turn.connection, None)
+        self.bad_standing.discard(turn.connection)
 
     def _release(self, turn: _StreamTurn) -> None:
         if turn in self._streams:  # an ended stream's turn was handed on when it was ended
@@ -342,6 +387,9 @@ class ReceivingTurns:
             self.give_back()
 
     def _hand_on(self) -> None:
+        while self._unary_waiting and self.free:
+            self.free -= 1
+            self._unary_waiting.popleft()()
         for queue in (self._waiting[False], self._waiting[True]):
             while queue and self.free:
                 turn = queue.popleft()
@@ -372,10 +420,7 @@ class ReceivingTurns:
             if now - turn.since < self._hold_s:
                 return
             del self._streams[turn]
-            self._held_idle[turn.connection] = None
-            self._held_idle.move_to_end(turn.connection)
-            while len(self._held_idle) > self.REMEMBERED:
-                self._held_idle.popitem(last=False)
+            self.bad_standing.add(turn.connection)
             turn.ended = asyncio.ensure_future(
                 _answer_with(
                     turn.context,

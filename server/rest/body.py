@@ -1,16 +1,20 @@
-"""Request bodies off the HTTP connection: read within a time limit and a size limit, inflated (gzip, deflate)
-step by step off the event loop, and counted in the request's receipt as they arrive, so that a body the
-memory budget cannot hold is refused before it is read whole."""
+"""Bodies on the HTTP connection. A request's is read within a time limit and a size limit, inflated (gzip, deflate)
+step by step off the event loop, and counted in the request's receipt as it arrives, so that a body the memory
+budget cannot hold is refused before it is read whole; an answer's is written within a time limit, so that a
+client that does not read it cannot hold its memory."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import zlib
 
 from aiohttp import web
 
 from ..accounting import Receipt
 from ..errors import ErrorKind, RequestError, invalid
+
+log = logging.getLogger("mhaserve.server")
 
 
 class BodyTooLarge(RequestError):
@@ -47,13 +51,15 @@ INFLATING_AT_ONCE = 2
 CONTENT_ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}  # zlib's wbits for each
 
 
-class BodyReader:
-    """Reads the bodies of one HTTP port: at most ``body_limit`` bytes both ways, arriving within
-    ``read_timeout_s``; ``off_loop`` runs a step of inflating off the event loop."""
+class Bodies:
+    """The bodies of one HTTP port: requests of at most ``body_limit`` bytes both ways, arriving within
+    ``read_timeout_s`` (``off_loop`` runs a step of inflating off the event loop); answers written within
+    ``write_timeout_s``."""
 
-    def __init__(self, body_limit: int, read_timeout_s: float, off_loop):
+    def __init__(self, body_limit: int, read_timeout_s: float, write_timeout_s: float, off_loop):
         self.body_limit = body_limit
         self.read_timeout_s = read_timeout_s
+        self.write_timeout_s = write_timeout_s
         self._off_loop = off_loop
         self._inflating = asyncio.Semaphore(INFLATING_AT_ONCE)
 
@@ -72,6 +78,26 @@ class BodyReader:
                 ErrorKind.DEADLINE_EXCEEDED, f"the request body did not arrive within {self.read_timeout_s:g} s"
             ) from None
         return body if encoding == "identity" else await self._inflate(body, encoding, receipt)
+
+    async def send(self, request: web.Request, response: web.Response) -> bool:
+        """Write the answer within write_timeout_s: a client that does not read it is dropped, and the answer
+        with it, instead of holding its memory for as long as it likes. Whether it was written whole."""
+        try:
+            async with asyncio.timeout(self.write_timeout_s):
+                await response.prepare(request)
+                await response.write_eof()
+            return True
+        except TimeoutError:
+            log.info(
+                "dropped an HTTP client that did not read its %d-byte answer within %g s",
+                response.content_length or 0,
+                self.write_timeout_s,
+            )
+        except ConnectionError:  # it went away first
+            pass
+        if request.transport is not None:
+            request.transport.abort()
+        return False
 
     async def _receive(self, request: web.Request, receipt: Receipt | None) -> bytearray:
         declared = request.content_length

@@ -6,7 +6,6 @@ its RequestError kinds as HTTP statuses, with the gRPC status's message text in 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import orjson
@@ -19,7 +18,7 @@ from ..errors import HTTP_STATUS, RequestError, invalid
 from ..parameters import quoted
 from ..security import Callers, certificate_name
 from . import openapi
-from .body import BodyReader
+from .body import Bodies
 from .codec import HEADER_LENGTH, header_length_of, infer_rest
 
 log = logging.getLogger("mhaserve.server")
@@ -73,8 +72,7 @@ class RestTransport:
         self.callers = callers or Callers()
         self.tokens = self.callers.tokens
         self.body_limit = body_limit
-        self._bodies = BodyReader(body_limit, read_timeout_s, dataplane.off_loop)
-        self.write_timeout_s = write_timeout_s
+        self._bodies = Bodies(body_limit, read_timeout_s, write_timeout_s, dataplane.off_loop)
 
     def application(self) -> web.Application:
         app = web.Application(client_max_size=self.body_limit, middlewares=[self._errors, self._authenticate])
@@ -263,27 +261,7 @@ class RestTransport:
             )
         delivered = False
         try:
-            delivered = await self._send(request, response)
+            delivered = await self._bodies.send(request, response)
         finally:
             call.sent(delivered, len(payload))  # the answer leaves the memory budget only now
         return response
-
-    async def _send(self, request: web.Request, response: web.Response) -> bool:
-        """Write the answer within write_timeout_s: a client that does not read it is dropped, and the answer
-        with it, instead of holding its memory for as long as it likes."""
-        try:
-            async with asyncio.timeout(self.write_timeout_s):
-                await response.prepare(request)
-                await response.write_eof()
-            return True
-        except TimeoutError:
-            log.info(
-                "dropped an HTTP client that did not read its %d-byte answer within %g s",
-                response.content_length or 0,
-                self.write_timeout_s,
-            )
-        except ConnectionError:  # it went away first
-            pass
-        if request.transport is not None:
-            request.transport.abort()
-        return False

@@ -12,7 +12,7 @@ from mhaserve.contract.signature import OUTPUT
 
 from ..answers import answer_from_run
 from ..errors import invalid
-from ..shaping import weights_shaping
+from ..parameters import weights_shaping
 from .runs import StepRuns
 from .state import Sequence, Sequences
 

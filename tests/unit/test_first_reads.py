@@ -1,31 +1,32 @@
-"""The first reads of gRPC requests: one connection's at a time, and a connection whose last first read went long
-(a stalled sender) waits behind connections in good standing, however early it asked."""
+"""The first reads of gRPC requests: one connection's at a time, and a connection in bad standing (its last call
+refused while its request arrived: a stalled sender) waits behind connections in good standing, however early it
+asked."""
 
 from __future__ import annotations
 
 import asyncio
 
-from mhaserve.server.grpc.receipt import FirstReads
+from mhaserve.server.grpc.receipt import BadStanding, FirstReads
 
 
 def test_a_stalled_connection_queues_behind_callers_in_good_standing():
     async def scenario() -> list[str]:
-        reads = FirstReads(1)
+        bad_standing = BadStanding()
+        reads = FirstReads(1, bad_standing)
         order = []
-        await reads.acquire("stalled")
-        reads.release("stalled", went_long=True)  # its last first read went long
+        bad_standing.add("stalled")  # its last call was refused while its request arrived
         await reads.acquire("holder")
 
-        async def read(connection: str, went_long: bool = False) -> None:
+        async def read(connection: str) -> None:
             await reads.acquire(connection)
             order.append(connection)
-            reads.release(connection, went_long)
+            reads.release(connection)
 
-        stalled = asyncio.create_task(read("stalled", went_long=True))  # asks first
+        stalled = asyncio.create_task(read("stalled"))  # asks first
         await asyncio.sleep(0)
         fresh = asyncio.create_task(read("fresh"))
         await asyncio.sleep(0)
-        reads.release("holder", went_long=False)
+        reads.release("holder")
         await asyncio.gather(stalled, fresh)
         return order
 
@@ -34,14 +35,14 @@ def test_a_stalled_connection_queues_behind_callers_in_good_standing():
 
 def test_one_first_read_per_connection_and_a_cancelled_waiter_passes_its_turn_on():
     async def scenario() -> list[str]:
-        reads = FirstReads(2)
+        reads = FirstReads(2, BadStanding())
         order = []
         await reads.acquire("a")
 
         async def read(connection: str) -> None:
             await reads.acquire(connection)
             order.append(connection)
-            reads.release(connection, went_long=False)
+            reads.release(connection)
 
         second_of_a = asyncio.create_task(read("a"))  # waits for a's first read, though a slot is free
         await asyncio.sleep(0)
@@ -49,7 +50,7 @@ def test_one_first_read_per_connection_and_a_cancelled_waiter_passes_its_turn_on
         gone = asyncio.create_task(read("c"))
         await asyncio.sleep(0)  # took the free slot at once
         b = asyncio.create_task(read("b"))
-        reads.release("a", went_long=False)
+        reads.release("a")
         gone.cancel()
         await asyncio.gather(second_of_a, b, return_exceptions=True)
         return order

@@ -13,7 +13,7 @@ import pytest
 from mhaserve.contract.repository import ModelRepository
 from mhaserve.loadtest.loadgen import Point, PointResult, Workload
 from mhaserve.loadtest.slo import parse_slo, summary, summary_lines
-from mhaserve.server.grpc.receipt import ReceivingTurns, StreamEnded, StreamSlots
+from mhaserve.server.grpc.receipt import AlreadyAnswered, ReceivingTurns, RequestReader, StreamEnded, StreamSlots
 
 
 def test_one_client_holds_its_share_of_the_streams_and_the_rest_stay_open_to_others():
@@ -66,9 +66,13 @@ def test_each_slo_passes_only_if_it_held_at_every_point_and_names_its_worst():
 class Context:
     """A stream's call as the turns see it: a read that ends when its request is sent or the call is aborted."""
 
-    def __init__(self):
+    def __init__(self, connection: str = "ipv4:127.0.0.1:1"):
         self.refusal = None
+        self.connection = connection
         self._read = asyncio.get_running_loop().create_future()
+
+    def peer(self) -> str:
+        return self.connection
 
     def send(self) -> None:
         self._read.set_result(b"request")
@@ -172,3 +176,53 @@ def test_a_unary_request_still_arriving_takes_the_turn_of_a_stream_idle_in_it():
 async def _read_in_turn(turns, context):
     async with turns.for_stream("idle", context):
         await context.read()
+
+
+def test_a_request_still_arriving_waits_briefly_for_the_turn_another_request_holds_and_is_read_not_refused():
+    """Two large requests arriving at once on a loaded machine: the second's first read ends while the first holds
+    the only turn; it waits for that turn in its first read and takes it once given back."""
+
+    async def scenario():
+        turns = ReceivingTurns(receiving_bytes=3, receive_limit=1, hold_s=60)
+        reader = RequestReader(turns, receive_limit=1, timeout_s=5, first_read_s=0.05)
+        holder, second = Context("ipv4:127.0.0.1:1"), Context("ipv4:127.0.0.1:2")
+        first = asyncio.create_task(reader.read(holder))
+        await asyncio.sleep(0.08)  # past its first read: it holds the turn
+        assert turns.free == 0
+        waiting = asyncio.create_task(reader.read(second))
+        await asyncio.sleep(0.03)  # past the second's busy first read (10 ms): it waits for the turn
+        holder.send()
+        second_request = asyncio.get_running_loop().call_later(0.01, second.send)
+        assert await first == b"request" and await waiting == b"request"
+        second_request.cancel()
+        assert second.refusal is None and turns.free == 1
+
+    asyncio.run(scenario())
+
+
+def test_a_request_the_turn_never_comes_to_is_refused_and_its_connection_queues_behind_others_until_one_arrives():
+    async def scenario():
+        turns = ReceivingTurns(receiving_bytes=3, receive_limit=1, hold_s=60)
+        reader = RequestReader(turns, receive_limit=1, timeout_s=5, first_read_s=0.02)
+        stalled, slow = "ipv4:127.0.0.1:1", "ipv4:127.0.0.1:2"
+        holder = asyncio.create_task(reader.read(Context(stalled)))  # never sent: holds the turn
+        await asyncio.sleep(0.05)
+        loop = asyncio.get_running_loop()
+        started, refused = loop.time(), Context(slow)
+        with pytest.raises(AlreadyAnswered):
+            await reader.read(refused)
+        code, details = refused.refusal
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "stayed taken; retry" in details
+        assert 0.025 < loop.time() - started < 0.2  # its busy first read (10 ms), then 20 ms in line for the turn
+        assert slow in turns.bad_standing
+        started, again = loop.time(), Context(slow)
+        with pytest.raises(AlreadyAnswered):  # in bad standing: refused after its first read, not lined up
+            await reader.read(again)
+        assert loop.time() - started < 0.02
+        sent = Context(slow)
+        sent.send()
+        assert await reader.read(sent) == b"request" and slow not in turns.bad_standing
+        holder.cancel()
+        await asyncio.gather(holder, return_exceptions=True)
+
+    asyncio.run(scenario())

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from mhaserve.server.errors import ErrorKind, RequestError
-from mhaserve.server.shaping import NO_SHAPING, mean_over_heads, shaped_weights, top_k, top_p, weights_shaping
+from mhaserve.server.parameters import NO_SHAPING, weights_shaping
+from mhaserve.server.shaping import mean_over_heads, shaped_weights, top_k, top_p
 
 TOP_K = ("attn_weights_top_k_values", "attn_weights_top_k_indices")
 
@@ -157,7 +158,8 @@ def test_the_mean_over_heads_is_numpys_mean_bit_for_bit(heads, dtype):
 
 
 def test_ranking_is_counted_in_the_budget_at_its_worst():
-    from mhaserve.server.shaping import TOP_P_BYTES_PER_KEY, WeightsShaping, ranking_bytes
+    from mhaserve.server.parameters import WeightsShaping
+    from mhaserve.server.shaping import TOP_P_BYTES_PER_KEY, ranking_bytes
 
     # Top-p at a flat row ranks every key of the selection; top-k its k.
     assert ranking_bytes(WeightsShaping(top_p=0.9), 1, 8, 512, 512) == TOP_P_BYTES_PER_KEY * 8 * 512 * 512
