@@ -10,6 +10,13 @@ Printed, each figure the median of ``--calls`` calls per round, rounds alternati
   side, on a second server whose ``--max-batch-size 1`` runs each step alone; rounds alternate the two; then the
   transport's ceiling, stateless one-row requests;
 - first, the server's RSS per live sequence of 256 rows against its keys' and values' bytes.
+
+    flock /tmp/bench.lock .venv/bin/python benchmarks/bench_sequences.py --baseline REV [--rounds 3]
+
+instead serves another revision's code (and its own export of the same default model) beside the working tree's,
+and prints, per position (about 32, 256 and 1,024 rows), the steps a second of 1 and 64 sequences stepping at once
+on each and, at the end, each server's stateless one-row requests a second from 64 callers, the rounds alternating
+the two servers.
 Not a test: BENCHMARKS.md records the figures with this command.
 """
 
@@ -17,11 +24,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import grpc
 import numpy as np
+from bench_revisions import baseline_checkout
 
 from mhaserve.client.grpc import build_infer_request
 from mhaserve.export.default_model import ensure_default_model
@@ -163,12 +176,48 @@ async def merged_against_alone(merged: ServerProcess, alone: ServerProcess, roun
           f"(merged 64 sequences: {medians[64]['merged'] / ceiling:.2f} of it)")  # fmt: skip
 
 
+async def against_baseline(baseline: ServerProcess, current: ServerProcess, rounds: int) -> None:
+    rng = np.random.default_rng(2)
+    servers = {"baseline": baseline, "current": current}
+    print("steps/s, one row a step, median of rounds (the rounds alternate the servers):")
+    for position in (32, 256, 1024):
+        for concurrency in (1, 64):
+            rates = {name: [] for name in servers}
+            for round_ in range(rounds):
+                for name in list(servers)[:: 1 if round_ % 2 == 0 else -1]:
+                    rates[name].append(await steps_per_second(servers[name].url, concurrency, rng, position=position))
+            b, c = (statistics.median(rates[name]) for name in servers)
+            spread = "; ".join(f"{name} {', '.join(f'{r:.0f}' for r in rates[name])}" for name in servers)
+            print(f"  ~{position:4d} rows, {concurrency:2d} sequences: baseline {b:8.1f}  current {c:8.1f}  "
+                  f"current / baseline {c / b:5.2f}  (rounds: {spread})")  # fmt: skip
+    for name, server in servers.items():
+        ceiling = statistics.median([await stateless_per_second(server.url, 64) for _ in range(rounds)])
+        print(f"  {name}: stateless one-row requests, 64 at once: {ceiling:.1f}/s")
+
+
+def export_at(env: dict[str, str], out: Path) -> Path:
+    """The default model exported by a revision's own code (its step graph is that revision's)."""
+    subprocess.run([sys.executable, "-m", "mhaserve.cli", "export", "--out", str(out)], env=env, check=True,
+                   capture_output=True)  # fmt: skip
+    return out
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--calls", type=int, default=30)
+    parser.add_argument("--baseline", help="serve this revision beside the working tree, steps/s at 32-1,024 rows")
     args = parser.parse_args()
     flags = ("--warmup-runs", "1", "--max-sequence-length", "4096", "--max-kv-len", "512", "--max-q-len", "512")
+    if args.baseline:
+        with baseline_checkout(args.baseline) as (env, _), tempfile.TemporaryDirectory() as tmp:
+            folder = export_at({**os.environ, **env}, Path(tmp) / "baseline-model")
+            with (
+                ServerProcess(folder, *flags, env=env) as baseline,
+                ServerProcess(ensure_default_model(), *flags) as current,
+            ):
+                asyncio.run(against_baseline(baseline, current, args.rounds))
+        raise SystemExit(0)
     with ServerProcess(ensure_default_model(), *flags) as served:
         asyncio.run(main(args.rounds, args.calls, served))
     # Two fresh servers, alike but for --max-batch-size, so that neither carries the runs above.

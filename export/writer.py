@@ -23,6 +23,7 @@ from mhaserve.contract.model_dir import (
     METADATA_PREFIX,
     MODEL_FILE,
     OUTPUT_ONLY_FILE,
+    STEP_CACHE_IN_PLACE,
     STEP_FILE,
     WEIGHTS_FILE,
     file_sha256,
@@ -196,6 +197,7 @@ def export_model_dir(
         manifest["files"]["step"] = STEP_FILE
         manifest["validation"]["step"] = {
             "passed": all(r["status"] == "pass" for r in step_results),
+            "cache": STEP_CACHE_IN_PLACE,
             "cases": step_results,
         }
     metadata = {

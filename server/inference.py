@@ -111,8 +111,8 @@ def run_inputs_of(request: InferenceRequest, model: ModelSignature, limits: Limi
             raise RequestError(
                 ErrorKind.UNIMPLEMENTED,
                 f"parameter 'sequence_id': model '{model.name}' version {model.version} serves no sequences (its "
-                "folder has no step graph: sequences are served from float32 exports of this mhaserve); send the "
-                "whole sequence so far in one request, with a causal mask",
+                "folder has no step graph, or an older one: sequences are served from float32 exports of this "
+                "mhaserve, so export it again); or send the whole sequence so far in one request, with a causal mask",
             )
         given = sorted(set(request.inputs) - {"query"})
         if given:

@@ -182,7 +182,15 @@ class AttentionSession:
                 model_dir,
             )
         # Its sequences' steps (server/sequences), where the folder has a step graph: on the full graph's provider.
-        self.steps = None if step_session is None else StepGraph(step_session, self.info.d_model, self.info.num_heads)
+        self.steps = None
+        if step_session is not None and not StepGraph.writes_new_rows(step_session):
+            log.warning(
+                "%s: exported before sequences' caches were written in place; it serves no sequences. Export it "
+                "again to serve them",
+                model_dir,
+            )
+        elif step_session is not None:
+            self.steps = StepGraph(step_session, self.info.d_model, self.info.num_heads)
 
     @property
     def has_output_only_graph(self) -> bool:

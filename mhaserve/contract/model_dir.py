@@ -13,6 +13,8 @@ MODEL_FILE = "model.onnx"
 # The same model without the attention-weights output, for requests that ask for none of them (written for
 # float32 exports; a folder without it, float16 or exported before it existed, serves them from model.onnx).
 OUTPUT_ONLY_FILE = "model_output_only.onnx"
+# What a current step graph does with a sequence's cache: returns its new rows, written in place after the others.
+STEP_CACHE_IN_PLACE = "new rows written in place"
 STEP_FILE = "model_step.onnx"  # one step of a growing sequence, over the keys and values the server keeps
 WEIGHTS_FILE = "weights.pt"
 MANIFEST_FILE = "manifest.json"
@@ -125,8 +127,8 @@ def why_not_current(model_dir: str | Path, wanted: Mapping[str, object] | None =
         return "an older export, without the output-only graph"
     if step is None:
         return "an older export, without the step graph that serves sequences"
-    if not any("batched" in case for case in manifest.get("validation", {}).get("step", {}).get("cases", [])):
-        return "an older export, whose step graph runs each sequence's steps alone"
+    if manifest.get("validation", {}).get("step", {}).get("cache") != STEP_CACHE_IN_PLACE:
+        return "an older export, whose step graph returns a sequence's whole cache at every step"
     return None
 
 

@@ -1,36 +1,58 @@
-"""How steps of several sequences share one run of the step graph (export/step.py), which export validates and the
-server does: each sequence's past keys and values right-aligned in one batch, padding on the left, and
-``past_lengths`` saying how many rows of it are each batch row's own. Torch-free."""
+"""How a sequence's keys and values are kept for the step graph (export/step.py), which export validates and the
+server does: in buffers with room past the rows they hold, each step's new rows written in place after them, and
+steps of several sequences run as one batch, each sequence's rows first in its batch rows and ``past_lengths``
+saying how many are its own. Torch-free."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
-PAST_LENGTHS = "past_lengths"  # the step graph's input: how many of the padded past rows are each batch row's own
+PAST_LENGTHS = "past_lengths"  # the step graph's input: how many of the past rows are each batch row's own
+NEW_KEY, NEW_VALUE = "new_key", "new_value"  # the step graph's outputs: the new rows' projected keys and values
+
+# A buffer that fills is replaced by one with room for this many times the rows it must hold (at least MIN_ROOM):
+# a live sequence holds at most 1.2 times its keys' and values' bytes, and its steps write their own rows plus, on
+# average, five times as many copied at a regrowth, at any position.
+GROWTH = 1.2
+MIN_ROOM = 16
 
 
-def padded_pasts(pasts: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """[B_i, h, P_i, d_k] arrays as one [sum B_i, h, max P_i, d_k] array, each right-aligned, and past_lengths."""
-    longest = max(past.shape[2] for past in pasts)
-    batch, heads, _, d_k = pasts[0].shape
-    padded = np.zeros((sum(p.shape[0] for p in pasts), heads, longest, d_k), np.float32)
-    lengths = np.empty(padded.shape[0], np.int64)
+def with_rows(buffer: np.ndarray, length: int, rows: np.ndarray) -> np.ndarray:
+    """The buffer [B, h, C, d_k] holding ``rows`` [B, h, n, d_k] after its first ``length`` rows: ``buffer``
+    itself, written in place, where it has room; else a new one with room to grow, the first ``length`` copied.
+    Rows past ``length + n`` are zeros or rows of steps never answered: finite, and masked."""
+    needed = length + rows.shape[2]
+    if needed > buffer.shape[2]:
+        room = max(math.ceil(needed * GROWTH), MIN_ROOM)
+        grown = np.zeros((*buffer.shape[:2], room, buffer.shape[3]), buffer.dtype)
+        grown[:, :, :length] = buffer[:, :, :length]
+        buffer = grown
+    buffer[:, :, length:needed] = rows
+    return buffer
+
+
+def stacked_pasts(pasts: list[tuple[np.ndarray, int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Buffers [B_i, h, C_i, d_k] holding L_i rows each as one [sum B_i, h, max L_i, d_k] array, each sequence's
+    rows first in its batch rows, and past_lengths: steps of several sequences in one run (their rows copied)."""
+    longest = max(length for _, length in pasts)
+    _, heads, _, d_k = pasts[0][0].shape
+    stacked = np.zeros((sum(buffer.shape[0] for buffer, _ in pasts), heads, longest, d_k), np.float32)
+    lengths = np.empty(stacked.shape[0], np.int64)
     row = 0
-    for past in pasts:
-        rows = slice(row, row + past.shape[0])
-        padded[rows, :, longest - past.shape[2] :] = past
-        lengths[rows] = past.shape[2]
-        row += past.shape[0]
-    return padded, lengths
+    for buffer, length in pasts:
+        rows = slice(row, row + buffer.shape[0])
+        stacked[rows, :, :length] = buffer[:, :, :length]
+        lengths[rows] = length
+        row += buffer.shape[0]
+    return stacked, lengths
 
 
-def own_cache(present: np.ndarray, first: int, batch: int, past: int, longest: int) -> np.ndarray:
-    """A sequence's part of a batched step's present_key or present_value [B, h, longest + n, d_k]: its batch rows
-    and its own rows, the last past + n."""
-    return present[first : first + batch, :, longest - past :]
-
-
-def own_weights(weights: np.ndarray, first: int, batch: int, past: int, longest: int) -> np.ndarray:
-    """A sequence's part of a batched step's attn_weights [B, h, n, longest + n]: its batch rows, over its own keys,
-    the last past + n."""
-    return weights[first : first + batch, :, :, longest - past :]
+def own_weights(weights: np.ndarray, first: int, batch: int, length: int, capacity: int) -> np.ndarray:
+    """A sequence's part of a step's attn_weights [B, h, n, C + n]: its batch rows, over its own keys (its first
+    ``length`` past columns, then the n new ones). A view where the past fills the run's C columns."""
+    rows = weights[first : first + batch]
+    if length == capacity:
+        return rows
+    return np.concatenate((rows[..., :length], rows[..., capacity:]), axis=-1)

@@ -11,7 +11,7 @@ import numpy as np
 from mhaserve.contract.signature import OUTPUT
 
 from ..answers import answer_from_run
-from ..errors import invalid
+from ..errors import ErrorKind, RequestError, invalid
 from ..parameters import weights_shaping
 from .runs import StepRuns
 from .state import Sequence, Sequences
@@ -62,6 +62,12 @@ class SequenceRuntime:
         answer, error = answer_from_run(
             asked, attention.shaping, output if OUTPUT in asked else None, weights, self.computed_in
         )
+        if error is None and cache is None:  # its keys or values overflowed, though the outputs asked did not
+            error = RequestError(
+                ErrorKind.INVALID_ARGUMENT,
+                f"the computation overflowed {self.computed_in}: the step's keys or values are not finite; inputs of "
+                f"this magnitude cannot be attended over in {self.computed_in}",
+            )
         if error is not None:  # the cache is not grown by a step that overflowed
             raise error
         if not sequence.ended:  # restarted while this step ran: its answer stands, the old cache does not

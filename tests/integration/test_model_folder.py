@@ -257,16 +257,16 @@ def test_a_default_cache_without_the_output_only_graph_is_exported_again(default
     assert "an older export, without the output-only graph" in capsys.readouterr().err
 
 
-def test_a_default_cache_whose_step_graph_runs_steps_alone_is_exported_again(default_cache, capsys):
+def test_a_default_cache_whose_step_graph_returns_the_whole_cache_is_exported_again(default_cache, capsys):
     from mhaserve.export.default_model import ensure_default_model
 
     folder, exports = default_cache
-    # An export from before steps of several sequences shared a run: no batched case in its validation.
+    # An export from before a step's new rows were written in place: its validation says nothing of the cache.
     manifest = json.loads((folder / "manifest.json").read_text())
-    manifest["validation"]["step"]["cases"] = [c for c in manifest["validation"]["step"]["cases"] if "batched" not in c]
+    del manifest["validation"]["step"]["cache"]
     (folder / "manifest.json").write_text(json.dumps(manifest))
     ensure_default_model()
-    assert exports and "whose step graph runs each sequence's steps alone" in capsys.readouterr().err
+    assert exports and "whose step graph returns a sequence's whole cache at every step" in capsys.readouterr().err
 
 
 def test_export_keep_current_keeps_a_folder_of_the_same_weights_and_exports_anything_else(

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from mhaserve.client.grpc import build_infer_request
+from mhaserve.contract.steps import MIN_ROOM
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
 from tests.support import CLIENT_SCRIPTS, SMALL_D_MODEL, TEST_SERVER_ARGS, eager, scrape
 from tests.support.in_process import InProcessServer
@@ -219,8 +220,8 @@ def test_the_cache_is_counted_and_returned_at_end_and_at_the_idle_timeout(sequen
     rows = np.ones((1, 40, D), np.float32)
     step(stub, "counted", rows, start=True)
     held = samples()
-    # Keys and values of 40 rows, 4 heads of 16: 2 x 40 x 64 float32.
-    assert held["mhaserve_sequence_cache_bytes"] - before["mhaserve_sequence_cache_bytes"] == 2 * 40 * D * 4
+    # Keys and values of 40 rows, 4 heads of 16, in buffers with room for a fifth more: 2 x 48 x 64 float32.
+    assert held["mhaserve_sequence_cache_bytes"] - before["mhaserve_sequence_cache_bytes"] == 2 * 48 * D * 4
     assert held["mhaserve_sequences_live"] == before["mhaserve_sequences_live"] + 1
     step(stub, "counted", rows[:, :1], end=True)
     assert samples()["mhaserve_sequence_cache_bytes"] == before["mhaserve_sequence_cache_bytes"]
@@ -464,12 +465,14 @@ def test_a_live_sequence_does_not_keep_a_bursts_memory(start_server, small_model
     server = start_server(small_model_dir, *TEST_SERVER_ARGS)
     with grpc.insecure_channel(server.url) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
-        step(stub, "kept", np.ones((1, 1, D), np.float32), start=True)  # its cache: 2 x 1 row x 64 float32
+        # its cache: 2 x 1 row x 64 float32, in buffers with room for 16 rows (the least a buffer makes)
+        step(stub, "kept", np.ones((1, 1, D), np.float32), start=True)
+        cache_bytes = 2 * MIN_ROOM * D * 4
         burst = build_infer_request("mha", np.random.default_rng(11).standard_normal((8, 64, D), dtype=np.float32))
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             list(pool.map(lambda _: stub.ModelInfer(burst, timeout=30), range(32)))
         deadline = time.monotonic() + 10
-        while (held := inflight_and_counts(server)[0]) != 2 * D * 4 and time.monotonic() < deadline:
+        while (held := inflight_and_counts(server)[0]) != cache_bytes and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert held == 2 * D * 4, f"{held:.0f} bytes held with only a 1-row sequence live"
+        assert held == cache_bytes, f"{held:.0f} bytes held with only a 1-row sequence live"
         step(stub, "kept", np.ones((1, 1, D), np.float32), end=True)

@@ -1,6 +1,7 @@
 """The step graph: a sequence fed in random steps of 1-8 rows, from an empty cache, answers each step's rows as
 eager PyTorch's causal answer for the whole sequence does, alone and stepped together with sequences of other
-lengths (their pasts padded); an export records its validation in the manifest."""
+lengths (their pasts side by side), its keys and values kept as the server keeps them (buffers with room, each step's
+new rows written in place); an export records its validation in the manifest."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 
 import pytest
 
+from mhaserve.contract.model_dir import STEP_CACHE_IN_PLACE
 from mhaserve.export.step import BATCHED_CASE, STEP_CASES, step_graph, validate_steps
 from mhaserve.model import seeded_module
 
@@ -38,7 +40,7 @@ def test_the_export_writes_and_records_the_step_graph(small_model_dir):
     manifest = json.loads((small_model_dir / "manifest.json").read_text())
     assert manifest["files"]["step"] == "model_step.onnx" and len(manifest["files"]["step_sha256"]) == 64
     step = manifest["validation"]["step"]
-    assert step["passed"] and len(step["cases"]) == len(STEP_CASES) + 1
+    assert step["passed"] and len(step["cases"]) == len(STEP_CASES) + 1 and step["cache"] == STEP_CACHE_IN_PLACE
     assert "step graph: [1/3]" in (small_model_dir / "validation.txt").read_text()
     assert "stepped together" in (small_model_dir / "validation.txt").read_text()
 

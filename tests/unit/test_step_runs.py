@@ -1,6 +1,6 @@
 """Steps of several sequences in one call of the step graph (server/sequences.py StepRuns): those that gather while
 a call is in progress share the next one when they carry the same number of new rows; short pasts of comparable
-length run as one padded batch, others one after another; each answer and grown cache equals its step run alone."""
+length run as one batch, others one after another; each answer and grown cache equals its step run alone."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from mhaserve.server.sequences import StepRuns
-from mhaserve.server.sequences.graph import PADDED_STEP_PAST_BYTES, StepCache
+from mhaserve.server.sequences.graph import STACKED_STEP_PAST_BYTES, StepCache
 from mhaserve.server.session import AttentionSession
 from tests.support import SMALL_D_MODEL, SMALL_HEADS
 
@@ -45,12 +45,14 @@ def rows(count: int, seed: int) -> np.ndarray:
 
 def assert_equal_to_alone(session, steps, answers):
     for (query, cache), (output, weights, after) in zip(steps, answers, strict=True):
-        want_output, want_weights, want_cache = session.steps.run_step(query, cache)
+        alone = StepCache.of(cache.key.copy(), cache.value.copy(), cache.length)  # not the buffers run together
+        want_output, want_weights, want_cache = session.steps.run_step(query, alone)
         np.testing.assert_allclose(output, want_output, rtol=0, atol=1e-6)
         np.testing.assert_allclose(weights, want_weights, rtol=0, atol=1e-7)
-        assert after.length == cache.length + query.shape[1] and after.nbytes == want_cache.nbytes
-        np.testing.assert_allclose(after.key, want_cache.key, rtol=0, atol=1e-6)
-        np.testing.assert_allclose(after.value, want_cache.value, rtol=0, atol=1e-6)
+        assert after.length == want_cache.length == cache.length + query.shape[1] and after.nbytes == want_cache.nbytes
+        held = slice(0, after.length)
+        np.testing.assert_allclose(after.key[:, :, held], want_cache.key[:, :, held], rtol=0, atol=1e-6)
+        np.testing.assert_allclose(after.value[:, :, held], want_cache.value[:, :, held], rtol=0, atol=1e-6)
 
 
 def test_steps_of_sequences_of_different_lengths_share_one_run_each_equal_to_its_run_alone(session):
@@ -61,10 +63,11 @@ def test_steps_of_sequences_of_different_lengths_share_one_run_each_equal_to_its
 
 
 def test_steps_of_other_new_rows_or_a_far_longer_past_or_past_the_rows_limit_run_apart(session):
-    short, long = grown(session, 10, 1), grown(session, 40, 2)
+    long = grown(session, 40, 2)
     # Calls of at most two rows: [0, 2], [1] (two new rows), [3, 4]; in the first, a past four times as long as
-    # the other runs apart from it.
-    steps = [(rows(1, 3), short), (rows(2, 4), short), (rows(1, 5), long), (rows(1, 6), grown(session, 12, 3)),
+    # the other runs apart from it. (Each step has a sequence of its own: one sequence's steps run one at a time.)
+    steps = [(rows(1, 3), grown(session, 10, 1)), (rows(2, 4), grown(session, 10, 1)), (rows(1, 5), long),
+             (rows(1, 6), grown(session, 12, 3)),
              (rows(1, 7), grown(session, 11, 4))]  # fmt: skip
     answers, runs = run_at_once(session, steps, max_rows=2)
     assert runs == 4
@@ -73,10 +76,53 @@ def test_steps_of_other_new_rows_or_a_far_longer_past_or_past_the_rows_limit_run
 
 def test_long_pasts_run_one_after_another_in_one_call(session):
     heads, d_k, length = SMALL_HEADS, SMALL_D_MODEL // SMALL_HEADS, 1100
-    assert 2 * length * SMALL_D_MODEL * 4 > PADDED_STEP_PAST_BYTES  # each past too long to pad into a batch
+    assert 2 * length * SMALL_D_MODEL * 4 > STACKED_STEP_PAST_BYTES  # each past too long to copy into a batch
     rng = np.random.default_rng(9)
     pasts = [rng.standard_normal((2, 1, heads, length + i, d_k), dtype=np.float32) for i in range(4)]
-    steps = [(rows(1, 20 + i), StepCache.of(*past)) for i, past in enumerate(pasts)]
+    steps = [(rows(1, 20 + i), StepCache.of(*past, length + i)) for i, past in enumerate(pasts)]
     answers, runs = run_at_once(session, steps)
     assert runs == 4
     assert_equal_to_alone(session, steps, answers)
+
+
+def test_a_step_writes_its_rows_into_the_buffers_it_read_and_leaves_the_rows_held_as_they_were(session):
+    cache = grown(session, 20, 5)  # one step of 20 rows: room for 24
+    assert (cache.length, cache.capacity) == (20, 24) and cache.nbytes == 2 * 24 * SMALL_D_MODEL * 4
+    held = cache.key[:, :, :20].copy()
+    _, weights, after = session.steps.run_step(rows(3, 6), cache)
+    assert after.key is cache.key and after.value is cache.value and (after.length, after.capacity) == (23, 24)
+    np.testing.assert_array_equal(after.key[:, :, :20], held)
+    assert weights.shape == (1, SMALL_HEADS, 3, 23)  # over its own keys: the room past them is not answered
+    _, _, regrown = session.steps.run_step(rows(2, 7), after)  # 25 rows: a buffer with room for 30
+    assert regrown.key is not after.key and (regrown.length, regrown.capacity) == (25, 30)
+    np.testing.assert_array_equal(regrown.key[:, :, :20], held)
+
+
+def test_a_step_whose_rows_overflow_grows_no_cache_and_writes_nothing_a_later_step_reads(session):
+    cache = grown(session, 4, 8)
+    before = cache.key.copy()
+    huge = np.full((1, 1, SMALL_D_MODEL), 3e38, np.float32)
+    _, _, after = session.steps.run_step(huge, cache)
+    assert after is None
+    np.testing.assert_array_equal(cache.key, before)
+    output, _, _ = session.steps.run_step(rows(1, 9), cache)
+    assert np.isfinite(output).all()
+
+
+def test_a_cache_kept_in_ortvalues_is_appended_where_it_lives_and_answers_as_on_the_host(session):
+    """The path a GPU's cache takes (I/O binding, the rows appended on the device), run with OrtValues on the CPU."""
+    import onnxruntime as ort
+
+    host = grown(session, 6, 10)
+    held = [
+        ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a[:, :, :6]), "cpu", 0) for a in (host.key, host.value)
+    ]
+    on_device = StepCache.of(*held, 6)
+    assert not on_device.on_host and on_device.capacity == 6
+    query = rows(2, 11)
+    output, weights, after = session.steps.run_step(query, on_device)
+    want_output, want_weights, want = session.steps.run_step(query, host)
+    np.testing.assert_allclose(output, want_output, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(weights, want_weights, rtol=0, atol=1e-7)
+    assert after.length == after.capacity == 8
+    np.testing.assert_allclose(after.key.numpy(), want.key[:, :, :8], rtol=0, atol=1e-6)
