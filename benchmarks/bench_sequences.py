@@ -12,10 +12,12 @@ Printed, each figure the median of ``--calls`` calls per round, rounds alternati
 - first, the server's RSS per live sequence of 256 rows against its keys' and values' bytes.
 
     flock /tmp/bench.lock .venv/bin/python benchmarks/bench_sequences.py --baseline REV [--rounds 3]
+        [--positions 32,256,1024]
 
 instead serves another revision's code (and its own export of the same default model) beside the working tree's,
-and prints, per position (about 32, 256 and 1,024 rows), the steps a second of 1 and 64 sequences stepping at once
-on each and, at the end, each server's stateless one-row requests a second from 64 callers, the rounds alternating
+and prints each one's RSS per live sequence as above, then, per position (each sequence started again from that
+prompt every 64 steps, the prompts' cost included), the steps a second of 1 and 64 sequences stepping at once on
+each and, at the end, each server's stateless one-row requests a second from 64 callers, the rounds alternating
 the two servers.
 Not a test: BENCHMARKS.md records the figures with this command.
 """
@@ -43,6 +45,7 @@ from mhaserve.loadtest.server_process import ServerProcess
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
 
 D, H = 512, 8
+IDLE_S = 3.0  # the server gives its free memory back once idle 2 s
 
 
 def request(rows: np.ndarray, sequence=None, start=False, end=False, mask=None):
@@ -57,6 +60,27 @@ def request(rows: np.ndarray, sequence=None, start=False, end=False, mask=None):
 async def grow(stub, name: str, length: int, rng) -> None:
     x = rng.standard_normal((1, length, D), dtype=np.float32)
     await stub.ModelInfer(request(x, name, start=True), timeout=60)
+
+
+async def rss_per_sequence(stub, server: ServerProcess, rng, name: str = "") -> None:
+    """The server's RSS grown by 64 live sequences of 256 rows, against their keys' and values' bytes."""
+    before = rss_mib(server.proc.pid)
+    for i in range(64):
+        await grow(stub, f"memory-{i}", 256, rng)
+    await asyncio.sleep(IDLE_S)
+    grown = rss_mib(server.proc.pid) - before
+    cache_mib = 64 * 2 * 256 * D * 4 / 2**20
+    print(f"{name}64 live sequences of 256 rows: RSS +{grown:.1f} MiB for {cache_mib:.1f} MiB of keys and values "
+          f"({grown / cache_mib:.2f}x)")  # fmt: skip
+    row = np.zeros((1, 1, D), np.float32)
+    for i in range(64):  # one step more: where buffers make room, each has just made it
+        await stub.ModelInfer(request(row, f"memory-{i}"), timeout=60)
+    await asyncio.sleep(IDLE_S)
+    grown, cache_mib = rss_mib(server.proc.pid) - before, cache_mib * 257 / 256
+    print(f"{name}the same after one step each (257 rows): RSS +{grown:.1f} MiB for {cache_mib:.1f} MiB "
+          f"({grown / cache_mib:.2f}x)")  # fmt: skip
+    for i in range(64):
+        await stub.ModelInfer(request(row, f"memory-{i}", end=True), timeout=60)
 
 
 async def timed_ms(stub, make, calls: int) -> float:
@@ -77,17 +101,7 @@ async def main(rounds: int, calls: int, server: ServerProcess) -> None:
     async with grpc.aio.insecure_channel(server.url, options=[("grpc.max_receive_message_length", -1)]) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         # First, on a server that has not yet run steps: what a live sequence holds.
-        before = rss_mib(server.proc.pid)
-        for i in range(64):
-            await grow(stub, f"memory-{i}", 256, rng)
-        await asyncio.sleep(1)
-        after = rss_mib(server.proc.pid)
-        cache_mib = 64 * 2 * 256 * D * 4 / 2**20
-        grown = after - before
-        print(f"64 live sequences of 256 rows: RSS +{grown:.1f} MiB for {cache_mib:.1f} MiB of keys and values "
-              f"({grown / cache_mib:.2f}x)")  # fmt: skip
-        for i in range(64):
-            await stub.ModelInfer(request(row, f"memory-{i}", end=True), timeout=60)
+        await rss_per_sequence(stub, server, rng)
 
         figures = {"step at 500": [], "prefix of 500": [], "step at 10": []}
         for number in range(rounds):
@@ -109,22 +123,32 @@ async def main(rounds: int, calls: int, server: ServerProcess) -> None:
         print(f"  step at 500 / step at 10:    {med['step at 500'] / med['step at 10']:.3f}")
 
 
-async def steps_per_second(url: str, concurrency: int, rng, seconds: float = 5.0, position: int = 256) -> float:
-    """Steps a second with ``concurrency`` sequences of about ``position`` rows stepping at once, one row a step."""
+async def steps_per_second(
+    url: str, concurrency: int, rng, seconds: float = 5.0, position: int = 256, window: int | None = None
+) -> float:
+    """Steps a second with ``concurrency`` sequences of about ``position`` rows stepping at once, one row a step;
+    with ``window``, each sequence is started again from a ``position``-row prompt every ``window`` steps, so that
+    the position stays within the window (the prompts' cost included)."""
     async with grpc.aio.insecure_channel(url) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         row = rng.standard_normal((1, 1, D), dtype=np.float32)
         names = [f"conc{concurrency}-{i}-{rng.integers(1 << 30)}" for i in range(concurrency)]
         for name in names:
             await grow(stub, name, position, rng)
-        done = 0
+        done, restarting = 0, asyncio.Lock()
 
         async def stepper(name: str, stop: float) -> None:
             nonlocal done
             message = request(row, name)  # built once, as the stateless ceiling's is: the client's cost is not measured
+            taken = 0
             while time.perf_counter() < stop:
+                if window is not None and taken == window:
+                    async with restarting:  # one prompt at a time: 64 long prompts at once pass the memory budget
+                        await grow(stub, name, position, rng)
+                    taken = 0
                 await stub.ModelInfer(message, timeout=60)
                 done += 1
+                taken += 1
 
         started = time.perf_counter()
         await asyncio.gather(*(stepper(name, started + seconds) for name in names))
@@ -176,16 +200,23 @@ async def merged_against_alone(merged: ServerProcess, alone: ServerProcess, roun
           f"(merged 64 sequences: {medians[64]['merged'] / ceiling:.2f} of it)")  # fmt: skip
 
 
-async def against_baseline(baseline: ServerProcess, current: ServerProcess, rounds: int) -> None:
+async def against_baseline(
+    baseline: ServerProcess, current: ServerProcess, rounds: int, positions: tuple[int, ...]
+) -> None:
     rng = np.random.default_rng(2)
     servers = {"baseline": baseline, "current": current}
-    print("steps/s, one row a step, median of rounds (the rounds alternate the servers):")
-    for position in (32, 256, 1024):
+    for name, server in servers.items():  # first, on servers that have not yet run steps
+        async with grpc.aio.insecure_channel(server.url) as channel:
+            await rss_per_sequence(pb_grpc.GRPCInferenceServiceStub(channel), server, rng, f"{name}: ")
+    print("steps/s, one row a step, each sequence started again from its prompt every 64 steps, median of rounds "
+          "(the rounds alternate the servers):")  # fmt: skip
+    for position in positions:
         for concurrency in (1, 64):
             rates = {name: [] for name in servers}
             for round_ in range(rounds):
                 for name in list(servers)[:: 1 if round_ % 2 == 0 else -1]:
-                    rates[name].append(await steps_per_second(servers[name].url, concurrency, rng, position=position))
+                    rate = await steps_per_second(servers[name].url, concurrency, rng, position=position, window=64)
+                    rates[name].append(rate)
             b, c = (statistics.median(rates[name]) for name in servers)
             spread = "; ".join(f"{name} {', '.join(f'{r:.0f}' for r in rates[name])}" for name in servers)
             print(f"  ~{position:4d} rows, {concurrency:2d} sequences: baseline {b:8.1f}  current {c:8.1f}  "
@@ -207,16 +238,24 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--calls", type=int, default=30)
     parser.add_argument("--baseline", help="serve this revision beside the working tree, steps/s at 32-1,024 rows")
+    parser.add_argument(
+        "--positions",
+        default="32,256,1024",
+        help="with --baseline: the positions, comma-separated (none: memory and ceilings only)",
+    )
     args = parser.parse_args()
     flags = ("--warmup-runs", "1", "--max-sequence-length", "4096", "--max-kv-len", "512", "--max-q-len", "512")
     if args.baseline:
+        flags = ("--warmup-runs", "1", "--max-sequence-length", "4096", "--max-kv-len", "1024", "--max-q-len", "1024",
+                 "--max-inflight-bytes", str(4 << 30))  # fmt: skip
         with baseline_checkout(args.baseline) as (env, _), tempfile.TemporaryDirectory() as tmp:
             folder = export_at({**os.environ, **env}, Path(tmp) / "baseline-model")
             with (
                 ServerProcess(folder, *flags, env=env) as baseline,
                 ServerProcess(ensure_default_model(), *flags) as current,
             ):
-                asyncio.run(against_baseline(baseline, current, args.rounds))
+                positions = tuple(int(p) for p in args.positions.split(",") if p)
+                asyncio.run(against_baseline(baseline, current, args.rounds, positions))
         raise SystemExit(0)
     with ServerProcess(ensure_default_model(), *flags) as served:
         asyncio.run(main(args.rounds, args.calls, served))

@@ -15,6 +15,7 @@ import time
 import numpy as np
 
 from mhaserve.export.default_model import ensure_default_model
+from mhaserve.server.sequences import Step
 from mhaserve.server.session import AttentionSession
 
 
@@ -35,13 +36,15 @@ def main() -> None:
 
     def grown(length: int):
         prompt = rng.standard_normal((1, length, 512), dtype=np.float32)
-        return session.steps.run_step(prompt, session.steps.empty_cache(1))[2]
+        return session.steps.run_step(Step(prompt, session.steps.empty_cache(1)))[2]
 
     for past in (32, 128, 256):
         for sequences in (4, 16):
-            steps = [(rng.standard_normal((1, 1, 512), dtype=np.float32), grown(past + i)) for i in range(sequences)]
+            steps = [
+                Step(rng.standard_normal((1, 1, 512), dtype=np.float32), grown(past + i)) for i in range(sequences)
+            ]
             together = median_ms(lambda steps=steps: session.steps.run_steps(steps))
-            alone = median_ms(lambda steps=steps: [session.steps.run_step(*step) for step in steps])
+            alone = median_ms(lambda steps=steps: [session.steps.run_step(step) for step in steps])
             runs = session.steps.run_steps(steps)[1]
             print(f"pasts ~{past:4d} rows, {sequences:2d} sequences: one call {together:7.3f} ms ({runs} runs), "
                   f"a call each {alone:7.3f} ms, ratio {together / alone:5.2f}")  # fmt: skip

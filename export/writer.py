@@ -19,6 +19,7 @@ import torch
 import mhaserve
 from mhaserve.contract.errors import UsageError
 from mhaserve.contract.model_dir import (
+    CROSS_STEP_FILE,
     MANIFEST_FORMAT,
     METADATA_PREFIX,
     MODEL_FILE,
@@ -41,7 +42,7 @@ from mhaserve.model import (
 
 from .onnx_export import DEFAULT_OPSET, check_onnx, export_onnx, save_onnx
 from .output_only import output_only_graph
-from .step import step_graph, validate_steps
+from .step import step_graph, validate_cross_steps, validate_steps
 from .validate import (
     SCALE_TOLERANCES,
     TOLERANCES,
@@ -141,11 +142,14 @@ def export_model_dir(
         passed = passed and export_holds(output_only_results, output_only_scales)
     # The step graph serves sequences from float32 exports; a float16 or int8 folder has none (refused there).
     step = step_graph(module) if precision == "fp32" else None
-    step_results = []
+    cross_step = step_graph(module, cross=True) if precision == "fp32" else None
+    step_results, cross_results = [], []
     if step is not None:
         check_onnx(step)
+        check_onnx(cross_step)
         step_results = validate_steps(module, step.SerializeToString(), validation_seed, report)
-        passed = passed and all(r["status"] == "pass" for r in step_results)
+        cross_results = validate_cross_steps(module, cross_step.SerializeToString(), validation_seed, report)
+        passed = passed and all(r["status"] == "pass" for r in step_results + cross_results)
 
     manifest = {
         "format": MANIFEST_FORMAT,
@@ -200,6 +204,11 @@ def export_model_dir(
             "cache": STEP_CACHE_IN_PLACE,
             "cases": step_results,
         }
+        manifest["files"]["cross_step"] = CROSS_STEP_FILE
+        manifest["validation"]["cross_step"] = {
+            "passed": all(r["status"] == "pass" for r in cross_results),
+            "cases": cross_results,
+        }
     metadata = {
         "name": name,
         "d_model": module.d_model,
@@ -230,6 +239,8 @@ def export_model_dir(
         if step is not None:
             save_onnx(step, staging / STEP_FILE)
             manifest["files"]["step_sha256"] = file_sha256(staging / STEP_FILE)
+            save_onnx(cross_step, staging / CROSS_STEP_FILE)
+            manifest["files"]["cross_step_sha256"] = file_sha256(staging / CROSS_STEP_FILE)
         (staging / VALIDATION_FILE).write_text("\n".join(rows) + "\n")
         write_manifest(staging, manifest)
         _replace_dir(staging, out_dir)
@@ -284,6 +295,9 @@ def revalidate_model_dir(
         )
     if manifest.get("files", {}).get("step") == STEP_FILE:
         steps = validate_steps(module, str(model_dir / STEP_FILE), seed, report or report_to_stderr)
+        holds = holds and all(r["status"] == "pass" for r in steps)
+    if manifest.get("files", {}).get("cross_step") == CROSS_STEP_FILE:
+        steps = validate_cross_steps(module, str(model_dir / CROSS_STEP_FILE), seed, report or report_to_stderr)
         holds = holds and all(r["status"] == "pass" for r in steps)
     return holds
 

@@ -114,11 +114,10 @@ def run_inputs_of(request: InferenceRequest, model: ModelSignature, limits: Limi
                 "folder has no step graph, or an older one: sequences are served from float32 exports of this "
                 "mhaserve, so export it again); or send the whole sequence so far in one request, with a causal mask",
             )
-        given = sorted(set(request.inputs) - {"query"})
-        if given:
+        if "mask" in request.inputs:
             raise invalid(
-                f"input '{given[0]}': a step of a sequence carries its new rows as 'query' alone (they are its new "
-                "keys and values too; the server keeps the rest)"
+                "input 'mask': a step of a sequence takes no mask (a self-attention step's rows attend every earlier "
+                "row and causally among themselves; a cross-attention step's, every key its sequence was given)"
             )
     named = tuple(o.name for o in request.outputs)
     attention = checked_inputs(request.inputs, named, model, limits)

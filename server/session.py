@@ -139,13 +139,12 @@ class AttentionSession:
             self._output_only = self._load(
                 output_only_path, options, "cpu" if self.provider == CPU else device, cuda_tf32
             )
-        step_path = step_file(model_dir, manifest)
-        # On the provider the full graph got, as the output-only graph; None: this folder serves no sequences.
-        step_session = (
-            None
-            if step_path is None
-            else self._load(step_path, options, "cpu" if self.provider == CPU else device, cuda_tf32)
-        )
+        # On the provider the full graph got, as the output-only graph; None: this folder serves no sequences (of
+        # that kind).
+        step_sessions = [
+            None if path is None else self._load(path, options, "cpu" if self.provider == CPU else device, cuda_tf32)
+            for path in (step_file(model_dir, manifest), step_file(model_dir, manifest, cross=True))
+        ]
         # A run with this option gives ONNX Runtime's arenas back the chunks no run is using, at its end.
         self._shrink = ort.RunOptions()
         arenas = "cpu:0;gpu:0" if self.provider == CUDA else "cpu:0"
@@ -182,7 +181,8 @@ class AttentionSession:
                 model_dir,
             )
         # Its sequences' steps (server/sequences), where the folder has a step graph: on the full graph's provider.
-        self.steps = None
+        step_session, cross_session = step_sessions
+        self.steps = self.cross_steps = None
         if step_session is not None and not StepGraph.writes_new_rows(step_session):
             log.warning(
                 "%s: exported before sequences' caches were written in place; it serves no sequences. Export it "
@@ -191,6 +191,8 @@ class AttentionSession:
             )
         elif step_session is not None:
             self.steps = StepGraph(step_session, self.info.d_model, self.info.num_heads)
+            if cross_session is not None:
+                self.cross_steps = StepGraph(cross_session, self.info.d_model, self.info.num_heads)
 
     @property
     def has_output_only_graph(self) -> bool:
@@ -239,6 +241,10 @@ class AttentionSession:
     @property
     def serves_sequences(self) -> bool:
         return self.steps is not None
+
+    @property
+    def serves_cross_sequences(self) -> bool:
+        return self.cross_steps is not None
 
     def release_memory(self) -> None:
         """Shrink the arena: after a burst of large runs it holds their peak until the process exits. One tiny

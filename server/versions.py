@@ -97,6 +97,7 @@ class VersionFactory:
             info.max_abs_input,
             session.serves_sequences,
             info.mask_exact_input_limit,
+            serves_cross_sequences=session.serves_cross_sequences,
         )
         needed = self.settings.message_limits(signature.d_model, signature.num_heads)
         if self.message_limits and any(n > bound for n, bound in zip(needed, self.message_limits, strict=True)):
@@ -115,8 +116,12 @@ class VersionFactory:
         )  # fmt: skip
         sequence_steps = None
         if session.serves_sequences:
-            runs = StepRuns(session.steps, self._executor, model.max_batch_size, self.metrics.step_runs_made)
-            sequence_steps = SequenceRuntime(self.sequences, runs, info.computed_in)
+            runs = [
+                StepRuns(graph, self._executor, model.max_batch_size, self.metrics.step_runs_made)
+                for graph in (session.steps, session.cross_steps)
+                if graph is not None
+            ]
+            sequence_steps = SequenceRuntime(self.sequences, *runs, computed_in=info.computed_in)
         return ServedModel(
             signature,
             model_dir,

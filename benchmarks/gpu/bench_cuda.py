@@ -54,7 +54,7 @@ from mhaserve.loadtest.loadgen import LoadGenerator, Workload, default_processes
 from mhaserve.loadtest.loadgen import Point as LoadPoint
 from mhaserve.loadtest.server_process import ServerProcess
 from mhaserve.model.weights import seeded_module
-from mhaserve.server.sequences import StepCache
+from mhaserve.server.sequences import Step, StepCache
 from mhaserve.server.session import AttentionSession
 from mhaserve.server.tensors import weights_dtype
 
@@ -230,13 +230,14 @@ def step_times(session: AttentionSession, position: int, repeats: int, sync) -> 
     row = rng.standard_normal((1, 1, d_model), dtype=np.float32)
     past_key, past_value = (rng.standard_normal((1, heads, position, d_model // heads), dtype=np.float32) for _ in "kv")
     if session.provider == "CUDAExecutionProvider":  # the server keeps it in the GPU's memory
-        cache = StepCache.of(*(ort.OrtValue.ortvalue_from_numpy(a, "cuda", 0) for a in (past_key, past_value)))
+        on_device = (ort.OrtValue.ortvalue_from_numpy(a, "cuda", 0) for a in (past_key, past_value))
+        cache = StepCache.of(*on_device, position)
     else:
-        cache = StepCache.of(past_key, past_value)
+        cache = StepCache.of(past_key, past_value, position)
     prefix = rng.standard_normal((1, position + 1, d_model), dtype=np.float32)
     causal = np.tril(np.ones((1, 1, position + 1, position + 1), bool))
-    kept = median_ms(lambda: session.steps.run_step(row, cache), repeats, sync)
-    feed = {"query": row, "past_key": past_key, "past_value": past_value}
+    kept = median_ms(lambda: session.steps.run_step(Step(row, cache)), repeats, sync)
+    feed = {"query": row, "past_key": past_key, "past_value": past_value, "past_lengths": np.full(1, position)}
     sent = median_ms(lambda: session.steps._session.run(None, feed), repeats, sync)
     resent = median_ms(lambda: session.run(("output",), prefix, prefix, prefix, causal), repeats, sync)
     return kept, sent, resent

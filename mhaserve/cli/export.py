@@ -59,7 +59,10 @@ class ValidationProgress:
         self.rows = 0
 
     def __call__(self, line: str) -> None:
-        row = line.removeprefix("output-only graph: ").removeprefix("step graph: ").startswith("[")
+        case = line
+        for graph in ("output-only graph: ", "step graph: ", "cross step graph: "):
+            case = case.removeprefix(graph)
+        row = case.startswith(("[", "sequences "))  # a case of a graph's validation, printed if it failed
         if self.verbose or not row or not line.rstrip().endswith("pass"):
             self._end_count()
             print(line, file=sys.stderr, flush=True)

@@ -16,6 +16,7 @@ OUTPUT_ONLY_FILE = "model_output_only.onnx"
 # What a current step graph does with a sequence's cache: returns its new rows, written in place after the others.
 STEP_CACHE_IN_PLACE = "new rows written in place"
 STEP_FILE = "model_step.onnx"  # one step of a growing sequence, over the keys and values the server keeps
+CROSS_STEP_FILE = "model_cross_step.onnx"  # one step of a cross-attention sequence: queries over keys given to it
 WEIGHTS_FILE = "weights.pt"
 MANIFEST_FILE = "manifest.json"
 MANIFEST_FORMAT = "mhaserve-model/1"
@@ -88,7 +89,8 @@ def check_model_file(model_dir: str | Path, manifest: dict, name: str = MODEL_FI
     return path
 
 
-_SHA256_KEYS = {MODEL_FILE: "model_sha256", OUTPUT_ONLY_FILE: "output_only_sha256", STEP_FILE: "step_sha256"}
+_SHA256_KEYS = {MODEL_FILE: "model_sha256", OUTPUT_ONLY_FILE: "output_only_sha256", STEP_FILE: "step_sha256",
+                CROSS_STEP_FILE: "cross_step_sha256"}  # fmt: skip
 
 
 def output_only_file(model_dir: str | Path, manifest: dict) -> Path | None:
@@ -98,11 +100,13 @@ def output_only_file(model_dir: str | Path, manifest: dict) -> Path | None:
     return check_model_file(model_dir, manifest, OUTPUT_ONLY_FILE)
 
 
-def step_file(model_dir: str | Path, manifest: dict) -> Path | None:
-    """The checked step graph, or None for a folder exported without one (float16, int8, or an older export)."""
-    if manifest.get("files", {}).get("step") != STEP_FILE:
+def step_file(model_dir: str | Path, manifest: dict, cross: bool = False) -> Path | None:
+    """The checked step graph (with ``cross``, the cross-attention one), or None for a folder exported without one
+    (float16, int8, or an older export)."""
+    key, name = ("cross_step", CROSS_STEP_FILE) if cross else ("step", STEP_FILE)
+    if manifest.get("files", {}).get(key) != name:
         return None
-    return check_model_file(model_dir, manifest, STEP_FILE)
+    return check_model_file(model_dir, manifest, name)
 
 
 def why_not_current(model_dir: str | Path, wanted: Mapping[str, object] | None = None) -> str | None:
@@ -114,6 +118,7 @@ def why_not_current(model_dir: str | Path, wanted: Mapping[str, object] | None =
         check_model_file(model_dir, manifest)
         output_only = output_only_file(model_dir, manifest)
         step = step_file(model_dir, manifest)
+        cross_step = step_file(model_dir, manifest, cross=True)
     except ModelDirError as error:
         return str(error) if Path(model_dir).exists() else "there is none yet"
     if not manifest.get("valid"):
@@ -129,6 +134,8 @@ def why_not_current(model_dir: str | Path, wanted: Mapping[str, object] | None =
         return "an older export, without the step graph that serves sequences"
     if manifest.get("validation", {}).get("step", {}).get("cache") != STEP_CACHE_IN_PLACE:
         return "an older export, whose step graph returns a sequence's whole cache at every step"
+    if cross_step is None:
+        return "an older export, without the step graph that serves cross-attention sequences"
     return None
 
 

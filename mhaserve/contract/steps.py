@@ -13,17 +13,22 @@ PAST_LENGTHS = "past_lengths"  # the step graph's input: how many of the past ro
 NEW_KEY, NEW_VALUE = "new_key", "new_value"  # the step graph's outputs: the new rows' projected keys and values
 
 # A buffer that fills is replaced by one with room for this many times the rows it must hold (at least MIN_ROOM):
-# a live sequence holds at most 1.2 times its keys' and values' bytes, and its steps write their own rows plus, on
-# average, five times as many copied at a regrowth, at any position.
-GROWTH = 1.2
+# a live sequence's buffers hold at most an eighth more than its keys and values (the server's heap touches every
+# page of a buffer it makes), and its steps write their own rows plus, on average, eight times as many copied at a
+# regrowth, at any position.
+GROWTH = 1.125
 MIN_ROOM = 16
 
 
-def with_rows(buffer: np.ndarray, length: int, rows: np.ndarray) -> np.ndarray:
+def with_rows(buffer: np.ndarray, length: int, rows: np.ndarray, own_rows: bool = False) -> np.ndarray:
     """The buffer [B, h, C, d_k] holding ``rows`` [B, h, n, d_k] after its first ``length`` rows: ``buffer``
     itself, written in place, where it has room; else a new one with room to grow, the first ``length`` copied.
-    Rows past ``length + n`` are zeros or rows of steps never answered: finite, and masked."""
+    Rows past ``length + n`` are zeros or rows of steps never answered: finite, and masked. A first step's rows
+    that are an array of their own (not a part of a batch's) are its buffer as they are: no copy, no room until
+    it grows."""
     needed = length + rows.shape[2]
+    if length == 0 and own_rows and needed > buffer.shape[2]:
+        return rows
     if needed > buffer.shape[2]:
         room = max(math.ceil(needed * GROWTH), MIN_ROOM)
         grown = np.zeros((*buffer.shape[:2], room, buffer.shape[3]), buffer.dtype)

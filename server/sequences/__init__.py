@@ -4,7 +4,9 @@ A request joins a sequence with Triton's sequence parameters (``sequence_id``, a
 ``sequence_start``; ``sequence_end``), as tritonclient's ``infer(..., sequence_id=, sequence_start=,
 sequence_end=)`` sends them. A step carries only its new rows (``query``; self-attention: they are the new keys and
 values too); the server runs the model folder's step graph (export/step.py) over the sequence's cache and answers
-the new rows' output and their attention weights over every key so far, ``[B, h, new, past + new]``.
+the new rows' output and their attention weights over every key so far, ``[B, h, new, past + new]``. A sequence
+whose first step carries ``key`` (and ``value``) is a cross-attention one: its queries step over the keys and values
+it was given (more may come with later steps), on the folder's cross-attention step graph.
 
 - ``sequence_start`` begins a sequence (an id in use is restarted, as in Triton); a step without it must name a
   live sequence; ``sequence_end`` answers the step, then drops the sequence and returns its memory.

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnxruntime as ort
 
+from mhaserve.contract.signature import KEY, QUERY, VALUE
 from mhaserve.contract.steps import NEW_KEY, NEW_VALUE, PAST_LENGTHS, own_weights, stacked_pasts, with_rows
 
 from .. import kernels
@@ -52,24 +53,41 @@ class StepCache:
     def capacity(self) -> int:
         return self.key.shape[2] if self.on_host else self.key.shape()[2]
 
-    def grown(self, new_key: np.ndarray, new_value: np.ndarray) -> StepCache | None:
-        """The cache with a step's new rows after its own, on the host; None where they are not finite (a step
-        that overflowed), which no buffer may hold: its rows past the length are masked, and a masked infinity
-        still makes a NaN."""
+    def grown(self, new_key: np.ndarray, new_value: np.ndarray, own_rows: bool) -> StepCache | None:
+        """The cache with a step's new rows after its own, on the host (``own_rows``: arrays of the step's own, not
+        parts of a batch's); None where they are not finite (a step that overflowed), which no buffer may hold:
+        its rows past the length are masked, and a masked infinity still makes a NaN."""
         if count_non_finite(new_key) or count_non_finite(new_value):
             return None
-        length = self.length + new_key.shape[2]
-        return StepCache.of(with_rows(self.key, self.length, new_key), with_rows(self.value, self.length, new_value),
-                            length)  # fmt: skip
+        key = with_rows(self.key, self.length, new_key, own_rows)
+        value = with_rows(self.value, self.length, new_value, own_rows)
+        return StepCache.of(key, value, self.length + new_key.shape[2])
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of a sequence: its query rows [B, n, d] and the cache it runs over; for a cross-attention sequence,
+    the key and value rows [B, m, d] it adds (None: none)."""
+
+    query: np.ndarray
+    cache: StepCache
+    key: np.ndarray | None = None
+    value: np.ndarray | None = None
+
+    @property
+    def new_keys(self) -> int:
+        return 0 if self.key is None else self.key.shape[1]
 
 
 class StepGraph:
-    """The step graph's ONNX Runtime session, on the provider the version's full graph got. Thread-safe, as
-    ONNX Runtime sessions are; a sequence's steps run one at a time, so its buffers are written by one at once."""
+    """A step graph's ONNX Runtime session (self-attention, or cross-attention where it takes ``key`` and
+    ``value``), on the provider the version's full graph got. Thread-safe, as ONNX Runtime sessions are; a
+    sequence's steps run one at a time, so its buffers are written by one at once."""
 
     def __init__(self, session: ort.InferenceSession, d_model: int, num_heads: int, cache_device: str | None = None):
         self._session = session
         self.d_model, self.num_heads = d_model, num_heads
+        self.cross = KEY in {i.name for i in session.get_inputs()}
         # Where a sequence's cache lives: the GPU's memory when the step graph runs on CUDA.
         self._cache_device = cache_device or ("cuda" if session.get_providers()[0] == CUDA else "cpu")
 
@@ -93,55 +111,65 @@ class StepGraph:
         and runs alone."""
         return self._cache_device == "cpu"
 
-    def run_steps(
-        self, steps: list[tuple[np.ndarray, StepCache]]
-    ) -> tuple[list[tuple[np.ndarray, np.ndarray, StepCache | None]], int]:
-        """Steps of several sequences, each of the same number of new rows, in one call: as one run, their pasts
-        copied side by side (contract/steps.py) and each answer cut back to its own keys, while the pasts are small
-        and of comparable lengths; else one run after another, each over its own buffers, copying nothing. Returns
-        each step's output, weights and grown cache (None where its new rows overflowed), and how many runs they
-        took."""
-        pasts = [cache.length for _, cache in steps]
-        rows = sum(query.shape[0] for query, _ in steps)
+    def _given(self, query: np.ndarray, steps: list[Step]) -> dict[str, np.ndarray]:
+        """A cross-attention graph's key and value inputs for ``steps`` in one run (they add as many keys each: no
+        rows where they add none); nothing for a self-attention graph."""
+        if not self.cross:
+            return {}
+        if steps[0].key is None:
+            none = np.zeros((query.shape[0], 0, self.d_model), np.float32)
+            return {KEY: none, VALUE: none}
+        return {name: np.concatenate([getattr(step, name) for step in steps]) for name in (KEY, VALUE)}
+
+    def run_steps(self, steps: list[Step]) -> tuple[list[tuple[np.ndarray, np.ndarray, StepCache | None]], int]:
+        """Steps of several sequences, each of the same number of new rows (and keys), in one call: as one run,
+        their pasts copied side by side (contract/steps.py) and each answer cut back to its own keys, while the
+        pasts are small and of comparable lengths; else one run after another, each over its own buffers, copying
+        nothing. Returns each step's output, weights and grown cache (None where its new rows overflowed), and how
+        many runs they took."""
+        pasts = [step.cache.length for step in steps]
+        rows = sum(step.query.shape[0] for step in steps)
         longest_bytes = 2 * max(pasts) * self.d_model * np.dtype(np.float32).itemsize  # keys and values
         small = longest_bytes <= STACKED_STEP_PAST_BYTES and rows * longest_bytes <= STACKED_STEPS_BYTES
         if len(steps) == 1 or not small or max(pasts) > 2 * max(min(pasts), 1):
-            return [self.run_step(query, cache) for query, cache in steps], len(steps)
-        keys, lengths = stacked_pasts([(cache.key, cache.length) for _, cache in steps])
-        values, _ = stacked_pasts([(cache.value, cache.length) for _, cache in steps])
-        queries = np.concatenate([query for query, _ in steps])
-        feed = {"query": queries, "past_key": keys, "past_value": values, PAST_LENGTHS: lengths}
-        output, weights, new_key, new_value = self._session.run(None, feed)
+            return [self.run_step(step) for step in steps], len(steps)
+        keys, lengths = stacked_pasts([(step.cache.key, step.cache.length) for step in steps])
+        values, _ = stacked_pasts([(step.cache.value, step.cache.length) for step in steps])
+        queries = np.concatenate([step.query for step in steps])
+        feed = {QUERY: queries, "past_key": keys, "past_value": values, PAST_LENGTHS: lengths}
+        output, weights, new_key, new_value = self._session.run(None, {**feed, **self._given(queries, steps)})
         answers, first = [], 0
-        for query, cache in steps:
-            batch = query.shape[0]
+        for step in steps:
+            batch, cache = step.query.shape[0], step.cache
             own = slice(first, first + batch)
             # A copy: the run's weights hold other sequences' rows, which this answer does not keep.
             own_answer = np.array(own_weights(weights, first, batch, cache.length, keys.shape[2]))
-            answers.append((output[own], own_answer, cache.grown(new_key[own], new_value[own])))
+            answers.append((output[own], own_answer, cache.grown(new_key[own], new_value[own], own_rows=False)))
             first += batch
         return answers, 1
 
-    def run_step(self, query: np.ndarray, cache: StepCache) -> tuple[np.ndarray, np.ndarray, StepCache | None]:
+    def run_step(self, step: Step) -> tuple[np.ndarray, np.ndarray, StepCache | None]:
         """One step of a sequence (export/step.py): its rows' output and attention weights, and the cache grown by
-        its rows (None where they overflowed). On the CPU the graph reads the cache's buffers as they are, room
-        and all, and the new rows are written into them. On CUDA the cache stays in the GPU's memory (I/O
-        binding): only the rows and the answer cross, and the new rows are appended there."""
+        its new keys and values (None where they overflowed). On the CPU the graph reads the cache's buffers as
+        they are, room and all, and the new rows are written into them. On CUDA the cache stays in the GPU's
+        memory (I/O binding): only the rows and the answer cross, and the new rows are appended there."""
+        query, cache = step.query, step.cache
         lengths = np.full(query.shape[0], cache.length, np.int64)
+        given = self._given(query, [step])
         if cache.on_host:
-            feed = {"query": query, "past_key": cache.key, "past_value": cache.value, PAST_LENGTHS: lengths}
+            feed = {QUERY: query, "past_key": cache.key, "past_value": cache.value, PAST_LENGTHS: lengths, **given}
             output, weights, new_key, new_value = self._session.run(None, feed)
             return (
                 output,
                 own_weights(weights, 0, query.shape[0], cache.length, cache.capacity),
-                cache.grown(new_key, new_value),
+                cache.grown(new_key, new_value, own_rows=True),
             )
         device = cache.device
         binding = self._session.io_binding()
-        binding.bind_cpu_input("query", query)
+        for name, array in {QUERY: query, PAST_LENGTHS: lengths, **given}.items():
+            binding.bind_cpu_input(name, array)
         binding.bind_ortvalue_input("past_key", cache.key)
         binding.bind_ortvalue_input("past_value", cache.value)
-        binding.bind_cpu_input(PAST_LENGTHS, lengths)
         binding.bind_output("output")
         binding.bind_output("attn_weights")
         binding.bind_output(NEW_KEY, device, 0)
@@ -153,4 +181,4 @@ class StepGraph:
             return output, weights.numpy(), None
         key = kernels.appended(cache.key, new_key, self._session.get_providers()[0], device)
         value = kernels.appended(cache.value, new_value, self._session.get_providers()[0], device)
-        return output, weights.numpy(), StepCache.of(key, value, cache.length + query.shape[1])
+        return output, weights.numpy(), StepCache.of(key, value, cache.length + new_key.shape()[2])

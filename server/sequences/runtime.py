@@ -13,6 +13,7 @@ from mhaserve.contract.signature import OUTPUT
 from ..answers import answer_from_run
 from ..errors import ErrorKind, RequestError, invalid
 from ..parameters import weights_shaping
+from .graph import Step
 from .runs import StepRuns
 from .state import Sequence, Sequences
 
@@ -22,12 +23,25 @@ class SequenceRuntime:
     sequences they belong to. A step continuing a sequence runs on the version that sequence started on (the data
     plane resolves it there), whatever has been loaded since."""
 
-    def __init__(self, sequences: Sequences, runs: StepRuns, computed_in: str):
-        self.sequences, self.runs, self.computed_in = sequences, runs, computed_in
+    def __init__(self, sequences: Sequences, runs: StepRuns, cross_runs: StepRuns | None = None, *, computed_in: str):
+        self.sequences, self.runs, self.cross_runs, self.computed_in = sequences, runs, cross_runs, computed_in
 
     async def answer(self, call, request, attention) -> dict[str, np.ndarray]:
         sequences, step = self.sequences, attention.sequence
-        sequence = sequences.begin(step, call.served, attention.batch_size, call.caller)
+        keys_given = attention.key is not attention.query
+        if step.start and keys_given and self.cross_runs is None:
+            raise RequestError(
+                ErrorKind.UNIMPLEMENTED,
+                f"sequence {step.id!r}: model '{call.served.signature.name}' version {call.served.signature.version} "
+                "serves no cross-attention sequences (its folder has no cross-attention step graph: export it again "
+                "with this mhaserve)",
+            )
+        sequence = sequences.begin(step, call.served, attention.batch_size, call.caller, cross=keys_given)
+        if keys_given and not sequence.cross:
+            raise invalid(
+                f"input 'key': sequence {step.id!r} is a self-attention sequence (it started without keys): its steps "
+                "carry their new rows as 'query' alone"
+            )
         signature = sequence.served.signature
         if request.version and request.version != signature.version:
             raise invalid(
@@ -45,17 +59,21 @@ class SequenceRuntime:
 
     async def _step(self, call, request, attention, sequence: Sequence) -> dict[str, np.ndarray]:
         rows = attention.query.shape[1]
-        self.sequences.check_growth(sequence, rows)
-        total = sequence.length + rows
+        # Its new keys: a self-attention step's rows; a cross-attention step's keys, if it brings any.
+        given = None if attention.key is attention.query else (attention.key, attention.value)
+        new_keys = given[0].shape[1] if given else 0 if sequence.cross else rows
+        self.sequences.check_growth(sequence, new_keys)
+        total = sequence.length + new_keys
         named = tuple(o.name for o in request.outputs)
         num_heads = sequence.served.signature.num_heads
         attention.shaping, outputs = weights_shaping(request.parameters, named, num_heads, rows, total)
-        attention.attended = total  # its keys: the sequence's cache and its own rows
+        attention.attended = total  # its keys: the sequence's cache and its new ones
         if outputs is not None:
             attention.outputs = outputs
         call.admit(attention)
         started = time.perf_counter_ns()
-        output, weights, cache = await self.runs.run(attention.query, sequence.cache)
+        runs = self.cross_runs if sequence.cross else self.runs
+        output, weights, cache = await runs.run(Step(attention.query, sequence.cache, *(given or ())))
         infer_ns = time.perf_counter_ns() - started
         call.ran(attention.batch_size, started, queue_ns=0, infer_ns=infer_ns)
         asked = attention.outputs

@@ -28,6 +28,7 @@ class Sequence:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     started: bool = True  # False until its first step is answered (Sequences.begin, commit)
     ended: bool = False
+    cross: bool = False  # a cross-attention sequence: its keys and values given in rows of their own
 
     @property
     def key(self) -> tuple[str, int | str]:
@@ -67,9 +68,10 @@ class Sequences:
     def cache_bytes(self) -> int:
         return sum(sequence.nbytes for sequence in self.live.values())
 
-    def begin(self, step: SequenceParameters, served, batch: int, caller: str = "") -> Sequence:
-        """The sequence this step belongs to: at ``sequence_start`` a new one, not yet live (``commit`` makes it
-        live once its first step is answered), else ``caller``'s live one of that id."""
+    def begin(self, step: SequenceParameters, served, batch: int, caller: str = "", cross: bool = False) -> Sequence:
+        """The sequence this step belongs to: at ``sequence_start`` a new one (a cross-attention one where ``cross``),
+        not yet live (``commit`` makes it live once its first step is answered), else ``caller``'s live one of that
+        id."""
         self.drop_idle()
         key = (caller, step.id)
         if step.start:
@@ -87,7 +89,8 @@ class Sequences:
                     f"sequence {step.id!r}: this client has {own} sequences live or starting, its share "
                     f"--max-sequences-per-client={self.per_client}; end one (sequence_end) or retry later",
                 )
-            return Sequence(caller, step.id, served, batch, served.session.steps.empty_cache(batch), started=False)
+            cache = served.session.steps.empty_cache(batch)
+            return Sequence(caller, step.id, served, batch, cache, started=False, cross=cross)
         sequence = self.live.get(key)
         if sequence is None:
             why = self._gone.get(key, "never started (its first step needs sequence_start)")

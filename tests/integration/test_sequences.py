@@ -44,9 +44,11 @@ def random_steps(length: int, rng) -> list[int]:
     return steps
 
 
-def step(stub, sequence_id, rows: np.ndarray, start=False, end=False, **parameters) -> dict[str, np.ndarray]:
+def step(
+    stub, sequence_id, rows: np.ndarray, start=False, end=False, key=None, value=None, mask=None, **parameters
+) -> dict[str, np.ndarray]:
     """One step as tritonclient sends it (sequence parameters beside the request's own)."""
-    request = build_infer_request("mha", rows)
+    request = build_infer_request("mha", rows, key=key, value=value, mask=mask)
     field = "string_param" if isinstance(sequence_id, str) else "int64_param"
     setattr(request.parameters["sequence_id"], field, sequence_id)
     request.parameters["sequence_start"].bool_param = start
@@ -220,8 +222,8 @@ def test_the_cache_is_counted_and_returned_at_end_and_at_the_idle_timeout(sequen
     rows = np.ones((1, 40, D), np.float32)
     step(stub, "counted", rows, start=True)
     held = samples()
-    # Keys and values of 40 rows, 4 heads of 16, in buffers with room for a fifth more: 2 x 48 x 64 float32.
-    assert held["mhaserve_sequence_cache_bytes"] - before["mhaserve_sequence_cache_bytes"] == 2 * 48 * D * 4
+    # Keys and values of 40 rows, 4 heads of 16 (a first step's rows are its buffers, exactly): 2 x 40 x 64 float32.
+    assert held["mhaserve_sequence_cache_bytes"] - before["mhaserve_sequence_cache_bytes"] == 2 * 40 * D * 4
     assert held["mhaserve_sequences_live"] == before["mhaserve_sequences_live"] + 1
     step(stub, "counted", rows[:, :1], end=True)
     assert samples()["mhaserve_sequence_cache_bytes"] == before["mhaserve_sequence_cache_bytes"]
@@ -465,8 +467,8 @@ def test_a_live_sequence_does_not_keep_a_bursts_memory(start_server, small_model
     server = start_server(small_model_dir, *TEST_SERVER_ARGS)
     with grpc.insecure_channel(server.url) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
-        # its cache: 2 x 1 row x 64 float32, in buffers with room for 16 rows (the least a buffer makes)
         step(stub, "kept", np.ones((1, 1, D), np.float32), start=True)
+        step(stub, "kept", np.ones((1, 1, D), np.float32))  # its cache: 2 rows in buffers with room for 16
         cache_bytes = 2 * MIN_ROOM * D * 4
         burst = build_infer_request("mha", np.random.default_rng(11).standard_normal((8, 64, D), dtype=np.float32))
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -476,3 +478,38 @@ def test_a_live_sequence_does_not_keep_a_bursts_memory(start_server, small_model
             time.sleep(0.1)
         assert held == cache_bytes, f"{held:.0f} bytes held with only a 1-row sequence live"
         step(stub, "kept", np.ones((1, 1, D), np.float32), end=True)
+
+
+def test_a_cross_attention_sequence_steps_its_queries_over_every_key_it_was_given(stub, small_module):
+    """Keys and values given with the first step (and more with a later one), queries stepping over them: each
+    step's rows equal eager's answer for those rows over every key given so far."""
+    rng = np.random.default_rng(21)
+    query, keys, values = (rng.standard_normal((2, n, D), dtype=np.float32) for n in (12, 30, 30))
+    plan = [(3, 20), (1, 0), (4, 0), (2, 10), (2, 0)]  # (query rows, keys it brings)
+    position = held = 0
+    for number, (rows, new_keys) in enumerate(plan):
+        given = {"key": keys[:, held : held + new_keys], "value": values[:, held : held + new_keys]} if new_keys else {}
+        answer = step(stub, "cross", query[:, position : position + rows], start=number == 0,
+                      end=number == len(plan) - 1, **given)  # fmt: skip
+        held += new_keys
+        want_output, want_weights = eager(small_module, query[:, position : position + rows], keys[:, :held],
+                                          values[:, :held])  # fmt: skip
+        assert answer["attn_weights"].shape == (2, 4, rows, held)
+        np.testing.assert_allclose(answer["output"], want_output, atol=1e-4 * np.abs(want_output).max())
+        np.testing.assert_allclose(answer["attn_weights"], want_weights, atol=1e-5)
+        position += rows
+
+
+def test_a_step_that_does_not_fit_its_sequence_is_refused_and_changes_nothing(stub, small_module):
+    rows = np.random.default_rng(22).standard_normal((1, 6, D), dtype=np.float32)
+    step(stub, "self", rows[:, :2], start=True)
+    with pytest.raises(grpc.RpcError) as refused:  # keys for a self-attention sequence
+        step(stub, "self", rows[:, 2:3], key=rows[:, 3:5])
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "input 'key'" in refused.value.details() and "self-attention sequence" in refused.value.details()
+    with pytest.raises(grpc.RpcError) as refused:  # a mask on a step
+        step(stub, "self", rows[:, 2:3], mask=np.ones((1, 1, 3), bool))
+    assert "input 'mask'" in refused.value.details()
+    answer = step(stub, "self", rows[:, 2:3], end=True)  # the sequence as it was: two rows before this one
+    want_output, _ = eager(small_module, rows[:, :3], mask=np.tril(np.ones((1, 3, 3), bool)))
+    np.testing.assert_allclose(answer["output"], want_output[:, 2:3], atol=1e-4 * np.abs(want_output).max())

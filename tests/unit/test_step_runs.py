@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from mhaserve.server.sequences import StepRuns
-from mhaserve.server.sequences.graph import STACKED_STEP_PAST_BYTES, StepCache
+from mhaserve.server.sequences.graph import STACKED_STEP_PAST_BYTES, Step, StepCache
 from mhaserve.server.session import AttentionSession
 from tests.support import SMALL_D_MODEL, SMALL_HEADS
 
@@ -24,7 +24,7 @@ def session(small_model_dir):
 def grown(session, length: int, seed: int):
     """A sequence's cache after a prompt of ``length`` rows."""
     prompt = np.random.default_rng(seed).standard_normal((1, length, SMALL_D_MODEL), dtype=np.float32)
-    return session.steps.run_step(prompt, session.steps.empty_cache(1))[2]
+    return session.steps.run_step(Step(prompt, session.steps.empty_cache(1)))[2]
 
 
 def run_at_once(session, steps, max_rows=32) -> tuple[list, int]:
@@ -34,7 +34,7 @@ def run_at_once(session, steps, max_rows=32) -> tuple[list, int]:
     async def send():
         with ThreadPoolExecutor(1) as executor:
             step_runs = StepRuns(session.steps, executor, max_rows, on_runs=runs.append)
-            return await asyncio.gather(*(step_runs.run(query, cache) for query, cache in steps))
+            return await asyncio.gather(*(step_runs.run(Step(query, cache)) for query, cache in steps))
 
     return asyncio.run(send()), sum(runs)
 
@@ -44,9 +44,9 @@ def rows(count: int, seed: int) -> np.ndarray:
 
 
 def assert_equal_to_alone(session, steps, answers):
-    for (query, cache), (output, weights, after) in zip(steps, answers, strict=True):
+    for (query, cache), (output, weights, after) in zip(steps, answers, strict=True):  # each run alone
         alone = StepCache.of(cache.key.copy(), cache.value.copy(), cache.length)  # not the buffers run together
-        want_output, want_weights, want_cache = session.steps.run_step(query, alone)
+        want_output, want_weights, want_cache = session.steps.run_step(Step(query, alone))
         np.testing.assert_allclose(output, want_output, rtol=0, atol=1e-6)
         np.testing.assert_allclose(weights, want_weights, rtol=0, atol=1e-7)
         assert after.length == want_cache.length == cache.length + query.shape[1] and after.nbytes == want_cache.nbytes
@@ -86,26 +86,26 @@ def test_long_pasts_run_one_after_another_in_one_call(session):
 
 
 def test_a_step_writes_its_rows_into_the_buffers_it_read_and_leaves_the_rows_held_as_they_were(session):
-    cache = grown(session, 20, 5)  # one step of 20 rows: room for 24
-    assert (cache.length, cache.capacity) == (20, 24) and cache.nbytes == 2 * 24 * SMALL_D_MODEL * 4
-    held = cache.key[:, :, :20].copy()
-    _, weights, after = session.steps.run_step(rows(3, 6), cache)
-    assert after.key is cache.key and after.value is cache.value and (after.length, after.capacity) == (23, 24)
-    np.testing.assert_array_equal(after.key[:, :, :20], held)
-    assert weights.shape == (1, SMALL_HEADS, 3, 23)  # over its own keys: the room past them is not answered
-    _, _, regrown = session.steps.run_step(rows(2, 7), after)  # 25 rows: a buffer with room for 30
-    assert regrown.key is not after.key and (regrown.length, regrown.capacity) == (25, 30)
-    np.testing.assert_array_equal(regrown.key[:, :, :20], held)
+    cache = grown(session, 16, 5)  # a first step's rows are its buffers, exactly
+    assert (cache.length, cache.capacity) == (16, 16) and cache.nbytes == 2 * 16 * SMALL_D_MODEL * 4
+    held = cache.key.copy()
+    _, _, regrown = session.steps.run_step(Step(rows(1, 6), cache))  # 17 rows: buffers with room for 20
+    assert regrown.key is not cache.key and (regrown.length, regrown.capacity) == (17, 20)
+    np.testing.assert_array_equal(regrown.key[:, :, :16], held)
+    _, weights, after = session.steps.run_step(Step(rows(2, 7), regrown))
+    assert after.key is regrown.key and after.value is regrown.value and (after.length, after.capacity) == (19, 20)
+    np.testing.assert_array_equal(after.key[:, :, :16], held)
+    assert weights.shape == (1, SMALL_HEADS, 2, 19)  # over its own keys: the room past them is not answered
 
 
 def test_a_step_whose_rows_overflow_grows_no_cache_and_writes_nothing_a_later_step_reads(session):
     cache = grown(session, 4, 8)
     before = cache.key.copy()
     huge = np.full((1, 1, SMALL_D_MODEL), 3e38, np.float32)
-    _, _, after = session.steps.run_step(huge, cache)
+    _, _, after = session.steps.run_step(Step(huge, cache))
     assert after is None
     np.testing.assert_array_equal(cache.key, before)
-    output, _, _ = session.steps.run_step(rows(1, 9), cache)
+    output, _, _ = session.steps.run_step(Step(rows(1, 9), cache))
     assert np.isfinite(output).all()
 
 
@@ -120,8 +120,8 @@ def test_a_cache_kept_in_ortvalues_is_appended_where_it_lives_and_answers_as_on_
     on_device = StepCache.of(*held, 6)
     assert not on_device.on_host and on_device.capacity == 6
     query = rows(2, 11)
-    output, weights, after = session.steps.run_step(query, on_device)
-    want_output, want_weights, want = session.steps.run_step(query, host)
+    output, weights, after = session.steps.run_step(Step(query, on_device))
+    want_output, want_weights, want = session.steps.run_step(Step(query, host))
     np.testing.assert_allclose(output, want_output, rtol=0, atol=1e-6)
     np.testing.assert_allclose(weights, want_weights, rtol=0, atol=1e-7)
     assert after.length == after.capacity == 8
