@@ -1,9 +1,10 @@
 """Sequences against resending the prefix: a server of the embedded default model (512/8), one client process.
 
-    flock /tmp/bench.lock .venv/bin/python benchmarks/bench_sequences.py [--rounds 3] [--calls 30]
+    flock /tmp/bench.lock .venv/bin/python benchmarks/bench_sequences.py [--rounds 3] [--calls 30] [--latency-only]
 
 Printed, each figure the median of ``--calls`` calls per round, rounds alternating the variants:
-- a one-row step at position 500 against the 500-row prefix sent with a causal mask, output only (c=1);
+- a one-row step at position 500 against the 500-row prefix sent with a causal mask, output only (c=1), as unary
+  calls and over one ModelStreamInfer stream, and the floor of each: a stateless one-row request;
 - a one-row step at position 500 against one at position 10;
 - steps a second with 1, 16 and 64 sequences stepping at once at about 32 and 256 rows (output only, gRPC aio),
   on the server as it runs (steps of several sequences sharing a call, short ones one padded run) and, side by
@@ -62,6 +63,22 @@ async def grow(stub, name: str, length: int, rng) -> None:
     await stub.ModelInfer(request(x, name, start=True), timeout=60)
 
 
+async def streamed_ms(stub, make, calls: int) -> float:
+    """As timed_ms, the calls sent one after another over one ModelStreamInfer stream, each timed from its write
+    to its answer."""
+    stream, times = stub.ModelStreamInfer(), []
+    for _ in range(calls):
+        message = make()
+        started = time.perf_counter()
+        await stream.write(message)
+        answer = await stream.read()
+        times.append((time.perf_counter() - started) * 1000)
+        if answer.error_message:
+            raise RuntimeError(answer.error_message)
+    await stream.done_writing()
+    return statistics.median(times)
+
+
 async def rss_per_sequence(stub, server: ServerProcess, rng, name: str = "") -> None:
     """The server's RSS grown by 64 live sequences of 256 rows, against their keys' and values' bytes."""
     before = rss_mib(server.proc.pid)
@@ -103,23 +120,31 @@ async def main(rounds: int, calls: int, server: ServerProcess) -> None:
         # First, on a server that has not yet run steps: what a live sequence holds.
         await rss_per_sequence(stub, server, rng)
 
-        figures = {"step at 500": [], "prefix of 500": [], "step at 10": []}
+        figures = {"step at 500": [], "prefix of 500": [], "step at 10": [], "stream step at 500": [],
+                   "stream prefix of 500": [], "one row": [], "stream one row": []}  # fmt: skip
         for number in range(rounds):
             # Each call steps a fresh sequence grown to the position, then ended: the position stays put.
-            for name in ("step at 500", "prefix of 500", "step at 10"):
-                if name == "prefix of 500":
-                    figures[name].append(await timed_ms(stub, lambda: request(prefix, mask=causal), calls))
+            for name in figures:
+                streamed = name.startswith("stream ")
+                timed = streamed_ms if streamed else timed_ms
+                if name.endswith("prefix of 500"):
+                    figures[name].append(await timed(stub, lambda: request(prefix, mask=causal), calls))
                     continue
-                position = 500 if name == "step at 500" else 10
-                sequence = f"round{number}-{position}"
+                if name.endswith("one row"):  # the floor: a stateless request of one row
+                    figures[name].append(await timed(stub, lambda: request(row), calls))
+                    continue
+                position = 500 if name.endswith("step at 500") else 10
+                sequence = f"round{number}-{name}"
                 await grow(stub, sequence, position, rng)
-                figures[name].append(await timed_ms(stub, lambda s=sequence: request(row, s, start=False), calls))
+                figures[name].append(await timed(stub, lambda s=sequence: request(row, s, start=False), calls))
                 await stub.ModelInfer(request(row, sequence, end=True), timeout=60)
         med = {name: statistics.median(values) for name, values in figures.items()}
         print(f"c=1, output only, median of {rounds} rounds x {calls} calls (the step grows its sequence each call):")
         for name, value in med.items():
             print(f"  {name:>14}: {value:8.3f} ms  (rounds: {', '.join(f'{v:.3f}' for v in figures[name])})")
         print(f"  step at 500 / prefix of 500: {med['step at 500'] / med['prefix of 500']:.3f}")
+        print(f"  over a stream, step at 500 / prefix of 500: "
+              f"{med['stream step at 500'] / med['stream prefix of 500']:.3f}")  # fmt: skip
         print(f"  step at 500 / step at 10:    {med['step at 500'] / med['step at 10']:.3f}")
 
 
@@ -259,6 +284,8 @@ if __name__ == "__main__":
         raise SystemExit(0)
     with ServerProcess(ensure_default_model(), *flags) as served:
         asyncio.run(main(args.rounds, args.calls, served))
+    if args.latency_only:
+        raise SystemExit(0)
     # Two fresh servers, alike but for --max-batch-size, so that neither carries the runs above.
     with (
         ServerProcess(ensure_default_model(), *flags) as merged,

@@ -157,13 +157,24 @@ def rss_mib(pid: int) -> float:
 
 
 def peak_rss_mib(pid: int) -> float:
-    """The most resident memory the process has had since it started or since ``reset_peak_rss``."""
-    return _status_mib(pid, "VmHWM")
+    """The most resident memory the process has had since it started or since ``reset_peak_rss``: with its child
+    processes' (a server's worker processes), the sum of their peaks."""
+    return sum(_status_mib(each, "VmHWM") for each in _with_children(pid))
 
 
 def reset_peak_rss(pid: int) -> None:
-    """Start ``peak_rss_mib`` again from the process's resident memory now."""
-    Path(f"/proc/{pid}/clear_refs").write_text("5")
+    """Start ``peak_rss_mib`` again from the process's (and its children's) resident memory now."""
+    for each in _with_children(pid):
+        Path(f"/proc/{each}/clear_refs").write_text("5")
+
+
+def _with_children(pid: int) -> list[int]:
+    """The process and its child processes (Linux /proc)."""
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        children = []
+    return [pid, *(int(child) for child in children)]
 
 
 async def send(client: AsyncClient, call: Call, timeout_s: float, sent_at: float | None = None) -> None:

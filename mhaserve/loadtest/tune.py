@@ -67,7 +67,8 @@ def exports_knob(model_dir: Path, others: list[Path], int8_usable: bool) -> tupl
 
 
 def knobs_for(workload: Workload, cores: int | None = None) -> list[Knob]:
-    """The knobs that can change this workload's figures on this machine: threads and workers up to its cores,
+    """The knobs that can change this workload's figures on this machine: threads, inference workers and serving
+    processes up to its cores,
     the output-only graph only for requests that ask for no weights, length-aware batching only for mixed
     lengths. (No CUDA knob: the one there is, TF32, changes the answers, not only their speed.)"""
     cores = cores or os.cpu_count() or 1
@@ -79,6 +80,8 @@ def knobs_for(workload: Workload, cores: int | None = None) -> list[Knob]:
         # 0 is one thread per core: the values past it are the fewer threads this machine allows
         Knob("intra_op_threads", (0, *range(1, cores)), 0),
         Knob("inference_workers", tuple(range(1, min(cores, 4) + 1)), 1),
+        # serving processes on the same ports (mhaserve serve --workers), up to one per core
+        Knob("workers", tuple(range(1, cores + 1)), 1),
     ]
     if workload.min_len != workload.max_len:
         knobs.append(Knob("length_aware_batching", (True, False), True))

@@ -19,6 +19,8 @@ from .loadgen import Point, Workload
 from .slo import Slo
 from .tune import Measured, better, confirmed, pareto_front
 
+# Settings of the whole server that a model's config.pbtxt does not hold: served as flags beside it.
+SERVER_WIDE = ("inference_workers", "workers")
 COLUMNS = ("setting", "req/s", "spread", "p50 ms", "p99 ms", "SLO", "peak RSS MiB", "at")
 
 
@@ -115,13 +117,16 @@ class TuneRun:
 
     def serve_command(self, m: Measured, model_config: Path | None = None) -> str:
         """The command that serves ``m``'s setting: as flags; or, with the setting in the model's ``model_config``,
-        the flags its ceilings need (more inference workers than the server's default)."""
+        the flags of the server's own settings (serving processes, and the inference workers its instance count
+        needs)."""
         changed = dict(m.candidate.changed)
         served = f"--model-dir {changed['model_dir']}" if "model_dir" in changed else self.served
         if model_config is None:
             return " ".join(["mhaserve serve", served, *m.candidate.settings().flags()])
-        workers = changed.get("inference_workers")
-        return " ".join(["mhaserve serve", served, *(("--inference-workers", str(workers)) if workers else ())])
+        # the server's own settings a model's configuration cannot hold (its instance count needs the server's
+        # inference workers too)
+        server_flags = [f"--{name.replace('_', '-')} {changed[name]}" for name in SERVER_WIDE if name in changed]
+        return " ".join(["mhaserve serve", served, *server_flags])
 
     def write_model_config(self, path: Path, name: str) -> None:
         """The chosen setting as the model's config.pbtxt (Triton's fields where they mean the same)."""
@@ -130,7 +135,8 @@ class TuneRun:
         chosen = self.chosen
         header = f"# mhaserve tune: {self.title}\n# {chosen.best.throughput:.1f} req/s, p99 " \
                  f"{chosen.best.latency_ms['p99']:.2f} ms at {chosen.best.point.label}\n"  # fmt: skip
-        path.write_text(header + config_text(name, dict(chosen.candidate.settings().changed)))
+        values = {key: value for key, value in chosen.candidate.settings().changed if key != "workers"}
+        path.write_text(header + config_text(name, values))
 
     def lines(self) -> list[str]:
         widths = [max(len(str(row[i])) for row in [COLUMNS, *map(_figures, self.ranked)]) for i in range(len(COLUMNS))]

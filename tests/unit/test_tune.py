@@ -38,12 +38,13 @@ def test_only_knobs_that_apply_here_are_searched():
     names = lambda knobs: {k.name: k.values for k in knobs}  # noqa: E731
     two_cores = names(knobs_for(WORKLOAD, cores=2))
     assert two_cores["intra_op_threads"] == (0, 1) and two_cores["inference_workers"] == (1, 2)
+    assert two_cores["workers"] == (1, 2)  # serving processes, up to one per core
     assert "length_aware_batching" not in two_cores  # one length: nothing to split
     assert "output_only_graph" not in two_cores  # the weights are asked for: the full graph runs anyway
     mixed_output_only = names(knobs_for(Workload(512, 1, 16, 128, attn_weights=False), cores=2))
     assert {"length_aware_batching", "output_only_graph"} <= set(mixed_output_only)
     one_core = names(knobs_for(WORKLOAD, cores=1))
-    assert "intra_op_threads" not in one_core and "inference_workers" not in one_core
+    assert not {"intra_op_threads", "inference_workers", "workers"} & set(one_core)
     assert min(names(knobs_for(Workload(512, batch=8), cores=2))["max_batch_size"]) == 8  # never below a request
 
 
@@ -56,8 +57,9 @@ def test_a_setting_is_what_differs_from_the_defaults_and_batching_knobs_go_witho
     assert off.flags() == ["--dynamic-batching", "false"]
     sweep = full_sweep(knobs)
     assert sweep[0].label == "(defaults)" and len(set(sweep)) == len(sweep)
-    # with batching on, 4 delays x 4 caps x 2 x 2 threads and workers x 2 length-aware; off, its knobs idle
-    assert len(sweep) == (4 * 4 * 2) * 2 * 2 + 2 * 2
+    # with batching on, 4 delays x 4 caps x 2 x 2 x 2 threads, inference workers and processes x 2 length-aware;
+    # off, its knobs idle
+    assert len(sweep) == (4 * 4 * 2) * 2 * 2 * 2 + 2 * 2 * 2
 
 
 def test_the_quick_search_pairs_delay_and_batch_cap_then_steps_the_other_knobs_keeping_only_what_measured_better():
@@ -74,7 +76,7 @@ def test_the_quick_search_pairs_delay_and_batch_cap_then_steps_the_other_knobs_k
 
     runs = list(quick_search(knobs, measure))
     assert runs[0].candidate.label == "(defaults)"
-    assert len(runs) == quick_plan(knobs) == 4 * 4 + 1 + 1 + 1  # every pairing, then each other knob's values
+    assert len(runs) == quick_plan(knobs) == 4 * 4 + 1 + 1 + 1 + 1  # every pairing, then each other knob's values
     best = max(runs, key=Measured.rank_key)
     assert best.candidate.label == "--intra-op-threads 1 --max-batch-size 8 --max-queue-delay-us 4000"
     assert best.best.throughput == 1000.0 * 1.5 * 1.1
@@ -136,3 +138,13 @@ def test_the_search_s_best_is_kept_only_if_it_wins_most_rounds_side_by_side_with
     assert confirmed(won.confirmation) and won.chosen is searched[1]
     assert "it won 2: kept" in won.confirmation_line()
     assert run_with(None).chosen is searched[1]  # not confirmed (--confirm 0): as the search measured it
+
+
+def test_serving_processes_stay_a_flag_of_the_server_when_the_setting_goes_into_the_models_configuration(tmp_path):
+    tuned = measured(Candidate((("max_batch_size", 4), ("workers", 2))), 1300.0, 9.0)
+    run = TuneRun([measured(Candidate(()), 1000.0, 12.0), tuned], [SLO], [POINT], WORKLOAD, "quick",
+                  "--model-dir m", False, [])  # fmt: skip
+    run.write_model_config(tmp_path / "config.pbtxt", "mha")
+    written = (tmp_path / "config.pbtxt").read_text()
+    assert "max_batch_size: 4" in written and "workers" not in written
+    assert run.serve_command(tuned, tmp_path / "config.pbtxt") == "mhaserve serve --model-dir m --workers 2"
