@@ -262,6 +262,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--calls", type=int, default=30)
+    parser.add_argument("--latency-only", action="store_true", help="only the one-client figures (c=1)")
     parser.add_argument("--baseline", help="serve this revision beside the working tree, steps/s at 32-1,024 rows")
     parser.add_argument(
         "--positions",
