@@ -232,8 +232,11 @@ def step_times(session: AttentionSession, position: int, repeats: int, sync) -> 
     if session.provider == "CUDAExecutionProvider":  # the server keeps it in the GPU's memory
         on_device = (ort.OrtValue.ortvalue_from_numpy(a, "cuda", 0) for a in (past_key, past_value))
         cache = StepCache.of(*on_device, position)
-    else:
-        cache = StepCache.of(past_key, past_value, position)
+    else:  # buffers with room, as a sequence's are between regrowths: the step writes its row in place
+        room = [np.zeros((1, heads, position + 64, d_model // heads), np.float32) for _ in range(2)]
+        for buffer, past in zip(room, (past_key, past_value), strict=True):
+            buffer[:, :, :position] = past
+        cache = StepCache.of(*room, position)
     prefix = rng.standard_normal((1, position + 1, d_model), dtype=np.float32)
     causal = np.tril(np.ones((1, 1, position + 1, position + 1), bool))
     kept = median_ms(lambda: session.steps.run_step(Step(row, cache)), repeats, sync)

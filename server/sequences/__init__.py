@@ -23,9 +23,9 @@ it was given (more may come with later steps), on the folder's cross-attention s
 - A sequence keeps the version it started on until it ends or times out, through unloads and swaps.
 """
 
-from .graph import StepCache, StepGraph
+from .graph import Step, StepCache, StepGraph
 from .runs import StepRuns
 from .runtime import SequenceRuntime
 from .state import Sequence, Sequences
 
-__all__ = ["Sequence", "SequenceRuntime", "Sequences", "StepCache", "StepGraph", "StepRuns"]
+__all__ = ["Sequence", "SequenceRuntime", "Sequences", "Step", "StepCache", "StepGraph", "StepRuns"]
