@@ -19,9 +19,9 @@ CUDA = "CUDAExecutionProvider"
 
 # Steps of several sequences run as one batch while each past's keys and values (per batch row) and the batch's fit
 # these bounds, their rows copied side by side; past them, one after another was measured faster (BENCHMARKS.md,
-# "Sequences").
+# "Sequences: a cache written in place").
 STACKED_STEP_PAST_BYTES = 512 << 10
-STACKED_STEPS_BYTES = 16 << 20
+STACKED_STEPS_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
