@@ -4,7 +4,8 @@
 
 Printed, each figure the median of ``--calls`` calls per round, rounds alternating the variants:
 - a one-row step at position 500 against the 500-row prefix sent with a causal mask, output only (c=1), as unary
-  calls and over one ModelStreamInfer stream, and the floor of each: a stateless one-row request;
+  calls and over one ModelStreamInfer stream, and the floor of each: a stateless one-row request; a one-row step of a
+  cross-attention sequence given 500 keys against one row sent with those 500 keys each time;
 - a one-row step at position 500 against one at position 10;
 - steps a second with 1, 16 and 64 sequences stepping at once at about 32 and 256 rows (output only, gRPC aio),
   on the server as it runs (steps of several sequences sharing a call, short ones one padded run) and, side by
@@ -49,8 +50,8 @@ D, H = 512, 8
 IDLE_S = 3.0  # the server gives its free memory back once idle 2 s
 
 
-def request(rows: np.ndarray, sequence=None, start=False, end=False, mask=None):
-    message = build_infer_request("mha", rows, mask=mask, attn_weights=False)
+def request(rows: np.ndarray, sequence=None, start=False, end=False, mask=None, keys=None):
+    message = build_infer_request("mha", rows, key=keys, value=keys, mask=mask, attn_weights=False)
     if sequence is not None:
         message.parameters["sequence_id"].string_param = sequence
         message.parameters["sequence_start"].bool_param = start
@@ -121,7 +122,8 @@ async def main(rounds: int, calls: int, server: ServerProcess) -> None:
         await rss_per_sequence(stub, server, rng)
 
         figures = {"step at 500": [], "prefix of 500": [], "step at 10": [], "stream step at 500": [],
-                   "stream prefix of 500": [], "one row": [], "stream one row": []}  # fmt: skip
+                   "stream prefix of 500": [], "one row": [], "stream one row": [], "cross step over 500 keys": [],
+                   "one row over 500 keys": []}  # fmt: skip
         for number in range(rounds):
             # Each call steps a fresh sequence grown to the position, then ended: the position stays put.
             for name in figures:
@@ -132,6 +134,15 @@ async def main(rounds: int, calls: int, server: ServerProcess) -> None:
                     continue
                 if name.endswith("one row"):  # the floor: a stateless request of one row
                     figures[name].append(await timed(stub, lambda: request(row), calls))
+                    continue
+                if name == "one row over 500 keys":  # cross-attention, the keys and values sent with each request
+                    figures[name].append(await timed(stub, lambda: request(row, keys=prefix), calls))
+                    continue
+                if name == "cross step over 500 keys":  # the keys and values given once, with the first step
+                    sequence = f"round{number}-{name}"
+                    await stub.ModelInfer(request(row, sequence, start=True, keys=prefix), timeout=60)
+                    figures[name].append(await timed(stub, lambda s=sequence: request(row, s), calls))
+                    await stub.ModelInfer(request(row, sequence, end=True), timeout=60)
                     continue
                 position = 500 if name.endswith("step at 500") else 10
                 sequence = f"round{number}-{name}"
@@ -145,6 +156,8 @@ async def main(rounds: int, calls: int, server: ServerProcess) -> None:
         print(f"  step at 500 / prefix of 500: {med['step at 500'] / med['prefix of 500']:.3f}")
         print(f"  over a stream, step at 500 / prefix of 500: "
               f"{med['stream step at 500'] / med['stream prefix of 500']:.3f}")  # fmt: skip
+        print(f"  cross step over 500 keys / one row sending them: "
+              f"{med['cross step over 500 keys'] / med['one row over 500 keys']:.3f}")  # fmt: skip
         print(f"  step at 500 / step at 10:    {med['step at 500'] / med['step at 10']:.3f}")
 
 

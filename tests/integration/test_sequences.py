@@ -117,6 +117,34 @@ def test_tritonclient_http_steps_equal_the_stateless_causal_answer(sequence_serv
     assert_equals_the_causal_answer(small_module, x, steps, answers)
 
 
+def test_tritonclient_http_steps_a_cross_attention_sequence_over_the_keys_of_its_first_step(
+    sequence_server, small_module
+):
+    import tritonclient.http as triton_http
+
+    rng = np.random.default_rng(23)
+    query, keys, values = (rng.standard_normal((1, n, D), dtype=np.float32) for n in (5, 17, 17))
+    client = triton_http.InferenceServerClient(sequence_server.http_url.removeprefix("http://"))
+
+    def tensor(name: str, array: np.ndarray):
+        given = triton_http.InferInput(name, list(array.shape), "FP32")
+        given.set_data_from_numpy(np.ascontiguousarray(array))
+        return given
+
+    try:
+        for row in range(5):
+            inputs = [tensor("query", query[:, row : row + 1])]
+            if row == 0:
+                inputs += [tensor("key", keys), tensor("value", values)]
+            result = client.infer("mha", inputs, sequence_id="cross-http", sequence_start=row == 0,
+                                  sequence_end=row == 4)  # fmt: skip
+            want_output, want_weights = eager(small_module, query[:, row : row + 1], keys, values)
+            np.testing.assert_allclose(result.as_numpy("output"), want_output, atol=1e-4 * np.abs(want_output).max())
+            np.testing.assert_allclose(result.as_numpy("attn_weights"), want_weights, atol=1e-5)
+    finally:
+        client.close()
+
+
 def test_eight_sequences_interleaved_from_threads_each_equal_their_own_answer(stub, small_module):
     rng = np.random.default_rng(3)
     sequences = {f"thread-{i}": rng.standard_normal((1, 48, D), dtype=np.float32) for i in range(8)}
