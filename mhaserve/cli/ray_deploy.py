@@ -56,7 +56,7 @@ def _run_ray_deploy(args) -> int:
     if args.address != "auto" and not _reachable(args.address):
         raise UsageError(f"no Ray cluster answers at --address {args.address} (start one with 'ray start --head')")
     try:
-        from mhaserve.server.ray.deployment import deploy
+        from mhaserve.server.ray.deployment import deploy, direct_addresses
     except ImportError as error:
         raise UsageError(f"ray-deploy needs Ray Serve: pip install 'mhaserve[ray]' ({error})") from None
     try:
@@ -82,4 +82,8 @@ def _run_ray_deploy(args) -> int:
         return 1
     print(f"application '{name}' serves the Open Inference Protocol on the proxies' gRPC port {args.grpc_port}; "
           f"send metadata 'application: {name}' (mhaserve infer/bench --application {name})")  # fmt: skip
+    direct = direct_addresses(name)
+    if direct:  # the cluster runs Serve's direct ingress: the replicas answer at their own ports too
+        print(f"its replicas also answer directly, without the proxy hop, at {', '.join(direct)} (the same "
+              "metadata; replicas that start later take other ports)")  # fmt: skip
     return 0

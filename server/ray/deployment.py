@@ -196,3 +196,25 @@ def deploy(
     # (metadata 'application: NAME').
     serve.run(replica_deployment(name, model_dir, **replicas), name=name, route_prefix=f"/{name}")
     return name
+
+
+def direct_addresses(name: str) -> list[str]:
+    """Where the application's replicas answer gRPC themselves, ``host:port`` each: on a cluster whose nodes were
+    started with ``RAY_SERVE_ENABLE_DIRECT_INGRESS=1`` (Ray Serve's direct ingress), each ingress replica serves
+    the OIP service on a port of its own, no proxy between it and the client (which sends the same 'application'
+    metadata). Empty where calls go through the proxies. Read from Serve's controller, the targets it gives load
+    balancers, while this process is connected to the cluster."""
+    import ray
+    from ray.serve._private.common import RequestProtocol
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client()
+    proxy_port = client.get_serve_details().get("grpc_options", {}).get("port")
+    groups = ray.get(client._controller.get_target_groups.remote(name))
+    return [
+        f"{target.ip}:{target.port}"
+        for group in groups
+        if group.protocol == RequestProtocol.GRPC
+        for target in group.targets
+        if target.port != proxy_port
+    ]
