@@ -242,10 +242,6 @@ class AttentionSession:
     def serves_sequences(self) -> bool:
         return self.steps is not None
 
-    @property
-    def serves_cross_sequences(self) -> bool:
-        return self.cross_steps is not None
-
     def release_memory(self) -> None:
         """Shrink the arena: after a burst of large runs it holds their peak until the process exits. One tiny
         run, with the shrink option, frees it; the next large run pays for growing it again (page faults), so

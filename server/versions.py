@@ -97,7 +97,6 @@ class VersionFactory:
             info.max_abs_input,
             session.serves_sequences,
             info.mask_exact_input_limit,
-            serves_cross_sequences=session.serves_cross_sequences,
         )
         needed = self.settings.message_limits(signature.d_model, signature.num_heads)
         if self.message_limits and any(n > bound for n, bound in zip(needed, self.message_limits, strict=True)):

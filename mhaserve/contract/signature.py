@@ -94,4 +94,3 @@ class ModelSignature:
     # queries and keys larger in magnitude are refused: past it a mask's bias might not decide (its scores could
     # overflow past it), and a masked key could take the weight
     mask_exact_input_limit: float | None = None
-    serves_cross_sequences: bool = False  # the folder has a cross-attention step graph
