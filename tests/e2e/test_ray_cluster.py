@@ -54,6 +54,7 @@ def cluster(small_model_dir):
         capture_output=True, text=True, timeout=180,
     )  # fmt: skip
     assert deployed.returncode == 0, deployed.stderr[-3000:]
+    assert "answer directly" not in deployed.stdout  # no direct ingress here: calls go through the proxy
     ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
     print(
         f"cluster of 3 nodes up and the model deployed in {time.monotonic() - started:.1f} s; its processes hold "
