@@ -117,25 +117,17 @@ def in_process(module, model_dir: Path, threads: int, runs: int = 300) -> list[d
 
 
 class MhaServer:
-    """``instances`` mhaserve processes on one port (``--reuse-port``): the kernel spreads connections."""
+    """mhaserve serving ``model_dir`` on MHASERVE_PORT with ``args`` (``--workers N``: N serving processes on it)."""
 
-    def __init__(self, model_dir: Path, *args: str, instances: int = 1):
-        reuse = ("--reuse-port", "true") if instances > 1 else ()
-        args = ("--metrics-port", "-1", *reuse, *args)
-        self.servers = [ServerProcess(model_dir, *args, port=MHASERVE_PORT) for _ in range(instances)]
+    def __init__(self, model_dir: Path, *args: str):
+        self.server = ServerProcess(model_dir, "--metrics-port", "0", *args, port=MHASERVE_PORT)
 
     def __enter__(self):
-        try:
-            for server in self.servers:
-                server.start(timeout=120)
-        except RuntimeError:
-            self.__exit__()
-            raise
+        self.server.start(timeout=120)
         return self
 
     def __exit__(self, *exc):
-        for server in self.servers:
-            server.stop()
+        self.server.stop()
 
 
 def loadgen(
@@ -223,7 +215,7 @@ def report(inproc: list[dict], served: list[dict], mixed: dict | None) -> None:
                          f"p50 / best peer p50 ({peer_p50['label']}) = {p50:.2f} (goal <= 0.5)")  # fmt: skip
             print(line)
     off = point("mhaserve-nobatch", "1,16,512", 16)
-    for label in ("mhaserve-batch", "mhaserve-batch-2proc"):
+    for label in ("mhaserve-batch", "mhaserve-workers-2"):
         big, small, c1 = point(label, "1,128,512", 16), point(label, "1,16,512", 16), point(label, "1,16,512", 1)
         peer_big, peer_small = best_peer("1,128,512", 16), best_peer("1,16,512", 16)
         peer_c1 = best_peer("1,16,512", 1, "p50_us", min)
@@ -280,8 +272,8 @@ def main() -> int:
     variants = (
         ("mhaserve-nobatch", ("--dynamic-batching", "false", *threads), 1),
         ("mhaserve-batch", threads, 1),
-        # Both cores for Python's side too: two processes on one port, one ORT thread each.
-        ("mhaserve-batch-2proc", ("--intra-op-threads", "1"), 2),
+        # Both cores for Python's side too: two serving processes on one port (their ORT threads divided).
+        ("mhaserve-workers-2", ("--workers", "2"), 1),
     )
     folders = {label: model_dir for label, *_ in variants}
     if args.int8:
@@ -295,11 +287,11 @@ def main() -> int:
         variants += (("mhaserve-int8", threads, 1),)
         folders["mhaserve-int8"] = int8_dir
     only = None if args.only is None else set(args.only.split(","))
-    for label, extra, instances in variants:
+    for label, extra, _ in variants:
         if only is not None and label not in only:
             continue
         log(label)
-        with MhaServer(folders[label], *extra, instances=instances):
+        with MhaServer(folders[label], *extra):
             loadgen(args.peers_dir, label, f"127.0.0.1:{MHASERVE_PORT}", "query", args.seconds, served_file,
                     concurrency)  # fmt: skip
     if args.peers_dir and not args.skip_peers:
