@@ -41,7 +41,10 @@ def region(request):
 
     yield make
     for shm in made:
-        shm.close()
+        try:
+            shm.close()
+        except BufferError:  # a failed test's frames still view it: the mapping goes with them, the name now
+            pass
         try:
             shm.unlink()
         except FileNotFoundError:
@@ -292,42 +295,49 @@ def test_unregistering_under_load_loses_nothing_and_frees_the_region_once_its_re
     calls, length = 24, 64
     queries = [rand(1, length, D, seed=100 + n) for n in range(calls)]
     size = queries[0].nbytes
-    key, shm = region(2 * calls * size)
-    for n, query in enumerate(queries):
-        shm.buf[n * size : (n + 1) * size] = query.tobytes()
     expected = [socket_answer(shm_server, query) for query in queries]
-    before = [link for link in open_files(shm_server.pid) if key[1:] in link]  # the test's own, in process
-    assert register(shm_server, "busy", key, 2 * calls * size)[0] == 200
-    unregistered_at = []
-    answered_at = [None] * calls
+    # The unregister is sent as the first answer arrives; where every request had been answered by the time it was
+    # read (a quick machine), the load is sent again over a region of its own.
+    for attempt in range(5):
+        name = f"busy{attempt}"
+        key, shm = region(2 * calls * size)
+        for n, query in enumerate(queries):
+            shm.buf[n * size : (n + 1) * size] = query.tobytes()
+        before = [link for link in open_files(shm_server.pid) if key[1:] in link]  # the test's own, in process
+        assert register(shm_server, name, key, 2 * calls * size)[0] == 200
+        answered_at = [0.0] * calls
 
-    def call(n: int):
-        answer = infer(
-            shm_server,
-            [shm_input("query", queries[n].shape, "busy", size, offset=n * size)],
-            [shm_output("output", "busy", size, offset=(calls + n) * size)],
-        )
-        answered_at[n] = time.monotonic()
-        return answer
+        def call(n: int, name=name, answered_at=answered_at):
+            answer = infer(
+                shm_server,
+                [shm_input("query", queries[n].shape, name, size, offset=n * size)],
+                [shm_output("output", name, size, offset=(calls + n) * size)],
+            )
+            answered_at[n] = time.monotonic()
+            return answer
 
-    with concurrent.futures.ThreadPoolExecutor(calls) as pool:
-        futures = [pool.submit(call, n) for n in range(calls)]
-        while not any(f.done() for f in futures):
-            time.sleep(0.001)
-        assert http(shm_server, "POST", "/v2/systemsharedmemory/region/busy/unregister")[0] == 200
-        unregistered_at.append(time.monotonic())
-        answers = [f.result() for f in futures]
+        with concurrent.futures.ThreadPoolExecutor(calls) as pool:
+            futures = [pool.submit(call, n) for n in range(calls)]
+            while not any(f.done() for f in futures):
+                time.sleep(0.001)
+            assert http(shm_server, "POST", f"/v2/systemsharedmemory/region/{name}/unregister")[0] == 200
+            unregistered_at = time.monotonic()
+            answers = [f.result() for f in futures]
 
-    ok = [n for n, (status, _) in enumerate(answers) if status == 200]
-    refused = [n for n, (status, answer) in enumerate(answers) if status != 200]
-    for n in refused:
-        assert answers[n] == (400, {"error": "input 'query': unknown shared memory region 'busy'; register it first"})
-    for n in ok:
-        written = np.frombuffer(shm.buf[(calls + n) * size : (calls + n + 1) * size], dtype=np.float32)
-        assert np.array_equal(written.reshape(queries[n].shape), expected[n]), n
-    assert any(answered_at[n] > unregistered_at[0] for n in ok), "no request was still running at the unregister"
-    links = open_files(shm_server.pid)
-    assert [link for link in links if key[1:] in link] == before, "the region is still open after its requests ended"
+        ok = [n for n, (status, _) in enumerate(answers) if status == 200]
+        for n, answer in enumerate(answers):
+            if n not in ok:
+                assert answer == (400, {"error": f"input 'query': unknown shared memory region '{name}'; register it "
+                                                 "first"})  # fmt: skip
+        for n in ok:
+            written = np.frombuffer(shm.buf[(calls + n) * size : (calls + n + 1) * size], dtype=np.float32)
+            assert np.array_equal(written.reshape(queries[n].shape), expected[n]), n
+            del written
+        links = open_files(shm_server.pid)
+        assert [link for link in links if key[1:] in link] == before, "the region is still open after its requests"
+        if any(answered_at[n] > unregistered_at for n in ok):
+            return  # a request still running at the unregister was answered whole
+    pytest.fail("in 5 tries, no request was still running when the unregister was read")
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
