@@ -28,8 +28,8 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from mhaserve.contract.steps import GROWTH, MIN_ROOM, PAST_LENGTHS, with_rows
-from mhaserve.export.step import PAST_KEY, PAST_VALUE, step_graph
+from mhaserve.contract.steps import GROWTH, MIN_ROOM, PAST_KEY, PAST_LENGTHS, PAST_VALUE, with_rows
+from mhaserve.export.step import step_graph
 from mhaserve.model import MultiHeadAttention
 
 POSITIONS = (16, 512, 2048, 4096)

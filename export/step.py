@@ -35,14 +35,22 @@ from onnx import TensorProto
 from onnx import helper as make
 
 from mhaserve.contract import signature
-from mhaserve.contract.steps import NEW_KEY, NEW_VALUE, PAST_LENGTHS, own_weights, stacked_pasts, with_rows
+from mhaserve.contract.steps import (
+    NEW_KEY,
+    NEW_VALUE,
+    PAST_KEY,
+    PAST_LENGTHS,
+    PAST_VALUE,
+    own_weights,
+    stacked_pasts,
+    with_rows,
+)
 from mhaserve.model import MultiHeadAttention
 
 from .output_only import _constant, _linear
 from .validate import TOLERANCES
 
 OPSET = 18
-PAST_KEY, PAST_VALUE = "past_key", "past_value"
 
 
 def _heads(source: str, target: str, heads: int, d_k: int) -> list:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from mhaserve.server.config import setting_text
+from mhaserve.server.config import flag_of, setting_text
 
 from .loadgen import Point, Workload
 from .slo import Slo
@@ -125,7 +125,7 @@ class TuneRun:
             return " ".join(["mhaserve serve", served, *m.candidate.settings().flags()])
         # the server's own settings a model's configuration cannot hold (its instance count needs the server's
         # inference workers too)
-        server_flags = [f"--{name.replace('_', '-')} {changed[name]}" for name in SERVER_WIDE if name in changed]
+        server_flags = [f"{flag_of(name)} {setting_text(changed[name])}" for name in SERVER_WIDE if name in changed]
         return " ".join(["mhaserve serve", served, *server_flags])
 
     def write_model_config(self, path: Path, name: str) -> None:

@@ -10,7 +10,16 @@ import numpy as np
 import onnxruntime as ort
 
 from mhaserve.contract.signature import KEY, QUERY, VALUE
-from mhaserve.contract.steps import NEW_KEY, NEW_VALUE, PAST_LENGTHS, own_weights, stacked_pasts, with_rows
+from mhaserve.contract.steps import (
+    NEW_KEY,
+    NEW_VALUE,
+    PAST_KEY,
+    PAST_LENGTHS,
+    PAST_VALUE,
+    own_weights,
+    stacked_pasts,
+    with_rows,
+)
 
 from .. import kernels
 from ..tensors import count_non_finite
@@ -84,12 +93,13 @@ class StepGraph:
     ``value``), on the provider the version's full graph got. Thread-safe, as ONNX Runtime sessions are; a
     sequence's steps run one at a time, so its buffers are written by one at once."""
 
-    def __init__(self, session: ort.InferenceSession, d_model: int, num_heads: int, cache_device: str | None = None):
+    def __init__(self, session: ort.InferenceSession, d_model: int, num_heads: int):
         self._session = session
         self.d_model, self.num_heads = d_model, num_heads
         self.cross = KEY in {i.name for i in session.get_inputs()}
+        self._provider = session.get_providers()[0]
         # Where a sequence's cache lives: the GPU's memory when the step graph runs on CUDA.
-        self._cache_device = cache_device or ("cuda" if session.get_providers()[0] == CUDA else "cpu")
+        self._cache_device = "cuda" if self._provider == CUDA else "cpu"
 
     @staticmethod
     def writes_new_rows(session: ort.InferenceSession) -> bool:
@@ -136,7 +146,7 @@ class StepGraph:
         keys, lengths = stacked_pasts([(step.cache.key, step.cache.length) for step in steps])
         values, _ = stacked_pasts([(step.cache.value, step.cache.length) for step in steps])
         queries = np.concatenate([step.query for step in steps])
-        feed = {QUERY: queries, "past_key": keys, "past_value": values, PAST_LENGTHS: lengths}
+        feed = {QUERY: queries, PAST_KEY: keys, PAST_VALUE: values, PAST_LENGTHS: lengths}
         output, weights, new_key, new_value = self._session.run(None, {**feed, **self._given(queries, steps)})
         answers, first = [], 0
         for step in steps:
@@ -157,7 +167,7 @@ class StepGraph:
         lengths = np.full(query.shape[0], cache.length, np.int64)
         given = self._given(query, [step])
         if cache.on_host:
-            feed = {QUERY: query, "past_key": cache.key, "past_value": cache.value, PAST_LENGTHS: lengths, **given}
+            feed = {QUERY: query, PAST_KEY: cache.key, PAST_VALUE: cache.value, PAST_LENGTHS: lengths, **given}
             output, weights, new_key, new_value = self._session.run(None, feed)
             return (
                 output,
@@ -168,8 +178,8 @@ class StepGraph:
         binding = self._session.io_binding()
         for name, array in {QUERY: query, PAST_LENGTHS: lengths, **given}.items():
             binding.bind_cpu_input(name, array)
-        binding.bind_ortvalue_input("past_key", cache.key)
-        binding.bind_ortvalue_input("past_value", cache.value)
+        binding.bind_ortvalue_input(PAST_KEY, cache.key)
+        binding.bind_ortvalue_input(PAST_VALUE, cache.value)
         binding.bind_output("output")
         binding.bind_output("attn_weights")
         binding.bind_output(NEW_KEY, device, 0)
@@ -179,6 +189,6 @@ class StepGraph:
         output = output.numpy()
         if count_non_finite(output):  # its new rows may have overflowed: not appended (the answer is refused)
             return output, weights.numpy(), None
-        key = kernels.appended(cache.key, new_key, self._session.get_providers()[0], device)
-        value = kernels.appended(cache.value, new_value, self._session.get_providers()[0], device)
+        key = kernels.appended(cache.key, new_key, self._provider, device)
+        value = kernels.appended(cache.value, new_value, self._provider, device)
         return output, weights.numpy(), StepCache.of(key, value, cache.length + new_key.shape()[2])

@@ -12,8 +12,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from mhaserve.contract.steps import PAST_LENGTHS
-from mhaserve.export.step import PAST_KEY, PAST_VALUE
+from mhaserve.contract.steps import PAST_KEY, PAST_LENGTHS, PAST_VALUE
 from mhaserve.model import SCORE_REACH_LIMIT, mask_exact_input_limit, seeded_module
 from tests.support import eager
 from tests.support.crafted import crafted_cross_attention, crafted_first_step
