@@ -24,7 +24,7 @@ from mhaserve.contract.model_dir import (
     read_manifest,
     step_file,
 )
-from mhaserve.contract.signature import OUTPUT, PRECISIONS
+from mhaserve.contract.signature import ATTN_WEIGHTS, OUTPUT, PRECISIONS
 
 from .sequences.graph import StepGraph
 
@@ -236,7 +236,14 @@ class AttentionSession:
     def run(self, output_names, query, key, value, mask) -> list[np.ndarray]:
         output_only = tuple(output_names) == (OUTPUT,) and key.shape[1] >= OUTPUT_ONLY_FROM_KV_LEN
         session = self._output_only if output_only and self._output_only is not None else self._session
-        return session.run(list(output_names), {"query": query, "key": key, "value": value, "mask": mask})
+        feed = {"query": query, "key": key, "value": value, "mask": mask}
+        if self.provider == CUDA:
+            return run_bound(session, list(output_names), feed, self._output_shapes(query, key), "cuda")
+        return session.run(list(output_names), feed)
+
+    def _output_shapes(self, query: np.ndarray, key: np.ndarray) -> dict[str, tuple[int, ...]]:
+        batch, q_len, d_model = query.shape
+        return {OUTPUT: (batch, q_len, d_model), ATTN_WEIGHTS: (batch, self.info.num_heads, q_len, key.shape[1])}
 
     @property
     def serves_sequences(self) -> bool:
@@ -267,6 +274,31 @@ class AttentionSession:
             kv = rng.standard_normal((1, OUTPUT_ONLY_FROM_KV_LEN, d), dtype=np.float32)
             for _ in range(runs):
                 self.run(("output",), kv, kv, kv, np.ones((1, 1, 1, OUTPUT_ONLY_FROM_KV_LEN), dtype=bool))
+
+
+_ELEMENT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+
+
+def run_bound(
+    session: ort.InferenceSession, output_names: list[str], feed: dict, shapes: dict, device: str
+) -> list[np.ndarray]:
+    """One run with its inputs on ``device`` and its outputs written into host arrays of the given shapes.
+
+    Each distinct array is copied to the device once, however many inputs it feeds: a self-attention request is
+    one array as query, key and value, which ``session.run`` would copy up three times (on a GPU those host to
+    device copies, not the attention, bound mid-sized runs)."""
+    binding = session.io_binding()
+    on_device = {}
+    for name, array in feed.items():
+        if id(array) not in on_device:
+            on_device[id(array)] = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array), device, 0)
+        binding.bind_ortvalue_input(name, on_device[id(array)])
+    types = {output.name: _ELEMENT_TYPES[output.type] for output in session.get_outputs()}
+    answers = [np.empty(shapes[name], types[name]) for name in output_names]
+    for name, answer in zip(output_names, answers, strict=True):
+        binding.bind_output(name, "cpu", 0, answer.dtype, answer.shape, answer.ctypes.data)
+    session.run_with_iobinding(binding)
+    return answers
 
 
 def _validated_input_limit(model_dir: Path, manifest: dict, precision: str) -> float:

@@ -6,7 +6,9 @@ Per shape ([1,16,512], [1,128,512], [8,512,512] at 512/8, [32,128,768] at 768/12
 4096/32): one module with seeded weights, exported with mhaserve's exporter (validated) into a temporary
 folder, and run host to host, as a server runs it (inputs from host memory, answers back in it):
 - ort: the server's own AttentionSession (its provider check included), fetching the output alone, or
-  the output and the attention weights;
+  the output and the attention weights (on CUDA its inputs bound on the device, the one query array copied
+  up once for query, key and value);
+- run: the same graph by ``session.run``, which copies each input up on its own (three copies of the query);
 - eager: the design documents' module on the same device, same weights, output copied back (and the
   weights, when asked for);
 - sdpa: the same projections around ``F.scaled_dot_product_attention``, which never forms the weights
@@ -21,8 +23,10 @@ copy bandwidth measured here into pageable memory, where ONNX Runtime copies. Th
 tensor written once and read once in device memory, over the device's measured copy bandwidth.
 ``--served SECONDS`` also serves each export (``mhaserve serve --device DEVICE``) and measures it with
 ``mhaserve bench``'s load generator for that many seconds per point: concurrency 1 (p50 against the
-in-process time) and concurrency 16 (requests/s), with and without the weights; with ``--workers 1,4`` by one
-server process and by four worker processes (``mhaserve serve --workers``; check.sh: 1, 2, 4 and 8).
+in-process time) and each of ``--concurrency`` (16: requests/s), with and without the weights; with ``--workers
+1,4`` by one server process and by four worker processes (``mhaserve serve --workers``; check.sh: 1, 2, 4 and 8).
+``--profile`` also prints where ONNX Runtime's time goes in each shape's output-only run (its profiler's node
+times, summed by operator and provider).
 ``--steps`` also measures sequence steps (the step graph, d 512/8 and 4096/32): a one-row step at positions 16, 512
 and 2048 with the cache where the server keeps it (``StepGraph.run_step``: on the device, I/O binding)
 against the same step with the cache sent from host memory each time (the step graph's plain run), and against
@@ -55,7 +59,7 @@ from mhaserve.loadtest.loadgen import Point as LoadPoint
 from mhaserve.loadtest.server_process import ServerProcess
 from mhaserve.model.weights import seeded_module
 from mhaserve.server.sequences import Step, StepCache
-from mhaserve.server.session import AttentionSession
+from mhaserve.server.session import OUTPUT_ONLY_FROM_KV_LEN, AttentionSession
 from mhaserve.server.tensors import weights_dtype
 
 # (batch, length, d_model, heads)
@@ -69,6 +73,7 @@ class Point:
     precision: str
     weights: bool
     ort_ms: float
+    plain_ms: float  # the same graph by session.run, each input copied up on its own (the server before binding)
     eager_ms: float
     sdpa_ms: float | None
     bound_ms: float
@@ -140,6 +145,12 @@ def measure_shape(batch, length, d_model, heads, precision, device, repeats, ban
         def ort_call(outputs=outputs):
             return session.run(outputs, query, query, query, mask)
 
+        graph = session._output_only if outputs == ("output",) and length >= OUTPUT_ONLY_FROM_KV_LEN else None
+        graph = graph or session._session
+
+        def plain_call(outputs=outputs, graph=graph):
+            return graph.run(list(outputs), {"query": query, "key": query, "value": query, "mask": mask})
+
         @torch.inference_mode()
         def eager_call(with_weights=with_weights):
             x = torch.from_numpy(query).to(torch_device).to(dtype)
@@ -152,6 +163,7 @@ def measure_shape(batch, length, d_model, heads, precision, device, repeats, ban
             return sdpa_call(module, torch.from_numpy(query).to(torch_device).to(dtype)).float().cpu()
 
         got, want = ort_call(), eager_call()
+        np.testing.assert_array_equal(got[0], plain_call()[0])
         crossing = io_bytes + (weights_bytes if with_weights else 0)
         bound_s = max(crossing / host_bw, 2 * weights_bytes / device_bw)
         points.append(
@@ -160,6 +172,7 @@ def measure_shape(batch, length, d_model, heads, precision, device, repeats, ban
                 precision,
                 with_weights,
                 median_ms(ort_call, repeats, sync),
+                median_ms(plain_call, repeats, sync),
                 median_ms(eager_call, repeats, sync),
                 None if with_weights else median_ms(sdpa, repeats, sync),
                 bound_s * 1e3,
@@ -171,10 +184,11 @@ def measure_shape(batch, length, d_model, heads, precision, device, repeats, ban
 
 
 def measure_served(
-    batch, length, d_model, heads, precision, device, seconds, folder: Path, points: list[Point], workers=(1,)
-):
-    """The export served, concurrency 1 and 16, with and without the weights, by each count of ``workers``
-    (``mhaserve serve --workers N``); one printed line per point."""
+    batch, length, d_model, heads, precision, device, seconds, folder: Path, points: list[Point], workers=(1,),
+    concurrency=(16,),
+):  # fmt: skip
+    """The export served, concurrency 1 and each of ``concurrency``, with and without the weights, by each count
+    of ``workers`` (``mhaserve serve --workers N``); one printed line per point."""
     limits = ("--max-batch-size", str(batch), "--max-q-len", str(length), "--max-kv-len", str(length))
     # Room for 16 answers of the largest shape ([1,2048,4096/32] with weights: 512 MiB each in float32).
     budget = ("--max-inflight-bytes", str(64 << 30), "--warmup-runs", "1")
@@ -188,13 +202,15 @@ def measure_served(
                     # Few distinct requests: at [1,2048,4096] each query is 32 MiB in every client process.
                     workload = Workload(d_model, batch, length, length, attn_weights=with_weights, distinct_requests=4)
                     one = generator.measure(workload, LoadPoint("closed", 1, seconds, 1.0))
-                    sixteen = generator.measure(workload, LoadPoint("closed", 16, seconds, 1.0))
-                    errors = sum(one.errors.values()) + sum(sixteen.errors.values())
+                    loaded = [generator.measure(workload, LoadPoint("closed", c, seconds, 1.0)) for c in concurrency]
+                    errors = sum(sum(r.errors.values()) for r in (one, *loaded))
                     print(
                         f"{points[0].shape:>20} {precision:>9} {'yes' if with_weights else 'no':>7} "
                         f"| workers {count:>2} | served c1 p50 {one.latency_ms['p50']:8.3f} ms "
-                        f"({one.latency_ms['p50'] / in_process:5.2f} x in process) | c16 {sixteen.throughput:8.1f} "
-                        f"req/s p99 {sixteen.latency_ms['p99']:8.2f} ms" + (f" | {errors} errors" if errors else ""),
+                        f"({one.latency_ms['p50'] / in_process:5.2f} x in process) | "
+                        + " | ".join(f"c{c} {r.throughput:8.1f} req/s p99 {r.latency_ms['p99']:8.2f} ms"
+                                     for c, r in zip(concurrency, loaded, strict=True))  # fmt: skip
+                        + (f" | {errors} errors" if errors else ""),
                         flush=True,
                     )
 
@@ -246,12 +262,41 @@ def step_times(session: AttentionSession, position: int, repeats: int, sync) -> 
     return kept, sent, resent
 
 
+def profile_output_only(batch, length, d_model, folder: Path, device: str, runs: int = 20) -> None:
+    """ONNX Runtime's profiler over ``runs`` output-only runs of the folder's output-only graph: node time by
+    operator and provider, largest first."""
+    from mhaserve.contract.model_dir import output_only_file, read_manifest
+
+    path = output_only_file(folder, read_manifest(folder))
+    options = ort.SessionOptions()
+    options.enable_profiling = True
+    options.profile_file_prefix = str(folder / "profile")
+    providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
+    session = ort.InferenceSession(str(path), options, providers=providers)
+    query = np.random.default_rng(0).standard_normal((batch, length, d_model), dtype=np.float32)
+    feed = {"query": query, "key": query, "value": query, "mask": np.ones((1, 1, 1, length), bool)}
+    for _ in range(runs):
+        session.run(["output"], feed)
+    events = json.loads(Path(session.end_profiling()).read_text())
+    totals: dict[tuple[str, str], float] = {}
+    for event in events:
+        if event.get("cat") == "Node" and event.get("name", "").endswith("_kernel_time"):
+            args = event.get("args", {})
+            key = (args.get("op_name", "?"), args.get("provider", "?"))
+            totals[key] = totals.get(key, 0.0) + event["dur"] / 1e3 / runs
+    runs_ms = [e["dur"] / 1e3 for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"]
+    print(f"  profile [{batch},{length},{d_model}] output only: model_run median {statistics.median(runs_ms):.3f} ms;"
+          " per run: " + ", ".join(f"{op} on {provider.replace('ExecutionProvider', '')} {ms:.3f} ms"
+                                   for (op, provider), ms in sorted(totals.items(), key=lambda t: -t[1])[:8]))  # fmt: skip
+
+
 def format_point(p: Point) -> str:
     sdpa = f"{p.sdpa_ms:8.3f}" if p.sdpa_ms is not None else f"{'':>8}"
     bound = f"{p.bound_ms:8.3f}" if p.bound_ms else f"{'-':>8}"
     return (
-        f"{p.shape:>20} {p.precision:>9} {'yes' if p.weights else 'no':>7} | {p.ort_ms:8.3f} {p.eager_ms:8.3f} "
-        f"{sdpa} | {p.eager_ms / p.ort_ms:11.2f} | {bound} | {p.max_abs_diff:9.2e}"
+        f"{p.shape:>20} {p.precision:>9} {'yes' if p.weights else 'no':>7} | {p.ort_ms:8.3f} {p.plain_ms:8.3f} "
+        f"{p.eager_ms:8.3f} {sdpa} | {p.eager_ms / p.ort_ms:11.2f} {p.plain_ms / p.ort_ms:11.2f} | {bound} | "
+        f"{p.max_abs_diff:9.2e}"
     )
 
 
@@ -260,6 +305,9 @@ def main() -> int:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--shapes", type=int, default=len(SHAPES), help="only the first N shapes")
+    parser.add_argument("--only", help="only these shapes, by index from 0, comma-separated (instead of --shapes)")
+    parser.add_argument("--concurrency", default="16", help="with --served: these concurrencies besides 1")
+    parser.add_argument("--profile", action="store_true", help="also profile each shape's output-only run")
     parser.add_argument("--precisions", default="fp32,fp16", help="exports to measure, comma-separated")
     parser.add_argument("--served", type=float, default=0, metavar="SECONDS",
                         help="also serve each export, SECONDS per point (default: in process only)")  # fmt: skip
@@ -277,18 +325,23 @@ def main() -> int:
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
     print(f"{gpu}; torch {torch.__version__}; onnxruntime {ort.__version__}; python {platform.python_version()}")
     print(f"device copy {bandwidth[0] / 1e9:.0f} GB/s, device to host {bandwidth[1] / 1e9:.1f} GB/s\n")
-    print(f"{'shape':>20} {'precision':>9} {'weights':>7} | {'ort ms':>8} {'eager ms':>8} {'sdpa ms':>8} | "
-          f"eager / ort | {'bound ms':>8} | max |diff|")  # fmt: skip
+    print(f"{'shape':>20} {'precision':>9} {'weights':>7} | {'ort ms':>8} {'run ms':>8} {'eager ms':>8} "
+          f"{'sdpa ms':>8} | eager / ort   run / ort | {'bound ms':>8} | max |diff|")  # fmt: skip
     points = []
     with tempfile.TemporaryDirectory() as scratch:
-        for index, (batch, length, d_model, heads) in enumerate(SHAPES[: args.shapes]):
+        indices = [int(i) for i in args.only.split(",")] if args.only else range(min(args.shapes, len(SHAPES)))
+        for index in indices:
+            batch, length, d_model, heads = SHAPES[index]
             for precision in precisions:
                 folder = Path(scratch) / f"m{index}-{precision}"
                 shape = (batch, length, d_model, heads, precision)
                 measured = measure_shape(*shape, args.device, args.repeats, bandwidth, folder)
+                if args.profile:
+                    profile_output_only(batch, length, d_model, folder, args.device)
                 if args.served:
                     workers = tuple(int(n) for n in args.workers.split(","))
-                    measure_served(*shape, args.device, args.served, folder, measured, workers)
+                    concurrency = tuple(int(n) for n in args.concurrency.split(","))
+                    measure_served(*shape, args.device, args.served, folder, measured, workers, concurrency)
                 points += measured
         steps = []
         if args.steps:

@@ -14,10 +14,13 @@ SERVED=${1:-3}
 export PYTHONPATH=${MHASERVE_GPU_ROOT:-/tmp/mhaserve-gpu}/site PYTHONUNBUFFERED=1
 mkdir -p "$OUT" /tmp/mhaserve-gpu/run && cp -r "$CHECKOUT/tests" "$CHECKOUT/pyproject.toml" /tmp/mhaserve-gpu/run/
 cd /tmp/mhaserve-gpu/run || exit 1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
-python3 -m pytest -q -p no:cacheprovider tests/e2e/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -5
+# In the order of what a short lease must not miss; each part's start time in its log.
+stamp() { echo "== $(date -u +%H:%M:%S) $*"; }
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; stamp GPU tests
+  python3 -m pytest -q -p no:cacheprovider tests/e2e/test_gpu.py 2>&1; stamp done; } | tee "$OUT/gpu_tests.log" | tail -5
 bench="$CHECKOUT/benchmarks/gpu/bench_cuda.py"
-python3 "$bench" --shapes 0 --steps --repeats 50 --out "$OUT/steps.json" 2>&1 | tee "$OUT/steps.log"
-python3 "$bench" --repeats 30 --out "$OUT/cuda.json" 2>&1 | tee "$OUT/cuda.log"
-python3 "$bench" --shapes 3 --repeats 20 --served "$SERVED" --out "$OUT/served.json" 2>&1 | tee "$OUT/served.log"
-python3 "$bench" --shapes 1 --precisions fp32 --repeats 10 --served "$SERVED" --workers 1,2,4,8 --out "$OUT/workers.json" 2>&1 | tee "$OUT/workers.log"
+# The output-only graph (fused attention) against eager at the mid shapes, with its profile.
+{ stamp mid shapes; python3 "$bench" --only 2,3 --repeats 30 --profile --out "$OUT/cuda.json" 2>&1; } | tee "$OUT/cuda.log"
+{ stamp steps; python3 "$bench" --shapes 0 --steps --repeats 50 --out "$OUT/steps.json" 2>&1; } | tee "$OUT/steps.log"
+{ stamp workers; python3 "$bench" --only 0 --precisions fp32 --repeats 10 --served "$SERVED" --workers 1,2,4,8 \
+    --concurrency 16,64 --out "$OUT/workers.json" 2>&1; stamp done; } | tee "$OUT/workers.log"
