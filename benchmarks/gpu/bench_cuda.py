@@ -208,8 +208,10 @@ def measure_served(
                         f"{points[0].shape:>20} {precision:>9} {'yes' if with_weights else 'no':>7} "
                         f"| workers {count:>2} | served c1 p50 {one.latency_ms['p50']:8.3f} ms "
                         f"({one.latency_ms['p50'] / in_process:5.2f} x in process) | "
-                        + " | ".join(f"c{c} {r.throughput:8.1f} req/s p99 {r.latency_ms['p99']:8.2f} ms"
-                                     for c, r in zip(concurrency, loaded, strict=True))  # fmt: skip
+                        + " | ".join(
+                            f"c{c} {r.throughput:8.1f} req/s p99 {r.latency_ms['p99']:8.2f} ms"
+                            for c, r in zip(concurrency, loaded, strict=True)
+                        )
                         + (f" | {errors} errors" if errors else ""),
                         flush=True,
                     )
@@ -268,6 +270,9 @@ def profile_output_only(batch, length, d_model, folder: Path, device: str, runs:
     from mhaserve.contract.model_dir import output_only_file, read_manifest
 
     path = output_only_file(folder, read_manifest(folder))
+    if path is None:  # a float16 export has none: its runs are the full graph's
+        print(f"  profile [{batch},{length},{d_model}]: this export has no output-only graph")
+        return
     options = ort.SessionOptions()
     options.enable_profiling = True
     options.profile_file_prefix = str(folder / "profile")
@@ -285,9 +290,10 @@ def profile_output_only(batch, length, d_model, folder: Path, device: str, runs:
             key = (args.get("op_name", "?"), args.get("provider", "?"))
             totals[key] = totals.get(key, 0.0) + event["dur"] / 1e3 / runs
     runs_ms = [e["dur"] / 1e3 for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"]
-    print(f"  profile [{batch},{length},{d_model}] output only: model_run median {statistics.median(runs_ms):.3f} ms;"
-          " per run: " + ", ".join(f"{op} on {provider.replace('ExecutionProvider', '')} {ms:.3f} ms"
-                                   for (op, provider), ms in sorted(totals.items(), key=lambda t: -t[1])[:8]))  # fmt: skip
+    largest = sorted(totals.items(), key=lambda t: -t[1])[:8]
+    nodes = ", ".join(f"{op} on {where.replace('ExecutionProvider', '')} {ms:.3f} ms" for (op, where), ms in largest)
+    median = statistics.median(runs_ms)
+    print(f"  profile [{batch},{length},{d_model}] output only: model_run median {median:.3f} ms; per run: {nodes}")
 
 
 def format_point(p: Point) -> str:

@@ -200,7 +200,8 @@ def test_sequence_steps_on_the_gpu_equal_the_causal_answer_with_the_cache_in_gpu
             np.testing.assert_allclose(result.output, want_out[:, position:end], rtol=0, atol=1e-5)
             np.testing.assert_allclose(result.attn_weights, want_attn[:, :, position:end, :end], rtol=0, atol=1e-5)
             position = end
-        cache = server.server.dataplane.sequences.live["on-gpu"].cache
+        live = server.server.dataplane.sequences.live  # keyed by (caller, id)
+        cache = next(sequence.cache for (_, id_), sequence in live.items() if id_ == "on-gpu")
         assert (cache.device, cache.length) == ("cuda", 60)
         sequence.step(x[:, :1], end=True)
     assert server.server.dataplane.sequences.live == {}
