@@ -6,6 +6,7 @@ saying how many are its own. Torch-free."""
 from __future__ import annotations
 
 import math
+import mmap
 
 import numpy as np
 
@@ -14,29 +15,39 @@ PAST_LENGTHS = "past_lengths"  # the step graph's input: how many of the past ro
 NEW_KEY, NEW_VALUE = "new_key", "new_value"  # the step graph's outputs: the new rows' projected keys and values
 
 # A buffer that fills is replaced by one with room for this many times the rows it must hold (at least MIN_ROOM):
-# a live sequence's buffers hold at most an eighth more than its keys and values (the server's heap touches every
-# page of a buffer it makes), and its steps write their own rows plus, on average, eight times as many copied at a
-# regrowth, at any position.
+# its steps write their own rows plus, on average, eight times as many copied at a regrowth, at any position.
 GROWTH = 1.125
 MIN_ROOM = 16
+# Buffers from this size are pages of their own (an anonymous mapping), not the heap's: the room past a sequence's
+# rows takes no memory until rows are written there, and a buffer let go (replaced, or its sequence ended) is given
+# back to the system at once, where the server's heap would keep it (its trim threshold is raised for answers).
+MAPPED_FROM_BYTES = 256 << 10
 
 
 def with_rows(buffer: np.ndarray, length: int, rows: np.ndarray, own_rows: bool = False) -> np.ndarray:
     """The buffer [B, h, C, d_k] holding ``rows`` [B, h, n, d_k] after its first ``length`` rows: ``buffer``
     itself, written in place, where it has room; else a new one with room to grow, the first ``length`` copied.
     Rows past ``length + n`` are zeros or rows of steps never answered: finite, and masked. A first step's rows
-    that are an array of their own (not a part of a batch's) are its buffer as they are: no copy, no room until
-    it grows."""
+    that are an array of their own (not a part of a batch's) and too small to be mapped are its buffer as they
+    are: no copy, no room until it grows."""
     needed = length + rows.shape[2]
-    if length == 0 and own_rows and needed > buffer.shape[2]:
+    if length == 0 and own_rows and needed > buffer.shape[2] and rows.nbytes < MAPPED_FROM_BYTES:
         return rows
     if needed > buffer.shape[2]:
         room = max(math.ceil(needed * GROWTH), MIN_ROOM)
-        grown = np.zeros((*buffer.shape[:2], room, buffer.shape[3]), buffer.dtype)
+        grown = zeroed((*buffer.shape[:2], room, buffer.shape[3]), buffer.dtype)
         grown[:, :, :length] = buffer[:, :, :length]
         buffer = grown
     buffer[:, :, length:needed] = rows
     return buffer
+
+
+def zeroed(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """np.zeros, on pages of its own from MAPPED_FROM_BYTES (unmapped when the array is let go)."""
+    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+    if nbytes < MAPPED_FROM_BYTES:
+        return np.zeros(shape, dtype)
+    return np.frombuffer(mmap.mmap(-1, nbytes), dtype).reshape(shape)  # anonymous pages read as zeros
 
 
 def stacked_pasts(pasts: list[tuple[np.ndarray, int]]) -> tuple[np.ndarray, np.ndarray]:
