@@ -1,6 +1,6 @@
 """The native server against the same model behind Ray Serve's gRPC proxy: one run, side by side.
 
-    flock /tmp/bench.lock .venv/bin/python benchmarks/bench_ray.py [--seconds 5] [--rounds 2]
+    flock /tmp/bench.lock .venv/bin/python benchmarks/bench_ray.py [--seconds 5] [--rounds 2] [--native-replica]
 
 Each round measures, one after the other with nothing else up: the native server (`mhaserve serve`, one
 inference worker, ONNX Runtime on both cores); a Ray cluster of a head and two worker nodes of one CPU each,
@@ -18,6 +18,11 @@ Ray: the proxy, its routing and the hop to the replica's actor).
 lengths 16..128, concurrency 16: the project's batcher in the replica's data plane (what ships) against
 Ray's @serve.batch gathering ModelInfer calls (a variant defined here: the data plane's batching off, each
 gathered list merged, run and split with the batcher's own merge and split).
+
+--native-replica instead compares, with everything up throughout and the targets taken in turn each round: the
+native server; one replica (a one-node cluster of two CPUs, the replica reserving both) deployed with a replica
+port, called at its own native server; and the same replica through Ray's gRPC proxy. The load as above, at
+[1,16,512] and [1,128,512], concurrency 1 and 16.
 
 On two cores, two worker nodes share the same two cores as one: this shows the cost of the cluster's
 processes and hops, not the gain of a second machine. Not a test: BENCHMARKS.md records the numbers.
@@ -111,6 +116,45 @@ def ray_batched_replica_class():
     return RayBatchedReplica
 
 
+def compare_native_replica(model_dir, seconds: float, rounds: int) -> None:
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from mhaserve.server.ray.deployment import deploy, native_addresses
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    try:
+        proxy_port = free_port()
+        deploy(model_dir, address=cluster.address, name=APP, grpc_port=proxy_port, http_port=free_port(),
+               min_replicas=1, max_replicas=1, replica_cpus=2, native_port=0)  # fmt: skip
+        (replica,) = native_addresses(APP)
+        with ServerProcess(model_dir, "--warmup-runs", "2") as server:
+            targets = {"native server": (server.url, ""), "replica, natively": (replica, ""),
+                       "replica, through the proxy": (f"127.0.0.1:{proxy_port}", APP)}  # fmt: skip
+            found = {(name, key): [] for name in targets for key in ((16, 1), (16, 16), (128, 1), (128, 16))}
+            for r in range(rounds):
+                for name in list(targets) if r % 2 == 0 else list(reversed(targets)):
+                    url, application = targets[name]
+                    with LoadGenerator(url, processes=2) as generator:
+                        for length, concurrency in ((16, 1), (16, 16), (128, 1), (128, 16)):
+                            result = generator.measure(Workload(512, 1, length, length, application=application),
+                                                       Point("closed", concurrency, seconds, 1.5))  # fmt: skip
+                            found[(name, (length, concurrency))].append(result.throughput)
+                            print(f"round {r + 1} {name} [1,{length},512] c{concurrency}: {result.throughput:.0f}/s "
+                                  f"errors {result.errors}", file=sys.stderr)  # fmt: skip
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    print("| point | target | req/s, rounds | req/s / native, median |")
+    print("|---|---|---|--:|")
+    for length, concurrency in ((16, 1), (16, 16), (128, 1), (128, 16)):
+        native_rate = statistics.median(found[("native server", (length, concurrency))])
+        for name in targets:
+            rates = found[(name, (length, concurrency))]
+            print(f"| [1,{length},512] c{concurrency} | {name} | {' / '.join(f'{r:.0f}' for r in rates)} | "
+                  f"{statistics.median(rates) / native_rate:.2f} |")  # fmt: skip
+
+
 def compare_batching(model_dir, seconds: float, rounds: int) -> None:
     workloads = {"[1,16,512]": (16, 16), "[1,16..128,512]": (16, 128)}
     found = {(batching, shape): [] for batching in ("ours", "ray") for shape in workloads}
@@ -177,8 +221,12 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--batching", action="store_true", help="compare batching inside a replica instead")
+    parser.add_argument("--native-replica", action="store_true", help="compare a replica serving natively instead")
     args = parser.parse_args()
     model_dir = ensure_default_model()
+    if args.native_replica:
+        compare_native_replica(model_dir, args.seconds, args.rounds)
+        return 0
     if args.batching:
         compare_batching(model_dir, args.seconds, args.rounds)
         return 0

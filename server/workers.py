@@ -259,6 +259,20 @@ def _ended_with_the_parent() -> None:
     _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def end_with_the_parent_if_asked() -> None:
+    """In a server started by a Ray replica (``MHASERVE_END_WITH_PARENT``: the replica's process id), at its start
+    (Linux): SIGTERM when the replica's starting thread ends, as a worker has, so that a replica killed outright
+    leaves no server holding its port. Set here, after exec: a replica's process has many threads, where code run
+    between fork and exec may deadlock."""
+    parent = os.environ.pop(END_WITH_PARENT_ENV, None)
+    if parent is None or _PRCTL is None:
+        return
+    _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != int(parent):  # it ended before the above took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+END_WITH_PARENT_ENV = "MHASERVE_END_WITH_PARENT"
 # Looked up in the parent, once: between fork and exec the child only calls it (no loader lock to take there).
 PR_SET_PDEATHSIG = 1
 _PRCTL = ctypes.CDLL(None).prctl if sys.platform.startswith("linux") else None

@@ -96,6 +96,9 @@ OTHER_ENVIRONMENT = [
      "the bearer token(s) clients must send, as `--auth-token-file` holds them (the file wins where both are set)"),
     ("MHASERVE_TOKEN", "`mhaserve infer`, `bench`, the Python clients",
      "the bearer token to send, unless `--token-file` (or `token=`) gives one"),
+    ("MHASERVE_END_WITH_PARENT", "`mhaserve serve` started by a Ray replica (`ray-deploy --replica-port`)",
+     "set by the replica: its process id; the server ends (SIGTERM) when the replica does, killed outright too; "
+     "not for users to set"),
     ("MHASERVE_WORKER", "a worker of `mhaserve serve --workers N`",
      "set by the parent in each worker's environment: its number (its log says `worker i ready:`, not `serving`); "
      "not for users to set"),

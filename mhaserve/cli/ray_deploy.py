@@ -29,6 +29,9 @@ def add_ray_deploy(sub) -> None:
     p.add_argument("--http-port", type=int, default=8000, help="the proxies' HTTP port (default 8000)")
     p.add_argument("--proxy-location", choices=("EveryNode", "HeadOnly"), default="EveryNode",
                    help="a proxy on every node with a replica, or on the head only (default EveryNode)")  # fmt: skip
+    p.add_argument("--replica-port", type=int, default=None, metavar="PORT",
+                   help="each replica also serves gRPC itself, as 'mhaserve serve' does (no Ray in a request's path), "
+                   "on this port of its node, one replica per node; 0: a free port each (default: off)")  # fmt: skip
     p.set_defaults(run=_run_ray_deploy)
 
 
@@ -53,10 +56,12 @@ def _run_ray_deploy(args) -> int:
         raise UsageError(f"{args.model_dir}: {error}") from None
     if not 1 <= args.min_replicas <= args.max_replicas:
         raise UsageError(f"need 1 <= --min-replicas <= --max-replicas, got {args.min_replicas} and {args.max_replicas}")
+    if args.replica_port is not None and not 0 <= args.replica_port <= 65535:
+        raise UsageError(f"--replica-port must be a port (0-65535; 0: a free port each), got {args.replica_port}")
     if args.address != "auto" and not _reachable(args.address):
         raise UsageError(f"no Ray cluster answers at --address {args.address} (start one with 'ray start --head')")
     try:
-        from mhaserve.server.ray.deployment import deploy, direct_addresses
+        from mhaserve.server.ray.deployment import deploy, direct_addresses, native_addresses
     except ImportError as error:
         raise UsageError(f"ray-deploy needs Ray Serve: pip install 'mhaserve[ray]' ({error})") from None
     try:
@@ -72,6 +77,7 @@ def _run_ray_deploy(args) -> int:
             target_ongoing_requests=args.target_ongoing_requests,
             replica_cpus=args.replica_cpus,
             max_replicas_per_node=args.max_replicas_per_node,
+            native_port=args.replica_port,
         )
     except ConnectionError as error:
         raise UsageError(f"no Ray cluster at --address {args.address}: {error}") from None
@@ -86,4 +92,12 @@ def _run_ray_deploy(args) -> int:
     if direct:  # the cluster runs Serve's direct ingress: the replicas answer at their own ports too
         print(f"its replicas also answer directly, without the proxy hop, at {', '.join(direct)} (the same "
               "metadata; replicas that start later take other ports)")  # fmt: skip
+    if args.replica_port is not None:
+        later = (
+            f"a replica added later serves at port {args.replica_port} of its node"
+            if args.replica_port
+            else "a replica added later takes a free port (mhaserve.server.ray.deployment.native_addresses)"
+        )
+        print(f"its replicas serve natively, each its own gRPC server (no 'application' metadata needed), at "
+              f"{', '.join(native_addresses(name)) or 'no address yet'}; {later}")  # fmt: skip
     return 0

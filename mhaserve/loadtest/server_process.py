@@ -50,13 +50,18 @@ def _signals_held():
 
 
 class ServerProcess:
-    def __init__(self, model_dir: Path | None, *args: str, port: int = 0, env: dict | None = None):
-        """``model_dir`` None: ``args`` say what to serve (e.g. --model-repository DIR)."""
+    def __init__(
+        self, model_dir: Path | None, *args: str, port: int = 0, env: dict | None = None, end_with_parent=False
+    ):
+        """``model_dir`` None: ``args`` say what to serve (e.g. --model-repository DIR). ``end_with_parent``: the
+        server ends (SIGTERM) when the thread that started it does, its starter killed outright too (Linux)."""
         self.command = [
             sys.executable, "-m", "mhaserve.cli", "serve", *(("--model-dir", str(model_dir)) if model_dir else ()),
             "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0", "--http-port", "0", *args,
         ]  # fmt: skip
         self.env = {**os.environ, **(env or {})}
+        if end_with_parent:  # server/workers.py: end_with_the_parent_if_asked
+            self.env["MHASERVE_END_WITH_PARENT"] = str(os.getpid())
         self.lines: list[str] = []
         self.port = port
         self.host = "127.0.0.1"  # the gRPC address the serving line names, once it is read

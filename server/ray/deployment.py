@@ -1,6 +1,9 @@
 """Ray Serve transport: the Open Inference Protocol's gRPC service on Ray's gRPC proxy, each replica a DataPlane
 answering with the native server's gRPC codec (same checks, same statuses), its inference counted as protocol
-"ray".
+"ray". Or, deployed with a replica port, each replica a native server (``mhaserve serve``, a process of its own on
+that port of its node, no Ray in a request's path) that Ray places, scales, checks and restarts: the replica
+forwards what Ray's proxy gives it to that server, and clients or a load balancer call the servers at the addresses
+``native_addresses`` reads.
 
 Ray's proxy hands a replica the parsed request and a RayServegRPCContext, and serialises what the replica
 returns; a refusal is a status set on that context. Inference goes straight to the data plane with the gRPC
@@ -12,6 +15,7 @@ Needs the ``[ray]`` extra; the native server never imports this.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from pathlib import Path
@@ -121,6 +125,116 @@ def _refused(grpc_context, error: RequestError, response_type):
     return response_type()
 
 
+class NativeReplica:
+    """One Ray Serve replica serving natively: ``mhaserve serve`` on ``port`` of its node (0: a free port), its
+    ONNX Runtime on the CPUs the replica reserved; Ray's proxied calls forwarded to it over loopback, so that one
+    engine answers both. A process of its own: inside the replica's actor the native server shared the GIL with
+    Ray's own threads (0.58x the native server at [1,16,512] with 16 callers, BENCHMARKS.md, "Ray Serve")."""
+
+    async def __init__(self, model_dir: str, settings: dict | None = None, port: int = 0):
+        import grpc
+
+        from mhaserve.loadtest.server_process import ServerProcess
+        from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
+
+        from ..config import flag_of, setting_text
+
+        values = {"intra_op_threads": _reserved_cpus(), **(settings or {})}
+        flags = [part for name, value in values.items() for part in (flag_of(name), setting_text(value))]
+        self.server = ServerProcess(Path(model_dir), *flags, "--host", "0.0.0.0", "--http-port", "-1",
+                                    "--metrics-port", "-1", port=port, end_with_parent=True)  # fmt: skip
+        # Started from this loop's thread, which lives as long as the replica: a replica killed outright takes
+        # its server with it (end_with_parent).
+        self.server.start(wait=False)
+        await asyncio.to_thread(self.server.wait_serving, 300)
+        self._channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.server.port}", options=UNLIMITED_MESSAGES)
+        self._stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
+        self._address_key = _register_native_address(self.server.port)
+        log.info("replica serving natively at port %d on node %s", self.server.port, _node_id())
+
+    async def ModelStreamInfer(self, requests, grpc_context):  # noqa: N802 (the protocol's name)
+        async for answer in self._stub.ModelStreamInfer(requests):
+            yield answer
+
+    async def _forward(self, method: str, request, grpc_context):
+        import grpc
+
+        try:
+            return await getattr(self._stub, method)(request)
+        except grpc.aio.AioRpcError as error:  # the native server's own status, passed on
+            grpc_context.set_code(error.code())
+            grpc_context.set_details(error.details())
+            return getattr(pb, SERVICE.methods_by_name[method].output_type.name)()
+
+    def check_health(self) -> None:
+        """Ray's replica health check: a native server that exited is restarted elsewhere."""
+        if not self.server.alive:
+            raise RuntimeError(f"the native server exited: {self.server.stop_line}")
+
+    async def __del__(self):
+        """Ray's graceful stop of the replica: the native server drains (SIGTERM), as a stopped server does."""
+        _forget_native_address(self._address_key)
+        await self._channel.close()
+        await asyncio.to_thread(self.server.stop)
+
+
+def _forwarded(method: str):
+    async def rpc(self, request, grpc_context):
+        return await self._forward(method, request, grpc_context)
+
+    rpc.__name__ = rpc.__qualname__ = method
+    return rpc
+
+
+for _method in ("ModelInfer", *UNARY_RPCS):
+    setattr(NativeReplica, _method, _forwarded(_method))
+
+UNLIMITED_MESSAGES = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
+# Where each replica serving natively answers, in the cluster's key-value store: "APP/REPLICA" -> "HOST:PORT".
+NATIVE_ADDRESSES = "mhaserve-native-addresses"
+
+
+def _register_native_address(port: int) -> str:
+    import ray
+    from ray.experimental import internal_kv
+
+    replica = serve.get_replica_context().replica_id
+    key = f"{replica.deployment_id.app_name}/{replica.unique_id}"
+    address = f"{ray.util.get_node_ip_address()}:{port}"
+    internal_kv._internal_kv_put(key, address, overwrite=True, namespace=NATIVE_ADDRESSES)
+    return key
+
+
+def _forget_native_address(key: str) -> None:
+    from ray.experimental import internal_kv
+
+    internal_kv._internal_kv_del(key, namespace=NATIVE_ADDRESSES)
+
+
+def native_addresses(name: str) -> list[str]:
+    """Where the application's running replicas serve natively (deployed with a replica port), ``host:port``
+    each; empty where they do not. Read while this process is connected to the cluster: each replica records its
+    address as it starts, and only replicas Serve reports running are listed (one that died unstopped left its
+    record behind)."""
+    from ray.experimental import internal_kv
+    from ray.serve.context import _get_global_client
+
+    details = _get_global_client().get_serve_details().get("applications", {}).get(name, {})
+    running = {
+        replica["replica_id"]
+        for deployment in details.get("deployments", {}).values()
+        for replica in deployment.get("replicas", [])
+        if replica.get("state") == "RUNNING"
+    }
+    addresses = []
+    for key in internal_kv._internal_kv_list(f"{name}/", namespace=NATIVE_ADDRESSES):
+        key = key.decode() if isinstance(key, bytes) else key
+        if key.split("/", 1)[1] in running:
+            value = internal_kv._internal_kv_get(key, namespace=NATIVE_ADDRESSES)
+            addresses.append(value.decode() if isinstance(value, bytes) else value)
+    return sorted(addresses)
+
+
 def _reserved_cpus() -> int:
     try:
         import ray
@@ -148,10 +262,18 @@ def replica_deployment(
     max_replicas_per_node: int | None = None,
     settings: dict | None = None,
     replica_class: type = OipReplica,
+    native_port: int | None = None,
 ):
     """The application Ray Serve runs for one validated model folder: ``OipReplica`` autoscaled between
-    ``min_replicas`` and ``max_replicas`` on ongoing requests per replica, spread over the cluster's nodes.
-    (``replica_class``: a variant, for benchmarks/bench_ray.py's comparison of batching by Ray.)"""
+    ``min_replicas`` and ``max_replicas`` on ongoing requests per replica, spread over the cluster's nodes; with
+    ``native_port``, ``NativeReplica`` serving on that port of its node (0: a free port each), at most one replica
+    per node for a fixed port. (``replica_class``: a variant, for benchmarks/bench_ray.py's comparison of
+    batching by Ray.)"""
+    arguments = (str(Path(model_dir).resolve()), settings)
+    if native_port is not None:
+        replica_class, arguments = NativeReplica, (*arguments, native_port)
+        if native_port:  # two replicas on one node cannot both listen on it
+            max_replicas_per_node = 1
     deployment = serve.deployment(
         replica_class,
         name=name,
@@ -167,7 +289,7 @@ def replica_deployment(
         health_check_period_s=2,
         health_check_timeout_s=10,
     )
-    return deployment.bind(str(Path(model_dir).resolve()), settings)
+    return deployment.bind(*arguments)
 
 
 def deploy(

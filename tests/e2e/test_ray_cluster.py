@@ -223,6 +223,7 @@ def test_server_metadata_and_health_rpcs_are_the_replicas(cluster):
         (["/nonexistent"], "no manifest"),
         (["{model}", "--address", "127.0.0.1:1"], "no Ray cluster answers at --address 127.0.0.1:1"),
         (["{model}", "--min-replicas", "3", "--max-replicas", "2"], "need 1 <= --min-replicas <= --max-replicas"),
+        (["{model}", "--replica-port", "70000"], "--replica-port must be a port (0-65535"),
     ],
 )
 def test_ray_deploy_refuses_bad_input_in_one_line(small_model_dir, args, says):
