@@ -31,8 +31,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mhaserve.export.default_model import ensure_default_model
 from mhaserve.loadtest.loadgen import LoadGenerator, Point, Workload, default_processes
-from mhaserve.loadtest.server_process import ServerProcess
 from mhaserve.server.config import ServerSettings
+from mhaserve.server.process import ServerProcess
 from mhaserve.server.run_cost import RunCost, plan_runs
 
 # (min length, max length, concurrency): the mixed ranges, then equal lengths, where the planner must not

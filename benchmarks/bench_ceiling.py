@@ -60,7 +60,7 @@ def main() -> None:
     import onnxruntime as ort
 
     from mhaserve.export.default_model import ensure_default_model
-    from mhaserve.loadtest.server_process import ServerProcess
+    from mhaserve.server.process import ServerProcess
 
     model_dir = args.model_dir or ensure_default_model()
     session = ort_session(model_dir / MODEL_FILE, args.threads)

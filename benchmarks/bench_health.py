@@ -25,8 +25,8 @@ import numpy as np
 from grpc_health.v1 import health_pb2_grpc
 
 from mhaserve.loadtest.checked_load import health_latencies_under_load
-from mhaserve.loadtest.server_process import ServerProcess
 from mhaserve.protos.generated import grpc_service_pb2 as pb
+from mhaserve.server.process import ServerProcess
 
 MESSAGE_LIMIT = 64 << 20
 

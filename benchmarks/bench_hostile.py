@@ -27,9 +27,9 @@ from bench_revisions import baseline_checkout
 
 from mhaserve.client.grpc import build_infer_request
 from mhaserve.export.default_model import ensure_default_model
-from mhaserve.loadtest.server_process import ServerProcess
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
+from mhaserve.server.process import ServerProcess
 from mhaserve.testing.raw_grpc import ZeroWindowGrpcClient
 
 D = 512

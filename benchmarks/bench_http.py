@@ -34,7 +34,7 @@ import numpy as np
 from mhaserve.client.grpc import build_infer_request
 from mhaserve.client.http import build_http_infer_body
 from mhaserve.export.default_model import ensure_default_model
-from mhaserve.loadtest.server_process import ServerProcess
+from mhaserve.server.process import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 PEERS = (ROOT / ".." / "shared" / "peers").resolve()

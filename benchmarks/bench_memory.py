@@ -29,9 +29,9 @@ from mhaserve.client.http import HttpClient
 from mhaserve.contract.signature import ModelSignature
 from mhaserve.export.default_model import ensure_default_model
 from mhaserve.loadtest.checked_load import peak_rss_mib, reset_peak_rss, rss_mib
-from mhaserve.loadtest.server_process import ServerProcess
 from mhaserve.server.grpc.protobuf import decode_infer_request
 from mhaserve.server.memory import answer_bytes, input_bytes, request_workspace_bytes
+from mhaserve.server.process import ServerProcess
 from mhaserve.server.tensors import Limits
 
 D, H = 512, 8

@@ -24,7 +24,7 @@ import onnxruntime as ort
 from mhaserve.contract.model_dir import MODEL_FILE, OUTPUT_ONLY_FILE
 from mhaserve.export.default_model import ensure_default_model
 from mhaserve.loadtest.loadgen import LoadGenerator, Point, Workload, default_processes
-from mhaserve.loadtest.server_process import ServerProcess
+from mhaserve.server.process import ServerProcess
 
 LENGTHS = (16, 128, 512, 1024)
 D_MODEL = 512

@@ -41,7 +41,7 @@ import numpy as np
 from mhaserve.client.grpc import Client
 from mhaserve.export.default_model import ensure_default_model
 from mhaserve.loadtest.loadgen import LoadGenerator, Point, Workload
-from mhaserve.loadtest.server_process import ServerProcess, free_port
+from mhaserve.server.process import ServerProcess, free_port
 
 SHAPES = (16, 128)
 CONCURRENCY = (1, 16)

@@ -33,7 +33,7 @@ import tritonclient.http as httpclient
 from mhaserve.client import NO_RETRIES, Client, RequestFailed
 from mhaserve.export.default_model import ensure_default_model
 from mhaserve.loadtest.checked_load import peak_rss_mib, reset_peak_rss, rss_mib
-from mhaserve.loadtest.server_process import ServerProcess
+from mhaserve.server.process import ServerProcess
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_revisions import ROOT, shadow_packages  # noqa: E402

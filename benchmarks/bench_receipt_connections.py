@@ -25,8 +25,8 @@ from bench_revisions import baseline_checkout
 from mhaserve.client.grpc import build_infer_request
 from mhaserve.export.default_model import ensure_default_model
 from mhaserve.loadtest.checked_load import peak_rss_mib, reset_peak_rss, rss_mib
-from mhaserve.loadtest.server_process import ServerProcess
 from mhaserve.protos.generated import grpc_service_pb2 as pb
+from mhaserve.server.process import ServerProcess
 
 
 def main() -> None:

@@ -29,9 +29,9 @@ import numpy as np
 from mhaserve.client.grpc import AsyncClient
 from mhaserve.export.default_model import ensure_default_model
 from mhaserve.loadtest.checked_load import rss_mib
-from mhaserve.loadtest.server_process import ServerProcess
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
+from mhaserve.server.process import ServerProcess
 
 CACHE = Path.home() / ".cache" / "mhaserve" / "bench-repository"
 

@@ -30,7 +30,7 @@ from bench_server_cpu import cpu_seconds
 
 from mhaserve.export.default_model import ensure_default_model
 from mhaserve.loadtest.loadgen import LoadGenerator, Point, Workload, default_processes
-from mhaserve.loadtest.server_process import ServerProcess
+from mhaserve.server.process import ServerProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 # The wheel's packages and the folders they come from (setup.py's PARTS).

@@ -20,7 +20,7 @@ import sys
 from bench_revisions import revision_checkout
 
 from mhaserve.export.default_model import ensure_default_model
-from mhaserve.loadtest.server_process import ServerProcess
+from mhaserve.server.process import ServerProcess
 
 
 def measured(url: str, concurrency: int, length: int) -> tuple[float, float]:

@@ -43,8 +43,8 @@ from bench_revisions import baseline_checkout
 from mhaserve.client.grpc import build_infer_request
 from mhaserve.export.default_model import ensure_default_model
 from mhaserve.loadtest.checked_load import rss_mib
-from mhaserve.loadtest.server_process import ServerProcess
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
+from mhaserve.server.process import ServerProcess
 
 D, H = 512, 8
 IDLE_S = 3.0  # the server gives its free memory back once idle 2 s

@@ -127,7 +127,7 @@ def record_answers(infer: Callable[[bytes], bytes], shapes) -> tuple[dict, Path]
 
 def start_helper_process(role: str, argument: Path, threads: int) -> tuple[subprocess.Popen, str]:
     """This script as the echo or the bare server (``role``) in its own process, once it is ready; its address."""
-    from mhaserve.loadtest.server_process import free_port
+    from mhaserve.server.process import free_port
 
     port = free_port()
     command = [sys.executable, __file__, "--threads", str(threads), f"--{role}-server", str(port), str(argument)]
@@ -166,8 +166,8 @@ def main():
 
     from mhaserve.client.grpc import parse_infer_response
     from mhaserve.export.default_model import ensure_default_model
-    from mhaserve.loadtest.server_process import ServerProcess
     from mhaserve.protos.generated import grpc_service_pb2 as pb
+    from mhaserve.server.process import ServerProcess
 
     model_dir = args.model_dir or ensure_default_model()
     session = ort_session(model_dir / MODEL_FILE, args.threads)

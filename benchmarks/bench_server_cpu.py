@@ -25,7 +25,7 @@ from bench_server import start_helper_process  # this folder's: the bare server
 
 from mhaserve.export.default_model import ensure_default_model
 from mhaserve.loadtest.loadgen import LoadGenerator, Point, Workload, default_processes
-from mhaserve.loadtest.server_process import ServerProcess
+from mhaserve.server.process import ServerProcess
 
 TICKS = os.sysconf("SC_CLK_TCK")
 

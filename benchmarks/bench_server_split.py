@@ -24,7 +24,7 @@ from pathlib import Path
 
 from mhaserve.client.grpc import Client
 from mhaserve.export.default_model import ensure_default_model
-from mhaserve.loadtest.server_process import ServerProcess
+from mhaserve.server.process import ServerProcess
 
 SUMS = {
     "server_ms": "mhaserve_inference_request_duration_seconds_sum",

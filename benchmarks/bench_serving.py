@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mhaserve.loadtest.server_process import ServerProcess
+from mhaserve.server.process import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 PEERS_SCRIPTS = (ROOT / ".." / "shared" / "peers").resolve()

@@ -21,7 +21,7 @@ import numpy as np
 from mhaserve.client import Client, WeightsOptions
 from mhaserve.export.default_model import ensure_default_model
 from mhaserve.loadtest.loadgen import LoadGenerator, Point, Workload, default_processes
-from mhaserve.loadtest.server_process import ServerProcess
+from mhaserve.server.process import ServerProcess
 
 # name -> (attn_weights, attn_weights_mean, options)
 VARIANTS = {

@@ -35,7 +35,7 @@ import numpy as np
 from bench_serving import PEERS_SCRIPTS as PEERS
 from bench_serving import bench_lock
 
-from mhaserve.loadtest.server_process import ServerProcess
+from mhaserve.server.process import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 PERF_ANALYZER = Path(os.environ.get("PERF_ANALYZER", ROOT / ".tools/perf_analyzer/run"))

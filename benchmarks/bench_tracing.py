@@ -21,7 +21,7 @@ from bench_revisions import ROOT, add_round_arguments, baseline_checkout, parse_
 
 from mhaserve.export.default_model import ensure_default_model
 from mhaserve.loadtest.loadgen import LoadGenerator, Point, Workload
-from mhaserve.loadtest.server_process import ServerProcess
+from mhaserve.server.process import ServerProcess
 
 sys.path.insert(0, str(ROOT))
 from tests.support.otlp import OtlpReceiver  # noqa: E402

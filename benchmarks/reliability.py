@@ -29,7 +29,7 @@ import numpy as np
 
 from mhaserve.loadtest.checked_load import Reference, Shapes, burst, make_call, mismatch, rss_mib, run_checked_load
 from mhaserve.loadtest.loadgen import cpu_seconds
-from mhaserve.loadtest.server_process import ServerProcess
+from mhaserve.server.process import ServerProcess
 
 
 class Server(ServerProcess):

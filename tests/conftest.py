@@ -84,7 +84,7 @@ NO_DRAIN = ("--drain-seconds", "0")
 @pytest.fixture(scope="session")
 def server(small_model_dir):
     """One real server process on a free 127.0.0.1 port, shared by the tests that only talk to it."""
-    from mhaserve.loadtest.server_process import ServerProcess
+    from mhaserve.server.process import ServerProcess
 
     with ServerProcess(small_model_dir, *NO_DRAIN, *TEST_SERVER_ARGS) as process:
         yield process
@@ -95,7 +95,7 @@ def start_server_process(request):
     """Starts a real server process for this test, where the process is the point (signals, exit codes, memory
     as RSS, environment variables): ``start_server_process(model_dir, *flags, env=..., port=..., wait=True)``.
     Every one it started is stopped when the test ends, and a failed test shows their logs."""
-    from mhaserve.loadtest.server_process import ServerProcess
+    from mhaserve.server.process import ServerProcess
 
     def start(model_dir, *args, wait: bool = True, **options):
         return ServerProcess(model_dir, *NO_DRAIN, *args, **options), {"wait": wait}

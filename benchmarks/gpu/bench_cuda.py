@@ -56,8 +56,8 @@ from mhaserve.contract.signature import PRECISIONS
 from mhaserve.export.writer import export_model_dir
 from mhaserve.loadtest.loadgen import LoadGenerator, Workload, default_processes
 from mhaserve.loadtest.loadgen import Point as LoadPoint
-from mhaserve.loadtest.server_process import ServerProcess
 from mhaserve.model.weights import seeded_module
+from mhaserve.server.process import ServerProcess
 from mhaserve.server.sequences import Step, StepCache
 from mhaserve.server.session import OUTPUT_ONLY_FROM_KV_LEN, AttentionSession
 from mhaserve.server.tensors import weights_dtype

@@ -76,7 +76,7 @@ def draw_dashboard(server, cli: list[str]) -> None:
 
 def main() -> None:
     from mhaserve.export.default_model import ensure_default_model
-    from mhaserve.loadtest.server_process import ServerProcess
+    from mhaserve.server.process import ServerProcess
 
     with ServerProcess(ensure_default_model(), "--warmup-runs", "1") as server:
         cli = [sys.executable, "-m", "mhaserve.cli"]

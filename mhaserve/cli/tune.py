@@ -89,7 +89,6 @@ def _run_tune(args) -> int:
 
     from mhaserve.loadtest import tune_report
     from mhaserve.loadtest.loadgen import LoadGenerator, Point, Workload, default_processes
-    from mhaserve.loadtest.server_process import free_port
     from mhaserve.loadtest.tune import (
         Candidate,
         CandidateRunner,
@@ -100,6 +99,7 @@ def _run_tune(args) -> int:
         quick_plan,
         quick_search,
     )
+    from mhaserve.server.process import free_port
 
     workload = Workload(0, args.batch, *args.lengths, attn_weights=not args.no_weights, model=args.model)
     if args.rate:

@@ -285,9 +285,9 @@ class CandidateRunner:
 
     def __call__(self, candidate: Candidate) -> Measured:
         from mhaserve.loadtest.checked_load import peak_rss_mib, reset_peak_rss
+        from mhaserve.server.process import ServerProcess
 
         from .rounds import of_rounds
-        from .server_process import ServerProcess
 
         measured = Measured(candidate)
         started = time.monotonic()

@@ -12,7 +12,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from mhaserve.loadtest.server_process import free_port
+from mhaserve.server.process import free_port
 
 PROMETHEUS = shutil.which("prometheus")
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "mhaserve.json"

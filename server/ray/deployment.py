@@ -134,10 +134,10 @@ class NativeReplica:
     async def __init__(self, model_dir: str, settings: dict | None = None, port: int = 0):
         import grpc
 
-        from mhaserve.loadtest.server_process import ServerProcess
         from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
 
         from ..config import flag_of, setting_text
+        from ..process import ServerProcess
 
         values = {"intra_op_threads": _reserved_cpus(), **(settings or {})}
         flags = [part for name, value in values.items() for part in (flag_of(name), setting_text(value))]
@@ -146,7 +146,11 @@ class NativeReplica:
         # Started from this loop's thread, which lives as long as the replica: a replica killed outright takes
         # its server with it (end_with_parent).
         self.server.start(wait=False)
-        await asyncio.to_thread(self.server.wait_serving, 300)
+        try:
+            await asyncio.to_thread(self.server.wait_serving, 300)
+        except RuntimeError:  # it exited (its log says why) or never said it serves: Ray tries another replica
+            await asyncio.to_thread(self.server.stop)
+            raise
         self._channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.server.port}", options=UNLIMITED_MESSAGES)
         self._stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
         self._address_key = _register_native_address(self.server.port)
@@ -173,9 +177,10 @@ class NativeReplica:
 
     async def __del__(self):
         """Ray's graceful stop of the replica: the native server drains (SIGTERM), as a stopped server does."""
-        _forget_native_address(self._address_key)
-        await self._channel.close()
-        await asyncio.to_thread(self.server.stop)
+        if getattr(self, "_address_key", None) is not None:  # not where its start failed
+            _forget_native_address(self._address_key)
+            await self._channel.close()
+            await asyncio.to_thread(self.server.stop)
 
 
 def _forwarded(method: str):

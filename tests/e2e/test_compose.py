@@ -31,7 +31,7 @@ import grpc
 import numpy as np
 import pytest
 
-from mhaserve.loadtest.server_process import free_port
+from mhaserve.server.process import free_port
 from tests.support import (
     ROOT,  # noqa: E402
     eager,

@@ -19,7 +19,7 @@ import pytest
 from mhaserve.client.grpc import Client
 from mhaserve.export.validate import TOLERANCES
 from mhaserve.export.writer import export_model_dir
-from mhaserve.loadtest.server_process import ServerProcess
+from mhaserve.server.process import ServerProcess
 from tests.support import SMALL_D_MODEL, TEST_SERVER_ARGS, assert_within_relative, rand
 from tests.support.requests import infer_concurrently, mixed_requests
 

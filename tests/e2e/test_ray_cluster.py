@@ -22,9 +22,9 @@ import pytest
 
 from mhaserve.client.grpc import Client, RetryPolicy
 from mhaserve.loadtest.checked_load import rss_mib
-from mhaserve.loadtest.server_process import free_port
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
+from mhaserve.server.process import free_port
 from tests.support import SMALL_D_MODEL, SMALL_HEADS, rand
 
 if importlib.util.find_spec("ray") is None:

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from mhaserve.client.grpc import Client
-from mhaserve.loadtest.server_process import free_port
+from mhaserve.server.process import free_port
 from tests.support import SMALL_D_MODEL, eager, rand
 
 if importlib.util.find_spec("ray") is None:

@@ -18,9 +18,9 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mhaserve.client.grpc import NO_RETRIES, AsyncClient, Client, build_infer_request
-from mhaserve.loadtest.server_process import ServerProcess, free_port
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
+from mhaserve.server.process import ServerProcess, free_port
 from tests.support import SMALL_D_MODEL, scrape
 
 D = SMALL_D_MODEL

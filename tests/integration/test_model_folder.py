@@ -17,7 +17,7 @@ import pytest
 
 from mhaserve.client.grpc import Client
 from mhaserve.export.writer import export_model_dir
-from mhaserve.loadtest.server_process import free_port
+from mhaserve.server.process import free_port
 from mhaserve.server.session import OUTPUT_ONLY_FROM_KV_LEN, AttentionSession
 from tests.support import SMALL_D_MODEL, eager, rand
 from tests.support.in_process import refused_start

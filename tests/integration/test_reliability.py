@@ -23,7 +23,7 @@ import pytest
 
 from mhaserve.client.grpc import NO_RETRIES, Client, RetryPolicy
 from mhaserve.loadtest.checked_load import Reference, Shapes, burst, make_call, mismatch, rss_mib, run_checked_load
-from mhaserve.loadtest.server_process import ServerProcess, free_port
+from mhaserve.server.process import ServerProcess, free_port
 from tests.support import SMALL_D_MODEL, TEST_SERVER_ARGS, rand, scrape
 
 SOAK_REQUESTS = int(os.environ.get("MHASERVE_SOAK_REQUESTS", "4000"))

@@ -514,7 +514,7 @@ def test_health_command_says_serving_or_fails(server):
     import subprocess
     import sys
 
-    from mhaserve.loadtest.server_process import free_port
+    from mhaserve.server.process import free_port
 
     command = [sys.executable, "-m", "mhaserve.cli", "health", "--url"]
     serving = subprocess.run([*command, server.url], capture_output=True, text=True, timeout=60)

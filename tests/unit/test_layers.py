@@ -24,7 +24,7 @@ MAY_IMPORT = {
     "client": {"client", "contract", "protos"},
     # the checked load computes each answer's reference by running the model file as the server does
     "loadtest": {"loadtest", "client", "contract", "protos", "server"},
-    "testing": {"testing", "loadtest"},  # the test helpers start real servers as tune does (loadtest.server_process)
+    "testing": {"testing", "loadtest", "server"},  # the test helpers start real servers as tune does (server.process)
     "cli": {"cli", "client", "contract", "export", "model", "server", "loadtest", "protos"},
 }
 

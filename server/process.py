@@ -1,4 +1,5 @@
-"""A real ``mhaserve serve`` process on 127.0.0.1, started and stopped by tune, tests and benchmarks; its log kept."""
+"""A real ``mhaserve serve`` process (on 127.0.0.1 unless its arguments say otherwise), started and stopped by
+another: a Ray replica serving natively, tune, tests and benchmarks; its log kept."""
 
 from __future__ import annotations
 
