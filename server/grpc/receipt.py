@@ -132,7 +132,25 @@ class RequestReader:
             self._no_turn_came(reading)
         else:
             reading.withdraw = self.turns.wait(lambda: self._turn_taken(reading))
-            reading.no_turn = asyncio.get_running_loop().call_later(self._first_read_s, self._no_turn_came, reading)
+            loop = asyncio.get_running_loop()
+            due = loop.time() + self._first_read_s
+            reading.no_turn = loop.call_later(self._first_read_s, self._no_turn_over, reading, due, False)
+
+    def _no_turn_over(self, reading: _Read, due: float, rearmed: bool) -> None:
+        """The wait for a turn is up: as a first read's time (``_first_read_over``), decided a loop tick later, and
+        given once more where the timer ran late by more than its time (a starved loop: the turn may be on its way
+        back, from a read whose completion is queued behind it)."""
+        loop = asyncio.get_running_loop()
+        if loop.time() - due > self._first_read_s and not rearmed:
+            due = loop.time() + self._first_read_s
+            reading.no_turn = loop.call_later(self._first_read_s, self._no_turn_over, reading, due, True)
+            return
+        reading.no_turn = None
+        loop.call_soon(self._no_turn_decided, reading)
+
+    def _no_turn_decided(self, reading: _Read) -> None:
+        if not (reading.finished or reading.turn or reading.refusal is not None):
+            self._no_turn_came(reading)
 
     def _turn_taken(self, reading: _Read) -> None:
         reading.withdraw = None

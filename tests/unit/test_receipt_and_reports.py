@@ -5,6 +5,7 @@ verdict per SLO."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import numpy as np
@@ -224,5 +225,29 @@ def test_a_request_the_turn_never_comes_to_is_refused_and_its_connection_queues_
         assert await reader.read(sent) == b"request" and slow not in turns.bad_standing
         holder.cancel()
         await asyncio.gather(holder, return_exceptions=True)
+
+    asyncio.run(scenario())
+
+
+def test_a_request_waiting_for_a_turn_on_a_starved_loop_is_given_the_turn_on_its_way_back_not_refused():
+    """The loop blocked past a waiting request's time (a loaded machine, not a slow sender), the request holding the
+    only turn arriving just after: the turn comes back and the waiting request is read, not refused."""
+
+    async def scenario():
+        turns = ReceivingTurns(receiving_bytes=3, receive_limit=1, hold_s=60)
+        reader = RequestReader(turns, receive_limit=1, timeout_s=5, first_read_s=0.02)
+        holder, waiter = Context("ipv4:127.0.0.1:1"), Context("ipv4:127.0.0.1:2")
+        first = asyncio.create_task(reader.read(holder))
+        await asyncio.sleep(0.05)  # past its first read: it holds the turn
+        assert turns.free == 0
+        second = asyncio.create_task(reader.read(waiter))
+        await asyncio.sleep(0.015)  # past the second's busy first read (10 ms): it waits for the turn
+        time.sleep(0.06)  # the loop starved three times the wait's 20 ms
+        loop = asyncio.get_running_loop()
+        arrivals = [loop.call_later(0.005, holder.send), loop.call_later(0.01, waiter.send)]
+        assert await first == b"request" and await second == b"request"
+        for arrival in arrivals:
+            arrival.cancel()
+        assert waiter.refusal is None and turns.free == 1
 
     asyncio.run(scenario())
