@@ -81,10 +81,9 @@ class RequestReader:
         # first read's usual time).
         first_read_s = self._first_read_s if self.turns.free else min(self._first_read_s, BUSY_FIRST_READ_S)
         reading.started = loop.time()
-        reading.first_read_s, reading.due = first_read_s, reading.started + first_read_s
         # The read timeout is armed only for a read that outlasts its first read (_first_read_decided): a timer
         # per request would keep --grpc-read-timeout-s worth of requests' timers in the loop's heap.
-        first_read_over = loop.call_later(first_read_s, self._first_read_over, reading)
+        self._decide_after(reading, first_read_s, self._first_read_decided)
         try:
             raw = await context.read()
         except Exception:
@@ -93,8 +92,7 @@ class RequestReader:
             raw = None
         finally:
             reading.finished = True
-            first_read_over.cancel()
-            for timer in (reading.rearmed, reading.timed_out, reading.no_turn):
+            for timer in (reading.decision, reading.timed_out):
                 if timer is not None:
                     timer.cancel()
             if reading.withdraw is not None:  # still waiting for a turn
@@ -111,16 +109,22 @@ class RequestReader:
             raise RequestError(ErrorKind.INVALID_ARGUMENT, "the call ended without a request message")
         return raw
 
-    def _first_read_over(self, reading: _Read) -> None:
-        """The first read's time is up; decided a loop tick later, so that a read whose completion is already queued
-        (a loaded loop runs its timers late) ends first. A timer late by more than its own time (a starved loop, not
-        a slow sender) gives the read that time once more."""
+    def _decide_after(self, reading: _Read, seconds: float, decide, rearmed: bool = False) -> None:
+        """``decide(reading)`` once ``seconds`` are up (its first read's, then its wait's for a turn), a loop tick
+        later, so that a read whose completion is already queued (a loaded loop runs its timers late) ends first.
+        A timer late by more than its own time (a starved loop, not a slow sender) gives the read that time once
+        more."""
         loop = asyncio.get_running_loop()
-        if loop.time() - reading.due > reading.first_read_s and reading.rearmed is None:
-            reading.rearmed = loop.call_later(reading.first_read_s, self._first_read_over, reading)
-            reading.due = loop.time() + reading.first_read_s
+        due = loop.time() + seconds
+        reading.decision = loop.call_later(seconds, self._time_up, reading, seconds, due, decide, rearmed)
+
+    def _time_up(self, reading: _Read, seconds: float, due: float, decide, rearmed: bool) -> None:
+        loop = asyncio.get_running_loop()
+        if loop.time() - due > seconds and not rearmed:
+            self._decide_after(reading, seconds, decide, rearmed=True)
             return
-        loop.call_soon(self._first_read_decided, reading)
+        reading.decision = None
+        loop.call_soon(decide, reading)
 
     def _first_read_decided(self, reading: _Read) -> None:
         """The request is still arriving: it takes a turn, waits in its first read for one, or is refused."""
@@ -132,21 +136,8 @@ class RequestReader:
             self._no_turn_came(reading)
         else:
             reading.withdraw = self.turns.wait(lambda: self._turn_taken(reading))
-            loop = asyncio.get_running_loop()
-            due = loop.time() + self._first_read_s
-            reading.no_turn = loop.call_later(self._first_read_s, self._no_turn_over, reading, due, False)
-
-    def _no_turn_over(self, reading: _Read, due: float, rearmed: bool) -> None:
-        """The wait for a turn is up: as a first read's time (``_first_read_over``), decided a loop tick later, and
-        given once more where the timer ran late by more than its time (a starved loop: the turn may be on its way
-        back, from a read whose completion is queued behind it)."""
-        loop = asyncio.get_running_loop()
-        if loop.time() - due > self._first_read_s and not rearmed:
-            due = loop.time() + self._first_read_s
-            reading.no_turn = loop.call_later(self._first_read_s, self._no_turn_over, reading, due, True)
-            return
-        reading.no_turn = None
-        loop.call_soon(self._no_turn_decided, reading)
+            # On a starved loop the turn may be on its way back, from a read whose completion is queued behind this.
+            self._decide_after(reading, self._first_read_s, self._no_turn_decided)
 
     def _no_turn_decided(self, reading: _Read) -> None:
         if not (reading.finished or reading.turn or reading.refusal is not None):
@@ -154,8 +145,9 @@ class RequestReader:
 
     def _turn_taken(self, reading: _Read) -> None:
         reading.withdraw = None
-        if reading.no_turn is not None:
-            reading.no_turn.cancel()
+        if reading.decision is not None:  # it waited for the turn
+            reading.decision.cancel()
+            reading.decision = None
         reading.first, reading.turn = False, True
         self._first_reads.release(reading.connection)
         loop = asyncio.get_running_loop()
@@ -204,12 +196,9 @@ class _Read:
 
     context: object
     connection: str
-    first_read_s: float = 0.0
     started: float = 0.0  # when its read began, on the loop's clock
-    due: float = 0.0  # when its first read's time is up
+    decision: asyncio.TimerHandle | None = None  # when its first read's time, then its wait's for a turn, is up
     timed_out: asyncio.TimerHandle | None = None  # the read timeout, once the read outlasts its first read
-    rearmed: asyncio.TimerHandle | None = None  # the first read's timer again, once, after a starved loop
-    no_turn: asyncio.TimerHandle | None = None  # while it waits for a turn: when it gives up
     withdraw: Callable[[], None] | None = None  # while it waits for a turn: leaves the line
     finished: bool = False  # its read has ended
     first: bool = True
