@@ -4,6 +4,7 @@ another: a Ray replica serving natively, tune, tests and benchmarks; its log kep
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import re
 import signal
@@ -61,8 +62,8 @@ class ServerProcess:
             "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0", "--http-port", "0", *args,
         ]  # fmt: skip
         self.env = {**os.environ, **(env or {})}
-        if end_with_parent:  # server/workers.py: end_with_the_parent_if_asked
-            self.env["MHASERVE_END_WITH_PARENT"] = str(os.getpid())
+        if end_with_parent:  # end_with_the_parent_if_asked, in the server
+            self.env[END_WITH_PARENT_ENV] = str(os.getpid())
         self.lines: list[str] = []
         self.port = port
         self.host = "127.0.0.1"  # the gRPC address the serving line names, once it is read
@@ -154,3 +155,32 @@ class ServerProcess:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+# A server that ends with the process that started it: a worker of --workers, a Ray replica's server.
+
+
+def ended_with_the_parent() -> None:
+    """In a worker of --workers, before it runs (Linux): SIGTERM when the parent's starting thread ends, so that a
+    parent killed outright (SIGKILL, the OOM killer) leaves no worker holding the port. (The parent starts workers
+    from its main thread, and restarts them from its watching thread, which lives until the server stops.)"""
+    _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def end_with_the_parent_if_asked() -> None:
+    """In a server started by a Ray replica (``MHASERVE_END_WITH_PARENT``: the replica's process id), at its start
+    (Linux): SIGTERM when the replica's starting thread ends, as a worker has, so that a replica killed outright
+    leaves no server holding its port. Set here, after exec: a replica's process has many threads, where code run
+    between fork and exec may deadlock."""
+    parent = os.environ.pop(END_WITH_PARENT_ENV, None)
+    if parent is None or _PRCTL is None:
+        return
+    _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != int(parent):  # it ended before the above took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+END_WITH_PARENT_ENV = "MHASERVE_END_WITH_PARENT"
+# Looked up in the parent, once: between fork and exec the child only calls it (no loader lock to take there).
+PR_SET_PDEATHSIG = 1
+_PRCTL = ctypes.CDLL(None).prctl if sys.platform.startswith("linux") else None

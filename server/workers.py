@@ -17,7 +17,6 @@ alone: explicit model control (RepositoryModelLoad/Unload) and client shared mem
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import os
 import signal
@@ -33,6 +32,7 @@ from mhaserve.contract.errors import UsageError
 
 from .config import ServerSettings
 from .ports import host_port
+from .process import ended_with_the_parent
 from .rest.prometheus import start_metrics
 
 log = logging.getLogger("mhaserve.server")
@@ -118,7 +118,7 @@ class Workers:
             stderr=subprocess.PIPE,
             text=True,
             env=env,
-            preexec_fn=_ended_with_the_parent if sys.platform.startswith("linux") else None,
+            preexec_fn=ended_with_the_parent if sys.platform.startswith("linux") else None,
         )
         worker.started = time.monotonic()
         log.info("worker %d started (pid %d)", worker.index, worker.process.pid)
@@ -250,32 +250,6 @@ def _empty_like(family):
     from prometheus_client.metrics_core import Metric
 
     return Metric(family.name, family.documentation, family.type, family.unit)
-
-
-def _ended_with_the_parent() -> None:
-    """In a worker, before it runs (Linux): SIGTERM when the parent's starting thread ends, so that a parent killed
-    outright (SIGKILL, the OOM killer) leaves no worker holding the port. (The parent starts workers from its main
-    thread, and restarts them from its watching thread, which lives until the server stops.)"""
-    _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def end_with_the_parent_if_asked() -> None:
-    """In a server started by a Ray replica (``MHASERVE_END_WITH_PARENT``: the replica's process id), at its start
-    (Linux): SIGTERM when the replica's starting thread ends, as a worker has, so that a replica killed outright
-    leaves no server holding its port. Set here, after exec: a replica's process has many threads, where code run
-    between fork and exec may deadlock."""
-    parent = os.environ.pop(END_WITH_PARENT_ENV, None)
-    if parent is None or _PRCTL is None:
-        return
-    _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != int(parent):  # it ended before the above took effect
-        os.kill(os.getpid(), signal.SIGTERM)
-
-
-END_WITH_PARENT_ENV = "MHASERVE_END_WITH_PARENT"
-# Looked up in the parent, once: between fork and exec the child only calls it (no loader lock to take there).
-PR_SET_PDEATHSIG = 1
-_PRCTL = ctypes.CDLL(None).prctl if sys.platform.startswith("linux") else None
 
 
 def _exit_said(code: int) -> str:

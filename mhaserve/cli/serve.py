@@ -24,7 +24,7 @@ def add_serve(sub) -> None:
 def _run_serve(args) -> int:
     from mhaserve.server.app import run
     from mhaserve.server.config import settings_from_args
-    from mhaserve.server.workers import end_with_the_parent_if_asked
+    from mhaserve.server.process import end_with_the_parent_if_asked
 
     end_with_the_parent_if_asked()
     settings = settings_from_args(args)
