@@ -98,7 +98,7 @@ class OipReplica:
         try:
             return await getattr(self.answers, method)(request)
         except RequestError as error:
-            return _refused(grpc_context, error, getattr(pb, SERVICE.methods_by_name[method].output_type.name))
+            return _refused(grpc_context, error, _response_type(method))
 
     def check_health(self) -> None:
         """Ray's replica health check: a draining or unready data plane is restarted elsewhere."""
@@ -107,11 +107,17 @@ class OipReplica:
 
 
 def _unary(method: str):
+    """The replica's RPC ``method``: its ``_answer`` (an OipReplica's data plane, a NativeReplica's server)."""
+
     async def rpc(self, request, grpc_context):
         return await self._answer(method, request, grpc_context)
 
     rpc.__name__ = rpc.__qualname__ = method
     return rpc
+
+
+def _response_type(method: str):
+    return getattr(pb, SERVICE.methods_by_name[method].output_type.name)
 
 
 for _method in UNARY_RPCS:
@@ -160,15 +166,16 @@ class NativeReplica:
         async for answer in self._stub.ModelStreamInfer(requests):
             yield answer
 
-    async def _forward(self, method: str, request, grpc_context):
+    async def _answer(self, method: str, request, grpc_context):
+        """Forwarded to the server, its status passed on."""
         import grpc
 
         try:
             return await getattr(self._stub, method)(request)
-        except grpc.aio.AioRpcError as error:  # the native server's own status, passed on
+        except grpc.aio.AioRpcError as error:
             grpc_context.set_code(error.code())
             grpc_context.set_details(error.details())
-            return getattr(pb, SERVICE.methods_by_name[method].output_type.name)()
+            return _response_type(method)()
 
     def check_health(self) -> None:
         """Ray's replica health check: a native server that exited is restarted elsewhere."""
@@ -183,16 +190,8 @@ class NativeReplica:
             await asyncio.to_thread(self.server.stop)
 
 
-def _forwarded(method: str):
-    async def rpc(self, request, grpc_context):
-        return await self._forward(method, request, grpc_context)
-
-    rpc.__name__ = rpc.__qualname__ = method
-    return rpc
-
-
 for _method in ("ModelInfer", *UNARY_RPCS):
-    setattr(NativeReplica, _method, _forwarded(_method))
+    setattr(NativeReplica, _method, _unary(_method))
 
 UNLIMITED_MESSAGES = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
 # Where each replica serving natively answers, in the cluster's key-value store: "APP/REPLICA" -> "HOST:PORT".
