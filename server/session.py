@@ -233,9 +233,13 @@ class AttentionSession:
         log.warning("CUDA is not usable, serving on CPU: %s", reason)
         return ort.InferenceSession(str(path), options, providers=[CPU])
 
+    def graph_for(self, output_names, kv_len: int) -> ort.InferenceSession:
+        """The graph a run of these outputs over ``kv_len`` keys takes: the output-only one where it serves."""
+        output_only = tuple(output_names) == (OUTPUT,) and kv_len >= OUTPUT_ONLY_FROM_KV_LEN
+        return self._output_only if output_only and self._output_only is not None else self._session
+
     def run(self, output_names, query, key, value, mask) -> list[np.ndarray]:
-        output_only = tuple(output_names) == (OUTPUT,) and key.shape[1] >= OUTPUT_ONLY_FROM_KV_LEN
-        session = self._output_only if output_only and self._output_only is not None else self._session
+        session = self.graph_for(output_names, key.shape[1])
         feed = {"query": query, "key": key, "value": value, "mask": mask}
         if self.provider == CUDA and output_only_once_copied(output_names, query, key, value):
             return run_bound(session, list(output_names), feed, self._output_shapes(query, key), "cuda")

@@ -59,7 +59,7 @@ from mhaserve.loadtest.loadgen import Point as LoadPoint
 from mhaserve.model.weights import seeded_module
 from mhaserve.server.process import ServerProcess
 from mhaserve.server.sequences import Step, StepCache
-from mhaserve.server.session import OUTPUT_ONLY_FROM_KV_LEN, AttentionSession
+from mhaserve.server.session import AttentionSession
 from mhaserve.server.tensors import weights_dtype
 
 # (batch, length, d_model, heads)
@@ -145,8 +145,7 @@ def measure_shape(batch, length, d_model, heads, precision, device, repeats, ban
         def ort_call(outputs=outputs):
             return session.run(outputs, query, query, query, mask)
 
-        graph = session._output_only if outputs == ("output",) and length >= OUTPUT_ONLY_FROM_KV_LEN else None
-        graph = graph or session._session
+        graph = session.graph_for(outputs, length)
 
         def plain_call(outputs=outputs, graph=graph):
             return graph.run(list(outputs), {"query": query, "key": query, "value": query, "mask": mask})
