@@ -24,8 +24,8 @@ from mhaserve.client.grpc import Client, RetryPolicy
 from mhaserve.loadtest.checked_load import rss_mib
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
-from mhaserve.server.process import free_port
 from tests.support import SMALL_D_MODEL, SMALL_HEADS, rand
+from tests.support.ray_deploy import ray_deployed
 
 if importlib.util.find_spec("ray") is None:
     pytest.skip("Ray Serve is not installed (the ray extra; the test extra has it)", allow_module_level=True)
@@ -46,15 +46,9 @@ def cluster(small_model_dir):
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
     workers = [cluster.add_node(num_cpus=2) for _ in range(2)]
     cluster.wait_for_nodes()
-    grpc_port = free_port()
-    deployed = subprocess.run(
-        [sys.executable, "-m", "mhaserve.cli", "ray-deploy", str(small_model_dir), "--address", cluster.address,
-         "--name", APP, "--grpc-port", str(grpc_port), "--http-port", str(free_port()),
-         "--proxy-location", "HeadOnly", "--min-replicas", "2", "--max-replicas", "2"],
-        capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
-    assert deployed.returncode == 0, deployed.stderr[-3000:]
-    assert "answer directly" not in deployed.stdout  # no direct ingress here: calls go through the proxy
+    grpc_port, said = ray_deployed(small_model_dir, cluster.address, APP, "--proxy-location", "HeadOnly",
+                                   "--min-replicas", "2", "--max-replicas", "2")  # fmt: skip
+    assert "answer directly" not in said  # no direct ingress here: calls go through the proxy
     ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
     print(
         f"cluster of 3 nodes up and the model deployed in {time.monotonic() - started:.1f} s; its processes hold "

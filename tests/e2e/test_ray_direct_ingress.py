@@ -7,15 +7,13 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from mhaserve.client.grpc import Client
-from mhaserve.server.process import free_port
 from tests.support import SMALL_D_MODEL, eager, rand
+from tests.support.ray_deploy import ray_deployed
 
 if importlib.util.find_spec("ray") is None:
     pytest.skip("Ray Serve is not installed (the ray extra; the test extra has it)", allow_module_level=True)
@@ -32,15 +30,10 @@ def direct_cluster(small_model_dir):
     os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "1"
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
     try:
-        grpc_port = free_port()
-        deployed = subprocess.run(
-            [sys.executable, "-m", "mhaserve.cli", "ray-deploy", str(small_model_dir), "--address", cluster.address,
-             "--name", APP, "--grpc-port", str(grpc_port), "--http-port", str(free_port()), "--min-replicas", "1",
-             "--max-replicas", "1"],
-            capture_output=True, text=True, timeout=180,
-        )  # fmt: skip
-        assert deployed.returncode == 0, deployed.stderr[-3000:]
-        yield grpc_port, deployed.stdout
+        grpc_port, said = ray_deployed(
+            small_model_dir, cluster.address, APP, "--min-replicas", "1", "--max-replicas", "1"
+        )
+        yield grpc_port, said
     finally:
         cluster.shutdown()
         if before is None:
