@@ -14,11 +14,13 @@ Printed, each figure the median of ``--calls`` calls per round, rounds alternati
 - first, the server's RSS per live sequence of 256 rows against its keys' and values' bytes.
 
     flock /tmp/bench.lock .venv/bin/python benchmarks/bench_sequences.py --baseline REV [--rounds 3]
-        [--positions 32,256,1024]
+        [--positions 32,256,1024] [--prompts-apart] [--d-model 4096 --heads 32]
 
 instead serves another revision's code (and its own export of the same default model) beside the working tree's,
 and prints each one's RSS per live sequence as above, then, per position (each sequence started again from that
-prompt every 64 steps, the prompts' cost included), the steps a second of 1 and 64 sequences stepping at once on
+prompt every 64 steps, the prompts' cost included; with ``--prompts-apart``, all started again together between
+timed stretches of 64 steps each; ``--d-model``/``--heads``: a seeded model of that size, each revision exporting
+its own), the steps a second of 1 and 64 sequences stepping at once on
 each and, at the end, each server's stateless one-row requests a second from 64 callers, the rounds alternating
 the two servers.
 Not a test: BENCHMARKS.md records the figures with this command.
@@ -47,6 +49,7 @@ from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
 from mhaserve.server.process import ServerProcess
 
 D, H = 512, 8
+UNLIMITED = [("grpc.max_receive_message_length", -1)]  # a prompt's answer at 4096 wide passes gRPC's 4 MiB
 IDLE_S = 3.0  # the server gives its free memory back once idle 2 s
 
 
@@ -116,7 +119,7 @@ async def main(rounds: int, calls: int, server: ServerProcess) -> None:
     row = rng.standard_normal((1, 1, D), dtype=np.float32)
     prefix = rng.standard_normal((1, 500, D), dtype=np.float32)
     causal = np.tril(np.ones((1, 500, 500), bool))
-    async with grpc.aio.insecure_channel(server.url, options=[("grpc.max_receive_message_length", -1)]) as channel:
+    async with grpc.aio.insecure_channel(server.url, options=UNLIMITED) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         # First, on a server that has not yet run steps: what a live sequence holds.
         await rss_per_sequence(stub, server, rng)
@@ -162,12 +165,19 @@ async def main(rounds: int, calls: int, server: ServerProcess) -> None:
 
 
 async def steps_per_second(
-    url: str, concurrency: int, rng, seconds: float = 5.0, position: int = 256, window: int | None = None
+    url: str,
+    concurrency: int,
+    rng,
+    seconds: float = 5.0,
+    position: int = 256,
+    window: int | None = None,
+    prompts_timed: bool = True,
 ) -> float:
     """Steps a second with ``concurrency`` sequences of about ``position`` rows stepping at once, one row a step;
     with ``window``, each sequence is started again from a ``position``-row prompt every ``window`` steps, so that
-    the position stays within the window (the prompts' cost included)."""
-    async with grpc.aio.insecure_channel(url) as channel:
+    the position stays within the window: the prompts' cost included, or (``prompts_timed`` False) all sequences
+    started again together between timed stretches of ``window`` steps each."""
+    async with grpc.aio.insecure_channel(url, options=UNLIMITED) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         row = rng.standard_normal((1, 1, D), dtype=np.float32)
         names = [f"conc{concurrency}-{i}-{rng.integers(1 << 30)}" for i in range(concurrency)]
@@ -175,11 +185,11 @@ async def steps_per_second(
             await grow(stub, name, position, rng)
         done, restarting = 0, asyncio.Lock()
 
-        async def stepper(name: str, stop: float) -> None:
+        async def stepper(name: str, stop: float, steps: int | None = None) -> None:
             nonlocal done
             message = request(row, name)  # built once, as the stateless ceiling's is: the client's cost is not measured
             taken = 0
-            while time.perf_counter() < stop:
+            while time.perf_counter() < stop and taken != steps:
                 if window is not None and taken == window:
                     async with restarting:  # one prompt at a time: 64 long prompts at once pass the memory budget
                         await grow(stub, name, position, rng)
@@ -188,9 +198,19 @@ async def steps_per_second(
                 done += 1
                 taken += 1
 
-        started = time.perf_counter()
-        await asyncio.gather(*(stepper(name, started + seconds) for name in names))
-        rate = done / (time.perf_counter() - started)
+        if prompts_timed or window is None:
+            started = time.perf_counter()
+            await asyncio.gather(*(stepper(name, started + seconds) for name in names))
+            timed = time.perf_counter() - started
+        else:
+            timed = 0.0
+            while timed < seconds:
+                started = time.perf_counter()
+                await asyncio.gather(*(stepper(name, started + seconds - timed, window) for name in names))
+                timed += time.perf_counter() - started
+                for name in names:  # untimed: back to the position
+                    await grow(stub, name, position, rng)
+        rate = done / timed
         for name in names:
             await stub.ModelInfer(request(row, name, end=True), timeout=60)
     return rate
@@ -198,7 +218,7 @@ async def steps_per_second(
 
 async def stateless_per_second(url: str, concurrency: int, seconds: float = 5.0) -> float:
     """The transport's ceiling for steps: stateless one-row requests (no sequence), output only, as many at once."""
-    async with grpc.aio.insecure_channel(url) as channel:
+    async with grpc.aio.insecure_channel(url, options=UNLIMITED) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         message = request(np.ones((1, 1, D), np.float32))
         done = 0
@@ -239,21 +259,24 @@ async def merged_against_alone(merged: ServerProcess, alone: ServerProcess, roun
 
 
 async def against_baseline(
-    baseline: ServerProcess, current: ServerProcess, rounds: int, positions: tuple[int, ...]
+    baseline: ServerProcess, current: ServerProcess, rounds: int, positions: tuple[int, ...], prompts_timed: bool
 ) -> None:
     rng = np.random.default_rng(2)
     servers = {"baseline": baseline, "current": current}
     for name, server in servers.items():  # first, on servers that have not yet run steps
-        async with grpc.aio.insecure_channel(server.url) as channel:
+        async with grpc.aio.insecure_channel(server.url, options=UNLIMITED) as channel:
             await rss_per_sequence(pb_grpc.GRPCInferenceServiceStub(channel), server, rng, f"{name}: ")
-    print("steps/s, one row a step, each sequence started again from its prompt every 64 steps, median of rounds "
-          "(the rounds alternate the servers):")  # fmt: skip
+    prompts = "the prompts timed" if prompts_timed else "the prompts not timed"
+    print(f"steps/s, one row a step, each sequence started again from its prompt every 64 steps ({prompts}), median "
+          "of rounds (the rounds alternate the servers):")  # fmt: skip
     for position in positions:
         for concurrency in (1, 64):
             rates = {name: [] for name in servers}
             for round_ in range(rounds):
                 for name in list(servers)[:: 1 if round_ % 2 == 0 else -1]:
-                    rate = await steps_per_second(servers[name].url, concurrency, rng, position=position, window=64)
+                    rate = await steps_per_second(
+                        servers[name].url, concurrency, rng, position=position, window=64, prompts_timed=prompts_timed
+                    )
                     rates[name].append(rate)
             b, c = (statistics.median(rates[name]) for name in servers)
             spread = "; ".join(f"{name} {', '.join(f'{r:.0f}' for r in rates[name])}" for name in servers)
@@ -265,9 +288,9 @@ async def against_baseline(
 
 
 def export_at(env: dict[str, str], out: Path) -> Path:
-    """The default model exported by a revision's own code (its step graph is that revision's)."""
-    subprocess.run([sys.executable, "-m", "mhaserve.cli", "export", "--out", str(out)], env=env, check=True,
-                   capture_output=True)  # fmt: skip
+    """The seeded model of width D exported by a revision's own code (its step graphs are that revision's)."""
+    subprocess.run([sys.executable, "-m", "mhaserve.cli", "export", "--out", str(out), "--d-model", str(D), "--heads",
+                    str(H)], env=env, check=True, capture_output=True)  # fmt: skip
     return out
 
 
@@ -282,19 +305,29 @@ if __name__ == "__main__":
         default="32,256,1024",
         help="with --baseline: the positions, comma-separated (none: memory and ceilings only)",
     )
+    parser.add_argument("--d-model", type=int, default=D, help="with --baseline: the seeded model's width")
+    parser.add_argument("--heads", type=int, default=H, help="with --baseline: its heads")
+    parser.add_argument(
+        "--prompts-apart",
+        action="store_true",
+        help="with --baseline: the sequences started again together between timed stretches of steps",
+    )
     args = parser.parse_args()
     flags = ("--warmup-runs", "1", "--max-sequence-length", "4096", "--max-kv-len", "512", "--max-q-len", "512")
     if args.baseline:
         flags = ("--warmup-runs", "1", "--max-sequence-length", "4096", "--max-kv-len", "1024", "--max-q-len", "1024",
                  "--max-inflight-bytes", str(4 << 30))  # fmt: skip
         with baseline_checkout(args.baseline) as (env, _), tempfile.TemporaryDirectory() as tmp:
+            D, H = args.d_model, args.heads
             folder = export_at({**os.environ, **env}, Path(tmp) / "baseline-model")
+            default = (D, H) == (512, 8)
+            current_folder = ensure_default_model() if default else export_at(dict(os.environ), Path(tmp) / "current")
             with (
                 ServerProcess(folder, *flags, env=env) as baseline,
-                ServerProcess(ensure_default_model(), *flags) as current,
+                ServerProcess(current_folder, *flags) as current,
             ):
                 positions = tuple(int(p) for p in args.positions.split(",") if p)
-                asyncio.run(against_baseline(baseline, current, args.rounds, positions))
+                asyncio.run(against_baseline(baseline, current, args.rounds, positions, not args.prompts_apart))
         raise SystemExit(0)
     with ServerProcess(ensure_default_model(), *flags) as served:
         asyncio.run(main(args.rounds, args.calls, served))

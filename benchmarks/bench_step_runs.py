@@ -1,12 +1,12 @@
 """Steps of several sequences in one call of the step graph, in process: StepGraph.run_steps (one run, the pasts
-copied side by side, where they are short, else one run after another) against one run_step call per step, at pasts
-of 32, 128, 256 and 1,024 rows, 4 and 16 sequences, the embedded default model (512/8); each sequence's buffers with
-room, as between regrowths. Median of 30 calls each.
+copied side by side, where they are short, else runs of the grouped step graph, each over its own buffers) against
+one run_step call per step, at pasts of 32, 128, 256 and 1,024 rows, 4, 16 and 64 sequences, the embedded default
+model (512/8); each sequence's buffers with room, as between regrowths. Median of 30 calls each.
 
     flock /tmp/bench.lock .venv/bin/python benchmarks/bench_step_runs.py [--stack-up-to ROWS]
 
 ``--stack-up-to`` runs steps as one batch up to pasts of that many rows (the server's bound is 128 at 512/8), to
-see where copying the pasts side by side stops paying.
+see where copying the pasts side by side stops paying; ``--stack-up-to 0`` runs every group in the grouped graph.
 
 Not a test: BENCHMARKS.md records the figures with this command.
 """
@@ -39,7 +39,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stack-up-to", type=int, help="rows of past up to which steps run as one batch")
     args = parser.parse_args()
-    if args.stack_up_to:
+    if args.stack_up_to is not None:
         graph.STACKED_STEP_PAST_BYTES = 2 * args.stack_up_to * 512 * 4
         graph.STACKED_STEPS_BYTES = 1 << 40
     session = AttentionSession(ensure_default_model(), "cpu")
@@ -52,7 +52,7 @@ def main() -> None:
         return session.steps.run_step(Step(prompt[:, -1:], cache))[2]
 
     for past in (32, 128, 256, 1024):
-        for sequences in (4, 16):
+        for sequences in (4, 16, 64):
             steps = [
                 Step(rng.standard_normal((1, 1, 512), dtype=np.float32), grown(past + i)) for i in range(sequences)
             ]

@@ -41,6 +41,9 @@ from mhaserve.contract.steps import (
     PAST_KEY,
     PAST_LENGTHS,
     PAST_VALUE,
+    STEPS_GROUPED,
+    grouped_feed,
+    member,
     own_weights,
     stacked_pasts,
     with_rows,
@@ -61,13 +64,8 @@ def _heads(source: str, target: str, heads: int, d_k: int) -> list:
     ]
 
 
-def step_graph(module: MultiHeadAttention, cross: bool = False) -> onnx.ModelProto:
-    """The self-attention step graph (above); with ``cross``, the cross-attention one: its new keys and values come
-    from inputs ``key``/``value`` [B, m, d] (m may be 0: a step of queries alone), and each query row attends to
-    every key of its own, past and new (no causal order between queries and keys)."""
-    module = module.eval()
-    d, heads, d_k = module.d_model, module.num_heads, module.d_k
-    initializers = [
+def _shared_constants(d: int, heads: int, d_k: int, cross: bool) -> list:
+    constants = [
         _constant("heads_shape", [0, 0, heads, d_k], np.int64),
         _constant("merged_shape", [0, 0, d], np.int64),
         _constant("scale", 1.0 / math.sqrt(d_k), np.float32),
@@ -81,57 +79,94 @@ def step_graph(module: MultiHeadAttention, cross: bool = False) -> onnx.ModelPro
         _constant("to_the_end", [np.iinfo(np.int64).max], np.int64),
         _constant("per_batch_row", [-1, 1, 1, 1], np.int64),
     ]
-    if not cross:
-        initializers.append(_constant("axis_1", [1], np.int64))
-    nodes = []
-    sources = (signature.QUERY, signature.KEY, signature.VALUE) if cross else (signature.QUERY,) * 3
+    return constants if cross else [*constants, _constant("axis_1", [1], np.int64)]  # the causal order's
+
+
+def _projected(module: MultiHeadAttention, sources: tuple[str, str, str], heads: int, d_k: int) -> tuple[list, list]:
+    """Initializers and nodes: ``q``, NEW_KEY and NEW_VALUE [B, h, n, d_k] from the three sources [B, n, d]."""
+    initializers, nodes = [], []
     for (name, target), source in zip((("W_q", "q_flat"), ("W_k", "k_flat"), ("W_v", "v_flat")), sources, strict=True):
         more, steps = _linear(module, name, source, target)
         initializers += more
         nodes += steps
     nodes += _heads("q_flat", "q", heads, d_k) + _heads("k_flat", NEW_KEY, heads, d_k)
     nodes += _heads("v_flat", NEW_VALUE, heads, d_k)
-    nodes += [
+    return initializers, nodes
+
+
+def _attended(at: Callable[[str], str], query: str, cross: bool) -> list:
+    """Nodes: one sequence's attention (at(name): its tensor of that name), from its ``q``, NEW_KEY, NEW_VALUE and
+    its past inputs to its ATTN_WEIGHTS and ``context_heads`` [B, h, n, d_k]; ``query``: the input whose rows are
+    the step's (its length orders self-attention's new keys causally)."""
+    nodes = [
         # The past's scores [B, h, n, C]: batch row b may attend its first past_lengths[b] keys.
-        make.make_node("Transpose", [PAST_KEY], ["past_key_t"], perm=[0, 1, 3, 2]),
-        make.make_node("MatMul", ["q", "past_key_t"], ["past_scores_raw"]),
-        make.make_node("Mul", ["past_scores_raw", "scale"], ["past_scores"]),
-        make.make_node("Shape", [PAST_KEY], ["capacity_1"], start=2, end=3),
-        make.make_node("Squeeze", ["capacity_1", "axis_0"], ["capacity"]),
-        make.make_node("Range", ["zero", "capacity", "one"], ["past_positions"]),
-        make.make_node("Reshape", [PAST_LENGTHS, "per_batch_row"], ["own_length"]),
-        make.make_node("Less", ["past_positions", "own_length"], ["own"]),
-        make.make_node("Where", ["own", "no_bias", "masked_bias"], ["past_bias"]),
-        make.make_node("Add", ["past_scores", "past_bias"], ["past_biased"]),
+        make.make_node("Transpose", [at(PAST_KEY)], [at("past_key_t")], perm=[0, 1, 3, 2]),
+        make.make_node("MatMul", [at("q"), at("past_key_t")], [at("past_scores_raw")]),
+        make.make_node("Mul", [at("past_scores_raw"), "scale"], [at("past_scores")]),
+        make.make_node("Shape", [at(PAST_KEY)], [at("capacity_1")], start=2, end=3),
+        make.make_node("Squeeze", [at("capacity_1"), "axis_0"], [at("capacity")]),
+        make.make_node("Range", ["zero", at("capacity"), "one"], [at("past_positions")]),
+        make.make_node("Reshape", [at(PAST_LENGTHS), "per_batch_row"], [at("own_length")]),
+        make.make_node("Less", [at("past_positions"), at("own_length")], [at("own")]),
+        make.make_node("Where", [at("own"), "no_bias", "masked_bias"], [at("past_bias")]),
+        make.make_node("Add", [at("past_scores"), at("past_bias")], [at("past_biased")]),
         # The new keys' scores [B, h, n, m]: self-attention's row i may attend new keys 0 .. i.
-        make.make_node("Transpose", [NEW_KEY], ["new_key_t"], perm=[0, 1, 3, 2]),
-        make.make_node("MatMul", ["q", "new_key_t"], ["new_scores_raw"]),
-        make.make_node("Mul", ["new_scores_raw", "scale"], ["new_scores" if not cross else "new_biased"]),
+        make.make_node("Transpose", [at(NEW_KEY)], [at("new_key_t")], perm=[0, 1, 3, 2]),
+        make.make_node("MatMul", [at("q"), at("new_key_t")], [at("new_scores_raw")]),
+        make.make_node("Mul", [at("new_scores_raw"), "scale"], [at("new_biased" if cross else "new_scores")]),
     ]
     if not cross:
         nodes += [
-            make.make_node("Shape", [signature.QUERY], ["new_length_1"], start=1, end=2),
-            make.make_node("Squeeze", ["new_length_1", "axis_0"], ["new_length"]),
-            make.make_node("Range", ["zero", "new_length", "one"], ["new_positions"]),
-            make.make_node("Unsqueeze", ["new_positions", "axis_0"], ["keys_row"]),
-            make.make_node("Unsqueeze", ["new_positions", "axis_1"], ["rows_column"]),
-            make.make_node("LessOrEqual", ["keys_row", "rows_column"], ["causal"]),
-            make.make_node("Where", ["causal", "no_bias", "masked_bias"], ["new_bias"]),
-            make.make_node("Add", ["new_scores", "new_bias"], ["new_biased"]),
+            make.make_node("Shape", [query], [at("new_length_1")], start=1, end=2),
+            make.make_node("Squeeze", [at("new_length_1"), "axis_0"], [at("new_length")]),
+            make.make_node("Range", ["zero", at("new_length"), "one"], [at("new_positions")]),
+            make.make_node("Unsqueeze", [at("new_positions"), "axis_0"], [at("keys_row")]),
+            make.make_node("Unsqueeze", [at("new_positions"), "axis_1"], [at("rows_column")]),
+            make.make_node("LessOrEqual", [at("keys_row"), at("rows_column")], [at("causal")]),
+            make.make_node("Where", [at("causal"), "no_bias", "masked_bias"], [at("new_bias")]),
+            make.make_node("Add", [at("new_scores"), at("new_bias")], [at("new_biased")]),
         ]
-    nodes += [
-        make.make_node("Concat", ["past_biased", "new_biased"], ["biased"], axis=-1),
-        make.make_node("Softmax", ["biased"], [signature.ATTN_WEIGHTS], axis=-1),
-        make.make_node("Slice", [signature.ATTN_WEIGHTS, "start", "capacity_1", "last_axis"], ["past_weights"]),
-        make.make_node("Slice", [signature.ATTN_WEIGHTS, "capacity_1", "to_the_end", "last_axis"], ["new_weights"]),
-        make.make_node("MatMul", ["past_weights", PAST_VALUE], ["past_context"]),
-        make.make_node("MatMul", ["new_weights", NEW_VALUE], ["new_context"]),
-        make.make_node("Add", ["past_context", "new_context"], ["context_heads"]),
+    weights = at(signature.ATTN_WEIGHTS)
+    return nodes + [
+        make.make_node("Concat", [at("past_biased"), at("new_biased")], [at("biased")], axis=-1),
+        make.make_node("Softmax", [at("biased")], [weights], axis=-1),
+        make.make_node("Slice", [weights, "start", at("capacity_1"), "last_axis"], [at("past_weights")]),
+        make.make_node("Slice", [weights, at("capacity_1"), "to_the_end", "last_axis"], [at("new_weights")]),
+        make.make_node("MatMul", [at("past_weights"), at(PAST_VALUE)], [at("past_context")]),
+        make.make_node("MatMul", [at("new_weights"), at(NEW_VALUE)], [at("new_context")]),
+        make.make_node("Add", [at("past_context"), at("new_context")], [at("context_heads")]),
+    ]
+
+
+def _output(module: MultiHeadAttention) -> tuple[list, list]:
+    """Initializers and nodes: OUTPUT [B, n, d] from ``context_heads`` [B, h, n, d_k]."""
+    initializers, nodes = _linear(module, "W_o", "context", signature.OUTPUT)
+    merged = [
         make.make_node("Transpose", ["context_heads"], ["context_split"], perm=[0, 2, 1, 3]),
         make.make_node("Reshape", ["context_split", "merged_shape"], ["context"]),
     ]
-    more, steps = _linear(module, "W_o", "context", signature.OUTPUT)
-    initializers += more
+    return initializers, merged + nodes
+
+
+def _past_inputs(at: Callable[[str], str], batch: str, capacity: str, heads: int, d_k: int) -> list:
+    return [
+        make.make_tensor_value_info(at(PAST_KEY), TensorProto.FLOAT, [batch, heads, capacity, d_k]),
+        make.make_tensor_value_info(at(PAST_VALUE), TensorProto.FLOAT, [batch, heads, capacity, d_k]),
+        make.make_tensor_value_info(at(PAST_LENGTHS), TensorProto.INT64, [batch]),
+    ]
+
+
+def step_graph(module: MultiHeadAttention, cross: bool = False) -> onnx.ModelProto:
+    """The self-attention step graph (above); with ``cross``, the cross-attention one: its new keys and values come
+    from inputs ``key``/``value`` [B, m, d] (m may be 0: a step of queries alone), and each query row attends to
+    every key of its own, past and new (no causal order between queries and keys)."""
+    module = module.eval()
+    d, heads, d_k = module.d_model, module.num_heads, module.d_k
+    sources = (signature.QUERY, signature.KEY, signature.VALUE) if cross else (signature.QUERY,) * 3
+    initializers, nodes = _projected(module, sources, heads, d_k)
+    nodes += _attended(lambda name: name, signature.QUERY, cross)
+    more, steps = _output(module)
+    initializers += _shared_constants(d, heads, d_k, cross) + more
     nodes += steps
     given = [signature.QUERY, signature.KEY, signature.VALUE] if cross else [signature.QUERY]
     new_keys = "new_keys" if cross else "new"
@@ -142,9 +177,7 @@ def step_graph(module: MultiHeadAttention, cross: bool = False) -> onnx.ModelPro
             )
             for name in given
         ),  # fmt: skip
-        make.make_tensor_value_info(PAST_KEY, TensorProto.FLOAT, ["batch", heads, "capacity", d_k]),
-        make.make_tensor_value_info(PAST_VALUE, TensorProto.FLOAT, ["batch", heads, "capacity", d_k]),
-        make.make_tensor_value_info(PAST_LENGTHS, TensorProto.INT64, ["batch"]),
+        *_past_inputs(lambda name: name, "batch", "capacity", heads, d_k),
     ]
     outputs = [
         make.make_tensor_value_info(signature.OUTPUT, TensorProto.FLOAT, ["batch", "new", d]),
@@ -156,11 +189,52 @@ def step_graph(module: MultiHeadAttention, cross: bool = False) -> onnx.ModelPro
     return make.make_model(graph, opset_imports=[make.make_opsetid("", OPSET)], ir_version=10)
 
 
+def grouped_step_graph(module: MultiHeadAttention, members: int = STEPS_GROUPED) -> onnx.ModelProto:
+    """Steps of ``members`` self-attention sequences in one run, each over its own buffers as they lie: inputs
+    ``query_i`` [B_i, n, d] (every member the same n), ``past_key_i``/``past_value_i`` [B_i, h, C_i, d_k] and
+    ``past_lengths_i`` [B_i] (contract/steps.py member); outputs ``output`` and ``new_key``/``new_value`` for the
+    members' rows in order, and ``attn_weights_i`` [B_i, h, n, C_i + n] each. The projections run once for every
+    member's rows (the weights read once a run), each member's attention on its own past: no past is copied. A
+    member of batch 0 takes no part (a run of fewer steps)."""
+    module = module.eval()
+    d, heads, d_k = module.d_model, module.num_heads, module.d_k
+    ats = [lambda name, i=i: member(name, i) for i in range(members)]
+    queries = [at(signature.QUERY) for at in ats]
+    nodes = [make.make_node("Concat", queries, ["queries"], axis=0)]
+    for at, query in zip(ats, queries, strict=True):
+        nodes.append(make.make_node("Shape", [query], [at("batch")], start=0, end=1))
+    nodes.append(make.make_node("Concat", [at("batch") for at in ats], ["batches"], axis=0))
+    initializers, projected = _projected(module, ("queries",) * 3, heads, d_k)
+    nodes += projected
+    for name in ("q", NEW_KEY, NEW_VALUE):
+        nodes.append(make.make_node("Split", [name, "batches"], [at(name) for at in ats], axis=0))
+    for at, query in zip(ats, queries, strict=True):
+        nodes += _attended(at, query, cross=False)
+    nodes.append(make.make_node("Concat", [at("context_heads") for at in ats], ["context_heads"], axis=0))
+    more, steps = _output(module)
+    initializers += _shared_constants(d, heads, d_k, cross=False) + more
+    nodes += steps
+    inputs, outputs = [], [make.make_tensor_value_info(signature.OUTPUT, TensorProto.FLOAT, ["rows", "new", d])]
+    for i, at in enumerate(ats):
+        batch = f"batch_{i}"
+        inputs.append(make.make_tensor_value_info(at(signature.QUERY), TensorProto.FLOAT, [batch, "new", d]))
+        inputs += _past_inputs(at, batch, f"capacity_{i}", heads, d_k)
+        outputs.append(make.make_tensor_value_info(at(signature.ATTN_WEIGHTS), TensorProto.FLOAT,
+                                                   [batch, heads, "new", f"all_{i}"]))  # fmt: skip
+    outputs += [make.make_tensor_value_info(name, TensorProto.FLOAT, ["rows", heads, "new", d_k])
+                for name in (NEW_KEY, NEW_VALUE)]  # fmt: skip
+    graph = make.make_graph(nodes, "mha_grouped_steps", inputs, outputs, initializers)
+    return make.make_model(graph, opset_imports=[make.make_opsetid("", OPSET)], ir_version=10)
+
+
 # (batch, sequence length) of the sequences a step graph is validated on, each cut into random steps of 1-8 rows.
 STEP_CASES = ((1, 23), (2, 40), (3, 64))
 MAX_STEP_ROWS = 8
 # Sequences (batch, length) stepped together in one batch, their pasts of different lengths side by side.
 BATCHED_CASE = ((1, 30), (2, 17), (1, 41))
+# Sequences (batch, length) stepped together by the grouped step graph, each over its own buffers; the graph's other
+# members empty.
+GROUPED_CASE = ((1, 30), (2, 17), (1, 41), (1, 9), (3, 12))
 # Cross-attention sequences (batch, query rows, keys): the keys given in chunks of 1-16 with some of the steps (the
 # first step's among them), the queries in random steps of 1-8 rows.
 CROSS_CASES = ((1, 19, 23), (2, 33, 40))
@@ -317,6 +391,49 @@ def _run_together(session, sequences: list[_Steps], given: list[dict]) -> tuple[
         sequence.grow(1, new_key[own], new_value[own], own_rows=False)
         first += batch
     return output, weights, keys.shape[2]
+
+
+def validate_grouped_steps(
+    module: MultiHeadAttention, graph: bytes | str, seed: int | None, report: Callable[[str], None]
+) -> list[dict]:
+    """The sequences of GROUPED_CASE in the grouped step graph: each started with a prompt in a run of its own (the
+    other members empty) that leaves it as many rows to go as the shortest, then stepped together one row a step,
+    each over its own buffers with room (contract/steps.py): every step's rows against eager PyTorch's causal
+    answer for that sequence alone."""
+    session = ort.InferenceSession(graph, providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(seed)
+    members = sum(i.name.startswith(member(signature.QUERY, "")) for i in session.get_inputs())
+    sequences, wants = [], []
+    for batch, length in GROUPED_CASE:
+        x = rng.standard_normal((batch, length, module.d_model), dtype=np.float32)
+        wants.append(_causal(module, x))
+        sequences.append(_Steps(x, module.num_heads, module.d_k))
+    shortest = min(length for _, length in GROUPED_CASE)
+    errors = _Errors()
+
+    def run(stepping: list[int], rows: int) -> None:
+        """One run: ``rows`` rows of each sequence numbered in ``stepping``, each checked, then grown."""
+        feed = grouped_feed([sequences[number].feed(rows) for number in stepping], members)
+        outputs = dict(zip((o.name for o in session.get_outputs()), session.run(None, feed), strict=True))
+        first = 0
+        for slot, number in enumerate(stepping):
+            sequence, (want_output, want_weights) = sequences[number], wants[number]
+            batch, position, capacity = sequence.x.shape[0], sequence.position, sequence.key.shape[2]
+            end, own = position + rows, slice(first, first + sequence.x.shape[0])
+            errors.add(outputs[signature.OUTPUT][own], want_output[:, position:end],
+                       own_weights(outputs[member(signature.ATTN_WEIGHTS, slot)], 0, batch, position, capacity),
+                       want_weights[:, :, position:end, :end])  # fmt: skip
+            sequence.grow(rows, outputs[NEW_KEY][own], outputs[NEW_VALUE][own], own_rows=False)
+            first += batch
+
+    for number, (_, length) in enumerate(GROUPED_CASE):
+        run([number], length - shortest + 1)
+    for _ in range(shortest - 1):
+        run(list(range(len(GROUPED_CASE))), 1)
+    shapes = ", ".join(f"B={b} L={n}" for b, n in GROUPED_CASE)
+    what = (f"grouped step graph: sequences {shapes} each after a prompt of its own, then stepped together in "
+            f"{shortest - 1} runs of {members} members, each over its own buffers")  # fmt: skip
+    return [errors.reported(report, what, {"grouped": [list(c) for c in GROUPED_CASE], "steps": shortest - 1})]
 
 
 def validate_cross_steps(

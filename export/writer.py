@@ -20,6 +20,7 @@ import mhaserve
 from mhaserve.contract.errors import UsageError
 from mhaserve.contract.model_dir import (
     CROSS_STEP_FILE,
+    GROUPED_STEP_FILE,
     MANIFEST_FORMAT,
     METADATA_PREFIX,
     MODEL_FILE,
@@ -31,6 +32,7 @@ from mhaserve.contract.model_dir import (
     read_manifest,
     write_manifest,
 )
+from mhaserve.contract.steps import STEPS_GROUPED
 from mhaserve.model import (
     MultiHeadAttention,
     declared_heads,
@@ -42,7 +44,7 @@ from mhaserve.model import (
 
 from .onnx_export import DEFAULT_OPSET, check_onnx, export_onnx, save_onnx
 from .output_only import output_only_graph
-from .step import step_graph, validate_cross_steps, validate_steps
+from .step import grouped_step_graph, step_graph, validate_cross_steps, validate_grouped_steps, validate_steps
 from .validate import (
     SCALE_TOLERANCES,
     TOLERANCES,
@@ -143,13 +145,15 @@ def export_model_dir(
     # The step graph serves sequences from float32 exports; a float16 or int8 folder has none (refused there).
     step = step_graph(module) if precision == "fp32" else None
     cross_step = step_graph(module, cross=True) if precision == "fp32" else None
-    step_results, cross_results = [], []
+    grouped_step = grouped_step_graph(module) if precision == "fp32" else None
+    step_results, cross_results, grouped_results = [], [], []
     if step is not None:
-        check_onnx(step)
-        check_onnx(cross_step)
+        for graph in (step, cross_step, grouped_step):
+            check_onnx(graph)
         step_results = validate_steps(module, step.SerializeToString(), validation_seed, report)
         cross_results = validate_cross_steps(module, cross_step.SerializeToString(), validation_seed, report)
-        passed = passed and all(r["status"] == "pass" for r in step_results + cross_results)
+        grouped_results = validate_grouped_steps(module, grouped_step.SerializeToString(), validation_seed, report)
+        passed = passed and all(r["status"] == "pass" for r in step_results + cross_results + grouped_results)
 
     manifest = {
         "format": MANIFEST_FORMAT,
@@ -209,6 +213,12 @@ def export_model_dir(
             "passed": all(r["status"] == "pass" for r in cross_results),
             "cases": cross_results,
         }
+        manifest["files"]["grouped_step"] = GROUPED_STEP_FILE
+        manifest["validation"]["grouped_step"] = {
+            "passed": all(r["status"] == "pass" for r in grouped_results),
+            "members": STEPS_GROUPED,
+            "cases": grouped_results,
+        }
     metadata = {
         "name": name,
         "d_model": module.d_model,
@@ -241,6 +251,8 @@ def export_model_dir(
             manifest["files"]["step_sha256"] = file_sha256(staging / STEP_FILE)
             save_onnx(cross_step, staging / CROSS_STEP_FILE)
             manifest["files"]["cross_step_sha256"] = file_sha256(staging / CROSS_STEP_FILE)
+            save_onnx(grouped_step, staging / GROUPED_STEP_FILE)
+            manifest["files"]["grouped_step_sha256"] = file_sha256(staging / GROUPED_STEP_FILE)
         (staging / VALIDATION_FILE).write_text("\n".join(rows) + "\n")
         write_manifest(staging, manifest)
         _replace_dir(staging, out_dir)
@@ -298,6 +310,9 @@ def revalidate_model_dir(
         holds = holds and all(r["status"] == "pass" for r in steps)
     if manifest.get("files", {}).get("cross_step") == CROSS_STEP_FILE:
         steps = validate_cross_steps(module, str(model_dir / CROSS_STEP_FILE), seed, report or report_to_stderr)
+        holds = holds and all(r["status"] == "pass" for r in steps)
+    if manifest.get("files", {}).get("grouped_step") == GROUPED_STEP_FILE:
+        steps = validate_grouped_steps(module, str(model_dir / GROUPED_STEP_FILE), seed, report or report_to_stderr)
         holds = holds and all(r["status"] == "pass" for r in steps)
     return holds
 

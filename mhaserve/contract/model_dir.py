@@ -17,6 +17,9 @@ OUTPUT_ONLY_FILE = "model_output_only.onnx"
 STEP_CACHE_IN_PLACE = "new rows written in place"
 STEP_FILE = "model_step.onnx"  # one step of a growing sequence, over the keys and values the server keeps
 CROSS_STEP_FILE = "model_cross_step.onnx"  # one step of a cross-attention sequence: queries over keys given to it
+# Steps of several self-attention sequences in one run, each over its own keys and values where they lie.
+GROUPED_STEP_FILE = "model_grouped_steps.onnx"
+STEP_FILES = {"step": STEP_FILE, "cross_step": CROSS_STEP_FILE, "grouped_step": GROUPED_STEP_FILE}  # manifest keys
 WEIGHTS_FILE = "weights.pt"
 MANIFEST_FILE = "manifest.json"
 MANIFEST_FORMAT = "mhaserve-model/1"
@@ -89,8 +92,8 @@ def check_model_file(model_dir: str | Path, manifest: dict, name: str = MODEL_FI
     return path
 
 
-_SHA256_KEYS = {MODEL_FILE: "model_sha256", OUTPUT_ONLY_FILE: "output_only_sha256", STEP_FILE: "step_sha256",
-                CROSS_STEP_FILE: "cross_step_sha256"}  # fmt: skip
+_SHA256_KEYS = {MODEL_FILE: "model_sha256", OUTPUT_ONLY_FILE: "output_only_sha256",
+                **{name: f"{key}_sha256" for key, name in STEP_FILES.items()}}  # fmt: skip
 
 
 def output_only_file(model_dir: str | Path, manifest: dict) -> Path | None:
@@ -100,11 +103,11 @@ def output_only_file(model_dir: str | Path, manifest: dict) -> Path | None:
     return check_model_file(model_dir, manifest, OUTPUT_ONLY_FILE)
 
 
-def step_file(model_dir: str | Path, manifest: dict, cross: bool = False) -> Path | None:
-    """The checked step graph (with ``cross``, the cross-attention one), or None for a folder exported without one
+def step_file(model_dir: str | Path, manifest: dict, kind: str = "step") -> Path | None:
+    """The checked step graph of ``kind`` (a key of STEP_FILES), or None for a folder exported without one
     (float16, int8, or an older export)."""
-    key, name = ("cross_step", CROSS_STEP_FILE) if cross else ("step", STEP_FILE)
-    if manifest.get("files", {}).get(key) != name:
+    name = STEP_FILES[kind]
+    if manifest.get("files", {}).get(kind) != name:
         return None
     return check_model_file(model_dir, manifest, name)
 
@@ -118,7 +121,8 @@ def why_not_current(model_dir: str | Path, wanted: Mapping[str, object] | None =
         check_model_file(model_dir, manifest)
         output_only = output_only_file(model_dir, manifest)
         step = step_file(model_dir, manifest)
-        cross_step = step_file(model_dir, manifest, cross=True)
+        cross_step = step_file(model_dir, manifest, "cross_step")
+        grouped_step = step_file(model_dir, manifest, "grouped_step")
     except ModelDirError as error:
         return str(error) if Path(model_dir).exists() else "there is none yet"
     if not manifest.get("valid"):
@@ -136,6 +140,8 @@ def why_not_current(model_dir: str | Path, wanted: Mapping[str, object] | None =
         return "an older export, whose step graph returns a sequence's whole cache at every step"
     if cross_step is None:
         return "an older export, without the step graph that serves cross-attention sequences"
+    if grouped_step is None:
+        return "an older export, without the step graph that runs steps of several sequences together"
     return None
 
 

@@ -10,9 +10,34 @@ import mmap
 
 import numpy as np
 
+from .signature import QUERY
+
 PAST_KEY, PAST_VALUE = "past_key", "past_value"  # the step graph's inputs: the buffers of the keys and values kept
 PAST_LENGTHS = "past_lengths"  # the step graph's input: how many of the past rows are each batch row's own
 NEW_KEY, NEW_VALUE = "new_key", "new_value"  # the step graph's outputs: the new rows' projected keys and values
+# Steps of this many sequences run as one call of the grouped step graph, each over its own buffers.
+STEPS_GROUPED = 8
+
+
+def member(name: str, i: int) -> str:
+    """The grouped step graph's input or output ``name`` of its i-th sequence (``query_0``, ``attn_weights_3``)."""
+    return f"{name}_{i}"
+
+
+def grouped_feed(feeds: list[dict[str, np.ndarray]], members: int) -> dict[str, np.ndarray]:
+    """One run of the grouped step graph: each step's inputs (QUERY, PAST_KEY, PAST_VALUE, PAST_LENGTHS, as the
+    step graph takes them; each the same number of query rows) as its member's, the members after them of batch 0,
+    which take no part."""
+    query, past = feeds[0][QUERY], feeds[0][PAST_KEY]
+    empty = {
+        QUERY: np.zeros((0, *query.shape[1:]), np.float32),
+        PAST_KEY: np.zeros((0, past.shape[1], 0, past.shape[3]), np.float32),
+        PAST_VALUE: np.zeros((0, past.shape[1], 0, past.shape[3]), np.float32),
+        PAST_LENGTHS: np.zeros(0, np.int64),
+    }
+    members_feeds = [feeds[i] if i < len(feeds) else empty for i in range(members)]
+    return {member(name, i): array for i, feed in enumerate(members_feeds) for name, array in feed.items()}
+
 
 # A buffer that fills is replaced by one with room for this many times the rows it must hold (at least MIN_ROOM):
 # its steps write their own rows plus, on average, eight times as many copied at a regrowth, at any position.

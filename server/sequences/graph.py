@@ -9,13 +9,15 @@ from dataclasses import dataclass
 import numpy as np
 import onnxruntime as ort
 
-from mhaserve.contract.signature import KEY, QUERY, VALUE
+from mhaserve.contract.signature import ATTN_WEIGHTS, KEY, OUTPUT, QUERY, VALUE
 from mhaserve.contract.steps import (
     NEW_KEY,
     NEW_VALUE,
     PAST_KEY,
     PAST_LENGTHS,
     PAST_VALUE,
+    grouped_feed,
+    member,
     own_weights,
     stacked_pasts,
     with_rows,
@@ -31,6 +33,12 @@ CUDA = "CUDAExecutionProvider"
 # "Sequences: a cache written in place").
 STACKED_STEP_PAST_BYTES = 512 << 10
 STACKED_STEPS_BYTES = 4 << 20
+# Past those bounds, steps run in the grouped step graph (each over its own buffers) where this many or more share
+# a run: fewer run one after another, its empty members costing more than a shared run saves. From projections of
+# GROUPED_PAIRS_FROM_BYTES (d_model 1,024 and wider), whose weights a run reads from memory, not the CPU's cache,
+# two steps already gain (BENCHMARKS.md, "Sequences: steps at any position in one run").
+MIN_GROUPED_STEPS = 4
+GROUPED_PAIRS_FROM_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -93,10 +101,20 @@ class StepGraph:
     ``value``), on the provider the version's full graph got. Thread-safe, as ONNX Runtime sessions are; a
     sequence's steps run one at a time, so its buffers are written by one at once."""
 
-    def __init__(self, session: ort.InferenceSession, d_model: int, num_heads: int):
+    def __init__(
+        self, session: ort.InferenceSession, d_model: int, num_heads: int, grouped: ort.InferenceSession | None = None
+    ):
         self._session = session
         self.d_model, self.num_heads = d_model, num_heads
         self.cross = KEY in {i.name for i in session.get_inputs()}
+        # Steps of several sequences over their own buffers, in one run (export/step.py grouped_step_graph); None:
+        # a folder exported without it.
+        self._grouped = grouped
+        inputs = [] if grouped is None else [i.name for i in grouped.get_inputs()]
+        self._members = sum(name.startswith(member(QUERY, "")) for name in inputs)
+        self._grouped_outputs = [] if grouped is None else [o.name for o in grouped.get_outputs()]
+        projections_bytes = 4 * d_model * d_model * np.dtype(np.float32).itemsize
+        self._min_grouped = 2 if projections_bytes >= GROUPED_PAIRS_FROM_BYTES else MIN_GROUPED_STEPS
         self._provider = session.get_providers()[0]
         # Where a sequence's cache lives: the GPU's memory when the step graph runs on CUDA.
         self._cache_device = "cuda" if self._provider == CUDA else "cpu"
@@ -134,15 +152,30 @@ class StepGraph:
     def run_steps(self, steps: list[Step]) -> tuple[list[tuple[np.ndarray, np.ndarray, StepCache | None]], int]:
         """Steps of several sequences, each of the same number of new rows (and keys), in one call: as one run,
         their pasts copied side by side (contract/steps.py) and each answer cut back to its own keys, while the
-        pasts are small and of comparable lengths; else one run after another, each over its own buffers, copying
-        nothing. Returns each step's output, weights and grown cache (None where its new rows overflowed), and how
-        many runs they took."""
+        pasts are small and of comparable lengths; else in runs of the grouped step graph, each step over its own
+        buffers where they lie, and where it has none (or too few steps are left to share a run), one run after
+        another, copying nothing. Returns each step's output, weights and grown cache (None where its new rows
+        overflowed), and how many runs they took."""
         pasts = [step.cache.length for step in steps]
         rows = sum(step.query.shape[0] for step in steps)
         longest_bytes = 2 * max(pasts) * self.d_model * np.dtype(np.float32).itemsize  # keys and values
         small = longest_bytes <= STACKED_STEP_PAST_BYTES and rows * longest_bytes <= STACKED_STEPS_BYTES
-        if len(steps) == 1 or not small or max(pasts) > 2 * max(min(pasts), 1):
-            return [self.run_step(step) for step in steps], len(steps)
+        if len(steps) == 1:
+            return [self.run_step(steps[0])], 1
+        if small and max(pasts) <= 2 * max(min(pasts), 1):
+            return self._run_stacked(steps), 1
+        answers, runs = [], 0
+        for first in range(0, len(steps), self._members or len(steps)):
+            part = steps[first : first + self._members] if self._members else steps
+            if len(part) < self._min_grouped or not self._members:
+                answers += [self.run_step(step) for step in part]
+                runs += len(part)
+            else:
+                answers += self._run_grouped(part)
+                runs += 1
+        return answers, runs
+
+    def _run_stacked(self, steps: list[Step]) -> list[tuple[np.ndarray, np.ndarray, StepCache | None]]:
         keys, lengths = stacked_pasts([(step.cache.key, step.cache.length) for step in steps])
         values, _ = stacked_pasts([(step.cache.value, step.cache.length) for step in steps])
         queries = np.concatenate([step.query for step in steps])
@@ -156,7 +189,27 @@ class StepGraph:
             own_answer = np.array(own_weights(weights, first, batch, cache.length, keys.shape[2]))
             answers.append((output[own], own_answer, cache.grown(new_key[own], new_value[own], own_rows=False)))
             first += batch
-        return answers, 1
+        return answers
+
+    def _run_grouped(self, steps: list[Step]) -> list[tuple[np.ndarray, np.ndarray, StepCache | None]]:
+        """Self-attention steps, at most the grouped graph's members, in one run of it, each over its own buffers."""
+        feeds = [
+            {QUERY: step.query, PAST_KEY: step.cache.key, PAST_VALUE: step.cache.value,
+             PAST_LENGTHS: np.full(step.query.shape[0], step.cache.length, np.int64)}
+            for step in steps
+        ]  # fmt: skip
+        outputs = dict(
+            zip(self._grouped_outputs, self._grouped.run(None, grouped_feed(feeds, self._members)), strict=True)
+        )
+        output, new_key, new_value = outputs[OUTPUT], outputs[NEW_KEY], outputs[NEW_VALUE]
+        answers, first = [], 0
+        for i, step in enumerate(steps):
+            batch, cache = step.query.shape[0], step.cache
+            own = slice(first, first + batch)
+            weights = own_weights(outputs[member(ATTN_WEIGHTS, i)], 0, batch, cache.length, cache.capacity)
+            answers.append((output[own], weights, cache.grown(new_key[own], new_value[own], own_rows=False)))
+            first += batch
+        return answers
 
     def run_step(self, step: Step) -> tuple[np.ndarray, np.ndarray, StepCache | None]:
         """One step of a sequence (export/step.py): its rows' output and attention weights, and the cache grown by

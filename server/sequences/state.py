@@ -71,10 +71,11 @@ class Sequences:
     def begin(self, step: SequenceParameters, served, batch: int, caller: str = "", cross: bool = False) -> Sequence:
         """The sequence this step belongs to: at ``sequence_start`` a new one (a cross-attention one where ``cross``),
         not yet live (``commit`` makes it live once its first step is answered), else ``caller``'s live one of that
-        id."""
-        self.drop_idle()
+        id. A step names its own sequence; only a start looks at every sequence (the idle ones' room is freed first),
+        so that a step costs the same however many sequences are live."""
         key = (caller, step.id)
         if step.start:
+            self.drop_idle()
             starting = len(self.live) + sum(self._starting_by.values())
             if key not in self.live and starting >= self.max_sequences:
                 raise RequestError(
@@ -92,6 +93,9 @@ class Sequences:
             cache = served.session.steps.empty_cache(batch)
             return Sequence(caller, step.id, served, batch, cache, started=False, cross=cross)
         sequence = self.live.get(key)
+        if sequence is not None and self._idle(sequence, time.monotonic()):
+            self._time_out(sequence)
+            sequence = None
         if sequence is None:
             why = self._gone.get(key, "never started (its first step needs sequence_start)")
             raise invalid(f"sequence {step.id!r} is not live: {why}")
@@ -170,13 +174,21 @@ class Sequences:
             self._drop(sequence, why)
 
     def drop_idle(self) -> None:
-        """Drop the sequences idle past the timeout, returning their memory."""
+        """Drop the sequences idle past the timeout, returning their memory (the data plane calls this every
+        second, or sooner where the timeout is shorter)."""
         now = time.monotonic()
-        for sequence in list(self.live.values()):
-            timeout, named = self._of_model(sequence, "sequence_idle_timeout_s")
-            if now - sequence.last_used > timeout and not sequence.lock.locked():
-                self.timed_out_total += 1
-                self._drop(sequence, f"dropped after {timeout:g} s idle ({named})")
+        for sequence in [s for s in self.live.values() if self._idle(s, now)]:
+            self._time_out(sequence)
+
+    def _idle(self, sequence: Sequence, now: float) -> bool:
+        """Idle past its model's timeout, and no step of it under way."""
+        idle_for = now - sequence.last_used
+        return idle_for > self._of_model(sequence, "sequence_idle_timeout_s")[0] and not sequence.lock.locked()
+
+    def _time_out(self, sequence: Sequence) -> None:
+        timeout, named = self._of_model(sequence, "sequence_idle_timeout_s")
+        self.timed_out_total += 1
+        self._drop(sequence, f"dropped after {timeout:g} s idle ({named})")
 
     def drop_all(self, why: str) -> None:
         for sequence in list(self.live.values()):

@@ -52,12 +52,20 @@ def test_folder_holds_the_graphs_weights_manifest_and_validation_table(small_mod
         "manifest.json",
         "model.onnx",
         "model_cross_step.onnx",
+        "model_grouped_steps.onnx",
         "model_output_only.onnx",
         "model_step.onnx",
         "validation.txt",
         "weights.pt",
     ]
-    for name in ("model.onnx", "model_output_only.onnx", "model_step.onnx", "model_cross_step.onnx"):
+    graphs = (
+        "model.onnx",
+        "model_output_only.onnx",
+        "model_step.onnx",
+        "model_cross_step.onnx",
+        "model_grouped_steps.onnx",
+    )
+    for name in graphs:
         model = onnx.load(str(small_model_dir / name), load_external_data=False)
         assert all(t.data_location != onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
 

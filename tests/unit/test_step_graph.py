@@ -1,7 +1,8 @@
 """The step graph: a sequence fed in random steps of 1-8 rows, from an empty cache, answers each step's rows as
 eager PyTorch's causal answer for the whole sequence does, alone and stepped together with sequences of other
 lengths (their pasts side by side), its keys and values kept as the server keeps them (buffers with room, each step's
-new rows written in place); an export records its validation in the manifest."""
+new rows written in place); the grouped step graph steps several sequences in one run, each over its own buffers,
+each as eager answers it alone; an export records its validation in the manifest."""
 
 from __future__ import annotations
 
@@ -10,7 +11,16 @@ import json
 import pytest
 
 from mhaserve.contract.model_dir import STEP_CACHE_IN_PLACE
-from mhaserve.export.step import BATCHED_CASE, STEP_CASES, step_graph, validate_steps
+from mhaserve.contract.steps import STEPS_GROUPED
+from mhaserve.export.step import (
+    BATCHED_CASE,
+    GROUPED_CASE,
+    STEP_CASES,
+    grouped_step_graph,
+    step_graph,
+    validate_grouped_steps,
+    validate_steps,
+)
 from mhaserve.model import seeded_module
 
 
@@ -59,3 +69,40 @@ def test_validate_checks_the_step_graph_of_a_folder_again(small_model_dir, tmp_p
     rows = []
     assert not revalidate_model_dir(folder, seed=5, report=rows.append)
     assert any(row.startswith("step graph:") and row.endswith("FAIL") for row in rows)
+
+
+@pytest.mark.parametrize("d_model,heads", [(512, 8), (768, 12)])
+def test_the_grouped_graph_steps_each_sequence_as_eager_answers_it_alone(d_model, heads):
+    module = seeded_module(d_model, heads, seed=4)
+    graph = grouped_step_graph(module).SerializeToString()
+    [result] = validate_grouped_steps(module, graph, seed=12, report=lambda _: None)
+    assert result["status"] == "pass" and result["grouped"] == [list(case) for case in GROUPED_CASE]
+    assert result["steps"] == min(length for _, length in GROUPED_CASE) - 1
+    assert result["output_max_abs"] < 1e-5 and result["weights_max_abs"] < 1e-5
+
+
+def test_a_grouped_graph_of_other_weights_fails_its_validation():
+    module, other = seeded_module(64, 4, seed=1), seeded_module(64, 4, seed=2)
+    rows = []
+    [result] = validate_grouped_steps(module, grouped_step_graph(other).SerializeToString(), seed=0, report=rows.append)
+    assert result["status"] == "FAIL" and rows[-1].endswith("FAIL")
+
+
+def test_the_export_writes_records_and_validates_again_the_grouped_graph(small_model_dir, tmp_path):
+    import shutil
+
+    import onnx
+
+    from mhaserve.export.writer import revalidate_model_dir
+
+    manifest = json.loads((small_model_dir / "manifest.json").read_text())
+    assert manifest["files"]["grouped_step"] == "model_grouped_steps.onnx"
+    assert manifest["validation"]["grouped_step"]["passed"]
+    assert manifest["validation"]["grouped_step"]["members"] == STEPS_GROUPED
+    assert "grouped step graph:" in (small_model_dir / "validation.txt").read_text()
+    folder = tmp_path / "copy"
+    shutil.copytree(small_model_dir, folder)
+    onnx.save(grouped_step_graph(seeded_module(64, 4, seed=9)), str(folder / "model_grouped_steps.onnx"))
+    rows = []
+    assert not revalidate_model_dir(folder, seed=5, report=rows.append)
+    assert any(row.startswith("grouped step graph:") and row.endswith("FAIL") for row in rows)

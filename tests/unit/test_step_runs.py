@@ -1,6 +1,8 @@
 """Steps of several sequences in one call of the step graph (server/sequences.py StepRuns): those that gather while
 a call is in progress share the next one when they carry the same number of new rows; short pasts of comparable
-length run as one batch, others one after another; each answer and grown cache equals its step run alone."""
+length run as one batch, others in runs of the grouped step graph, each over its own buffers (one after another
+where too few are left to share a run, or the folder has no such graph); each answer and grown cache equals its
+step run alone."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import numpy as np
 import pytest
 
 from mhaserve.server.sequences import StepRuns
-from mhaserve.server.sequences.graph import STACKED_STEP_PAST_BYTES, Step, StepCache
+from mhaserve.server.sequences.graph import MIN_GROUPED_STEPS, STACKED_STEP_PAST_BYTES, Step, StepCache, StepGraph
 from mhaserve.server.session import AttentionSession
 from tests.support import SMALL_D_MODEL, SMALL_HEADS
 
@@ -74,15 +76,51 @@ def test_steps_of_other_new_rows_or_a_far_longer_past_or_past_the_rows_limit_run
     assert_equal_to_alone(session, steps, answers)
 
 
-def test_long_pasts_run_one_after_another_in_one_call(session):
-    heads, d_k, length = SMALL_HEADS, SMALL_D_MODEL // SMALL_HEADS, 1100
-    assert 2 * length * SMALL_D_MODEL * 4 > STACKED_STEP_PAST_BYTES  # each past too long to copy into a batch
+def long_pasts(count: int, length: int = 1100, room: int = 4) -> list[StepCache]:
+    """Caches too long to copy into a batch, of ``length`` rows and more, their buffers with ``room`` rows free."""
+    heads, d_k = SMALL_HEADS, SMALL_D_MODEL // SMALL_HEADS
+    assert 2 * length * SMALL_D_MODEL * 4 > STACKED_STEP_PAST_BYTES
     rng = np.random.default_rng(9)
-    pasts = [rng.standard_normal((2, 1, heads, length + i, d_k), dtype=np.float32) for i in range(4)]
-    steps = [(rows(1, 20 + i), StepCache.of(*past, length + i)) for i, past in enumerate(pasts)]
+    pasts = [rng.standard_normal((2, 1, heads, length + i + room, d_k), dtype=np.float32) for i in range(count)]
+    return [StepCache.of(*past, length + i) for i, past in enumerate(pasts)]
+
+
+def test_steps_over_long_pasts_share_a_run_of_the_grouped_graph_each_over_its_own_buffers(session):
+    caches = long_pasts(4)
+    steps = [(rows(1, 20 + i), cache) for i, cache in enumerate(caches)]
     answers, runs = run_at_once(session, steps)
-    assert runs == 4
+    assert runs == 1
     assert_equal_to_alone(session, steps, answers)
+    for cache, (_, _, after) in zip(caches, answers, strict=True):  # its new row written where its past lies
+        assert after.key is cache.key and after.value is cache.value
+
+
+def test_steps_at_far_apart_positions_share_one_run(session):
+    far_apart = [grown(session, 3, 30), long_pasts(1)[0], grown(session, 60, 31), grown(session, 700, 32)]
+    steps = [(rows(1, 30 + i), cache) for i, cache in enumerate(far_apart)]
+    answers, runs = run_at_once(session, steps)
+    assert runs == 1
+    assert_equal_to_alone(session, steps, answers)
+
+
+def test_more_steps_than_the_grouped_graph_holds_take_a_run_per_group_and_a_last_few_run_alone(session):
+    members = session.steps._members
+    steps = [(rows(1, 40 + i), cache) for i, cache in enumerate(long_pasts(members + MIN_GROUPED_STEPS - 1))]
+    answers, runs = run_at_once(session, steps, max_rows=64)
+    assert runs == 1 + MIN_GROUPED_STEPS - 1
+    assert_equal_to_alone(session, steps, answers)
+
+
+def test_a_folder_without_the_grouped_graph_runs_long_pasts_one_after_another(session):
+    steps_alone = StepGraph(session.steps._session, SMALL_D_MODEL, SMALL_HEADS)
+    steps = [Step(rows(1, 50 + i), cache) for i, cache in enumerate(long_pasts(4))]
+    answers, runs = steps_alone.run_steps(steps)
+    assert runs == 4
+    for step, (output, _, _) in zip(steps, answers, strict=True):
+        want = session.steps.run_step(
+            Step(step.query, StepCache.of(step.cache.key.copy(), step.cache.value.copy(), step.cache.length))
+        )
+        np.testing.assert_allclose(output, want[0], rtol=0, atol=1e-6)
 
 
 def test_a_step_writes_its_rows_into_the_buffers_it_read_and_leaves_the_rows_held_as_they_were(session):

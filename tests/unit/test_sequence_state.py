@@ -1,0 +1,63 @@
+"""The process's live sequences (server/sequences/state.py): a step looks at its own sequence only, refused once it
+has been idle past its timeout even before the periodic sweep drops it; a start frees the room of every idle one."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from mhaserve.server.errors import RequestError
+from mhaserve.server.memory import MemoryBudget
+from mhaserve.server.parameters import SequenceParameters
+from mhaserve.server.sequences.graph import StepCache
+from mhaserve.server.sequences.state import Sequences
+
+
+class Settings:
+    """A model's sequence settings, as model_config.ModelSettings gives them."""
+
+    def __init__(self, timeout_s: float):
+        self.sequence_idle_timeout_s, self.max_sequence_length = timeout_s, 64
+
+    def named(self, name: str) -> str:
+        return f"--{name.replace('_', '-')}"
+
+
+def served(timeout_s: float = 60.0):
+    empty = np.zeros((1, 2, 0, 4), np.float32)
+    steps = SimpleNamespace(empty_cache=lambda batch: StepCache.of(empty, empty.copy(), 0))
+    return SimpleNamespace(
+        settings=Settings(timeout_s),
+        session=SimpleNamespace(steps=steps),
+        signature=SimpleNamespace(name="mha"),
+        sequence_started=lambda: None,
+        sequence_ended=lambda: None,
+    )
+
+
+def live(sequences: Sequences, model, *ids):
+    for sequence_id in ids:
+        sequences.commit(sequences.begin(SequenceParameters(sequence_id, start=True, end=False), model, 1))
+
+
+def test_a_step_naming_a_sequence_idle_past_its_timeout_is_refused_before_the_sweep_drops_it():
+    sequences, model = Sequences(MemoryBudget(1 << 30), max_sequences=8), served(timeout_s=0.5)
+    live(sequences, model, "a", "b")
+    sequences.live[("", "a")].last_used -= 10  # idle for 10 s; no sweep has run
+    sequences.live[("", "b")].last_used -= 10
+    with pytest.raises(RequestError, match=r"'a' is not live: dropped after 0.5 s idle \(--sequence-idle-timeout-s\)"):
+        sequences.begin(SequenceParameters("a", start=False, end=False), model, 1)
+    assert sequences.timed_out_total == 1 and ("", "b") in sequences.live  # the other waits for the sweep
+    sequences.drop_idle()
+    assert not sequences.live and sequences.timed_out_total == 2
+
+
+def test_a_start_at_the_limit_takes_the_room_of_sequences_idle_past_their_timeout():
+    sequences, model = Sequences(MemoryBudget(1 << 30), max_sequences=2), served(timeout_s=0.5)
+    live(sequences, model, "a", "b")
+    sequences.live[("", "a")].last_used = time.monotonic() - 10
+    live(sequences, model, "c")
+    assert sorted(sequence_id for _, sequence_id in sequences.live) == ["b", "c"]
