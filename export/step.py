@@ -41,11 +41,11 @@ from mhaserve.contract.steps import (
     PAST_KEY,
     PAST_LENGTHS,
     PAST_VALUE,
-    STEPS_GROUPED,
     grouped_feed,
     member,
     own_weights,
     stacked_pasts,
+    steps_grouped,
     with_rows,
 )
 from mhaserve.model import MultiHeadAttention
@@ -189,15 +189,17 @@ def step_graph(module: MultiHeadAttention, cross: bool = False) -> onnx.ModelPro
     return make.make_model(graph, opset_imports=[make.make_opsetid("", OPSET)], ir_version=10)
 
 
-def grouped_step_graph(module: MultiHeadAttention, members: int = STEPS_GROUPED) -> onnx.ModelProto:
-    """Steps of ``members`` self-attention sequences in one run, each over its own buffers as they lie: inputs
-    ``query_i`` [B_i, n, d] (every member the same n), ``past_key_i``/``past_value_i`` [B_i, h, C_i, d_k] and
-    ``past_lengths_i`` [B_i] (contract/steps.py member); outputs ``output`` and ``new_key``/``new_value`` for the
-    members' rows in order, and ``attn_weights_i`` [B_i, h, n, C_i + n] each. The projections run once for every
-    member's rows (the weights read once a run), each member's attention on its own past: no past is copied. A
-    member of batch 0 takes no part (a run of fewer steps)."""
+def grouped_step_graph(module: MultiHeadAttention, members: int | None = None) -> onnx.ModelProto:
+    """Steps of ``members`` self-attention sequences in one run (by default steps_grouped of the module's width),
+    each over its own buffers as they lie: inputs ``query_i`` [B_i, n, d] (every member the same n),
+    ``past_key_i``/``past_value_i`` [B_i, h, C_i, d_k] and ``past_lengths_i`` [B_i] (contract/steps.py member);
+    outputs ``output`` and ``new_key``/``new_value`` for the members' rows in order, and ``attn_weights_i``
+    [B_i, h, n, C_i + n] each. The projections run once for every member's rows (the weights read once a run), each
+    member's attention on its own past: no past is copied. A member of batch 0 takes no part (a run of fewer
+    steps)."""
     module = module.eval()
     d, heads, d_k = module.d_model, module.num_heads, module.d_k
+    members = members or steps_grouped(d)
     ats = [lambda name, i=i: member(name, i) for i in range(members)]
     queries = [at(signature.QUERY) for at in ats]
     nodes = [make.make_node("Concat", queries, ["queries"], axis=0)]

@@ -32,7 +32,7 @@ from mhaserve.contract.model_dir import (
     read_manifest,
     write_manifest,
 )
-from mhaserve.contract.steps import STEPS_GROUPED
+from mhaserve.contract.steps import steps_grouped
 from mhaserve.model import (
     MultiHeadAttention,
     declared_heads,
@@ -216,7 +216,7 @@ def export_model_dir(
         manifest["files"]["grouped_step"] = GROUPED_STEP_FILE
         manifest["validation"]["grouped_step"] = {
             "passed": all(r["status"] == "pass" for r in grouped_results),
-            "members": STEPS_GROUPED,
+            "members": steps_grouped(module.d_model),
             "cases": grouped_results,
         }
     metadata = {

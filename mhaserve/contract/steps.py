@@ -15,8 +15,22 @@ from .signature import QUERY
 PAST_KEY, PAST_VALUE = "past_key", "past_value"  # the step graph's inputs: the buffers of the keys and values kept
 PAST_LENGTHS = "past_lengths"  # the step graph's input: how many of the past rows are each batch row's own
 NEW_KEY, NEW_VALUE = "new_key", "new_value"  # the step graph's outputs: the new rows' projected keys and values
-# Steps of this many sequences run as one call of the grouped step graph, each over its own buffers.
-STEPS_GROUPED = 8
+# The grouped step graph's members: steps of this many sequences run as one call, each over its own buffers; 32 for a
+# model whose projections' weights a run reads from memory rather than the CPU's cache (BENCHMARKS.md, "Sequences:
+# steps at any position in one run").
+STEPS_GROUPED, STEPS_GROUPED_WIDE = 8, 32
+WIDE_PROJECTIONS_BYTES = 16 << 20  # d_model 1,024 and wider
+
+
+def weights_from_memory(d_model: int) -> bool:
+    """Whether a run of the model reads its four projections' weights from memory, not the CPU's cache: its steps
+    gain from sharing a run, two already."""
+    return 4 * d_model * d_model * np.dtype(np.float32).itemsize >= WIDE_PROJECTIONS_BYTES
+
+
+def steps_grouped(d_model: int) -> int:
+    """How many members the grouped step graph of a model this wide has."""
+    return STEPS_GROUPED_WIDE if weights_from_memory(d_model) else STEPS_GROUPED
 
 
 def member(name: str, i: int) -> str:

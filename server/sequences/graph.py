@@ -20,6 +20,7 @@ from mhaserve.contract.steps import (
     member,
     own_weights,
     stacked_pasts,
+    weights_from_memory,
     with_rows,
 )
 
@@ -34,11 +35,10 @@ CUDA = "CUDAExecutionProvider"
 STACKED_STEP_PAST_BYTES = 512 << 10
 STACKED_STEPS_BYTES = 4 << 20
 # Past those bounds, steps run in the grouped step graph (each over its own buffers) where this many or more share
-# a run: fewer run one after another, its empty members costing more than a shared run saves. From projections of
-# GROUPED_PAIRS_FROM_BYTES (d_model 1,024 and wider), whose weights a run reads from memory, not the CPU's cache,
-# two steps already gain (BENCHMARKS.md, "Sequences: steps at any position in one run").
+# a run: fewer run one after another, its empty members costing more than a shared run saves; two already gain
+# where a run reads the weights from memory (contract/steps.py weights_from_memory; BENCHMARKS.md, "Sequences:
+# steps at any position in one run").
 MIN_GROUPED_STEPS = 4
-GROUPED_PAIRS_FROM_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -113,8 +113,7 @@ class StepGraph:
         inputs = [] if grouped is None else [i.name for i in grouped.get_inputs()]
         self._members = sum(name.startswith(member(QUERY, "")) for name in inputs)
         self._grouped_outputs = [] if grouped is None else [o.name for o in grouped.get_outputs()]
-        projections_bytes = 4 * d_model * d_model * np.dtype(np.float32).itemsize
-        self._min_grouped = 2 if projections_bytes >= GROUPED_PAIRS_FROM_BYTES else MIN_GROUPED_STEPS
+        self._min_grouped = 2 if weights_from_memory(d_model) else MIN_GROUPED_STEPS
         self._provider = session.get_providers()[0]
         # Where a sequence's cache lives: the GPU's memory when the step graph runs on CUDA.
         self._cache_device = "cuda" if self._provider == CUDA else "cpu"
@@ -181,15 +180,12 @@ class StepGraph:
         queries = np.concatenate([step.query for step in steps])
         feed = {QUERY: queries, PAST_KEY: keys, PAST_VALUE: values, PAST_LENGTHS: lengths}
         output, weights, new_key, new_value = self._session.run(None, {**feed, **self._given(queries, steps)})
-        answers, first = [], 0
-        for step in steps:
-            batch, cache = step.query.shape[0], step.cache
-            own = slice(first, first + batch)
+
+        def weights_of(_, first: int, batch: int, cache: StepCache) -> np.ndarray:
             # A copy: the run's weights hold other sequences' rows, which this answer does not keep.
-            own_answer = np.array(own_weights(weights, first, batch, cache.length, keys.shape[2]))
-            answers.append((output[own], own_answer, cache.grown(new_key[own], new_value[own], own_rows=False)))
-            first += batch
-        return answers
+            return np.array(own_weights(weights, first, batch, cache.length, keys.shape[2]))
+
+        return _shared_run_answers(steps, output, weights_of, new_key, new_value)
 
     def _run_grouped(self, steps: list[Step]) -> list[tuple[np.ndarray, np.ndarray, StepCache | None]]:
         """Self-attention steps, at most the grouped graph's members, in one run of it, each over its own buffers."""
@@ -198,18 +194,13 @@ class StepGraph:
              PAST_LENGTHS: np.full(step.query.shape[0], step.cache.length, np.int64)}
             for step in steps
         ]  # fmt: skip
-        outputs = dict(
-            zip(self._grouped_outputs, self._grouped.run(None, grouped_feed(feeds, self._members)), strict=True)
-        )
-        output, new_key, new_value = outputs[OUTPUT], outputs[NEW_KEY], outputs[NEW_VALUE]
-        answers, first = [], 0
-        for i, step in enumerate(steps):
-            batch, cache = step.query.shape[0], step.cache
-            own = slice(first, first + batch)
-            weights = own_weights(outputs[member(ATTN_WEIGHTS, i)], 0, batch, cache.length, cache.capacity)
-            answers.append((output[own], weights, cache.grown(new_key[own], new_value[own], own_rows=False)))
-            first += batch
-        return answers
+        ran = self._grouped.run(None, grouped_feed(feeds, self._members))
+        outputs = dict(zip(self._grouped_outputs, ran, strict=True))
+
+        def weights_of(i: int, _, batch: int, cache: StepCache) -> np.ndarray:
+            return own_weights(outputs[member(ATTN_WEIGHTS, i)], 0, batch, cache.length, cache.capacity)
+
+        return _shared_run_answers(steps, outputs[OUTPUT], weights_of, outputs[NEW_KEY], outputs[NEW_VALUE])
 
     def run_step(self, step: Step) -> tuple[np.ndarray, np.ndarray, StepCache | None]:
         """One step of a sequence (export/step.py): its rows' output and attention weights, and the cache grown by
@@ -245,3 +236,16 @@ class StepGraph:
         key = kernels.appended(cache.key, new_key, self._provider, device)
         value = kernels.appended(cache.value, new_value, self._provider, device)
         return output, weights.numpy(), StepCache.of(key, value, cache.length + new_key.shape()[2])
+
+
+def _shared_run_answers(steps: list[Step], output, weights_of, new_key, new_value) -> list:
+    """Each step's output, weights (``weights_of(i, first row, batch, cache)``) and grown cache from a run that
+    several steps shared, their rows one after another in ``output``, ``new_key`` and ``new_value``."""
+    answers, first = [], 0
+    for i, step in enumerate(steps):
+        batch, cache = step.query.shape[0], step.cache
+        own = slice(first, first + batch)
+        grown = cache.grown(new_key[own], new_value[own], own_rows=False)
+        answers.append((output[own], weights_of(i, first, batch, cache), grown))
+        first += batch
+    return answers

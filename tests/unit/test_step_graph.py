@@ -11,7 +11,7 @@ import json
 import pytest
 
 from mhaserve.contract.model_dir import STEP_CACHE_IN_PLACE
-from mhaserve.contract.steps import STEPS_GROUPED
+from mhaserve.contract.steps import STEPS_GROUPED, STEPS_GROUPED_WIDE, steps_grouped
 from mhaserve.export.step import (
     BATCHED_CASE,
     GROUPED_CASE,
@@ -98,7 +98,7 @@ def test_the_export_writes_records_and_validates_again_the_grouped_graph(small_m
     manifest = json.loads((small_model_dir / "manifest.json").read_text())
     assert manifest["files"]["grouped_step"] == "model_grouped_steps.onnx"
     assert manifest["validation"]["grouped_step"]["passed"]
-    assert manifest["validation"]["grouped_step"]["members"] == STEPS_GROUPED
+    assert manifest["validation"]["grouped_step"]["members"] == STEPS_GROUPED  # a narrow model: eight
     assert "grouped step graph:" in (small_model_dir / "validation.txt").read_text()
     folder = tmp_path / "copy"
     shutil.copytree(small_model_dir, folder)
@@ -106,3 +106,8 @@ def test_the_export_writes_records_and_validates_again_the_grouped_graph(small_m
     rows = []
     assert not revalidate_model_dir(folder, seed=5, report=rows.append)
     assert any(row.startswith("grouped step graph:") and row.endswith("FAIL") for row in rows)
+
+
+def test_wide_models_group_more_steps_a_run():
+    assert steps_grouped(512) == steps_grouped(768) == STEPS_GROUPED
+    assert steps_grouped(1024) == steps_grouped(4096) == STEPS_GROUPED_WIDE
