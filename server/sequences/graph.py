@@ -84,12 +84,14 @@ class StepCache:
 @dataclass(frozen=True)
 class Step:
     """One step of a sequence: its query rows [B, n, d] and the cache it runs over; for a cross-attention sequence,
-    the key and value rows [B, m, d] it adds (None: none)."""
+    the key and value rows [B, m, d] it adds (None: none). ``weights``: whether its answer carries attention
+    weights (a step that asked for the output alone is answered no weights: None)."""
 
     query: np.ndarray
     cache: StepCache
     key: np.ndarray | None = None
     value: np.ndarray | None = None
+    weights: bool = True
 
     @property
     def new_keys(self) -> int:
@@ -182,7 +184,7 @@ class StepGraph:
         output, weights, new_key, new_value = self._session.run(None, {**feed, **self._given(queries, steps)})
 
         def weights_of(_, first: int, batch: int, cache: StepCache) -> np.ndarray:
-            # A copy: the run's weights hold other sequences' rows, which this answer does not keep.
+            # A copy: the run's weights hold other sequences' rows, which this answer does not keep
             return np.array(own_weights(weights, first, batch, cache.length, keys.shape[2]))
 
         return _shared_run_answers(steps, output, weights_of, new_key, new_value)
@@ -213,11 +215,8 @@ class StepGraph:
         if cache.on_host:
             feed = {QUERY: query, PAST_KEY: cache.key, PAST_VALUE: cache.value, PAST_LENGTHS: lengths, **given}
             output, weights, new_key, new_value = self._session.run(None, feed)
-            return (
-                output,
-                own_weights(weights, 0, query.shape[0], cache.length, cache.capacity),
-                cache.grown(new_key, new_value, own_rows=True),
-            )
+            own = own_weights(weights, 0, query.shape[0], cache.length, cache.capacity) if step.weights else None
+            return output, own, cache.grown(new_key, new_value, own_rows=True)
         device = cache.device
         binding = self._session.io_binding()
         for name, array in {QUERY: query, PAST_LENGTHS: lengths, **given}.items():
@@ -225,27 +224,30 @@ class StepGraph:
         binding.bind_ortvalue_input(PAST_KEY, cache.key)
         binding.bind_ortvalue_input(PAST_VALUE, cache.value)
         binding.bind_output("output")
-        binding.bind_output("attn_weights")
+        # Weights not asked for stay on the device (and are never copied back).
+        binding.bind_output(ATTN_WEIGHTS, *(() if step.weights else (device, 0)))
         binding.bind_output(NEW_KEY, device, 0)
         binding.bind_output(NEW_VALUE, device, 0)
         self._session.run_with_iobinding(binding)
         output, weights, new_key, new_value = binding.get_outputs()
         output = output.numpy()
+        weights = weights.numpy() if step.weights else None  # brought back from the device only where asked
         if count_non_finite(output):  # its new rows may have overflowed: not appended (the answer is refused)
-            return output, weights.numpy(), None
+            return output, weights, None
         key = kernels.appended(cache.key, new_key, self._provider, device)
         value = kernels.appended(cache.value, new_value, self._provider, device)
-        return output, weights.numpy(), StepCache.of(key, value, cache.length + new_key.shape()[2])
+        return output, weights, StepCache.of(key, value, cache.length + new_key.shape()[2])
 
 
 def _shared_run_answers(steps: list[Step], output, weights_of, new_key, new_value) -> list:
-    """Each step's output, weights (``weights_of(i, first row, batch, cache)``) and grown cache from a run that
-    several steps shared, their rows one after another in ``output``, ``new_key`` and ``new_value``."""
+    """Each step's output, weights (``weights_of(i, first row, batch, cache)``, where it asked for them) and
+    grown cache from a run that several steps shared, their rows one after another in ``output``, ``new_key``
+    and ``new_value``."""
     answers, first = [], 0
     for i, step in enumerate(steps):
         batch, cache = step.query.shape[0], step.cache
         own = slice(first, first + batch)
         grown = cache.grown(new_key[own], new_value[own], own_rows=False)
-        answers.append((output[own], weights_of(i, first, batch, cache), grown))
+        answers.append((output[own], weights_of(i, first, batch, cache) if step.weights else None, grown))
         first += batch
     return answers

@@ -73,10 +73,12 @@ class SequenceRuntime:
         call.admit(attention)
         started = time.perf_counter_ns()
         runs = self.cross_runs if sequence.cross else self.runs
-        output, weights, cache = await runs.run(Step(attention.query, sequence.cache, *(given or ())))
+        asked = attention.outputs
+        weighted = any(name != OUTPUT for name in asked)
+        step = Step(attention.query, sequence.cache, *(given or (None, None)), weights=weighted)
+        output, weights, cache = await runs.run(step)
         infer_ns = time.perf_counter_ns() - started
         call.ran(attention.batch_size, started, queue_ns=0, infer_ns=infer_ns)
-        asked = attention.outputs
         answer, error = answer_from_run(
             asked, attention.shaping, output if OUTPUT in asked else None, weights, self.computed_in
         )

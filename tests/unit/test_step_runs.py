@@ -164,3 +164,17 @@ def test_a_cache_kept_in_ortvalues_is_appended_where_it_lives_and_answers_as_on_
     np.testing.assert_allclose(weights, want_weights, rtol=0, atol=1e-7)
     assert after.length == after.capacity == 8
     np.testing.assert_allclose(after.key.numpy(), want.key[:, :, :8], rtol=0, atol=1e-6)
+
+
+def test_steps_that_ask_for_the_output_alone_are_answered_no_weights_alone_stacked_or_grouped(session):
+    short = [(rows(1, 60 + i), grown(session, 12 + i, 60 + i)) for i in range(4)]  # pasts copied side by side
+    long = [(rows(1, 70 + i), cache) for i, cache in enumerate(long_pasts(4))]  # the grouped graph
+    for steps in (short[:1], short, long):
+        runs = [Step(query, StepCache.of(c.key.copy(), c.value.copy(), c.length), weights=False) for query, c in steps]
+        answers, _ = session.steps.run_steps(runs)
+        for step, (output, weights, after) in zip(runs, answers, strict=True):
+            assert weights is None and after.length == step.cache.length + 1
+            want = session.steps.run_step(
+                Step(step.query, StepCache.of(step.cache.key.copy(), step.cache.value.copy(), step.cache.length))
+            )
+            np.testing.assert_allclose(output, want[0], rtol=0, atol=1e-6)
