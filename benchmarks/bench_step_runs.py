@@ -5,14 +5,15 @@ model (512/8) or ``--model-dir``'s; each sequence's buffers with room, as betwee
 (10 with ``--model-dir``).
 
     flock /tmp/bench.lock .venv/bin/python benchmarks/bench_step_runs.py [--stack-up-to ROWS] [--few]
-        [--model-dir DIR --pasts 256 --sequences 32] [--members 8,16,32]
+        [--model-dir DIR --pasts 256 --sequences 32] [--members 8,16,32] [--cross]
 
 ``--stack-up-to`` runs steps as one batch up to pasts of that many rows (the server's bound is 128 at 512/8), to
 see where copying the pasts side by side stops paying; ``--stack-up-to 0`` runs every group in the grouped graph.
 ``--few``: then two and three steps at pasts of 256 and 1,024 rows, in one run of the grouped graph (its other
 members empty) against a run each: where a group is too small to share a run. ``--members``: then 32 steps at
 pasts of 256 rows in runs of grouped graphs of those many members, built from the folder's weights (needs the
-export extra).
+export extra). ``--cross``: cross-attention sequences (the keys given with a first step), their steps queries
+alone (the first table only).
 
 Not a test: BENCHMARKS.md records the figures with this command.
 """
@@ -53,6 +54,7 @@ def main() -> None:
     parser.add_argument("--sequences", default="4,16,64", help="sequences stepping, comma-separated")
     parser.add_argument("--few", action="store_true", help="then 2 and 3 steps grouped against a run each")
     parser.add_argument("--members", help="then grouped graphs of these many members, comma-separated")
+    parser.add_argument("--cross", action="store_true", help="cross-attention sequences: pasts of keys given once")
     args = parser.parse_args()
     folder = Path(args.model_dir) if args.model_dir else ensure_default_model()
     session = AttentionSession(folder, "cpu")
@@ -63,22 +65,29 @@ def main() -> None:
         graph.STACKED_STEPS_BYTES = 1 << 40
     rng = np.random.default_rng(0)
 
+    steps_graph = session.cross_steps if args.cross else session.steps
+
     def grown(length: int) -> StepCache:
-        """A sequence's cache at ``length`` rows, its buffers with room (a prompt, then a one-row step)."""
+        """A sequence's cache at ``length`` rows, its buffers with room (a prompt, then a one-row step; or, with
+        --cross, keys given with a first step and a one-key step)."""
         prompt = rng.standard_normal((1, length, d), dtype=np.float32)
+        if args.cross:
+            first = Step(prompt[:, :1], session.cross_steps.empty_cache(1), prompt[:, :-1], prompt[:, :-1])
+            cache = session.cross_steps.run_step(first)[2]
+            return session.cross_steps.run_step(Step(prompt[:, :1], cache, prompt[:, -1:], prompt[:, -1:]))[2]
         cache = session.steps.run_step(Step(prompt[:, :-1], session.steps.empty_cache(1)))[2]
         return session.steps.run_step(Step(prompt[:, -1:], cache))[2]
 
     def steps_at(past: int, count: int) -> list[Step]:
         return [Step(rng.standard_normal((1, 1, d), dtype=np.float32), grown(past + i)) for i in range(count)]
 
-    print(f"{d}/{heads}, {folder}:")
+    print(f"{d}/{heads}, {folder}{', cross-attention' if args.cross else ''}:")
     for past in (int(p) for p in args.pasts.split(",")):
         for sequences in (int(s) for s in args.sequences.split(",")):
             steps = steps_at(past, sequences)
-            together = median_ms(lambda steps=steps: session.steps.run_steps(steps), calls)
-            alone = median_ms(lambda steps=steps: [session.steps.run_step(step) for step in steps], calls)
-            runs = session.steps.run_steps(steps)[1]
+            together = median_ms(lambda steps=steps: steps_graph.run_steps(steps), calls)
+            alone = median_ms(lambda steps=steps: [steps_graph.run_step(step) for step in steps], calls)
+            runs = steps_graph.run_steps(steps)[1]
             print(f"pasts ~{past:4d} rows, {sequences:2d} sequences: one call {together:7.3f} ms ({runs} runs), "
                   f"a call each {alone:7.3f} ms, ratio {together / alone:5.2f}")  # fmt: skip
     if args.few:

@@ -189,43 +189,49 @@ def step_graph(module: MultiHeadAttention, cross: bool = False) -> onnx.ModelPro
     return make.make_model(graph, opset_imports=[make.make_opsetid("", OPSET)], ir_version=10)
 
 
-def grouped_step_graph(module: MultiHeadAttention, members: int | None = None) -> onnx.ModelProto:
-    """Steps of ``members`` self-attention sequences in one run (by default steps_grouped of the module's width),
-    each over its own buffers as they lie: inputs ``query_i`` [B_i, n, d] (every member the same n),
-    ``past_key_i``/``past_value_i`` [B_i, h, C_i, d_k] and ``past_lengths_i`` [B_i] (contract/steps.py member);
-    outputs ``output`` and ``new_key``/``new_value`` for the members' rows in order, and ``attn_weights_i``
-    [B_i, h, n, C_i + n] each. The projections run once for every member's rows (the weights read once a run), each
-    member's attention on its own past: no past is copied. A member of batch 0 takes no part (a run of fewer
-    steps)."""
+def grouped_step_graph(module: MultiHeadAttention, members: int | None = None, cross: bool = False) -> onnx.ModelProto:
+    """Steps of ``members`` sequences in one run (by default steps_grouped of the module's width), each over its own
+    buffers as they lie: inputs ``query_i`` [B_i, n, d] (every member the same n), ``past_key_i``/``past_value_i``
+    [B_i, h, C_i, d_k] and ``past_lengths_i`` [B_i] (contract/steps.py member), and with ``cross`` ``key_i``/
+    ``value_i`` [B_i, m, d], the keys each step adds (every member the same m, which may be 0); outputs ``output``
+    and ``new_key``/``new_value`` for the members' rows in order, and ``attn_weights_i`` [B_i, h, n, C_i + n (or m)]
+    each. Each member's attention is the step graph's (self-attention, or with ``cross`` cross-attention). The
+    projections run once for every member's rows (the weights read once a run), each member's attention on its own
+    past: no past is copied. A member of batch 0 takes no part (a run of fewer steps)."""
     module = module.eval()
     d, heads, d_k = module.d_model, module.num_heads, module.d_k
     members = members or steps_grouped(d)
     ats = [lambda name, i=i: member(name, i) for i in range(members)]
-    queries = [at(signature.QUERY) for at in ats]
-    nodes = [make.make_node("Concat", queries, ["queries"], axis=0)]
-    for at, query in zip(ats, queries, strict=True):
-        nodes.append(make.make_node("Shape", [query], [at("batch")], start=0, end=1))
+    given = (signature.QUERY, signature.KEY, signature.VALUE) if cross else (signature.QUERY,)
+    nodes = [make.make_node("Concat", [at(name) for at in ats], [f"{name}_all"], axis=0) for name in given]
+    for at in ats:
+        nodes.append(make.make_node("Shape", [at(signature.QUERY)], [at("batch")], start=0, end=1))
     nodes.append(make.make_node("Concat", [at("batch") for at in ats], ["batches"], axis=0))
-    initializers, projected = _projected(module, ("queries",) * 3, heads, d_k)
+    sources = tuple(f"{name}_all" for name in given) if cross else (f"{signature.QUERY}_all",) * 3
+    initializers, projected = _projected(module, sources, heads, d_k)
     nodes += projected
     for name in ("q", NEW_KEY, NEW_VALUE):
         nodes.append(make.make_node("Split", [name, "batches"], [at(name) for at in ats], axis=0))
-    for at, query in zip(ats, queries, strict=True):
-        nodes += _attended(at, query, cross=False)
+    for at in ats:
+        nodes += _attended(at, at(signature.QUERY), cross)
     nodes.append(make.make_node("Concat", [at("context_heads") for at in ats], ["context_heads"], axis=0))
     more, steps = _output(module)
-    initializers += _shared_constants(d, heads, d_k, cross=False) + more
+    initializers += _shared_constants(d, heads, d_k, cross) + more
     nodes += steps
+    new_keys = "new_keys" if cross else "new"
     inputs, outputs = [], [make.make_tensor_value_info(signature.OUTPUT, TensorProto.FLOAT, ["rows", "new", d])]
     for i, at in enumerate(ats):
         batch = f"batch_{i}"
-        inputs.append(make.make_tensor_value_info(at(signature.QUERY), TensorProto.FLOAT, [batch, "new", d]))
+        for name in given:
+            rows = "new" if name == signature.QUERY else "new_keys"
+            inputs.append(make.make_tensor_value_info(at(name), TensorProto.FLOAT, [batch, rows, d]))
         inputs += _past_inputs(at, batch, f"capacity_{i}", heads, d_k)
         outputs.append(make.make_tensor_value_info(at(signature.ATTN_WEIGHTS), TensorProto.FLOAT,
                                                    [batch, heads, "new", f"all_{i}"]))  # fmt: skip
-    outputs += [make.make_tensor_value_info(name, TensorProto.FLOAT, ["rows", heads, "new", d_k])
+    outputs += [make.make_tensor_value_info(name, TensorProto.FLOAT, ["rows", heads, new_keys, d_k])
                 for name in (NEW_KEY, NEW_VALUE)]  # fmt: skip
-    graph = make.make_graph(nodes, "mha_grouped_steps", inputs, outputs, initializers)
+    name = "mha_grouped_cross_steps" if cross else "mha_grouped_steps"
+    graph = make.make_graph(nodes, name, inputs, outputs, initializers)
     return make.make_model(graph, opset_imports=[make.make_opsetid("", OPSET)], ir_version=10)
 
 
@@ -244,6 +250,8 @@ MAX_KEY_CHUNK = 16
 # Cross-attention sequences (batch, keys) stepped together, one query row a step, their keys given at the start.
 CROSS_BATCHED_CASE = ((1, 12), (2, 30), (1, 7))
 CROSS_BATCHED_STEPS = 6
+# Keys each cross-attention sequence adds at one of its steps in the grouped cross step graph's validation.
+GROUPED_CROSS_KEYS = 3
 
 
 class _Steps:
@@ -404,7 +412,6 @@ def validate_grouped_steps(
     answer for that sequence alone."""
     session = ort.InferenceSession(graph, providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(seed)
-    members = sum(i.name.startswith(member(signature.QUERY, "")) for i in session.get_inputs())
     sequences, wants = [], []
     for batch, length in GROUPED_CASE:
         x = rng.standard_normal((batch, length, module.d_model), dtype=np.float32)
@@ -415,18 +422,12 @@ def validate_grouped_steps(
 
     def run(stepping: list[int], rows: int) -> None:
         """One run: ``rows`` rows of each sequence numbered in ``stepping``, each checked, then grown."""
-        feed = grouped_feed([sequences[number].feed(rows) for number in stepping], members)
-        outputs = dict(zip((o.name for o in session.get_outputs()), session.run(None, feed), strict=True))
-        first = 0
-        for slot, number in enumerate(stepping):
-            sequence, (want_output, want_weights) = sequences[number], wants[number]
-            batch, position, capacity = sequence.x.shape[0], sequence.position, sequence.key.shape[2]
-            end, own = position + rows, slice(first, first + sequence.x.shape[0])
-            errors.add(outputs[signature.OUTPUT][own], want_output[:, position:end],
-                       own_weights(outputs[member(signature.ATTN_WEIGHTS, slot)], 0, batch, position, capacity),
-                       want_weights[:, :, position:end, :end])  # fmt: skip
-            sequence.grow(rows, outputs[NEW_KEY][own], outputs[NEW_VALUE][own], own_rows=False)
-            first += batch
+        at = [sequences[number].position for number in stepping]
+        answers = _run_grouped(session, [sequences[number] for number in stepping], rows)
+        for number, position, (output, weights) in zip(stepping, at, answers, strict=True):
+            want_output, want_weights = wants[number]
+            end = position + rows
+            errors.add(output, want_output[:, position:end], weights, want_weights[:, :, position:end, :end])
 
     for number, (_, length) in enumerate(GROUPED_CASE):
         run([number], length - shortest + 1)
@@ -434,8 +435,59 @@ def validate_grouped_steps(
         run(list(range(len(GROUPED_CASE))), 1)
     shapes = ", ".join(f"B={b} L={n}" for b, n in GROUPED_CASE)
     what = (f"grouped step graph: sequences {shapes} each after a prompt of its own, then stepped together in "
-            f"{shortest - 1} runs of {members} members, each over its own buffers")  # fmt: skip
+            f"{shortest - 1} runs, each over its own buffers")  # fmt: skip
     return [errors.reported(report, what, {"grouped": [list(c) for c in GROUPED_CASE], "steps": shortest - 1})]
+
+
+def validate_grouped_cross_steps(
+    module: MultiHeadAttention, graph: bytes | str, seed: int | None, report: Callable[[str], None]
+) -> list[dict]:
+    """The cross-attention sequences of CROSS_BATCHED_CASE in the grouped cross step graph: each given its keys with
+    its first step in a run of its own, then stepped together, one query row a step, adding GROUPED_CROSS_KEYS keys
+    each at one of the steps: every step's rows against eager PyTorch's answer over every key given so far."""
+    session = ort.InferenceSession(graph, providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(seed)
+    d, sequences, errors = module.d_model, [], _Errors()
+    for batch, kv_len in CROSS_BATCHED_CASE:
+        x = rng.standard_normal((batch, CROSS_BATCHED_STEPS + 1, d), dtype=np.float32)
+        keys, values = (rng.standard_normal((batch, kv_len + GROUPED_CROSS_KEYS, d), dtype=np.float32) for _ in "kv")
+        sequences.append(_Steps(x, module.num_heads, module.d_k, keys, values))
+
+    def run(stepping: list[_Steps], new_keys: int) -> None:
+        at = [(s.position, s.length + new_keys) for s in stepping]
+        answers = _run_grouped(session, stepping, 1, new_keys)
+        for sequence, (position, held), (output, weights) in zip(stepping, at, answers, strict=True):
+            want_output, want_weights = _eager(module, sequence.x[:, position : position + 1],
+                                               sequence.keys[:, :held], sequence.values[:, :held])  # fmt: skip
+            errors.add(output, want_output, weights, want_weights)
+
+    for sequence, (_, kv_len) in zip(sequences, CROSS_BATCHED_CASE, strict=True):
+        run([sequence], kv_len)  # its keys with its first step
+    for number in range(CROSS_BATCHED_STEPS):
+        run(sequences, GROUPED_CROSS_KEYS if number == CROSS_BATCHED_STEPS // 2 else 0)
+    shapes = ", ".join(f"B={b} Lk={n}" for b, n in CROSS_BATCHED_CASE)
+    what = (f"grouped cross step graph: sequences {shapes} stepped together in {CROSS_BATCHED_STEPS} runs, one adding "
+            f"{GROUPED_CROSS_KEYS} keys each")  # fmt: skip
+    case = {"grouped": [list(c) for c in CROSS_BATCHED_CASE], "steps": CROSS_BATCHED_STEPS}
+    return [errors.reported(report, what, case)]
+
+
+def _run_grouped(session, sequences: list[_Steps], rows: int, new_keys: int = 0) -> list[tuple]:
+    """One run of a grouped step graph: ``rows`` query rows (and ``new_keys`` keys) of each of ``sequences``, each
+    over its own buffers, then each grown; each one's output rows and its weights over its own keys."""
+    members = sum(i.name.startswith(member(signature.QUERY, "")) for i in session.get_inputs())
+    feeds = [sequence.feed(rows, new_keys) for sequence in sequences]
+    outputs = dict(zip((o.name for o in session.get_outputs()), session.run(None, grouped_feed(feeds, members)),
+                       strict=True))  # fmt: skip
+    answers, first = [], 0
+    for slot, sequence in enumerate(sequences):
+        batch, held, capacity = sequence.x.shape[0], sequence.length, sequence.key.shape[2]
+        own = slice(first, first + batch)
+        weights = own_weights(outputs[member(signature.ATTN_WEIGHTS, slot)], 0, batch, held, capacity)
+        answers.append((outputs[signature.OUTPUT][own], weights))
+        sequence.grow(rows, outputs[NEW_KEY][own], outputs[NEW_VALUE][own], own_rows=False)
+        first += batch
+    return answers
 
 
 def validate_cross_steps(

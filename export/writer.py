@@ -20,6 +20,7 @@ import mhaserve
 from mhaserve.contract.errors import UsageError
 from mhaserve.contract.model_dir import (
     CROSS_STEP_FILE,
+    GROUPED_CROSS_STEP_FILE,
     GROUPED_STEP_FILE,
     MANIFEST_FORMAT,
     METADATA_PREFIX,
@@ -44,7 +45,14 @@ from mhaserve.model import (
 
 from .onnx_export import DEFAULT_OPSET, check_onnx, export_onnx, save_onnx
 from .output_only import output_only_graph
-from .step import grouped_step_graph, step_graph, validate_cross_steps, validate_grouped_steps, validate_steps
+from .step import (
+    grouped_step_graph,
+    step_graph,
+    validate_cross_steps,
+    validate_grouped_cross_steps,
+    validate_grouped_steps,
+    validate_steps,
+)
 from .validate import (
     SCALE_TOLERANCES,
     TOLERANCES,
@@ -146,14 +154,19 @@ def export_model_dir(
     step = step_graph(module) if precision == "fp32" else None
     cross_step = step_graph(module, cross=True) if precision == "fp32" else None
     grouped_step = grouped_step_graph(module) if precision == "fp32" else None
-    step_results, cross_results, grouped_results = [], [], []
+    grouped_cross_step = grouped_step_graph(module, cross=True) if precision == "fp32" else None
+    step_results, cross_results, grouped_results, grouped_cross_results = [], [], [], []
     if step is not None:
-        for graph in (step, cross_step, grouped_step):
+        for graph in (step, cross_step, grouped_step, grouped_cross_step):
             check_onnx(graph)
         step_results = validate_steps(module, step.SerializeToString(), validation_seed, report)
         cross_results = validate_cross_steps(module, cross_step.SerializeToString(), validation_seed, report)
         grouped_results = validate_grouped_steps(module, grouped_step.SerializeToString(), validation_seed, report)
-        passed = passed and all(r["status"] == "pass" for r in step_results + cross_results + grouped_results)
+        grouped_cross_results = validate_grouped_cross_steps(
+            module, grouped_cross_step.SerializeToString(), validation_seed, report
+        )
+        every = step_results + cross_results + grouped_results + grouped_cross_results
+        passed = passed and all(r["status"] == "pass" for r in every)
 
     manifest = {
         "format": MANIFEST_FORMAT,
@@ -213,12 +226,15 @@ def export_model_dir(
             "passed": all(r["status"] == "pass" for r in cross_results),
             "cases": cross_results,
         }
-        manifest["files"]["grouped_step"] = GROUPED_STEP_FILE
-        manifest["validation"]["grouped_step"] = {
-            "passed": all(r["status"] == "pass" for r in grouped_results),
-            "members": steps_grouped(module.d_model),
-            "cases": grouped_results,
-        }
+        grouped = (("grouped_step", GROUPED_STEP_FILE, grouped_results),
+                   ("grouped_cross_step", GROUPED_CROSS_STEP_FILE, grouped_cross_results))  # fmt: skip
+        for kind, file_name, results in grouped:
+            manifest["files"][kind] = file_name
+            manifest["validation"][kind] = {
+                "passed": all(r["status"] == "pass" for r in results),
+                "members": steps_grouped(module.d_model),
+                "cases": results,
+            }
     metadata = {
         "name": name,
         "d_model": module.d_model,
@@ -253,6 +269,8 @@ def export_model_dir(
             manifest["files"]["cross_step_sha256"] = file_sha256(staging / CROSS_STEP_FILE)
             save_onnx(grouped_step, staging / GROUPED_STEP_FILE)
             manifest["files"]["grouped_step_sha256"] = file_sha256(staging / GROUPED_STEP_FILE)
+            save_onnx(grouped_cross_step, staging / GROUPED_CROSS_STEP_FILE)
+            manifest["files"]["grouped_cross_step_sha256"] = file_sha256(staging / GROUPED_CROSS_STEP_FILE)
         (staging / VALIDATION_FILE).write_text("\n".join(rows) + "\n")
         write_manifest(staging, manifest)
         _replace_dir(staging, out_dir)
@@ -313,6 +331,10 @@ def revalidate_model_dir(
         holds = holds and all(r["status"] == "pass" for r in steps)
     if manifest.get("files", {}).get("grouped_step") == GROUPED_STEP_FILE:
         steps = validate_grouped_steps(module, str(model_dir / GROUPED_STEP_FILE), seed, report or report_to_stderr)
+        holds = holds and all(r["status"] == "pass" for r in steps)
+    if manifest.get("files", {}).get("grouped_cross_step") == GROUPED_CROSS_STEP_FILE:
+        path = str(model_dir / GROUPED_CROSS_STEP_FILE)
+        steps = validate_grouped_cross_steps(module, path, seed, report or report_to_stderr)
         holds = holds and all(r["status"] == "pass" for r in steps)
     return holds
 

@@ -18,6 +18,7 @@ import onnxruntime as ort
 from mhaserve.contract.cpu import int8_support
 from mhaserve.contract.model_dir import (
     METADATA_PREFIX,
+    STEP_FILES,
     ModelDirError,
     check_model_file,
     output_only_file,
@@ -143,7 +144,7 @@ class AttentionSession:
         # that kind).
         step_sessions = [
             None if path is None else self._load(path, options, "cpu" if self.provider == CPU else device, cuda_tf32)
-            for path in (step_file(model_dir, manifest, kind) for kind in ("step", "cross_step", "grouped_step"))
+            for path in (step_file(model_dir, manifest, kind) for kind in STEP_FILES)
         ]
         # A run with this option gives ONNX Runtime's arenas back the chunks no run is using, at its end.
         self._shrink = ort.RunOptions()
@@ -181,7 +182,7 @@ class AttentionSession:
                 model_dir,
             )
         # Its sequences' steps (server/sequences), where the folder has a step graph: on the full graph's provider.
-        step_session, cross_session, grouped_session = step_sessions
+        step_session, cross_session, grouped_session, grouped_cross_session = step_sessions
         self.steps = self.cross_steps = None
         if step_session is not None and not StepGraph.writes_new_rows(step_session):
             log.warning(
@@ -192,7 +193,9 @@ class AttentionSession:
         elif step_session is not None:
             self.steps = StepGraph(step_session, self.info.d_model, self.info.num_heads, grouped_session)
             if cross_session is not None:
-                self.cross_steps = StepGraph(cross_session, self.info.d_model, self.info.num_heads)
+                self.cross_steps = StepGraph(
+                    cross_session, self.info.d_model, self.info.num_heads, grouped_cross_session
+                )
 
     @property
     def has_output_only_graph(self) -> bool:

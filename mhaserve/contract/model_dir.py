@@ -17,9 +17,11 @@ OUTPUT_ONLY_FILE = "model_output_only.onnx"
 STEP_CACHE_IN_PLACE = "new rows written in place"
 STEP_FILE = "model_step.onnx"  # one step of a growing sequence, over the keys and values the server keeps
 CROSS_STEP_FILE = "model_cross_step.onnx"  # one step of a cross-attention sequence: queries over keys given to it
-# Steps of several self-attention sequences in one run, each over its own keys and values where they lie.
+# Steps of several sequences in one run, each over its own keys and values where they lie (self-attention, cross).
 GROUPED_STEP_FILE = "model_grouped_steps.onnx"
-STEP_FILES = {"step": STEP_FILE, "cross_step": CROSS_STEP_FILE, "grouped_step": GROUPED_STEP_FILE}  # manifest keys
+GROUPED_CROSS_STEP_FILE = "model_grouped_cross_steps.onnx"
+STEP_FILES = {"step": STEP_FILE, "cross_step": CROSS_STEP_FILE, "grouped_step": GROUPED_STEP_FILE,
+              "grouped_cross_step": GROUPED_CROSS_STEP_FILE}  # manifest keys  # fmt: skip
 WEIGHTS_FILE = "weights.pt"
 MANIFEST_FILE = "manifest.json"
 MANIFEST_FORMAT = "mhaserve-model/1"
@@ -122,7 +124,7 @@ def why_not_current(model_dir: str | Path, wanted: Mapping[str, object] | None =
         output_only = output_only_file(model_dir, manifest)
         step = step_file(model_dir, manifest)
         cross_step = step_file(model_dir, manifest, "cross_step")
-        grouped_step = step_file(model_dir, manifest, "grouped_step")
+        grouped_steps = [step_file(model_dir, manifest, kind) for kind in ("grouped_step", "grouped_cross_step")]
     except ModelDirError as error:
         return str(error) if Path(model_dir).exists() else "there is none yet"
     if not manifest.get("valid"):
@@ -140,8 +142,8 @@ def why_not_current(model_dir: str | Path, wanted: Mapping[str, object] | None =
         return "an older export, whose step graph returns a sequence's whole cache at every step"
     if cross_step is None:
         return "an older export, without the step graph that serves cross-attention sequences"
-    if grouped_step is None:
-        return "an older export, without the step graph that runs steps of several sequences together"
+    if None in grouped_steps:
+        return "an older export, without the step graphs that run steps of several sequences together"
     return None
 
 

@@ -10,8 +10,6 @@ import mmap
 
 import numpy as np
 
-from .signature import QUERY
-
 PAST_KEY, PAST_VALUE = "past_key", "past_value"  # the step graph's inputs: the buffers of the keys and values kept
 PAST_LENGTHS = "past_lengths"  # the step graph's input: how many of the past rows are each batch row's own
 NEW_KEY, NEW_VALUE = "new_key", "new_value"  # the step graph's outputs: the new rows' projected keys and values
@@ -39,16 +37,10 @@ def member(name: str, i: int) -> str:
 
 
 def grouped_feed(feeds: list[dict[str, np.ndarray]], members: int) -> dict[str, np.ndarray]:
-    """One run of the grouped step graph: each step's inputs (QUERY, PAST_KEY, PAST_VALUE, PAST_LENGTHS, as the
-    step graph takes them; each the same number of query rows) as its member's, the members after them of batch 0,
-    which take no part."""
-    query, past = feeds[0][QUERY], feeds[0][PAST_KEY]
-    empty = {
-        QUERY: np.zeros((0, *query.shape[1:]), np.float32),
-        PAST_KEY: np.zeros((0, past.shape[1], 0, past.shape[3]), np.float32),
-        PAST_VALUE: np.zeros((0, past.shape[1], 0, past.shape[3]), np.float32),
-        PAST_LENGTHS: np.zeros(0, np.int64),
-    }
+    """One run of a grouped step graph: each step's inputs (as the step graph takes them; each the same number of
+    query rows, and of key rows for cross-attention) as its member's, the members after them of batch 0, which take
+    no part."""
+    empty = {name: np.zeros((0, *array.shape[1:]), array.dtype) for name, array in feeds[0].items()}
     members_feeds = [feeds[i] if i < len(feeds) else empty for i in range(members)]
     return {member(name, i): array for i, feed in enumerate(members_feeds) for name, array in feed.items()}
 

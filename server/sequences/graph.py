@@ -109,8 +109,8 @@ class StepGraph:
         self._session = session
         self.d_model, self.num_heads = d_model, num_heads
         self.cross = KEY in {i.name for i in session.get_inputs()}
-        # Steps of several sequences over their own buffers, in one run (export/step.py grouped_step_graph); None:
-        # a folder exported without it.
+        # Steps of several sequences over their own buffers, in one run (export/step.py grouped_step_graph, of the
+        # same kind); None: a folder exported without it.
         self._grouped = grouped
         inputs = [] if grouped is None else [i.name for i in grouped.get_inputs()]
         self._members = sum(name.startswith(member(QUERY, "")) for name in inputs)
@@ -190,10 +190,10 @@ class StepGraph:
         return _shared_run_answers(steps, output, weights_of, new_key, new_value)
 
     def _run_grouped(self, steps: list[Step]) -> list[tuple[np.ndarray, np.ndarray, StepCache | None]]:
-        """Self-attention steps, at most the grouped graph's members, in one run of it, each over its own buffers."""
+        """Steps, at most the grouped graph's members, in one run of it, each over its own buffers."""
         feeds = [
             {QUERY: step.query, PAST_KEY: step.cache.key, PAST_VALUE: step.cache.value,
-             PAST_LENGTHS: np.full(step.query.shape[0], step.cache.length, np.int64)}
+             PAST_LENGTHS: np.full(step.query.shape[0], step.cache.length, np.int64), **self._given(step.query, [step])}
             for step in steps
         ]  # fmt: skip
         ran = self._grouped.run(None, grouped_feed(feeds, self._members))

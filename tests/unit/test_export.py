@@ -52,6 +52,7 @@ def test_folder_holds_the_graphs_weights_manifest_and_validation_table(small_mod
         "manifest.json",
         "model.onnx",
         "model_cross_step.onnx",
+        "model_grouped_cross_steps.onnx",
         "model_grouped_steps.onnx",
         "model_output_only.onnx",
         "model_step.onnx",
@@ -63,6 +64,7 @@ def test_folder_holds_the_graphs_weights_manifest_and_validation_table(small_mod
         "model_output_only.onnx",
         "model_step.onnx",
         "model_cross_step.onnx",
+        "model_grouped_cross_steps.onnx",
         "model_grouped_steps.onnx",
     )
     for name in graphs:

@@ -18,6 +18,7 @@ from mhaserve.export.step import (
     STEP_CASES,
     grouped_step_graph,
     step_graph,
+    validate_grouped_cross_steps,
     validate_grouped_steps,
     validate_steps,
 )
@@ -81,10 +82,19 @@ def test_the_grouped_graph_steps_each_sequence_as_eager_answers_it_alone(d_model
     assert result["output_max_abs"] < 1e-5 and result["weights_max_abs"] < 1e-5
 
 
-def test_a_grouped_graph_of_other_weights_fails_its_validation():
+def test_the_grouped_cross_graph_steps_each_sequence_over_its_keys_as_eager_answers_it_alone():
+    module = seeded_module(512, 8, seed=4)
+    graph = grouped_step_graph(module, cross=True).SerializeToString()
+    [result] = validate_grouped_cross_steps(module, graph, seed=12, report=lambda _: None)
+    assert result["status"] == "pass" and result["output_max_abs"] < 1e-5 and result["weights_max_abs"] < 1e-5
+
+
+@pytest.mark.parametrize("cross", [False, True])
+def test_a_grouped_graph_of_other_weights_fails_its_validation(cross):
     module, other = seeded_module(64, 4, seed=1), seeded_module(64, 4, seed=2)
+    validate = validate_grouped_cross_steps if cross else validate_grouped_steps
     rows = []
-    [result] = validate_grouped_steps(module, grouped_step_graph(other).SerializeToString(), seed=0, report=rows.append)
+    [result] = validate(module, grouped_step_graph(other, cross=cross).SerializeToString(), seed=0, report=rows.append)
     assert result["status"] == "FAIL" and rows[-1].endswith("FAIL")
 
 
@@ -96,10 +106,14 @@ def test_the_export_writes_records_and_validates_again_the_grouped_graph(small_m
     from mhaserve.export.writer import revalidate_model_dir
 
     manifest = json.loads((small_model_dir / "manifest.json").read_text())
-    assert manifest["files"]["grouped_step"] == "model_grouped_steps.onnx"
-    assert manifest["validation"]["grouped_step"]["passed"]
-    assert manifest["validation"]["grouped_step"]["members"] == STEPS_GROUPED  # a narrow model: eight
+    for kind, name in (
+        ("grouped_step", "model_grouped_steps.onnx"),
+        ("grouped_cross_step", "model_grouped_cross_steps.onnx"),
+    ):
+        assert manifest["files"][kind] == name and manifest["validation"][kind]["passed"]
+        assert manifest["validation"][kind]["members"] == STEPS_GROUPED  # a narrow model: eight
     assert "grouped step graph:" in (small_model_dir / "validation.txt").read_text()
+    assert "grouped cross step graph:" in (small_model_dir / "validation.txt").read_text()
     folder = tmp_path / "copy"
     shutil.copytree(small_model_dir, folder)
     onnx.save(grouped_step_graph(seeded_module(64, 4, seed=9)), str(folder / "model_grouped_steps.onnx"))

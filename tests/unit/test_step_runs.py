@@ -178,3 +178,17 @@ def test_steps_that_ask_for_the_output_alone_are_answered_no_weights_alone_stack
                 Step(step.query, StepCache.of(step.cache.key.copy(), step.cache.value.copy(), step.cache.length))
             )
             np.testing.assert_allclose(output, want[0], rtol=0, atol=1e-6)
+
+
+def test_cross_attention_steps_over_long_keys_share_a_run_of_the_grouped_cross_graph(session):
+    cross = session.cross_steps
+    caches = long_pasts(4)  # keys given earlier, too many to copy side by side
+    steps = [Step(rows(1, 80 + i), cache) for i, cache in enumerate(caches)]
+    answers, runs = cross.run_steps(steps)
+    assert runs == 1
+    for step, (output, weights, after) in zip(steps, answers, strict=True):
+        alone = StepCache.of(step.cache.key.copy(), step.cache.value.copy(), step.cache.length)
+        want_output, want_weights, want = cross.run_step(Step(step.query, alone))
+        np.testing.assert_allclose(output, want_output, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(weights, want_weights, rtol=0, atol=1e-7)
+        assert after.length == want.length == step.cache.length  # a step of queries alone adds no keys
