@@ -191,12 +191,7 @@ class StepGraph:
 
     def _run_grouped(self, steps: list[Step]) -> list[tuple[np.ndarray, np.ndarray, StepCache | None]]:
         """Steps, at most the grouped graph's members, in one run of it, each over its own buffers."""
-        feeds = [
-            {QUERY: step.query, PAST_KEY: step.cache.key, PAST_VALUE: step.cache.value,
-             PAST_LENGTHS: np.full(step.query.shape[0], step.cache.length, np.int64), **self._given(step.query, [step])}
-            for step in steps
-        ]  # fmt: skip
-        ran = self._grouped.run(None, grouped_feed(feeds, self._members))
+        ran = self._grouped.run(None, grouped_feed([self._host_feed(step) for step in steps], self._members))
         outputs = dict(zip(self._grouped_outputs, ran, strict=True))
 
         def weights_of(i: int, _, batch: int, cache: StepCache) -> np.ndarray:
@@ -204,22 +199,26 @@ class StepGraph:
 
         return _shared_run_answers(steps, outputs[OUTPUT], weights_of, outputs[NEW_KEY], outputs[NEW_VALUE])
 
+    def _host_feed(self, step: Step) -> dict[str, np.ndarray]:
+        """A step's inputs to the step graph, its cache's buffers as they are, room and all."""
+        lengths = np.full(step.query.shape[0], step.cache.length, np.int64)
+        cache, given = step.cache, self._given(step.query, [step])
+        return {QUERY: step.query, PAST_KEY: cache.key, PAST_VALUE: cache.value, PAST_LENGTHS: lengths, **given}
+
     def run_step(self, step: Step) -> tuple[np.ndarray, np.ndarray, StepCache | None]:
         """One step of a sequence (export/step.py): its rows' output and attention weights, and the cache grown by
         its new keys and values (None where they overflowed). On the CPU the graph reads the cache's buffers as
         they are, room and all, and the new rows are written into them. On CUDA the cache stays in the GPU's
         memory (I/O binding): only the rows and the answer cross, and the new rows are appended there."""
         query, cache = step.query, step.cache
-        lengths = np.full(query.shape[0], cache.length, np.int64)
-        given = self._given(query, [step])
         if cache.on_host:
-            feed = {QUERY: query, PAST_KEY: cache.key, PAST_VALUE: cache.value, PAST_LENGTHS: lengths, **given}
-            output, weights, new_key, new_value = self._session.run(None, feed)
+            output, weights, new_key, new_value = self._session.run(None, self._host_feed(step))
             own = own_weights(weights, 0, query.shape[0], cache.length, cache.capacity) if step.weights else None
             return output, own, cache.grown(new_key, new_value, own_rows=True)
         device = cache.device
         binding = self._session.io_binding()
-        for name, array in {QUERY: query, PAST_LENGTHS: lengths, **given}.items():
+        lengths = np.full(query.shape[0], cache.length, np.int64)
+        for name, array in {QUERY: query, PAST_LENGTHS: lengths, **self._given(query, [step])}.items():
             binding.bind_cpu_input(name, array)
         binding.bind_ortvalue_input(PAST_KEY, cache.key)
         binding.bind_ortvalue_input(PAST_VALUE, cache.value)
