@@ -550,3 +550,22 @@ def _validate_cross_batched(module: MultiHeadAttention, session, rng, report: Ca
     what = f"cross step graph: sequences {shapes} stepped together in {CROSS_BATCHED_STEPS} batched steps"
     case = {"batched": [list(c) for c in CROSS_BATCHED_CASE], "steps": CROSS_BATCHED_STEPS}
     return errors.reported(report, what, case)
+
+
+def step_graphs(module: MultiHeadAttention) -> dict[str, onnx.ModelProto]:
+    """Every step graph a float32 export writes, by its manifest key (contract/model_dir.py STEP_FILES)."""
+    return {
+        "step": step_graph(module),
+        "cross_step": step_graph(module, cross=True),
+        "grouped_step": grouped_step_graph(module),
+        "grouped_cross_step": grouped_step_graph(module, cross=True),
+    }
+
+
+# How each step graph is validated, by its manifest key: (module, graph, seed, report) -> its cases' results.
+STEP_VALIDATIONS = {
+    "step": validate_steps,
+    "cross_step": validate_cross_steps,
+    "grouped_step": validate_grouped_steps,
+    "grouped_cross_step": validate_grouped_cross_steps,
+}

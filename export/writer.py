@@ -19,15 +19,12 @@ import torch
 import mhaserve
 from mhaserve.contract.errors import UsageError
 from mhaserve.contract.model_dir import (
-    CROSS_STEP_FILE,
-    GROUPED_CROSS_STEP_FILE,
-    GROUPED_STEP_FILE,
     MANIFEST_FORMAT,
     METADATA_PREFIX,
     MODEL_FILE,
     OUTPUT_ONLY_FILE,
     STEP_CACHE_IN_PLACE,
-    STEP_FILE,
+    STEP_FILES,
     WEIGHTS_FILE,
     file_sha256,
     read_manifest,
@@ -45,14 +42,7 @@ from mhaserve.model import (
 
 from .onnx_export import DEFAULT_OPSET, check_onnx, export_onnx, save_onnx
 from .output_only import output_only_graph
-from .step import (
-    grouped_step_graph,
-    step_graph,
-    validate_cross_steps,
-    validate_grouped_cross_steps,
-    validate_grouped_steps,
-    validate_steps,
-)
+from .step import STEP_VALIDATIONS, step_graphs
 from .validate import (
     SCALE_TOLERANCES,
     TOLERANCES,
@@ -150,23 +140,13 @@ def export_model_dir(
             reference, module, output_only.SerializeToString(), validation_seed, report
         )
         passed = passed and export_holds(output_only_results, output_only_scales)
-    # The step graph serves sequences from float32 exports; a float16 or int8 folder has none (refused there).
-    step = step_graph(module) if precision == "fp32" else None
-    cross_step = step_graph(module, cross=True) if precision == "fp32" else None
-    grouped_step = grouped_step_graph(module) if precision == "fp32" else None
-    grouped_cross_step = grouped_step_graph(module, cross=True) if precision == "fp32" else None
-    step_results, cross_results, grouped_results, grouped_cross_results = [], [], [], []
-    if step is not None:
-        for graph in (step, cross_step, grouped_step, grouped_cross_step):
-            check_onnx(graph)
-        step_results = validate_steps(module, step.SerializeToString(), validation_seed, report)
-        cross_results = validate_cross_steps(module, cross_step.SerializeToString(), validation_seed, report)
-        grouped_results = validate_grouped_steps(module, grouped_step.SerializeToString(), validation_seed, report)
-        grouped_cross_results = validate_grouped_cross_steps(
-            module, grouped_cross_step.SerializeToString(), validation_seed, report
-        )
-        every = step_results + cross_results + grouped_results + grouped_cross_results
-        passed = passed and all(r["status"] == "pass" for r in every)
+    # The step graphs serve sequences from float32 exports; a float16 or int8 folder has none (refused there).
+    steps = step_graphs(module) if precision == "fp32" else {}
+    step_results = {}
+    for kind, graph in steps.items():
+        check_onnx(graph)
+        step_results[kind] = STEP_VALIDATIONS[kind](module, graph.SerializeToString(), validation_seed, report)
+    passed = passed and all(r["status"] == "pass" for results in step_results.values() for r in results)
 
     manifest = {
         "format": MANIFEST_FORMAT,
@@ -214,27 +194,13 @@ def export_model_dir(
                 "scales": [r.as_dict() for r in output_only_scales],
             },
         }
-    if step is not None:
-        manifest["files"]["step"] = STEP_FILE
-        manifest["validation"]["step"] = {
-            "passed": all(r["status"] == "pass" for r in step_results),
-            "cache": STEP_CACHE_IN_PLACE,
-            "cases": step_results,
-        }
-        manifest["files"]["cross_step"] = CROSS_STEP_FILE
-        manifest["validation"]["cross_step"] = {
-            "passed": all(r["status"] == "pass" for r in cross_results),
-            "cases": cross_results,
-        }
-        grouped = (("grouped_step", GROUPED_STEP_FILE, grouped_results),
-                   ("grouped_cross_step", GROUPED_CROSS_STEP_FILE, grouped_cross_results))  # fmt: skip
-        for kind, file_name, results in grouped:
-            manifest["files"][kind] = file_name
-            manifest["validation"][kind] = {
-                "passed": all(r["status"] == "pass" for r in results),
-                "members": steps_grouped(module.d_model),
-                "cases": results,
-            }
+    for kind, results in step_results.items():
+        manifest["files"][kind] = STEP_FILES[kind]
+        manifest["validation"][kind] = {"passed": all(r["status"] == "pass" for r in results), "cases": results}
+    if steps:
+        manifest["validation"]["step"]["cache"] = STEP_CACHE_IN_PLACE
+        for kind in ("grouped_step", "grouped_cross_step"):
+            manifest["validation"][kind]["members"] = steps_grouped(module.d_model)
     metadata = {
         "name": name,
         "d_model": module.d_model,
@@ -246,7 +212,7 @@ def export_model_dir(
         "torch_version": torch.__version__,
         "mhaserve_version": mhaserve.__version__,
     }
-    for graph in (g for g in (onnx_model, output_only, step) if g is not None):
+    for graph in (g for g in (onnx_model, output_only, steps.get("step")) if g is not None):
         onnx.helper.set_model_props(graph, {METADATA_PREFIX + k: str(v) for k, v in metadata.items()})
         graph.producer_name = "mhaserve"
         graph.producer_version = mhaserve.__version__
@@ -262,15 +228,9 @@ def export_model_dir(
         if output_only is not None:
             save_onnx(output_only, staging / OUTPUT_ONLY_FILE)
             manifest["files"]["output_only_sha256"] = file_sha256(staging / OUTPUT_ONLY_FILE)
-        if step is not None:
-            save_onnx(step, staging / STEP_FILE)
-            manifest["files"]["step_sha256"] = file_sha256(staging / STEP_FILE)
-            save_onnx(cross_step, staging / CROSS_STEP_FILE)
-            manifest["files"]["cross_step_sha256"] = file_sha256(staging / CROSS_STEP_FILE)
-            save_onnx(grouped_step, staging / GROUPED_STEP_FILE)
-            manifest["files"]["grouped_step_sha256"] = file_sha256(staging / GROUPED_STEP_FILE)
-            save_onnx(grouped_cross_step, staging / GROUPED_CROSS_STEP_FILE)
-            manifest["files"]["grouped_cross_step_sha256"] = file_sha256(staging / GROUPED_CROSS_STEP_FILE)
+        for kind, graph in steps.items():
+            save_onnx(graph, staging / STEP_FILES[kind])
+            manifest["files"][f"{kind}_sha256"] = file_sha256(staging / STEP_FILES[kind])
         (staging / VALIDATION_FILE).write_text("\n".join(rows) + "\n")
         write_manifest(staging, manifest)
         _replace_dir(staging, out_dir)
@@ -323,19 +283,10 @@ def revalidate_model_dir(
         holds = holds and export_holds(
             *_validate_output_only(module, module, str(model_dir / OUTPUT_ONLY_FILE), seed, report)
         )
-    if manifest.get("files", {}).get("step") == STEP_FILE:
-        steps = validate_steps(module, str(model_dir / STEP_FILE), seed, report or report_to_stderr)
-        holds = holds and all(r["status"] == "pass" for r in steps)
-    if manifest.get("files", {}).get("cross_step") == CROSS_STEP_FILE:
-        steps = validate_cross_steps(module, str(model_dir / CROSS_STEP_FILE), seed, report or report_to_stderr)
-        holds = holds and all(r["status"] == "pass" for r in steps)
-    if manifest.get("files", {}).get("grouped_step") == GROUPED_STEP_FILE:
-        steps = validate_grouped_steps(module, str(model_dir / GROUPED_STEP_FILE), seed, report or report_to_stderr)
-        holds = holds and all(r["status"] == "pass" for r in steps)
-    if manifest.get("files", {}).get("grouped_cross_step") == GROUPED_CROSS_STEP_FILE:
-        path = str(model_dir / GROUPED_CROSS_STEP_FILE)
-        steps = validate_grouped_cross_steps(module, path, seed, report or report_to_stderr)
-        holds = holds and all(r["status"] == "pass" for r in steps)
+    for kind, validate_graph in STEP_VALIDATIONS.items():
+        if manifest.get("files", {}).get(kind) == STEP_FILES[kind]:
+            results = validate_graph(module, str(model_dir / STEP_FILES[kind]), seed, report or report_to_stderr)
+            holds = holds and all(r["status"] == "pass" for r in results)
     return holds
 
 
