@@ -14,15 +14,15 @@ Printed, each figure the median of ``--calls`` calls per round, rounds alternati
 - first, the server's RSS per live sequence of 256 rows against its keys' and values' bytes.
 
     flock /tmp/bench.lock .venv/bin/python benchmarks/bench_sequences.py --baseline REV [--rounds 3]
-        [--positions 32,256,1024] [--prompts-apart] [--d-model 4096 --heads 32]
+        [--positions 32,256,1024] [--prompts-apart] [--d-model 4096 --heads 32] [--cross]
 
 instead serves another revision's code (and its own export of the same default model) beside the working tree's,
 and prints each one's RSS per live sequence as above, then, per position (each sequence started again from that
 prompt every 64 steps, the prompts' cost included; with ``--prompts-apart``, all started again together between
 timed stretches of 64 steps each; ``--d-model``/``--heads``: a seeded model of that size, each revision exporting
-its own), the steps a second of 1 and 64 sequences stepping at once on
-each and, at the end, each server's stateless one-row requests a second from 64 callers, the rounds alternating
-the two servers.
+its own; ``--cross``: cross-attention sequences, each given as many keys at its start, its steps query rows), the
+steps a second of 1 and 64 sequences stepping at once on each and, at the end, each server's stateless one-row
+requests a second from 64 callers, the rounds alternating the two servers.
 Not a test: BENCHMARKS.md records the figures with this command.
 """
 
@@ -62,9 +62,11 @@ def request(rows: np.ndarray, sequence=None, start=False, end=False, mask=None, 
     return message
 
 
-async def grow(stub, name: str, length: int, rng) -> None:
+async def grow(stub, name: str, length: int, rng, cross: bool = False) -> None:
+    """Start sequence ``name`` at ``length`` rows: a prompt, or (``cross``) one query row given ``length`` keys."""
     x = rng.standard_normal((1, length, D), dtype=np.float32)
-    await stub.ModelInfer(request(x, name, start=True), timeout=60)
+    message = request(x[:, :1], name, start=True, keys=x) if cross else request(x, name, start=True)
+    await stub.ModelInfer(message, timeout=60)
 
 
 async def streamed_ms(stub, make, calls: int) -> float:
@@ -172,17 +174,19 @@ async def steps_per_second(
     position: int = 256,
     window: int | None = None,
     prompts_timed: bool = True,
+    cross: bool = False,
 ) -> float:
     """Steps a second with ``concurrency`` sequences of about ``position`` rows stepping at once, one row a step;
     with ``window``, each sequence is started again from a ``position``-row prompt every ``window`` steps, so that
     the position stays within the window: the prompts' cost included, or (``prompts_timed`` False) all sequences
-    started again together between timed stretches of ``window`` steps each."""
+    started again together between timed stretches of ``window`` steps each. ``cross``: cross-attention sequences
+    given ``position`` keys at their start, each step a query row over them."""
     async with grpc.aio.insecure_channel(url, options=UNLIMITED) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         row = rng.standard_normal((1, 1, D), dtype=np.float32)
         names = [f"conc{concurrency}-{i}-{rng.integers(1 << 30)}" for i in range(concurrency)]
         for name in names:
-            await grow(stub, name, position, rng)
+            await grow(stub, name, position, rng, cross)
         done, restarting = 0, asyncio.Lock()
 
         async def stepper(name: str, stop: float, steps: int | None = None) -> None:
@@ -192,7 +196,7 @@ async def steps_per_second(
             while time.perf_counter() < stop and taken != steps:
                 if window is not None and taken == window:
                     async with restarting:  # one prompt at a time: 64 long prompts at once pass the memory budget
-                        await grow(stub, name, position, rng)
+                        await grow(stub, name, position, rng, cross)
                     taken = 0
                 await stub.ModelInfer(message, timeout=60)
                 done += 1
@@ -209,7 +213,7 @@ async def steps_per_second(
                 await asyncio.gather(*(stepper(name, started + seconds - timed, window) for name in names))
                 timed += time.perf_counter() - started
                 for name in names:  # untimed: back to the position
-                    await grow(stub, name, position, rng)
+                    await grow(stub, name, position, rng, cross)
         rate = done / timed
         for name in names:
             await stub.ModelInfer(request(row, name, end=True), timeout=60)
@@ -259,7 +263,12 @@ async def merged_against_alone(merged: ServerProcess, alone: ServerProcess, roun
 
 
 async def against_baseline(
-    baseline: ServerProcess, current: ServerProcess, rounds: int, positions: tuple[int, ...], prompts_timed: bool
+    baseline: ServerProcess,
+    current: ServerProcess,
+    rounds: int,
+    positions: tuple[int, ...],
+    prompts_timed: bool,
+    cross: bool = False,
 ) -> None:
     rng = np.random.default_rng(2)
     servers = {"baseline": baseline, "current": current}
@@ -275,7 +284,13 @@ async def against_baseline(
             for round_ in range(rounds):
                 for name in list(servers)[:: 1 if round_ % 2 == 0 else -1]:
                     rate = await steps_per_second(
-                        servers[name].url, concurrency, rng, position=position, window=64, prompts_timed=prompts_timed
+                        servers[name].url,
+                        concurrency,
+                        rng,
+                        position=position,
+                        window=64,
+                        prompts_timed=prompts_timed,
+                        cross=cross,
                     )
                     rates[name].append(rate)
             b, c = (statistics.median(rates[name]) for name in servers)
@@ -306,6 +321,8 @@ if __name__ == "__main__":
         help="with --baseline: the positions, comma-separated (none: memory and ceilings only)",
     )
     parser.add_argument("--d-model", type=int, default=D, help="with --baseline: the seeded model's width")
+    parser.add_argument("--cross", action="store_true", help="with --baseline: cross-attention sequences, the position "
+                        "their keys given at the start")  # fmt: skip
     parser.add_argument("--heads", type=int, default=H, help="with --baseline: its heads")
     parser.add_argument(
         "--prompts-apart",
@@ -327,7 +344,8 @@ if __name__ == "__main__":
                 ServerProcess(current_folder, *flags) as current,
             ):
                 positions = tuple(int(p) for p in args.positions.split(",") if p)
-                asyncio.run(against_baseline(baseline, current, args.rounds, positions, not args.prompts_apart))
+                timed = not args.prompts_apart
+                asyncio.run(against_baseline(baseline, current, args.rounds, positions, timed, args.cross))
         raise SystemExit(0)
     with ServerProcess(ensure_default_model(), *flags) as served:
         asyncio.run(main(args.rounds, args.calls, served))
