@@ -42,6 +42,7 @@ from mhaserve.contract.steps import (
     PAST_LENGTHS,
     PAST_VALUE,
     grouped_feed,
+    grouped_members,
     member,
     own_weights,
     stacked_pasts,
@@ -350,15 +351,22 @@ def _eager(module: MultiHeadAttention, query: np.ndarray, keys: np.ndarray, valu
     return output.numpy(), weights.numpy()
 
 
+def _causal_sequences(module: MultiHeadAttention, rng, cases) -> tuple[list[_Steps], list[tuple]]:
+    """A random sequence of each (batch, length) in ``cases``, kept as the server keeps it, and eager PyTorch's
+    causal answer for each."""
+    sequences, wants = [], []
+    for batch, length in cases:
+        x = rng.standard_normal((batch, length, module.d_model), dtype=np.float32)
+        wants.append(_causal(module, x))
+        sequences.append(_Steps(x, module.num_heads, module.d_k))
+    return sequences, wants
+
+
 def _validate_batched(module: MultiHeadAttention, session, rng, report: Callable[[str], None]) -> dict:
     """The sequences of BATCHED_CASE stepped together, one row a step, each from its own point (a late joiner: the
     longer ones start with a prompt), their pasts side by side in one batch: each sequence's rows against eager's
     causal answer for it alone."""
-    sequences, wants = [], []
-    for batch, length in BATCHED_CASE:
-        x = rng.standard_normal((batch, length, module.d_model), dtype=np.float32)
-        wants.append(_causal(module, x))
-        sequences.append(_Steps(x, module.num_heads, module.d_k))
+    sequences, wants = _causal_sequences(module, rng, BATCHED_CASE)
     shortest = min(length for _, length in BATCHED_CASE)
     # Each starts with a prompt that leaves it shortest rows from its end, so that they all end together.
     for sequence, (_, length) in zip(sequences, BATCHED_CASE, strict=True):
@@ -412,11 +420,7 @@ def validate_grouped_steps(
     answer for that sequence alone."""
     session = ort.InferenceSession(graph, providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(seed)
-    sequences, wants = [], []
-    for batch, length in GROUPED_CASE:
-        x = rng.standard_normal((batch, length, module.d_model), dtype=np.float32)
-        wants.append(_causal(module, x))
-        sequences.append(_Steps(x, module.num_heads, module.d_k))
+    sequences, wants = _causal_sequences(module, rng, GROUPED_CASE)
     shortest = min(length for _, length in GROUPED_CASE)
     errors = _Errors()
 
@@ -475,7 +479,7 @@ def validate_grouped_cross_steps(
 def _run_grouped(session, sequences: list[_Steps], rows: int, new_keys: int = 0) -> list[tuple]:
     """One run of a grouped step graph: ``rows`` query rows (and ``new_keys`` keys) of each of ``sequences``, each
     over its own buffers, then each grown; each one's output rows and its weights over its own keys."""
-    members = sum(i.name.startswith(member(signature.QUERY, "")) for i in session.get_inputs())
+    members = grouped_members(i.name for i in session.get_inputs())
     feeds = [sequence.feed(rows, new_keys) for sequence in sequences]
     outputs = dict(zip((o.name for o in session.get_outputs()), session.run(None, grouped_feed(feeds, members)),
                        strict=True))  # fmt: skip

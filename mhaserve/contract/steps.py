@@ -10,6 +10,8 @@ import mmap
 
 import numpy as np
 
+from .signature import QUERY
+
 PAST_KEY, PAST_VALUE = "past_key", "past_value"  # the step graph's inputs: the buffers of the keys and values kept
 PAST_LENGTHS = "past_lengths"  # the step graph's input: how many of the past rows are each batch row's own
 NEW_KEY, NEW_VALUE = "new_key", "new_value"  # the step graph's outputs: the new rows' projected keys and values
@@ -34,6 +36,11 @@ def steps_grouped(d_model: int) -> int:
 def member(name: str, i: int) -> str:
     """The grouped step graph's input or output ``name`` of its i-th sequence (``query_0``, ``attn_weights_3``)."""
     return f"{name}_{i}"
+
+
+def grouped_members(input_names) -> int:
+    """How many members a grouped step graph with these input names has (one ``query_i`` each)."""
+    return sum(name.startswith(member(QUERY, "")) for name in input_names)
 
 
 def grouped_feed(feeds: list[dict[str, np.ndarray]], members: int) -> dict[str, np.ndarray]:

@@ -17,6 +17,7 @@ from mhaserve.contract.steps import (
     PAST_LENGTHS,
     PAST_VALUE,
     grouped_feed,
+    grouped_members,
     member,
     own_weights,
     stacked_pasts,
@@ -112,8 +113,7 @@ class StepGraph:
         # Steps of several sequences over their own buffers, in one run (export/step.py grouped_step_graph, of the
         # same kind); None: a folder exported without it.
         self._grouped = grouped
-        inputs = [] if grouped is None else [i.name for i in grouped.get_inputs()]
-        self._members = sum(name.startswith(member(QUERY, "")) for name in inputs)
+        self._members = 0 if grouped is None else grouped_members(i.name for i in grouped.get_inputs())
         self._grouped_outputs = [] if grouped is None else [o.name for o in grouped.get_outputs()]
         self._min_grouped = 2 if weights_from_memory(d_model) else MIN_GROUPED_STEPS
         self._provider = session.get_providers()[0]
