@@ -39,13 +39,19 @@ def overflow_error(
     return ComputationOverflowed(asked, checked, bad, computed_in) if bad else None
 
 
+def asks_for_weights(asked: tuple[str, ...]) -> bool:
+    """Whether a request asking for these outputs needs the attention weights (any output but ``output`` is cut
+    from them)."""
+    return any(name != OUTPUT for name in asked)
+
+
 def answer_from_run(
     asked: tuple[str, ...], shaping, output: np.ndarray | None, weights: np.ndarray | None, computed_in: str
 ) -> tuple[dict[str, np.ndarray] | None, RequestError | None]:
     """A request's answer from its rows of a run (``output`` None where it did not ask for it), the outputs it
     asked for in its order, its weights shaped as it asked; or, where the run overflowed, no answer and the
     error (overflow_error)."""
-    derived = weights if any(name != OUTPUT for name in asked) else None
+    derived = weights if asks_for_weights(asked) else None
     error = overflow_error(asked, output, derived, computed_in)
     if error is not None:
         return None, error

@@ -10,7 +10,7 @@ import numpy as np
 
 from mhaserve.contract.signature import OUTPUT
 
-from ..answers import answer_from_run
+from ..answers import answer_from_run, asks_for_weights
 from ..errors import ErrorKind, RequestError, invalid
 from ..parameters import weights_shaping
 from .graph import Step
@@ -74,8 +74,7 @@ class SequenceRuntime:
         started = time.perf_counter_ns()
         runs = self.cross_runs if sequence.cross else self.runs
         asked = attention.outputs
-        weighted = any(name != OUTPUT for name in asked)
-        step = Step(attention.query, sequence.cache, *(given or (None, None)), weights=weighted)
+        step = Step(attention.query, sequence.cache, *(given or (None, None)), weights=asks_for_weights(asked))
         output, weights, cache = await runs.run(step)
         infer_ns = time.perf_counter_ns() - started
         call.ran(attention.batch_size, started, queue_ns=0, infer_ns=infer_ns)
