@@ -142,10 +142,13 @@ class AttentionSession:
             )
         # On the provider the full graph got, as the output-only graph; None: this folder serves no sequences (of
         # that kind). The grouped graphs only on the CPU: on CUDA each step runs alone, its cache on the device.
-        kinds = [kind if self.provider == CPU or not kind.startswith("grouped") else None for kind in STEP_FILES]
+        paths = [
+            step_file(model_dir, manifest, kind) if self.provider == CPU or not kind.startswith("grouped") else None
+            for kind in STEP_FILES
+        ]
         step_sessions = [
             None if path is None else self._load(path, options, "cpu" if self.provider == CPU else device, cuda_tf32)
-            for path in (kind and step_file(model_dir, manifest, kind) for kind in kinds)
+            for path in paths
         ]
         # A run with this option gives ONNX Runtime's arenas back the chunks no run is using, at its end.
         self._shrink = ort.RunOptions()
