@@ -179,19 +179,29 @@ async def _read_in_turn(turns, context):
         await context.read()
 
 
+async def waiting_for_the_held_turn(first_read_s: float, held_after: float, waits_after: float):
+    """Two large requests on two connections, one turn: the first read ``held_after`` s ago, past its first read, so
+    it holds the turn; the second read ``waits_after`` s ago, past its busy first read (10 ms), so it waits in line
+    for the turn. Returns the turns, both calls' contexts and both reads (tasks)."""
+    turns = ReceivingTurns(receiving_bytes=3, receive_limit=1, hold_s=60)
+    reader = RequestReader(turns, receive_limit=1, timeout_s=5, first_read_s=first_read_s)
+    holder, waiter = Context("ipv4:127.0.0.1:1"), Context("ipv4:127.0.0.1:2")
+    first = asyncio.create_task(reader.read(holder))
+    await asyncio.sleep(held_after)
+    assert turns.free == 0
+    second = asyncio.create_task(reader.read(waiter))
+    await asyncio.sleep(waits_after)
+    return turns, (holder, waiter), (first, second)
+
+
 def test_a_request_still_arriving_waits_briefly_for_the_turn_another_request_holds_and_is_read_not_refused():
     """Two large requests arriving at once on a loaded machine: the second's first read ends while the first holds
     the only turn; it waits for that turn in its first read and takes it once given back."""
 
     async def scenario():
-        turns = ReceivingTurns(receiving_bytes=3, receive_limit=1, hold_s=60)
-        reader = RequestReader(turns, receive_limit=1, timeout_s=5, first_read_s=0.05)
-        holder, second = Context("ipv4:127.0.0.1:1"), Context("ipv4:127.0.0.1:2")
-        first = asyncio.create_task(reader.read(holder))
-        await asyncio.sleep(0.08)  # past its first read: it holds the turn
-        assert turns.free == 0
-        waiting = asyncio.create_task(reader.read(second))
-        await asyncio.sleep(0.03)  # past the second's busy first read (10 ms): it waits for the turn
+        turns, (holder, second), (first, waiting) = await waiting_for_the_held_turn(
+            0.05, held_after=0.08, waits_after=0.03
+        )
         holder.send()
         second_request = asyncio.get_running_loop().call_later(0.01, second.send)
         assert await first == b"request" and await waiting == b"request"
@@ -234,14 +244,9 @@ def test_a_request_waiting_for_a_turn_on_a_starved_loop_is_given_the_turn_on_its
     only turn arriving just after: the turn comes back and the waiting request is read, not refused."""
 
     async def scenario():
-        turns = ReceivingTurns(receiving_bytes=3, receive_limit=1, hold_s=60)
-        reader = RequestReader(turns, receive_limit=1, timeout_s=5, first_read_s=0.02)
-        holder, waiter = Context("ipv4:127.0.0.1:1"), Context("ipv4:127.0.0.1:2")
-        first = asyncio.create_task(reader.read(holder))
-        await asyncio.sleep(0.05)  # past its first read: it holds the turn
-        assert turns.free == 0
-        second = asyncio.create_task(reader.read(waiter))
-        await asyncio.sleep(0.015)  # past the second's busy first read (10 ms): it waits for the turn
+        turns, (holder, waiter), (first, second) = await waiting_for_the_held_turn(
+            0.02, held_after=0.05, waits_after=0.015
+        )
         time.sleep(0.06)  # the loop starved three times the wait's 20 ms
         loop = asyncio.get_running_loop()
         arrivals = [loop.call_later(0.005, holder.send), loop.call_later(0.01, waiter.send)]
