@@ -4,6 +4,7 @@ weights over every key, and its new rows' keys and values, written after the cac
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,9 +31,10 @@ from ..tensors import count_non_finite
 
 CUDA = "CUDAExecutionProvider"
 
-# Steps of several sequences run as one batch while each past's keys and values (per batch row) and the batch's fit
-# these bounds, their rows copied side by side; past them, one after another was measured faster (BENCHMARKS.md,
-# "Sequences: a cache written in place").
+# Steps of several sequences run as one batch, their rows copied side by side, while each past's keys and values (per
+# batch row) fit the first bound, in runs of as many as the second holds: past the first, one after another was
+# measured faster (BENCHMARKS.md, "Sequences: a cache written in place"); more steps than one such run holds take
+# several, faster than the grouped graph's runs (BENCHMARKS.md, "Short pasts in runs of as many as one holds").
 STACKED_STEP_PAST_BYTES = 512 << 10
 STACKED_STEPS_BYTES = 4 << 20
 # Past those bounds, steps run in the grouped step graph (each over its own buffers) where this many or more share
@@ -60,7 +62,7 @@ class StepCache:
     def of(cls, key, value, length: int) -> StepCache:
         on_host = isinstance(key, np.ndarray)
         shape = key.shape if on_host else key.shape()
-        nbytes = 2 * int(np.prod(shape)) * np.dtype(np.float32).itemsize
+        nbytes = 2 * math.prod(shape) * np.dtype(np.float32).itemsize
         return cls(key, value, length, nbytes, "cpu" if on_host else key.device_name())
 
     @property
@@ -71,11 +73,14 @@ class StepCache:
     def capacity(self) -> int:
         return self.key.shape[2] if self.on_host else self.key.shape()[2]
 
-    def grown(self, new_key: np.ndarray, new_value: np.ndarray, own_rows: bool) -> StepCache | None:
+    def grown(
+        self, new_key: np.ndarray, new_value: np.ndarray, own_rows: bool, known_finite: bool = False
+    ) -> StepCache | None:
         """The cache with a step's new rows after its own, on the host (``own_rows``: arrays of the step's own, not
         parts of a batch's); None where they are not finite (a step that overflowed), which no buffer may hold:
-        its rows past the length are masked, and a masked infinity still makes a NaN."""
-        if count_non_finite(new_key) or count_non_finite(new_value):
+        its rows past the length are masked, and a masked infinity still makes a NaN. ``known_finite``: the caller
+        checked them (a shared run's rows, checked once for all its steps)."""
+        if not known_finite and (count_non_finite(new_key) or count_non_finite(new_value)):
             return None
         key = with_rows(self.key, self.length, new_key, own_rows)
         value = with_rows(self.value, self.length, new_value, own_rows)
@@ -151,20 +156,20 @@ class StepGraph:
         return {name: np.concatenate([getattr(step, name) for step in steps]) for name in (KEY, VALUE)}
 
     def run_steps(self, steps: list[Step]) -> tuple[list[tuple[np.ndarray, np.ndarray, StepCache | None]], int]:
-        """Steps of several sequences, each of the same number of new rows (and keys), in one call: as one run,
-        their pasts copied side by side (contract/steps.py) and each answer cut back to its own keys, while the
-        pasts are small and of comparable lengths; else in runs of the grouped step graph, each step over its own
-        buffers where they lie, and where it has none (or too few steps are left to share a run), one run after
-        another, copying nothing. Returns each step's output, weights and grown cache (None where its new rows
-        overflowed), and how many runs they took."""
-        pasts = [step.cache.length for step in steps]
-        rows = sum(step.query.shape[0] for step in steps)
-        longest_bytes = 2 * max(pasts) * self.d_model * np.dtype(np.float32).itemsize  # keys and values
-        small = longest_bytes <= STACKED_STEP_PAST_BYTES and rows * longest_bytes <= STACKED_STEPS_BYTES
+        """Steps of several sequences, each of the same number of new rows (and keys), in one call. While the pasts
+        are small and of comparable lengths, their pasts copied side by side (contract/steps.py), each answer cut
+        back to its own keys, in runs of at most STACKED_STEPS_BYTES of pasts each; else in runs of the grouped step
+        graph, each step over its own buffers where they lie, and where it has none (or too few steps are left to
+        share a run), one run after another, copying nothing. Returns each step's output, weights and grown cache
+        (None where its new rows overflowed), and how many runs they took."""
         if len(steps) == 1:
             return [self.run_step(steps[0])], 1
-        if small and max(pasts) <= 2 * max(min(pasts), 1):
-            return self._run_stacked(steps), 1
+        pasts = [step.cache.length for step in steps]
+        longest_bytes = 2 * max(pasts) * self.d_model * np.dtype(np.float32).itemsize  # keys and values
+        if longest_bytes <= STACKED_STEP_PAST_BYTES and max(pasts) <= 2 * max(min(pasts), 1):
+            parts = _stacked_parts(steps, STACKED_STEPS_BYTES // longest_bytes)
+            answers = [answer for part in parts for answer in self._run_stacked(part)]
+            return answers, len(parts)
         answers, runs = [], 0
         for first in range(0, len(steps), self._members or len(steps)):
             part = steps[first : first + self._members] if self._members else steps
@@ -177,6 +182,8 @@ class StepGraph:
         return answers, runs
 
     def _run_stacked(self, steps: list[Step]) -> list[tuple[np.ndarray, np.ndarray, StepCache | None]]:
+        if len(steps) == 1:
+            return [self.run_step(steps[0])]
         keys, lengths = stacked_pasts([(step.cache.key, step.cache.length) for step in steps])
         values, _ = stacked_pasts([(step.cache.value, step.cache.length) for step in steps])
         queries = np.concatenate([step.query for step in steps])
@@ -238,15 +245,29 @@ class StepGraph:
         return output, weights, StepCache.of(key, value, cache.length + new_key.shape()[2])
 
 
+def _stacked_parts(steps: list[Step], max_rows: int) -> list[list[Step]]:
+    """``steps`` in consecutive parts of at most ``max_rows`` batch rows each (a step of more rows alone)."""
+    parts, rows = [[]], 0
+    for step in steps:
+        batch = step.query.shape[0]
+        if parts[-1] and rows + batch > max_rows:
+            parts.append([])
+            rows = 0
+        parts[-1].append(step)
+        rows += batch
+    return parts
+
+
 def _shared_run_answers(steps: list[Step], output, weights_of, new_key, new_value) -> list:
     """Each step's output, weights (``weights_of(i, first row, batch, cache)``, where it asked for them) and
     grown cache from a run that several steps shared, their rows one after another in ``output``, ``new_key``
     and ``new_value``."""
     answers, first = [], 0
+    finite = not (count_non_finite(new_key) or count_non_finite(new_value))  # else each step's rows are checked
     for i, step in enumerate(steps):
         batch, cache = step.query.shape[0], step.cache
         own = slice(first, first + batch)
-        grown = cache.grown(new_key[own], new_value[own], own_rows=False)
+        grown = cache.grown(new_key[own], new_value[own], own_rows=False, known_finite=finite)
         answers.append((output[own], weights_of(i, first, batch, cache) if step.weights else None, grown))
         first += batch
     return answers

@@ -13,7 +13,14 @@ import numpy as np
 import pytest
 
 from mhaserve.server.sequences import StepRuns
-from mhaserve.server.sequences.graph import MIN_GROUPED_STEPS, STACKED_STEP_PAST_BYTES, Step, StepCache, StepGraph
+from mhaserve.server.sequences.graph import (
+    MIN_GROUPED_STEPS,
+    STACKED_STEP_PAST_BYTES,
+    STACKED_STEPS_BYTES,
+    Step,
+    StepCache,
+    StepGraph,
+)
 from mhaserve.server.session import AttentionSession
 from tests.support import SMALL_D_MODEL, SMALL_HEADS
 
@@ -73,6 +80,17 @@ def test_steps_of_other_new_rows_or_a_far_longer_past_or_past_the_rows_limit_run
              (rows(1, 7), grown(session, 11, 4))]  # fmt: skip
     answers, runs = run_at_once(session, steps, max_rows=2)
     assert runs == 4
+    assert_equal_to_alone(session, steps, answers)
+
+
+def test_more_short_steps_than_one_batch_holds_run_in_batches_of_as_many_as_one_holds(session):
+    # Pasts of about 500 rows: 15 steps' pasts fill one batch, so 31 steps take three runs (15, 15 and 1), not the
+    # grouped graph's four (8, 8, 8 and 7).
+    steps = [(rows(1, 90 + i), grown(session, 500 + i, 90 + i)) for i in range(31)]
+    longest_bytes = 2 * (500 + 30) * SMALL_D_MODEL * 4
+    assert longest_bytes <= STACKED_STEP_PAST_BYTES and STACKED_STEPS_BYTES // longest_bytes == 15
+    answers, runs = run_at_once(session, steps, max_rows=64)
+    assert runs == 3
     assert_equal_to_alone(session, steps, answers)
 
 
@@ -147,6 +165,17 @@ def test_a_step_whose_rows_overflow_grows_no_cache_and_writes_nothing_a_later_st
     assert np.isfinite(output).all()
 
 
+def test_a_step_whose_rows_overflow_in_a_shared_run_grows_no_cache_and_the_others_grow_as_alone(session):
+    huge = np.full((1, 1, SMALL_D_MODEL), 3e38, np.float32)
+    short = [grown(session, 12 + i, 100 + i) for i in range(4)]  # pasts copied side by side
+    for caches in (short, long_pasts(4)):  # and the grouped graph
+        steps = [(huge if i == 2 else rows(1, 110 + i), cache) for i, cache in enumerate(caches)]
+        answers, runs = run_at_once(session, steps)
+        assert runs == 1 and answers[2][2] is None
+        fine = [0, 1, 3]
+        assert_equal_to_alone(session, [steps[i] for i in fine], [answers[i] for i in fine])
+
+
 def test_a_cache_kept_in_ortvalues_is_appended_where_it_lives_and_answers_as_on_the_host(session):
     """The path a GPU's cache takes (I/O binding, the rows appended on the device), run with OrtValues on the CPU."""
     import onnxruntime as ort
@@ -192,3 +221,4 @@ def test_cross_attention_steps_over_long_keys_share_a_run_of_the_grouped_cross_g
         np.testing.assert_allclose(output, want_output, rtol=0, atol=1e-6)
         np.testing.assert_allclose(weights, want_weights, rtol=0, atol=1e-7)
         assert after.length == want.length == step.cache.length  # a step of queries alone adds no keys
+
