@@ -158,10 +158,11 @@ class StepGraph:
     def run_steps(self, steps: list[Step]) -> tuple[list[tuple[np.ndarray, np.ndarray, StepCache | None]], int]:
         """Steps of several sequences, each of the same number of new rows (and keys), in one call. While the pasts
         are small and of comparable lengths, their pasts copied side by side (contract/steps.py), each answer cut
-        back to its own keys, in runs of at most STACKED_STEPS_BYTES of pasts each; else in runs of the grouped step
-        graph, each step over its own buffers where they lie, and where it has none (or too few steps are left to
-        share a run), one run after another, copying nothing. Returns each step's output, weights and grown cache
-        (None where its new rows overflowed), and how many runs they took."""
+        back to its own keys, in runs of at most STACKED_STEPS_BYTES of pasts each; else in as few runs of the
+        grouped step graph as hold them, of sizes as even as can be, each step over its own buffers where they lie
+        (one run after another, copying nothing, where too few steps share a call or the folder has no such graph).
+        Returns each step's output, weights and grown cache (None where its new rows overflowed), and how many runs
+        they took."""
         if len(steps) == 1:
             return [self.run_step(steps[0])], 1
         pasts = [step.cache.length for step in steps]
@@ -170,16 +171,10 @@ class StepGraph:
             parts = _stacked_parts(steps, STACKED_STEPS_BYTES // longest_bytes)
             answers = [answer for part in parts for answer in self._run_stacked(part)]
             return answers, len(parts)
-        answers, runs = [], 0
-        for first in range(0, len(steps), self._members or len(steps)):
-            part = steps[first : first + self._members] if self._members else steps
-            if len(part) < self._min_grouped or not self._members:
-                answers += [self.run_step(step) for step in part]
-                runs += len(part)
-            else:
-                answers += self._run_grouped(part)
-                runs += 1
-        return answers, runs
+        if len(steps) < self._min_grouped or not self._members:
+            return [self.run_step(step) for step in steps], len(steps)
+        parts = _even_parts(steps, self._members)
+        return [answer for part in parts for answer in self._run_grouped(part)], len(parts)
 
     def _run_stacked(self, steps: list[Step]) -> list[tuple[np.ndarray, np.ndarray, StepCache | None]]:
         if len(steps) == 1:
@@ -256,6 +251,15 @@ def _stacked_parts(steps: list[Step], max_rows: int) -> list[list[Step]]:
         parts[-1].append(step)
         rows += batch
     return parts
+
+
+def _even_parts(steps: list[Step], most: int) -> list[list[Step]]:
+    """``steps`` in as few consecutive parts of at most ``most`` as hold them, of sizes as even as can be: none left
+    with a few alone, which cost a run each."""
+    count = -(-len(steps) // most)
+    size, larger = divmod(len(steps), count)
+    bounds = [i * size + min(i, larger) for i in range(count + 1)]
+    return [steps[bounds[i] : bounds[i + 1]] for i in range(count)]
 
 
 def _shared_run_answers(steps: list[Step], output, weights_of, new_key, new_value) -> list:

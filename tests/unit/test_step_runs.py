@@ -1,8 +1,8 @@
 """Steps of several sequences in one call of the step graph (server/sequences.py StepRuns): those that gather while
 a call is in progress share the next one when they carry the same number of new rows; short pasts of comparable
-length run as one batch, others in runs of the grouped step graph, each over its own buffers (one after another
-where too few are left to share a run, or the folder has no such graph); each answer and grown cache equals its
-step run alone."""
+length run as one batch (several where one does not hold them), others in as few runs of the grouped step graph as
+hold them, each over its own buffers (one after another where too few share a call, or the folder has no such
+graph); each answer and grown cache equals its step run alone."""
 
 from __future__ import annotations
 
@@ -121,11 +121,12 @@ def test_steps_at_far_apart_positions_share_one_run(session):
     assert_equal_to_alone(session, steps, answers)
 
 
-def test_more_steps_than_the_grouped_graph_holds_take_a_run_per_group_and_a_last_few_run_alone(session):
+def test_more_steps_than_the_grouped_graph_holds_share_as_few_runs_as_hold_them_none_alone(session):
     members = session.steps._members
+    # A full run and the few left over, each alone, would take MIN_GROUPED_STEPS runs; two runs hold them all.
     steps = [(rows(1, 40 + i), cache) for i, cache in enumerate(long_pasts(members + MIN_GROUPED_STEPS - 1))]
     answers, runs = run_at_once(session, steps, max_rows=64)
-    assert runs == 1 + MIN_GROUPED_STEPS - 1
+    assert runs == 2
     assert_equal_to_alone(session, steps, answers)
 
 
@@ -221,4 +222,3 @@ def test_cross_attention_steps_over_long_keys_share_a_run_of_the_grouped_cross_g
         np.testing.assert_allclose(output, want_output, rtol=0, atol=1e-6)
         np.testing.assert_allclose(weights, want_weights, rtol=0, atol=1e-7)
         assert after.length == want.length == step.cache.length  # a step of queries alone adds no keys
-
