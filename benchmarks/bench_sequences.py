@@ -23,6 +23,13 @@ timed stretches of 64 steps each; ``--d-model``/``--heads``: a seeded model of t
 its own; ``--cross``: cross-attention sequences, each given as many keys at its start, its steps query rows), the
 steps a second of 1 and 64 sequences stepping at once on each and, at the end, each server's stateless one-row
 requests a second from 64 callers, the rounds alternating the two servers.
+    flock /tmp/bench.lock .venv/bin/python benchmarks/bench_sequences.py --ceiling [--positions 32,256,1024]
+
+instead prints, per position, what two cores allow 64 sequences' steps against the stateless one-row ceiling, if
+a step cost the machine a stateless request's CPU and no more than its run's extra work: the server's and the
+load generator's CPU per stateless one-row request from 64 callers (served), and, in process, the CPU per step of
+64 sequences' one-row steps in one call of the step runs against per row of 64 one-row requests run as one batch;
+then the served ratio measured (steps a second, prompts not timed, against the same server's stateless requests).
 Not a test: BENCHMARKS.md records the figures with this command.
 """
 
@@ -302,6 +309,67 @@ async def against_baseline(
         print(f"  {name}: stateless one-row requests, 64 at once: {ceiling:.1f}/s")
 
 
+def cpu_s(pid: int) -> float:
+    """The CPU seconds process ``pid`` has used, all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def in_process_cpu_ms(positions: tuple[int, ...], calls: int = 30) -> tuple[float, dict[int, float]]:
+    """This process's CPU ms (every thread) per row of 64 one-row requests run as one batch, and per step of 64
+    sequences' one-row steps in one call of the step runs at each position (output only, as served below)."""
+    from mhaserve.server.sequences import Step
+    from mhaserve.server.session import AttentionSession
+
+    session, rng = AttentionSession(ensure_default_model(), "cpu"), np.random.default_rng(3)
+
+    def cpu_ms_each(call, count: int) -> float:
+        for _ in range(5):
+            call()
+        started = time.process_time()
+        for _ in range(calls):
+            call()
+        return (time.process_time() - started) / calls / count * 1e3
+
+    rows, mask = rng.standard_normal((64, 1, D), dtype=np.float32), np.ones((64, 1, 1, 1), bool)
+    per_row = cpu_ms_each(lambda: session.run(["output"], rows, rows, rows, mask), 64)
+    per_step = {}
+    for position in positions:
+        steps = []
+        for i in range(64):
+            prompt = rng.standard_normal((1, position + i % 8, D), dtype=np.float32)
+            cache = session.steps.run_step(Step(prompt[:, :-1], session.steps.empty_cache(1)))[2]
+            cache = session.steps.run_step(Step(prompt[:, -1:], cache))[2]  # buffers with room, as served
+            steps.append(Step(rng.standard_normal((1, 1, D), dtype=np.float32), cache, weights=False))
+        per_step[position] = cpu_ms_each(lambda steps=steps: session.steps.run_steps(steps), 64)
+    return per_row, per_step
+
+
+async def ceiling(server: ServerProcess, positions: tuple[int, ...], rounds: int) -> None:
+    per_row, per_step = in_process_cpu_ms(positions)
+    served = []
+    for _ in range(rounds):
+        server_s, client_s = cpu_s(server.proc.pid), time.process_time()
+        rate = await stateless_per_second(server.url, 64)
+        requests = rate * 5.0
+        served.append(((cpu_s(server.proc.pid) - server_s) / requests, (time.process_time() - client_s) / requests))
+    per_request = statistics.median(s + c for s, c in served) * 1e3
+    print(f"CPU ms per stateless one-row request from 64 callers: server and load generator {per_request:.3f} (rounds "
+          f"{', '.join(f'{(s + c) * 1e3:.3f}' for s, c in served)}); in process: per row of a batch of 64 "
+          f"{per_row:.3f}")  # fmt: skip
+    rng = np.random.default_rng(4)
+    for position in positions:
+        extra = per_step[position] - per_row
+        bound = per_request / (per_request + max(extra, 0.0))
+        ratios = []
+        for _ in range(rounds):
+            steps = await steps_per_second(server.url, 64, rng, position=position, window=64, prompts_timed=False)
+            ratios.append(steps / await stateless_per_second(server.url, 64))
+        print(f"  ~{position:4d} rows: in process {per_step[position]:.3f} ms a step, {extra:+.3f} against a row; "
+              f"two cores allow {bound:.2f} of the stateless ceiling; served {statistics.median(ratios):.2f} "
+              f"(rounds {', '.join(f'{r:.2f}' for r in ratios)})")  # fmt: skip
+
+
 def export_at(env: dict[str, str], out: Path) -> Path:
     """The seeded model of width D exported by a revision's own code (its step graphs are that revision's)."""
     subprocess.run([sys.executable, "-m", "mhaserve.cli", "export", "--out", str(out), "--d-model", str(D), "--heads",
@@ -315,10 +383,11 @@ if __name__ == "__main__":
     parser.add_argument("--calls", type=int, default=30)
     parser.add_argument("--latency-only", action="store_true", help="only the one-client figures (c=1)")
     parser.add_argument("--baseline", help="serve this revision beside the working tree, steps/s at 32-1,024 rows")
+    parser.add_argument("--ceiling", action="store_true", help="what two cores allow steps against stateless rows")
     parser.add_argument(
         "--positions",
         default="32,256,1024",
-        help="with --baseline: the positions, comma-separated (none: memory and ceilings only)",
+        help="with --baseline or --ceiling: the positions, comma-separated (none: memory and ceilings only)",
     )
     parser.add_argument("--d-model", type=int, default=D, help="with --baseline: the seeded model's width")
     parser.add_argument("--cross", action="store_true", help="with --baseline: cross-attention sequences, the position "
@@ -331,9 +400,10 @@ if __name__ == "__main__":
     )
     args = parser.parse_args()
     flags = ("--warmup-runs", "1", "--max-sequence-length", "4096", "--max-kv-len", "512", "--max-q-len", "512")
-    if args.baseline:
+    if args.baseline or args.ceiling:  # steps at 1,024 rows: their prompts
         flags = ("--warmup-runs", "1", "--max-sequence-length", "4096", "--max-kv-len", "1024", "--max-q-len", "1024",
                  "--max-inflight-bytes", str(4 << 30))  # fmt: skip
+    if args.baseline:
         with baseline_checkout(args.baseline) as (env, _), tempfile.TemporaryDirectory() as tmp:
             D, H = args.d_model, args.heads
             folder = export_at({**os.environ, **env}, Path(tmp) / "baseline-model")
@@ -346,6 +416,10 @@ if __name__ == "__main__":
                 positions = tuple(int(p) for p in args.positions.split(",") if p)
                 timed = not args.prompts_apart
                 asyncio.run(against_baseline(baseline, current, args.rounds, positions, timed, args.cross))
+        raise SystemExit(0)
+    if args.ceiling:
+        with ServerProcess(ensure_default_model(), *flags) as served:
+            asyncio.run(ceiling(served, tuple(int(p) for p in args.positions.split(",")), args.rounds))
         raise SystemExit(0)
     with ServerProcess(ensure_default_model(), *flags) as served:
         asyncio.run(main(args.rounds, args.calls, served))

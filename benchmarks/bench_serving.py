@@ -6,7 +6,10 @@ the peers (PyTriton and MLServer from ../shared/peers), all driven by the same c
 
 Shapes [1,16,512] and [1,128,512] with attention weights, concurrency 1, 4, 16; then a mixed-length
 run (16..128) at concurrency 16 with `mhaserve bench` (plots in --out). `--int8` adds mhaserve serving an int8
-export of the same module (`mhaserve export --precision int8`), and its ratios to the best peer. Every timed step holds
+export of the same module (`mhaserve export --precision int8`), and its ratios to the best peer. `--floor` adds the
+least a Python gRPC server on the same ONNX Runtime session can do (bench_server.py's bare server: parse, run inline
+on its event loop, answer; no checks, batching or statistics), driven by the same client: where a goal lies below
+it, no Python server reaches the goal on this machine. Every timed step holds
 /tmp/bench.lock; the peers' start script takes the lock itself, so this script never holds it
 across one. The peers serve a single-input (self-attention) export of the *same* module and
 weights, since they take one input; mhaserve serves its own export.
@@ -37,6 +40,7 @@ LOCK = os.environ.get("BENCH_LOCK", "/tmp/bench.lock")
 SHAPES = ("1,16,512", "1,128,512")
 CONCURRENCY = (1, 4, 16)
 MHASERVE_PORT = 8201
+FLOOR = "python-floor"  # --floor's label
 
 
 @contextmanager
@@ -237,6 +241,13 @@ def report(inproc: list[dict], served: list[dict], mixed: dict | None) -> None:
                 ratio = c1["p50_us"] / peer_c1["p50_us"]
                 print(f"- {label} [1,16,512] c=1: p50 / best peer p50 ({peer_c1['label']}) = {ratio:.2f} "
                       "(target <= 0.5)")  # fmt: skip
+    for shape in SHAPES:
+        for c in sorted({r["concurrency"] for r in served}):
+            floor, peer_thr, peer_p50 = point(FLOOR, shape, c), best_peer(shape, c), best_peer(shape, c, "p50_us", min)
+            if floor and peer_thr and peer_p50 and "p50_us" in floor:
+                print(f"- {FLOOR} [{shape}] c={c}: / best peer throughput = "
+                      f"{floor['infer_per_s'] / peer_thr['infer_per_s']:.2f} (the goal 1.5); p50 / best peer p50 = "
+                      f"{floor['p50_us'] / peer_p50['p50_us']:.2f} (the goal 0.5)")  # fmt: skip
 
 
 def main() -> int:
@@ -251,6 +262,7 @@ def main() -> int:
                         "(default all)")  # fmt: skip
     parser.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)), help="comma-separated")
     parser.add_argument("--skip-mixed", action="store_true", help="no mixed-length run")
+    parser.add_argument("--floor", action="store_true", help="also the bare Python server (bench_server.py)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     concurrency = tuple(int(c) for c in args.concurrency.split(","))
@@ -294,6 +306,16 @@ def main() -> int:
         with MhaServer(folders[label], *extra):
             loadgen(args.peers_dir, label, f"127.0.0.1:{MHASERVE_PORT}", "query", args.seconds, served_file,
                     concurrency)  # fmt: skip
+    if args.floor:
+        from bench_server import start_helper_process
+
+        log(FLOOR)
+        bare, url = start_helper_process("bare", model_dir, args.threads)
+        try:
+            loadgen(args.peers_dir, FLOOR, url, "query", args.seconds, served_file, concurrency)
+        finally:
+            bare.terminate()
+            bare.wait()
     if args.peers_dir and not args.skip_peers:
         peer_env = {"MODEL": str(peer_model.resolve()), "INPUT_NAME": "x", "ORT_INTRA_OP_THREADS": str(args.threads)}
         for name, url, command in (
