@@ -32,9 +32,9 @@ from ..tensors import count_non_finite
 CUDA = "CUDAExecutionProvider"
 
 # Steps of several sequences run as one batch, their rows copied side by side, while each past's keys and values (per
-# batch row) fit the first bound, in runs of as many as the second holds: past the first, one after another was
-# measured faster (BENCHMARKS.md, "Sequences: a cache written in place"); more steps than one such run holds take
-# several, faster than the grouped graph's runs (BENCHMARKS.md, "Short pasts in runs of as many as one holds").
+# batch row) fit the first bound, in runs of at most the second: past the first, one after another was measured
+# faster (BENCHMARKS.md, "Sequences: a cache written in place"); more steps than one such run holds take several,
+# faster than the grouped graph's runs (BENCHMARKS.md, "Short pasts in several batches, grouped runs of even sizes").
 STACKED_STEP_PAST_BYTES = 512 << 10
 STACKED_STEPS_BYTES = 4 << 20
 # Past those bounds, steps run in the grouped step graph (each over its own buffers) where this many or more share
@@ -158,17 +158,17 @@ class StepGraph:
     def run_steps(self, steps: list[Step]) -> tuple[list[tuple[np.ndarray, np.ndarray, StepCache | None]], int]:
         """Steps of several sequences, each of the same number of new rows (and keys), in one call. While the pasts
         are small and of comparable lengths, their pasts copied side by side (contract/steps.py), each answer cut
-        back to its own keys, in runs of at most STACKED_STEPS_BYTES of pasts each; else in as few runs of the
-        grouped step graph as hold them, of sizes as even as can be, each step over its own buffers where they lie
-        (one run after another, copying nothing, where too few steps share a call or the folder has no such graph).
-        Returns each step's output, weights and grown cache (None where its new rows overflowed), and how many runs
-        they took."""
+        back to its own keys, in runs of at most STACKED_STEPS_BYTES of pasts each; else in runs of the grouped step
+        graph, each step over its own buffers where they lie (one run after another, copying nothing, where too few
+        steps share a call or the folder has no such graph). Either way as few runs as hold them, of sizes as even
+        as can be. Returns each step's output, weights and grown cache (None where its new rows overflowed), and
+        how many runs they took."""
         if len(steps) == 1:
             return [self.run_step(steps[0])], 1
         pasts = [step.cache.length for step in steps]
         longest_bytes = 2 * max(pasts) * self.d_model * np.dtype(np.float32).itemsize  # keys and values
         if longest_bytes <= STACKED_STEP_PAST_BYTES and max(pasts) <= 2 * max(min(pasts), 1):
-            parts = _stacked_parts(steps, STACKED_STEPS_BYTES // longest_bytes)
+            parts = _even_parts(steps, STACKED_STEPS_BYTES // longest_bytes, size=lambda step: step.query.shape[0])
             answers = [answer for part in parts for answer in self._run_stacked(part)]
             return answers, len(parts)
         if len(steps) < self._min_grouped or not self._members:
@@ -240,26 +240,19 @@ class StepGraph:
         return output, weights, StepCache.of(key, value, cache.length + new_key.shape()[2])
 
 
-def _stacked_parts(steps: list[Step], max_rows: int) -> list[list[Step]]:
-    """``steps`` in consecutive parts of at most ``max_rows`` batch rows each (a step of more rows alone)."""
-    parts, rows = [[]], 0
+def _even_parts(steps: list[Step], most: int, size=lambda step: 1) -> list[list[Step]]:
+    """``steps`` in consecutive parts of at most ``most`` each (measured by ``size``; a step larger than that alone),
+    as few as hold them and as even as can be: no few left over to a run of their own."""
+    total = sum(size(step) for step in steps)
+    share = -(-total // -(-total // most))
+    parts, held = [[]], 0
     for step in steps:
-        batch = step.query.shape[0]
-        if parts[-1] and rows + batch > max_rows:
+        if parts[-1] and held + size(step) > share:
             parts.append([])
-            rows = 0
+            held = 0
         parts[-1].append(step)
-        rows += batch
+        held += size(step)
     return parts
-
-
-def _even_parts(steps: list[Step], most: int) -> list[list[Step]]:
-    """``steps`` in as few consecutive parts of at most ``most`` as hold them, of sizes as even as can be: none left
-    with a few alone, which cost a run each."""
-    count = -(-len(steps) // most)
-    size, larger = divmod(len(steps), count)
-    bounds = [i * size + min(i, larger) for i in range(count + 1)]
-    return [steps[bounds[i] : bounds[i + 1]] for i in range(count)]
 
 
 def _shared_run_answers(steps: list[Step], output, weights_of, new_key, new_value) -> list:

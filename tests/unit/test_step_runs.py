@@ -84,7 +84,7 @@ def test_steps_of_other_new_rows_or_a_far_longer_past_or_past_the_rows_limit_run
 
 
 def test_more_short_steps_than_one_batch_holds_run_in_batches_of_as_many_as_one_holds(session):
-    # Pasts of about 500 rows: 15 steps' pasts fill one batch, so 31 steps take three runs (15, 15 and 1), not the
+    # Pasts of about 500 rows: 15 steps' pasts fill one batch, so 31 steps take three runs (11, 11 and 9), not the
     # grouped graph's four (8, 8, 8 and 7).
     steps = [(rows(1, 90 + i), grown(session, 500 + i, 90 + i)) for i in range(31)]
     longest_bytes = 2 * (500 + 30) * SMALL_D_MODEL * 4
