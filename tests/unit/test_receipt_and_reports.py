@@ -158,12 +158,14 @@ def test_a_stream_idle_in_its_turn_gives_way_to_a_waiting_stream_and_its_connect
 
 def test_a_unary_request_still_arriving_takes_the_turn_of_a_stream_idle_in_it():
     async def scenario():
-        turns = ReceivingTurns(receiving_bytes=3, receive_limit=1, hold_s=0.05)
+        # hold_s well above the first wait: a loaded machine (the suite runs three workers on two cores) has delayed
+        # a 10 ms sleep past 50 ms
+        turns = ReceivingTurns(receiving_bytes=3, receive_limit=1, hold_s=0.3)
         idle_call = Context()
         idle = asyncio.create_task(_read_in_turn(turns, idle_call))
         await asyncio.sleep(0.01)
         assert not turns.take()  # held 10 ms: not yet idle long enough
-        await asyncio.sleep(0.06)
+        await asyncio.sleep(0.35)
         assert turns.take()
         with pytest.raises(StreamEnded):
             await idle
