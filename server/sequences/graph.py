@@ -168,7 +168,8 @@ class StepGraph:
         pasts = [step.cache.length for step in steps]
         longest_bytes = 2 * max(pasts) * self.d_model * np.dtype(np.float32).itemsize  # keys and values
         if longest_bytes <= STACKED_STEP_PAST_BYTES and max(pasts) <= 2 * max(min(pasts), 1):
-            parts = _even_parts(steps, STACKED_STEPS_BYTES // longest_bytes, size=lambda step: step.query.shape[0])
+            per_run = STACKED_STEPS_BYTES // max(longest_bytes, 1)  # first steps have no past: all in one
+            parts = _even_parts(steps, per_run, size=lambda step: step.query.shape[0])
             answers = [answer for part in parts for answer in self._run_stacked(part)]
             return answers, len(parts)
         if len(steps) < self._min_grouped or not self._members:

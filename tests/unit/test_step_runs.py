@@ -71,6 +71,18 @@ def test_steps_of_sequences_of_different_lengths_share_one_run_each_equal_to_its
     assert_equal_to_alone(session, steps, answers)
 
 
+def test_first_steps_of_sequences_started_together_share_one_run(session):
+    steps = [(rows(2, 120 + i), session.steps.empty_cache(1)) for i in range(3)]  # no past yet
+    answers, runs = run_at_once(session, steps)
+    assert runs == 1
+    for (query, cache), (output, weights, after) in zip(steps, answers, strict=True):
+        want_output, want_weights, want = session.steps.run_step(Step(query, cache))
+        np.testing.assert_allclose(output, want_output, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(weights, want_weights, rtol=0, atol=1e-7)
+        assert after.length == want.length == 2  # (alone, a first step's rows are its buffers exactly)
+        np.testing.assert_allclose(after.key[:, :, :2], want.key, rtol=0, atol=1e-6)
+
+
 def test_steps_of_other_new_rows_or_a_far_longer_past_or_past_the_rows_limit_run_apart(session):
     long = grown(session, 40, 2)
     # Calls of at most two rows: [0, 2], [1] (two new rows), [3, 4]; in the first, a past four times as long as
