@@ -26,9 +26,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from bench_server_cpu import cpu_seconds
-
 from mhaserve.export.default_model import ensure_default_model
+from mhaserve.loadtest.checked_load import process_cpu_seconds as cpu_seconds
 from mhaserve.loadtest.loadgen import LoadGenerator, Point, Workload, default_processes
 from mhaserve.server.process import ServerProcess
 

@@ -51,7 +51,7 @@ from bench_revisions import baseline_checkout
 
 from mhaserve.client.grpc import build_infer_request
 from mhaserve.export.default_model import ensure_default_model
-from mhaserve.loadtest.checked_load import rss_mib
+from mhaserve.loadtest.checked_load import process_cpu_seconds, rss_mib
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
 from mhaserve.server.process import ServerProcess
 
@@ -309,12 +309,6 @@ async def against_baseline(
         print(f"  {name}: stateless one-row requests, 64 at once: {ceiling:.1f}/s")
 
 
-def cpu_s(pid: int) -> float:
-    """The CPU seconds process ``pid`` has used, all its threads."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def in_process_cpu_ms(positions: tuple[int, ...], calls: int = 30) -> tuple[float, dict[int, float]]:
     """This process's CPU ms (every thread) per row of 64 one-row requests run as one batch, and per step of 64
     sequences' one-row steps in one call of the step runs at each position (output only, as served below)."""
@@ -349,10 +343,11 @@ async def ceiling(server: ServerProcess, positions: tuple[int, ...], rounds: int
     per_row, per_step = in_process_cpu_ms(positions)
     served = []
     for _ in range(rounds):
-        server_s, client_s = cpu_s(server.proc.pid), time.process_time()
+        server_s, client_s = process_cpu_seconds(server.proc.pid), time.process_time()
         rate = await stateless_per_second(server.url, 64)
         requests = rate * 5.0
-        served.append(((cpu_s(server.proc.pid) - server_s) / requests, (time.process_time() - client_s) / requests))
+        server_used = process_cpu_seconds(server.proc.pid) - server_s
+        served.append((server_used / requests, (time.process_time() - client_s) / requests))
     per_request = statistics.median(s + c for s, c in served) * 1e3
     print(f"CPU ms per stateless one-row request from 64 callers: server and load generator {per_request:.3f} (rounds "
           f"{', '.join(f'{(s + c) * 1e3:.3f}' for s, c in served)}); in process: per row of a batch of 64 "

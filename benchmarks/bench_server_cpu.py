@@ -16,24 +16,15 @@ ratios server / bare. Not a test: BENCHMARKS.md records the figures.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
-from pathlib import Path
 
 from bench_server import start_helper_process  # this folder's: the bare server
 
 from mhaserve.export.default_model import ensure_default_model
+from mhaserve.loadtest.checked_load import process_cpu_seconds as cpu_seconds
 from mhaserve.loadtest.loadgen import LoadGenerator, Point, Workload, default_processes
 from mhaserve.server.process import ServerProcess
-
-TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of ``pid`` and its threads, from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime
 
 
 def measured(url: str, pid: int, length: int, concurrency: int, args) -> dict:

@@ -90,6 +90,7 @@ def serving_settings(served: ServedModel) -> dict[str, str]:
         for name, value in (
             ("provider", session.provider),
             ("intra_op_threads", session.intra_op_threads),
+            ("intra_op_spin_ms", session.intra_op_spin_ms),
             ("inference_workers", batcher.workers),
             ("dynamic_batching", batcher.enabled),
             ("max_batch_size", batcher.max_batch_size),

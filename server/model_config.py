@@ -58,6 +58,7 @@ class ModelSettings:
     max_queue_size: int
     inference_workers: int
     intra_op_threads: int
+    intra_op_spin_ms: float
     length_aware_batching: bool
     output_only_graph: bool
     max_q_len: int

@@ -76,13 +76,18 @@ def _share_cpu_arena() -> None:
         _CPU_ARENA_SHARED = True
 
 
-def _session_options(intra_op_threads: int, inter_op_threads: int) -> ort.SessionOptions:
+def _session_options(intra_op_threads: int, inter_op_threads: int, intra_op_spin_ms: float) -> ort.SessionOptions:
     _share_cpu_arena()
     options = ort.SessionOptions()
     options.add_session_config_entry("session.use_env_allocators", "1")
     options.intra_op_num_threads = intra_op_threads
     options.inter_op_num_threads = inter_op_threads
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if intra_op_spin_ms == 0:
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    elif intra_op_spin_ms > 0:  # else ONNX Runtime's own spin
+        spin_us = max(1, round(intra_op_spin_ms * 1000))
+        options.add_session_config_entry("session.intra_op.spin_duration_us", str(spin_us))
     return options
 
 
@@ -104,6 +109,7 @@ class AttentionSession:
         inter_op_threads: int = 1,
         cuda_tf32: bool = False,
         output_only: bool = True,
+        intra_op_spin_ms: float = -1.0,
     ):
         model_dir = Path(model_dir)
         manifest = read_manifest(model_dir)
@@ -130,7 +136,8 @@ class AttentionSession:
             )
         path = check_model_file(model_dir, manifest)
         self.intra_op_threads = intra_op_threads or os.cpu_count() or 1
-        options = _session_options(self.intra_op_threads, inter_op_threads)
+        self.intra_op_spin_ms = intra_op_spin_ms
+        options = _session_options(self.intra_op_threads, inter_op_threads, intra_op_spin_ms)
         self._session = self._load(path, options, device, cuda_tf32)
         self.provider = self._session.get_providers()[0]
         output_only_path = output_only_file(model_dir, manifest) if output_only else None

@@ -138,6 +138,7 @@ class VersionFactory:
             self.settings.device,
             model.intra_op_threads,
             cuda_tf32=self.settings.cuda_tf32,
+            intra_op_spin_ms=model.intra_op_spin_ms,
             output_only=model.output_only_graph,
         )
         session.warm_up(self.settings.warmup_runs)

@@ -9,6 +9,7 @@ unexpected errors" and "every accepted request answered correctly" are figures, 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -154,6 +155,12 @@ def _status_mib(pid: int, key: str) -> float:
 def rss_mib(pid: int) -> float:
     """Resident memory of a process on this machine (Linux /proc)."""
     return _status_mib(pid, "VmRSS")
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process on this machine and its threads so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
 def peak_rss_mib(pid: int) -> float:

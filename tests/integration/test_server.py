@@ -8,6 +8,7 @@ import queue
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -17,7 +18,7 @@ import pytest
 from mhaserve.client.grpc import AsyncClient, Client, build_infer_request
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
-from tests.support import SMALL_D_MODEL, SMALL_HEADS, eager, rand
+from tests.support import SMALL_D_MODEL, SMALL_HEADS, TEST_SERVER_ARGS, eager, rand
 
 D, H = SMALL_D_MODEL, SMALL_HEADS
 
@@ -382,6 +383,31 @@ def test_inference_threads_run_below_the_grpc_thread(server):
     assert nice[server.proc.pid] == 0  # the main thread: the event loop
     # The worker that calls ONNX Runtime and the threads ONNX Runtime made from it (intra_op_threads in all).
     assert sum(value == 10 for value in nice.values()) >= intra_op_threads, nice
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/PID/stat")
+def test_with_intra_op_spin_ms_0_a_server_of_sparse_traffic_is_idle_between_requests(
+    start_server_process, small_model_dir, small_module
+):
+    """ONNX Runtime's threads spin for the next run for tens of milliseconds after each (about 40 ms of a core per
+    request a tenth of a second apart, measured); told not to, they sleep once a run ends, and the server answers
+    the same."""
+    from mhaserve.loadtest.checked_load import process_cpu_seconds
+
+    server = start_server_process(
+        small_model_dir, *TEST_SERVER_ARGS, "--intra-op-threads", "2", "--intra-op-spin-ms", "0"
+    )
+    query = rand(1, 16, D, seed=3)
+    with Client(server.url) as client:
+        for _ in range(3):
+            client.infer(query)
+        before = process_cpu_seconds(server.proc.pid)
+        for _ in range(10):
+            time.sleep(0.1)
+            result = client.infer(query)
+        cpu_ms_per_request = (process_cpu_seconds(server.proc.pid) - before) / 10 * 1000
+    assert cpu_ms_per_request < 15, f"{cpu_ms_per_request:.1f} ms of CPU per request a tenth of a second apart"
+    np.testing.assert_allclose(result.output, eager(small_module, query)[0], atol=1e-5)
 
 
 def test_device_auto_without_cuda_serves_on_cpu_with_one_warning_only_where_a_gpu_is_present(server):
