@@ -5,8 +5,12 @@ heap keeps what it frees)."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import errno
 import gc
 import math
+import mmap
 
 import numpy as np
 
@@ -19,9 +23,28 @@ def rows(count: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((1, HEADS, count, D_K), dtype=np.float32)
 
 
-def rss_mib() -> float:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * 4096 / 2**20
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+
+
+def resident_mib(buffer: np.ndarray) -> float:
+    """How much of a mapped buffer's own pages is in memory (mincore): this buffer's, whatever else the process
+    allocates meanwhile."""
+    pages = -(-buffer.nbytes // mmap.PAGESIZE)
+    residency = (ctypes.c_ubyte * pages)()
+    address = ctypes.c_void_p(buffer.__array_interface__["data"][0])
+    if _LIBC.mincore(address, ctypes.c_size_t(buffer.nbytes), residency) != 0:
+        raise OSError(ctypes.get_errno(), "mincore")
+    return sum(page & 1 for page in residency) * mmap.PAGESIZE / 2**20
+
+
+def still_mapped(address: int) -> bool:
+    """Whether the page at ``address`` is mapped in this process (mincore fails with ENOMEM where it is not)."""
+    residency = (ctypes.c_ubyte * 1)()
+    if _LIBC.mincore(ctypes.c_void_p(address), ctypes.c_size_t(mmap.PAGESIZE), residency) == 0:
+        return True
+    if ctypes.get_errno() != errno.ENOMEM:
+        raise OSError(ctypes.get_errno(), "mincore")
+    return False
 
 
 def test_steps_are_written_in_place_and_a_full_buffer_grows_by_an_eighth():
@@ -44,13 +67,13 @@ def test_a_large_first_step_is_copied_into_pages_with_room():
 
 
 def test_mapped_buffers_take_memory_only_where_written_and_give_it_back_when_let_go():
-    gc.collect()
-    before = rss_mib()
     buffers = [zeroed((1, HEADS, 2048, D_K), np.float32) for _ in range(16)]  # 4 MiB each
-    assert rss_mib() - before < 8, "room nothing was written to took memory"
-    for buffer in buffers:
-        buffer[:, :, :1024] = 1.0  # half of every head's rows
-    assert 28 <= rss_mib() - before <= 40
+    assert sum(map(resident_mib, buffers)) == 0, "room nothing was written to took memory"
+    for written in buffers:
+        written[:, :, :1024] = 1.0  # half of every head's rows
+    del written
+    assert sum(map(resident_mib, buffers)) == 32  # 16 buffers x 8 heads x 1,024 rows x 64 x 4 bytes
+    addresses = [buffer.__array_interface__["data"][0] for buffer in buffers]
     buffers.clear()
     gc.collect()
-    assert rss_mib() - before < 8, "buffers let go were kept by the process"
+    assert not any(map(still_mapped, addresses)), "buffers let go were kept by the process"
