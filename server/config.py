@@ -351,14 +351,14 @@ class DeviceSettings(Section):
         "magnitude times 1e-3); false (the default): exact float32 products",
     )
     intra_op_threads: int = setting(0, "ONNX Runtime threads per run (0 = one per core)")
-    # ONNX Runtime's threads spin for the next run for a while after each (about 40 ms on an AMD EPYC): under load
-    # that keeps a core ready for the runs, and on a server with sparse traffic it is a core's worth of CPU spent
-    # waiting (BENCHMARKS.md, "ONNX Runtime's threads between runs").
+    # ONNX Runtime's threads spin for the next run for tens of milliseconds after each: under load that keeps a
+    # core ready for the runs, and on a server of sparse traffic it is CPU spent waiting (BENCHMARKS.md, "ONNX
+    # Runtime's threads between runs").
     intra_op_spin_ms: float = setting(
         -1.0,
         "milliseconds ONNX Runtime's threads spin for the next run after one before they sleep (-1: ONNX Runtime's "
         "own, fastest under load; 0: they sleep at once; a few ms: less CPU spent between sparse requests)",
-        rule=at_least(-1),
+        rule=Rule(lambda value: value == -1 or value >= 0, "-1 (ONNX Runtime's own) or 0 or more"),
     )
     inference_workers: int = setting(
         1, "model runs allowed at once; more than one only helps with spare cores", rule=at_least(1)

@@ -389,9 +389,9 @@ def test_inference_threads_run_below_the_grpc_thread(server):
 def test_with_intra_op_spin_ms_0_a_server_of_sparse_traffic_is_idle_between_requests(
     start_server_process, small_model_dir, small_module
 ):
-    """ONNX Runtime's threads spin for the next run for tens of milliseconds after each (about 40 ms of a core per
-    request a tenth of a second apart, measured); told not to, they sleep once a run ends, and the server answers
-    the same."""
+    """ONNX Runtime's threads spin for the next run for tens of milliseconds after each, a core's worth of CPU per
+    request a tenth of a second apart (BENCHMARKS.md, "ONNX Runtime's threads between runs"); told not to, they
+    sleep once a run ends, and the server answers the same."""
     from mhaserve.loadtest.checked_load import process_cpu_seconds
 
     server = start_server_process(
