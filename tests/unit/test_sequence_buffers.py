@@ -26,25 +26,22 @@ def rows(count: int, seed: int = 0) -> np.ndarray:
 _LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 
 
-def resident_mib(buffer: np.ndarray) -> float:
-    """How much of a mapped buffer's own pages is in memory (mincore): this buffer's, whatever else the process
-    allocates meanwhile."""
-    pages = -(-buffer.nbytes // mmap.PAGESIZE)
-    residency = (ctypes.c_ubyte * pages)()
-    address = ctypes.c_void_p(buffer.__array_interface__["data"][0])
-    if _LIBC.mincore(address, ctypes.c_size_t(buffer.nbytes), residency) != 0:
-        raise OSError(ctypes.get_errno(), "mincore")
-    return sum(page & 1 for page in residency) * mmap.PAGESIZE / 2**20
-
-
-def still_mapped(address: int) -> bool:
-    """Whether the page at ``address`` is mapped in this process (mincore fails with ENOMEM where it is not)."""
-    residency = (ctypes.c_ubyte * 1)()
-    if _LIBC.mincore(ctypes.c_void_p(address), ctypes.c_size_t(mmap.PAGESIZE), residency) == 0:
-        return True
+def residency(address: int, nbytes: int) -> bytes | None:
+    """mincore of the pages from ``address``: a byte a page, its lowest bit set where the page is in memory; None
+    where they are not mapped in this process (mincore fails with ENOMEM)."""
+    pages = (ctypes.c_ubyte * -(-nbytes // mmap.PAGESIZE))()
+    if _LIBC.mincore(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), pages) == 0:
+        return bytes(pages)
     if ctypes.get_errno() != errno.ENOMEM:
         raise OSError(ctypes.get_errno(), "mincore")
-    return False
+    return None
+
+
+def resident_mib(buffer: np.ndarray) -> float:
+    """How much of a mapped buffer's own pages is in memory: this buffer's, whatever else the process allocates
+    meanwhile."""
+    pages = residency(buffer.__array_interface__["data"][0], buffer.nbytes)
+    return sum(page & 1 for page in pages) * mmap.PAGESIZE / 2**20
 
 
 def test_steps_are_written_in_place_and_a_full_buffer_grows_by_an_eighth():
@@ -76,4 +73,6 @@ def test_mapped_buffers_take_memory_only_where_written_and_give_it_back_when_let
     addresses = [buffer.__array_interface__["data"][0] for buffer in buffers]
     buffers.clear()
     gc.collect()
-    assert not any(map(still_mapped, addresses)), "buffers let go were kept by the process"
+    assert all(residency(address, mmap.PAGESIZE) is None for address in addresses), (
+        "buffers let go were kept by the process"
+    )
