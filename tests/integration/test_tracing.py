@@ -8,6 +8,7 @@ import concurrent.futures
 import json
 import subprocess
 import sys
+import threading
 import urllib.error
 import urllib.request
 
@@ -75,9 +76,12 @@ def test_every_request_is_a_server_span_with_its_phases_and_every_batched_run_li
         "--trace-config", "rate=1", "--max-queue-delay-us", "20000",
     )  # fmt: skip
     lengths = [3 + 3 * i for i in range(16)]  # mixed lengths, sent together: batched across lengths
+    all_connected = threading.Barrier(16)
 
     def call(index: int) -> None:
         with Client(server.url) as client:
+            client.wait_ready()  # connected before any sends: a slow connect must not spread the sends out
+            all_connected.wait(timeout=30)
             infer(client, lengths[index], seed=index)
 
     with concurrent.futures.ThreadPoolExecutor(16) as callers:
