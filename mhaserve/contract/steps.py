@@ -85,7 +85,11 @@ def zeroed(shape: tuple[int, ...], dtype) -> np.ndarray:
     nbytes = math.prod(shape) * np.dtype(dtype).itemsize
     if nbytes < MAPPED_FROM_BYTES:
         return np.zeros(shape, dtype)
-    return np.frombuffer(mmap.mmap(-1, nbytes), dtype).reshape(shape)  # anonymous pages read as zeros
+    pages = mmap.mmap(-1, nbytes)  # anonymous pages read as zeros
+    # Base pages only: where the kernel backs memory with huge pages by default (transparent_hugepage=always),
+    # a row written in the room would fault in 2 MiB of it.
+    pages.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(pages, dtype).reshape(shape)
 
 
 def stacked_pasts(pasts: list[tuple[np.ndarray, int]]) -> tuple[np.ndarray, np.ndarray]:

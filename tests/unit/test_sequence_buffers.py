@@ -76,3 +76,22 @@ def test_mapped_buffers_take_memory_only_where_written_and_give_it_back_when_let
     assert all(residency(address, mmap.PAGESIZE) is None for address in addresses), (
         "buffers let go were kept by the process"
     )
+
+
+def mapping_flags(address: int) -> set[str]:
+    """The kernel's VmFlags of the mapping that holds ``address`` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):  # a mapping's first line: start-end perms ...
+                start, end = (int(part, 16) for part in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "VmFlags:":
+                return set(line.split()[1:])
+    raise LookupError(f"no mapping holds {address:#x}")
+
+
+def test_mapped_buffers_ask_for_base_pages_so_that_huge_pages_by_default_take_no_room_either():
+    buffer = zeroed((1, HEADS, 2048, D_K), np.float32)
+    assert "nh" in mapping_flags(buffer.__array_interface__["data"][0])  # MADV_NOHUGEPAGE
