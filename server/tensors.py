@@ -188,14 +188,17 @@ def checked_inputs(arrays: dict[str, np.ndarray], output_names, model: ModelSign
     for name in ("query", "key", "value"):
         array = arrays.get(name)
         if array is not None and not any(array is seen for seen in checked):  # self-attention: one check
-            _check_finite(array, name)
             masks_bound = model.mask_exact_input_limit is not None and name != "value"  # values make no scores
             if model.max_abs_input is not None or masks_bound:
-                largest = max(float(array.max()), -float(array.min()))
+                largest = max(float(array.max()), -float(array.min()))  # NaN or Inf where any value is
+                if not math.isfinite(largest):
+                    _check_finite(array, name)
                 if model.max_abs_input is not None:
                     _check_validated_range(largest, name, model)
                 if masks_bound:
                     _check_mask_exact_range(largest, name, model.mask_exact_input_limit)
+            else:
+                _check_finite(array, name)
             checked.append(array)
 
     mask = _attention_mask(arrays.get("mask"), batch, q_len, kv_len)
