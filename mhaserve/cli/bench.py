@@ -79,6 +79,9 @@ def add_bench(sub) -> None:
                    "the server, one row a step, to LENGTH rows, then starts another: steps/s, and each step's latency "
                    "by its position (closed loop)")  # fmt: skip
     add_point_arguments(p, duration_s=10.0, warmup_s=2.0)
+    p.add_argument("--connections", type=int, default=0, metavar="N", help="gRPC connections in all, the callers "
+                   "shared out over them (default: one per client process). A server of several workers spreads "
+                   "connections, not calls, over its workers: give at least a few per worker")  # fmt: skip
     p.add_argument("--timeout", type=float, default=60.0, help="deadline per request, seconds")
     p.add_argument("--rounds", type=int, default=1, help="measure each point this many times: the median round "
                    "is reported, each figure's lowest and highest beside it (default 1)")  # fmt: skip
@@ -101,6 +104,12 @@ def _run_bench(args) -> int:
         return _compare_runs(args.compare)
     if args.rounds < 1:
         raise UsageError(f"--rounds must be at least 1, got {args.rounds}")
+    if args.connections < 0:
+        raise UsageError(
+            f"--connections takes a number of connections (0: one per client process), got {args.connections}"
+        )
+    if args.connections and args.protocol == "http":
+        raise UsageError("--connections is for gRPC: over HTTP/REST each request in flight has a connection of its own")
     if args.sequence:
         if args.sequence < 1:
             raise UsageError(f"--sequence takes a length of at least 1 row, got {args.sequence}")
@@ -143,6 +152,7 @@ def _run_bench(args) -> int:
         weights=weights_options(args),
         shared_memory=args.shared_memory,
         sequence_length=args.sequence,
+        connections=args.connections,
     )
     if args.rate:
         points = [Point("open", rate, args.duration, args.warmup) for rate in args.rate]

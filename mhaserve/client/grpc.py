@@ -50,10 +50,17 @@ DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
 
 
 def open_channel(
-    url: str, tls: TLS | None = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, aio: bool = False
+    url: str,
+    tls: TLS | None = None,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    aio: bool = False,
+    own_connection: bool = False,
 ):
-    """A channel to ``url``: TLS when ``tls`` is given, plain text otherwise."""
+    """A channel to ``url``: TLS when ``tls`` is given, plain text otherwise. ``own_connection``: a connection of
+    its own, where gRPC would share one among a process's channels to the same address and with the same options."""
     options = _channel_options(max_message_bytes)
+    if own_connection:
+        options.append(("grpc.use_local_subchannel_pool", 1))
     if tls is not None and tls.server_name:
         options.append(("grpc.ssl_target_name_override", tls.server_name))
     grpc_module = grpc.aio if aio else grpc

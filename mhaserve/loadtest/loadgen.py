@@ -56,6 +56,10 @@ class Workload:
     attn_weights_mean: bool = False
     shared_memory: str = "none"  # system: tensors through POSIX shared memory (a server on this host)
     sequence_length: int = 0  # > 0: each request is a one-row step of a sequence grown to this many rows
+    # gRPC connections in all, shared out over the client processes as the callers are (a caller, and so each of
+    # its sequences, keeps to one); 0: one per client process. A server of several workers spreads connections, not
+    # calls, over them (SO_REUSEPORT): load from few connections reaches few workers.
+    connections: int = 0
 
     @property
     def shape_text(self) -> str:
@@ -176,8 +180,9 @@ def _regions_pool(client):
 
 
 @contextlib.asynccontextmanager
-async def _grpc_sender(url: str, workload: Workload, seed: int, timeout_s: float, tls, token):
-    """An async function sending request i and returning its final status, over gRPC."""
+async def _grpc_sender(url: str, workload: Workload, seed: int, timeout_s: float, tls, token, connections: int = 1):
+    """An async function sending request i from caller ``caller`` and returning its final status, over gRPC, each
+    caller on one of ``connections`` channels."""
     import grpc
 
     from mhaserve.client.grpc import Client, build_infer_request, call_metadata, open_channel
@@ -202,16 +207,21 @@ async def _grpc_sender(url: str, workload: Workload, seed: int, timeout_s: float
     shared = workload.shared_memory == "system"
     requests = [] if shared else [request(q) for q in queries]
     metadata = call_metadata(token, workload.application)  # no retries: a load test reports every refusal
-    async with open_channel(url, tls, aio=True) as channel:
-        stub = pb_grpc.GRPCInferenceServiceStub(channel)
-        await stub.ServerLive(pb.ServerLiveRequest(), timeout=30, wait_for_ready=True, metadata=metadata)
+    async with contextlib.AsyncExitStack() as channels:
+        stubs = []
+        for _ in range(connections):
+            channel = await channels.enter_async_context(open_channel(url, tls, aio=True, own_connection=True))
+            stubs.append(pb_grpc.GRPCInferenceServiceStub(channel))
+        for stub in stubs:  # each connected before the measured window
+            await stub.ServerLive(pb.ServerLiveRequest(), timeout=30, wait_for_ready=True, metadata=metadata)
         with contextlib.ExitStack() as stack:
             if shared:  # registrations go through a blocking client; inference stays on this channel
                 control = Client(url, workload.model, tls=tls, token=token, version=workload.version)
                 stack.enter_context(control)
                 heads, take = control.num_heads(), stack.enter_context(_regions_pool(control))
 
-            async def send(i: int, step: SequenceStep | None = None) -> str:
+            async def send(i: int, step: SequenceStep | None = None, caller: int = 0) -> str:
+                stub = stubs[caller % len(stubs)]
                 try:
                     if step is not None:  # a sequence's step: its parameters differ from call to call
                         await stub.ModelInfer(request(queries[i % len(queries)], sequence=step), timeout=timeout_s,
@@ -231,8 +241,9 @@ async def _grpc_sender(url: str, workload: Workload, seed: int, timeout_s: float
 
 
 @contextlib.asynccontextmanager
-async def _http_sender(url: str, workload: Workload, seed: int, timeout_s: float, tls, token):
-    """The same over HTTP/REST, each request's body built beforehand (binary tensor data)."""
+async def _http_sender(url: str, workload: Workload, seed: int, timeout_s: float, tls, token, connections: int = 1):
+    """The same over HTTP/REST, each request's body built beforehand (binary tensor data); a connection for each
+    request in flight (aiohttp's pool), whatever ``connections`` says."""
     import aiohttp
 
     from mhaserve.client.http import STATUS_NAMES, HttpClient, build_http_infer_body, ssl_context
@@ -272,7 +283,7 @@ async def _http_sender(url: str, workload: Workload, seed: int, timeout_s: float
                         return "OK"
                     return STATUS_NAMES.get(response.status, f"HTTP_{response.status}")
 
-            async def send(i: int, step: SequenceStep | None = None) -> str:
+            async def send(i: int, step: SequenceStep | None = None, caller: int = 0) -> str:
                 try:
                     if step is not None:
                         return await post(*body(queries[i % len(queries)], sequence=step))
@@ -293,14 +304,18 @@ async def _drive(url: str, workload: Workload, point: Point, share: float, seed:
     positions: list[int] = []  # sequences: the step position of each latency
     error_latencies: dict[str, list[int]] = {}
     sender = _http_sender if workload.protocol == "http" else _grpc_sender
-    async with sender(url, workload, seed, timeout_s, tls, token) as send:
+    # This process's part of the connections, as of the load: at least one
+    connections = max(1, round(workload.connections * share / point.load)) if workload.connections else 1
+    async with sender(url, workload, seed, timeout_s, tls, token, connections) as send:
         start = time.perf_counter_ns()
         measure_from = start + int(point.warmup_s * 1e9)
         end = measure_from + int(point.duration_s * 1e9)
         cpu_at_start: list[float] = []
 
-        async def call(i: int, sent_ns: int, step: SequenceStep | None = None, position: int = 0) -> str:
-            status = await send(i, step)
+        async def call(
+            i: int, sent_ns: int, step: SequenceStep | None = None, position: int = 0, caller: int = 0
+        ) -> str:
+            status = await send(i, step, caller)
             done = time.perf_counter_ns()
             if sent_ns >= measure_from and done <= end:
                 (latencies if status == "OK" else error_latencies.setdefault(status, [])).append(done - sent_ns)
@@ -327,10 +342,10 @@ async def _drive(url: str, workload: Workload, point: Point, share: float, seed:
                     for position in range(1, length + 1):
                         if (now := time.perf_counter_ns()) >= end:
                             if position > 1:  # ended, so that it holds no memory on the server after the run
-                                await send(i, SequenceStep(name, start=False, end=True))
+                                await send(i, SequenceStep(name, start=False, end=True), index)
                             return
                         step = SequenceStep(name, start=position == 1, end=position == length)
-                        status = await call(i, now, step, position)
+                        status = await call(i, now, step, position, index)
                         i += 1
                         if status != "OK":
                             break
@@ -341,7 +356,7 @@ async def _drive(url: str, workload: Workload, point: Point, share: float, seed:
             async def caller(index: int) -> None:
                 i = index
                 while (now := time.perf_counter_ns()) < end:
-                    await call(i, now)
+                    await call(i, now, caller=index)
                     i += 1
 
             await asyncio.gather(*(caller(i) for i in range(int(share))))
@@ -359,7 +374,7 @@ async def _drive(url: str, workload: Workload, point: Point, share: float, seed:
                 if len(outstanding) >= OPEN_LOOP_MAX_OUTSTANDING:
                     dropped += next_send >= measure_from
                 else:
-                    task = asyncio.create_task(call(i, next_send))
+                    task = asyncio.create_task(call(i, next_send, caller=i))
                     outstanding.add(task)
                     task.add_done_callback(outstanding.discard)
                 i += 1

@@ -18,6 +18,7 @@ import pytest
 
 from mhaserve.client.grpc import Client, GrpcRequestFailed
 from mhaserve.client.http import HttpClient
+from mhaserve.loadtest.loadgen import LoadGenerator, Point, Workload
 from tests.support import SMALL_D_MODEL, eager, rand
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SO_REUSEPORT's spreading is Linux's")
@@ -83,6 +84,22 @@ def test_workers_share_the_ports_answer_as_one_server_and_stop_together(
     assert server.wait_exit(60) == 0
     assert "stopped: 2 workers, 0 restarts" in server.log
     assert not any(alive(pid) for pid in pids.values())
+
+
+def test_a_load_test_over_several_connections_reaches_every_worker_and_keeps_each_sequence_on_its_own(
+    start_server_process, small_model_dir
+):
+    server = start_server_process(small_model_dir, "--workers", "2", "--metrics-port", "0")
+    stateless = Workload(SMALL_D_MODEL, 1, 3, 3, connections=16)  # one connection would reach one worker
+    steps = Workload(SMALL_D_MODEL, 1, 1, 1, attn_weights=False, sequence_length=4, connections=16)
+    with LoadGenerator(server.url, 1) as load:  # one client process
+        for workload in (stateless, steps):
+            before = requests_by_worker(server)
+            result = load.measure(workload, Point("closed", 16, 1.0, 0.2))
+            # a caller's steps keep to its connection, so to the worker that holds its sequence
+            assert result.count > 0 and not result.errors, result.errors
+            after = requests_by_worker(server)
+            assert all(after.get(worker, 0) > before.get(worker, 0) for worker in ("0", "1")), (before, after)
 
 
 def test_a_worker_that_dies_is_started_again_and_the_server_keeps_answering(
