@@ -2,10 +2,11 @@
 
 Each worker is a whole ``mhaserve serve`` (its own event loop, model, batching, memory budget and sequences) bound
 with SO_REUSEPORT, so the kernel spreads connections over them (by a hash of their addresses: a few may share a
-worker); a gRPC channel stays on the worker it connected to. The parent imports no model runtime: it picks the ports once (a port 0 becomes one free port all share),
-divides ONNX Runtime's threads, starts the workers, relays their logs prefixed with their number, restarts one that
-dies, serves the one /metrics of the whole server (every worker's series with a ``worker`` label, from each
-worker's own metrics port on loopback), and on SIGTERM or SIGINT passes it on and waits for every worker's drain.
+worker); a gRPC channel stays on the worker it connected to. The parent imports no model runtime: it picks the
+ports once (a port 0 becomes one free port all share), divides ONNX Runtime's threads, starts the workers, relays
+their logs prefixed with their number, restarts one that dies, serves the one /metrics of the whole server (every
+worker's series with a ``worker`` label, from each worker's own metrics port on loopback), and on SIGTERM or SIGINT
+passes it on and waits for every worker's drain.
 
 ModelStatistics, from whichever worker answers it, is the whole server's: the worker adds the others' (read from
 their metrics ports on loopback). What is per worker: a sequence (a step reaching another worker, as after a

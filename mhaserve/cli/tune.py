@@ -101,11 +101,16 @@ def _run_tune(args) -> int:
     )
     from mhaserve.server.process import free_port
 
-    workload = Workload(0, args.batch, *args.lengths, attn_weights=not args.no_weights, model=args.model)
     if args.rate:
         points = [Point("open", rate, args.duration, args.warmup) for rate in args.rate]
     else:
         points = [Point("closed", c, args.duration, args.warmup) for c in (args.concurrency or [16])]
+    # A connection per caller (16 for rates), as many clients make: a server of several workers spreads
+    # connections, not calls, so the load generator's default of one per client process would reach few workers.
+    callers = 16 if args.rate else max(int(point.load) for point in points)
+    workload = Workload(
+        0, args.batch, *args.lengths, attn_weights=not args.no_weights, model=args.model, connections=callers
+    )
     knobs = knobs_for(workload)
     if args.also_model:
         from mhaserve.contract.cpu import int8_support
