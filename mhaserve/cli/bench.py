@@ -164,7 +164,8 @@ def _run_bench(args) -> int:
     rounds = f" x {args.rounds} rounds" if args.rounds > 1 else ""
     about = len(points) * args.rounds * (args.warmup + args.duration)
     print(f"mhaserve bench: {title}; {len(points)} points{rounds} x ({args.warmup:g} s warm-up + {args.duration:g} "
-          f"s): about {about:g} s, up to {processes} client processes", file=sys.stderr)  # fmt: skip
+          f"s): about {about:g} s, up to {processes} client processes"
+          + (f", {args.connections} connections" if args.connections else ""), file=sys.stderr)  # fmt: skip
     results = []
     print(report.table_header())
     judged = []  # per point: its SLO verdicts and goodput

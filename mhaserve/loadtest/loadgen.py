@@ -304,7 +304,7 @@ async def _drive(url: str, workload: Workload, point: Point, share: float, seed:
     positions: list[int] = []  # sequences: the step position of each latency
     error_latencies: dict[str, list[int]] = {}
     sender = _http_sender if workload.protocol == "http" else _grpc_sender
-    # This process's part of the connections, as of the load: at least one
+    # This process's part of the connections, as its part of the load: at least one
     connections = max(1, round(workload.connections * share / point.load)) if workload.connections else 1
     async with sender(url, workload, seed, timeout_s, tls, token, connections) as send:
         start = time.perf_counter_ns()

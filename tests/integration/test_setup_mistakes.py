@@ -96,6 +96,19 @@ def test_an_argument_error_is_two_lines_not_the_usage(tmp_path):
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 2 and "--no-such-flag" in done.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--connections", "-1"], "--connections takes a number of connections (0: one per client process), got -1"),
+        (["--connections", "4", "--protocol", "http"], "--connections is for gRPC: over HTTP/REST each request"),
+    ],
+)
+def test_connections_bench_cannot_open_are_refused_in_one_line_before_connecting(tmp_path, args, said):
+    done, _ = mhaserve("bench", "--url", "127.0.0.1:1", *args, tmp_path=tmp_path)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and said in lines[0], done.stderr
+
+
 def start_failure(tmp_path, *args: str) -> subprocess.CompletedProcess:
     done, _ = mhaserve("serve", "--port", "0", "--http-port", "0", "--metrics-port", "0", *args, tmp_path=tmp_path)
     assert "Traceback" not in done.stderr, done.stderr
