@@ -33,7 +33,7 @@ from .registry import ModelRegistry, ServedModel
 from .sequences import Sequences
 from .shared_memory import NOTHING_HELD, SharedMemoryRegistry
 from .tensors import Limits, RunInputs
-from .threads import lowered_pool
+from .threads import lowered_pool, worker_board
 from .trace_settings import parse_trace_config
 from .tracing import Tracing
 from .versions import VersionFactory
@@ -86,7 +86,7 @@ class DataPlane:
         self.draining = False  # shutting down: in-flight requests finish, ready RPCs say no
         # One budget and one set of inference workers for every served version: the memory and the cores
         # are the process's, however many models share them.
-        self._executor = lowered_pool(settings.inference_workers, "infer", settings.inference_nice)
+        self._executor = lowered_pool(settings.inference_workers, "infer", settings.inference_nice, worker_board())
         # Decodes that convert values one by one (typed contents, JSON data) run here, off the event loop.
         self._decoder = lowered_pool(1, "decode", settings.inference_nice)
         self.sequences = Sequences(

@@ -90,6 +90,8 @@ def serving_settings(served: ServedModel) -> dict[str, str]:
         for name, value in (
             ("provider", session.provider),
             ("intra_op_threads", session.intra_op_threads),
+            # one of --workers: a run's threads while the other workers run nothing (0: always the above)
+            ("intra_op_threads_alone", session.alone_threads),
             ("intra_op_spin_ms", session.intra_op_spin_ms),
             ("inference_workers", batcher.workers),
             ("dynamic_batching", batcher.enabled),

@@ -9,6 +9,7 @@ import logging
 import os
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -110,7 +111,12 @@ class AttentionSession:
         cuda_tf32: bool = False,
         output_only: bool = True,
         intra_op_spin_ms: float = -1.0,
+        alone_threads: int = 0,
+        alone: Callable[[], bool] | None = None,
     ):
+        """``alone_threads`` and ``alone``: on the CPU, the graphs loaded a second time with this many intra-op
+        threads, which a run takes where ``alone()`` says so (one of --workers while the others run nothing: a lone
+        caller gets every core's threads, and under load each worker keeps its share)."""
         model_dir = Path(model_dir)
         manifest = read_manifest(model_dir)
         if device not in ("auto", "cpu", "cuda"):
@@ -147,6 +153,13 @@ class AttentionSession:
             self._output_only = self._load(
                 output_only_path, options, "cpu" if self.provider == CPU else device, cuda_tf32
             )
+        self.alone_threads = 0
+        self._alone, self._alone_graphs = alone, None
+        if alone is not None and alone_threads > self.intra_op_threads and self.provider == CPU:
+            alone_options = _session_options(alone_threads, inter_op_threads, intra_op_spin_ms)
+            full = self._load(path, alone_options, "cpu", cuda_tf32)
+            only = None if output_only_path is None else self._load(output_only_path, alone_options, "cpu", cuda_tf32)
+            self._alone_graphs, self.alone_threads = (full, only), alone_threads
         # On the provider the full graph got, as the output-only graph; None: this folder serves no sequences (of
         # that kind). The grouped graphs only on the CPU: on CUDA each step runs alone, its cache on the device.
         paths = [
@@ -250,7 +263,10 @@ class AttentionSession:
     def graph_for(self, output_names, kv_len: int) -> ort.InferenceSession:
         """The graph a run of these outputs over ``kv_len`` keys takes: the output-only one where it serves."""
         output_only = tuple(output_names) == (OUTPUT,) and kv_len >= OUTPUT_ONLY_FROM_KV_LEN
-        return self._output_only if output_only and self._output_only is not None else self._session
+        full, only = self._session, self._output_only
+        if self._alone_graphs is not None and self._alone():
+            full, only = self._alone_graphs
+        return only if output_only and only is not None else full
 
     def run(self, output_names, query, key, value, mask) -> list[np.ndarray]:
         session = self.graph_for(output_names, key.shape[1])
@@ -279,7 +295,18 @@ class AttentionSession:
                             self._shrink)  # fmt: skip
 
     def warm_up(self, runs: int = 2) -> None:
-        """Run at a few shapes so the first client does not pay for ONNX Runtime's lazy set-up."""
+        """Run at a few shapes so the first client does not pay for ONNX Runtime's lazy set-up (each set of graphs,
+        where a run alone takes others)."""
+        alone = self._alone
+        choices = [alone] if self._alone_graphs is None else [lambda: False, lambda: True]
+        try:
+            for choice in choices:
+                self._alone = choice
+                self._warm_up_graphs(runs)
+        finally:
+            self._alone = alone
+
+    def _warm_up_graphs(self, runs: int) -> None:
         d = self.info.d_model
         rng = np.random.default_rng(0)
         for batch, q_len, kv_len in ((1, 16, 16), (2, 64, 32)):

@@ -27,7 +27,7 @@ from .sequences import SequenceRuntime, Sequences, StepRuns
 from .session import AttentionSession
 from .statistics import BatchResult, ModelStatistics
 from .tensors import Limits
-from .threads import lowered_pool
+from .threads import lowered_pool, runs_alone
 
 log = logging.getLogger("mhaserve.server")
 
@@ -133,6 +133,7 @@ class VersionFactory:
         )
 
     def _open_session(self, model_dir: Path, model: ModelSettings) -> tuple[AttentionSession, RunCost | None]:
+        alone_threads, alone = runs_alone()
         session = AttentionSession(
             model_dir,
             self.settings.device,
@@ -140,6 +141,8 @@ class VersionFactory:
             cuda_tf32=self.settings.cuda_tf32,
             intra_op_spin_ms=model.intra_op_spin_ms,
             output_only=model.output_only_graph,
+            alone_threads=alone_threads,
+            alone=alone,
         )
         session.warm_up(self.settings.warmup_runs)
         run_cost = None

@@ -3,10 +3,11 @@
 Each worker is a whole ``mhaserve serve`` (its own event loop, model, batching, memory budget and sequences) bound
 with SO_REUSEPORT, so the kernel spreads connections over them (by a hash of their addresses: a few may share a
 worker); a gRPC channel stays on the worker it connected to. The parent imports no model runtime: it picks the
-ports once (a port 0 becomes one free port all share), divides ONNX Runtime's threads, starts the workers, relays
-their logs prefixed with their number, restarts one that dies, serves the one /metrics of the whole server (every
-worker's series with a ``worker`` label, from each worker's own metrics port on loopback), and on SIGTERM or SIGINT
-passes it on and waits for every worker's drain.
+ports once (a port 0 becomes one free port all share), divides ONNX Runtime's threads (and makes the board on which
+the workers mark their runs, so that one running alone takes every core's: threads.WorkerBoard), starts the workers,
+relays their logs prefixed with their number, restarts one that dies, serves the one /metrics of the whole server
+(every worker's series with a ``worker`` label, from each worker's own metrics port on loopback), and on SIGTERM or
+SIGINT passes it on and waits for every worker's drain.
 
 ModelStatistics, from whichever worker answers it, is the whole server's: the worker adds the others' (read from
 their metrics ports on loopback). What is per worker: a sequence (a step reaching another worker, as after a
@@ -24,6 +25,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -35,10 +37,10 @@ from .config import ServerSettings
 from .ports import host_port
 from .process import ended_with_the_parent
 from .rest.prometheus import start_metrics
+from .threads import ALONE_THREADS_ENV, BOARD_ENV, WORKER_ENV, WorkerBoard
 
 log = logging.getLogger("mhaserve.server")
 
-WORKER_ENV = "MHASERVE_WORKER"  # set in a worker's environment: its number (its serving line says so)
 PEERS_ENV = "MHASERVE_WORKER_PEERS"  # and every worker's own metrics address on loopback, in worker order
 RESTART_DELAY_S = 1.0  # a worker that died is started again after this
 READY_TIMEOUT_S = 600.0  # a worker not serving by then (its model's load included) fails the start
@@ -84,6 +86,10 @@ class Worker:
     restarts: int = 0
 
 
+# The workers' board (threads.WorkerBoard) in memory where the system has a memory file system.
+_BOARD_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
+
+
 class Workers:
     """The workers of one server and what the parent does for them (see the module doc)."""
 
@@ -94,6 +100,11 @@ class Workers:
         self.http_port = settings.http_port if settings.http_port != 0 else _free_port(settings.host)
         cores = os.cpu_count() or 1
         self.threads = settings.intra_op_threads or max(1, cores // self.count)
+        # The threads divided by the parent: a worker's run takes every core's while the others run nothing.
+        self.alone_threads = cores if not settings.intra_op_threads and self.threads < cores else 0
+        board, self.board_path = tempfile.mkstemp(prefix="mhaserve-workers-", dir=_BOARD_DIR)
+        os.close(board)
+        WorkerBoard.create(self.board_path, self.count)
         self.workers = [Worker(i, _free_port("127.0.0.1")) for i in range(self.count)]
         self._argv = argv
         self._stopping = False
@@ -111,7 +122,9 @@ class Workers:
 
     def start(self, worker: Worker) -> None:
         peers = ",".join(f"127.0.0.1:{each.metrics_port}" for each in self.workers)
-        env = {**os.environ, WORKER_ENV: str(worker.index), PEERS_ENV: peers}
+        env = {**os.environ, WORKER_ENV: str(worker.index), PEERS_ENV: peers, BOARD_ENV: self.board_path}
+        if self.alone_threads:
+            env[ALONE_THREADS_ENV] = str(self.alone_threads)
         worker.ready.clear()
         worker.process = subprocess.Popen(
             self.command(worker),
@@ -262,7 +275,10 @@ def run_workers(settings: ServerSettings, argv: list[str]) -> int:
     else 0)."""
     check_workers(settings)
     workers = Workers(settings, argv)
-    return asyncio.run(_run(workers, settings))
+    try:
+        return asyncio.run(_run(workers, settings))
+    finally:
+        os.unlink(workers.board_path)
 
 
 async def _run(workers: Workers, settings: ServerSettings) -> int:

@@ -139,6 +139,25 @@ def test_runs_without_weights_take_the_output_only_graph(small_model_dir):
     assert np.array_equal(turned_off.run(("output",), query, query, query, mask)[0], with_weights)
 
 
+def test_a_run_alone_takes_the_graphs_of_every_cores_threads_and_answers_alike(small_model_dir):
+    quiet = [True]
+    session = AttentionSession(small_model_dir, "cpu", intra_op_threads=1, alone_threads=2, alone=lambda: quiet[0])
+    assert session.alone_threads == 2
+    query = rand(1, 300, SMALL_D_MODEL, seed=4)  # from 256 keys the output alone takes the output-only graph
+    mask = np.ones((1, 1, 1, query.shape[1]), dtype=bool)
+    answers = {}
+    for quiet[0] in (True, False):
+        for outputs in (("output",), ("output", "attn_weights")):
+            graph = session.graph_for(outputs, query.shape[1])
+            threads = graph.get_session_options().intra_op_num_threads
+            assert threads == (2 if quiet[0] else 1), (quiet[0], outputs)
+            answers[quiet[0], outputs] = session.run(outputs, query, query, query, mask)[0]
+    for outputs in (("output",), ("output", "attn_weights")):
+        np.testing.assert_allclose(answers[True, outputs], answers[False, outputs], rtol=0, atol=1e-6)
+    one_set = AttentionSession(small_model_dir, "cpu", intra_op_threads=2, alone_threads=2, alone=lambda: True)
+    assert one_set.alone_threads == 0  # no more threads to take: no second set of graphs
+
+
 def test_the_output_only_graph_can_be_turned_off(start_server, small_model_dir):
     server = start_server(small_model_dir, "--warmup-runs", "0", "--output-only-graph", "false")
     assert "output_only_graph=no" in server.log

@@ -77,6 +77,10 @@ def test_workers_share_the_ports_answer_as_one_server_and_stop_together(
     assert set(counts) == {"0", "1"} and sum(counts.values()) == 17, counts
     with Client(server.url) as client:  # statistics from whichever worker answers: the whole server's
         stats = client.statistics()
+        settings = {key: value.string_value for key, value in client.config().parameters.items()}
+    # each worker runs on its share of the threads, and on every core's while the other runs nothing
+    cores = os.cpu_count()
+    assert settings["intra_op_threads_alone"] == (str(cores) if cores > 1 else "0"), settings
     assert stats.inference_count == 17 and stats.inference_stats.success.count == 17
     assert http.statistics()["inference_count"] == 17
     pids = worker_pids(server)
