@@ -1,5 +1,6 @@
-"""The priority of the server's worker threads: inference and decoding run below the event loop's, so that
-health checks and small requests are answered while large ones compute."""
+"""The server's worker threads: their priority (inference and decoding run below the event loop's, so that health
+checks and small requests are answered while large ones compute), and, in one of --workers, the board on which the
+inference threads mark their runs for the other workers to see."""
 
 from __future__ import annotations
 
@@ -59,6 +60,7 @@ class WorkerBoard:
         self._index = index
         self._in_flight = 0
         self._lock = threading.Lock()
+        self._slots[index] = 0  # quiet: a worker started again after dying in a run is not busy still
 
     @staticmethod
     def create(path: str, workers: int) -> None:

@@ -32,3 +32,13 @@ def test_every_other_worker_counts(tmp_path):
     first, second, third = boards(tmp_path, workers=3)
     third.run_started()
     assert not first.others_quiet() and not second.others_quiet() and third.others_quiet()
+
+
+def test_a_worker_started_again_after_dying_in_a_run_is_not_busy(tmp_path):
+    path = str(tmp_path / "board")
+    WorkerBoard.create(path, 2)
+    first, dying = WorkerBoard(path, 0), WorkerBoard(path, 1)
+    dying.run_started()  # and never ends
+    assert not first.others_quiet()
+    WorkerBoard(path, 1)  # its replacement, not yet running anything
+    assert first.others_quiet()
