@@ -8,6 +8,7 @@ import logging
 import mmap
 import os
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -38,8 +39,8 @@ def lowered_pool(workers: int, name: str, nice: int, board: WorkerBoard | None =
     return ThreadPoolExecutor(workers, **options)
 
 
-# Set by the parent of --workers in each worker's environment: the file of the workers' board (WorkerBoard), and
-# the threads a run may take while the other workers are quiet (every core's).
+# Set by the parent of --workers in each worker's environment: the file descriptor of the workers' board
+# (WorkerBoard), and the threads a run may take while the other workers are quiet (every core's).
 WORKER_ENV = "MHASERVE_WORKER"  # a worker's number
 BOARD_ENV = "MHASERVE_WORKER_BOARD"
 ALONE_THREADS_ENV = "MHASERVE_ALONE_THREADS"
@@ -52,21 +53,26 @@ _BUSY = -1
 class WorkerBoard:
     """Which of a server's worker processes are running models: a file of one 8-byte slot per worker, each written
     by its own worker alone (-1 while it has runs in flight, else when its last run ended, on the system's monotonic
-    clock) and read by the others."""
+    clock) and read by the others. The file has no name (the parent passes it to each worker it starts), so nothing
+    is left behind whichever way the server ends."""
 
-    def __init__(self, path: str, index: int):
-        with open(path, "r+b") as file:
-            self._slots = np.frombuffer(mmap.mmap(file.fileno(), 0), np.int64)
+    def __init__(self, board: int, index: int):
+        self._slots = np.frombuffer(mmap.mmap(board, 0), np.int64)
         self._index = index
         self._in_flight = 0
         self._lock = threading.Lock()
         self._slots[index] = 0  # quiet: a worker started again after dying in a run is not busy still
 
     @staticmethod
-    def create(path: str, workers: int) -> None:
-        """The board's file, every worker quiet."""
-        with open(path, "wb") as file:
-            file.write(bytes(8 * workers))
+    def create(workers: int) -> int:
+        """The board's file, every worker quiet: its descriptor."""
+        if hasattr(os, "memfd_create"):  # Linux
+            board = os.memfd_create("mhaserve-workers")
+        else:
+            with tempfile.TemporaryFile() as unnamed:
+                board = os.dup(unnamed.fileno())
+        os.ftruncate(board, 8 * workers)
+        return board
 
     def run_started(self) -> None:
         with self._lock:
@@ -90,7 +96,7 @@ def worker_board() -> WorkerBoard | None:
     """This worker's board (its parent made it), or None outside --workers."""
     global _BOARD
     if _BOARD is None and BOARD_ENV in os.environ:
-        _BOARD = WorkerBoard(os.environ[BOARD_ENV], int(os.environ[WORKER_ENV]))
+        _BOARD = WorkerBoard(int(os.environ[BOARD_ENV]), int(os.environ[WORKER_ENV]))
     return _BOARD
 
 

@@ -25,7 +25,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
@@ -86,10 +85,6 @@ class Worker:
     restarts: int = 0
 
 
-# The workers' board (threads.WorkerBoard) in memory where the system has a memory file system.
-_BOARD_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
-
-
 class Workers:
     """The workers of one server and what the parent does for them (see the module doc)."""
 
@@ -102,9 +97,7 @@ class Workers:
         self.threads = settings.intra_op_threads or max(1, cores // self.count)
         # The threads divided by the parent: a worker's run takes every core's while the others run nothing.
         self.alone_threads = cores if not settings.intra_op_threads and self.threads < cores else 0
-        board, self.board_path = tempfile.mkstemp(prefix="mhaserve-workers-", dir=_BOARD_DIR)
-        os.close(board)
-        WorkerBoard.create(self.board_path, self.count)
+        self.board = WorkerBoard.create(self.count)
         self.workers = [Worker(i, _free_port("127.0.0.1")) for i in range(self.count)]
         self._argv = argv
         self._stopping = False
@@ -122,7 +115,7 @@ class Workers:
 
     def start(self, worker: Worker) -> None:
         peers = ",".join(f"127.0.0.1:{each.metrics_port}" for each in self.workers)
-        env = {**os.environ, WORKER_ENV: str(worker.index), PEERS_ENV: peers, BOARD_ENV: self.board_path}
+        env = {**os.environ, WORKER_ENV: str(worker.index), PEERS_ENV: peers, BOARD_ENV: str(self.board)}
         if self.alone_threads:
             env[ALONE_THREADS_ENV] = str(self.alone_threads)
         worker.ready.clear()
@@ -132,6 +125,7 @@ class Workers:
             stderr=subprocess.PIPE,
             text=True,
             env=env,
+            pass_fds=(self.board,),
             preexec_fn=ended_with_the_parent if sys.platform.startswith("linux") else None,
         )
         worker.started = time.monotonic()
@@ -275,10 +269,7 @@ def run_workers(settings: ServerSettings, argv: list[str]) -> int:
     else 0)."""
     check_workers(settings)
     workers = Workers(settings, argv)
-    try:
-        return asyncio.run(_run(workers, settings))
-    finally:
-        os.unlink(workers.board_path)
+    return asyncio.run(_run(workers, settings))
 
 
 async def _run(workers: Workers, settings: ServerSettings) -> int:

@@ -106,8 +106,8 @@ OTHER_ENVIRONMENT = [
      "set by the parent: every worker's own metrics address on loopback, where the workers read each other's "
      "statistics; not for users to set"),
     ("MHASERVE_WORKER_BOARD", "a worker of `mhaserve serve --workers N`",
-     "set by the parent: the file in which each worker marks when it runs models, so that a run takes every core's "
-     "threads while the others run nothing; not for users to set"),
+     "set by the parent: the descriptor of a file with no name, in which each worker marks when it runs models, so "
+     "that a run takes every core's threads while the others run nothing; not for users to set"),
     ("MHASERVE_ALONE_THREADS", "a worker of `mhaserve serve --workers N`",
      "set by the parent where it divided the threads: the threads a run takes while the other workers run nothing "
      "(every core's); not for users to set"),

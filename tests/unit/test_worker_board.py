@@ -8,14 +8,13 @@ import time
 from mhaserve.server.threads import QUIET_S, WorkerBoard
 
 
-def boards(tmp_path, workers: int = 2) -> list[WorkerBoard]:
-    path = str(tmp_path / "board")
-    WorkerBoard.create(path, workers)
-    return [WorkerBoard(path, index) for index in range(workers)]
+def boards(workers: int = 2) -> list[WorkerBoard]:
+    board = WorkerBoard.create(workers)
+    return [WorkerBoard(board, index) for index in range(workers)]
 
 
-def test_a_worker_is_alone_until_another_runs_and_for_a_while_after_its_last_run_ends(tmp_path):
-    first, second = boards(tmp_path)
+def test_a_worker_is_alone_until_another_runs_and_for_a_while_after_its_last_run_ends():
+    first, second = boards()
     assert first.others_quiet() and second.others_quiet()  # a new board: nobody has run
     second.run_started()
     second.run_started()  # two runs at once (--inference-workers 2)
@@ -28,17 +27,16 @@ def test_a_worker_is_alone_until_another_runs_and_for_a_while_after_its_last_run
     assert first.others_quiet()
 
 
-def test_every_other_worker_counts(tmp_path):
-    first, second, third = boards(tmp_path, workers=3)
+def test_every_other_worker_counts():
+    first, second, third = boards(workers=3)
     third.run_started()
     assert not first.others_quiet() and not second.others_quiet() and third.others_quiet()
 
 
-def test_a_worker_started_again_after_dying_in_a_run_is_not_busy(tmp_path):
-    path = str(tmp_path / "board")
-    WorkerBoard.create(path, 2)
-    first, dying = WorkerBoard(path, 0), WorkerBoard(path, 1)
+def test_a_worker_started_again_after_dying_in_a_run_is_not_busy():
+    board = WorkerBoard.create(2)
+    first, dying = WorkerBoard(board, 0), WorkerBoard(board, 1)
     dying.run_started()  # and never ends
     assert not first.others_quiet()
-    WorkerBoard(path, 1)  # its replacement, not yet running anything
+    WorkerBoard(board, 1)  # its replacement, not yet running anything
     assert first.others_quiet()
