@@ -44,7 +44,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -201,7 +201,11 @@ def measure_served(
                     # Few distinct requests: at [1,2048,4096] each query is 32 MiB in every client process.
                     workload = Workload(d_model, batch, length, length, attn_weights=with_weights, distinct_requests=4)
                     one = generator.measure(workload, LoadPoint("closed", 1, seconds, 1.0))
-                    loaded = [generator.measure(workload, LoadPoint("closed", c, seconds, 1.0)) for c in concurrency]
+                    # a connection per caller: workers are reached by connections, not calls
+                    loaded = [
+                        generator.measure(replace(workload, connections=c), LoadPoint("closed", c, seconds, 1.0))
+                        for c in concurrency
+                    ]
                     errors = sum(sum(r.errors.values()) for r in (one, *loaded))
                     print(
                         f"{points[0].shape:>20} {precision:>9} {'yes' if with_weights else 'no':>7} "
