@@ -108,6 +108,7 @@ class PointResult:
     dropped: int
     latencies_ms: np.ndarray = field(repr=False)
     server: dict | None = None  # the server's side of the window (server_side.split), where it was read
+    server_unread: str | None = None  # why the server's side is missing, where it was asked for and is
     rounds: dict | None = None  # with --rounds: every round's figures, their medians and spread (rounds.of_rounds)
     by_position: dict | None = None  # sequences: steps, p50 and p99 per range of positions ("1-16", "17-128", ...)
 
@@ -133,6 +134,7 @@ class PointResult:
             "open_loop_behind_ms": round(self.behind_ms, 3),
             "open_loop_dropped": self.dropped,
             "server": self.server,
+            "server_unread": self.server_unread,
             "rounds": self.rounds,
             "by_position": self.by_position,
         }
@@ -309,7 +311,8 @@ async def _drive(url: str, workload: Workload, point: Point, share: float, seed:
     async with sender(url, workload, seed, timeout_s, tls, token, connections) as send:
         start = time.perf_counter_ns()
         measure_from = start + int(point.warmup_s * 1e9)
-        end = measure_from + int(point.duration_s * 1e9)
+        # Where the window waits for the server's counters to be read, it ends NEVER until then
+        end = measure_from + int(point.duration_s * 1e9) if _server_read is None else NEVER
         cpu_at_start: list[float] = []
 
         async def call(
@@ -324,9 +327,15 @@ async def _drive(url: str, workload: Workload, point: Point, share: float, seed:
             return status
 
         async def mark_window() -> None:
+            nonlocal measure_from, end
             await asyncio.sleep(max(0.0, (measure_from - time.perf_counter_ns()) / 1e9))
-            cpu_at_start.append(cpu_seconds())
             _report_window("start")
+            if _server_read is not None:  # the window starts once the server's counters are read: warm-up till then
+                measure_from = end = NEVER
+                await asyncio.get_running_loop().run_in_executor(None, _server_read.wait, SERVER_READ_WAIT_S)
+                measure_from = time.perf_counter_ns()
+                end = measure_from + int(point.duration_s * 1e9)
+            cpu_at_start.append(cpu_seconds())
             await asyncio.sleep(max(0.0, (end - time.perf_counter_ns()) / 1e9))
             _report_window("end")
 
@@ -389,11 +398,14 @@ async def _drive(url: str, workload: Workload, point: Point, share: float, seed:
 
 
 _window_marks = None  # in a client process: where it says that its measured window starts and ends
+_server_read = None  # in a client process: set once the server's counters are read at the window's start
+SERVER_READ_WAIT_S = 30.0  # past this a window starts without the read
+NEVER = 2**63 - 1  # perf_counter_ns() of a window not started yet
 
 
-def _start_client_process(marks) -> None:
-    global _window_marks
-    _window_marks = marks
+def _start_client_process(marks, server_read) -> None:
+    global _window_marks, _server_read
+    _window_marks, _server_read = marks, server_read
 
 
 def _report_window(edge: str) -> None:
@@ -503,23 +515,31 @@ class LoadGenerator:
         # spawn, not fork: gRPC's threads do not survive a fork.
         context = multiprocessing.get_context("spawn")
         self._window_marks = context.Queue()  # each client process says when its window starts and ends
+        self._server_read = context.Event() if counters is not None else None
         self._pool = ProcessPoolExecutor(
-            processes, mp_context=context, initializer=_start_client_process, initargs=(self._window_marks,)
+            processes,
+            mp_context=context,
+            initializer=_start_client_process,
+            initargs=(self._window_marks, self._server_read),
         )
 
     def measure(self, workload: Workload, point: Point) -> PointResult:
         while not self._window_marks.empty():  # a previous point's, if it ended early
             self._window_marks.get_nowait()
+        if self._server_read is not None:
+            self._server_read.clear()
         futures = [
             self._pool.submit(run_worker, self.url, workload, point, share, 1 + i, self.timeout_s, self.tls, self.token)
             for i, share in enumerate(shares(point, self.processes))
         ]
         reads = None
         if self._counters is not None:
-            reads = WindowReads(self._counters, self._window_marks, len(futures), point.warmup_s + point.duration_s)
+            longest_s = point.warmup_s + point.duration_s + SERVER_READ_WAIT_S
+            reads = WindowReads(self._counters, self._window_marks, len(futures), longest_s, self._server_read)
         result = summarize(point, workload, [f.result() for f in futures])
         if reads is not None:
             result.server = reads.result(result.latency_ms.get("mean") if result.count else None)
+            result.server_unread = reads.unread
         return result
 
     def close(self) -> None:

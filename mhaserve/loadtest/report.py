@@ -49,6 +49,8 @@ def notes(results: list[PointResult]) -> list[str]:
     for r in results:
         if r.server is not None:
             lines.append(server_line(r))
+        elif r.server_unread is not None:
+            lines.append(f"server side at {r.point.label}: not read, {r.server_unread}")
     for r in results:
         if r.by_position is not None:
             lines.append(position_line(r))
@@ -303,6 +305,10 @@ def write_html(results: list[PointResult], path: Path, meta: dict, judged: list[
               "compute_input_ms", "compute_infer_ms", "compute_output_ms", "transport_and_client_ms")),
               number(r.server["rows_per_run"], 1)] for r in split],
         ))  # fmt: skip
+    unread = [r for r in results if r.server is None and r.server_unread is not None]
+    if unread:
+        parts.append("<ul>" + "".join(f"<li>The server's side at {html.escape(r.point.label)}: not read, "
+                                      f"{html.escape(r.server_unread)}</li>" for r in unread) + "</ul>")  # fmt: skip
     grown = [r for r in results if r.by_position]
     if grown:
         parts.append("<h2>Sequence steps by position</h2><ul>" + "".join(

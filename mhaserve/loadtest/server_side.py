@@ -6,7 +6,9 @@ transport's and the client's."""
 
 from __future__ import annotations
 
+import queue
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 
@@ -54,15 +56,22 @@ def split(before: dict, after: dict, client_mean_ms: float | None) -> dict | Non
 
 
 class WindowReads:
-    """Reads the counters when every client process has started its measured window, and again when every one
-    has ended it (each says so on ``marks``), on a thread of its own. A process that started late (a loaded
-    machine) may end its window before another starts: its end is counted when it comes, not lost."""
+    """Reads the counters when every client process has reached the start of its measured window, and again when
+    every one has ended it (each says so on ``marks``), on a thread of its own. ``before_read`` (an event the
+    client processes wait on) is set once the first read is done, so that their windows start after it: a read
+    that came late would otherwise miss part of the window, or all of it. A process that started late (a loaded
+    machine) may end its window before another starts: its end is counted when it comes, not lost. A failed read
+    is tried again; what still fails is said in ``unread``."""
 
-    def __init__(self, read: Callable[[], dict], marks, clients: int, longest_s: float):
+    TRIES = 3
+
+    def __init__(self, read: Callable[[], dict], marks, clients: int, longest_s: float, before_read=None):
         self._read, self._marks, self._clients, self._longest_s = read, marks, clients, longest_s
+        self._before_read = before_read
         self._seen: Counter[str] = Counter()
         self.before: dict | None = None
         self.after: dict | None = None
+        self.unread: str | None = None  # why the server's side is missing, where it is
         self._thread = threading.Thread(target=self._run, name="server-statistics", daemon=True)
         self._thread.start()
 
@@ -70,17 +79,36 @@ class WindowReads:
         while self._seen[edge] < self._clients:
             self._seen[self._marks.get(timeout=self._longest_s + 60)] += 1
 
+    def _read_tried(self) -> dict:
+        for attempt in range(self.TRIES):
+            try:
+                return self._read()
+            except Exception:
+                if attempt == self.TRIES - 1:
+                    raise
+                time.sleep(0.1)
+        raise AssertionError("unreachable")
+
     def _run(self) -> None:
         try:
             self._wait_for("start")
-            self.before = self._read()
+            try:
+                self.before = self._read_tried()
+            finally:
+                if self._before_read is not None:
+                    self._before_read.set()
             self._wait_for("end")
-            self.after = self._read()
-        except Exception:  # the server's side is extra: a failed read leaves it out, the point stands
-            pass
+            self.after = self._read_tried()
+        except queue.Empty:
+            self.unread = "a client process never said when its window " + ("ended" if self.before else "started")
+        except Exception as error:  # the server's side is extra: the point stands without it
+            self.unread = f"its statistics could not be read: {type(error).__name__}: {error}"
 
     def result(self, client_mean_ms: float | None) -> dict | None:
         self._thread.join()
         if self.before is None or self.after is None:
             return None
-        return split(self.before, self.after, client_mean_ms)
+        side = split(self.before, self.after, client_mean_ms)
+        if side is None:
+            self.unread = "no request completed between the two reads"
+        return side

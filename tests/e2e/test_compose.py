@@ -171,10 +171,22 @@ def stack(docker_engine, base_image, torch_wheel_in_context):
     }
 
     def compose(*args, timeout=300, check=True, env=None, version=None):
-        """Compose on this run's project, by default the newest Compose here."""
+        """Compose on this run's project, by default the newest Compose here. A host port picked free can be taken
+        by another test before Docker binds it: `up` then picks fresh ones (in the settings the tests read) and
+        tries again."""
         implementation = docker_engine.composes[version or docker_engine.newest_compose]
         command = [*implementation, "-p", project, "-f", str(ROOT / "docker-compose.yml"), *args]
-        return docker_engine.run(*command, timeout=timeout, check=check, env={**settings, **(env or {})})
+        for _ in range(3):
+            done = docker_engine.run(*command, timeout=timeout, check=False, env={**settings, **(env or {})})
+            if "up" not in args or "address already in use" not in done.stderr:
+                break
+            for ports in (settings, env or {}):
+                taken = [name for name, port in ports.items() if port and name.endswith("_PORT")]
+                ports.update({name: str(free_port()) for name in taken})
+        if check and done.returncode != 0:
+            raise AssertionError(f"{' '.join(command)} exited {done.returncode}:\n{done.stdout[-4000:]}"
+                                 f"\n{done.stderr[-4000:]}")  # fmt: skip
+        return done
 
     yield compose, settings, project
     compose("--profile", "loadtest", "--profile", "gpu", "--profile", "monitoring", "down", "-v", "--remove-orphans",

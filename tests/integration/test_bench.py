@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.support import scrape
+from tests.support import SMALL_D_MODEL, scrape
 
 SHORT = ("--duration", "1", "--warmup", "0.3", "--processes", "2")
 
@@ -231,3 +231,43 @@ def test_a_sequence_run_is_closed_loop_only():
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     assert done.returncode == 2 and "give --concurrency, not --rate" in done.stderr
     assert done.stderr.strip().count("\n") == 0
+
+
+def test_the_server_side_covers_the_window_when_its_first_read_comes_after_the_window_would_have_ended(server):
+    """On a loaded machine the read of the server's counters at the window's start can come late: the client
+    processes warm up until it is done, so the window is measured whole between the two reads."""
+    import time
+
+    from mhaserve.client.grpc import Client
+    from mhaserve.loadtest.loadgen import LoadGenerator, Point, Workload
+    from mhaserve.loadtest.server_side import counters_of
+
+    with Client(server.url) as client:
+        read = counters_of(client)
+        reads = []
+
+        def late_read() -> dict:
+            if not reads:
+                time.sleep(1.5)  # longer than the whole window
+            answer = read()
+            reads.append((time.monotonic(), answer["inference_stats"]["success"]))
+            return answer
+
+        with LoadGenerator(server.url, 2, counters=late_read) as load:
+            result = load.measure(Workload(SMALL_D_MODEL, 1, 4, 4), Point("closed", 2, 1.0, 0.2))
+    assert result.server is not None, (result.server_unread, reads, result.count)
+    assert result.server["requests"] >= result.count > 0  # every request measured was between the reads
+
+
+def test_a_server_side_that_could_not_be_read_is_said_not_dropped(server):
+    from mhaserve.loadtest.loadgen import LoadGenerator, Point, Workload
+    from mhaserve.loadtest.report import notes
+
+    def unreachable() -> dict:
+        raise ConnectionError("the statistics endpoint is gone")
+
+    with LoadGenerator(server.url, 1, counters=unreachable) as load:
+        result = load.measure(Workload(SMALL_D_MODEL, 1, 4, 4), Point("closed", 1, 0.5, 0.1))
+    assert result.count > 0 and result.server is None  # the point stands without the server's side
+    said = "server side at concurrency 1: not read, its statistics could not be read: ConnectionError: the statistics"
+    assert said + " endpoint is gone" in notes([result])
