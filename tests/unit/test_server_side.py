@@ -32,3 +32,23 @@ def test_a_point_whose_clients_never_say_when_their_window_ends_has_no_server_si
     marks.put("start")
     window = WindowReads(lambda: counters(0, 0, 0, 0), marks, clients=1, longest_s=-59.9)  # waits 0.1 s
     assert window.result(client_mean_ms=3.0) is None
+
+
+def test_a_read_that_fails_once_is_tried_again_and_the_clients_are_released_after_the_first_read():
+    import threading
+
+    marks = queue.Queue()
+    for edge in ("start", "end"):
+        marks.put(edge)
+    answers = iter([ConnectionError("reset"), counters(10, 10_000_000, 5, 10), counters(12, 16_000_000, 6, 12)])
+
+    def read() -> dict:
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    before_read = threading.Event()
+    window = WindowReads(read, marks, clients=1, longest_s=0.1, before_read=before_read)
+    side = window.result(client_mean_ms=None)
+    assert before_read.is_set() and side is not None and side["requests"] == 2 and window.unread is None
