@@ -260,16 +260,19 @@ class AttentionSession:
         log.warning("CUDA is not usable, serving on CPU: %s", reason)
         return ort.InferenceSession(str(path), options, providers=[CPU])
 
-    def graph_for(self, output_names, kv_len: int) -> ort.InferenceSession:
-        """The graph a run of these outputs over ``kv_len`` keys takes: the output-only one where it serves."""
+    def graph_for(self, output_names, kv_len: int, graphs: tuple | None = None) -> ort.InferenceSession:
+        """The graph a run of these outputs over ``kv_len`` keys takes: the output-only one where it serves, of
+        ``graphs`` (a full graph and an output-only one or None), by default the set a run takes now (a run alone
+        takes the one of every core's threads)."""
         output_only = tuple(output_names) == (OUTPUT,) and kv_len >= OUTPUT_ONLY_FROM_KV_LEN
-        full, only = self._session, self._output_only
-        if self._alone_graphs is not None and self._alone():
-            full, only = self._alone_graphs
+        if graphs is None:
+            alone = self._alone_graphs is not None and self._alone()
+            graphs = self._alone_graphs if alone else (self._session, self._output_only)
+        full, only = graphs
         return only if output_only and only is not None else full
 
-    def run(self, output_names, query, key, value, mask) -> list[np.ndarray]:
-        session = self.graph_for(output_names, key.shape[1])
+    def run(self, output_names, query, key, value, mask, graphs: tuple | None = None) -> list[np.ndarray]:
+        session = self.graph_for(output_names, key.shape[1], graphs)
         feed = {"query": query, "key": key, "value": value, "mask": mask}
         if self.provider == CUDA and output_only_once_copied(output_names, query, key, value):
             return run_bound(session, list(output_names), feed, self._output_shapes(query, key), "cuda")
@@ -297,16 +300,11 @@ class AttentionSession:
     def warm_up(self, runs: int = 2) -> None:
         """Run at a few shapes so the first client does not pay for ONNX Runtime's lazy set-up (each set of graphs,
         where a run alone takes others)."""
-        alone = self._alone
-        choices = [alone] if self._alone_graphs is None else [lambda: False, lambda: True]
-        try:
-            for choice in choices:
-                self._alone = choice
-                self._warm_up_graphs(runs)
-        finally:
-            self._alone = alone
+        for graphs in ((self._session, self._output_only), self._alone_graphs):
+            if graphs is not None:
+                self._warm_up_graphs(runs, graphs)
 
-    def _warm_up_graphs(self, runs: int) -> None:
+    def _warm_up_graphs(self, runs: int, graphs: tuple) -> None:
         d = self.info.d_model
         rng = np.random.default_rng(0)
         for batch, q_len, kv_len in ((1, 16, 16), (2, 64, 32)):
@@ -314,11 +312,11 @@ class AttentionSession:
             kv = rng.standard_normal((batch, kv_len, d), dtype=np.float32)
             mask = np.ones((1, 1, 1, kv_len), dtype=bool)
             for _ in range(runs):
-                self.run(("output", "attn_weights"), q, kv, kv, mask)
-        if self._output_only is not None:
+                self.run(("output", "attn_weights"), q, kv, kv, mask, graphs)
+        if graphs[1] is not None:
             kv = rng.standard_normal((1, OUTPUT_ONLY_FROM_KV_LEN, d), dtype=np.float32)
             for _ in range(runs):
-                self.run(("output",), kv, kv, kv, np.ones((1, 1, 1, OUTPUT_ONLY_FROM_KV_LEN), dtype=bool))
+                self.run(("output",), kv, kv, kv, np.ones((1, 1, 1, OUTPUT_ONLY_FROM_KV_LEN), dtype=bool), graphs)
 
 
 _ELEMENT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
