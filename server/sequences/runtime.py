@@ -75,12 +75,14 @@ class SequenceRuntime:
         runs = self.cross_runs if sequence.cross else self.runs
         asked = attention.outputs
         step = Step(attention.query, sequence.cache, *(given or (None, None)), weights=asks_for_weights(asked))
-        output, weights, cache = await runs.run(step)
+        shaping, computed_in = attention.shaping, self.computed_in
+
+        def answering(output, weights):  # on the inference thread
+            return answer_from_run(asked, shaping, output if OUTPUT in asked else None, weights, computed_in)
+
+        (answer, error), cache = await runs.run(step, answering)
         infer_ns = time.perf_counter_ns() - started
         call.ran(attention.batch_size, started, queue_ns=0, infer_ns=infer_ns)
-        answer, error = answer_from_run(
-            asked, attention.shaping, output if OUTPUT in asked else None, weights, self.computed_in
-        )
         if error is None and cache is None:  # its keys or values overflowed, though the outputs asked did not
             error = RequestError(
                 ErrorKind.INVALID_ARGUMENT,

@@ -45,7 +45,8 @@ def run_at_once(session, steps, max_rows=32) -> tuple[list, int]:
             step_runs = StepRuns(session.steps, executor, max_rows, on_runs=runs.append)
             return await asyncio.gather(*(step_runs.run(Step(query, cache)) for query, cache in steps))
 
-    return asyncio.run(send()), sum(runs)
+    answers = [(output, weights, cache) for (output, weights), cache in asyncio.run(send())]
+    return answers, sum(runs)
 
 
 def rows(count: int, seed: int) -> np.ndarray:
