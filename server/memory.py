@@ -19,6 +19,7 @@ longest), which is why, with length-aware batching off, waiting rows count as pa
 from __future__ import annotations
 
 import heapq
+import itertools
 
 from .errors import ErrorKind, RequestError
 from .shaping import ranking_bytes, weights_answer_bytes
@@ -94,6 +95,12 @@ class MemoryBudget:
         self.request_bytes = 0  # inputs and answers of the requests in flight
         self.kept_bytes = 0  # what outlives requests (sequences' keys and values): held, yet no request is in flight
         self._waiting: dict[object, tuple[int, int]] = {}  # token -> (rows, workspace), until its run ends
+        # The waiting requests' sums, and their workspaces per row, largest first (entries of requests whose run
+        # ended leave as they reach the top): what their runs may need, kept as they come and go rather than
+        # summed over every one of them at each request.
+        self._waiting_rows = self._waiting_workspace = 0
+        self._per_row: list[tuple[float, int, object]] = []  # (-workspace per row, order, token): a heap
+        self._order = itertools.count()
         self._largest_runs: list[int] = []  # the workers' largest run workspaces since the arenas were given back
 
     @property
@@ -103,11 +110,7 @@ class MemoryBudget:
 
     @property
     def held(self) -> int:
-        return (
-            self.request_bytes
-            + self.kept_bytes
-            + max(self.kept_workspace, self._runs_may_need(list(self._waiting.values())))
-        )
+        return self.request_bytes + self.kept_bytes + max(self.kept_workspace, self._runs_may_need())
 
     @property
     def idle(self) -> bool:
@@ -115,27 +118,40 @@ class MemoryBudget:
         and the heap's free memory may be given back."""
         return self.request_bytes == 0 and not self._waiting
 
-    def _runs_may_need(self, waiting) -> int:
-        if not waiting:
+    def _runs_may_need(self, joining: tuple[int, int] | None = None) -> int:
+        """What the runs of the requests waiting, and of ``joining`` (rows, workspace) if given, may need."""
+        rows, total, per_row = self._waiting_rows, self._waiting_workspace, self._largest_per_row()
+        if joining is not None:
+            rows, total, per_row = rows + joining[0], total + joining[1], max(per_row, joining[1] / joining[0])
+        if not rows:
             return 0
-        total = sum(workspace for _, workspace in waiting)
-        if self.max_batch_size is None:
-            return min(total, sum(heapq.nlargest(self.workers, (workspace for _, workspace in waiting))))
-        per_row = max(workspace / rows for rows, workspace in waiting)
+        if self.max_batch_size is None:  # a run each: the largest, as many as run at once
+            waiting = [workspace for _, workspace in self._waiting.values()] + ([joining[1]] if joining else [])
+            return min(total, sum(heapq.nlargest(self.workers, waiting)))
         if self.padded_runs:  # one run pads all it takes to the longest: as if every row were that long
-            rows = sum(rows for rows, _ in waiting)
             return int(per_row * min(rows, self.max_batch_size * self.workers))
         return min(total, int(per_row * self.max_batch_size * self.workers))
+
+    def _largest_per_row(self) -> float:
+        heap = self._per_row
+        while heap and heap[0][2] not in self._waiting:
+            heapq.heappop(heap)
+        return -heap[0][0] if heap else 0.0
 
     def admit(self, request_bytes: int, rows: int, workspace: int) -> object:
         """Take a request's share, or refuse it (RESOURCE_EXHAUSTED) when that would go over the limit; the
         token it returns is given to ``run_ended``."""
-        waiting = [*self._waiting.values(), (rows, workspace)]
         needed = self.request_bytes + self.kept_bytes + request_bytes
-        if needed + max(self.kept_workspace, self._runs_may_need(waiting)) > self.limit:
+        if needed + max(self.kept_workspace, self._runs_may_need((rows, workspace))) > self.limit:
             raise InflightBytesExceeded(self.held, request_bytes + workspace, self.limit)
         token = object()
         self._waiting[token] = (rows, workspace)
+        self._waiting_rows += rows
+        self._waiting_workspace += workspace
+        if len(self._per_row) > 2 * len(self._waiting) + 64:  # ended entries piled up below a long wait
+            self._per_row = [entry for entry in self._per_row if entry[2] in self._waiting]
+            heapq.heapify(self._per_row)
+        heapq.heappush(self._per_row, (-workspace / rows, next(self._order), token))
         self.request_bytes += request_bytes
         return token
 
@@ -161,7 +177,10 @@ class MemoryBudget:
         self._largest_runs = heapq.nlargest(self.workers, [*self._largest_runs, workspace])
 
     def run_ended(self, token: object | None) -> None:
-        self._waiting.pop(token, None)
+        ended = self._waiting.pop(token, None)
+        if ended is not None:
+            self._waiting_rows -= ended[0]
+            self._waiting_workspace -= ended[1]
 
     def release(self, request_bytes: int) -> None:
         self.request_bytes -= request_bytes

@@ -75,3 +75,36 @@ def test_a_model_that_batches_where_the_flags_did_not_widens_the_estimate_never_
     assert (budget.max_batch_size, budget.padded_runs) == (4, True)
     budget.provide_for(max_batch_size=None, padded_runs=False)
     assert (budget.max_batch_size, budget.padded_runs) == (4, True)
+
+
+@pytest.mark.parametrize("max_batch_size, padded", [(8, False), (8, True), (None, False)])
+def test_what_waiting_runs_may_need_follows_requests_as_they_come_and_their_runs_end(max_batch_size, padded):
+    """Kept up as requests come and go, the estimate is always the one made from every request waiting."""
+    import heapq
+    import random
+
+    budget = MemoryBudget(limit=10**12, workers=2, max_batch_size=max_batch_size, padded_runs=padded)
+    waiting: dict[object, tuple[int, int]] = {}
+
+    def from_every_one() -> int:
+        if not waiting:
+            return 0
+        total = sum(workspace for _, workspace in waiting.values())
+        if max_batch_size is None:
+            return min(total, sum(heapq.nlargest(2, (workspace for _, workspace in waiting.values()))))
+        per_row = max(workspace / rows for rows, workspace in waiting.values())
+        if padded:
+            return int(per_row * min(sum(rows for rows, _ in waiting.values()), max_batch_size * 2))
+        return min(total, int(per_row * max_batch_size * 2))
+
+    rng = random.Random(5)
+    for _ in range(2000):
+        if waiting and rng.random() < 0.5:
+            token = rng.choice(list(waiting))
+            budget.run_ended(token)
+            budget.release(waiting.pop(token)[0])
+        else:
+            rows, workspace = rng.randint(1, 8), rng.randint(1, 10_000)
+            waiting[budget.admit(rows, rows, workspace)] = (rows, workspace)  # its rows as its bytes
+        assert budget.held == sum(rows for rows, _ in waiting.values()) + from_every_one()
+    assert len(budget._per_row) <= 2 * len(waiting) + 65  # entries of ended runs do not pile up
