@@ -116,12 +116,13 @@ def test_the_budget_provides_for_a_model_that_batches_or_pads_where_the_flags_di
     from mhaserve.server.memory import MemoryBudget
 
     budget = MemoryBudget(1 << 30, workers=1, max_batch_size=None)  # the server: --dynamic-batching false
-    waiting = [(1, 100), (1, 100), (1, 400)]  # (rows, workspace) of three one-row requests
-    assert budget._runs_may_need(waiting) == 400  # one request a run: the largest
+    for workspace in (100, 100, 400):  # three one-row requests waiting, no bytes of their own
+        budget.admit(0, 1, workspace)
+    assert budget.held == 400  # one request a run: the largest
     budget.provide_for(8, padded_runs=False)  # a model batching up to 8 rows
-    assert budget._runs_may_need(waiting) == 600  # one run may take all three
+    assert budget.held == 600  # one run may take all three
     budget.provide_for(8, padded_runs=True)  # ... padded to the longest
-    assert budget._runs_may_need(waiting) == 1200
+    assert budget.held == 1200
 
 
 def test_export_s_template_sets_nothing_and_each_line_uncommented_sets_its_setting_at_the_default(tmp_path):
