@@ -61,6 +61,9 @@ class Sequences:
         self._gone: OrderedDict[tuple[str, int | str], str] = OrderedDict()  # (caller, id) -> why no longer live
         # caller -> its starts whose first step is under way: they count against the limits as live ones do
         self._starting_by: dict[str, int] = {}
+        # caller -> the bytes of its live sequences' keys and values, kept up as they grow and end, so that a step's
+        # check against --max-sequence-bytes-per-client costs the same however many sequences are live
+        self._bytes_by: dict[str, int] = {}
         self.steps_total = 0
         self.timed_out_total = 0
 
@@ -147,8 +150,9 @@ class Sequences:
         """The step's cache replaces the sequence's: its new bytes are taken in the budget (RESOURCE_EXHAUSTED
         when they do not fit: the sequence stays as it was)."""
         growth = cache.nbytes - sequence.nbytes
+        is_live = self.live.get(sequence.key) is sequence
         if sequence.caller and self.bytes_per_client is not None:
-            own = sum(s.nbytes for s in self.live.values() if s.caller == sequence.caller and s is not sequence)
+            own = self._bytes_by.get(sequence.caller, 0) - (sequence.nbytes if is_live else 0)  # its others'
             if own + cache.nbytes > self.bytes_per_client:
                 raise RequestError(
                     ErrorKind.RESOURCE_EXHAUSTED,
@@ -156,6 +160,8 @@ class Sequences:
                     f"and values, past its share --max-sequence-bytes-per-client={self.bytes_per_client}; end one",
                 )
         self.budget.keep(growth, f"sequence {sequence.id!r}'s keys and values")
+        if is_live:
+            self._count_bytes(sequence.caller, growth)
         sequence.cache = cache
         sequence.last_used = time.monotonic()
         self.steps_total += 1
@@ -167,11 +173,19 @@ class Sequences:
         sequence.served.sequence_started()
         sequence.started = True
         self.live[sequence.key] = sequence
+        self._count_bytes(sequence.caller, sequence.nbytes)
         self._gone.pop(sequence.key, None)
 
     def end(self, sequence: Sequence, why: str = "ended (sequence_end)") -> None:
         if self.live.get(sequence.key) is sequence:
             self._drop(sequence, why)
+
+    def _count_bytes(self, caller: str, nbytes: int) -> None:
+        held = self._bytes_by.get(caller, 0) + nbytes
+        if held:
+            self._bytes_by[caller] = held
+        else:
+            self._bytes_by.pop(caller, None)
 
     def drop_idle(self) -> None:
         """Drop the sequences idle past the timeout, returning their memory (the data plane calls this every
@@ -198,6 +212,7 @@ class Sequences:
         del self.live[sequence.key]
         sequence.ended = True
         self.budget.let_go(sequence.nbytes)
+        self._count_bytes(sequence.caller, -sequence.nbytes)
         sequence.served.sequence_ended()
         self._gone[sequence.key] = why
         while len(self._gone) > REMEMBERED_ENDS:

@@ -61,3 +61,44 @@ def test_a_start_at_the_limit_takes_the_room_of_sequences_idle_past_their_timeou
     sequences.live[("", "a")].last_used = time.monotonic() - 10
     live(sequences, model, "c")
     assert sorted(sequence_id for _, sequence_id in sequences.live) == ["b", "c"]
+
+
+def test_each_clients_share_of_sequence_bytes_is_checked_as_if_summed_over_its_live_sequences():
+    """A step checks its client's bytes against --max-sequence-bytes-per-client from a running count, not by summing
+    every live sequence; over starts, growth, ends, restarts and timeouts it refuses exactly where the sum would."""
+    import random
+
+    share = 64 * 1024
+    sequences = Sequences(MemoryBudget(1 << 30), max_sequences=64, bytes_per_client=share)
+    model = served(timeout_s=60.0)
+    rng = random.Random(3)
+
+    def cache_of(rows: int) -> StepCache:
+        buffer = np.zeros((1, 2, rows, 4), np.float32)
+        return StepCache.of(buffer, buffer.copy(), rows)
+
+    refused = allowed = 0
+    for _ in range(600):
+        caller, sequence_id = rng.choice(["ann", "bob", "cy"]), rng.randrange(6)
+        key, action = (caller, sequence_id), rng.random()
+        if action < 0.1 and key in sequences.live:
+            sequences.end(sequences.live[key])
+        elif action < 0.15 and key in sequences.live:
+            sequences.live[key].last_used -= 120  # idle past its timeout: the next sweep drops it
+            sequences.drop_idle()
+        else:
+            start = key not in sequences.live or action < 0.25  # a start again restarts it
+            sequence = sequences.begin(SequenceParameters(sequence_id, start=start, end=False), model, 1, caller)
+            grown = cache_of(sequence.length + rng.randint(1, 400))
+            others = sum(s.nbytes for s in sequences.live.values() if s.caller == caller and s is not sequence)
+            try:
+                sequences.grow(sequence, grown)
+            except RequestError as error:
+                assert others + grown.nbytes > share and "--max-sequence-bytes-per-client" in error.message
+                refused += 1
+                continue
+            assert others + grown.nbytes <= share
+            allowed += 1
+            if not sequence.started:
+                sequences.commit(sequence)
+    assert refused > 20 and allowed > 100  # both sides of the share were reached
