@@ -240,16 +240,19 @@ class _Connection:
         version: str = "",
         application: str | None = None,
         retry: RetryPolicy = DEFAULT_RETRY,
+        own_connection: bool = False,
     ):
         """A channel to the server at ``url`` (host:port), for ``model`` (``version`` empty: its newest ready
         version). ``max_message_bytes`` bounds each message both ways; ``tls`` and ``token`` as the server asks;
         ``application`` names a Ray Serve application behind Ray's gRPC proxy; ``retry`` says which refusals are
-        sent again and how often (``NO_RETRIES`` for none)."""
+        sent again and how often (``NO_RETRIES`` for none). ``own_connection``: a connection of its own, where
+        gRPC would share one among a process's clients of the same server (a server with ``--workers`` spreads
+        connections, not calls, over its workers)."""
         self.model = model
         self.version = version  # empty: the newest ready version of the model
         self.retry = retry
         self.retries = 0  # calls sent again under the retry policy, since this client was made
-        self._channel = open_channel(url, tls, max_message_bytes, aio=self._aio)
+        self._channel = open_channel(url, tls, max_message_bytes, aio=self._aio, own_connection=own_connection)
         self._stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
         self._metadata = call_metadata(token, application)
         self._num_heads: int | None = None

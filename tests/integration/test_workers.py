@@ -105,6 +105,19 @@ def test_a_load_test_over_several_connections_reaches_every_worker_and_keeps_eac
             after = requests_by_worker(server)
             assert all(after.get(worker, 0) > before.get(worker, 0) for worker in ("0", "1")), (before, after)
 
+    # The same from the project's client: clients of one process share a connection, unless each asks for its own.
+    query = rand(1, 2, SMALL_D_MODEL, seed=2)
+    for own_connection, workers_reached in ((False, 1), (True, 2)):
+        before = requests_by_worker(server)
+        clients = [Client(server.url, own_connection=own_connection) for _ in range(16)]
+        for client in clients:
+            client.infer(query, attn_weights=False)
+        for client in clients:
+            client.close()
+        after = requests_by_worker(server)
+        reached = [worker for worker in ("0", "1") if after.get(worker, 0) > before.get(worker, 0)]
+        assert len(reached) == workers_reached, (own_connection, before, after)
+
 
 def test_a_worker_that_dies_is_started_again_and_the_server_keeps_answering(
     start_server_process, small_model_dir, small_module
