@@ -120,14 +120,17 @@ class MemoryBudget:
 
     def _runs_may_need(self, joining: tuple[int, int] | None = None) -> int:
         """What the runs of the requests waiting, and of ``joining`` (rows, workspace) if given, may need."""
-        rows, total, per_row = self._waiting_rows, self._waiting_workspace, self._largest_per_row()
+        rows, total = self._waiting_rows, self._waiting_workspace
         if joining is not None:
-            rows, total, per_row = rows + joining[0], total + joining[1], max(per_row, joining[1] / joining[0])
+            rows, total = rows + joining[0], total + joining[1]
         if not rows:
             return 0
         if self.max_batch_size is None:  # a run each: the largest, as many as run at once
             waiting = [workspace for _, workspace in self._waiting.values()] + ([joining[1]] if joining else [])
             return min(total, sum(heapq.nlargest(self.workers, waiting)))
+        per_row = self._largest_per_row()
+        if joining is not None:
+            per_row = max(per_row, joining[1] / joining[0])
         if self.padded_runs:  # one run pads all it takes to the longest: as if every row were that long
             return int(per_row * min(rows, self.max_batch_size * self.workers))
         return min(total, int(per_row * self.max_batch_size * self.workers))
