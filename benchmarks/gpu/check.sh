@@ -21,6 +21,8 @@ stamp() { echo "== $(date -u +%H:%M:%S) $*"; }
 bench="$CHECKOUT/benchmarks/gpu/bench_cuda.py"
 # The output-only graph (fused attention) against eager at the mid shapes, with its profile.
 { stamp mid shapes; python3 "$bench" --only 2,3 --repeats 30 --profile --out "$OUT/cuda.json" 2>&1; } | tee "$OUT/cuda.log"
+# Where the output-only graph's time goes: the served graph against its variants, in rounds.
+{ stamp fused variants; python3 "$CHECKOUT/benchmarks/gpu/fused_variants.py" --repeats 40 --rounds 7 2>&1; } | tee "$OUT/fused.log"
 { stamp steps; python3 "$bench" --shapes 0 --steps --repeats 50 --out "$OUT/steps.json" 2>&1; } | tee "$OUT/steps.log"
 { stamp workers; python3 "$bench" --only 0 --precisions fp32 --repeats 10 --served "$SERVED" --workers 1,2,4,8 \
     --concurrency 16,64 --out "$OUT/workers.json" 2>&1; stamp done; } | tee "$OUT/workers.log"
