@@ -273,8 +273,10 @@ def test_streams_read_in_receiving_turns_stay_within_the_budget(start_server_pro
     """grpcio receives a stream's next message whole once its read is asked for; streams read in the receiving
     turns that unary calls take (one per three messages of --max-message-bytes in --max-receiving-bytes), the
     others held to their window, so 16 streams sending 96 MiB each stay within idle + the budget + 512 MiB as unary
-    calls do (every open stream reading at once took +1.1 to +2.3 GiB)."""
-    server = start_server_process(small_model_dir, *GRPC_LIMITS)
+    calls do (every open stream reading at once took +1.1 to +2.3 GiB). Each stream may hold its turn 10 s: on a
+    loaded machine a 96 MiB message in its turn can take over the default second to arrive, and a stream idle in
+    its turn is another test's subject."""
+    server = start_server_process(small_model_dir, *GRPC_LIMITS, "--stream-read-hold-s", "10")
     for count in (8, 16):
         statuses, idle, peak, after = grpc_messages_at_once(server, mib=MESSAGE_MIB, count=count, rpc="stream")
         print(f"\n{count} streams x {MESSAGE_MIB} MiB, in receiving turns, {BUDGET_MIB} MiB budget: "
