@@ -13,7 +13,9 @@ and the bytes' crossing alone (the query up and the output down by torch):
 - no mask: projections, the fused MultiHeadAttention without a mask, W_o: what an all-keys request needs;
 - bias in MHA: as ``no mask`` with the q/k/v biases given to MultiHeadAttention instead of three Adds;
 - one matmul: self-attention only, the three projections as one [d, 3d] MatMul, split, biases in MHA;
-- packed qkv: self-attention only, one MatMul into MultiHeadAttention's packed [B, L, N, 3, H] form.
+- packed qkv: self-attention only, one MatMul into MultiHeadAttention's packed [B, L, N, 3, H] form;
+- on CUDA, pinned: the served graph (or no mask) with its output written into pinned host memory, and with the query
+  copied into pinned memory first (that copy timed), as a server keeping pinned buffers would run.
 Not a test: it prints numbers for BENCHMARKS.md. ``--device cpu`` is the dry run.
 """
 
@@ -132,6 +134,24 @@ def host_cond(module) -> onnx.ModelProto:
     return model
 
 
+def bound_into_pinned(session, feed: dict, x: np.ndarray, pinned_in, pinned_out, device: str) -> list[np.ndarray]:
+    """As ``run_bound``, but the output written into pinned host memory (and with ``pinned_in``, the query first
+    copied into pinned memory, as a server receiving its bytes would have to): CUDA copies between pinned memory
+    and the device without staging them (on the CPU, the dry run, the buffers are plain memory)."""
+    binding = session.io_binding()
+    source = x
+    if pinned_in is not None:
+        np.copyto(pinned_in, x)
+        source = pinned_in
+    on_device = ort.OrtValue.ortvalue_from_numpy(source, device, 0)
+    for key, array in feed.items():
+        value = on_device if array is x else ort.OrtValue.ortvalue_from_numpy(array, device, 0)
+        binding.bind_ortvalue_input(key, value)
+    binding.bind_output("output", "cpu", 0, np.float32, pinned_out.shape, pinned_out.ctypes.data)
+    session.run_with_iobinding(binding)
+    return [pinned_out]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -178,7 +198,12 @@ def main() -> int:
             "bias in mha": (lambda m: no_mask(m, True), {"query": x, "key": x, "value": x}),
             "one matmul": (lambda m: one_matmul(m, False), {"query": x}),
             "packed qkv": (lambda m: one_matmul(m, True), {"query": x}),
+            # pinned host memory on CUDA; plain memory in the CPU's dry run
+            "served, pinned out": (output_only_graph, {"query": x, "key": x, "value": x, "mask": mask}),
+            "served, pinned in+out": (output_only_graph, {"query": x, "key": x, "value": x, "mask": mask}),
+            "no mask, pinned out": (lambda m: no_mask(m, False), {"query": x, "key": x, "value": x}),
         }
+        pinned = [torch.empty(x.shape, dtype=torch.float32, pin_memory=cuda) for _ in range(2)]
         for name, (build, feed) in variants.items():
             try:
                 session = ort.InferenceSession(build(module).SerializeToString(), providers=providers)
@@ -199,6 +224,14 @@ def main() -> int:
                         binding.bind_output("output", "cpu", 0, np.float32, out.shape, out.ctypes.data)
                         session.run_with_iobinding(binding)
                         return [out]
+                elif "pinned" in name:
+                    pinned_in = pinned[0].numpy() if "pinned in" in name else None
+                    pinned_out = pinned[1].numpy()
+
+                    def call(
+                        session=session, feed=feed, x=x, pinned_in=pinned_in, pinned_out=pinned_out, device=device
+                    ):
+                        return bound_into_pinned(session, feed, x, pinned_in, pinned_out, device)
                 else:
 
                     def call(session=session, feed=feed, device=device, x=x):
@@ -217,7 +250,7 @@ def main() -> int:
         for name, (_, diff) in calls.items():
             ratios = [e / t for e, t in zip(times["eager"], times[name], strict=True)]
             print(
-                f"{shape:>16} {name:>12} {statistics.median(times[name]):8.3f} ms  eager/this "
+                f"{shape:>16} {name:>22} {statistics.median(times[name]):8.3f} ms  eager/this "
                 f"{statistics.median(ratios):5.2f} ({min(ratios):.2f}-{max(ratios):.2f})  max|diff| {diff:.1e}",
                 flush=True,
             )
