@@ -134,22 +134,24 @@ def host_cond(module) -> onnx.ModelProto:
     return model
 
 
-def bound_into_pinned(session, feed: dict, x: np.ndarray, pinned_in, pinned_out, device: str) -> list[np.ndarray]:
-    """As ``run_bound``, but the output written into pinned host memory (and with ``pinned_in``, the query first
-    copied into pinned memory, as a server receiving its bytes would have to): CUDA copies between pinned memory
-    and the device without staging them (on the CPU, the dry run, the buffers are plain memory)."""
+def bound_run(session, feed: dict, x: np.ndarray, out: np.ndarray, device: str, staged=None, on_host=()) -> list:
+    """One output-only run as ``run_bound`` makes it (the query copied to the device once, the output written into
+    host memory: ``out``), but with ``staged``, the query first copied there (pinned memory, as a server receiving
+    its bytes would have to), and the inputs named in ``on_host`` bound in host memory. On CUDA, copies between
+    pinned memory and the device need no staging; in the CPU's dry run the buffers are plain memory."""
     binding = session.io_binding()
-    source = x
-    if pinned_in is not None:
-        np.copyto(pinned_in, x)
-        source = pinned_in
-    on_device = ort.OrtValue.ortvalue_from_numpy(source, device, 0)
+    if staged is not None:
+        np.copyto(staged, x)
+    on_device = ort.OrtValue.ortvalue_from_numpy(x if staged is None else staged, device, 0)
     for key, array in feed.items():
-        value = on_device if array is x else ort.OrtValue.ortvalue_from_numpy(array, device, 0)
-        binding.bind_ortvalue_input(key, value)
-    binding.bind_output("output", "cpu", 0, np.float32, pinned_out.shape, pinned_out.ctypes.data)
+        if key in on_host:
+            binding.bind_cpu_input(key, array)
+        else:
+            value = on_device if array is x else ort.OrtValue.ortvalue_from_numpy(array, device, 0)
+            binding.bind_ortvalue_input(key, value)
+    binding.bind_output("output", "cpu", 0, np.float32, out.shape, out.ctypes.data)
     session.run_with_iobinding(binding)
-    return [pinned_out]
+    return [out]
 
 
 def main() -> int:
@@ -208,31 +210,17 @@ def main() -> int:
             try:
                 session = ort.InferenceSession(build(module).SerializeToString(), providers=providers)
                 device = "cuda" if cuda else "cpu"
-                if name == "host cond" and cuda:  # the condition stays in host memory, where If reads it
+                if name == "host cond":  # the condition stays in host memory, where If reads it
 
-                    def call(session=session, feed=feed, x=x):
-                        binding = session.io_binding()
-                        on_device = ort.OrtValue.ortvalue_from_numpy(x, "cuda", 0)
-                        for key, array in feed.items():
-                            if key == "every_key_allowed":
-                                binding.bind_cpu_input(key, array)
-                            elif array is x:
-                                binding.bind_ortvalue_input(key, on_device)
-                            else:
-                                binding.bind_ortvalue_input(key, ort.OrtValue.ortvalue_from_numpy(array, "cuda", 0))
+                    def call(session=session, feed=feed, x=x, device=device):
                         out = np.empty(x.shape, np.float32)
-                        binding.bind_output("output", "cpu", 0, np.float32, out.shape, out.ctypes.data)
-                        session.run_with_iobinding(binding)
-                        return [out]
+                        return bound_run(session, feed, x, out, device, on_host=("every_key_allowed",))
                 elif "pinned" in name:
-                    pinned_in = pinned[0].numpy() if "pinned in" in name else None
-                    pinned_out = pinned[1].numpy()
+                    staged, out = (pinned[0].numpy() if "pinned in" in name else None), pinned[1].numpy()
 
-                    def call(
-                        session=session, feed=feed, x=x, pinned_in=pinned_in, pinned_out=pinned_out, device=device
-                    ):
-                        return bound_into_pinned(session, feed, x, pinned_in, pinned_out, device)
-                else:
+                    def call(session=session, feed=feed, x=x, device=device, staged=staged, out=out):
+                        return bound_run(session, feed, x, out, device, staged)
+                else:  # the server's own run
 
                     def call(session=session, feed=feed, device=device, x=x):
                         return run_bound(session, ["output"], feed, {"output": x.shape}, device)
