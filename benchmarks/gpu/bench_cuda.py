@@ -80,8 +80,9 @@ class Point:
     max_abs_diff: float  # ONNX Runtime's output against eager in the same precision, same inputs
 
 
-def median_ms(call, repeats: int, sync) -> float:
-    for _ in range(3):
+def median_ms(call, repeats: int, sync, warmup: int = 3) -> float:
+    """The median of ``repeats`` timed calls in ms, after ``warmup`` untimed ones; ``sync`` waits for the device."""
+    for _ in range(warmup):
         call()
     sync()
     times = []

@@ -26,12 +26,12 @@ import copy
 import random
 import statistics
 import sys
-import time
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 import torch
+from bench_cuda import median_ms  # beside this script
 from onnx import TensorProto, numpy_helper
 from onnx import helper as make
 
@@ -40,19 +40,6 @@ from mhaserve.model.weights import seeded_module
 from mhaserve.server.session import run_bound
 
 SHAPES = [(8, 512, 512, 8), (32, 128, 768, 12), (1, 128, 512, 8)]
-
-
-def median_ms(call, repeats: int, sync) -> float:
-    for _ in range(5):
-        call()
-    sync()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        call()
-        sync()
-        times.append((time.perf_counter() - started) * 1e3)
-    return statistics.median(times)
 
 
 def _weights(module, name):
@@ -234,7 +221,7 @@ def main() -> int:
         for round_ in range(args.rounds):
             random.Random(round_).shuffle(order)
             for name in order:
-                times[name].append(median_ms(calls[name][0], args.repeats, sync))
+                times[name].append(median_ms(calls[name][0], args.repeats, sync, warmup=5))
         for name, (_, diff) in calls.items():
             ratios = [e / t for e, t in zip(times["eager"], times[name], strict=True)]
             print(
