@@ -124,8 +124,20 @@ class RequestAccounting:
         self._received_since_release = 0  # request bodies received and freed since the last idle release
         self._received_since_trim = 0  # ... and since the heap was last trimmed
         self._trimming = None  # the heap's trim under way during a burst
+        self._giving_back = None  # the idle release under way
         self.requests_in_flight = 0  # inference calls inside a handler (event loop only)
+        self.requests_being_read = 0  # gRPC requests still arriving, before their call opens (event loop only)
         self.outcomes: Counter[str] = Counter()  # inference calls by final status since start
+
+    def quiet(self) -> bool:
+        """No inference call but the one asking is in the server, none is arriving, and no memory is being given
+        back on the inference threads (which a run beside it would race)."""
+        return (
+            self.requests_in_flight <= 1
+            and not self.requests_being_read
+            and self._trimming is None
+            and self._giving_back is None
+        )
 
     def settle(
         self, call: CallRecord, reserved: int, delivered: bool, status: str = "", *, freed: bool = True
@@ -199,8 +211,12 @@ class RequestAccounting:
                 session.release_memory()
             release_free_memory()
 
-        released = asyncio.wrap_future(self._executor.submit(release))
-        released.add_done_callback(lambda _: self.budget.workspace_given_back())
+        self._giving_back = released = asyncio.wrap_future(self._executor.submit(release))
+        released.add_done_callback(self._given_back)
+
+    def _given_back(self, _) -> None:
+        self._giving_back = None
+        self.budget.workspace_given_back()
 
     def record(
         self, served: ServedModel | None, status: str, rows: int, timing: RequestTiming, protocol: str = "grpc"

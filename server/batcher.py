@@ -43,6 +43,13 @@ from .statistics import BatchResult
 from .tensors import RunInputs
 from .tracing import RequestTrace, record_run
 
+# A lone request's run is made on the event loop itself where the version allows its shape (``runs_here``): handed
+# to an inference thread and back, a small run also waits for two thread wakes, while there is no other request
+# to read meanwhile (BENCHMARKS.md, "A lone request's run on the event loop"). Lone: it finds nothing queued or
+# running, and no run ended within this long, so that requests coming back to back (many callers) keep to the
+# inference threads, where reading the next overlaps the run.
+QUIET_BEFORE_RUN_HERE_NS = 150_000
+
 
 class QueueFull(RequestError):
     def __init__(self, limit: int):
@@ -178,7 +185,8 @@ class Batcher:
 
     ``max_batch_size`` bounds the rows of one run (a request with that many rows runs alone);
     ``enabled=False`` runs every request on its own. ``on_batch`` sees every finished run. With a
-    ``run_cost``, what a free worker takes is split into runs by length (see the module doc).
+    ``run_cost``, what a free worker takes is split into runs by length (see the module doc). A lone
+    request whose (rows, Lq, Lk) ``runs_here`` allows is run on the event loop (QUIET_BEFORE_RUN_HERE_NS).
     """
 
     def __init__(
@@ -194,6 +202,7 @@ class Batcher:
         on_batch: Callable[[BatchResult], None] | None = None,
         run_cost: RunCost | None = None,
         computed_in: str = "float32",
+        runs_here: Callable[[int, int, int], bool] | None = None,
     ):
         self._run_model = run_model
         self.computed_in = computed_in  # the model's precision, named in an overflow's error
@@ -208,6 +217,8 @@ class Batcher:
         self._on_batch = on_batch
         self._queue: deque[_Pending] = deque()
         self._timer: asyncio.TimerHandle | None = None
+        self._runs_here = runs_here
+        self._last_run_ended_ns = 0
 
     @property
     def max_queue_delay_us(self) -> int:
@@ -228,8 +239,11 @@ class Batcher:
         loop = asyncio.get_running_loop()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         pending = _Pending(request, loop.create_future(), time.perf_counter_ns(), deadline, trace)
-        self._queue.append(pending)
-        self._dispatch()
+        if self._lone(pending):
+            self._run_here([pending])
+        else:
+            self._queue.append(pending)
+            self._dispatch()
         return await pending.future
 
     def _dispatch(self) -> None:
@@ -240,6 +254,26 @@ class Batcher:
             if batch:
                 self._idle_workers -= 1
                 self._executor.submit(self._run_all, runs, batch, asyncio.get_running_loop())
+
+    def _lone(self, pending: _Pending) -> bool:
+        """Whether a request that comes now is run here, on the event loop: nothing queued or running, no run
+        ended within QUIET_BEFORE_RUN_HERE_NS, no queue delay to wait for company, and ``runs_here`` allows its
+        shape."""
+        if self._runs_here is None or self._queue or self._idle_workers < self.workers or self.max_queue_delay_s > 0:
+            return False
+        if time.perf_counter_ns() - self._last_run_ended_ns < QUIET_BEFORE_RUN_HERE_NS:
+            return False
+        if pending.deadline is not None and time.monotonic() >= pending.deadline:
+            return False  # the queue refuses it
+        return self._runs_here(pending.request.batch_size, *_lengths(pending))
+
+    def _run_here(self, batch: list[_Pending]) -> None:
+        try:
+            result = self._run(batch)
+        except Exception as error:
+            self._deliver(batch, None, error)
+        else:
+            self._deliver(batch, result, None)
 
     def _should_wait(self) -> bool:
         """With a queue delay, a partial batch waits until its oldest request has waited that long."""
@@ -313,7 +347,7 @@ class Batcher:
         loop.call_soon_threadsafe(self._finished, batch)
 
     def _run(self, batch: list[_Pending]) -> BatchResult:
-        """In a worker thread: merge, run the model, split."""
+        """In a worker thread (a lone request's on the event loop): merge, run the model, split."""
         started = time.perf_counter_ns()
         requests = [p.request for p in batch]
         merged = merge(requests)
@@ -339,6 +373,7 @@ class Batcher:
 
     def _deliver(self, run: list[_Pending], result: BatchResult | None, error: Exception | None) -> None:
         """A run's answers to their callers."""
+        self._last_run_ended_ns = time.perf_counter_ns()
         if result is not None and self._on_batch is not None:
             self._on_batch(result)
         if result is not None:

@@ -96,7 +96,10 @@ class DataPlane:
             settings.max_sequence_bytes_per_client,
         )
         self.metrics.watch_sequences(self.sequences)
-        self.versions = VersionFactory(settings, self.limits, budget, self.metrics, self._executor, self.sequences)
+        self.accounting = RequestAccounting(budget, self.metrics, self._executor, self._sessions)
+        self.versions = VersionFactory(
+            settings, self.limits, budget, self.metrics, self._executor, self.sequences, self.accounting.quiet
+        )
         repository = ModelRepository(settings.model_repository) if settings.model_repository else None
         self.registry = ModelRegistry(
             self.versions,
@@ -104,7 +107,6 @@ class DataPlane:
             single_dir=None if repository else Path(model_dir),
             policy=VersionPolicy.parse(settings.version_policy),
         )
-        self.accounting = RequestAccounting(budget, self.metrics, self._executor, self._sessions)
         self.tracing = Tracing(*parse_trace_config(settings.trace_config))  # TracingUnavailable: no SDK
         self.shared_memory = SharedMemoryRegistry(
             settings.allow_client_shm, settings.client_shm_max_regions, settings.client_shm_max_bytes

@@ -39,6 +39,18 @@ FIT_PASSES = 3  # the fastest pass: a shared machine only adds time, and the med
 GAP_BETWEEN_RUNS_S = 0.0005
 
 
+# The largest run made on the event loop for a lone request (batcher.QUIET_BEFORE_RUN_HERE_NS), in multiply-adds:
+# [1,32,512] or [1,16,768] self-attention (a [1,32,512] run took 0.39 ms on two cores here, [1,16,512] 0.21 ms,
+# [1,64,512] 1.04 ms), so that the loop is held no longer than a few small requests' reading and answering take.
+RUN_HERE_MAX_MULTIPLY_ADDS = 40_000_000
+
+
+def multiply_adds(rows: int, q_len: int, kv_len: int, d_model: int) -> int:
+    """A run's multiply-adds: the four projections (queries and output over Lq rows, keys and values over Lk) and
+    the attention's two products."""
+    return rows * d_model * (2 * (q_len + kv_len) * d_model + 2 * q_len * kv_len)
+
+
 @dataclass(frozen=True)
 class RunCost:
     overhead_s: float

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from concurrent.futures import Executor
 from pathlib import Path
 
@@ -21,13 +22,13 @@ from .memory import MemoryBudget, run_workspace_bytes
 from .metrics import Metrics
 from .model_config import ModelSettings, model_settings
 from .registry import ServedModel
-from .run_cost import RunCost
+from .run_cost import RUN_HERE_MAX_MULTIPLY_ADDS, RunCost, multiply_adds
 from .runtime import BatchedRuntime
 from .sequences import SequenceRuntime, Sequences, StepRuns
-from .session import AttentionSession
+from .session import CPU, AttentionSession
 from .statistics import BatchResult, ModelStatistics
 from .tensors import Limits
-from .threads import lowered_pool, runs_alone
+from .threads import lowered_pool, runs_alone, worker_board
 
 log = logging.getLogger("mhaserve.server")
 
@@ -43,6 +44,7 @@ class VersionFactory:
         metrics: Metrics,
         executor: Executor,
         sequences: Sequences,
+        quiet: Callable[[], bool] = lambda: False,
     ):
         self.settings = settings
         self.limits = limits
@@ -50,6 +52,7 @@ class VersionFactory:
         self.metrics = metrics
         self._executor = executor  # the inference workers every version's runs are made on
         self.sequences = sequences  # the process's live sequences, every version's steps belong to
+        self._quiet = quiet  # no other request in the server: a lone small run may be made on the event loop
         self.message_limits: tuple[int, int] | None = None  # (receive, send) the transport bound with
         # Loads get their own thread, so that a version loaded under load does not hold the inference
         # workers for its seconds of session creation and warm-up (at the same lowered priority).
@@ -86,6 +89,7 @@ class VersionFactory:
             on_batch=on_batch,
             run_cost=run_cost,
             computed_in=session.info.computed_in,
+            runs_here=self._runs_here(session),
         )
         info = session.info
         signature = ModelSignature(
@@ -131,6 +135,19 @@ class VersionFactory:
             sequence_steps=sequence_steps,
             settings=model,
         )
+
+    def _runs_here(self, session: AttentionSession) -> Callable[[int, int, int], bool] | None:
+        """Which lone runs the batcher makes on the event loop: small ones, while no other request is in the
+        server, on the CPU (a GPU run's copies and launches are measured for the inference threads only), and
+        outside --workers (a run there is marked on the workers' board by the inference thread that makes it)."""
+        if session.provider != CPU or worker_board() is not None:
+            return None
+        d_model, quiet = session.info.d_model, self._quiet
+
+        def runs_here(rows: int, q_len: int, kv_len: int) -> bool:
+            return multiply_adds(rows, q_len, kv_len, d_model) <= RUN_HERE_MAX_MULTIPLY_ADDS and quiet()
+
+        return runs_here
 
     def _open_session(self, model_dir: Path, model: ModelSettings) -> tuple[AttentionSession, RunCost | None]:
         alone_threads, alone = runs_alone()

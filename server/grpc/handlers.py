@@ -46,16 +46,26 @@ async def _parsed(request_class, raw: bytes, off_loop_if_large):
     return await off_loop_if_large(request_class.FromString, len(raw), raw)
 
 
-def _reading_unary(behavior, request_class, off_loop_if_large, reader: RequestReader, inference: bool):
+def _reading_unary(behavior, request_class, off_loop_if_large, reader: RequestReader, arrivals=None):
+    """``arrivals`` (an inference method's: the request accounting) counts the requests being read, which the
+    server is not quiet while."""
+
     async def handle(request_iterator, context):
         try:
             try:
-                raw = await reader.read(context)
+                if arrivals is None:
+                    raw = await reader.read(context)
+                else:
+                    arrivals.requests_being_read += 1
+                    try:
+                        raw = await reader.read(context)
+                    finally:
+                        arrivals.requests_being_read -= 1
             except RequestError as error:
                 await context.abort(GRPC_STATUS[error.kind], error.message)
             except AlreadyAnswered:
                 return None
-            if inference:  # parsed in the call, once counted
+            if arrivals is not None:  # parsed in the call, once counted
                 request = ReceivedMessage(raw, request_class, off_loop_if_large)
                 raw = None  # the message alone holds it, and lets go once parsed
             else:
@@ -177,7 +187,8 @@ def add_inference_service(servicer: InferenceServicer, server) -> None:
         elif not (method.client_streaming or method.server_streaming):
             # Request-streaming on the server's side (the wire is the same), so that the request is read when
             # the reader gives it its turn rather than by grpcio as soon as the call opens.
-            reading = _reading_unary(behavior, request_class, parse, reader, method.name == "ModelInfer")
+            arrivals = dataplane.accounting if method.name == "ModelInfer" else None
+            reading = _reading_unary(behavior, request_class, parse, reader, arrivals)
             handler = grpc.stream_unary_rpc_method_handler(reading, response_serializer=serialize)
         else:  # the protocol has no such RPC; refuse to guess
             raise TypeError(f"{method.full_name}: half-streaming RPCs are not handled")

@@ -82,8 +82,10 @@ def test_a_grpc_request_that_stops_arriving_is_refused_at_the_read_timeout_and_f
     )
     stalled = ZeroWindowGrpcClient(server.url)
     message = build_infer_request("mha", rand(1, 64, D, seed=5)).SerializeToString()
+    accounting = server.server.dataplane.accounting
     first = stalled.call(message, stop_after=len(message) // 2)
     time.sleep(0.4)  # past the small read: it holds the turn
+    being_read = accounting.requests_being_read  # the server is not quiet: no lone run on its event loop
     second = stalled.call(message, stop_after=len(message) // 2)
     started = time.monotonic()
     with Client(server.url) as client:
@@ -95,6 +97,7 @@ def test_a_grpc_request_that_stops_arriving_is_refused_at_the_read_timeout_and_f
     stalled.close()
     assert stalled.statuses.get(first) == str(grpc.StatusCode.DEADLINE_EXCEEDED.value[0])
     assert served_in < 0.5, f"served after {served_in:.2f} s, behind the stalled request"
+    assert being_read == 1 and accounting.requests_being_read == 0
 
 
 @pytest.mark.parametrize("connections,calls", [(1, 1), (4, 1), (1, 4), (16, 1)])

@@ -208,3 +208,58 @@ def test_a_failed_run_fails_its_requests_and_the_worker_serves_the_next_take(sma
     answers, after, idle = asyncio.run(scenario())
     assert [a.outputs["output"].shape for a in answers] == [(1, 2, D), (1, 60, D)]
     assert len(calls) == 4 and after.outputs["output"].shape == (1, 5, D) and idle == 1
+
+
+def test_a_lone_small_request_runs_on_the_event_loop_and_requests_back_to_back_on_a_worker(
+    small_model_dir, monkeypatch
+):
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mhaserve.server import batcher as batcher_module
+    from mhaserve.server.batcher import QUIET_BEFORE_RUN_HERE_NS, Batcher
+
+    session = AttentionSession(small_model_dir, device="cpu", intra_op_threads=1)
+    ran_on, asked = [], []
+
+    def run_model(*args):
+        ran_on.append((args[1].shape[1], threading.current_thread().name))
+        if args[1].shape[1] == 7:
+            raise RuntimeError("the model's run failed")
+        return session.run(*args)
+
+    def runs_here(rows, q_len, kv_len):
+        asked.append((rows, q_len, kv_len))
+        return q_len <= 16  # a small run, the server otherwise quiet
+
+    def request(length, seed):
+        return as_attention_request(rand(1, length, D, seed=seed), None, None, None, False)
+
+    async def quiet_for_a_while():
+        await asyncio.sleep(3 * QUIET_BEFORE_RUN_HERE_NS / 1e9)
+
+    async def scenario():
+        with ThreadPoolExecutor(1, thread_name_prefix="worker") as executor:
+            batcher = Batcher(run_model, executor, workers=1, max_batch_size=4, max_queue_size=64, runs_here=runs_here)
+            answers = [await batcher.submit(request(5, 0))]  # lone and small: here
+            await quiet_for_a_while()
+            with pytest.raises(RuntimeError, match="the model's run failed"):  # a failed run here is its caller's
+                await batcher.submit(request(7, 1))
+            await quiet_for_a_while()
+            # Too large for here (runs_here says no): a worker's; one that comes while it runs waits for the
+            # worker, and is taken as the run ends, back to back with it: a worker's too.
+            large = asyncio.ensure_future(batcher.submit(request(40, 2)))
+            await asyncio.sleep(0)
+            answers += await asyncio.gather(large, batcher.submit(request(6, 3)))
+            await worker_freed(batcher)
+            await quiet_for_a_while()
+            # A run ended within the quiet window (here as long as the test): one of many callers, back to back.
+            monkeypatch.setattr(batcher_module, "QUIET_BEFORE_RUN_HERE_NS", 100 * 10**9)
+            answers.append(await batcher.submit(request(4, 4)))
+            return threading.current_thread().name, answers
+
+    loop_thread, answers = asyncio.run(scenario())
+    assert ran_on == [(5, loop_thread), (7, loop_thread), (40, "worker_0"), (6, "worker_0"), (4, "worker_0")]
+    assert asked == [(1, 5, 5), (1, 7, 7), (1, 40, 40)]  # the last two were not lone
+    for answer, length in zip(answers, (5, 40, 6, 4), strict=True):
+        assert answer.outputs["output"].shape == (1, length, D)

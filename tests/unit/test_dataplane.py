@@ -150,3 +150,49 @@ def test_a_draining_data_plane_refuses_new_calls_as_retryable(small_model_dir):
 
     error, ready = run(scenario, small_model_dir)
     assert error.kind == ErrorKind.UNAVAILABLE and "retry elsewhere" in error.message and not ready
+
+
+def test_a_lone_small_request_runs_on_the_event_loop_and_any_other_in_the_server_sends_it_to_a_worker(
+    small_model_dir, small_module
+):
+    import threading
+
+    small, large = rand(1, 8, SMALL_D_MODEL, seed=1), rand(1, 512, SMALL_D_MODEL, seed=2)
+
+    async def scenario(dataplane):
+        batcher = dataplane.resolve("mha", "").batched.batcher
+        run_model, on_the_loop = batcher._run_model, []
+
+        def recording(*args):
+            on_the_loop.append(threading.current_thread() is threading.main_thread())
+            return run_model(*args)
+
+        batcher._run_model = recording
+
+        async def after_a_pause(query):
+            while batcher._idle_workers < batcher.workers:  # a loaded machine may free the worker late
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(0.01)  # no run ended just now
+            return await infer(dataplane, request_of(query, "output"))
+
+        answers = [await after_a_pause(small)]  # alone: on the loop
+        dataplane.accounting.requests_being_read += 1  # another client's request arriving (gRPC counts it)
+        answers.append(await after_a_pause(small))
+        dataplane.accounting.requests_being_read -= 1
+        async with dataplane.inference("test"):  # another call in the server
+            answers.append(await after_a_pause(small))
+        answers.append(await after_a_pause(large))  # too large a run to hold the loop for
+        answers.append(await after_a_pause(small))  # alone again
+        held = threading.Event()
+        dataplane._executor.submit(held.wait, 10)  # the inference thread busy ...
+        dataplane.accounting._release_idle_memory()  # ... and the idle release waiting for it
+        giving_back = asyncio.ensure_future(after_a_pause(small))
+        await asyncio.sleep(0.1)
+        held.set()
+        answers.append(await giving_back)  # a run beside the release would race it: after it, on the thread
+        return answers, on_the_loop
+
+    answers, on_the_loop = run(scenario, small_model_dir)
+    assert on_the_loop == [True, False, False, False, True, False]
+    for answer, query in zip(answers, (small, small, small, large, small, small), strict=True):
+        np.testing.assert_allclose(answer.outputs["output"], eager(small_module, query, query, query)[0], atol=1e-5)
