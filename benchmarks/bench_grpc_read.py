@@ -23,7 +23,7 @@ import time
 
 import grpc
 
-from mhaserve.server.grpc.receipt import RequestReader, ReceivingTurns
+from mhaserve.server.grpc.receipt import ReceivingTurns, RequestReader
 
 REQUEST, REPLY = b"x" * 32_800, b"y" * 40_000
 RECEIVE_LIMIT = 168 << 20  # the default model's (a whole batch of 512-long requests)
