@@ -69,6 +69,11 @@ class RequestReader:
         self._first_reads = FirstReads(first_reads, turns.bad_standing)
         self._abandoned = abandoned  # told of a read refused part-way: grpcio may have taken up to the limit for it
         self._receive_limit = receive_limit
+        # The reads in their first read, each with when its first read is up and how long it was, and the one timer
+        # that watches them all, armed for the earliest (a timer armed and cancelled for every read cost the event
+        # loop 13 us a request: BENCHMARKS.md, "Against b7536cc").
+        self._first_reading: dict[_Read, tuple[float, float]] = {}
+        self._watch: asyncio.TimerHandle | None = None
 
     async def read(self, context) -> bytes:
         connection = context.peer()
@@ -83,7 +88,7 @@ class RequestReader:
         reading.started = loop.time()
         # The read timeout is armed only for a read that outlasts its first read (_first_read_decided): a timer
         # per request would keep --grpc-read-timeout-s worth of requests' timers in the loop's heap.
-        self._decide_after(reading, first_read_s, self._first_read_decided)
+        self._watch_first_read(reading, first_read_s)
         try:
             raw = await context.read()
         except Exception:
@@ -92,6 +97,7 @@ class RequestReader:
             raw = None
         finally:
             reading.finished = True
+            self._first_reading.pop(reading, None)
             for timer in (reading.decision, reading.timed_out):
                 if timer is not None:
                     timer.cancel()
@@ -108,6 +114,32 @@ class RequestReader:
         if raw is grpc.aio.EOF:
             raise RequestError(ErrorKind.INVALID_ARGUMENT, "the call ended without a request message")
         return raw
+
+    def _watch_first_read(self, reading: _Read, seconds: float) -> None:
+        """``_first_read_decided(reading)`` once its first read's ``seconds`` are up, as ``_decide_after`` would, by
+        the one timer that watches every first read."""
+        due = reading.started + seconds
+        self._first_reading[reading] = (due, seconds)
+        if self._watch is None or due < self._watch.when():
+            if self._watch is not None:
+                self._watch.cancel()
+            self._watch = asyncio.get_running_loop().call_at(due, self._first_reads_due)
+
+    def _first_reads_due(self) -> None:
+        self._watch = None
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        for reading, (due, seconds) in list(self._first_reading.items()):
+            if now < due:
+                continue
+            if now - due > seconds and not reading.rearmed:  # a starved loop, not a slow sender: that time once more
+                reading.rearmed = True
+                self._first_reading[reading] = (now + seconds, seconds)
+                continue
+            del self._first_reading[reading]
+            loop.call_soon(self._first_read_decided, reading)  # a loop tick later, as _decide_after's
+        if self._first_reading:
+            self._watch = loop.call_at(min(due for due, _ in self._first_reading.values()), self._first_reads_due)
 
     def _decide_after(self, reading: _Read, seconds: float, decide, rearmed: bool = False) -> None:
         """``decide(reading)`` once ``seconds`` are up (its first read's, then its wait's for a turn), a loop tick
@@ -190,7 +222,7 @@ class RequestReader:
             self.turns.bad_standing.add(reading.connection)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Read:
     """One call's read under way: its context, whether it holds its first read or a turn, and why it was refused."""
 
@@ -202,6 +234,7 @@ class _Read:
     withdraw: Callable[[], None] | None = None  # while it waits for a turn: leaves the line
     finished: bool = False  # its read has ended
     first: bool = True
+    rearmed: bool = False  # its first read was given its time once more (the loop had been starved)
     turn: bool = False
     refusal: RequestError | None = None
     answering: asyncio.Future | None = None
