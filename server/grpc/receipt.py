@@ -2,10 +2,10 @@
 
 grpcio's core receives a message whole once its read is asked for, before any handler can count or refuse it, so the
 server asks for reads itself (the unary handlers are request-streaming on the server's side, the wire the same):
-RequestReader gives each unary request a short first read, one at a time and fairly across connections
-(FirstReads), then a receiving turn or a refusal; a ModelStreamInfer stream reads its next request in a receiving
-turn of the same pool (ReceivingTurns), waiting in line for one; StreamSlots bounds the streams open at once, in all
-and per client.
+RequestReader gives each unary request a short first read, one at a time and fairly across connections (FirstReads), or
+at once a free receiving turn while the first read is taken, then a receiving turn or a refusal; a ModelStreamInfer
+stream reads its next request in a receiving turn of the same pool (ReceivingTurns), waiting in line for one;
+StreamSlots bounds the streams open at once, in all and per client.
 """
 
 from __future__ import annotations
@@ -39,20 +39,20 @@ GRPCIO_RECEIPT_COPIES = 3
 class RequestReader:
     """Reads a call's request when its handler asks: small ones at once, large or slow ones a few at a time.
 
-    A request not yet read waits in its stream's flow-control window (256 KiB, not grown: BDP probing off) while
-    its sender is held back; once a read is asked for, gRPC's core receives the whole message, up to the receive
-    limit. So a read first runs for ``first_read_s`` without a turn: a request within the window, or one that
-    arrives that fast, is read then, whatever other senders do or fail to do. At most ``first_reads`` run at once,
-    one per connection, the calls of connections in good standing first (FirstReads): the others wait unread, so
-    what first reads take is bounded, and stalled senders queue behind themselves. A request still arriving after
-    its first read needs one of the receiving turns (each reserves three times the receive limit in
-    --max-receiving-bytes). With none free, a call from a connection in good standing waits for one in its first
-    read, up to ``first_read_s`` more (the holder is most often another request nearly arrived); one from a
-    connection in bad standing, or one still waiting then, is refused RESOURCE_EXHAUSTED (its bytes would go on
-    arriving while it waited). One that has not arrived ``timeout_s`` after its read began is refused
-    DEADLINE_EXCEEDED. A refused call puts its connection in bad standing; a request read whole restores it. A
-    stalled sender can hold a turn, and a first read for twice ``first_read_s`` once; never another caller's small
-    request for longer."""
+    A request not yet read waits in its stream's flow-control window (256 KiB, not grown: BDP probing off) while its
+    sender is held back; once a read is asked for, gRPC's core receives the whole message, up to the receive limit. So a
+    read first runs for ``first_read_s`` without a turn: a request within the window, or one that arrives that fast, is
+    read then, whatever other senders do or fail to do. At most ``first_reads`` run at once, one per connection, the
+    calls of connections in good standing first (FirstReads); while they are taken, a call from a connection in good
+    standing reads at once in a free receiving turn (one of the turns below, so the bound is the same); the others wait
+    unread, so what first reads take is bounded, and stalled senders queue behind themselves. A request still arriving
+    after its first read needs one of the receiving turns (each reserves three times the receive limit in
+    --max-receiving-bytes). With none free, a call from a connection in good standing waits for one in its first read,
+    up to ``first_read_s`` more (the holder is most often another request nearly arrived); one from a connection in bad
+    standing, or one still waiting then, is refused RESOURCE_EXHAUSTED (its bytes would go on arriving while it waited).
+    One that has not arrived ``timeout_s`` after its read began is refused DEADLINE_EXCEEDED. A refused call puts its
+    connection in bad standing; a request read whole restores it. A stalled sender can hold a turn, and a first read for
+    twice ``first_read_s`` once; never another caller's small request for longer."""
 
     def __init__(
         self,
@@ -77,10 +77,18 @@ class RequestReader:
 
     async def read(self, context) -> bytes:
         connection = context.peer()
-        await self._first_reads.acquire(connection)
+        reading = _Read(context, connection)
+        if not self._first_reads.take_now(connection):
+            # Every first read is taken: a connection in good standing reads at once in a free receiving turn (what
+            # receipt holds is bounded all the same) rather than waiting unread for a first read.
+            if connection not in self.turns.bad_standing and self.turns.free:
+                self.turns.take()
+                reading.first, reading.turn = False, True
+            else:
+                await self._first_reads.acquire(connection)
         # Timers, not a task racing the read (a task per request cost throughput: BENCHMARKS.md, "Hostile clients"):
         # the read is awaited in the call's own task, and a timer that refuses it answers the call meanwhile.
-        loop, reading = asyncio.get_running_loop(), _Read(context, connection)
+        loop = asyncio.get_running_loop()
         # With every turn taken, a first read that goes long waits for a turn or is refused, and what arrives
         # meanwhile may be waste: it gets BUSY_FIRST_READ_S (on loopback a large message arrives whole within a
         # first read's usual time).
@@ -162,7 +170,9 @@ class RequestReader:
         """The request is still arriving: it takes a turn, waits in its first read for one, or is refused."""
         if reading.finished:
             return
-        if self.turns.take():
+        if reading.turn:  # it read in a turn from the start
+            self._arm_read_timeout(reading)
+        elif self.turns.take():
             self._turn_taken(reading)
         elif reading.connection in self.turns.bad_standing:
             self._no_turn_came(reading)
@@ -182,6 +192,9 @@ class RequestReader:
             reading.decision = None
         reading.first, reading.turn = False, True
         self._first_reads.release(reading.connection)
+        self._arm_read_timeout(reading)
+
+    def _arm_read_timeout(self, reading: _Read) -> None:
         loop = asyncio.get_running_loop()
         reading.timed_out = loop.call_at(reading.started + self._timeout_s, self._read_timed_out, reading)
 
@@ -285,12 +298,19 @@ class FirstReads:
         self._bad_standing = bad_standing
         self._waiting: dict[bool, collections.deque] = {False: collections.deque(), True: collections.deque()}
 
-    async def acquire(self, connection: str) -> None:
+    def take_now(self, connection: str) -> bool:
+        """A first read for ``connection`` if one is free and no waiter it would pass is eligible for it."""
         suspect = connection in self._bad_standing
         ahead = (self._waiting[False], self._waiting[True]) if suspect else (self._waiting[False],)
         if self._free and connection not in self._busy and not self._eligible(ahead):
             self._take(connection)
+            return True
+        return False
+
+    async def acquire(self, connection: str) -> None:
+        if self.take_now(connection):
             return
+        suspect = connection in self._bad_standing
         handed = asyncio.get_running_loop().create_future()
         entry = (connection, handed)
         self._waiting[suspect].append(entry)

@@ -196,6 +196,36 @@ async def waiting_for_the_held_turn(first_read_s: float, held_after: float, wait
     return turns, (holder, waiter), (first, second)
 
 
+def test_a_request_arriving_while_the_first_read_is_taken_reads_in_a_free_turn_unless_its_connection_is_suspect():
+    async def scenario():
+        turns = ReceivingTurns(receiving_bytes=6, receive_limit=1, hold_s=60)
+        assert turns.count == 2
+        reader = RequestReader(turns, receive_limit=1, timeout_s=1.0, first_read_s=1.0)
+        stalled = asyncio.create_task(reader.read(Context("ipv4:127.0.0.1:1")))  # holds the one first read 1 s
+        await asyncio.sleep(0.01)
+        loop = asyncio.get_running_loop()
+        started, sent = loop.time(), Context("ipv4:127.0.0.1:2")
+        sent.send()
+        assert await reader.read(sent) == b"request"
+        assert loop.time() - started < 0.5 and turns.free == 2  # not behind the stalled read; its turn given back
+        turns.bad_standing.add("ipv4:127.0.0.1:3")
+        suspect = Context("ipv4:127.0.0.1:3")
+        suspect.send()
+        waiting = asyncio.create_task(reader.read(suspect))
+        await asyncio.sleep(0.05)
+        assert not waiting.done() and turns.free == 2  # in bad standing: it waits for the first read
+        never_sent = Context("ipv4:127.0.0.1:4")
+        with pytest.raises(AlreadyAnswered):  # a read in a turn keeps the read timeout
+            await reader.read(never_sent)
+        assert never_sent.refusal[0] == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert await waiting == b"request"
+        stalled.cancel()
+        await asyncio.gather(stalled, return_exceptions=True)
+        assert turns.free == 2
+
+    asyncio.run(scenario())
+
+
 def test_a_request_still_arriving_waits_briefly_for_the_turn_another_request_holds_and_is_read_not_refused():
     """Two large requests arriving at once on a loaded machine: the second's first read ends while the first holds
     the only turn; it waits for that turn in its first read and takes it once given back."""
