@@ -120,7 +120,11 @@ class RequestAccounting:
         self.metrics = metrics
         self._executor = executor  # the idle release runs where the runs do, never beside one
         self._sessions = sessions  # the sessions whose arenas an idle release empties
-        self._idle_release: asyncio.TimerHandle | None = None  # armed when the budget becomes idle
+        # Armed when the budget becomes idle and left armed by the next request (a timer armed and cancelled for
+        # each request cost the event loop more): when it fires, the release waits for IDLE_RELEASE_S since the
+        # budget last became idle, and for the next idle spell if it is busy.
+        self._idle_release: asyncio.TimerHandle | None = None
+        self._idle_since = 0.0  # when the budget last became idle, on the loop's clock
         self._received_since_release = 0  # request bodies received and freed since the last idle release
         self._received_since_trim = 0  # ... and since the heap was last trimmed
         self._trimming = None  # the heap's trim under way during a burst
@@ -166,8 +170,11 @@ class RequestAccounting:
     def _release(self, reserved: int) -> None:
         self.budget.release(reserved)
         holding = self.budget.kept_workspace or self._received_since_release >= RECEIVED_BYTES_BEFORE_TRIM
-        if self.budget.idle and self._idle_release is None and holding:
-            self._idle_release = asyncio.get_running_loop().call_later(IDLE_RELEASE_S, self._release_idle_memory)
+        if self.budget.idle:
+            loop = asyncio.get_running_loop()
+            self._idle_since = loop.time()
+            if self._idle_release is None and holding:
+                self._idle_release = loop.call_at(self._idle_since + IDLE_RELEASE_S, self._idle_release_due)
 
     def received_released(self, nbytes: int) -> None:
         """A request body's bytes, counted while it was received, leave the budget (admitted, the request's
@@ -191,15 +198,21 @@ class RequestAccounting:
 
     def admit(self, request_bytes: int, rows: int, workspace: int) -> object:
         """Take a request's share of max_inflight_bytes, for every model together, or refuse it."""
-        waiting = self.budget.admit(request_bytes, rows, workspace)
-        if self._idle_release is not None:
-            self._idle_release.cancel()
-            self._idle_release = None
-        return waiting
+        return self.budget.admit(request_bytes, rows, workspace)
+
+    def _idle_release_due(self) -> None:
+        """The release, once the budget has been idle for IDLE_RELEASE_S."""
+        self._idle_release = None
+        if not self.budget.idle:  # armed again when it next becomes idle
+            return
+        loop = asyncio.get_running_loop()
+        if loop.time() < self._idle_since + IDLE_RELEASE_S:  # busy meanwhile, idle again since
+            self._idle_release = loop.call_at(self._idle_since + IDLE_RELEASE_S, self._idle_release_due)
+            return
+        self._release_idle_memory()
 
     def _release_idle_memory(self) -> None:
-        """Give the arenas' and the heap's free memory back, if still idle."""
-        self._idle_release = None
+        """Give the arenas' and the heap's free memory back, if idle."""
         if not self.budget.idle:
             return
         sessions = self._sessions()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import logging
 import traceback
@@ -135,6 +136,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self.answers = ProtocolAnswers(dataplane)
         self.protocol = protocol  # what inference calls are counted as
         self.callers = callers or Callers()
+        self._answers = AnswersOnTheirWay(dataplane.settings.write_timeout_s)
 
     def caller(self, context) -> str:
         """Who the call comes from (security.Callers): "" unless the server tells callers apart."""
@@ -152,21 +154,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         ) as call:
             answer = await infer_grpc(call, await message.counted_and_parsed(call))
             call.deliver_later()
-        written = asyncio.get_running_loop().create_future()  # gRPC writes a unary answer after the handler
-        context.add_done_callback(lambda _: written.done() or written.set_result(None))
-        self._settle_when_written(call.sent, written, len(answer))
+        delivery = self._answers.on_its_way(call.sent, len(answer))  # gRPC writes a unary answer after the handler
+        context.add_done_callback(delivery.call_ended)
         return answer
-
-    def _settle_when_written(self, sent, written: asyncio.Future, size: int) -> None:
-        """The answer stays in the budget until ``written`` is done (gRPC wrote it, or gave up); one not taken
-        within write_timeout_s counts CANCELLED then.
-
-        grpcio gives a handler no way to cancel its call: an answer not taken stays in gRPC's buffers until
-        the client reads it or its connection closes (keepalive closes a dead one), so it stays in the budget
-        until then. The budget bounds what slow readers hold, and max_concurrent_streams what one connection
-        holds. (Writing a unary answer from the handler, as a one-answer stream, cost more per call than
-        being told by the call's done callback: BENCHMARKS, "gRPC answers held in the budget until written".)"""
-        _Delivery(sent, size, self.dataplane.settings.write_timeout_s).when_written(written)
 
     async def ModelStreamInfer(self, request_iterator, context):
         # Answers in request order; a refused request answers with error_message and the stream goes on,
@@ -187,40 +177,90 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             # The next request is not read before this answer is written.
             write = asyncio.ensure_future(context.write(answer))
             size = len(answer) if isinstance(answer, bytes) else answer.ByteSize()
-            self._settle_when_written(call.sent, write, size)
+            delivery = self._answers.on_its_way(call.sent, size)
+            write.add_done_callback(delivery.write_ended)
             await write
 
 
-class _Delivery:
-    """One answer on its way: recorded as sent when gRPC has written it (or gave up on it), or, not taken within
-    ``timeout`` seconds, counted CANCELLED then, its memory released only once gRPC lets go of it."""
+class AnswersOnTheirWay:
+    """Answers gRPC writes after their handler: each stays in the budget until written (or gRPC gave up on it); one
+    not taken within ``timeout_s`` counts CANCELLED then, its memory released only once gRPC lets go of it.
 
-    def __init__(self, sent, size: int, timeout: float):
-        self._sent, self._size, self._timeout = sent, size, timeout
+    grpcio gives a handler no way to cancel its call: an answer not taken stays in gRPC's buffers until the client
+    reads it or its connection closes (keepalive closes a dead one), so it stays in the budget until then. The budget
+    bounds what slow readers hold, and max_concurrent_streams what one connection holds. (Writing a unary answer
+    from the handler, as a one-answer stream, cost more per call than being told by the call's done callback:
+    BENCHMARKS, "gRPC answers held in the budget until written".) One timer watches every answer on its way, armed
+    for the oldest (all share one timeout, so they fall due in the order sent): a timer armed and cancelled for
+    each answer cost the event loop more (BENCHMARKS, "One watch for the answers on their way"). Event loop only."""
+
+    def __init__(self, timeout_s: float):
+        self._timeout_s = timeout_s
+        self._on_their_way: collections.OrderedDict[_Delivery, None] = collections.OrderedDict()  # oldest first
+        self._watch: asyncio.TimerHandle | None = None
+
+    def on_its_way(self, sent, size: int) -> _Delivery:
+        """An answer of ``size`` bytes handed to gRPC; ``sent`` (the call's) is told when it is written or given
+        up on. The returned delivery is to be told when gRPC has written it: a unary call's end, or a stream's
+        write."""
+        loop = asyncio.get_running_loop()
+        delivery = _Delivery(self, sent, size, loop.time() + self._timeout_s)
+        self._on_their_way[delivery] = None
+        if self._watch is None:
+            self._watch = loop.call_at(delivery.due, self._oldest_due)
+        return delivery
+
+    def settled(self, delivery: _Delivery) -> None:
+        self._on_their_way.pop(delivery, None)
+
+    def _oldest_due(self) -> None:
+        self._watch = None
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        while self._on_their_way:
+            oldest = next(iter(self._on_their_way))
+            if oldest.due > now:
+                self._watch = loop.call_at(oldest.due, self._oldest_due)
+                return
+            del self._on_their_way[oldest]
+            oldest.give_up(self._timeout_s)
+
+
+class _Delivery:
+    """One answer on its way (AnswersOnTheirWay): recorded as sent when gRPC has written it (or gave up on it), or,
+    not taken by its ``due`` time, counted CANCELLED then, its memory released only once gRPC lets go of it."""
+
+    __slots__ = ("_answers", "_sent", "_size", "due", "_given_up", "_release")
+
+    def __init__(self, answers: AnswersOnTheirWay, sent, size: int, due: float):
+        self._answers, self._sent, self._size, self.due = answers, sent, size, due
         self._given_up = False
         self._release = None  # what releases a given-up answer's memory, once gRPC drops it
-        self._timer = asyncio.get_running_loop().call_later(timeout, self._give_up)
 
-    def when_written(self, written: asyncio.Future) -> None:
-        written.add_done_callback(self._written)
-
-    def _give_up(self) -> None:
+    def give_up(self, timeout_s: float) -> None:
         log.info(
             "a gRPC client did not read its %d-byte answer within %g s: counted CANCELLED, held until taken or its "
             "connection closes",
             self._size,
-            self._timeout,
+            timeout_s,
         )
         self._given_up = True
         self._release = self._sent(False, freed=False)
 
-    def _written(self, future: asyncio.Future) -> None:
+    def call_ended(self, _call) -> None:
+        """A unary call's done callback: its answer was written or the call ended without it."""
+        self._written(True)
+
+    def write_ended(self, write: asyncio.Future) -> None:
+        self._written(not write.cancelled() and write.exception() is None)
+
+    def _written(self, delivered: bool) -> None:
         if self._given_up:
             if self._release is not None:
                 self._release()
             return
-        self._timer.cancel()
-        self._sent(not future.cancelled() and future.exception() is None, self._size)
+        self._answers.settled(self)
+        self._sent(delivered, self._size)
 
 
 def _answered(name: str):

@@ -3,10 +3,16 @@ need, what sequences keep), refused over the limit with the figures, and given b
 
 from __future__ import annotations
 
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
+from mhaserve.server import accounting
+from mhaserve.server.accounting import Receipt, RequestAccounting
 from mhaserve.server.errors import ErrorKind
 from mhaserve.server.memory import InflightBytesExceeded, MemoryBudget
+from mhaserve.server.metrics import Metrics
 
 
 def test_a_request_is_admitted_within_the_limit_and_refused_beyond_it_naming_the_figures():
@@ -108,3 +114,34 @@ def test_what_waiting_runs_may_need_follows_requests_as_they_come_and_their_runs
             waiting[budget.admit(rows, rows, workspace)] = (rows, workspace)  # its rows as its bytes
         assert budget.held == sum(rows for rows, _ in waiting.values()) + from_every_one()
     assert len(budget._per_row) <= 2 * len(waiting) + 65  # entries of ended runs do not pile up
+
+
+def test_memory_is_given_back_only_once_idle_for_the_whole_wait_since_the_last_request(monkeypatch):
+    monkeypatch.setattr(accounting, "IDLE_RELEASE_S", 0.3)
+
+    class Session:
+        releases = 0
+
+        def release_memory(self):
+            Session.releases += 1
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        with ThreadPoolExecutor(1) as executor:
+            requests = RequestAccounting(MemoryBudget(1 << 30), Metrics(), executor, lambda: [Session()])
+            idle = Receipt(requests)
+            idle.add(accounting.RECEIVED_BYTES_BEFORE_TRIM)  # enough received to be worth giving back
+            idle.close()
+            await asyncio.sleep(0.2)
+            request = Receipt(requests)  # a request comes and goes before the wait is up
+            request.add(1000)
+            await asyncio.sleep(0.05)
+            request.close()
+            idle_again = loop.time()
+            await asyncio.sleep(0.2)  # past the first wait's end, not yet a whole wait since the request
+            assert Session.releases == 0
+            while not Session.releases and loop.time() < idle_again + 5:
+                await asyncio.sleep(0.01)
+            assert Session.releases == 1 and loop.time() - idle_again >= 0.3
+
+    asyncio.run(scenario())
