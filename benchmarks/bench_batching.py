@@ -15,7 +15,9 @@ how much of a policy's shortfall is left to take. Beside it, the best any split 
 server's fitted prices (see best_split_share): the bound pays one run per full batch, a split of mixed lengths
 pays a run per group or pads, and that price is what keeps splitting below the bound.
 ``--policy NAME="SERVER ARGS"`` (repeated) measures other servers instead, for example a thread layout:
-``--policy padded="--length-aware-batching false" --policy aware-2x1="--inference-workers 2 --intra-op-threads 1"``.
+``--policy padded="--length-aware-batching false" --policy aware-2x1="--inference-workers 2 --intra-op-threads 1"``,
+or worker processes (with ``--connections 16``: the kernel spreads connections, not calls, over the workers):
+``--policy one="--workers 1" --policy two="--workers 2"``.
 """
 
 from __future__ import annotations
@@ -85,14 +87,22 @@ def measure(name: str, server: ServerProcess, workload: Workload, point: Point, 
     return result, padding
 
 
-def no_padding_bound(server: ServerProcess, low: int, high: int, point: Point, processes: int) -> float | None:
+def no_padding_bound(
+    server: ServerProcess, low: int, high: int, point: Point, processes: int, connections: int = 0
+) -> float | None:
     """Requests/s that lengths drawn from low..high would reach if every request cost what it costs in
     equal-length traffic of its own length (runs as full, nothing padded): one over the mean of those
     per-request times, at the middles of BOUND_BINS bins. No batching policy can do better than
     equal-length traffic, which needs neither padding nor extra runs."""
     seconds_per_request = []
     for length in bound_lengths(low, high):
-        result, _ = measure("equal", server, Workload(512, 1, length, length, attn_weights=True), point, processes)
+        result, _ = measure(
+            "equal",
+            server,
+            Workload(512, 1, length, length, attn_weights=True, connections=connections),
+            point,
+            processes,
+        )
         if sum(result.errors.values()) or not result.throughput:
             return None  # refused requests (the in-flight budget, say) make it no bound of served traffic
         seconds_per_request.append(1 / result.throughput)
@@ -152,6 +162,12 @@ def main() -> int:
         help="a server to measure instead of the two defaults (repeatable; ratios are to the first)",
     )
     parser.add_argument(
+        "--connections",
+        type=int,
+        default=0,
+        help="gRPC connections in all (0: one per client process); a server of workers spreads connections over them",
+    )
+    parser.add_argument(
         "--bound",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -175,7 +191,7 @@ def main() -> int:
         chosen = [p for p in POINTS if p[1] <= args.max_len and (not args.lengths or f"{p[0]}..{p[1]}" in args.lengths)]
         for low, high, concurrency in chosen:
             point = Point("closed", concurrency, args.duration, args.warmup)
-            mixed = Workload(512, 1, low, high, attn_weights=True)
+            mixed = Workload(512, 1, low, high, attn_weights=True, connections=args.connections)
             ratios: dict[str, list[float]] = {name: [] for name in servers if name != first}
             bounds: list[float] = []  # the no-padding bound over the first server's throughput, per round
             for round_ in range(1, args.rounds + 1):
@@ -186,7 +202,7 @@ def main() -> int:
                 for name in ratios:
                     ratios[name].append(results[name].throughput / results[first].throughput)
                 if args.bound and low != high:
-                    bound = no_padding_bound(servers[first], low, high, point, processes)
+                    bound = no_padding_bound(servers[first], low, high, point, processes, args.connections)
                     if bound is None:
                         print(f"{low}..{high} {concurrency:>3} no-padding bound: not measured (errors)", flush=True)
                         continue
