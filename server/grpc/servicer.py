@@ -183,8 +183,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
 
 class AnswersOnTheirWay:
-    """Answers gRPC writes after their handler: each stays in the budget until written (or gRPC gave up on it); one
-    not taken within ``timeout_s`` counts CANCELLED then, its memory released only once gRPC lets go of it.
+    """Answers handed to gRPC to write (a unary call's after its handler, a stream's as it goes): each stays in the
+    budget until written (or gRPC gave up on it); one not taken within ``timeout_s`` counts CANCELLED then, its memory
+    released only once gRPC lets go of it.
 
     grpcio gives a handler no way to cancel its call: an answer not taken stays in gRPC's buffers until the client
     reads it or its connection closes (keepalive closes a dead one), so it stays in the budget until then. The budget
@@ -192,7 +193,8 @@ class AnswersOnTheirWay:
     from the handler, as a one-answer stream, cost more per call than being told by the call's done callback:
     BENCHMARKS, "gRPC answers held in the budget until written".) One timer watches every answer on its way, armed
     for the oldest (all share one timeout, so they fall due in the order sent): a timer armed and cancelled for
-    each answer cost the event loop more (BENCHMARKS, "One watch for the answers on their way"). Event loop only."""
+    each answer cost the event loop more (BENCHMARKS, "Reading in a free turn, one watch for the answers on their
+    way"). Event loop only."""
 
     def __init__(self, timeout_s: float):
         self._timeout_s = timeout_s
