@@ -4,6 +4,7 @@ need, what sequences keep), refused over the limit with the figures, and given b
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -120,10 +121,10 @@ def test_memory_is_given_back_only_once_idle_for_the_whole_wait_since_the_last_r
     monkeypatch.setattr(accounting, "IDLE_RELEASE_S", 0.3)
 
     class Session:
-        releases = 0
+        released_at: list[float] = []  # on the loop's clock (time.monotonic)
 
         def release_memory(self):
-            Session.releases += 1
+            Session.released_at.append(time.monotonic())
 
     async def scenario():
         loop = asyncio.get_running_loop()
@@ -137,11 +138,10 @@ def test_memory_is_given_back_only_once_idle_for_the_whole_wait_since_the_last_r
             request.add(1000)
             await asyncio.sleep(0.05)
             request.close()
-            idle_again = loop.time()
-            await asyncio.sleep(0.2)  # past the first wait's end, not yet a whole wait since the request
-            assert Session.releases == 0
-            while not Session.releases and loop.time() < idle_again + 5:
+            idle_again = loop.time()  # the first wait ends 0.05 s later, a whole wait since the request 0.3 s later
+            while not Session.released_at and loop.time() < idle_again + 5:
                 await asyncio.sleep(0.01)
-            assert Session.releases == 1 and loop.time() - idle_again >= 0.3
+            await asyncio.sleep(0.1)
+            assert len(Session.released_at) == 1 and Session.released_at[0] - idle_again >= 0.3
 
     asyncio.run(scenario())
