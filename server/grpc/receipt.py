@@ -69,10 +69,11 @@ class RequestReader:
         self._first_reads = FirstReads(first_reads, turns.bad_standing)
         self._abandoned = abandoned  # told of a read refused part-way: grpcio may have taken up to the limit for it
         self._receive_limit = receive_limit
-        # The reads in their first read, each with when its first read is up and how long it was, and the one timer
+        # The reads whose time is running (their first read's, then their wait's for a turn), each with when it is
+        # up, how long it was, what decides then and whether it was given its time once more, and the one timer
         # that watches them all, armed for the earliest (a timer armed and cancelled for every read cost the event
         # loop 13 us a request: BENCHMARKS.md, "Against b7536cc").
-        self._first_reading: dict[_Read, tuple[float, float]] = {}
+        self._timed: dict[_Read, tuple[float, float, Callable[[_Read], None], bool]] = {}
         self._watch: asyncio.TimerHandle | None = None
 
     async def read(self, context) -> bytes:
@@ -96,7 +97,7 @@ class RequestReader:
         reading.started = loop.time()
         # The read timeout is armed only for a read that outlasts its first read (_first_read_decided): a timer
         # per request would keep --grpc-read-timeout-s worth of requests' timers in the loop's heap.
-        self._watch_first_read(reading, first_read_s)
+        self._decide_at(reading, reading.started + first_read_s, first_read_s, self._first_read_decided)
         try:
             raw = await context.read()
         except Exception:
@@ -105,10 +106,9 @@ class RequestReader:
             raw = None
         finally:
             reading.finished = True
-            self._first_reading.pop(reading, None)
-            for timer in (reading.decision, reading.timed_out):
-                if timer is not None:
-                    timer.cancel()
+            self._timed.pop(reading, None)
+            if reading.timed_out is not None:
+                reading.timed_out.cancel()
             if reading.withdraw is not None:  # still waiting for a turn
                 reading.withdraw()
             if reading.first:
@@ -123,48 +123,32 @@ class RequestReader:
             raise RequestError(ErrorKind.INVALID_ARGUMENT, "the call ended without a request message")
         return raw
 
-    def _watch_first_read(self, reading: _Read, seconds: float) -> None:
-        """``_first_read_decided(reading)`` once its first read's ``seconds`` are up, as ``_decide_after`` would, by
-        the one timer that watches every first read."""
-        due = reading.started + seconds
-        self._first_reading[reading] = (due, seconds)
+    def _decide_at(self, reading: _Read, due: float, seconds: float, decide: Callable[[_Read], None]) -> None:
+        """``decide(reading)`` once its ``seconds`` are up at ``due`` (its first read's, then its wait's for a turn),
+        by the one timer that watches every read's time."""
+        self._timed[reading] = (due, seconds, decide, False)
         if self._watch is None or due < self._watch.when():
             if self._watch is not None:
                 self._watch.cancel()
-            self._watch = asyncio.get_running_loop().call_at(due, self._first_reads_due)
+            self._watch = asyncio.get_running_loop().call_at(due, self._times_up)
 
-    def _first_reads_due(self) -> None:
+    def _times_up(self) -> None:
+        """Each read whose time is up is decided a loop tick later, so that a read whose completion is already
+        queued (a loaded loop runs its timers late) ends first. A time up later than its own length (a starved
+        loop, not a slow sender) is given that time once more."""
         self._watch = None
         loop = asyncio.get_running_loop()
         now = loop.time()
-        for reading, (due, seconds) in list(self._first_reading.items()):
+        for reading, (due, seconds, decide, rearmed) in list(self._timed.items()):
             if now < due:
                 continue
-            if now - due > seconds and not reading.rearmed:  # a starved loop, not a slow sender: that time once more
-                reading.rearmed = True
-                self._first_reading[reading] = (now + seconds, seconds)
+            if now - due > seconds and not rearmed:
+                self._timed[reading] = (now + seconds, seconds, decide, True)
                 continue
-            del self._first_reading[reading]
-            loop.call_soon(self._first_read_decided, reading)  # a loop tick later, as _decide_after's
-        if self._first_reading:
-            self._watch = loop.call_at(min(due for due, _ in self._first_reading.values()), self._first_reads_due)
-
-    def _decide_after(self, reading: _Read, seconds: float, decide, rearmed: bool = False) -> None:
-        """``decide(reading)`` once ``seconds`` are up (its first read's, then its wait's for a turn), a loop tick
-        later, so that a read whose completion is already queued (a loaded loop runs its timers late) ends first.
-        A timer late by more than its own time (a starved loop, not a slow sender) gives the read that time once
-        more."""
-        loop = asyncio.get_running_loop()
-        due = loop.time() + seconds
-        reading.decision = loop.call_later(seconds, self._time_up, reading, seconds, due, decide, rearmed)
-
-    def _time_up(self, reading: _Read, seconds: float, due: float, decide, rearmed: bool) -> None:
-        loop = asyncio.get_running_loop()
-        if loop.time() - due > seconds and not rearmed:
-            self._decide_after(reading, seconds, decide, rearmed=True)
-            return
-        reading.decision = None
-        loop.call_soon(decide, reading)
+            del self._timed[reading]
+            loop.call_soon(decide, reading)
+        if self._timed:
+            self._watch = loop.call_at(min(due for due, *_ in self._timed.values()), self._times_up)
 
     def _first_read_decided(self, reading: _Read) -> None:
         """The request is still arriving: it takes a turn, waits in its first read for one, or is refused."""
@@ -179,7 +163,8 @@ class RequestReader:
         else:
             reading.withdraw = self.turns.wait(lambda: self._turn_taken(reading))
             # On a starved loop the turn may be on its way back, from a read whose completion is queued behind this.
-            self._decide_after(reading, self._first_read_s, self._no_turn_decided)
+            due = asyncio.get_running_loop().time() + self._first_read_s
+            self._decide_at(reading, due, self._first_read_s, self._no_turn_decided)
 
     def _no_turn_decided(self, reading: _Read) -> None:
         if not (reading.finished or reading.turn or reading.refusal is not None):
@@ -187,9 +172,7 @@ class RequestReader:
 
     def _turn_taken(self, reading: _Read) -> None:
         reading.withdraw = None
-        if reading.decision is not None:  # it waited for the turn
-            reading.decision.cancel()
-            reading.decision = None
+        self._timed.pop(reading, None)  # it waited for the turn: no refusal is due
         reading.first, reading.turn = False, True
         self._first_reads.release(reading.connection)
         self._arm_read_timeout(reading)
@@ -242,12 +225,10 @@ class _Read:
     context: object
     connection: str
     started: float = 0.0  # when its read began, on the loop's clock
-    decision: asyncio.TimerHandle | None = None  # when its first read's time, then its wait's for a turn, is up
     timed_out: asyncio.TimerHandle | None = None  # the read timeout, once the read outlasts its first read
     withdraw: Callable[[], None] | None = None  # while it waits for a turn: leaves the line
     finished: bool = False  # its read has ended
     first: bool = True
-    rearmed: bool = False  # its first read was given its time once more (the loop had been starved)
     turn: bool = False
     refusal: RequestError | None = None
     answering: asyncio.Future | None = None
