@@ -23,6 +23,7 @@ from . import describe, logs
 from .config import ServerSettings
 from .dataplane import DataPlane
 from .grpc.handlers import add_inference_service
+from .grpc.receipt import STREAM_WINDOW_BYTES
 from .grpc.servicer import InferenceServicer
 from .malloc import tune_malloc
 from .ports import bind_failure, host_port
@@ -195,10 +196,9 @@ class Server:
                 ("grpc.max_concurrent_streams", settings.max_concurrent_streams),
                 ("grpc.max_allowed_incoming_connections", settings.grpc_max_connections),
                 # A request not yet read is held to the stream's initial window; BDP probing would grow windows
-                # to megabytes per connection, received whether or not a handler reads them. 256 KiB, so that a
-                # request that small (a [1,128,512] query) arrives without waiting for a window update.
+                # to megabytes per connection, received whether or not a handler reads them.
                 ("grpc.http2.bdp_probe", 0),
-                ("grpc.http2.lookahead_bytes", 256 << 10),
+                ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES),
                 # Off by default, so a second server on a taken port fails loudly instead of sharing it.
                 ("grpc.so_reuseport", int(settings.reuse_port)),
                 ("grpc.keepalive_time_ms", int(settings.keepalive_time_s * 1000)),

@@ -154,7 +154,7 @@ class TransportSettings(Section):
         "gRPC connections open at once; beyond, new ones are closed before they are read (the client sees UNAVAILABLE)",
         rule=at_least(1),
     )
-    # Small requests (within HTTP/2's 256 KiB stream window, already sent) are read in their first read, a few
+    # Small requests (within HTTP/2's stream window of 260 KiB, already sent) are read in their first read, a few
     # connections at a time; only a request still arriving after it needs a turn, so a stalled sender never holds
     # them up for longer than this.
     grpc_first_read_ms: float = setting(

@@ -31,6 +31,11 @@ FIRST_READS_AT_ONCE = 1
 # A first read's time while every receiving turn is taken: a request already sent within the stream's window is
 # read in well under it.
 BUSY_FIRST_READ_S = 0.010
+# The flow-control window of a stream (not grown: BDP probing off), all that a request not yet read may hold of the
+# server: 256 KiB of tensor and 4 KiB for the rest of its message (names, shapes, parameters), so that a [1,128,512]
+# query, 62 bytes past 256 KiB with its envelope, arrives whole rather than waiting for a window update (1.04x the
+# requests a second at 16 callers: BENCHMARKS.md, "A [1,128,512] query within its stream's window").
+STREAM_WINDOW_BYTES = (256 + 4) << 10
 # What a request of n bytes takes while grpcio receives it: n in its core's buffers, then a bytearray it copies
 # them into and the bytes it makes of that.
 GRPCIO_RECEIPT_COPIES = 3
@@ -39,7 +44,7 @@ GRPCIO_RECEIPT_COPIES = 3
 class RequestReader:
     """Reads a call's request when its handler asks: small ones at once, large or slow ones a few at a time.
 
-    A request not yet read waits in its stream's flow-control window (256 KiB, not grown: BDP probing off) while its
+    A request not yet read waits in its stream's flow-control window (STREAM_WINDOW_BYTES, not grown) while its
     sender is held back; once a read is asked for, gRPC's core receives the whole message, up to the receive limit. So a
     read first runs for ``first_read_s`` without a turn: a request within the window, or one that arrives that fast, is
     read then, whatever other senders do or fail to do. At most ``first_reads`` run at once, one per connection, the

@@ -57,3 +57,18 @@ def test_one_first_read_per_connection_and_a_cancelled_waiter_passes_its_turn_on
 
     order = asyncio.run(scenario())
     assert "a" in order and "b" in order
+
+
+def test_a_1_128_512_query_arrives_whole_within_its_streams_window():
+    """A request not yet read may fill its stream's window and no more; a [1,128,512] query (256 KiB of tensor and
+    its message's envelope, weights asked for) fits, so it is sent whole before its read is asked for rather than
+    waiting for a window update."""
+    import numpy as np
+
+    from mhaserve.client.grpc import build_infer_request
+    from mhaserve.server.grpc.receipt import STREAM_WINDOW_BYTES
+
+    query = np.zeros((1, 128, 512), np.float32)
+    request = build_infer_request("mha", query, attn_weights=True, num_heads=8)
+    grpc_prefix = 5  # compressed flag and length
+    assert len(request.SerializeToString()) + grpc_prefix <= STREAM_WINDOW_BYTES
