@@ -33,8 +33,8 @@ FIRST_READS_AT_ONCE = 1
 BUSY_FIRST_READ_S = 0.010
 # The flow-control window of a stream (not grown: BDP probing off), all that a request not yet read may hold of the
 # server: 256 KiB of tensor and 4 KiB for the rest of its message (names, shapes, parameters), so that a [1,128,512]
-# query, 62 bytes past 256 KiB with its envelope, arrives whole rather than waiting for a window update (1.04x the
-# requests a second at 16 callers: BENCHMARKS.md, "A [1,128,512] query within its stream's window").
+# query, 62 bytes past 256 KiB with its envelope, arrives whole rather than waiting for a window update
+# (BENCHMARKS.md, "A [1,128,512] query within its stream's window").
 STREAM_WINDOW_BYTES = (256 + 4) << 10
 # What a request of n bytes takes while grpcio receives it: n in its core's buffers, then a bytearray it copies
 # them into and the bytes it makes of that.
