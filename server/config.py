@@ -154,8 +154,8 @@ class TransportSettings(Section):
         "gRPC connections open at once; beyond, new ones are closed before they are read (the client sees UNAVAILABLE)",
         rule=at_least(1),
     )
-    # Small requests (within HTTP/2's stream window of 260 KiB, already sent) are read in their first read, a few
-    # connections at a time; only a request still arriving after it needs a turn, so a stalled sender never holds
+    # Small requests (within a stream's HTTP/2 window, grpc/receipt.py, already sent) are read in their first read,
+    # a few connections at a time; only a request still arriving after it needs a turn, so a stalled sender never holds
     # them up for longer than this.
     grpc_first_read_ms: float = setting(
         25.0,

@@ -102,7 +102,7 @@ class RequestReader:
         reading.started = loop.time()
         # The read timeout is armed only for a read that outlasts its first read (_first_read_decided): a timer
         # per request would keep --grpc-read-timeout-s worth of requests' timers in the loop's heap.
-        self._decide_at(reading, reading.started + first_read_s, first_read_s, self._first_read_decided)
+        self._decide_after(reading, first_read_s, self._first_read_decided)
         try:
             raw = await context.read()
         except Exception:
@@ -128,9 +128,10 @@ class RequestReader:
             raise RequestError(ErrorKind.INVALID_ARGUMENT, "the call ended without a request message")
         return raw
 
-    def _decide_at(self, reading: _Read, due: float, seconds: float, decide: Callable[[_Read], None]) -> None:
-        """``decide(reading)`` once its ``seconds`` are up at ``due`` (its first read's, then its wait's for a turn),
+    def _decide_after(self, reading: _Read, seconds: float, decide: Callable[[_Read], None]) -> None:
+        """``decide(reading)`` once its ``seconds`` from now are up (its first read's, then its wait's for a turn),
         by the one timer that watches every read's time."""
+        due = asyncio.get_running_loop().time() + seconds
         self._timed[reading] = (due, seconds, decide, False)
         if self._watch is None or due < self._watch.when():
             if self._watch is not None:
@@ -168,8 +169,7 @@ class RequestReader:
         else:
             reading.withdraw = self.turns.wait(lambda: self._turn_taken(reading))
             # On a starved loop the turn may be on its way back, from a read whose completion is queued behind this.
-            due = asyncio.get_running_loop().time() + self._first_read_s
-            self._decide_at(reading, due, self._first_read_s, self._no_turn_decided)
+            self._decide_after(reading, self._first_read_s, self._no_turn_decided)
 
     def _no_turn_decided(self, reading: _Read) -> None:
         if not (reading.finished or reading.turn or reading.refusal is not None):
