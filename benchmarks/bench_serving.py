@@ -15,19 +15,22 @@ across one. The peers serve a single-input (self-attention) export of the *same*
 weights, since they take one input; mhaserve serves its own export.
 
 The common client is the peers' loadgen.py (tritonclient.grpc threads over client processes), so
-every server pays the same client cost. Prints markdown tables and the targets as ratios.
+every server pays the same client cost. Every server is started first and stays up; then, for ``--rounds``
+rounds, each point is measured on every server in turn, the order rotating from round to round, so that an
+hour's changes on a shared machine fall on all of them alike. Each row is the median of its rounds, and each
+ratio to the best peer the median of the ratios within a round. Prints markdown tables and the targets as ratios.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import json
 import os
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -43,7 +46,7 @@ MHASERVE_PORT = 8201
 FLOOR = "python-floor"  # --floor's label
 
 
-@contextmanager
+@contextlib.contextmanager
 def bench_lock():
     with open(LOCK, "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
@@ -121,10 +124,10 @@ def in_process(module, model_dir: Path, threads: int, runs: int = 300) -> list[d
 
 
 class MhaServer:
-    """mhaserve serving ``model_dir`` on MHASERVE_PORT with ``args`` (``--workers N``: N serving processes on it)."""
+    """mhaserve serving ``model_dir`` on ``port`` with ``args`` (``--workers N``: N serving processes on it)."""
 
-    def __init__(self, model_dir: Path, *args: str):
-        self.server = ServerProcess(model_dir, "--metrics-port", "0", *args, port=MHASERVE_PORT)
+    def __init__(self, model_dir: Path, *args: str, port: int = MHASERVE_PORT):
+        self.server = ServerProcess(model_dir, "--metrics-port", "0", *args, port=port)
 
     def __enter__(self):
         self.server.start(timeout=120)
@@ -135,19 +138,45 @@ class MhaServer:
 
 
 def loadgen(
-    peers_dir: Path, label: str, url: str, input_name: str, seconds: float, out: Path, concurrency=CONCURRENCY
+    peers_dir: Path,
+    label: str,
+    url: str,
+    input_name: str,
+    shape: str,
+    concurrency: int,
+    seconds: float,
+    out: Path,
+    round_number: int,
 ) -> None:
-    """The peers' loadgen.py over the shape x concurrency matrix, each point under the lock."""
+    """The peers' loadgen.py at one point, under the lock; its result appended to ``out`` with the round."""
     python = peers_dir / "venv" / "bin" / "python"
-    for shape in SHAPES:
-        for c in concurrency:
-            command = ["flock", LOCK, str(python), str(PEERS_SCRIPTS / "loadgen.py"), "--url", url, "--model", "mha",
-                       "--input", input_name, "--outputs", "output,attn_weights", "--shape", shape, "-c", str(c),
-                       "--seconds", str(seconds), "--warmup", "1.5", "--label", label, "--json", str(out)]  # fmt: skip
-            done = subprocess.run(
-                command, capture_output=True, text=True, env={**os.environ, "PEERS_DIR": str(peers_dir)}
-            )
-            print(done.stdout.strip() or done.stderr[-2000:], file=sys.stderr, flush=True)
+    point_file = out.with_suffix(".point.json")
+    point_file.unlink(missing_ok=True)
+    command = ["flock", LOCK, str(python), str(PEERS_SCRIPTS / "loadgen.py"), "--url", url, "--model", "mha",
+               "--input", input_name, "--outputs", "output,attn_weights", "--shape", shape, "-c", str(concurrency),
+               "--seconds", str(seconds), "--warmup", "1.5", "--label", label, "--json", str(point_file)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PEERS_DIR": str(peers_dir)})
+    print(f"round {round_number + 1}: {done.stdout.strip() or done.stderr[-2000:]}", file=sys.stderr, flush=True)
+    if point_file.exists():
+        with out.open("a") as f:
+            for line in point_file.read_text().splitlines():
+                f.write(json.dumps({**json.loads(line), "round": round_number}) + "\n")
+
+
+def medians(served: list[dict]) -> list[dict]:
+    """One row per server and point: the median of its rounds (errors summed), in the order first measured."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in served:
+        groups.setdefault((r["label"], r["shape"], r["concurrency"]), []).append(r)
+    rows = []
+    for rounds in groups.values():
+        row = {**rounds[0], "rounds": len(rounds), "errors": sum(r["errors"] for r in rounds)}
+        for key in ("infer_per_s", "p50_us", "p90_us", "p99_us"):
+            values = [r[key] for r in rounds if key in r]
+            if values:
+                row[key] = float(np.median(values))
+        rows.append(row)
+    return rows
 
 
 def start_peer(peers_dir: Path, name: str, url: str, *command: str, env: dict | None = None) -> bool:
@@ -174,80 +203,62 @@ def mixed_lengths(model_dir: Path, seconds: float, out_dir: Path) -> dict:
     return json.loads((out_dir / "mixed.json").read_text())["points"][0]
 
 
+PEERS = ("pytriton-batch", "mlserver")
+
+
 def report(inproc: list[dict], served: list[dict], mixed: dict | None) -> None:
+    """``served``: every round's rows; the tables show each point's median over its rounds."""
     print("\n### In process (2 threads)\n")
     print("| variant | shape | p50 ms | p99 ms | infer/s (serial) |\n|---|---|---|---|---|")
     for r in inproc:
         print(f"| {r['variant']} | [{r['shape']}] | {r['p50_us'] / 1e3:.3f} | {r['p99_us'] / 1e3:.3f} "
               f"| {r['infer_per_s']:.0f} |")  # fmt: skip
-    print("\n### Served (client: peers' loadgen.py, same machine)\n")
-    print("| server | shape | concurrency | infer/s | p50 ms | p90 ms | p99 ms | errors |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in served:
-        print(f"| {r['label']} | [{r['shape']}] | {r['concurrency']} | {r['infer_per_s']:.0f} | "
+    rows = medians(served)
+    print("\n### Served (client: peers' loadgen.py, same machine; medians of the rounds)\n")
+    print("| server | shape | concurrency | rounds | infer/s | p50 ms | p90 ms | p99 ms | errors |")
+    print("|---|---|---|--:|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['label']} | [{r['shape']}] | {r['concurrency']} | {r['rounds']} | {r['infer_per_s']:.0f} | "
               f"{r.get('p50_us', float('nan')) / 1e3:.2f} | {r.get('p90_us', float('nan')) / 1e3:.2f} | "
               f"{r.get('p99_us', float('nan')) / 1e3:.2f} | {r['errors']} |")  # fmt: skip
     if mixed:
         print(f"\nMixed lengths 16..128, concurrency 16 (mhaserve bench): {mixed['throughput_per_s']:.0f} infer/s, "
               f"p50 {mixed['p50_ms']:.2f} ms, p99 {mixed['p99_ms']:.2f} ms, errors {mixed['errors']}")  # fmt: skip
 
-    def point(label, shape, c):
-        return next((r for r in served if r["label"] == label and r["shape"] == shape and r["concurrency"] == c), None)
-
-    def ort(shape):
-        return next(r for r in inproc if r["variant"] == "ort" and r["shape"] == shape)
-
-    peers = ("pytriton-batch", "mlserver")
-
-    def best_peer(shape, c, key="infer_per_s", pick=max):
-        found = [r for r in (point(p, shape, c) for p in peers) if r and key in r]
-        return pick(found, key=lambda r: r[key]) if found else None
-
-    print("\n### Targets (ratios from this run)\n")
+    print("\n### Against the best peer (ratios taken within each round; median, then the rounds)\n")
+    mhaserve = sorted({r["label"] for r in served if r["label"].startswith("mhaserve")})
+    candidates = [("mhaserve's best", mhaserve), *((label, [label]) for label in mhaserve)]
+    if any(r["label"] == FLOOR for r in served):
+        candidates.append((FLOOR, [FLOOR]))
     for shape in SHAPES:
         for c in sorted({r["concurrency"] for r in served}):
-            int8, fp32 = point("mhaserve-int8", shape, c), point("mhaserve-batch", shape, c)
-            peer_thr, peer_p50 = best_peer(shape, c), best_peer(shape, c, "p50_us", min)
-            if not int8 or "p50_us" not in int8:
-                continue
-            line = f"- mhaserve-int8 [{shape}] c={c}:"
-            if fp32:
-                line += f" / mhaserve fp32 throughput = {int8['infer_per_s'] / fp32['infer_per_s']:.2f};"
-            if peer_thr and peer_p50:
-                throughput, p50 = int8["infer_per_s"] / peer_thr["infer_per_s"], int8["p50_us"] / peer_p50["p50_us"]
-                line += (f" / best peer throughput ({peer_thr['label']}) = {throughput:.2f} (goal >= 1.5); "
-                         f"p50 / best peer p50 ({peer_p50['label']}) = {p50:.2f} (goal <= 0.5)")  # fmt: skip
-            print(line)
-    off = point("mhaserve-nobatch", "1,16,512", 16)
-    for label in ("mhaserve-batch", "mhaserve-workers-2"):
-        big, small, c1 = point(label, "1,128,512", 16), point(label, "1,16,512", 16), point(label, "1,16,512", 1)
-        peer_big, peer_small = best_peer("1,128,512", 16), best_peer("1,16,512", 16)
-        peer_c1 = best_peer("1,16,512", 1, "p50_us", min)
-        if big:
-            ratio = big["infer_per_s"] / ort("1,128,512")["infer_per_s"]
-            print(f"- {label} [1,128,512] c=16: / in-process ORT throughput = {ratio:.2f} (target >= 0.8)")
-            if peer_big:
-                ratio = big["infer_per_s"] / peer_big["infer_per_s"]
-                print(f"- {label} [1,128,512] c=16: / best peer ({peer_big['label']}) = {ratio:.2f} (target >= 1.5)")
-        if small and off:
-            print(f"- {label} [1,16,512] c=16: / batching off = {small['infer_per_s'] / off['infer_per_s']:.2f} "
-                  "(target >= 1.5)")  # fmt: skip
-        if small and peer_small:
-            ratio = small["infer_per_s"] / peer_small["infer_per_s"]
-            print(f"- {label} [1,16,512] c=16: / best peer ({peer_small['label']}) = {ratio:.2f} (target >= 1.7)")
-        if c1 and "p50_us" in c1:
-            print(f"- {label} [1,16,512] c=1: p99 / p50 = {c1['p99_us'] / c1['p50_us']:.2f} (target <= 2)")
-            if peer_c1:
-                ratio = c1["p50_us"] / peer_c1["p50_us"]
-                print(f"- {label} [1,16,512] c=1: p50 / best peer p50 ({peer_c1['label']}) = {ratio:.2f} "
-                      "(target <= 0.5)")  # fmt: skip
-    for shape in SHAPES:
-        for c in sorted({r["concurrency"] for r in served}):
-            floor, peer_thr, peer_p50 = point(FLOOR, shape, c), best_peer(shape, c), best_peer(shape, c, "p50_us", min)
-            if floor and peer_thr and peer_p50 and "p50_us" in floor:
-                print(f"- {FLOOR} [{shape}] c={c}: / best peer throughput = "
-                      f"{floor['infer_per_s'] / peer_thr['infer_per_s']:.2f} (the goal 1.5); p50 / best peer p50 = "
-                      f"{floor['p50_us'] / peer_p50['p50_us']:.2f} (the goal 0.5)")  # fmt: skip
+            for name, labels in candidates:
+                throughput, p50 = [], []
+                for number in sorted({r["round"] for r in served}):
+                    here = [r for r in served if r["round"] == number and r["shape"] == shape and r["concurrency"] == c]
+                    ours = [r for r in here if r["label"] in labels]
+                    peers = [r for r in here if r["label"] in PEERS]
+                    if not ours or not peers:
+                        continue
+                    throughput.append(max(r["infer_per_s"] for r in ours) / max(r["infer_per_s"] for r in peers))
+                    if c == 1 and all("p50_us" in r for r in ours + peers):
+                        p50.append(min(r["p50_us"] for r in ours) / min(r["p50_us"] for r in peers))
+                if not throughput:
+                    continue
+                line = f"- {name} [{shape}] c={c}: throughput {_median_of(throughput)} (goal >= 1.5)"
+                if p50:
+                    line += f"; p50 {_median_of(p50)} (goal <= 0.5)"
+                print(line)
+    for label in mhaserve:
+        big = [r for r in rows if r["label"] == label and r["shape"] == "1,128,512" and r["concurrency"] == 16]
+        ort = [r for r in inproc if r["variant"] == "ort" and r["shape"] == "1,128,512"]
+        if big and ort:
+            print(f"- {label} [1,128,512] c=16: / in-process ORT's serial throughput = "
+                  f"{big[0]['infer_per_s'] / ort[0]['infer_per_s']:.2f}")  # fmt: skip
+
+
+def _median_of(values: list[float]) -> str:
+    return f"{np.median(values):.2f}x ({', '.join(f'{v:.2f}' for v in values)})"
 
 
 def main() -> int:
@@ -263,6 +274,7 @@ def main() -> int:
     parser.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)), help="comma-separated")
     parser.add_argument("--skip-mixed", action="store_true", help="no mixed-length run")
     parser.add_argument("--floor", action="store_true", help="also the bare Python server (bench_server.py)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds over every server, the order rotating")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     concurrency = tuple(int(c) for c in args.concurrency.split(","))
@@ -282,12 +294,12 @@ def main() -> int:
     served_file.unlink(missing_ok=True)
     threads = ("--intra-op-threads", str(args.threads))
     variants = (
-        ("mhaserve-nobatch", ("--dynamic-batching", "false", *threads), 1),
-        ("mhaserve-batch", threads, 1),
+        ("mhaserve-nobatch", ("--dynamic-batching", "false", *threads)),
+        ("mhaserve-batch", threads),
         # Both cores for Python's side too: two serving processes on one port (their ORT threads divided).
-        ("mhaserve-workers-2", ("--workers", "2"), 1),
+        ("mhaserve-workers-2", ("--workers", "2")),
     )
-    folders = {label: model_dir for label, *_ in variants}
+    folders = {label: model_dir for label, _ in variants}
     if args.int8:
         from mhaserve.export.writer import export_model_dir
 
@@ -296,38 +308,44 @@ def main() -> int:
         manifest = export_model_dir(module, int8_dir, precision="int8", validation_seed=0, report=lambda _: None)
         if not manifest["valid"]:
             raise SystemExit(f"the int8 export is not valid: {manifest['validation']['worst_failure']}")
-        variants += (("mhaserve-int8", threads, 1),)
+        variants += (("mhaserve-int8", threads),)
         folders["mhaserve-int8"] = int8_dir
     only = None if args.only is None else set(args.only.split(","))
-    for label, extra, _ in variants:
-        if only is not None and label not in only:
-            continue
-        log(label)
-        with MhaServer(folders[label], *extra):
-            loadgen(args.peers_dir, label, f"127.0.0.1:{MHASERVE_PORT}", "query", args.seconds, served_file,
-                    concurrency)  # fmt: skip
-    if args.floor:
-        from bench_server import start_helper_process
+    with contextlib.ExitStack() as running:
+        servers = []  # (label, url, input name), all up at once, measured in turn
+        for port, (label, extra) in enumerate(variants, start=MHASERVE_PORT):
+            if only is None or label in only:
+                log(f"starting {label}")
+                running.enter_context(MhaServer(folders[label], *extra, port=port))
+                servers.append((label, f"127.0.0.1:{port}", "query"))
+        if args.floor:
+            from bench_server import start_helper_process
 
-        log(FLOOR)
-        bare, url = start_helper_process("bare", model_dir, args.threads)
-        try:
-            loadgen(args.peers_dir, FLOOR, url, "query", args.seconds, served_file, concurrency)
-        finally:
-            bare.terminate()
-            bare.wait()
-    if args.peers_dir and not args.skip_peers:
-        peer_env = {"MODEL": str(peer_model.resolve()), "INPUT_NAME": "x", "ORT_INTRA_OP_THREADS": str(args.threads)}
-        for name, url, command in (
-            ("pytriton-batch", "127.0.0.1:8001", ("serve_pytriton.sh",)),
-            ("mlserver", "127.0.0.1:8081", ("serve_mlserver.sh", "nobatch")),
-        ):
-            log(name)
-            # MLServer in-process (PARALLEL_WORKERS=0), as the peers' README runs it.
-            env = {**peer_env, "PARALLEL_WORKERS": "0"} if name == "mlserver" else peer_env
-            if start_peer(args.peers_dir, name, url, *command, env=env):
-                loadgen(args.peers_dir, name, url, "x", args.seconds, served_file, concurrency)
-            stop_peer(args.peers_dir, name)
+            log(f"starting {FLOOR}")
+            bare, url = start_helper_process("bare", model_dir, args.threads)
+            running.callback(bare.wait)
+            running.callback(bare.terminate)
+            servers.append((FLOOR, url, "query"))
+        if args.peers_dir and not args.skip_peers:
+            threads_env = {"ORT_INTRA_OP_THREADS": str(args.threads)}
+            peer_env = {"MODEL": str(peer_model.resolve()), "INPUT_NAME": "x", **threads_env}
+            for name, url, command in (
+                ("pytriton-batch", "127.0.0.1:8001", ("serve_pytriton.sh",)),
+                ("mlserver", "127.0.0.1:8081", ("serve_mlserver.sh", "nobatch")),
+            ):
+                log(f"starting {name}")
+                running.callback(stop_peer, args.peers_dir, name)
+                # MLServer in-process (PARALLEL_WORKERS=0), as the peers' README runs it.
+                env = {**peer_env, "PARALLEL_WORKERS": "0"} if name == "mlserver" else peer_env
+                if start_peer(args.peers_dir, name, url, *command, env=env):
+                    servers.append((name, url, "x"))
+        for round_number in range(args.rounds):
+            for shape in SHAPES:
+                for c in concurrency:
+                    turn = round_number % len(servers)
+                    for label, url, input_name in servers[turn:] + servers[:turn]:
+                        loadgen(args.peers_dir, label, url, input_name, shape, c, args.seconds, served_file,
+                                round_number)  # fmt: skip
     served = [json.loads(line) for line in served_file.read_text().splitlines()]
     mixed = None
     if not args.skip_mixed:
