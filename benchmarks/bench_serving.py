@@ -227,7 +227,8 @@ def report(inproc: list[dict], served: list[dict], mixed: dict | None) -> None:
 
     print("\n### Against the best peer (ratios taken within each round; median, then the rounds)\n")
     mhaserve = sorted({r["label"] for r in served if r["label"].startswith("mhaserve")})
-    candidates = [("mhaserve's best", mhaserve), *((label, [label]) for label in mhaserve)]
+    float32 = [label for label in mhaserve if label != "mhaserve-int8"]  # the peers serve the float32 export
+    candidates = [("mhaserve's best", float32), *((label, [label]) for label in mhaserve)]
     if any(r["label"] == FLOOR for r in served):
         candidates.append((FLOOR, [FLOOR]))
     for shape in SHAPES:
