@@ -44,6 +44,7 @@ SHAPES = ("1,16,512", "1,128,512")
 CONCURRENCY = (1, 4, 16)
 MHASERVE_PORT = 8201
 FLOOR = "python-floor"  # --floor's label
+PEERS = ("pytriton-batch", "mlserver")  # the labels the ratios are taken against
 
 
 @contextlib.contextmanager
@@ -201,9 +202,6 @@ def mixed_lengths(model_dir: Path, seconds: float, out_dir: Path) -> dict:
             done = subprocess.run(command, capture_output=True, text=True)
         print(done.stdout, file=sys.stderr)
     return json.loads((out_dir / "mixed.json").read_text())["points"][0]
-
-
-PEERS = ("pytriton-batch", "mlserver")
 
 
 def report(inproc: list[dict], served: list[dict], mixed: dict | None) -> None:
