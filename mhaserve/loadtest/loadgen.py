@@ -36,6 +36,10 @@ from .server_side import WindowReads
 
 PERCENTILES = (50, 90, 95, 99, 99.9)
 OPEN_LOOP_MAX_OUTSTANDING = 4096  # a server this far behind has failed the point anyway
+# A request's final status and, for a refusal, what the server said (reported once per status, so that a run's
+# errors say why).
+Answer = tuple[str, str]
+ANSWERED: Answer = ("OK", "")
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,7 @@ class WorkerResult:
     behind_ms: float = 0.0  # open loop: how late the worst send left (the client falling behind)
     dropped: int = 0  # open loop: sends skipped because too many were outstanding
     positions: np.ndarray | None = None  # sequences: each latency's step position (rows after it), in order
+    error_details: dict[str, str] = field(default_factory=dict)  # status -> the first such answer's message
 
 
 @dataclass
@@ -111,6 +116,7 @@ class PointResult:
     server_unread: str | None = None  # why the server's side is missing, where it was asked for and is
     rounds: dict | None = None  # with --rounds: every round's figures, their medians and spread (rounds.of_rounds)
     by_position: dict | None = None  # sequences: steps, p50 and p99 per range of positions ("1-16", "17-128", ...)
+    error_details: dict[str, str] = field(default_factory=dict)  # per error status: what the server said, once
 
     def row(self) -> dict:
         """A flat record for JSON and CSV."""
@@ -129,6 +135,7 @@ class PointResult:
             "errors": sum(self.errors.values()),
             "errors_by_status": dict(self.errors),
             "error_latency_ms": self.error_latency_ms,
+            "error_details": self.error_details,
             "client_cpu_cores": round(self.client_cpu_cores, 3),
             "client_bound": self.client_bound,
             "open_loop_behind_ms": round(self.behind_ms, 3),
@@ -149,6 +156,14 @@ def _queries(w: Workload, seed: int) -> list[np.ndarray]:
         length = int(rng.integers(w.min_len, w.max_len + 1))
         queries.append(rng.standard_normal((w.batch, length, w.d_model), dtype=np.float32))
     return queries
+
+
+def _error_of(body: bytes) -> str:
+    """An HTTP refusal's message: its JSON ``error``, else the body's text."""
+    try:
+        return str(json.loads(body)["error"])
+    except (ValueError, KeyError, TypeError):
+        return body.decode("utf-8", "replace")
 
 
 def cpu_seconds() -> float:
@@ -222,22 +237,22 @@ async def _grpc_sender(url: str, workload: Workload, seed: int, timeout_s: float
                 stack.enter_context(control)
                 heads, take = control.num_heads(), stack.enter_context(_regions_pool(control))
 
-            async def send(i: int, step: SequenceStep | None = None, caller: int = 0) -> str:
+            async def send(i: int, step: SequenceStep | None = None, caller: int = 0) -> Answer:
                 stub = stubs[caller % len(stubs)]
                 try:
                     if step is not None:  # a sequence's step: its parameters differ from call to call
                         await stub.ModelInfer(request(queries[i % len(queries)], sequence=step), timeout=timeout_s,
                                               metadata=metadata)  # fmt: skip
-                        return "OK"
+                        return ANSWERED
                     if not shared:
                         await stub.ModelInfer(requests[i % len(requests)], timeout=timeout_s, metadata=metadata)
-                        return "OK"
+                        return ANSWERED
                     with take() as regions:
                         placed = request(queries[i % len(queries)], regions, heads)
                         await stub.ModelInfer(placed, timeout=timeout_s, metadata=metadata)
-                    return "OK"
+                    return ANSWERED
                 except grpc.aio.AioRpcError as error:
-                    return error.code().name
+                    return error.code().name, error.details() or ""
 
             yield send
 
@@ -278,14 +293,14 @@ async def _http_sender(url: str, workload: Workload, seed: int, timeout_s: float
                 control = HttpClient(url, workload.model, tls=tls, token=token, version=workload.version)
                 heads, take = control.num_heads(), stack.enter_context(_regions_pool(control))
 
-            async def post(payload, headers) -> str:
+            async def post(payload, headers) -> Answer:
                 async with session.post(path + "/infer", data=payload, headers=headers) as response:
-                    await response.read()
+                    answer = await response.read()
                     if response.status == 200:
-                        return "OK"
-                    return STATUS_NAMES.get(response.status, f"HTTP_{response.status}")
+                        return ANSWERED
+                    return STATUS_NAMES.get(response.status, f"HTTP_{response.status}"), _error_of(answer)
 
-            async def send(i: int, step: SequenceStep | None = None, caller: int = 0) -> str:
+            async def send(i: int, step: SequenceStep | None = None, caller: int = 0) -> Answer:
                 try:
                     if step is not None:
                         return await post(*body(queries[i % len(queries)], sequence=step))
@@ -294,9 +309,9 @@ async def _http_sender(url: str, workload: Workload, seed: int, timeout_s: float
                     with take() as regions:
                         return await post(*body(queries[i % len(queries)], regions, heads))
                 except asyncio.TimeoutError:
-                    return "DEADLINE_EXCEEDED"
-                except aiohttp.ClientError:
-                    return "UNAVAILABLE"
+                    return "DEADLINE_EXCEEDED", f"no answer within {timeout_s:g} s"
+                except aiohttp.ClientError as error:
+                    return "UNAVAILABLE", f"{type(error).__name__}: {error}"
 
             yield send
 
@@ -305,6 +320,7 @@ async def _drive(url: str, workload: Workload, point: Point, share: float, seed:
     latencies: list[int] = []
     positions: list[int] = []  # sequences: the step position of each latency
     error_latencies: dict[str, list[int]] = {}
+    error_details: dict[str, str] = {}
     sender = _http_sender if workload.protocol == "http" else _grpc_sender
     # This process's part of the connections, as its part of the load: at least one
     connections = max(1, round(workload.connections * share / point.load)) if workload.connections else 1
@@ -318,10 +334,12 @@ async def _drive(url: str, workload: Workload, point: Point, share: float, seed:
         async def call(
             i: int, sent_ns: int, step: SequenceStep | None = None, position: int = 0, caller: int = 0
         ) -> str:
-            status = await send(i, step, caller)
+            status, details = await send(i, step, caller)
             done = time.perf_counter_ns()
             if sent_ns >= measure_from and done <= end:
                 (latencies if status == "OK" else error_latencies.setdefault(status, [])).append(done - sent_ns)
+                if status != "OK":
+                    error_details.setdefault(status, details)
                 if status == "OK" and step is not None:
                     positions.append(position)
             return status
@@ -394,7 +412,8 @@ async def _drive(url: str, workload: Workload, point: Point, share: float, seed:
         cpu = cpu_seconds() - cpu_at_start[0]
     failed = {status: np.asarray(values, dtype=np.int64) for status, values in error_latencies.items()}
     steps = np.asarray(positions, dtype=np.int64) if workload.sequence_length else None
-    return WorkerResult(np.asarray(latencies, dtype=np.int64), failed, cpu, behind_ns / 1e6, dropped, steps)
+    return WorkerResult(np.asarray(latencies, dtype=np.int64), failed, cpu, behind_ns / 1e6, dropped, steps,
+                        error_details)  # fmt: skip
 
 
 _window_marks = None  # in a client process: where it says that its measured window starts and ends
@@ -456,6 +475,7 @@ def summarize(point: Point, workload: Workload, parts: list[WorkerResult]) -> Po
         dropped=sum(p.dropped for p in parts),
         latencies_ms=latencies,
         by_position=by_position,
+        error_details={s: next(p.error_details[s] for p in parts if s in p.error_details) for s in statuses},
     )
 
 

@@ -42,9 +42,11 @@ def notes(results: list[PointResult]) -> list[str]:
         )
     for r in results:
         for status, latency in sorted(r.error_latency_ms.items()):
+            said = r.error_details.get(status)
             lines.append(
                 f"{r.point.label}: {r.errors[status]} {status} answered in p50 {latency['p50']:.3f} ms, "
                 f"p99 {latency['p99']:.3f} ms, max {latency['max']:.3f} ms"
+                + (f"; the first said: {said}" if said else "")
             )
     for r in results:
         if r.server is not None:
@@ -124,6 +126,7 @@ def write_csv(results: list[PointResult], path: Path) -> None:
         row["error_latency_ms"] = ";".join(
             f"{k}:p50={v['p50']:.3f},p99={v['p99']:.3f}" for k, v in sorted(row["error_latency_ms"].items())
         )
+        row["error_details"] = json.dumps(row["error_details"]) if row["error_details"] else ""
         row.pop("rounds")
         row["by_position"] = json.dumps(row["by_position"]) if row["by_position"] else ""
         server = row.pop("server") or {}

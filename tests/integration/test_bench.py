@@ -65,6 +65,9 @@ def test_refused_requests_are_counted_by_status(server, tmp_path):
     refused = point["error_latency_ms"]["RESOURCE_EXHAUSTED"]
     assert 0 < refused["p50"] <= refused["p99"] <= refused["max"]
     assert f"{point['errors']} RESOURCE_EXHAUSTED answered in p50" in done.stdout
+    # and why, in the server's words, so that a run's errors can be acted on
+    said = point["error_details"]["RESOURCE_EXHAUSTED"]
+    assert "max_batch_size" in said and f"the first said: {said}" in done.stdout
 
 
 def test_an_slo_that_cannot_hold_exits_1_naming_it_and_one_that_holds_exits_0(server, tmp_path):
