@@ -350,7 +350,9 @@ class DeviceSettings(Section):
         "rounded to 10 bits of mantissa, as float16's, which puts the scores of large inputs off by their "
         "magnitude times 1e-3); false (the default): exact float32 products",
     )
-    intra_op_threads: int = setting(0, "ONNX Runtime threads per run (0 = one per core)")
+    intra_op_threads: int = setting(
+        0, "ONNX Runtime threads per run (0 = one per core the process may use: its CPU affinity and CPU quota)"
+    )
     # ONNX Runtime's threads spin for the next run for tens of milliseconds after each: under load that keeps a
     # core ready for the runs, and on a server of sparse traffic it is CPU spent waiting (BENCHMARKS.md, "ONNX
     # Runtime's threads between runs").
@@ -365,7 +367,8 @@ class DeviceSettings(Section):
     )
     workers: int = setting(
         1,
-        "serving processes on the same ports (0: one per core), each with its own event loop, model and batching, "
+        "serving processes on the same ports (0: one per core the process may use), each with its own event loop, "
+        "model and batching, "
         "the kernel spreading connections over them (SO_REUSEPORT); started, restarted and stopped as one server "
         "with one /metrics; ONNX Runtime's threads divided between them. A sequence lives in the process that "
         "started it",

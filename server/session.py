@@ -28,6 +28,7 @@ from mhaserve.contract.model_dir import (
 )
 from mhaserve.contract.signature import ATTN_WEIGHTS, OUTPUT, PRECISIONS
 
+from .cores import usable_cores
 from .sequences.graph import StepGraph
 
 log = logging.getLogger("mhaserve.server")
@@ -141,7 +142,7 @@ class AttentionSession:
                 f"re-export it or check it with 'mhaserve validate {model_dir}'"
             )
         path = check_model_file(model_dir, manifest)
-        self.intra_op_threads = intra_op_threads or os.cpu_count() or 1
+        self.intra_op_threads = intra_op_threads or usable_cores()
         self.intra_op_spin_ms = intra_op_spin_ms
         options = _session_options(self.intra_op_threads, inter_op_threads, intra_op_spin_ms)
         self._session = self._load(path, options, device, cuda_tf32)

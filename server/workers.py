@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from mhaserve.contract.errors import UsageError
 
 from .config import ServerSettings
+from .cores import usable_cores
 from .ports import host_port
 from .process import ended_with_the_parent
 from .rest.prometheus import start_metrics
@@ -46,7 +47,7 @@ READY_TIMEOUT_S = 600.0  # a worker not serving by then (its model's load includ
 
 
 def worker_count(settings: ServerSettings) -> int:
-    return settings.workers or os.cpu_count() or 1
+    return settings.workers or usable_cores()
 
 
 def check_workers(settings: ServerSettings) -> None:
@@ -93,7 +94,7 @@ class Workers:
         self.count = worker_count(settings)
         self.port = settings.port or _free_port(settings.host)
         self.http_port = settings.http_port if settings.http_port != 0 else _free_port(settings.host)
-        cores = os.cpu_count() or 1
+        cores = usable_cores()
         self.threads = settings.intra_op_threads or max(1, cores // self.count)
         # The threads divided by the parent: a worker's run takes every core's while the others run nothing.
         self.alone_threads = cores if not settings.intra_op_threads and self.threads < cores else 0

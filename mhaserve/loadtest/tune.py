@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from mhaserve.server.config import flag_of, setting_text
+from mhaserve.server.cores import usable_cores
 
 from .loadgen import LoadGenerator, Point, PointResult, Workload
 from .slo import Slo
@@ -71,7 +71,7 @@ def knobs_for(workload: Workload, cores: int | None = None) -> list[Knob]:
     processes up to its cores,
     the output-only graph only for requests that ask for no weights, length-aware batching only for mixed
     lengths. (No CUDA knob: the one there is, TF32, changes the answers, not only their speed.)"""
-    cores = cores or os.cpu_count() or 1
+    cores = cores or usable_cores()
     # Batching's own knobs first and batching on or off last: the quick search compares the best batching it
     # found with none, rather than leaving batching early and its knobs untried.
     knobs = [

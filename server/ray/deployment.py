@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from pathlib import Path
 
 from ray import serve
@@ -25,6 +24,7 @@ from ray import serve
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 
 from ..config import ServerSettings
+from ..cores import usable_cores
 from ..dataplane import DataPlane
 from ..errors import RequestError
 from ..grpc.servicer import GRPC_STATUS, ProtocolAnswers, infer_grpc, streamed_refusal
@@ -245,7 +245,7 @@ def _reserved_cpus() -> int:
 
         return max(1, round(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
     except Exception:  # outside a Ray worker (a local test of the class)
-        return len(os.sched_getaffinity(0))
+        return usable_cores()
 
 
 def _node_id() -> str:

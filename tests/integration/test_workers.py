@@ -19,6 +19,7 @@ import pytest
 from mhaserve.client.grpc import Client, GrpcRequestFailed
 from mhaserve.client.http import HttpClient
 from mhaserve.loadtest.loadgen import LoadGenerator, Point, Workload
+from mhaserve.server.cores import usable_cores
 from tests.support import SMALL_D_MODEL, eager, rand
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SO_REUSEPORT's spreading is Linux's")
@@ -79,7 +80,7 @@ def test_workers_share_the_ports_answer_as_one_server_and_stop_together(
         stats = client.statistics()
         settings = {key: value.string_value for key, value in client.config().parameters.items()}
     # each worker runs on its share of the threads, and on every core's while the other runs nothing
-    cores = os.cpu_count()
+    cores = usable_cores()
     assert settings["intra_op_threads_alone"] == (str(cores) if cores > 1 else "0"), settings
     assert stats.inference_count == 17 and stats.inference_stats.success.count == 17
     assert http.statistics()["inference_count"] == 17

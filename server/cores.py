@@ -1,0 +1,81 @@
+"""The cores this process may use: what sizes ONNX Runtime's threads, ``--workers 0`` and how workers divide the
+threads. ``os.cpu_count()`` is the host's: in a container given two CPUs on a 64-core host (``docker run --cpus``,
+Compose's ``cpus``, a Kubernetes CPU limit, a cpuset), threads sized by it spend the quota in a fraction of each
+period and the whole process then waits, frozen, for the next one.
+
+The answer is the CPUs the process's affinity allows, fewer where its cgroup's CPU quota (cgroup v2's ``cpu.max``,
+v1's ``cpu.cfs_quota_us`` over ``cpu.cfs_period_us``, the smallest along its cgroup's ancestors) allows less,
+rounded down and one at least, as Go's automaxprocs does.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+PROC_CGROUP = Path("/proc/self/cgroup")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def usable_cores() -> int:
+    """The cores this process may use (see the module doc)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no affinity on this platform
+        cores = os.cpu_count() or 1
+    quota = cpu_quota()
+    if quota is not None:
+        cores = min(cores, max(1, math.floor(quota)))
+    return max(1, cores)
+
+
+def cpu_quota(proc_cgroup: Path = PROC_CGROUP, root: Path = CGROUP_ROOT) -> float | None:
+    """The CPUs this process's cgroup may use per period (2.5 for a quota of 250 ms per 100 ms), the smallest along
+    its ancestors; None where there is no quota or none can be read."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    quotas = []
+    for line in lines:
+        hierarchy, controllers, path = line.split(":", 2)
+        if hierarchy == "0" and not controllers:  # cgroup v2's one hierarchy
+            quotas += [_v2_quota(folder) for folder in _along(root, path)]
+        elif "cpu" in controllers.split(","):  # cgroup v1's cpu controller, mounted on its own
+            mount = next((root / name for name in (controllers, "cpu,cpuacct", "cpu") if (root / name).is_dir()), None)
+            if mount is not None:
+                quotas += [_v1_quota(folder) for folder in _along(mount, path)]
+    quotas = [quota for quota in quotas if quota is not None]
+    return min(quotas) if quotas else None
+
+
+def _along(mount: Path, path: str) -> list[Path]:
+    """The process's cgroup folder under ``mount`` and each of its ancestors up to the mount. In a container without
+    a cgroup namespace the path names the host's hierarchy, which the container sees as its mount: then the mount
+    alone."""
+    folder = mount / path.strip("/")
+    if not folder.is_dir():
+        return [mount]
+    folders = [folder]
+    while folder != mount and mount in folder.parents:
+        folder = folder.parent
+        folders.append(folder)
+    return folders
+
+
+def _v2_quota(folder: Path) -> float | None:
+    try:
+        quota, period = (folder / "cpu.max").read_text().split()
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError, ZeroDivisionError):
+        return None
+
+
+def _v1_quota(folder: Path) -> float | None:
+    try:
+        quota = int((folder / "cpu.cfs_quota_us").read_text())
+        period = int((folder / "cpu.cfs_period_us").read_text())
+        return None if quota <= 0 else quota / period
+    except (OSError, ValueError, ZeroDivisionError):
+        return None
