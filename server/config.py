@@ -368,10 +368,9 @@ class DeviceSettings(Section):
     workers: int = setting(
         1,
         "serving processes on the same ports (0: one per core the process may use), each with its own event loop, "
-        "model and batching, "
-        "the kernel spreading connections over them (SO_REUSEPORT); started, restarted and stopped as one server "
-        "with one /metrics; ONNX Runtime's threads divided between them. A sequence lives in the process that "
-        "started it",
+        "model and batching, the kernel spreading connections over them (SO_REUSEPORT); started, restarted and "
+        "stopped as one server with one /metrics; ONNX Runtime's threads divided between them. A sequence lives in "
+        "the process that started it",
         rule=at_least(0),
     )
     # Inference threads run at a lower priority than the gRPC thread, so that when model runs fill every

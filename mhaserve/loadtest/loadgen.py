@@ -475,7 +475,7 @@ def summarize(point: Point, workload: Workload, parts: list[WorkerResult]) -> Po
         dropped=sum(p.dropped for p in parts),
         latencies_ms=latencies,
         by_position=by_position,
-        error_details={s: next(p.error_details[s] for p in parts if s in p.error_details) for s in statuses},
+        error_details={s: next((p.error_details[s] for p in parts if s in p.error_details), "") for s in statuses},
     )
 
 
