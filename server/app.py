@@ -21,6 +21,7 @@ from mhaserve.protos.pool import POOL, add_file
 
 from . import describe, logs
 from .config import ServerSettings
+from .cores import limit_said
 from .dataplane import DataPlane
 from .grpc.handlers import add_inference_service
 from .grpc.receipt import STREAM_WINDOW_BYTES
@@ -222,6 +223,8 @@ class Server:
 
     async def load(self) -> None:
         settings = self.settings
+        if not is_worker() and (limited := limit_said()):  # the workers' parent says it for them
+            log.info(limited)
         try:
             await self.dataplane.start()
         except (ModelDirError, DeviceUnavailable, ValueError) as error:

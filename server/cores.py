@@ -30,6 +30,16 @@ def usable_cores() -> int:
     return max(1, cores)
 
 
+def limit_said() -> str | None:
+    """One line for the log where the cores this process may use are fewer than the host's: how many, and why."""
+    host, usable = os.cpu_count() or 1, usable_cores()
+    if usable >= host:
+        return None
+    quota = cpu_quota()
+    why = f"its cgroup's CPU quota of {quota:g} CPUs" if quota is not None and quota < host else "its CPU affinity"
+    return f"this server may use {usable} of the host's {host} CPUs ({why}): its threads are sized to {usable}"
+
+
 def cpu_quota(proc_cgroup: Path = PROC_CGROUP, root: Path = CGROUP_ROOT) -> float | None:
     """The CPUs this process's cgroup may use per period (2.5 for a quota of 250 ms per 100 ms), the smallest along
     its ancestors; None where there is no quota or none can be read."""

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from mhaserve.contract.errors import UsageError
 
 from .config import ServerSettings
-from .cores import usable_cores
+from .cores import limit_said, usable_cores
 from .ports import host_port
 from .process import ended_with_the_parent
 from .rest.prometheus import start_metrics
@@ -269,6 +269,8 @@ def run_workers(settings: ServerSettings, argv: list[str]) -> int:
     """Serve with ``settings.workers`` processes until SIGTERM or SIGINT; the exit code (a worker's start failure's,
     else 0)."""
     check_workers(settings)
+    if limited := limit_said():
+        log.info(limited)
     workers = Workers(settings, argv)
     return asyncio.run(_run(workers, settings))
 

@@ -50,6 +50,7 @@ def test_a_server_pinned_to_one_cpu_runs_one_thread_and_one_process(small_model_
         with pinned_to_one_cpu():
             server.start()
         assert threads_and_processes(serving_line(server)) == (1, 1), serving_line(server)
+        assert f"may use 1 of the host's {os.cpu_count()} CPUs (its CPU affinity)" in server.log
     finally:
         server.stop()
 
@@ -104,5 +105,6 @@ def test_a_server_under_a_cpu_quota_of_one_and_a_half_runs_one_thread_and_one_pr
         try:
             server.start()
             assert threads_and_processes(serving_line(server)) == (1, 1), serving_line(server)
+            assert "may use 1 of the host's" in server.log and "CPU quota of 1.5 CPUs" in server.log
         finally:
             server.stop()
