@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mhaserve.client.common import SequenceStep, WeightsOptions
+from mhaserve.server.cores import usable_cores
 
 from .server_side import WindowReads
 
@@ -573,4 +574,5 @@ class LoadGenerator:
 
 
 def default_processes() -> int:
-    return max(1, min(4, os.cpu_count() or 1))
+    """Client processes: one per core this client may use (its affinity and CPU quota), four at most."""
+    return min(4, usable_cores())
