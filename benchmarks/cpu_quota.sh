@@ -63,9 +63,11 @@ for round in $(seq 1 "$ROUNDS"); do
   for length in 16 128; do
     order=(0 1); [ $((round % 2)) = 0 ] && order=(1 0)
     for i in "${order[@]}"; do
-      figures=$(.venv/bin/mhaserve bench --url "127.0.0.1:${PORTS[$i]}" --concurrency 1,16 --lengths "$length" \
-        --duration 4 --warmup 1 2>&1 | awk '/^ *concurrency/ {printf "c%s %s/s p50 %s p99 %s  ", $2, $3, $4, $7}')
+      report=$(.venv/bin/mhaserve bench --url "127.0.0.1:${PORTS[$i]}" --concurrency 1,16 --lengths "$length" \
+        --duration 4 --warmup 1 2>&1)
+      figures=$(echo "$report" | awk '/^ +concurrency [0-9]+ / {printf "c%s %s/s p50 %s p99 %s errors %s  ", $2, $3, $4, $7, $10}')
       echo "round $round [1,$length,512] ${names[$i]}: $figures"
+      echo "$report" | grep " answered in " | sed 's/^/    /' || true
     done
   done
 done
