@@ -43,21 +43,46 @@ def limit_said() -> str | None:
 def cpu_quota(proc_cgroup: Path = PROC_CGROUP, root: Path = CGROUP_ROOT) -> float | None:
     """The CPUs this process's cgroup may use per period (2.5 for a quota of 250 ms per 100 ms), the smallest along
     its ancestors; None where there is no quota or none can be read."""
+    quotas = [quota for _, quota in _quota_folders(proc_cgroup, root)]
+    return min(quotas) if quotas else None
+
+
+class Throttling:
+    """How many times the kernel has throttled this process's cgroup, or an ancestor, for its CPU quota so far
+    (``nr_throttled``, counted as each throttled period begins). Read before and after a wait, a change says the
+    server itself was held off the CPU meanwhile. Where no quota applies there is nothing to read: always 0."""
+
+    def __init__(self, proc_cgroup: Path = PROC_CGROUP, root: Path = CGROUP_ROOT):
+        self._stats = [folder / "cpu.stat" for folder, _ in _quota_folders(proc_cgroup, root)]
+
+    def count(self) -> int:
+        total = 0
+        for stat in self._stats:
+            try:
+                for line in stat.read_text().splitlines():
+                    if line.startswith("nr_throttled "):
+                        total += int(line.split()[1])
+            except (OSError, ValueError):
+                pass
+        return total
+
+
+def _quota_folders(proc_cgroup: Path, root: Path) -> list[tuple[Path, float]]:
+    """The folders of this process's cgroup and its ancestors that set a CPU quota, with their quotas in CPUs."""
     try:
         lines = proc_cgroup.read_text().splitlines()
     except OSError:
-        return None
-    quotas = []
+        return []
+    found = []
     for line in lines:
         hierarchy, controllers, path = line.split(":", 2)
         if hierarchy == "0" and not controllers:  # cgroup v2's one hierarchy
-            quotas += [_v2_quota(folder) for folder in _along(root, path)]
+            found += [(folder, _v2_quota(folder)) for folder in _along(root, path)]
         elif "cpu" in controllers.split(","):  # cgroup v1's cpu controller, mounted on its own
             mount = next((root / name for name in (controllers, "cpu,cpuacct", "cpu") if (root / name).is_dir()), None)
             if mount is not None:
-                quotas += [_v1_quota(folder) for folder in _along(mount, path)]
-    quotas = [quota for quota in quotas if quota is not None]
-    return min(quotas) if quotas else None
+                found += [(folder, _v1_quota(folder)) for folder in _along(mount, path)]
+    return [(folder, quota) for folder, quota in found if quota is not None]
 
 
 def _along(mount: Path, path: str) -> list[Path]:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from ..cores import Throttling
 from ..errors import ErrorKind, RequestError
 
 # The data plane's refusals as gRPC statuses (the kinds are named after them).
@@ -36,6 +37,10 @@ BUSY_FIRST_READ_S = 0.010
 # query, 62 bytes past 256 KiB with its envelope, arrives whole rather than waiting for a window update
 # (BENCHMARKS.md, "A [1,128,512] query within its stream's window").
 STREAM_WINDOW_BYTES = (256 + 4) << 10
+# A request still arriving that waited its time for a turn while the kernel throttled the server for its CPU quota
+# (a container's limit spent: the holder of the turn, and this request, were kept from arriving by the server's own
+# threads not running) is given the time again rather than refused, so many times at most.
+THROTTLED_WAITS = 8
 # What a request of n bytes takes while grpcio receives it: n in its core's buffers, then a bytearray it copies
 # them into and the bytes it makes of that.
 GRPCIO_RECEIPT_COPIES = 3
@@ -53,8 +58,9 @@ class RequestReader:
     unread, so what first reads take is bounded, and stalled senders queue behind themselves. A request still arriving
     after its first read needs one of the receiving turns (each reserves three times the receive limit in
     --max-receiving-bytes). With none free, a call from a connection in good standing waits for one in its first read,
-    up to ``first_read_s`` more (the holder is most often another request nearly arrived); one from a connection in bad
-    standing, or one still waiting then, is refused RESOURCE_EXHAUSTED (its bytes would go on arriving while it waited).
+    up to ``first_read_s`` more (the holder is most often another request nearly arrived), and that wait again while the
+    kernel throttles the server for its CPU quota (THROTTLED_WAITS); one from a connection in bad standing, or one
+    still waiting then, is refused RESOURCE_EXHAUSTED (its bytes would go on arriving while it waited).
     One that has not arrived ``timeout_s`` after its read began is refused DEADLINE_EXCEEDED. A refused call puts its
     connection in bad standing; a request read whole restores it. A stalled sender can hold a turn, and a first read for
     twice ``first_read_s`` once; never another caller's small request for longer."""
@@ -67,8 +73,10 @@ class RequestReader:
         first_read_s: float,
         first_reads: int = FIRST_READS_AT_ONCE,
         abandoned: Callable[[int], None] = lambda nbytes: None,
+        throttling: Throttling | None = None,
     ):
         self.turns = turns
+        self._throttling = throttling if throttling is not None else Throttling()
         self._timeout_s = timeout_s
         self._first_read_s = min(first_read_s, timeout_s)
         self._first_reads = FirstReads(first_reads, turns.bad_standing)
@@ -169,11 +177,20 @@ class RequestReader:
         else:
             reading.withdraw = self.turns.wait(lambda: self._turn_taken(reading))
             # On a starved loop the turn may be on its way back, from a read whose completion is queued behind this.
-            self._decide_after(reading, self._first_read_s, self._no_turn_decided)
+            self._wait_for_turn(reading)
+
+    def _wait_for_turn(self, reading: _Read) -> None:
+        reading.throttled = self._throttling.count()
+        self._decide_after(reading, self._first_read_s, self._no_turn_decided)
 
     def _no_turn_decided(self, reading: _Read) -> None:
-        if not (reading.finished or reading.turn or reading.refusal is not None):
-            self._no_turn_came(reading)
+        if reading.finished or reading.turn or reading.refusal is not None:
+            return
+        if reading.throttled_waits < THROTTLED_WAITS and self._throttling.count() != reading.throttled:
+            reading.throttled_waits += 1  # the server was held off the CPU: the wait says nothing of the sender
+            self._wait_for_turn(reading)
+            return
+        self._no_turn_came(reading)
 
     def _turn_taken(self, reading: _Read) -> None:
         reading.withdraw = None
@@ -237,6 +254,8 @@ class _Read:
     turn: bool = False
     refusal: RequestError | None = None
     answering: asyncio.Future | None = None
+    throttled: int = 0  # while it waits for a turn: the server's throttled periods when the wait began
+    throttled_waits: int = 0  # waits given again because the server was throttled meanwhile
 
 
 class AlreadyAnswered(Exception):

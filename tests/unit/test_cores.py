@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mhaserve.server.cores import cpu_quota
+from mhaserve.server.cores import Throttling, cpu_quota
 
 
 def tree(tmp_path, proc_cgroup: str, files: dict[str, str]):
@@ -52,3 +52,18 @@ def test_nothing_readable_is_none(tmp_path):
     assert cpu_quota(tmp_path / "absent", tmp_path) is None
     proc, root = tree(tmp_path, "1:cpu:/\n", {"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"})
     assert cpu_quota(proc, root) is None
+
+
+def test_throttled_periods_are_counted_where_a_quota_is_set_and_nowhere_else(tmp_path):
+    proc, root = tree(tmp_path, "0::/kubepods/pod1/c1\n", {
+        "kubepods/cpu.max": "max 100000\n",
+        "kubepods/cpu.stat": "usage_usec 10\nnr_throttled 7\n",  # no quota here: not counted
+        "kubepods/pod1/cpu.max": "150000 100000\n",
+        "kubepods/pod1/cpu.stat": "usage_usec 10\nnr_periods 40\nnr_throttled 3\nthrottled_usec 900\n",
+        "kubepods/pod1/c1/cpu.max": "max 100000\n",
+    })  # fmt: skip
+    throttling = Throttling(proc, root)
+    assert throttling.count() == 3
+    (root / "kubepods/pod1/cpu.stat").write_text("nr_periods 41\nnr_throttled 4\n")
+    assert throttling.count() == 4
+    assert Throttling(tmp_path / "absent", root).count() == 0

@@ -181,12 +181,12 @@ async def _read_in_turn(turns, context):
         await context.read()
 
 
-async def waiting_for_the_held_turn(first_read_s: float, held_after: float, waits_after: float):
+async def waiting_for_the_held_turn(first_read_s: float, held_after: float, waits_after: float, throttling=None):
     """Two large requests on two connections, one turn: the first read ``held_after`` s ago, past its first read, so
     it holds the turn; the second read ``waits_after`` s ago, past its busy first read (10 ms), so it waits in line
     for the turn. Returns the turns, both calls' contexts and both reads (tasks)."""
     turns = ReceivingTurns(receiving_bytes=3, receive_limit=1, hold_s=60)
-    reader = RequestReader(turns, receive_limit=1, timeout_s=5, first_read_s=first_read_s)
+    reader = RequestReader(turns, receive_limit=1, timeout_s=5, first_read_s=first_read_s, throttling=throttling)
     holder, waiter = Context("ipv4:127.0.0.1:1"), Context("ipv4:127.0.0.1:2")
     first = asyncio.create_task(reader.read(holder))
     await asyncio.sleep(held_after)
@@ -289,5 +289,36 @@ def test_a_request_waiting_for_a_turn_on_a_starved_loop_is_given_the_turn_on_its
         for arrival in arrivals:
             arrival.cancel()
         assert waiter.refusal is None and turns.free == 1
+
+    asyncio.run(scenario())
+
+
+class Throttled:
+    """The kernel's count of throttled periods, one more each time it is read: a server held to its CPU quota."""
+
+    def __init__(self):
+        self.periods = 0
+
+    def count(self) -> int:
+        self.periods += 1
+        return self.periods
+
+
+def test_a_request_waiting_for_a_turn_while_the_server_is_throttled_is_given_the_time_again_not_refused():
+    """The server held off the CPU by its quota while a request waited for the turn (the holder's bytes, and its, kept
+    from arriving by the server's own threads): the wait is given again, and the request is read once the holder's
+    turn comes back, three waits later."""
+
+    async def scenario():
+        throttled = Throttled()
+        turns, (holder, waiter), (first, second) = await waiting_for_the_held_turn(
+            0.05, held_after=0.08, waits_after=0.03, throttling=throttled
+        )
+        loop = asyncio.get_running_loop()
+        arrivals = [loop.call_later(0.15, holder.send), loop.call_later(0.16, waiter.send)]
+        assert await first == b"request" and await second == b"request"
+        for arrival in arrivals:
+            arrival.cancel()
+        assert waiter.refusal is None and turns.free == 1 and throttled.periods >= 3
 
     asyncio.run(scenario())
