@@ -63,7 +63,8 @@ class RequestReader:
     still waiting then, is refused RESOURCE_EXHAUSTED (its bytes would go on arriving while it waited).
     One that has not arrived ``timeout_s`` after its read began is refused DEADLINE_EXCEEDED. A refused call puts its
     connection in bad standing; a request read whole restores it. A stalled sender can hold a turn, and a first read for
-    twice ``first_read_s`` once; never another caller's small request for longer."""
+    twice ``first_read_s`` once (longer only while the kernel throttles the server); never another caller's small
+    request for longer."""
 
     def __init__(
         self,
