@@ -36,6 +36,14 @@ STATUS_NAMES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND
                 429: "RESOURCE_EXHAUSTED", 500: "INTERNAL", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}  # fmt: skip
 
 
+def error_message(body: bytes) -> str:
+    """A refusal's message: its JSON body's ``error``, else the body's text."""
+    try:
+        return str(json.loads(body)["error"])
+    except (ValueError, KeyError, TypeError):
+        return body.decode(errors="replace")
+
+
 class HttpRequestFailed(RequestFailed):
     """A refused call over HTTP: ``status_name`` as gRPC would name it, ``details`` (and ``message``) the
     server's words."""
@@ -153,12 +161,7 @@ class HttpClient:
             with urllib.request.urlopen(request, timeout=timeout, context=self._context) as response:
                 return response.read(), response.headers
         except urllib.error.HTTPError as error:
-            text = error.read()
-            try:
-                details = json.loads(text)["error"]
-            except (ValueError, KeyError, TypeError):
-                details = text.decode(errors="replace") or error.reason
-            raise HttpRequestFailed(error.code, details) from None
+            raise HttpRequestFailed(error.code, error_message(error.read()) or error.reason) from None
         except urllib.error.URLError as error:
             raise HttpRequestFailed(503, f"cannot reach {self.base}: {error.reason}") from None
         except (OSError, http.client.HTTPException) as error:  # the connection failed after it was made (TLS)

@@ -159,14 +159,6 @@ def _queries(w: Workload, seed: int) -> list[np.ndarray]:
     return queries
 
 
-def _error_of(body: bytes) -> str:
-    """An HTTP refusal's message: its JSON ``error``, else the body's text."""
-    try:
-        return str(json.loads(body)["error"])
-    except (ValueError, KeyError, TypeError):
-        return body.decode("utf-8", "replace")
-
-
 def cpu_seconds() -> float:
     """User + system CPU time of this process so far: what a client spent."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -264,7 +256,7 @@ async def _http_sender(url: str, workload: Workload, seed: int, timeout_s: float
     request in flight (aiohttp's pool), whatever ``connections`` says."""
     import aiohttp
 
-    from mhaserve.client.http import STATUS_NAMES, HttpClient, build_http_infer_body, ssl_context
+    from mhaserve.client.http import STATUS_NAMES, HttpClient, build_http_infer_body, error_message, ssl_context
 
     queries = _queries(workload, seed)
 
@@ -299,7 +291,7 @@ async def _http_sender(url: str, workload: Workload, seed: int, timeout_s: float
                     answer = await response.read()
                     if response.status == 200:
                         return ANSWERED
-                    return STATUS_NAMES.get(response.status, f"HTTP_{response.status}"), _error_of(answer)
+                    return STATUS_NAMES.get(response.status, f"HTTP_{response.status}"), error_message(answer)
 
             async def send(i: int, step: SequenceStep | None = None, caller: int = 0) -> Answer:
                 try:
