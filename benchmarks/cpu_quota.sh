@@ -46,11 +46,7 @@ serve() {  # cgroup, port, log, flags...
      > "$log" 2>&1) &
   pids+=($!)
 }
-PORTS=($($PY -c "
-import socket
-s = [socket.socket() for _ in range(2)]
-[x.bind(('127.0.0.1', 0)) for x in s]
-print(*[x.getsockname()[1] for x in s])"))
+PORTS=($($PY -c "from mhaserve.server.process import free_port; print(free_port(), free_port())"))
 serve "${groups[0]}" "${PORTS[0]}" "$LOGS/host.log" --intra-op-threads "$HOST_THREADS"
 serve "${groups[1]}" "${PORTS[1]}" "$LOGS/quota.log"
 for port in "${PORTS[@]}"; do

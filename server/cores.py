@@ -20,11 +20,14 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 def usable_cores() -> int:
     """The cores this process may use (see the module doc)."""
+    return _cores_within(cpu_quota())
+
+
+def _cores_within(quota: float | None) -> int:
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # no affinity on this platform
         cores = os.cpu_count() or 1
-    quota = cpu_quota()
     if quota is not None:
         cores = min(cores, max(1, math.floor(quota)))
     return max(1, cores)
@@ -32,10 +35,10 @@ def usable_cores() -> int:
 
 def limit_said() -> str | None:
     """One line for the log where the cores this process may use are fewer than the host's: how many, and why."""
-    host, usable = os.cpu_count() or 1, usable_cores()
+    quota = cpu_quota()
+    host, usable = os.cpu_count() or 1, _cores_within(quota)
     if usable >= host:
         return None
-    quota = cpu_quota()
     why = f"its cgroup's CPU quota of {quota:g} CPUs" if quota is not None and quota < host else "its CPU affinity"
     return f"this server may use {usable} of the host's {host} CPUs ({why}): its threads are sized to {usable}"
 

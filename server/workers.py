@@ -46,10 +46,6 @@ RESTART_DELAY_S = 1.0  # a worker that died is started again after this
 READY_TIMEOUT_S = 600.0  # a worker not serving by then (its model's load included) fails the start
 
 
-def worker_count(settings: ServerSettings) -> int:
-    return settings.workers or usable_cores()
-
-
 def check_workers(settings: ServerSettings) -> None:
     """What cannot work across several processes, refused before any starts (UsageError)."""
     if settings.model_repository and settings.model_control_mode == "explicit":
@@ -91,10 +87,10 @@ class Workers:
 
     def __init__(self, settings: ServerSettings, argv: list[str]):
         self.settings = settings
-        self.count = worker_count(settings)
+        cores = usable_cores()
+        self.count = settings.workers or cores  # 0: one per core
         self.port = settings.port or _free_port(settings.host)
         self.http_port = settings.http_port if settings.http_port != 0 else _free_port(settings.host)
-        cores = usable_cores()
         self.threads = settings.intra_op_threads or max(1, cores // self.count)
         # The threads divided by the parent: a worker's run takes every core's while the others run nothing.
         self.alone_threads = cores if not settings.intra_op_threads and self.threads < cores else 0
