@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from ..cores import Throttling
+from ..cores import CpuShortage
 from ..errors import ErrorKind, RequestError
 
 # The data plane's refusals as gRPC statuses (the kinds are named after them).
@@ -37,10 +37,11 @@ BUSY_FIRST_READ_S = 0.010
 # query, 62 bytes past 256 KiB with its envelope, arrives whole rather than waiting for a window update
 # (BENCHMARKS.md, "A [1,128,512] query within its stream's window").
 STREAM_WINDOW_BYTES = (256 + 4) << 10
-# A request still arriving that waited its time for a turn while the kernel throttled the server for its CPU quota
-# (a container's limit spent: the holder of the turn, and this request, were kept from arriving by the server's own
-# threads not running) is given the time again rather than refused, so many times at most.
-THROTTLED_WAITS = 8
+# A request still arriving that waited its time for a turn while the server was short of CPU (a container's quota
+# spent, or the host's tasks waiting for a core: the holder of the turn, and this request, may have been kept from
+# arriving by their senders or the server's own threads not running) is given the time again rather than refused, so
+# many times at most.
+SHORT_OF_CPU_WAITS = 8
 # What a request of n bytes takes while grpcio receives it: n in its core's buffers, then a bytearray it copies
 # them into and the bytes it makes of that.
 GRPCIO_RECEIPT_COPIES = 3
@@ -59,11 +60,11 @@ class RequestReader:
     after its first read needs one of the receiving turns (each reserves three times the receive limit in
     --max-receiving-bytes). With none free, a call from a connection in good standing waits for one in its first read,
     up to ``first_read_s`` more (the holder is most often another request nearly arrived), and that wait again while the
-    kernel throttles the server for its CPU quota (THROTTLED_WAITS); one from a connection in bad standing, or one
+    server is short of CPU (SHORT_OF_CPU_WAITS, CpuShortage); one from a connection in bad standing, or one
     still waiting then, is refused RESOURCE_EXHAUSTED (its bytes would go on arriving while it waited).
     One that has not arrived ``timeout_s`` after its read began is refused DEADLINE_EXCEEDED. A refused call puts its
     connection in bad standing; a request read whole restores it. A stalled sender can hold a turn, and a first read for
-    twice ``first_read_s`` once (longer only while the kernel throttles the server); never another caller's small
+    twice ``first_read_s`` once (longer only while the server is short of CPU); never another caller's small
     request for longer."""
 
     def __init__(
@@ -74,10 +75,10 @@ class RequestReader:
         first_read_s: float,
         first_reads: int = FIRST_READS_AT_ONCE,
         abandoned: Callable[[int], None] = lambda nbytes: None,
-        throttling: Throttling | None = None,
+        cpu: CpuShortage | None = None,
     ):
         self.turns = turns
-        self._throttling = throttling if throttling is not None else Throttling()
+        self._cpu = cpu if cpu is not None else CpuShortage()
         self._timeout_s = timeout_s
         self._first_read_s = min(first_read_s, timeout_s)
         self._first_reads = FirstReads(first_reads, turns.bad_standing)
@@ -181,14 +182,14 @@ class RequestReader:
             self._wait_for_turn(reading)
 
     def _wait_for_turn(self, reading: _Read) -> None:
-        reading.throttled = self._throttling.count()
+        reading.cpu_before_wait = self._cpu.mark()
         self._decide_after(reading, self._first_read_s, self._no_turn_decided)
 
     def _no_turn_decided(self, reading: _Read) -> None:
         if reading.finished or reading.turn or reading.refusal is not None:
             return
-        if reading.throttled_waits < THROTTLED_WAITS and self._throttling.count() != reading.throttled:
-            reading.throttled_waits += 1  # the server was held off the CPU: the wait says nothing of the sender
+        if reading.waits_again < SHORT_OF_CPU_WAITS and self._cpu.over(reading.cpu_before_wait, self._first_read_s):
+            reading.waits_again += 1  # the server was short of CPU: the wait says nothing of the sender
             self._wait_for_turn(reading)
             return
         self._no_turn_came(reading)
@@ -255,8 +256,8 @@ class _Read:
     turn: bool = False
     refusal: RequestError | None = None
     answering: asyncio.Future | None = None
-    throttled: int = 0  # while it waits for a turn: the server's throttled periods when the wait began
-    throttled_waits: int = 0  # waits given again because the server was throttled meanwhile
+    cpu_before_wait: tuple[int, int] = (0, 0)  # while it waits for a turn: CpuShortage.mark() when the wait began
+    waits_again: int = 0  # waits given again because the server was short of CPU meanwhile
 
 
 class AlreadyAnswered(Exception):

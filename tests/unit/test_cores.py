@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mhaserve.server.cores import Throttling, cpu_quota
+from mhaserve.server.cores import CpuShortage, cpu_quota
 
 
 def tree(tmp_path, proc_cgroup: str, files: dict[str, str]):
@@ -62,8 +62,21 @@ def test_throttled_periods_are_counted_where_a_quota_is_set_and_nowhere_else(tmp
         "kubepods/pod1/cpu.stat": "usage_usec 10\nnr_periods 40\nnr_throttled 3\nthrottled_usec 900\n",
         "kubepods/pod1/c1/cpu.max": "max 100000\n",
     })  # fmt: skip
-    throttling = Throttling(proc, root)
-    assert throttling.count() == 3
+    cpu = CpuShortage(proc, root, pressure=tmp_path / "no-psi")
+    before = cpu.mark()
+    assert before == (3, 0) and not cpu.over(before, 0.025)
     (root / "kubepods/pod1/cpu.stat").write_text("nr_periods 41\nnr_throttled 4\n")
-    assert throttling.count() == 4
-    assert Throttling(tmp_path / "absent", root).count() == 0
+    assert cpu.over(before, 0.025)
+    assert CpuShortage(tmp_path / "absent", root, pressure=tmp_path / "no-psi").mark() == (0, 0)
+
+
+def test_a_host_whose_tasks_waited_for_a_core_a_quarter_of_the_wait_is_short_of_cpu(tmp_path):
+    pressure = tmp_path / "pressure-cpu"
+    stalled = "some avg10=0.00 avg60=0.00 avg300=0.00 total={}\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
+    pressure.write_text(stalled.format(1_000_000))
+    cpu = CpuShortage(tmp_path / "absent", tmp_path, pressure=pressure)
+    before = cpu.mark()
+    pressure.write_text(stalled.format(1_000_000 + 6_000))  # 6 ms of a 25 ms wait
+    assert not cpu.over(before, 0.025)
+    pressure.write_text(stalled.format(1_000_000 + 7_000))  # 7 ms
+    assert cpu.over(before, 0.025)

@@ -14,7 +14,14 @@ import pytest
 from mhaserve.contract.repository import ModelRepository
 from mhaserve.loadtest.loadgen import Point, PointResult, Workload
 from mhaserve.loadtest.slo import parse_slo, summary, summary_lines
-from mhaserve.server.grpc.receipt import AlreadyAnswered, ReceivingTurns, RequestReader, StreamEnded, StreamSlots
+from mhaserve.server.grpc.receipt import (
+    SHORT_OF_CPU_WAITS,
+    AlreadyAnswered,
+    ReceivingTurns,
+    RequestReader,
+    StreamEnded,
+    StreamSlots,
+)
 
 
 def test_one_client_holds_its_share_of_the_streams_and_the_rest_stay_open_to_others():
@@ -181,24 +188,26 @@ async def _read_in_turn(turns, context):
         await context.read()
 
 
-class NotThrottled:
-    """A server the kernel never throttles, wherever the tests run (a CI container may have a CPU quota)."""
+class NeverShortOfCpu:
+    """A server never short of CPU, wherever the tests run (a CI container may have a CPU quota, a loaded CI host
+    tasks waiting for a core)."""
 
-    def count(self) -> int:
-        return 0
+    def mark(self) -> tuple[int, int]:
+        return (0, 0)
+
+    def over(self, mark, seconds: float) -> bool:
+        return False
 
 
-NOT_THROTTLED = NotThrottled()
+NEVER_SHORT_OF_CPU = NeverShortOfCpu()
 
 
-async def waiting_for_the_held_turn(
-    first_read_s: float, held_after: float, waits_after: float, throttling=NOT_THROTTLED
-):
+async def waiting_for_the_held_turn(first_read_s: float, held_after: float, waits_after: float, cpu=NEVER_SHORT_OF_CPU):
     """Two large requests on two connections, one turn: the first read ``held_after`` s ago, past its first read, so
     it holds the turn; the second read ``waits_after`` s ago, past its busy first read (10 ms), so it waits in line
     for the turn. Returns the turns, both calls' contexts and both reads (tasks)."""
     turns = ReceivingTurns(receiving_bytes=3, receive_limit=1, hold_s=60)
-    reader = RequestReader(turns, receive_limit=1, timeout_s=5, first_read_s=first_read_s, throttling=throttling)
+    reader = RequestReader(turns, receive_limit=1, timeout_s=5, first_read_s=first_read_s, cpu=cpu)
     holder, waiter = Context("ipv4:127.0.0.1:1"), Context("ipv4:127.0.0.1:2")
     first = asyncio.create_task(reader.read(holder))
     await asyncio.sleep(held_after)
@@ -212,7 +221,7 @@ def test_a_request_arriving_while_the_first_read_is_taken_reads_in_a_free_turn_u
     async def scenario():
         turns = ReceivingTurns(receiving_bytes=6, receive_limit=1, hold_s=60)
         assert turns.count == 2
-        reader = RequestReader(turns, receive_limit=1, timeout_s=1.0, first_read_s=1.0, throttling=NOT_THROTTLED)
+        reader = RequestReader(turns, receive_limit=1, timeout_s=1.0, first_read_s=1.0, cpu=NEVER_SHORT_OF_CPU)
         stalled = asyncio.create_task(reader.read(Context("ipv4:127.0.0.1:1")))  # holds the one first read 1 s
         await asyncio.sleep(0.01)
         loop = asyncio.get_running_loop()
@@ -260,7 +269,7 @@ def test_a_request_the_turn_never_comes_to_is_refused_and_its_connection_queues_
         turns = ReceivingTurns(receiving_bytes=3, receive_limit=1, hold_s=60)
         # A wait in line (0.3 s) far longer than a busy first read (BUSY_FIRST_READ_S), so that a loaded machine's
         # delays cannot make one look like the other.
-        reader = RequestReader(turns, receive_limit=1, timeout_s=5, first_read_s=0.3, throttling=NOT_THROTTLED)
+        reader = RequestReader(turns, receive_limit=1, timeout_s=5, first_read_s=0.3, cpu=NEVER_SHORT_OF_CPU)
         stalled, slow = "ipv4:127.0.0.1:1", "ipv4:127.0.0.1:2"
         holder = asyncio.create_task(reader.read(Context(stalled)))  # never sent: holds the turn after its first read
         while turns.free:
@@ -305,32 +314,52 @@ def test_a_request_waiting_for_a_turn_on_a_starved_loop_is_given_the_turn_on_its
     asyncio.run(scenario())
 
 
-class Throttled:
-    """The kernel's count of throttled periods, one more each time it is read: a server held to its CPU quota."""
+class AlwaysShortOfCpu:
+    """A server short of CPU over every wait (held to its quota, or on a host whose tasks wait for a core)."""
 
     def __init__(self):
-        self.periods = 0
+        self.waits = 0
 
-    def count(self) -> int:
-        self.periods += 1
-        return self.periods
+    def mark(self) -> tuple[int, int]:
+        return (0, 0)
+
+    def over(self, mark, seconds: float) -> bool:
+        self.waits += 1
+        return True
 
 
-def test_a_request_waiting_for_a_turn_while_the_server_is_throttled_is_given_the_time_again_not_refused():
-    """The server held off the CPU by its quota while a request waited for the turn (the holder's bytes, and its, kept
-    from arriving by the server's own threads): the wait is given again, and the request is read once the holder's
-    turn comes back, three waits later."""
+def test_a_request_waiting_for_a_turn_while_the_server_is_short_of_cpu_is_given_the_time_again_not_refused():
+    """The server short of CPU while a request waited for the turn (the holder's bytes, and its, kept from arriving by
+    their senders or the server's own threads not running): the wait is given again, and the request is read once the
+    holder's turn comes back, three waits later."""
 
     async def scenario():
-        throttled = Throttled()
+        short = AlwaysShortOfCpu()
         turns, (holder, waiter), (first, second) = await waiting_for_the_held_turn(
-            0.05, held_after=0.08, waits_after=0.03, throttling=throttled
+            0.05, held_after=0.08, waits_after=0.03, cpu=short
         )
         loop = asyncio.get_running_loop()
         arrivals = [loop.call_later(0.15, holder.send), loop.call_later(0.16, waiter.send)]
         assert await first == b"request" and await second == b"request"
         for arrival in arrivals:
             arrival.cancel()
-        assert waiter.refusal is None and turns.free == 1 and throttled.periods >= 3
+        assert waiter.refusal is None and turns.free == 1 and short.waits >= 2
+
+    asyncio.run(scenario())
+
+
+def test_a_request_short_of_cpu_past_its_waits_again_is_refused():
+    """Short of CPU for good, the holder never arriving: the wait is given again SHORT_OF_CPU_WAITS times, no more."""
+
+    async def scenario():
+        short = AlwaysShortOfCpu()
+        turns, (holder, waiter), (first, second) = await waiting_for_the_held_turn(
+            0.02, held_after=0.05, waits_after=0.015, cpu=short
+        )
+        with pytest.raises(AlreadyAnswered):
+            await second
+        assert waiter.refusal[0] == grpc.StatusCode.RESOURCE_EXHAUSTED and short.waits == SHORT_OF_CPU_WAITS
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
 
     asyncio.run(scenario())
