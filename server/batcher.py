@@ -26,6 +26,7 @@ back for more company, as Triton's ``max_queue_delay_microseconds`` does.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
 from collections.abc import Callable
@@ -41,6 +42,7 @@ from .errors import ErrorKind, RequestError
 from .run_cost import RunCost, plan_runs
 from .statistics import BatchResult
 from .tensors import RunInputs
+from .threads import WorkerBoard
 from .tracing import RequestTrace, record_run
 
 # A lone request's run is made on the event loop itself where the version allows its shape (``runs_here``): handed
@@ -186,7 +188,8 @@ class Batcher:
     ``max_batch_size`` bounds the rows of one run (a request with that many rows runs alone);
     ``enabled=False`` runs every request on its own. ``on_batch`` sees every finished run. With a
     ``run_cost``, what a free worker takes is split into runs by length (see the module doc). A lone
-    request whose (rows, Lq, Lk) ``runs_here`` allows is run on the event loop (QUIET_BEFORE_RUN_HERE_NS).
+    request whose (rows, Lq, Lk) ``runs_here`` allows is run on the event loop (QUIET_BEFORE_RUN_HERE_NS), marked
+    on ``board`` in one of --workers.
     """
 
     def __init__(
@@ -203,6 +206,7 @@ class Batcher:
         run_cost: RunCost | None = None,
         computed_in: str = "float32",
         runs_here: Callable[[int, int, int], bool] | None = None,
+        board: WorkerBoard | None = None,
     ):
         self._run_model = run_model
         self.computed_in = computed_in  # the model's precision, named in an overflow's error
@@ -218,6 +222,7 @@ class Batcher:
         self._queue: deque[_Pending] = deque()
         self._timer: asyncio.TimerHandle | None = None
         self._runs_here = runs_here
+        self._board = board  # one of --workers: a run here is marked on it, as the inference threads' are
         self._last_run_ended_ns = 0
 
     @property
@@ -269,7 +274,8 @@ class Batcher:
 
     def _run_here(self, batch: list[_Pending]) -> None:
         try:
-            result = self._run(batch)
+            with self._board.running() if self._board is not None else contextlib.nullcontext():
+                result = self._run(batch)
         except Exception as error:
             self._deliver(batch, None, error)
         else:

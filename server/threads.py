@@ -4,6 +4,7 @@ inference threads mark their runs for the other workers to see."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -74,16 +75,19 @@ class WorkerBoard:
         os.ftruncate(board, 8 * workers)
         return board
 
-    def run_started(self) -> None:
+    @contextlib.contextmanager
+    def running(self):
+        """A run of this worker's, marked while it lasts (an inference thread's, or a lone one on the event loop)."""
         with self._lock:
             self._in_flight += 1
             self._slots[self._index] = _BUSY
-
-    def run_ended(self) -> None:
-        with self._lock:
-            self._in_flight -= 1
-            if not self._in_flight:
-                self._slots[self._index] = time.monotonic_ns()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+                if not self._in_flight:
+                    self._slots[self._index] = time.monotonic_ns()
 
     def others_quiet(self) -> bool:
         """Whether no other worker has run anything for QUIET_S."""
@@ -121,10 +125,7 @@ class _MarkedPool(ThreadPoolExecutor):
         board = self._board
 
         def marked():
-            board.run_started()
-            try:
+            with board.running():
                 return fn(*args, **kwargs)
-            finally:
-                board.run_ended()
 
         return super().submit(marked)

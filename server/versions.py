@@ -90,6 +90,7 @@ class VersionFactory:
             run_cost=run_cost,
             computed_in=session.info.computed_in,
             runs_here=self._runs_here(session),
+            board=worker_board(),
         )
         info = session.info
         signature = ModelSignature(
@@ -138,9 +139,10 @@ class VersionFactory:
 
     def _runs_here(self, session: AttentionSession) -> Callable[[int, int, int], bool] | None:
         """Which lone runs the batcher makes on the event loop: small ones, while no other request is in the
-        server, on the CPU (a GPU run's copies and launches are measured for the inference threads only), and
-        outside --workers (a run there is marked on the workers' board by the inference thread that makes it)."""
-        if session.provider != CPU or worker_board() is not None:
+        server, on the CPU (a GPU run's copies and launches are measured for the inference threads only). In one of
+        --workers such a run is marked on the workers' board, as the inference threads' runs are, and takes every
+        core's threads where the other workers are quiet."""
+        if session.provider != CPU:
             return None
         d_model, quiet = session.info.d_model, self._quiet
 
