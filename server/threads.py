@@ -1,6 +1,6 @@
 """The server's worker threads: their priority (inference and decoding run below the event loop's, so that health
-checks and small requests are answered while large ones compute), and, in one of --workers, the board on which the
-inference threads mark their runs for the other workers to see."""
+checks and small requests are answered while large ones compute), and, in one of --workers, the board on which a
+worker marks its runs (its inference threads', and a lone one on its event loop) for the other workers to see."""
 
 from __future__ import annotations
 
