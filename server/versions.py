@@ -6,6 +6,7 @@ back. The registry owns the factory and calls it to load and unload; nothing her
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -195,7 +196,12 @@ class VersionFactory:
         served.session = None
         served.batched = served.sequence_steps = None
         loop = asyncio.get_running_loop()
-        loop.call_soon(lambda: loop.run_in_executor(self._loader, release_free_memory))
+
+        def release_later() -> None:
+            with contextlib.suppress(RuntimeError):  # the server stopped meanwhile: its loader is shut down
+                loop.run_in_executor(self._loader, release_free_memory)
+
+        loop.call_soon(release_later)
 
     def shutdown(self) -> None:
         self._loader.shutdown(wait=True)

@@ -443,7 +443,8 @@ def test_a_live_sequence_stalls_neither_the_poll_nor_an_unload(small_model_dir, 
         answers = [live.step(x[:, :5])]
         shutil.copytree(small_model_dir, repository / "mha" / "2")  # version 1 retired by the policy
         shutil.copytree(small_model_dir, repository / "other" / "1")  # a new model, for the same poll
-        deadline = time.monotonic() + 10
+        # A stalled poll waits out the sequence's 60 s; a load on a loaded slow machine took over 10 s.
+        deadline = time.monotonic() + 30
         while not model_ready(server, "other"):
             assert time.monotonic() < deadline, "the poll stalled behind the live sequence"
             time.sleep(0.1)

@@ -73,6 +73,5 @@ def test_a_lone_run_on_the_event_loop_of_a_worker_is_marked_on_its_board(small_m
     answer, no_worker_used = asyncio.run(scenario())
     assert answer.outputs["output"].shape == (1, 5, SMALL_D_MODEL) and no_worker_used
     assert seen_by_the_other == [False], "the other worker saw this one quiet during its run"
-    assert not other.others_quiet(), "its run has just ended"
     time.sleep(QUIET_S * 1.5)
-    assert other.others_quiet()
+    assert other.others_quiet(), "the run's end was not marked"
