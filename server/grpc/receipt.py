@@ -40,7 +40,8 @@ STREAM_WINDOW_BYTES = (256 + 4) << 10
 # A request still arriving that waited its time for a turn while the server was short of CPU (a container's quota
 # spent, or the host's tasks waiting for a core: the holder of the turn, and this request, may have been kept from
 # arriving by their senders or the server's own threads not running) is given the time again rather than refused, so
-# many times at most.
+# many times at most, while no other call waits for the first read it holds (else 16 stalled senders, each given
+# its wait again on a loaded host, held every other caller's small request for seconds).
 SHORT_OF_CPU_WAITS = 8
 # What a request of n bytes takes while grpcio receives it: n in its core's buffers, then a bytearray it copies
 # them into and the bytes it makes of that.
@@ -60,12 +61,12 @@ class RequestReader:
     after its first read needs one of the receiving turns (each reserves three times the receive limit in
     --max-receiving-bytes). With none free, a call from a connection in good standing waits for one in its first read,
     up to ``first_read_s`` more (the holder is most often another request nearly arrived), and that wait again while the
-    server is short of CPU (SHORT_OF_CPU_WAITS, CpuShortage); one from a connection in bad standing, or one
-    still waiting then, is refused RESOURCE_EXHAUSTED (its bytes would go on arriving while it waited).
-    One that has not arrived ``timeout_s`` after its read began is refused DEADLINE_EXCEEDED. A refused call puts its
-    connection in bad standing; a request read whole restores it. A stalled sender can hold a turn, and a first read for
-    twice ``first_read_s`` once (longer only while the server is short of CPU); never another caller's small
-    request for longer."""
+    server is short of CPU and no other call waits for a first read (SHORT_OF_CPU_WAITS, CpuShortage); one from a
+    connection in bad standing, or one still waiting then, is refused RESOURCE_EXHAUSTED (its bytes would go on
+    arriving while it waited). One that has not arrived ``timeout_s`` after its read began is refused
+    DEADLINE_EXCEEDED. A refused call puts its connection in bad standing; a request read whole restores it. A stalled
+    sender can hold a turn, and a first read for twice ``first_read_s`` once (longer only while the server is short
+    of CPU and no other call waits for it); never another caller's small request for longer."""
 
     def __init__(
         self,
@@ -188,7 +189,11 @@ class RequestReader:
     def _no_turn_decided(self, reading: _Read) -> None:
         if reading.finished or reading.turn or reading.refusal is not None:
             return
-        if reading.waits_again < SHORT_OF_CPU_WAITS and self._cpu.over(reading.cpu_before_wait, self._first_read_s):
+        if (
+            reading.waits_again < SHORT_OF_CPU_WAITS
+            and not self._first_reads.anyone_waiting  # it holds a first read: no one else's call waits longer for it
+            and self._cpu.over(reading.cpu_before_wait, self._first_read_s)
+        ):
             reading.waits_again += 1  # the server was short of CPU: the wait says nothing of the sender
             self._wait_for_turn(reading)
             return
@@ -329,6 +334,11 @@ class FirstReads:
             else:
                 self._waiting[suspect].remove(entry)
             raise
+
+    @property
+    def anyone_waiting(self) -> bool:
+        """Whether any call waits for a first read."""
+        return bool(self._waiting[False] or self._waiting[True])
 
     def release(self, connection: str) -> None:
         self._free += 1

@@ -348,6 +348,36 @@ def test_a_request_waiting_for_a_turn_while_the_server_is_short_of_cpu_is_given_
     asyncio.run(scenario())
 
 
+def test_a_request_short_of_cpu_is_not_given_its_wait_again_while_another_call_waits_for_its_first_read():
+    """Stalled senders queued for the first read on a loaded host: the one holding it waits its time for the turn once
+    and is refused, as on a quiet host, so that each call behind it is not held eight waits longer."""
+
+    async def scenario():
+        short = AlwaysShortOfCpu()
+        turns = ReceivingTurns(receiving_bytes=3, receive_limit=1, hold_s=60)
+        reader = RequestReader(turns, receive_limit=1, timeout_s=5, first_read_s=0.02, cpu=short)
+        holder = asyncio.create_task(reader.read(Context("ipv4:127.0.0.1:1")))  # never sent: takes the turn
+        while turns.free:
+            await asyncio.sleep(0.005)
+        stalled = Context("ipv4:127.0.0.1:2")
+        waiting = asyncio.create_task(reader.read(stalled))  # holds the first read, then waits for the turn
+        await asyncio.sleep(0)
+        behind = asyncio.create_task(reader.read(Context("ipv4:127.0.0.1:3")))  # waits for the first read
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with pytest.raises(AlreadyAnswered):
+            await waiting
+        refused_after = loop.time() - started
+        for task in (holder, behind):
+            task.cancel()
+        await asyncio.gather(holder, behind, return_exceptions=True)
+        return stalled.refusal[0], refused_after, short.waits
+
+    code, refused_after, asked = asyncio.run(scenario())
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and asked == 0
+    assert refused_after < 0.15  # its busy first read (10 ms) and one wait (20 ms), not nine
+
+
 def test_a_request_short_of_cpu_past_its_waits_again_is_refused():
     """Short of CPU for good, the holder never arriving: the wait is given again SHORT_OF_CPU_WAITS times, no more."""
 
