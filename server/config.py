@@ -444,7 +444,8 @@ class LifecycleSettings(Section):
     drain_seconds: float = setting(
         1.0,
         "on SIGTERM/SIGINT, keep the port open this long, refusing new calls with UNAVAILABLE (retryable), before"
-        " closing it",
+        " closing it (0: at once, and calls that reached gRPC but not yet a handler end CANCELLED, which clients do"
+        " not retry)",
         rule=at_least(0),
     )
     grace_seconds: float = setting(10.0, "on SIGTERM/SIGINT, time for in-flight requests to finish", rule=at_least(0))
