@@ -14,7 +14,7 @@ nv_inference_pending_request_count   mhaserve_inference_pending_request_count (q
 (refused credentials)                mhaserve_unauthenticated_request_total
 
 Durations are in seconds, Prometheus' base unit, rather than Triton's microsecond counters. A request's figures
-are plain numbers added to on the event loop and turned into families when scraped (``_RequestCollector``).
+are plain numbers added to on the event loop and turned into families when scraped (``_ScrapedFigures``).
 """
 
 from __future__ import annotations
@@ -57,13 +57,12 @@ class Metrics:
         )
         self._sequences = None  # the data plane's Sequences, once watched
         self.sequence_step_runs = 0  # runs of step graphs, each of one or more sequences' steps
-        # Requests by (model, version, status, protocol): those of requests that named no served model, and of
-        # versions since unloaded (dropped by forget() with the version's own figures).
+        # Requests by (model, version, status, protocol), model and version empty for a request that named no served
+        # model; forget() drops an unloaded version's.
         self._requests: dict[tuple[str, str, str, str], _Counted] = {}
         self._queue_depths: dict[tuple[str, str], Callable[[], int]] = {}
         self._models: dict[tuple[str, str], ModelMetrics] = {}
-        self.registry.register(_RequestCollector(self))
-        self.registry.register(_SequenceCollector(self))
+        self.registry.register(_ScrapedFigures(self))
 
     def watch_sequences(self, sequences) -> None:
         self._sequences = sequences
@@ -102,7 +101,7 @@ class Metrics:
 class ModelMetrics:
     """One served version's figures: plain numbers added to on the event loop, with no lock (prometheus_client's
     children took one per increment, 13 a request, and scanned the buckets in Python: 8.4 us a request against
-    1.5 here), read by ``_RequestCollector`` when scraped."""
+    1.5 here), read by ``_ScrapedFigures`` when scraped."""
 
     def __init__(self, metrics: Metrics, model: str, version: str):
         self._metrics = metrics
@@ -181,8 +180,9 @@ HISTOGRAMS = (
 )  # fmt: skip
 
 
-class _RequestCollector:
-    """The requests' and runs' families, from the versions' figures when scraped."""
+class _ScrapedFigures:
+    """The families made of the server's own figures when scraped: the requests and runs of each version, and the
+    live sequences."""
 
     def __init__(self, metrics: Metrics):
         self._metrics = metrics
@@ -191,6 +191,10 @@ class _RequestCollector:
         return self.collect()
 
     def collect(self):
+        yield from self._requests_and_runs()
+        yield from self._sequences()
+
+    def _requests_and_runs(self):
         metrics = self._metrics
         models = list(metrics._models.items())
         requests = CounterMetricFamily(
@@ -225,17 +229,8 @@ class _RequestCollector:
             pending.add_metric(labels, depth())
         yield pending
 
-
-class _SequenceCollector:
-    """The live sequences, read when scraped: how many, their cache's bytes, steps, and ends by timeout."""
-
-    def __init__(self, metrics: Metrics):
-        self._metrics = metrics
-
-    def describe(self):
-        return self.collect()
-
-    def collect(self):
+    def _sequences(self):
+        """How many live, their cache's bytes, steps, and ends by timeout."""
         sequences = self._metrics._sequences
         live, cache = (len(sequences.live), sequences.cache_bytes) if sequences is not None else (0, 0)
         steps, timed_out = (sequences.steps_total, sequences.timed_out_total) if sequences is not None else (0, 0)
