@@ -300,7 +300,7 @@ class Server:
         self._draining_since = time.monotonic()
         log.info("shutting down: NOT_SERVING, refusing new requests, %.1f s for in-flight ones", settings.grace_seconds)
         self._cancel_tasks()
-        self.dataplane.draining = True
+        self.dataplane.drain(settings.drain_seconds)
         await self._health.enter_graceful_shutdown()
         await asyncio.sleep(settings.drain_seconds)
         await asyncio.gather(self._grpc.stop(settings.grace_seconds), _stop_runner(self._http_runner))

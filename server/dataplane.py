@@ -60,10 +60,18 @@ def _pausing_after(function, *args):
             time.sleep(held * PAUSE_AFTER_LONG_HOLD)
 
 
+# How long after its port closes a draining server's refusal says to retry: a retry sent while the port is still
+# open is refused again, and one that reaches gRPC as the port closes is cut off CANCELLED, which clients do not
+# retry; sent once the port has closed, it finds the connection refused (or another server), UNAVAILABLE.
+RETRY_PAST_CLOSE_S = 1.0
+
+
 class ShuttingDown(RequestError):
-    def __init__(self):
+    def __init__(self, retry_after_s: float | None = None):
         super().__init__(
-            ErrorKind.UNAVAILABLE, "the server is shutting down and takes no new requests; retry elsewhere"
+            ErrorKind.UNAVAILABLE,
+            "the server is shutting down and takes no new requests; retry elsewhere",
+            retry_after_s,
         )
 
 
@@ -84,6 +92,7 @@ class DataPlane:
         self.metrics = Metrics(lambda: budget.held, budget.limit)
         self.started = False  # the models of start-up are loaded (or failed): ServerReady may say yes
         self.draining = False  # shutting down: in-flight requests finish, ready RPCs say no
+        self._port_closes_at: float | None = None  # while draining, when the ports close (time.monotonic())
         # One budget and one set of inference workers for every served version: the memory and the cores
         # are the process's, however many models share them.
         self._executor = lowered_pool(settings.inference_workers, "infer", settings.inference_nice, worker_board())
@@ -189,8 +198,7 @@ class DataPlane:
                 log.exception("polling the model repository failed; trying again next time")
 
     def check_control_allowed(self, action: str) -> None:
-        if self.draining:
-            raise ShuttingDown()
+        self._refuse_while_draining()
         if self.registry.repository is not None and self.settings.model_control_mode == "explicit":
             return
         mode = self.settings.model_control_mode if self.registry.repository is not None else "none (one folder)"
@@ -223,6 +231,17 @@ class DataPlane:
 
     # -- requests ----------------------------------------------------------------------------------------
 
+    def drain(self, port_open_s: float) -> None:
+        """From now on new requests are refused UNAVAILABLE, told to come back once the ports have closed
+        (``port_open_s`` from now); requests in flight finish."""
+        self.draining = True
+        self._port_closes_at = time.monotonic() + port_open_s
+
+    def _refuse_while_draining(self) -> None:
+        if self.draining:
+            closes_in = None if self._port_closes_at is None else self._port_closes_at - time.monotonic()
+            raise ShuttingDown(None if closes_in is None else max(0.0, closes_in) + RETRY_PAST_CLOSE_S)
+
     @property
     def reports_ready(self) -> bool:
         """What ServerReady and health say: start-up's models loaded and not draining."""
@@ -230,16 +249,14 @@ class DataPlane:
 
     def resolve(self, name: str, version: str) -> ServedModel:
         """The served version a request names (RequestError: unknown, loading, unloading, shutting down)."""
-        if self.draining:
-            raise ShuttingDown()
+        self._refuse_while_draining()
         return self.registry.resolve(name, version)
 
     def served_for(self, request: InferenceRequest, caller: str) -> ServedModel:
         """The served version an inference request goes to: a step of a live sequence to the version the sequence
         started on, whether or not that version still takes new requests (an unloaded or replaced version serves
         its sequences to their end); any other request to the version it names."""
-        if self.draining:
-            raise ShuttingDown()
+        self._refuse_while_draining()
         try:
             step = request.sequence_step
         except RequestError:  # refused by the request's own check, once it has a version

@@ -45,12 +45,15 @@ MESSAGE_AT_MOST = 2000  # characters; parameters.quoted keeps a client's values 
 class RequestError(Exception):
     """A request this server refuses: its kind and a message naming what was expected and what came."""
 
-    def __init__(self, kind: ErrorKind, message: str):
+    def __init__(self, kind: ErrorKind, message: str, retry_after_s: float | None = None):
         if len(message) > MESSAGE_AT_MOST:  # it travels in gRPC trailers, whose size is limited
             message = f"{message[: MESSAGE_AT_MOST - 40]}... ({len(message)} characters in all)"
         super().__init__(message)
         self.kind = kind
         self.message = message
+        # When a retry may succeed, where this server knows (a drain: once its port has closed): gRPC's retry
+        # pushback, HTTP's Retry-After.
+        self.retry_after_s = retry_after_s
 
 
 def invalid(message: str) -> RequestError:

@@ -98,13 +98,29 @@ class RetryPolicy:
 
     def next_wait(self, error: grpc.RpcError, attempt: int, deadline: float | None) -> float | None:
         """Seconds to wait before sending again after ``attempt`` (1 for the first) failed with ``error``; None:
-        do not, the error stands."""
+        do not, the error stands. A server's retry pushback (a draining server's: once its port has closed)
+        replaces the backoff, and a negative one says not to retry, as in gRPC's own retries."""
         if attempt >= self.max_attempts or error.code().name not in self.retryable:
             return None
-        wait = self.backoff_s(attempt - 1)
+        pushback = _pushback_s(error)
+        if pushback is not None and pushback < 0:
+            return None
+        wait = self.backoff_s(attempt - 1) if pushback is None else pushback
         if deadline is not None and time.monotonic() + wait >= deadline:
             return None
         return wait
+
+
+def _pushback_s(error: grpc.RpcError) -> float | None:
+    """The call's ``grpc-retry-pushback-ms`` trailer in seconds (negative: do not retry), or None."""
+    trailers = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
+    for key, value in trailers or ():
+        if key == "grpc-retry-pushback-ms":
+            try:
+                return int(value) / 1000
+            except ValueError:  # gRPC reads a pushback it cannot parse as "do not retry"
+                return -1.0
+    return None
 
 
 DEFAULT_RETRY = RetryPolicy()
@@ -118,6 +134,7 @@ class GrpcRequestFailed(RequestFailed, grpc.RpcError):
     def __init__(self, error: grpc.RpcError):
         super().__init__(f"{error.code().name}: {error.details()}")
         self._code, self._details = error.code(), error.details() or ""
+        self._trailing_metadata = error.trailing_metadata() if hasattr(error, "trailing_metadata") else ()
         self.status_name, self.message = self._code.name, self._details
 
     def code(self) -> grpc.StatusCode:
@@ -125,6 +142,9 @@ class GrpcRequestFailed(RequestFailed, grpc.RpcError):
 
     def details(self) -> str:
         return self._details
+
+    def trailing_metadata(self):
+        return self._trailing_metadata
 
 
 class AsyncRequestFailed(RequestFailed, grpc.aio.AioRpcError):

@@ -15,7 +15,7 @@ from mhaserve.protos.generated import grpc_service_pb2 as pb
 
 from ..dataplane import InferenceCall
 from ..errors import ErrorKind, RequestError
-from .receipt import GRPC_STATUS, AlreadyAnswered, ReceivingTurns, RequestReader, StreamEnded, StreamIdle, StreamSlots
+from .receipt import AlreadyAnswered, ReceivingTurns, RequestReader, StreamEnded, StreamIdle, StreamSlots, abort_refused
 from .servicer import InferenceServicer, forget_locals
 
 # What a received request of n bytes takes until it is decoded: its bytes, then the parsed message and the
@@ -62,7 +62,7 @@ def _reading_unary(behavior, request_class, off_loop_if_large, reader: RequestRe
                     finally:
                         arrivals.requests_being_read -= 1
             except RequestError as error:
-                await context.abort(GRPC_STATUS[error.kind], error.message)
+                await abort_refused(context, error)
             except AlreadyAnswered:
                 return None
             if arrivals is not None:  # parsed in the call, once counted

@@ -25,6 +25,15 @@ from ..errors import ErrorKind, RequestError
 GRPC_STATUS = {kind: grpc.StatusCode[kind.name] for kind in ErrorKind}
 
 
+async def abort_refused(context, refusal: RequestError) -> None:
+    """End the call with the refusal's status and message, and where it says when to retry, gRPC's retry pushback
+    (honoured by gRPC's own retries and by mhaserve's client)."""
+    trailers = ()
+    if refusal.retry_after_s is not None:
+        trailers = (("grpc-retry-pushback-ms", str(round(refusal.retry_after_s * 1000))),)
+    await context.abort(GRPC_STATUS[refusal.kind], refusal.message, trailers)
+
+
 # Requests in their first read at once (RequestReader). On loopback a whole message arrives within a first read, so
 # each one at once may add a message to what receipt holds; one, fairly shared (FirstReads), keeps small requests
 # unheld behind 16 stalled senders (BENCHMARKS.md, "Stalled senders").
@@ -271,7 +280,7 @@ class AlreadyAnswered(Exception):
 
 async def _answer_with(context, refusal: RequestError) -> None:
     try:
-        await context.abort(GRPC_STATUS[refusal.kind], refusal.message)
+        await abort_refused(context, refusal)
     except BaseException:  # grpc.aio raises to end the handler that aborts; this is not the handler
         pass
 

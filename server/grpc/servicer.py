@@ -19,7 +19,7 @@ from ..dataplane import DataPlane, InferenceCall
 from ..errors import ErrorKind, RequestError
 from ..security import Callers
 from .protobuf import decode_grpc_request, encode_grpc_response, grpc_decodes_slowly
-from .receipt import GRPC_STATUS
+from .receipt import abort_refused
 
 log = logging.getLogger("mhaserve.server")
 
@@ -30,7 +30,7 @@ SHARED_MEMORY_RPCS = (
 
 
 def answering_errors(method):
-    """A servicer method whose RequestErrors become the call's gRPC status (GRPC_STATUS): the one place the
+    """A servicer method whose RequestErrors become the call's gRPC status (abort_refused): the one place the
     gRPC transport maps the data plane's refusals."""
 
     @functools.wraps(method)
@@ -38,7 +38,7 @@ def answering_errors(method):
         try:
             return await method(self, request, context)
         except RequestError as error:
-            await context.abort(GRPC_STATUS[error.kind], error.message)
+            await abort_refused(context, error)
 
     return answer
 

@@ -27,7 +27,8 @@ from ..config import ServerSettings
 from ..cores import usable_cores
 from ..dataplane import DataPlane
 from ..errors import RequestError
-from ..grpc.servicer import GRPC_STATUS, ProtocolAnswers, infer_grpc, streamed_refusal
+from ..grpc.receipt import GRPC_STATUS
+from ..grpc.servicer import ProtocolAnswers, infer_grpc, streamed_refusal
 from .proxy import SERVICER_FUNCTION
 
 log = logging.getLogger("mhaserve.server")

@@ -7,6 +7,7 @@ its RequestError kinds as HTTP statuses, with the gRPC status's message text in 
 from __future__ import annotations
 
 import logging
+import math
 
 import orjson
 import swagger_ui_bundle
@@ -23,7 +24,7 @@ from .codec import HEADER_LENGTH, header_length_of, infer_rest
 
 log = logging.getLogger("mhaserve.server")
 
-RETRY_AFTER_S = "1"  # 429 and 503: the queue, the memory budget or a drain; worth retrying shortly
+RETRY_AFTER_S = 1  # 429 and 503: the queue, the memory budget or loading; worth retrying shortly
 OPEN_PATHS = ("/v2/health/live", "/v2/health/ready")  # probes need no token, as grpc.health.v1
 API_PAGE = """<!doctype html>
 <html><head><meta charset="utf-8"><title>mhaserve REST API</title>
@@ -33,8 +34,11 @@ API_PAGE = """<!doctype html>
 """
 
 
-def error_response(status: int, message: str) -> web.Response:
-    headers = {"Retry-After": RETRY_AFTER_S} if status in (429, 503) else None
+def error_response(status: int, message: str, retry_after_s: float | None = None) -> web.Response:
+    """``retry_after_s``: when the refusal says a retry may succeed (a drain: once the port has closed)."""
+    headers = None
+    if status in (429, 503):
+        headers = {"Retry-After": str(RETRY_AFTER_S if retry_after_s is None else math.ceil(retry_after_s))}
     if status == 401:
         headers = {"WWW-Authenticate": "Bearer"}
     return web.Response(
@@ -97,7 +101,8 @@ class RestTransport:
         try:
             return await handler(request)
         except RequestError as error:
-            return error_response(getattr(error, "http_status", HTTP_STATUS[error.kind]), error.message)
+            status = getattr(error, "http_status", HTTP_STATUS[error.kind])
+            return error_response(status, error.message, error.retry_after_s)
         except web.HTTPException as error:
             if error.status < 400:
                 raise

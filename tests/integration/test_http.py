@@ -374,7 +374,7 @@ def test_sigterm_drains_http_like_grpc_nothing_accepted_is_lost(start_server_pro
             results = [c.result(120) for c in calls]
         assert [status for status, _, _ in results] == [200] * len(queries)
         assert ready_status == 503
-        assert late_status == 503 and late_headers["Retry-After"] == "1"
+        assert late_status == 503 and 2 <= int(late_headers["Retry-After"]) <= 3  # once the port has closed
         assert "shutting down" in json.loads(late_body)["error"]
         assert server.wait_exit(60) == 0
         assert f"inference calls by status: OK {len(queries)}, UNAVAILABLE 1; 0 in flight at exit" in server.log

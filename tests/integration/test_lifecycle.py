@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -92,7 +95,9 @@ def test_sigterm_under_load_answers_every_accepted_request(start_server_process,
     # receipt and runs go relative to each other depends on the machine's load; waiting for every call to arrive
     # first, on a loaded machine the runs kept up and nothing queued).
     # The default drain, as a user's server has it (test servers close at once): without it, on a loaded host, calls
-    # sent before the signal but not yet taken from gRPC by the busy event loop were cut off CANCELLED.
+    # sent before the signal but not yet taken from gRPC by the busy event loop were cut off CANCELLED. The client
+    # retries what the drain refuses, after the port has closed as the refusal says (a retry sent as it closed was
+    # cut off too).
     args = ("--max-batch-size", "16", "--max-q-len", "512", "--grace-seconds", "30", "--warmup-runs", "0",
             "--inference-workers", "1", "--drain-seconds", "1")  # fmt: skip
     server = start_server_process(small_model_dir, *args)
@@ -156,6 +161,47 @@ def test_sigterm_under_load_answers_every_accepted_request(start_server_process,
         with Client(server.url) as client, pytest.raises(grpc.RpcError) as error:
             client.infer(queries[0], timeout=2)
         assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        server.stop()
+
+
+def test_a_call_refused_by_a_draining_server_is_retried_only_once_its_port_has_closed(
+    start_server_process, small_model_dir
+):
+    # A retry sent while the port is still open is refused again, and one that reaches gRPC as the port closes is
+    # cut off CANCELLED, which no client retries. The refusal says when to come back: once the port has closed.
+    drain_s = 3.0
+    server = start_server_process(small_model_dir, "--drain-seconds", str(drain_s), "--warmup-runs", "0")
+    x = np.zeros((1, 4, D), dtype=np.float32)
+    try:
+        with Client(server.url) as client, Client(server.url, retry=NO_RETRIES) as once:
+            client.infer(x)
+            server.signal()
+            health = health_pb2_grpc.HealthStub(once._channel)
+            while health.Check(health_pb2.HealthCheckRequest(), timeout=5).status != NOT_SERVING:
+                time.sleep(0.01)
+            refused_at = time.monotonic()
+
+            with pytest.raises(grpc.RpcError) as error:
+                once.infer(x, timeout=5)
+            assert error.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in error.value.details()
+            pushback_ms = int(dict(error.value.trailing_metadata())["grpc-retry-pushback-ms"])
+            assert 1000 < pushback_ms <= (drain_s + 1) * 1000
+
+            body = {"inputs": [{"name": "query", "shape": [1, 1, D], "datatype": "FP32", "data": [0.0] * D}]}
+            request = urllib.request.Request(server.http_url + "/v2/models/mha/infer", json.dumps(body).encode())
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(request, timeout=5)
+            assert refused.value.code == 503 and 1 < int(refused.value.headers["Retry-After"]) <= drain_s + 1
+
+            with pytest.raises(grpc.RpcError) as error:  # the default retries: the last finds the port closed
+                client.infer(x, timeout=30)
+            assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert client.retries >= 1 and time.monotonic() - refused_at > drain_s
+        assert server.wait_exit(30) == 0
+        # Each call was refused by the server once: no retry reached it while it drained.
+        stopped = next(line for line in server.log.splitlines() if "stopped: inference calls by status:" in line)
+        assert "inference calls by status: OK 1, UNAVAILABLE 3;" in stopped, stopped
     finally:
         server.stop()
 

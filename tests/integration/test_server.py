@@ -256,7 +256,7 @@ class RecordingContext:
     def peer(self):
         return "ipv4:127.0.0.1:50000"
 
-    async def abort(self, code, details):
+    async def abort(self, code, details="", trailing_metadata=()):  # grpc.aio's signature
         raise Aborted(code, details)
 
     def __init__(self):

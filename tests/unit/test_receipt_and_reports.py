@@ -88,7 +88,7 @@ class Context:
     async def read(self) -> bytes:
         return await self._read
 
-    async def abort(self, code, details):
+    async def abort(self, code, details="", trailing_metadata=()):  # grpc.aio's signature
         self.refusal = (code, details)
         self._read.set_exception(RuntimeError("the call was aborted"))  # as grpc.aio ends a pending read
         raise RuntimeError("aborted")  # and the handler that aborts
