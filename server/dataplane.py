@@ -67,7 +67,7 @@ RETRY_PAST_CLOSE_S = 1.0
 
 
 class ShuttingDown(RequestError):
-    def __init__(self, retry_after_s: float | None = None):
+    def __init__(self, retry_after_s: float):
         super().__init__(
             ErrorKind.UNAVAILABLE,
             "the server is shutting down and takes no new requests; retry elsewhere",
@@ -91,8 +91,7 @@ class DataPlane:
         )
         self.metrics = Metrics(lambda: budget.held, budget.limit)
         self.started = False  # the models of start-up are loaded (or failed): ServerReady may say yes
-        self.draining = False  # shutting down: in-flight requests finish, ready RPCs say no
-        self._port_closes_at: float | None = None  # while draining, when the ports close (time.monotonic())
+        self._port_closes_at: float | None = None  # once draining (drain), when the ports close (time.monotonic())
         # One budget and one set of inference workers for every served version: the memory and the cores
         # are the process's, however many models share them.
         self._executor = lowered_pool(settings.inference_workers, "infer", settings.inference_nice, worker_board())
@@ -234,13 +233,16 @@ class DataPlane:
     def drain(self, port_open_s: float) -> None:
         """From now on new requests are refused UNAVAILABLE, told to come back once the ports have closed
         (``port_open_s`` from now); requests in flight finish."""
-        self.draining = True
         self._port_closes_at = time.monotonic() + port_open_s
 
+    @property
+    def draining(self) -> bool:
+        """Shutting down: in-flight requests finish, ready RPCs say no."""
+        return self._port_closes_at is not None
+
     def _refuse_while_draining(self) -> None:
-        if self.draining:
-            closes_in = None if self._port_closes_at is None else self._port_closes_at - time.monotonic()
-            raise ShuttingDown(None if closes_in is None else max(0.0, closes_in) + RETRY_PAST_CLOSE_S)
+        if self._port_closes_at is not None:
+            raise ShuttingDown(max(0.0, self._port_closes_at - time.monotonic()) + RETRY_PAST_CLOSE_S)
 
     @property
     def reports_ready(self) -> bool:

@@ -113,14 +113,18 @@ class RetryPolicy:
 
 def _pushback_s(error: grpc.RpcError) -> float | None:
     """The call's ``grpc-retry-pushback-ms`` trailer in seconds (negative: do not retry), or None."""
-    trailers = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
-    for key, value in trailers or ():
+    for key, value in _trailing_metadata(error):
         if key == "grpc-retry-pushback-ms":
             try:
                 return int(value) / 1000
             except ValueError:  # gRPC reads a pushback it cannot parse as "do not retry"
                 return -1.0
     return None
+
+
+def _trailing_metadata(error: grpc.RpcError):
+    """The call's trailers: () for an error that carries none (a grpc.RpcError need not be a call)."""
+    return (error.trailing_metadata() if hasattr(error, "trailing_metadata") else None) or ()
 
 
 DEFAULT_RETRY = RetryPolicy()
@@ -134,7 +138,7 @@ class GrpcRequestFailed(RequestFailed, grpc.RpcError):
     def __init__(self, error: grpc.RpcError):
         super().__init__(f"{error.code().name}: {error.details()}")
         self._code, self._details = error.code(), error.details() or ""
-        self._trailing_metadata = error.trailing_metadata() if hasattr(error, "trailing_metadata") else ()
+        self._trailing_metadata = _trailing_metadata(error)
         self.status_name, self.message = self._code.name, self._details
 
     def code(self) -> grpc.StatusCode:

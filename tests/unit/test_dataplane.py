@@ -143,7 +143,7 @@ def test_shared_memory_is_refused_to_a_caller_not_on_this_host(small_model_dir):
 
 def test_a_draining_data_plane_refuses_new_calls_as_retryable(small_model_dir):
     async def scenario(dataplane):
-        dataplane.draining = True
+        dataplane.drain(port_open_s=1.0)
         with pytest.raises(RequestError) as refused:
             await infer(dataplane, request_of(rand(1, 3, SMALL_D_MODEL)))
         return refused.value, dataplane.reports_ready
