@@ -36,8 +36,10 @@ FAST_RECONNECT = [("grpc.initial_reconnect_backoff_ms", 10), ("grpc.min_reconnec
 
 def test_health_is_not_serving_until_warm_then_serving(start_server_process, small_model_dir):
     port = free_port()
-    # ~4000 warm-up runs keep the model loading for about a second: long enough to watch.
-    process = start_server_process(small_model_dir, "--warmup-runs", "4000", port=port, wait=False)
+    # 200 warm-up runs at each of three shapes keep the model loading for about a second on a slow 2-core machine:
+    # long enough to watch (tens of polls), short enough to end well within the deadline on a busy machine, which
+    # slows loading many times over (4000 runs took 8 s alone and over a minute beside the rest of the suite).
+    process = start_server_process(small_model_dir, "--warmup-runs", "200", port=port, wait=False)
     observed = []  # (health status, ServerReady) pairs, in order
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}", options=FAST_RECONNECT) as channel:
