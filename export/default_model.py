@@ -5,21 +5,17 @@ Torch-free: the export runs in a child process, so a serving process that calls 
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
+from mhaserve.contract.cache import cache_root
 from mhaserve.contract.model_dir import why_not_current
 
 
 def default_model_dir() -> Path:
     """Where ``serve`` keeps the embedded default model: $MHASERVE_CACHE, else the user's cache folder."""
-    root = (
-        os.environ.get("MHASERVE_CACHE")
-        or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mhaserve"
-    )
-    return Path(root) / "models" / "mha-d512-h8-seed0"
+    return cache_root() / "models" / "mha-d512-h8-seed0"
 
 
 def default_model_ready() -> bool:

@@ -283,6 +283,12 @@ class BatchingSettings(Section):
         "split queued requests of different lengths into runs where padding would cost more than another run (a "
         "cost model fitted at warm-up); false: one run padded to the longest",
     )
+    run_cost_cache: bool = setting(
+        True,
+        "keep the cost model that length-aware batching fits at warm-up (seconds of model runs) in the cache "
+        "folder ($MHASERVE_CACHE/run-costs, else the user's cache folder's mhaserve/run-costs), and reuse it at a "
+        "later start of the same graph on the same CPU with the same threads; false: fit at every start",
+    )
     max_queue_delay_us: int = setting(
         0,
         "how long a partial batch may wait for more requests (0 = run at once when a worker is free; batches "

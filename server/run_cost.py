@@ -18,11 +18,25 @@ into many small runs that serve fewer requests per second than one padded run (B
 
 from __future__ import annotations
 
+import datetime
+import hashlib
+import json
+import logging
+import os
+import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from pathlib import Path
 
 import numpy as np
+import onnxruntime as ort
+
+from mhaserve.contract.cpu import cpu_signature
+
+from .cores import usable_cores
+
+log = logging.getLogger("mhaserve.server")
 
 # (rows, Lq, Lk) of the runs timed at warm-up, lengths capped at the served limits. Self-attention alone ties
 # the token and pair counts together (pairs = L x tokens / 2), so noise traded one price for the other (0 to
@@ -51,6 +65,11 @@ def multiply_adds(rows: int, q_len: int, kv_len: int, d_model: int) -> int:
     return rows * d_model * (2 * (q_len + kv_len) * d_model + 2 * q_len * kv_len)
 
 
+def fit_shapes(max_rows: int, max_q_len: int, max_kv_len: int) -> list[tuple[int, int, int]]:
+    """The (rows, Lq, Lk) a fit times: FIT_SHAPES within the served limits."""
+    return sorted({(min(r, max_rows), min(lq, max_q_len), min(lk, max_kv_len)) for r, lq, lk in FIT_SHAPES})
+
+
 @dataclass(frozen=True)
 class RunCost:
     overhead_s: float
@@ -67,10 +86,9 @@ class RunCost:
         )
 
     @classmethod
-    def fit(cls, run: Callable[[int, int, int], None], max_rows: int, max_q_len: int, max_kv_len: int) -> RunCost:
-        """The process's CPU time per ``run(rows, q_len, kv_len)`` at FIT_SHAPES, each run followed by
+    def fit(cls, run: Callable[[int, int, int], None], shapes: list[tuple[int, int, int]]) -> RunCost:
+        """The process's CPU time per ``run(rows, q_len, kv_len)`` at ``shapes`` (fit_shapes), each run followed by
         GAP_BETWEEN_RUNS_S, and the three prices fitted to it (call it with the process otherwise idle)."""
-        shapes = sorted({(min(r, max_rows), min(lq, max_q_len), min(lk, max_kv_len)) for r, lq, lk in FIT_SHAPES})
         features, seconds = [], []
         for rows, q_len, kv_len in shapes:
             run(rows, q_len, kv_len)  # the first run at a shape pays for ONNX Runtime's set-up, not the shape
@@ -98,6 +116,9 @@ class RunCost:
         for index, price in zip(active, solution, strict=True):
             prices[index] = max(0.0, float(price))
         return cls(*prices)
+
+
+PRICES = tuple(f.name for f in fields(RunCost))
 
 
 def plan_runs(shapes: list[tuple[int, int, int]], cost: RunCost, max_rows: int | None = None) -> list[list[int]]:
@@ -128,3 +149,54 @@ def plan_runs(shapes: list[tuple[int, int, int]], cost: RunCost, max_rows: int |
         runs.append(order[start:end])
         end = start
     return runs[::-1]
+
+
+class FittedCosts:
+    """Run costs fitted at earlier starts, a JSON file each in ``folder`` (None: none kept), named by a digest of
+    everything the fit depends on: what the caller names (the graph, the shapes timed, the session's threads) and
+    what this module adds (the fit's own constants, ONNX Runtime's version, this machine's CPU and the cores the
+    process may use). A later start of the same (a restart, another worker, each of a tune's candidates) reads the
+    prices rather than spending seconds on the fit again: 285 timed runs, 2.9 s of a 4.6 s start of the default
+    model on a 2-core AMD EPYC (BENCHMARKS.md, "A server's start"). What cannot be read or written is fitted, or
+    fitted again, as if there were no file."""
+
+    def __init__(self, folder: Path | None):
+        self.folder = folder
+
+    def key(self, **facts) -> str:
+        facts |= {
+            "fit": [FIT_SHAPES, FIT_REPEATS, FIT_PASSES, GAP_BETWEEN_RUNS_S],
+            "onnxruntime": ort.__version__,
+            "cpu": cpu_signature(),
+            "cores": usable_cores(),
+        }
+        return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:32]
+
+    def get(self, key: str) -> tuple[RunCost, str] | None:
+        """The prices fitted under ``key`` and when (ISO 8601), or None."""
+        if self.folder is None:
+            return None
+        try:
+            saved = json.loads((self.folder / f"{key}.json").read_text())
+            return RunCost(*(float(saved[name]) for name in PRICES)), str(saved["fitted_at"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def put(self, key: str, cost: RunCost) -> None:
+        if self.folder is None:
+            return
+        path = self.folder / f"{key}.json"
+        saved = {name: getattr(cost, name) for name in PRICES}
+        saved["fitted_at"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        written = None
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            # Written whole, then renamed: workers starting at once each fit and write, and none reads a part.
+            with tempfile.NamedTemporaryFile("w", dir=self.folder, suffix=".tmp", delete=False) as file:
+                written = Path(file.name)
+                json.dump(saved, file)
+            os.replace(written, path)
+        except OSError as error:
+            log.info("run cost model not kept for later starts (%s): the next start fits it again", error)
+            if written is not None:
+                written.unlink(missing_ok=True)

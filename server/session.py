@@ -142,6 +142,7 @@ class AttentionSession:
                 f"re-export it or check it with 'mhaserve validate {model_dir}'"
             )
         path = check_model_file(model_dir, manifest)
+        self.graph_sha256 = manifest["files"]["model_sha256"]  # as check_model_file found the file
         self.intra_op_threads = intra_op_threads or usable_cores()
         self.intra_op_spin_ms = intra_op_spin_ms
         options = _session_options(self.intra_op_threads, inter_op_threads, intra_op_spin_ms)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mhaserve.contract.cache import cache_root
 from mhaserve.contract.signature import GRAPH_OUTPUT_NAMES, ModelSignature
 
 from .batcher import Batcher
@@ -23,7 +24,7 @@ from .memory import MemoryBudget, run_workspace_bytes
 from .metrics import Metrics
 from .model_config import ModelSettings, model_settings
 from .registry import ServedModel
-from .run_cost import RUN_HERE_MAX_MULTIPLY_ADDS, RunCost, multiply_adds
+from .run_cost import RUN_HERE_MAX_MULTIPLY_ADDS, FittedCosts, RunCost, fit_shapes, multiply_adds
 from .runtime import BatchedRuntime
 from .sequences import SequenceRuntime, Sequences, StepRuns
 from .session import CPU, AttentionSession
@@ -58,6 +59,7 @@ class VersionFactory:
         # Loads get their own thread, so that a version loaded under load does not hold the inference
         # workers for its seconds of session creation and warm-up (at the same lowered priority).
         self._loader = lowered_pool(1, "load", settings.inference_nice)
+        self.fitted_costs = FittedCosts(cache_root() / "run-costs" if settings.run_cost_cache else None)
 
     async def load(self, name: str, number: int, model_dir: Path, config_dir: Path) -> ServedModel:
         """Version ``number`` of ``name`` from ``model_dir``, served as ``config_dir``'s config.pbtxt says (the
@@ -171,18 +173,36 @@ class VersionFactory:
         return session, run_cost
 
     def _fit_run_cost(self, session: AttentionSession) -> RunCost:
-        d_model = session.info.d_model
-        rng = np.random.default_rng(0)
-
-        def run(rows: int, q_len: int, kv_len: int) -> None:
-            query = rng.standard_normal((rows, q_len, d_model), dtype=np.float32)
-            kv = query if kv_len == q_len else rng.standard_normal((rows, kv_len, d_model), dtype=np.float32)
-            session.run(GRAPH_OUTPUT_NAMES, query, kv, kv, np.ones((1, 1, 1, kv_len), dtype=bool))
-
+        """The run cost of this session's graph: fitted at an earlier start of the same on this machine, else fitted
+        now (and kept for the next). On the CPU only: a GPU's runs fit in a moment, and its model is not named."""
         limits = self.limits
-        cost = RunCost.fit(run, limits.max_batch_size, limits.max_q_len, limits.max_kv_len)
+        shapes = fit_shapes(limits.max_batch_size, limits.max_q_len, limits.max_kv_len)
+        key, kept = None, None
+        if session.provider == CPU:
+            key = self.fitted_costs.key(
+                graph=session.graph_sha256,
+                shapes=shapes,
+                threads=[session.intra_op_threads, session.alone_threads, session.intra_op_spin_ms],
+            )
+            kept = self.fitted_costs.get(key)
+        if kept is not None:
+            cost, when = kept
+            how = f"fitted at an earlier start on this machine, {when}"
+        else:
+            d_model = session.info.d_model
+            rng = np.random.default_rng(0)
+
+            def run(rows: int, q_len: int, kv_len: int) -> None:
+                query = rng.standard_normal((rows, q_len, d_model), dtype=np.float32)
+                kv = query if kv_len == q_len else rng.standard_normal((rows, kv_len, d_model), dtype=np.float32)
+                session.run(GRAPH_OUTPUT_NAMES, query, kv, kv, np.ones((1, 1, 1, kv_len), dtype=bool))
+
+            cost, how = RunCost.fit(run, shapes), "fitted at warm-up"
+            if key is not None:
+                self.fitted_costs.put(key, cost)
         log.info(
-            "run cost model (CPU per run, fitted at warm-up): %.0f us + %.1f ns per token + %.2f ns per query-key pair",
+            "run cost model (CPU per run, %s): %.0f us + %.1f ns per token + %.2f ns per query-key pair",
+            how,
             cost.overhead_s * 1e6,
             cost.per_token_s * 1e9,
             cost.per_pair_s * 1e9,

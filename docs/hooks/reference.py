@@ -88,10 +88,11 @@ def settings_page() -> str:
 
 # Every environment variable the code reads that is not a setting (tests/unit/test_docs.py finds them in the code).
 OTHER_ENVIRONMENT = [
-    ("MHASERVE_CACHE", "`mhaserve serve` without a model",
-     "where the embedded default model is exported on the first start and kept (in `models/mha-d512-h8-seed0`); "
-     "default `$XDG_CACHE_HOME/mhaserve`, else `~/.cache/mhaserve`"),
-    ("XDG_CACHE_HOME", "`mhaserve serve` without a model", "the user's cache folder, when `MHASERVE_CACHE` is unset"),
+    ("MHASERVE_CACHE", "`mhaserve serve`",
+     "where the embedded default model is exported on the first start and kept (in `models/mha-d512-h8-seed0`), "
+     "and the run costs fitted at warm-up (in `run-costs`, unless `--run-cost-cache false`); default "
+     "`$XDG_CACHE_HOME/mhaserve`, else `~/.cache/mhaserve`"),
+    ("XDG_CACHE_HOME", "`mhaserve serve`", "the user's cache folder, when `MHASERVE_CACHE` is unset"),
     ("MHASERVE_AUTH_TOKEN", "`mhaserve serve`",
      "the bearer token(s) clients must send, as `--auth-token-file` holds them (the file wins where both are set)"),
     ("MHASERVE_TOKEN", "`mhaserve infer`, `bench`, the Python clients",

@@ -61,3 +61,22 @@ def int8_support(cpuinfo: str | Path = "/proc/cpuinfo") -> Int8Support:
             "Runtime's int8 products saturate; serve a float32 export here",
         )
     return Int8Support(True, "int8: this CPU has no 8-bit dot-product instructions; int8 may be slower than float32")
+
+
+def cpu_signature(cpuinfo: str | Path = "/proc/cpuinfo") -> dict[str, str]:
+    """What names this machine's kind of CPU, for figures measured on it: the first processor's vendor, family,
+    model, stepping and model name, and its flags (under a hypervisor the model name alone may be as vague as
+    "AMD EPYC" for CPUs years apart); the architecture alone where /proc/cpuinfo cannot be read."""
+    signature = {"machine": platform.machine()}
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return signature
+    for line in text.split("\n\n", 1)[0].splitlines():
+        name, _, value = line.partition(":")
+        name = name.strip()
+        if name in ("vendor_id", "cpu family", "model", "stepping", "model name", "CPU implementer", "CPU part"):
+            signature[name] = value.strip()
+        elif name in ("flags", "Features"):
+            signature["flags"] = " ".join(sorted(value.split()))
+    return signature

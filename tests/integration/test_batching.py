@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from mhaserve.client.grpc import AsyncClient, Client
+from mhaserve.server.cores import usable_cores
 from tests.support import SMALL_D_MODEL, eager, rand, scrape
 from tests.support.requests import infer_concurrently, merged_when_all_queued, mixed_requests
 
@@ -165,3 +166,25 @@ def test_padding_share_is_a_metric_and_the_flag_keeps_one_padded_run(start_serve
     assert runs["false"][0] == 1 and runs["false"][1] > 0.4
     # On: the server's fitted cost model decides; whatever it chose, no run is padded more than the single one.
     assert runs["true"][0] >= 1 and runs["true"][1] / runs["true"][0] <= runs["false"][1] + 1e-9
+
+
+def test_a_later_start_of_the_same_graph_reuses_the_fitted_run_cost_unless_told_not_to(
+    start_server, small_model_dir, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("MHASERVE_CACHE", str(tmp_path))
+
+    def started(*flags) -> str:
+        server = start_server(small_model_dir, "--warmup-runs", "1", *flags)
+        server.stop()
+        return next(line for line in server.log.splitlines() if "run cost model" in line).split("run cost model ")[1]
+
+    first = started()
+    assert first.startswith("(CPU per run, fitted at warm-up)")
+    assert len(list((tmp_path / "run-costs").glob("*.json"))) == 1
+    again = started()
+    assert again.startswith("(CPU per run, fitted at an earlier start on this machine, 20")
+    assert again.split("): ")[1] == first.split("): ")[1]  # the same prices
+    # other threads make other runs, and the flag asks for a fit at every start
+    assert started("--intra-op-threads", str(usable_cores() + 1)).startswith("(CPU per run, fitted at warm-up)")
+    assert started("--run-cost-cache", "false").startswith("(CPU per run, fitted at warm-up)")
+    assert len(list((tmp_path / "run-costs").glob("*.json"))) == 2

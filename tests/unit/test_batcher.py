@@ -80,6 +80,38 @@ def test_cost_fit_recovers_known_prices_and_never_goes_negative():
     assert min(fitted.overhead_s, fitted.per_token_s, fitted.per_pair_s) >= 0
 
 
+def test_a_fitted_cost_is_kept_under_what_it_depends_on_and_anything_unreadable_is_fitted_again(tmp_path, caplog):
+    from mhaserve.server.run_cost import FittedCosts, RunCost
+
+    kept = FittedCosts(tmp_path / "run-costs")
+    cost = RunCost(2.1e-3, 5.5e-8, 2.5e-11)
+    key = kept.key(graph="ab12", shapes=[(1, 8, 8)], threads=[2, 0, -1.0])
+    assert kept.get(key) is None  # nothing fitted yet
+    kept.put(key, cost)
+    got, fitted_at = kept.get(key)
+    assert got == cost and fitted_at.startswith("20")
+    # another graph, other shapes or other threads: another fit
+    assert key != kept.key(graph="cd34", shapes=[(1, 8, 8)], threads=[2, 0, -1.0])
+    assert key != kept.key(graph="ab12", shapes=[(1, 8, 4)], threads=[2, 0, -1.0])
+    assert key != kept.key(graph="ab12", shapes=[(1, 8, 8)], threads=[1, 0, -1.0])
+    assert FittedCosts(tmp_path / "elsewhere").get(key) is None
+    # a file cut short or of another layout is read as none, and fitted again over
+    (tmp_path / "run-costs" / f"{key}.json").write_text('{"overhead_s": 0.002')
+    assert kept.get(key) is None
+    (tmp_path / "run-costs" / f"{key}.json").write_text('{"overhead_s": "x", "fitted_at": "today"}')
+    assert kept.get(key) is None
+    kept.put(key, cost)
+    assert kept.get(key)[0] == cost
+    assert [p.name for p in (tmp_path / "run-costs").iterdir()] == [f"{key}.json"]  # no temporary file left
+    # a folder that cannot be written keeps nothing and says so; None keeps nothing at all
+    (tmp_path / "file").write_text("")
+    with caplog.at_level("INFO", logger="mhaserve.server"):
+        FittedCosts(tmp_path / "file" / "run-costs").put(key, cost)
+    assert "not kept for later starts" in caplog.text
+    FittedCosts(None).put(key, cost)
+    assert FittedCosts(None).get(key) is None
+
+
 def queued_then_taken(session, requests, run_cost, max_batch_size=64):
     """The real batcher with one worker, held until every request is queued, then freed: (answers, runs made)."""
     from concurrent.futures import ThreadPoolExecutor
