@@ -22,6 +22,7 @@ import datetime
 import hashlib
 import json
 import logging
+import math
 import os
 import tempfile
 import time
@@ -178,9 +179,13 @@ class FittedCosts:
             return None
         try:
             saved = json.loads((self.folder / f"{key}.json").read_text())
-            return RunCost(*(float(saved[name]) for name in PRICES)), str(saved["fitted_at"])
+            prices = [float(saved[name]) for name in PRICES]
+            fitted_at = str(saved["fitted_at"])
         except (OSError, ValueError, KeyError, TypeError):
             return None
+        if not all(math.isfinite(price) and price >= 0 for price in prices):  # a fit never writes such a price
+            return None
+        return RunCost(*prices), fitted_at
 
     def put(self, key: str, cost: RunCost) -> None:
         if self.folder is None:

@@ -100,6 +100,11 @@ def test_a_fitted_cost_is_kept_under_what_it_depends_on_and_anything_unreadable_
     assert kept.get(key) is None
     (tmp_path / "run-costs" / f"{key}.json").write_text('{"overhead_s": "x", "fitted_at": "today"}')
     assert kept.get(key) is None
+    prices = '"overhead_s": 0.002, "per_token_s": -1e-7, "per_pair_s": 0'
+    (tmp_path / "run-costs" / f"{key}.json").write_text(f'{{{prices}, "fitted_at": "today"}}')
+    assert kept.get(key) is None  # a price no fit makes
+    (tmp_path / "run-costs" / f"{key}.json").write_text(f'{{{prices.replace("-1e-7", "NaN")}, "fitted_at": "x"}}')
+    assert kept.get(key) is None
     kept.put(key, cost)
     assert kept.get(key)[0] == cost
     assert [p.name for p in (tmp_path / "run-costs").iterdir()] == [f"{key}.json"]  # no temporary file left
