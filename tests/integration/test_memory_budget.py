@@ -85,17 +85,11 @@ def test_a_flood_stays_within_the_budget_and_memory_goes_back_when_idle(start_se
     query = rand(8, 256, D, seed=3)  # each answer holds 8 MiB of attention weights; each run ~40 MiB workspace
     server = start_server_process(small_model_dir, *LIMITS, "--max-inflight-bytes", str(budget_mib << 20))
     pid = server.proc.pid
-    with Client(server.url) as client:
-        client.infer(query, timeout=30)  # the first large run sizes ONNX Runtime's arena once
-    budget_once_idle(server)
-    time.sleep(0.5)
-    baseline = rss_mib(pid)
-    reset_peak_rss(pid)
     outcomes: list[str] = []
 
-    def caller():
+    def caller(calls: int):
         with Client(server.url) as client:
-            for _ in range(12):
+            for _ in range(calls):
                 try:
                     answer = client.infer(query, timeout=60)
                     assert answer.attn_weights.shape == (8, 4, 256, 256)
@@ -103,11 +97,23 @@ def test_a_flood_stays_within_the_budget_and_memory_goes_back_when_idle(start_se
                 except grpc.RpcError as error:
                     outcomes.append(error.code().name)
 
-    callers = [threading.Thread(target=caller) for _ in range(16)]
-    for thread in callers:
-        thread.start()
-    for thread in callers:
-        thread.join()
+    def flood(calls: int) -> None:
+        callers = [threading.Thread(target=caller, args=(calls,)) for _ in range(16)]
+        for thread in callers:
+            thread.start()
+        for thread in callers:
+            thread.join()
+
+    # A first, short flood sizes ONNX Runtime's arena and the allocator's pools for 16 answers at a time, once.
+    # Over a baseline taken before any flood, a flood left 4-40 MiB, whether the server had fitted its run cost
+    # (285 runs) or read it from the cache, and the next floods no more; over one taken after it, 3-23 MiB.
+    flood(2)
+    budget_once_idle(server)
+    time.sleep(0.5)
+    warm_outcomes, outcomes[:] = list(outcomes), []
+    baseline = rss_mib(pid)
+    reset_peak_rss(pid)
+    flood(12)
     peak = peak_rss_mib(pid) - baseline
     held_when_idle = budget_once_idle(server)
     time.sleep(0.5)
@@ -116,7 +122,7 @@ def test_a_flood_stays_within_the_budget_and_memory_goes_back_when_idle(start_se
     print(f"\nflood of 192 x [8,256,{D}] with weights, c=16, budget {budget_mib} MiB: {outcomes.count('OK')} OK, "
           f"peak {peak:+.0f} MiB, idle {idle:+.0f} MiB over {baseline:.0f} MiB")  # fmt: skip
     assert set(outcomes) <= {"OK", "RESOURCE_EXHAUSTED"} and outcomes.count("OK") >= 48
-    assert counts["grpc OK"] == outcomes.count("OK") + 1
+    assert counts["grpc OK"] == outcomes.count("OK") + warm_outcomes.count("OK")
     assert peak < budget_mib, f"the flood took {peak:.0f} MiB over baseline under a {budget_mib} MiB budget"
     assert held_when_idle == 0 and idle < 32, f"{idle:.0f} MiB still held once idle"
 
