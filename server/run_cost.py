@@ -106,7 +106,12 @@ class RunCost:
 
     @classmethod
     def from_samples(cls, features: np.ndarray, seconds: np.ndarray) -> RunCost:
-        """Least squares with every price at least zero (a negative one would be noise, not a saving)."""
+        """Least squares of the relative error, with every price at least zero (a negative one would be noise, not
+        a saving). Relative, not absolute: the large shapes' noise (milliseconds) swamped the fixed price (about
+        one), which came out anywhere from 0 to 4.7 ms from one fit to the next on one machine, and at 0 every
+        length became a run of its own; weighted by 1/seconds, 0.96-1.35 ms (BENCHMARKS.md, "A server's start")."""
+        weights = 1.0 / np.maximum(seconds, seconds.max() * 1e-3)
+        features, seconds = features * weights[:, None], seconds * weights
         active = [0, 1, 2]
         while True:
             solution, *_ = np.linalg.lstsq(features[:, active], seconds, rcond=None)

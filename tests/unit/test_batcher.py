@@ -80,6 +80,19 @@ def test_cost_fit_recovers_known_prices_and_never_goes_negative():
     assert min(fitted.overhead_s, fitted.per_token_s, fitted.per_pair_s) >= 0
 
 
+def test_the_fixed_price_of_a_run_survives_the_large_shapes_noise():
+    from mhaserve.server.run_cost import FIT_SHAPES, RunCost
+
+    # A shared machine's noise, a fifth of each timing either way, is milliseconds at the large shapes and
+    # swamped the fixed price when the fit minimised the absolute error (0 to 4.7 ms for a true 1.2 ms).
+    features = np.array([(1.0, r * (lq + lk), r * lq * lk) for r, lq, lk in FIT_SHAPES])
+    truth = np.array([1.2e-3, 6e-5, 3e-8])
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        fitted = RunCost.from_samples(features, features @ truth * rng.uniform(0.8, 1.2, len(features)))
+        assert 0.8e-3 < fitted.overhead_s < 1.6e-3, fitted
+
+
 def test_a_fitted_cost_is_kept_under_what_it_depends_on_and_anything_unreadable_is_fitted_again(tmp_path, caplog):
     from mhaserve.server.run_cost import FittedCosts, RunCost
 
