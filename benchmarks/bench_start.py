@@ -18,6 +18,8 @@ import statistics
 import tempfile
 import time
 
+from bench_batching import logged_run_cost
+
 from mhaserve.export.default_model import ensure_default_model
 from mhaserve.server.process import ServerProcess
 
@@ -27,8 +29,7 @@ def started_in(model_dir, cache: str, *flags: str) -> tuple[float, str]:
     began = time.perf_counter()
     with ServerProcess(model_dir, "--drain-seconds", "0", *flags, env={"MHASERVE_CACHE": cache}) as server:
         seconds = time.perf_counter() - began
-        said = [line.split("run cost model ")[1].strip() for line in server.lines if "run cost model" in line]
-    return seconds, said[0] if said else "none"
+    return seconds, logged_run_cost(server) or "none"
 
 
 def main() -> None:
