@@ -16,30 +16,35 @@ from pathlib import Path
 INT8_DOT_PRODUCT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8", "asimddp", "i8mm")
 
 
-def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> set[str] | None:
-    """The CPU's feature flags, or None where they cannot be read (not Linux)."""
+def first_processor(cpuinfo: str | Path = "/proc/cpuinfo") -> dict[str, str] | None:
+    """The fields the kernel gives for the first processor (the others of a machine are of its kind), or None where
+    they cannot be read (not Linux)."""
     try:
         text = Path(cpuinfo).read_text()
     except OSError:
         return None
-    flags: set[str] = set()
-    for line in text.splitlines():
+    fields: dict[str, str] = {}
+    for line in text.split("\n\n", 1)[0].splitlines():
         name, _, value = line.partition(":")
-        if name.strip() in ("flags", "Features"):  # x86, Arm
-            flags.update(value.split())
-    return flags
+        fields.setdefault(name.strip(), value.strip())
+    return fields
+
+
+def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> set[str] | None:
+    """The CPU's feature flags, or None where they cannot be read (not Linux)."""
+    fields = first_processor(cpuinfo)
+    return None if fields is None else _flags(fields)
+
+
+def _flags(fields: dict[str, str]) -> set[str]:
+    return set(fields.get("flags", fields.get("Features", "")).split())  # x86, Arm
 
 
 def cpu_model(cpuinfo: str | Path = "/proc/cpuinfo") -> str:
     """The CPU's model name as the kernel reports it (x86's "model name"), else the machine's architecture."""
-    try:
-        for line in Path(cpuinfo).read_text().splitlines():
-            name, _, value = line.partition(":")
-            if name.strip() in ("model name", "Model name", "cpu model"):
-                return value.strip()
-    except OSError:
-        pass
-    return platform.machine() or "unknown"
+    fields = first_processor(cpuinfo) or {}
+    names = [fields[name] for name in ("model name", "Model name", "cpu model") if fields.get(name)]
+    return names[0] if names else platform.machine() or "unknown"
 
 
 @dataclass(frozen=True)
@@ -67,16 +72,9 @@ def cpu_signature(cpuinfo: str | Path = "/proc/cpuinfo") -> dict[str, str]:
     """What names this machine's kind of CPU, for figures measured on it: the first processor's vendor, family,
     model, stepping and model name, and its flags (under a hypervisor the model name alone may be as vague as
     "AMD EPYC" for CPUs years apart); the architecture alone where /proc/cpuinfo cannot be read."""
-    signature = {"machine": platform.machine()}
-    try:
-        text = Path(cpuinfo).read_text()
-    except OSError:
-        return signature
-    for line in text.split("\n\n", 1)[0].splitlines():
-        name, _, value = line.partition(":")
-        name = name.strip()
-        if name in ("vendor_id", "cpu family", "model", "stepping", "model name", "CPU implementer", "CPU part"):
-            signature[name] = value.strip()
-        elif name in ("flags", "Features"):
-            signature["flags"] = " ".join(sorted(value.split()))
-    return signature
+    fields = first_processor(cpuinfo)
+    if fields is None:
+        return {"machine": platform.machine()}
+    named = ("vendor_id", "cpu family", "model", "stepping", "model name", "CPU implementer", "CPU part")
+    signature = {"machine": platform.machine()} | {name: fields[name] for name in named if name in fields}
+    return signature | {"flags": " ".join(sorted(_flags(fields)))}

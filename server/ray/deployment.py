@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from pathlib import Path
 
 from ray import serve
@@ -33,6 +34,8 @@ from .proxy import SERVICER_FUNCTION
 
 log = logging.getLogger("mhaserve.server")
 
+# Read by Serve's controller when it starts (ray.serve._private.constants), hence passed in its environment.
+PROXY_READY_TIMEOUT = "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"
 SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
 # The unary RPCs a replica answers with ProtocolAnswers (ModelInfer and ModelStreamInfer are defined on
 # OipReplica). The repository extension is left out: a replica serves the one folder it was deployed with, and
@@ -318,11 +321,20 @@ def deploy(
         proxy_location=ProxyLocation(proxy_location),
         http_options=HTTPOptions(host="0.0.0.0", port=http_port),
         grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[SERVICER_FUNCTION]),
+        controller_options={"runtime_env": {"env_vars": {PROXY_READY_TIMEOUT: proxy_ready_timeout_s()}}},
     )
     # An application with no route prefix is invisible to the proxy: every gRPC call names it instead
     # (metadata 'application: NAME').
     serve.run(replica_deployment(name, model_dir, **replicas), name=name, route_prefix=f"/{name}")
     return name
+
+
+def proxy_ready_timeout_s() -> str:
+    """How long Serve's controller gives a proxy it starts to answer ready before it kills it and starts another:
+    this command's ``RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S`` if set, else 30 s. Serve's own 5 s is shorter than a
+    proxy's start on a busy node (a Python process importing Ray and gRPC), and the first proxy killed fails the
+    deploy that waits on it with ``ActorDiedError: ... killed by ray.kill`` although Serve starts another."""
+    return os.environ.get(PROXY_READY_TIMEOUT, "30")
 
 
 def direct_addresses(name: str) -> list[str]:

@@ -25,7 +25,7 @@ from mhaserve.loadtest.checked_load import rss_mib
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
 from tests.support import SMALL_D_MODEL, SMALL_HEADS, rand
-from tests.support.ray_deploy import ray_deployed
+from tests.support.ray_deploy import cluster_environment, ray_deployed
 
 if importlib.util.find_spec("ray") is None:
     pytest.skip("Ray Serve is not installed (the ray extra; the test extra has it)", allow_module_level=True)
@@ -43,8 +43,11 @@ def cluster(small_model_dir):
 
     started = time.monotonic()
     # The head runs Serve's controller and the one proxy (no CPUs to give replicas); replicas land on workers.
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    workers = [cluster.add_node(num_cpus=2) for _ in range(2)]
+    # Its nodes as on a busy machine, where a proxy starts slower than Serve's ready check allows (5 s by default,
+    # 1 ms here): ray-deploy gives its controller longer, or the first proxy, killed, fails the deploy.
+    with cluster_environment(RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S="0.001"):
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+        workers = [cluster.add_node(num_cpus=2) for _ in range(2)]
     cluster.wait_for_nodes()
     grpc_port, said = ray_deployed(small_model_dir, cluster.address, APP, "--proxy-location", "HeadOnly",
                                    "--min-replicas", "2", "--max-replicas", "2")  # fmt: skip
@@ -104,6 +107,16 @@ def test_replicas_are_spread_over_both_workers_and_answer_tritonclient(cluster, 
         want = session.run(None, {"query": query, "key": key, "value": value, "mask": mask})
         np.testing.assert_array_equal(results[f"{case}_output"], want[0])
         np.testing.assert_array_equal(results[f"{case}_attn_weights"], want[1])
+
+
+def test_a_proxy_slower_to_start_than_serves_ready_check_is_waited_for(cluster):
+    from ray._private.state import actors
+
+    # The fixture's nodes give a proxy 1 ms to start: the first proxy was given longer, and it is the one serving.
+    proxies = [a["State"] for a in actors().values() if a["ActorClassName"] == "ProxyActor"]
+    assert proxies == ["ALIVE"]
+    with Client(cluster.url, application=APP) as client:
+        assert client.ready(timeout=DEADLINE_S)
 
 
 def test_the_project_client_names_the_application_and_gets_the_native_servers_statuses(cluster):

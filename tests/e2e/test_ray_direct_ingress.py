@@ -5,7 +5,6 @@ eager answer with no proxy between them, while the proxy's port still answers.""
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
 
 import numpy as np
@@ -13,7 +12,7 @@ import pytest
 
 from mhaserve.client.grpc import Client
 from tests.support import SMALL_D_MODEL, eager, rand
-from tests.support.ray_deploy import ray_deployed
+from tests.support.ray_deploy import cluster_environment, ray_deployed
 
 if importlib.util.find_spec("ray") is None:
     pytest.skip("Ray Serve is not installed (the ray extra; the test extra has it)", allow_module_level=True)
@@ -25,10 +24,9 @@ APP = "mha"
 def direct_cluster(small_model_dir):
     from ray.cluster_utils import Cluster
 
-    # Read by Serve's controller and replicas as they start: the cluster's processes inherit it from here.
-    before = os.environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS")
-    os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "1"
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    # Read by Serve's controller and replicas as they start.
+    with cluster_environment(RAY_SERVE_ENABLE_DIRECT_INGRESS="1"):
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
     try:
         grpc_port, said = ray_deployed(
             small_model_dir, cluster.address, APP, "--min-replicas", "1", "--max-replicas", "1"
@@ -36,10 +34,6 @@ def direct_cluster(small_model_dir):
         yield grpc_port, said
     finally:
         cluster.shutdown()
-        if before is None:
-            os.environ.pop("RAY_SERVE_ENABLE_DIRECT_INGRESS", None)
-        else:
-            os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = before
 
 
 def test_a_replica_answers_at_its_own_port_the_eager_answer_and_the_proxy_still_answers(direct_cluster, small_module):

@@ -40,3 +40,18 @@ def test_the_cpu_model_is_read_for_the_suites_header(tmp_path):
     path.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 7B13\nflags\t\t: avx2\n")
     assert cpu_model(path) == "AMD EPYC 7B13"
     assert cpu_model(tmp_path / "absent")  # the architecture where there is no cpuinfo
+
+
+def test_the_cpu_signature_names_the_kind_of_cpu_from_its_first_processor(tmp_path):
+    import platform
+
+    from mhaserve.contract.cpu import cpu_signature
+
+    path = tmp_path / "cpuinfo"
+    first = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\n"
+    path.write_text(f"{first}flags\t\t: sse2 avx2 avx512_vnni\n\nprocessor\t: 1\nmodel\t\t: 1\nflags\t\t: sse2\n")
+    assert cpu_signature(path) == {
+        "machine": platform.machine(), "vendor_id": "AuthenticAMD", "cpu family": "25", "model": "17",
+        "model name": "AMD EPYC", "flags": "avx2 avx512_vnni sse2",
+    }  # fmt: skip
+    assert cpu_signature(tmp_path / "absent") == {"machine": platform.machine()}
