@@ -10,8 +10,9 @@ tree. Both serve the embedded default model (512/8) with the same arguments, and
 point is measured on one, then the other, in alternating order from round to round, with `mhaserve bench`'s
 load generator (gRPC, or HTTP/REST with --protocol http; with the attention weights). Per point: requests/s,
 p50 and p99 of each, the cores its clients took (they share the machine with the servers), the server's
-CPU-seconds per 1,000 requests (less noisy than requests/s on a shared machine), and the ratios of the working
-tree's figures to the baseline's, per round and as the median. Not a test: BENCHMARKS.md records the
+CPU-seconds per 1,000 requests (less noisy than requests/s on a shared machine), the rows of each model run (the
+batches the server formed, from its statistics), and the ratios of the working tree's figures to the baseline's, per
+round and as the median. Not a test: BENCHMARKS.md records the
 figures.
 """
 
@@ -26,6 +27,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from mhaserve.client.grpc import Client
 from mhaserve.export.default_model import ensure_default_model
 from mhaserve.loadtest.checked_load import process_cpu_seconds as cpu_seconds
 from mhaserve.loadtest.loadgen import LoadGenerator, Point, Workload, default_processes
@@ -114,10 +116,11 @@ def main() -> None:
 
 
 def compare(baseline: ServerProcess, current: ServerProcess, args) -> None:
-    columns = "req/s p50 p99 client-cores cpu-s/1k"
+    columns = "req/s p50 p99 client-cores cpu-s/1k rows/run"
     print(f"{'point':>16} {'round':>5} | {'baseline ' + columns:>30} | {'current ' + columns:>30} | ratio")
     ratios: dict[tuple[int, int], list[float]] = {}
     cpu_ratios: dict[tuple[int, int], list[float]] = {}
+    rows_seen: dict[tuple[int, int, str], list[float]] = {}
     points = parse_points(args.points)
     for round_number in range(args.rounds):
         order = [("baseline", baseline), ("current", current)]
@@ -130,31 +133,47 @@ def compare(baseline: ServerProcess, current: ServerProcess, args) -> None:
                 if args.rate
                 else Point("closed", concurrency, args.duration, args.warmup)
             )
-            results, cpu = {}, {}
+            results, cpu, rows = {}, {}, {}
             for name, server in order:
                 url = server.url if args.protocol == "grpc" else server.http_url.removeprefix("http://")
                 with LoadGenerator(url, args.processes) as generator:
-                    before = cpu_seconds(server.proc.pid)
+                    before, counted = cpu_seconds(server.proc.pid), rows_and_runs(server)
                     results[name] = generator.measure(workload, point)
                     # the server's CPU over the point (warm-up included), per 1,000 requests measured
                     cpu[name] = (cpu_seconds(server.proc.pid) - before) / max(1, results[name].count) * 1000
+                    rows[name] = rows_per_run(counted, rows_and_runs(server))
+                    rows_seen.setdefault((length, concurrency, name), []).append(rows[name])
             ratio = results["current"].throughput / results["baseline"].throughput
             ratios.setdefault((length, concurrency), []).append(ratio)
             cpu_ratios.setdefault((length, concurrency), []).append(cpu["current"] / cpu["baseline"])
             cells = [
                 f"{r.throughput:8.1f} {r.latency_ms['p50']:6.2f} {r.latency_ms['p99']:7.2f} {r.client_cpu_cores:5.2f} "
-                f"{cpu[name]:6.2f}"
+                f"{cpu[name]:6.2f} {rows[name]:5.2f}"
                 for name, r in (("baseline", results["baseline"]), ("current", results["current"]))
             ]
             label = f"[1,{length:>3},512] c{concurrency:<3}"
             print(f"{label} {round_number + 1:>5} | {cells[0]} | {cells[1]} | {ratio:5.2f}", flush=True)
-    print("\nmedian ratio, current / baseline: requests/s, and the server's CPU-seconds per 1,000 requests:")
+    print("\nmedian ratio, current / baseline: requests/s, and the server's CPU-seconds per 1,000 requests; "
+          "median rows per run, baseline and current:")  # fmt: skip
     for key, values in ratios.items():
         length, concurrency = key
         rounds = ", ".join(f"{v:.2f}" for v in values)
         cpu_rounds = ", ".join(f"{v:.2f}" for v in cpu_ratios[key])
         print(f"[1,{length:>3},512] c{concurrency:<3} {statistics.median(values):.2f} ({rounds}); CPU "
-              f"{statistics.median(cpu_ratios[key]):.2f} ({cpu_rounds})")  # fmt: skip
+              f"{statistics.median(cpu_ratios[key]):.2f} ({cpu_rounds}); rows per run "
+              f"{statistics.median(rows_seen[(*key, 'baseline')]):.2f} and "
+              f"{statistics.median(rows_seen[(*key, 'current')]):.2f}")  # fmt: skip
+
+
+def rows_and_runs(server: ServerProcess) -> tuple[int, int]:
+    """The rows the server has inferred and the model runs it took for them, from its statistics."""
+    with Client(server.url) as client:
+        stats = client.statistics(timeout=10)
+    return stats.inference_count, stats.execution_count
+
+
+def rows_per_run(before: tuple[int, int], after: tuple[int, int]) -> float:
+    return (after[0] - before[0]) / max(1, after[1] - before[1])
 
 
 if __name__ == "__main__":
