@@ -31,6 +31,7 @@ from mhaserve.client.grpc import Client
 from mhaserve.export.default_model import ensure_default_model
 from mhaserve.loadtest.checked_load import process_cpu_seconds as cpu_seconds
 from mhaserve.loadtest.loadgen import LoadGenerator, Point, Workload, default_processes
+from mhaserve.loadtest.server_side import counters_of, split
 from mhaserve.server.process import ServerProcess
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -137,11 +138,11 @@ def compare(baseline: ServerProcess, current: ServerProcess, args) -> None:
             for name, server in order:
                 url = server.url if args.protocol == "grpc" else server.http_url.removeprefix("http://")
                 with LoadGenerator(url, args.processes) as generator:
-                    before, counted = cpu_seconds(server.proc.pid), rows_and_runs(server)
+                    before, counted = cpu_seconds(server.proc.pid), statistics_of(server)
                     results[name] = generator.measure(workload, point)
                     # the server's CPU over the point (warm-up included), per 1,000 requests measured
                     cpu[name] = (cpu_seconds(server.proc.pid) - before) / max(1, results[name].count) * 1000
-                    rows[name] = rows_per_run(counted, rows_and_runs(server))
+                    rows[name] = (split(counted, statistics_of(server), None) or {}).get("rows_per_run") or 0.0
                     rows_seen.setdefault((length, concurrency, name), []).append(rows[name])
             ratio = results["current"].throughput / results["baseline"].throughput
             ratios.setdefault((length, concurrency), []).append(ratio)
@@ -165,15 +166,10 @@ def compare(baseline: ServerProcess, current: ServerProcess, args) -> None:
               f"{statistics.median(rows_seen[(*key, 'current')]):.2f}")  # fmt: skip
 
 
-def rows_and_runs(server: ServerProcess) -> tuple[int, int]:
-    """The rows the server has inferred and the model runs it took for them, from its statistics."""
+def statistics_of(server: ServerProcess) -> dict:
+    """The server's statistics for the default model, as ``mhaserve bench`` reads them for its server side."""
     with Client(server.url) as client:
-        stats = client.statistics(timeout=10)
-    return stats.inference_count, stats.execution_count
-
-
-def rows_per_run(before: tuple[int, int], after: tuple[int, int]) -> float:
-    return (after[0] - before[0]) / max(1, after[1] - before[1])
+        return counters_of(client)()
 
 
 if __name__ == "__main__":
