@@ -25,7 +25,7 @@ from mhaserve.loadtest.checked_load import rss_mib
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
 from tests.support import SMALL_D_MODEL, SMALL_HEADS, rand
-from tests.support.ray_deploy import cluster_environment, ray_deployed
+from tests.support.ray_deploy import ray_deployed
 
 if importlib.util.find_spec("ray") is None:
     pytest.skip("Ray Serve is not installed (the ray extra; the test extra has it)", allow_module_level=True)
@@ -45,7 +45,8 @@ def cluster(small_model_dir):
     # The head runs Serve's controller and the one proxy (no CPUs to give replicas); replicas land on workers.
     # Its nodes as on a busy machine, where a proxy starts slower than Serve's ready check allows (5 s by default,
     # 1 ms here): ray-deploy gives its controller longer, or the first proxy, killed, fails the deploy.
-    with cluster_environment(RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S="0.001"):
+    with pytest.MonkeyPatch.context() as environment:  # the nodes inherit it; ray-deploy, started later, does not
+        environment.setenv("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "0.001")
         cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
         workers = [cluster.add_node(num_cpus=2) for _ in range(2)]
     cluster.wait_for_nodes()

@@ -12,7 +12,7 @@ import pytest
 
 from mhaserve.client.grpc import Client
 from tests.support import SMALL_D_MODEL, eager, rand
-from tests.support.ray_deploy import cluster_environment, ray_deployed
+from tests.support.ray_deploy import ray_deployed
 
 if importlib.util.find_spec("ray") is None:
     pytest.skip("Ray Serve is not installed (the ray extra; the test extra has it)", allow_module_level=True)
@@ -25,7 +25,8 @@ def direct_cluster(small_model_dir):
     from ray.cluster_utils import Cluster
 
     # Read by Serve's controller and replicas as they start.
-    with cluster_environment(RAY_SERVE_ENABLE_DIRECT_INGRESS="1"):
+    with pytest.MonkeyPatch.context() as environment:
+        environment.setenv("RAY_SERVE_ENABLE_DIRECT_INGRESS", "1")
         cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
     try:
         grpc_port, said = ray_deployed(

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 from mhaserve.server.process import free_port
@@ -23,19 +20,3 @@ def ray_deployed(model_dir: Path, address: str, app: str, *args: str) -> tuple[i
     )  # fmt: skip
     assert deployed.returncode == 0, deployed.stderr[-3000:]
     return grpc_port, deployed.stdout
-
-
-@contextlib.contextmanager
-def cluster_environment(**values: str) -> Iterator[None]:
-    """``values`` in this process's environment while inside: the nodes of a cluster started here (its raylets, and
-    Serve's controller, proxies and replicas under them) inherit them; nothing started after sees them."""
-    before = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
