@@ -329,6 +329,7 @@ def test_a_stream_idle_in_the_only_receiving_turn_gives_way_within_the_hold_and_
             response_deserializer=pb.ModelStreamInferResponse.FromString,
         )
         idle_requests = queue.Queue()
+        opened = time.monotonic()  # the idle stream takes its turn after this, and holds it from then
         idle = stream(iter(idle_requests.get, None), timeout=30)  # open, sending nothing: it reads, idle
         time.sleep(0.3)
         started = time.monotonic()
@@ -336,14 +337,16 @@ def test_a_stream_idle_in_the_only_receiving_turn_gives_way_within_the_hold_and_
         unary_s = time.monotonic() - started
         started = time.monotonic()
         answer = next(stream(iter([build_infer_request("mha", query)]), timeout=30))
-        waited = time.monotonic() - started
+        answered = time.monotonic()
+        waited, held = answered - started, answered - opened
         with pytest.raises(grpc.RpcError) as ended:
             next(idle)
         idle_requests.put(None)
     assert unary_s < 0.3, f"a unary call took {unary_s:.2f} s beside the idle stream"
     np.testing.assert_allclose(unary.output, eager(small_module, query)[0], atol=1e-5)
     assert ended.value.code() == grpc.StatusCode.UNAVAILABLE and "--stream-read-hold-s" in ended.value.details()
-    assert 0.1 < waited < 3, f"answered after {waited:.2f} s"
+    # not before the idle stream's hold is over (however long the unary call took meanwhile), nor long after
+    assert held >= 0.5 and waited < 3, f"answered {held:.2f} s after the idle stream opened, after {waited:.2f} s"
     assert not answer.error_message
     np.testing.assert_allclose(
         parse_infer_response(answer.infer_response).output, eager(small_module, query)[0], atol=1e-5
