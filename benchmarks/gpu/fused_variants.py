@@ -10,6 +10,9 @@ and the bytes' crossing alone (the query up and the output down by torch):
 - served: ``export.output_only.output_only_graph``, the graph the server runs (mask tested on the device; the
   If's condition is copied to the host mid-run);
 - host cond: the same graph with the If's condition fed from the host (the server would test the mask);
+- mask in branch: the condition from the host, and all the mask costs (its bias, the masked kernel, the zeroing
+  of rows with no key allowed) inside the masked branch, W_o in both: a run with every key allowed computes what
+  ``no mask`` does, in the served graph's signature plus the condition;
 - no mask: projections, the fused MultiHeadAttention without a mask, W_o: what an all-keys request needs;
 - bias in MHA: as ``no mask`` with the q/k/v biases given to MultiHeadAttention instead of three Adds;
 - one matmul: self-attention only, the three projections as one [d, 3d] MatMul, split, biases in MHA;
@@ -121,6 +124,98 @@ def host_cond(module) -> onnx.ModelProto:
     return model
 
 
+def mask_in_branch(module) -> onnx.ModelProto:
+    """The served graph's signature with the If's condition an input (bool scalar, from the host), and the mask's
+    whole cost in the masked branch: the unmasked branch is ``no mask``'s projections, fused attention and W_o."""
+    heads, d = module.num_heads, module.d_model
+    nodes, inits = [], []
+    for name, source in (("W_q", "query"), ("W_k", "key"), ("W_v", "value")):
+        w, b = _weights(module, name)
+        inits += [_const(f"{name}.w", w), _const(f"{name}.b", b)]
+        nodes += [
+            make.make_node("MatMul", [source, f"{name}.w"], [f"{name}.p"]),
+            make.make_node("Add", [f"{name}.p", f"{name}.b"], [f"{name}.out"]),
+        ]
+    w_o, b_o = _weights(module, "W_o")
+    inits += [
+        _const("W_o.w", w_o),
+        _const("W_o.b", b_o),
+        _const("one", np.float32(1.0)),
+        _const("masked_bias", np.float32(np.finfo(np.float32).min / 2)),
+        _const("last_axis", np.array([-1], np.int64)),
+        _const("head_axis", np.array([1], np.int64)),
+        _const("ones_2", np.array([1, 1], np.int64)),
+        _const("ones_1", np.array([1], np.int64)),
+    ]
+    qkv = ["W_q.out", "W_k.out", "W_v.out"]
+
+    def w_o_of(context, tag):
+        return [
+            make.make_node("MatMul", [context, "W_o.w"], [f"{tag}.p"]),
+            make.make_node("Add", [f"{tag}.p", "W_o.b"], [f"{tag}.out"]),
+        ]
+
+    unmasked = make.make_graph(
+        [
+            make.make_node("MultiHeadAttention", qkv, ["all.context"], domain=CONTRIB_DOMAIN, num_heads=heads),
+            *w_o_of("all.context", "all"),
+        ],
+        "every_key_allowed",
+        [],
+        [make.make_tensor_value_info("all.out", TensorProto.FLOAT, None)],
+    )
+    masked = make.make_graph(
+        [
+            make.make_node("Cast", ["mask"], ["allowed"], to=TensorProto.FLOAT),
+            make.make_node("Sub", ["one", "allowed"], ["blocked"]),
+            make.make_node("Mul", ["blocked", "masked_bias"], ["bias"]),
+            make.make_node("Shape", ["query"], ["query_length"], start=1, end=2),
+            make.make_node("Concat", ["ones_2", "query_length", "ones_1"], ["bias_shape"], axis=0),
+            make.make_node("Expand", ["bias", "bias_shape"], ["bias_rows"]),
+            make.make_node(
+                "MultiHeadAttention",
+                [*qkv, "", "", "bias_rows"],
+                ["some.context"],
+                domain=CONTRIB_DOMAIN,
+                num_heads=heads,
+            ),  # fmt: skip
+            *w_o_of("some.context", "some"),
+            make.make_node("ReduceMax", ["allowed", "last_axis"], ["row_attends"], keepdims=1),
+            make.make_node("ReduceMax", ["row_attends", "head_axis"], ["rows_attending"], keepdims=0),
+            make.make_node("Mul", ["some.out", "rows_attending"], ["some.zeroed"]),
+        ],
+        "some_key_masked",
+        [],
+        [make.make_tensor_value_info("some.zeroed", TensorProto.FLOAT, None)],
+    )
+    nodes.append(make.make_node("If", ["every_key_allowed"], ["output"], then_branch=unmasked, else_branch=masked))
+    inputs = [make.make_tensor_value_info(n, TensorProto.FLOAT, ["batch", f"{n}_len", d]) for n in ("query", "key")]
+    inputs += [
+        make.make_tensor_value_info("value", TensorProto.FLOAT, ["batch", "key_len", d]),
+        make.make_tensor_value_info("mask", TensorProto.BOOL, ["mask_batch", 1, "mask_q_len", "key_len"]),
+        make.make_tensor_value_info("every_key_allowed", TensorProto.BOOL, []),
+    ]
+    out = [make.make_tensor_value_info("output", TensorProto.FLOAT, ["batch", "query_len", d])]
+    graph = make.make_graph(nodes, "variant", inputs, out, inits)
+    opsets = [make.make_opsetid("", OPSET), make.make_opsetid(CONTRIB_DOMAIN, 1)]
+    return make.make_model(graph, opset_imports=opsets, ir_version=10)
+
+
+def masked_case_differs(module, providers) -> float:
+    """The largest difference between ``mask_in_branch`` and the served graph on masked inputs (some keys
+    blocked, one query row with none allowed), where the variants above are timed with every key allowed."""
+    rng = np.random.default_rng(1)
+    q, kv = (rng.standard_normal((2, n, module.d_model), dtype=np.float32) for n in (5, 7))
+    mask = rng.random((2, 1, 5, 7)) < 0.6
+    mask[0, 0, 2, :] = False
+    feed = {"query": q, "key": kv, "value": kv, "mask": mask}
+    answers = []
+    for build, extra in ((output_only_graph, {}), (mask_in_branch, {"every_key_allowed": np.array(False)})):
+        session = ort.InferenceSession(build(module).SerializeToString(), providers=providers)
+        answers.append(session.run(["output"], {**feed, **extra})[0])
+    return float(np.abs(answers[0] - answers[1]).max())
+
+
 def bound_run(session, feed: dict, x: np.ndarray, out: np.ndarray, device: str, staged=None, on_host=()) -> list:
     """One output-only run as ``run_bound`` makes it (the query copied to the device once, the output written into
     host memory: ``out``), but with ``staged``, the query first copied there (pinned memory, as a server receiving
@@ -175,12 +270,18 @@ def main() -> int:
             return torch.from_numpy(x).to(args.device).cpu()
 
         shape = f"[{batch},{length},{d}/{heads}]"
+        print(f"{shape} mask in branch against the served graph, masked: max|diff| "
+              f"{masked_case_differs(module, providers):.1e}", flush=True)  # fmt: skip
         calls = {"eager": (eager, 0.0), "crossing": (crossing, 0.0)}
 
         variants = {
             "served": (output_only_graph, {"query": x, "key": x, "value": x, "mask": mask}),
             "host cond": (
                 host_cond,
+                {"query": x, "key": x, "value": x, "mask": mask, "every_key_allowed": np.array(True)},
+            ),
+            "mask in branch": (
+                mask_in_branch,
                 {"query": x, "key": x, "value": x, "mask": mask, "every_key_allowed": np.array(True)},
             ),
             "no mask": (lambda m: no_mask(m, False), {"query": x, "key": x, "value": x}),
@@ -197,7 +298,7 @@ def main() -> int:
             try:
                 session = ort.InferenceSession(build(module).SerializeToString(), providers=providers)
                 device = "cuda" if cuda else "cpu"
-                if name == "host cond":  # the condition stays in host memory, where If reads it
+                if name in ("host cond", "mask in branch"):  # the condition stays in host memory, where If reads it
 
                     def call(session=session, feed=feed, x=x, device=device):
                         out = np.empty(x.shape, np.float32)
