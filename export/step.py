@@ -29,7 +29,6 @@ from collections.abc import Callable
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import torch
 from onnx import TensorProto
 from onnx import helper as make
@@ -52,7 +51,7 @@ from mhaserve.contract.steps import (
 from mhaserve.model import MultiHeadAttention
 
 from .output_only import _constant, _linear
-from .validate import TOLERANCES
+from .validate import TOLERANCES, validation_session
 
 OPSET = 18
 
@@ -290,7 +289,7 @@ def validate_steps(
     """Each case's sequence fed to the step graph in random steps from an empty cache, its keys and values kept as
     the server keeps them, every step's output rows and weight rows against eager PyTorch's causal answer for the
     whole sequence (float32's tolerance)."""
-    session = ort.InferenceSession(graph, providers=["CPUExecutionProvider"])
+    session = validation_session(graph)
     rng = np.random.default_rng(seed)
     results = []
     for number, (batch, length) in enumerate(STEP_CASES, 1):
@@ -418,7 +417,7 @@ def validate_grouped_steps(
     other members empty) that leaves it as many rows to go as the shortest, then stepped together one row a step,
     each over its own buffers with room (contract/steps.py): every step's rows against eager PyTorch's causal
     answer for that sequence alone."""
-    session = ort.InferenceSession(graph, providers=["CPUExecutionProvider"])
+    session = validation_session(graph)
     rng = np.random.default_rng(seed)
     sequences, wants = _causal_sequences(module, rng, GROUPED_CASE)
     shortest = min(length for _, length in GROUPED_CASE)
@@ -449,7 +448,7 @@ def validate_grouped_cross_steps(
     """The cross-attention sequences of CROSS_BATCHED_CASE in the grouped cross step graph: each given its keys with
     its first step in a run of its own, then stepped together, one query row a step, adding GROUPED_CROSS_KEYS keys
     each at one of the steps: every step's rows against eager PyTorch's answer over every key given so far."""
-    session = ort.InferenceSession(graph, providers=["CPUExecutionProvider"])
+    session = validation_session(graph)
     rng = np.random.default_rng(seed)
     d, sequences, errors = module.d_model, [], _Errors()
     for batch, kv_len in CROSS_BATCHED_CASE:
@@ -501,7 +500,7 @@ def validate_cross_steps(
     sequence kept as the server keeps it: every step's output and weight rows against eager PyTorch's answer for
     those rows over every key given so far (float32's tolerance); then sequences with keys of different lengths
     stepped together."""
-    session = ort.InferenceSession(graph, providers=["CPUExecutionProvider"])
+    session = validation_session(graph)
     rng = np.random.default_rng(seed)
     d = module.d_model
     results = []

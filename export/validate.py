@@ -218,6 +218,15 @@ class UserModuleReference:
         return output.float().numpy(), None if weights is None else weights.float().numpy()
 
 
+def validation_session(graph: bytes | str) -> ort.InferenceSession:
+    """A CPU session for validation. Its threads do not spin between runs: between them the eager reference
+    computes (and other graphs validated on the same case run), and spinning threads held the cores that work
+    needed (a default export's validation took 1.7x as long)."""
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
+
+
 def report_to_stderr(line: str) -> None:
     """Where a validation's table rows go when the caller gives no ``report``."""
     print(line, file=sys.stderr, flush=True)
@@ -292,29 +301,34 @@ def _masked_rows_note(got: list[np.ndarray], want: list[np.ndarray]) -> str | No
     return "the reference defines fully masked rows its own way (e.g. uniform weights); the served graph gives zeros"
 
 
-def run_case(
-    reference,
-    session: ort.InferenceSession,
-    case: ValidationCase,
-    rng: np.random.Generator,
-    tolerance: Tolerance = TOLERANCES["fp32"],
-) -> CaseResult:
-    nan = float("nan")
-    if case.kind == "cross" and reference.self_attention_only:
-        return CaseResult(case, nan, nan, None, None, SKIPPED, "the reference takes self-attention only")
-    d = session.get_inputs()[0].shape[-1]
-    query = rng.standard_normal((case.batch, case.q_len, d), dtype=np.float32)
+def case_inputs(case: ValidationCase, rng: np.random.Generator, d_model: int) -> CaseInputs:
+    """A case's random inputs: the query (key and value drawn apart for cross-attention) and its masks."""
+    query = rng.standard_normal((case.batch, case.q_len, d_model), dtype=np.float32)
     if case.kind == "self":
         key = value = query
     else:
-        key = rng.standard_normal((case.batch, case.kv_len, d), dtype=np.float32)
-        value = rng.standard_normal((case.batch, case.kv_len, d), dtype=np.float32)
+        key = rng.standard_normal((case.batch, case.kv_len, d_model), dtype=np.float32)
+        value = rng.standard_normal((case.batch, case.kv_len, d_model), dtype=np.float32)
     eager_mask, onnx_mask = make_masks(case, rng)
-    want_out, want_attn = reference(CaseInputs(query, key, value, eager_mask, onnx_mask))
+    return CaseInputs(query, key, value, eager_mask, onnx_mask)
+
+
+def judge_case(
+    session: ort.InferenceSession,
+    case: ValidationCase,
+    inputs: CaseInputs,
+    want: tuple[np.ndarray, np.ndarray | None],
+    tolerance: Tolerance = TOLERANCES["fp32"],
+) -> CaseResult:
+    """The graph's answer to a case's ``inputs`` against the reference's, ``want`` (output, weights or None)."""
+    nan = float("nan")
+    want_out, want_attn = want
+    onnx_mask = inputs.onnx_mask
     # The full graph returns the weights too; the output-only graph (output_only.py) just the output.
     names = [o.name for o in session.get_outputs()]
+    feed = {"query": inputs.query, "key": inputs.key, "value": inputs.value, "mask": onnx_mask}
     try:
-        got_out, *got_attn = session.run(names, {"query": query, "key": key, "value": value, "mask": onnx_mask})
+        got_out, *got_attn = session.run(names, feed)
     except Exception as exc:  # an export that cannot run this shape fails the case, not the run
         return CaseResult(case, nan, nan, nan, nan, FAIL, error=str(exc).splitlines()[0][:300])
     pairs = [(got_out, want_out)]
@@ -403,21 +417,33 @@ def validate_scales(
     """The scale cases at every input scale (INPUT_SCALES), one table row per scale. A scale holds where the
     export is within its precision's tolerance of the exact answer, or no further from it than EAGER_ERROR_FACTOR
     times eager float32 PyTorch is."""
+    return validate_scales_graphs(module, [(onnx_model, report or report_to_stderr)], seed, precision)[0]
+
+
+def validate_scales_graphs(
+    module: MultiHeadAttention,
+    graphs: list[tuple[bytes | str, Callable[[str], None]]],
+    seed: int | None = None,
+    precision: str = "fp32",
+) -> list[list[ScaleResult]]:
+    """``validate_scales`` for graphs that answer the same requests, each given with its report: every scale's
+    inputs drawn, and their exact and eager answers computed, once for all of them. The first graph's table is
+    reported as it runs, each other's after it. The results, a list per graph."""
     tolerance = SCALE_TOLERANCES[precision]
-    report = report or report_to_stderr
     module = module.eval()
     exact = copy.deepcopy(module).double()
-    session = ort.InferenceSession(onnx_model, providers=["CPUExecutionProvider"])
-    names = [o.name for o in session.get_outputs()]
-    returns_weights = "attn_weights" in names
+    sessions = [validation_session(graph) for graph, _ in graphs]
+    names = [[o.name for o in session.get_outputs()] for session in sessions]
     rng = np.random.default_rng(None if seed is None else [seed, 1])  # draws of their own, apart from the matrix's
     d = module.d_model
-    results = []
+    results: list[list[ScaleResult]] = [[] for _ in graphs]
+    later_rows: list[list[str]] = [[] for _ in graphs]  # the tables after the first, reported once it ends
     for scale in INPUT_SCALES:
-        # export output (abs, rel), export weights (abs, rel), eager output rel, eager weights rel
-        worst = np.zeros(6)
+        # per graph: its output (abs, rel), its weights (abs, rel), eager output rel, eager weights rel
+        worst = [np.zeros(6) for _ in graphs]
         largest = 0.0
-        masked_weight = 0.0  # the most weight any masked key got: exactly 0 at every scale, or the scale fails
+        # per graph, the most weight any masked key got: exactly 0 at every scale, or the scale fails
+        masked_weight = [0.0 for _ in graphs]
         for case in SCALE_CASES:
             query = scaled_inputs(rng, (case.batch, case.q_len, d), scale)
             key = value = query
@@ -430,46 +456,58 @@ def validate_scales(
             with torch.no_grad():
                 want = [t.numpy() for t in exact(*[t.double() for t in inputs], mask)]
                 eager = [t.numpy() for t in module(*inputs, mask)]
-            got = session.run(names, {"query": query, "key": key, "value": value, "mask": onnx_mask})
-            if returns_weights and eager_mask is not None:
-                weights = got[names.index("attn_weights")]
-                masked = weights[np.broadcast_to(~onnx_mask, weights.shape)]
-                masked_weight = max(masked_weight, float(masked.max(initial=0.0)))
-                masked_weight = masked_weight if np.isfinite(masked).all() else float("nan")
-            got_errors = [e for g, w in zip(got, want, strict=False) for e in max_errors(g, w)]
-            got_errors += [0.0, 0.0] * (not returns_weights)
             eager_errors = [max_errors(e, w)[1] for e, w in zip(eager, want, strict=True)]
-            worst = np.maximum(worst, got_errors + eager_errors)
-        out_abs, out_rel, attn_abs, attn_rel, eager_out, eager_attn = (float(v) for v in worst)
-        passed = bool(  # NaN fails
-            masked_weight == 0.0
-            and (tolerance.output.allows(out_abs, out_rel) or out_rel <= EAGER_ERROR_FACTOR * eager_out)
-            and (tolerance.weights.allows(attn_abs, attn_rel) or attn_rel <= EAGER_ERROR_FACTOR * eager_attn)
-        )
-        result = ScaleResult(
-            scale,
-            largest,
-            out_rel,
-            attn_rel if returns_weights else None,
-            eager_out,
-            eager_attn,
-            passed,
-            attn_abs if returns_weights else None,
-        )
-        results.append(result)
-        attn_text = f"attn abs {attn_abs:8.1e} rel {attn_rel:8.1e}" if returns_weights else "attn (not returned)"
-        if masked_weight != 0.0:
-            attn_text += f", a masked key's weight {masked_weight:.1e}"
+            for number, session in enumerate(sessions):
+                got = session.run(names[number], {"query": query, "key": key, "value": value, "mask": onnx_mask})
+                returns_weights = "attn_weights" in names[number]
+                if returns_weights and eager_mask is not None:
+                    weights = got[names[number].index("attn_weights")]
+                    masked = weights[np.broadcast_to(~onnx_mask, weights.shape)]
+                    most = max(masked_weight[number], float(masked.max(initial=0.0)))
+                    masked_weight[number] = most if np.isfinite(masked).all() else float("nan")
+                got_errors = [e for g, w in zip(got, want, strict=False) for e in max_errors(g, w)]
+                got_errors += [0.0, 0.0] * (not returns_weights)
+                worst[number] = np.maximum(worst[number], got_errors + eager_errors)
+        for number in range(len(graphs)):
+            returns_weights = "attn_weights" in names[number]
+            out_abs, out_rel, attn_abs, attn_rel, eager_out, eager_attn = (float(v) for v in worst[number])
+            passed = bool(  # NaN fails
+                masked_weight[number] == 0.0
+                and (tolerance.output.allows(out_abs, out_rel) or out_rel <= EAGER_ERROR_FACTOR * eager_out)
+                and (tolerance.weights.allows(attn_abs, attn_rel) or attn_rel <= EAGER_ERROR_FACTOR * eager_attn)
+            )
+            results[number].append(
+                ScaleResult(
+                    scale,
+                    largest,
+                    out_rel,
+                    attn_rel if returns_weights else None,
+                    eager_out,
+                    eager_attn,
+                    passed,
+                    attn_abs if returns_weights else None,
+                )
+            )
+            attn_text = f"attn abs {attn_abs:8.1e} rel {attn_rel:8.1e}" if returns_weights else "attn (not returned)"
+            if masked_weight[number] != 0.0:
+                attn_text += f", a masked key's weight {masked_weight[number]:.1e}"
+            row = (
+                f"[scale {scale:>7g}] inputs up to {largest:9.3g}: output rel {out_rel:8.1e}  {attn_text}"
+                f"  (eager float32 rel: {eager_out:8.1e}, {eager_attn:8.1e})  {'pass' if passed else 'FAIL'}"
+            )
+            if number == 0:
+                graphs[0][1](row)
+            else:
+                later_rows[number].append(row)
+    for number, (_, report) in enumerate(graphs):
+        for row in later_rows[number]:
+            report(row)
+        limit = input_limit(results[number])
+        held = "at no scale" if limit is None else f"for inputs up to {limit:.4g} in magnitude"
         report(
-            f"[scale {scale:>7g}] inputs up to {largest:9.3g}: output rel {out_rel:8.1e}  {attn_text}"
-            f"  (eager float32 rel: {eager_out:8.1e}, {eager_attn:8.1e})  {'pass' if passed else 'FAIL'}"
+            f"input scales: {precision} holds {held} (against the exact answer: {tolerance}, or "
+            f"{EAGER_ERROR_FACTOR} times eager float32's error)"
         )
-    limit = input_limit(results)
-    held = "at no scale" if limit is None else f"for inputs up to {limit:.4g} in magnitude"
-    report(
-        f"input scales: {precision} holds {held} (against the exact answer: {tolerance}, or {EAGER_ERROR_FACTOR} "
-        "times eager float32's error)"
-    )
     return results
 
 
@@ -537,21 +575,50 @@ def validate(
     ``reference`` is the eager side, in float32 whatever ``precision`` the export computes in: the served
     module itself, or a reference wrapping a user's module.
     """
+    return validate_graphs(reference, [(onnx_model, report or report_to_stderr)], cases, seed, precision)[0]
+
+
+def validate_graphs(
+    reference: MultiHeadAttention | ServedModuleReference | UserModuleReference,
+    graphs: list[tuple[bytes | str, Callable[[str], None]]],
+    cases: Iterable[ValidationCase] | None = None,
+    seed: int | None = None,
+    precision: str = "fp32",
+) -> list[list[CaseResult]]:
+    """``validate`` for graphs that answer the same requests (a folder's full graph and its output-only graph),
+    each given with its report: every case drawn, and its reference answer computed, once for all of them. The
+    first graph's table is reported as it runs, each other's after it. The results, a list per graph."""
     tolerance = TOLERANCES[precision]
-    report = report or report_to_stderr
     if isinstance(reference, MultiHeadAttention):
         reference = ServedModuleReference(reference)
-    session = ort.InferenceSession(onnx_model, providers=["CPUExecutionProvider"])
+    sessions = [validation_session(graph) for graph, _ in graphs]
+    d_model = sessions[0].get_inputs()[0].shape[-1]
     cases = list(validation_cases() if cases is None else cases)
     rng = np.random.default_rng(seed)
-    results = []
+    results: list[list[CaseResult]] = [[] for _ in graphs]
+    later_rows: list[list[str]] = [[] for _ in graphs]  # the tables after the first, reported once it ends
     for index, case in enumerate(cases, start=1):
-        result = run_case(reference, session, case, rng, tolerance)
-        results.append(result)
-        report(format_row(index, len(cases), result))
-    counts = status_counts(results)
-    report(
-        f"validation: {counts[PASS]} passed, {counts[FAIL]} failed, {counts[UNDEFINED]} undefined by the reference, "
-        f"{counts[SKIPPED]} skipped (tolerance, {precision}: {tolerance})"
-    )
+        if case.kind == "cross" and reference.self_attention_only:
+            nan = float("nan")
+            judged = [CaseResult(case, nan, nan, None, None, SKIPPED, "the reference takes self-attention only")]
+            judged *= len(graphs)
+        else:
+            inputs = case_inputs(case, rng, d_model)
+            want = reference(inputs)
+            judged = [judge_case(session, case, inputs, want, tolerance) for session in sessions]
+        for number, result in enumerate(judged):
+            results[number].append(result)
+            row = format_row(index, len(cases), result)
+            if number == 0:
+                graphs[0][1](row)
+            else:
+                later_rows[number].append(row)
+    for number, (_, report) in enumerate(graphs):
+        for row in later_rows[number]:
+            report(row)
+        counts = status_counts(results[number])
+        report(
+            f"validation: {counts[PASS]} passed, {counts[FAIL]} failed, {counts[UNDEFINED]} undefined by the "
+            f"reference, {counts[SKIPPED]} skipped (tolerance, {precision}: {tolerance})"
+        )
     return results

@@ -53,8 +53,8 @@ from .validate import (
     max_errors,
     report_to_stderr,
     status_counts,
-    validate,
-    validate_scales,
+    validate_graphs,
+    validate_scales_graphs,
     worst_failure,
 )
 
@@ -126,19 +126,23 @@ def export_model_dir(
     if validation_seed is None:
         validation_seed = int(np.random.SeedSequence().entropy % 2**32)
     reference = reference if reference is not None else module
-    serialized = onnx_model.SerializeToString()
-    results = validate(reference, serialized, seed=validation_seed, report=report, precision=precision)
-    scales = validate_scales(module, serialized, seed=validation_seed, report=report, precision=precision)
-    passed = export_holds(results, scales)
     # The float16 graph splits its precision by path (onnx_export.float16_attention), which the fused
     # kernel cannot: float16 folders answer every request from model.onnx.
     output_only = output_only_graph(module) if precision == "fp32" else None
-    output_only_results = []
     if output_only is not None:
         check_onnx(output_only)
-        output_only_results, output_only_scales = _validate_output_only(
-            reference, module, output_only.SerializeToString(), validation_seed, report
-        )
+    (results, scales), *only = _validate_answering_graphs(
+        reference,
+        module,
+        onnx_model.SerializeToString(),
+        None if output_only is None else output_only.SerializeToString(),
+        validation_seed,
+        report,
+        precision,
+    )
+    passed = export_holds(results, scales)
+    if only:
+        [(output_only_results, output_only_scales)] = only
         passed = passed and export_holds(output_only_results, output_only_scales)
     # The step graphs serve sequences from float32 exports; a float16 or int8 folder has none (refused there).
     steps = step_graphs(module) if precision == "fp32" else {}
@@ -240,18 +244,25 @@ def export_model_dir(
     return manifest
 
 
-def _validate_output_only(
-    reference, module: MultiHeadAttention, graph: bytes | str, seed: int | None, report: Callable[[str], None] | None
-):
-    """The validation matrix and the input scales on the output-only graph (its output against the same
-    reference and the same exact answer as the full graph's), its table rows marked as such."""
-
-    def marked(line: str) -> None:
-        (report or report_to_stderr)(f"output-only graph: {line}")
-
-    return validate(reference, graph, seed=seed, report=marked), validate_scales(
-        module, graph, seed=seed, report=marked
-    )
+def _validate_answering_graphs(
+    reference,
+    module: MultiHeadAttention,
+    graph: bytes | str,
+    output_only: bytes | str | None,
+    seed: int | None,
+    report: Callable[[str], None] | None,
+    precision: str,
+) -> list[tuple[list, list]]:
+    """The validation matrix and the input scales on the graph that answers requests, and on its output-only
+    graph where there is one (its output against the same reference and the same exact answer, each case's
+    reference computed once for both, its table rows marked as such): (cases, scales) for each."""
+    report = report or report_to_stderr
+    graphs = [(graph, report)]
+    if output_only is not None:
+        graphs.append((output_only, lambda line: report(f"output-only graph: {line}")))
+    results = validate_graphs(reference, graphs, seed=seed, precision=precision)
+    scales = validate_scales_graphs(module, graphs, seed=seed, precision=precision)
+    return list(zip(results, scales, strict=True))
 
 
 def _replace_dir(new: Path, target: Path) -> None:
@@ -272,17 +283,20 @@ def revalidate_model_dir(
     manifest = read_manifest(model_dir)
     module = load_weights(model_dir / WEIGHTS_FILE)
     precision = manifest.get("precision", "fp32")
-    path = str(model_dir / MODEL_FILE)
-    results = validate(module, path, seed=seed, report=report, precision=precision)
-    scales = validate_scales(module, path, seed=seed, report=report, precision=precision)
-    holds = export_holds(results, scales)
+    has_output_only = manifest.get("files", {}).get("output_only") == OUTPUT_ONLY_FILE
+    (results, scales), *only = _validate_answering_graphs(
+        module,
+        module,
+        str(model_dir / MODEL_FILE),
+        str(model_dir / OUTPUT_ONLY_FILE) if has_output_only else None,
+        seed,
+        report,
+        precision,
+    )
+    holds = export_holds(results, scales) and all(export_holds(*checked) for checked in only)
     failure = worst_failure(results, scales, precision)
     if failure is not None:
         (report or report_to_stderr)(failure)
-    if manifest.get("files", {}).get("output_only") == OUTPUT_ONLY_FILE:
-        holds = holds and export_holds(
-            *_validate_output_only(module, module, str(model_dir / OUTPUT_ONLY_FILE), seed, report)
-        )
     for kind, validate_graph in STEP_VALIDATIONS.items():
         if manifest.get("files", {}).get(kind) == STEP_FILES[kind]:
             results = validate_graph(module, str(model_dir / STEP_FILES[kind]), seed, report or report_to_stderr)

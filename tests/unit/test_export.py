@@ -6,6 +6,7 @@ Every trap test runs the exported graph in ONNX Runtime at the shape that the tr
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import warnings
@@ -18,7 +19,13 @@ import torch
 
 from mhaserve.cli import main as cli
 from mhaserve.export.onnx_export import check_onnx, export_onnx
-from mhaserve.export.validate import ValidationCase, validate, validation_cases
+from mhaserve.export.validate import (
+    ServedModuleReference,
+    ValidationCase,
+    validate,
+    validation_cases,
+    validation_session,
+)
 from mhaserve.export.writer import export_model_dir, revalidate_model_dir
 from mhaserve.server.config import ServerSettings
 from mhaserve.server.model_config import model_settings
@@ -124,6 +131,34 @@ def test_a_failing_output_only_graph_marks_the_folder_not_valid(small_module, tm
     assert manifest["validation"]["output_only"]["passed"] is False
     assert manifest["validation"]["output_only"]["counts"]["fail"] > 0
     assert manifest["valid"] is False and manifest["validation"]["passed"] is False
+
+
+def test_the_full_and_output_only_graphs_are_validated_in_one_pass_each_case_answered_once(small_module, tmp_path):
+    # Both graphs answer the same requests: each case is drawn, and the reference answers it, once for both;
+    # each graph's table stays whole, the output-only graph's after the full graph's.
+    answered = []
+
+    class CountingReference(ServedModuleReference):
+        def __call__(self, inputs):
+            answered.append(inputs.query.shape)
+            return super().__call__(inputs)
+
+    rows = []
+    reference = CountingReference(small_module)
+    folder = tmp_path / "mha"
+    manifest = export_model_dir(small_module, folder, validation_seed=0, report=rows.append, reference=reference)
+    cases = len(validation_cases())
+    assert manifest["valid"] and len(answered) == cases
+    assert manifest["validation"]["counts"]["pass"] == manifest["validation"]["output_only"]["counts"]["pass"] == cases
+    full_table_ends = rows.index(next(r for r in rows if r.startswith("validation: ")))
+    only_rows = [i for i, r in enumerate(rows) if re.match(r"output-only graph: \[ *\d+/", r)]  # its cases' rows
+    assert len(only_rows) == cases and min(only_rows) > full_table_ends
+
+
+def test_validation_sessions_do_not_spin_between_runs(small_model_dir):
+    # The eager reference computes between a graph's runs: spinning threads would hold the cores it needs.
+    session = validation_session(str(small_model_dir / "model.onnx"))
+    assert session.get_session_options().get_session_config_entry("session.intra_op.allow_spinning") == "0"
 
 
 def test_manifest_describes_the_model(small_model_dir):
