@@ -1,11 +1,12 @@
 """Prove an ONNX export computes what an eager module computes, case by case over a shape matrix.
 
-Each case draws fresh random inputs, runs the eager reference (float32) and ONNX Runtime (CPU) and
-compares both outputs. The reference is the served module (``ServedModuleReference``: it gets the
-mask in the rank a user would pass, key padding [B, Lk], causal [1, Lq, Lk], full [B, Lq, Lk]) or
-the user's own module (``UserModuleReference``: the design documents' interface, the mask in the
-rank-4 form [B|1, 1, Lq|1, Lk] that broadcasts against its scores in any such module). The ONNX
-side always gets the served rank-4 form.
+Each case draws fresh random inputs, runs the eager reference (float32) and ONNX Runtime (CPU) and compares both
+outputs; graphs that answer the same requests (a folder's full graph and its output-only graph) are validated in one
+pass, each case drawn and answered by the reference once for all of them. The reference is the served module
+(``ServedModuleReference``: it gets the mask in the rank a user would pass, key padding [B, Lk], causal [1, Lq, Lk],
+full [B, Lq, Lk]) or the user's own module (``UserModuleReference``: the design documents' interface, the mask in
+the rank-4 form [B|1, 1, Lq|1, Lk] that broadcasts against its scores in any such module). The ONNX side always gets
+the served rank-4 form.
 
 A query row whose keys are all masked is defined by the served graph as zeros. A user's module may
 leave it undefined (NaN, from a -inf fill) or define it otherwise (uniform weights, from a finite
@@ -227,6 +228,26 @@ def validation_session(graph: bytes | str) -> ort.InferenceSession:
     return ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
 
 
+class _Tables:
+    """The reports of graphs validated in one pass: the first graph's rows as they come, each other's held until
+    the first's table has ended, so that every table is written whole."""
+
+    def __init__(self, reports: list[Callable[[str], None]]):
+        self._reports = reports
+        self._held: list[list[str]] = [[] for _ in reports]
+
+    def row(self, number: int, line: str) -> None:
+        if number == 0:
+            self._reports[0](line)
+        else:
+            self._held[number].append(line)
+
+    def end(self, number: int, summary: str) -> None:
+        for line in self._held[number]:
+            self._reports[number](line)
+        self._reports[number](summary)
+
+
 def report_to_stderr(line: str) -> None:
     """Where a validation's table rows go when the caller gives no ``report``."""
     print(line, file=sys.stderr, flush=True)
@@ -437,7 +458,7 @@ def validate_scales_graphs(
     rng = np.random.default_rng(None if seed is None else [seed, 1])  # draws of their own, apart from the matrix's
     d = module.d_model
     results: list[list[ScaleResult]] = [[] for _ in graphs]
-    later_rows: list[list[str]] = [[] for _ in graphs]  # the tables after the first, reported once it ends
+    tables = _Tables([report for _, report in graphs])
     for scale in INPUT_SCALES:
         # per graph: its output (abs, rel), its weights (abs, rel), eager output rel, eager weights rel
         worst = [np.zeros(6) for _ in graphs]
@@ -491,22 +512,18 @@ def validate_scales_graphs(
             attn_text = f"attn abs {attn_abs:8.1e} rel {attn_rel:8.1e}" if returns_weights else "attn (not returned)"
             if masked_weight[number] != 0.0:
                 attn_text += f", a masked key's weight {masked_weight[number]:.1e}"
-            row = (
+            tables.row(
+                number,
                 f"[scale {scale:>7g}] inputs up to {largest:9.3g}: output rel {out_rel:8.1e}  {attn_text}"
-                f"  (eager float32 rel: {eager_out:8.1e}, {eager_attn:8.1e})  {'pass' if passed else 'FAIL'}"
+                f"  (eager float32 rel: {eager_out:8.1e}, {eager_attn:8.1e})  {'pass' if passed else 'FAIL'}",
             )
-            if number == 0:
-                graphs[0][1](row)
-            else:
-                later_rows[number].append(row)
-    for number, (_, report) in enumerate(graphs):
-        for row in later_rows[number]:
-            report(row)
+    for number in range(len(graphs)):
         limit = input_limit(results[number])
         held = "at no scale" if limit is None else f"for inputs up to {limit:.4g} in magnitude"
-        report(
+        tables.end(
+            number,
             f"input scales: {precision} holds {held} (against the exact answer: {tolerance}, or "
-            f"{EAGER_ERROR_FACTOR} times eager float32's error)"
+            f"{EAGER_ERROR_FACTOR} times eager float32's error)",
         )
     return results
 
@@ -596,7 +613,7 @@ def validate_graphs(
     cases = list(validation_cases() if cases is None else cases)
     rng = np.random.default_rng(seed)
     results: list[list[CaseResult]] = [[] for _ in graphs]
-    later_rows: list[list[str]] = [[] for _ in graphs]  # the tables after the first, reported once it ends
+    tables = _Tables([report for _, report in graphs])
     for index, case in enumerate(cases, start=1):
         if case.kind == "cross" and reference.self_attention_only:
             nan = float("nan")
@@ -608,17 +625,12 @@ def validate_graphs(
             judged = [judge_case(session, case, inputs, want, tolerance) for session in sessions]
         for number, result in enumerate(judged):
             results[number].append(result)
-            row = format_row(index, len(cases), result)
-            if number == 0:
-                graphs[0][1](row)
-            else:
-                later_rows[number].append(row)
-    for number, (_, report) in enumerate(graphs):
-        for row in later_rows[number]:
-            report(row)
+            tables.row(number, format_row(index, len(cases), result))
+    for number in range(len(graphs)):
         counts = status_counts(results[number])
-        report(
+        tables.end(
+            number,
             f"validation: {counts[PASS]} passed, {counts[FAIL]} failed, {counts[UNDEFINED]} undefined by the "
-            f"reference, {counts[SKIPPED]} skipped (tolerance, {precision}: {tolerance})"
+            f"reference, {counts[SKIPPED]} skipped (tolerance, {precision}: {tolerance})",
         )
     return results
