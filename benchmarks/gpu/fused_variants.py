@@ -38,6 +38,7 @@ from bench_cuda import median_ms  # beside this script
 from onnx import TensorProto, numpy_helper
 from onnx import helper as make
 
+from mhaserve.contract import signature
 from mhaserve.export.output_only import CONTRIB_DOMAIN, OPSET, output_only_graph
 from mhaserve.model.weights import seeded_module
 from mhaserve.server.session import run_bound
@@ -125,80 +126,42 @@ def host_cond(module) -> onnx.ModelProto:
 
 
 def mask_in_branch(module) -> onnx.ModelProto:
-    """The served graph's signature with the If's condition an input (bool scalar, from the host), and the mask's
-    whole cost in the masked branch: the unmasked branch is ``no mask``'s projections, fused attention and W_o."""
-    heads, d = module.num_heads, module.d_model
-    nodes, inits = [], []
-    for name, source in (("W_q", "query"), ("W_k", "key"), ("W_v", "value")):
-        w, b = _weights(module, name)
-        inits += [_const(f"{name}.w", w), _const(f"{name}.b", b)]
-        nodes += [
-            make.make_node("MatMul", [source, f"{name}.w"], [f"{name}.p"]),
-            make.make_node("Add", [f"{name}.p", f"{name}.b"], [f"{name}.out"]),
-        ]
-    w_o, b_o = _weights(module, "W_o")
-    inits += [
-        _const("W_o.w", w_o),
-        _const("W_o.b", b_o),
-        _const("one", np.float32(1.0)),
-        _const("masked_bias", np.float32(np.finfo(np.float32).min / 2)),
-        _const("last_axis", np.array([-1], np.int64)),
-        _const("head_axis", np.array([1], np.int64)),
-        _const("ones_2", np.array([1, 1], np.int64)),
-        _const("ones_1", np.array([1], np.int64)),
-    ]
-    qkv = ["W_q.out", "W_k.out", "W_v.out"]
+    """``host_cond``'s graph rearranged: the mask's whole cost (its bias, the masked kernel, the zeroing of rows
+    with no key allowed) moved into the masked branch, W_o into both, so that the unmasked branch computes what
+    ``no mask`` does. Built from the served graph's own nodes, so it follows any change to them."""
+    model = host_cond(module)
+    graph = model.graph
+    nodes = list(graph.node)
+    at = next(i for i, n in enumerate(nodes) if n.op_type == "If")
+    branches = {a.name: a.g for a in nodes[at].attribute}
+    mask_work = [n for n in nodes[:at] if n.output[0] in ("allowed", "blocked", "bias")]
+    after = nodes[at + 1 :]  # W_o on "context", then the zeroing into "output"
+    w_o = [n for n in after if n.name.startswith("W_o.")]
 
-    def w_o_of(context, tag):
-        return [
-            make.make_node("MatMul", [context, "W_o.w"], [f"{tag}.p"]),
-            make.make_node("Add", [f"{tag}.p", "W_o.b"], [f"{tag}.out"]),
-        ]
+    def renamed(node, names: dict) -> onnx.NodeProto:
+        node = copy.deepcopy(node)
+        node.input[:] = [names.get(name, name) for name in node.input]
+        node.output[:] = [names.get(name, name) for name in node.output]
+        node.name = ""
+        return node
 
-    unmasked = make.make_graph(
-        [
-            make.make_node("MultiHeadAttention", qkv, ["all.context"], domain=CONTRIB_DOMAIN, num_heads=heads),
-            *w_o_of("all.context", "all"),
-        ],
-        "every_key_allowed",
-        [],
-        [make.make_tensor_value_info("all.out", TensorProto.FLOAT, None)],
+    def branch(name: str, before: list, context: str, last: list, out: str) -> onnx.GraphProto:
+        names = {"context": context, signature.OUTPUT: out}
+        names |= {n.output[0]: f"{context}.{n.output[0]}" for n in w_o}  # each branch's W_o its own names
+        body = [*before, *branches[name].node, *(renamed(n, names) for n in w_o + last)]
+        if not last:  # the unmasked branch answers W_o's output itself
+            body[-1].output[0] = out
+        return make.make_graph(body, name, [], [make.make_tensor_value_info(out, TensorProto.FLOAT, None)])
+
+    zeroing = [n for n in after if n not in w_o]
+    then_branch = branch("then_branch", [], "context_unmasked", [], "unmasked.output")
+    else_branch = branch("else_branch", mask_work, "context_masked", zeroing, "masked.output")
+    if_node = make.make_node(
+        "If", ["every_key_allowed"], [signature.OUTPUT], then_branch=then_branch, else_branch=else_branch
     )
-    masked = make.make_graph(
-        [
-            make.make_node("Cast", ["mask"], ["allowed"], to=TensorProto.FLOAT),
-            make.make_node("Sub", ["one", "allowed"], ["blocked"]),
-            make.make_node("Mul", ["blocked", "masked_bias"], ["bias"]),
-            make.make_node("Shape", ["query"], ["query_length"], start=1, end=2),
-            make.make_node("Concat", ["ones_2", "query_length", "ones_1"], ["bias_shape"], axis=0),
-            make.make_node("Expand", ["bias", "bias_shape"], ["bias_rows"]),
-            make.make_node(
-                "MultiHeadAttention",
-                [*qkv, "", "", "bias_rows"],
-                ["some.context"],
-                domain=CONTRIB_DOMAIN,
-                num_heads=heads,
-            ),  # fmt: skip
-            *w_o_of("some.context", "some"),
-            make.make_node("ReduceMax", ["allowed", "last_axis"], ["row_attends"], keepdims=1),
-            make.make_node("ReduceMax", ["row_attends", "head_axis"], ["rows_attending"], keepdims=0),
-            make.make_node("Mul", ["some.out", "rows_attending"], ["some.zeroed"]),
-        ],
-        "some_key_masked",
-        [],
-        [make.make_tensor_value_info("some.zeroed", TensorProto.FLOAT, None)],
-    )
-    nodes.append(make.make_node("If", ["every_key_allowed"], ["output"], then_branch=unmasked, else_branch=masked))
-    inputs = [make.make_tensor_value_info(n, TensorProto.FLOAT, ["batch", f"{n}_len", d]) for n in ("query", "key")]
-    inputs += [
-        make.make_tensor_value_info("value", TensorProto.FLOAT, ["batch", "key_len", d]),
-        make.make_tensor_value_info("mask", TensorProto.BOOL, ["mask_batch", 1, "mask_q_len", "key_len"]),
-        make.make_tensor_value_info("every_key_allowed", TensorProto.BOOL, []),
-    ]
-    out = [make.make_tensor_value_info("output", TensorProto.FLOAT, ["batch", "query_len", d])]
-    graph = make.make_graph(nodes, "variant", inputs, out, inits)
-    opsets = [make.make_opsetid("", OPSET), make.make_opsetid(CONTRIB_DOMAIN, 1)]
-    return make.make_model(graph, opset_imports=opsets, ir_version=10)
+    del graph.node[:]
+    graph.node.extend([n for n in nodes[:at] if n not in mask_work] + [if_node])
+    return model
 
 
 def masked_case_differs(module, providers) -> float:
