@@ -455,6 +455,7 @@ def validate_scales_graphs(
     exact = copy.deepcopy(module).double()
     sessions = [validation_session(graph) for graph, _ in graphs]
     names = [[o.name for o in session.get_outputs()] for session in sessions]
+    returns_weights = ["attn_weights" in each for each in names]
     rng = np.random.default_rng(None if seed is None else [seed, 1])  # draws of their own, apart from the matrix's
     d = module.d_model
     results: list[list[ScaleResult]] = [[] for _ in graphs]
@@ -480,17 +481,16 @@ def validate_scales_graphs(
             eager_errors = [max_errors(e, w)[1] for e, w in zip(eager, want, strict=True)]
             for number, session in enumerate(sessions):
                 got = session.run(names[number], {"query": query, "key": key, "value": value, "mask": onnx_mask})
-                returns_weights = "attn_weights" in names[number]
-                if returns_weights and eager_mask is not None:
+                if returns_weights[number] and eager_mask is not None:
                     weights = got[names[number].index("attn_weights")]
                     masked = weights[np.broadcast_to(~onnx_mask, weights.shape)]
                     most = max(masked_weight[number], float(masked.max(initial=0.0)))
                     masked_weight[number] = most if np.isfinite(masked).all() else float("nan")
                 got_errors = [e for g, w in zip(got, want, strict=False) for e in max_errors(g, w)]
-                got_errors += [0.0, 0.0] * (not returns_weights)
+                got_errors += [0.0, 0.0] * (not returns_weights[number])
                 worst[number] = np.maximum(worst[number], got_errors + eager_errors)
         for number in range(len(graphs)):
-            returns_weights = "attn_weights" in names[number]
+            weights_returned = returns_weights[number]
             out_abs, out_rel, attn_abs, attn_rel, eager_out, eager_attn = (float(v) for v in worst[number])
             passed = bool(  # NaN fails
                 masked_weight[number] == 0.0
@@ -502,14 +502,14 @@ def validate_scales_graphs(
                     scale,
                     largest,
                     out_rel,
-                    attn_rel if returns_weights else None,
+                    attn_rel if weights_returned else None,
                     eager_out,
                     eager_attn,
                     passed,
-                    attn_abs if returns_weights else None,
+                    attn_abs if weights_returned else None,
                 )
             )
-            attn_text = f"attn abs {attn_abs:8.1e} rel {attn_rel:8.1e}" if returns_weights else "attn (not returned)"
+            attn_text = f"attn abs {attn_abs:8.1e} rel {attn_rel:8.1e}" if weights_returned else "attn (not returned)"
             if masked_weight[number] != 0.0:
                 attn_text += f", a masked key's weight {masked_weight[number]:.1e}"
             tables.row(
