@@ -15,6 +15,7 @@ from typing import ClassVar
 from mhaserve.contract.errors import UsageError
 from mhaserve.contract.repository import VersionPolicy
 
+from .cores import usable_cores
 from .trace_settings import parse_trace_config
 
 ENV_PREFIX = "MHASERVE_"
@@ -30,6 +31,12 @@ class Rule:
     holds: Callable[[object], bool]
     said: str
     show_value: bool = False  # the refusal quotes what came (a word, not a number)
+    why: Callable[[], str] | None = None  # what the refusal adds, read when it is made (the cores there are now)
+
+    def refusal(self, value) -> str:
+        """``must be <said>[, got <value>][ (<why>)]``: the end of a refusal's line, after the setting's name."""
+        got = f", got {value!r}" if self.show_value else ""
+        return f"must be {self.said}{got}" + (f" ({self.why()})" if self.why else "")
 
 
 def at_least(minimum: float) -> Rule:
@@ -357,7 +364,10 @@ class DeviceSettings(Section):
         "magnitude times 1e-3); false (the default): exact float32 products",
     )
     intra_op_threads: int = setting(
-        0, "ONNX Runtime threads per run (0 = one per core the process may use: its CPU affinity and CPU quota)"
+        0,
+        "ONNX Runtime threads per run (0 = one per core the process may use: its CPU affinity and CPU quota)",
+        rule=Rule(lambda value: 0 <= value <= usable_cores(), "0 or a count up to the cores this process may use",
+                  show_value=True, why=lambda: f"it may use {usable_cores()}; more threads only wait on each other"),
     )
     # ONNX Runtime's threads spin for the next run for tens of milliseconds after each: under load that keeps a
     # core ready for the runs, and on a server of sparse traffic it is CPU spent waiting (BENCHMARKS.md, "ONNX
@@ -634,6 +644,5 @@ def check_settings(settings: ServerSettings) -> None:
         for name in section.own_fields():
             rule, value = SETTING_FIELDS[name].metadata["rule"], getattr(settings, name)
             if rule is not None and not rule.holds(value):
-                got = f", got {value!r}" if rule.show_value else ""
-                raise UsageError(f"{flag_of(name)} must be {rule.said}{got}")
+                raise UsageError(f"{flag_of(name)} {rule.refusal(value)}")
         section.check(settings)

@@ -92,18 +92,24 @@ CEILINGS = ("max_batch_size", "inference_workers", "max_q_len", "max_kv_len")
 PARAMETERS = tuple(f.name for f in fields(ModelSettings) if f.name not in ("source", "configured"))
 
 
-def model_settings(settings: ServerSettings, folder: Path) -> ModelSettings:
+def model_settings(settings: ServerSettings, folder: Path, name: str | None = None) -> ModelSettings:
     """``folder``'s config.pbtxt over the server's settings; the server's alone where there is none. Raises
-    ModelConfigError naming the file and the field for a file that cannot be served as written."""
+    ModelConfigError naming the file and the field for a file that cannot be served as written, or one naming
+    a model other than ``name`` (the model served from it)."""
     path = folder / CONFIG_FILE
     server = ModelSettings.of_server(settings)
     if not path.is_file():
         return server
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
         config = _parsed(text)
     except (text_format.ParseError, UnicodeDecodeError) as error:
         raise ModelConfigError(f"{path}: not a model configuration in Triton's text format ({error})") from None
+    if name is not None and config.name and config.name != name:
+        raise ModelConfigError(
+            f"{path}: name {config.name!r} is not the model it configures, {name!r} (as in Triton, a repository's "
+            "model is named by its folder); write that name or leave the field out"
+        )
     asked: dict[str, object] = {}
     if config.max_batch_size:
         asked["max_batch_size"] = config.max_batch_size
@@ -131,7 +137,7 @@ def model_settings(settings: ServerSettings, folder: Path) -> ModelSettings:
     for key, value in asked.items():
         rule = SETTING_FIELDS[key].metadata["rule"]
         if rule is not None and not rule.holds(value):
-            raise ModelConfigError(f"{path}: {key} must be {rule.said}, got {value!r}")
+            raise ModelConfigError(f"{path}: {key} {replace(rule, show_value=True).refusal(value)}")
         if key in CEILINGS and value > getattr(settings, key):
             raise ModelConfigError(
                 f"{path}: {key} {value} is above the server's {flag_of(key)} {getattr(settings, key)}, the most any "

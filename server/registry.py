@@ -35,6 +35,7 @@ from .tensors import Limits
 log = logging.getLogger("mhaserve.server")
 
 READY, LOADING, UNLOADING, UNAVAILABLE = "READY", "LOADING", "UNLOADING", "UNAVAILABLE"
+RELOAD_FAILED = "its files changed and no longer load; serving the files loaded before"
 
 
 @dataclass(eq=False)
@@ -151,7 +152,13 @@ class ModelRegistry:
         """The version a request names; an empty version is the newest ready one."""
         versions = self.models.get(name)
         if not versions or not any(v.state in (READY, LOADING, UNLOADING) for v in versions.values()):
-            raise ModelNotFound(name, self.served_names())
+            if not self.holds(name):
+                raise ModelNotFound(name, self.served_names())
+            # There but not serving (unloaded, or no version loads): a state that may pass, as Triton says it.
+            reasons = "; ".join(f"version {n}: {v.reason}" for n, v in sorted((versions or {}).items()) if v.reason)
+            raise RequestError(
+                ErrorKind.UNAVAILABLE, f"model '{name}' has no available version" + (f" ({reasons})" if reasons else "")
+            )
         ready = sorted(n for n, v in versions.items() if v.state == READY)
         if not version:
             if not ready:
@@ -161,9 +168,11 @@ class ModelRegistry:
         entry = versions.get(number) if number is not None else None
         if entry is None or entry.state == UNAVAILABLE:
             listed = ", ".join(f"'{n}'" for n in ready) or "none ready"
-            why = f" ({entry.reason})" if entry is not None and entry.reason else ""
+            if entry is None:
+                raise RequestError(ErrorKind.NOT_FOUND, f"model '{name}' has no version '{version}'; available: {listed}")
+            why = f" ({entry.reason})" if entry.reason else ""
             raise RequestError(
-                ErrorKind.NOT_FOUND, f"model '{name}' has no version '{version}'{why}; available: {listed}"
+                ErrorKind.UNAVAILABLE, f"model '{name}' version {number} does not serve{why}; available: {listed}"
             )
         if entry.state != READY:
             raise RequestError(
@@ -296,7 +305,7 @@ class ModelRegistry:
     async def _load_one(self, name: str, number: int, versions: dict[int, VersionState]) -> str:
         """Load a version, or reload one whose folder changed. A reload is a swap: the old session serves on
         while the new one loads, then requests move to the new one and the old is unloaded once its requests
-        in flight have finished; if the folder no longer loads, the old one is taken out of service."""
+        in flight have finished; if the folder no longer loads, the old one serves on and the index says why."""
         previous = versions.get(number)
         replaced = previous.served if previous is not None and previous.state == READY else None
         if replaced is None:
@@ -310,10 +319,14 @@ class ModelRegistry:
             served = await self._versions.load(name, number, version_dir, version_dir.parent)
         except (ModelDirError, RepositoryPathError, ValueError, RuntimeError) as error:
             reason = str(error)
-            if replaced is not None:
-                await self._retire(replaced, versions, number, reason)
             if stamp is None:  # the stamp itself was refused: kept as the refusal, compared like any stamp
                 stamp = self._stamp(name, number)
+            if replaced is not None:
+                # As Triton does: the version loaded before serves on, unchanged, until its folder loads again.
+                reason = f"{RELOAD_FAILED}: {reason}"
+                versions[number] = VersionState(READY, reason, served=replaced, stamp=stamp)
+                log.warning("model '%s' version %d: %s", name, number, reason)
+                return reason
             versions[number] = VersionState(UNAVAILABLE, reason, stamp=stamp)
             log.warning("model '%s' version %d not loaded: %s", name, number, reason)
             return reason

@@ -7,7 +7,7 @@ nothing but SERVING or NOT_SERVING.
 
 from __future__ import annotations
 
-import hmac
+import hashlib
 import logging
 import os
 import ssl
@@ -48,13 +48,25 @@ def server_credentials(cert_file: Path | None, key_file: Path | None, client_ca_
     )
 
 
+def _digest(token: bytes) -> bytes:
+    return hashlib.sha256(token).digest()
+
+
 @dataclass(frozen=True)
 class Tokens:
     """The bearer tokens the server takes, each with its holder's name: one token without a name (every holder
     is the same caller, as with one shared secret), or one per client, ``NAME TOKEN`` a line, so that callers can
     be told apart (a sequence answers only the caller that started it)."""
 
-    names: dict[bytes, str]  # token -> its holder's name ("" for a single unnamed token)
+    # sha256(token) -> its holder's name ("" for a single unnamed token). Looked up by the digest of what a call
+    # presents: one dict lookup whatever the number of tokens, and its timing depends on a digest the caller
+    # cannot steer toward a real token (no token is ever compared byte by byte).
+    holders: dict[bytes, str]
+
+    @classmethod
+    def of(cls, names: dict[bytes, str]) -> Tokens:
+        """From token -> name."""
+        return cls({_digest(token): name for token, name in names.items()})
 
     def holder(self, authorization: str | bytes) -> str | None:
         """The name of the token an ``Authorization`` value (gRPC metadata or HTTP header) carries as
@@ -63,48 +75,53 @@ class Tokens:
         scheme, _, presented = value.partition(b" ")
         if scheme.lower() != b"bearer":  # case-insensitive (RFC 7235)
             return None
-        presented = presented.strip()
-        found = None
-        for token, name in self.names.items():  # every one compared, in constant time: no timing says which
-            if hmac.compare_digest(presented, token):
-                found = name
-        return found
+        return self.holders.get(_digest(presented.strip()))
 
     def holder_of(self, values) -> str | None:
         """The holder named by exactly one ``authorization`` value among ``values``; None otherwise."""
         return self.holder(values[0]) if len(values) == 1 else None
 
+    @property
+    def named(self) -> bool:
+        return any(self.holders.values())
+
 
 def load_token(token_file: Path | None) -> Tokens | None:
-    """The bearer tokens from ``token_file`` (one token, or ``NAME TOKEN`` lines; ``#`` starts a comment) or the one
-    token in $MHASERVE_AUTH_TOKEN (surrounding whitespace dropped); None: no auth."""
+    """The bearer tokens from ``token_file`` (one token, or ``NAME TOKEN`` lines; ``#`` starts a comment; UTF-8,
+    with or without a byte-order mark, any line ends) or the one token in $MHASERVE_AUTH_TOKEN (surrounding
+    whitespace dropped); None: no auth."""
     if token_file is not None:
-        text = _read(token_file, "token file")
+        raw = _read(token_file, "token file")
         source = str(token_file)
     else:
-        text = os.environ.get(TOKEN_ENV, "").strip().encode()
+        raw = os.environ.get(TOKEN_ENV, "").strip().encode()
         source = "$" + TOKEN_ENV
-        if not text:
+        if not raw:
             return None
-    lines = [line.split() for line in text.splitlines() if line.strip() and not line.lstrip().startswith(b"#")]
+    try:
+        text = raw.decode("utf-8-sig")  # an editor's byte-order mark is not part of the first token
+    except UnicodeDecodeError as error:
+        raise SecurityConfigError(f"{source}: not UTF-8 text (byte {error.start})") from None
+    lines = [line.split() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
     if not lines:
         raise SecurityConfigError(f"the bearer token from {source} is empty")
     if len(lines) == 1 and len(lines[0]) == 1:
-        return Tokens({lines[0][0]: ""})
+        return Tokens.of({lines[0][0].encode(): ""})
     names: dict[bytes, str] = {}
+    holders: dict[str, int] = {}  # name -> its line: each name once (a set beside the dict, not a scan of it)
     for number, fields in enumerate(lines, 1):
         if len(fields) != 2:
             raise SecurityConfigError(
                 f"{source}: line {number} of the tokens: expected 'NAME TOKEN' (one client a line), got {len(fields)} "
                 "words"
             )
-        name, token = fields[0].decode(errors="replace"), fields[1]
+        name, token = fields[0], fields[1].encode()
         if token in names:
             raise SecurityConfigError(f"{source}: clients {names[token]!r} and {name!r} have the same token")
-        if name in names.values():
+        if name in holders:
             raise SecurityConfigError(f"{source}: the client name {name!r} is given twice")
-        names[token] = name
-    return Tokens(names)
+        names[token], holders[name] = name, number
+    return Tokens.of(names)
 
 
 def certificate_name(certificate: dict | None) -> str:
@@ -127,7 +144,7 @@ class Callers:
 
     @property
     def told_apart(self) -> bool:
-        return self.certificates or (self.tokens is not None and any(self.tokens.names.values()))
+        return self.certificates or (self.tokens is not None and self.tokens.named)
 
     def identify(self, authorization_values, certificate: str) -> str:
         """The caller of a call that presented ``authorization_values`` and a certificate named ``certificate``."""

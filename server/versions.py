@@ -65,7 +65,7 @@ class VersionFactory:
         """Version ``number`` of ``name`` from ``model_dir``, served as ``config_dir``'s config.pbtxt says (the
         server's settings where it says nothing)."""
         loop = asyncio.get_running_loop()
-        model = model_settings(self.settings, config_dir)
+        model = model_settings(self.settings, config_dir, name)
         if model.dynamic_batching:
             self.budget.provide_for(model.max_batch_size, padded_runs=not model.length_aware_batching)
         session, run_cost = await loop.run_in_executor(self._loader, self._open_session, model_dir, model)

@@ -105,6 +105,83 @@ def test_a_changed_config_reloads_the_model_in_poll_mode(tmp_path, small_model_d
         assert served_with(server.url, "a")["max_batch_size"] == "2"
 
 
+def spin(value: str) -> str:
+    return f'parameters {{ key: "intra_op_spin_ms" value {{ string_value: "{value}" }} }}'
+
+
+# What a careless edit writes over a serving model's config.pbtxt, and what the refusal names.
+BAD_EDITS = {
+    "unparseable": (b"max_batch_size: {{{", "not a model configuration in Triton's text format"),
+    "negative batch": (b"max_batch_size: -1", "max_batch_size must be"),
+    "absurd batch": (b"max_batch_size: 1000000000000", "not a model configuration"),
+    "negative delay": (b"dynamic_batching { max_queue_delay_microseconds: -5 }", "not a model configuration"),
+    "NaN": (spin("nan").encode(), "intra_op_spin_ms must be"),
+    "unknown parameter": (b'parameters { key: "warp_drive" value { string_value: "on" } }', "'warp_drive'"),
+    "not UTF-8": (b"max_batch_size: 2 # \xff\xfe", "not a model configuration"),
+    "another model's name": (b'name: "other"', "name 'other' is not the model it configures, 'a'"),
+    "negative threads": (b'parameters { key: "intra_op_threads" value { string_value: "-3" } }', "intra_op_threads"),
+    "threads past the cores": (b'parameters { key: "intra_op_threads" value { string_value: "64" } }', "got 64"),
+    "workers past the flag": (b"instance_group [ { count: 9 } ]", "inference_workers 9 is above"),
+    "empty boolean": (b'parameters { key: "dynamic_batching" value { string_value: "" } }', "dynamic_batching"),
+    "a limit of zero": (b'parameters { key: "max_q_len" value { string_value: "0" } }', "max_q_len"),
+}
+
+
+def test_a_bad_config_edit_keeps_the_loaded_version_serving_and_the_index_says_why(tmp_path, small_model_dir,
+                                                                                 small_module):  # fmt: skip
+    repository = tmp_path / "repository"
+    add_version(repository, "a", 1, small_model_dir)
+    config = repository / "a" / "config.pbtxt"
+    config.write_text("max_batch_size: 4")
+    query = rand(2, 3, SMALL_D_MODEL, seed=11)
+    seen: dict[str, tuple[bool, str, np.ndarray, str]] = {}
+    with repository_server(repository, "--model-control-mode", "poll", "--repository-poll-secs", "0.1") as server:
+        with Client(server.url, model="a", retry=NO_RETRIES) as client:
+            before = client.infer(query).output
+            for edit, (text, says) in BAD_EDITS.items():
+                config.write_bytes(text)
+                deadline = time.monotonic() + 15
+                while says not in index(server)[("a", "1")][1] and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                state, reason = index(server)[("a", "1")]
+                ready = tritongrpc.InferenceServerClient(server.url).is_model_ready("a")
+                seen[edit] = (ready, state, client.infer(query).output, reason)
+            config.write_text("max_batch_size: 2")  # fixed: it reloads, and the reason goes
+            deadline = time.monotonic() + 15
+            while served_with(server.url, "a")["max_batch_size"] != "2" and time.monotonic() < deadline:
+                time.sleep(0.05)
+            fixed = index(server)[("a", "1")]
+        log = "".join(server.lines)
+    np.testing.assert_allclose(before, eager(small_module, query)[0], atol=1e-5)
+    for edit, (ready, state, answer, reason) in seen.items():
+        assert (ready, state) == (True, "READY"), edit
+        assert "serving the files loaded before" in reason and str(config) in reason, (edit, reason)
+        assert BAD_EDITS[edit][1] in reason, (edit, reason)
+        np.testing.assert_array_equal(answer, before)
+        assert reason in log  # one line in the log, naming the file and what was wrong
+    assert fixed == ("READY", "")
+
+
+def test_a_model_that_is_there_but_does_not_serve_is_unavailable_never_not_found(tmp_path, small_model_dir):
+    repository = tmp_path / "repository"
+    add_version(repository, "broken", 1, small_model_dir)
+    (repository / "broken" / "config.pbtxt").write_text("max_batch_size: {{{")
+    with repository_server(repository, "--exit-on-error", "false") as server:
+        with Client(server.url, model="broken", retry=NO_RETRIES) as client:
+            with pytest.raises(grpc.RpcError) as whole_model:
+                client.infer(rand(1, 2, SMALL_D_MODEL))
+        with Client(server.url, model="broken", version="1", retry=NO_RETRIES) as client:
+            with pytest.raises(grpc.RpcError) as one_version:
+                client.infer(rand(1, 2, SMALL_D_MODEL))
+        with Client(server.url, model="elsewhere", retry=NO_RETRIES) as client:
+            with pytest.raises(grpc.RpcError) as unknown:
+                client.infer(rand(1, 2, SMALL_D_MODEL))
+    for refusal in (whole_model.value, one_version.value):
+        assert refusal.code() == grpc.StatusCode.UNAVAILABLE, refusal.details()
+        assert "config.pbtxt" in refusal.details() and "Triton's text format" in refusal.details()
+    assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+
+
 def test_a_model_folder_served_alone_reads_its_own_config(start_server, small_model_dir, tmp_path):
     import shutil
 

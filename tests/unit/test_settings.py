@@ -37,6 +37,8 @@ def test_flags_set_their_fields_and_repeated_flags_add_up():
         (("--max-queue-delay-us", "-5"), "--max-queue-delay-us must be 0 or more"),
         (("--log-format", "xml"), "--log-format must be text or json, got 'xml'"),
         (("--device", "tpu"), "--device must be auto, cpu or cuda, got 'tpu'"),
+        (("--intra-op-threads", "-3"), "--intra-op-threads must be 0 or a count up to the cores"),
+        (("--intra-op-threads", "4096"), "got 4096 (it may use "),
         (("--trace-config", "rate=-1"), "--trace-config: trace_rate: expected 0..4294967295"),
         (("--model-control-mode", "explicit"), "need --model-repository"),
         (("--model-repository", "r", "--model-dir", "m"), "not both"),
