@@ -163,7 +163,7 @@ class RequestAccounting:
             call.trace.finish(call, status, time.perf_counter_ns())
         access_line(
             call.protocol, served.signature.name if served else "", served.signature.version if served else "", status,
-            call.request_id, call.rows, call.bytes_in, call.bytes_out, call.timing, trace_id,
+            call.request_id, call.rows, call.bytes_in, call.bytes_out, call.timing, trace_id, call.peer, call.caller,
         )  # fmt: skip
         return release
 

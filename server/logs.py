@@ -2,7 +2,8 @@
 log, one line per inference request (``--access-log``, logger ``mhaserve.access``).
 
 JSON is one object a line: time (UTC, ISO 8601), level, logger, message, and the request's or model's fields
-where the line has them (model, version, request_id, protocol, status, bytes and times for the access log,
+where the line has them (model, version, request_id, caller, peer, protocol, status, bytes and times for the access
+log,
 trace_id for a traced request).
 Lines that ONNX Runtime and gRPC's core print themselves (to stderr, not through Python's logging) stay as
 they print them.
@@ -23,8 +24,8 @@ FORMATS = ("text", "json")
 ACCESS = logging.getLogger("mhaserve.access")
 # What a line may carry beside its message (``extra=``), named as JSON gives them.
 FIELDS = (
-    "model", "version", "request_id", "protocol", "status", "rows", "bytes_in", "bytes_out", "queue_ms",
-    "compute_ms", "total_ms", "trace_id",
+    "model", "version", "request_id", "caller", "peer", "protocol", "status", "rows", "bytes_in", "bytes_out",
+    "queue_ms", "compute_ms", "total_ms", "trace_id",
 )  # fmt: skip
 
 
@@ -62,12 +63,16 @@ def configure(level: str, log_format: str, access_log: bool) -> None:
 
 def access_line(
     protocol: str, model: str, version: str, status: str, request_id: str, rows: int, bytes_in: int, bytes_out: int,
-    timing: RequestTiming, trace_id: str = "",
+    timing: RequestTiming, trace_id: str = "", peer: str = "", caller: str = "",
 ) -> None:  # fmt: skip
-    """One inference request's line in the access log, if it is on."""
+    """One inference request's line in the access log, if it is on: ``peer`` its address, ``caller`` who it is
+    (security.Callers: a token's holder or a certificate's name, never a token; "-" where callers are not told
+    apart), as nginx logs $remote_addr and $remote_user."""
     if not ACCESS.isEnabledFor(logging.INFO):
         return
     fields = {
+        "peer": peer or "-",
+        "caller": caller or "-",
         "protocol": protocol,
         "model": model,
         "version": version,
@@ -83,8 +88,9 @@ def access_line(
     if trace_id:
         fields["trace_id"] = trace_id
     ACCESS.info(
-        "%s %s/%s %s id=%r rows=%d in=%d out=%d queue_ms=%.3f compute_ms=%.3f total_ms=%.3f%s",
-        protocol, model or "-", version or "-", status, request_id, rows, bytes_in, bytes_out,
+        "%s %s/%s %s id=%r caller=%r peer=%s rows=%d in=%d out=%d queue_ms=%.3f compute_ms=%.3f total_ms=%.3f%s",
+        protocol, model or "-", version or "-", status, request_id, fields["caller"], fields["peer"], rows, bytes_in,
+        bytes_out,
         fields["queue_ms"], fields["compute_ms"], fields["total_ms"], f" trace_id={trace_id}" if trace_id else "",
         extra=fields,
     )  # fmt: skip

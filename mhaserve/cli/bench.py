@@ -15,6 +15,7 @@ from .common import (
     add_shared_memory_argument,
     add_weights_arguments,
     check_writable,
+    check_writable_folder,
     connection_of,
     float_list,
     int_list,
@@ -37,6 +38,8 @@ def _compare_runs(words: list[str]) -> int:
     for path in words[1:]:
         try:
             runs.append(json.loads(Path(path).read_text()))
+        except RecursionError:  # nested deeper than the parser goes: no bench file is
+            raise UsageError(f"{path}: not a 'mhaserve bench --json' file (JSON nested too deep)") from None
         except (OSError, ValueError) as error:
             raise UsageError(f"{path}: not a 'mhaserve bench --json' file ({error})") from None
         if not isinstance(runs[-1], dict) or not isinstance(runs[-1].get("points"), list):
@@ -131,6 +134,8 @@ def _run_bench(args) -> int:
     for path, flag in ((args.json, "--json"), (args.csv, "--csv"), (args.report, "--report")):
         if path is not None:  # before the sweep: a path that cannot be written would lose its results
             check_writable(path, flag)
+    if args.plot_dir is not None:
+        check_writable_folder(args.plot_dir, "--plot-dir")
     from mhaserve.loadtest import report
     from mhaserve.loadtest.loadgen import LoadGenerator, Point, Workload, default_processes
 

@@ -189,3 +189,28 @@ def check_writable(path: Path, flag: str) -> None:
         raise UsageError(f"{flag} {path}: the folder {folder} does not exist")
     if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise UsageError(f"{flag} {path}: cannot be written (permissions)")
+    _try_writing(path, flag)
+
+
+def check_writable_folder(folder: Path, flag: str) -> None:
+    """A folder the command will write files into at its end can be: made if it is not there, and takes a file."""
+    if folder.exists() and not folder.is_dir():
+        raise UsageError(f"{flag} {folder}: is a file; give a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UsageError(f"{flag} {folder}: cannot be made ({error.strerror})") from None
+    _try_writing(folder / ".mhaserve-write-check", flag)
+
+
+def _try_writing(path: Path, flag: str) -> None:
+    """Open ``path`` for appending, as the end will write it, and leave it as it was: a folder that the permission
+    bits allow may still refuse files (a read-only mount, /proc, a full disk's quota)."""
+    existed = path.exists()
+    try:
+        with open(path, "ab"):
+            pass
+    except OSError as error:
+        raise UsageError(f"{flag} {path}: cannot be written ({error.strerror})") from None
+    if not existed:
+        path.unlink(missing_ok=True)

@@ -41,6 +41,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        code = _run(argv)
+        sys.stdout.flush()  # here, not at the interpreter's exit, where a broken pipe is a traceback
+        return code
+    except BrokenPipeError:  # its reader went away (``| head``): as a Unix tool ends on SIGPIPE, with no word
+        _quiet_stdout()
+        return 128 + signal.SIGPIPE
+
+
+def _run(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -50,6 +60,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _quiet_stdout() -> None:
+    """Stdout pointed at /dev/null, so that the interpreter's own flush at exit meets no broken pipe (the way
+    Python's documentation gives for SIGPIPE)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def _stopped(signum, frame):

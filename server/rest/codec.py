@@ -67,6 +67,11 @@ def decode_rest_request(name: str, version: str, body: bytes, header_length: int
                 raise invalid(f"input '{input_name}': has data and a shared memory region; give one")
             shared[input_name] = SharedInput(datatype, tuple(shape), placement)
         elif size is not None:
+            if "data" in entry:  # which one is meant cannot be known: neither is taken
+                raise invalid(
+                    f"input '{input_name}': has both 'data' and a binary_data_size parameter; give one (the "
+                    "binary data after the JSON, or 'data' in it)"
+                )
             if type(size) is not int or size < 0 or offset + size > len(binary):
                 raise invalid(
                     f"input '{input_name}': binary_data_size {size!r}, but {len(binary) - offset} bytes of binary "

@@ -6,6 +6,7 @@ sockets and memory however many of them connect.
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import orjson
 from aiohttp import web
@@ -91,15 +92,36 @@ class CappedSite(web.TCPSite):
     async def start(self) -> None:
         await web.BaseSite.start(self)  # registers the site with its runner (cleanup stops it)
         loop = asyncio.get_running_loop()
+        where = {"host": self._host, "port": self._port, "reuse_port": self._reuse_port}
+        if self._host in IPV6_ANY:  # one socket for both families, as gRPC binds [::] (asyncio's is IPv6 only)
+            where = {"sock": dual_stack_socket(self._port, self._reuse_port)}
         self._server = await loop.create_server(
             self._protocol,
-            self._host,
-            self._port,
             ssl=self._ssl_context,
             ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT_S if self._ssl_context else None,
-            reuse_port=self._reuse_port,
+            **where,
         )
         self._bound_port = self._server.sockets[0].getsockname()[1]
+
+
+IPV6_ANY = ("::", "[::]")
+
+
+def dual_stack_socket(port: int, reuse_port: bool) -> socket.socket:
+    """A listening socket on every address of both families: IPv6's any address with IPv4 mapped into it."""
+    sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(("::", port))
+        sock.listen(100)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 async def start_site(

@@ -399,6 +399,11 @@ def test_infer_and_bench_over_http_from_the_command_line(server, tmp_path):
     refused = subprocess.run([*infer, "--model", "gpt"],
                              capture_output=True, text=True, timeout=60)  # fmt: skip
     assert refused.returncode == 1 and "NOT_FOUND: unknown model 'gpt'" in refused.stderr
+    # its output into a pipe whose reader has gone (``| head``): it ends quietly, as a Unix tool does
+    into_closed_pipe = subprocess.Popen(infer, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    into_closed_pipe.stdout.close()
+    stderr = into_closed_pipe.communicate(timeout=60)[1].decode()
+    assert into_closed_pipe.returncode == 141 and stderr == "", stderr
     bench = subprocess.run([*cli, "bench", "--protocol", "http", "--url", url, "--concurrency", "2", "--duration", "1",
                             "--warmup", "0.2", "--processes", "1", "--json", str(tmp_path / "b.json")],
                            capture_output=True, text=True, timeout=120)  # fmt: skip

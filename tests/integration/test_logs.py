@@ -89,7 +89,31 @@ def test_the_access_log_is_off_unless_asked_and_text_by_default(server, start_se
         client.infer(rand(1, 4, SMALL_D_MODEL), request_id="abc")
     loud.stop()
     (line,) = [line for line in loud.lines if "mhaserve.access" in line]
-    assert "INFO mhaserve.access: grpc mha/1 OK id='abc' rows=1 in=" in line and "total_ms=" in line
+    assert "INFO mhaserve.access: grpc mha/1 OK id='abc' caller='-' peer=ipv" in line and "total_ms=" in line
+
+
+def test_the_access_log_names_each_caller_by_its_token_s_holder_never_by_the_token(start_server, small_model_dir,
+                                                                                   tmp_path):  # fmt: skip
+    (tmp_path / "tokens").write_text("alice alice-secret-token\nbob bob-secret-token\n")
+    server = start_server(small_model_dir, *TEST_SERVER_ARGS, "--access-log", "true", "--log-format", "json",
+                          "--auth-token-file", str(tmp_path / "tokens"))  # fmt: skip
+    with Client(server.url, token="alice-secret-token") as client:
+        client.infer(rand(1, 2, SMALL_D_MODEL), request_id="from-alice")
+    request = urllib.request.Request(
+        server.http_url + "/v2/models/mha/infer",
+        data=json.dumps({"id": "from-bob", "inputs": [
+            {"name": "query", "shape": [1, 1, SMALL_D_MODEL], "datatype": "FP32", "data": [0.5] * SMALL_D_MODEL}
+        ]}).encode(),
+        headers={"Content-Type": "application/json", "Authorization": "Bearer bob-secret-token"},
+    )  # fmt: skip
+    with urllib.request.urlopen(request, timeout=30) as answer:
+        assert answer.status == 200
+    server.stop()
+    entries = [json.loads(line) for line in server.lines if line.lstrip().startswith("{")]
+    access = {e["request_id"]: e for e in entries if e["logger"] == "mhaserve.access"}
+    assert access["from-alice"]["caller"] == "token alice" and access["from-bob"]["caller"] == "token bob"
+    assert access["from-alice"]["peer"].startswith("ipv4:127.0.0.1:") and "127.0.0.1" in access["from-bob"]["peer"]
+    assert not any("secret-token" in line for line in server.lines)
 
 
 def test_a_bad_log_format_is_one_line_and_exit_code_2(small_model_dir, capsys):

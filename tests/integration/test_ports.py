@@ -55,3 +55,11 @@ def test_an_ipv6_host_serves_grpc_and_http(start_server, small_model_dir, host):
     http_port = server.http_url.rsplit(":", 1)[1]
     with urllib.request.urlopen(f"http://[::1]:{http_port}/v2/health/ready", timeout=10) as response:
         assert response.status == 200
+    if host != "::1":  # the any address serves IPv4 too, on both ports, as gRPC's [::] does
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            assert pb_grpc.GRPCInferenceServiceStub(channel).ServerLive(pb.ServerLiveRequest(), timeout=10).live
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v2/health/ready", timeout=10) as response:
+            assert response.status == 200
+        metrics_port = server.metrics_url.rsplit(":", 1)[1].split("/")[0]
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as response:
+            assert response.status == 200

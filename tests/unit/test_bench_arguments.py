@@ -29,6 +29,14 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_the_sweep(tmp_p
     assert "is a folder" in err
 
 
+@pytest.mark.parametrize("flag", ["--json", "--csv", "--report", "--plot-dir"])
+def test_an_output_in_a_folder_that_refuses_files_is_refused_before_the_sweep(capsys, flag):
+    # /proc/self exists and its permission bits say root may write; it takes no new file
+    target = "/proc/self" if flag == "--plot-dir" else "/proc/self/results.out"
+    err = one_line_refusal(capsys, [*NOWHERE, flag, target])
+    assert f"{flag} {target}" in err and "cannot be" in err, err
+
+
 def test_a_20000_digit_slo_is_refused_at_once(capsys):
     started = time.perf_counter()
     err = one_line_refusal(capsys, [*NOWHERE, "--slo", "p99<" + "9" * 20000 + "x"])
@@ -47,6 +55,7 @@ MALFORMED = {
     "a figure that is text": {"points": [{**GOOD_POINT, "p50_ms": "fast"}]},
     "a figure that is null": {"points": [{**GOOD_POINT, "throughput_per_s": None}]},
     "rounds that are not an object": {"points": [{**GOOD_POINT, "rounds": [1]}]},
+    "nested past the parser's depth": "[" * 200_000 + "]" * 200_000,
 }
 
 

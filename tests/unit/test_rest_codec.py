@@ -49,6 +49,12 @@ def test_json_and_binary_inputs_decode_to_the_same_arrays():
         (b'{"inputs": []}', 99, f"{HEADER_LENGTH} 99 is longer than the body"),
         (b'{"inputs": [{"name": "query", "shape": [2], "datatype": "FP32", "data": [1, [2]]}]}', None, "ragged"),
         (b'{"inputs": [], "id": {"a": 1}}', None, "the request's 'id' must be a string"),
+        (
+            b'{"inputs": [{"name": "query", "shape": [1], "datatype": "FP32", "data": [1.0], '
+            b'"parameters": {"binary_data_size": 4}}]}\x00\x00\x80\x3f',
+            119,
+            "input 'query': has both 'data' and a binary_data_size parameter; give one",
+        ),
     ],
 )
 def test_a_body_that_is_no_request_is_refused_saying_why(body, length, words):
