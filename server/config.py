@@ -333,6 +333,14 @@ class SequenceSettings(Section):
         "clients apart; beyond, RESOURCE_EXHAUSTED",
         rule=at_least(1),
     )
+    # Kept keys and values outlive requests: without a ceiling of their own, sequences left open (by any client,
+    # identified or not) could hold the whole budget until their idle timeout and refuse every stateless call.
+    sequence_bytes_share: float = setting(
+        0.5,
+        "share of --max-inflight-bytes that every sequence's keys and values may hold together; the rest is kept for "
+        "stateless requests; beyond, a step that grows a sequence is RESOURCE_EXHAUSTED",
+        rule=Rule(lambda value: 0 < value <= 1, "more than 0 and at most 1"),
+    )
     max_sequence_length: int = setting(
         4096, "rows a sequence may grow to; beyond, RESOURCE_EXHAUSTED", rule=at_least(1)
     )

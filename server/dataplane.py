@@ -88,6 +88,7 @@ class DataPlane:
             settings.inference_workers,
             settings.max_batch_size if settings.dynamic_batching else None,
             padded_runs=settings.dynamic_batching and not settings.length_aware_batching,
+            kept_share=settings.sequence_bytes_share,
         )
         self.metrics = Metrics(lambda: budget.held, budget.limit)
         self.started = False  # the models of start-up are loaded (or failed): ServerReady may say yes

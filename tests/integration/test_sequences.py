@@ -13,10 +13,10 @@ import grpc
 import numpy as np
 import pytest
 
-from mhaserve.client.grpc import build_infer_request
+from mhaserve.client.grpc import NO_RETRIES, Client, build_infer_request
 from mhaserve.contract.steps import MIN_ROOM
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
-from tests.support import CLIENT_SCRIPTS, SMALL_D_MODEL, TEST_SERVER_ARGS, eager, scrape
+from tests.support import CLIENT_SCRIPTS, SMALL_D_MODEL, TEST_SERVER_ARGS, eager, rand, scrape
 from tests.support.in_process import InProcessServer
 
 D = SMALL_D_MODEL
@@ -279,6 +279,26 @@ def test_a_sequence_past_its_limits_is_refused_and_left_as_it_was(stub):
     step(stub, "long", rows[:, :1], end=True)
 
 
+def test_sequences_left_open_hold_at_most_their_share_and_stateless_calls_are_still_answered(start_server,
+                                                                                           small_model_dir):  # fmt: skip
+    server = start_server(small_model_dir, *TEST_SERVER_ARGS, "--max-inflight-bytes", str(12 << 20))
+    rows = np.ones((8, 64, D), np.float32)  # a first step keeps 8 x 64 rows of keys and values: 256 KiB
+    with grpc.insecure_channel(server.url) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        opened = 0
+        with pytest.raises(grpc.RpcError) as refused:
+            for number in range(100):  # one client opens sequences and leaves them open
+                step(stub, f"left-open-{number}", rows, start=True)
+                opened += 1
+        cache = {n: v for (n, _), v in scrape(server.metrics_url).items() if n == "mhaserve_sequence_cache_bytes"}
+        with Client(server.url, retry=NO_RETRIES) as client:
+            answers = [client.infer(rand(8, 64, D, seed=n), attn_weights=True) for n in range(20)]
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "--sequence-bytes-share 0.5" in refused.value.details() and "stateless" in refused.value.details()
+    assert 0 < cache["mhaserve_sequence_cache_bytes"] <= 6 << 20 and opened >= 8
+    assert len(answers) == 20  # every stateless call answered while the sequences stay open
+
+
 def test_the_budget_refuses_a_step_that_would_not_fit_and_the_sequence_stays_as_it_was(start_server, small_model_dir):
     server = start_server(small_model_dir, *TEST_SERVER_ARGS, "--max-inflight-bytes", str(12 << 20))
     with grpc.insecure_channel(server.url) as channel:
@@ -291,7 +311,7 @@ def test_the_budget_refuses_a_step_that_would_not_fit_and_the_sequence_stays_as_
                 step(stub, "big", rows)
                 grown += 1
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "max_inflight_bytes" in refused.value.details()
+        assert "max_inflight_bytes" in refused.value.details() or "max-inflight-bytes" in refused.value.details()
         last = step(stub, "big", rows[:, :1], end=True)  # still live, as it was before the refused step
         assert last["attn_weights"].shape == (8, 4, 1, 64 * grown + 1)
         cache = {n: v for (n, _), v in scrape(server.metrics_url).items() if n == "mhaserve_sequence_cache_bytes"}

@@ -11,7 +11,7 @@ import pytest
 
 from mhaserve.server import accounting
 from mhaserve.server.accounting import Receipt, RequestAccounting
-from mhaserve.server.errors import ErrorKind
+from mhaserve.server.errors import ErrorKind, RequestError
 from mhaserve.server.memory import InflightBytesExceeded, MemoryBudget
 from mhaserve.server.metrics import Metrics
 
@@ -73,6 +73,17 @@ def test_what_sequences_keep_counts_between_requests_and_is_let_go():
     budget.let_go(600)
     budget.take(500, "the request as received")
     assert budget.held == 500 and not budget.idle
+
+
+def test_what_sequences_keep_together_stops_at_their_share_and_leaves_the_rest_to_requests():
+    budget = MemoryBudget(limit=1000, kept_share=0.5)
+    budget.keep(400, "sequence 'a''s keys and values")
+    with pytest.raises(RequestError) as refused:
+        budget.keep(200, "sequence 'b''s keys and values")
+    assert refused.value.kind == ErrorKind.RESOURCE_EXHAUSTED
+    assert "--sequence-bytes-share 0.5 of --max-inflight-bytes 1000 (500 bytes" in refused.value.message
+    budget.take(600, "the request as received")  # the half kept for stateless requests is there
+    assert budget.kept_bytes == 400
 
 
 def test_a_model_that_batches_where_the_flags_did_not_widens_the_estimate_never_narrows_it():
