@@ -433,7 +433,7 @@ class InferenceCall(CallRecord):
         placed = request.output_placements()
         shared = sum(each.placement.byte_size for each in request.shared_inputs.values())
         if request.shared_inputs or placed:  # their regions held, windows checked, until the call ends
-            self._regions = dataplane.shared_memory.held_for(self.peer, request.shared_inputs, placed)
+            self._regions = dataplane.shared_memory.held_for(self.peer, self.caller, request.shared_inputs, placed)
             self.receipt.add(shared)  # read from shared memory like a body being received
         nbytes = shared + sum(array.nbytes for array in request.inputs.values())
         attention = await dataplane.off_loop_if_large(self._checked, nbytes, request)

@@ -190,14 +190,19 @@ class SharedMemoryRegistry:
     """The registered regions of one server: register, status, unregister, and the regions a request uses
     (``use``/``done``), within ``max_regions`` regions and ``max_bytes`` registered bytes. ``allowed`` False:
     every call is refused, saying how to turn it on. Event loop only (reads and writes may run elsewhere: a
-    region in use is never closed)."""
+    region in use is never closed).
+
+    A region belongs to the caller that registered it (``owner``: security.Callers' name for it): another caller
+    neither lists it, nor uses it, nor unregisters it, and may register a region of the same name, its own. Where
+    the server does not tell callers apart (no auth, one shared token) every caller is the same owner, "", as in
+    Triton."""
 
     def __init__(self, allowed: bool, max_regions: int, max_bytes: int, shm_dir: str = SHM_DIR):
         self.allowed = allowed
         self.max_regions = max_regions
         self.max_bytes = max_bytes
         self.shm_dir = shm_dir
-        self._regions: dict[str, Region] = {}
+        self._regions: dict[tuple[str, str], Region] = {}  # (owner, name) -> region
 
     def check_allowed(self, peer: str) -> None:
         """Refuse unless shared memory is on and ``peer`` (the caller's address, as is_local_peer reads it) is
@@ -215,11 +220,11 @@ class SharedMemoryRegistry:
                 f"this call came from {peer or 'an unknown address'}: send the tensors in the request instead",
             )
 
-    def register(self, peer: str, name: str, key: str, offset, byte_size) -> None:
+    def register(self, peer: str, owner: str, name: str, key: str, offset, byte_size) -> None:
         self.check_allowed(peer)
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise invalid(f"shared memory region name {name!r}: expected 1 to 128 letters, digits or any of '_.-:'")
-        if name in self._regions:
+        if (owner, name) in self._regions:
             raise RequestError(
                 ErrorKind.ALREADY_EXISTS,
                 f"shared memory region '{name}' is already registered; unregister it first, or pick another name",
@@ -255,7 +260,7 @@ class SharedMemoryRegistry:
         except BaseException:
             os.close(fd)
             raise
-        self._regions[name] = Region(name, key, fd, offset, byte_size)
+        self._regions[owner, name] = Region(name, key, fd, offset, byte_size)
 
     def _open(self, name: str, key) -> int:
         match = _KEY.fullmatch(key) if isinstance(key, str) else None
@@ -275,33 +280,33 @@ class SharedMemoryRegistry:
                 f"permissions: {error.strerror}"
             ) from None
 
-    def status(self, peer: str, name: str = "") -> list[RegionStatus]:
-        """Region ``name`` (NOT_FOUND if not registered), or every region if empty."""
+    def status(self, peer: str, owner: str, name: str = "") -> list[RegionStatus]:
+        """``owner``'s region ``name`` (NOT_FOUND if it has none so named), or every region of its if empty."""
         self.check_allowed(peer)
         if not name:
-            return [region.status for region in self._regions.values()]
-        if name not in self._regions:
+            return [region.status for (holder, _), region in self._regions.items() if holder == owner]
+        if (owner, name) not in self._regions:
             raise RequestError(ErrorKind.NOT_FOUND, f"no shared memory region '{name}' is registered")
-        return [self._regions[name].status]
+        return [self._regions[owner, name].status]
 
-    def unregister(self, peer: str, name: str = "") -> None:
-        """Forget region ``name`` (every region if empty; a name not registered: nothing to do, as in Triton). One
-        in use stays open until its requests are done."""
+    def unregister(self, peer: str, owner: str, name: str = "") -> None:
+        """Forget ``owner``'s region ``name`` (each of its regions if empty; a name not registered: nothing to do,
+        as in Triton). One in use stays open until its requests are done."""
         self.check_allowed(peer)
-        for each in [name] if name else list(self._regions):
+        for each in [(owner, name)] if name else [key for key in self._regions if key[0] == owner]:
             region = self._regions.pop(each, None)
             if region is not None:
                 region.unregistered = True
                 if region.users == 0:
                     region.close()
 
-    def use(self, peer: str, placements: dict[str, Placement]) -> HeldRegions:
-        """The regions that ``placements`` (tensor description -> placement) name, each window checked, held
-        open until released even if unregistered meanwhile; the whole set or nothing."""
+    def use(self, peer: str, owner: str, placements: dict[str, Placement]) -> HeldRegions:
+        """``owner``'s regions that ``placements`` (tensor description -> placement) name, each window checked,
+        held open until released even if unregistered meanwhile; the whole set or nothing."""
         self.check_allowed(peer)
         regions = {}
         for where, placement in placements.items():
-            region = self._regions.get(placement.region)
+            region = self._regions.get((owner, placement.region))
             if region is None:
                 raise invalid(f"{where}: unknown shared memory region '{placement.region}'; register it first")
             region.check(placement, where)
@@ -310,12 +315,12 @@ class SharedMemoryRegistry:
             region.users += 1
         return HeldRegions(self, regions)
 
-    def held_for(self, peer: str, inputs: dict, outputs: dict[str, Placement]) -> HeldRegions:
+    def held_for(self, peer: str, owner: str, inputs: dict, outputs: dict[str, Placement]) -> HeldRegions:
         """The regions a request's tensors lie in (``inputs``: name -> its SharedInput; ``outputs``: name ->
         placement), held as ``use`` holds them, each input's window checked against its datatype and shape."""
         windows = {f"input '{name}'": shared.placement for name, shared in inputs.items()}
         windows.update({f"output '{name}'": placement for name, placement in outputs.items()})
-        held = self.use(peer, windows)
+        held = self.use(peer, owner, windows)
         for name, shared in inputs.items():
             expected = byte_count(name, shared.datatype, shared.shape)
             if shared.placement.byte_size != expected:

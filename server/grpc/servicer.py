@@ -79,28 +79,28 @@ class ProtocolAnswers:
         value = pb.TraceSettingResponse.SettingValue
         return pb.TraceSettingResponse(settings={name: value(value=values) for name, values in settings.items()})
 
-    async def SystemSharedMemoryStatus(self, request, peer: str = ""):
-        rows = describe.shared_memory_status(self.dataplane.shared_memory.status(peer, request.name))
+    async def SystemSharedMemoryStatus(self, request, peer: str = "", caller: str = ""):
+        rows = describe.shared_memory_status(self.dataplane.shared_memory.status(peer, caller, request.name))
         regions = {"regions": {row["name"]: row for row in rows}}
         return json_format.ParseDict(regions, pb.SystemSharedMemoryStatusResponse())
 
-    async def SystemSharedMemoryRegister(self, request, peer: str = ""):
+    async def SystemSharedMemoryRegister(self, request, peer: str = "", caller: str = ""):
         registry = self.dataplane.shared_memory
-        registry.register(peer, request.name, request.key, request.offset, request.byte_size)
+        registry.register(peer, caller, request.name, request.key, request.offset, request.byte_size)
         return pb.SystemSharedMemoryRegisterResponse()
 
-    async def SystemSharedMemoryUnregister(self, request, peer: str = ""):
-        self.dataplane.shared_memory.unregister(peer, request.name)
+    async def SystemSharedMemoryUnregister(self, request, peer: str = "", caller: str = ""):
+        self.dataplane.shared_memory.unregister(peer, caller, request.name)
         return pb.SystemSharedMemoryUnregisterResponse()
 
-    async def CudaSharedMemoryStatus(self, request, peer: str = ""):
+    async def CudaSharedMemoryStatus(self, request, peer: str = "", caller: str = ""):
         self.dataplane.shared_memory.cuda_status(peer, request.name)
         return pb.CudaSharedMemoryStatusResponse()
 
     async def CudaSharedMemoryRegister(self, request):
         raise self.dataplane.shared_memory.cuda_refused()
 
-    async def CudaSharedMemoryUnregister(self, request, peer: str = ""):
+    async def CudaSharedMemoryUnregister(self, request, peer: str = "", caller: str = ""):
         self.dataplane.shared_memory.cuda_status(peer)  # nothing to unregister, if allowed at all
         return pb.CudaSharedMemoryUnregisterResponse()
 
@@ -271,8 +271,11 @@ def _answered(name: str):
         if isinstance(request, RequestError):  # bytes that were no request message
             raise request
         answer = getattr(self.answers, name)
-        # The shared-memory RPCs ask where the caller is: only one on this host shares its memory.
-        return await (answer(request, context.peer()) if name in SHARED_MEMORY_RPCS else answer(request))
+        # The shared-memory RPCs ask where the caller is (only one on this host shares its memory) and who (a
+        # region is its registrant's).
+        if name in SHARED_MEMORY_RPCS:
+            return await answer(request, context.peer(), self.caller(context))
+        return await answer(request)
 
     rpc.__name__ = rpc.__qualname__ = name
     return rpc

@@ -207,7 +207,8 @@ class RestTransport:
         region, shared_memory = request.match_info.get("region", ""), self.dataplane.shared_memory
         if request.path.startswith("/v2/cuda"):
             return json_response(shared_memory.cuda_status(_peer(request), region))
-        return json_response(describe.shared_memory_status(shared_memory.status(_peer(request), region)))
+        regions = shared_memory.status(_peer(request), self._caller(request), region)
+        return json_response(describe.shared_memory_status(regions))
 
     async def shared_memory_register(self, request):
         """``{"key": "/name", "offset": 0, "byte_size": N}`` (CUDA: refused, see SharedMemoryRegistry.cuda_refused)."""
@@ -223,8 +224,9 @@ class RestTransport:
                 'the register request must be a JSON object like {"key": "/name", "offset": 0, "byte_size": N}'
             )
         region = request.match_info["region"]
-        peer = _peer(request)
-        self.dataplane.shared_memory.register(peer, region, given["key"], given.get("offset", 0), given["byte_size"])
+        self.dataplane.shared_memory.register(
+            _peer(request), self._caller(request), region, given["key"], given.get("offset", 0), given["byte_size"]
+        )
         return web.Response(status=200)
 
     async def shared_memory_unregister(self, request):
@@ -233,7 +235,7 @@ class RestTransport:
         if request.path.startswith("/v2/cuda"):
             shared_memory.cuda_status(_peer(request))  # no CUDA region is ever registered: nothing to do
         else:
-            shared_memory.unregister(_peer(request), region)
+            shared_memory.unregister(_peer(request), self._caller(request), region)
         return web.Response(status=200)
 
     async def api_document(self, request):

@@ -450,3 +450,38 @@ def test_shared_memory_is_refused_to_a_caller_on_another_host_whatever_it_asks(s
     for call in ("http register", "http status", "http unregister", "http infer into shared memory"):
         assert answers[call] == 403, (call, answers)
         assert "only for clients on the server's own host" in answers[f"{call} message"], answers
+
+
+def test_a_region_belongs_to_the_caller_that_registered_it(small_model_dir, region, tmp_path):
+    from tests.support.in_process import InProcessServer
+
+    (tmp_path / "tokens").write_text("alice alice-token\nbob bob-token\n")
+    alice, bob = ({"Authorization": f"Bearer {name}-token"} for name in ("alice", "bob"))
+    query = rand(1, 3, D, seed=21)
+    key, shm = region(2 * query.nbytes)
+    shm.buf[: query.nbytes] = query.tobytes()
+    inputs = [shm_input("query", query.shape, "mine", query.nbytes)]
+    outputs = [shm_output("output", "mine", query.nbytes, offset=query.nbytes)]
+    with InProcessServer(small_model_dir, *TEST_SERVER_ARGS, *SHM_ARGS, "--auth-token-file",
+                         str(tmp_path / "tokens")) as server:  # fmt: skip
+        assert register(server, "mine", key, 2 * query.nbytes, headers=alice)[0] == 200
+        listed_to_bob = http(server, "GET", "/v2/systemsharedmemory/status", headers=bob)
+        named_to_bob = http(server, "GET", "/v2/systemsharedmemory/region/mine/status", headers=bob)
+        used_by_bob = infer(server, inputs, outputs, headers=bob)
+        output_after_bob = np.frombuffer(shm.buf[query.nbytes :], np.float32).copy()
+        unregistered_by_bob = http(server, "POST", "/v2/systemsharedmemory/unregister", headers=bob)  # "all" his
+        with grpc.insecure_channel(server.url) as channel:  # gRPC alike: bob's own view has no region
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            over_grpc = stub.SystemSharedMemoryStatus(pb.SystemSharedMemoryStatusRequest(), timeout=10,
+                                                      metadata=[("authorization", "Bearer bob-token")])  # fmt: skip
+        # bob may name a region of his own as alice named hers
+        assert register(server, "mine", key, query.nbytes, headers=bob)[0] == 200
+        listed_to_alice = http(server, "GET", "/v2/systemsharedmemory/status", headers=alice)
+        used_by_alice = infer(server, inputs, outputs, headers=alice)
+        output_after_alice = np.frombuffer(shm.buf[query.nbytes :], np.float32).copy()
+    assert listed_to_bob == (200, []) and named_to_bob[0] == 404 and not over_grpc.regions
+    assert used_by_bob[0] == 400 and "unknown shared memory region 'mine'" in used_by_bob[1]["error"]
+    assert unregistered_by_bob[0] == 200
+    assert listed_to_alice[0] == 200 and [r["byte_size"] for r in listed_to_alice[1]] == [2 * query.nbytes]
+    assert used_by_alice[0] == 200, used_by_alice
+    assert not output_after_bob.any() and output_after_alice.any()  # written for alice only
