@@ -7,6 +7,7 @@ nothing but SERVING or NOT_SERVING.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -124,19 +125,41 @@ def load_token(token_file: Path | None) -> Tokens | None:
     return Tokens.of(names)
 
 
-def certificate_name(certificate: dict | None) -> str:
-    """A verified client certificate's subject common name, as ssl.getpeercert() gives it ("" for none)."""
-    for entry in (certificate or {}).get("subject", ()):
-        for key, value in entry:
-            if key == "commonName":
-                return value
-    return ""
+@functools.lru_cache(maxsize=4096)  # a client presents the same certificate on every call
+def certificate_identity(encoded: bytes) -> str:
+    """Who a verified client certificate (PEM, as gRPC gives it, or DER, as ssl does) names, "" for none. In this
+    order, as Envoy and SPIFFE take a workload's identity: its first URI SAN (a SPIFFE ID, as it is), else its
+    first DNS SAN (``DNS:name``), else its whole subject (RFC 4514, ``O=Acme,CN=alice``: never the common name
+    alone, which two certificates of different organisations may share), else, for a certificate that names
+    nothing, its own SHA-256 fingerprint (``sha256:...``): every certificate is someone, never everyone."""
+    if not encoded:
+        return ""
+    from cryptography import x509  # only servers under mutual TLS come here
+    from cryptography.hazmat.primitives import hashes
+
+    if encoded.lstrip().startswith(b"-----"):
+        certificate = x509.load_pem_x509_certificate(encoded)
+    else:
+        certificate = x509.load_der_x509_certificate(encoded)
+    try:
+        names = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        names = None
+    if names is not None:
+        if uris := names.get_values_for_type(x509.UniformResourceIdentifier):
+            return uris[0]
+        if dns := names.get_values_for_type(x509.DNSName):
+            return f"DNS:{dns[0]}"
+    if subject := certificate.subject.rfc4514_string():
+        return subject
+    return "sha256:" + certificate.fingerprint(hashes.SHA256()).hex()
 
 
 @dataclass(frozen=True)
 class Callers:
     """How the server tells its callers apart, to whom the state a call creates (a sequence) belongs: by the name
-    of the token a call carries (named tokens), else by its client certificate's name (mutual TLS). With neither
+    of the token a call carries (named tokens), else by its client certificate's identity (mutual TLS:
+    ``certificate_identity``). With neither
     (no auth, or one shared token) every caller is the same one, "", and sequence ids are global as in Triton."""
 
     tokens: Tokens | None = None
@@ -147,7 +170,8 @@ class Callers:
         return self.certificates or (self.tokens is not None and self.tokens.named)
 
     def identify(self, authorization_values, certificate: str) -> str:
-        """The caller of a call that presented ``authorization_values`` and a certificate named ``certificate``."""
+        """The caller of a call that presented ``authorization_values`` and a certificate whose identity is
+        ``certificate`` (``certificate_identity``)."""
         holder = self.tokens.holder_of(authorization_values) if self.tokens is not None else None
         if holder:
             return f"token {holder}"

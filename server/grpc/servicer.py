@@ -17,7 +17,7 @@ from mhaserve.protos.generated import model_config_pb2 as mc
 from .. import describe
 from ..dataplane import DataPlane, InferenceCall
 from ..errors import ErrorKind, RequestError
-from ..security import Callers
+from ..security import Callers, certificate_identity
 from .protobuf import decode_grpc_request, encode_grpc_response, grpc_decodes_slowly
 from .receipt import abort_refused
 
@@ -143,8 +143,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         if not self.callers.told_apart:
             return ""
         presented = [value for key, value in (context.invocation_metadata() or ()) if key == "authorization"]
-        names = (context.auth_context() or {}).get("x509_common_name") or ()
-        return self.callers.identify(presented, names[0].decode(errors="replace") if names else "")
+        pem = (context.auth_context() or {}).get("x509_pem_cert") or (b"",)
+        return self.callers.identify(presented, certificate_identity(pem[0]))
 
     @answering_errors
     async def ModelInfer(self, message, context):  # a handlers.ReceivedMessage: counted, then parsed

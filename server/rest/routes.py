@@ -17,7 +17,7 @@ from .. import describe
 from ..dataplane import DataPlane
 from ..errors import HTTP_STATUS, RequestError, invalid
 from ..parameters import quoted
-from ..security import Callers, certificate_name
+from ..security import Callers, certificate_identity
 from . import openapi
 from .body import Bodies
 from .codec import HEADER_LENGTH, header_length_of, infer_rest
@@ -122,8 +122,9 @@ class RestTransport:
         """Who the request comes from (security.Callers): "" unless the server tells callers apart."""
         if not self.callers.told_apart:
             return ""
-        certificate = request.transport.get_extra_info("peercert") if request.transport is not None else None
-        return self.callers.identify(request.headers.getall("Authorization", []), certificate_name(certificate))
+        tls = request.transport.get_extra_info("ssl_object") if request.transport is not None else None
+        certificate = (tls.getpeercert(binary_form=True) if tls is not None else None) or b""
+        return self.callers.identify(request.headers.getall("Authorization", []), certificate_identity(certificate))
 
     async def live(self, request):
         return web.Response(status=200)

@@ -90,10 +90,29 @@ def test_each_named_client_holds_its_share_of_the_sequences(named_tokens_server)
             alice.infer(rows, sequence=SequenceStep(sequence_id, end=True))
 
 
-def test_client_certificates_tell_callers_apart(small_model_dir, small_module, tmp_path):
+# Pairs of client certificates that are two callers: the common name alone does not make one caller, nor does
+# the absence of any subject (SPIFFE workloads name themselves by a URI SAN only).
+CERTIFICATE_PAIRS = {
+    "two common names": ({"common_name": "alice"}, {"common_name": "bob"}),
+    "one common name, two organisations": (
+        {"common_name": "alice", "organization": "Acme"}, {"common_name": "alice", "organization": "Other"}
+    ),
+    "two SPIFFE IDs, no subject": (
+        {"common_name": "", "uris": ("spiffe://example.org/ns/a/sa/alice",)},
+        {"common_name": "", "uris": ("spiffe://example.org/ns/a/sa/bob",)},
+    ),
+    "two DNS names, one common name": (
+        {"common_name": "svc", "dns_names": ("alice.example",)}, {"common_name": "svc", "dns_names": ("bob.example",)}
+    ),
+}
+
+
+@pytest.mark.parametrize("pair", CERTIFICATE_PAIRS)
+def test_client_certificates_tell_callers_apart(small_model_dir, small_module, tmp_path, pair):
     server_ca, client_ca = CertificateAuthority(tmp_path, "server"), CertificateAuthority(tmp_path, "clients")
     server_cert = server_ca.issue("server", "localhost", server=True)
-    alice_cert, bob_cert = (client_ca.issue(name, name, server=False) for name in ("alice", "bob"))
+    alice_cert, bob_cert = (client_ca.issue(stem, server=False, **names)
+                            for stem, names in zip(("alice", "bob"), CERTIFICATE_PAIRS[pair]))  # fmt: skip
     args = ("--tls-cert-file", str(server_cert.cert), "--tls-key-file", str(server_cert.key),
             "--tls-client-ca-file", str(client_ca.bundle))  # fmt: skip
     with InProcessServer(small_model_dir, *TEST_SERVER_ARGS, *args) as server:
@@ -113,3 +132,36 @@ def test_without_identities_ids_are_global_as_in_triton(start_server, small_mode
         one.infer(x[:, :2], sequence=SequenceStep("shared", start=True))
         answer = other.infer(x[:, 2:], sequence=SequenceStep("shared", end=True))
     assert answer.attn_weights.shape == (1, 4, 1, 3)
+
+
+def test_a_certificate_is_the_same_caller_over_grpc_and_http(small_model_dir, tmp_path):
+    import json
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    server_ca, client_ca = CertificateAuthority(tmp_path, "server"), CertificateAuthority(tmp_path, "clients")
+    server_cert = server_ca.issue("server", "localhost", server=True)
+    alice, stranger = (client_ca.issue(stem, "", server=False, uris=(f"spiffe://example.org/{stem}",))
+                       for stem in ("alice", "stranger"))  # fmt: skip
+    args = ("--tls-cert-file", str(server_cert.cert), "--tls-key-file", str(server_cert.key),
+            "--tls-client-ca-file", str(client_ca.bundle))  # fmt: skip
+
+    def http_step(cert, end: bool) -> int:
+        context = ssl.create_default_context(cafile=server_ca.bundle)
+        context.load_cert_chain(cert.cert, cert.key)
+        body = {"inputs": [{"name": "query", "shape": [1, 1, D], "datatype": "FP32", "data": [0.5] * D}],
+                "parameters": {"sequence_id": 5, "sequence_end": end}}  # fmt: skip
+        url = server.http_url.replace("http://127.0.0.1", "https://localhost") + "/v2/models/mha/infer"
+        try:
+            with urllib.request.urlopen(url, json.dumps(body).encode(), timeout=10, context=context) as answer:
+                return answer.status
+        except urllib.error.HTTPError as error:
+            return error.code
+
+    with InProcessServer(small_model_dir, *TEST_SERVER_ARGS, *args) as server:
+        url = server.url.replace("127.0.0.1", "localhost")
+        with Client(url, tls=TLS(ca=server_ca.bundle, cert=alice.cert, key=alice.key)) as client:
+            client.infer(rand(1, 2, D), sequence=SequenceStep(5, start=True))
+        assert http_step(stranger, end=False) == 400  # not his sequence
+        assert http_step(alice, end=True) == 200  # hers, over the other transport

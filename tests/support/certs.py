@@ -19,8 +19,11 @@ class Issued:
     key: Path
 
 
-def _name(common_name: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+def _name(common_name: str, organization: str = "") -> x509.Name:
+    attributes = [x509.NameAttribute(NameOID.COMMON_NAME, common_name)] if common_name else []
+    if organization:
+        attributes.append(x509.NameAttribute(NameOID.ORGANIZATION_NAME, organization))
+    return x509.Name(attributes)
 
 
 def _write(folder: Path, stem: str, cert: x509.Certificate, key) -> Issued:
@@ -55,12 +58,23 @@ class CertificateAuthority:
         self.bundle = folder / f"{name}-ca.pem"
         self.bundle.write_bytes(self.cert.public_bytes(serialization.Encoding.PEM))
 
-    def issue(self, stem: str, common_name: str, server: bool, dns_names: tuple[str, ...] = ("localhost",)) -> Issued:
+    def issue(
+        self,
+        stem: str,
+        common_name: str,
+        server: bool,
+        dns_names: tuple[str, ...] = ("localhost",),
+        *,
+        organization: str = "",
+        uris: tuple[str, ...] = (),
+    ) -> Issued:
+        """A certificate this CA signed: a server's (its DNS names and 127.0.0.1 as SANs), or a client's (its
+        ``uris`` and, if given other than the default, ``dns_names`` as SANs; ``common_name`` may be empty)."""
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.timezone.utc)
         builder = (
             x509.CertificateBuilder()
-            .subject_name(_name(common_name))
+            .subject_name(_name(common_name, organization))
             .issuer_name(self.cert.subject)
             .public_key(key.public_key())
             .serial_number(x509.random_serial_number())
@@ -74,5 +88,9 @@ class CertificateAuthority:
         )
         if server:
             names = [*map(x509.DNSName, dns_names), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-            builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
+        else:
+            names = [*map(x509.UniformResourceIdentifier, uris)]
+            names += [x509.DNSName(name) for name in dns_names if dns_names != ("localhost",)]
+        if names:
+            builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=not common_name)
         return _write(self.folder, stem, builder.sign(self.key, hashes.SHA256()), key)

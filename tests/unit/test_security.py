@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from mhaserve.server.security import Callers, SecurityConfigError, Tokens, certificate_name, load_token
+from mhaserve.server.security import Callers, SecurityConfigError, Tokens, certificate_identity, load_token
 
 
 def test_one_token_is_shared_and_names_no_one(tmp_path):
@@ -22,8 +22,8 @@ def test_named_tokens_name_their_holders(tmp_path):
     assert tokens.holder("Bearer ccc") is None and tokens.holder("Basic aaa") is None
     assert tokens.holder_of(["Bearer aaa", "Bearer bbb"]) is None  # two tokens: neither
     callers = Callers(tokens, certificates=True)
-    assert callers.told_apart and callers.identify(["Bearer bbb"], "alice-cert") == "token bob"
-    assert callers.identify([], "alice-cert") == "certificate alice-cert"
+    assert callers.told_apart and callers.identify(["Bearer bbb"], "CN=alice") == "token bob"
+    assert callers.identify([], "CN=alice") == "certificate CN=alice"
 
 
 @pytest.mark.parametrize(
@@ -41,9 +41,25 @@ def test_a_token_file_that_is_not_clear_is_refused_saying_why(tmp_path, content,
         load_token(tmp_path / "tokens")
 
 
-def test_a_certificates_name_is_its_subjects_common_name():
-    certificate = {"subject": ((("countryName", "FR"),), (("commonName", "alice"),))}
-    assert certificate_name(certificate) == "alice" and certificate_name(None) == ""
+def test_a_certificate_names_its_uri_san_else_its_dns_san_else_its_whole_subject_else_its_fingerprint(tmp_path):
+    from tests.support.certs import CertificateAuthority
+
+    ca = CertificateAuthority(tmp_path, "clients")
+
+    def identity(stem: str, common_name: str, **names) -> str:
+        return certificate_identity(ca.issue(stem, common_name, server=False, **names).cert.read_bytes())
+
+    spiffe = identity("workload", "", uris=("spiffe://example.org/ns/a/sa/b",), dns_names=("a.example",))
+    other_workload = identity("other", "", uris=("spiffe://example.org/ns/a/sa/c",))
+    dns = identity("host", "alice", dns_names=("alice.example",))
+    alice_acme = identity("alice-acme", "alice", organization="Acme")
+    alice_other = identity("alice-other", "alice", organization="Other")
+    nameless = identity("nameless", "")
+    assert (spiffe, other_workload) == ("spiffe://example.org/ns/a/sa/b", "spiffe://example.org/ns/a/sa/c")
+    assert dns == "DNS:alice.example"
+    assert (alice_acme, alice_other) == ("O=Acme,CN=alice", "O=Other,CN=alice")  # never the common name alone
+    assert nameless.startswith("sha256:") and nameless != identity("nameless-2", "")  # each one someone
+    assert certificate_identity(b"") == ""
 
 
 def test_a_token_file_saved_with_a_byte_order_mark_or_crlf_line_ends_reads_as_text(tmp_path):
