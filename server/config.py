@@ -181,9 +181,10 @@ class TransportSettings(Section):
     # gives way to those waiting.
     stream_read_hold_s: float = setting(
         1.0,
-        "seconds a ModelStreamInfer stream may hold a receiving turn (see --max-receiving-bytes) with no request "
-        "arriving while other requests wait for one; then the stream is ended UNAVAILABLE (reopen it) and its "
-        "turn handed on",
+        "seconds a read may hold a receiving turn (see --max-receiving-bytes) with its request not arrived while "
+        "other requests wait for one: then a ModelStreamInfer stream is ended UNAVAILABLE (reopen it), and a unary "
+        "request that a caller of proven standing waits behind is refused RESOURCE_EXHAUSTED as a slow sender; the "
+        "turn is handed on",
         rule=more_than(0),
     )
     stream_idle_timeout_s: float = setting(

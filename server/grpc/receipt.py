@@ -70,9 +70,13 @@ class RequestReader:
     after its first read needs one of the receiving turns (each reserves three times the receive limit in
     --max-receiving-bytes). With none free, a call from a connection in good standing waits for one in its first read,
     up to ``first_read_s`` more (the holder is most often another request nearly arrived), and that wait again while the
-    server is short of CPU and no other call waits for a first read (SHORT_OF_CPU_WAITS, CpuShortage); one from a
-    connection in bad standing, or one still waiting then, is refused RESOURCE_EXHAUSTED (its bytes would go on
-    arriving while it waited). One that has not arrived ``timeout_s`` after its read began is refused
+    server is short of CPU and no other call waits for a first read (SHORT_OF_CPU_WAITS, CpuShortage). A call from a
+    proven connection (one that delivered a request whole since its last refusal: an honest caller's) waits on for
+    the turn, never refused for the server's own slowness; the turn's holder, once it has held it ``turns.hold_s``
+    with its request not arrived, is the slow sender and is refused instead (Kestrel's grace for slow bodies,
+    costing the slow sender). Any other call still waiting then, or one from a connection in bad standing, is
+    refused RESOURCE_EXHAUSTED (its bytes would go on arriving while it waited: one first read at a time keeps what
+    such waits hold bounded). One that has not arrived ``timeout_s`` after its read began is refused
     DEADLINE_EXCEEDED. A refused call puts its connection in bad standing; a request read whole restores it. A stalled
     sender can hold a turn, and a first read for twice ``first_read_s`` once (longer only while the server is short
     of CPU and no other call waits for it); never another caller's small request for longer."""
@@ -100,6 +104,10 @@ class RequestReader:
         # loop 13 us a request: BENCHMARKS.md, "Against b7536cc").
         self._timed: dict[_Read, tuple[float, float, Callable[[_Read], None], bool]] = {}
         self._watch: asyncio.TimerHandle | None = None
+        # Connections that delivered a request whole since their last refusal: an honest caller's, whose request
+        # that waits for a turn is not refused for the server's own slowness, but waits for it.
+        self.proven = RecentConnections()
+        self._holding: collections.OrderedDict[_Read, float] = collections.OrderedDict()  # reads in a turn, since
 
     async def read(self, context) -> bytes:
         connection = context.peer()
@@ -109,7 +117,8 @@ class RequestReader:
             # receipt holds is bounded all the same) rather than waiting unread for a first read.
             if connection not in self.turns.bad_standing and self.turns.free:
                 self.turns.take()
-                reading.first, reading.turn = False, True
+                reading.first = False
+                self._hold(reading)
             else:
                 await self._first_reads.acquire(connection)
         # Timers, not a task racing the read (a task per request cost throughput: BENCHMARKS.md, "Hostile clients"):
@@ -139,11 +148,13 @@ class RequestReader:
             if reading.first:
                 self._first_reads.release(connection)
             if reading.turn:
+                self._holding.pop(reading, None)
                 self.turns.give_back()
         if reading.refusal is not None:  # answered by _refuse: once its status is sent, the handler ends
             await reading.answering
             raise AlreadyAnswered
         self.turns.bad_standing.discard(connection)
+        self.proven.add(connection)
         if raw is grpc.aio.EOF:
             raise RequestError(ErrorKind.INVALID_ARGUMENT, "the call ended without a request message")
         return raw
@@ -206,12 +217,45 @@ class RequestReader:
             reading.waits_again += 1  # the server was short of CPU: the wait says nothing of the sender
             self._wait_for_turn(reading)
             return
+        waited_s = asyncio.get_running_loop().time() - reading.started
+        if reading.connection in self.proven and waited_s < self._timeout_s:
+            # An honest caller's request is not refused for the turn another holds: it waits, and the holder, if it
+            # has held its turn past the hold, is the slow sender and is refused instead.
+            self._take_back_long_holds()
+            self._wait_for_turn(reading)
+            return
         self._no_turn_came(reading)
+
+    def _take_back_long_holds(self) -> None:
+        """The turn of the longest-held read, unary or a stream's, if held ``turns.hold_s`` with its request not yet
+        arrived, refused (a slow sender: it costs its own call, never a waiting caller's) and handed on."""
+        now = asyncio.get_running_loop().time()
+        oldest = next(iter(self._holding.items()), None)
+        if oldest is not None and now - oldest[1] >= self.turns.hold_s:
+            holder, since = oldest
+            del self._holding[holder]
+            self._abandoned(self._receive_limit)
+            self._refuse(
+                holder,
+                RequestError(
+                    ErrorKind.RESOURCE_EXHAUSTED,
+                    f"the request had not arrived {now - since:.1f} s after it took a receiving turn, while another "
+                    f"request waited for the turn (--stream-read-hold-s {self.turns.hold_s:g}): refused as a slow "
+                    "sender; retry",
+                ),
+            )
+        else:
+            self.turns.take_back_idle_streams()
+
+    def _hold(self, reading: _Read) -> None:
+        reading.turn = True
+        self._holding[reading] = asyncio.get_running_loop().time()
 
     def _turn_taken(self, reading: _Read) -> None:
         reading.withdraw = None
         self._timed.pop(reading, None)  # it waited for the turn: no refusal is due
-        reading.first, reading.turn = False, True
+        reading.first = False
+        self._hold(reading)
         self._first_reads.release(reading.connection)
         self._arm_read_timeout(reading)
 
@@ -254,6 +298,7 @@ class RequestReader:
             reading.refusal = refusal
             reading.answering = asyncio.ensure_future(_answer_with(reading.context, refusal))
             self.turns.bad_standing.add(reading.connection)
+            self.proven.discard(reading.connection)
 
 
 @dataclass(eq=False)
@@ -285,11 +330,13 @@ async def _answer_with(context, refusal: RequestError) -> None:
         pass
 
 
-class BadStanding:
-    """Connections in bad standing: one whose call was refused while its request arrived (a stalled sender), or
-    whose stream held a receiving turn idle. Their reads wait behind those of connections in good standing, so a
-    stalled sender that reopens its call at once queues behind itself, not before other callers. The most recent
-    REMEMBERED are kept, the oldest forgotten first. Event loop only."""
+class RecentConnections:
+    """A set of connections, the most recent REMEMBERED kept, the oldest forgotten first. Event loop only.
+
+    Kept twice: those in bad standing (a call refused while its request arrived, a stalled sender, or a stream that
+    held a receiving turn idle), whose reads wait behind those of connections in good standing, so that a stalled
+    sender that reopens its call at once queues behind itself, not before other callers; and those proven (a
+    request read whole since the last refusal: RequestReader.proven)."""
 
     REMEMBERED = 4096
 
@@ -313,7 +360,7 @@ class FirstReads:
     """The first reads under way at once (RequestReader): at most ``limit``, one per connection, those of
     connections in good standing first. Event loop only."""
 
-    def __init__(self, limit: int, bad_standing: BadStanding):
+    def __init__(self, limit: int, bad_standing: RecentConnections):
         self._free = limit
         self._busy: set[str] = set()  # connections with a first read under way
         self._bad_standing = bad_standing
@@ -398,7 +445,6 @@ class ReceivingTurns:
     def __init__(self, receiving_bytes: int, receive_limit: int, hold_s: float):
         self.count = max(1, receiving_bytes // (GRPCIO_RECEIPT_COPIES * receive_limit))
         self.free = self.count
-        self._hold_s = hold_s
         self._streams: dict[_StreamTurn, None] = {}  # streams holding a turn, the longest held first
         # streams waiting for a turn: those of connections in good standing, then those that held one idle
         self._waiting: dict[bool, collections.deque[_StreamTurn]] = {
@@ -406,7 +452,8 @@ class ReceivingTurns:
             True: collections.deque(),
         }
         self._unary_waiting: collections.deque[Callable[[], None]] = collections.deque()  # what each is told
-        self.bad_standing = BadStanding()
+        self.bad_standing = RecentConnections()
+        self.hold_s = hold_s
         self._timer: asyncio.TimerHandle | None = None
 
     def take(self) -> bool:
@@ -428,6 +475,11 @@ class ReceivingTurns:
     def give_back(self) -> None:
         self.free += 1
         self._hand_on()
+
+    def take_back_idle_streams(self) -> None:
+        """A stream holding its turn idle past ``hold_s`` gives way to a unary request waiting in line."""
+        if not self.free and self._unary_waiting:
+            self._end_idle_streams(wanted=1)
 
     @contextlib.asynccontextmanager
     async def for_stream(self, connection: str, context):
@@ -490,7 +542,7 @@ class ReceivingTurns:
         if self._timer is not None or not self._streams or not any(self._waiting.values()):
             return
         oldest = next(iter(self._streams))
-        self._timer = asyncio.get_running_loop().call_at(oldest.since + self._hold_s, self._held_long)
+        self._timer = asyncio.get_running_loop().call_at(oldest.since + self.hold_s, self._held_long)
 
     def _held_long(self) -> None:
         self._timer = None
@@ -503,7 +555,7 @@ class ReceivingTurns:
         now = asyncio.get_running_loop().time()
         while wanted > 0 and self._streams:
             turn = next(iter(self._streams))
-            if now - turn.since < self._hold_s:
+            if now - turn.since < self.hold_s:
                 return
             del self._streams[turn]
             self.bad_standing.add(turn.connection)
@@ -512,7 +564,7 @@ class ReceivingTurns:
                     turn.context,
                     RequestError(
                         ErrorKind.UNAVAILABLE,
-                        f"this stream held a receiving turn {self._hold_s:g} s with no request arriving while other "
+                        f"this stream held a receiving turn {self.hold_s:g} s with no request arriving while other "
                         "requests waited for one (--stream-read-hold-s): ended; reopen it and send",
                     ),
                 )

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import asyncio
 
-from mhaserve.server.grpc.receipt import BadStanding, FirstReads
+from mhaserve.server.grpc.receipt import FirstReads, RecentConnections
 
 
 def test_a_stalled_connection_queues_behind_callers_in_good_standing():
     async def scenario() -> list[str]:
-        bad_standing = BadStanding()
+        bad_standing = RecentConnections()
         reads = FirstReads(1, bad_standing)
         order = []
         bad_standing.add("stalled")  # its last call was refused while its request arrived
@@ -35,7 +35,7 @@ def test_a_stalled_connection_queues_behind_callers_in_good_standing():
 
 def test_one_first_read_per_connection_and_a_cancelled_waiter_passes_its_turn_on():
     async def scenario() -> list[str]:
-        reads = FirstReads(2, BadStanding())
+        reads = FirstReads(2, RecentConnections())
         order = []
         await reads.acquire("a")
 

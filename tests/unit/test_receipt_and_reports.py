@@ -393,3 +393,61 @@ def test_a_request_short_of_cpu_past_its_waits_again_is_refused():
         await asyncio.gather(first, return_exceptions=True)
 
     asyncio.run(scenario())
+
+
+async def proven(reader: RequestReader, connection: str) -> None:
+    """A request read whole on ``connection``: an honest caller's connection from then on."""
+    sent = Context(connection)
+    sent.send()
+    assert await reader.read(sent) == b"request"
+
+
+def test_an_honest_callers_request_waits_for_the_turn_another_holds_however_busy_the_server_and_is_never_refused():
+    """The server so busy that a request holding the only turn takes far longer than a first read to arrive: another
+    request from a connection that has delivered requests waits for the turn, and is read, not refused."""
+
+    async def scenario():
+        turns = ReceivingTurns(receiving_bytes=3, receive_limit=1, hold_s=5)
+        reader = RequestReader(turns, receive_limit=1, timeout_s=10, first_read_s=0.02, cpu=NEVER_SHORT_OF_CPU)
+        await proven(reader, "ipv4:127.0.0.1:2")
+        holder, waiter = Context("ipv4:127.0.0.1:1"), Context("ipv4:127.0.0.1:2")
+        first = asyncio.create_task(reader.read(holder))
+        while turns.free:
+            await asyncio.sleep(0.005)
+        second = asyncio.create_task(reader.read(waiter))
+        await asyncio.sleep(0.3)  # fifteen first reads, the holder still arriving
+        assert not second.done()
+        holder.send()
+        waiter.send()
+        assert await first == b"request" and await second == b"request"
+        assert waiter.refusal is None and holder.refusal is None and turns.free == 1
+
+    asyncio.run(scenario())
+
+
+def test_a_turn_held_past_the_hold_while_an_honest_caller_waits_is_the_slow_senders_and_costs_only_its_call():
+    async def scenario():
+        turns = ReceivingTurns(receiving_bytes=3, receive_limit=1, hold_s=0.3)
+        reader = RequestReader(turns, receive_limit=1, timeout_s=10, first_read_s=0.02, cpu=NEVER_SHORT_OF_CPU)
+        stalled, honest = "ipv4:127.0.0.1:1", "ipv4:127.0.0.1:2"
+        await proven(reader, honest)
+        holder = Context(stalled)
+        first = asyncio.create_task(reader.read(holder))  # never sent
+        while turns.free:
+            await asyncio.sleep(0.005)
+        loop = asyncio.get_running_loop()
+        started, waiter = loop.time(), Context(honest)
+        second = asyncio.create_task(reader.read(waiter))
+        while holder.refusal is None and loop.time() - started < 5:
+            await asyncio.sleep(0.005)
+        assert loop.time() - started < 1.0  # the hold (0.3 s) and a first read or two
+        with pytest.raises(AlreadyAnswered):
+            await first
+        assert not second.done() and turns.free == 0  # the turn handed to the waiting request
+        waiter.send()
+        assert await second == b"request" and waiter.refusal is None
+        code, details = holder.refusal
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "refused as a slow sender" in details
+        assert stalled in turns.bad_standing and stalled not in reader.proven and turns.free == 1
+
+    asyncio.run(scenario())
