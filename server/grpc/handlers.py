@@ -105,7 +105,7 @@ def _parsing_stream(
             while True:
                 try:
                     # idle only once in its turn: till then its request may be waiting
-                    async with turns.for_stream(context.peer(), context):
+                    async with turns.for_stream(context.peer(), context, client):
                         # context.read(), not the request iterator: grpcio's iterator keeps each message in its
                         # frame until the next one comes, so every open stream would hold its last request.
                         raw = await asyncio.wait_for(context.read(), idle_timeout_s)

@@ -446,11 +446,9 @@ class ReceivingTurns:
         self.count = max(1, receiving_bytes // (GRPCIO_RECEIPT_COPIES * receive_limit))
         self.free = self.count
         self._streams: dict[_StreamTurn, None] = {}  # streams holding a turn, the longest held first
-        # streams waiting for a turn: those of connections in good standing, then those that held one idle
-        self._waiting: dict[bool, collections.deque[_StreamTurn]] = {
-            False: collections.deque(),
-            True: collections.deque(),
-        }
+        # streams waiting for a turn: those of connections in good standing, then those that held one idle; each
+        # line takes its clients in turn, so that one client's many idle streams delay another's by one hold at most
+        self._waiting: dict[bool, FairLine] = {False: FairLine(), True: FairLine()}
         self._unary_waiting: collections.deque[Callable[[], None]] = collections.deque()  # what each is told
         self.bad_standing = RecentConnections()
         self.hold_s = hold_s
@@ -482,10 +480,11 @@ class ReceivingTurns:
             self._end_idle_streams(wanted=1)
 
     @contextlib.asynccontextmanager
-    async def for_stream(self, connection: str, context):
-        """Hold a turn while a stream reads its next request: waits for one in line, and raises StreamEnded (its
-        refusal already sent) once the stream was ended for holding it idle."""
-        turn = _StreamTurn(context, connection)
+    async def for_stream(self, connection: str, context, client: str = ""):
+        """Hold a turn while a stream reads its next request: waits for one in line, its ``client`` (a caller the
+        server tells apart, else its connection) taking its turn in the line's rotation among clients, and raises
+        StreamEnded (its refusal already sent) once the stream was ended for holding it idle."""
+        turn = _StreamTurn(context, connection, client or connection)
         suspect = connection in self.bad_standing
         ahead = (self._waiting[False], self._waiting[True]) if suspect else (self._waiting[False],)
         if self.free and not any(ahead):
@@ -518,6 +517,8 @@ class ReceivingTurns:
         turn.since = asyncio.get_running_loop().time()
         self._streams[turn] = None
         self.bad_standing.discard(turn.connection)
+        for line in self._waiting.values():
+            line.served(turn.client)
 
     def _release(self, turn: _StreamTurn) -> None:
         if turn in self._streams:  # an ended stream's turn was handed on when it was ended
@@ -579,9 +580,60 @@ class _StreamTurn:
 
     context: object
     connection: str
+    client: str
     since: float = 0.0  # when it took its turn, on the loop's clock
     handed: asyncio.Future | None = None  # while it waits: set once a turn is its
     ended: asyncio.Future | None = None  # once ended for holding its turn idle: its refusal being sent
+
+
+class FairLine:
+    """Streams waiting for a turn, served one client at a time, the client served least recently first (each
+    client's own streams in the order they came), as a fair queue: a client with many streams waiting, or one whose
+    stream holds the turn now, has them served between other clients' streams, not all before them. Event loop
+    only."""
+
+    REMEMBERED = 4096  # clients whose last turn is kept, beyond those in line
+
+    def __init__(self):
+        self._clients: dict[str, collections.deque[_StreamTurn]] = {}
+        self._served: dict[str, int] = {}  # client -> when it was last served, on a counter of turns
+        self._turns = 0
+        self._count = 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __contains__(self, turn: _StreamTurn) -> bool:
+        return turn in self._clients.get(turn.client, ())
+
+    def append(self, turn: _StreamTurn) -> None:
+        self._clients.setdefault(turn.client, collections.deque()).append(turn)
+        self._count += 1
+
+    def remove(self, turn: _StreamTurn) -> None:
+        own = self._clients[turn.client]
+        own.remove(turn)
+        self._count -= 1
+        if not own:
+            del self._clients[turn.client]
+
+    def served(self, client: str) -> None:
+        """``client``'s stream took a turn (from this line or a free one): its others wait behind other clients'."""
+        self._turns += 1
+        self._served[client] = self._turns
+        if len(self._served) > self.REMEMBERED:
+            self._served = {c: t for c, t in self._served.items() if c in self._clients}
+
+    def popleft(self) -> _StreamTurn:
+        """The first stream of the client served least recently."""
+        client = min(self._clients, key=lambda c: self._served.get(c, 0))
+        own = self._clients[client]
+        turn = own.popleft()
+        self._count -= 1
+        if not own:
+            del self._clients[client]
+        self.served(client)
+        return turn
 
 
 class StreamSlots:

@@ -165,3 +165,42 @@ def test_a_certificate_is_the_same_caller_over_grpc_and_http(small_model_dir, tm
             client.infer(rand(1, 2, D), sequence=SequenceStep(5, start=True))
         assert http_step(stranger, end=False) == 400  # not his sequence
         assert http_step(alice, end=True) == 200  # hers, over the other transport
+
+
+def test_one_clients_idle_streams_delay_anothers_stream_by_one_hold_at_most(small_model_dir, tmp_path):
+    import queue
+    import time
+
+    from mhaserve.client.grpc import build_infer_request
+    from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
+
+    request = build_infer_request("mha", rand(1, 4, D, seed=16))
+    own_connection = [("grpc.use_local_subchannel_pool", 1)]
+
+    def stub_of(channel):
+        return pb_grpc.GRPCInferenceServiceStub(channel)
+
+    (tmp_path / "tokens").write_text("".join(f"{name} {token}\n" for name, token in TOKENS.items()))
+    args = ("--auth-token-file", str(tmp_path / "tokens"), "--max-receiving-bytes", "1")  # one receiving turn
+    with (
+        InProcessServer(small_model_dir, *TEST_SERVER_ARGS, *args) as server,
+        grpc.insecure_channel(server.url, options=own_connection) as greedy,
+        grpc.insecure_channel(server.url, options=own_connection) as other,
+    ):
+        alice = [("authorization", f"Bearer {TOKENS['alice']}")]
+        idle = []
+        for _ in range(16):  # opened, never sent on: each waits for a receiving turn, or holds one idle
+            sending = queue.Queue()
+            idle.append((sending, stub_of(greedy).ModelStreamInfer(iter(sending.get, None), metadata=alice)))
+        time.sleep(0.5)
+        started = time.monotonic()
+        answers = list(stub_of(other).ModelStreamInfer(
+            iter([request]), timeout=20, metadata=[("authorization", f"Bearer {TOKENS['bob']}")]
+        ))  # fmt: skip
+        took = time.monotonic() - started
+        for sending, _ in idle:
+            sending.put(None)
+    assert len(answers) == 1 and not answers[0].error_message
+    # the stream holding the turn idle gives way after --stream-read-hold-s (1 s); then bob's is next, not after
+    # each of alice's 15 others (14 s)
+    assert took < 2.5, took

@@ -120,6 +120,29 @@ def test_streams_take_receiving_turns_in_the_order_they_asked_and_a_stream_gone_
     asyncio.run(scenario())
 
 
+def test_clients_take_the_receiving_turn_in_rotation_so_one_clients_many_streams_wait_between_anothers():
+    async def scenario():
+        turns, order = ReceivingTurns(receiving_bytes=3, receive_limit=1, hold_s=60), []
+
+        async def stream(client: str, name: str, context: Context):
+            async with turns.for_stream(f"ipv4:127.0.0.1:{len(order)}", context, client):
+                order.append(name)
+                await context.read()
+
+        contexts = {name: Context() for name in ("a1", "a2", "a3", "a4", "b1", "b2")}
+        tasks = []
+        for name in ("a1", "a2", "a3", "a4", "b1", "b2"):  # alice's four streams ask first, then bob's two
+            tasks.append(asyncio.create_task(stream(name[0], name, contexts[name])))
+            await asyncio.sleep(0)
+        for _ in range(len(contexts)):
+            await asyncio.sleep(0.01)
+            contexts[order[-1]].send()
+        await asyncio.gather(*tasks)
+        assert order == ["a1", "b1", "a2", "b2", "a3", "a4"]  # the client served least recently first
+
+    asyncio.run(scenario())
+
+
 def test_a_stream_idle_in_its_turn_gives_way_to_a_waiting_stream_and_its_connection_waits_behind_others():
     async def scenario():
         turns, order, loop = (
