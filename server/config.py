@@ -375,8 +375,12 @@ class DeviceSettings(Section):
     intra_op_threads: int = setting(
         0,
         "ONNX Runtime threads per run (0 = one per core the process may use: its CPU affinity and CPU quota)",
-        rule=Rule(lambda value: 0 <= value <= usable_cores(), "0 or a count up to the cores this process may use",
-                  show_value=True, why=lambda: f"it may use {usable_cores()}; more threads only wait on each other"),
+        rule=Rule(
+            lambda value: 0 <= value <= usable_cores(),
+            "0 or a count up to the cores this process may use",
+            show_value=True,
+            why=lambda: f"it may use {usable_cores()}; more threads only wait on each other",
+        ),
     )
     # ONNX Runtime's threads spin for the next run for tens of milliseconds after each: under load that keeps a
     # core ready for the runs, and on a server of sparse traffic it is CPU spent waiting (BENCHMARKS.md, "ONNX

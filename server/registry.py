@@ -169,7 +169,9 @@ class ModelRegistry:
         if entry is None or entry.state == UNAVAILABLE:
             listed = ", ".join(f"'{n}'" for n in ready) or "none ready"
             if entry is None:
-                raise RequestError(ErrorKind.NOT_FOUND, f"model '{name}' has no version '{version}'; available: {listed}")
+                raise RequestError(
+                    ErrorKind.NOT_FOUND, f"model '{name}' has no version '{version}'; available: {listed}"
+                )
             why = f" ({entry.reason})" if entry.reason else ""
             raise RequestError(
                 ErrorKind.UNAVAILABLE, f"model '{name}' version {number} does not serve{why}; available: {listed}"

@@ -95,14 +95,16 @@ def test_each_named_client_holds_its_share_of_the_sequences(named_tokens_server)
 CERTIFICATE_PAIRS = {
     "two common names": ({"common_name": "alice"}, {"common_name": "bob"}),
     "one common name, two organisations": (
-        {"common_name": "alice", "organization": "Acme"}, {"common_name": "alice", "organization": "Other"}
+        {"common_name": "alice", "organization": "Acme"},
+        {"common_name": "alice", "organization": "Other"},
     ),
     "two SPIFFE IDs, no subject": (
         {"common_name": "", "uris": ("spiffe://example.org/ns/a/sa/alice",)},
         {"common_name": "", "uris": ("spiffe://example.org/ns/a/sa/bob",)},
     ),
     "two DNS names, one common name": (
-        {"common_name": "svc", "dns_names": ("alice.example",)}, {"common_name": "svc", "dns_names": ("bob.example",)}
+        {"common_name": "svc", "dns_names": ("alice.example",)},
+        {"common_name": "svc", "dns_names": ("bob.example",)},
     ),
 }
 
@@ -112,7 +114,7 @@ def test_client_certificates_tell_callers_apart(small_model_dir, small_module, t
     server_ca, client_ca = CertificateAuthority(tmp_path, "server"), CertificateAuthority(tmp_path, "clients")
     server_cert = server_ca.issue("server", "localhost", server=True)
     alice_cert, bob_cert = (client_ca.issue(stem, server=False, **names)
-                            for stem, names in zip(("alice", "bob"), CERTIFICATE_PAIRS[pair]))  # fmt: skip
+                            for stem, names in zip(("alice", "bob"), CERTIFICATE_PAIRS[pair], strict=True))  # fmt: skip
     args = ("--tls-cert-file", str(server_cert.cert), "--tls-key-file", str(server_cert.key),
             "--tls-client-ca-file", str(client_ca.bundle))  # fmt: skip
     with InProcessServer(small_model_dir, *TEST_SERVER_ARGS, *args) as server:

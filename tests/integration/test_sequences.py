@@ -279,8 +279,7 @@ def test_a_sequence_past_its_limits_is_refused_and_left_as_it_was(stub):
     step(stub, "long", rows[:, :1], end=True)
 
 
-def test_sequences_left_open_hold_at_most_their_share_and_stateless_calls_are_still_answered(start_server,
-                                                                                           small_model_dir):  # fmt: skip
+def test_sequences_left_open_hold_at_most_their_share_and_stateless_calls_are_answered(start_server, small_model_dir):
     server = start_server(small_model_dir, *TEST_SERVER_ARGS, "--max-inflight-bytes", str(12 << 20))
     rows = np.ones((8, 64, D), np.float32)  # a first step keeps 8 x 64 rows of keys and values: 256 KiB
     with grpc.insecure_channel(server.url) as channel:
