@@ -11,7 +11,7 @@ from mhaserve.server.security import Callers, SecurityConfigError, Tokens, certi
 def test_one_token_is_shared_and_names_no_one(tmp_path):
     (tmp_path / "token").write_text("  s3cret\n")
     tokens = load_token(tmp_path / "token")
-    assert tokens == Tokens.of({b"s3cret": ""}) and tokens.holder("Bearer s3cret") == ""
+    assert tokens == Tokens({"s3cret": ""}) and tokens.holder("Bearer s3cret") == ""
     assert not Callers(tokens).told_apart and Callers(tokens).identify(["Bearer s3cret"], "") == ""
 
 
