@@ -1,9 +1,10 @@
 """Honest callers on a busy server: are any refused? Another revision against the working tree's, one after the other.
 
     flock /tmp/bench.lock .venv/bin/python benchmarks/bench_honest_callers.py [--baseline REV] [--runs 3]
-        [--seconds 20] [--steppers 64] [--callers 64] [--stalled 16] [--busy 0]
+        [--seconds 20] [--steppers 64] [--callers 64] [--stalled 16] [--busy 0] [-- SERVE_FLAGS...]
 
-Each revision serves the embedded default model (512/8) with its defaults, in its own process. Per run, at once:
+Each revision serves the embedded default model (512/8) with its defaults and SERVE_FLAGS, in its own process
+(``--grpc-first-read-ms 1`` makes every request's first read short for its server, as a busy host does). Per run, at once:
 ``--steppers`` asyncio callers (one process, the project's AsyncClient, no retries), each stepping sequences (a
 first step of [1,8,512], then one-row steps, a new sequence every 16 steps); ``--callers`` tritonclient threads
 in four processes (threads sharing each process's channel, as tritonclient's users call) sending stateless
@@ -143,12 +144,13 @@ def main() -> None:
     parser.add_argument("--callers", type=int, default=64)
     parser.add_argument("--stalled", type=int, default=16)
     parser.add_argument("--busy", type=int, default=0)
+    parser.add_argument("flags", nargs="*", help="flags both servers get (after --)")
     args = parser.parse_args()
     model_dir = ensure_default_model()
     if args.baseline:
-        with baseline_checkout(args.baseline) as (baseline_env, _), ServerProcess(model_dir, env=baseline_env) as old:
+        with baseline_checkout(args.baseline) as (baseline_env, _), ServerProcess(model_dir, *args.flags, env=baseline_env) as old:
             measure("baseline", old, args)
-    with ServerProcess(model_dir) as current:
+    with ServerProcess(model_dir, *args.flags) as current:
         measure("current", current, args)
 
 
