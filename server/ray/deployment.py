@@ -247,7 +247,9 @@ def _reserved_cpus() -> int:
     try:
         import ray
 
-        return max(1, round(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
+        reserved = round(ray.get_runtime_context().get_assigned_resources().get("CPU", 1))
+        # Ray's CPUs are logical (a node may declare more than its cores): never more threads than cores
+        return max(1, min(reserved, usable_cores()))
     except Exception:  # outside a Ray worker (a local test of the class)
         return usable_cores()
 
