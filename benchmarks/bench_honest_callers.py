@@ -4,8 +4,8 @@
         [--seconds 20] [--steppers 64] [--callers 64] [--stalled 16] [--busy 0] [-- SERVE_FLAGS...]
 
 Each revision serves the embedded default model (512/8) with its defaults and SERVE_FLAGS, in its own process
-(``--grpc-first-read-ms 1`` makes every request's first read short for its server, as a busy host does). Per run, at once:
-``--steppers`` asyncio callers (one process, the project's AsyncClient, no retries), each stepping sequences (a
+(``--grpc-first-read-ms 1`` makes every request's first read short for its server, as a busy host does). Per run,
+at once: ``--steppers`` asyncio callers (one process, the project's AsyncClient, no retries), each stepping sequences (a
 first step of [1,8,512], then one-row steps, a new sequence every 16 steps); ``--callers`` tritonclient threads
 in four processes (threads sharing each process's channel, as tritonclient's users call) sending stateless
 [1,16..128,512] rows; ``--stalled`` senders that stall part-way (half their headers only, half half a [1,128,512]
@@ -148,7 +148,10 @@ def main() -> None:
     args = parser.parse_args()
     model_dir = ensure_default_model()
     if args.baseline:
-        with baseline_checkout(args.baseline) as (baseline_env, _), ServerProcess(model_dir, *args.flags, env=baseline_env) as old:
+        with (
+            baseline_checkout(args.baseline) as (baseline_env, _),
+            ServerProcess(model_dir, *args.flags, env=baseline_env) as old,
+        ):
             measure("baseline", old, args)
     with ServerProcess(model_dir, *args.flags) as current:
         measure("current", current, args)

@@ -1,14 +1,17 @@
 """What stalled senders cost other clients, another revision against the working tree's, side by side in one run.
 
     flock /tmp/bench.lock .venv/bin/python benchmarks/bench_hostile.py --baseline REV [--calls 20] [--deadline 2]
+        [--idle-streams 64]
 
 Both revisions serve the embedded default model (512/8) with their defaults, each in its own process, one after
 the other. For each count of stalled senders (1, 4 and 16, each on a connection of its own, half sending their
 headers only and half their headers and half a [1,128,512] request, every refused one reopened at once), another
 client makes ``--calls`` rounds, each one small [1,16,512] ModelInfer and a ServerLive, ModelReady and
-ModelMetadata, every call with a deadline of ``--deadline`` seconds; then the same over HTTP/REST (the stalled
-bodies declare 150 MiB and send 1 KB). Printed per point: p50, p99 and max of each kind of call in ms, and how many
-missed their deadline. Not a test: BENCHMARKS.md records the figures.
+ModelMetadata, and a new ModelStreamInfer stream of one [1,16,512] request, every call with a deadline of
+``--deadline`` seconds; then the same over HTTP/REST (the stalled bodies declare 150 MiB and send 1 KB). With
+``--idle-streams N``, N streams over four connections of their own are opened, answered once and left idle for the
+whole measurement, beside the stalled senders. Printed per point: p50, p99 and max of each kind of call in ms, and
+how many missed their deadline. Not a test: BENCHMARKS.md records the figures.
 """
 
 from __future__ import annotations
@@ -92,6 +95,16 @@ def timed(call) -> float:
     return time.perf_counter() - started
 
 
+def _answered_or_over_the_cap(stub, request, deadline: float) -> None:
+    """A new stream's one request answered, or the stream refused at once for the streams' cap (the documented
+    answer when as many streams are open as --max-inference-streams allows); anything else raises."""
+    try:
+        list(stub.ModelStreamInfer(iter([request]), timeout=deadline))
+    except grpc.RpcError as error:
+        if error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or "--max-inference-streams" not in error.details():
+            raise
+
+
 def grpc_rounds(url: str, calls: int, deadline: float) -> dict[str, list[float]]:
     request = build_infer_request("mha", np.ones((1, 16, D), np.float32))
     kinds = {
@@ -99,6 +112,7 @@ def grpc_rounds(url: str, calls: int, deadline: float) -> dict[str, list[float]]
         "ServerLive": lambda stub: stub.ServerLive(pb.ServerLiveRequest(), timeout=deadline),
         "ModelReady": lambda stub: stub.ModelReady(pb.ModelReadyRequest(name="mha"), timeout=deadline),
         "ModelMetadata": lambda stub: stub.ModelMetadata(pb.ModelMetadataRequest(name="mha"), timeout=deadline),
+        "new stream": lambda stub: _answered_or_over_the_cap(stub, request, deadline),
     }
     seconds: dict[str, list[float]] = {kind: [] for kind in kinds}
     with grpc.insecure_channel(url, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
@@ -139,7 +153,40 @@ def shown(values: list[float]) -> str:
     return f"{statistics.median(finite) * 1000:7.1f} {p99:7.1f} {finite[-1] * 1000:7.1f} missed {missed}/{len(values)}"
 
 
+class IdleStreams:
+    """``count`` ModelStreamInfer streams over four connections of their own, each answered once, then left idle."""
+
+    def __init__(self, url: str, count: int):
+        import queue
+
+        request = build_infer_request("mha", np.ones((1, 4, D), np.float32))
+        self.channels = [grpc.insecure_channel(url, options=[("grpc.use_local_subchannel_pool", 1)]) for _ in range(4)]
+        self.streams = []
+        for number in range(count):
+            sending = queue.Queue()
+            stub = pb_grpc.GRPCInferenceServiceStub(self.channels[number % 4])
+            answers = stub.ModelStreamInfer(iter(sending.get, None))
+            sending.put(request)
+            next(answers)
+            self.streams.append((sending, answers))
+
+    def close(self) -> None:
+        for sending, _ in self.streams:
+            sending.put(None)
+        for channel in self.channels:
+            channel.close()
+
+
 def measure(name: str, server: ServerProcess, args) -> None:
+    idle = IdleStreams(server.url, args.idle_streams) if args.idle_streams else None
+    try:
+        measure_stalled(name, server, args)
+    finally:
+        if idle is not None:
+            idle.close()
+
+
+def measure_stalled(name: str, server: ServerProcess, args) -> None:
     for count in STALLERS:
         stallers = Stallers(server.url, count)
         time.sleep(0.5)
@@ -161,6 +208,7 @@ def main() -> None:
     parser.add_argument("--baseline", required=True, help="the revision to compare with (e.g. HEAD~3)")
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--deadline", type=float, default=2.0, help="each call's deadline, seconds")
+    parser.add_argument("--idle-streams", type=int, default=0, help="streams left idle beside the stalled senders")
     parser.add_argument("--current-only", action="store_true", help="skip the baseline (its calls wait out deadlines)")
     args = parser.parse_args()
     model_dir = ensure_default_model()
