@@ -107,7 +107,6 @@ class RequestReader:
         # Connections that delivered a request whole since their last refusal: an honest caller's, whose request
         # that waits for a turn is not refused for the server's own slowness, but waits for it.
         self.proven = RecentConnections()
-        self._holding: collections.OrderedDict[_Read, float] = collections.OrderedDict()  # reads in a turn, since
 
     async def read(self, context) -> bytes:
         connection = context.peer()
@@ -148,7 +147,7 @@ class RequestReader:
             if reading.first:
                 self._first_reads.release(connection)
             if reading.turn:
-                self._holding.pop(reading, None)
+                self.turns.release_unary(reading)
                 self.turns.give_back()
         if reading.refusal is not None:  # answered by _refuse: once its status is sent, the handler ends
             await reading.answering
@@ -221,35 +220,27 @@ class RequestReader:
         if reading.connection in self.proven and waited_s < self._timeout_s:
             # An honest caller's request is not refused for the turn another holds: it waits, and the holder, if it
             # has held its turn past the hold, is the slow sender and is refused instead.
-            self._take_back_long_holds()
+            self.turns.take_back_long_holds(1, unary="any")
             self._wait_for_turn(reading)
             return
         self._no_turn_came(reading)
 
-    def _take_back_long_holds(self) -> None:
-        """The turn of the longest-held read, unary or a stream's, if held ``turns.hold_s`` with its request not yet
-        arrived, refused (a slow sender: it costs its own call, never a waiting caller's) and handed on."""
-        now = asyncio.get_running_loop().time()
-        oldest = next(iter(self._holding.items()), None)
-        if oldest is not None and now - oldest[1] >= self.turns.hold_s:
-            holder, since = oldest
-            del self._holding[holder]
-            self._abandoned(self._receive_limit)
-            self._refuse(
-                holder,
-                RequestError(
-                    ErrorKind.RESOURCE_EXHAUSTED,
-                    f"the request had not arrived {now - since:.1f} s after it took a receiving turn, while another "
-                    f"request waited for the turn (--stream-read-hold-s {self.turns.hold_s:g}): refused as a slow "
-                    "sender; retry",
-                ),
-            )
-        else:
-            self.turns.take_back_idle_streams()
-
     def _hold(self, reading: _Read) -> None:
         reading.turn = True
-        self._holding[reading] = asyncio.get_running_loop().time()
+        proven = reading.connection in self.proven
+        self.turns.hold_unary(reading, proven, lambda held_s: self._refuse_slow_sender(reading, held_s))
+
+    def _refuse_slow_sender(self, reading: _Read, held_s: float) -> None:
+        """Its turn taken back (ReceivingTurns.take_back_long_holds): the slow sender pays, not the call waiting."""
+        self._abandoned(self._receive_limit)
+        self._refuse(
+            reading,
+            RequestError(
+                ErrorKind.RESOURCE_EXHAUSTED,
+                f"the request had not arrived {held_s:.1f} s after it took a receiving turn, while another request "
+                f"waited for the turn (--stream-read-hold-s {self.turns.hold_s:g}): refused as a slow sender; retry",
+            ),
+        )
 
     def _turn_taken(self, reading: _Read) -> None:
         reading.withdraw = None
@@ -446,6 +437,7 @@ class ReceivingTurns:
         self.count = max(1, receiving_bytes // (GRPCIO_RECEIPT_COPIES * receive_limit))
         self.free = self.count
         self._streams: dict[_StreamTurn, None] = {}  # streams holding a turn, the longest held first
+        self._unary: dict[object, _UnaryHold] = {}  # unary reads holding a turn past their first read, the same
         # streams waiting for a turn: those of connections in good standing, then those that held one idle; each
         # line takes its clients in turn, so that one client's many idle streams delay another's by one hold at most
         self._waiting: dict[bool, FairLine] = {False: FairLine(), True: FairLine()}
@@ -458,7 +450,7 @@ class ReceivingTurns:
         """A turn for a unary request still arriving, now or never (its bytes would go on arriving while it
         waited); a stream holding one idle past ``hold_s`` gives way to it."""
         if not self.free:
-            self._end_idle_streams(wanted=1)
+            self.take_back_long_holds(1, unary="none")
         if not self.free:
             return False
         self.free -= 1
@@ -474,10 +466,14 @@ class ReceivingTurns:
         self.free += 1
         self._hand_on()
 
-    def take_back_idle_streams(self) -> None:
-        """A stream holding its turn idle past ``hold_s`` gives way to a unary request waiting in line."""
-        if not self.free and self._unary_waiting:
-            self._end_idle_streams(wanted=1)
+    def hold_unary(self, key, proven: bool, take_back: Callable[[float], None]) -> None:
+        """A unary read holds a turn past its first read; ``take_back(held_s)`` refuses it, should its turn be taken
+        back (its connection ``proven``: taken back only for another proven caller's request)."""
+        self._unary[key] = _UnaryHold(asyncio.get_running_loop().time(), proven, take_back)
+        self._arm()
+
+    def release_unary(self, key) -> None:
+        self._unary.pop(key, None)
 
     @contextlib.asynccontextmanager
     async def for_stream(self, connection: str, context, client: str = ""):
@@ -539,39 +535,65 @@ class ReceivingTurns:
                 turn.handed.set_result(None)
 
     def _arm(self) -> None:
-        """A timer for when the longest-held stream turn reaches ``hold_s``, while any stream waits."""
-        if self._timer is not None or not self._streams or not any(self._waiting.values()):
+        """A timer for when the longest-held turn a waiting stream may take back reaches ``hold_s``."""
+        if self._timer is not None or not any(self._waiting.values()):
             return
-        oldest = next(iter(self._streams))
-        self._timer = asyncio.get_running_loop().call_at(oldest.since + self.hold_s, self._held_long)
+        holds = self._long_holds(unary="unproven", now=None)
+        if holds:
+            self._timer = asyncio.get_running_loop().call_at(holds[0][0] + self.hold_s, self._held_long)
 
     def _held_long(self) -> None:
         self._timer = None
-        self._end_idle_streams(wanted=sum(map(len, self._waiting.values())))
+        self.take_back_long_holds(sum(map(len, self._waiting.values())), unary="unproven")
         self._arm()
 
-    def _end_idle_streams(self, wanted: int) -> None:
-        """End up to ``wanted`` streams that have held their turn ``hold_s`` with no request, longest first, and
-        hand their turns on."""
+    def _long_holds(self, unary: str, now: float | None) -> list[tuple[float, object]]:
+        """(since, holder) of the turns held ``hold_s`` by ``now`` (None: every one), longest first: every stream's,
+        and the unary reads' ``unary`` says ("none", "unproven": those of connections not proven, "any")."""
+        holds = [(turn.since, turn) for turn in self._streams]
+        if unary != "none":
+            holds += [(hold.since, key) for key, hold in self._unary.items() if unary == "any" or not hold.proven]
+        if now is not None:
+            holds = [(since, holder) for since, holder in holds if now - since >= self.hold_s]
+        return sorted(holds, key=lambda hold: hold[0])
+
+    def take_back_long_holds(self, wanted: int, unary: str) -> None:
+        """Take back up to ``wanted`` turns held ``hold_s`` with no request arriving while others wait, longest
+        first: a stream's is ended UNAVAILABLE and its turn handed on at once; a unary read's (``unary``: which
+        may be, as ``_long_holds``) is refused as a slow sender, its turn handed on as its read ends."""
         now = asyncio.get_running_loop().time()
-        while wanted > 0 and self._streams:
-            turn = next(iter(self._streams))
-            if now - turn.since < self.hold_s:
-                return
-            del self._streams[turn]
-            self.bad_standing.add(turn.connection)
-            turn.ended = asyncio.ensure_future(
-                _answer_with(
-                    turn.context,
-                    RequestError(
-                        ErrorKind.UNAVAILABLE,
-                        f"this stream held a receiving turn {self.hold_s:g} s with no request arriving while other "
-                        "requests waited for one (--stream-read-hold-s): ended; reopen it and send",
-                    ),
-                )
+        for since, holder in self._long_holds(unary, now)[:wanted]:
+            if isinstance(holder, _StreamTurn):
+                self._end_stream(holder)
+            else:
+                self._unary.pop(holder).take_back(now - since)
+
+    def _end_stream(self, turn: _StreamTurn) -> None:
+        """A stream that held its turn idle is ended UNAVAILABLE, its connection's streams behind others', and its
+        turn handed on."""
+        del self._streams[turn]
+        self.bad_standing.add(turn.connection)
+        turn.ended = asyncio.ensure_future(
+            _answer_with(
+                turn.context,
+                RequestError(
+                    ErrorKind.UNAVAILABLE,
+                    f"this stream held a receiving turn {self.hold_s:g} s with no request arriving while other "
+                    "requests waited for one (--stream-read-hold-s): ended; reopen it and send",
+                ),
             )
-            wanted -= 1
-            self.give_back()
+        )
+        self.give_back()
+
+
+@dataclass(eq=False)
+class _UnaryHold:
+    """A unary read in a turn past its first read: since when, whether its connection is proven, and what refuses
+    it if its turn is taken back."""
+
+    since: float
+    proven: bool
+    take_back: Callable[[float], None]
 
 
 @dataclass(eq=False)

@@ -474,3 +474,41 @@ def test_a_turn_held_past_the_hold_while_an_honest_caller_waits_is_the_slow_send
         assert stalled in turns.bad_standing and stalled not in reader.proven and turns.free == 1
 
     asyncio.run(scenario())
+
+
+def test_a_stream_waiting_behind_a_stalled_unary_request_takes_its_turn_after_the_hold_but_not_an_honest_ones():
+    async def scenario():
+        turns = ReceivingTurns(receiving_bytes=3, receive_limit=1, hold_s=0.2)
+        reader = RequestReader(turns, receive_limit=1, timeout_s=30, first_read_s=0.02, cpu=NEVER_SHORT_OF_CPU)
+        loop = asyncio.get_running_loop()
+        stalled = Context("ipv4:127.0.0.1:1")
+        unary = asyncio.create_task(reader.read(stalled))  # never sent: it holds the turn after its first read
+        while turns.free:
+            await asyncio.sleep(0.005)
+        started, stream_call = loop.time(), Context("ipv4:127.0.0.1:9")
+        stream = asyncio.create_task(_read_in_turn(turns, stream_call))
+        while stalled.refusal is None and loop.time() - started < 5:
+            await asyncio.sleep(0.005)
+        assert loop.time() - started < 1.0  # the hold, not the read timeout (30 s)
+        assert stalled.refusal[0] == grpc.StatusCode.RESOURCE_EXHAUSTED and "slow sender" in stalled.refusal[1]
+        with pytest.raises(AlreadyAnswered):
+            await unary
+        stream_call.send()
+        await stream
+        # an honest caller's request (its connection proven) holding the turn is not taken back for a stream
+        await proven(reader, "ipv4:127.0.0.1:2")
+        honest = Context("ipv4:127.0.0.1:2")
+        large = asyncio.create_task(reader.read(honest))
+        while turns.free:
+            await asyncio.sleep(0.005)
+        other_stream = Context("ipv4:127.0.0.1:9")
+        waiting = asyncio.create_task(_read_in_turn(turns, other_stream))
+        await asyncio.sleep(0.5)
+        assert honest.refusal is None and not waiting.done()
+        honest.send()
+        assert await large == b"request"
+        other_stream.send()
+        await waiting
+        assert turns.free == 1
+
+    asyncio.run(scenario())
