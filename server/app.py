@@ -42,7 +42,7 @@ from .security import (
 )
 from .session import DeviceUnavailable
 from .tracing import TracingUnavailable
-from .workers import WORKER_ENV, is_worker
+from .workers import WORKER_ENV, is_worker, peers_statistics
 
 log = logging.getLogger("mhaserve.server")
 
@@ -116,7 +116,7 @@ class Server:
     async def bind(self) -> None:
         settings = self.settings
         try:
-            self.dataplane = dataplane = DataPlane(settings, self.model_dir)
+            self.dataplane = dataplane = DataPlane(settings, self.model_dir, peers_statistics if is_worker() else None)
         except TracingUnavailable as error:
             raise StartFailed(f"cannot trace: {error}", 2) from None
         # The port is bound before the models load (health says NOT_SERVING meanwhile), so the message limits

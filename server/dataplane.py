@@ -14,7 +14,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
 
@@ -37,7 +37,6 @@ from .threads import lowered_pool, worker_board
 from .trace_settings import parse_trace_config
 from .tracing import Tracing
 from .versions import VersionFactory
-from .workers import peers_statistics
 
 log = logging.getLogger("mhaserve.server")
 T = TypeVar("T")
@@ -80,8 +79,16 @@ class DataPlane:
     ``inference``, one inference call's life. Built from the registry (with the version factory it loads
     through) and the request accounting; transports reach neither directly."""
 
-    def __init__(self, settings: ServerSettings, model_dir: Path | None = None):
+    def __init__(
+        self,
+        settings: ServerSettings,
+        model_dir: Path | None = None,
+        peer_statistics: Callable[[], Awaitable[list[list[dict]]]] | None = None,
+    ):
+        """``peer_statistics``: the other serving processes' statistics, where this is one of several (the worker
+        supervisor's reader, given by the process); none: this process is the whole server."""
         self.settings = settings
+        self._peer_statistics = peer_statistics
         self.limits = Limits(settings.max_batch_size, settings.max_q_len, settings.max_kv_len)
         budget = MemoryBudget(  # every model's requests: one process's memory
             settings.max_inflight_bytes,
@@ -280,7 +287,7 @@ class DataPlane:
         """Triton's model_stats of the versions a statistics request names, for the whole server: with --workers,
         the other workers' figures of the same versions added."""
         own = [describe.model_statistics(served) for served in self.statistics_of(name, version)]
-        others = await peers_statistics()
+        others = await self._peer_statistics() if self._peer_statistics is not None else []
         return describe.merged_statistics(own, others) if others else own
 
     def model_ready(self, name: str, version: str) -> bool:
