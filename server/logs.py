@@ -3,8 +3,7 @@ log, one line per inference request (``--access-log``, logger ``mhaserve.access`
 
 JSON is one object a line: time (UTC, ISO 8601), level, logger, message, and the request's or model's fields
 where the line has them (model, version, request_id, caller, peer, protocol, status, bytes and times for the access
-log,
-trace_id for a traced request).
+log, trace_id for a traced request).
 Lines that ONNX Runtime and gRPC's core print themselves (to stderr, not through Python's logging) stay as
 they print them.
 """

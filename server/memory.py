@@ -98,6 +98,7 @@ class MemoryBudget:
     ):
         self.limit = limit
         self.kept_share = kept_share  # of ``limit``, what state kept between requests may hold together
+        self.kept_limit = int(kept_share * limit)
         self.workers = workers
         self.max_batch_size = max_batch_size  # None: batching off, one request per run
         self.padded_runs = padded_runs  # every waiting request may be padded to the longest (length-aware off)
@@ -177,13 +178,12 @@ class MemoryBudget:
     def keep(self, nbytes: int, what: str) -> None:
         """Count ``nbytes`` of state kept between requests (a sequence's cache), or refuse them
         (RESOURCE_EXHAUSTED) when that would go over the limit; ``let_go`` gives them back."""
-        kept_limit = int(self.kept_share * self.limit)
-        if self.kept_bytes + nbytes > kept_limit:
+        if self.kept_bytes + nbytes > self.kept_limit:
             raise RequestError(
                 ErrorKind.RESOURCE_EXHAUSTED,
                 f"{what} would take {nbytes} bytes where the sequences live hold {self.kept_bytes}; together over "
                 f"their share of the budget, --sequence-bytes-share {self.kept_share:g} of --max-inflight-bytes "
-                f"{self.limit} ({kept_limit} bytes; the rest is kept for stateless requests); end a sequence or "
+                f"{self.limit} ({self.kept_limit} bytes; the rest is kept for stateless requests); end a sequence or "
                 "retry later",
             )
         if self.held + nbytes > self.limit:

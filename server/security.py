@@ -116,7 +116,7 @@ def _tokens_line_by_line(text: str, source: str) -> Tokens:
     if len(lines) == 1 and len(lines[0]) == 1:
         return Tokens({lines[0][0]: ""})
     names: dict[str, str] = {}
-    holders: set[str] = set()  # each name once: a set beside the dict, not a scan of it
+    named: set[str] = set()  # each name once: a set beside the dict, not a scan of it
     for number, fields in enumerate(lines, 1):
         if len(fields) != 2:
             raise SecurityConfigError(
@@ -126,10 +126,10 @@ def _tokens_line_by_line(text: str, source: str) -> Tokens:
         name, token = fields
         if token in names:
             raise SecurityConfigError(f"{source}: clients {names[token]!r} and {name!r} have the same token")
-        if name in holders:
+        if name in named:
             raise SecurityConfigError(f"{source}: the client name {name!r} is given twice")
         names[token] = name
-        holders.add(name)
+        named.add(name)
     return Tokens(names)
 
 
@@ -167,8 +167,8 @@ def certificate_identity(encoded: bytes) -> str:
 class Callers:
     """How the server tells its callers apart, to whom the state a call creates (a sequence) belongs: by the name
     of the token a call carries (named tokens), else by its client certificate's identity (mutual TLS:
-    ``certificate_identity``). With neither
-    (no auth, or one shared token) every caller is the same one, "", and sequence ids are global as in Triton."""
+    ``certificate_identity``). With neither (no auth, or one shared token) every caller is the same one, "", and
+    sequence ids are global as in Triton."""
 
     tokens: Tokens | None = None
     certificates: bool = False  # mutual TLS: every caller presents a certificate the client CA signed

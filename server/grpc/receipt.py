@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -439,8 +440,11 @@ class ReceivingTurns:
         self._streams: dict[_StreamTurn, None] = {}  # streams holding a turn, the longest held first
         self._unary: dict[object, _UnaryHold] = {}  # unary reads holding a turn past their first read, the same
         # streams waiting for a turn: those of connections in good standing, then those that held one idle; each
-        # line takes its clients in turn, so that one client's many idle streams delay another's by one hold at most
+        # line serves the client whose stream took a turn least recently first (a fair queue), so that one client's
+        # many idle streams, or the one holding the turn now, delay another client's stream by one hold at most
         self._waiting: dict[bool, FairLine] = {False: FairLine(), True: FairLine()}
+        self._served: dict[str, int] = {}  # client -> when a stream of its last took a turn, counted in turns
+        self._turns_taken = itertools.count(1)
         self._unary_waiting: collections.deque[Callable[[], None]] = collections.deque()  # what each is told
         self.bad_standing = RecentConnections()
         self.hold_s = hold_s
@@ -478,7 +482,7 @@ class ReceivingTurns:
     @contextlib.asynccontextmanager
     async def for_stream(self, connection: str, context, client: str = ""):
         """Hold a turn while a stream reads its next request: waits for one in line, its ``client`` (a caller the
-        server tells apart, else its connection) taking its turn in the line's rotation among clients, and raises
+        server tells apart, else its connection) served in the line after clients served less recently, and raises
         StreamEnded (its refusal already sent) once the stream was ended for holding it idle."""
         turn = _StreamTurn(context, connection, client or connection)
         suspect = connection in self.bad_standing
@@ -513,8 +517,10 @@ class ReceivingTurns:
         turn.since = asyncio.get_running_loop().time()
         self._streams[turn] = None
         self.bad_standing.discard(turn.connection)
-        for line in self._waiting.values():
-            line.served(turn.client)
+        self._served[turn.client] = next(self._turns_taken)
+        if len(self._served) > RecentConnections.REMEMBERED:  # forget clients with no stream waiting
+            waiting = {client for line in self._waiting.values() for client in line.clients}
+            self._served = {client: when for client, when in self._served.items() if client in waiting}
 
     def _release(self, turn: _StreamTurn) -> None:
         if turn in self._streams:  # an ended stream's turn was handed on when it was ended
@@ -527,7 +533,7 @@ class ReceivingTurns:
             self._unary_waiting.popleft()()
         for queue in (self._waiting[False], self._waiting[True]):
             while queue and self.free:
-                turn = queue.popleft()
+                turn = queue.popleft(lambda client: self._served.get(client, 0))
                 if turn.handed.done():
                     continue
                 self.free -= 1
@@ -609,17 +615,11 @@ class _StreamTurn:
 
 
 class FairLine:
-    """Streams waiting for a turn, served one client at a time, the client served least recently first (each
-    client's own streams in the order they came), as a fair queue: a client with many streams waiting, or one whose
-    stream holds the turn now, has them served between other clients' streams, not all before them. Event loop
-    only."""
-
-    REMEMBERED = 4096  # clients whose last turn is kept, beyond those in line
+    """Streams waiting for a turn, each client's own in the order they came, taken a client at a time in the order
+    the turns give (``popleft``). Event loop only."""
 
     def __init__(self):
         self._clients: dict[str, collections.deque[_StreamTurn]] = {}
-        self._served: dict[str, int] = {}  # client -> when it was last served, on a counter of turns
-        self._turns = 0
         self._count = 0
 
     def __len__(self) -> int:
@@ -627,6 +627,11 @@ class FairLine:
 
     def __contains__(self, turn: _StreamTurn) -> bool:
         return turn in self._clients.get(turn.client, ())
+
+    @property
+    def clients(self):
+        """The clients with a stream in this line."""
+        return self._clients.keys()
 
     def append(self, turn: _StreamTurn) -> None:
         self._clients.setdefault(turn.client, collections.deque()).append(turn)
@@ -639,22 +644,14 @@ class FairLine:
         if not own:
             del self._clients[turn.client]
 
-    def served(self, client: str) -> None:
-        """``client``'s stream took a turn (from this line or a free one): its others wait behind other clients'."""
-        self._turns += 1
-        self._served[client] = self._turns
-        if len(self._served) > self.REMEMBERED:
-            self._served = {c: t for c, t in self._served.items() if c in self._clients}
-
-    def popleft(self) -> _StreamTurn:
-        """The first stream of the client served least recently."""
-        client = min(self._clients, key=lambda c: self._served.get(c, 0))
+    def popleft(self, served_when: Callable[[str], int]) -> _StreamTurn:
+        """The first stream of the client ``served_when`` puts first (the one served least recently)."""
+        client = min(self._clients, key=served_when)
         own = self._clients[client]
         turn = own.popleft()
         self._count -= 1
         if not own:
             del self._clients[client]
-        self.served(client)
         return turn
 
 
