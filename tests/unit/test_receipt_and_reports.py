@@ -211,6 +211,16 @@ async def _read_in_turn(turns, context):
         await context.read()
 
 
+async def holding_the_turn(reader: RequestReader, connection: str) -> tuple[Context, asyncio.Task]:
+    """A read on ``connection`` whose request is not sent (``send()`` sends it), once it holds the only turn past its
+    first read: its call's context and the read."""
+    call = Context(connection)
+    read = asyncio.create_task(reader.read(call))
+    while reader.turns.free:
+        await asyncio.sleep(0.005)
+    return call, read
+
+
 class NeverShortOfCpu:
     """A server never short of CPU, wherever the tests run (a CI container may have a CPU quota, a loaded CI host
     tasks waiting for a core)."""
@@ -294,9 +304,7 @@ def test_a_request_the_turn_never_comes_to_is_refused_and_its_connection_queues_
         # delays cannot make one look like the other.
         reader = RequestReader(turns, receive_limit=1, timeout_s=5, first_read_s=0.3, cpu=NEVER_SHORT_OF_CPU)
         stalled, slow = "ipv4:127.0.0.1:1", "ipv4:127.0.0.1:2"
-        holder = asyncio.create_task(reader.read(Context(stalled)))  # never sent: holds the turn after its first read
-        while turns.free:
-            await asyncio.sleep(0.01)
+        _, holder = await holding_the_turn(reader, stalled)
         loop = asyncio.get_running_loop()
         started, refused = loop.time(), Context(slow)
         with pytest.raises(AlreadyAnswered):
@@ -379,9 +387,7 @@ def test_a_request_short_of_cpu_is_not_given_its_wait_again_while_another_call_w
         short = AlwaysShortOfCpu()
         turns = ReceivingTurns(receiving_bytes=3, receive_limit=1, hold_s=60)
         reader = RequestReader(turns, receive_limit=1, timeout_s=5, first_read_s=0.02, cpu=short)
-        holder = asyncio.create_task(reader.read(Context("ipv4:127.0.0.1:1")))  # never sent: takes the turn
-        while turns.free:
-            await asyncio.sleep(0.005)
+        _, holder = await holding_the_turn(reader, "ipv4:127.0.0.1:1")
         stalled = Context("ipv4:127.0.0.1:2")
         waiting = asyncio.create_task(reader.read(stalled))  # holds the first read, then waits for the turn
         await asyncio.sleep(0)
@@ -433,10 +439,8 @@ def test_an_honest_callers_request_waits_for_the_turn_another_holds_however_busy
         turns = ReceivingTurns(receiving_bytes=3, receive_limit=1, hold_s=5)
         reader = RequestReader(turns, receive_limit=1, timeout_s=10, first_read_s=0.02, cpu=NEVER_SHORT_OF_CPU)
         await proven(reader, "ipv4:127.0.0.1:2")
-        holder, waiter = Context("ipv4:127.0.0.1:1"), Context("ipv4:127.0.0.1:2")
-        first = asyncio.create_task(reader.read(holder))
-        while turns.free:
-            await asyncio.sleep(0.005)
+        holder, first = await holding_the_turn(reader, "ipv4:127.0.0.1:1")
+        waiter = Context("ipv4:127.0.0.1:2")
         second = asyncio.create_task(reader.read(waiter))
         await asyncio.sleep(0.3)  # fifteen first reads, the holder still arriving
         assert not second.done()
@@ -454,10 +458,7 @@ def test_a_turn_held_past_the_hold_while_an_honest_caller_waits_is_the_slow_send
         reader = RequestReader(turns, receive_limit=1, timeout_s=10, first_read_s=0.02, cpu=NEVER_SHORT_OF_CPU)
         stalled, honest = "ipv4:127.0.0.1:1", "ipv4:127.0.0.1:2"
         await proven(reader, honest)
-        holder = Context(stalled)
-        first = asyncio.create_task(reader.read(holder))  # never sent
-        while turns.free:
-            await asyncio.sleep(0.005)
+        holder, first = await holding_the_turn(reader, stalled)
         loop = asyncio.get_running_loop()
         started, waiter = loop.time(), Context(honest)
         second = asyncio.create_task(reader.read(waiter))
@@ -481,10 +482,7 @@ def test_a_stream_waiting_behind_a_stalled_unary_request_takes_its_turn_after_th
         turns = ReceivingTurns(receiving_bytes=3, receive_limit=1, hold_s=0.2)
         reader = RequestReader(turns, receive_limit=1, timeout_s=30, first_read_s=0.02, cpu=NEVER_SHORT_OF_CPU)
         loop = asyncio.get_running_loop()
-        stalled = Context("ipv4:127.0.0.1:1")
-        unary = asyncio.create_task(reader.read(stalled))  # never sent: it holds the turn after its first read
-        while turns.free:
-            await asyncio.sleep(0.005)
+        stalled, unary = await holding_the_turn(reader, "ipv4:127.0.0.1:1")
         started, stream_call = loop.time(), Context("ipv4:127.0.0.1:9")
         stream = asyncio.create_task(_read_in_turn(turns, stream_call))
         while stalled.refusal is None and loop.time() - started < 5:
@@ -497,10 +495,7 @@ def test_a_stream_waiting_behind_a_stalled_unary_request_takes_its_turn_after_th
         await stream
         # an honest caller's request (its connection proven) holding the turn is not taken back for a stream
         await proven(reader, "ipv4:127.0.0.1:2")
-        honest = Context("ipv4:127.0.0.1:2")
-        large = asyncio.create_task(reader.read(honest))
-        while turns.free:
-            await asyncio.sleep(0.005)
+        honest, large = await holding_the_turn(reader, "ipv4:127.0.0.1:2")
         other_stream = Context("ipv4:127.0.0.1:9")
         waiting = asyncio.create_task(_read_in_turn(turns, other_stream))
         await asyncio.sleep(0.5)
