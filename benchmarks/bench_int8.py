@@ -12,7 +12,7 @@ request ten times larger, and the errors at input scale 1 against the module in 
 magnitude; weights: absolute).
 
 speed: the served int8 graph against float32 at [1,16,512], [1,128,512], [8,128,512], [1,512,512],
-[1,128,768] and [1,128,4096], each in the server's own AttentionSession (2 threads, medians of 5 alternating
+[1,128,768] and [1,128,4096], each in the server's own AttentionGraphs (2 threads, medians of 5 alternating
 rounds).
 
 accuracy: the validation matrix (the 68 cases every export runs) and the input scales, on int8 exports of
@@ -196,7 +196,7 @@ def formats() -> None:
 
 def speed() -> None:
     from mhaserve.export.writer import export_model_dir
-    from mhaserve.server.session import AttentionSession
+    from mhaserve.server.graphs import AttentionGraphs
 
     print("| shape | fp32 ms | int8 ms | fp32 / int8 |")
     print("|---|--:|--:|--:|")
@@ -208,7 +208,7 @@ def speed() -> None:
             for precision in ("fp32", "int8"):
                 folder = f"{tmp}/{d}-{precision}"
                 export_model_dir(module, folder, precision=precision, validation_seed=0, report=lambda _: None)
-                sessions[precision] = AttentionSession(folder, device="cpu", intra_op_threads=THREADS)
+                sessions[precision] = AttentionGraphs.open(folder, device="cpu", intra_op_threads=THREADS)
             for batch, length in sizes:
                 x = np.random.default_rng(0).standard_normal((batch, length, d), dtype=np.float32)
                 mask = np.ones((1, 1, 1, length), bool)

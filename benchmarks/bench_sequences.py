@@ -312,10 +312,12 @@ async def against_baseline(
 def in_process_cpu_ms(positions: tuple[int, ...], calls: int = 30) -> tuple[float, dict[int, float]]:
     """This process's CPU ms (every thread) per row of 64 one-row requests run as one batch, and per step of 64
     sequences' one-row steps in one call of the step runs at each position (output only, as served below)."""
+    from mhaserve.server.graphs import AttentionGraphs
     from mhaserve.server.sequences import Step
-    from mhaserve.server.session import AttentionSession
+    from mhaserve.server.sequences.runtime import open_step_graphs
 
-    session, rng = AttentionSession(ensure_default_model(), "cpu"), np.random.default_rng(3)
+    session, rng = AttentionGraphs.open(ensure_default_model(), "cpu"), np.random.default_rng(3)
+    step_graph = open_step_graphs(session)[0]
 
     def cpu_ms_each(call, count: int) -> float:
         for _ in range(5):
@@ -332,10 +334,10 @@ def in_process_cpu_ms(positions: tuple[int, ...], calls: int = 30) -> tuple[floa
         steps = []
         for i in range(64):
             prompt = rng.standard_normal((1, position + i % 8, D), dtype=np.float32)
-            cache = session.steps.run_step(Step(prompt[:, :-1], session.steps.empty_cache(1)))[2]
-            cache = session.steps.run_step(Step(prompt[:, -1:], cache))[2]  # buffers with room, as served
+            cache = step_graph.run_step(Step(prompt[:, :-1], step_graph.empty_cache(1)))[2]
+            cache = step_graph.run_step(Step(prompt[:, -1:], cache))[2]  # buffers with room, as served
             steps.append(Step(rng.standard_normal((1, 1, D), dtype=np.float32), cache, weights=False))
-        per_step[position] = cpu_ms_each(lambda steps=steps: session.steps.run_steps(steps), 64)
+        per_step[position] = cpu_ms_each(lambda steps=steps: step_graph.run_steps(steps), 64)
     return per_row, per_step
 
 

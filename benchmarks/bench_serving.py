@@ -90,10 +90,10 @@ def in_process(module, model_dir: Path, threads: int, runs: int = 300) -> list[d
     """Eager and ORT latency and serial throughput at each shape, same threads for both."""
     import torch
 
-    from mhaserve.server.session import AttentionSession
+    from mhaserve.server.graphs import AttentionGraphs
 
     torch.set_num_threads(threads)
-    session = AttentionSession(model_dir, device="cpu", intra_op_threads=threads)
+    session = AttentionGraphs.open(model_dir, device="cpu", intra_op_threads=threads)
     rows = []
     for shape in SHAPES:
         b, length, d = map(int, shape.split(","))

@@ -86,9 +86,9 @@ def onnx_runtime_floor(length: int, runs: int = 40, gap_s: float = 0.005) -> flo
     """p50 ms of the served session's run of perf_analyzer's request (query, key, value, an all-True mask; output
     and attention weights), in this process, after an idle gap like a served call's."""
     from mhaserve.export.default_model import ensure_default_model
-    from mhaserve.server.session import AttentionSession
+    from mhaserve.server.graphs import AttentionGraphs
 
-    session = AttentionSession(ensure_default_model(), device="cpu")
+    session = AttentionGraphs.open(ensure_default_model(), device="cpu")
     query = np.random.default_rng(length).standard_normal((1, length, D)).astype(np.float32)
     mask = np.ones((1, 1, length, length), dtype=bool)
     took = []

@@ -28,9 +28,11 @@ from pathlib import Path
 import numpy as np
 
 from mhaserve.export.default_model import ensure_default_model
+from mhaserve.server.graphs import AttentionGraphs
 from mhaserve.server.sequences import Step, graph
 from mhaserve.server.sequences.graph import StepCache, StepGraph
-from mhaserve.server.session import AttentionSession, _session_options
+from mhaserve.server.sequences.runtime import open_step_graphs
+from mhaserve.server.session import session_options
 
 CPU = "CPUExecutionProvider"
 
@@ -57,7 +59,8 @@ def main() -> None:
     parser.add_argument("--cross", action="store_true", help="cross-attention sequences: pasts of keys given once")
     args = parser.parse_args()
     folder = Path(args.model_dir) if args.model_dir else ensure_default_model()
-    session = AttentionSession(folder, "cpu")
+    session = AttentionGraphs.open(folder, "cpu")
+    self_graph, cross_graph = open_step_graphs(session)
     d, heads = session.info.d_model, session.info.num_heads
     calls = 10 if args.model_dir else 30
     if args.stack_up_to is not None:
@@ -65,18 +68,18 @@ def main() -> None:
         graph.STACKED_STEPS_BYTES = 1 << 40
     rng = np.random.default_rng(0)
 
-    steps_graph = session.cross_steps if args.cross else session.steps
+    steps_graph = cross_graph if args.cross else self_graph
 
     def grown(length: int) -> StepCache:
         """A sequence's cache at ``length`` rows, its buffers with room (a prompt, then a one-row step; or, with
         --cross, keys given with a first step and a one-key step)."""
         prompt = rng.standard_normal((1, length, d), dtype=np.float32)
         if args.cross:
-            first = Step(prompt[:, :1], session.cross_steps.empty_cache(1), prompt[:, :-1], prompt[:, :-1])
-            cache = session.cross_steps.run_step(first)[2]
-            return session.cross_steps.run_step(Step(prompt[:, :1], cache, prompt[:, -1:], prompt[:, -1:]))[2]
-        cache = session.steps.run_step(Step(prompt[:, :-1], session.steps.empty_cache(1)))[2]
-        return session.steps.run_step(Step(prompt[:, -1:], cache))[2]
+            first = Step(prompt[:, :1], cross_graph.empty_cache(1), prompt[:, :-1], prompt[:, :-1])
+            cache = cross_graph.run_step(first)[2]
+            return cross_graph.run_step(Step(prompt[:, :1], cache, prompt[:, -1:], prompt[:, -1:]))[2]
+        cache = self_graph.run_step(Step(prompt[:, :-1], self_graph.empty_cache(1)))[2]
+        return self_graph.run_step(Step(prompt[:, -1:], cache))[2]
 
     def steps_at(past: int, count: int) -> list[Step]:
         return [Step(rng.standard_normal((1, 1, d), dtype=np.float32), grown(past + i)) for i in range(count)]
@@ -91,12 +94,12 @@ def main() -> None:
             print(f"pasts ~{past:4d} rows, {sequences:2d} sequences: one call {together:7.3f} ms ({runs} runs), "
                   f"a call each {alone:7.3f} ms, ratio {together / alone:5.2f}")  # fmt: skip
     if args.few:
-        graph.STACKED_STEP_PAST_BYTES, session.steps._min_grouped = 0, 2  # every group of two or more: grouped
+        graph.STACKED_STEP_PAST_BYTES, self_graph._min_grouped = 0, 2  # every group of two or more: grouped
         for past in (256, 1024):
             for count in (2, 3):
                 steps = steps_at(past, count)
-                grouped = median_ms(lambda steps=steps: session.steps.run_steps(steps), calls)
-                alone = median_ms(lambda steps=steps: [session.steps.run_step(step) for step in steps], calls)
+                grouped = median_ms(lambda steps=steps: self_graph.run_steps(steps), calls)
+                alone = median_ms(lambda steps=steps: [self_graph.run_step(step) for step in steps], calls)
                 print(f"pasts ~{past:4d} rows, {count} steps: one grouped run {grouped:7.3f} ms, a run each "
                       f"{alone:7.3f} ms, ratio {grouped / alone:5.2f}")  # fmt: skip
     if args.members:
@@ -109,8 +112,8 @@ def main() -> None:
         steps = steps_at(256, 32)
         for members in (int(m) for m in args.members.split(",")):
             built = grouped_step_graph(module, members).SerializeToString()
-            grouped = ort.InferenceSession(built, _session_options(session.intra_op_threads, 1), providers=[CPU])
-            steps_graph = StepGraph(session.steps._session, d, heads, grouped)
+            grouped = ort.InferenceSession(built, session_options(session.intra_op_threads, 1, -1.0), providers=[CPU])
+            steps_graph = StepGraph(self_graph._session, d, heads, grouped)
             took = median_ms(lambda steps_graph=steps_graph: steps_graph.run_steps(steps), calls)
             print(f"32 steps at pasts ~256 rows in runs of {members:2d} members: {took:7.3f} ms "
                   f"({took / 32:6.3f} ms a step)")  # fmt: skip

@@ -19,7 +19,7 @@ from .malloc import release_free_memory
 from .memory import MemoryBudget, answer_bytes, input_bytes, request_workspace_bytes
 from .metrics import Metrics
 from .registry import ServedModel
-from .session import AttentionSession
+from .runtime import Runtime
 from .statistics import RequestTiming
 
 if TYPE_CHECKING:
@@ -114,12 +114,12 @@ class CallMemory:
 
 class RequestAccounting:
     def __init__(
-        self, budget: MemoryBudget, metrics: Metrics, executor: Executor, sessions: Callable[[], list[AttentionSession]]
+        self, budget: MemoryBudget, metrics: Metrics, executor: Executor, runtimes: Callable[[], list[Runtime]]
     ):
         self.budget = budget
         self.metrics = metrics
         self._executor = executor  # the idle release runs where the runs do, never beside one
-        self._sessions = sessions  # the sessions whose arenas an idle release empties
+        self._runtimes = runtimes  # the runtimes whose graphs' arenas an idle release empties
         # Armed when the budget becomes idle and left armed by the next request (a timer armed and cancelled for
         # each request cost the event loop more): when it fires, the release waits for IDLE_RELEASE_S since the
         # budget last became idle, and for the next idle spell if it is busy.
@@ -215,13 +215,13 @@ class RequestAccounting:
         """Give the arenas' and the heap's free memory back, if idle."""
         if not self.budget.idle:
             return
-        sessions = self._sessions()
+        runtimes = self._runtimes()
 
         self._received_since_release = 0
 
         def release() -> None:
-            for session in sessions:
-                session.release_memory()
+            for runtime in runtimes:
+                runtime.release_memory()
             release_free_memory()
 
         self._giving_back = released = asyncio.wrap_future(self._executor.submit(release))

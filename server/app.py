@@ -267,7 +267,7 @@ class Server:
         served = self.dataplane.served_models()
         models = "; ".join(
             f"model={m.signature.name} version={m.signature.version} d_model={m.signature.d_model} "
-            f"heads={m.signature.num_heads} precision={m.signature.precision} opset={m.session.info.opset}"
+            f"heads={m.signature.num_heads} precision={m.signature.precision} opset={m.batched.graphs.info.opset}"
             for m in served
         )
         receive_limit, send_limit = self.dataplane.versions.message_limits
@@ -275,8 +275,8 @@ class Server:
         return (
             f"serving {models or 'model=none'} repository={settings.model_repository or 'off'} "
             f"control={settings.model_control_mode if settings.model_repository else 'none'} "
-            f"provider={served[0].session.provider if served else '-'} "
-            f"intra_op_threads={served[0].session.intra_op_threads if served else settings.intra_op_threads} "
+            f"provider={served[0].batched.graphs.provider if served else '-'} "
+            f"intra_op_threads={served[0].batched.graphs.intra_op_threads if served else settings.intra_op_threads} "
             f"workers={settings.inference_workers} batching={'on' if settings.dynamic_batching else 'off'} "
             f"max_batch_size={settings.max_batch_size} max_queue_delay_us={settings.max_queue_delay_us} "
             f"max_queue_size={settings.max_queue_size} max_receive_bytes={receive_limit} "

@@ -30,6 +30,7 @@ from .inference import OFF_LOOP_BYTES, InferenceRequest, InferenceResponse, run_
 from .memory import MemoryBudget
 from .metrics import Metrics
 from .registry import ModelRegistry, ServedModel
+from .runtime import Runtime
 from .sequences import Sequences
 from .shared_memory import NOTHING_HELD, SharedMemoryRegistry
 from .tensors import Limits, RunInputs
@@ -112,7 +113,7 @@ class DataPlane:
             settings.max_sequence_bytes_per_client,
         )
         self.metrics.watch_sequences(self.sequences)
-        self.accounting = RequestAccounting(budget, self.metrics, self._executor, self._sessions)
+        self.accounting = RequestAccounting(budget, self.metrics, self._executor, self._runtimes)
         self.versions = VersionFactory(
             settings, self.limits, budget, self.metrics, self._executor, self.sequences, self.accounting.quiet
         )
@@ -128,8 +129,8 @@ class DataPlane:
             settings.allow_client_shm, settings.client_shm_max_regions, settings.client_shm_max_bytes
         )
 
-    def _sessions(self) -> list:
-        return [served.session for served in self.registry.served_models() if served.session is not None]
+    def _runtimes(self) -> list[Runtime]:
+        return [runtime for served in self.registry.served_models() for runtime in served.runtimes]
 
     # -- start-up and the model control modes ----------------------------------------------------------
 
@@ -263,16 +264,11 @@ class DataPlane:
         return self.registry.resolve(name, version)
 
     def served_for(self, request: InferenceRequest, caller: str) -> ServedModel:
-        """The served version an inference request goes to: a step of a live sequence to the version the sequence
-        started on, whether or not that version still takes new requests (an unloaded or replaced version serves
-        its sequences to their end); any other request to the version it names."""
+        """The served version an inference request goes to: where it continues a live sequence, the one the
+        sequences say (sequences.Sequences.served_for); else the version it names."""
         self._refuse_while_draining()
-        try:
-            step = request.sequence_step
-        except RequestError:  # refused by the request's own check, once it has a version
-            step = None
-        sequence = self.sequences.continued_by(step, request.model, caller)
-        return sequence.served if sequence is not None else self.registry.resolve(request.model, request.version)
+        served = self.sequences.served_for(request, caller)
+        return served if served is not None else self.registry.resolve(request.model, request.version)
 
     def statistics_of(self, name: str, version: str) -> list[ServedModel]:
         """The versions a statistics request names: one version, every version of a model, or every one."""
@@ -385,12 +381,8 @@ class DataPlane:
         self.accounting.record_unauthenticated(method)
 
     async def drop_idle_sequences(self) -> None:
-        """Until the server drains: the sequences idle past their timeout are dropped, their memory returned,
-        whether or not other steps come."""
-        while not self.draining:
-            # a model's config.pbtxt may give its sequences less than the server's timeout: looked at each second
-            await asyncio.sleep(min(self.settings.sequence_idle_timeout_s, 1.0))
-            self.sequences.drop_idle()
+        """Until the server drains: the sequences idle past their timeout are dropped."""
+        await self.sequences.drop_idle_until(lambda: self.draining, self.settings.sequence_idle_timeout_s)
 
     def shutdown(self) -> None:
         self.sequences.drop_all("the server stopped")
@@ -445,9 +437,7 @@ class InferenceCall(CallRecord):
         nbytes = shared + sum(array.nbytes for array in request.inputs.values())
         attention = await dataplane.off_loop_if_large(self._checked, nbytes, request)
         self.rows = attention.batch_size
-        if attention.sequence is not None and placed:
-            raise invalid("a step of a sequence answers over the socket: its outputs cannot go to shared memory")
-        outputs = await served.runtime_for(attention).answer(self, request, attention)
+        outputs = await served.runtime_for(request).infer(self, request, attention)
         placed = {name: placement for name, placement in placed.items() if name in outputs}
         if placed:
             await self._dataplane.off_loop_if_large(

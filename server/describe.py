@@ -76,36 +76,22 @@ def model_config(served: ServedModel) -> dict:
             **{name: {"string_value": value} for name, value in serving_settings(served).items()},
         },
     }
-    batcher = served.batched.batcher
-    if batcher.enabled:
-        config["dynamic_batching"] = {"max_queue_delay_microseconds": batcher.max_queue_delay_us}
+    settings = served.settings
+    if settings.dynamic_batching:
+        config["dynamic_batching"] = {"max_queue_delay_microseconds": settings.max_queue_delay_us}
     return config
 
 
 def serving_settings(served: ServedModel) -> dict[str, str]:
-    """How this version runs: its provider and the settings that shape its latency, as text."""
-    session, batcher = served.session, served.batched.batcher
-    return {
-        name: setting_text(value)
-        for name, value in (
-            ("provider", session.provider),
-            ("intra_op_threads", session.intra_op_threads),
-            # one of --workers: a run's threads while the other workers run nothing (0: always the above)
-            ("intra_op_threads_alone", session.alone_threads),
-            ("intra_op_spin_ms", session.intra_op_spin_ms),
-            ("inference_workers", batcher.workers),
-            ("dynamic_batching", batcher.enabled),
-            ("max_batch_size", batcher.max_batch_size),
-            ("max_queue_delay_us", batcher.max_queue_delay_us),
-            ("length_aware_batching", batcher.run_cost is not None),
-            ("output_only_graph", session.has_output_only_graph),
-            ("max_queue_size", batcher.max_queue_size),
-            ("max_q_len", served.limits.max_q_len),
-            ("max_kv_len", served.limits.max_kv_len),
-            # where those came from: the model's config.pbtxt over the server's flags, or the flags alone
-            ("model_config", served.settings.source or "none"),
-        )
+    """How this version runs: its runtimes' provider and the settings that shape its latency, as text."""
+    shown = {
+        **served.batched.describe(),
+        "max_q_len": served.limits.max_q_len,
+        "max_kv_len": served.limits.max_kv_len,
+        # where those came from: the model's config.pbtxt over the server's flags, or the flags alone
+        "model_config": served.settings.source or "none",
     }
+    return {name: setting_text(value) for name, value in shown.items()}
 
 
 def model_statistics(served: ServedModel) -> dict:

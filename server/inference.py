@@ -16,8 +16,7 @@ import numpy as np
 
 from mhaserve.contract.signature import ModelSignature
 
-from .errors import ErrorKind, RequestError, invalid
-from .parameters import SequenceParameters, sequence_parameters, weights_shaping
+from .parameters import SequenceParameters, sequence_parameters
 from .shared_memory import Placement, placement_of
 from .tensors import Limits, RunInputs, checked_inputs
 
@@ -103,29 +102,6 @@ class InferenceResponse:
 
 
 def run_inputs_of(request: InferenceRequest, model: ModelSignature, limits: Limits) -> RunInputs:
-    """``request`` checked against the model and the limits: arrays ready for the graph, and what it asked of
-    the weights (RequestError otherwise)."""
-    step = request.sequence_step
-    if step is not None:  # answered as a stateless request, a step of a sequence would be wrong with OK
-        if not model.serves_sequences:
-            raise RequestError(
-                ErrorKind.UNIMPLEMENTED,
-                f"parameter 'sequence_id': model '{model.name}' version {model.version} serves no sequences (its "
-                "folder has no step graph, or an older one: sequences are served from float32 exports of this "
-                "mhaserve, so export it again); or send the whole sequence so far in one request, with a causal mask",
-            )
-        if "mask" in request.inputs:
-            raise invalid(
-                "input 'mask': a step of a sequence takes no mask (a self-attention step's rows attend every earlier "
-                "row and causally among themselves; a cross-attention step's, every key its sequence was given)"
-            )
-    named = tuple(o.name for o in request.outputs)
-    attention = checked_inputs(request.inputs, named, model, limits)
-    if step is not None:
-        attention.sequence = step  # shaped once the sequence's length is known
-        return attention
-    q_len, kv_len = attention.query.shape[1], attention.key.shape[1]
-    attention.shaping, outputs = weights_shaping(request.parameters, named, model.num_heads, q_len, kv_len)
-    if outputs is not None:
-        attention.outputs = outputs
-    return attention
+    """``request``'s inputs checked against the model and the limits: arrays ready for the graph (RequestError
+    otherwise). What it asks of the weights is read by the runtime that takes it, which knows over how many keys."""
+    return checked_inputs(request.inputs, tuple(o.name for o in request.outputs), model, limits)

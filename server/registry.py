@@ -1,9 +1,9 @@
 """The served versions: which (model, version) pairs exist, their state, and the objects that serve them.
 
 Layered as MLServer layers it (registry -> runtime): the registry knows names, versions, states and
-the reasons a version is not served; each loaded version is one ``ServedModel`` owning its ONNX
-Runtime session, its runtimes (runtime.py: batched, and sequence steps), statistics and metric labels.
-Transports resolve (name, version) here and never touch a session themselves.
+the reasons a version is not served; each loaded version is one ``ServedModel``: its signature, its settings
+and its runtimes (runtime.py: batched, and sequence steps, each owning its graphs), with its statistics and
+metric labels. Transports resolve (name, version) here and never touch a graph themselves.
 
 Two sources: one model folder (served as version 1 under the manifest's name, as before repositories)
 or a model repository, ``DIR/<model>/<version>/``, where the version policy picks what is served.
@@ -24,11 +24,11 @@ from mhaserve.contract.repository import ModelRepository, RepositoryPathError, V
 from mhaserve.contract.signature import ModelSignature
 
 from .errors import ErrorKind, RequestError
+from .inference import InferenceRequest
 from .metrics import ModelMetrics
 from .model_config import ModelSettings
 from .runtime import BatchedRuntime, Runtime
 from .sequences import SequenceRuntime
-from .session import AttentionSession
 from .statistics import ModelStatistics
 from .tensors import Limits
 
@@ -44,16 +44,15 @@ class ServedModel:
 
     signature: ModelSignature
     model_dir: Path
-    session: AttentionSession
+    settings: ModelSettings  # how it is served: its config.pbtxt over the server's settings
     batched: BatchedRuntime  # its stateless requests
+    sequence_steps: SequenceRuntime  # its sequences' steps (refused, saying why, where its folder has no step graph)
     metrics: ModelMetrics
     stats: ModelStatistics = field(default_factory=ModelStatistics)
-    sequence_steps: SequenceRuntime | None = None  # its sequences' steps, where its folder has a step graph
-    settings: ModelSettings | None = None  # how it is served: its config.pbtxt over the server's settings
     requests_in_flight: int = 0  # inference calls resolved to this version and not yet answered
     idle: asyncio.Event = field(default_factory=asyncio.Event)  # set whenever requests_in_flight is 0
-    sequences_live: int = 0  # sequences started on this version and not yet ended
-    _unload_once_released: Callable[[], None] | None = None  # an unload put off until its last sequence ends
+    pins: int = 0  # state kept on this version between requests (live sequences): it is not unloaded under them
+    _unload_once_released: Callable[[], None] | None = None  # an unload put off until its last pin goes
 
     def __post_init__(self):
         self.idle.set()
@@ -63,10 +62,17 @@ class ServedModel:
         """What one request may carry: its model's limits (read once; every request is checked against them)."""
         return self.settings.limits()
 
-    def runtime_for(self, attention) -> Runtime:
-        """The runtime that runs this kind of request: a sequence's step, or a stateless request. (A step reaches
-        here only for a version that serves sequences: inference.run_inputs_of refuses it otherwise.)"""
-        return self.batched if attention.sequence is None else self.sequence_steps
+    @property
+    def runtimes(self) -> tuple[Runtime, ...]:
+        return self.batched, self.sequence_steps
+
+    def runtime_for(self, request: InferenceRequest) -> Runtime:
+        """The runtime that takes this kind of request: a stateless one, or a sequence's step."""
+        return next(runtime for runtime in self.runtimes if runtime.takes(request))
+
+    def describe(self) -> dict[str, object]:
+        """How its runtimes run, merged (runtime.Runtime.describe)."""
+        return {name: value for runtime in self.runtimes for name, value in runtime.describe().items()}
 
     def enter(self) -> None:
         self.requests_in_flight += 1
@@ -77,19 +83,19 @@ class ServedModel:
         if not self.requests_in_flight:
             self.idle.set()
 
-    def sequence_started(self) -> None:
-        self.sequences_live += 1
+    def pin(self) -> None:
+        self.pins += 1
 
-    def sequence_ended(self) -> None:
-        self.sequences_live -= 1
-        if not self.sequences_live and self._unload_once_released is not None:
+    def unpin(self) -> None:
+        self.pins -= 1
+        if not self.pins and self._unload_once_released is not None:
             unload, self._unload_once_released = self._unload_once_released, None
             unload()
 
     def unload_once_released(self, unload: Callable[[], None]) -> None:
-        """``unload()`` once its last live sequence ends (at once if none is live): an unload or a newer version
-        waits for requests in flight, never for a sequence's idle timeout; its sequences step on meanwhile."""
-        if self.sequences_live:
+        """``unload()`` once its last pin goes, its last live sequence ended (at once if none is live): an unload or a
+        newer version waits for requests in flight, never for a sequence's idle timeout; its sequences step on."""
+        if self.pins:
             self._unload_once_released = unload
         else:
             unload()
@@ -351,12 +357,12 @@ class ModelRegistry:
         if versions is not None:
             versions[number] = VersionState(UNLOADING, reason)
         await served.idle.wait()
-        if not served.sequences_live:
+        if not served.pins:
             await self._versions.unload(served)
             return
         log.info(
             "model '%s' version %s: unloaded once its %d live sequence(s) end; they step on it until then",
-            served.signature.name, served.signature.version, served.sequences_live,
+            served.signature.name, served.signature.version, served.pins,
         )  # fmt: skip
         loop = asyncio.get_running_loop()  # its last sequence may end on another thread (a stop's drop_all)
         served.unload_once_released(lambda: loop.is_closed() or loop.call_soon_threadsafe(self._unload_later, served))

@@ -1,32 +1,53 @@
-"""How a served version runs a request: one small interface, a runtime per kind of run.
+"""How a served version runs a request: one small interface, a runtime per kind of run, each owning its graphs.
 
-The inference call (dataplane.InferenceCall) resolves the version, checks the request against it and hands it to
-the version's runtime for its kind (``ServedModel.runtime_for``): stateless requests to its ``BatchedRuntime``
-(dynamic batching over the full graph), steps of sequences to its ``sequences.SequenceRuntime`` (the step graph
-over a sequence's cache). Each runtime admits the request through the call when it knows what the run will hold
-(``Admission.admit``: memory), says when it ran (``Admission.ran``: timing), and answers the outputs asked for,
-shaped and checked for overflow in one place (answers.answer_from_run). Room for more kinds: a runtime is anything with
-``answer``.
+A served version (registry.ServedModel) is its signature, its settings and its runtimes. Each runtime is built
+from the checked model folder (model_folder.ModelFolder) and opens the graphs it runs: ``BatchedRuntime`` the full
+graphs (dynamic batching over them), ``sequences.SequenceRuntime`` the step graphs (a step over a sequence's
+cache). The inference call (dataplane.InferenceCall) checks a request against the version and hands it to the
+runtime that takes it (``ServedModel.runtime_for``). The runtime admits it through the call when it knows what the
+run will hold (``Admission.admit``: memory), says when it ran (``Admission.ran``: timing), and returns the outputs
+asked for, shaped and checked for overflow in one place (answers.answer_from_run).
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+import logging
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
+from mhaserve.contract.signature import GRAPH_OUTPUT_NAMES, ModelSignature
+
 from .batcher import Batcher
+from .config import ServerSettings
+from .graphs import AttentionGraphs
 from .inference import InferenceRequest
-from .tensors import RunInputs
+from .model_config import ModelSettings
+from .model_folder import ModelFolder
+from .parameters import weights_shaping
+from .run_cost import RUN_HERE_MAX_MULTIPLY_ADDS, FittedCosts, RunCost, fit_shapes, multiply_adds
+from .session import CPU
+from .statistics import BatchResult
+from .tensors import Limits, RunInputs
+from .threads import runs_alone, worker_board
+
+if TYPE_CHECKING:
+    from .registry import ServedModel
+    from .tracing import RequestTrace
+
+log = logging.getLogger("mhaserve.server")
 
 
 class Admission(Protocol):
     """What a runtime asks of the call it runs a request for."""
 
-    served: object  # the ServedModel the call resolved to
+    served: ServedModel  # the version the call resolved to
     caller: str  # who it comes from ("" where callers are not told apart)
     timeout_s: float | None
-    trace: object
+    trace: RequestTrace | None
 
     def admit(self, attention: RunInputs) -> None:
         """Its inputs, its answer and its run's workspace taken in the memory budget, or RESOURCE_EXHAUSTED."""
@@ -36,20 +57,180 @@ class Admission(Protocol):
 
 
 class Runtime(Protocol):
-    async def answer(self, call: Admission, request: InferenceRequest, attention: RunInputs) -> dict[str, np.ndarray]:
+    """One kind of run of a served version, over graphs it opened and owns."""
+
+    def takes(self, request: InferenceRequest) -> bool:
+        """Whether requests of this kind are this runtime's."""
+
+    async def infer(self, call: Admission, request: InferenceRequest, attention: RunInputs) -> dict[str, np.ndarray]:
         """The outputs ``attention`` asked for, in its order (RequestError if it cannot be answered)."""
+
+    def describe(self) -> dict[str, object]:
+        """How it runs (provider, threads, batching...), as the model's config and the serving line show it."""
+
+    def release_memory(self) -> None:
+        """Give back what its graphs' arenas hold beyond what a run needs (called while the server is idle)."""
+
+    def close(self) -> None:
+        """Its graphs let go: the version is unloaded."""
+
+
+@dataclass(frozen=True)
+class ProcessShare:
+    """What the process gives every version's runtimes: its settings, its inference workers and limits, whether
+    it is quiet, and the run costs fitted at earlier starts."""
+
+    settings: ServerSettings
+    executor: Executor
+    limits: Limits
+    quiet: Callable[[], bool]  # no other request in the server: a lone small run may be made on the event loop
+    fitted_costs: FittedCosts
+    step_runs_made: Callable[[int], None]  # the metrics' count of step-graph runs
 
 
 class BatchedRuntime:
-    """Stateless requests of one served version, merged into runs by its batcher."""
+    """Stateless requests of one served version, merged into runs of its full graphs by its batcher."""
 
-    def __init__(self, batcher: Batcher):
-        self.batcher = batcher
+    def __init__(self, graphs: AttentionGraphs, batcher: Batcher):
+        self.graphs, self.batcher = graphs, batcher
 
-    async def answer(self, call: Admission, request: InferenceRequest, attention: RunInputs) -> dict[str, np.ndarray]:
+    @classmethod
+    def build(
+        cls, folder: ModelFolder, model: ModelSettings, share: ProcessShare, on_batch: Callable[[BatchResult], None]
+    ) -> BatchedRuntime:
+        """The folder's full graphs opened as ``model`` says, warmed up, their run cost fitted where batching is
+        length-aware, and a batcher over them. Slow (seconds): called on the loader's thread."""
+        alone_threads, alone = runs_alone()
+        graphs = AttentionGraphs(
+            folder,
+            model.intra_op_threads,
+            cuda_tf32=share.settings.cuda_tf32,
+            intra_op_spin_ms=model.intra_op_spin_ms,
+            output_only=model.output_only_graph,
+            alone_threads=alone_threads,
+            alone=alone,
+        )
+        graphs.warm_up(share.settings.warmup_runs)
+        run_cost = None
+        if model.dynamic_batching and model.length_aware_batching:
+            run_cost = _fitted_run_cost(graphs, share)
+        batcher = Batcher(
+            graphs.run,
+            share.executor,
+            workers=model.inference_workers,
+            max_batch_size=model.max_batch_size,
+            max_queue_size=model.max_queue_size,
+            max_queue_delay_s=model.max_queue_delay_us / 1e6,
+            enabled=model.dynamic_batching,
+            on_batch=on_batch,
+            run_cost=run_cost,
+            computed_in=graphs.info.computed_in,
+            runs_here=_runs_here(graphs, share.quiet),
+            board=worker_board(),
+        )
+        return cls(graphs, batcher)
+
+    def takes(self, request: InferenceRequest) -> bool:
+        return request.sequence_step is None
+
+    async def infer(self, call: Admission, request: InferenceRequest, attention: RunInputs) -> dict[str, np.ndarray]:
+        named = tuple(o.name for o in request.outputs)
+        num_heads = call.served.signature.num_heads
+        q_len, kv_len = attention.query.shape[1], attention.key.shape[1]
+        attention.shaping, outputs = weights_shaping(request.parameters, named, num_heads, q_len, kv_len)
+        if outputs is not None:
+            attention.outputs = outputs
         if call.trace is not None:
             call.trace.decoded(attention, request.id)
         call.admit(attention)
         answer = await self.batcher.submit(attention, call.timeout_s, call.trace)
         call.ran(answer.run_rows, answer.run_started_ns, queue_ns=answer.queue_ns, infer_ns=answer.infer_ns)
         return {name: answer.outputs[name] for name in attention.outputs}
+
+    def describe(self) -> dict[str, object]:
+        graphs, batcher = self.graphs, self.batcher
+        return {
+            "provider": graphs.provider,
+            "intra_op_threads": graphs.intra_op_threads,
+            # one of --workers: a run's threads while the other workers run nothing (0: always the above)
+            "intra_op_threads_alone": graphs.alone_threads,
+            "intra_op_spin_ms": graphs.intra_op_spin_ms,
+            "inference_workers": batcher.workers,
+            "dynamic_batching": batcher.enabled,
+            "max_batch_size": batcher.max_batch_size,
+            "max_queue_delay_us": batcher.max_queue_delay_us,
+            "length_aware_batching": batcher.run_cost is not None,
+            "output_only_graph": graphs.has_output_only_graph,
+            "max_queue_size": batcher.max_queue_size,
+        }
+
+    def release_memory(self) -> None:
+        self.graphs.release_memory()
+
+    def close(self) -> None:
+        self.graphs = self.batcher = None  # its sessions (weights and arena) go with the last reference
+
+
+def signature_of(name: str, version: str, batched: BatchedRuntime, serves_sequences: bool) -> ModelSignature:
+    """What clients are told of a version: its model, as its full graph describes it."""
+    info = batched.graphs.info
+    return ModelSignature(
+        name,
+        version,
+        info.d_model,
+        info.num_heads,
+        info.precision,
+        info.max_abs_input,
+        serves_sequences,
+        info.mask_exact_input_limit,
+    )
+
+
+def _runs_here(graphs: AttentionGraphs, quiet: Callable[[], bool]) -> Callable[[int, int, int], bool] | None:
+    """Which lone runs the batcher makes on the event loop: small ones, while no other request is in the server, on
+    the CPU (a GPU run's copies and launches are measured for the inference threads only). In one of --workers such
+    a run is marked on the workers' board, as the inference threads' runs are, and takes every core's threads where
+    the other workers are quiet."""
+    if graphs.provider != CPU:
+        return None
+    d_model = graphs.info.d_model
+
+    def runs_here(rows: int, q_len: int, kv_len: int) -> bool:
+        return multiply_adds(rows, q_len, kv_len, d_model) <= RUN_HERE_MAX_MULTIPLY_ADDS and quiet()
+
+    return runs_here
+
+
+def _fitted_run_cost(graphs: AttentionGraphs, share: ProcessShare) -> RunCost:
+    """The run cost of these graphs: fitted at an earlier start of the same on this machine, else fitted now (and
+    kept for the next). Kept on the CPU only: a GPU's runs fit in a moment, and its model is not named."""
+    limits = share.limits
+    shapes = fit_shapes(limits.max_batch_size, limits.max_q_len, limits.max_kv_len)
+    key, kept = None, None
+    if graphs.provider == CPU:
+        threads = [graphs.intra_op_threads, graphs.alone_threads, graphs.intra_op_spin_ms]
+        key = share.fitted_costs.key(graph=graphs.graph_sha256, shapes=shapes, threads=threads)
+        kept = share.fitted_costs.get(key)
+    if kept is not None:
+        cost, when = kept
+        how = f"fitted at an earlier start on this machine, {when}"
+    else:
+        d_model = graphs.info.d_model
+        rng = np.random.default_rng(0)
+
+        def run(rows: int, q_len: int, kv_len: int) -> None:
+            query = rng.standard_normal((rows, q_len, d_model), dtype=np.float32)
+            kv = query if kv_len == q_len else rng.standard_normal((rows, kv_len, d_model), dtype=np.float32)
+            graphs.run(GRAPH_OUTPUT_NAMES, query, kv, kv, np.ones((1, 1, 1, kv_len), dtype=bool))
+
+        cost, how = RunCost.fit(run, shapes), "fitted at warm-up"
+        if key is not None:
+            share.fitted_costs.put(key, cost)
+    log.info(
+        "run cost model (CPU per run, %s): %.0f us + %.1f ns per token + %.2f ns per query-key pair",
+        how,
+        cost.overhead_s * 1e6,
+        cost.per_token_s * 1e9,
+        cost.per_pair_s * 1e9,
+    )
+    return cost

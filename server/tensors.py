@@ -50,8 +50,8 @@ class Limits:
 @dataclass
 class RunInputs:
     """What a run takes of a request (inference.InferenceRequest, the one request type), checked against its model
-    and limits: its arrays ready for the ONNX graph, the outputs and weights' shaping it asked for, and its place in
-    a sequence."""
+    and limits: its arrays ready for the ONNX graph, and the outputs and weights' shaping it asked for (set by the
+    runtime that takes it, which knows over how many keys)."""
 
     query: np.ndarray  # [B, Lq, d] float32
     key: np.ndarray  # [B, Lk, d] float32 (query itself for self-attention)
@@ -59,7 +59,6 @@ class RunInputs:
     mask: np.ndarray  # [B|1, 1, Lq|1, Lk] bool; all True when the request had none
     outputs: tuple[str, ...]  # requested outputs, in the order to return them
     shaping: WeightsShaping = NO_SHAPING  # what the request asked of the weights' outputs
-    sequence: object = None  # parameters.SequenceParameters: it is a step of a sequence (shaped later)
     attended: int | None = None  # the keys it attends over where they are not all in it (a step: its cache too)
 
     @property

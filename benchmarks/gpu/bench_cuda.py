@@ -5,7 +5,7 @@
 Per shape ([1,16,512], [1,128,512], [8,512,512] at 512/8, [32,128,768] at 768/12, [1,2048,4096] at
 4096/32): one module with seeded weights, exported with mhaserve's exporter (validated) into a temporary
 folder, and run host to host, as a server runs it (inputs from host memory, answers back in it):
-- ort: the server's own AttentionSession (its provider check included), fetching the output alone, or
+- ort: the server's own AttentionGraphs (its provider check included), fetching the output alone, or
   the output and the attention weights (on CUDA its inputs bound on the device, the one query array copied
   up once for query, key and value);
 - run: the same graph by ``session.run``, which copies each input up on its own (three copies of the query);
@@ -57,9 +57,10 @@ from mhaserve.export.writer import export_model_dir
 from mhaserve.loadtest.loadgen import LoadGenerator, Workload, default_processes
 from mhaserve.loadtest.loadgen import Point as LoadPoint
 from mhaserve.model.weights import seeded_module
+from mhaserve.server.graphs import AttentionGraphs
 from mhaserve.server.process import ServerProcess
 from mhaserve.server.sequences import Step, StepCache
-from mhaserve.server.session import AttentionSession
+from mhaserve.server.sequences.runtime import open_step_graphs
 from mhaserve.server.tensors import weights_dtype
 
 # (batch, length, d_model, heads)
@@ -125,7 +126,7 @@ def measure_shape(batch, length, d_model, heads, precision, device, repeats, ban
     manifest = export_model_dir(module, folder, precision=precision, report=lambda line: None)
     if not manifest.get("valid"):
         raise SystemExit(f"the export of {d_model}/{heads} failed validation: see {folder}")
-    session = AttentionSession(folder, device)
+    session = AttentionGraphs.open(folder, device)
     if device == "cuda" and session.provider != "CUDAExecutionProvider":
         raise SystemExit(f"the session runs on {session.provider}, not CUDA")
     torch_device = torch.device(device)
@@ -231,7 +232,7 @@ def measure_steps(d_model, heads, device, repeats, folder: Path) -> list[dict]:
     manifest = export_model_dir(module, folder, report=lambda line: None)
     if not manifest.get("valid"):
         raise SystemExit(f"the export of {d_model}/{heads} failed validation: see {folder}")
-    session = AttentionSession(folder, device)
+    session = AttentionGraphs.open(folder, device)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     rows = []
     for position in STEP_POSITIONS:
@@ -246,7 +247,8 @@ def measure_steps(d_model, heads, device, repeats, folder: Path) -> list[dict]:
     return rows
 
 
-def step_times(session: AttentionSession, position: int, repeats: int, sync) -> tuple[float, float, float]:
+def step_times(session: AttentionGraphs, position: int, repeats: int, sync) -> tuple[float, float, float]:
+    steps = open_step_graphs(session)[0]
     d_model, heads = session.info.d_model, session.info.num_heads
     rng = np.random.default_rng(position)
     row = rng.standard_normal((1, 1, d_model), dtype=np.float32)
@@ -261,9 +263,9 @@ def step_times(session: AttentionSession, position: int, repeats: int, sync) -> 
         cache = StepCache.of(*room, position)
     prefix = rng.standard_normal((1, position + 1, d_model), dtype=np.float32)
     causal = np.tril(np.ones((1, 1, position + 1, position + 1), bool))
-    kept = median_ms(lambda: session.steps.run_step(Step(row, cache)), repeats, sync)
+    kept = median_ms(lambda: steps.run_step(Step(row, cache)), repeats, sync)
     feed = {"query": row, "past_key": past_key, "past_value": past_value, "past_lengths": np.full(1, position)}
-    sent = median_ms(lambda: session.steps._session.run(None, feed), repeats, sync)
+    sent = median_ms(lambda: steps._session.run(None, feed), repeats, sync)
     resent = median_ms(lambda: session.run(("output",), prefix, prefix, prefix, causal), repeats, sync)
     return kept, sent, resent
 

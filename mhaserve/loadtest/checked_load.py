@@ -69,9 +69,9 @@ class Reference:
     """The model file run alone, in process, on the CPU: what each request's answer must be."""
 
     def __init__(self, model_dir: Path):
-        from mhaserve.server.session import AttentionSession
+        from mhaserve.server.graphs import AttentionGraphs
 
-        self.session = AttentionSession(Path(model_dir), "cpu", intra_op_threads=1)
+        self.session = AttentionGraphs.open(Path(model_dir), "cpu", intra_op_threads=1)
         # A float16 model's answers round to float16 steps: merged with other requests, a value may land
         # one step away from the one computed alone (about 1e-3 at 1).
         self.rtol = 2 * float(np.finfo(np.float16).eps) if self.session.info.precision == "fp16" else 0.0

@@ -1,33 +1,99 @@
 """A served version's sequence runtime: a step of a sequence checked against its sequence, admitted, run over its
 cache on the version's step graph (with other sequences' steps where they can share a run), and answered; the
-cache grown only by a step that is answered."""
+cache grown only by a step that is answered. The runtime opens and owns the folder's step graphs."""
 
 from __future__ import annotations
 
+import logging
 import time
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from mhaserve.contract.model_dir import STEP_FILES
 from mhaserve.contract.signature import OUTPUT
 
 from ..answers import answer_from_run, asks_for_weights
 from ..errors import ErrorKind, RequestError, invalid
+from ..graphs import AttentionGraphs
+from ..inference import InferenceRequest
+from ..model_config import ModelSettings
 from ..parameters import weights_shaping
-from .graph import Step
+from ..session import CPU
+from ..tensors import RunInputs
+from .graph import Step, StepGraph
 from .runs import StepRuns
 from .state import Sequence, Sequences
+
+if TYPE_CHECKING:
+    from ..runtime import Admission, ProcessShare
+
+log = logging.getLogger("mhaserve.server")
+
+
+def open_step_graphs(graphs: AttentionGraphs) -> tuple[StepGraph | None, StepGraph | None]:
+    """The folder's self-attention and cross-attention step graphs (None where it has none), on the device of its
+    full ``graphs``. The grouped graphs only on the CPU: on CUDA each step runs alone, its cache on the device."""
+    folder, info = graphs.folder, graphs.info
+    step, cross, grouped, grouped_cross = (
+        graphs.open_graph(folder.step_path(kind)) if graphs.provider == CPU or not kind.startswith("grouped") else None
+        for kind in STEP_FILES
+    )
+    if step is None:
+        return None, None
+    if not StepGraph.writes_new_rows(step):
+        log.warning(
+            "%s: exported before sequences' caches were written in place; it serves no sequences. Export it "
+            "again to serve them",
+            folder.path,
+        )
+        return None, None
+    cross_steps = None if cross is None else StepGraph(cross, info.d_model, info.num_heads, grouped_cross)
+    return StepGraph(step, info.d_model, info.num_heads, grouped), cross_steps
 
 
 class SequenceRuntime:
     """Runs the steps of sequences for one served version (runtime.Runtime): its step runs, and the process's
     sequences they belong to. A step continuing a sequence runs on the version that sequence started on (the data
-    plane resolves it there), whatever has been loaded since."""
+    plane resolves it there), whatever has been loaded since. A version whose folder has no step graph has one too,
+    which refuses every step, saying why."""
 
-    def __init__(self, sequences: Sequences, runs: StepRuns, cross_runs: StepRuns | None = None, *, computed_in: str):
+    def __init__(
+        self, sequences: Sequences, runs: StepRuns | None, cross_runs: StepRuns | None = None, *, computed_in: str
+    ):
         self.sequences, self.runs, self.cross_runs, self.computed_in = sequences, runs, cross_runs, computed_in
 
-    async def answer(self, call, request, attention) -> dict[str, np.ndarray]:
-        sequences, step = self.sequences, attention.sequence
+    @classmethod
+    def build(
+        cls, graphs: AttentionGraphs, model: ModelSettings, sequences: Sequences, share: ProcessShare
+    ) -> SequenceRuntime:
+        """The steps of the folder of ``graphs``, on its step graphs, where it has them."""
+        runs = [
+            None if graph is None else StepRuns(graph, share.executor, model.max_batch_size, share.step_runs_made)
+            for graph in open_step_graphs(graphs)
+        ]
+        return cls(sequences, *runs, computed_in=graphs.info.computed_in)
+
+    @property
+    def serves_sequences(self) -> bool:
+        return self.runs is not None
+
+    def takes(self, request: InferenceRequest) -> bool:
+        return request.sequence_step is not None
+
+    def describe(self) -> dict[str, object]:
+        return {"sequences": self.serves_sequences, "cross_attention_sequences": self.cross_runs is not None}
+
+    def release_memory(self) -> None:
+        pass  # a step's buffers are its sequence's, given back when it ends
+
+    def close(self) -> None:
+        self.runs = self.cross_runs = None
+
+    async def infer(self, call: Admission, request: InferenceRequest, attention: RunInputs) -> dict[str, np.ndarray]:
+        step = request.sequence_step
+        self._check(call, request)
         keys_given = attention.key is not attention.query
         if step.start and keys_given and self.cross_runs is None:
             raise RequestError(
@@ -36,7 +102,8 @@ class SequenceRuntime:
                 "serves no cross-attention sequences (its folder has no cross-attention step graph: export it again "
                 "with this mhaserve)",
             )
-        sequence = sequences.begin(step, call.served, attention.batch_size, call.caller, cross=keys_given)
+        sequences, empty_cache = self.sequences, self.runs.graph.empty_cache
+        sequence = sequences.begin(step, call.served, empty_cache, attention.batch_size, call.caller, keys_given)
         if keys_given and not sequence.cross:
             raise invalid(
                 f"input 'key': sequence {step.id!r} is a self-attention sequence (it started without keys): its steps "
@@ -57,7 +124,28 @@ class SequenceRuntime:
             sequences.end(sequence)
         return answer
 
-    async def _step(self, call, request, attention, sequence: Sequence) -> dict[str, np.ndarray]:
+    def _check(self, call: Admission, request: InferenceRequest) -> None:
+        """A step this version can take: it serves sequences, and the step has no mask and no outputs to place in
+        shared memory (answered as a stateless request, a step would be wrong with OK)."""
+        if not self.serves_sequences:
+            signature = call.served.signature
+            raise RequestError(
+                ErrorKind.UNIMPLEMENTED,
+                f"parameter 'sequence_id': model '{signature.name}' version {signature.version} serves no sequences "
+                "(its folder has no step graph, or an older one: sequences are served from float32 exports of this "
+                "mhaserve, so export it again); or send the whole sequence so far in one request, with a causal mask",
+            )
+        if "mask" in request.inputs:
+            raise invalid(
+                "input 'mask': a step of a sequence takes no mask (a self-attention step's rows attend every earlier "
+                "row and causally among themselves; a cross-attention step's, every key its sequence was given)"
+            )
+        if request.output_placements():
+            raise invalid("a step of a sequence answers over the socket: its outputs cannot go to shared memory")
+
+    async def _step(
+        self, call: Admission, request: InferenceRequest, attention: RunInputs, sequence: Sequence
+    ) -> dict[str, np.ndarray]:
         rows = attention.query.shape[1]
         # Its new keys: a self-attention step's rows; a cross-attention step's keys, if it brings any.
         given = None if attention.key is attention.query else (attention.key, attention.value)
@@ -66,10 +154,9 @@ class SequenceRuntime:
         total = sequence.length + new_keys
         named = tuple(o.name for o in request.outputs)
         num_heads = sequence.served.signature.num_heads
-        attention.shaping, outputs = weights_shaping(request.parameters, named, num_heads, rows, total)
-        attention.attended = total  # its keys: the sequence's cache and its new ones
-        if outputs is not None:
-            attention.outputs = outputs
+        shaping, outputs = weights_shaping(request.parameters, named, num_heads, rows, total)
+        # its keys: the sequence's cache and its new ones
+        attention = replace(attention, shaping=shaping, attended=total, outputs=outputs or attention.outputs)
         call.admit(attention)
         started = time.perf_counter_ns()
         runs = self.cross_runs if sequence.cross else self.runs

@@ -7,12 +7,18 @@ import asyncio
 import contextlib
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ..errors import ErrorKind, RequestError, invalid
 from ..memory import MemoryBudget
 from ..parameters import SequenceParameters
 from .graph import StepCache
+
+if TYPE_CHECKING:
+    from ..inference import InferenceRequest
+    from ..registry import ServedModel
 
 REMEMBERED_ENDS = 4096  # ids recently ended or timed out, to say so when a late step names one
 
@@ -21,7 +27,7 @@ REMEMBERED_ENDS = 4096  # ids recently ended or timed out, to say so when a late
 class Sequence:
     caller: str  # who started it (security.Callers); "" where callers are not told apart
     id: int | str
-    served: object  # the ServedModel it started on (its session not unloaded while the sequence lives)
+    served: ServedModel  # the version it started on (pinned: not unloaded while the sequence lives)
     batch: int
     cache: StepCache  # its projected keys and values, where the step graph runs
     last_used: float = field(default_factory=time.monotonic)
@@ -71,7 +77,15 @@ class Sequences:
     def cache_bytes(self) -> int:
         return sum(sequence.nbytes for sequence in self.live.values())
 
-    def begin(self, step: SequenceParameters, served, batch: int, caller: str = "", cross: bool = False) -> Sequence:
+    def begin(
+        self,
+        step: SequenceParameters,
+        served: ServedModel,
+        empty_cache: Callable[[int], StepCache],
+        batch: int,
+        caller: str = "",
+        cross: bool = False,
+    ) -> Sequence:
         """The sequence this step belongs to: at ``sequence_start`` a new one (a cross-attention one where ``cross``),
         not yet live (``commit`` makes it live once its first step is answered), else ``caller``'s live one of that
         id. A step names its own sequence; only a start looks at every sequence (the idle ones' room is freed first),
@@ -93,7 +107,7 @@ class Sequences:
                     f"sequence {step.id!r}: this client has {own} sequences live or starting, its share "
                     f"--max-sequences-per-client={self.per_client}; end one (sequence_end) or retry later",
                 )
-            cache = served.session.steps.empty_cache(batch)
+            cache = empty_cache(batch)
             return Sequence(caller, step.id, served, batch, cache, started=False, cross=cross)
         sequence = self.live.get(key)
         if sequence is not None and self._idle(sequence, time.monotonic()):
@@ -120,12 +134,26 @@ class Sequences:
             if not self._starting_by[sequence.caller]:
                 del self._starting_by[sequence.caller]
 
-    def continued_by(self, step: SequenceParameters | None, model: str, caller: str) -> Sequence | None:
-        """The live sequence of ``model`` that ``step`` continues (a step without ``sequence_start``), if any."""
+    def served_for(self, request: InferenceRequest, caller: str) -> ServedModel | None:
+        """The version a step continuing one of ``caller``'s live sequences of the model it names runs on (the one
+        the sequence started on, whether or not it still takes new requests: an unloaded or replaced version serves
+        its sequences to their end); None for any other request."""
+        try:
+            step = request.sequence_step
+        except RequestError:  # refused by the request's own check, once it has a version
+            return None
         if step is None or step.start:
             return None
         sequence = self.live.get((caller, step.id))
-        return sequence if sequence is not None and sequence.served.signature.name == model else None
+        return sequence.served if sequence is not None and sequence.served.signature.name == request.model else None
+
+    async def drop_idle_until(self, stopped: Callable[[], bool], timeout_s: float) -> None:
+        """Until ``stopped()``: the sequences idle past their timeout are dropped, their memory returned, whether or
+        not other steps come (looked at each second: a model's config.pbtxt may give its sequences less than the
+        server's ``timeout_s``)."""
+        while not stopped():
+            await asyncio.sleep(min(timeout_s, 1.0))
+            self.drop_idle()
 
     def _held_by(self, caller: str) -> int:
         """The sequences ``caller`` has live or starting."""
@@ -170,7 +198,7 @@ class Sequences:
         """A started sequence's first step was answered: it is live, in place of any of its id (restarted)."""
         if sequence.key in self.live:
             self._drop(self.live[sequence.key], "restarted")
-        sequence.served.sequence_started()
+        sequence.served.pin()
         sequence.started = True
         self.live[sequence.key] = sequence
         self._count_bytes(sequence.caller, sequence.nbytes)
@@ -213,7 +241,7 @@ class Sequences:
         sequence.ended = True
         self.budget.let_go(sequence.nbytes)
         self._count_bytes(sequence.caller, -sequence.nbytes)
-        sequence.served.sequence_ended()
+        sequence.served.unpin()
         self._gone[sequence.key] = why
         while len(self._gone) > REMEMBERED_ENDS:
             self._gone.popitem(last=False)

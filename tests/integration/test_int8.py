@@ -26,7 +26,7 @@ from mhaserve.contract.model_dir import ModelDirError, read_manifest
 from mhaserve.export.validate import TOLERANCES
 from mhaserve.export.writer import revalidate_model_dir
 from mhaserve.model import seeded_module
-from mhaserve.server.session import AttentionSession
+from mhaserve.server.graphs import AttentionGraphs
 from tests.support import SMALL_D_MODEL, SMALL_HEADS, TEST_SERVER_ARGS, assert_within_relative, eager, rand
 from tests.support.in_process import InProcessServer, refused_start
 from tests.support.requests import as_attention_request, infer_concurrently, merged_when_all_queued, mixed_requests
@@ -109,7 +109,7 @@ def test_each_answer_in_a_batch_across_lengths_equals_its_unbatched_answer(int8_
             batched = infer_concurrently(server.url, requests)
             merged = client.statistics().execution_count - before.execution_count
     assert merged == 1, f"{len(requests)} concurrent requests took {merged} runs, not one padded run"
-    session = AttentionSession(int8_model_dir, device="cpu", intra_op_threads=1)
+    session = AttentionGraphs.open(int8_model_dir, device="cpu", intra_op_threads=1)
     for request, one in zip(requests, batched, strict=True):
         query, key, value, mask, weights = request
         alone = as_attention_request(*request)  # the same request, run by itself
@@ -249,13 +249,13 @@ def test_validate_inputs_compares_int8_with_float32_on_a_users_npz(int8_model_di
 
 
 def test_a_valid_int8_folder_is_refused_on_a_cpu_whose_products_saturate(int8_model_dir, tmp_path, monkeypatch):
-    from mhaserve.server import session
+    from mhaserve.server import model_folder
 
     avx2 = tmp_path / "cpuinfo"
     avx2.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n")
-    monkeypatch.setattr(session, "int8_support", lambda: int8_support(avx2))
+    monkeypatch.setattr(model_folder, "int8_support", lambda: int8_support(avx2))
     with pytest.raises(ModelDirError, match="no 8-bit dot-product instructions.*serve a float32 export here"):
-        session.AttentionSession(int8_model_dir, device="cpu")
+        model_folder.ModelFolder.read(int8_model_dir, device="cpu")
 
 
 def test_device_cuda_with_an_int8_folder_is_refused_saying_why(int8_model_dir):

@@ -494,9 +494,10 @@ def test_an_unloaded_version_is_freed_at_once_not_at_the_next_garbage_collection
         for _ in range(3):
             await dataplane.load_model("mha")
             served = dataplane.resolve("mha", "")
-            assert served.session.run(["output"], *[rand(1, 3, SMALL_D_MODEL)] * 3, np.ones((1, 1, 1, 3), bool))
-            sessions.append(weakref.ref(served.session))
-            del served
+            graphs, steps = served.batched.graphs, served.sequence_steps.runs.graph
+            assert graphs.run(["output"], *[rand(1, 3, SMALL_D_MODEL)] * 3, np.ones((1, 1, 1, 3), bool))
+            sessions += [weakref.ref(graphs), weakref.ref(steps)]
+            del served, graphs, steps
             await dataplane.unload_model("mha")
             await asyncio.sleep(0)
         dataplane.shutdown()
@@ -505,7 +506,7 @@ def test_an_unloaded_version_is_freed_at_once_not_at_the_next_garbage_collection
     gc.disable()
     try:
         sessions = asyncio.run(cycles())
-        assert [ref() for ref in sessions] == [None, None, None]
+        assert [ref() for ref in sessions] == [None] * 6
     finally:
         gc.enable()
 

@@ -247,7 +247,7 @@ def test_the_scale_validation_refuses_a_graph_computing_the_scores_in_float16(sm
 def test_a_float16_folder_without_a_validated_input_range_is_refused_with_the_reason(fp16_model_dir, tmp_path):
     import shutil
 
-    from mhaserve.server.session import AttentionSession
+    from mhaserve.server.graphs import AttentionGraphs
 
     folder = tmp_path / "older"
     shutil.copytree(fp16_model_dir, folder)
@@ -255,4 +255,4 @@ def test_a_float16_folder_without_a_validated_input_range_is_refused_with_the_re
     del manifest["validation"]["input_scales"]
     (folder / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ModelDirError, match="without a validated input range .* re-export it"):
-        AttentionSession(folder, device="cpu")
+        AttentionGraphs.open(folder, device="cpu")

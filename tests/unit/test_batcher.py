@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mhaserve.server.batcher import merge, split
-from mhaserve.server.session import AttentionSession
+from mhaserve.server.graphs import AttentionGraphs
 from tests.support import SMALL_D_MODEL, rand
 from tests.support.requests import as_attention_request, mixed_requests
 
@@ -17,7 +17,7 @@ D = SMALL_D_MODEL
 
 
 def test_merged_run_gives_each_request_its_unbatched_answer(small_model_dir):
-    session = AttentionSession(small_model_dir, device="cpu", intra_op_threads=1)
+    session = AttentionGraphs.open(small_model_dir, device="cpu", intra_op_threads=1)
     requests = [as_attention_request(*r) for r in mixed_requests(12)]
     merged = merge(requests)
     assert merged.query.shape[0] == sum(r.batch_size for r in requests)
@@ -156,7 +156,7 @@ def test_split_runs_give_each_request_its_unbatched_answer(small_model_dir):
     # The real batcher and session, with a cost model that makes every length its own run.
     from mhaserve.server.run_cost import RunCost
 
-    session = AttentionSession(small_model_dir, device="cpu", intra_op_threads=1)
+    session = AttentionGraphs.open(small_model_dir, device="cpu", intra_op_threads=1)
     requests = [as_attention_request(*r) for r in mixed_requests(16, seed=9)]
     answers, runs = queued_then_taken(session, requests, RunCost(1e-9, 0.0, 1.0))
     lengths = {(r.query.shape[1], r.key.shape[1]) for r in requests}
@@ -171,7 +171,7 @@ def test_split_runs_give_each_request_its_unbatched_answer(small_model_dir):
 def test_a_mixed_take_looks_down_the_queue_and_runs_the_oldest_request_first(small_model_dir):
     from mhaserve.server.run_cost import RunCost
 
-    session = AttentionSession(small_model_dir, device="cpu", intra_op_threads=1)
+    session = AttentionGraphs.open(small_model_dir, device="cpu", intra_op_threads=1)
 
     def request(length, seed):
         return as_attention_request(rand(1, length, D, seed=seed), None, None, None, False)
@@ -225,7 +225,7 @@ def test_a_failed_run_fails_its_requests_and_the_worker_serves_the_next_take(sma
     from mhaserve.server.batcher import Batcher
     from mhaserve.server.run_cost import RunCost
 
-    session = AttentionSession(small_model_dir, device="cpu", intra_op_threads=1)
+    session = AttentionGraphs.open(small_model_dir, device="cpu", intra_op_threads=1)
     calls = []
 
     def run_model(*args):
@@ -269,7 +269,7 @@ def test_a_lone_small_request_runs_on_the_event_loop_and_requests_back_to_back_o
     from mhaserve.server import batcher as batcher_module
     from mhaserve.server.batcher import QUIET_BEFORE_RUN_HERE_NS, Batcher
 
-    session = AttentionSession(small_model_dir, device="cpu", intra_op_threads=1)
+    session = AttentionGraphs.open(small_model_dir, device="cpu", intra_op_threads=1)
     ran_on, asked = [], []
 
     def run_model(*args):

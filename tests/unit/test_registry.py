@@ -34,7 +34,7 @@ class Loader:
         await asyncio.sleep(0)
         if (name, number) in self.refuse:
             raise ModelDirError(self.refuse[name, number])
-        served = ServedModel(None, model_dir, None, None, None)
+        served = ServedModel(None, model_dir, None, None, None, None)
         served.key = (name, number)
         return served
 

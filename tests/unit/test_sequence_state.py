@@ -27,20 +27,19 @@ class Settings:
 
 
 def served(timeout_s: float = 60.0):
-    empty = np.zeros((1, 2, 0, 4), np.float32)
-    steps = SimpleNamespace(empty_cache=lambda batch: StepCache.of(empty, empty.copy(), 0))
     return SimpleNamespace(
-        settings=Settings(timeout_s),
-        session=SimpleNamespace(steps=steps),
-        signature=SimpleNamespace(name="mha"),
-        sequence_started=lambda: None,
-        sequence_ended=lambda: None,
+        settings=Settings(timeout_s), signature=SimpleNamespace(name="mha"), pin=lambda: None, unpin=lambda: None
     )
+
+
+def empty_cache(batch: int) -> StepCache:
+    empty = np.zeros((batch, 2, 0, 4), np.float32)
+    return StepCache.of(empty, empty.copy(), 0)
 
 
 def live(sequences: Sequences, model, *ids):
     for sequence_id in ids:
-        sequences.commit(sequences.begin(SequenceParameters(sequence_id, start=True, end=False), model, 1))
+        sequences.commit(sequences.begin(SequenceParameters(sequence_id, start=True, end=False), model, empty_cache, 1))
 
 
 def test_a_step_naming_a_sequence_idle_past_its_timeout_is_refused_before_the_sweep_drops_it():
@@ -49,7 +48,7 @@ def test_a_step_naming_a_sequence_idle_past_its_timeout_is_refused_before_the_sw
     sequences.live[("", "a")].last_used -= 10  # idle for 10 s; no sweep has run
     sequences.live[("", "b")].last_used -= 10
     with pytest.raises(RequestError, match=r"'a' is not live: dropped after 0.5 s idle \(--sequence-idle-timeout-s\)"):
-        sequences.begin(SequenceParameters("a", start=False, end=False), model, 1)
+        sequences.begin(SequenceParameters("a", start=False, end=False), model, empty_cache, 1)
     assert sequences.timed_out_total == 1 and ("", "b") in sequences.live  # the other waits for the sweep
     sequences.drop_idle()
     assert not sequences.live and sequences.timed_out_total == 2
@@ -88,7 +87,9 @@ def test_each_clients_share_of_sequence_bytes_is_checked_as_if_summed_over_its_l
             sequences.drop_idle()
         else:
             start = key not in sequences.live or action < 0.25  # a start again restarts it
-            sequence = sequences.begin(SequenceParameters(sequence_id, start=start, end=False), model, 1, caller)
+            sequence = sequences.begin(
+                SequenceParameters(sequence_id, start=start, end=False), model, empty_cache, 1, caller
+            )
             grown = cache_of(sequence.length + rng.randint(1, 400))
             others = sum(s.nbytes for s in sequences.live.values() if s.caller == caller and s is not sequence)
             try:

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from mhaserve.server.graphs import AttentionGraphs
 from mhaserve.server.sequences import StepRuns
 from mhaserve.server.sequences.graph import (
     MIN_GROUPED_STEPS,
@@ -21,13 +23,15 @@ from mhaserve.server.sequences.graph import (
     StepCache,
     StepGraph,
 )
-from mhaserve.server.session import AttentionSession
+from mhaserve.server.sequences.runtime import open_step_graphs
 from tests.support import SMALL_D_MODEL, SMALL_HEADS
 
 
 @pytest.fixture(scope="module")
 def session(small_model_dir):
-    return AttentionSession(small_model_dir, "cpu", 1)
+    """The folder's step graphs, as its sequence runtime opens them."""
+    steps, cross_steps = open_step_graphs(AttentionGraphs.open(small_model_dir, "cpu", intra_op_threads=1))
+    return SimpleNamespace(steps=steps, cross_steps=cross_steps)
 
 
 def grown(session, length: int, seed: int):

@@ -48,12 +48,12 @@ def test_a_lone_run_on_the_event_loop_of_a_worker_is_marked_on_its_board(small_m
     from concurrent.futures import ThreadPoolExecutor
 
     from mhaserve.server.batcher import Batcher
-    from mhaserve.server.session import AttentionSession
+    from mhaserve.server.graphs import AttentionGraphs
     from tests.support import SMALL_D_MODEL, rand
     from tests.support.requests import as_attention_request
 
     this, other = boards()
-    session = AttentionSession(small_model_dir, device="cpu", intra_op_threads=1)
+    session = AttentionGraphs.open(small_model_dir, device="cpu", intra_op_threads=1)
     seen_by_the_other = []
 
     def run_model(*args):
