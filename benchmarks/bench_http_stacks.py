@@ -82,7 +82,7 @@ async def serve(stack: str, port: int, model_dir: Path, stacks_path: str | None)
             return JSONResponse({"error": error.message}, HTTP_STATUS[error.kind])
         headers = {HEADER_LENGTH: str(json_length)} if json_length is not None else None
         # The background task runs once the response is sent: the answer leaves the budget then.
-        return Response(payload, headers=headers, background=BackgroundTask(call.sent, True))
+        return Response(payload, headers=headers, background=BackgroundTask(call.record_delivery, True))
 
     app = Starlette(routes=[Route("/v2/models/{name}/infer", infer, methods=["POST"])])
     config = uvicorn.Config(

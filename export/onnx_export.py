@@ -9,7 +9,7 @@ write as plain ONNX: the graph broadcasts [B|1, 1, Lq|1, Lk] masks at run time, 
 constant shapes whose 0s keep B and L, so it computes no shapes at run time (28 nodes, as the
 TorchScript graph had).
 
-The example inputs still matter (tests/unit/test_export.py guards each trap):
+The example inputs still matter (tests/export/test_export.py guards each trap):
 - no dynamic dim is 1 in the example, or it can be baked into the graph as a constant;
 - query and key have different lengths and are different tensors, or Lk is tied to Lq and the
   graph never reads ``key``;

@@ -490,33 +490,10 @@ def validate_scales_graphs(
                 got_errors += [0.0, 0.0] * (not returns_weights[number])
                 worst[number] = np.maximum(worst[number], got_errors + eager_errors)
         for number in range(len(graphs)):
-            weights_returned = returns_weights[number]
-            out_abs, out_rel, attn_abs, attn_rel, eager_out, eager_attn = (float(v) for v in worst[number])
-            passed = bool(  # NaN fails
-                masked_weight[number] == 0.0
-                and (tolerance.output.allows(out_abs, out_rel) or out_rel <= EAGER_ERROR_FACTOR * eager_out)
-                and (tolerance.weights.allows(attn_abs, attn_rel) or attn_rel <= EAGER_ERROR_FACTOR * eager_attn)
-            )
-            results[number].append(
-                ScaleResult(
-                    scale,
-                    largest,
-                    out_rel,
-                    attn_rel if weights_returned else None,
-                    eager_out,
-                    eager_attn,
-                    passed,
-                    attn_abs if weights_returned else None,
-                )
-            )
-            attn_text = f"attn abs {attn_abs:8.1e} rel {attn_rel:8.1e}" if weights_returned else "attn (not returned)"
-            if masked_weight[number] != 0.0:
-                attn_text += f", a masked key's weight {masked_weight[number]:.1e}"
-            tables.row(
-                number,
-                f"[scale {scale:>7g}] inputs up to {largest:9.3g}: output rel {out_rel:8.1e}  {attn_text}"
-                f"  (eager float32 rel: {eager_out:8.1e}, {eager_attn:8.1e})  {'pass' if passed else 'FAIL'}",
-            )
+            result, line = _scale_verdict(scale, largest, worst[number], masked_weight[number],
+                                          returns_weights[number], tolerance)  # fmt: skip
+            results[number].append(result)
+            tables.row(number, line)
     for number in range(len(graphs)):
         limit = input_limit(results[number])
         held = "at no scale" if limit is None else f"for inputs up to {limit:.4g} in magnitude"
@@ -526,6 +503,37 @@ def validate_scales_graphs(
             f"{EAGER_ERROR_FACTOR} times eager float32's error)",
         )
     return results
+
+
+def _scale_verdict(
+    scale: float, largest: float, worst, masked_weight: float, weights_returned: bool, tolerance
+) -> tuple[ScaleResult, str]:
+    """One graph's verdict at one scale, from its worst errors there (output abs and rel, weights abs and rel,
+    eager float32's output and weights rel) and the most weight a masked key got; and its table row."""
+    out_abs, out_rel, attn_abs, attn_rel, eager_out, eager_attn = (float(v) for v in worst)
+    passed = bool(  # NaN fails
+        masked_weight == 0.0
+        and (tolerance.output.allows(out_abs, out_rel) or out_rel <= EAGER_ERROR_FACTOR * eager_out)
+        and (tolerance.weights.allows(attn_abs, attn_rel) or attn_rel <= EAGER_ERROR_FACTOR * eager_attn)
+    )
+    result = ScaleResult(
+        scale,
+        largest,
+        out_rel,
+        attn_rel if weights_returned else None,
+        eager_out,
+        eager_attn,
+        passed,
+        attn_abs if weights_returned else None,
+    )
+    attn_text = f"attn abs {attn_abs:8.1e} rel {attn_rel:8.1e}" if weights_returned else "attn (not returned)"
+    if masked_weight != 0.0:
+        attn_text += f", a masked key's weight {masked_weight:.1e}"
+    line = (
+        f"[scale {scale:>7g}] inputs up to {largest:9.3g}: output rel {out_rel:8.1e}  {attn_text}"
+        f"  (eager float32 rel: {eager_out:8.1e}, {eager_attn:8.1e})  {'pass' if passed else 'FAIL'}"
+    )
+    return result, line
 
 
 def export_holds(results: list[CaseResult], scales: list[ScaleResult]) -> bool:

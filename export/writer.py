@@ -8,7 +8,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -121,45 +121,104 @@ def export_model_dir(
         rows.append(line)
         shown(line)
 
-    onnx_model = export_onnx(module, opset, precision)
-    check_onnx(onnx_model)
+    graphs = _Graphs.of(module, opset, precision)
     if validation_seed is None:
         validation_seed = int(np.random.SeedSequence().entropy % 2**32)
     reference = reference if reference is not None else module
-    # The float16 graph splits its precision by path (onnx_export.float16_attention), which the fused
-    # kernel cannot: float16 folders answer every request from model.onnx.
-    output_only = output_only_graph(module) if precision == "fp32" else None
-    if output_only is not None:
-        check_onnx(output_only)
-    (results, scales), *only = _validate_answering_graphs(
-        reference,
-        module,
-        onnx_model.SerializeToString(),
-        None if output_only is None else output_only.SerializeToString(),
-        validation_seed,
-        report,
-        precision,
-    )
-    passed = export_holds(results, scales)
-    if only:
-        [(output_only_results, output_only_scales)] = only
-        passed = passed and export_holds(output_only_results, output_only_scales)
-    # The step graphs serve sequences from float32 exports; a float16 or int8 folder has none (refused there).
-    steps = step_graphs(module) if precision == "fp32" else {}
-    step_results = {}
-    for kind, graph in steps.items():
-        check_onnx(graph)
-        step_results[kind] = STEP_VALIDATIONS[kind](module, graph.SerializeToString(), validation_seed, report)
-    passed = passed and all(r["status"] == "pass" for results in step_results.values() for r in results)
+    validation = _Validation.of(graphs, reference, module, validation_seed, report, precision)
+    identity = export_identity(module, name=name, precision=precision, opset=opset, source=source)
+    manifest = _manifest(identity, graphs, validation, module, validation_seed, precision)
+    manifest["export_seconds"] = round(time.perf_counter() - started, 2)
+    graphs.stamp(module, manifest, name=name, opset=opset, precision=precision)
+    _write_folder(out_dir, graphs, module, manifest, rows)
+    return manifest
 
+
+@dataclass
+class _Graphs:
+    """The graphs of one export: the full one, its output-only one (float32 only: the float16 graph splits its
+    precision by path, which the fused kernel cannot), and the step graphs that serve sequences (float32 only)."""
+
+    model: onnx.ModelProto
+    output_only: onnx.ModelProto | None
+    steps: dict[str, onnx.ModelProto]
+
+    @classmethod
+    def of(cls, module: MultiHeadAttention, opset: int, precision: str) -> _Graphs:
+        model = export_onnx(module, opset, precision)
+        output_only = output_only_graph(module) if precision == "fp32" else None
+        steps = step_graphs(module) if precision == "fp32" else {}
+        for graph in (model, output_only, *steps.values()):
+            if graph is not None:
+                check_onnx(graph)
+        return cls(model, output_only, steps)
+
+    def stamp(self, module: MultiHeadAttention, manifest: dict, *, name: str, opset: int, precision: str) -> None:
+        """The model's description in the metadata of the graphs a server reads it from."""
+        metadata = {
+            "name": name,
+            "d_model": module.d_model,
+            "num_heads": module.num_heads,
+            "opset": opset,
+            "precision": precision,
+            "valid": manifest["valid"],
+            "mask": manifest["mask"],
+            "torch_version": torch.__version__,
+            "mhaserve_version": mhaserve.__version__,
+        }
+        for graph in (g for g in (self.model, self.output_only, self.steps.get("step")) if g is not None):
+            onnx.helper.set_model_props(graph, {METADATA_PREFIX + k: str(v) for k, v in metadata.items()})
+            graph.producer_name = "mhaserve"
+            graph.producer_version = mhaserve.__version__
+
+
+@dataclass
+class _Validation:
+    """Each graph's validation against the eager module: the full graph's cases and input scales, the output-only
+    graph's (None where there is none), and each step graph's cases."""
+
+    results: list
+    scales: list
+    output_only: tuple[list, list] | None
+    steps: dict[str, list[dict]]
+
+    @classmethod
+    def of(cls, graphs: _Graphs, reference, module, seed: int, report, precision: str) -> _Validation:
+        output_only = graphs.output_only
+        (results, scales), *only = _validate_answering_graphs(
+            reference,
+            module,
+            graphs.model.SerializeToString(),
+            None if output_only is None else output_only.SerializeToString(),
+            seed,
+            report,
+            precision,
+        )
+        steps = {
+            kind: STEP_VALIDATIONS[kind](module, graph.SerializeToString(), seed, report)
+            for kind, graph in graphs.steps.items()
+        }
+        return cls(results, scales, only[0] if only else None, steps)
+
+    @property
+    def passed(self) -> bool:
+        answering = [(self.results, self.scales), *([self.output_only] if self.output_only else [])]
+        steps_pass = all(r["status"] == "pass" for results in self.steps.values() for r in results)
+        return all(export_holds(results, scales) for results, scales in answering) and steps_pass
+
+
+def _manifest(identity: dict, graphs: _Graphs, validation: _Validation, module, seed: int, precision: str) -> dict:
+    """The folder's manifest.json: what was exported, from what, and how each graph validated."""
+    passed = validation.passed
+    results, scales = validation.results, validation.scales
     manifest = {
         "format": MANIFEST_FORMAT,
-        **export_identity(module, name=name, precision=precision, opset=opset, source=source),
+        **identity,
         "valid": passed,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "files": {"model": MODEL_FILE, "weights": WEIGHTS_FILE},
-        "inputs": describe_tensors(onnx_model.graph.input),
-        "outputs": describe_tensors(onnx_model.graph.output),
+        "inputs": describe_tensors(graphs.model.graph.input),
+        "outputs": describe_tensors(graphs.model.graph.output),
         "mask": "0/False = may not attend; rank 4 [B|1, 1, Lq|1, Lk]; a fully masked query row gives zeros",
         # the largest query and key magnitude up to which a mask decides exactly: the server refuses inputs past it
         "mask_exact_input_limit": mask_exact_input_limit(module),
@@ -175,7 +234,7 @@ def export_model_dir(
             "tolerance": asdict(TOLERANCES[precision]),
             # where an export that does not hold is furthest past its tolerance (None where it holds)
             "worst_failure": worst_failure(results, scales, precision),
-            "seed": validation_seed,
+            "seed": seed,
             "counts": status_counts(results),
             "cases": [r.as_dict() for r in results],
             "input_scales": {
@@ -185,54 +244,45 @@ def export_model_dir(
                 "scales": [r.as_dict() for r in scales],
             },
         },
-        "export_seconds": round(time.perf_counter() - started, 2),
     }
-    if output_only is not None:
+    if validation.output_only is not None:
+        only_results, only_scales = validation.output_only
         manifest["files"]["output_only"] = OUTPUT_ONLY_FILE
         manifest["validation"]["output_only"] = {
-            "passed": export_holds(output_only_results, output_only_scales),
-            "counts": status_counts(output_only_results),
-            "cases": [r.as_dict() for r in output_only_results],
+            "passed": export_holds(only_results, only_scales),
+            "counts": status_counts(only_results),
+            "cases": [r.as_dict() for r in only_results],
             "input_scales": {
-                "max_abs_input": input_limit(output_only_scales),
-                "scales": [r.as_dict() for r in output_only_scales],
+                "max_abs_input": input_limit(only_scales),
+                "scales": [r.as_dict() for r in only_scales],
             },
         }
-    for kind, results in step_results.items():
+    for kind, step_results in validation.steps.items():
         manifest["files"][kind] = STEP_FILES[kind]
-        manifest["validation"][kind] = {"passed": all(r["status"] == "pass" for r in results), "cases": results}
-    if steps:
+        manifest["validation"][kind] = {
+            "passed": all(r["status"] == "pass" for r in step_results),
+            "cases": step_results,
+        }
+    if graphs.steps:
         manifest["validation"]["step"]["cache"] = STEP_CACHE_IN_PLACE
         for kind in ("grouped_step", "grouped_cross_step"):
             manifest["validation"][kind]["members"] = steps_grouped(module.d_model)
-    metadata = {
-        "name": name,
-        "d_model": module.d_model,
-        "num_heads": module.num_heads,
-        "opset": opset,
-        "precision": precision,
-        "valid": passed,
-        "mask": manifest["mask"],
-        "torch_version": torch.__version__,
-        "mhaserve_version": mhaserve.__version__,
-    }
-    for graph in (g for g in (onnx_model, output_only, steps.get("step")) if g is not None):
-        onnx.helper.set_model_props(graph, {METADATA_PREFIX + k: str(v) for k, v in metadata.items()})
-        graph.producer_name = "mhaserve"
-        graph.producer_version = mhaserve.__version__
+    return manifest
 
-    # Written beside the target and renamed into place: a failed write (a full disk) leaves the folder
-    # that was there untouched, and a folder under this name is always complete.
+
+def _write_folder(out_dir: Path, graphs: _Graphs, module, manifest: dict, rows: list[str]) -> None:
+    """The folder written beside the target and renamed into place: a failed write (a full disk) leaves the folder
+    that was there untouched, and a folder under this name is always complete."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
-        save_onnx(onnx_model, staging / MODEL_FILE)
+        save_onnx(graphs.model, staging / MODEL_FILE)
         save_weights(module, staging / WEIGHTS_FILE)
         manifest["files"]["model_sha256"] = file_sha256(staging / MODEL_FILE)
-        if output_only is not None:
-            save_onnx(output_only, staging / OUTPUT_ONLY_FILE)
+        if graphs.output_only is not None:
+            save_onnx(graphs.output_only, staging / OUTPUT_ONLY_FILE)
             manifest["files"]["output_only_sha256"] = file_sha256(staging / OUTPUT_ONLY_FILE)
-        for kind, graph in steps.items():
+        for kind, graph in graphs.steps.items():
             save_onnx(graph, staging / STEP_FILES[kind])
             manifest["files"][f"{kind}_sha256"] = file_sha256(staging / STEP_FILES[kind])
         (staging / VALIDATION_FILE).write_text("\n".join(rows) + "\n")
@@ -241,7 +291,6 @@ def export_model_dir(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return manifest
 
 
 def _validate_answering_graphs(

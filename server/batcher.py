@@ -37,8 +37,8 @@ import numpy as np
 
 from mhaserve.contract.signature import ATTN_WEIGHTS, OUTPUT, graph_outputs_for
 
-from .answers import answer_from_run
 from .errors import ErrorKind, RequestError
+from .outputs import outputs_from_run
 from .run_cost import RunCost, plan_runs
 from .statistics import BatchResult
 from .tensors import RunInputs
@@ -143,7 +143,7 @@ def split(
         rows = slice(start, start + batch)
         output = results[OUTPUT][rows, :lq] if OUTPUT in request.outputs else None
         weights = results[ATTN_WEIGHTS][rows, :, :lq, :lk] if ATTN_WEIGHTS in results else None
-        answer, error = answer_from_run(request.outputs, request.shaping, output, weights, computed_in)
+        answer, error = outputs_from_run(request.outputs, request.shaping, output, weights, computed_in)
         answers.append(answer)
         errors.append(error)
     return answers, errors
@@ -159,7 +159,7 @@ class _Pending:
 
 
 @dataclass
-class Answer:
+class BatchedOutputs:
     """One request's outputs and where its time went (ns)."""
 
     outputs: dict[str, np.ndarray]
@@ -234,7 +234,7 @@ class Batcher:
         return len(self._queue)
 
     async def submit(self, request: RunInputs, timeout_s: float | None = None, trace: RequestTrace | None = None):
-        """The request's Answer, once the run it was merged into is done.
+        """The request's BatchedOutputs, once the run it was merged into is done.
 
         Raises QueueFull at once when the queue is full, DeadlineExpiredInQueue when ``timeout_s``
         passes before a worker takes it. Cancelling the caller drops the request from the queue.
@@ -395,7 +395,7 @@ class Batcher:
                 queue_ns = result.started_ns - pending.enqueued_ns
                 infer_ns = result.finished_ns - result.started_ns
                 pending.future.set_result(
-                    Answer(result.answers[index], queue_ns, infer_ns, result.batch_size, result.started_ns)
+                    BatchedOutputs(result.answers[index], queue_ns, infer_ns, result.batch_size, result.started_ns)
                 )
 
     def _finished(self, batch: list[_Pending], error: BaseException | None = None) -> None:

@@ -314,16 +314,16 @@ class DataPlane:
         peer: str = "",
         caller: str = "",
     ) -> AsyncIterator[InferenceCall]:
-        """One inference call's life, whichever transport makes it: in it the transport reads its request and
-        decodes it into the neutral InferenceRequest (``call.decoded``, which keeps large work off the event loop),
-        runs it with ``call.infer(request)`` and encodes the answer with ``call.encode``. Whatever happens inside (a
+        """One inference call's life, whichever transport makes it: in it the transport reads its request, decodes
+        it into the neutral InferenceRequest (slow decodes on the decode thread, ``call.off_loop``), runs it with
+        ``call.infer(request)`` and encodes the answer inside ``call.encoding()``. Whatever happens inside (a
         refusal by the transport itself too) is the call's status, recorded with its timing in the statistics,
         the metrics and the stop line's counts. A failure that is no refusal leaves as an INTERNAL RequestError
         saying so, and the server keeps serving.
 
         A transport that writes the answer after this block calls ``call.deliver_later()`` inside it and
-        ``call.sent(delivered)`` once written: until then the answer's memory stays in the budget and its status
-        is open (an answer never taken is counted CANCELLED, not OK).
+        ``call.record_delivery(delivered)`` once written: until then the answer's memory stays in the budget and its
+        status is open (an answer never taken is counted CANCELLED, not OK).
 
         ``method`` names the call as its transport does (the RPC, or the HTTP route) and ``headers`` gives its
         headers or metadata, read only if the call is traced; ``peer`` the caller's address (shared memory is
@@ -414,10 +414,10 @@ class InferenceCall(CallRecord):
         self._settle: Callable | None = None
         self._regions = NOTHING_HELD  # the shared-memory regions its tensors lie in, until it ends
 
-    async def decoded(self, decode: Callable[..., InferenceRequest], *wire, slow: bool = False) -> InferenceRequest:
-        """The transport's request off its wire, ``decode(*wire)``: on the decode thread when ``slow``
+    async def off_loop(self, function: Callable[..., T], *args) -> T:
+        """``function(*args)`` on the decode thread: a transport's decode that would hold the event loop
         (inference.decodes_slowly: values converted one by one, megabytes to copy)."""
-        return await self._dataplane.off_loop(decode, *wire) if slow else decode(*wire)
+        return await self._dataplane.off_loop(function, *args)
 
     async def infer(self, request: InferenceRequest) -> InferenceResponse:
         """Resolve the version the request names, check the request against it (off the event loop when its
@@ -435,7 +435,7 @@ class InferenceCall(CallRecord):
             self._regions = dataplane.shared_memory.held_for(self.peer, self.caller, request.shared_inputs, placed)
             self.receipt.add(shared)  # read from shared memory like a body being received
         nbytes = shared + sum(array.nbytes for array in request.inputs.values())
-        attention = await dataplane.off_loop_if_large(self._checked, nbytes, request)
+        attention = await dataplane.off_loop_if_large(self._check_inputs, nbytes, request)
         self.rows = attention.batch_size
         outputs = await served.runtime_for(request).infer(self, request, attention)
         placed = {name: placement for name, placement in placed.items() if name in outputs}
@@ -445,7 +445,7 @@ class InferenceCall(CallRecord):
             )
         return InferenceResponse(served.signature, request, outputs, frozenset(placed))
 
-    def _checked(self, request: InferenceRequest) -> RunInputs:
+    def _check_inputs(self, request: InferenceRequest) -> RunInputs:
         """The request, its inputs in shared memory read, checked against the version it resolved to."""
         self._regions.read_inputs(request.shared_inputs, request.inputs)
         return run_inputs_of(request, self.served.signature, self.served.limits)
@@ -460,21 +460,21 @@ class InferenceCall(CallRecord):
         self.timing.queue_ns, self.timing.infer_ns = queue_ns, infer_ns
         self.memory.run_ended()
 
-    def encode(self, encode: Callable[..., T], response: InferenceResponse, *args, **kwargs) -> T:
-        """``encode(response, ...)``, timed as the call's output time; the inputs leave the budget after it (the
-        answer stays until it is sent)."""
+    @contextlib.contextmanager
+    def encoding(self):
+        """The transport encodes the response inside: timed as the call's output time; the inputs leave the budget
+        once it is encoded (the answer stays until it is sent)."""
         started = time.perf_counter_ns()
-        encoded = encode(response, *args, **kwargs)
+        yield
         self.memory.answer_encoded()
         self.encoded_ns = time.perf_counter_ns()
         self.timing.output_ns = self.encoded_ns - started
-        return encoded
 
     def deliver_later(self) -> None:
-        """The transport writes the answer after the call's block, and says with ``sent`` when it has."""
+        """The transport writes the answer after the call's block, and says with ``record_delivery`` when it has."""
         self._deliver_later = True
 
-    def sent(self, delivered: bool, nbytes: int = 0, *, freed: bool = True) -> Callable[[], None] | None:
+    def record_delivery(self, delivered: bool, nbytes: int = 0, *, freed: bool = True) -> Callable[[], None] | None:
         """The answer (``nbytes``) was written (``delivered``) or given up on: its status is recorded and its memory
         leaves the budget; or, ``freed`` False (the transport still holds the answer), the function that releases
         it later. Nothing for a call that ended otherwise."""

@@ -6,7 +6,7 @@ graphs (dynamic batching over them), ``sequences.SequenceRuntime`` the step grap
 cache). The inference call (dataplane.InferenceCall) checks a request against the version and hands it to the
 runtime that takes it (``ServedModel.runtime_for``). The runtime admits it through the call when it knows what the
 run will hold (``Admission.admit``: memory), says when it ran (``Admission.ran``: timing), and returns the outputs
-asked for, shaped and checked for overflow in one place (answers.answer_from_run).
+asked for, shaped and checked for overflow in one place (outputs.outputs_from_run).
 """
 
 from __future__ import annotations
@@ -35,16 +35,27 @@ from .tensors import Limits, RunInputs
 from .threads import runs_alone, worker_board
 
 if TYPE_CHECKING:
-    from .registry import ServedModel
     from .tracing import RequestTrace
 
 log = logging.getLogger("mhaserve.server")
 
 
+class ServedVersion(Protocol):
+    """What a runtime, and the sequences it keeps, need of the version they serve (registry.ServedModel)."""
+
+    signature: ModelSignature
+    settings: ModelSettings
+
+    def pin(self) -> None:
+        """State is kept on it between requests (a live sequence): it is not unloaded until ``unpin``."""
+
+    def unpin(self) -> None: ...
+
+
 class Admission(Protocol):
     """What a runtime asks of the call it runs a request for."""
 
-    served: ServedModel  # the version the call resolved to
+    served: ServedVersion  # the version the call resolved to
     caller: str  # who it comes from ("" where callers are not told apart)
     timeout_s: float | None
     trace: RequestTrace | None

@@ -2,10 +2,11 @@
 real servers: in the test's process (``start_server``), or in a process of their own where the process is the
 point (``start_server_process``: signals, exit codes, memory as RSS, environment variables).
 
-Tests sit by scope: ``unit`` runs in process, ``integration`` talks to real servers on 127.0.0.1, ``e2e``
-drives engines beside them (Docker Compose, a Ray cluster, Kubernetes manifests, perf_analyzer, a GPU). Each
-test gets its folder's marker: ``pytest -m unit`` runs the fast ones; ``perf`` marks the thresholds that need
-a quiet machine, run alone after the rest.
+Tests sit by scope: ``unit`` runs in process and fast, ``export`` exports real modules and validates them against
+eager PyTorch, ``project`` checks the project itself (the docs site builds, the wheel's contents, lint),
+``integration`` talks to real servers on 127.0.0.1, ``e2e`` drives engines beside them (Docker Compose, a Ray
+cluster, Kubernetes manifests, perf_analyzer, a GPU). Each test gets its folder's marker: ``pytest -m unit`` runs
+the fast ones; ``perf`` marks the thresholds that need a quiet machine, run alone after the rest.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pytest
 
 from tests.support import SMALL_D_MODEL, SMALL_HEADS, TEST_SERVER_ARGS
 
-SCOPES = ("unit", "integration", "e2e")
+SCOPES = ("unit", "export", "project", "integration", "e2e")
 
 
 def pytest_collection_modifyitems(items):

@@ -86,7 +86,7 @@ def settings_page() -> str:
     return "\n".join(lines) + "\n"
 
 
-# Every environment variable the code reads that is not a setting (tests/unit/test_docs.py finds them in the code).
+# Every environment variable the code reads that is not a setting (tests/project/test_docs.py finds them in the code).
 OTHER_ENVIRONMENT = [
     ("MHASERVE_CACHE", "`mhaserve serve`",
      "where the embedded default model is exported on the first start and kept (in `models/mha-d512-h8-seed0`), "

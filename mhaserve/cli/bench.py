@@ -105,39 +105,9 @@ def add_bench(sub) -> None:
 def _run_bench(args) -> int:
     if args.compare:
         return _compare_runs(args.compare)
-    if args.rounds < 1:
-        raise UsageError(f"--rounds must be at least 1, got {args.rounds}")
-    if args.connections < 0:
-        raise UsageError(
-            f"--connections takes a number of connections (0: one per client process), got {args.connections}"
-        )
-    if args.connections and args.protocol == "http":
-        raise UsageError("--connections is for gRPC: over HTTP/REST each request in flight has a connection of its own")
-    if args.sequence:
-        if args.sequence < 1:
-            raise UsageError(f"--sequence takes a length of at least 1 row, got {args.sequence}")
-        if args.rate:
-            raise UsageError("--sequence is a closed loop (each caller steps its sequences in order): give "
-                             "--concurrency, not --rate")  # fmt: skip
-        if args.shared_memory != "none":
-            raise UsageError("--sequence sends its one-row steps over the socket; leave out --shared-memory")
-        args.lengths = (1, 1)  # a step carries one new row
-    from mhaserve.loadtest.slo import goodput, parse_slo, summary, summary_lines, verdicts
-
-    try:
-        slos = [parse_slo(text) for text in args.slo]
-    except ValueError as error:
-        raise UsageError(str(error)) from None
-    for asked, flag in ((args.plot_dir, "--plot-dir"), (args.report, "--report")):
-        if asked:  # before the sweep, not after it
-            require_extra("plot", flag)
-    for path, flag in ((args.json, "--json"), (args.csv, "--csv"), (args.report, "--report")):
-        if path is not None:  # before the sweep: a path that cannot be written would lose its results
-            check_writable(path, flag)
-    if args.plot_dir is not None:
-        check_writable_folder(args.plot_dir, "--plot-dir")
+    slos = _checked_arguments(args)
     from mhaserve.loadtest import report
-    from mhaserve.loadtest.loadgen import LoadGenerator, Point, Workload, default_processes
+    from mhaserve.loadtest.loadgen import Point, Workload, default_processes
 
     tls, token = connection_of(args)
     with make_client(args, tls, token) as client:
@@ -171,12 +141,70 @@ def _run_bench(args) -> int:
     print(f"mhaserve bench: {title}; {len(points)} points{rounds} x ({args.warmup:g} s warm-up + {args.duration:g} "
           f"s): about {about:g} s, up to {processes} client processes"
           + (f", {args.connections} connections" if args.connections else ""), file=sys.stderr)  # fmt: skip
-    results = []
-    print(report.table_header())
-    judged = []  # per point: its SLO verdicts and goodput
-    from mhaserve.loadtest.rounds import of_rounds, rounds_line
-    from mhaserve.loadtest.server_side import counters_of
+    results, judged = _measured(args, workload, points, slos, processes, tls, token)
+    missed = _judged_lines(args, results, judged, slos)
+    meta = {"url": args.url, "model": args.model, "processes": processes, "title": title, "slo": args.slo,
+            **report.run_metadata(sys.argv, described)}  # fmt: skip
+    _write_outputs(args, results, judged, meta, title, slos)
+    from mhaserve.loadtest.slo import summary, summary_lines
 
+    for line in summary_lines(summary(results, slos)) if slos else ():
+        print(line)
+    if missed:
+        print(f"SLO missed: {'; '.join(missed)}")
+        return 1
+    if slos:
+        print(f"SLO held at every point: {', '.join(args.slo)}")
+    return 0
+
+
+def _checked_arguments(args) -> list:
+    """The SLOs, every argument checked (and every output tried) before the sweep: a path that cannot be written
+    would otherwise lose its results."""
+    if args.rounds < 1:
+        raise UsageError(f"--rounds must be at least 1, got {args.rounds}")
+    if args.connections < 0:
+        raise UsageError(
+            f"--connections takes a number of connections (0: one per client process), got {args.connections}"
+        )
+    if args.connections and args.protocol == "http":
+        raise UsageError("--connections is for gRPC: over HTTP/REST each request in flight has a connection of its own")
+    if args.sequence:
+        if args.sequence < 1:
+            raise UsageError(f"--sequence takes a length of at least 1 row, got {args.sequence}")
+        if args.rate:
+            raise UsageError("--sequence is a closed loop (each caller steps its sequences in order): give "
+                             "--concurrency, not --rate")  # fmt: skip
+        if args.shared_memory != "none":
+            raise UsageError("--sequence sends its one-row steps over the socket; leave out --shared-memory")
+        args.lengths = (1, 1)  # a step carries one new row
+    from mhaserve.loadtest.slo import parse_slo
+
+    try:
+        slos = [parse_slo(text) for text in args.slo]
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    for asked, flag in ((args.plot_dir, "--plot-dir"), (args.report, "--report")):
+        if asked:
+            require_extra("plot", flag)
+    for path, flag in ((args.json, "--json"), (args.csv, "--csv"), (args.report, "--report")):
+        if path is not None:
+            check_writable(path, flag)
+    if args.plot_dir is not None:
+        check_writable_folder(args.plot_dir, "--plot-dir")
+    return slos
+
+
+def _measured(args, workload, points, slos, processes: int, tls, token) -> tuple[list, list]:
+    """Each point measured (its rounds merged), a table row each; and per point its SLO verdicts and goodput."""
+    from mhaserve.loadtest import report
+    from mhaserve.loadtest.loadgen import LoadGenerator
+    from mhaserve.loadtest.rounds import of_rounds
+    from mhaserve.loadtest.server_side import counters_of
+    from mhaserve.loadtest.slo import goodput, verdicts
+
+    results, judged = [], []
+    print(report.table_header())
     statistics_client = make_client(args, tls, token)  # the server's side of each point: its statistics, read twice
     with (
         statistics_client,
@@ -190,6 +218,14 @@ def _run_bench(args) -> int:
             results.append(of_rounds(rounds) if args.rounds > 1 else rounds[0])
             print(report.table_row(results[-1]), flush=True)
             judged.append({"slo": verdicts(results[-1], slos), "goodput_per_s": goodput(results[-1], slos)})
+    return results, judged
+
+
+def _judged_lines(args, results: list, judged: list, slos: list) -> list[str]:
+    """The notes, each round's line, and each point's SLO verdicts printed; returns the SLOs missed."""
+    from mhaserve.loadtest import report
+    from mhaserve.loadtest.rounds import rounds_line
+
     for line in report.notes(results):
         print(line)
     for result in results if args.rounds > 1 else ():
@@ -203,8 +239,12 @@ def _run_bench(args) -> int:
             good = f"; goodput {verdict['goodput_per_s']:.1f}/s" if verdict["goodput_per_s"] is not None else ""
             print(f"{result.point.label}: {held}{good}")
         missed += [f"{v['slo']} at {result.point.label} ({v['observed']})" for v in verdict["slo"] if not v["held"]]
-    meta = {"url": args.url, "model": args.model, "processes": processes, "title": title, "slo": args.slo,
-            **report.run_metadata(sys.argv, described)}  # fmt: skip
+    return missed
+
+
+def _write_outputs(args, results: list, judged: list, meta: dict, title: str, slos: list) -> None:
+    from mhaserve.loadtest import report
+
     if args.json:
         report.write_json(results, args.json, meta, judged)
         print(f"wrote {args.json}", file=sys.stderr)
@@ -217,14 +257,6 @@ def _run_bench(args) -> int:
     if args.report:
         report.write_html(results, args.report, meta, judged, title, slos)
         print(f"wrote {args.report}", file=sys.stderr)
-    for line in summary_lines(summary(results, slos)) if slos else ():
-        print(line)
-    if missed:
-        print(f"SLO missed: {'; '.join(missed)}")
-        return 1
-    if slos:
-        print(f"SLO held at every point: {', '.join(args.slo)}")
-    return 0
 
 
 def _model_described(client, args) -> dict:

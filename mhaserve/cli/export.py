@@ -97,40 +97,8 @@ def _run_export(args) -> int:
 
     from mhaserve.export.onnx_export import DEFAULT_OPSET
     from mhaserve.export.writer import export_identity, export_model_dir
-    from mhaserve.model import DEFAULT_D_MODEL, DEFAULT_NUM_HEADS, load_checkpoint, seeded_module
 
-    reference = None  # what the export is validated against, where not its own module (--trust-module)
-    if args.weights:
-        module, source = load_checkpoint(args.weights, args.heads, args.prefix)
-        if args.d_model is not None and args.d_model != module.d_model:
-            raise UsageError(f"--d-model {args.d_model}, but {args.weights} holds d_model {module.d_model}")
-        saved = f" (a saved {source['module_class']})" if "module_class" in source else ""
-        print(f"read {source['layout']} weights at prefix {source['prefix']!r} from {args.weights}{saved}: "
-              f"d_model {module.d_model} (from the shapes), {module.num_heads} heads (from {source['heads_from']})",
-              file=sys.stderr)  # fmt: skip
-        if args.trust_module:
-            if "module_class" not in source:
-                raise UsageError(f"--trust-module: {args.weights} holds tensors, not a whole saved module")
-            from mhaserve.export.writer import reference_of
-            from mhaserve.model.checkpoint import load_saved_module
-
-            reference = reference_of(load_saved_module(args.weights, source["prefix"]))
-            source["validated_against"] = "the saved module"
-            print(f"validating against the saved {source['module_class']} itself (--trust-module)", file=sys.stderr)
-        if source["heads_from"] == "--heads":
-            print(f"note: {args.weights} does not say its number of heads; {module.num_heads} is taken from --heads "
-                  "as given: a wrong count validates (it is checked against these weights, not your module) but "
-                  "answers unlike your module. export_module(your_module) checks against the module itself",
-                  file=sys.stderr)  # fmt: skip
-    else:
-        if args.prefix is not None or args.trust_module:
-            flag = "--prefix picks a layer of" if args.prefix is not None else "--trust-module loads"
-            raise UsageError(f"{flag} --weights; there is no --weights")
-        try:
-            module = seeded_module(args.d_model or DEFAULT_D_MODEL, args.heads or DEFAULT_NUM_HEADS, args.seed)
-        except ValueError as error:  # sizes that do not fit: the module's own message says how
-            raise UsageError(str(error)) from None
-        source = {"kind": "seed", "seed": args.seed}
+    module, source, reference = _module_to_export(args)
     opset = args.opset or DEFAULT_OPSET
     if args.keep_current:
         from mhaserve.contract.model_dir import why_not_current
@@ -174,6 +142,46 @@ def _run_export(args) -> int:
         _write_model_config(args, module)
         _write_triton_repo(args)
     return 0 if manifest["valid"] else 1
+
+
+def _module_to_export(args) -> tuple:
+    """The module to export (the user's weights, or a seeded one), where its weights came from, and what it is
+    validated against where not itself (--trust-module: the saved module)."""
+    from mhaserve.model import DEFAULT_D_MODEL, DEFAULT_NUM_HEADS, load_checkpoint, seeded_module
+
+    reference = None  # what the export is validated against, where not its own module (--trust-module)
+    if args.weights:
+        module, source = load_checkpoint(args.weights, args.heads, args.prefix)
+        if args.d_model is not None and args.d_model != module.d_model:
+            raise UsageError(f"--d-model {args.d_model}, but {args.weights} holds d_model {module.d_model}")
+        saved = f" (a saved {source['module_class']})" if "module_class" in source else ""
+        print(f"read {source['layout']} weights at prefix {source['prefix']!r} from {args.weights}{saved}: "
+              f"d_model {module.d_model} (from the shapes), {module.num_heads} heads (from {source['heads_from']})",
+              file=sys.stderr)  # fmt: skip
+        if args.trust_module:
+            if "module_class" not in source:
+                raise UsageError(f"--trust-module: {args.weights} holds tensors, not a whole saved module")
+            from mhaserve.export.writer import reference_of
+            from mhaserve.model.checkpoint import load_saved_module
+
+            reference = reference_of(load_saved_module(args.weights, source["prefix"]))
+            source["validated_against"] = "the saved module"
+            print(f"validating against the saved {source['module_class']} itself (--trust-module)", file=sys.stderr)
+        if source["heads_from"] == "--heads":
+            print(f"note: {args.weights} does not say its number of heads; {module.num_heads} is taken from --heads "
+                  "as given: a wrong count validates (it is checked against these weights, not your module) but "
+                  "answers unlike your module. export_module(your_module) checks against the module itself",
+                  file=sys.stderr)  # fmt: skip
+    else:
+        if args.prefix is not None or args.trust_module:
+            flag = "--prefix picks a layer of" if args.prefix is not None else "--trust-module loads"
+            raise UsageError(f"{flag} --weights; there is no --weights")
+        try:
+            module = seeded_module(args.d_model or DEFAULT_D_MODEL, args.heads or DEFAULT_NUM_HEADS, args.seed)
+        except ValueError as error:  # sizes that do not fit: the module's own message says how
+            raise UsageError(str(error)) from None
+        source = {"kind": "seed", "seed": args.seed}
+    return module, source, reference
 
 
 def _write_model_config(args, module) -> None:

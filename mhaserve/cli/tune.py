@@ -58,6 +58,52 @@ def add_tune(sub) -> None:
 
 
 def _run_tune(args) -> int:
+    slos, server_flags = _checked_arguments(args)
+    from mhaserve.loadtest import tune_report
+    from mhaserve.loadtest.loadgen import LoadGenerator, Point, Workload, default_processes
+    from mhaserve.loadtest.tune import CandidateRunner, full_sweep, knobs_for, quick_plan
+    from mhaserve.server.process import free_port
+
+    if args.rate:
+        points = [Point("open", rate, args.duration, args.warmup) for rate in args.rate]
+    else:
+        points = [Point("closed", c, args.duration, args.warmup) for c in (args.concurrency or [16])]
+    # A connection per caller (16 for rates), as many clients make: a server of several workers spreads
+    # connections, not calls, so the load generator's default of one per client process would reach few workers.
+    callers = 16 if args.rate else max(int(point.load) for point in points)
+    workload = Workload(
+        0, args.batch, *args.lengths, attn_weights=not args.no_weights, model=args.model, connections=callers
+    )
+    knobs = _chosen_knobs(args, knobs_for(workload))
+    model_args, served, config_path = _served_model(args)
+    planned = quick_plan(knobs) if args.search == "quick" else len(full_sweep(knobs))
+    per_candidate = 3 + len(points) * args.repeats * (args.warmup + args.duration)
+    processes = args.processes or default_processes()
+    print(f"mhaserve tune: {args.search} search over {', '.join(k.flag for k in knobs)}; up to {planned} candidates x "
+          f"{len(points)} points x {args.repeats} repeats: about {planned * per_candidate / 60:.0f} min "
+          f"(Ctrl-C stops and keeps what was measured)", file=sys.stderr)  # fmt: skip
+    port = free_port()
+    # SIGTERM as Ctrl-C: the candidate's server and the client processes are stopped, what was measured reported.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    with LoadGenerator(f"127.0.0.1:{port}", processes, timeout_s=60.0) as generator:
+        runner = CandidateRunner([*model_args, "--warmup-runs", "2", *server_flags], workload, points, slos,
+                                 args.repeats, generator, port)  # fmt: skip
+        measured, interrupted = _measured(args, knobs, runner, planned)
+        if not measured:
+            return 130 if interrupted else 1
+        run = tune_report.TuneRun(measured, slos, points, runner.workload, args.search, served, interrupted,
+                                  sys.argv)  # fmt: skip
+        _confirm_leader(args, run, runner)
+    for line in run.lines():
+        print(line)
+    _write_outputs(args, run, config_path)
+    if run.interrupted:
+        return 130
+    return 0 if run.chosen is not None and run.chosen.held else 1
+
+
+def _checked_arguments(args) -> tuple[list, list[str]]:
+    """The SLOs and the server's flags, every argument checked (and every output tried) before anything runs."""
     from mhaserve.loadtest.slo import parse_slo
 
     try:
@@ -83,38 +129,18 @@ def _run_tune(args) -> int:
         if path is not None:  # before any candidate runs, not after
             check_writable(path, flag)
     try:
-        server_flags = shlex.split(args.server_flags)
+        return slos, shlex.split(args.server_flags)
     except ValueError as error:
         raise UsageError(f"--server-flags {args.server_flags!r}: {error}") from None
 
-    from mhaserve.loadtest import tune_report
-    from mhaserve.loadtest.loadgen import LoadGenerator, Point, Workload, default_processes
-    from mhaserve.loadtest.tune import (
-        Candidate,
-        CandidateRunner,
-        confirm,
-        exports_knob,
-        full_sweep,
-        knobs_for,
-        quick_plan,
-        quick_search,
-    )
-    from mhaserve.server.process import free_port
 
-    if args.rate:
-        points = [Point("open", rate, args.duration, args.warmup) for rate in args.rate]
-    else:
-        points = [Point("closed", c, args.duration, args.warmup) for c in (args.concurrency or [16])]
-    # A connection per caller (16 for rates), as many clients make: a server of several workers spreads
-    # connections, not calls, so the load generator's default of one per client process would reach few workers.
-    callers = 16 if args.rate else max(int(point.load) for point in points)
-    workload = Workload(
-        0, args.batch, *args.lengths, attn_weights=not args.no_weights, model=args.model, connections=callers
-    )
-    knobs = knobs_for(workload)
+def _chosen_knobs(args, knobs: list) -> list:
+    """The settings to try: those that apply to this machine and workload, the other exports of --also-model, and
+    of them the ones --knobs names."""
     if args.also_model:
         from mhaserve.contract.cpu import int8_support
         from mhaserve.contract.model_dir import ModelDirError
+        from mhaserve.loadtest.tune import exports_knob
 
         if args.model_repository is not None or args.model_dir is None:
             raise UsageError("--also-model takes other exports of the model folder given first, not of a repository "
@@ -133,6 +159,12 @@ def _run_tune(args) -> int:
             raise UsageError(f"--knobs {args.knobs!r}: expected names among {', '.join(k.name for k in knobs)} "
                              "(the settings that apply to this machine and workload)")  # fmt: skip
         knobs = [k for k in knobs if k.name in asked]
+    return knobs
+
+
+def _served_model(args) -> tuple[list[str], str, Path]:
+    """The server's flags naming the model tuned, how the report names it, and the config.pbtxt a tuned setting
+    would be written to (refused where one already sets how the model is served)."""
     if args.model_repository is not None:
         model_args = ["--model-repository", str(args.model_repository)]
         served = f"--model-repository {args.model_repository}"
@@ -150,49 +182,49 @@ def _run_tune(args) -> int:
         if _sets_settings(config):  # it would override every candidate's flags
             raise UsageError(f"{config} sets how the model is served, over any candidate's flags: tune a copy of "
                              "the model without it (or move it aside), then keep the setting tune finds")  # fmt: skip
-    planned = quick_plan(knobs) if args.search == "quick" else len(full_sweep(knobs))
-    per_candidate = 3 + len(points) * args.repeats * (args.warmup + args.duration)
-    processes = args.processes or default_processes()
-    print(f"mhaserve tune: {args.search} search over {', '.join(k.flag for k in knobs)}; up to {planned} candidates x "
-          f"{len(points)} points x {args.repeats} repeats: about {planned * per_candidate / 60:.0f} min "
-          f"(Ctrl-C stops and keeps what was measured)", file=sys.stderr)  # fmt: skip
-    port = free_port()
+    return model_args, served, config_path
+
+
+def _measured(args, knobs: list, runner, planned: int) -> tuple[list, bool]:
+    """Each candidate measured, a progress line each; and whether Ctrl-C stopped the search."""
+    from mhaserve.loadtest import tune_report
+    from mhaserve.loadtest.tune import full_sweep, quick_search
+
     measured = []
-    interrupted = False
-    # SIGTERM as Ctrl-C: the candidate's server and the client processes are stopped, what was measured reported.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    with LoadGenerator(f"127.0.0.1:{port}", processes, timeout_s=60.0) as generator:
-        runner = CandidateRunner([*model_args, "--warmup-runs", "2", *server_flags], workload, points, slos,
-                                 args.repeats, generator, port)  # fmt: skip
-        candidates = quick_search(knobs, runner) if args.search == "quick" else map(runner, full_sweep(knobs))
-        try:
-            for result in candidates:
-                measured.append(result)
-                print(tune_report.progress_line(len(measured), planned, result, measured), file=sys.stderr,
-                      flush=True)  # fmt: skip
-        except KeyboardInterrupt:
-            interrupted = True
-            print(f"stopped after {len(measured)} candidates: reporting what was measured", file=sys.stderr)
-        if not measured:
-            return 130 if interrupted else 1
-        run = tune_report.TuneRun(measured, slos, points, runner.workload, args.search, served, interrupted,
-                                  sys.argv)  # fmt: skip
-        leader = run.leader
-        if not run.interrupted and args.confirm and leader is not None and leader.candidate.changed:
-            run.confirmation = []
-            try:
-                for number, (defaults, best) in enumerate(
-                    confirm(leader.candidate, Candidate(()), runner, args.confirm), 1
-                ):
-                    run.confirmation.append((defaults, best))
-                    print(f"[confirm {number}/{args.confirm}] {leader.candidate.label}: "
-                          f"{tune_report.within_slo(best)} against the defaults' {tune_report.within_slo(defaults)}",
-                          file=sys.stderr, flush=True)  # fmt: skip
-            except KeyboardInterrupt:
-                run.interrupted = True
-                print("stopped while confirming: the rounds measured decide", file=sys.stderr)
-    for line in run.lines():
-        print(line)
+    candidates = quick_search(knobs, runner) if args.search == "quick" else map(runner, full_sweep(knobs))
+    try:
+        for result in candidates:
+            measured.append(result)
+            print(tune_report.progress_line(len(measured), planned, result, measured), file=sys.stderr,
+                  flush=True)  # fmt: skip
+    except KeyboardInterrupt:
+        print(f"stopped after {len(measured)} candidates: reporting what was measured", file=sys.stderr)
+        return measured, True
+    return measured, False
+
+
+def _confirm_leader(args, run, runner) -> None:
+    """--confirm rounds of the leader against the defaults, alternating, which then decide."""
+    from mhaserve.loadtest import tune_report
+    from mhaserve.loadtest.tune import Candidate, confirm
+
+    leader = run.leader
+    if run.interrupted or not args.confirm or leader is None or not leader.candidate.changed:
+        return
+    run.confirmation = []
+    try:
+        for number, (defaults, best) in enumerate(confirm(leader.candidate, Candidate(()), runner, args.confirm), 1):
+            run.confirmation.append((defaults, best))
+            print(f"[confirm {number}/{args.confirm}] {leader.candidate.label}: "
+                  f"{tune_report.within_slo(best)} against the defaults' {tune_report.within_slo(defaults)}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+    except KeyboardInterrupt:
+        run.interrupted = True
+        print("stopped while confirming: the rounds measured decide", file=sys.stderr)
+
+
+def _write_outputs(args, run, config_path: Path) -> None:
+    """The env file, and the config.pbtxt, JSON and HTML report asked for."""
     chosen = run.chosen
     run.write_env(args.env_file)
     print(f"wrote {args.env_file}", file=sys.stderr)
@@ -207,9 +239,6 @@ def _run_tune(args) -> int:
     if args.report:
         run.write_html(args.report)
         print(f"wrote {args.report}", file=sys.stderr)
-    if run.interrupted:
-        return 130
-    return 0 if chosen is not None and chosen.held else 1
 
 
 def _sets_settings(config: Path) -> bool:

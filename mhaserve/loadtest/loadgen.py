@@ -310,103 +310,115 @@ async def _http_sender(url: str, workload: Workload, seed: int, timeout_s: float
 
 
 async def _drive(url: str, workload: Workload, point: Point, share: float, seed: int, timeout_s: float, tls, token):
-    latencies: list[int] = []
-    positions: list[int] = []  # sequences: the step position of each latency
-    error_latencies: dict[str, list[int]] = {}
-    error_details: dict[str, str] = {}
+    """This process's share of the point's load, sent for its warm-up and window; what the window measured."""
     sender = _http_sender if workload.protocol == "http" else _grpc_sender
     # This process's part of the connections, as its part of the load: at least one
     connections = max(1, round(workload.connections * share / point.load)) if workload.connections else 1
     async with sender(url, workload, seed, timeout_s, tls, token, connections) as send:
-        start = time.perf_counter_ns()
-        measure_from = start + int(point.warmup_s * 1e9)
-        # Where the window waits for the server's counters to be read, it ends NEVER until then
-        end = measure_from + int(point.duration_s * 1e9) if _server_read is None else NEVER
-        cpu_at_start: list[float] = []
-
-        async def call(
-            i: int, sent_ns: int, step: SequenceStep | None = None, position: int = 0, caller: int = 0
-        ) -> str:
-            status, details = await send(i, step, caller)
-            done = time.perf_counter_ns()
-            if sent_ns >= measure_from and done <= end:
-                (latencies if status == "OK" else error_latencies.setdefault(status, [])).append(done - sent_ns)
-                if status != "OK":
-                    error_details.setdefault(status, details)
-                if status == "OK" and step is not None:
-                    positions.append(position)
-            return status
-
-        async def mark_window() -> None:
-            nonlocal measure_from, end
-            await asyncio.sleep(max(0.0, (measure_from - time.perf_counter_ns()) / 1e9))
-            _report_window("start")
-            if _server_read is not None:  # the window starts once the server's counters are read: warm-up till then
-                measure_from = end = NEVER
-                await asyncio.get_running_loop().run_in_executor(None, _server_read.wait, SERVER_READ_WAIT_S)
-                measure_from = time.perf_counter_ns()
-                end = measure_from + int(point.duration_s * 1e9)
-            cpu_at_start.append(cpu_seconds())
-            await asyncio.sleep(max(0.0, (end - time.perf_counter_ns()) / 1e9))
-            _report_window("end")
-
-        marker = asyncio.create_task(mark_window())
-        behind_ns, dropped = 0, 0
+        drive = _Drive(send, point)
+        marker = asyncio.create_task(drive.mark_window())
         if workload.sequence_length:
-
-            async def grower(index: int) -> None:
-                """Sequences one after another, one row a step; a refused step abandons its sequence."""
-                i, length = index, workload.sequence_length
-                for n in itertools.count():
-                    name = f"bench-{os.getpid()}-{index}-{n}"
-                    for position in range(1, length + 1):
-                        if (now := time.perf_counter_ns()) >= end:
-                            if position > 1:  # ended, so that it holds no memory on the server after the run
-                                await send(i, SequenceStep(name, start=False, end=True), index)
-                            return
-                        step = SequenceStep(name, start=position == 1, end=position == length)
-                        status = await call(i, now, step, position, index)
-                        i += 1
-                        if status != "OK":
-                            break
-
-            await asyncio.gather(*(grower(i) for i in range(int(share))))
+            await asyncio.gather(*(drive.grow_sequences(i, workload.sequence_length) for i in range(int(share))))
         elif point.mode == "closed":
-
-            async def caller(index: int) -> None:
-                i = index
-                while (now := time.perf_counter_ns()) < end:
-                    await call(i, now, caller=index)
-                    i += 1
-
-            await asyncio.gather(*(caller(i) for i in range(int(share))))
+            await asyncio.gather(*(drive.closed_loop(i) for i in range(int(share))))
         else:
-            interval_ns = int(1e9 / share)
-            outstanding: set[asyncio.Task] = set()
-            next_send = start + int(interval_ns * (seed % 997) / 997)  # processes out of phase
-            i = 0
-            while next_send < end:
-                delay = next_send - time.perf_counter_ns()
-                if delay > 0:
-                    await asyncio.sleep(delay / 1e9)
-                else:
-                    behind_ns = max(behind_ns, -delay) if next_send >= measure_from else behind_ns
-                if len(outstanding) >= OPEN_LOOP_MAX_OUTSTANDING:
-                    dropped += next_send >= measure_from
-                else:
-                    task = asyncio.create_task(call(i, next_send, caller=i))
-                    outstanding.add(task)
-                    task.add_done_callback(outstanding.discard)
-                i += 1
-                next_send += interval_ns
-            if outstanding:
-                await asyncio.wait(outstanding, timeout=timeout_s)
+            await drive.open_loop(share, seed, timeout_s)
         await marker
-        cpu = cpu_seconds() - cpu_at_start[0]
-    failed = {status: np.asarray(values, dtype=np.int64) for status, values in error_latencies.items()}
-    steps = np.asarray(positions, dtype=np.int64) if workload.sequence_length else None
-    return WorkerResult(np.asarray(latencies, dtype=np.int64), failed, cpu, behind_ns / 1e6, dropped, steps,
-                        error_details)  # fmt: skip
+        cpu = cpu_seconds() - drive.cpu_at_start[0]
+    return drive.result(cpu, steps=bool(workload.sequence_length))
+
+
+class _Drive:
+    """One client process's calls of a point: the window they are measured in, and what it measured."""
+
+    def __init__(self, send, point: Point):
+        self._send, self._point = send, point
+        self.latencies: list[int] = []
+        self.positions: list[int] = []  # sequences: the step position of each latency
+        self.error_latencies: dict[str, list[int]] = {}
+        self.error_details: dict[str, str] = {}
+        self.cpu_at_start: list[float] = []
+        self.behind_ns, self.dropped = 0, 0
+        self.start = time.perf_counter_ns()
+        self.measure_from = self.start + int(point.warmup_s * 1e9)
+        # Where the window waits for the server's counters to be read, it ends NEVER until then
+        self.end = self.measure_from + int(point.duration_s * 1e9) if _server_read is None else NEVER
+
+    async def call(self, i: int, sent_ns: int, step: SequenceStep | None = None, position: int = 0, caller: int = 0):
+        """One request, its latency kept where it was sent and answered within the window; returns its status."""
+        status, details = await self._send(i, step, caller)
+        done = time.perf_counter_ns()
+        if sent_ns >= self.measure_from and done <= self.end:
+            (self.latencies if status == "OK" else self.error_latencies.setdefault(status, [])).append(done - sent_ns)
+            if status != "OK":
+                self.error_details.setdefault(status, details)
+            if status == "OK" and step is not None:
+                self.positions.append(position)
+        return status
+
+    async def mark_window(self) -> None:
+        await asyncio.sleep(max(0.0, (self.measure_from - time.perf_counter_ns()) / 1e9))
+        _report_window("start")
+        if _server_read is not None:  # the window starts once the server's counters are read: warm-up till then
+            self.measure_from = self.end = NEVER
+            await asyncio.get_running_loop().run_in_executor(None, _server_read.wait, SERVER_READ_WAIT_S)
+            self.measure_from = time.perf_counter_ns()
+            self.end = self.measure_from + int(self._point.duration_s * 1e9)
+        self.cpu_at_start.append(cpu_seconds())
+        await asyncio.sleep(max(0.0, (self.end - time.perf_counter_ns()) / 1e9))
+        _report_window("end")
+
+    async def grow_sequences(self, index: int, length: int) -> None:
+        """Sequences one after another, one row a step; a refused step abandons its sequence."""
+        i = index
+        for n in itertools.count():
+            name = f"bench-{os.getpid()}-{index}-{n}"
+            for position in range(1, length + 1):
+                if (now := time.perf_counter_ns()) >= self.end:
+                    if position > 1:  # ended, so that it holds no memory on the server after the run
+                        await self._send(i, SequenceStep(name, start=False, end=True), index)
+                    return
+                step = SequenceStep(name, start=position == 1, end=position == length)
+                status = await self.call(i, now, step, position, index)
+                i += 1
+                if status != "OK":
+                    break
+
+    async def closed_loop(self, index: int) -> None:
+        i = index
+        while (now := time.perf_counter_ns()) < self.end:
+            await self.call(i, now, caller=index)
+            i += 1
+
+    async def open_loop(self, rate: float, seed: int, timeout_s: float) -> None:
+        """Requests sent at ``rate`` a second whether or not earlier ones were answered (up to
+        OPEN_LOOP_MAX_OUTSTANDING; past it a send is dropped and counted)."""
+        interval_ns = int(1e9 / rate)
+        outstanding: set[asyncio.Task] = set()
+        next_send = self.start + int(interval_ns * (seed % 997) / 997)  # processes out of phase
+        i = 0
+        while next_send < self.end:
+            delay = next_send - time.perf_counter_ns()
+            if delay > 0:
+                await asyncio.sleep(delay / 1e9)
+            elif next_send >= self.measure_from:
+                self.behind_ns = max(self.behind_ns, -delay)
+            if len(outstanding) >= OPEN_LOOP_MAX_OUTSTANDING:
+                self.dropped += next_send >= self.measure_from
+            else:
+                task = asyncio.create_task(self.call(i, next_send, caller=i))
+                outstanding.add(task)
+                task.add_done_callback(outstanding.discard)
+            i += 1
+            next_send += interval_ns
+        if outstanding:
+            await asyncio.wait(outstanding, timeout=timeout_s)
+
+    def result(self, cpu: float, steps: bool) -> WorkerResult:
+        failed = {status: np.asarray(values, dtype=np.int64) for status, values in self.error_latencies.items()}
+        positions = np.asarray(self.positions, dtype=np.int64) if steps else None
+        return WorkerResult(np.asarray(self.latencies, dtype=np.int64), failed, cpu, self.behind_ns / 1e6,
+                            self.dropped, positions, self.error_details)  # fmt: skip
 
 
 _window_marks = None  # in a client process: where it says that its measured window starts and ends

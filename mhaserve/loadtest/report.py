@@ -230,88 +230,14 @@ def write_html(results: list[PointResult], path: Path, meta: dict, judged: list[
     """One self-contained file: the verdict (PASS or FAIL per SLO and for the run), what was run, the table with
     each point's SLO verdicts, the server's side of each point, the rounds' spread and the plots with the SLOs
     drawn, embedded; nothing is fetched when it is opened."""
-
-    def cells(values, tag="td") -> str:
-        return "".join(
-            f'<{tag} class="text">{html.escape(str(v))}</{tag}>' if isinstance(v, str) and i == 0
-            else f"<{tag}>{html.escape(str(v))}</{tag}>"
-            for i, v in enumerate(values)
-        )  # fmt: skip
-
-    def table(header, rows) -> str:
-        body = "".join(f"<tr>{cells(row)}</tr>" for row in rows)
-        return f"<table><tr>{cells(header, 'th')}</tr>{body}</table>"
-
     parts = [f"<h1>mhaserve bench</h1><p>{html.escape(title)}</p>"]
     if slos:
-        summarised = summary(results, list(slos))
-        passed = all(s["passed"] for s in summarised)
-        parts.append(
-            f'<div class="verdict {"pass" if passed else "fail"}">{"PASS" if passed else "FAIL"}: '
-            f"{sum(s['passed'] for s in summarised)} of {len(summarised)} SLOs held at every point<ul>"
-            + "".join(
-                f"<li>{'PASS' if s['passed'] else 'FAIL'} {html.escape(s['slo'])} (worst: "
-                f"{html.escape(s['worst'])} at {html.escape(s['at'])})</li>"
-                for s in summarised
-            )
-            + "</ul></div>"
-        )
-    model = meta.get("model") or {}
-
-    def listed(value) -> str:
-        return ", ".join(map(str, value)) if isinstance(value, list) else str(value)
-
-    about = [
-        ("date (UTC)", meta.get("date_utc")),
-        ("mhaserve", f"{meta.get('mhaserve')}" + (f" ({meta['git_revision']})" if meta.get("git_revision") else "")),
-        ("command", " ".join(meta.get("command") or [])),
-        ("client host", ", ".join(f"{k} {v}" for k, v in (meta.get("client_host") or {}).items())),
-        ("client processes", meta.get("processes")),
-        ("model", ", ".join(f"{k} {listed(v)}" for k, v in model.items() if k != "served_with")),
-        ("served with", ", ".join(f"{k}={v}" for k, v in (model.get("served_with") or {}).items())),
-        ("SLO", ", ".join(meta.get("slo") or []) or "none"),
-    ]
-    parts.append('<h2>The run</h2><table>' + "".join(
-        f'<tr><th class="text">{html.escape(k)}</th><td class="text"><code>{html.escape(str(v))}</code></td></tr>'
-        for k, v in about
-    ) + "</table>")  # fmt: skip
-
-    parts.append("<h2>Points</h2>" + table(COLUMNS, [[c.strip() for c in row_cells(r)] for r in results]))
+        parts.append(_verdict_html(results, slos))
+    parts.append(_run_html(meta))
+    parts.append("<h2>Points</h2>" + _table(COLUMNS, [[c.strip() for c in row_cells(r)] for r in results]))
     if any(v["slo"] for v in judged):
-        verdicts = []
-        for r, verdict in zip(results, judged, strict=True):
-            held = " ".join(
-                f'<span class="{"held" if v["held"] else "missed"}">{html.escape(v["slo"])} '
-                f"{'held' if v['held'] else 'MISSED'} ({html.escape(str(v['observed']))})</span>;"
-                for v in verdict["slo"]
-            )
-            good = verdict["goodput_per_s"]
-            verdicts.append(
-                f'<tr><td class="text">{html.escape(r.point.label)}</td><td class="text">{held}</td>'
-                f"<td>{'' if good is None else f'{good:.1f}'}</td></tr>"
-            )
-        parts.append(
-            '<h2>SLO</h2><table><tr><th class="text">load</th><th class="text">targets</th><th>goodput /s</th></tr>'
-            + "".join(verdicts) + "</table>"
-        )  # fmt: skip
-    split = [r for r in results if r.server is not None]
-    if split:
-        header = ("load", "requests", "server ms", "queue ms", "compute input ms", "compute infer ms",
-                  "compute output ms", "transport and client ms", "rows per run")  # fmt: skip
-
-        def number(value, digits=3) -> str:
-            return "" if value is None else f"{value:.{digits}f}"
-
-        parts.append("<h2>The server's side (per request, the server's statistics over each window)</h2>" + table(
-            header,
-            [[r.point.label, r.server["requests"], *(number(r.server[k]) for k in ("server_ms", "queue_ms",
-              "compute_input_ms", "compute_infer_ms", "compute_output_ms", "transport_and_client_ms")),
-              number(r.server["rows_per_run"], 1)] for r in split],
-        ))  # fmt: skip
-    unread = [r for r in results if r.server is None and r.server_unread is not None]
-    if unread:
-        parts.append("<ul>" + "".join(f"<li>The server's side at {html.escape(r.point.label)}: not read, "
-                                      f"{html.escape(r.server_unread)}</li>" for r in unread) + "</ul>")  # fmt: skip
+        parts.append(_slo_html(results, judged))
+    parts.append(_server_side_html(results))
     grown = [r for r in results if r.by_position]
     if grown:
         parts.append("<h2>Sequence steps by position</h2><ul>" + "".join(
@@ -331,3 +257,99 @@ def write_html(results: list[PointResult], path: Path, meta: dict, judged: list[
         f"<style>{_STYLE}</style></head><body>{''.join(parts)}</body></html>\n"
     )
     path.write_text(document)
+
+
+def _cells(values, tag="td") -> str:
+    return "".join(
+        f'<{tag} class="text">{html.escape(str(v))}</{tag}>' if isinstance(v, str) and i == 0
+        else f"<{tag}>{html.escape(str(v))}</{tag}>"
+        for i, v in enumerate(values)
+    )  # fmt: skip
+
+
+def _table(header, rows) -> str:
+    body = "".join(f"<tr>{_cells(row)}</tr>" for row in rows)
+    return f"<table><tr>{_cells(header, 'th')}</tr>{body}</table>"
+
+
+def _verdict_html(results: list[PointResult], slos) -> str:
+    """PASS or FAIL for the run, and each SLO's worst point."""
+    summarised = summary(results, list(slos))
+    passed = all(s["passed"] for s in summarised)
+    return (
+        f'<div class="verdict {"pass" if passed else "fail"}">{"PASS" if passed else "FAIL"}: '
+        f"{sum(s['passed'] for s in summarised)} of {len(summarised)} SLOs held at every point<ul>"
+        + "".join(
+            f"<li>{'PASS' if s['passed'] else 'FAIL'} {html.escape(s['slo'])} (worst: "
+            f"{html.escape(s['worst'])} at {html.escape(s['at'])})</li>"
+            for s in summarised
+        )
+        + "</ul></div>"
+    )
+
+
+def _run_html(meta: dict) -> str:
+    """What was run: when, which mhaserve, the command, the client host, the model and how it was served."""
+    model = meta.get("model") or {}
+
+    def listed(value) -> str:
+        return ", ".join(map(str, value)) if isinstance(value, list) else str(value)
+
+    about = [
+        ("date (UTC)", meta.get("date_utc")),
+        ("mhaserve", f"{meta.get('mhaserve')}" + (f" ({meta['git_revision']})" if meta.get("git_revision") else "")),
+        ("command", " ".join(meta.get("command") or [])),
+        ("client host", ", ".join(f"{k} {v}" for k, v in (meta.get("client_host") or {}).items())),
+        ("client processes", meta.get("processes")),
+        ("model", ", ".join(f"{k} {listed(v)}" for k, v in model.items() if k != "served_with")),
+        ("served with", ", ".join(f"{k}={v}" for k, v in (model.get("served_with") or {}).items())),
+        ("SLO", ", ".join(meta.get("slo") or []) or "none"),
+    ]
+    return '<h2>The run</h2><table>' + "".join(
+        f'<tr><th class="text">{html.escape(k)}</th><td class="text"><code>{html.escape(str(v))}</code></td></tr>'
+        for k, v in about
+    ) + "</table>"  # fmt: skip
+
+
+def _slo_html(results: list[PointResult], judged: list[dict]) -> str:
+    """Each point's SLO verdicts and goodput."""
+    verdicts = []
+    for r, verdict in zip(results, judged, strict=True):
+        held = " ".join(
+            f'<span class="{"held" if v["held"] else "missed"}">{html.escape(v["slo"])} '
+            f"{'held' if v['held'] else 'MISSED'} ({html.escape(str(v['observed']))})</span>;"
+            for v in verdict["slo"]
+        )
+        good = verdict["goodput_per_s"]
+        verdicts.append(
+            f'<tr><td class="text">{html.escape(r.point.label)}</td><td class="text">{held}</td>'
+            f"<td>{'' if good is None else f'{good:.1f}'}</td></tr>"
+        )
+    return (
+        '<h2>SLO</h2><table><tr><th class="text">load</th><th class="text">targets</th><th>goodput /s</th></tr>'
+        + "".join(verdicts) + "</table>"
+    )  # fmt: skip
+
+
+def _server_side_html(results: list[PointResult]) -> str:
+    """The server's statistics over each point's window, and the points where they could not be read."""
+    parts = []
+    split = [r for r in results if r.server is not None]
+    if split:
+        header = ("load", "requests", "server ms", "queue ms", "compute input ms", "compute infer ms",
+                  "compute output ms", "transport and client ms", "rows per run")  # fmt: skip
+
+        def number(value, digits=3) -> str:
+            return "" if value is None else f"{value:.{digits}f}"
+
+        parts.append("<h2>The server's side (per request, the server's statistics over each window)</h2>" + _table(
+            header,
+            [[r.point.label, r.server["requests"], *(number(r.server[k]) for k in ("server_ms", "queue_ms",
+              "compute_input_ms", "compute_infer_ms", "compute_output_ms", "transport_and_client_ms")),
+              number(r.server["rows_per_run"], 1)] for r in split],
+        ))  # fmt: skip
+    unread = [r for r in results if r.server is None and r.server_unread is not None]
+    if unread:
+        parts.append("<ul>" + "".join(f"<li>The server's side at {html.escape(r.point.label)}: not read, "
+                                      f"{html.escape(r.server_unread)}</li>" for r in unread) + "</ul>")  # fmt: skip
+    return "".join(parts)

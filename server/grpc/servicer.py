@@ -43,7 +43,7 @@ def answering_errors(method):
     return answer
 
 
-class ProtocolAnswers:
+class ProtocolRpcs:
     """The protocol's RPCs other than inference, as plain functions of the request: protobuf in, the data
     plane's answer as protobuf out, refusals raised as RequestErrors. The native servicer and each Ray replica
     answer them alike, each mapping the refusals to its own call's status."""
@@ -124,7 +124,7 @@ class ProtocolAnswers:
         return pb.RepositoryModelUnloadResponse()
 
 
-ANSWERED_RPCS = tuple(name for name in vars(ProtocolAnswers) if name[0].isupper())
+PLAIN_RPCS = tuple(name for name in vars(ProtocolRpcs) if name[0].isupper())
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
@@ -133,10 +133,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     def __init__(self, dataplane: DataPlane, protocol: str = "grpc", callers: Callers | None = None):
         self.dataplane = dataplane
-        self.answers = ProtocolAnswers(dataplane)
+        self.answers = ProtocolRpcs(dataplane)
         self.protocol = protocol  # what inference calls are counted as
         self.callers = callers or Callers()
-        self._answers = AnswersOnTheirWay(dataplane.settings.write_timeout_s)
+        self._answers = PendingWrites(dataplane.settings.write_timeout_s)
 
     def caller(self, context) -> str:
         """Who the call comes from (security.Callers): "" unless the server tells callers apart."""
@@ -154,7 +154,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         ) as call:
             answer = await infer_grpc(call, await message.counted_and_parsed(call))
             call.deliver_later()
-        delivery = self._answers.on_its_way(call.sent, len(answer))  # gRPC writes a unary answer after the handler
+        # gRPC writes a unary answer after the handler
+        delivery = self._answers.on_its_way(call.record_delivery, len(answer))
         context.add_done_callback(delivery.call_ended)
         return answer
 
@@ -177,12 +178,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             # The next request is not read before this answer is written.
             write = asyncio.ensure_future(context.write(answer))
             size = len(answer) if isinstance(answer, bytes) else answer.ByteSize()
-            delivery = self._answers.on_its_way(call.sent, size)
+            delivery = self._answers.on_its_way(call.record_delivery, size)
             write.add_done_callback(delivery.write_ended)
             await write
 
 
-class AnswersOnTheirWay:
+class PendingWrites:
     """Answers handed to gRPC to write (a unary call's after its handler, a stream's as it goes): each stays in the
     budget until written (or gRPC gave up on it); one not taken within ``timeout_s`` counts CANCELLED then, its memory
     released only once gRPC lets go of it.
@@ -202,9 +203,9 @@ class AnswersOnTheirWay:
         self._watch: asyncio.TimerHandle | None = None
 
     def on_its_way(self, sent, size: int) -> _Delivery:
-        """An answer of ``size`` bytes handed to gRPC; ``sent`` (the call's) is told when it is written or given
-        up on. The returned delivery is to be told when gRPC has written it: a unary call's end, or a stream's
-        write."""
+        """An answer of ``size`` bytes handed to gRPC; ``sent`` (the call's record_delivery) is told when it is
+        written or given up on. The returned delivery is to be told when gRPC has written it: a unary call's end, or
+        a stream's write."""
         loop = asyncio.get_running_loop()
         delivery = _Delivery(self, sent, size, loop.time() + self._timeout_s)
         self._on_their_way[delivery] = None
@@ -229,12 +230,12 @@ class AnswersOnTheirWay:
 
 
 class _Delivery:
-    """One answer on its way (AnswersOnTheirWay): recorded as sent when gRPC has written it (or gave up on it), or,
+    """One answer on its way (PendingWrites): recorded as sent when gRPC has written it (or gave up on it), or,
     not taken by its ``due`` time, counted CANCELLED then, its memory released only once gRPC lets go of it."""
 
     __slots__ = ("_answers", "_sent", "_size", "due", "_given_up", "_release")
 
-    def __init__(self, answers: AnswersOnTheirWay, sent, size: int, due: float):
+    def __init__(self, answers: PendingWrites, sent, size: int, due: float):
         self._answers, self._sent, self._size, self.due = answers, sent, size, due
         self._given_up = False
         self._release = None  # what releases a given-up answer's memory, once gRPC drops it
@@ -265,7 +266,7 @@ class _Delivery:
         self._sent(delivered, self._size)
 
 
-def _answered(name: str):
+def _plain_rpc(name: str):
     @answering_errors
     async def rpc(self, request, context):
         if isinstance(request, RequestError):  # bytes that were no request message
@@ -281,15 +282,20 @@ def _answered(name: str):
     return rpc
 
 
-for _name in ANSWERED_RPCS:
-    setattr(InferenceServicer, _name, _answered(_name))
+for _name in PLAIN_RPCS:
+    setattr(InferenceServicer, _name, _plain_rpc(_name))
 
 
 async def infer_grpc(call: InferenceCall, request: pb.ModelInferRequest, streamed: bool = False) -> bytes:
     """One ModelInferRequest through the data plane, as the native server and each Ray replica answer it."""
-    decoded = await call.decoded(decode_grpc_request, request, slow=grpc_decodes_slowly(request))
+    if grpc_decodes_slowly(request):
+        decoded = await call.off_loop(decode_grpc_request, request)
+    else:
+        decoded = decode_grpc_request(request)
     request = None  # the arrays hold the contents now; the parsed message's copy goes
-    return call.encode(encode_grpc_response, await call.infer(decoded), streamed=streamed)
+    response = await call.infer(decoded)
+    with call.encoding():
+        return encode_grpc_response(response, streamed=streamed)
 
 
 def streamed_refusal(error: RequestError) -> pb.ModelStreamInferResponse:

@@ -7,7 +7,7 @@ forwards what Ray's proxy gives it to that server, and clients or a load balance
 
 Ray's proxy hands a replica the parsed request and a RayServegRPCContext, and serialises what the replica
 returns; a refusal is a status set on that context. Inference goes straight to the data plane with the gRPC
-codec; the other RPCs are the native servicer's ``ProtocolAnswers``, so that nothing of the servicer is copied
+codec; the other RPCs are the native servicer's ``ProtocolRpcs``, so that nothing of the servicer is copied
 here.
 
 Needs the ``[ray]`` extra; the native server never imports this.
@@ -29,7 +29,7 @@ from ..cores import usable_cores
 from ..dataplane import DataPlane
 from ..errors import RequestError
 from ..grpc.receipt import GRPC_STATUS
-from ..grpc.servicer import ProtocolAnswers, infer_grpc, streamed_refusal
+from ..grpc.servicer import ProtocolRpcs, infer_grpc, streamed_refusal
 from .proxy import SERVICER_FUNCTION
 
 log = logging.getLogger("mhaserve.server")
@@ -37,7 +37,7 @@ log = logging.getLogger("mhaserve.server")
 # Read by Serve's controller when it starts (ray.serve._private.constants), hence passed in its environment.
 PROXY_READY_TIMEOUT = "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"
 SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
-# The unary RPCs a replica answers with ProtocolAnswers (ModelInfer and ModelStreamInfer are defined on
+# The unary RPCs a replica answers with ProtocolRpcs (ModelInfer and ModelStreamInfer are defined on
 # OipReplica). The repository extension is left out: a replica serves the one folder it was deployed with, and
 # loading another is a redeploy.
 UNARY_RPCS = (
@@ -76,7 +76,7 @@ class OipReplica:
         values.update(settings or {})
         self.dataplane = DataPlane(ServerSettings(**values), Path(model_dir))
         await self.dataplane.start()
-        self.answers = ProtocolAnswers(self.dataplane)
+        self.answers = ProtocolRpcs(self.dataplane)
         signature = next(iter(self.dataplane.served_models())).signature
         log.info("replica serving model=%s version=%s on node %s", signature.name, signature.version, _node_id())
 

@@ -201,5 +201,10 @@ async def infer_rest(
     the JSON header's length when binary outputs follow it."""
     json_length = len(body) if header_length is None else min(header_length, len(body))
     slow = decodes_slowly(len(body), json_length)  # JSON values convert one by one; binary ones in whole arrays
-    request = await call.decoded(decode_rest_request, name, version, body, header_length, slow=slow)
-    return call.encode(encode_rest_response, await call.infer(request))
+    if slow:
+        request = await call.off_loop(decode_rest_request, name, version, body, header_length)
+    else:
+        request = decode_rest_request(name, version, body, header_length)
+    response = await call.infer(request)
+    with call.encoding():
+        return encode_rest_response(response)

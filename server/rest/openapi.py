@@ -355,7 +355,10 @@ SCHEMAS = {
 
 def _server_paths() -> dict:
     """Health, the server's metadata and statistics, the repository and trace settings."""
-    trace_responses = {"200": _json(_ref("TraceSettings"), "the settings now"), **_errors(400, 404, *COMMON)}
+    return {**_health_and_server_paths(), **_repository_paths(), **_trace_paths()}
+
+
+def _health_and_server_paths() -> dict:
     return {
         "/v2/health/live": {
             "get": {
@@ -391,6 +394,11 @@ def _server_paths() -> dict:
                 "responses": {"200": _json(_ref("Statistics"), "the statistics"), **_errors(*COMMON)},
             },
         },
+    }
+
+
+def _repository_paths() -> dict:
+    return {
         "/v2/repository/index": {
             "post": {
                 "summary": "The model repository's index: every version the server holds, and its state",
@@ -430,6 +438,12 @@ def _server_paths() -> dict:
                 "responses": {"200": {"description": "unloaded"}, **_errors(400, 404, 503, *COMMON)},
             },
         },
+    }
+
+
+def _trace_paths() -> dict:
+    trace_responses = {"200": _json(_ref("TraceSettings"), "the settings now"), **_errors(400, 404, *COMMON)}
+    return {
         "/v2/trace/setting": {
             "get": {
                 "summary": "The global trace settings",

@@ -271,5 +271,5 @@ class RestTransport:
         try:
             delivered = await self._bodies.send(request, response)
         finally:
-            call.sent(delivered, len(payload))  # the answer leaves the memory budget only now
+            call.record_delivery(delivered, len(payload))  # the answer leaves the memory budget only now
         return response

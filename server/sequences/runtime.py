@@ -14,11 +14,11 @@ import numpy as np
 from mhaserve.contract.model_dir import STEP_FILES
 from mhaserve.contract.signature import OUTPUT
 
-from ..answers import answer_from_run, asks_for_weights
 from ..errors import ErrorKind, RequestError, invalid
 from ..graphs import AttentionGraphs
 from ..inference import InferenceRequest
 from ..model_config import ModelSettings
+from ..outputs import asks_for_weights, outputs_from_run
 from ..parameters import weights_shaping
 from ..session import CPU
 from ..tensors import RunInputs
@@ -165,7 +165,7 @@ class SequenceRuntime:
         shaping, computed_in = attention.shaping, self.computed_in
 
         def answering(output, weights):  # on the inference thread
-            return answer_from_run(asked, shaping, output if OUTPUT in asked else None, weights, computed_in)
+            return outputs_from_run(asked, shaping, output if OUTPUT in asked else None, weights, computed_in)
 
         (answer, error), cache = await runs.run(step, answering)
         infer_ns = time.perf_counter_ns() - started

@@ -18,7 +18,7 @@ from .graph import StepCache
 
 if TYPE_CHECKING:
     from ..inference import InferenceRequest
-    from ..registry import ServedModel
+    from ..runtime import ServedVersion
 
 REMEMBERED_ENDS = 4096  # ids recently ended or timed out, to say so when a late step names one
 
@@ -27,7 +27,7 @@ REMEMBERED_ENDS = 4096  # ids recently ended or timed out, to say so when a late
 class Sequence:
     caller: str  # who started it (security.Callers); "" where callers are not told apart
     id: int | str
-    served: ServedModel  # the version it started on (pinned: not unloaded while the sequence lives)
+    served: ServedVersion  # the version it started on (pinned: not unloaded while the sequence lives)
     batch: int
     cache: StepCache  # its projected keys and values, where the step graph runs
     last_used: float = field(default_factory=time.monotonic)
@@ -80,7 +80,7 @@ class Sequences:
     def begin(
         self,
         step: SequenceParameters,
-        served: ServedModel,
+        served: ServedVersion,
         empty_cache: Callable[[int], StepCache],
         batch: int,
         caller: str = "",
@@ -134,7 +134,7 @@ class Sequences:
             if not self._starting_by[sequence.caller]:
                 del self._starting_by[sequence.caller]
 
-    def served_for(self, request: InferenceRequest, caller: str) -> ServedModel | None:
+    def served_for(self, request: InferenceRequest, caller: str) -> ServedVersion | None:
         """The version a step continuing one of ``caller``'s live sequences of the model it names runs on (the one
         the sequence started on, whether or not it still takes new requests: an unloaded or replaced version serves
         its sequences to their end); None for any other request."""

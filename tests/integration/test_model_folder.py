@@ -12,12 +12,10 @@ import sys
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 
 from mhaserve.client.grpc import Client
 from mhaserve.export.writer import export_model_dir
-from mhaserve.server.graphs import OUTPUT_ONLY_FROM_KV_LEN, AttentionGraphs
 from mhaserve.server.process import free_port
 from tests.support import SMALL_D_MODEL, eager, rand
 from tests.support.in_process import refused_start
@@ -103,59 +101,6 @@ def test_served_answers_without_weights_equal_eager(start_server, small_model_di
             want_out, _ = eager(small_module, query, None, None, mask)
             assert result.attn_weights is None
             np.testing.assert_allclose(result.output, want_out, rtol=0, atol=1e-5)
-
-
-def test_short_runs_keep_the_full_graph(small_model_dir):
-    # Below OUTPUT_ONLY_FROM_KV_LEN keys the output-only graph measured no faster.
-    query = rand(2, OUTPUT_ONLY_FROM_KV_LEN - 1, SMALL_D_MODEL, seed=8)
-    mask = np.ones((1, 1, 1, query.shape[1]), dtype=bool)
-    session = AttentionGraphs.open(small_model_dir, "cpu", intra_op_threads=1)
-    (alone,) = session.run(("output",), query, query, query, mask)
-    with_weights, _ = session.run(("output", "attn_weights"), query, query, query, mask)
-    assert np.array_equal(alone, with_weights)
-
-
-def test_runs_without_weights_take_the_output_only_graph(small_model_dir):
-    query = rand(2, OUTPUT_ONLY_FROM_KV_LEN, SMALL_D_MODEL, seed=8)
-    mask = np.ones((1, 1, 1, query.shape[1]), dtype=bool)
-    feeds = {"query": query, "key": query, "value": query, "mask": mask}
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    direct = {
-        name: ort.InferenceSession(str(small_model_dir / name), options, providers=["CPUExecutionProvider"])
-        for name in ("model.onnx", "model_output_only.onnx")
-    }
-    session = AttentionGraphs.open(small_model_dir, "cpu", intra_op_threads=1)
-    assert session.has_output_only_graph
-    (alone,) = session.run(("output",), query, query, query, mask)
-    with_weights, _ = session.run(("output", "attn_weights"), query, query, query, mask)
-    # Bit for bit each graph's own answer (the fused kernel rounds differently from the traced graph).
-    assert np.array_equal(alone, direct["model_output_only.onnx"].run(["output"], feeds)[0])
-    assert np.array_equal(with_weights, direct["model.onnx"].run(["output"], feeds)[0])
-    assert not np.array_equal(alone, with_weights)
-    np.testing.assert_allclose(alone, with_weights, rtol=0, atol=1e-6)
-    turned_off = AttentionGraphs.open(small_model_dir, "cpu", intra_op_threads=1, output_only=False)
-    assert not turned_off.has_output_only_graph
-    assert np.array_equal(turned_off.run(("output",), query, query, query, mask)[0], with_weights)
-
-
-def test_a_run_alone_takes_the_graphs_of_every_cores_threads_and_answers_alike(small_model_dir):
-    quiet = [True]
-    session = AttentionGraphs.open(small_model_dir, "cpu", intra_op_threads=1, alone_threads=2, alone=lambda: quiet[0])
-    assert session.alone_threads == 2
-    query = rand(1, 300, SMALL_D_MODEL, seed=4)  # from 256 keys the output alone takes the output-only graph
-    mask = np.ones((1, 1, 1, query.shape[1]), dtype=bool)
-    answers = {}
-    for quiet[0] in (True, False):
-        for outputs in (("output",), ("output", "attn_weights")):
-            graph = session.graph_for(outputs, query.shape[1])
-            threads = graph.get_session_options().intra_op_num_threads
-            assert threads == (2 if quiet[0] else 1), (quiet[0], outputs)
-            answers[quiet[0], outputs] = session.run(outputs, query, query, query, mask)[0]
-    for outputs in (("output",), ("output", "attn_weights")):
-        np.testing.assert_allclose(answers[True, outputs], answers[False, outputs], rtol=0, atol=1e-6)
-    one_set = AttentionGraphs.open(small_model_dir, "cpu", intra_op_threads=2, alone_threads=2, alone=lambda: True)
-    assert one_set.alone_threads == 0  # no more threads to take: no second set of graphs
 
 
 def test_the_output_only_graph_can_be_turned_off(start_server, small_model_dir):

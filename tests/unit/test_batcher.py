@@ -190,7 +190,7 @@ def test_a_mixed_take_looks_down_the_queue_and_runs_the_oldest_request_first(sma
 
 
 def test_an_answer_with_nan_or_inf_is_refused_and_the_output_vouches_for_the_weights():
-    from mhaserve.server.answers import overflow_error
+    from mhaserve.server.outputs import overflow_error
 
     weights = np.full((1, 2, 3, 3), 1 / 3, dtype=np.float32)
     output = np.ones((1, 3, 4), dtype=np.float32)

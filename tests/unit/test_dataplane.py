@@ -115,7 +115,7 @@ def test_an_answer_delivered_later_stays_in_the_budget_until_sent(small_model_di
             await call.infer(request_of(rand(1, 6, SMALL_D_MODEL), "attn_weights"))
             call.deliver_later()
         waiting = budget.request_bytes, dict(dataplane.accounting.outcomes)
-        call.sent(False, 0)  # the client never took it
+        call.record_delivery(False, 0)  # the client never took it
         return waiting, budget.request_bytes, dataplane.accounting.outcomes
 
     (held, outcomes_before), held_after, outcomes = run(scenario, small_model_dir)

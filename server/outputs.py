@@ -45,7 +45,7 @@ def asks_for_weights(asked: tuple[str, ...]) -> bool:
     return any(name != OUTPUT for name in asked)
 
 
-def answer_from_run(
+def outputs_from_run(
     asked: tuple[str, ...], shaping, output: np.ndarray | None, weights: np.ndarray | None, computed_in: str
 ) -> tuple[dict[str, np.ndarray] | None, RequestError | None]:
     """A request's answer from its rows of a run (``output`` None where it did not ask for it), the outputs it
