@@ -155,6 +155,10 @@ class RequestAccounting:
         else:
             release = functools.partial(self._release, reserved)
         status = status or ("OK" if delivered else "CANCELLED")
+        if call.forwarded:  # the process that answered it counts it and writes its access line
+            self.outcomes[status] += 1
+            self.metrics.step_forwarded(status)
+            return release
         self.record(call.served, status, call.rows, call.timing, call.protocol)
         served = call.served
         trace_id = ""

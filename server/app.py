@@ -42,7 +42,8 @@ from .security import (
 )
 from .session import DeviceUnavailable
 from .tracing import TracingUnavailable
-from .workers import WORKER_ENV, is_worker, peers_statistics
+from .worker_forward import StepForwarder, serve_forwarded
+from .workers import RESTARTED_ENV, WORKER_ENV, is_worker, peers_statistics
 
 log = logging.getLogger("mhaserve.server")
 
@@ -110,13 +111,20 @@ class Server:
         self._tasks: list[asyncio.Task] = []
         self._served = False  # ``serve`` ran: ``stop`` logs the calls' outcomes
         self._draining_since: float | None = None
+        self._forwarder: StepForwarder | None = None  # one of --workers: steps of sequences other workers hold
+        self._forwarded: asyncio.AbstractServer | None = None  # where the other workers forward this one's steps
 
     # -- bind -------------------------------------------------------------------------------------------
 
     async def bind(self) -> None:
         settings = self.settings
         try:
-            self.dataplane = dataplane = DataPlane(settings, self.model_dir, peers_statistics if is_worker() else None)
+            worker = int(os.environ[WORKER_ENV]) if is_worker() else None
+            self._forwarder = None if worker is None else StepForwarder.from_env(worker)
+            dataplane = DataPlane(settings, self.model_dir, peers_statistics if is_worker() else None, self._forwarder)
+            self.dataplane = dataplane
+            if (restarted := os.environ.get(RESTARTED_ENV)) is not None:
+                dataplane.sequences.lost_before(f"when worker {worker} of this server restarted at {restarted}")
         except TracingUnavailable as error:
             raise StartFailed(f"cannot trace: {error}", 2) from None
         # The port is bound before the models load (health says NOT_SERVING meanwhile), so the message limits
@@ -150,6 +158,9 @@ class Server:
         loaded: the kernel spreads connections over the listening workers, so none is sent to one still loading
         (a restarted worker's), while the others serve."""
         settings = self.settings
+        if self._forwarder is not None:
+            own = self._forwarder.sockets[self._forwarder.own]
+            self._forwarded = await serve_forwarded(self.dataplane, own)
         address = host_port(settings.host, settings.port)
         try:
             if self._credentials is not None:
@@ -307,6 +318,10 @@ class Server:
         self._http_runner = None
 
     async def close_ports(self) -> None:
+        if self._forwarded is not None:
+            self._forwarded.close()
+        if self._forwarder is not None:
+            self._forwarder.close()
         if self._grpc is not None:
             await self._grpc.stop(0)
         await _stop_runner(self._http_runner)

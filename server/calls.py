@@ -40,3 +40,4 @@ class CallRecord:
         self.run_started_ns = 0  # when the run it was in started
         self.run_rows = 0  # the rows of the run it was in
         self.encoded_ns = 0  # when its answer was encoded
+        self.forwarded = False  # answered by the serving process that holds its sequence, which counts it

@@ -262,8 +262,9 @@ class LimitSettings(Section):
     # burst of large requests meets a clear refusal rather than the kernel's out-of-memory killer.
     max_inflight_bytes: int = setting(
         1 << 30,
-        "memory that requests in flight may take (inputs, answers until written, ONNX Runtime's run workspace); "
-        "beyond it RESOURCE_EXHAUSTED at once",
+        "memory that requests in flight may take (inputs, answers until written, ONNX Runtime's run workspace), in "
+        "each serving process (with --workers N, each worker's own: N times this in all); beyond it "
+        "RESOURCE_EXHAUSTED at once",
         rule=at_least(1),
     )
     max_health_watchers: int = setting(
@@ -319,7 +320,8 @@ class SequenceSettings(Section):
     # Sequences (Triton's sequence_id/sequence_start/sequence_end): the keys and values kept between steps.
     max_sequences: int = setting(
         1024,
-        "sequences live at once (their keys and values kept); beyond, RESOURCE_EXHAUSTED",
+        "sequences live at once (their keys and values kept), in each serving process (with --workers N, each "
+        "worker's own); beyond, RESOURCE_EXHAUSTED",
         rule=at_least(1),
     )
     max_sequences_per_client: int = setting(
@@ -399,7 +401,8 @@ class DeviceSettings(Section):
         "serving processes on the same ports (0: one per core the process may use), each with its own event loop, "
         "model and batching, the kernel spreading connections over them (SO_REUSEPORT); started, restarted and "
         "stopped as one server with one /metrics; ONNX Runtime's threads divided between them. A sequence lives in "
-        "the process that started it",
+        "one worker (by its owner, or its id where callers are not told apart), and a step reaching another is "
+        "forwarded there",
         rule=at_least(0),
     )
     # Inference threads run at a lower priority than the gRPC thread, so that when model runs fill every

@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from mhaserve.contract.model_dir import ModelDirError, read_manifest
 from mhaserve.contract.repository import ModelRepository, VersionPolicy
@@ -75,6 +75,16 @@ class ShuttingDown(RequestError):
         )
 
 
+class StepForward(Protocol):
+    """Where steps of sequences that live in another serving process go (worker_forward.StepForwarder)."""
+
+    def home_elsewhere(self, request: InferenceRequest, caller: str) -> int | None:
+        """The process that holds the request's sequence, where that is another; else None."""
+
+    async def infer(self, home: int, request: InferenceRequest, call: InferenceCall) -> InferenceResponse:
+        """The request answered there, as a call of ``call``'s caller."""
+
+
 class DataPlane:
     """What the transports call: the served versions a request names, the model control calls, and
     ``inference``, one inference call's life. Built from the registry (with the version factory it loads
@@ -85,11 +95,14 @@ class DataPlane:
         settings: ServerSettings,
         model_dir: Path | None = None,
         peer_statistics: Callable[[], Awaitable[list[list[dict]]]] | None = None,
+        forward: StepForward | None = None,
     ):
         """``peer_statistics``: the other serving processes' statistics, where this is one of several (the worker
-        supervisor's reader, given by the process); none: this process is the whole server."""
+        supervisor's reader, given by the process); none: this process is the whole server. ``forward``: where the
+        steps of sequences that live in another of them go."""
         self.settings = settings
         self._peer_statistics = peer_statistics
+        self.forward = forward
         self.limits = Limits(settings.max_batch_size, settings.max_q_len, settings.max_kv_len)
         budget = MemoryBudget(  # every model's requests: one process's memory
             settings.max_inflight_bytes,
@@ -424,6 +437,11 @@ class InferenceCall(CallRecord):
         tensors are large), hand it to the version's runtime for its kind (runtime.py: batched, or a sequence's
         step), which admits and runs it, and return the outputs it asked for."""
         dataplane = self._dataplane
+        home = None if dataplane.forward is None else dataplane.forward.home_elsewhere(request, self.caller)
+        if home is not None:  # a step of a sequence another serving process holds: answered there
+            dataplane._refuse_while_draining()
+            self.forwarded, self.request_id = True, request.id
+            return await dataplane.forward.infer(home, request, self)
         self.served = served = dataplane.served_for(request, self.caller)
         served.enter()  # from here the version is not unloaded under this request
         if dataplane.tracing.active:

@@ -55,6 +55,12 @@ class Metrics:
             "RPCs refused for a missing or wrong bearer token",
             registry=self.registry,
         )
+        self._steps_forwarded = Counter(
+            "mhaserve_sequence_steps_forwarded",
+            "Steps of sequences this worker received and forwarded to the worker that holds their sequence, by status",
+            ["status"],
+            registry=self.registry,
+        )
         self._sequences = None  # the data plane's Sequences, once watched
         self.sequence_step_runs = 0  # runs of step graphs, each of one or more sequences' steps
         # Requests by (model, version, status, protocol), model and version empty for a request that named no served
@@ -66,6 +72,9 @@ class Metrics:
 
     def watch_sequences(self, sequences) -> None:
         self._sequences = sequences
+
+    def step_forwarded(self, status: str) -> None:
+        self._steps_forwarded.labels(status).inc()
 
     def step_runs_made(self, runs: int) -> None:
         self.sequence_step_runs += runs

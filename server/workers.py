@@ -10,10 +10,10 @@ relays their logs prefixed with their number, restarts one that dies, serves the
 SIGINT passes it on and waits for every worker's drain.
 
 ModelStatistics, from whichever worker answers it, is the whole server's: the worker adds the others' (read from
-their metrics ports on loopback). What is per worker: a sequence (a step reaching another worker, as after a
-reconnect, is answered INVALID_ARGUMENT "sequence ... is not live": start it again), and trace settings changed at
-run time. Refused with workers, since a call would reach one worker
-alone: explicit model control (RepositoryModelLoad/Unload) and client shared memory (a region registered with one).
+their metrics ports on loopback). A sequence lives in one worker, and its steps reach it from any connection
+(worker_forward.py: the parent gives each worker the others' forward sockets). What is per worker: trace settings
+changed at run time. Refused with workers, since a call would reach one worker alone: explicit model control
+(RepositoryModelLoad/Unload) and client shared memory (a region registered with one).
 """
 
 from __future__ import annotations
@@ -21,14 +21,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from mhaserve.contract.errors import UsageError
 
@@ -38,9 +41,11 @@ from .ports import host_port
 from .process import ended_with_the_parent
 from .rest.prometheus import start_metrics
 from .threads import ALONE_THREADS_ENV, BOARD_ENV, WORKER_ENV, WorkerBoard
+from .worker_forward import SOCKETS_ENV, socket_paths
 
 log = logging.getLogger("mhaserve.server")
 
+RESTARTED_ENV = "MHASERVE_WORKER_RESTARTED"  # when a worker was started again, in place of one that exited
 PEERS_ENV = "MHASERVE_WORKER_PEERS"  # and every worker's own metrics address on loopback, in worker order
 RESTART_DELAY_S = 1.0  # a worker that died is started again after this
 READY_TIMEOUT_S = 600.0  # a worker not serving by then (its model's load included) fails the start
@@ -96,6 +101,9 @@ class Workers:
         self.alone_threads = cores if not settings.intra_op_threads and self.threads < cores else 0
         self.board = WorkerBoard.create(self.count)
         self.workers = [Worker(i, _free_port("127.0.0.1")) for i in range(self.count)]
+        # Each worker's socket for the steps the others forward to it, in a folder only this user may enter.
+        self.forward_folder = Path(tempfile.mkdtemp(prefix="mhaserve-workers-"))
+        self.forward_sockets = socket_paths(self.forward_folder, self.count)
         self._argv = argv
         self._stopping = False
         self._lock = threading.Lock()
@@ -112,9 +120,12 @@ class Workers:
 
     def start(self, worker: Worker) -> None:
         peers = ",".join(f"127.0.0.1:{each.metrics_port}" for each in self.workers)
-        env = {**os.environ, WORKER_ENV: str(worker.index), PEERS_ENV: peers, BOARD_ENV: str(self.board)}
+        env = {**os.environ, WORKER_ENV: str(worker.index), PEERS_ENV: peers, BOARD_ENV: str(self.board),
+               SOCKETS_ENV: ",".join(self.forward_sockets)}  # fmt: skip
         if self.alone_threads:
             env[ALONE_THREADS_ENV] = str(self.alone_threads)
+        if worker.restarts:  # its sequences were lost with the process it replaces
+            env[RESTARTED_ENV] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
         worker.ready.clear()
         worker.process = subprocess.Popen(
             self.command(worker),
@@ -195,6 +206,7 @@ class Workers:
                 log.warning("worker %d did not stop in time: killed", worker.index)
                 worker.process.kill()
                 worker.process.wait()
+        shutil.rmtree(self.forward_folder, ignore_errors=True)
 
     def metrics_text(self) -> bytes:
         """The whole server's metrics: each worker's, every series labelled with its worker."""

@@ -106,6 +106,12 @@ OTHER_ENVIRONMENT = [
     ("MHASERVE_WORKER_PEERS", "a worker of `mhaserve serve --workers N`",
      "set by the parent: every worker's own metrics address on loopback, where the workers read each other's "
      "statistics; not for users to set"),
+    ("MHASERVE_WORKER_SOCKETS", "a worker of `mhaserve serve --workers N`",
+     "set by the parent: every worker's Unix socket, in a folder only the server's user may enter, where the "
+     "others forward the steps of the sequences it holds; not for users to set"),
+    ("MHASERVE_WORKER_RESTARTED", "a worker of `mhaserve serve --workers N`",
+     "set by the parent in a worker started again in place of one that exited: when, so that a step of a "
+     "sequence lost with the old process says so; not for users to set"),
     ("MHASERVE_WORKER_BOARD", "a worker of `mhaserve serve --workers N`",
      "set by the parent: the descriptor of a file with no name, in which each worker marks when it runs models, so "
      "that a run takes every core's threads while the others run nothing; not for users to set"),

@@ -72,6 +72,15 @@ class Sequences:
         self._bytes_by: dict[str, int] = {}
         self.steps_total = 0
         self.timed_out_total = 0
+        self._unknown = "never started (its first step needs sequence_start)"  # why an id no one knows is not live
+
+    def lost_before(self, when: str) -> None:
+        """This process replaced one that held sequences (``when``: how it was lost), so a step of a sequence it
+        does not know may be of one lost with it: its refusal says so."""
+        self._unknown = (
+            f"never started here, or lost {when}, with every sequence it held; start it again from its first row "
+            "with sequence_start"
+        )
 
     @property
     def cache_bytes(self) -> int:
@@ -114,7 +123,7 @@ class Sequences:
             self._time_out(sequence)
             sequence = None
         if sequence is None:
-            why = self._gone.get(key, "never started (its first step needs sequence_start)")
+            why = self._gone.get(key, self._unknown)
             raise invalid(f"sequence {step.id!r} is not live: {why}")
         if sequence.batch != batch:
             raise invalid(f"sequence {step.id!r} has batch {sequence.batch}; this step's query has batch {batch}")

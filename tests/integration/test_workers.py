@@ -16,6 +16,7 @@ import grpc
 import numpy as np
 import pytest
 
+from mhaserve.client.common import SequenceStep
 from mhaserve.client.grpc import Client, GrpcRequestFailed
 from mhaserve.client.http import HttpClient
 from mhaserve.loadtest.loadgen import LoadGenerator, Point, Workload
@@ -166,3 +167,91 @@ def test_what_cannot_work_across_workers_is_refused_in_one_line(small_model_dir,
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert done.returncode == 2 and said in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def causal_rows(module, rows: np.ndarray) -> np.ndarray:
+    """Each row's output attending every row up to it: what a sequence's steps answer, row by row."""
+    length = rows.shape[1]
+    return eager(module, rows, mask=np.tril(np.ones((length, length), dtype=bool))[None])[0]
+
+
+def forwarded_steps(server) -> float:
+    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("mhaserve_sequence_steps_forwarded_total{") and 'status="OK"' in line
+    )
+
+
+def test_a_sequences_steps_reach_the_worker_that_holds_it_from_any_new_connection_grpc_or_http(
+    start_server_process, small_model_dir, small_module
+):
+    server = start_server_process(small_model_dir, "--workers", "2", "--metrics-port", "0")
+    http_url = server.http_url.removeprefix("http://")
+    steps = 4
+    for number in range(8):  # half over gRPC, half over HTTP/REST (urllib: a new connection per request)
+        rows = rand(1, steps, SMALL_D_MODEL, seed=100 + number)
+        want = causal_rows(small_module, rows)
+        for position in range(steps):
+            step = SequenceStep(f"seq-{number}", start=position == 0, end=position == steps - 1)
+            row = rows[:, position : position + 1]
+            if number % 2:
+                answer = HttpClient(http_url).infer(row, attn_weights=False, sequence=step)
+            else:
+                with Client(server.url, own_connection=True) as client:  # a connection of its own each step
+                    answer = client.infer(row, attn_weights=False, sequence=step)
+            np.testing.assert_allclose(answer.output[:, 0], want[:, position], atol=1e-5, err_msg=f"{number}")
+    # 32 steps on 32 new connections over two workers: some reached the worker without their sequence
+    assert forwarded_steps(server) > 0, server.log[-2000:]
+    with Client(server.url) as client:
+        assert client.statistics().inference_count == 8 * steps  # each step counted once, where it ran
+
+
+def test_a_clients_share_of_sequences_holds_for_the_whole_server_whichever_worker_its_connections_reach(
+    start_server_process, small_model_dir, tmp_path
+):
+    tokens = tmp_path / "tokens"
+    tokens.write_text("alice alice-token-0123456789\nbob bob-token-0123456789\n")
+    server = start_server_process(small_model_dir, "--workers", "2", "--metrics-port", "0",
+                                  "--auth-token-file", str(tokens), "--max-sequences-per-client", "2")  # fmt: skip
+    row = rand(1, 1, SMALL_D_MODEL, seed=3)
+    for number in range(2):  # each start on a connection of its own
+        with Client(server.url, token="alice-token-0123456789", own_connection=True) as alice:
+            alice.infer(row, attn_weights=False, sequence=SequenceStep(f"a{number}", start=True))
+    for _ in range(4):  # wherever the connection lands, the third is over alice's share
+        with Client(server.url, token="alice-token-0123456789", own_connection=True) as alice:
+            with pytest.raises(GrpcRequestFailed) as refused:
+                alice.infer(row, attn_weights=False, sequence=SequenceStep("a2", start=True))
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "--max-sequences-per-client=2" in refused.value.details()
+    with Client(server.url, token="bob-token-0123456789", own_connection=True) as bob:  # bob's share is his own
+        bob.infer(row, attn_weights=False, sequence=SequenceStep("b0", start=True))
+
+
+def test_a_step_whose_worker_died_says_its_sequence_was_lost_and_how_to_go_on(start_server_process, small_model_dir):
+    server = start_server_process(small_model_dir, "--workers", "2", "--metrics-port", "0")
+    from mhaserve.server.worker_forward import home_of
+
+    name = next(f"seq-{n}" for n in range(64) if home_of("", f"seq-{n}", 2) == 1)  # one that lives in worker 1
+    row = rand(1, 1, SMALL_D_MODEL, seed=4)
+    with Client(server.url, own_connection=True) as client:
+        client.infer(row, attn_weights=False, sequence=SequenceStep(name, start=True))
+    killed = worker_pids(server)[1]
+    os.kill(killed, signal.SIGKILL)
+    while alive(killed):
+        time.sleep(0.05)
+    with Client(server.url, own_connection=True) as client:  # only worker 0 listens now
+        with pytest.raises(GrpcRequestFailed) as lost:
+            client.infer(row, attn_weights=False, sequence=SequenceStep(name))
+    assert lost.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "lost" in lost.value.details() and "sequence_start" in lost.value.details()
+    deadline = time.monotonic() + 60
+    while "worker 1 ready:" not in server.log.split(f"(pid {killed}) exited", 1)[-1]:
+        assert time.monotonic() < deadline, server.log[-3000:]
+        time.sleep(0.2)
+    with Client(server.url, own_connection=True) as client:  # restarted: it says the sequence was lost with it
+        with pytest.raises(GrpcRequestFailed) as gone:
+            client.infer(row, attn_weights=False, sequence=SequenceStep(name))
+    assert gone.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "lost when worker 1 of this server restarted" in gone.value.details(), gone.value.details()
