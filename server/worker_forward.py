@@ -22,10 +22,12 @@ import asyncio
 import contextlib
 import dataclasses
 import hashlib
+import itertools
 import logging
 import os
 import pickle
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,7 +40,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("mhaserve.server")
 
 SOCKETS_ENV = "MHASERVE_WORKER_SOCKETS"  # every worker's forward socket, in worker order
-_LENGTH = struct.Struct("!Q")
+_HEADER = struct.Struct("!QQ")  # a message's number, and its length
 FORWARD_GRACE_S = 5.0  # past the call's own deadline: the home worker answers DEADLINE_EXCEEDED itself first
 
 
@@ -55,7 +57,7 @@ class StepForwarder:
 
     def __init__(self, own: int, sockets: list[str]):
         self.own, self.sockets = own, sockets
-        self._idle: dict[int, list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]] = {}
+        self._peers: dict[int, _Framed] = {}  # one connection to each home, its exchanges interleaved
 
     @classmethod
     def from_env(cls, own: int) -> StepForwarder | None:
@@ -86,8 +88,9 @@ class StepForwarder:
         }
         timeout = None if call.timeout_s is None else call.timeout_s + FORWARD_GRACE_S
         try:
-            reply = await asyncio.wait_for(self._exchange(home, sent), timeout)
-        except (OSError, asyncio.IncompleteReadError) as error:
+            peer = await self._peer(home)
+            reply = await asyncio.wait_for(peer.exchange(sent), timeout)
+        except OSError as error:
             raise RequestError(
                 ErrorKind.UNAVAILABLE,
                 f"sequence {request.sequence_step.id!r} lives in worker {home} of this server, which cannot be reached "
@@ -103,44 +106,98 @@ class StepForwarder:
             raise RequestError(ErrorKind[kind], message, retry_after_s)
         return InferenceResponse(reply["signature"], request, reply["outputs"])
 
-    async def _exchange(self, home: int, sent: dict) -> dict:
-        """One request and its reply over a connection to ``home`` (kept for the next where the exchange ends)."""
-        idle = self._idle.setdefault(home, [])
-        reader, writer = idle.pop() if idle else await asyncio.open_unix_connection(self.sockets[home])
-        try:
-            await _write(writer, sent)
-            reply = await _read(reader)
-        except BaseException:
-            writer.close()
-            raise
-        idle.append((reader, writer))
-        return reply
+    async def _peer(self, home: int) -> _Framed:
+        peer = self._peers.get(home)
+        if peer is None or peer.closed:
+            loop = asyncio.get_running_loop()
+            _, peer = await loop.create_unix_connection(_Framed, self.sockets[home])
+            self._peers[home] = peer
+        return peer
 
     def close(self) -> None:
-        for connections in self._idle.values():
-            for _, writer in connections:
-                writer.close()
-        self._idle.clear()
+        for peer in self._peers.values():
+            peer.close()
+        self._peers.clear()
+
+
+class _Framed(asyncio.Protocol):
+    """One connection between two workers: pickled messages, each framed by its length and numbered, so that
+    exchanges interleave (a protocol rather than asyncio's streams: half the round trip's time, measured)."""
+
+    def __init__(self, on_message: Callable[[_Framed, int, dict], None] | None = None):
+        self._on_message = on_message  # where messages are requests to answer (the home's side)
+        self._buffer = bytearray()
+        self._pending: dict[int, asyncio.Future] = {}  # the exchanges under way (the forwarding side's)
+        self._numbers = itertools.count()
+        self._transport: asyncio.Transport | None = None
+        self.closed = False
+
+    def connection_made(self, transport) -> None:
+        self._transport = transport
+
+    def connection_lost(self, error) -> None:
+        self.closed = True
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(ConnectionResetError("the other worker closed the connection"))
+        self._pending.clear()
+
+    def data_received(self, data: bytes) -> None:
+        self._buffer += data
+        while len(self._buffer) >= _HEADER.size:
+            number, length = _HEADER.unpack_from(self._buffer)
+            end = _HEADER.size + length
+            if len(self._buffer) < end:
+                return
+            message = pickle.loads(bytes(self._buffer[_HEADER.size : end]))
+            del self._buffer[:end]
+            if self._on_message is not None:
+                self._on_message(self, number, message)
+            elif (future := self._pending.pop(number, None)) is not None and not future.done():
+                future.set_result(message)
+
+    def send(self, number: int, message: dict) -> None:
+        data = pickle.dumps(message, protocol=5)
+        self._transport.write(_HEADER.pack(number, len(data)) + data)
+
+    async def exchange(self, message: dict) -> dict:
+        """``message`` sent, and the reply to it."""
+        number = next(self._numbers)
+        future = asyncio.get_running_loop().create_future()
+        self._pending[number] = future
+        try:
+            self.send(number, message)
+            return await future
+        finally:
+            self._pending.pop(number, None)
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
 
 
 async def serve_forwarded(dataplane: DataPlane, path: str) -> asyncio.AbstractServer:
-    """The Unix socket at ``path`` on which this worker answers the steps other workers forward to it."""
+    """The Unix socket at ``path`` on which this worker answers the steps other workers forward to it, each as a
+    call of its own, concurrently."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)  # left by this worker's previous process
+    loop = asyncio.get_running_loop()
+    answering: set[asyncio.Task] = set()
 
-    async def connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                sent = await _read(reader)
-                await _write(writer, await _answer(dataplane, sent))
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass  # the other worker closed it (or exited)
-        finally:
-            writer.close()
+    def on_message(connection: _Framed, number: int, sent: dict) -> None:
+        task = loop.create_task(_reply(dataplane, connection, number, sent))
+        answering.add(task)  # held until done: a task only the loop references may be collected
+        task.add_done_callback(answering.discard)
 
-    server = await asyncio.start_unix_server(connection, path)
+    server = await loop.create_unix_server(lambda: _Framed(on_message), path)
     os.chmod(path, 0o600)
     return server
+
+
+async def _reply(dataplane: DataPlane, connection: _Framed, number: int, sent: dict) -> None:
+    reply = await _answer(dataplane, sent)
+    if not connection.closed:
+        connection.send(number, reply)
 
 
 async def _answer(dataplane: DataPlane, sent: dict) -> dict:
@@ -151,7 +208,7 @@ async def _answer(dataplane: DataPlane, sent: dict) -> dict:
             sent["protocol"], sent["timeout_s"], sent["method"], None, sent["peer"], sent["caller"]
         ) as call:
             response = await call.infer(request)
-            with call.encoding():  # pickled below: the answer leaves the budget once written
+            with call.encoding():  # pickled as it is sent: the answer leaves the budget then
                 pass
         return {"error": None, "signature": response.model, "outputs": response.outputs}
     except RequestError as error:
@@ -162,17 +219,6 @@ def _portable(request: InferenceRequest) -> InferenceRequest:
     """The request with its parameters as plain dicts (a read-only mapping does not pickle)."""
     outputs = tuple(RequestedOutput(o.name, dict(o.parameters)) for o in request.outputs)
     return dataclasses.replace(request, parameters=dict(request.parameters), outputs=outputs)
-
-
-async def _write(writer: asyncio.StreamWriter, message: dict) -> None:
-    data = pickle.dumps(message, protocol=5)
-    writer.write(_LENGTH.pack(len(data)) + data)
-    await writer.drain()
-
-
-async def _read(reader: asyncio.StreamReader) -> dict:
-    (length,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
-    return pickle.loads(await reader.readexactly(length))
 
 
 def socket_paths(folder: Path, count: int) -> list[str]:

@@ -1,0 +1,148 @@
+"""Sequences across worker processes: what forwarding a step to the worker that holds its sequence costs, and steps
+a second with 1, 2 and 3 workers. A server of the embedded default model (512/8), output only, one-row steps.
+
+    flock /tmp/bench.lock .venv/bin/python benchmarks/bench_worker_forward.py [--rounds 3] [--steps 200]
+        [--workers 2,3] [--duration 6]
+
+Printed:
+- latency: on a server of 2 workers, one gRPC connection (so one worker, found by a probe), sequences whose home
+  is that worker against sequences whose home is the other, their steps alternating one by one on the same
+  connection: the p50 and p90 of each, over ``--steps`` steps per round, and the difference at p50;
+- throughput: 64 sequences stepping at once from 16 connections (the load generator, closed loop) on 1 worker and
+  on each of ``--workers``; steps a second and the ratio to 1 worker, rounds alternating the servers.
+
+Not a test: BENCHMARKS.md records the figures with this command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import urllib.request
+
+import grpc
+import numpy as np
+
+from mhaserve.client.grpc import build_infer_request
+from mhaserve.export.default_model import ensure_default_model
+from mhaserve.loadtest.loadgen import LoadGenerator, Point, Workload
+from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
+from mhaserve.server.process import ServerProcess
+from mhaserve.server.worker_forward import home_of
+
+D = 512
+
+
+def step(name: str, start: bool, rng) -> object:
+    message = build_infer_request("mha", rng.standard_normal((1, 1, D), dtype=np.float32), attn_weights=False)
+    message.parameters["sequence_id"].string_param = name
+    message.parameters["sequence_start"].bool_param = start
+    return message
+
+
+def forwarded_by_worker(server: ServerProcess) -> dict[str, float]:
+    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    counts: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("mhaserve_sequence_steps_forwarded_total{"):
+            worker = line.split('worker="', 1)[1].split('"', 1)[0]
+            counts[worker] = counts.get(worker, 0.0) + float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def connected_worker(server: ServerProcess, stub) -> int:
+    """The worker a connection reached: a step of a sequence homed in worker 0, and whether it was forwarded."""
+    name = next(f"probe-{n}" for n in range(64) if home_of("", f"probe-{n}", 2) == 0)
+    before = forwarded_by_worker(server)
+    stub.ModelInfer(step(name, True, np.random.default_rng(0)), timeout=30)
+    after = forwarded_by_worker(server)
+    return 1 if after.get("1", 0) > before.get("1", 0) else 0
+
+
+def latency_ms(server: ServerProcess, steps: int, rng) -> tuple[list[float], list[float]]:
+    """Step latencies on one connection: of sequences at home in the worker it reached, and of those homed in the
+    other (forwarded), alternating step by step."""
+    channel = grpc.insecure_channel(server.url)
+    stub = pb_grpc.GRPCInferenceServiceStub(channel)
+    here = connected_worker(server, stub)
+    names = {
+        home: [n for n in (f"s{home}-{i}" for i in range(400)) if home_of("", n, 2) == home][:8] for home in (0, 1)
+    }
+    for home in (0, 1):
+        for name in names[home]:
+            stub.ModelInfer(step(name, True, rng), timeout=30)
+    timed: dict[bool, list[float]] = {True: [], False: []}  # at home in the connection's worker: its latencies
+    for i in range(steps):
+        for home in (0, 1):
+            message = step(names[home][i % 8], False, rng)
+            started = time.perf_counter()
+            stub.ModelInfer(message, timeout=30)
+            timed[home == here].append((time.perf_counter() - started) * 1e3)
+    channel.close()
+    return timed[True], timed[False]
+
+
+def quantiles(values: list[float]) -> tuple[float, float]:
+    cut = statistics.quantiles(values, n=10)
+    return statistics.median(values), cut[8]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--workers", default="2,3")
+    parser.add_argument("--duration", type=float, default=6.0)
+    args = parser.parse_args()
+    model = ensure_default_model()
+    rng = np.random.default_rng(1)
+    print("latency of one-row steps, one connection (one worker), c=1: at home against forwarded", flush=True)
+    with ServerProcess(model, "--workers", "2", "--warmup-runs", "2") as server:
+        differences = []
+        for number in range(1, args.rounds + 1):
+            home, away = latency_ms(server, args.steps, rng)
+            (home_p50, home_p90), (away_p50, away_p90) = quantiles(home), quantiles(away)
+            differences.append(away_p50 - home_p50)
+            print(
+                f"  round {number}: at home p50 {home_p50:.3f} p90 {home_p90:.3f} ms; forwarded p50 {away_p50:.3f} "
+                f"p90 {away_p90:.3f} ms; forwarded - at home at p50 {away_p50 - home_p50:+.3f} ms",
+                flush=True,
+            )
+        print(f"  median difference at p50: {statistics.median(differences):+.3f} ms")
+    counts = [1, *(int(n) for n in args.workers.split(","))]
+    workload = Workload(D, 1, 1, 1, attn_weights=False, sequence_length=64, connections=16)
+    point = Point("closed", 64, args.duration, 1.0)
+    print(f"steps a second, 64 sequences of 64 one-row steps at once from 16 connections, workers {counts}", flush=True)
+    servers = [ServerProcess(model, "--workers", str(n), "--warmup-runs", "2") for n in counts]
+    for server in servers:
+        server.start()
+    try:
+        rates: dict[int, list[float]] = {n: [] for n in counts}
+        forwarded: dict[int, float] = dict.fromkeys(counts, 0.0)
+        for number in range(1, args.rounds + 1):
+            order = list(zip(counts, servers, strict=True))
+            for n, server in order if number % 2 else reversed(order):
+                before = sum(forwarded_by_worker(server).values()) if n > 1 else 0.0
+                with LoadGenerator(server.url, 1) as load:
+                    result = load.measure(workload, point)
+                if result.errors:
+                    raise SystemExit(f"{n} workers: refused steps {result.errors}")
+                rates[n].append(result.throughput)
+                if n > 1:
+                    forwarded[n] = sum(forwarded_by_worker(server).values()) - before
+            print(f"  round {number}: " + ", ".join(f"{n} worker(s) {rates[n][-1]:.0f}/s" for n in counts), flush=True)
+        one = statistics.median(rates[1])
+        for n in counts:
+            median = statistics.median(rates[n])
+            print(
+                f"  {n} worker(s): {median:.0f} steps/s median, {median / one:.2f}x one worker"
+                + (f" (last round: {forwarded[n]:.0f} steps forwarded)" if n > 1 else "")
+            )
+    finally:
+        for server in servers:
+            server.stop()
+
+
+if __name__ == "__main__":
+    main()
