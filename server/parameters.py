@@ -104,6 +104,9 @@ class SequenceParameters:
     id: int | str
     start: bool
     end: bool
+    # The rows of keys and values the sequence holds before this step, where the client says (``sequence_position``):
+    # a step resent after its answer was lost is then refused rather than applied twice.
+    position: int | None = None
 
 
 def sequence_parameters(parameters: Mapping[str, object]) -> SequenceParameters | None:
@@ -112,22 +115,28 @@ def sequence_parameters(parameters: Mapping[str, object]) -> SequenceParameters 
     sequence_id = parameters.get("sequence_id")
     start = boolean(parameters.get("sequence_start", False), "sequence_start")
     end = boolean(parameters.get("sequence_end", False), "sequence_end")
+    position = parameters.get("sequence_position")
+    if position is not None:
+        position = integer(position, "sequence_position", 0, UINT64_MAX, "the rows the sequence holds before the step")
     # Only integers and strings are ids: false and 0.0 equal 0 in Python, and would pass for "no sequence".
     if sequence_id is not None and (isinstance(sequence_id, bool) or not isinstance(sequence_id, int | str)):
         raise invalid(
             f"parameter 'sequence_id' must be an integer or a string, got {_kind(sequence_id)} {quoted(sequence_id)}"
         )
     if sequence_id in (None, 0, ""):
-        if start or end:
+        if start or end or position is not None:
             raise invalid(
-                "parameters 'sequence_start'/'sequence_end' need a 'sequence_id' (a non-zero integer or a string)"
+                "parameters 'sequence_start'/'sequence_end'/'sequence_position' need a 'sequence_id' (a non-zero "
+                "integer or a string)"
             )
         return None
     if isinstance(sequence_id, int) and not 0 < sequence_id <= UINT64_MAX:
         raise invalid(f"parameter 'sequence_id' must be an unsigned 64-bit integer, got {sequence_id}")
     if isinstance(sequence_id, str) and len(sequence_id) > 256:
         raise invalid(f"parameter 'sequence_id' must be at most 256 characters, got {len(sequence_id)}")
-    return SequenceParameters(sequence_id, start, end)
+    if start and position not in (None, 0):
+        raise invalid(f"parameter 'sequence_position': a sequence's first step is at position 0, got {position}")
+    return SequenceParameters(sequence_id, start, end, position)
 
 
 TOP_K_OUTPUTS = (ATTN_TOP_K_VALUES, ATTN_TOP_K_INDICES)

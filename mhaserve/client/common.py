@@ -119,37 +119,103 @@ class WeightsOptions:
 
 @dataclass(frozen=True)
 class SequenceStep:
-    """A request's place in a sequence the server keeps (Triton's sequence parameters)."""
+    """A request's place in a sequence the server keeps (Triton's sequence parameters), and where it goes: the rows
+    of keys and values the sequence holds before it (``position``; None: not said)."""
 
     id: int | str
     start: bool = False
     end: bool = False
+    position: int | None = None
 
     def parameters(self) -> dict[str, int | str | bool]:
-        return {"sequence_id": self.id, "sequence_start": self.start, "sequence_end": self.end}
+        said = {"sequence_id": self.id, "sequence_start": self.start, "sequence_end": self.end}
+        return said if self.position is None else {**said, "sequence_position": self.position}
+
+
+def sequence_lost(error: RequestFailed) -> bool:
+    """Whether the server says the sequence is gone (its worker or replica exited, or it was dropped idle)."""
+    return error.status_name in ("UNAVAILABLE", "INVALID_ARGUMENT") and (
+        "were lost" in error.message or "is not live" in error.message
+    )
 
 
 class Sequence:
     """A sequence kept on the server, stepped with its new rows: ``with client.sequence() as s: s.step(rows)``.
     The first step starts it (``sequence_start``), ``step(rows, end=True)`` answers and ends it; one left without
-    an end is dropped by the server after its idle timeout. ``step`` takes ``infer``'s other arguments."""
+    an end is dropped by the server after its idle timeout. ``step`` takes ``infer``'s other arguments.
 
-    def __init__(self, client, sequence_id: int | str | None = None):
+    Each step says where it goes (``sequence_position``, the rows the server holds before it), so a step sent again
+    after its answer was lost is refused (ALREADY_EXISTS) rather than applied twice. With ``resume``, the sequence
+    keeps every row (and key and value) it sent, and when the server says the sequence was lost (its worker or
+    replica exited, or it was dropped idle), it starts it again with all of them and the step's own in one step,
+    and answers with that step's rows: its memory grows with the sequence."""
+
+    def __init__(self, client, sequence_id: int | str | None = None, *, resume: bool = False):
         self.client = client
         self.id = sequence_id if sequence_id is not None else f"seq-{uuid.uuid4().hex}"
-        self.steps = 0
+        self.steps = 0  # answered
+        self.position = 0  # the rows of keys and values the server holds for it
         self.ended = False
+        self.cross = False  # its first step gave keys: a cross-attention sequence
+        self.resume = resume
+        self.restarts = 0  # times it was started again after the server lost it (``resume``)
+        self._kept: list[tuple[np.ndarray, np.ndarray | None, np.ndarray | None]] = []  # (rows, key, value) sent
 
     def _next(self, end: bool) -> SequenceStep:
         if self.ended:
             raise ValueError(f"sequence {self.id!r} has ended; start another with client.sequence()")
-        step = SequenceStep(self.id, start=self.steps == 0, end=end)
+        return SequenceStep(self.id, start=self.steps == 0, end=end, position=self.position)
+
+    def _answered(self, rows, end: bool, infer: dict) -> None:
+        key, value = infer.get("key"), infer.get("value")
+        if self.steps == 0:
+            self.cross = key is not None
+        self.position += key.shape[1] if key is not None else 0 if self.cross else rows.shape[1]
         self.steps += 1
         self.ended = end
-        return step
+        if self.resume:
+            self._kept.append((rows, key, value))
+
+    def _restart(self, rows, end: bool, infer: dict) -> tuple[SequenceStep, np.ndarray, dict, int]:
+        """The step that starts the sequence again, its query, its other arguments and the query rows before this
+        step's: every kept row and this step's (a self-attention sequence), or this step's rows over every kept
+        key and value and its own (a cross-attention one)."""
+        self.restarts += 1
+        again = SequenceStep(self.id, start=True, end=end, position=0)
+        if not self.cross:
+            kept = [r for r, _, _ in self._kept]
+            return again, np.concatenate([*kept, rows], axis=1), infer, sum(r.shape[1] for r in kept)
+        given = [(k, v) for _, k, v in self._kept if k is not None]
+        if infer.get("key") is not None:
+            given.append((infer["key"], infer["value"]))
+        keys, values = (np.concatenate(part, axis=1) for part in zip(*given, strict=True))
+        return again, rows, {**infer, "key": keys, "value": values}, 0
+
+    def _resumed(self, result: InferResult, query, end: bool, infer: dict, cut: int) -> InferResult:
+        """The sequence as after its restart (one step, of everything), and the answer cut to this step's query rows
+        (axis 1 of the output and the heads' mean, axis 2 of the other weights' outputs)."""
+        self.steps, self.position, self._kept = 0, 0, []
+        self._answered(query, end, infer)
+        if not cut:
+            return result
+        first_axis = (OUTPUT, ATTN_WEIGHTS_MEAN)
+        outputs = {
+            name: array[:, cut:] if name in first_axis else array[:, :, cut:] for name, array in result.outputs.items()
+        }
+        return InferResult.from_outputs(outputs, result.id, result.model_version)
 
     def step(self, rows, *, end: bool = False, **infer) -> InferResult:
-        return self.client.infer(rows, sequence=self._next(end), **infer)
+        step = self._next(end)
+        try:
+            result = self.client.infer(rows, sequence=step, **infer)
+        except RequestFailed as error:
+            if not (self.resume and not step.start and sequence_lost(error)):
+                raise
+            again, query, infer_again, cut = self._restart(rows, end, infer)
+            result = self.client.infer(query, sequence=again, **infer_again)
+            return self._resumed(result, query, end, infer_again, cut)
+        self._answered(rows, end, infer)
+        return result
 
     def __enter__(self) -> Sequence:
         return self
@@ -162,7 +228,17 @@ class AsyncSequence(Sequence):
     """As Sequence, for AsyncClient: ``async with client.sequence() as s: await s.step(rows)``."""
 
     async def step(self, rows, *, end: bool = False, **infer) -> InferResult:
-        return await self.client.infer(rows, sequence=self._next(end), **infer)
+        step = self._next(end)
+        try:
+            result = await self.client.infer(rows, sequence=step, **infer)
+        except RequestFailed as error:
+            if not (self.resume and not step.start and sequence_lost(error)):
+                raise
+            again, query, infer_again, cut = self._restart(rows, end, infer)
+            result = await self.client.infer(query, sequence=again, **infer_again)
+            return self._resumed(result, query, end, infer_again, cut)
+        self._answered(rows, end, infer)
+        return result
 
     async def __aenter__(self) -> AsyncSequence:
         return self

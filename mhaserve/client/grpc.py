@@ -316,9 +316,10 @@ class Client(_Connection):
         answer = self._call(self._stub.ModelInfer, request, timeout, self._traced(traceparent))
         return parse_infer_response(answer, shared_memory)
 
-    def sequence(self, sequence_id: int | str | None = None) -> Sequence:
-        """A sequence kept on the server, stepped with its new rows (an id of its own unless given)."""
-        return Sequence(self, sequence_id)
+    def sequence(self, sequence_id: int | str | None = None, *, resume: bool = False) -> Sequence:
+        """A sequence kept on the server, stepped with its new rows (an id of its own unless given); ``resume``:
+        started again from what it sent where the server lost it (common.Sequence)."""
+        return Sequence(self, sequence_id, resume=resume)
 
     def num_heads(self, timeout=None) -> int:
         """The model's heads (from its config's parameters), asked once."""
@@ -439,9 +440,9 @@ class AsyncClient(_Connection):
             await self._call(self._stub.ModelInfer, request, timeout, self._traced(traceparent))
         )
 
-    def sequence(self, sequence_id: int | str | None = None) -> AsyncSequence:
+    def sequence(self, sequence_id: int | str | None = None, *, resume: bool = False) -> AsyncSequence:
         """As Client.sequence: ``async with client.sequence() as s: await s.step(rows)``."""
-        return AsyncSequence(self, sequence_id)
+        return AsyncSequence(self, sequence_id, resume=resume)
 
     async def _call(self, rpc, request, timeout, metadata=None):
         """As Client._call, awaiting."""

@@ -192,9 +192,9 @@ class HttpClient:
         length = answer_headers.get(HEADER_LENGTH)
         return parse_http_infer_response(answer, int(length) if length is not None else None, shared_memory)
 
-    def sequence(self, sequence_id: int | str | None = None) -> Sequence:
+    def sequence(self, sequence_id: int | str | None = None, *, resume: bool = False) -> Sequence:
         """As the gRPC client's ``sequence``."""
-        return Sequence(self, sequence_id)
+        return Sequence(self, sequence_id, resume=resume)
 
     def num_heads(self, timeout=None) -> int:
         """The model's heads (from its config's parameters), asked once."""

@@ -19,7 +19,7 @@ from ..graphs import AttentionGraphs
 from ..inference import InferenceRequest
 from ..model_config import ModelSettings
 from ..outputs import asks_for_weights, outputs_from_run
-from ..parameters import weights_shaping
+from ..parameters import SequenceParameters, weights_shaping
 from ..session import CPU
 from ..tensors import RunInputs
 from .graph import Step, StepGraph
@@ -146,6 +146,7 @@ class SequenceRuntime:
     async def _step(
         self, call: Admission, request: InferenceRequest, attention: RunInputs, sequence: Sequence
     ) -> dict[str, np.ndarray]:
+        _check_position(request.sequence_step, sequence)
         rows = attention.query.shape[1]
         # Its new keys: a self-attention step's rows; a cross-attention step's keys, if it brings any.
         given = None if attention.key is attention.query else (attention.key, attention.value)
@@ -183,3 +184,21 @@ class SequenceRuntime:
         if not sequence.started:
             self.sequences.commit(sequence)
         return answer
+
+
+def _check_position(step: SequenceParameters, sequence: Sequence) -> None:
+    """A step that says where it goes (``sequence_position``: the rows the sequence holds before it) goes there: one
+    already applied (resent after its answer was lost) or one past a gap is refused, the sequence left as it was."""
+    if step.position is None or step.start or step.position == sequence.length:
+        return
+    if step.position < sequence.length:
+        raise RequestError(
+            ErrorKind.ALREADY_EXISTS,
+            f"sequence {step.id!r} holds {sequence.length} rows; this step is for position {step.position}: a step "
+            "there was applied already (a resend of one whose answer was lost?), and is not applied twice",
+        )
+    raise RequestError(
+        ErrorKind.FAILED_PRECONDITION,
+        f"sequence {step.id!r} holds {sequence.length} rows; this step is for position {step.position}: the steps "
+        f"for rows {sequence.length}..{step.position - 1} never arrived; send them first",
+    )

@@ -561,3 +561,55 @@ def test_a_step_that_does_not_fit_its_sequence_is_refused_and_changes_nothing(st
     answer = step(stub, "self", rows[:, 2:3], end=True)  # the sequence as it was: two rows before this one
     want_output, _ = eager(small_module, rows[:, :3], mask=np.tril(np.ones((1, 3, 3), bool)))
     np.testing.assert_allclose(answer["output"], want_output[:, 2:3], atol=1e-4 * np.abs(want_output).max())
+
+
+def test_a_step_resent_after_its_answer_was_lost_is_refused_naming_both_positions_never_applied_twice(
+    stub, small_module
+):
+    x = rand(1, 6, D, seed=61)
+    answers = [step(stub, "resent", x[:, :2], start=True, sequence_position=0)]
+    answers.append(step(stub, "resent", x[:, 2:4], sequence_position=2))
+    # the client lost that answer and sends the same step again
+    with pytest.raises(grpc.RpcError) as resent:
+        step(stub, "resent", x[:, 2:4], sequence_position=2)
+    assert resent.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert "holds 4 rows; this step is for position 2" in resent.value.details()
+    with pytest.raises(grpc.RpcError) as gap:  # a step past rows that never arrived
+        step(stub, "resent", x[:, 5:6], sequence_position=5)
+    assert gap.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "rows 4..4 never arrived" in gap.value.details()
+    answers.append(step(stub, "resent", x[:, 4:6], end=True, sequence_position=4))  # the sequence is as it was
+    assert_equals_the_causal_answer(small_module, x, [2, 2, 2], answers)
+    with pytest.raises(grpc.RpcError) as first:
+        step(stub, "other", x[:, :1], start=True, sequence_position=3)
+    assert first.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "first step is at position 0" in (
+        first.value.details()
+    )
+
+
+@pytest.mark.parametrize("cross", [False, True], ids=["self-attention", "cross-attention"])
+def test_a_sequence_the_server_lost_is_started_again_from_what_the_client_kept_with_resume(
+    sequence_server, small_module, cross
+):
+    x, keys = rand(1, 6, D, seed=62), rand(1, 9, D, seed=63)
+    with Client(sequence_server.url) as client:
+        sequence = client.sequence(resume=True)
+        if cross:
+            sequence.step(x[:, :2], key=keys[:, :6], value=keys[:, :6])
+        else:
+            sequence.step(x[:, :2])
+            sequence.step(x[:, 2:4])
+        time.sleep(IDLE_S + 1.5)  # dropped idle: lost to the server
+        given = {"key": keys[:, 6:], "value": keys[:, 6:]} if cross else {}
+        answer = sequence.step(x[:, 4:6], **given)
+        assert sequence.restarts == 1
+        after = sequence.step(x[:, 2:3] if cross else rand(1, 1, D, seed=64))
+    if cross:  # each query row over every key given so far
+        want = eager(small_module, x[:, 4:6], keys, keys)[0]
+        np.testing.assert_allclose(answer.output, want, atol=1e-5)
+        np.testing.assert_allclose(after.output, eager(small_module, x[:, 2:3], keys, keys)[0], atol=1e-5)
+    else:
+        rows = np.concatenate([x, rand(1, 1, D, seed=64)], axis=1)
+        want = eager(small_module, rows, mask=np.tril(np.ones((1, 7, 7), bool)))[0]
+        np.testing.assert_allclose(answer.output, want[:, 4:6], atol=1e-5)
+        assert answer.attn_weights.shape == (1, small_module.num_heads, 2, 6)
+        np.testing.assert_allclose(after.output, want[:, 6:7], atol=1e-5)

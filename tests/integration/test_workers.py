@@ -229,12 +229,16 @@ def test_a_clients_share_of_sequences_holds_for_the_whole_server_whichever_worke
         bob.infer(row, attn_weights=False, sequence=SequenceStep("b0", start=True))
 
 
-def test_a_step_whose_worker_died_says_its_sequence_was_lost_and_how_to_go_on(start_server_process, small_model_dir):
+def test_a_step_whose_worker_died_says_its_sequence_was_lost_and_how_to_go_on(
+    start_server_process, small_model_dir, small_module
+):
     server = start_server_process(small_model_dir, "--workers", "2", "--metrics-port", "0")
     from mhaserve.server.worker_forward import home_of
 
-    name = next(f"seq-{n}" for n in range(64) if home_of("", f"seq-{n}", 2) == 1)  # one that lives in worker 1
-    row = rand(1, 1, SMALL_D_MODEL, seed=4)
+    name, kept = [f"seq-{n}" for n in range(64) if home_of("", f"seq-{n}", 2) == 1][:2]  # they live in worker 1
+    row, rows = rand(1, 1, SMALL_D_MODEL, seed=4), rand(1, 5, SMALL_D_MODEL, seed=5)
+    resumed = Client(server.url, own_connection=True).sequence(kept, resume=True)  # keeps what it sent
+    resumed.step(rows[:, :2])
     with Client(server.url, own_connection=True) as client:
         client.infer(row, attn_weights=False, sequence=SequenceStep(name, start=True))
     killed = worker_pids(server)[1]
@@ -255,3 +259,8 @@ def test_a_step_whose_worker_died_says_its_sequence_was_lost_and_how_to_go_on(st
             client.infer(row, attn_weights=False, sequence=SequenceStep(name))
     assert gone.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "lost when worker 1 of this server restarted" in gone.value.details(), gone.value.details()
+    answers = [resumed.step(rows[:, 2:4]), resumed.step(rows[:, 4:5], end=True)]  # started again from what it kept
+    assert resumed.restarts == 1
+    got = np.concatenate([answer.output for answer in answers], axis=1)
+    np.testing.assert_allclose(got, causal_rows(small_module, rows)[:, 2:], atol=1e-5)
+    resumed.client.close()
