@@ -20,6 +20,7 @@ is idempotent, the same inputs give the same answer. ``retry=NO_RETRIES`` turns 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ from .common import (
     request_inputs,
     requested_outputs,
 )
+from .servers import ServerSet
 from .shared_memory import SharedMemoryRegions
 
 # Large enough for any response of the server's default limits (32 x 512 x 512 with weights);
@@ -109,6 +111,34 @@ class RetryPolicy:
         if deadline is not None and time.monotonic() + wait >= deadline:
             return None
         return wait
+
+
+def _elsewhere(retry: RetryPolicy) -> RetryPolicy:
+    """The policy for one of several servers: UNAVAILABLE is tried on the next server at once, not again here."""
+    return dataclasses.replace(retry, retryable=retry.retryable - {"UNAVAILABLE"})
+
+
+class _Refusal(grpc.RpcError):
+    """A refusal the client itself makes (a sequence lost with its server), read as a server's would be."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def initial_metadata(self):
+        return grpc.aio.Metadata()
+
+    def trailing_metadata(self):
+        return grpc.aio.Metadata()
+
+    def debug_error_string(self) -> str:
+        return self._details
 
 
 def _pushback_s(error: grpc.RpcError) -> float | None:
@@ -255,7 +285,7 @@ class _Connection:
 
     def __init__(
         self,
-        url: str = "127.0.0.1:8001",
+        url: str | list[str] = "127.0.0.1:8001",
         model: str = "mha",
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         *,
@@ -266,20 +296,45 @@ class _Connection:
         retry: RetryPolicy = DEFAULT_RETRY,
         own_connection: bool = False,
     ):
-        """A channel to the server at ``url`` (host:port), for ``model`` (``version`` empty: its newest ready
-        version). ``max_message_bytes`` bounds each message both ways; ``tls`` and ``token`` as the server asks;
-        ``application`` names a Ray Serve application behind Ray's gRPC proxy; ``retry`` says which refusals are
-        sent again and how often (``NO_RETRIES`` for none). ``own_connection``: a connection of its own, where
-        gRPC would share one among a process's clients of the same server (a server with ``--workers`` spreads
-        connections, not calls, over its workers)."""
+        """A channel to the server at ``url`` (host:port; a list: several servers of the model, stateless calls
+        spread over them and each sequence kept on one, servers.ServerSet), for ``model`` (``version`` empty: its
+        newest ready version). ``max_message_bytes`` bounds each message both ways; ``tls`` and ``token`` as the
+        server asks; ``application`` names a Ray Serve application behind Ray's gRPC proxy; ``retry`` says which
+        refusals are sent again and how often (``NO_RETRIES`` for none). ``own_connection``: a connection of its
+        own, where gRPC would share one among a process's clients of the same server (a server with ``--workers``
+        spreads connections, not calls, over its workers)."""
         self.model = model
         self.version = version  # empty: the newest ready version of the model
         self.retry = retry
         self.retries = 0  # calls sent again under the retry policy, since this client was made
-        self._channel = open_channel(url, tls, max_message_bytes, aio=self._aio, own_connection=own_connection)
-        self._stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
+        self.servers = ServerSet([url] if isinstance(url, str) else list(url))
+        self._channels = [
+            open_channel(each, tls, max_message_bytes, aio=self._aio, own_connection=own_connection)
+            for each in self.servers.urls
+        ]
+        self._stubs = [pb_grpc.GRPCInferenceServiceStub(channel) for channel in self._channels]
+        self._channel, self._stub = self._channels[0], self._stubs[0]  # the calls that describe the model
         self._metadata = call_metadata(token, application)
         self._num_heads: int | None = None
+
+    def _infer_order(self, sequence: SequenceStep | None) -> list[int]:
+        """The servers to send an inference request to, in order."""
+        if len(self._stubs) == 1:
+            return [0]
+        return self.servers.for_stateless() if sequence is None else self.servers.for_sequence(sequence.id)
+
+    def _unreachable(self, index: int, error: grpc.RpcError, sequence: SequenceStep | None) -> grpc.RpcError:
+        """A server that answered UNAVAILABLE is passed over for a while; a step of a sequence that lived there
+        is refused as lost (its keys and values went with it)."""
+        self.servers.unreachable(index)
+        if sequence is None or sequence.start:
+            return error
+        return _Refusal(
+            grpc.StatusCode.UNAVAILABLE,
+            f"sequence {sequence.id!r} lived on {self.servers.urls[index]}, which cannot be reached "
+            f"({error.details()}): its keys and values were lost with it; start the sequence again with "
+            "sequence_start",
+        )
 
     def _traced(self, traceparent: str):
         """The call's metadata with a W3C trace context, if one is given."""
@@ -313,8 +368,18 @@ class Client(_Connection):
             self.model, query, key, value, mask, attn_weights, request_id, attn_weights_mean, self.version, weights,
             shared_memory, heads, sequence,
         )  # fmt: skip
-        answer = self._call(self._stub.ModelInfer, request, timeout, self._traced(traceparent))
-        return parse_infer_response(answer, shared_memory)
+        order = self._infer_order(sequence)
+        for attempt, index in enumerate(order, 1):
+            try:
+                retry = self.retry if len(order) == 1 else _elsewhere(self.retry)
+                answer = self._call(self._stubs[index].ModelInfer, request, timeout, self._traced(traceparent), retry)
+                return parse_infer_response(answer, shared_memory)
+            except GrpcRequestFailed as error:
+                if len(order) == 1 or error.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                refusal = self._unreachable(index, error, sequence)
+                if refusal is not error or attempt == len(order):
+                    raise GrpcRequestFailed(refusal) from None
 
     def sequence(self, sequence_id: int | str | None = None, *, resume: bool = False) -> Sequence:
         """A sequence kept on the server, stepped with its new rows (an id of its own unless given); ``resume``:
@@ -347,7 +412,7 @@ class Client(_Connection):
 
         return SharedMemoryRegions(register, unregister, name)
 
-    def _call(self, rpc, request, timeout, metadata=None):
+    def _call(self, rpc, request, timeout, metadata=None, retry: RetryPolicy | None = None):
         """``rpc(request)`` under the retry policy, every attempt within ``timeout`` in all."""
         deadline = None if timeout is None else time.monotonic() + timeout
         attempt = 1
@@ -355,7 +420,7 @@ class Client(_Connection):
             try:
                 return rpc(request, timeout=_remaining(deadline), metadata=metadata or self._metadata)
             except grpc.RpcError as error:
-                wait = self.retry.next_wait(error, attempt, deadline)
+                wait = (retry or self.retry).next_wait(error, attempt, deadline)
                 if wait is None:
                     raise GrpcRequestFailed(error) from None
             time.sleep(wait)
@@ -391,8 +456,9 @@ class Client(_Connection):
         return self._call(self._stub.ModelStatistics, request, timeout).model_stats[-1]
 
     def close(self) -> None:
-        """Close the channel; the ``with`` block does this on exit."""
-        self._channel.close()
+        """Close the channels; the ``with`` block does this on exit."""
+        for channel in self._channels:
+            channel.close()
 
     def __enter__(self):
         return self
@@ -436,15 +502,25 @@ class AsyncClient(_Connection):
             weights,
             sequence=sequence,
         )
-        return parse_infer_response(
-            await self._call(self._stub.ModelInfer, request, timeout, self._traced(traceparent))
-        )
+        order = self._infer_order(sequence)
+        for attempt, index in enumerate(order, 1):
+            try:
+                retry = self.retry if len(order) == 1 else _elsewhere(self.retry)
+                stub, metadata = self._stubs[index], self._traced(traceparent)
+                answer = await self._call(stub.ModelInfer, request, timeout, metadata, retry)
+                return parse_infer_response(answer)
+            except AsyncRequestFailed as error:
+                if len(order) == 1 or error.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                refusal = self._unreachable(index, error, sequence)
+                if refusal is not error or attempt == len(order):
+                    raise AsyncRequestFailed(refusal) from None
 
     def sequence(self, sequence_id: int | str | None = None, *, resume: bool = False) -> AsyncSequence:
         """As Client.sequence: ``async with client.sequence() as s: await s.step(rows)``."""
         return AsyncSequence(self, sequence_id, resume=resume)
 
-    async def _call(self, rpc, request, timeout, metadata=None):
+    async def _call(self, rpc, request, timeout, metadata=None, retry: RetryPolicy | None = None):
         """As Client._call, awaiting."""
         deadline = None if timeout is None else time.monotonic() + timeout
         attempt = 1
@@ -452,7 +528,7 @@ class AsyncClient(_Connection):
             try:
                 return await rpc(request, timeout=_remaining(deadline), metadata=metadata or self._metadata)
             except grpc.RpcError as error:
-                wait = self.retry.next_wait(error, attempt, deadline)
+                wait = (retry or self.retry).next_wait(error, attempt, deadline)
                 if wait is None:
                     raise AsyncRequestFailed(error) if isinstance(error, grpc.aio.AioRpcError) else error from None
             await asyncio.sleep(wait)
@@ -471,8 +547,9 @@ class AsyncClient(_Connection):
         return await self._call(self._stub.ModelMetadata, request, timeout)
 
     async def close(self) -> None:
-        """Close the channel; the ``async with`` block does this on exit."""
-        await self._channel.close()
+        """Close the channels; the ``async with`` block does this on exit."""
+        for channel in self._channels:
+            await channel.close()
 
     async def __aenter__(self):
         return self

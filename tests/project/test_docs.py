@@ -56,7 +56,11 @@ def test_the_docs_site_builds_strict_with_every_command_setting_and_metric(tmp_p
     client = page("reference/client")  # the client API, from its docstrings
     assert "traceparent" in client and "WeightsOptions" in client and "HttpClient" in client
     client_text = re.sub(r"<[^>]+>", "", client)
-    for constructor in ('Client(\n    url: str = "127.0.0.1:8001"', 'HttpClient(\n    url: str = "127.0.0.1:8000"'):
+    constructors = (
+        'Client(\n    url: str | list[str] = "127.0.0.1:8001"',  # one server, or several
+        'HttpClient(\n    url: str = "127.0.0.1:8000"',
+    )
+    for constructor in constructors:
         assert constructor in client_text.replace("&quot;", '"'), constructor
 
     # Placeholders shown as written (not eaten as HTML tags), no table without rows, defaults where they exist.
