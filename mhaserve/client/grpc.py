@@ -33,6 +33,7 @@ from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
 
 from .common import (
+    SEQUENCE_HEADER,
     TLS,
     AsyncSequence,
     InferResult,
@@ -42,6 +43,7 @@ from .common import (
     WeightsOptions,
     request_inputs,
     requested_outputs,
+    sequence_header,
 )
 from .servers import ServerSet
 from .shared_memory import SharedMemoryRegions
@@ -336,9 +338,13 @@ class _Connection:
             "sequence_start",
         )
 
-    def _traced(self, traceparent: str):
-        """The call's metadata with a W3C trace context, if one is given."""
-        return (*(self._metadata or ()), ("traceparent", traceparent)) if traceparent else None
+    def _traced(self, traceparent: str, sequence: SequenceStep | None = None):
+        """The call's metadata with a W3C trace context, if one is given, and a step's sequence id (which a
+        balancer in front of several servers hashes to keep the sequence on one)."""
+        added = [("traceparent", traceparent)] * bool(traceparent)
+        if sequence is not None:
+            added.append((SEQUENCE_HEADER, sequence_header(sequence.id)))
+        return (*(self._metadata or ()), *added) if added else None
 
 
 class Client(_Connection):
@@ -372,7 +378,8 @@ class Client(_Connection):
         for attempt, index in enumerate(order, 1):
             try:
                 retry = self.retry if len(order) == 1 else _elsewhere(self.retry)
-                answer = self._call(self._stubs[index].ModelInfer, request, timeout, self._traced(traceparent), retry)
+                metadata = self._traced(traceparent, sequence)
+                answer = self._call(self._stubs[index].ModelInfer, request, timeout, metadata, retry)
                 return parse_infer_response(answer, shared_memory)
             except GrpcRequestFailed as error:
                 if len(order) == 1 or error.code() != grpc.StatusCode.UNAVAILABLE:
@@ -506,7 +513,7 @@ class AsyncClient(_Connection):
         for attempt, index in enumerate(order, 1):
             try:
                 retry = self.retry if len(order) == 1 else _elsewhere(self.retry)
-                stub, metadata = self._stubs[index], self._traced(traceparent)
+                stub, metadata = self._stubs[index], self._traced(traceparent, sequence)
                 answer = await self._call(stub.ModelInfer, request, timeout, metadata, retry)
                 return parse_infer_response(answer)
             except AsyncRequestFailed as error:

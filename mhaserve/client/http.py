@@ -19,6 +19,7 @@ import numpy as np
 from mhaserve.contract.datatypes import DATATYPES, datatype_of
 
 from .common import (
+    SEQUENCE_HEADER,
     TLS,
     InferResult,
     RequestFailed,
@@ -27,6 +28,7 @@ from .common import (
     WeightsOptions,
     request_inputs,
     requested_outputs,
+    sequence_header,
 )
 from .shared_memory import SharedMemoryRegions
 
@@ -188,6 +190,8 @@ class HttpClient:
         )
         if traceparent:
             headers["traceparent"] = traceparent
+        if sequence is not None:  # a balancer in front of several servers keeps the sequence on one by it
+            headers[SEQUENCE_HEADER] = sequence_header(sequence.id)
         answer, answer_headers = self._call("POST", self.model_path + "/infer", body, headers, timeout)
         length = answer_headers.get(HEADER_LENGTH)
         return parse_http_infer_response(answer, int(length) if length is not None else None, shared_memory)
