@@ -240,6 +240,11 @@ class Server:
             await self.dataplane.start()
         except (ModelDirError, DeviceUnavailable, ValueError) as error:
             raise StartFailed(f"cannot serve: {error}", 3) from None
+        if self._forwarder is not None and os.environ.get(RESTARTED_ENV) is not None:
+            # in place of a worker that exited: the models loaded and the regions registered since the start
+            state = await self._forwarder.state_of_another()
+            if state is not None:
+                await self.dataplane.take_control_state(state)
         try:
             own_statistics = None
             if is_worker():  # the other workers add this one's statistics to theirs

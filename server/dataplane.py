@@ -84,6 +84,10 @@ class StepForward(Protocol):
     async def infer(self, home: int, request: InferenceRequest, call: InferenceCall) -> InferenceResponse:
         """The request answered there, as a call of ``call``'s caller."""
 
+    async def tell_others(self, action: str, **arguments) -> list[str]:
+        """A control call (a model loaded or unloaded, a shared-memory region registered or not) made in every
+        other serving process too; why it failed in any, one line each."""
+
 
 class DataPlane:
     """What the transports call: the served versions a request names, the model control calls, and
@@ -229,8 +233,9 @@ class DataPlane:
             f"--model-repository; this server's mode is {mode}",
         )
 
-    async def load_model(self, name: str, parameters=()) -> None:
-        """RepositoryModelLoad: refused, with every failed version's reason, unless the model serves after it.
+    async def load_model(self, name: str, parameters=(), *, here_only: bool = False) -> None:
+        """RepositoryModelLoad: refused, with every failed version's reason, unless the model serves after it (in
+        every serving process, where this is one of several; ``here_only``: in this one, told by another).
         ``parameters``: the names of the request's load parameters, of which none is supported."""
         if parameters:  # tritonclient's load_model(config=..., files=...): here the folder is the model
             raise invalid(
@@ -239,6 +244,8 @@ class DataPlane:
             )
         self.check_control_allowed(f"load model '{name}'")
         failures = await self.registry.load_model(name)
+        if self.forward is not None and not here_only:
+            failures += await self.forward.tell_others("load", name=name)
         if failures:
             serving = self.registry.ready_versions(name)
             now = f"serving version(s) {', '.join(map(str, serving))} unchanged" if serving else "nothing serves"
@@ -246,9 +253,55 @@ class DataPlane:
                 ErrorKind.FAILED_PRECONDITION, f"model '{name}' not loaded: {'; '.join(failures)}; {now}"
             )
 
-    async def unload_model(self, name: str) -> None:
+    async def unload_model(self, name: str, *, here_only: bool = False) -> None:
+        """RepositoryModelUnload, in every serving process (``here_only``: in this one, told by another)."""
         self.check_control_allowed(f"unload model '{name}'")
         await self.registry.unload_model(name)
+        if self.forward is None or here_only:
+            return
+        failures = await self.forward.tell_others("unload", name=name)
+        if failures:
+            raise RequestError(
+                ErrorKind.UNAVAILABLE, f"model '{name}' unloaded here, not in every worker: {'; '.join(failures)}"
+            )
+
+    async def register_region(self, peer: str, owner: str, name: str, key: str, offset, byte_size) -> None:
+        """A client's shared-memory region registered, with every serving process where this is one of several
+        (a worker that cannot open it undoes the registration everywhere)."""
+        self.shared_memory.register(peer, owner, name, key, offset, byte_size)
+        if self.forward is None:
+            return
+        arguments = {"peer": peer, "owner": owner, "name": name, "key": key, "offset": offset, "byte_size": byte_size}
+        failures = await self.forward.tell_others("register", **arguments)
+        if failures:
+            await self.unregister_region(peer, owner, name)
+            raise RequestError(ErrorKind.INVALID_ARGUMENT, f"shared memory region '{name}': {'; '.join(failures)}")
+
+    async def unregister_region(self, peer: str, owner: str, name: str = "") -> None:
+        """A client's region (or every one of its, ``name`` empty) forgotten, by every serving process."""
+        self.shared_memory.unregister(peer, owner, name)
+        if self.forward is not None:
+            await self.forward.tell_others("unregister", peer=peer, owner=owner, name=name)
+
+    def control_state(self) -> dict:
+        """What control calls made of this process, for a serving process started again in place of another: the
+        models served, and the shared-memory regions registered."""
+        return {"models": sorted({m.signature.name for m in self.served_models()}),
+                "regions": self.shared_memory.registrations()}  # fmt: skip
+
+    async def take_control_state(self, state: dict) -> None:
+        """Another serving process's ``control_state`` made this one's: its models loaded (explicit control) and
+        its clients' regions registered, as before this process was started again."""
+        if self.registry.repository is not None and self.settings.model_control_mode == "explicit":
+            for name in state["models"]:
+                if not self.registry.ready_versions(name):
+                    for failure in await self.registry.load_model(name):
+                        log.warning("model '%s', loaded in the other workers: %s", name, failure)
+        for owner, name, key, offset, byte_size in state["regions"]:
+            try:
+                self.shared_memory.register("127.0.0.1", owner, name, key, offset, byte_size)
+            except RequestError as error:
+                log.warning("shared memory region '%s' of the other workers: %s", name, error.message)
 
     # -- requests ----------------------------------------------------------------------------------------
 

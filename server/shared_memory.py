@@ -280,6 +280,10 @@ class SharedMemoryRegistry:
                 f"permissions: {error.strerror}"
             ) from None
 
+    def registrations(self) -> list[tuple[str, str, str, int, int]]:
+        """Every region registered: (owner, name, key, offset, byte_size), as ``register`` takes them."""
+        return [(owner, r.name, r.key, r.offset, r.byte_size) for (owner, _), r in self._regions.items()]
+
     def status(self, peer: str, owner: str, name: str = "") -> list[RegionStatus]:
         """``owner``'s region ``name`` (NOT_FOUND if it has none so named), or every region of its if empty."""
         self.check_allowed(peer)

@@ -41,6 +41,7 @@ log = logging.getLogger("mhaserve.server")
 
 SOCKETS_ENV = "MHASERVE_WORKER_SOCKETS"  # every worker's forward socket, in worker order
 _HEADER = struct.Struct("!QQ")  # a message's number, and its length
+CONTROL_TIMEOUT_S = 600.0  # a load in another worker (its model's sessions and warm-up) answers within this
 FORWARD_GRACE_S = 5.0  # past the call's own deadline: the home worker answers DEADLINE_EXCEEDED itself first
 
 
@@ -79,6 +80,7 @@ class StepForwarder:
     async def infer(self, home: int, request: InferenceRequest, call: InferenceCall) -> InferenceResponse:
         """``request`` answered by worker ``home`` as a call of ``call``'s caller, protocol and deadline."""
         sent = {
+            "kind": "infer",
             "request": _portable(request),
             "protocol": call.protocol,
             "method": call.method,
@@ -105,6 +107,32 @@ class StepForwarder:
             kind, message, retry_after_s = reply["error"]
             raise RequestError(ErrorKind[kind], message, retry_after_s)
         return InferenceResponse(reply["signature"], request, reply["outputs"])
+
+    async def tell_others(self, action: str, **arguments) -> list[str]:
+        """A control call made in every other worker at once (dataplane.DataPlane.load_model and the like): why it
+        failed in any, one line each ("worker i: ...")."""
+        others = [index for index in range(len(self.sockets)) if index != self.own]
+        replies = await asyncio.gather(*(self._control(index, action, arguments) for index in others))
+        return [f"worker {index}: {reply}" for index, reply in zip(others, replies, strict=True) if reply]
+
+    async def state_of_another(self) -> dict | None:
+        """What control calls made of the workers, from the first other worker that answers (None if none does):
+        for a worker started again in place of one that exited."""
+        for index in range(len(self.sockets)):
+            if index != self.own:
+                with contextlib.suppress(OSError, asyncio.TimeoutError):
+                    peer = await self._peer(index)
+                    return await asyncio.wait_for(peer.exchange({"kind": "state"}), CONTROL_TIMEOUT_S)
+        return None
+
+    async def _control(self, index: int, action: str, arguments: dict) -> str:
+        try:
+            peer = await self._peer(index)
+            reply = await asyncio.wait_for(peer.exchange({"kind": "control", "action": action, **arguments}),
+                                           CONTROL_TIMEOUT_S)  # fmt: skip
+        except (OSError, asyncio.TimeoutError) as error:
+            return f"not reached ({type(error).__name__}: it is restarting, and takes the others' state when it is up)"
+        return reply["error"] or ""
 
     async def _peer(self, home: int) -> _Framed:
         peer = self._peers.get(home)
@@ -195,9 +223,33 @@ async def serve_forwarded(dataplane: DataPlane, path: str) -> asyncio.AbstractSe
 
 
 async def _reply(dataplane: DataPlane, connection: _Framed, number: int, sent: dict) -> None:
-    reply = await _answer(dataplane, sent)
+    kind = sent["kind"]
+    if kind == "infer":
+        reply = await _answer(dataplane, sent)
+    elif kind == "control":
+        reply = await _controlled(dataplane, sent)
+    else:  # "state"
+        reply = dataplane.control_state()
     if not connection.closed:
         connection.send(number, reply)
+
+
+async def _controlled(dataplane: DataPlane, sent: dict) -> dict:
+    """A control call another worker took, made here too; the refusal's message where it failed."""
+    action = sent["action"]
+    try:
+        if action == "load":
+            await dataplane.load_model(sent["name"], here_only=True)
+        elif action == "unload":
+            await dataplane.unload_model(sent["name"], here_only=True)
+        elif action == "register":
+            arguments = [sent[key] for key in ("peer", "owner", "name", "key", "offset", "byte_size")]
+            dataplane.shared_memory.register(*arguments)
+        elif action == "unregister":
+            dataplane.shared_memory.unregister(sent["peer"], sent["owner"], sent["name"])
+    except RequestError as error:
+        return {"error": error.message}
+    return {"error": None}
 
 
 async def _answer(dataplane: DataPlane, sent: dict) -> dict:

@@ -11,9 +11,10 @@ SIGINT passes it on and waits for every worker's drain.
 
 ModelStatistics, from whichever worker answers it, is the whole server's: the worker adds the others' (read from
 their metrics ports on loopback). A sequence lives in one worker, and its steps reach it from any connection
-(worker_forward.py: the parent gives each worker the others' forward sockets). What is per worker: trace settings
-changed at run time. Refused with workers, since a call would reach one worker alone: explicit model control
-(RepositoryModelLoad/Unload) and client shared memory (a region registered with one).
+(worker_forward.py: the parent gives each worker the others' forward sockets). Explicit model control
+(RepositoryModelLoad/Unload) and client shared memory reach every worker: the worker that takes the call tells the
+others over the same sockets, and a worker started again takes their state. What is per worker: trace settings
+changed at run time.
 """
 
 from __future__ import annotations
@@ -53,16 +54,6 @@ READY_TIMEOUT_S = 600.0  # a worker not serving by then (its model's load includ
 
 def check_workers(settings: ServerSettings) -> None:
     """What cannot work across several processes, refused before any starts (UsageError)."""
-    if settings.model_repository and settings.model_control_mode == "explicit":
-        raise UsageError(
-            "--workers with --model-control-mode explicit: a RepositoryModelLoad/Unload call would reach one "
-            "worker alone; use poll (each worker watches the repository) or none"
-        )
-    if settings.allow_client_shm:
-        raise UsageError(
-            "--workers with --allow-client-shm: a shared-memory region registered with one worker is unknown to "
-            "the others; serve one process, or send tensors in the requests"
-        )
     if settings.port == 0 or settings.http_port == 0:
         return
     if settings.port == settings.http_port:

@@ -85,12 +85,11 @@ class ProtocolRpcs:
         return json_format.ParseDict(regions, pb.SystemSharedMemoryStatusResponse())
 
     async def SystemSharedMemoryRegister(self, request, peer: str = "", caller: str = ""):
-        registry = self.dataplane.shared_memory
-        registry.register(peer, caller, request.name, request.key, request.offset, request.byte_size)
+        await self.dataplane.register_region(peer, caller, request.name, request.key, request.offset, request.byte_size)
         return pb.SystemSharedMemoryRegisterResponse()
 
     async def SystemSharedMemoryUnregister(self, request, peer: str = "", caller: str = ""):
-        self.dataplane.shared_memory.unregister(peer, caller, request.name)
+        await self.dataplane.unregister_region(peer, caller, request.name)
         return pb.SystemSharedMemoryUnregisterResponse()
 
     async def CudaSharedMemoryStatus(self, request, peer: str = "", caller: str = ""):

@@ -225,7 +225,7 @@ class RestTransport:
                 'the register request must be a JSON object like {"key": "/name", "offset": 0, "byte_size": N}'
             )
         region = request.match_info["region"]
-        self.dataplane.shared_memory.register(
+        await self.dataplane.register_region(
             _peer(request), self._caller(request), region, given["key"], given.get("offset", 0), given["byte_size"]
         )
         return web.Response(status=200)
@@ -236,7 +236,7 @@ class RestTransport:
         if request.path.startswith("/v2/cuda"):
             shared_memory.cuda_status(_peer(request))  # no CUDA region is ever registered: nothing to do
         else:
-            shared_memory.unregister(_peer(request), self._caller(request), region)
+            await self.dataplane.unregister_region(_peer(request), self._caller(request), region)
         return web.Response(status=200)
 
     async def api_document(self, request):

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
-import subprocess
 import sys
 import time
 import urllib.request
@@ -20,6 +20,8 @@ from mhaserve.client.common import SequenceStep
 from mhaserve.client.grpc import Client, GrpcRequestFailed
 from mhaserve.client.http import HttpClient
 from mhaserve.loadtest.loadgen import LoadGenerator, Point, Workload
+from mhaserve.protos.generated import grpc_service_pb2 as pb
+from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
 from mhaserve.server.cores import usable_cores
 from tests.support import SMALL_D_MODEL, eager, rand
 
@@ -153,20 +155,50 @@ def test_a_parent_killed_outright_leaves_no_worker_behind(start_server_process, 
         time.sleep(0.1)
 
 
-@pytest.mark.parametrize(
-    ("flags", "said"),
-    [
-        (("--model-control-mode", "explicit"), "would reach one worker alone"),
-        (("--allow-client-shm", "true"), "unknown to the others"),
-    ],
-)
-def test_what_cannot_work_across_workers_is_refused_in_one_line(small_model_dir, tmp_path, flags, said):
-    where = ("--model-repository", str(tmp_path)) if "explicit" in flags else ("--model-dir", str(small_model_dir))
-    done = subprocess.run(
-        [sys.executable, "-m", "mhaserve.cli", "serve", *where, "--workers", "2", *flags, "--port", "0"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert done.returncode == 2 and said in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+def test_explicit_model_control_and_client_shared_memory_reach_every_worker_and_a_restarted_one(
+    start_server_process, small_model_dir, small_module, tmp_path
+):
+    shutil.copytree(small_model_dir, tmp_path / "repository" / "mha" / "1")
+    repository = ("--model-repository", str(tmp_path / "repository"), "--model-control-mode", "explicit")
+    server = start_server_process(None, *repository,
+                                  "--workers", "2", "--allow-client-shm", "true", "--metrics-port", "0")  # fmt: skip
+    query = rand(1, 3, SMALL_D_MODEL, seed=11)
+    want = eager(small_module, query)[0]
+    with grpc.insecure_channel(server.url) as channel:  # one connection: one worker takes the call
+        pb_grpc.GRPCInferenceServiceStub(channel).RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="mha"))
+    before = requests_by_worker(server)
+    registering = Client(server.url, own_connection=True)
+    regions = registering.shared_memory()  # registered through one worker, used through both
+    for _ in range(12):  # a connection each: the kernel spreads them over both workers
+        with Client(server.url, own_connection=True) as client:
+            np.testing.assert_allclose(client.infer(query).output, want, atol=1e-5)
+            np.testing.assert_allclose(client.infer(query, shared_memory=regions).output, want, atol=1e-5)
+    after = requests_by_worker(server)
+    assert all(after.get(worker, 0) > before.get(worker, 0) for worker in ("0", "1")), (before, after)
+
+    killed = worker_pids(server)[1]  # started again, it takes the others' model and regions
+    os.kill(killed, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    exited = f"(pid {killed}) exited"
+    while exited not in server.log or "worker 1 ready:" not in server.log.split(exited, 1)[1]:
+        assert time.monotonic() < deadline, server.log[-3000:]
+        time.sleep(0.2)
+    before = requests_by_worker(server)
+    for _ in range(12):
+        with Client(server.url, own_connection=True) as client:
+            np.testing.assert_allclose(client.infer(query, shared_memory=regions).output, want, atol=1e-5)
+    assert requests_by_worker(server).get("1", 0) > before.get("1", 0)
+
+    with grpc.insecure_channel(server.url) as channel:  # unloaded through one worker: by every one
+        pb_grpc.GRPCInferenceServiceStub(channel).RepositoryModelUnload(
+            pb.RepositoryModelUnloadRequest(model_name="mha")
+        )
+    for _ in range(8):
+        with Client(server.url, own_connection=True) as client, pytest.raises(GrpcRequestFailed) as refused:
+            client.infer(query)
+        assert refused.value.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE)
+    regions.close()
+    registering.close()
 
 
 def causal_rows(module, rows: np.ndarray) -> np.ndarray:
@@ -251,7 +283,8 @@ def test_a_step_whose_worker_died_says_its_sequence_was_lost_and_how_to_go_on(
     assert lost.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "lost" in lost.value.details() and "sequence_start" in lost.value.details()
     deadline = time.monotonic() + 60
-    while "worker 1 ready:" not in server.log.split(f"(pid {killed}) exited", 1)[-1]:
+    exited = f"(pid {killed}) exited"
+    while exited not in server.log or "worker 1 ready:" not in server.log.split(exited, 1)[1]:
         assert time.monotonic() < deadline, server.log[-3000:]
         time.sleep(0.2)
     with Client(server.url, own_connection=True) as client:  # restarted: it says the sequence was lost with it
