@@ -10,6 +10,8 @@ import importlib
 import importlib.util
 import os
 import re
+import shutil
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -45,6 +47,7 @@ from tests.support import ROOT  # noqa: E402
 K8S = ROOT / "deploy" / "k8s"
 MODEL_CLASSES = {
     ("v1", "PersistentVolumeClaim"): "V1PersistentVolumeClaim",
+    ("v1", "ConfigMap"): "V1ConfigMap",
     ("batch/v1", "Job"): "V1Job",
     ("apps/v1", "Deployment"): "V1Deployment",
     ("v1", "Service"): "V1Service",
@@ -104,8 +107,18 @@ def manifests() -> list[tuple[str, dict]]:
     return docs
 
 
+BALANCER = "mhaserve-sequence-balancer"  # HAProxy in front of the server pods (sequence-balancer.yaml)
+
+
 def by_kind(kind: str) -> list[dict]:
-    return [doc for _, doc in manifests() if doc["kind"] == kind]
+    """The manifests of ``kind`` that run or serve mhaserve itself (the sequence balancer's apart)."""
+    return [
+        doc
+        for _, doc in manifests()
+        if doc["kind"] == kind
+        and BALANCER not in doc["metadata"]["name"]
+        and doc["metadata"]["name"] != "mhaserve-sequences"
+    ]
 
 
 def pod_containers(doc: dict) -> list[dict]:
@@ -192,6 +205,33 @@ def test_services_budgets_and_autoscaler_select_the_server_pods():
     (autoscaler,) = by_kind("HorizontalPodAutoscaler")
     assert autoscaler["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
     assert budget["spec"]["minAvailable"] < autoscaler["spec"]["minReplicas"]
+
+
+def test_the_sequence_balancer_is_a_valid_haproxy_config_hashing_the_header_over_the_server_pods(tmp_path):
+    docs = {doc["kind"]: doc for _, doc in manifests() if BALANCER in doc["metadata"]["name"] or
+            doc["metadata"]["name"] == "mhaserve-sequences"}  # fmt: skip
+    config = docs["ConfigMap"]["data"]["haproxy.cfg"]
+    headless = next(doc for doc in manifests_of("Service") if doc["metadata"]["name"] == "mhaserve-headless")
+    ports = {port["name"]: port["port"] for port in headless["spec"]["ports"]}
+    for backend, port in (("grpc_servers", ports["grpc"]), ("http_servers", ports["http"])):
+        section = config.split(f"\nbackend {backend}", 1)[1].split("\nbackend ", 1)[0]
+        assert "balance hdr(mhaserve-sequence-id)" in section and "hash-type consistent" in section
+        assert f"mhaserve-headless:{port}" in section  # every pod, from the headless Service's DNS
+    (container,) = pod_containers(docs["Deployment"])
+    assert container["image"].startswith("haproxy:")
+    assert (
+        docs["Service"]["spec"]["selector"].items()
+        <= docs["Deployment"]["spec"]["template"]["metadata"]["labels"].items()
+    )
+    if shutil.which("haproxy") is None:
+        pytest.skip("no haproxy to check the configuration with (tests/tools/install_haproxy.sh installs Debian's)")
+    (tmp_path / "haproxy.cfg").write_text(config)
+    checked = subprocess.run(["haproxy", "-c", "-f", str(tmp_path / "haproxy.cfg")], capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def manifests_of(kind: str) -> list[dict]:
+    return [doc for _, doc in manifests() if doc["kind"] == kind]
 
 
 def test_kserve_services_use_the_oip_over_grpc_and_the_exports_on_the_volume():
