@@ -325,12 +325,23 @@ class _Connection:
             return [0]
         return self.servers.for_stateless() if sequence is None else self.servers.for_sequence(sequence.id)
 
-    def _unreachable(self, index: int, error: grpc.RpcError, sequence: SequenceStep | None) -> grpc.RpcError:
-        """A server that answered UNAVAILABLE is passed over for a while; a step of a sequence that lived there
-        is refused as lost (its keys and values went with it)."""
+    def _retry_for(self, order: list[int]) -> RetryPolicy:
+        """The retry policy of a call to one of ``order``: UNAVAILABLE tried on the next server, where there are
+        several, rather than again on this one."""
+        return self.retry if len(order) == 1 else _elsewhere(self.retry)
+
+    def _refusal_left(
+        self, error: grpc.RpcError, order: list[int], attempt: int, sequence: SequenceStep | None
+    ) -> grpc.RpcError | None:
+        """What the call ends with after ``error`` from the ``attempt``-th server of ``order``: None to try the
+        next one (a stateless request, a server UNAVAILABLE), else the refusal: the error itself, or for a step of
+        a sequence that lived on a server now unreachable, that the sequence was lost."""
+        if len(order) == 1 or error.code() != grpc.StatusCode.UNAVAILABLE:
+            return error
+        index = order[attempt - 1]
         self.servers.unreachable(index)
         if sequence is None or sequence.start:
-            return error
+            return error if attempt == len(order) else None
         return _Refusal(
             grpc.StatusCode.UNAVAILABLE,
             f"sequence {sequence.id!r} lived on {self.servers.urls[index]}, which cannot be reached "
@@ -374,18 +385,16 @@ class Client(_Connection):
             self.model, query, key, value, mask, attn_weights, request_id, attn_weights_mean, self.version, weights,
             shared_memory, heads, sequence,
         )  # fmt: skip
-        order = self._infer_order(sequence)
+        order, metadata = self._infer_order(sequence), self._traced(traceparent, sequence)
         for attempt, index in enumerate(order, 1):
             try:
-                retry = self.retry if len(order) == 1 else _elsewhere(self.retry)
-                metadata = self._traced(traceparent, sequence)
-                answer = self._call(self._stubs[index].ModelInfer, request, timeout, metadata, retry)
+                answer = self._call(self._stubs[index].ModelInfer, request, timeout, metadata, self._retry_for(order))
                 return parse_infer_response(answer, shared_memory)
             except GrpcRequestFailed as error:
-                if len(order) == 1 or error.code() != grpc.StatusCode.UNAVAILABLE:
+                refusal = self._refusal_left(error, order, attempt, sequence)
+                if refusal is error:
                     raise
-                refusal = self._unreachable(index, error, sequence)
-                if refusal is not error or attempt == len(order):
+                if refusal is not None:  # a sequence lost with its server
                     raise GrpcRequestFailed(refusal) from None
 
     def sequence(self, sequence_id: int | str | None = None, *, resume: bool = False) -> Sequence:
@@ -509,18 +518,18 @@ class AsyncClient(_Connection):
             weights,
             sequence=sequence,
         )
-        order = self._infer_order(sequence)
+        order, metadata = self._infer_order(sequence), self._traced(traceparent, sequence)
         for attempt, index in enumerate(order, 1):
             try:
-                retry = self.retry if len(order) == 1 else _elsewhere(self.retry)
-                stub, metadata = self._stubs[index], self._traced(traceparent, sequence)
-                answer = await self._call(stub.ModelInfer, request, timeout, metadata, retry)
+                answer = await self._call(
+                    self._stubs[index].ModelInfer, request, timeout, metadata, self._retry_for(order)
+                )
                 return parse_infer_response(answer)
             except AsyncRequestFailed as error:
-                if len(order) == 1 or error.code() != grpc.StatusCode.UNAVAILABLE:
+                refusal = self._refusal_left(error, order, attempt, sequence)
+                if refusal is error:
                     raise
-                refusal = self._unreachable(index, error, sequence)
-                if refusal is not error or attempt == len(order):
+                if refusal is not None:  # a sequence lost with its server
                     raise AsyncRequestFailed(refusal) from None
 
     def sequence(self, sequence_id: int | str | None = None, *, resume: bool = False) -> AsyncSequence:
