@@ -115,6 +115,9 @@ class RetryPolicy:
         return wait
 
 
+RAY_ROUTING_ID = "multiplexed_model_id"  # the gRPC metadata Ray Serve's proxy gives a deployment's request router
+
+
 def _elsewhere(retry: RetryPolicy) -> RetryPolicy:
     """The policy for one of several servers: UNAVAILABLE is tried on the next server at once, not again here."""
     return dataclasses.replace(retry, retryable=retry.retryable - {"UNAVAILABLE"})
@@ -353,8 +356,8 @@ class _Connection:
         """The call's metadata with a W3C trace context, if one is given, and a step's sequence id (which a
         balancer in front of several servers hashes to keep the sequence on one)."""
         added = [("traceparent", traceparent)] * bool(traceparent)
-        if sequence is not None:
-            added.append((SEQUENCE_HEADER, sequence_header(sequence.id)))
+        if sequence is not None:  # and Ray Serve's proxy hands the same to its request router (server/ray/router.py)
+            added += [(SEQUENCE_HEADER, sequence_header(sequence.id)), (RAY_ROUTING_ID, sequence_header(sequence.id))]
         return (*(self._metadata or ()), *added) if added else None
 
 

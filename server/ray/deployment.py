@@ -284,9 +284,15 @@ def replica_deployment(
         replica_class, arguments = NativeReplica, (*arguments, native_port)
         if native_port:  # two replicas on one node cannot both listen on it
             max_replicas_per_node = 1
+    from ray.serve.config import RequestRouterConfig
+
+    from .router import ROUTER_PATH
+
     deployment = serve.deployment(
         replica_class,
         name=name,
+        # every step of a sequence to the replica that holds it, by the id clients send (router.py)
+        request_router_config=RequestRouterConfig(request_router_class=ROUTER_PATH),
         autoscaling_config={
             "min_replicas": min_replicas,
             "initial_replicas": min_replicas,

@@ -24,7 +24,7 @@ from mhaserve.client.grpc import Client, RetryPolicy
 from mhaserve.loadtest.checked_load import rss_mib
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
-from tests.support import SMALL_D_MODEL, SMALL_HEADS, rand
+from tests.support import SMALL_D_MODEL, SMALL_HEADS, eager, rand
 from tests.support.ray_deploy import ray_deployed
 
 if importlib.util.find_spec("ray") is None:
@@ -142,6 +142,24 @@ def test_stream_infer_through_the_proxy_answers_in_order(cluster):
         answers = list(stub.ModelStreamInfer(iter(requests), timeout=DEADLINE_S, metadata=call_metadata(None, APP)))
     assert [a.error_message.split(":")[0] for a in answers] == ["", "INVALID_ARGUMENT", "", ""]
     assert [a.infer_response.outputs[0].shape[1] for a in answers if not a.error_message] == [3, 9, 5]
+
+
+def test_every_step_of_every_sequence_through_the_proxy_reaches_the_replica_that_holds_it(cluster, small_module):
+    # Ray's proxy picks a replica per call; the deployment's router (server/ray/router.py) picks the sequence's by
+    # the id the client sends: a step at another replica would be refused "never started".
+    rows = {number: rand(1, 4, SMALL_D_MODEL, seed=400 + number) for number in range(16)}
+    answers: dict[int, list] = {number: [] for number in rows}
+    with Client(cluster.url, application=APP) as client:
+        sequences = {number: client.sequence(f"ray-{number}") for number in rows}
+        for position in range(4):  # the sequences' steps interleaved
+            for number, sequence in sequences.items():
+                step = rows[number][:, position : position + 1]
+                answers[number].append(sequence.step(step, attn_weights=False, end=position == 3))
+    for number, steps in answers.items():
+        length = rows[number].shape[1]
+        causal = np.tril(np.ones((length, length), dtype=bool))[None]
+        want = eager(small_module, rows[number], mask=causal)[0]
+        np.testing.assert_allclose(np.concatenate([s.output for s in steps], axis=1), want, atol=1e-5)
 
 
 def test_a_worker_node_killed_under_load_costs_no_request(cluster):
