@@ -8,6 +8,9 @@ Printed:
 - latency: on a server of 2 workers, one gRPC connection (so one worker, found by a probe), sequences whose home
   is that worker against sequences whose home is the other, their steps alternating one by one on the same
   connection: the p50 and p90 of each, over ``--steps`` steps per round, and the difference at p50;
+- correctness at scale (``--sequences``): with 2 and 3 workers, that many sequences of 4 one-row steps, every
+  step on a new connection, half over gRPC and half over HTTP/REST (urllib: no keep-alive): steps refused, and the
+  largest difference of a row from the same sequence's rows on a server of one process;
 - throughput: 64 sequences stepping at once from 16 connections (the load generator, closed loop) on 1 worker and
   on each of ``--workers``; steps a second and the ratio to 1 worker, rounds alternating the servers.
 
@@ -83,6 +86,33 @@ def latency_ms(server: ServerProcess, steps: int, rng) -> tuple[list[float], lis
     return timed[True], timed[False]
 
 
+def stepped_on_new_connections(server: ServerProcess, sequences: int, rng_seed: int) -> tuple[int, dict]:
+    """Each sequence's 4 one-row steps, each on a new connection (gRPC for even sequences, HTTP/REST for odd):
+    the steps refused, and every sequence's rows answered."""
+    from mhaserve.client import Client, HttpClient, RequestFailed
+    from mhaserve.client.common import SequenceStep
+
+    rng, refused, answered = np.random.default_rng(rng_seed), 0, {}
+    http = server.http_url.removeprefix("http://")
+    for number in range(sequences):
+        rows, name, got = rng.standard_normal((1, 4, D), dtype=np.float32), f"scale-{rng_seed}-{number}", []
+        for position in range(4):
+            step = SequenceStep(name, start=position == 0, end=position == 3, position=position)
+            try:
+                if number % 2:
+                    got.append(HttpClient(http).infer(rows[:, position : position + 1], attn_weights=False,
+                                                      sequence=step).output)  # fmt: skip
+                else:
+                    with Client(server.url, own_connection=True) as client:
+                        got.append(client.infer(rows[:, position : position + 1], attn_weights=False,
+                                                sequence=step).output)  # fmt: skip
+            except RequestFailed:
+                refused += 1
+                break
+        answered[number] = np.concatenate(got, axis=1) if len(got) == 4 else None
+    return refused, answered
+
+
 def quantiles(values: list[float]) -> tuple[float, float]:
     cut = statistics.quantiles(values, n=10)
     return statistics.median(values), cut[8]
@@ -94,6 +124,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--workers", default="2,3")
     parser.add_argument("--duration", type=float, default=6.0)
+    parser.add_argument("--sequences", type=int, default=64, help="sequences stepped on new connections (0: none)")
     args = parser.parse_args()
     model = ensure_default_model()
     rng = np.random.default_rng(1)
@@ -110,6 +141,17 @@ def main() -> None:
                 flush=True,
             )
         print(f"  median difference at p50: {statistics.median(differences):+.3f} ms")
+    if args.sequences:
+        print(f"{args.sequences} sequences of 4 steps, each step on a new connection (gRPC and HTTP/REST)", flush=True)
+        with ServerProcess(model, "--warmup-runs", "0") as one:
+            _, want = stepped_on_new_connections(one, args.sequences, 7)
+        for workers in (int(n) for n in args.workers.split(",")):
+            with ServerProcess(model, "--workers", str(workers), "--warmup-runs", "0") as server:
+                refused, got = stepped_on_new_connections(server, args.sequences, 7)
+                before = sum(forwarded_by_worker(server).values())
+            worst = max(float(np.abs(got[n] - want[n]).max()) for n in want if got[n] is not None)
+            print(f"  {workers} workers: {refused} steps refused of {4 * args.sequences}; {before:.0f} forwarded; "
+                  f"largest difference from one process's rows {worst:.2e}", flush=True)  # fmt: skip
     counts = [1, *(int(n) for n in args.workers.split(","))]
     workload = Workload(D, 1, 1, 1, attn_weights=False, sequence_length=64, connections=16)
     point = Point("closed", 64, args.duration, 1.0)

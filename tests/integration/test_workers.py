@@ -11,13 +11,14 @@ import signal
 import sys
 import time
 import urllib.request
+from types import SimpleNamespace
 
 import grpc
 import numpy as np
 import pytest
 
 from mhaserve.client.common import SequenceStep
-from mhaserve.client.grpc import Client, GrpcRequestFailed
+from mhaserve.client.grpc import Client, GrpcRequestFailed, build_infer_request
 from mhaserve.client.http import HttpClient
 from mhaserve.loadtest.loadgen import LoadGenerator, Point, Workload
 from mhaserve.protos.generated import grpc_service_pb2 as pb
@@ -222,22 +223,35 @@ def test_a_sequences_steps_reach_the_worker_that_holds_it_from_any_new_connectio
     server = start_server_process(small_model_dir, "--workers", "2", "--metrics-port", "0")
     http_url = server.http_url.removeprefix("http://")
     steps = 4
-    for number in range(8):  # half over gRPC, half over HTTP/REST (urllib: a new connection per request)
+    for number in range(12):  # gRPC unary, HTTP/REST (urllib: a new connection per request), a gRPC stream each
         rows = rand(1, steps, SMALL_D_MODEL, seed=100 + number)
         want = causal_rows(small_module, rows)
         for position in range(steps):
             step = SequenceStep(f"seq-{number}", start=position == 0, end=position == steps - 1)
             row = rows[:, position : position + 1]
-            if number % 2:
+            if number % 3 == 1:
                 answer = HttpClient(http_url).infer(row, attn_weights=False, sequence=step)
+            elif number % 3 == 2:
+                answer = streamed(server.url, row, step)
             else:
                 with Client(server.url, own_connection=True) as client:  # a connection of its own each step
                     answer = client.infer(row, attn_weights=False, sequence=step)
             np.testing.assert_allclose(answer.output[:, 0], want[:, position], atol=1e-5, err_msg=f"{number}")
-    # 32 steps on 32 new connections over two workers: some reached the worker without their sequence
+    # 48 steps on 48 new connections over two workers: some reached the worker without their sequence
     assert forwarded_steps(server) > 0, server.log[-2000:]
     with Client(server.url) as client:
-        assert client.statistics().inference_count == 8 * steps  # each step counted once, where it ran
+        assert client.statistics().inference_count == 12 * steps  # each step counted once, where it ran
+
+
+def streamed(url: str, row: np.ndarray, step: SequenceStep):
+    """One step over a ModelStreamInfer stream of its own, on a connection of its own."""
+    request = build_infer_request("mha", row, attn_weights=False, sequence=step)
+    with grpc.insecure_channel(url, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
+        (answer,) = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(iter([request]), timeout=30)
+    assert not answer.error_message, answer.error_message
+    output = answer.infer_response.outputs[0]
+    array = np.frombuffer(answer.infer_response.raw_output_contents[0], np.float32).reshape(output.shape)
+    return SimpleNamespace(output=array)
 
 
 def test_a_clients_share_of_sequences_holds_for_the_whole_server_whichever_worker_its_connections_reach(
