@@ -6,16 +6,11 @@ server its id falls to next)."""
 
 from __future__ import annotations
 
-import bisect
-import hashlib
 import time
 
-POINTS_PER_SERVER = 128  # points on the ring per server: the sequences' shares come out within a few percent
+from mhaserve.contract.ring import Ring
+
 DOWN_FOR_S = 5.0  # a server that could not be reached is tried last for this long
-
-
-def _point(text: str) -> int:
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
 
 
 class ServerSet:
@@ -27,20 +22,18 @@ class ServerSet:
         if len(set(urls)) != len(urls):
             raise ValueError(f"a server address is given twice: {urls}")
         self.urls = urls
-        ring = sorted((_point(f"{url}#{n}"), index) for index, url in enumerate(urls) for n in range(POINTS_PER_SERVER))
-        self._points = [point for point, _ in ring]
-        self._owners = [index for _, index in ring]
+        self._ring = Ring(urls)
         self._down_until = [0.0] * len(urls)
         self._turn = 0
 
     def home_of(self, sequence_id: int | str) -> int:
         """The server a sequence lives on while every server can be reached."""
-        return self._ring_order(sequence_id)[0]
+        return self._ring.home_of(sequence_id)
 
     def for_sequence(self, sequence_id: int | str) -> list[int]:
         """The servers to call for a step of ``sequence_id``, in order: its place on the ring, the servers that
         could not be reached lately passed over (tried last)."""
-        return self._reachable_first(self._ring_order(sequence_id))
+        return self._reachable_first(self._ring.order_for(sequence_id))
 
     def for_stateless(self) -> list[int]:
         """The servers to call for a stateless request, in order: each in turn, those that could not be reached
@@ -50,17 +43,6 @@ class ServerSet:
 
     def unreachable(self, index: int) -> None:
         self._down_until[index] = time.monotonic() + DOWN_FOR_S
-
-    def _ring_order(self, sequence_id: int | str) -> list[int]:
-        start = bisect.bisect(self._points, _point(f"{type(sequence_id).__name__}:{sequence_id}"))
-        order: list[int] = []
-        for n in range(len(self._owners)):
-            owner = self._owners[(start + n) % len(self._owners)]
-            if owner not in order:
-                order.append(owner)
-                if len(order) == len(self.urls):
-                    break
-        return order
 
     def _reachable_first(self, order: list[int]) -> list[int]:
         now = time.monotonic()
