@@ -75,6 +75,9 @@ class OipReplica:
         values = {"intra_op_threads": _reserved_cpus(), "inference_nice": 0, "http_port": -1, "metrics_port": -1}
         values.update(settings or {})
         self.dataplane = DataPlane(ServerSettings(**values), Path(model_dir))
+        # A step of a sequence this replica does not hold was never started, or lived in a replica that exited or
+        # now lives elsewhere on the router's ring (router.py): said so, the client may start it again.
+        self.dataplane.sequences.lost_before("when a replica of this deployment exited or the replicas changed")
         await self.dataplane.start()
         self.answers = ProtocolRpcs(self.dataplane)
         signature = next(iter(self.dataplane.served_models())).signature

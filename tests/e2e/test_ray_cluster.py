@@ -20,7 +20,8 @@ import grpc
 import numpy as np
 import pytest
 
-from mhaserve.client.grpc import Client, RetryPolicy
+from mhaserve.client.common import SequenceStep
+from mhaserve.client.grpc import Client, GrpcRequestFailed, RetryPolicy
 from mhaserve.loadtest.checked_load import rss_mib
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
@@ -160,6 +161,9 @@ def test_every_step_of_every_sequence_through_the_proxy_reaches_the_replica_that
         causal = np.tril(np.ones((length, length), dtype=bool))[None]
         want = eager(small_module, rows[number], mask=causal)[0]
         np.testing.assert_allclose(np.concatenate([s.output for s in steps], axis=1), want, atol=1e-5)
+    with Client(cluster.url, application=APP) as client, pytest.raises(GrpcRequestFailed) as unknown:
+        client.infer(rows[0][:, :1], sequence=SequenceStep("never-started"))  # a step of no sequence it holds
+    assert "or lost when a replica of this deployment exited" in unknown.value.details()  # resume=True reads it
 
 
 def test_a_worker_node_killed_under_load_costs_no_request(cluster):
