@@ -70,10 +70,6 @@ class ServedModel:
         """The runtime that takes this kind of request: a stateless one, or a sequence's step."""
         return next(runtime for runtime in self.runtimes if runtime.takes(request))
 
-    def describe(self) -> dict[str, object]:
-        """How its runtimes run, merged (runtime.Runtime.describe)."""
-        return {name: value for runtime in self.runtimes for name, value in runtime.describe().items()}
-
     def enter(self) -> None:
         self.requests_in_flight += 1
         self.idle.clear()

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hashlib
 import itertools
 import logging
 import os
@@ -30,6 +29,8 @@ import struct
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from mhaserve.contract.ring import point
 
 from .errors import ErrorKind, RequestError
 from .inference import InferenceRequest, InferenceResponse, RequestedOutput
@@ -49,8 +50,7 @@ def home_of(caller: str, sequence_id: int | str, workers: int) -> int:
     """The worker a sequence lives in: by its owner where callers are told apart, else by its id. A stable hash,
     the same in every worker (Python's own string hash differs from process to process)."""
     key = f"caller\0{caller}" if caller else f"id\0{type(sequence_id).__name__}\0{sequence_id}"
-    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") % workers
+    return point(key) % workers
 
 
 class StepForwarder:
