@@ -28,18 +28,26 @@ FIXED = {
     "repository_poll_secs": ("${MHASERVE_REPOSITORY_POLL_SECS:-5}", None),
     "host": ("0.0.0.0", "inside the container, for the published ports (on the host's 127.0.0.1) to reach it"),
     "metrics_host": ("0.0.0.0", None),
-    "port": ('"8001"', "the ports the published ports and the healthcheck point at"),
-    "http_port": ('"8000"', None),
-    "metrics_port": ('"8002"', None),
+    # Not passed at all: the server's default ports, which the published ports and the healthcheck point at.
+    "port": (None, None),
+    "http_port": (None, None),
+    "metrics_port": (None, None),
 }
 
 
 def block() -> str:
-    lines = [BEGIN]
+    lines, kept_out = [BEGIN], []
     for setting in fields(ServerSettings):
         env = f"MHASERVE_{setting.name.upper()}"
         value, why = FIXED.get(setting.name, (f"${{{env}:-}}", None))
-        lines.append(f"  {env}: {value}" + (f"  # {why}" if why else ""))
+        if value is None:
+            kept_out.append(env)
+        else:
+            lines.append(f"  {env}: {value}" + (f"  # {why}" if why else ""))
+    lines += [
+        "  # Not passed, the server's defaults being where the published ports and the healthcheck point:",
+        f"  # {', '.join(kept_out)}",
+    ]
     return "\n".join([*lines, END])
 
 

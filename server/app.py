@@ -170,7 +170,7 @@ class Server:
         except RuntimeError:  # grpcio: "Failed to bind to address ..."
             port = 0
         if port == 0:
-            raise StartFailed(f"cannot serve: {bind_failure('--port', settings.host, settings.port)}", 2)
+            raise StartFailed(f"cannot serve: {bind_failure(('--port', settings.host, settings.port))}", 2)
         self.port = port
         for service in HEALTH_SERVICES:
             await self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -181,7 +181,7 @@ class Server:
             )
         except (OSError, SecurityConfigError) as error:
             if getattr(error, "errno", None) == errno.EADDRINUSE:
-                reason = f"cannot serve: {bind_failure('--http-port', settings.host, settings.http_port)}"
+                reason = f"cannot serve: {bind_failure(('--http-port', settings.host, settings.http_port))}"
             else:
                 reason = f"could not start HTTP/REST on {host_port(settings.host, settings.http_port)}: {error}"
             raise StartFailed(reason, 2) from None
@@ -255,7 +255,7 @@ class Server:
             )
         except OSError as error:
             if error.errno == errno.EADDRINUSE:
-                busy = bind_failure("--metrics-port", settings.metrics_host, settings.metrics_port)
+                busy = bind_failure(("--metrics-port", settings.metrics_host, settings.metrics_port))
                 reason = f"cannot serve: {busy}"
             else:
                 where = host_port(settings.metrics_host, settings.metrics_port)

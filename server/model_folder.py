@@ -76,7 +76,7 @@ class ModelFolder:
         if not manifest.get("valid"):
             raise ModelDirError(
                 f"{model_dir}: the export failed validation (manifest 'valid' is false); "
-                f"re-export it or check it with 'mhaserve validate {model_dir}'"
+                f"re-export it or check it with 'mhaserve validate --model-dir {model_dir}'"
             )
         return cls(model_dir, manifest, check_model_file(model_dir, manifest), device)
 

@@ -20,13 +20,12 @@ def planned_ports(settings: ServerSettings) -> list[tuple[str, str, int]]:
 
 
 def busy_port_message(settings: ServerSettings) -> str | None:
-    """One line for the first planned port that cannot be bound, or None where all can."""
+    """One line naming every planned port that cannot be bound (all at once, not one per attempt), or None where
+    all can."""
     if settings.reuse_port:  # asked to share the port with other mhaserve processes
         return None
-    for flag, host, port in planned_ports(settings):
-        if not _can_bind(host, port):
-            return bind_failure(flag, host, port)
-    return None
+    busy = [(flag, host, port) for flag, host, port in planned_ports(settings) if not _can_bind(host, port)]
+    return bind_failure(*busy) if busy else None
 
 
 def host_port(host: str, port: int) -> str:
@@ -34,10 +33,15 @@ def host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def bind_failure(flag: str, host: str, port: int) -> str:
-    holder = _holder(port)
-    held = f" (held by {holder})" if holder else ""
-    return f"{host_port(host, port)} is already in use{held}; stop that, or pick another port with {flag}"
+def bind_failure(*busy: tuple[str, str, int]) -> str:
+    """One line for the busy ports, each (flag, host, port): the addresses, what holds them, the flags."""
+    held = [f" (held by {holder})" if (holder := _holder(port)) else "" for _, _, port in busy]
+    flags = " and ".join(flag for flag, _, _ in busy)
+    if len(busy) == 1:
+        (_, host, port), (by,) = busy[0], held
+        return f"{host_port(host, port)} is already in use{by}; stop that, or pick another port with {flags}"
+    said = ", ".join(host_port(host, port) + by for (_, host, port), by in zip(busy, held, strict=True))
+    return f"{said} are already in use; stop those, or pick other ports with {flags}"
 
 
 def _can_bind(host: str, port: int) -> bool:

@@ -29,6 +29,28 @@ def require_extra(extra: str, for_what: str) -> None:
         )
 
 
+def add_model_dir(p, help: str, required: bool) -> None:
+    """The model folder as every command names it: ``--model-dir DIR``, serve's flag (and MHASERVE_MODEL_DIR). The
+    folder given alone, as validate, tune and ray-deploy first took it, is still read (main.py merges the two)."""
+    p.add_argument("--model-dir", type=Path, default=None, help=help)
+    p.add_argument("model_dir_alone", nargs="?", type=Path, default=None, help=argparse.SUPPRESS)
+    p.set_defaults(model_dir_required=required)
+
+
+def merge_model_dir(args) -> str | None:
+    """``args.model_dir`` from either spelling; what is wrong with them, or None."""
+    if "model_dir_alone" not in vars(args):  # a command that takes no folder, or names it as serve does
+        return None
+    alone = vars(args).pop("model_dir_alone", None)
+    required = vars(args).pop("model_dir_required", False)
+    if alone is not None and args.model_dir is not None and alone != args.model_dir:
+        return f"the model folder given twice: {alone} and --model-dir {args.model_dir}"
+    args.model_dir = args.model_dir or alone
+    if required and args.model_dir is None:
+        return "give the model folder: --model-dir DIR"
+    return None
+
+
 def add_connection_arguments(p) -> None:
     """Where the server is and how to reach it: the same flags for every command that calls one."""
     p.add_argument("--url", default=None, help="server address host:port (default 127.0.0.1:8001, with --protocol "
@@ -64,14 +86,9 @@ def make_client(args, tls, token):
 
 
 def failure_message(error, args=None) -> str:
-    """A refused call as STATUS: message, whichever protocol carried it; a port of the other protocol said so."""
-    message = f"{error.status_name}: {error.message}"
-    protocol = getattr(args, "protocol", "grpc")
-    if protocol == "http" and "BadStatusLine" in error.message:  # an HTTP/1.1 client at a gRPC (HTTP/2) port
-        return f"{args.url} speaks gRPC, not HTTP/REST: drop --protocol http, or give the HTTP port (default 8000)"
-    if protocol == "grpc" and ("http1.x server" in error.message or "Expected SETTINGS frame" in error.message):
-        return f"{args.url} speaks HTTP/REST, not gRPC: add --protocol http, or give the gRPC port (default 8001)"
-    return message
+    """A refused call as STATUS: message, whichever protocol carried it (the clients lead a call that could not be
+    made with what to do: a port of the other protocol, nothing listening there)."""
+    return f"{error.status_name}: {error.message}"
 
 
 def connection_of(args):

@@ -9,9 +9,7 @@ from pathlib import Path
 from mhaserve.contract.errors import UsageError
 from mhaserve.contract.signature import PRECISIONS
 
-from .common import (
-    require_extra,
-)
+from .common import add_model_dir, require_extra
 
 
 def add_export(sub) -> None:
@@ -209,7 +207,7 @@ def _write_triton_repo(args) -> None:
 
 def add_validate(sub) -> None:
     p = sub.add_parser("validate", help="re-run the validation matrix on an exported model folder")
-    p.add_argument("model_dir", type=Path, help="the model folder 'mhaserve export' wrote")
+    add_model_dir(p, "the model folder 'mhaserve export' wrote", required=True)
     p.add_argument("--seed", type=int, default=None, help="seed of the validation inputs (default random)")
     p.add_argument("--inputs", type=Path, help="instead, compare the folder's answers on your own inputs (an .npz "
                    "with query and optionally key, value, mask, as 'mhaserve infer --save' writes) against float32's, "

@@ -12,6 +12,7 @@ import sys
 from mhaserve.contract.errors import UsageError
 
 from .bench import add_bench
+from .common import merge_model_dir
 from .export import add_export, add_validate
 from .infer import add_health, add_infer
 from .ray_deploy import add_ray_deploy
@@ -24,6 +25,21 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}\n(the flags: {self.prog} --help)\n")
+
+    def parse_args(self, args=None, namespace=None):
+        """As argparse's, but what a subcommand cannot read is refused by that subcommand's parser, pointing to its
+        own help (argparse leaves unrecognized arguments to the top-level parser)."""
+        parsed, unrecognized = self.parse_known_args(args, namespace)
+        command = self._command_parser(parsed)
+        if unrecognized:
+            command.error(f"unrecognized arguments: {' '.join(unrecognized)}")
+        if problem := merge_model_dir(parsed):
+            command.error(problem)
+        return parsed
+
+    def _command_parser(self, parsed) -> argparse.ArgumentParser:
+        (commands,) = [a for a in self._actions if isinstance(a, argparse._SubParsersAction)]
+        return commands.choices.get(getattr(parsed, "command", None), self)
 
 
 def build_parser() -> argparse.ArgumentParser:

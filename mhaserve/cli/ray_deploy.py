@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from mhaserve.contract.errors import UsageError
+
+from .common import add_model_dir
 
 
 def add_ray_deploy(sub) -> None:
@@ -13,7 +14,7 @@ def add_ray_deploy(sub) -> None:
         "ray-deploy",
         help="deploy a model folder on a Ray cluster as a Ray Serve application (OIP over Ray's gRPC proxy)",
     )
-    p.add_argument("model_dir", type=Path, help="model folder written by 'mhaserve export', at this path on every node")
+    add_model_dir(p, "model folder written by 'mhaserve export', at this path on every node", required=True)
     p.add_argument("--address", default="auto", help="the cluster's address, as 'ray start' printed it (default: auto)")
     p.add_argument("--name", default="mha", help="application and model name; clients send it as 'application' "
                    "metadata (default mha)")  # fmt: skip

@@ -10,7 +10,15 @@ from pathlib import Path
 from mhaserve.contract.errors import UsageError
 from mhaserve.contract.repository import MODEL_CONFIG_FILE
 
-from .common import add_point_arguments, add_request_arguments, check_writable, float_list, int_list, require_extra
+from .common import (
+    add_model_dir,
+    add_point_arguments,
+    add_request_arguments,
+    check_writable,
+    float_list,
+    int_list,
+    require_extra,
+)
 
 
 def add_tune(sub) -> None:
@@ -19,8 +27,7 @@ def add_tune(sub) -> None:
         help="search the server's settings (batching, queue delay, threads, workers) for the most throughput "
         "within an SLO, each candidate served by a real server process on this machine",
     )
-    p.add_argument("model_dir", nargs="?", type=Path, default=None,
-                   help="the model folder to serve (default: the embedded default model)")  # fmt: skip
+    add_model_dir(p, "the model folder to serve (default: the embedded default model)", required=False)
     p.add_argument("--model-repository", type=Path, default=None, help="serve a repository instead; with --model")
     p.add_argument("--model", default="mha", help="the model to load the requests at (default mha)")
     p.add_argument("--slo", action="append", default=[], metavar="TARGET",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +42,28 @@ def read_token(token_file: str | Path | None = None) -> str | None:
     if token_file is not None:
         return Path(token_file).read_text().strip()
     return os.environ.get(TOKEN_ENV, "").strip() or None
+
+
+_GRPC_ADDRESS = re.compile(r"ipv[46]:(\[[^\]]+\]:\d+|[^\s:\[]+:\d+)")
+
+
+def with_remedy(message: str, protocol: str, address: str) -> str:
+    """A call that could not be made, led by what to do about it: a port of the other protocol, or nothing
+    listening there. Other messages are returned as they are."""
+    address = (_GRPC_ADDRESS.search(message) or [None, address])[1]
+    if protocol == "grpc" and ("http1.x server" in message or "Expected SETTINGS frame" in message):
+        remedy = (f"{address} speaks HTTP/REST, not gRPC: give the gRPC port (default 8001), or call it over HTTP "
+                  "(HttpClient; on the command line --protocol http)")  # fmt: skip
+    elif protocol == "http" and "BadStatusLine" in message:  # an HTTP/1.1 client at a gRPC (HTTP/2) port
+        remedy = (f"{address} speaks gRPC, not HTTP/REST: give the HTTP port (default 8000), or call it over gRPC "
+                  "(Client; on the command line drop --protocol http)")  # fmt: skip
+    elif "Connection refused" in message:
+        remedy = (f"nothing listens at {address}: start the server (mhaserve serve) or give its address (gRPC "
+                  "port 8001, HTTP 8000 by default)")  # fmt: skip
+    else:
+        return message
+    said = " ".join("".join(c if c.isprintable() else " " for c in message).split())  # a gRPC frame read as HTTP
+    return f"{remedy} ({said})"
 
 
 class RequestFailed(Exception):

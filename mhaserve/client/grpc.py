@@ -44,6 +44,7 @@ from .common import (
     request_inputs,
     requested_outputs,
     sequence_header,
+    with_remedy,
 )
 from .servers import ServerSet
 from .shared_memory import SharedMemoryRegions
@@ -170,11 +171,11 @@ class GrpcRequestFailed(RequestFailed, grpc.RpcError):
     """A refused call over gRPC: the shared RequestFailed, and still the grpc.RpcError it was (``code()``,
     ``details()``)."""
 
-    def __init__(self, error: grpc.RpcError):
+    def __init__(self, error: grpc.RpcError, address: str = ""):
         super().__init__(f"{error.code().name}: {error.details()}")
         self._code, self._details = error.code(), error.details() or ""
         self._trailing_metadata = _trailing_metadata(error)
-        self.status_name, self.message = self._code.name, self._details
+        self.status_name, self.message = self._code.name, with_remedy(self._details, "grpc", address)
 
     def code(self) -> grpc.StatusCode:
         return self._code
@@ -189,12 +190,12 @@ class GrpcRequestFailed(RequestFailed, grpc.RpcError):
 class AsyncRequestFailed(RequestFailed, grpc.aio.AioRpcError):
     """The same from the asyncio client, still the grpc.aio.AioRpcError it was."""
 
-    def __init__(self, error: grpc.aio.AioRpcError):
+    def __init__(self, error: grpc.aio.AioRpcError, address: str = ""):
         grpc.aio.AioRpcError.__init__(
             self, error.code(), error.initial_metadata(), error.trailing_metadata(), error.details(),
             error.debug_error_string(),
         )  # fmt: skip
-        self.status_name, self.message = error.code().name, error.details() or ""
+        self.status_name, self.message = error.code().name, with_remedy(error.details() or "", "grpc", address)
 
 
 def _remaining(deadline: float | None) -> float | None:
@@ -441,7 +442,7 @@ class Client(_Connection):
             except grpc.RpcError as error:
                 wait = (retry or self.retry).next_wait(error, attempt, deadline)
                 if wait is None:
-                    raise GrpcRequestFailed(error) from None
+                    raise GrpcRequestFailed(error, ", ".join(self.servers.urls)) from None
             time.sleep(wait)
             self.retries += 1
             attempt += 1
@@ -549,7 +550,11 @@ class AsyncClient(_Connection):
             except grpc.RpcError as error:
                 wait = (retry or self.retry).next_wait(error, attempt, deadline)
                 if wait is None:
-                    raise AsyncRequestFailed(error) if isinstance(error, grpc.aio.AioRpcError) else error from None
+                    raise (
+                        AsyncRequestFailed(error, ", ".join(self.servers.urls))
+                        if isinstance(error, grpc.aio.AioRpcError)
+                        else error
+                    ) from None
             await asyncio.sleep(wait)
             self.retries += 1
             attempt += 1

@@ -29,6 +29,7 @@ from .common import (
     request_inputs,
     requested_outputs,
     sequence_header,
+    with_remedy,
 )
 from .shared_memory import SharedMemoryRegions
 
@@ -165,9 +166,11 @@ class HttpClient:
         except urllib.error.HTTPError as error:
             raise HttpRequestFailed(error.code, error_message(error.read()) or error.reason) from None
         except urllib.error.URLError as error:
-            raise HttpRequestFailed(503, f"cannot reach {self.base}: {error.reason}") from None
+            failure = f"cannot reach {self.base}: {error.reason}"
+            raise HttpRequestFailed(503, with_remedy(failure, "http", self.base.split("//")[-1])) from None
         except (OSError, http.client.HTTPException) as error:  # the connection failed after it was made (TLS)
-            raise HttpRequestFailed(503, f"{self.base}: {type(error).__name__}: {error}") from None
+            failure = f"{self.base}: {type(error).__name__}: {error}"
+            raise HttpRequestFailed(503, with_remedy(failure, "http", self.base.split("//")[-1])) from None
 
     def infer(self, query, key=None, value=None, mask=None, attn_weights=True, timeout=None, request_id="",
               attn_weights_mean=False, weights: WeightsOptions | None = None,

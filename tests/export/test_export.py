@@ -340,7 +340,7 @@ def test_cli_export_with_a_triton_repo_then_validate(tmp_path, capsys):
     assert "Traceback" not in done.stderr and "Warning" not in done.stderr
     assert json.loads((out / "manifest.json").read_text())["source"] == {"kind": "seed", "seed": 4}
 
-    assert cli(["validate", str(out), "--seed", "3"]) == 0  # the command's own main, in this process
+    assert cli(["validate", "--model-dir", str(out), "--seed", "3"]) == 0  # the command's own main, in this process
     assert "68 passed, 0 failed" in capsys.readouterr().err
 
 

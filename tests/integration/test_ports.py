@@ -37,6 +37,29 @@ def test_a_busy_port_is_one_line_naming_the_flag_before_the_first_export(tmp_pat
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("model.onnx"))  # no export
 
 
+def test_every_busy_port_is_named_in_the_one_line(tmp_path):
+    holders = [socket.socket() for _ in range(3)]
+    for holder in holders:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen(1)
+    taken = [holder.getsockname()[1] for holder in holders]
+    env = {"HOME": str(tmp_path), "XDG_CACHE_HOME": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin"}
+    flags = ["--port", "--http-port", "--metrics-port"]
+    arguments = [a for flag, port in zip(flags, taken, strict=True) for a in (flag, str(port))]
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "mhaserve.cli", "serve", *arguments],
+            capture_output=True, text=True, timeout=120, env=env,
+        )  # fmt: skip
+    finally:
+        for holder in holders:
+            holder.close()
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert all(f"127.0.0.1:{port} (held by python" in lines[0] for port in taken), lines[0]
+    assert "are already in use" in lines[0] and "--port and --http-port and --metrics-port" in lines[0], lines[0]
+
+
 @pytest.mark.parametrize("host", ["::", "[::]", "::1"])
 def test_an_ipv6_host_serves_grpc_and_http(start_server, small_model_dir, host):
     # '--host ::' failed as ":::0 is already in use" (gRPC takes an IPv6 address in brackets) and '[::]' when HTTP

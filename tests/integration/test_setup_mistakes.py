@@ -3,10 +3,12 @@ extra that is not installed (torch and onnx for export, matplotlib for plots), a
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 
@@ -60,10 +62,41 @@ def test_validate_of_a_folder_that_is_not_a_model_is_one_line(tmp_path):
 def test_a_port_of_the_other_protocol_is_named_as_such(server, tmp_path):
     grpc_address, http_address = server.url, server.http_url.removeprefix("http://")
     done, _ = mhaserve("infer", "--protocol", "http", "--url", grpc_address, tmp_path=tmp_path)
-    assert f"{grpc_address} speaks gRPC, not HTTP/REST: drop --protocol http" in done.stderr, done.stderr
+    assert f"{grpc_address} speaks gRPC, not HTTP/REST: give the HTTP port" in done.stderr, done.stderr
+    assert "drop --protocol http" in done.stderr
     done, _ = mhaserve("infer", "--url", http_address, tmp_path=tmp_path)
-    assert f"{http_address} speaks HTTP/REST, not gRPC: add --protocol http" in done.stderr, done.stderr
-    assert "BadStatusLine" not in done.stderr and "Traceback" not in done.stderr
+    assert f"{http_address} speaks HTTP/REST, not gRPC: give the gRPC port" in done.stderr, done.stderr
+    assert "--protocol http" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_the_python_clients_say_what_to_do_about_a_call_they_could_not_make(server):
+    from mhaserve.client import AsyncClient, Client, RequestFailed
+    from mhaserve.client.http import HttpClient
+    from mhaserve.server.process import free_port
+
+    grpc_address, http_address = server.url, server.http_url.removeprefix("http://")
+    nowhere = f"127.0.0.1:{free_port()}"
+    query = np.zeros((1, 2, 64), np.float32)
+
+    def refusal(call) -> str:
+        with pytest.raises(RequestFailed) as refused:
+            call()
+        return str(refused.value)
+
+    async def async_infer(url):
+        async with AsyncClient(url) as client:
+            await client.infer(query, timeout=10)
+
+    assert f"{http_address} speaks HTTP/REST, not gRPC: give the gRPC port (default 8001), or call it over HTTP " \
+        "(HttpClient" in refusal(lambda: Client(http_address).infer(query, timeout=10))  # fmt: skip
+    said = refusal(lambda: HttpClient(grpc_address).infer(query, timeout=10))
+    assert f"{grpc_address} speaks gRPC, not HTTP/REST: give the HTTP port (default 8000)" in said, said
+    assert said.isprintable(), said  # not the HTTP/2 frame read as a status line
+    for call in (lambda: Client(nowhere).infer(query, timeout=10), lambda: asyncio.run(async_infer(nowhere)),
+                 lambda: HttpClient(nowhere).infer(query, timeout=10)):  # fmt: skip
+        said = refusal(call)
+        assert f"nothing listens at {nowhere}: start the server (mhaserve serve) or give its address" in said, said
 
 
 def test_a_length_over_the_limit_names_the_flag_that_raises_it(server, tmp_path):

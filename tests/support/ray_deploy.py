@@ -14,8 +14,8 @@ def ray_deployed(model_dir: Path, address: str, app: str, *args: str) -> tuple[i
     gRPC port and what the command printed. It must succeed."""
     grpc_port = free_port()
     deployed = subprocess.run(
-        [sys.executable, "-m", "mhaserve.cli", "ray-deploy", str(model_dir), "--address", address, "--name", app,
-         "--grpc-port", str(grpc_port), "--http-port", str(free_port()), *args],
+        [sys.executable, "-m", "mhaserve.cli", "ray-deploy", "--model-dir", str(model_dir), "--address", address,
+         "--name", app, "--grpc-port", str(grpc_port), "--http-port", str(free_port()), *args],
         capture_output=True, text=True, timeout=180,
     )  # fmt: skip
     assert deployed.returncode == 0, deployed.stderr[-3000:]
