@@ -106,7 +106,7 @@ def _run_tune(args) -> int:
     _write_outputs(args, run, config_path)
     if run.interrupted:
         return 130
-    return 0 if run.chosen is not None and run.chosen.held else 1
+    return 0 if run.chosen is not None else 1
 
 
 def _checked_arguments(args) -> tuple[list, list[str]]:

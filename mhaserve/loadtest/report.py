@@ -6,6 +6,7 @@ import base64
 import csv
 import html
 import io
+import itertools
 import json
 from pathlib import Path
 
@@ -150,6 +151,10 @@ def plot(results: list[PointResult], out_dir: Path, title: str, slos=()) -> list
     return written
 
 
+# One line style per SLO, in the order given, so that two lines of one colour still read apart.
+_SLO_STYLES = ("--", ":", "-.", (0, (5, 1, 1, 1, 1, 1)), (0, (1, 3)))
+
+
 def plot_images(results: list[PointResult], title: str, slos=()) -> list[bytes]:
     """Latency percentiles against throughput and against load, and a latency histogram per point (PNG bytes);
     each SLO (slo.Slo) drawn where it applies: a latency target across both percentile plots and the histogram,
@@ -160,31 +165,7 @@ def plot_images(results: list[PointResult], title: str, slos=()) -> list[bytes]:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    images = []
-    xlabel = "concurrency" if results[0].point.mode == "closed" else "offered rate (req/s)"
-    fig, (by_throughput, by_load) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for q in ("p50", "p90", "p99", "max"):
-        ys = [r.latency_ms[q] for r in results]
-        by_throughput.plot([r.throughput for r in results], ys, marker="o", label=q)
-        by_load.plot([r.point.load for r in results], ys, marker="o", label=q)
-    by_throughput.set_xlabel("throughput (req/s)")
-    by_load.set_xlabel(xlabel)
-    if results[0].point.mode == "closed" and len(results) > 1:
-        by_load.set_xscale("log", base=2)
-    for slo in slos:
-        if slo.metric == "throughput":
-            by_throughput.axvline(slo.limit, color="#b00020", linestyle=":", label=f"SLO {slo.text}")
-        elif slo.metric in LATENCIES:
-            for ax in (by_throughput, by_load):
-                ax.axhline(slo.limit, color="#b00020", linestyle="--", label=f"SLO {slo.text}")
-    for ax in (by_throughput, by_load):
-        ax.set_ylabel("latency (ms)")
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    images.append(_png(fig, plt))
-
+    images = [_png(percentile_figure(results, title, slos), plt)]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     finite = [r for r in results if r.latencies_ms.size]
     if finite:
@@ -194,9 +175,9 @@ def plot_images(results: list[PointResult], title: str, slos=()) -> list[bytes]:
         for r in finite:
             ax.hist(r.latencies_ms, bins=bins, histtype="step", label=r.point.label)
         ax.set_xscale("log")
-    for slo in slos:
+    for slo, style in zip(slos, itertools.cycle(_SLO_STYLES), strict=False):
         if slo.metric in LATENCIES:
-            ax.axvline(slo.limit, color="#b00020", linestyle="--", label=f"SLO {slo.text}")
+            ax.axvline(slo.limit, color="#b00020", linestyle=style, label=f"SLO {slo.text}")
     ax.set_xlabel("latency (ms)")
     ax.set_ylabel("requests")
     ax.legend()
@@ -204,6 +185,44 @@ def plot_images(results: list[PointResult], title: str, slos=()) -> list[bytes]:
     fig.tight_layout()
     images.append(_png(fig, plt))
     return images
+
+
+def percentile_figure(results: list[PointResult], title: str, slos=()):
+    """Latency percentiles against throughput and against load, as a matplotlib figure: the usual percentiles and
+    every one an SLO names, each latency SLO drawn in its percentile's colour, each SLO in a line style of its own."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xlabel = "concurrency" if results[0].point.mode == "closed" else "offered rate (req/s)"
+    fig, (by_throughput, by_load) = plt.subplots(1, 2, figsize=(12, 4.5))
+    # The usual percentiles, and every one an SLO names: each SLO is drawn on its own percentile's curve.
+    asked = [slo.metric for slo in slos if slo.metric in LATENCIES]
+    colour = {}
+    for q in [q for q in (*LATENCIES, "max") if q in {"p50", "p90", "p99", "max", *asked}]:
+        ys = [r.latency_ms[q] for r in results]
+        (line,) = by_throughput.plot([r.throughput for r in results], ys, marker="o", label=q)
+        by_load.plot([r.point.load for r in results], ys, marker="o", label=q, color=line.get_color())
+        colour[q] = line.get_color()
+    by_throughput.set_xlabel("throughput (req/s)")
+    by_load.set_xlabel(xlabel)
+    if results[0].point.mode == "closed" and len(results) > 1:
+        by_load.set_xscale("log", base=2)
+    for slo, style in zip(slos, itertools.cycle(_SLO_STYLES), strict=False):
+        if slo.metric == "throughput":
+            by_throughput.axvline(slo.limit, color="#b00020", linestyle=style, label=f"SLO {slo.text}")
+        elif slo.metric in LATENCIES:
+            for ax in (by_throughput, by_load):
+                ax.axhline(slo.limit, color=colour[slo.metric], linestyle=style, linewidth=1.5,
+                           label=f"SLO {slo.text} (the {slo.metric} curve)")  # fmt: skip
+    for ax in (by_throughput, by_load):
+        ax.set_ylabel("latency (ms)")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
 
 
 def _png(fig, plt) -> bytes:

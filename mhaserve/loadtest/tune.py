@@ -233,6 +233,22 @@ def confirmed(rounds: list[tuple[Measured, Measured]]) -> bool:
     return sum(better(best, defaults) for defaults, best in rounds) * 2 > len(rounds)
 
 
+def times_held(search: Measured | None, rounds: list[Measured]) -> int:
+    """How often a setting held every SLO: in the search and in the side-by-side rounds."""
+    return int(search is not None and search.held) + sum(m.held for m in rounds)
+
+
+def keeps_leader(leader: Measured, defaults: Measured | None, rounds: list[tuple[Measured, Measured]]) -> bool:
+    """Whether the search's leader stays over the defaults once measured again beside them. Holding the SLO comes
+    first: the setting that held it more often, in the search and the rounds together, is kept; where both held it
+    as often, the leader must win most rounds (held, then throughput beyond the noise margin)."""
+    leader_held = times_held(leader, [best for _, best in rounds])
+    defaults_held = times_held(defaults, [d for d, _ in rounds])
+    if leader_held != defaults_held:
+        return leader_held > defaults_held
+    return confirmed(rounds)
+
+
 def quick_plan(knobs: list[Knob]) -> int:
     """How many settings the quick search measures at most."""
     joint = [len(k.values) for k in knobs if k.name in JOINT]

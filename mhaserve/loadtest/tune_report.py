@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import base64
 import html
-import io
 import json
 import statistics
 from dataclasses import dataclass
@@ -17,7 +16,7 @@ from mhaserve.server.config import flag_of, setting_text
 
 from .loadgen import Point, Workload
 from .slo import Slo
-from .tune import Measured, better, confirmed, pareto_front
+from .tune import Measured, better, keeps_leader, pareto_front, times_held
 
 # Settings of the whole server that a model's config.pbtxt does not hold: served as flags beside it.
 SERVER_WIDE = ("inference_workers", "workers")
@@ -88,26 +87,30 @@ class TuneRun:
 
     @property
     def chosen(self) -> Measured | None:
-        """The leader, where the side-by-side rounds confirmed it over the defaults (or none were run); else the
-        defaults where they held the SLO."""
+        """The leader, where the side-by-side rounds kept it over the defaults (or none were run); else the
+        defaults, which then held the SLO at least as often (tune.keeps_leader)."""
         leader = self.leader
         if leader is None or not leader.candidate.changed or not self.confirmation:
             return leader
-        if confirmed(self.confirmation):
-            return leader
-        defaults = self.defaults
-        return defaults if defaults is not None and defaults.held else None
+        return leader if keeps_leader(leader, self.defaults, self.confirmation) else self.defaults
 
     def confirmation_line(self) -> str | None:
         if not self.confirmation:
             return None
-        leader = self.leader
-
-        rounds = "; ".join(f"{within_slo(b)} against {within_slo(d)}" for d, b in self.confirmation)
-        wins = sum(better(b, d) for d, b in self.confirmation)
-        verdict = "kept" if confirmed(self.confirmation) else "not kept: the defaults stay"
-        return (f"side by side with the defaults, {len(self.confirmation)} alternating rounds: "
-                f"{leader.candidate.label} {rounds}; it won {wins}: {verdict}")  # fmt: skip
+        leader, rounds = self.leader, self.confirmation
+        each = "; ".join(f"{within_slo(b)} against {within_slo(d)}" for d, b in rounds)
+        measurements = len(rounds) + 1
+        leader_held = times_held(leader, [b for _, b in rounds])
+        defaults_held = times_held(self.defaults, [d for d, _ in rounds])
+        kept = keeps_leader(leader, self.defaults, rounds)
+        if leader_held != defaults_held:
+            why = f"it held the SLO {'more' if kept else 'less'} often"
+        else:
+            why = f"both held it as often, and it won {sum(better(b, d) for d, b in rounds)} of the rounds"
+        verdict = "kept" if kept else "not kept: the defaults stay"
+        return (f"side by side with the defaults, {len(rounds)} alternating rounds: {leader.candidate.label} {each}; "
+                f"with the search, it held every SLO in {leader_held} of {measurements} measurements, the defaults "
+                f"in {defaults_held}; {why}: {verdict}")  # fmt: skip
 
     @property
     def title(self) -> str:
@@ -167,8 +170,12 @@ class TuneRun:
                        f"{held} the SLO)")  # fmt: skip
         if not chosen.candidate.changed:
             side = [d.best.throughput for d, _ in self.confirmation or () if d.held]
-            measured_as = f"; {statistics.median(side):.1f} in the side-by-side rounds (median)" if side else ""
-            out.append(f"best: the defaults, {chosen.best.throughput:.1f} req/s within the SLO{measured_as}")
+            if chosen.held:
+                measured_as = f"; {statistics.median(side):.1f} in the side-by-side rounds (median)" if side else ""
+                out.append(f"best: the defaults, {chosen.best.throughput:.1f} req/s within the SLO{measured_as}")
+            else:  # they missed it in the search, and held it in the rounds more often than the leader
+                out.append(f"best: the defaults, {statistics.median(side):.1f} req/s within the SLO in the "
+                           f"{len(side)} side-by-side rounds they held it (median)")  # fmt: skip
         else:
             out.append(f"best: {chosen.candidate.label}, {chosen.best.throughput:.1f} req/s within the SLO{against}")
         out.append(f"serve it: {self.serve_command(chosen)}")
@@ -228,67 +235,83 @@ class TuneRun:
         path.write_text(json.dumps(self.as_json(), indent=1, default=str) + "\n")
 
     def plot_png(self) -> bytes:
-        """Each candidate's best point, throughput against p99; the front joined, the chosen ringed, latency
-        SLOs drawn."""
+        figure = self.plot_figure()  # chooses matplotlib's Agg backend before pyplot is imported here
+        import matplotlib.pyplot as plt
+
+        from .report import _png
+
+        return _png(figure, plt)
+
+    def plot_figure(self):
+        """Each candidate's best point, throughput against p99, numbered as the report's table ranks it; the front
+        joined, the chosen ringed, latency SLOs drawn. The legend names only what is drawn."""
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
+        number = {id(m): n for n, m in enumerate(self.ranked, 1)}
         scored = [m for m in self.measured if m.best is not None and not m.failed]
         fig, ax = plt.subplots(figsize=(8, 5))
         for held, colour, label in ((True, "#176b2c", "SLO held"), (False, "#b00020", "SLO missed")):
             group = [m for m in scored if m.held == held]
-            ax.scatter([m.best.latency_ms["p99"] for m in group], [m.best.throughput for m in group], c=colour,
-                       label=label, zorder=3)  # fmt: skip
+            if group:
+                ax.scatter([m.best.latency_ms["p99"] for m in group], [m.best.throughput for m in group], c=colour,
+                           label=label, zorder=3)  # fmt: skip
+        for m in scored:
+            ax.annotate(str(number[id(m)]), (m.best.latency_ms["p99"], m.best.throughput), xytext=(4, 4),
+                        textcoords="offset points", fontsize=8)  # fmt: skip
         front = sorted(pareto_front(self.measured), key=lambda m: m.best.latency_ms["p99"])
-        ax.plot([m.best.latency_ms["p99"] for m in front], [m.best.throughput for m in front], "--", c="#555",
-                label="front", zorder=2)  # fmt: skip
+        if len(front) > 1:
+            ax.plot([m.best.latency_ms["p99"] for m in front], [m.best.throughput for m in front], "--", c="#555",
+                    label="throughput-p99 front", zorder=2)  # fmt: skip
         if self.chosen is not None:
             ax.scatter([self.chosen.best.latency_ms["p99"]], [self.chosen.best.throughput], s=240, facecolors="none",
                        edgecolors="black", label=f"chosen: {self.chosen.candidate.label}", zorder=4)  # fmt: skip
         for slo in self.slos:
             if slo.metric == "p99":
-                ax.axvline(slo.limit, c="#b00020", ls=":", label=slo.text)
+                ax.axvline(slo.limit, c="#b00020", ls=":", label=f"SLO {slo.text}")
             elif slo.metric == "throughput":
-                ax.axhline(slo.limit, c="#b00020", ls=":", label=slo.text)
+                ax.axhline(slo.limit, c="#b00020", ls="-.", label=f"SLO {slo.text}")
         ax.set_xlabel("p99 latency (ms)")
         ax.set_ylabel("throughput (requests/s)")
         ax.set_title(self.title, fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-        buffer = io.BytesIO()
-        fig.savefig(buffer, format="png", dpi=110)
-        plt.close(fig)
-        return buffer.getvalue()
+        return fig
+
+    def verdict_lines(self) -> list[str]:
+        """The lines after the table, as the command prints them: the front, the side-by-side rounds, the verdict."""
+        return self.lines()[len(self.measured) + 2 :]
 
     def write_html(self, path: Path) -> None:
         from .report import _STYLE
 
         rows = "".join(
-            "<tr>" + "".join(
+            f"<tr><td>{n}</td>" + "".join(
                 f'<td class="text">{html.escape(v)}</td>' if i in (0, 5, 7) else f"<td>{html.escape(v)}</td>"
                 for i, v in enumerate(_figures(m))
             ) + "</tr>"
-            for m in self.ranked
+            for n, m in enumerate(self.ranked, 1)
         )  # fmt: skip
         chosen = self.chosen
         verdict = (
             f'<div class="verdict pass">best: {html.escape(chosen.candidate.label)}, {chosen.best.throughput:.1f} '
-            f"req/s within the SLO</div><p>serve it: <code>{html.escape(self.serve_command(chosen))}</code></p>"
+            f"req/s within the SLO</div>"
             if chosen is not None
             else '<div class="verdict fail">no candidate held every SLO</div>'
         )
-        header = "".join(f'<th class="text">{c}</th>' if i in (0, 5, 7) else f"<th>{c}</th>"
-                         for i, c in enumerate(COLUMNS))  # fmt: skip
+        said = "".join(f"<li>{html.escape(line)}</li>" for line in self.verdict_lines())
+        header = "<th>#</th>" + "".join(f'<th class="text">{c}</th>' if i in (0, 5, 7) else f"<th>{c}</th>"
+                                        for i, c in enumerate(COLUMNS))  # fmt: skip
         png = base64.b64encode(self.plot_png()).decode()
         document = (
             f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>mhaserve tune</title>'
             f"<style>{_STYLE}</style></head><body><h1>mhaserve tune</h1><p>{html.escape(self.title)}</p>{verdict}"
-            f"<p><code>{html.escape(' '.join(self.command))}</code></p>"
+            f'<ul class="said">{said}</ul><p><code>{html.escape(" ".join(self.command))}</code></p>'
             f"<h2>Candidates ({self.search} search{', stopped early' if self.interrupted else ''})</h2>"
             f"<table><tr>{header}</tr>{rows}</table>"
-            f'<h2>Throughput against p99</h2><p><img alt="throughput against p99" src="data:image/png;base64,{png}">'
-            "</p></body></html>\n"
+            f"<h2>Throughput against p99</h2><p>Each dot is a candidate, numbered as the table ranks it.</p>"
+            f'<p><img alt="throughput against p99" src="data:image/png;base64,{png}"></p></body></html>\n'
         )
         path.write_text(document)
