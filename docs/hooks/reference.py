@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import re
 from dataclasses import fields
+from pathlib import Path
 
 from mkdocs.structure.files import File
 
@@ -138,19 +139,104 @@ def metrics_page() -> str:
     return "\n".join(lines) + "\n"
 
 
+# What each kind means to the caller, and what to do about it.
+KIND_MEANING = {
+    ErrorKind.INVALID_ARGUMENT: "the request is malformed (a shape, datatype, name or value): fix it, a retry fails",
+    ErrorKind.NOT_FOUND: "no such model, version, region or sequence",
+    ErrorKind.RESOURCE_EXHAUSTED: "over a limit, or the queue or the memory budget is full: retry later, or ask less",
+    ErrorKind.UNAVAILABLE: "loading, unloading or draining: retry, here shortly or on another server",
+    ErrorKind.DEADLINE_EXCEEDED: "the request's deadline passed before it could be answered",
+    ErrorKind.FAILED_PRECONDITION: "the server's configuration or the sequence's state forbids it",
+    ErrorKind.PERMISSION_DENIED: "not from where it is allowed (shared memory from another host)",
+    ErrorKind.ALREADY_EXISTS: "a name already taken (a shared-memory region, a sequence started twice)",
+    ErrorKind.UNIMPLEMENTED: "a part of the protocol this server does not offer",
+    ErrorKind.CANCELLED: "the client went away before it was answered: counted, never sent",
+    ErrorKind.INTERNAL: "a failure of the server's own (it keeps serving): report it with the message",
+}
+
+
+def error_messages() -> dict[ErrorKind, list[str]]:
+    """Every refusal message the server's code writes, by kind: each ``RequestError(ErrorKind.K, message)`` (or a
+    refusal class's ``super().__init__(ErrorKind.K, message)``) and ``invalid(message)`` in server/, its message
+    as a template whose ``{name}`` stands for what the request or the server fills in. A message built elsewhere
+    (a variable, another exception's text) is not listed."""
+    import ast
+
+    root = Path(__file__).resolve().parent.parent.parent
+    found: dict[ErrorKind, set[str]] = {kind: set() for kind in ErrorKind}
+    for path in sorted((root / "server").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            kind, message = _refusal(node)
+            if kind is not None and (text := _template(message)) is not None and text.strip("{} "):
+                found[kind].add(text)
+    return {kind: sorted(messages, key=str.lower) for kind, messages in found.items()}
+
+
+def _refusal(node) -> tuple[ErrorKind | None, object]:
+    import ast
+
+    if not isinstance(node, ast.Call) or not node.args:
+        return None, None
+    called = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", None)
+    if called == "invalid":
+        return ErrorKind.INVALID_ARGUMENT, node.args[0]
+    kind = node.args[0]  # RequestError(ErrorKind.K, message), as a refusal's own class passes it on too
+    if len(node.args) > 1 and isinstance(kind, ast.Attribute) and getattr(kind.value, "id", None) == "ErrorKind":
+        return ErrorKind[kind.attr], node.args[1]
+    return None, None
+
+
+def _template(node) -> str | None:
+    """A message's text with ``{name}`` for each value filled in (the expression's last name); None where it is not
+    written out in the call."""
+    import ast
+
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value.replace("{", "{{").replace("}", "}}")
+    if isinstance(node, ast.JoinedStr):
+        parts = [_template(v) if isinstance(v, ast.Constant) else _placeholder(v.value) for v in node.values]
+        return "".join(parts)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        left, right = _template(node.left), _template(node.right)
+        return None if left is None or right is None else left + right
+    if isinstance(node, ast.IfExp | ast.Call | ast.Name | ast.Attribute):
+        return _placeholder(node)
+    return None
+
+
+def _placeholder(expression) -> str:
+    import ast
+
+    names = re.findall(r"[A-Za-z_]\w*", ast.unparse(expression))
+    return "{" + (names[-1] if names else "value") + "}"
+
+
+def message_pattern(template: str) -> re.Pattern:
+    """A template as a pattern a message the server wrote from it matches."""
+    parts = re.split(r"(?<!\{)\{(\w+)\}(?!\})", template)
+    literal = [re.escape(part.replace("{{", "{").replace("}}", "}")) for part in parts[::2]]
+    return re.compile(".*?".join(literal), re.S)
+
+
 def errors_page() -> str:
     lines = [GENERATED, "# Errors\n",
              "Every refusal names the tensor or setting, what was expected and what came. Its kind is the gRPC "
              "status; over HTTP/REST the status below, with a JSON body `{\"error\": \"...\"}`. Metrics and the "
              "access log count a request under the kind's name.\n",
-             "| kind (gRPC status) | HTTP status |", "|---|---|"]  # fmt: skip
+             "| kind (gRPC status) | HTTP status | what it means |", "|---|---|---|"]  # fmt: skip
     for kind in ErrorKind:
-        lines.append(f"| `{kind.name}` | {HTTP_STATUS[kind]} |")
+        lines.append(f"| [`{kind.name}`](#{kind.name.lower()}) | {HTTP_STATUS[kind]} | {_cell(KIND_MEANING[kind])} |")
     for refusal in vars(routes).values():  # the REST transport's own statuses for some refusals
         if isinstance(refusal, type) and issubclass(refusal, RequestError) and hasattr(refusal, "http_status"):
-            lines.append(f"| {_cell(refusal.__doc__.split(':')[0].strip())} | {refusal.http_status} |")
-    lines.append("| `UNAUTHENTICATED` (a missing or wrong bearer token) | 401 |")
-    lines.append("| `CANCELLED` (the client went away; counted, never sent) | (none) |")
+            lines.append(f"| {_cell(refusal.__doc__.split(':')[0].strip())} | {refusal.http_status} | |")
+    lines.append("| `UNAUTHENTICATED` | 401 | a missing or wrong bearer token |")
+    lines.append("\nThe messages of each kind, as the server writes them; `<name>` stands for what the request or "
+                 "the server fills in.\n")  # fmt: skip
+    for kind, messages in error_messages().items():
+        lines.append(f"## {kind.name}\n")
+        said = [re.sub(r"(?<!\{)\{(\w+)\}(?!\})", r"<\1>", m).replace("{{", "{").replace("}}", "}") for m in messages]
+        lines += [f"- {_cell(m)}" for m in said] or ["- (no message of its own: see the table)"]
+        lines.append("")
     return "\n".join(lines) + "\n"
 
 

@@ -13,6 +13,7 @@ from dataclasses import fields
 
 from mhaserve.cli.main import build_parser
 from mhaserve.server.config import ServerSettings
+from mhaserve.server.errors import ErrorKind
 from mhaserve.server.metrics import Metrics
 from mhaserve.server.rest.openapi import document
 from tests.support import ROOT
@@ -48,6 +49,11 @@ def test_the_docs_site_builds_strict_with_every_command_setting_and_metric(tmp_p
     for family in Metrics().registry.collect():
         assert family.name in metrics, family.name
     assert "mhaserve_inference_request_total" in metrics
+
+    errors = page("reference/errors")  # every kind, once in the table and with its messages
+    for kind in ErrorKind:
+        assert errors.count(f"<code>{kind.name}</code></a>") == 1 and f'id="{kind.name.lower()}"' in errors, kind
+    assert "unknown model &lt;name&gt;" in errors or "unknown model '&lt;name&gt;'" in errors
 
     rest = page("reference/rest")
     for path in document()["paths"]:

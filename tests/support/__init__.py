@@ -73,3 +73,17 @@ def assert_within_relative(got, want, tolerance=None):
     assert got.shape == want.shape
     error = np.max(np.abs(got.astype(np.float64) - want))
     assert error <= tolerance.max_rel * max(np.max(np.abs(want)), 1e-30), error
+
+
+def assert_documented(error) -> None:
+    """A refusal's message is one the errors reference lists under its kind (docs/hooks/reference.py reads them
+    from the code): a message written where the reference cannot see it fails here."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("docs_reference", ROOT / "docs" / "hooks" / "reference.py")
+    reference = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reference)
+    templates = reference.error_messages()[error.kind]
+    assert any(reference.message_pattern(t).fullmatch(error.message) for t in templates), (
+        f"{error.kind.name}: {error.message!r} is not in the errors reference"
+    )

@@ -13,7 +13,7 @@ from mhaserve.server.dataplane import DataPlane
 from mhaserve.server.errors import ErrorKind, RequestError
 from mhaserve.server.inference import InferenceRequest, RequestedOutput, SharedInput
 from mhaserve.server.shared_memory import Placement
-from tests.support import SMALL_D_MODEL, eager, rand
+from tests.support import SMALL_D_MODEL, assert_documented, eager, rand
 
 
 def request_of(query: np.ndarray, *outputs: str, model: str = "mha", **parameters) -> InferenceRequest:
@@ -76,6 +76,7 @@ def test_a_refused_request_has_its_status_and_leaves_nothing_held(small_model_di
     error, outcomes, budget = run(scenario, small_model_dir)
     assert error.kind == kind and words in error.message, error.message
     assert outcomes == {kind.name: 1} and budget.request_bytes == 0 and budget.idle
+    assert_documented(error)  # the errors reference lists what the caller got
 
 
 def test_a_request_over_the_budget_is_refused_before_it_runs(small_model_dir):
@@ -87,6 +88,7 @@ def test_a_request_over_the_budget_is_refused_before_it_runs(small_model_dir):
 
     error, runs, held = run(scenario, small_model_dir, max_inflight_bytes=200_000)
     assert error.kind == ErrorKind.RESOURCE_EXHAUSTED and "max_inflight_bytes=200000" in error.message
+    assert_documented(error)
     assert runs == 0 and held == 0
 
 
