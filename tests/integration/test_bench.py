@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from tests.support import SMALL_D_MODEL, scrape
+from tests.support.browser import assert_shows_whole
 
 SHORT = ("--duration", "1", "--warmup", "0.3", "--processes", "2")
 
@@ -205,6 +206,7 @@ def test_the_html_report_holds_the_run_the_verdicts_the_server_side_and_the_plot
     # Self-contained: nothing a browser would fetch.
     assert not re.search(r"""(src|href)\s*=\s*["'](?!data:)""", page)
     assert not re.search(r"<script|<link|@import|url\(", page)
+    assert_shows_whole(report.as_uri(), name="bench-report")  # as a person sees it, at 1280 px
 
 
 def test_sequences_are_grown_a_row_a_step_with_each_steps_latency_by_position_and_ended(server, tmp_path):

@@ -16,6 +16,7 @@ import pytest
 
 from mhaserve.server.config import ServerSettings
 from mhaserve.server.model_config import model_settings
+from tests.support.browser import assert_shows_whole
 
 SHORT = ("--duration", "0.6", "--warmup", "0.2", "--repeats", "1", "--concurrency", "2", "--processes", "1")
 # Long enough that every candidate answers within its window on a machine busy with other tests.
@@ -43,6 +44,7 @@ def test_tune_serves_each_candidate_and_writes_the_best_setting_under_the_slo(sm
     page = (tmp_path / "tune.html").read_text()
     assert "data:image/png;base64," in page and "serve it:" in page and "--max-batch-size 16" in page
     assert "http://" not in page and "https://" not in page  # nothing fetched when it opens
+    assert_shows_whole((tmp_path / "tune.html").as_uri(), name="tune-report")  # as a person sees it, at 1280 px
     run = json.loads((tmp_path / "tune.json").read_text())
     # the defaults (a cap of 32), then the three other caps: each served and measured once
     assert [c["flags"] for c in run["candidates"]] == [

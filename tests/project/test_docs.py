@@ -147,3 +147,33 @@ def test_every_environment_variable_the_code_reads_is_in_the_reference():
     missing = sorted(name for name in read if f"`{name}`" not in page)
     assert not missing, missing
     assert {name for name, _, _ in OTHER_ENVIRONMENT} >= {"MHASERVE_CACHE", "MHASERVE_TOKEN", "MHASERVE_AUTH_TOKEN"}
+
+
+def _prose(page) -> str:
+    """A page's text outside its fenced blocks (sample output keeps its timestamps)."""
+    from tests.integration.test_docs_code import fenced_blocks
+
+    text = page.read_text()
+    for _, code in fenced_blocks(text):
+        text = text.replace(code, "")
+    return text
+
+
+MACHINE_CHATTER = re.compile(r"\b20\d\d-\d\d-\d\d\b|EPYC|Xeon|this project's (?:\d|machine|two)|\blent\b")
+
+
+def test_the_readme_is_a_first_page_without_dates_machines_or_timings():
+    readme = ROOT / "README.md"
+    assert len(readme.read_text().splitlines()) <= 100
+    timings = re.compile(r"\d(?:\.\d+)?\s?(?:ms|us|s)\b|\d(?:\.\d+)?x\b|requests/s|req/s")
+    prose = _prose(readme)
+    assert not MACHINE_CHATTER.findall(prose) and not timings.findall(prose), MACHINE_CHATTER.findall(
+        prose
+    ) + timings.findall(prose)
+    assert "BENCHMARKS.md" in prose
+
+
+def test_the_docs_pages_carry_no_dates_or_machine_names():
+    said = {str(page.relative_to(ROOT)): MACHINE_CHATTER.findall(_prose(page))
+            for page in sorted((ROOT / "docs").rglob("*.md"))}  # fmt: skip
+    assert not any(said.values()), {page: found for page, found in said.items() if found}
