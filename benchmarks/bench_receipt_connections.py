@@ -8,7 +8,7 @@ on that revision's code first (bench_revisions.baseline_checkout).
     flock /tmp/bench.lock .venv/bin/python benchmarks/bench_receipt_connections.py [--mib 96] [--connections 8,32]
         [--rpc unary|stream] [--rounds 1] [--baseline REV] [-- SERVER FLAGS...]
 
-Not a test: BENCHMARKS.md ("Memory while requests are received") records the figures with this command.
+Not a test: BENCHMARKS.md ("Hostile clients") records the figures with this command.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ each side). ONNX Runtime's ``MatMulIntegerToFloat`` multiplies them exactly in i
 column scales; one Mul applies the row scales before the bias. The scores, the masked softmax and the weighted sum
 of values stay float32, as do the graph's inputs and outputs: clients send and read what they do for float32.
 
-Why this form (measured on a CPU with VNNI, BENCHMARKS.md, "int8 projections"):
+Why this form (measured on a CPU with VNNI, BENCHMARKS.md, "Precision"):
 - per token, not per tensor: ONNX Runtime's ``quantize_dynamic`` takes one scale for the whole input, so a
   request's answer would change with the requests batched beside it and with the padding of a batch across
   lengths; a row's own scale makes every answer the same in any batch (the integer sums are exact);

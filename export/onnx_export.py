@@ -172,8 +172,8 @@ def float16_attention(model: onnx.ModelProto) -> onnx.ModelProto:
     """The served float16 graph: what computes the attention weights (the query and key projections, the
     scores, the masked softmax) stays in float32, and the value projection, the weighted sum of values and
     the output projection compute in float16. The scores' error is their magnitude times the rounding of
-    the query and key, so in float16 it grows with the inputs' scale until the softmax goes wrong (BENCHMARKS,
-    "Float16 accuracy across input scales"); the value path's error stays relative to the values. The
+    the query and key, so in float16 it grows with the inputs' scale until the softmax goes wrong (measured
+    when it was chosen); the value path's error stays relative to the values. The
     weights are returned in float16 (half the bytes), rounded once from float32."""
     weights = nodes_computing(model, signature.ATTN_WEIGHTS)
     half = {node.name for node in model.graph.node} - weights

@@ -7,7 +7,7 @@ FlashAttention (tiled, never materializing the [Lq, Lk] scores) only when it get
 the graph asks at run time whether the mask allows every key and takes that path then, and the fused
 kernel with the mask as an additive bias otherwise. ONNX's own ``Attention`` op (opset 23) was measured
 too: ONNX Runtime 1.31 runs it through the same unfused path as the traced graph, bit for bit
-(BENCHMARKS.md, "The output-only graph"). Like every exported graph it is validated against the eager
+(BENCHMARKS.md, "Attention weights shaped per request"). Like every exported graph it is validated against the eager
 module (validate.py), so a difference from the traced graph cannot pass unseen.
 """
 

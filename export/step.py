@@ -18,8 +18,8 @@ weighted in two products, so that no step concatenates the cache with its rows.
 Built from the module's four projections with ONNX's own operators, as the output-only graph is, not traced:
 torch.export cannot leave the past length free down to 0. ONNX's ``Attention`` operator (opset 23, with past and
 present) gave bit-identical answers on ONNX Runtime's CPU provider and saved little of a served step, while
-warning on every run about its weights' inferred shape (BENCHMARKS.md, "The step graph: the module's own
-operators against ONNX's Attention op").
+warning on every run about its weights' inferred shape (measured
+when it was chosen).
 """
 
 from __future__ import annotations

@@ -100,7 +100,7 @@ class Tolerance:
 # int8 rounds each projection's inputs per token and its weights per output column to 8 bits (export/int8.py):
 # the output's error is relative to its magnitude, the weights' is absolute (they are probabilities). Over the
 # matrix at 512/8, 768/12 and 4096/32, seeded and trained weights, the worst were 1.5-2.0e-2 of the output and
-# 5-6e-3 of a weight (BENCHMARKS.md, "int8 projections"); the bounds leave 1.5 and 1.7 times that.
+# 5-6e-3 of a weight (BENCHMARKS.md, "Precision"); the bounds leave 1.5 and 1.7 times that.
 TOLERANCES = {
     "fp32": Tolerance.same(Bound(max_abs=TOLERANCE)),
     "fp16": Tolerance.same(Bound(max_rel=4e-3)),
@@ -129,8 +129,8 @@ SCALE_TOLERANCES = {
 }
 # Or no further from the exact answer than this many times eager float32 PyTorch is. Where the scores reach
 # thousands, float32 itself puts the weights off by up to 1e-3, and two float32 computations in different
-# orders (ONNX Runtime's, torch's) differ by several times each other's error from seed to seed (BENCHMARKS,
-# "Float16 accuracy across input scales"); a graph rounding the query and key to float16 is hundreds of times off.
+# orders (ONNX Runtime's, torch's) differ by several times each other's error from seed to seed (measured
+# when it was chosen); a graph rounding the query and key to float16 is hundreds of times off.
 EAGER_ERROR_FACTOR = 10
 
 PASS, FAIL, UNDEFINED, SKIPPED = "pass", "fail", "undefined", "skipped"

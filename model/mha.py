@@ -118,8 +118,8 @@ def masked_softmax(scores: torch.Tensor, allowed: torch.Tensor) -> tuple[torch.T
     # The mask becomes an additive bias at its own (small, broadcast) shape: half the lowest finite value,
     # which exp() turns into exactly 0 as -inf would, which a score cannot push past -inf (float16's lowest
     # plus -20 would overflow), and which leaves a row with every key masked finite instead of NaN. One
-    # broadcast Add over the scores replaces a full-size select (BENCHMARKS.md, "What the graph is made of, and
-    # why").
+    # broadcast Add over the scores replaces a full-size select (measured when it was
+    # chosen).
     bias = (1 - allowed) * (torch.finfo(scores.dtype).min / 2)
     # A row with every key masked is defined as zeros: multiply by whether the row attends at all
     # (a max over 0/1 rather than any(), which exports as three nodes and a cast back).

@@ -36,7 +36,7 @@ IDLE_RELEASE_S = 2.0
 # Request bodies received and dropped (refused ones too) leave their pages in the heap, which glibc keeps up
 # to its raised trim threshold (malloc.tune_malloc); past this many bytes the idle release gives them back.
 # Low, because a gRPC message takes several times its size in gRPC's buffers while it is received
-# (BENCHMARKS.md, "Memory while requests are received").
+# (BENCHMARKS.md, "Hostile clients").
 RECEIVED_BYTES_BEFORE_TRIM = 8 << 20
 # Received bytes refused unadmitted during a burst, past which the heap is trimmed at once, not only once idle: each
 # of gRPC's threads receives into an arena of its own, which keeps what it freed, so a burst of large refused

@@ -47,7 +47,7 @@ from .tracing import RequestTrace, record_run
 
 # A lone request's run is made on the event loop itself where the version allows its shape (``runs_here``): handed
 # to an inference thread and back, a small run also waits for two thread wakes, while there is no other request
-# to read meanwhile (BENCHMARKS.md, "A lone request's run on the event loop"). Lone: it finds nothing queued or
+# to read meanwhile (BENCHMARKS.md, "Server settings that change speed"). Lone: it finds nothing queued or
 # running, and no run ended within this long, so that requests coming back to back (many callers) keep to the
 # inference threads, where reading the next overlaps the run.
 QUIET_BEFORE_RUN_HERE_NS = 150_000
@@ -173,8 +173,8 @@ RunModel = Callable[[tuple[str, ...], np.ndarray, np.ndarray, np.ndarray, np.nda
 
 
 # How far down the queue a take of mixed lengths looks, in runs of max_batch_size rows: four runs' worth
-# finds runs of like lengths where one run's worth does not (BENCHMARKS.md, "Length-aware batching",
-# "drains that look down the queue"); further would keep requests queued behind a longer take.
+# finds runs of like lengths where one run's worth does not (measured when it was chosen); further would keep
+# requests queued behind a longer take.
 TAKE_RUNS = 4
 
 
@@ -331,14 +331,14 @@ class Batcher:
         runs = [[batch[i] for i in sorted(run)] for run in plan_runs(shapes, self.run_cost, self.max_batch_size)]
         # Oldest first: a take spans several runs' worth of the queue, and in this order the requests
         # that have waited longest leave first (cheapest first left the longest requests of every take
-        # to its end, and raised p99: BENCHMARKS.md, "Length-aware batching").
+        # to its end, and raised p99: BENCHMARKS.md, "Batching across lengths").
         return batch, sorted(runs, key=lambda run: run[0].enqueued_ns)
 
     def _run_all(self, runs: list[list[_Pending]], batch: list[_Pending], loop: asyncio.AbstractEventLoop) -> None:
         """In a worker thread: the take's runs one after another, each run's answers sent as it ends, then the
         worker freed by a wake of the event loop of its own. (Freed in the same callback as the last answers, the
-        next take came sooner and smaller under load, and fewer requests a second: BENCHMARKS.md, "Against
-        b7536cc".)"""
+        next take came sooner and smaller under load, and fewer requests a second: measured when it was
+        chosen.)"""
         try:
             for run in runs:
                 try:

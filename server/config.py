@@ -385,8 +385,8 @@ class DeviceSettings(Section):
         ),
     )
     # ONNX Runtime's threads spin for the next run for tens of milliseconds after each: under load that keeps a
-    # core ready for the runs, and on a server of sparse traffic it is CPU spent waiting (BENCHMARKS.md, "ONNX
-    # Runtime's threads between runs").
+    # core ready for the runs, and on a server of sparse traffic it is CPU spent waiting (BENCHMARKS.md, "Server
+    # settings that change speed").
     intra_op_spin_ms: float = setting(
         -1.0,
         "milliseconds ONNX Runtime's threads spin for the next run after one before they sleep (-1: ONNX Runtime's "

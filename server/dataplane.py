@@ -50,7 +50,7 @@ def _pausing_after(function, *args):
     """``function(*args)``, then, if it held the interpreter for long (one protobuf parse of millions of typed
     values is one call), a pause of a fifth of that: the event loop needs the interpreter for several turns
     to answer even a health check, and without the pause the next long call took it back first (BENCHMARKS.md,
-    "Health checks under large-message traffic")."""
+    "Hostile clients")."""
     started = time.perf_counter()
     try:
         return function(*args)

@@ -17,7 +17,7 @@ from .model_folder import ModelFolder
 from .session import CPU, CUDA, open_session, output_only_once_copied, run_bound, session_options
 
 # The output-only graph runs where it was measured faster, from 256 keys; below, both graphs take the same time
-# within noise (BENCHMARKS.md, "The output-only graph").
+# within noise (BENCHMARKS.md, "Attention weights shaped per request").
 OUTPUT_ONLY_FROM_KV_LEN = 256
 
 # One set of graphs: the full one, and the output-only one or None.

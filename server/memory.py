@@ -1,6 +1,6 @@
 """What requests cost the process's memory, and the in-flight budget (``--max-inflight-bytes``) that bounds it.
 
-Measured per shape with ``benchmarks/bench_memory.py`` (BENCHMARKS.md, "Memory per request"): one request's
+Measured per shape with ``benchmarks/bench_memory.py`` (BENCHMARKS.md, "Hostile clients"): one request's
 peak RSS over an idle server is several times its inputs and outputs, because ONNX Runtime's run needs
 workspace of its own (the scores, the masked scores and the softmax, each [B, h, Lq, Lk] float32, and the
 projections), and the answer is copied while it is encoded and sent. So the budget counts:

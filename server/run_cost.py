@@ -13,7 +13,7 @@ CPU time, not wall time, because under load the cores are what runs compete for,
 CPU than its wall time shows: ONNX Runtime's threads spin for a while after each run, waiting for the
 next. In wall time the fixed price fits as about zero, and a plan on it splits a queue of mixed lengths
 into many small runs that serve fewer requests per second than one padded run (BENCHMARKS.md,
-"Length-aware batching").
+"Batching across lengths").
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ class FittedCosts:
     what this module adds (the fit's own constants, ONNX Runtime's version, this machine's CPU and the cores the
     process may use). A later start of the same (a restart, another worker, each of a tune's candidates) reads the
     prices rather than spending seconds on the fit again: 285 timed runs, 2.9 s of a 4.6 s start of the default
-    model on a 2-core AMD EPYC (BENCHMARKS.md, "A server's start"). What cannot be read or written is fitted, or
+    model on two cores (BENCHMARKS.md, "A server's start"). What cannot be read or written is fitted, or
     fitted again, as if there were no file."""
 
     def __init__(self, folder: Path | None):

@@ -33,8 +33,8 @@ _CPU_ARENA_SHARED = False
 
 def _share_cpu_arena() -> None:
     """One CPU arena for the process's sessions, grown by what a run asks for. A session's own arena grows
-    in powers of two and keeps every region, about twice what the runs need (BENCHMARKS.md, "Memory per
-    request"). Shared, the versions of a repository reuse each other's space."""
+    in powers of two and keeps every region, about twice what the runs need (BENCHMARKS.md,
+    "Figures behind the server's defaults"). Shared, the versions of a repository reuse each other's space."""
     global _CPU_ARENA_SHARED
     if not _CPU_ARENA_SHARED:
         same_as_requested = 1

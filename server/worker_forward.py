@@ -9,7 +9,7 @@ so that anonymous sequences spread over the workers. A step that reaches another
 Unix socket (in a folder only the server's user may enter) and answered from there: one request and its answer
 pickled each way. A forward moves a step's new rows and its answer, a few kilobytes; keeping the caches in shared
 memory instead would share every sequence's keys, values and bookkeeping between processes under one lock. What
-a forward costs is in BENCHMARKS.md, "Sequences across worker processes".
+a forward costs is in BENCHMARKS.md, "Worker processes".
 
 The home worker runs the step as its own call (its statistics, metrics, access log and trace count it there); the
 worker that forwarded it counts it as forwarded. A home worker that is restarting cannot be reached: its sequences

@@ -3,7 +3,7 @@
 ONNX Runtime multiplies uint8 inputs by int8 weights with 8-bit dot-product instructions where the CPU has them
 (AVX-512 VNNI, AVX-VNNI or AMX on x86, the dot-product extension on Arm). An x86 CPU without them gets AVX2's
 ``vpmaddubsw``, which sums pairs of products in 16 bits and saturates with full 8-bit weights: measured on such a
-CPU, an output was 0.3 of its magnitude off (BENCHMARKS.md, "int8 projections"). So int8 is refused there, not
+CPU, an output was 0.3 of its magnitude off (BENCHMARKS.md, "Precision"). So int8 is refused there, not
 served wrong. Arm without the dot-product extension widens before it adds: only slower.
 """
 

@@ -16,8 +16,8 @@ PAST_KEY, PAST_VALUE = "past_key", "past_value"  # the step graph's inputs: the 
 PAST_LENGTHS = "past_lengths"  # the step graph's input: how many of the past rows are each batch row's own
 NEW_KEY, NEW_VALUE = "new_key", "new_value"  # the step graph's outputs: the new rows' projected keys and values
 # The grouped step graph's members: steps of this many sequences run as one call, each over its own buffers; 32 for a
-# model whose projections' weights a run reads from memory rather than the CPU's cache (BENCHMARKS.md, "Sequences:
-# steps at any position in one run").
+# model whose projections' weights a run reads from memory rather than the CPU's cache (measured when it
+# was chosen).
 STEPS_GROUPED, STEPS_GROUPED_WIDE = 8, 32
 WIDE_PROJECTIONS_BYTES = 16 << 20  # d_model 1,024 and wider
 

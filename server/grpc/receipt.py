@@ -37,7 +37,7 @@ async def abort_refused(context, refusal: RequestError) -> None:
 
 # Requests in their first read at once (RequestReader). On loopback a whole message arrives within a first read, so
 # each one at once may add a message to what receipt holds; one, fairly shared (FirstReads), keeps small requests
-# unheld behind 16 stalled senders (BENCHMARKS.md, "Stalled senders").
+# unheld behind 16 stalled senders (BENCHMARKS.md, "Hostile clients").
 FIRST_READS_AT_ONCE = 1
 # A first read's time while every receiving turn is taken: a request already sent within the stream's window is
 # read in well under it.
@@ -45,7 +45,7 @@ BUSY_FIRST_READ_S = 0.010
 # The flow-control window of a stream (not grown: BDP probing off), all that a request not yet read may hold of the
 # server: 256 KiB of tensor and 4 KiB for the rest of its message (names, shapes, parameters), so that a [1,128,512]
 # query, 62 bytes past 256 KiB with its envelope, arrives whole rather than waiting for a window update
-# (BENCHMARKS.md, "A [1,128,512] query within its stream's window").
+# (measured when it was chosen: a window update cost a round trip).
 STREAM_WINDOW_BYTES = (256 + 4) << 10
 # A request still arriving that waited its time for a turn while the server was short of CPU (a container's quota
 # spent, or the host's tasks waiting for a core: the holder of the turn, and this request, may have been kept from
@@ -102,7 +102,7 @@ class RequestReader:
         # The reads whose time is running (their first read's, then their wait's for a turn), each with when it is
         # up, how long it was, what decides then and whether it was given its time once more, and the one timer
         # that watches them all, armed for the earliest (a timer armed and cancelled for every read cost the event
-        # loop 13 us a request: BENCHMARKS.md, "Against b7536cc").
+        # loop 13 us a request, measured when it was chosen).
         self._timed: dict[_Read, tuple[float, float, Callable[[_Read], None], bool]] = {}
         self._watch: asyncio.TimerHandle | None = None
         # Connections that delivered a request whole since their last refusal: an honest caller's, whose request

@@ -191,10 +191,9 @@ class PendingWrites:
     reads it or its connection closes (keepalive closes a dead one), so it stays in the budget until then. The budget
     bounds what slow readers hold, and max_concurrent_streams what one connection holds. (Writing a unary answer
     from the handler, as a one-answer stream, cost more per call than being told by the call's done callback:
-    BENCHMARKS, "gRPC answers held in the budget until written".) One timer watches every answer on its way, armed
+    the figures of that choice are in git's history of BENCHMARKS.md.) One timer watches every answer on its way, armed
     for the oldest (all share one timeout, so they fall due in the order sent): a timer armed and cancelled for
-    each answer cost the event loop more (BENCHMARKS, "Reading in a free turn, one watch for the answers on their
-    way"). Event loop only."""
+    each answer cost the event loop more (measured when it was chosen). Event loop only."""
 
     def __init__(self, timeout_s: float):
         self._timeout_s = timeout_s
@@ -314,7 +313,7 @@ def forget_locals(error: BaseException | None) -> None:
 
     grpc.aio keeps an aborted call's exception in a reference cycle, so without this the request's bytes and
     arrays those frames hold stay until a full garbage collection; under a flood of refused requests that
-    pushed the peak past the memory budget (BENCHMARKS.md, "Memory per request").
+    pushed the peak past the memory budget (BENCHMARKS.md, "Hostile clients").
     """
     seen = set()
     while error is not None and id(error) not in seen:

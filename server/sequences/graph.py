@@ -33,14 +33,14 @@ CUDA = "CUDAExecutionProvider"
 
 # Steps of several sequences run as one batch, their rows copied side by side, while each past's keys and values (per
 # batch row) fit the first bound, in runs of at most the second: past the first, one after another was measured
-# faster (BENCHMARKS.md, "Sequences: a cache written in place"); more steps than one such run holds take several,
-# faster than the grouped graph's runs (BENCHMARKS.md, "Short pasts in several batches, grouped runs of even sizes").
+# faster (measured when it was chosen); more steps than one such run holds take several,
+# faster than the grouped graph's runs (measured when it was chosen).
 STACKED_STEP_PAST_BYTES = 512 << 10
 STACKED_STEPS_BYTES = 4 << 20
 # Past those bounds, steps run in the grouped step graph (each over its own buffers) where this many or more share
 # a run: fewer run one after another, its empty members costing more than a shared run saves; two already gain
-# where a run reads the weights from memory (contract/steps.py weights_from_memory; BENCHMARKS.md, "Sequences:
-# steps at any position in one run").
+# where a run reads the weights from memory (contract/steps.py weights_from_memory; measured when it was
+# chosen).
 MIN_GROUPED_STEPS = 4
 
 

@@ -390,7 +390,7 @@ def test_with_intra_op_spin_ms_0_a_server_of_sparse_traffic_is_idle_between_requ
     start_server_process, small_model_dir, small_module
 ):
     """ONNX Runtime's threads spin for the next run for tens of milliseconds after each, a core's worth of CPU per
-    request a tenth of a second apart (BENCHMARKS.md, "ONNX Runtime's threads between runs"); told not to, they
+    request a tenth of a second apart (BENCHMARKS.md, "Server settings that change speed"); told not to, they
     sleep once a run ends, and the server answers the same."""
     from mhaserve.loadtest.checked_load import process_cpu_seconds
 

@@ -250,5 +250,5 @@ def test_health_stays_fast_while_typed_contents_are_converted(start_server_proce
           f"p50 {p50 * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms")  # fmt: skip
     assert len(codes) >= 3 and set(codes) == {"INVALID_ARGUMENT"}
     # A margin that holds on a loaded 2-core machine, far under what conversion on the event loop gave (p50 697
-    # ms); the measured figures are BENCHMARKS.md's, "Health checks under large-message traffic".
+    # ms); the measured figures are BENCHMARKS.md's, "Hostile clients".
     assert p50 < 0.1 and p99 < 0.25

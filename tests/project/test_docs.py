@@ -177,3 +177,17 @@ def test_the_docs_pages_carry_no_dates_or_machine_names():
     said = {str(page.relative_to(ROOT)): MACHINE_CHATTER.findall(_prose(page))
             for page in sorted((ROOT / "docs").rglob("*.md"))}  # fmt: skip
     assert not any(said.values()), {page: found for page, found in said.items() if found}
+
+
+def test_benchmarks_is_a_reference_whose_sections_the_code_and_docs_name():
+    benchmarks = (ROOT / "BENCHMARKS.md").read_text()
+    assert len(benchmarks.splitlines()) <= 800
+    sections = {line[3:].strip() for line in benchmarks.splitlines() if line.startswith("## ")}
+    named = []
+    for path in [*ROOT.glob("*.md"), *(ROOT / "docs").rglob("*.md"), *ROOT.glob("[a-z]*/**/*.py")]:
+        if ".venv" in path.parts or path.name == "BENCHMARKS.md":
+            continue
+        text = " ".join(path.read_text().replace("#", " ").split())  # a name may wrap over comment lines
+        named += [(path.name, name) for name in re.findall(r'BENCHMARKS(?:\.md)?,? "([^"]+)"', text)]
+    missing = [(where, name) for where, name in named if name not in sections]
+    assert named and not missing, missing
