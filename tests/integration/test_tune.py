@@ -164,3 +164,19 @@ def test_other_exports_of_the_model_are_a_knob_and_another_model_s_is_left_out(e
     run = json.loads((tmp_path / "tune.json").read_text())
     assert [c["flags"] for c in run["candidates"]] == [[], ["--model-dir", str(fp16)]]
     assert all(c["held"] and c["points"][0]["errors"] == 0 for c in run["candidates"])
+
+
+@pytest.mark.perf
+def test_tune_says_what_it_will_do_within_two_seconds(small_model_dir, tmp_path):
+    started = time.monotonic()
+    process = subprocess.Popen([sys.executable, "-m", "mhaserve.cli", "tune", "--model-dir", str(small_model_dir),
+                                "--slo", "p99<5s", *SHORT, "--env-file", str(tmp_path / "tuned.env")],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        first = process.stderr.readline()
+        took = time.monotonic() - started
+    finally:
+        process.send_signal(signal.SIGINT)  # stops the search and reports what was measured
+        process.communicate(timeout=60)
+    assert first.startswith("mhaserve tune: quick search over") and "about" in first, first
+    assert took < 2, f"the first line came {took:.1f} s after the command"
