@@ -175,8 +175,11 @@ def plot_images(results: list[PointResult], title: str, slos=()) -> list[bytes]:
         for r in finite:
             ax.hist(r.latencies_ms, bins=bins, histtype="step", label=r.point.label)
         ax.set_xscale("log")
+    slowest = max((r.latencies_ms.max() for r in finite), default=0.0)
     for slo, style in zip(slos, itertools.cycle(_SLO_STYLES), strict=False):
-        if slo.metric in LATENCIES:
+        if slo.metric in LATENCIES and finite and slo.limit > 3 * slowest:  # named, not drawn (as above)
+            ax.plot([], [], color="#b00020", linestyle=style, label=f"SLO {slo.text} (beyond the slowest)")
+        elif slo.metric in LATENCIES:
             ax.axvline(slo.limit, color="#b00020", linestyle=style, label=f"SLO {slo.text}")
     ax.set_xlabel("latency (ms)")
     ax.set_ylabel("requests")
@@ -209,13 +212,18 @@ def percentile_figure(results: list[PointResult], title: str, slos=()):
     by_load.set_xlabel(xlabel)
     if results[0].point.mode == "closed" and len(results) > 1:
         by_load.set_xscale("log", base=2)
+    highest = max(r.latency_ms[q] for r in results for q in colour)
     for slo, style in zip(slos, itertools.cycle(_SLO_STYLES), strict=False):
         if slo.metric == "throughput":
             by_throughput.axvline(slo.limit, color="#b00020", linestyle=style, label=f"SLO {slo.text}")
         elif slo.metric in LATENCIES:
+            # A target far above every point would squash the curves to the floor: named, not drawn.
+            above = slo.limit > 3 * highest
+            label = f"SLO {slo.text} (the {slo.metric} curve" + (", above the plot)" if above else ")")
             for ax in (by_throughput, by_load):
-                ax.axhline(slo.limit, color=colour[slo.metric], linestyle=style, linewidth=1.5,
-                           label=f"SLO {slo.text} (the {slo.metric} curve)")  # fmt: skip
+                line = ax.plot if above else ax.axhline
+                line(*([[], []] if above else [slo.limit]), color=colour[slo.metric], linestyle=style,
+                     linewidth=1.5, label=label)  # fmt: skip
     for ax in (by_throughput, by_load):
         ax.set_ylabel("latency (ms)")
         ax.grid(True, alpha=0.3)

@@ -35,6 +35,14 @@ def test_each_latency_slo_is_drawn_on_its_own_percentiles_curve_and_each_slo_rea
     assert "SLO p95<10ms (the p95 curve)" in legend and "SLO p99<15ms (the p99 curve)" in legend
 
 
+def test_a_latency_slo_far_above_every_point_is_named_not_drawn():
+    figure = percentile_figure([point_result(1, 2.0), point_result(16, 20.0)], "title", [parse_slo("p99<60s")])
+    by_throughput = figure.axes[0]
+    assert by_throughput.get_ylim()[1] < 100  # the curves keep the plot's height
+    legend = [text.get_text() for text in by_throughput.get_legend().get_texts()]
+    assert "SLO p99<60s (the p99 curve, above the plot)" in legend
+
+
 def measured(candidate: Candidate, throughput: float, p99_ms: float, slo) -> Measured:
     point = point_result(16, p99_ms)
     point.throughput = throughput
