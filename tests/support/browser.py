@@ -134,18 +134,23 @@ class Browser:
 
 
 def assert_shows_whole(url: str, root: str = "body", name: str = "") -> None:
-    """Fail with what a person would find cut off or missing on ``url`` (skipped without Chromium). With
-    MHASERVE_TEST_SCREENSHOTS=DIR the page as seen is kept there as ``name``.png, for a person to look at."""
+    """Fail with what a person would find cut off or missing on ``url`` (skipped without Chromium)."""
+    assert_all_show_whole({name or "page": url}, root)
+
+
+def assert_all_show_whole(pages: dict[str, str], root: str = "body") -> None:
+    """The same for every page (by name: its URL), in one browser, failing with every page's problems at once.
+    With MHASERVE_TEST_SCREENSHOTS=DIR each page as seen is kept there as NAME.png, for a person to look at."""
     import pytest
 
     if CHROMIUM is None:
         pytest.skip("needs Chromium (bash tests/tools/install_chromium.sh)")
     shots = os.environ.get("MHASERVE_TEST_SCREENSHOTS")
-    screenshot = Path(shots) / f"{name or 'page'}.png" if shots else None
 
-    async def look() -> list[str]:
+    async def look() -> dict[str, list[str]]:
         async with Browser() as browser:
-            return await browser.problems(url, root, screenshot)
+            return {url: await browser.problems(url, root, Path(shots) / f"{name}.png" if shots else None)
+                    for name, url in pages.items()}  # fmt: skip
 
-    problems = asyncio.run(look())
-    assert not problems, f"{url}:\n" + "\n".join(problems)
+    found = {url: problems for url, problems in asyncio.run(look()).items() if problems}
+    assert not found, "\n".join(f"{url}:\n  " + "\n  ".join(problems) for url, problems in found.items())
