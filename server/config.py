@@ -420,6 +420,12 @@ class DeviceSettings(Section):
         "one (faster from about 512 tokens; holds a second copy of the projection weights)",
     )
     warmup_runs: int = setting(2, "model runs at each warm-up shape before reporting ready (0 = none)")
+    parity_share: float = setting(
+        0.0,
+        "share of requests (0 to 1) whose answers are recomputed in float64 from the served graph's weights, off "
+        "the request path, and compared within the export's tolerance: live parity (0 = none)",
+        rule=Rule(lambda value: 0.0 <= value <= 1.0, "from 0 to 1 (a share of the requests)"),
+    )
 
 
 @dataclass

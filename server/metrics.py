@@ -123,6 +123,9 @@ class ModelMetrics:
         self.compute_seconds = _Histogram(LATENCY_BUCKETS)
         self.batch_size = _Histogram(BATCH_BUCKETS)
         self.padding = _Histogram(PADDING_BUCKETS)
+        # Live parity (server/parity.py), added to on its own thread: its checks by outcome, each output's error.
+        self.parity_checks = {outcome: _Counted() for outcome in PARITY_OUTCOMES}
+        self.parity_error = {output: _Histogram(PARITY_ERROR_BUCKETS) for output in PARITY_OUTPUTS}
 
     def request_done(
         self, status: str, protocol: str, rows: int = 0, total_s=None, queue_s=None, compute_s=None
@@ -177,6 +180,11 @@ class _Histogram:
 
 
 LABELS = ("model", "version")
+PARITY_OUTCOMES = ("held", "breached", "dropped")
+PARITY_OUTPUTS = ("output", "attn_weights")
+# An output's error against the exact answer, relative to its largest magnitude (the weights' absolute where the
+# export states it so): float32's sit near 1e-7, float16's near 1e-3, the tolerances from 1e-5 to 3e-2.
+PARITY_ERROR_BUCKETS = (1e-8, 1e-7, 1e-6, 1e-5, 1e-4, 1e-3, 4e-3, 1e-2, 3e-2, 1e-1, 1.0)
 HISTOGRAMS = (
     ("mhaserve_inference_request_duration_seconds", "Whole request in the server: decode, queue, run, encode",
      "request_seconds"),
@@ -232,11 +240,34 @@ class _ScrapedFigures:
                 created = Sample(f"{name}_created", dict(zip(LABELS, labels, strict=True)), histogram.created)
                 family.samples.append(created)
             yield family
+        yield from self._parity(models)
         pending = GaugeMetricFamily("mhaserve_inference_pending_request_count", "Requests waiting in the queue",
                                     labels=LABELS)  # fmt: skip
         for labels, depth in list(metrics._queue_depths.items()):
             pending.add_metric(labels, depth())
         yield pending
+
+    def _parity(self, models):
+        """Live parity's checks by outcome and each output's error, per version."""
+        checks = CounterMetricFamily(
+            "mhaserve_parity_checks",
+            "Answers recomputed in float64 and compared (--parity-share): held or breached the export's tolerance, "
+            "or dropped because the checks were behind",
+            labels=(*LABELS, "outcome"),
+        )
+        errors = HistogramMetricFamily(
+            "mhaserve_parity_error",
+            "A checked answer's error against the exact answer, relative to its largest magnitude (the weights' "
+            "absolute where the export states their tolerance so)",
+            labels=(*LABELS, "output"),
+        )
+        for labels, model in models:
+            for outcome, counted in model.parity_checks.items():
+                checks.add_metric((*labels, outcome), counted.value, created=counted.created)
+            for output, histogram in model.parity_error.items():
+                errors.add_metric((*labels, output), histogram.cumulative(), histogram.sum)
+        yield checks
+        yield errors
 
     def _sequences(self):
         """How many live, their cache's bytes, steps, and ends by timeout."""

@@ -28,6 +28,7 @@ from .inference import InferenceRequest
 from .model_config import ModelSettings
 from .model_folder import ModelFolder
 from .parameters import weights_shaping
+from .parity import LiveParity
 from .run_cost import RUN_HERE_MAX_MULTIPLY_ADDS, FittedCosts, RunCost, fit_shapes, multiply_adds
 from .session import CPU
 from .statistics import BatchResult
@@ -102,15 +103,21 @@ class ProcessShare:
 class BatchedRuntime:
     """Stateless requests of one served version, merged into runs of its full graphs by its batcher."""
 
-    def __init__(self, graphs: AttentionGraphs, batcher: Batcher):
-        self.graphs, self.batcher = graphs, batcher
+    def __init__(self, graphs: AttentionGraphs, batcher: Batcher, parity: LiveParity | None = None):
+        self.graphs, self.batcher, self.parity = graphs, batcher, parity
 
     @classmethod
     def build(
-        cls, folder: ModelFolder, model: ModelSettings, share: ProcessShare, on_batch: Callable[[BatchResult], None]
+        cls,
+        folder: ModelFolder,
+        model: ModelSettings,
+        share: ProcessShare,
+        on_batch: Callable[[BatchResult], None],
+        parity: LiveParity | None = None,
     ) -> BatchedRuntime:
         """The folder's full graphs opened as ``model`` says, warmed up, their run cost fitted where batching is
-        length-aware, and a batcher over them. Slow (seconds): called on the loader's thread."""
+        length-aware, and a batcher over them; ``parity`` checks a share of its answers. Slow (seconds): called on
+        the loader's thread."""
         alone_threads, alone = runs_alone()
         graphs = AttentionGraphs(
             folder,
@@ -139,7 +146,7 @@ class BatchedRuntime:
             runs_here=_runs_here(graphs, share.quiet),
             board=worker_board(),
         )
-        return cls(graphs, batcher)
+        return cls(graphs, batcher, parity)
 
     def takes(self, request: InferenceRequest) -> bool:
         return request.sequence_step is None
@@ -156,6 +163,8 @@ class BatchedRuntime:
         call.admit(attention)
         answer = await self.batcher.submit(attention, call.timeout_s, call.trace)
         call.ran(answer.run_rows, answer.run_started_ns, queue_ns=answer.queue_ns, infer_ns=answer.infer_ns)
+        if self.parity is not None:
+            self.parity.offer(request.id, attention, answer.outputs)
         return {name: answer.outputs[name] for name in attention.outputs}
 
     def describe(self) -> dict[str, object]:
@@ -173,12 +182,15 @@ class BatchedRuntime:
             "length_aware_batching": batcher.run_cost is not None,
             "output_only_graph": graphs.has_output_only_graph,
             "max_queue_size": batcher.max_queue_size,
+            "parity_share": self.parity.share if self.parity is not None else 0.0,
         }
 
     def release_memory(self) -> None:
         self.graphs.release_memory()
 
     def close(self) -> None:
+        if self.parity is not None:
+            self.parity.close()
         self.graphs = self.batcher = None  # its sessions (weights and arena) go with the last reference
 
 

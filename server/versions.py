@@ -20,6 +20,7 @@ from .memory import MemoryBudget, run_workspace_bytes
 from .metrics import Metrics
 from .model_config import ModelSettings, model_settings
 from .model_folder import ModelFolder
+from .parity import LiveParity
 from .registry import ServedModel
 from .run_cost import FittedCosts
 from .runtime import BatchedRuntime, ProcessShare, signature_of
@@ -67,17 +68,26 @@ class VersionFactory:
         model_metrics = self.metrics.for_model(name, version, lambda: batched.batcher.queue_depth if batched else 0)
         on_batch = self._on_batch(stats, model_metrics, lambda: batched.graphs.info)
         loop = asyncio.get_running_loop()
-        batched, steps = await loop.run_in_executor(self._loader, self._build_runtimes, model_dir, model, on_batch)
+        label = f"model '{name}' version {version}"
+        batched, steps = await loop.run_in_executor(
+            self._loader, self._build_runtimes, model_dir, model, on_batch, model_metrics, label
+        )
         signature = signature_of(name, version, batched, steps.serves_sequences)
         self._log_loaded(signature, batched, model, model_dir)
         return ServedModel(signature, model_dir, model, batched, steps, model_metrics, stats)
 
     def _build_runtimes(
-        self, model_dir: Path, model: ModelSettings, on_batch: Callable[[BatchResult], None]
+        self, model_dir: Path, model: ModelSettings, on_batch: Callable[[BatchResult], None], model_metrics, label: str
     ) -> tuple[BatchedRuntime, SequenceRuntime]:
-        """On the loader's thread: the folder read and checked, and the runtimes built over its graphs."""
+        """On the loader's thread: the folder read and checked, and the runtimes built over its graphs (the
+        batched one with live parity where ``model`` asks for it)."""
         folder = ModelFolder.read(model_dir, self.settings.device)
-        batched = BatchedRuntime.build(folder, model, self.share, on_batch)
+        parity = None
+        if model.parity_share > 0:
+            num_heads = int(folder.manifest["config"]["num_heads"])
+            parity = LiveParity.open(folder.graph_path, folder.manifest, num_heads, model.parity_share, model_metrics,
+                                     label)  # fmt: skip
+        batched = BatchedRuntime.build(folder, model, self.share, on_batch, parity)
         return batched, SequenceRuntime.build(batched.graphs, model, self.sequences, self.share)
 
     def _on_batch(self, stats: ModelStatistics, model_metrics, info) -> Callable[[BatchResult], None]:

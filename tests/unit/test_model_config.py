@@ -139,3 +139,11 @@ def test_export_s_template_sets_nothing_and_each_line_uncommented_sets_its_setti
         assert read.configured and read.as_text() == ModelSettings.of_server(settings).as_text(), line
         set_by_lines |= read.configured
     assert set_by_lines == set(PARAMETERS)
+
+
+def test_a_model_asks_for_live_parity_in_its_config_and_a_share_past_one_is_refused(tmp_path):
+    (tmp_path / "config.pbtxt").write_text('parameters { key: "parity_share" value { string_value: "0.01" } }')
+    assert model_settings(ServerSettings(), tmp_path).parity_share == 0.01
+    (tmp_path / "config.pbtxt").write_text('parameters { key: "parity_share" value { string_value: "1.5" } }')
+    with pytest.raises(ModelConfigError, match="parity_share"):
+        model_settings(ServerSettings(), tmp_path)

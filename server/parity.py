@@ -1,0 +1,234 @@
+"""Live parity: a share of served answers recomputed in float64 from the weights in the served ONNX file, off the
+request path, and compared within the tolerance the export states for its precision.
+
+The export proves a graph equal to eager PyTorch on a matrix of cases; served traffic is other lengths, masks and
+scales, maybe another ONNX Runtime or provider. A checked request's inputs and answer are handed to one low
+priority thread through a bounded queue (a check never delays a request: when the queue is full the check is
+dropped and counted); the thread recomputes the attention exactly as the module defines it and records the error
+of each output in the version's metrics, a breach of the tolerance also as one log line naming the request.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import queue
+import random
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from mhaserve.protos.generated import onnx_weights_pb2
+
+from .parameters import NO_SHAPING
+from .tensors import RunInputs
+
+log = logging.getLogger("mhaserve.server")
+
+CHECKS_WAITING = 64  # checks queued for the thread at most; past it a check is dropped, and counted
+PROJECTIONS = ("q", "k", "v", "o")
+PARITY_OUTPUTS = ("output", "attn_weights")
+# The export's EAGER_ERROR_FACTOR: an answer no further from the exact one than ten times float32 arithmetic of the
+# same module is holds, whatever the tolerance (at large input scales float32 itself is far from exact).
+FLOAT32_FACTOR = 10
+_FLOAT, _FLOAT16, _DOUBLE = 1, 10, 11  # onnx.TensorProto.DataType
+
+
+class ParityUnavailable(Exception):
+    """A served graph whose weights this check cannot read (an int8 graph's are quantized), said as why."""
+
+
+@dataclass(frozen=True)
+class ReferenceWeights:
+    """The four projections of a served graph in float64: ``weight[p]`` as ``nn.Linear`` holds it ([out, in]),
+    ``bias[p]``."""
+
+    weight: dict[str, np.ndarray]
+    bias: dict[str, np.ndarray]
+
+    @classmethod
+    def from_onnx(cls, path: Path) -> ReferenceWeights:
+        """The projections as the graph computes them: each ``MatMul`` of an initializer followed by the ``Add`` of
+        a bias named after ``W_q``..``W_o`` (either case, as the exports name them)."""
+        model = onnx_weights_pb2.ModelProto()
+        model.ParseFromString(path.read_bytes())
+        initializers = {t.name: t for t in model.graph.initializer}
+        produced_by = {out: node for node in model.graph.node for out in node.output}
+        weight, bias = {}, {}
+        for node in model.graph.node:
+            named = [n for n in node.input if n in initializers and n.lower().endswith(".bias")]
+            projection = named[0].lower().rsplit(".", 2)[-2][-1] if node.op_type == "Add" and named else None
+            if projection not in PROJECTIONS:
+                continue
+            product = produced_by.get(next(n for n in node.input if n != named[0]))
+            held = [n for n in (product.input if product is not None else ()) if n in initializers]
+            if product is None or product.op_type != "MatMul" or not held:
+                raise ParityUnavailable(f"the {named[0]} projection is not a float MatMul (int8 weights are "
+                                        "quantized): this graph's answers cannot be recomputed from it")  # fmt: skip
+            weight[projection] = _array(initializers[held[0]]).T  # MatMul's [in, out], as nn.Linear's [out, in]
+            bias[projection] = _array(initializers[named[0]])
+        missing = [p for p in PROJECTIONS if p not in weight]
+        if missing:
+            raise ParityUnavailable(f"{path.name} has no W_{missing[0]} projection this check can read")
+        return cls(weight, bias)
+
+
+def _array(tensor) -> np.ndarray:
+    dtype = {_FLOAT: np.float32, _FLOAT16: np.float16, _DOUBLE: np.float64}.get(tensor.data_type)
+    if dtype is None:
+        raise ParityUnavailable(f"initializer {tensor.name} is of ONNX type {tensor.data_type}, not a float")
+    if tensor.raw_data:
+        values = np.frombuffer(tensor.raw_data, dtype=dtype)
+    else:
+        values = np.asarray(tensor.double_data if dtype is np.float64 else tensor.float_data, dtype=dtype)
+    return values.astype(np.float64).reshape(tuple(tensor.dims))
+
+
+def exact_attention(
+    weights: ReferenceWeights, num_heads: int, query, key, value, mask, dtype=np.float64
+) -> tuple[np.ndarray, ...]:
+    """The module's answer in ``dtype`` (float64: the exact one): per head softmax(Q K^T / sqrt(d_k)) V over the
+    keys the mask lets each query row attend (``mask == 0``: may not), concatenated and projected by W_o; a row that
+    may attend no key answers zeros, weights and output alike. Returns (output [B, Lq, d], attn_weights
+    [B, h, Lq, Lk])."""
+
+    def project(x, p):
+        return np.asarray(x, dtype) @ weights.weight[p].T.astype(dtype) + weights.bias[p].astype(dtype)
+
+    q, k, v = project(query, "q"), project(key, "k"), project(value, "v")
+    batch, q_len, d_model = q.shape
+    d_k = d_model // num_heads
+
+    def heads(x):
+        return x.reshape(batch, x.shape[1], num_heads, d_k).transpose(0, 2, 1, 3)
+
+    scores = heads(q) @ heads(k).transpose(0, 1, 3, 2) / dtype(math.sqrt(d_k))
+    allowed = np.ones(scores.shape, bool) if mask is None else np.broadcast_to(np.asarray(mask) != 0, scores.shape)
+    scores = np.where(allowed, scores, -np.inf)
+    top = scores.max(axis=-1, keepdims=True)
+    exps = np.where(allowed, np.exp(scores - np.where(np.isfinite(top), top, 0.0)), 0.0)
+    total = exps.sum(axis=-1, keepdims=True)
+    attn = np.divide(exps, total, out=np.zeros_like(exps), where=total > 0)
+    context = (attn @ heads(v)).transpose(0, 2, 1, 3).reshape(batch, q_len, d_model)
+    output = context @ weights.weight["o"].T.astype(dtype) + weights.bias["o"].astype(dtype)
+    output[~allowed[:, 0].any(axis=-1)] = 0.0  # a row that may attend no key (the mask is the same in every head)
+    return output, attn
+
+
+@dataclass(frozen=True)
+class Bound:
+    """How far an output may be from the exact answer: its error relative to the answer's largest magnitude (the
+    export's validation judges every input scale so), or absolute where the export states it so for weights."""
+
+    limit: float
+    relative: bool
+
+    def error(self, got: np.ndarray, want: np.ndarray) -> float:
+        worst = float(np.max(np.abs(got.astype(np.float64) - want))) if want.size else 0.0
+        if not self.relative:
+            return worst
+        scale = float(np.max(np.abs(want))) if want.size else 0.0
+        return worst / scale if scale > 0 else worst
+
+
+def bounds_of(manifest: dict) -> dict[str, Bound]:
+    """Each output's bound from the export's stated tolerance: the output's taken relative to its magnitude
+    (live inputs come at any scale), the weights' as stated."""
+    tolerance = manifest.get("validation", {}).get("tolerance", {})
+    output, weights = tolerance.get("output", {}), tolerance.get("weights", {})
+    return {
+        "output": Bound(output.get("max_rel") or output.get("max_abs") or 1e-5, relative=True),
+        "attn_weights": Bound(weights.get("max_abs") or weights.get("max_rel") or 1e-5,
+                              relative=weights.get("max_abs") is None),
+    }  # fmt: skip
+
+
+@dataclass
+class Check:
+    request_id: str
+    query: np.ndarray
+    key: np.ndarray
+    value: np.ndarray
+    mask: np.ndarray | None
+    answers: dict[str, np.ndarray]  # output and, where the request had them whole, attn_weights
+
+
+class LiveParity:
+    """One served version's checks: ``offer`` on the event loop (sampled, queued, never waited for), the checks
+    made on a thread of their own at the lowest priority, their figures in the version's metrics."""
+
+    def __init__(self, weights: ReferenceWeights, num_heads: int, share: float, bounds: dict[str, Bound],
+                 figures, label: str):  # fmt: skip
+        self.weights, self.num_heads, self.share, self.bounds = weights, num_heads, share, bounds
+        self.figures = figures  # metrics.ModelMetrics: parity_checks, parity_error
+        self.label = label  # "model 'mha' version 1", for the log
+        self._waiting: queue.Queue[Check | None] = queue.Queue(CHECKS_WAITING)
+        self._sampled = random.Random()
+        self._thread = threading.Thread(target=self._check_all, name=f"parity {label}", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def open(cls, graph_path: Path, manifest: dict, num_heads: int, share: float, figures, label: str):
+        """The checks of the version whose full graph is ``graph_path``; None, with a warning saying why, where its
+        weights cannot be read."""
+        try:
+            weights = ReferenceWeights.from_onnx(graph_path)
+        except ParityUnavailable as why:
+            log.warning("%s: live parity off: %s", label, why)
+            return None
+        return cls(weights, num_heads, share, bounds_of(manifest), figures, label)
+
+    def offer(self, request_id: str, inputs: RunInputs, answers: dict[str, np.ndarray]) -> None:
+        """A served answer, checked with probability ``share``: its output, and its attention weights where the
+        request had them whole (not cut or ranked); dropped (and counted) when the thread is behind."""
+        if self._sampled.random() >= self.share:
+            return
+        whole = inputs.shaping is NO_SHAPING
+        checked = {name: got for name, got in answers.items() if name == "output" or (name == "attn_weights" and whole)}
+        if not checked:
+            return
+        try:
+            self._waiting.put_nowait(Check(request_id, inputs.query, inputs.key, inputs.value, inputs.mask, checked))
+        except queue.Full:
+            self.figures.parity_checks["dropped"].value += 1
+
+    def close(self) -> None:
+        try:
+            self._waiting.put_nowait(None)
+        except queue.Full:  # the thread ends with the process (a daemon); its checks are not waited for
+            pass
+
+    def _check_all(self) -> None:
+        try:  # this thread only (Linux): the checks take what the requests leave of the cores
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (AttributeError, OSError):
+            pass
+        while (check := self._waiting.get()) is not None:
+            try:
+                self._check(check)
+            except Exception:  # a check must never end the thread, nor touch the request
+                log.exception("%s: a parity check of request %r failed", self.label, check.request_id)
+
+    def _check(self, check: Check) -> None:
+        inputs = (check.query, check.key, check.value, check.mask)
+        exact = dict(zip(PARITY_OUTPUTS, exact_attention(self.weights, self.num_heads, *inputs), strict=True))
+        float32 = dict(zip(PARITY_OUTPUTS, exact_attention(self.weights, self.num_heads, *inputs, np.float32),
+                           strict=True))  # fmt: skip
+        breached = []
+        for name, got in check.answers.items():
+            bound = self.bounds[name]
+            error = bound.error(got, exact[name])
+            self.figures.parity_error[name].observe(error)
+            # As the export's validation judges every input scale: within the tolerance, or no further from the
+            # exact answer than FLOAT32_FACTOR times float32 arithmetic of the same module is (large inputs).
+            allowed = max(bound.limit, FLOAT32_FACTOR * bound.error(float32[name], exact[name]))
+            if not error <= allowed:  # NaN breaches
+                worst = np.unravel_index(int(np.nanargmax(np.abs(got - exact[name]))), got.shape)
+                breached.append(f"{name} {error:.3g} over {allowed:.3g} at {list(map(int, worst))} "
+                                f"({float(got[worst]):.6g}, exactly {float(exact[name][worst]):.6g})")  # fmt: skip
+        self.figures.parity_checks["breached" if breached else "held"].value += 1
+        if breached:
+            log.warning("%s: parity breached by request %r: %s", self.label, check.request_id, "; ".join(breached))

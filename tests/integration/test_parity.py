@@ -1,0 +1,99 @@
+"""Live parity against real servers: with --parity-share 1 every answer is recomputed in float64 from the served
+graph's weights, off the request path; a faithful export holds at any input scale, and a graph whose computation
+drifts while its weights stay (its 1/sqrt(d_k) scaling 1% off) is caught, counted and logged with the request."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+
+import numpy as np
+import pytest
+
+from mhaserve.client.grpc import Client
+from tests.support import SMALL_D_MODEL, rand, scrape
+
+onnx = pytest.importorskip("onnx")  # the export extra: the drifted graph is written with it
+
+
+def checks(server) -> dict[str, float]:
+    """The server's parity checks by outcome, once the checks queued have been made."""
+    deadline = time.monotonic() + 30
+    while True:
+        samples = scrape(server.metrics_url)
+        counted = {dict(labels)["outcome"]: value for (name, labels), value in samples.items()
+                   if name == "mhaserve_parity_checks_total"}  # fmt: skip
+        errors = sum(value for (name, labels), value in samples.items() if name == "mhaserve_parity_error_count")
+        if errors >= 2 * (counted.get("held", 0) + counted.get("breached", 0)) or time.monotonic() > deadline:
+            return counted
+        time.sleep(0.1)
+
+
+def asked(server, requests: int, scale: float = 1.0) -> None:
+    with Client(server.url) as client:
+        for seed in range(requests):
+            client.infer(rand(2, 9, SMALL_D_MODEL, seed=seed) * np.float32(scale))
+
+
+def test_a_faithful_export_holds_at_every_input_scale(start_server, small_model_dir):
+    server = start_server(small_model_dir, "--parity-share", "1")
+    for scale in (0.01, 1.0, 30.0, 1000.0):
+        asked(server, 4, scale)
+    deadline = time.monotonic() + 30
+    while (counted := checks(server)).get("held", 0) < 16 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert counted == {"held": 16, "breached": 0, "dropped": 0}, counted
+
+
+def drifted_copy(model_dir, into):
+    """The folder with its full graph's score scaling 1% off, its weights untouched (the manifest's sha256
+    updated, so the server serves it)."""
+    shutil.copytree(model_dir, into)
+    graph = onnx.load(into / "model.onnx")
+    divisor = next(node.input[1] for node in graph.graph.node if node.op_type == "Div")
+    tensor = next(t for t in graph.graph.initializer if t.name == divisor)
+    tensor.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(tensor) * np.float32(1.01), divisor))
+    onnx.save(graph, into / "model.onnx")
+    manifest = json.loads((into / "manifest.json").read_text())
+    manifest["files"]["model_sha256"] = hashlib.sha256((into / "model.onnx").read_bytes()).hexdigest()
+    (into / "manifest.json").write_text(json.dumps(manifest))
+    return into
+
+
+def test_a_graph_that_drifts_from_its_weights_is_caught_counted_and_logged(start_server, small_model_dir, tmp_path):
+    server = start_server(drifted_copy(small_model_dir, tmp_path / "drifted"), "--parity-share", "1",
+                          "--output-only-graph", "false")  # fmt: skip
+    with Client(server.url) as client:
+        client.infer(rand(2, 9, SMALL_D_MODEL, seed=3), request_id="drift-3")
+    deadline = time.monotonic() + 30
+    while not (counted := checks(server)).get("breached") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert counted["breached"] == 1 and counted["held"] == 0, counted
+    breach = [line for line in server.log.splitlines() if "parity breached by request 'drift-3'" in line]
+    assert breach and "output" in breach[0] and "attn_weights" in breach[0] and "exactly" in breach[0], server.log
+
+
+def test_the_reference_is_the_module_in_float64_read_from_the_served_file(small_model_dir, small_module):
+    import torch
+
+    from mhaserve.server.parity import ReferenceWeights, exact_attention
+
+    weights = ReferenceWeights.from_onnx(small_model_dir / "model.onnx")  # protobuf alone: no onnx, no torch
+    for projection in ("q", "k", "v", "o"):
+        linear = getattr(small_module, f"W_{projection}")
+        np.testing.assert_array_equal(weights.weight[projection], linear.weight.detach().numpy().astype(np.float64))
+    rng = np.random.default_rng(5)
+    query, key = rng.standard_normal((2, 5, SMALL_D_MODEL)), rng.standard_normal((2, 7, SMALL_D_MODEL))
+    mask = np.ones((2, 1, 5, 7), bool)
+    mask[0, 0, 2, :] = False  # a row that may attend nothing: zeros
+    mask[1, 0, :, 4:] = False  # padding keys
+    output, attn = exact_attention(weights, small_module.num_heads, query, key, key, mask)
+    with torch.no_grad():
+        module = small_module.double()
+        want_output, want_attn = module(*(torch.tensor(a) for a in (query, key, key, mask)))
+        small_module.float()
+    np.testing.assert_allclose(output, want_output.numpy(), atol=1e-12)
+    np.testing.assert_allclose(attn, want_attn.numpy(), atol=1e-12)
+    assert not output[0, 2].any() and not attn[0, :, 2].any()
