@@ -26,7 +26,8 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture
 def scraped_server(start_server, small_model_dir, tmp_path):
-    server = start_server(small_model_dir, *TEST_SERVER_ARGS)
+    # Every answer checked for parity, so that the dashboard's parity panel has data too.
+    server = start_server(small_model_dir, *TEST_SERVER_ARGS, "--parity-share", "1")
     target = server.metrics_url.removeprefix("http://").removesuffix("/metrics")
     prometheus = Prometheus(target, tmp_path, SCRAPE_MS)
     prometheus.wait_until('up{job="mhaserve"}', 1)
