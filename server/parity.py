@@ -24,6 +24,7 @@ from threadpoolctl import ThreadpoolController
 
 from mhaserve.protos.generated import onnx_weights_pb2
 
+from .metrics import PARITY_OUTPUTS
 from .parameters import NO_SHAPING
 from .tensors import RunInputs
 
@@ -34,7 +35,6 @@ log = logging.getLogger("mhaserve.server")
 _BLAS = ThreadpoolController()
 CHECKS_WAITING = 64  # checks queued for the thread at most; past it a check is dropped, and counted
 PROJECTIONS = ("q", "k", "v", "o")
-PARITY_OUTPUTS = ("output", "attn_weights")
 # The export's EAGER_ERROR_FACTOR: an answer no further from the exact one than ten times float32 arithmetic of the
 # same module is holds, whatever the tolerance (at large input scales float32 itself is far from exact).
 FLOAT32_FACTOR = 10
@@ -47,22 +47,15 @@ class ParityUnavailable(Exception):
 
 @dataclass(frozen=True)
 class ReferenceWeights:
-    """The four projections of a served graph in float64: ``weight[p]`` as ``nn.Linear`` holds it ([out, in]),
-    ``bias[p]``."""
+    """The four projections of a served graph in float64, as its ``MatMul`` nodes hold them: ``matmul[p]`` the
+    weight transposed ([in, out]: ``x @ matmul[p] + bias[p]``), ``bias[p]``."""
 
-    weight: dict[str, np.ndarray]
+    matmul: dict[str, np.ndarray]
     bias: dict[str, np.ndarray]
 
-    def __post_init__(self):
-        # Each projection as a check multiplies by it ([in, out], contiguous), in float64 and float32, made once.
-        object.__setattr__(self, "_by_dtype", {})
-
-    def projection(self, p: str, dtype) -> tuple[np.ndarray, np.ndarray]:
-        """(W^T, b) of projection ``p`` in ``dtype``."""
-        key = (p, np.dtype(dtype))
-        if key not in self._by_dtype:
-            self._by_dtype[key] = (np.ascontiguousarray(self.weight[p].T, dtype), self.bias[p].astype(dtype))
-        return self._by_dtype[key]
+    def weight(self, p: str) -> np.ndarray:
+        """Projection ``p``'s weight as ``nn.Linear`` holds it ([out, in])."""
+        return self.matmul[p].T
 
     @classmethod
     def from_onnx(cls, path: Path) -> ReferenceWeights:
@@ -72,7 +65,7 @@ class ReferenceWeights:
         model.ParseFromString(path.read_bytes())
         initializers = {t.name: t for t in model.graph.initializer}
         produced_by = {out: node for node in model.graph.node for out in node.output}
-        weight, bias = {}, {}
+        matmul, bias = {}, {}
         for node in model.graph.node:
             named = [n for n in node.input if n in initializers and n.lower().endswith(".bias")]
             projection = named[0].lower().rsplit(".", 2)[-2][-1] if node.op_type == "Add" and named else None
@@ -83,12 +76,12 @@ class ReferenceWeights:
             if product is None or product.op_type != "MatMul" or not held:
                 raise ParityUnavailable(f"the {named[0]} projection is not a float MatMul (int8 weights are "
                                         "quantized): this graph's answers cannot be recomputed from it")  # fmt: skip
-            weight[projection] = _array(initializers[held[0]]).T  # MatMul's [in, out], as nn.Linear's [out, in]
+            matmul[projection] = _array(initializers[held[0]])
             bias[projection] = _array(initializers[named[0]])
-        missing = [p for p in PROJECTIONS if p not in weight]
+        missing = [p for p in PROJECTIONS if p not in matmul]
         if missing:
             raise ParityUnavailable(f"{path.name} has no W_{missing[0]} projection this check can read")
-        return cls(weight, bias)
+        return cls(matmul, bias)
 
 
 def _array(tensor) -> np.ndarray:
@@ -110,9 +103,9 @@ def exact_attention(
     may attend no key answers zeros, weights and output alike. Returns (output [B, Lq, d], attn_weights
     [B, h, Lq, Lk])."""
 
-    def project(x, p):
-        weight_t, bias = weights.projection(p, dtype)
-        return np.asarray(x, dtype) @ weight_t + bias
+    def project(x, p):  # in float64 the file's arrays themselves; in float32 (a breach's second look) copies
+        matmul, bias = weights.matmul[p].astype(dtype, copy=False), weights.bias[p].astype(dtype, copy=False)
+        return np.asarray(x, dtype) @ matmul + bias
 
     q, k, v = project(query, "q"), project(key, "k"), project(value, "v")
     batch, q_len, d_model = q.shape

@@ -217,13 +217,12 @@ def percentile_figure(results: list[PointResult], title: str, slos=()):
         if slo.metric == "throughput":
             by_throughput.axvline(slo.limit, color="#b00020", linestyle=style, label=f"SLO {slo.text}")
         elif slo.metric in LATENCIES:
-            # A target far above every point would squash the curves to the floor: named, not drawn.
-            above = slo.limit > 3 * highest
-            label = f"SLO {slo.text} (the {slo.metric} curve" + (", above the plot)" if above else ")")
+            line = {"color": colour[slo.metric], "linestyle": style, "linewidth": 1.5}
             for ax in (by_throughput, by_load):
-                line = ax.plot if above else ax.axhline
-                line(*([[], []] if above else [slo.limit]), color=colour[slo.metric], linestyle=style,
-                     linewidth=1.5, label=label)  # fmt: skip
+                if slo.limit > 3 * highest:  # drawn, it would squash the curves to the floor: named only
+                    ax.plot([], [], **line, label=f"SLO {slo.text} (the {slo.metric} curve, above the plot)")
+                else:
+                    ax.axhline(slo.limit, **line, label=f"SLO {slo.text} (the {slo.metric} curve)")
     for ax in (by_throughput, by_load):
         ax.set_ylabel("latency (ms)")
         ax.grid(True, alpha=0.3)

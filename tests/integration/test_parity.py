@@ -83,7 +83,7 @@ def test_the_reference_is_the_module_in_float64_read_from_the_served_file(small_
     weights = ReferenceWeights.from_onnx(small_model_dir / "model.onnx")  # protobuf alone: no onnx, no torch
     for projection in ("q", "k", "v", "o"):
         linear = getattr(small_module, f"W_{projection}")
-        np.testing.assert_array_equal(weights.weight[projection], linear.weight.detach().numpy().astype(np.float64))
+        np.testing.assert_array_equal(weights.weight(projection), linear.weight.detach().numpy().astype(np.float64))
     rng = np.random.default_rng(5)
     query, key = rng.standard_normal((2, 5, SMALL_D_MODEL)), rng.standard_normal((2, 7, SMALL_D_MODEL))
     mask = np.ones((2, 1, 5, 7), bool)

@@ -63,6 +63,7 @@ class Browser:
     def __init__(self, width: int = 1280, height: int = 900):
         self.width, self.height = width, height
         self._ids = itertools.count(1)
+        self._events: list[dict] = []  # messages read while waiting for another: events, kept for _event
 
     async def __aenter__(self) -> Browser:
         self._profile = tempfile.TemporaryDirectory(ignore_cleanup_errors=True)
@@ -93,7 +94,6 @@ class Browser:
         number = next(self._ids)
         await self._socket.send_json({"id": number, "method": method, "params": params,
                                       **({"sessionId": session} if session else {})})  # fmt: skip
-        self._events = getattr(self, "_events", [])
         while True:
             message = json.loads((await self._socket.receive(timeout=60)).data)
             if message.get("id") == number:
