@@ -10,12 +10,14 @@ of each output in the version's metrics, a breach of the tolerance also as one l
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
 import queue
 import random
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,29 +104,67 @@ def exact_attention(
     keys the mask lets each query row attend (``mask == 0``: may not), concatenated and projected by W_o; a row that
     may attend no key answers zeros, weights and output alike. Returns (output [B, Lq, d], attn_weights
     [B, h, Lq, Lk])."""
+    q, k, v = (_heads(_project(weights, x, p, dtype), num_heads) for x, p in ((query, "q"), (key, "k"), (value, "v")))
+    shape = (*q.shape[:3], k.shape[2])
+    allowed = np.ones(shape, bool) if mask is None else np.broadcast_to(np.asarray(mask) != 0, shape)
+    return _attend(weights, q, k, v, allowed, dtype)
 
-    def project(x, p):  # in float64 the file's arrays themselves; in float32 (a breach's second look) copies
-        matmul, bias = weights.matmul[p].astype(dtype, copy=False), weights.bias[p].astype(dtype, copy=False)
-        return np.asarray(x, dtype) @ matmul + bias
 
-    q, k, v = project(query, "q"), project(key, "k"), project(value, "v")
-    batch, q_len, d_model = q.shape
-    d_k = d_model // num_heads
+def exact_step(
+    weights: ReferenceWeights, num_heads: int, query, past_key, past_value, key=None, value=None, cross=False,
+    dtype=np.float64,
+) -> tuple[np.ndarray, ...]:  # fmt: skip
+    """A step of a sequence in ``dtype``: its query rows [B, n, d] over the keys and values the server holds for the
+    sequence (``past_key``, ``past_value``: [B, h, P, d_k], projected, as held) and the step's new ones. A
+    self-attention step's new keys and values are its own rows', each row attending every earlier one and causally
+    among the new; a ``cross`` step's are the ``key`` and ``value`` rows it brings (None: none), every query row
+    attending every key. Returns (output [B, n, d], attn_weights [B, h, n, P + new])."""
+    own = (key, value) if cross else (query, query)
+    q = _heads(_project(weights, query, "q", dtype), num_heads)
+    past = (np.asarray(past_key, dtype), np.asarray(past_value, dtype))
+    if own[0] is not None:
+        new = (_heads(_project(weights, x, p, dtype), num_heads) for x, p in zip(own, "kv", strict=True))
+        past = tuple(np.concatenate([held, rows], axis=2) for held, rows in zip(past, new, strict=True))
+    k, v = past
+    rows, keys = q.shape[2], k.shape[2]
+    allowed = np.ones((1, 1, rows, keys), bool)
+    if not cross:  # row i of the step is key keys - rows + i: it attends that key and every one before
+        allowed = np.arange(keys)[None, :] <= np.arange(keys - rows, keys)[:, None]
+    return _attend(weights, q, k, v, np.broadcast_to(allowed, (*q.shape[:3], keys)), dtype)
 
-    def heads(x):
-        return x.reshape(batch, x.shape[1], num_heads, d_k).transpose(0, 2, 1, 3)
 
-    scores = heads(q) @ heads(k).transpose(0, 1, 3, 2) / dtype(math.sqrt(d_k))
-    allowed = np.ones(scores.shape, bool) if mask is None else np.broadcast_to(np.asarray(mask) != 0, scores.shape)
+def _project(weights: ReferenceWeights, x, p: str, dtype) -> np.ndarray:
+    """``x @ W_p.T + b_p``: in float64 the file's arrays themselves; in float32 (a breach's second look) copies."""
+    matmul, bias = weights.matmul[p].astype(dtype, copy=False), weights.bias[p].astype(dtype, copy=False)
+    return np.asarray(x, dtype) @ matmul + bias
+
+
+def _heads(x: np.ndarray, num_heads: int) -> np.ndarray:
+    """[B, L, d] -> [B, h, L, d_k]."""
+    batch, length, d_model = x.shape
+    return x.reshape(batch, length, num_heads, d_model // num_heads).transpose(0, 2, 1, 3)
+
+
+def _attend(weights: ReferenceWeights, q, k, v, allowed: np.ndarray, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Per head softmax(Q K^T / sqrt(d_k)) V over the ``allowed`` keys ([B, h, Lq, Lk]), a row with none zeros;
+    the heads concatenated and projected by W_o."""
+    batch, _, q_len, d_k = q.shape
+    scores = q @ k.transpose(0, 1, 3, 2) / dtype(math.sqrt(d_k))
     scores = np.where(allowed, scores, -np.inf)
     top = scores.max(axis=-1, keepdims=True)
     exps = np.where(allowed, np.exp(scores - np.where(np.isfinite(top), top, 0.0)), 0.0)
     total = exps.sum(axis=-1, keepdims=True)
     attn = np.divide(exps, total, out=np.zeros_like(exps), where=total > 0)
-    context = (attn @ heads(v)).transpose(0, 2, 1, 3).reshape(batch, q_len, d_model)
-    output = project(context, "o")
+    context = (attn @ v).transpose(0, 2, 1, 3).reshape(batch, q_len, -1)
+    output = _project(weights, context, "o", dtype)
     output[~allowed[:, 0].any(axis=-1)] = 0.0  # a row that may attend no key (the mask is the same in every head)
     return output, attn
+
+
+def _checked(answers: dict[str, np.ndarray], shaping) -> dict[str, np.ndarray]:
+    """The answers a check compares: the output, and the attention weights where the request had them whole."""
+    return {name: got for name, got in answers.items()
+            if name == "output" or (name == "attn_weights" and shaping is NO_SHAPING)}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -157,11 +197,11 @@ def bounds_of(manifest: dict) -> dict[str, Bound]:
 
 @dataclass
 class Check:
-    request_id: str
-    query: np.ndarray
-    key: np.ndarray
-    value: np.ndarray
-    mask: np.ndarray | None
+    """An answer to check: what it answered (``what``: "request 'id'", and the sequence where it was a step), how to
+    compute it again in a dtype (``computed(np.float64)``: the exact answer), and the outputs to compare."""
+
+    what: str
+    computed: Callable[[type], tuple[np.ndarray, np.ndarray]]
     answers: dict[str, np.ndarray]  # output and, where the request had them whole, attn_weights
 
 
@@ -176,6 +216,7 @@ class LiveParity:
         self.label = label  # "model 'mha' version 1", for the log
         self._waiting: queue.Queue[Check | None] = queue.Queue(CHECKS_WAITING)
         self._sampled = random.Random()
+        self.worst = dict.fromkeys(PARITY_OUTPUTS, 0.0)  # each output's largest error checked (on the check thread)
         self._thread = threading.Thread(target=self._check_all, name=f"parity {label}", daemon=True)
         self._thread.start()
 
@@ -195,14 +236,38 @@ class LiveParity:
         request had them whole (not cut or ranked); dropped (and counted) when the thread is behind."""
         if self._sampled.random() >= self.share:
             return
-        whole = inputs.shaping is NO_SHAPING
-        checked = {name: got for name, got in answers.items() if name == "output" or (name == "attn_weights" and whole)}
-        if not checked:
+        query, key, value, mask = inputs.query, inputs.key, inputs.value, inputs.mask
+        computed = functools.partial(exact_attention, self.weights, self.num_heads, query, key, value, mask)
+        self._queue(Check(f"request {request_id!r}", computed, _checked(answers, inputs.shaping)))
+
+    def offer_step(
+        self, request_id: str, sequence: str, inputs: RunInputs, held: Callable[[], tuple], cross: bool,
+        answers: dict[str, np.ndarray],
+    ) -> None:  # fmt: skip
+        """A step of ``sequence``, answered, checked with probability ``share`` as ``offer`` checks a request: over
+        the keys and values the sequence held before it (``held()``: [B, h, P, d_k] each, on the host; asked only
+        for a step checked) and its new ones (a cross-attention step's ``inputs.key`` and ``inputs.value``)."""
+        if self._sampled.random() >= self.share:
+            return
+        new = (inputs.key, inputs.value) if cross and inputs.key is not inputs.query else (None, None)
+        computed = functools.partial(exact_step, self.weights, self.num_heads, inputs.query, *held(), *new, cross)
+        self._queue(Check(f"request {request_id!r} (a step of sequence {sequence!r})", computed,
+                          _checked(answers, inputs.shaping)))  # fmt: skip
+
+    def _queue(self, check: Check) -> None:
+        if not check.answers:
             return
         try:
-            self._waiting.put_nowait(Check(request_id, inputs.query, inputs.key, inputs.value, inputs.mask, checked))
+            self._waiting.put_nowait(check)
         except queue.Full:
             self.figures.parity_checks["dropped"].value += 1
+
+    def summary(self) -> dict[str, object]:
+        """The checks so far, as the version's statistics give them: the share asked, the checks by outcome, and
+        each output's largest error (as judged: relative to the answer's magnitude for the output)."""
+        counted = {outcome: int(counter.value) for outcome, counter in self.figures.parity_checks.items()}
+        return {"share": self.share, **counted, "checked": counted["held"] + counted["breached"],
+                "worst_error": dict(self.worst)}  # fmt: skip
 
     def close(self) -> None:
         try:
@@ -222,24 +287,23 @@ class LiveParity:
             try:
                 self._check(check)
             except Exception:  # a check must never end the thread, nor touch the request
-                log.exception("%s: a parity check of request %r failed", self.label, check.request_id)
+                log.exception("%s: a parity check of %s failed", self.label, check.what)
 
     def _check(self, check: Check) -> None:
-        inputs = (check.query, check.key, check.value, check.mask)
-        exact = dict(zip(PARITY_OUTPUTS, exact_attention(self.weights, self.num_heads, *inputs), strict=True))
+        exact = dict(zip(PARITY_OUTPUTS, check.computed(np.float64), strict=True))
         float32 = None  # float32 arithmetic of the same module, computed only where the tolerance alone is broken
         breached = []
         for name, got in check.answers.items():
             bound = self.bounds[name]
             error = bound.error(got, exact[name])
             self.figures.parity_error[name].observe(error)
+            self.worst[name] = max(self.worst[name], error)
             # As the export's validation judges every input scale: within the tolerance, or no further from the
             # exact answer than FLOAT32_FACTOR times float32 arithmetic of the same module is (large inputs).
             if error <= bound.limit:
                 continue
             if float32 is None:
-                computed = exact_attention(self.weights, self.num_heads, *inputs, np.float32)
-                float32 = dict(zip(PARITY_OUTPUTS, computed, strict=True))
+                float32 = dict(zip(PARITY_OUTPUTS, check.computed(np.float32), strict=True))
             allowed = max(bound.limit, FLOAT32_FACTOR * bound.error(float32[name], exact[name]))
             if not error <= allowed:  # NaN breaches
                 worst = np.unravel_index(int(np.nanargmax(np.abs(got - exact[name]))), got.shape)
@@ -247,4 +311,4 @@ class LiveParity:
                                 f"({float(got[worst]):.6g}, exactly {float(exact[name][worst]):.6g})")  # fmt: skip
         self.figures.parity_checks["breached" if breached else "held"].value += 1
         if breached:
-            log.warning("%s: parity breached by request %r: %s", self.label, check.request_id, "; ".join(breached))
+            log.warning("%s: parity breached by %s: %s", self.label, check.what, "; ".join(breached))

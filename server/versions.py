@@ -88,7 +88,7 @@ class VersionFactory:
             parity = LiveParity.open(folder.graph_path, folder.manifest, num_heads, model.parity_share, model_metrics,
                                      label)  # fmt: skip
         batched = BatchedRuntime.build(folder, model, self.share, on_batch, parity)
-        return batched, SequenceRuntime.build(batched.graphs, model, self.sequences, self.share)
+        return batched, SequenceRuntime.build(batched.graphs, model, self.sequences, self.share, parity)
 
     def _on_batch(self, stats: ModelStatistics, model_metrics, info) -> Callable[[BatchResult], None]:
         """What each finished run of the version's batcher records: its statistics, metrics and workspace."""

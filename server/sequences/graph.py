@@ -69,6 +69,13 @@ class StepCache:
     def on_host(self) -> bool:
         return isinstance(self.key, np.ndarray)
 
+    def held(self) -> tuple[np.ndarray, np.ndarray]:
+        """Its keys and values on the host, its ``length`` rows alone (on the CPU views: rows held are never
+        written again; on CUDA copies)."""
+        if self.on_host:
+            return self.key[:, :, : self.length], self.value[:, :, : self.length]
+        return self.key.numpy(), self.value.numpy()
+
     @property
     def capacity(self) -> int:
         return self.key.shape[2] if self.on_host else self.key.shape()[2]

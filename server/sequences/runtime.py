@@ -20,6 +20,7 @@ from ..inference import InferenceRequest
 from ..model_config import ModelSettings
 from ..outputs import asks_for_weights, outputs_from_run
 from ..parameters import SequenceParameters, weights_shaping
+from ..parity import LiveParity
 from ..session import CPU
 from ..tensors import RunInputs
 from .graph import Step, StepGraph
@@ -60,20 +61,33 @@ class SequenceRuntime:
     which refuses every step, saying why."""
 
     def __init__(
-        self, sequences: Sequences, runs: StepRuns | None, cross_runs: StepRuns | None = None, *, computed_in: str
+        self,
+        sequences: Sequences,
+        runs: StepRuns | None,
+        cross_runs: StepRuns | None = None,
+        *,
+        computed_in: str,
+        parity: LiveParity | None = None,
     ):
         self.sequences, self.runs, self.cross_runs, self.computed_in = sequences, runs, cross_runs, computed_in
+        self.parity = parity  # the version's live parity, which checks a share of its steps too
 
     @classmethod
     def build(
-        cls, graphs: AttentionGraphs, model: ModelSettings, sequences: Sequences, share: ProcessShare
+        cls,
+        graphs: AttentionGraphs,
+        model: ModelSettings,
+        sequences: Sequences,
+        share: ProcessShare,
+        parity: LiveParity | None = None,
     ) -> SequenceRuntime:
-        """The steps of the folder of ``graphs``, on its step graphs, where it has them."""
+        """The steps of the folder of ``graphs``, on its step graphs, where it has them; ``parity`` checks a share
+        of them."""
         runs = [
             None if graph is None else StepRuns(graph, share.executor, model.max_batch_size, share.step_runs_made)
             for graph in open_step_graphs(graphs)
         ]
-        return cls(sequences, *runs, computed_in=graphs.info.computed_in)
+        return cls(sequences, *runs, computed_in=graphs.info.computed_in, parity=parity)
 
     @property
     def serves_sequences(self) -> bool:
@@ -179,6 +193,9 @@ class SequenceRuntime:
             )
         if error is not None:  # the cache is not grown by a step that overflowed
             raise error
+        if self.parity is not None:
+            self.parity.offer_step(request.id, str(request.sequence_step.id), attention, step.cache.held,
+                                   sequence.cross, answer)  # fmt: skip
         if not sequence.ended:  # restarted while this step ran: its answer stands, the old cache does not
             self.sequences.grow(sequence, cache)
         if not sequence.started:

@@ -47,17 +47,19 @@ def test_a_faithful_export_holds_at_every_input_scale(start_server, small_model_
     assert counted == {"held": 16, "breached": 0, "dropped": 0}, counted
 
 
-def drifted_copy(model_dir, into):
-    """The folder with its full graph's score scaling 1% off, its weights untouched (the manifest's sha256
-    updated, so the server serves it)."""
+def drifted_copy(model_dir, into, graph_file="model.onnx"):
+    """The folder with one graph's score scaling 1% off (the full graph's divisor, a step graph's scale), its
+    weights untouched (the manifest's sha256 updated, so the server serves it)."""
     shutil.copytree(model_dir, into)
-    graph = onnx.load(into / "model.onnx")
-    divisor = next(node.input[1] for node in graph.graph.node if node.op_type == "Div")
-    tensor = next(t for t in graph.graph.initializer if t.name == divisor)
-    tensor.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(tensor) * np.float32(1.01), divisor))
-    onnx.save(graph, into / "model.onnx")
+    graph = onnx.load(into / graph_file)
+    scaling = next(node.input[1] for node in graph.graph.node
+                   if node.op_type == "Div" or (node.op_type == "Mul" and node.input[1] == "scale"))  # fmt: skip
+    tensor = next(t for t in graph.graph.initializer if t.name == scaling)
+    tensor.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(tensor) * np.float32(1.01), scaling))
+    onnx.save(graph, into / graph_file)
     manifest = json.loads((into / "manifest.json").read_text())
-    manifest["files"]["model_sha256"] = hashlib.sha256((into / "model.onnx").read_bytes()).hexdigest()
+    digest = next(key for key, name in manifest["files"].items() if name == graph_file)
+    manifest["files"][f"{digest}_sha256"] = hashlib.sha256((into / graph_file).read_bytes()).hexdigest()
     (into / "manifest.json").write_text(json.dumps(manifest))
     return into
 
@@ -97,3 +99,36 @@ def test_the_reference_is_the_module_in_float64_read_from_the_served_file(small_
     np.testing.assert_allclose(output, want_output.numpy(), atol=1e-12)
     np.testing.assert_allclose(attn, want_attn.numpy(), atol=1e-12)
     assert not output[0, 2].any() and not attn[0, :, 2].any()
+
+
+def stepped(server, rng) -> None:
+    """A self-attention sequence of three steps and a cross-attention one of two (keys given with each)."""
+    x = rng.standard_normal((1, 9, SMALL_D_MODEL)).astype(np.float32)
+    keys = rng.standard_normal((1, 6, SMALL_D_MODEL)).astype(np.float32)
+    with Client(server.url) as client:
+        with client.sequence("self") as sequence:
+            for rows in (x[:, :4], x[:, 4:5], x[:, 5:]):
+                sequence.step(rows, request_id="self-step")
+        with client.sequence("cross") as sequence:
+            sequence.step(x[:, :3], key=keys[:, :4], value=keys[:, :4])
+            sequence.step(x[:, 3:4], key=keys[:, 4:], value=keys[:, 4:], end=True)
+
+
+def test_sequence_steps_are_checked_over_the_keys_and_values_the_server_holds(start_server, small_model_dir):
+    server = start_server(small_model_dir, "--parity-share", "1")
+    stepped(server, np.random.default_rng(8))
+    deadline = time.monotonic() + 30
+    while (counted := checks(server)).get("held", 0) < 5 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert counted == {"held": 5, "breached": 0, "dropped": 0}, counted
+
+
+def test_a_step_graph_that_drifts_is_caught_and_its_sequence_named(start_server, small_model_dir, tmp_path):
+    server = start_server(drifted_copy(small_model_dir, tmp_path / "drifted", "model_step.onnx"), "--parity-share", "1")
+    stepped(server, np.random.default_rng(9))
+    deadline = time.monotonic() + 30
+    while (counted := checks(server)).get("held", 0) + counted.get("breached", 0) < 5 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    # The self-attention steps ran on the drifted graph; the cross-attention ones on their own, untouched.
+    assert counted == {"held": 2, "breached": 3, "dropped": 0}, counted
+    assert "parity breached by request 'self-step' (a step of sequence 'self')" in server.log, server.log
