@@ -38,13 +38,18 @@ def model_metadata(served: ServedModel, ready_versions: list[int]) -> dict:
     def tensors(specs):
         return [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)} for t in specs]
 
-    return {
+    metadata = {
         "name": s.name,
         "versions": [str(v) for v in ready_versions],
         "platform": PLATFORM,
         "inputs": tensors(input_specs(s.d_model)),
         "outputs": tensors(output_specs(s.d_model, s.num_heads, s.precision)),
     }
+    parity = served.batched.parity
+    if parity is not None:  # how far its answers are proven, where it checks them (live parity)
+        summary = parity.summary()
+        metadata["parameters"] = {f"parity_{name}": summary[name] for name in ("share", "checked", "breached")}
+    return metadata
 
 
 def model_config(served: ServedModel) -> dict:
@@ -101,8 +106,10 @@ def model_statistics(served: ServedModel) -> dict:
     def duration(d: Duration) -> dict:
         return {"count": d.count, "ns": d.ns}
 
+    parity = served.batched.parity
     with s.lock:
         return {
+            **({"parity": parity.summary()} if parity is not None else {}),
             "name": served.signature.name,
             "version": served.signature.version,
             "last_inference": s.last_inference_ms,
@@ -147,7 +154,18 @@ def merged_statistics(own: list[dict], others: list[list[dict]]) -> list[dict]:
                 for part in ("compute_input", "compute_infer", "compute_output"):
                     _add(batches[batch["batch_size"]][part], batch[part])
             ours["batch_stats"] = [batches[size] for size in sorted(batches)]
+            if "parity" in theirs and "parity" in ours:
+                _add_parity(ours["parity"], theirs["parity"])
+            elif "parity" in theirs:
+                ours["parity"] = copy.deepcopy(theirs["parity"])
     return merged
+
+
+def _add_parity(total: dict, more: dict) -> None:
+    for outcome in ("checked", "held", "breached", "dropped"):
+        total[outcome] += more[outcome]
+    for output, error in more["worst_error"].items():
+        total["worst_error"][output] = max(total["worst_error"].get(output, 0.0), error)
 
 
 def _add(total: dict, more: dict) -> None:

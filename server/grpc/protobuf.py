@@ -106,6 +106,19 @@ def _parameters(parameters) -> Mapping[str, object]:
     }
 
 
+def as_infer_parameters(values: Mapping[str, object]) -> dict[str, dict]:
+    """Plain values as a ``map<string, InferParameter>`` in protobuf's JSON form (the inverse of _parameters)."""
+
+    def choice(value) -> str:
+        if isinstance(value, bool):
+            return "bool_param"
+        if isinstance(value, int):
+            return "int64_param"
+        return "double_param" if isinstance(value, float) else "string_param"
+
+    return {name: {choice(value): value} for name, value in values.items()}
+
+
 def decode_infer_request(request: pb.ModelInferRequest, model: ModelSignature, limits: Limits) -> RunInputs:
     """``request`` decoded and checked against the model it names and the limits (RequestError otherwise)."""
     return run_inputs_of(decode_grpc_request(request), model, limits)

@@ -18,7 +18,7 @@ from .. import describe
 from ..dataplane import DataPlane, InferenceCall
 from ..errors import ErrorKind, RequestError
 from ..security import Callers, certificate_identity
-from .protobuf import decode_grpc_request, encode_grpc_response, grpc_decodes_slowly
+from .protobuf import as_infer_parameters, decode_grpc_request, encode_grpc_response, grpc_decodes_slowly
 from .receipt import abort_refused
 
 log = logging.getLogger("mhaserve.server")
@@ -67,6 +67,8 @@ class ProtocolRpcs:
     async def ModelMetadata(self, request):
         served = self.dataplane.resolve(request.name, request.version)
         metadata = describe.model_metadata(served, self.dataplane.ready_versions(served.signature.name))
+        if "parameters" in metadata:
+            metadata["parameters"] = as_infer_parameters(metadata["parameters"])
         return json_format.ParseDict(metadata, pb.ModelMetadataResponse())
 
     async def ModelConfig(self, request):

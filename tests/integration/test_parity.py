@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+import requests
 
 from mhaserve.client.grpc import Client
 from tests.support import SMALL_D_MODEL, rand, scrape
@@ -45,6 +46,19 @@ def test_a_faithful_export_holds_at_every_input_scale(start_server, small_model_
     while (counted := checks(server)).get("held", 0) < 16 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert counted == {"held": 16, "breached": 0, "dropped": 0}, counted
+    with Client(server.url) as client:  # the version's statistics and metadata say so too
+        parity = client.statistics().parity
+        parameters = client.metadata().parameters
+    assert (parity.share, parity.checked, parity.held, parity.breached, parity.dropped) == (1.0, 16, 16, 0, 0)
+    assert 0 < parity.worst_error["output"] < 1e-3 and 0 < parity.worst_error["attn_weights"] < 1e-3, parity
+    assert {name: value.WhichOneof("parameter_choice") for name, value in parameters.items()} == {
+        "parity_share": "double_param",
+        "parity_checked": "int64_param",
+        "parity_breached": "int64_param",
+    }
+    assert parameters["parity_checked"].int64_param == 16
+    http = requests.get(f"{server.http_url}/v2/models/mha/stats", timeout=5).json()["model_stats"][0]["parity"]
+    assert (http["checked"], http["breached"]) == (16, 0)
 
 
 def drifted_copy(model_dir, into, graph_file="model.onnx"):
