@@ -162,7 +162,7 @@ def merged_statistics(own: list[dict], others: list[list[dict]]) -> list[dict]:
 
 
 def _add_parity(total: dict, more: dict) -> None:
-    for outcome in ("checked", "held", "breached", "dropped"):
+    for outcome in ("checked", "held", "breached", "dropped", "pending"):
         total[outcome] += more[outcome]
     for output, error in more["worst_error"].items():
         total["worst_error"][output] = max(total["worst_error"].get(output, 0.0), error)

@@ -263,11 +263,12 @@ class LiveParity:
             self.figures.parity_checks["dropped"].value += 1
 
     def summary(self) -> dict[str, object]:
-        """The checks so far, as the version's statistics give them: the share asked, the checks by outcome, and
-        each output's largest error (as judged: relative to the answer's magnitude for the output)."""
+        """The checks so far, as the version's statistics give them: the share asked, the checks by outcome, those
+        still pending, and each output's largest error (as judged: relative to the answer's magnitude for the
+        output)."""
         counted = {outcome: int(counter.value) for outcome, counter in self.figures.parity_checks.items()}
         return {"share": self.share, **counted, "checked": counted["held"] + counted["breached"],
-                "worst_error": dict(self.worst)}  # fmt: skip
+                "pending": self._waiting.unfinished_tasks, "worst_error": dict(self.worst)}  # fmt: skip
 
     def close(self) -> None:
         try:
@@ -288,6 +289,8 @@ class LiveParity:
                 self._check(check)
             except Exception:  # a check must never end the thread, nor touch the request
                 log.exception("%s: a parity check of %s failed", self.label, check.what)
+            finally:
+                self._waiting.task_done()  # no longer pending
 
     def _check(self, check: Check) -> None:
         exact = dict(zip(PARITY_OUTPUTS, check.computed(np.float64), strict=True))

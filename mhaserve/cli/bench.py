@@ -95,7 +95,8 @@ def add_bench(sub) -> None:
     p.add_argument("--report", type=Path, metavar="FILE.html", help="write one self-contained HTML report: the "
                    "run, the table, SLO verdicts, the server's side and the plots (needs the plot extra)")  # fmt: skip
     p.add_argument("--slo", action="append", default=[], metavar="TARGET", help="a target each point must meet, "
-                   "repeatable: p50|p90|p95|p99|p99.9<TIME (ms or s), errors<N%%, throughput>N; the command exits 1 "
+                   "repeatable: p50|p90|p95|p99|p99.9<TIME (ms or s), errors<N%%, throughput>N, breaches=N (answers "
+                   "the server's live parity found off float64, at most N); the command exits 1 "
                    "when one is missed (a CI gate), and reports the goodput (requests a second within the latency "
                    "targets)")  # fmt: skip
     add_weights_arguments(p)
@@ -144,7 +145,7 @@ def _run_bench(args) -> int:
     results, judged = _measured(args, workload, points, slos, processes, tls, token)
     missed = _judged_lines(args, results, judged, slos)
     meta = {"url": args.url, "model": args.model, "processes": processes, "title": title, "slo": args.slo,
-            **report.run_metadata(sys.argv, described)}  # fmt: skip
+            **report.run_metadata(sys.argv, described), **_parity_of(results)}  # fmt: skip
     _write_outputs(args, results, judged, meta, title, slos)
     from mhaserve.loadtest.slo import summary, summary_lines
 
@@ -240,6 +241,18 @@ def _judged_lines(args, results: list, judged: list, slos: list) -> list[str]:
             print(f"{result.point.label}: {held}{good}")
         missed += [f"{v['slo']} at {result.point.label} ({v['observed']})" for v in verdict["slo"] if not v["held"]]
     return missed
+
+
+def _parity_of(results: list) -> dict:
+    """The server's live parity over the run, printed beside the latencies: {"parity": the checks added up, or None
+    where it checked none} for the run's record; nothing where its statistics were never read."""
+    from mhaserve.loadtest.server_side import parity_line, parity_of_run
+
+    if all(r.server is None for r in results):
+        return {}
+    parity = parity_of_run([r.server for r in results])
+    print(parity_line(parity))
+    return {"parity": parity}
 
 
 def _write_outputs(args, results: list, judged: list, meta: dict, title: str, slos: list) -> None:

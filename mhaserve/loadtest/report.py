@@ -264,6 +264,10 @@ def write_html(results: list[PointResult], path: Path, meta: dict, judged: list[
     if any(v["slo"] for v in judged):
         parts.append(_slo_html(results, judged))
     parts.append(_server_side_html(results))
+    if "parity" in meta:
+        from .server_side import parity_line
+
+        parts.append(f"<h2>Live parity</h2><p>{html.escape(parity_line(meta['parity']))}</p>")
     grown = [r for r in results if r.by_position]
     if grown:
         parts.append("<h2>Sequence steps by position</h2><ul>" + "".join(

@@ -2,7 +2,8 @@
 over both protocols) read when the client processes have started their measured window and when they have
 ended it, and what the requests completed in between cost it on average: queue, compute (input, infer,
 output), its whole time, and the rows of its runs. What the client measured beyond the server's time is the
-transport's and the client's."""
+transport's and the client's. Where the server checks its answers (live parity), the checks of the window too:
+checked, breached and dropped, read once the checks offered in it are made."""
 
 from __future__ import annotations
 
@@ -52,7 +53,43 @@ def split(before: dict, after: dict, client_mean_ms: float | None) -> dict | Non
     rows = int(after.get("inference_count", 0)) - int(before.get("inference_count", 0))
     side["rows_per_run"] = rows / runs if runs > 0 else None
     side["transport_and_client_ms"] = None if client_mean_ms is None else client_mean_ms - side["server_ms"]
+    if "parity" in after:
+        side["parity"] = parity_between(before.get("parity", {}), after["parity"])
     return side
+
+
+PARITY_COUNTS = ("checked", "breached", "dropped")
+# How long the read at a window's end waits for the checks offered in it (live parity) to be made.
+PARITY_WAIT_S = 10.0
+
+
+def parity_between(before: dict, after: dict) -> dict:
+    """The checks made between two reads of the statistics' ``parity``, and each output's largest error since the
+    version loaded (a largest error cannot be split by window)."""
+    counts = {name: int(after.get(name, 0)) - int(before.get(name, 0)) for name in PARITY_COUNTS}
+    return {**counts, "worst_error": {name: float(e) for name, e in after.get("worst_error", {}).items()}}
+
+
+def parity_of_run(sides: list[dict | None]) -> dict | None:
+    """The points' checks added up (their windows'), with the latest read's largest errors; None where the server
+    checked none of them (no live parity)."""
+    checked = [side["parity"] for side in sides if side is not None and "parity" in side]
+    if not checked:
+        return None
+    return {
+        **{name: sum(p[name] for p in checked) for name in PARITY_COUNTS},
+        "worst_error": checked[-1]["worst_error"],
+    }
+
+
+def parity_line(run: dict | None) -> str:
+    if run is None:
+        return "Live parity: the server checked none of these answers (serve with --parity-share to check them)"
+    worst = ", ".join(f"{name} {error:.2g}" for name, error in sorted(run["worst_error"].items())) or "none yet"
+    return (
+        f"Live parity over the run: {run['checked']} answers checked against float64, {run['breached']} breached, "
+        f"{run['dropped']} dropped (the checks behind); worst error since the version loaded: {worst}"
+    )
 
 
 class WindowReads:
@@ -97,6 +134,10 @@ class WindowReads:
                     self._before_read.set()
             self._wait_for("end")
             self.after = self._read_tried()
+            waited = time.monotonic() + PARITY_WAIT_S
+            while int(self.after.get("parity", {}).get("pending", 0)) and time.monotonic() < waited:
+                time.sleep(0.05)  # the window's checks still being made
+                self.after = self._read_tried()
         except queue.Empty:
             self.unread = "a client process never said when its window " + ("ended" if self.before else "started")
         except Exception as error:  # the server's side is extra: the point stands without it

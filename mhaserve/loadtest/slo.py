@@ -1,8 +1,9 @@
 """Latency targets for ``mhaserve bench --slo``: whether each point met them (a CI gate), and its goodput.
 
-An SLO is ``p50<10ms``, ``p90<..``, ``p99<..``, ``p99.9<0.2s`` (ms or s), ``errors<1%`` (of the requests sent) or
-``throughput>100`` (successful requests a second). Goodput is the requests a second answered within every latency
-target: the tightest of them, applied to each request (as AIPerf's ``--goodput``).
+An SLO is ``p50<10ms``, ``p90<..``, ``p99<..``, ``p99.9<0.2s`` (ms or s), ``errors<1%`` (of the requests sent),
+``throughput>100`` (successful requests a second) or ``breaches=0`` (answers that broke the export's tolerance in the
+server's live parity checks; ``breaches<N`` allows fewer than N). Goodput is the requests a second answered within
+every latency target: the tightest of them, applied to each request (as AIPerf's ``--goodput``).
 """
 
 from __future__ import annotations
@@ -19,17 +20,20 @@ LATENCIES = ("p50", "p90", "p95", "p99", "p99.9")
 # One way to read each number (digits, then an optional fraction; or a fraction alone): a pattern with two ways
 # ([0-9]*\.?[0-9]+) backtracks over every split of a long run of digits that fails to match, quadratic in its length.
 _SLO = re.compile(
-    r"^\s*(p50|p90|p95|p99|p99\.9|errors|throughput)\s*([<>])\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*(ms|s|%)?\s*$"
+    r"^\s*(p50|p90|p95|p99|p99\.9|errors|throughput|breaches)\s*([<>=])\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*(ms|s|%)?\s*$"
 )
 
 
 @dataclass(frozen=True)
 class Slo:
-    metric: str  # one of LATENCIES, "errors", "throughput"
-    limit: float  # ms for a latency, a fraction for errors, requests/s for throughput
+    metric: str  # one of LATENCIES, "errors", "throughput", "breaches"
+    limit: float  # ms for a latency, a fraction for errors, requests/s for throughput, breaches allowed
     text: str  # as the user wrote it
 
     def observed(self, result: PointResult) -> float:
+        if self.metric == "breaches":  # NaN where the server checked none (no live parity)
+            parity = (result.server or {}).get("parity")
+            return math.nan if parity is None or not parity["checked"] else float(parity["breached"])
         if self.metric == "throughput":
             return result.throughput
         if self.metric == "errors":
@@ -50,9 +54,13 @@ class Slo:
         observed = self.observed(result)
         if np.isnan(observed):  # no request answered: no latency held
             return False
+        if self.metric == "breaches":
+            return observed <= self.limit
         return observed > self.limit if self.metric == "throughput" else observed < self.limit
 
     def shown(self, value: float) -> str:
+        if self.metric == "breaches":
+            return "no answer checked (serve with --parity-share)" if np.isnan(value) else f"{value:.0f} breached"
         if self.metric == "errors":
             return f"{value * 100:.2f}%"
         return f"{value:.1f}/s" if self.metric == "throughput" else f"{value:.3f} ms"
@@ -64,12 +72,19 @@ def parse_slo(text: str) -> Slo:
     if match is None:
         raise ValueError(
             f"--slo {text!r}: expected p50, p90, p95, p99 or p99.9 '<' a time (e.g. p99<20ms, p99.9<0.5s), "
-            "errors<N%, or throughput>N"
+            "errors<N%, throughput>N, or breaches=0"
         )
     metric, sign, number, unit = match.groups()
     value = float(number)
     if not math.isfinite(value):
         raise ValueError(f"--slo {text[:40]!r}...: the number is too large to be a target")
+    if metric == "breaches":
+        if sign == ">" or unit is not None or not value.is_integer() or (sign == "<" and value < 1):
+            raise ValueError(f"--slo {text!r}: a parity target reads like breaches=0 (at most that many) or "
+                             "breaches<5 (fewer than that)")  # fmt: skip
+        return Slo(metric, value if sign == "=" else value - 1, text.strip())
+    if sign == "=":
+        raise ValueError(f"--slo {text!r}: '=' is for breaches=N; a {metric} target takes '<' or '>'")
     if metric in LATENCIES:
         if sign != "<" or unit not in ("ms", "s"):
             raise ValueError(f"--slo {text!r}: a latency target reads like {metric}<20ms or {metric}<0.5s")

@@ -323,7 +323,7 @@ class ModelStatistics(_message.Message):
     def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., last_inference: _Optional[int] = ..., inference_count: _Optional[int] = ..., execution_count: _Optional[int] = ..., inference_stats: _Optional[_Union[InferStatistics, _Mapping]] = ..., batch_stats: _Optional[_Iterable[_Union[InferBatchStatistics, _Mapping]]] = ..., parity: _Optional[_Union[ParityStatistics, _Mapping]] = ...) -> None: ...
 
 class ParityStatistics(_message.Message):
-    __slots__ = ("share", "checked", "held", "breached", "dropped", "worst_error")
+    __slots__ = ("share", "checked", "held", "breached", "dropped", "worst_error", "pending")
     class WorstErrorEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -337,13 +337,15 @@ class ParityStatistics(_message.Message):
     BREACHED_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
     WORST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
     share: float
     checked: int
     held: int
     breached: int
     dropped: int
     worst_error: _containers.ScalarMap[str, float]
-    def __init__(self, share: _Optional[float] = ..., checked: _Optional[int] = ..., held: _Optional[int] = ..., breached: _Optional[int] = ..., dropped: _Optional[int] = ..., worst_error: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    pending: int
+    def __init__(self, share: _Optional[float] = ..., checked: _Optional[int] = ..., held: _Optional[int] = ..., breached: _Optional[int] = ..., dropped: _Optional[int] = ..., worst_error: _Optional[_Mapping[str, float]] = ..., pending: _Optional[int] = ...) -> None: ...
 
 class ModelStatisticsResponse(_message.Message):
     __slots__ = ("model_stats",)

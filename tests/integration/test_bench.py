@@ -276,3 +276,32 @@ def test_a_server_side_that_could_not_be_read_is_said_not_dropped(server):
     assert result.count > 0 and result.server is None  # the point stands without the server's side
     said = "server side at concurrency 1: not read, its statistics could not be read: ConnectionError: the statistics"
     assert said + " endpoint is gone" in notes([result])
+
+
+@pytest.mark.parametrize("faithful", [True, False], ids=["faithful", "drifted"])
+def test_the_server_s_live_parity_is_reported_beside_latency_and_gated(start_server, small_model_dir, tmp_path,
+                                                                        faithful):  # fmt: skip
+    from tests.support.exports import drifted_copy
+
+    model_dir = small_model_dir if faithful else drifted_copy(small_model_dir, tmp_path / "drifted")
+    server = start_server(model_dir, "--parity-share", "1", "--output-only-graph", "false")
+    done = bench(server, "--concurrency", "1", "--slo", "breaches=0", "--json", str(tmp_path / "r.json"))
+    run = json.loads((tmp_path / "r.json").read_text())
+    parity, (point,) = run["meta"]["parity"], run["points"]
+    assert parity["checked"] > 0 and parity["dropped"] >= 0, parity
+    assert f"Live parity over the run: {parity['checked']} answers checked against float64" in done.stdout
+    if faithful:
+        assert done.returncode == 0 and parity["breached"] == 0 and 0 < parity["worst_error"]["output"] < 1e-5
+        assert "breaches=0 held (0 breached)" in done.stdout and "PASS  breaches=0" in done.stdout
+    else:
+        assert done.returncode == 1 and parity["breached"] == parity["checked"], done.stdout
+        assert f"breaches=0 MISSED ({point['server']['parity']['breached']} breached)" in done.stdout
+
+
+def test_a_parity_gate_on_a_server_that_checks_nothing_is_missed_saying_why(server):
+    done = bench(server, "--concurrency", "1", "--slo", "breaches=0")
+    assert done.returncode == 1, done.stdout
+    assert "breaches=0 MISSED (no answer checked (serve with --parity-share))" in done.stdout
+    assert "Live parity: the server checked none of these answers" in done.stdout
+    bad = bench(server, "--slo", "breaches<0")
+    assert bad.returncode == 2 and "a parity target reads like breaches=0" in bad.stderr, bad.stderr

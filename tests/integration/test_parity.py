@@ -4,9 +4,6 @@ drifts while its weights stay (its 1/sqrt(d_k) scaling 1% off) is caught, counte
 
 from __future__ import annotations
 
-import hashlib
-import json
-import shutil
 import time
 
 import numpy as np
@@ -15,8 +12,9 @@ import requests
 
 from mhaserve.client.grpc import Client
 from tests.support import SMALL_D_MODEL, rand, scrape
+from tests.support.exports import drifted_copy
 
-onnx = pytest.importorskip("onnx")  # the export extra: the drifted graph is written with it
+pytest.importorskip("onnx")  # the export extra: the drifted graph is written with it
 
 
 def checks(server) -> dict[str, float]:
@@ -59,23 +57,6 @@ def test_a_faithful_export_holds_at_every_input_scale(start_server, small_model_
     assert parameters["parity_checked"].int64_param == 16
     http = requests.get(f"{server.http_url}/v2/models/mha/stats", timeout=5).json()["model_stats"][0]["parity"]
     assert (http["checked"], http["breached"]) == (16, 0)
-
-
-def drifted_copy(model_dir, into, graph_file="model.onnx"):
-    """The folder with one graph's score scaling 1% off (the full graph's divisor, a step graph's scale), its
-    weights untouched (the manifest's sha256 updated, so the server serves it)."""
-    shutil.copytree(model_dir, into)
-    graph = onnx.load(into / graph_file)
-    scaling = next(node.input[1] for node in graph.graph.node
-                   if node.op_type == "Div" or (node.op_type == "Mul" and node.input[1] == "scale"))  # fmt: skip
-    tensor = next(t for t in graph.graph.initializer if t.name == scaling)
-    tensor.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(tensor) * np.float32(1.01), scaling))
-    onnx.save(graph, into / graph_file)
-    manifest = json.loads((into / "manifest.json").read_text())
-    digest = next(key for key, name in manifest["files"].items() if name == graph_file)
-    manifest["files"][f"{digest}_sha256"] = hashlib.sha256((into / graph_file).read_bytes()).hexdigest()
-    (into / "manifest.json").write_text(json.dumps(manifest))
-    return into
 
 
 def test_a_graph_that_drifts_from_its_weights_is_caught_counted_and_logged(start_server, small_model_dir, tmp_path):

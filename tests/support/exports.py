@@ -9,6 +9,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import importlib
+import json
 import re
 import shutil
 from importlib import metadata
@@ -63,3 +64,23 @@ class ExportCache:
                 manifest = export_model_dir(module, out, report=lambda _: None, **options)
                 assert manifest["valid"], f"the {name} export failed validation: {manifest['validation']}"
         return out
+
+
+def drifted_copy(model_dir, into, graph_file="model.onnx"):
+    """The folder with one graph's score scaling 1% off (the full graph's divisor, a step graph's scale), its
+    weights untouched (the manifest's sha256 updated, so the server serves it)."""
+    shutil.copytree(model_dir, into)
+    import numpy as np
+    import onnx  # the export extra
+
+    graph = onnx.load(into / graph_file)
+    scaling = next(node.input[1] for node in graph.graph.node
+                   if node.op_type == "Div" or (node.op_type == "Mul" and node.input[1] == "scale"))  # fmt: skip
+    tensor = next(t for t in graph.graph.initializer if t.name == scaling)
+    tensor.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(tensor) * np.float32(1.01), scaling))
+    onnx.save(graph, into / graph_file)
+    manifest = json.loads((into / "manifest.json").read_text())
+    digest = next(key for key, name in manifest["files"].items() if name == graph_file)
+    manifest["files"][f"{digest}_sha256"] = hashlib.sha256((into / graph_file).read_bytes()).hexdigest()
+    (into / "manifest.json").write_text(json.dumps(manifest))
+    return into

@@ -45,10 +45,11 @@ def test_a_version_only_another_worker_serves_is_not_added_and_a_silent_worker_c
 
 
 def test_live_parity_s_checks_are_added_up_and_the_worst_error_is_the_worst_of_any_worker():
-    parity = {"share": 0.5, "checked": 3, "held": 3, "breached": 0, "dropped": 1, "worst_error": {"output": 2e-7}}
+    parity = {"share": 0.5, "checked": 3, "held": 3, "breached": 0, "dropped": 1, "pending": 0,
+              "worst_error": {"output": 2e-7}}  # fmt: skip
     theirs = {**parity, "checked": 4, "held": 3, "breached": 1, "worst_error": {"output": 0.3, "attn_weights": 1e-8}}
     (merged,) = merged_statistics([{**stats(), "parity": parity}], [[{**stats(), "parity": theirs}]])
-    assert merged["parity"] == {"share": 0.5, "checked": 7, "held": 6, "breached": 1, "dropped": 2,
+    assert merged["parity"] == {"share": 0.5, "checked": 7, "held": 6, "breached": 1, "dropped": 2, "pending": 0,
                                 "worst_error": {"output": 0.3, "attn_weights": 1e-8}}  # fmt: skip
     assert parity["worst_error"] == {"output": 2e-7}  # this worker's own figures are left as they were
     (only_theirs,) = merged_statistics([stats()], [[{**stats(), "parity": theirs}]])
