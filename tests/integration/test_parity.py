@@ -127,3 +127,30 @@ def test_a_step_graph_that_drifts_is_caught_and_its_sequence_named(start_server,
     # The self-attention steps ran on the drifted graph; the cross-attention ones on their own, untouched.
     assert counted == {"held": 2, "breached": 3, "dropped": 0}, counted
     assert "parity breached by request 'self-step' (a step of sequence 'self')" in server.log, server.log
+
+
+def error_buckets(server, output: str) -> dict[float, float]:
+    """The parity error histogram of ``output``: its cumulative count at each bucket's upper bound."""
+    return {float(dict(labels)["le"]): value for (name, labels), value in scrape(server.metrics_url).items()
+            if name == "mhaserve_parity_error_bucket" and dict(labels)["output"] == output}  # fmt: skip
+
+
+def test_a_float16_model_near_the_edge_of_its_range_shows_its_errors_in_the_histogram(start_server, exported,
+                                                                                      small_module):  # fmt: skip
+    from mhaserve.contract.model_dir import read_manifest
+
+    fp16_dir = exported.folder("fp16", small_module, precision="fp16")
+    edge = read_manifest(fp16_dir)["validation"]["input_scales"]["max_abs_input"]  # the server refuses past it
+    server = start_server(fp16_dir, "--parity-share", "1")
+    with Client(server.url) as client:
+        for seed in range(4):  # inputs whose largest magnitude is the edge the export was validated to
+            x = rand(2, 9, SMALL_D_MODEL, seed=seed)
+            client.infer(x * np.float32(0.999 * edge / np.abs(x).max()))
+    deadline = time.monotonic() + 30
+    while (counted := checks(server)).get("held", 0) + counted.get("breached", 0) < 4 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert counted == {"held": 4, "breached": 0, "dropped": 0}, counted  # within float16's stated tolerance
+    buckets = error_buckets(server, "output")
+    # float16's rounding shows: every error above 1e-4 (float32's sit near 1e-7), none past its tolerance (4e-3).
+    # (The weights are one-hot at this scale, as exact in float16 as in float64.)
+    assert buckets[1e-4] == 0 and buckets[4e-3] == 4, buckets
