@@ -20,10 +20,15 @@ from __future__ import annotations
 import numpy as np
 
 from mhaserve.contract.signature import (
+    ATTN_ENTROPY,
+    ATTN_MAX,
+    ATTN_MAX_INDEX,
+    ATTN_SINK,
     ATTN_TOP_K_INDICES,
     ATTN_TOP_K_VALUES,
     ATTN_WEIGHTS,
     ATTN_WEIGHTS_MEAN,
+    SUMMARY_OUTPUT_NAMES,
 )
 
 from . import kernels
@@ -51,16 +56,20 @@ def shaped_weights(weights: np.ndarray, outputs: tuple[str, ...], shaping: Weigh
         if ATTN_WEIGHTS_MEAN in outputs:
             answer[ATTN_WEIGHTS_MEAN] = mean_over_heads(weights)
         answer.update(_unranked(weights.shape[:-1], weights.dtype, outputs))
+        answer.update(summaries(weights, outputs))
         return answer
     chosen = weights
     if shaping.heads is not None:
         chosen = chosen[:, list(shaping.heads)]
     if shaping.rows is not None:
         chosen = chosen[:, :, slice(*shaping.rows)]
+    dtype = shaping.dtype or weights.dtype
+    answer = {
+        name: _as(summary, dtype) if summary.dtype.kind == "f" and name != ATTN_ENTROPY else summary
+        for name, summary in summaries(chosen, outputs).items()
+    }  # of the heads and rows chosen, every key
     if shaping.keys is not None:
         chosen = chosen[..., slice(*shaping.keys)]
-    dtype = shaping.dtype or weights.dtype
-    answer = {}
     if ATTN_WEIGHTS in outputs:
         answer[ATTN_WEIGHTS] = _as(chosen, dtype)
     if ATTN_WEIGHTS_MEAN in outputs:
@@ -78,6 +87,40 @@ def shaped_weights(weights: np.ndarray, outputs: tuple[str, ...], shaping: Weigh
             answer[ATTN_TOP_K_VALUES] = _as(values, dtype)
         if ATTN_TOP_K_INDICES in outputs:
             answer[ATTN_TOP_K_INDICES] = indices
+    return answer
+
+
+# A weight's logarithm where it is 0 (a masked key): finite, so that 0 * log contributes 0 to the entropy.
+_SMALLEST_WEIGHT = np.float32(1e-30)
+
+
+def summaries(weights: np.ndarray, outputs: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """The summaries of each head's query row that ``outputs`` names, over every key of ``weights`` [B, h, Lq, Lk]
+    (float32, the entropy always; the weights' own datatype otherwise): the entropy of the row's weights in nats,
+    its weight on the first key, its largest weight and that key's position (the lowest where several tie; -1 on a
+    row that may attend no key, whose weights are zeros)."""
+    asked = [name for name in SUMMARY_OUTPUT_NAMES if name in outputs]
+    if not asked:
+        return {}
+    answer = {}
+    if ATTN_ENTROPY in asked:
+        p = weights.astype(np.float32, copy=False)
+        logs = np.maximum(p, _SMALLEST_WEIGHT)
+        np.log(logs, out=logs)
+        np.multiply(logs, p, out=logs)
+        answer[ATTN_ENTROPY] = np.negative(logs.sum(axis=-1))
+    if ATTN_SINK in asked:
+        answer[ATTN_SINK] = (
+            np.ascontiguousarray(weights[..., 0]) if weights.shape[-1] else np.zeros(weights.shape[:-1], weights.dtype)
+        )
+    if ATTN_MAX in asked or ATTN_MAX_INDEX in asked:
+        empty = weights.shape[-1] == 0
+        largest = np.zeros(weights.shape[:-1], weights.dtype) if empty else weights.max(axis=-1)
+        if ATTN_MAX in asked:
+            answer[ATTN_MAX] = largest
+        if ATTN_MAX_INDEX in asked:
+            index = np.zeros(weights.shape[:-1], np.int64) if empty else weights.argmax(axis=-1).astype(np.int64)
+            answer[ATTN_MAX_INDEX] = np.where(largest > 0, index, -1)
     return answer
 
 

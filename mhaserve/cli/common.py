@@ -133,13 +133,16 @@ def add_weights_arguments(p) -> None:
                         "of its weight")  # fmt: skip
     p.add_argument("--weights-precision", choices=("fp32", "fp16"), default=None,
                    help="the weights' datatype (fp16: half the bytes; default: the model's)")  # fmt: skip
+    p.add_argument("--summaries", action="store_true", help="each head's query rows summarised over every key: the "
+                   "entropy of its weights, its weight on the first key, its largest weight and that key")  # fmt: skip
 
 
 def weights_options(args):
     from mhaserve.client import WeightsOptions
 
-    options = WeightsOptions(args.heads, args.rows, args.keys, args.top_k, args.top_p, args.weights_precision)
-    return options if options.parameters() else None
+    options = WeightsOptions(args.heads, args.rows, args.keys, args.top_k, args.top_p, args.weights_precision,
+                             args.summaries)  # fmt: skip
+    return options if options.parameters() or options.summaries else None
 
 
 def add_shared_memory_argument(parser) -> None:

@@ -157,6 +157,8 @@ def _run_infer(args) -> int:
         f"latency ms over {len(lat)} calls: p50 {np.percentile(lat, 50):.3f}  p90 {np.percentile(lat, 90):.3f}  "
         f"min {lat.min():.3f}  max {lat.max():.3f} (first call included)"
     )
+    for line in _summary_lines(result.summaries, args.item) if result.summaries else ():
+        print(line)
     if args.save:
         np.savez(args.save, **arrays, **outputs)
         print(f"saved {args.save}")
@@ -171,6 +173,17 @@ def _run_infer(args) -> int:
         write_heatmap(drawn, args.heatmap, title=f"{args.model}: item {args.item}, {what}")
         print(f"wrote {args.heatmap} (item {args.item}, {what})")
     return 0
+
+
+def _summary_lines(summaries: dict, item: int) -> list[str]:
+    """Each head's last query row of batch item ``item`` (0 where there is none such), summarised."""
+    item = item if 0 <= item < summaries["entropy"].shape[0] else 0
+    lines = [f"summaries of item {item}, last query row (entropy in nats; sink: the weight on key 0):"]
+    for head in range(summaries["entropy"].shape[1]):
+        entropy, sink, largest, key = (summaries[name][item, head, -1] for name in ("entropy", "sink", "max",
+                                                                                      "max_index"))  # fmt: skip
+        lines.append(f"  head {head}: entropy {entropy:.3f}, sink {sink:.4f}, largest {largest:.4f} at key {key}")
+    return lines
 
 
 def _heatmap_weights(result, args, options, kv_len: int):

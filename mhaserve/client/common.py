@@ -13,7 +13,14 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from mhaserve.contract.signature import ATTN_TOP_K_INDICES, ATTN_TOP_K_VALUES, ATTN_WEIGHTS, ATTN_WEIGHTS_MEAN, OUTPUT
+from mhaserve.contract.signature import (
+    ATTN_TOP_K_INDICES,
+    ATTN_TOP_K_VALUES,
+    ATTN_WEIGHTS,
+    ATTN_WEIGHTS_MEAN,
+    OUTPUT,
+    SUMMARY_OUTPUT_NAMES,
+)
 
 TOKEN_ENV = "MHASERVE_TOKEN"  # the bearer token the CLI sends when --token-file is not given
 
@@ -100,6 +107,16 @@ class InferResult:
             return None
         return self.outputs[ATTN_TOP_K_VALUES], self.outputs.get(ATTN_TOP_K_INDICES)
 
+    @property
+    def summaries(self) -> dict[str, np.ndarray] | None:
+        """Per head and query row [B, h', Lq'] (``WeightsOptions(summaries=True)``): ``entropy`` of its weights in
+        nats, ``sink`` (its weight on the first key), ``max`` (its largest weight) and ``max_index`` (that key's
+        position, -1 on a row that attends no key)."""
+        if not any(name in self.outputs for name in SUMMARY_OUTPUT_NAMES):
+            return None
+        return {name.removeprefix("attn_weights_"): self.outputs[name] for name in SUMMARY_OUTPUT_NAMES
+                if name in self.outputs}  # fmt: skip
+
 
 def _range_text(window) -> str | None:
     if window is None or isinstance(window, str):
@@ -115,8 +132,9 @@ def _range_text(window) -> str | None:
 class WeightsOptions:
     """What a request asks of the attention weights (the server's ``attn_*`` request parameters): chosen
     ``heads``, query ``rows`` and a key window ``keys`` (``"0:32"``, ``slice(0, 32)`` or ``(0, 32)``), the
-    ``top_k`` keys of each row or the fewest holding a fraction ``top_p`` of its mass, and ``precision``
-    (``"fp32"`` or ``"fp16"``)."""
+    ``top_k`` keys of each row or the fewest holding a fraction ``top_p`` of its mass, ``precision``
+    (``"fp32"`` or ``"fp16"``), and ``summaries``: each head's query row summarised over every key (its entropy,
+    weight on the first key, largest weight and that key: InferResult.summaries) rather than its weights."""
 
     heads: tuple[int, ...] | list[int] | None = None
     rows: str | slice | tuple | None = None
@@ -124,6 +142,7 @@ class WeightsOptions:
     top_k: int | None = None
     top_p: float | None = None
     precision: str | None = None
+    summaries: bool = False
 
     @property
     def ranked(self) -> bool:
@@ -299,4 +318,5 @@ def requested_outputs(attn_weights: bool, attn_weights_mean: bool, weights: Weig
     """The output, every head's weights unless not wanted, their mean over heads when asked for, and the top-k
     keys' weights and positions when ``weights`` ranks them."""
     ranked = [ATTN_TOP_K_VALUES, ATTN_TOP_K_INDICES] if weights is not None and weights.ranked else []
-    return [OUTPUT] + [ATTN_WEIGHTS] * attn_weights + [ATTN_WEIGHTS_MEAN] * attn_weights_mean + ranked
+    summarised = list(SUMMARY_OUTPUT_NAMES) if weights is not None and weights.summaries else []
+    return [OUTPUT] + [ATTN_WEIGHTS] * attn_weights + [ATTN_WEIGHTS_MEAN] * attn_weights_mean + ranked + summarised

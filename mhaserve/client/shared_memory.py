@@ -18,7 +18,7 @@ from multiprocessing import shared_memory
 import numpy as np
 
 from mhaserve.contract.datatypes import DATATYPES
-from mhaserve.contract.signature import ATTN_TOP_K_INDICES, OUTPUT
+from mhaserve.contract.signature import ATTN_TOP_K_INDICES, OUTPUT, SUMMARY_OUTPUT_NAMES
 
 _COUNTER = itertools.count()
 
@@ -27,6 +27,8 @@ def output_bytes_at_most(name: str, batch: int, q_len: int, kv_len: int, d_model
     """The most bytes output ``name`` can take for this request, whatever the weights' shaping asks."""
     if name == OUTPUT:
         return 4 * batch * q_len * d_model
+    if name in SUMMARY_OUTPUT_NAMES:  # one value per head and query row, the key's position an int64
+        return 8 * batch * num_heads * q_len
     per_value = 8 if name == ATTN_TOP_K_INDICES else 4
     return per_value * batch * num_heads * q_len * kv_len
 

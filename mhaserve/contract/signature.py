@@ -11,13 +11,18 @@ QUERY, KEY, VALUE, MASK = "query", "key", "value", "mask"
 OUTPUT, ATTN_WEIGHTS, ATTN_WEIGHTS_MEAN = "output", "attn_weights", "attn_weights_mean"
 # The top-k (or top-p) keys of each query row: their weights, and their positions in the full key sequence.
 ATTN_TOP_K_VALUES, ATTN_TOP_K_INDICES = "attn_weights_top_k_values", "attn_weights_top_k_indices"
+# Per head and query row, over every key: the entropy of its weights (nats), the weight on the first key (the
+# attention sink), and its largest weight and that key's position (-1 on a row that may attend no key).
+ATTN_ENTROPY, ATTN_SINK = "attn_weights_entropy", "attn_weights_sink"
+ATTN_MAX, ATTN_MAX_INDEX = "attn_weights_max", "attn_weights_max_index"
+SUMMARY_OUTPUT_NAMES = (ATTN_ENTROPY, ATTN_SINK, ATTN_MAX, ATTN_MAX_INDEX)
 
 INPUT_NAMES = (QUERY, KEY, VALUE, MASK)
 # What the ONNX graph computes. The mean over heads is the server's: one pass over the weights when a
 # client asks for it, where a graph output would cost every run that pass (ONNX Runtime runs every node
 # whichever outputs are fetched).
 GRAPH_OUTPUT_NAMES = (OUTPUT, ATTN_WEIGHTS)
-OUTPUT_NAMES = (OUTPUT, ATTN_WEIGHTS, ATTN_WEIGHTS_MEAN, ATTN_TOP_K_VALUES, ATTN_TOP_K_INDICES)
+OUTPUT_NAMES = (OUTPUT, ATTN_WEIGHTS, ATTN_WEIGHTS_MEAN, ATTN_TOP_K_VALUES, ATTN_TOP_K_INDICES, *SUMMARY_OUTPUT_NAMES)
 # The outputs made from the weights, which a request's shaping parameters shape.
 WEIGHTS_OUTPUT_NAMES = OUTPUT_NAMES[1:]
 # The request parameters that shape them (server/shaping.py says what each does).
@@ -60,9 +65,10 @@ def input_specs(d_model: int) -> list[TensorSpec]:
 
 def output_specs(d_model: int, num_heads: int, precision: str = "fp32") -> list[TensorSpec]:
     """What a request may ask for: the output [B, Lq, d], the weights [B, h, Lq, Lk], their mean over heads
-    [B, Lq, Lk] (as nn.MultiheadAttention returns by default; h times fewer bytes), and each query row's top-k
-    keys, weights and positions [B, h, Lq, k]. A request's shaping parameters choose heads, rows and keys (so
-    the heads dim is h or fewer) and may return the weights in FP16."""
+    [B, Lq, Lk] (as nn.MultiheadAttention returns by default; h times fewer bytes), each query row's top-k
+    keys, weights and positions [B, h, Lq, k], and each query row's summaries [B, h, Lq] (entropy, sink weight,
+    largest weight and its key). A request's shaping parameters choose heads, rows and keys (so the heads dim is
+    h or fewer) and may return the weights in FP16."""
     weights = WEIGHTS_DATATYPES[precision]
     return [
         TensorSpec(OUTPUT, "FP32", (-1, -1, d_model)),
@@ -70,6 +76,10 @@ def output_specs(d_model: int, num_heads: int, precision: str = "fp32") -> list[
         TensorSpec(ATTN_WEIGHTS_MEAN, weights, (-1, -1, -1)),
         TensorSpec(ATTN_TOP_K_VALUES, weights, (-1, -1, -1, -1)),
         TensorSpec(ATTN_TOP_K_INDICES, "INT64", (-1, -1, -1, -1)),
+        TensorSpec(ATTN_ENTROPY, "FP32", (-1, -1, -1)),
+        TensorSpec(ATTN_SINK, weights, (-1, -1, -1)),
+        TensorSpec(ATTN_MAX, weights, (-1, -1, -1)),
+        TensorSpec(ATTN_MAX_INDEX, "INT64", (-1, -1, -1)),
     ]
 
 
