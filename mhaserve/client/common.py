@@ -3,7 +3,6 @@ outputs it asks for, and the result it gets back."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import uuid
@@ -13,6 +12,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from mhaserve.contract.ring import SEQUENCE_HEADER, sequence_header  # noqa: F401 (the clients' names)
 from mhaserve.contract.signature import (
     ATTN_TOP_K_INDICES,
     ATTN_TOP_K_VALUES,
@@ -158,20 +158,6 @@ class WeightsOptions:
             "attn_weights_precision": self.precision.upper() if self.precision else None,
         }
         return {name: value for name, value in values.items() if value is not None}
-
-
-# The header (gRPC metadata) in which the clients send a step's sequence id, beside the protocol's parameter: a
-# balancer in front of several servers hashes it to keep every step of a sequence on one (deploy/haproxy).
-SEQUENCE_HEADER = "mhaserve-sequence-id"
-
-
-def sequence_header(sequence_id: int | str) -> str:
-    """The header's value for a sequence id: the id itself where it is printable ASCII (what headers may carry),
-    else a digest of it, the same for every step."""
-    text = str(sequence_id)
-    if text.isascii() and text.isprintable():
-        return text
-    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
 
 
 @dataclass(frozen=True)

@@ -39,3 +39,18 @@ class Ring:
 
     def home_of(self, sequence_id: int | str) -> int:
         return self.order_for(sequence_id)[0]
+
+
+# The header (gRPC metadata) in which the clients send a step's sequence id, beside the protocol's parameter: a
+# balancer in front of several servers hashes it to keep every step of a sequence on one (deploy/haproxy), and Ray
+# Serve's router (server/ray/router.py) finds the replica holding it by it.
+SEQUENCE_HEADER = "mhaserve-sequence-id"
+
+
+def sequence_header(sequence_id: int | str) -> str:
+    """The header's value for a sequence id: the id itself where it is printable ASCII (what headers may carry),
+    else a digest of it, the same for every step."""
+    text = str(sequence_id)
+    if text.isascii() and text.isprintable():
+        return text
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()

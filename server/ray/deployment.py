@@ -22,6 +22,7 @@ from pathlib import Path
 
 from ray import serve
 
+from mhaserve.contract.ring import sequence_header
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 
 from ..config import ServerSettings
@@ -31,6 +32,7 @@ from ..errors import RequestError
 from ..grpc.receipt import GRPC_STATUS
 from ..grpc.servicer import ProtocolRpcs, infer_grpc, streamed_refusal
 from .proxy import SERVICER_FUNCTION
+from .router import HELD_SEQUENCES
 
 log = logging.getLogger("mhaserve.server")
 
@@ -106,6 +108,11 @@ class OipReplica:
             return await getattr(self.answers, method)(request)
         except RequestError as error:
             return _refused(grpc_context, error, _response_type(method))
+
+    def record_routing_stats(self) -> dict:
+        """What Ray Serve's router reads of this replica (router.py): the sequences it holds, by the key clients
+        route them by, so that their steps come here whatever replicas are added."""
+        return {HELD_SEQUENCES: [sequence_header(sequence_id) for _, sequence_id in self.dataplane.sequences.live]}
 
     def check_health(self) -> None:
         """Ray's replica health check: a draining or unready data plane is restarted elsewhere."""
@@ -289,13 +296,15 @@ def replica_deployment(
             max_replicas_per_node = 1
     from ray.serve.config import RequestRouterConfig
 
-    from .router import ROUTER_PATH
+    from .router import ROUTER_PATH, ROUTING_STATS_PERIOD_S
 
     deployment = serve.deployment(
         replica_class,
         name=name,
         # every step of a sequence to the replica that holds it, by the id clients send (router.py)
-        request_router_config=RequestRouterConfig(request_router_class=ROUTER_PATH),
+        request_router_config=RequestRouterConfig(
+            request_router_class=ROUTER_PATH, request_routing_stats_period_s=ROUTING_STATS_PERIOD_S
+        ),
         autoscaling_config={
             "min_replicas": min_replicas,
             "initial_replicas": min_replicas,

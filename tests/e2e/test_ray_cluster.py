@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -164,6 +165,59 @@ def test_every_step_of_every_sequence_through_the_proxy_reaches_the_replica_that
     with Client(cluster.url, application=APP) as client, pytest.raises(GrpcRequestFailed) as unknown:
         client.infer(rows[0][:, :1], sequence=SequenceStep("never-started"))  # a step of no sequence it holds
     assert "or lost when a replica of this deployment exited" in unknown.value.details()  # resume=True reads it
+
+
+def test_a_replica_added_moves_no_live_sequence(cluster, small_module, small_model_dir):
+    # Sequences started on two replicas; a third added (its share of the router's ring, about a third of them, would
+    # move to it): every live sequence's next step still reaches the replica that holds it, by what the replicas
+    # report (server/ray/router.py), and the answers are the causal answer whole.
+    from mhaserve.server.ray.router import ROUTING_STATS_PERIOD_S
+
+    rows = {number: rand(1, 4, SMALL_D_MODEL, seed=600 + number) for number in range(12)}
+    try:
+        with Client(cluster.url, application=APP) as client:
+            sequences = {number: client.sequence(f"grown-{number}") for number in rows}
+            answers = {number: [s.step(rows[number][:, :2], attn_weights=False)] for number, s in sequences.items()}
+            time.sleep(3 * ROUTING_STATS_PERIOD_S)  # each replica has reported the sequences it holds
+            ray_deployed(small_model_dir, cluster.cluster.address, APP, "--proxy-location", "HeadOnly",
+                         "--min-replicas", "3", "--max-replicas", "3")  # fmt: skip
+            deadline = time.monotonic() + 120
+            while len(live_replicas()) < 3 and time.monotonic() < deadline:
+                time.sleep(0.5)
+            assert len(live_replicas()) == 3
+            time.sleep(3 * ROUTING_STATS_PERIOD_S)  # the router knows the third
+            for number, sequence in sequences.items():
+                answers[number].append(sequence.step(rows[number][:, 2:], attn_weights=False, end=True))
+    finally:  # two replicas again, as the other tests expect
+        ray_deployed(small_model_dir, cluster.cluster.address, APP, "--proxy-location", "HeadOnly",
+                     "--min-replicas", "2", "--max-replicas", "2")  # fmt: skip
+    causal = np.tril(np.ones((4, 4), dtype=bool))[None]
+    for number, steps in answers.items():
+        want = eager(small_module, rows[number], mask=causal)[0]
+        np.testing.assert_allclose(np.concatenate([s.output for s in steps], axis=1), want, atol=1e-5)
+
+
+def test_a_replica_killed_loses_its_sequences_saying_so_and_resume_continues_them(cluster, small_module):
+    rows = {number: rand(1, 6, SMALL_D_MODEL, seed=700 + number) for number in range(12)}
+    with Client(cluster.url, application=APP) as client:
+        sequences = {number: client.sequence(f"killed-{number}", resume=True) for number in rows}
+        answers = {number: [s.step(rows[number][:, :3], attn_weights=False)] for number, s in sequences.items()}
+        victim = live_replicas()[0]["Pid"]
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 120  # Ray starts another in its place
+        while (
+            len(live_replicas()) < 2 or victim in {a["Pid"] for a in live_replicas()}
+        ) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert len(live_replicas()) == 2, live_replicas()
+        for number, sequence in sequences.items():
+            answers[number].append(sequence.step(rows[number][:, 3:], attn_weights=False, end=True))
+    # the killed replica's sequences (about half) were started again from what the client kept, the others went on
+    assert 0 < sum(s.restarts for s in sequences.values()) < len(sequences)
+    causal = np.tril(np.ones((6, 6), dtype=bool))[None]
+    for number, steps in answers.items():
+        want = eager(small_module, rows[number], mask=causal)[0]
+        np.testing.assert_allclose(np.concatenate([s.output for s in steps], axis=1), want, atol=1e-5)
 
 
 def test_a_worker_node_killed_under_load_costs_no_request(cluster):
