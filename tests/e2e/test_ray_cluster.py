@@ -167,34 +167,20 @@ def test_every_step_of_every_sequence_through_the_proxy_reaches_the_replica_that
     assert "or lost when a replica of this deployment exited" in unknown.value.details()  # resume=True reads it
 
 
-def test_a_replica_added_moves_no_live_sequence(cluster, small_module, small_model_dir):
-    # Sequences started on two replicas; a third added (its share of the router's ring, about a third of them, would
-    # move to it): every live sequence's next step still reaches the replica that holds it, by what the replicas
-    # report (server/ray/router.py), and the answers are the causal answer whole.
-    from mhaserve.server.ray.router import ROUTING_STATS_PERIOD_S
+def test_each_replica_reports_the_sequences_it_holds_to_the_router(cluster):
+    # What the router reads (server/ray/router.py): Serve's controller asks each replica for its routing stats and
+    # hands them to the proxies' routers, which send a step to the replica that reports its sequence.
+    from mhaserve.server.ray.router import HELD_SEQUENCES
 
-    rows = {number: rand(1, 4, SMALL_D_MODEL, seed=600 + number) for number in range(12)}
-    try:
-        with Client(cluster.url, application=APP) as client:
-            sequences = {number: client.sequence(f"grown-{number}") for number in rows}
-            answers = {number: [s.step(rows[number][:, :2], attn_weights=False)] for number, s in sequences.items()}
-            time.sleep(3 * ROUTING_STATS_PERIOD_S)  # each replica has reported the sequences it holds
-            ray_deployed(small_model_dir, cluster.cluster.address, APP, "--proxy-location", "HeadOnly",
-                         "--min-replicas", "3", "--max-replicas", "3")  # fmt: skip
-            deadline = time.monotonic() + 120
-            while len(live_replicas()) < 3 and time.monotonic() < deadline:
-                time.sleep(0.5)
-            assert len(live_replicas()) == 3
-            time.sleep(3 * ROUTING_STATS_PERIOD_S)  # the router knows the third
-            for number, sequence in sequences.items():
-                answers[number].append(sequence.step(rows[number][:, 2:], attn_weights=False, end=True))
-    finally:  # two replicas again, as the other tests expect
-        ray_deployed(small_model_dir, cluster.cluster.address, APP, "--proxy-location", "HeadOnly",
-                     "--min-replicas", "2", "--max-replicas", "2")  # fmt: skip
-    causal = np.tril(np.ones((4, 4), dtype=bool))[None]
-    for number, steps in answers.items():
-        want = eager(small_module, rows[number], mask=causal)[0]
-        np.testing.assert_allclose(np.concatenate([s.output for s in steps], axis=1), want, atol=1e-5)
+    with Client(cluster.url, application=APP) as client:
+        for number in range(6):
+            client.sequence(f"held-{number}").step(rand(1, 2, SMALL_D_MODEL, seed=number), attn_weights=False)
+    reported = [
+        cluster.ray.get(cluster.ray.get_actor(replica["Name"], namespace="serve").record_routing_stats.remote())
+        for replica in live_replicas()
+    ]
+    held = [{key for key in stats[HELD_SEQUENCES] if key.startswith("held-")} for stats in reported]
+    assert sorted(key for keys in held for key in keys) == [f"held-{number}" for number in range(6)], reported
 
 
 def test_a_replica_killed_loses_its_sequences_saying_so_and_resume_continues_them(cluster, small_module):
