@@ -40,11 +40,11 @@ PROJECTIONS = ("q", "k", "v", "o")
 # The export's EAGER_ERROR_FACTOR: an answer no further from the exact one than ten times float32 arithmetic of the
 # same module is holds, whatever the tolerance (at large input scales float32 itself is far from exact).
 FLOAT32_FACTOR = 10
-_FLOAT, _FLOAT16, _DOUBLE = 1, 10, 11  # onnx.TensorProto.DataType
+_FLOAT, _INT8, _FLOAT16, _DOUBLE = 1, 3, 10, 11  # onnx.TensorProto.DataType
 
 
 class ParityUnavailable(Exception):
-    """A served graph whose weights this check cannot read (an int8 graph's are quantized), said as why."""
+    """A served graph whose projections this check cannot read, said as why."""
 
 
 @dataclass(frozen=True)
@@ -61,8 +61,9 @@ class ReferenceWeights:
 
     @classmethod
     def from_onnx(cls, path: Path) -> ReferenceWeights:
-        """The projections as the graph computes them: each ``MatMul`` of an initializer followed by the ``Add`` of
-        a bias named after ``W_q``..``W_o`` (either case, as the exports name them)."""
+        """The projections as the graph computes them: the ``Add`` of a bias named after ``W_q``..``W_o`` (either
+        case, as the exports name them) after the product with a weight matrix: a float ``MatMul``'s, or an int8
+        graph's (export/int8.py), whose weights are the file's int8 values times their column scales, exactly."""
         model = onnx_weights_pb2.ModelProto()
         model.ParseFromString(path.read_bytes())
         initializers = {t.name: t for t in model.graph.initializer}
@@ -74,11 +75,11 @@ class ReferenceWeights:
             if projection not in PROJECTIONS:
                 continue
             product = produced_by.get(next(n for n in node.input if n != named[0]))
-            held = [n for n in (product.input if product is not None else ()) if n in initializers]
-            if product is None or product.op_type != "MatMul" or not held:
-                raise ParityUnavailable(f"the {named[0]} projection is not a float MatMul (int8 weights are "
-                                        "quantized): this graph's answers cannot be recomputed from it")  # fmt: skip
-            matmul[projection] = _array(initializers[held[0]])
+            weight = None if product is None else _projection_weight(product, produced_by, initializers)
+            if weight is None:
+                raise ParityUnavailable(f"the {named[0]} projection is neither a MatMul with a weight matrix nor "
+                                        "an int8 one: this graph's answers cannot be recomputed from it")  # fmt: skip
+            matmul[projection] = weight
             bias[projection] = _array(initializers[named[0]])
         missing = [p for p in PROJECTIONS if p not in matmul]
         if missing:
@@ -86,10 +87,26 @@ class ReferenceWeights:
         return cls(matmul, bias)
 
 
+def _projection_weight(product, produced_by: dict, initializers: dict) -> np.ndarray | None:
+    """The [in, out] weight a projection's product multiplies by, in float64: a ``MatMul``'s initializer, or for an
+    int8 product (``MatMulIntegerToFloat`` of int8 weights and their column scales, then a ``Mul`` by the row
+    scales) the int8 values times their scales; None for any other product."""
+    if product.op_type == "MatMul":
+        held = [n for n in product.input if n in initializers]
+        return _array(initializers[held[0]]) if held else None
+    if product.op_type != "Mul":
+        return None
+    integer = next((produced_by[n] for n in product.input if n in produced_by
+                    and produced_by[n].op_type == "MatMulIntegerToFloat"), None)  # fmt: skip
+    if integer is None or not {integer.input[1], integer.input[3]} <= initializers.keys():
+        return None
+    return _array(initializers[integer.input[1]]) * _array(initializers[integer.input[3]])
+
+
 def _array(tensor) -> np.ndarray:
-    dtype = {_FLOAT: np.float32, _FLOAT16: np.float16, _DOUBLE: np.float64}.get(tensor.data_type)
+    dtype = {_FLOAT: np.float32, _INT8: np.int8, _FLOAT16: np.float16, _DOUBLE: np.float64}.get(tensor.data_type)
     if dtype is None:
-        raise ParityUnavailable(f"initializer {tensor.name} is of ONNX type {tensor.data_type}, not a float")
+        raise ParityUnavailable(f"initializer {tensor.name} is of ONNX type {tensor.data_type}, not a float or int8")
     if tensor.raw_data:
         values = np.frombuffer(tensor.raw_data, dtype=dtype)
     else:

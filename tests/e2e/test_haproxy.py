@@ -70,7 +70,7 @@ def balanced(start_server_process, small_model_dir, tmp_path):
 
 def test_every_step_of_every_sequence_reaches_its_server_through_haproxy_over_grpc_and_http(balanced, small_module):
     servers, grpc_url, http_url = balanced
-    rows = {number: rand(1, 4, SMALL_D_MODEL, seed=300 + number) for number in range(24)}
+    rows = {number: rand(1, 4, SMALL_D_MODEL, seed=300 + number) for number in range(64)}
     answers: dict[int, list] = {number: [] for number in rows}
     with Client(grpc_url) as grpc_client:  # one connection to HAProxy: it picks the server per call
         http_client = HttpClient(http_url)
@@ -91,4 +91,4 @@ def test_every_step_of_every_sequence_reaches_its_server_through_haproxy_over_gr
     for server in servers:
         with Client(server.url) as direct:
             counts.append(direct.statistics().inference_count)
-    assert sum(counts) == 24 * 4 + 9 and all(count > 0 for count in counts), counts  # spread over all three
+    assert sum(counts) == 64 * 4 + 9 and all(count > 0 for count in counts), counts  # spread over all three

@@ -149,7 +149,7 @@ def test_stream_infer_through_the_proxy_answers_in_order(cluster):
 def test_every_step_of_every_sequence_through_the_proxy_reaches_the_replica_that_holds_it(cluster, small_module):
     # Ray's proxy picks a replica per call; the deployment's router (server/ray/router.py) picks the sequence's by
     # the id the client sends: a step at another replica would be refused "never started".
-    rows = {number: rand(1, 4, SMALL_D_MODEL, seed=400 + number) for number in range(16)}
+    rows = {number: rand(1, 4, SMALL_D_MODEL, seed=400 + number) for number in range(64)}
     answers: dict[int, list] = {number: [] for number in rows}
     with Client(cluster.url, application=APP) as client:
         sequences = {number: client.sequence(f"ray-{number}") for number in rows}

@@ -154,3 +154,23 @@ def test_a_float16_model_near_the_edge_of_its_range_shows_its_errors_in_the_hist
     # float16's rounding shows: every error above 1e-4 (float32's sit near 1e-7), none past its tolerance (4e-3).
     # (The weights are one-hot at this scale, as exact in float16 as in float64.)
     assert buckets[1e-4] == 0 and buckets[4e-3] == 4, buckets
+
+
+def test_an_int8_graph_is_checked_with_its_own_weights(small_model_dir, small_module, tmp_path):
+    """The reference of an int8 graph: the file's int8 values times their column scales, within half a step of
+    the module's float weights."""
+    import onnx
+
+    from mhaserve.export.int8 import LEVELS, int8_projections
+    from mhaserve.server.parity import ReferenceWeights
+
+    path = tmp_path / "int8.onnx"
+    onnx.save(int8_projections(onnx.load(small_model_dir / "model.onnx")), path)
+    weights = ReferenceWeights.from_onnx(path)  # protobuf alone, as the server reads it
+    for projection in ("q", "k", "v", "o"):
+        linear = getattr(small_module, f"W_{projection}")
+        exact = linear.weight.detach().numpy().astype(np.float64)
+        step = np.abs(exact).max(axis=1, keepdims=True) / LEVELS  # one scale per output column of the int8 weight
+        assert np.all(np.abs(weights.weight(projection) - exact) <= step / 2 * (1 + 1e-6)), projection
+        assert not np.array_equal(weights.weight(projection), exact)  # the quantized ones, not the float ones
+        np.testing.assert_array_equal(weights.bias[projection], linear.bias.detach().numpy().astype(np.float64))
