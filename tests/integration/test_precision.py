@@ -100,11 +100,14 @@ def test_metadata_and_config_name_fp16_for_the_weights(fp16_server):
         config = json.load(response)
     assert {t["name"]: t["datatype"] for t in metadata["outputs"]} == {
         "output": "FP32", "attn_weights": "FP16", "attn_weights_mean": "FP16",
-        "attn_weights_top_k_values": "FP16", "attn_weights_top_k_indices": "INT64",
+        "attn_weights_top_k_values": "FP16", "attn_weights_top_k_indices": "INT64", "attn_weights_entropy": "FP32",
+        "attn_weights_sink": "FP16", "attn_weights_max": "FP16", "attn_weights_max_index": "INT64",
     }  # fmt: skip
     assert {t["name"]: t["data_type"] for t in config["output"]} == {
         "output": "TYPE_FP32", "attn_weights": "TYPE_FP16", "attn_weights_mean": "TYPE_FP16",
         "attn_weights_top_k_values": "TYPE_FP16", "attn_weights_top_k_indices": "TYPE_INT64",
+        "attn_weights_entropy": "TYPE_FP32", "attn_weights_sink": "TYPE_FP16", "attn_weights_max": "TYPE_FP16",
+        "attn_weights_max_index": "TYPE_INT64",
     }  # fmt: skip
     assert {t["datatype"] for t in metadata["inputs"]} == {"FP32", "BOOL"}
 

@@ -126,6 +126,10 @@ def test_model_metadata_has_dynamic_dims_as_minus_one(stub):
         "attn_weights_mean": ("FP32", [-1, -1, -1]),
         "attn_weights_top_k_values": ("FP32", [-1, -1, -1, -1]),
         "attn_weights_top_k_indices": ("INT64", [-1, -1, -1, -1]),
+        "attn_weights_entropy": ("FP32", [-1, -1, -1]),  # [B, h, Lq]: each head's query row summarised
+        "attn_weights_sink": ("FP32", [-1, -1, -1]),
+        "attn_weights_max": ("FP32", [-1, -1, -1]),
+        "attn_weights_max_index": ("INT64", [-1, -1, -1]),
     }
 
 
@@ -144,6 +148,10 @@ def test_model_config_describes_the_model(stub):
         ("attn_weights_mean", [-1, -1, -1]),
         ("attn_weights_top_k_values", [-1, -1, -1, -1]),
         ("attn_weights_top_k_indices", [-1, -1, -1, -1]),
+        *(
+            (name, [-1, -1, -1])
+            for name in ("attn_weights_entropy", "attn_weights_sink", "attn_weights_max", "attn_weights_max_index")
+        ),
     ]
 
 

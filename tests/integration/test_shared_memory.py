@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -291,51 +292,56 @@ def open_files(pid: int) -> list[str]:
     return links
 
 
-def test_unregistering_under_load_loses_nothing_and_frees_the_region_once_its_requests_end(shm_server, region):
-    calls, length = 24, 64
-    queries = [rand(1, length, D, seed=100 + n) for n in range(calls)]
+def test_unregistering_under_load_loses_nothing_and_frees_the_region_once_its_requests_end(
+    start_server, small_model_dir, region, tmp_path
+):
+    # Requests wait 30 ms in the batcher for others (batches of up to 32 rows, 8 callers), so the unregister is read
+    # while some, their region resolved, are still queued; each caller sends again as soon as it is answered.
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    shm_server = start_server(small_model_dir, *TEST_SERVER_ARGS, *SHM_ARGS, "--auth-token-file", str(token_file),
+                              "--max-batch-size", "32", "--max-queue-delay-us", "30000")  # fmt: skip
+    callers, length = 8, 64
+    queries = [rand(1, length, D, seed=100 + n) for n in range(callers)]
     size = queries[0].nbytes
     expected = [socket_answer(shm_server, query) for query in queries]
-    # The unregister is sent as the first answer arrives; where every request had been answered by the time it was
-    # read (a quick machine), the load is sent again over a region of its own.
+    # Where none was answered after the unregister anyway, the load is sent again over a region of its own.
     for attempt in range(5):
         name = f"busy{attempt}"
-        key, shm = region(2 * calls * size)
+        key, shm = region(2 * callers * size)
         for n, query in enumerate(queries):
             shm.buf[n * size : (n + 1) * size] = query.tobytes()
         before = [link for link in open_files(shm_server.pid) if key[1:] in link]  # the test's own, in process
-        assert register(shm_server, name, key, 2 * calls * size)[0] == 200
-        answered_at = [0.0] * calls
+        assert register(shm_server, name, key, 2 * callers * size)[0] == 200
+        answered = threading.Event()
 
-        def call(n: int, name=name, answered_at=answered_at):
-            answer = infer(
-                shm_server,
-                [shm_input("query", queries[n].shape, name, size, offset=n * size)],
-                [shm_output("output", name, size, offset=(calls + n) * size)],
-            )
-            answered_at[n] = time.monotonic()
-            return answer
+        def caller(n: int, name=name, answered=answered, shm=shm) -> list:
+            answers = []  # (status, body, when answered, its output as written)
+            while True:
+                status, body = infer(shm_server, [shm_input("query", queries[n].shape, name, size, offset=n * size)],
+                                     [shm_output("output", name, size, offset=(callers + n) * size)])  # fmt: skip
+                written = np.frombuffer(shm.buf[(callers + n) * size : (callers + n + 1) * size], np.float32).copy()
+                answers.append((status, body, time.monotonic(), written))
+                answered.set()
+                if status != 200:
+                    return answers
 
-        with concurrent.futures.ThreadPoolExecutor(calls) as pool:
-            futures = [pool.submit(call, n) for n in range(calls)]
-            while not any(f.done() for f in futures):
-                time.sleep(0.001)
+        with concurrent.futures.ThreadPoolExecutor(callers) as pool:
+            futures = [pool.submit(caller, n) for n in range(callers)]
+            answered.wait(60)
+            time.sleep(0.05)  # every caller under way
             assert http(shm_server, "POST", f"/v2/systemsharedmemory/region/{name}/unregister")[0] == 200
             unregistered_at = time.monotonic()
-            answers = [f.result() for f in futures]
-
-        ok = [n for n, (status, _) in enumerate(answers) if status == 200]
-        for n, answer in enumerate(answers):
-            if n not in ok:
-                assert answer == (400, {"error": f"input 'query': unknown shared memory region '{name}'; register it "
-                                                 "first"})  # fmt: skip
-        for n in ok:
-            written = np.frombuffer(shm.buf[(calls + n) * size : (calls + n + 1) * size], dtype=np.float32)
-            assert np.array_equal(written.reshape(queries[n].shape), expected[n]), n
-            del written
+            answers = [f.result(timeout=60) for f in futures]
+        for n, own in enumerate(answers):
+            *whole, (status, body, _, _) = own
+            assert (status, body) == (400, {"error": f"input 'query': unknown shared memory region '{name}'; "
+                                                     "register it first"}), own[-1][:2]  # fmt: skip
+            for status, _, _, written in whole:  # every request accepted was answered whole, into the region
+                assert status == 200 and np.array_equal(written.reshape(queries[n].shape), expected[n]), n
         links = open_files(shm_server.pid)
         assert [link for link in links if key[1:] in link] == before, "the region is still open after its requests"
-        if any(answered_at[n] > unregistered_at for n in ok):
+        if any(when > unregistered_at for own in answers for status, _, when, _ in own if status == 200):
             return  # a request still running at the unregister was answered whole
     pytest.fail("in 5 tries, no request was still running when the unregister was read")
 
