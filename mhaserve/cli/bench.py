@@ -136,6 +136,8 @@ def _run_bench(args) -> int:
         points = [Point("closed", c, args.duration, args.warmup) for c in (args.concurrency or [1, 4, 16])]
     processes = args.processes or default_processes()
     weights = "with attn_weights" if workload.attn_weights else "output only"
+    if workload.weights is not None and workload.weights.summaries:
+        weights += " and the weights' summaries"
     title = f"{args.url} ({args.protocol}) {args.model} {workload.shape_text} {weights}"
     rounds = f" x {args.rounds} rounds" if args.rounds > 1 else ""
     about = len(points) * args.rounds * (args.warmup + args.duration)
