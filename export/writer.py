@@ -25,6 +25,7 @@ from mhaserve.contract.model_dir import (
     OUTPUT_ONLY_FILE,
     STEP_CACHE_IN_PLACE,
     STEP_FILES,
+    SUMMARIES_FILE,
     WEIGHTS_FILE,
     file_sha256,
     read_manifest,
@@ -43,6 +44,7 @@ from mhaserve.model import (
 from .onnx_export import DEFAULT_OPSET, check_onnx, export_onnx, save_onnx
 from .output_only import output_only_graph
 from .step import STEP_VALIDATIONS, step_graphs
+from .summaries import summaries_graph, validate_summaries
 from .validate import (
     SCALE_TOLERANCES,
     TOLERANCES,
@@ -137,21 +139,24 @@ def export_model_dir(
 @dataclass
 class _Graphs:
     """The graphs of one export: the full one, its output-only one (float32 only: the float16 graph splits its
-    precision by path, which the fused kernel cannot), and the step graphs that serve sequences (float32 only)."""
+    precision by path, which the fused kernel cannot), its summaries one (float32 only), and the step graphs that
+    serve sequences (float32 only)."""
 
     model: onnx.ModelProto
     output_only: onnx.ModelProto | None
     steps: dict[str, onnx.ModelProto]
+    summaries: onnx.ModelProto | None = None
 
     @classmethod
     def of(cls, module: MultiHeadAttention, opset: int, precision: str) -> _Graphs:
         model = export_onnx(module, opset, precision)
         output_only = output_only_graph(module) if precision == "fp32" else None
+        summaries = summaries_graph(model) if precision == "fp32" else None
         steps = step_graphs(module) if precision == "fp32" else {}
-        for graph in (model, output_only, *steps.values()):
+        for graph in (model, output_only, summaries, *steps.values()):
             if graph is not None:
                 check_onnx(graph)
-        return cls(model, output_only, steps)
+        return cls(model, output_only, steps, summaries)
 
     def stamp(self, module: MultiHeadAttention, manifest: dict, *, name: str, opset: int, precision: str) -> None:
         """The model's description in the metadata of the graphs a server reads it from."""
@@ -181,6 +186,7 @@ class _Validation:
     scales: list
     output_only: tuple[list, list] | None
     steps: dict[str, list[dict]]
+    summaries: list[dict] | None = None  # the summaries graph's cases (None: no such graph)
 
     @classmethod
     def of(cls, graphs: _Graphs, reference, module, seed: int, report, precision: str) -> _Validation:
@@ -198,13 +204,17 @@ class _Validation:
             kind: STEP_VALIDATIONS[kind](module, graph.SerializeToString(), seed, report)
             for kind, graph in graphs.steps.items()
         }
-        return cls(results, scales, only[0] if only else None, steps)
+        summaries = None
+        if graphs.summaries is not None:
+            summaries = validate_summaries(module, graphs.summaries.SerializeToString(), seed, report)
+        return cls(results, scales, only[0] if only else None, steps, summaries)
 
     @property
     def passed(self) -> bool:
         answering = [(self.results, self.scales), *([self.output_only] if self.output_only else [])]
         steps_pass = all(r["status"] == "pass" for results in self.steps.values() for r in results)
-        return all(export_holds(results, scales) for results, scales in answering) and steps_pass
+        summaries_pass = all(r["status"] == "pass" for r in self.summaries or ())
+        return all(export_holds(results, scales) for results, scales in answering) and steps_pass and summaries_pass
 
 
 def _manifest(identity: dict, graphs: _Graphs, validation: _Validation, module, seed: int, precision: str) -> dict:
@@ -257,6 +267,12 @@ def _manifest(identity: dict, graphs: _Graphs, validation: _Validation, module, 
                 "scales": [r.as_dict() for r in only_scales],
             },
         }
+    if validation.summaries is not None:
+        manifest["files"]["summaries"] = SUMMARIES_FILE
+        manifest["validation"]["summaries"] = {
+            "passed": all(r["status"] == "pass" for r in validation.summaries),
+            "cases": validation.summaries,
+        }
     for kind, step_results in validation.steps.items():
         manifest["files"][kind] = STEP_FILES[kind]
         manifest["validation"][kind] = {
@@ -282,6 +298,9 @@ def _write_folder(out_dir: Path, graphs: _Graphs, module, manifest: dict, rows: 
         if graphs.output_only is not None:
             save_onnx(graphs.output_only, staging / OUTPUT_ONLY_FILE)
             manifest["files"]["output_only_sha256"] = file_sha256(staging / OUTPUT_ONLY_FILE)
+        if graphs.summaries is not None:
+            save_onnx(graphs.summaries, staging / SUMMARIES_FILE)
+            manifest["files"]["summaries_sha256"] = file_sha256(staging / SUMMARIES_FILE)
         for kind, graph in graphs.steps.items():
             save_onnx(graph, staging / STEP_FILES[kind])
             manifest["files"][f"{kind}_sha256"] = file_sha256(staging / STEP_FILES[kind])

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mhaserve.contract.signature import ATTN_WEIGHTS, OUTPUT, graph_outputs_for
+from mhaserve.contract.signature import ATTN_WEIGHTS, OUTPUT, SUMMARY_OUTPUT_NAMES, graph_outputs_for
 
 from .errors import ErrorKind, RequestError
 from .outputs import outputs_from_run
@@ -93,10 +93,11 @@ def _is_unmasked(mask: np.ndarray) -> bool:
     return mask.shape[0] == 1 and mask.shape[2] == 1 and bool(mask.all())
 
 
-def merge(requests: list[RunInputs]) -> Merged:
-    """Stack requests along the batch axis, padding lengths to the longest (see the module doc)."""
+def merge(requests: list[RunInputs], summaries_graph: bool = False) -> Merged:
+    """Stack requests along the batch axis, padding lengths to the longest (see the module doc); the run fetches
+    the summaries graph's outputs where ``summaries_graph`` (the version has one) and no request asks for weights."""
     first = requests[0]
-    outputs = graph_outputs_for(tuple(name for r in requests for name in r.outputs))
+    outputs = graph_outputs_for(tuple(name for r in requests for name in r.outputs), summaries_graph)
     parts, row = [], 0
     for r in requests:
         parts.append((row, r.batch_size, r.query.shape[1], r.key.shape[1]))
@@ -143,7 +144,8 @@ def split(
         rows = slice(start, start + batch)
         output = results[OUTPUT][rows, :lq] if OUTPUT in request.outputs else None
         weights = results[ATTN_WEIGHTS][rows, :, :lq, :lk] if ATTN_WEIGHTS in results else None
-        answer, error = outputs_from_run(request.outputs, request.shaping, output, weights, computed_in)
+        summarised = {name: results[name][rows, :, :lq] for name in SUMMARY_OUTPUT_NAMES if name in results}
+        answer, error = outputs_from_run(request.outputs, request.shaping, output, weights, computed_in, summarised)
         answers.append(answer)
         errors.append(error)
     return answers, errors
@@ -207,8 +209,10 @@ class Batcher:
         computed_in: str = "float32",
         runs_here: Callable[[int, int, int], bool] | None = None,
         board: WorkerBoard | None = None,
+        summaries_graph: bool = False,
     ):
         self._run_model = run_model
+        self.summaries_graph = summaries_graph  # the version has one: runs of summaries alone take it
         self.computed_in = computed_in  # the model's precision, named in an overflow's error
         self.run_cost = run_cost  # None: one padded run of everything taken (length-aware batching off)
         self._executor = executor
@@ -356,7 +360,7 @@ class Batcher:
         """In a worker thread (a lone request's on the event loop): merge, run the model, split."""
         started = time.perf_counter_ns()
         requests = [p.request for p in batch]
-        merged = merge(requests)
+        merged = merge(requests, self.summaries_graph)
         merged_at = time.perf_counter_ns()
         arrays = self._run_model(merged.outputs, merged.query, merged.key, merged.value, merged.mask)
         ran_at = time.perf_counter_ns()

@@ -1,6 +1,7 @@
 """The full attention graphs of a served version, as its batched runtime runs them: the exported graph, its
 output-only graph (export/output_only.py) for runs that fetch only the output over OUTPUT_ONLY_FROM_KV_LEN keys or
-more, and, in one of --workers on the CPU, the same pair with every core's threads for a run made alone."""
+more, its summaries graph (export/summaries.py) for runs that fetch the weights' summaries and no weights, and, in
+one of --workers on the CPU, the same set with every core's threads for a run made alone."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from mhaserve.contract.signature import ATTN_WEIGHTS, OUTPUT
+from mhaserve.contract.signature import ATTN_WEIGHTS, OUTPUT, SUMMARY_OUTPUT_NAMES
 
 from .cores import usable_cores
 from .model_folder import ModelFolder
@@ -20,8 +21,8 @@ from .session import CPU, CUDA, open_session, output_only_once_copied, run_bound
 # within noise (BENCHMARKS.md, "Attention weights shaped per request").
 OUTPUT_ONLY_FROM_KV_LEN = 256
 
-# One set of graphs: the full one, and the output-only one or None.
-GraphSet = tuple[ort.InferenceSession, ort.InferenceSession | None]
+# One set of graphs: the full one, the output-only one or None, and the summaries one or None.
+GraphSet = tuple[ort.InferenceSession, ort.InferenceSession | None, ort.InferenceSession | None]
 
 
 class AttentionGraphs:
@@ -54,13 +55,22 @@ class AttentionGraphs:
         # The device every other graph of this version opens on: the one the full graph got, so all answer alike.
         self.device = "cpu" if self.provider == CPU else folder.device
         output_only_path = folder.output_only_path() if output_only else None
-        self._graphs: GraphSet = (full, self._open(output_only_path, self.options))
+        summaries_path = folder.summaries_path()
+        self._graphs: GraphSet = (
+            full,
+            self._open(output_only_path, self.options),
+            self._open(summaries_path, self.options),
+        )
         self.alone_threads = 0
         self._alone, self._alone_graphs = alone, None
         if alone is not None and alone_threads > self.intra_op_threads and self.provider == CPU:
             alone_options = session_options(alone_threads, inter_op_threads, intra_op_spin_ms)
             full_alone = open_session(folder.graph_path, alone_options, "cpu", cuda_tf32)
-            self._alone_graphs = (full_alone, self._open(output_only_path, alone_options))
+            self._alone_graphs = (
+                full_alone,
+                self._open(output_only_path, alone_options),
+                self._open(summaries_path, alone_options),
+            )
             self.alone_threads = alone_threads
         # A run with this option gives ONNX Runtime's arenas back the chunks no run is using, at its end.
         self._shrink = ort.RunOptions()
@@ -86,14 +96,21 @@ class AttentionGraphs:
     def has_output_only_graph(self) -> bool:
         return self._graphs[1] is not None
 
+    @property
+    def has_summaries_graph(self) -> bool:
+        return self._graphs[2] is not None
+
     def graph_for(self, output_names, kv_len: int, graphs: GraphSet | None = None) -> ort.InferenceSession:
-        """The graph a run of these outputs over ``kv_len`` keys takes: the output-only one where it serves, of
-        ``graphs``, by default the set a run takes now (a run alone takes the one of every core's threads)."""
+        """The graph a run of these outputs over ``kv_len`` keys takes: the summaries one for summaries (the batcher
+        asks for them only where it exists), the output-only one where it serves, of ``graphs``, by default the set
+        a run takes now (a run alone takes the one of every core's threads)."""
         output_only = tuple(output_names) == (OUTPUT,) and kv_len >= OUTPUT_ONLY_FROM_KV_LEN
         if graphs is None:
             alone = self._alone_graphs is not None and self._alone()
             graphs = self._alone_graphs if alone else self._graphs
-        full, only = graphs
+        full, only, summarised = graphs
+        if summarised is not None and any(name in SUMMARY_OUTPUT_NAMES for name in output_names):
+            return summarised
         return only if output_only and only is not None else full
 
     def run(self, output_names, query, key, value, mask, graphs: GraphSet | None = None) -> list[np.ndarray]:
@@ -137,3 +154,7 @@ class AttentionGraphs:
             kv = rng.standard_normal((1, OUTPUT_ONLY_FROM_KV_LEN, d), dtype=np.float32)
             for _ in range(runs):
                 self.run((OUTPUT,), kv, kv, kv, np.ones((1, 1, 1, OUTPUT_ONLY_FROM_KV_LEN), dtype=bool), graphs)
+        if graphs[2] is not None:
+            q = rng.standard_normal((1, 16, d), dtype=np.float32)
+            for _ in range(runs):
+                self.run((OUTPUT, *SUMMARY_OUTPUT_NAMES), q, q, q, np.ones((1, 1, 1, 16), dtype=bool), graphs)

@@ -19,6 +19,7 @@ from mhaserve.contract.model_dir import (
     output_only_file,
     read_manifest,
     step_file,
+    summaries_file,
 )
 from mhaserve.contract.signature import PRECISIONS
 
@@ -87,6 +88,10 @@ class ModelFolder:
     def output_only_path(self) -> Path | None:
         """The checked output-only graph (export/output_only.py), or None where the folder has none."""
         return output_only_file(self.path, self.manifest)
+
+    def summaries_path(self) -> Path | None:
+        """The checked summaries graph (export/summaries.py), or None where the folder has none."""
+        return summaries_file(self.path, self.manifest)
 
     def step_path(self, kind: str) -> Path | None:
         """The checked step graph of ``kind`` (model_dir.STEP_FILES), or None where the folder has none."""

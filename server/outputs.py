@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from mhaserve.contract.signature import ATTN_WEIGHTS, OUTPUT
+from mhaserve.contract.signature import ATTN_ENTROPY, ATTN_WEIGHTS, OUTPUT
 
 from .errors import ErrorKind, RequestError
-from .shaping import shaped_weights
+from .shaping import shaped_summaries, shaped_weights
 from .tensors import count_non_finite
 
 
@@ -46,16 +46,26 @@ def asks_for_weights(asked: tuple[str, ...]) -> bool:
 
 
 def outputs_from_run(
-    asked: tuple[str, ...], shaping, output: np.ndarray | None, weights: np.ndarray | None, computed_in: str
+    asked: tuple[str, ...],
+    shaping,
+    output: np.ndarray | None,
+    weights: np.ndarray | None,
+    computed_in: str,
+    summarised: dict[str, np.ndarray] | None = None,
 ) -> tuple[dict[str, np.ndarray] | None, RequestError | None]:
     """A request's answer from its rows of a run (``output`` None where it did not ask for it), the outputs it
     asked for in its order, its weights shaped as it asked; or, where the run overflowed, no answer and the
-    error (overflow_error)."""
+    error (overflow_error). ``summarised``: the summaries a run of the summaries graph made, where it ran in place
+    of the weights (then the entropy, which a NaN weight makes NaN, stands for them in the overflow check)."""
     derived = weights if asks_for_weights(asked) else None
+    if derived is None and output is None and summarised:
+        derived = summarised[ATTN_ENTROPY]
     error = overflow_error(asked, output, derived, computed_in)
     if error is not None:
         return None, error
     answer = {} if output is None else {OUTPUT: output}
     if weights is not None:
         answer.update(shaped_weights(weights, asked, shaping))
+    elif summarised:
+        answer.update(shaped_summaries(summarised, asked, shaping))
     return {name: answer[name] for name in asked}, None

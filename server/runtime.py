@@ -145,6 +145,7 @@ class BatchedRuntime:
             computed_in=graphs.info.computed_in,
             runs_here=_runs_here(graphs, share.quiet),
             board=worker_board(),
+            summaries_graph=graphs.has_summaries_graph,
         )
         return cls(graphs, batcher, parity)
 
@@ -181,6 +182,7 @@ class BatchedRuntime:
             "max_queue_delay_us": batcher.max_queue_delay_us,
             "length_aware_batching": batcher.run_cost is not None,
             "output_only_graph": graphs.has_output_only_graph,
+            "summaries_graph": graphs.has_summaries_graph,
             "max_queue_size": batcher.max_queue_size,
             "parity_share": self.parity.share if self.parity is not None else 0.0,
         }

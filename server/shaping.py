@@ -58,16 +58,13 @@ def shaped_weights(weights: np.ndarray, outputs: tuple[str, ...], shaping: Weigh
         answer.update(_unranked(weights.shape[:-1], weights.dtype, outputs))
         answer.update(summaries(weights, outputs))
         return answer
+    answer = shaped_summaries(summaries(weights, outputs), outputs, shaping)  # of the chosen heads and rows
     chosen = weights
     if shaping.heads is not None:
         chosen = chosen[:, list(shaping.heads)]
     if shaping.rows is not None:
         chosen = chosen[:, :, slice(*shaping.rows)]
     dtype = shaping.dtype or weights.dtype
-    answer = {
-        name: _as(summary, dtype) if summary.dtype.kind == "f" and name != ATTN_ENTROPY else summary
-        for name, summary in summaries(chosen, outputs).items()
-    }  # of the heads and rows chosen, every key
     if shaping.keys is not None:
         chosen = chosen[..., slice(*shaping.keys)]
     if ATTN_WEIGHTS in outputs:
@@ -121,6 +118,23 @@ def summaries(weights: np.ndarray, outputs: tuple[str, ...]) -> dict[str, np.nda
         if ATTN_MAX_INDEX in asked:
             index = np.zeros(weights.shape[:-1], np.int64) if empty else weights.argmax(axis=-1).astype(np.int64)
             answer[ATTN_MAX_INDEX] = np.where(largest > 0, index, -1)
+    return answer
+
+
+def shaped_summaries(summarised: dict[str, np.ndarray], outputs: tuple[str, ...], shaping: WeightsShaping):
+    """The summaries ``outputs`` names, of the heads and query rows ``shaping`` chose (over every key, whatever its
+    key window), the sink and the largest weight in its precision: from a run's summaries [B, h, Lq] (the
+    summaries graph's, or ``summaries`` of its weights)."""
+    answer = {}
+    for name in SUMMARY_OUTPUT_NAMES:
+        if name not in outputs:
+            continue
+        summary = summarised[name]
+        if shaping.heads is not None:
+            summary = summary[:, list(shaping.heads)]
+        if shaping.rows is not None:
+            summary = summary[:, :, slice(*shaping.rows)]
+        answer[name] = _as(summary, shaping.dtype) if shaping.dtype and name in (ATTN_SINK, ATTN_MAX) else summary
     return answer
 
 

@@ -13,6 +13,7 @@ MODEL_FILE = "model.onnx"
 # The same model without the attention-weights output, for requests that ask for none of them (written for
 # float32 exports; a folder without it, float16 or exported before it existed, serves them from model.onnx).
 OUTPUT_ONLY_FILE = "model_output_only.onnx"
+SUMMARIES_FILE = "model_summaries.onnx"
 # What a current step graph does with a sequence's cache: returns its new rows, written in place after the others.
 STEP_CACHE_IN_PLACE = "new rows written in place"
 STEP_FILE = "model_step.onnx"  # one step of a growing sequence, over the keys and values the server keeps
@@ -94,7 +95,7 @@ def check_model_file(model_dir: str | Path, manifest: dict, name: str = MODEL_FI
     return path
 
 
-_SHA256_KEYS = {MODEL_FILE: "model_sha256", OUTPUT_ONLY_FILE: "output_only_sha256",
+_SHA256_KEYS = {MODEL_FILE: "model_sha256", OUTPUT_ONLY_FILE: "output_only_sha256", SUMMARIES_FILE: "summaries_sha256",
                 **{name: f"{key}_sha256" for key, name in STEP_FILES.items()}}  # fmt: skip
 
 
@@ -103,6 +104,13 @@ def output_only_file(model_dir: str | Path, manifest: dict) -> Path | None:
     if manifest.get("files", {}).get("output_only") != OUTPUT_ONLY_FILE:
         return None
     return check_model_file(model_dir, manifest, OUTPUT_ONLY_FILE)
+
+
+def summaries_file(model_dir: str | Path, manifest: dict) -> Path | None:
+    """The checked summaries graph, or None for a folder exported without one."""
+    if manifest.get("files", {}).get("summaries") != SUMMARIES_FILE:
+        return None
+    return check_model_file(model_dir, manifest, SUMMARIES_FILE)
 
 
 def step_file(model_dir: str | Path, manifest: dict, kind: str = "step") -> Path | None:
@@ -122,6 +130,7 @@ def why_not_current(model_dir: str | Path, wanted: Mapping[str, object] | None =
         manifest = read_manifest(model_dir)
         check_model_file(model_dir, manifest)
         output_only = output_only_file(model_dir, manifest)
+        summaries = summaries_file(model_dir, manifest)
         step = step_file(model_dir, manifest)
         cross_step = step_file(model_dir, manifest, "cross_step")
         grouped_steps = [step_file(model_dir, manifest, kind) for kind in ("grouped_step", "grouped_cross_step")]
@@ -136,6 +145,8 @@ def why_not_current(model_dir: str | Path, wanted: Mapping[str, object] | None =
         return None  # float16 and int8 folders have neither graph
     if output_only is None:
         return "an older export, without the output-only graph"
+    if summaries is None:
+        return "an older export, without the summaries graph"
     if step is None:
         return "an older export, without the step graph that serves sequences"
     if manifest.get("validation", {}).get("step", {}).get("cache") != STEP_CACHE_IN_PLACE:

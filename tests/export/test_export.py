@@ -63,6 +63,7 @@ def test_folder_holds_the_graphs_weights_manifest_and_validation_table(small_mod
         "model_grouped_steps.onnx",
         "model_output_only.onnx",
         "model_step.onnx",
+        "model_summaries.onnx",
         "validation.txt",
         "weights.pt",
     ]
@@ -335,7 +336,7 @@ def test_cli_export_with_a_triton_repo_then_validate(tmp_path, capsys):
     assert "# max_batch_size: 32" in (out / "config.pbtxt").read_text() and str(out / "config.pbtxt") in done.stderr
     # On the terminal the summaries, every row in the folder (and on the terminal with --verbose).
     assert "68 passed, 0 failed" in done.stderr and "[ 68/68]" not in done.stderr
-    assert len(done.stderr.strip().splitlines()) <= 11, done.stderr
+    assert len(done.stderr.strip().splitlines()) <= 12, done.stderr
     assert "[ 68/68]" in (out / "validation.txt").read_text() and str(out / "validation.txt") in done.stderr
     assert "Traceback" not in done.stderr and "Warning" not in done.stderr
     assert json.loads((out / "manifest.json").read_text())["source"] == {"kind": "seed", "seed": 4}

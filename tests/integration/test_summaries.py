@@ -69,6 +69,20 @@ def test_summaries_equal_the_float64_module_s_and_cost_no_weights_on_the_wire(se
     assert_summarised(chosen.summaries, want, heads=[3, 1], rows=slice(2, 6))
 
 
+def test_summaries_alone_take_the_summaries_graph_and_beside_weights_come_from_them(server, small_module):
+    from mhaserve.contract.signature import graph_outputs_for
+
+    with Client(server.url) as client:  # the version runs its summaries graph (export/summaries.py)
+        assert client.config().parameters["summaries_graph"].string_value == "true"
+        query, mask = inputs()
+        both = client.infer(query, mask=mask, weights=WeightsOptions(summaries=True))  # weights asked too
+    assert_summarised(both.summaries, exact_summaries(small_module, query, mask))
+    # a run asking for summaries alone fetches them from the graph; one with weights, the weights
+    assert graph_outputs_for(("output", *SUMMARIES), summaries_graph=True) == ("output", *SUMMARIES)
+    assert graph_outputs_for(("attn_weights", *SUMMARIES), summaries_graph=True) == ("attn_weights",)
+    assert graph_outputs_for(("output", *SUMMARIES), summaries_graph=False) == ("output", "attn_weights")
+
+
 def test_tritonclient_asks_for_summaries_by_name(server, small_module):
     query, mask = inputs()
     want = exact_summaries(small_module, query, mask)

@@ -1,0 +1,162 @@
+"""The summaries graph: the exported full graph answering, beside the output, each head's query row summarised over
+every key (signature.SUMMARY_OUTPUT_NAMES) instead of the weights, for requests that ask for the summaries alone.
+
+The four reductions read the tensors the full graph computes anyway, the masked softmax's input (the scores with the
+mask's bias) and its output: the entropy without a logarithm per weight, as ln Z + max(s) - sum(p * s) where the
+row's largest weight is 1 / Z; the sink and the largest weight and its key from the weights. So a summary costs a
+few passes over the [Lq, Lk] weights inside the run, not their trip to numpy (BENCHMARKS.md, "Attention
+summaries"). Validated against float64 summaries of the eager module (writer.py), like every exported graph.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, numpy_helper
+from onnx import helper as make
+
+from mhaserve.contract.signature import (
+    ATTN_ENTROPY,
+    ATTN_MAX,
+    ATTN_MAX_INDEX,
+    ATTN_SINK,
+    ATTN_WEIGHTS,
+    OUTPUT,
+    SUMMARY_OUTPUT_NAMES,
+)
+
+from .validate import EAGER_ERROR_FACTOR
+
+
+def summaries_graph(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` (the float32 full graph) with the summaries as its outputs after ``output``, the weights no longer
+    one: its one Softmax is the masked softmax, whose output times the row's "attends at all" factor is the
+    weights."""
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    graph = model.graph
+    (softmax,) = [node for node in graph.node if node.op_type == "Softmax"]
+    (weighting,) = [node for node in graph.node if node.op_type == "Mul" and ATTN_WEIGHTS in node.output]
+    scores, raw = softmax.input[0], softmax.output[0]
+    attends = next(name for name in weighting.input if name != raw)
+    graph.initializer.extend([
+        numpy_helper.from_array(np.array([-1], np.int64), "summaries.last_axis"),
+        numpy_helper.from_array(np.array([0], np.int64), "summaries.first"),
+        numpy_helper.from_array(np.array([1], np.int64), "summaries.second"),
+        numpy_helper.from_array(np.array(0.0, np.float32), "summaries.zero"),
+        numpy_helper.from_array(np.array(-1, np.int64), "summaries.none"),
+    ])  # fmt: skip
+
+    def node(op, inputs, output, **attributes):
+        return make.make_node(op, inputs, [output], name=f"summaries.{output}", **attributes)
+
+    last = "summaries.last_axis"
+    graph.node.extend([
+        node("Squeeze", [attends, last], "summaries.attends"),  # [B|1, h|1, Lq|1]: 0 on a row attending no key
+        # the largest weight (1 / Z) and its key in one pass, ties to the lower key as ONNX's TopK states
+        make.make_node("TopK", [raw, "summaries.second"], ["summaries.top_raw", "summaries.top_key"], axis=-1,
+                       largest=1, sorted=1, name="summaries.top"),  # fmt: skip
+        node("GatherElements", [scores, "summaries.top_key"], "summaries.top_score_kept", axis=-1),
+        node("Squeeze", ["summaries.top_score_kept", last], "summaries.top_score"),
+        node("Squeeze", ["summaries.top_raw", last], "summaries.largest_raw"),
+        node("Squeeze", ["summaries.top_key", last], "summaries.largest_key"),
+        node("Mul", [raw, scores], "summaries.weighted_scores"),
+        node("ReduceSum", ["summaries.weighted_scores", last], "summaries.mean_score", keepdims=0),
+        node("Log", ["summaries.largest_raw"], "summaries.minus_log_z"),
+        node("Sub", ["summaries.top_score", "summaries.mean_score"], "summaries.spread"),
+        node("Sub", ["summaries.spread", "summaries.minus_log_z"], "summaries.entropy_raw"),
+        node("Mul", ["summaries.entropy_raw", "summaries.attends"], ATTN_ENTROPY),
+        node("Mul", ["summaries.largest_raw", "summaries.attends"], ATTN_MAX),
+        node("Greater", [ATTN_MAX, "summaries.zero"], "summaries.attending"),
+        node("Where", ["summaries.attending", "summaries.largest_key", "summaries.none"], ATTN_MAX_INDEX),
+        node("Slice", [ATTN_WEIGHTS, "summaries.first", "summaries.second", last], "summaries.first_key"),
+        node("Squeeze", ["summaries.first_key", last], ATTN_SINK),
+    ])  # fmt: skip
+    types = {ATTN_ENTROPY: TensorProto.FLOAT, ATTN_SINK: TensorProto.FLOAT, ATTN_MAX: TensorProto.FLOAT,
+             ATTN_MAX_INDEX: TensorProto.INT64}  # fmt: skip
+    kept = [output for output in graph.output if output.name == OUTPUT]
+    del graph.output[:]
+    graph.output.extend(kept)
+    graph.output.extend(make.make_tensor_value_info(name, types[name], [None] * 3) for name in SUMMARY_OUTPUT_NAMES)
+    return model
+
+
+# Cases the summaries graph is validated on: (batch, q_len, kv_len, mask, input scale). A padded batch with a row
+# that may attend no key, a causal one, cross-attention, and inputs ten times larger (scores in the hundreds).
+CASES = ((2, 12, 12, "padded", 1.0), (1, 64, 64, "causal", 1.0), (2, 7, 33, "none", 1.0), (1, 32, 32, "none", 10.0))
+# Within this of the float64 summaries: the entropy in nats, the sink and the largest weight as the weights are
+# (the export's float32 tolerance); the largest weight's key wherever the row's two largest weights differ by more.
+# Or, as the export's validation judges input scales, no further than EAGER_ERROR_FACTOR times eager float32's own
+# summaries are (scores in the hundreds put float32's weights past 1e-5).
+ENTROPY_WITHIN = 1e-4
+WEIGHTS_WITHIN = 1e-5
+
+
+def exact_summaries(weights: np.ndarray) -> dict[str, np.ndarray]:
+    """The summaries of float64 weights [B, h, Lq, Lk], as the graph states them."""
+    logs = np.log(np.where(weights > 0, weights, 1.0))
+    largest = weights.max(axis=-1)
+    return {ATTN_ENTROPY: -(weights * logs).sum(axis=-1), ATTN_SINK: weights[..., 0], ATTN_MAX: largest,
+            ATTN_MAX_INDEX: np.where(largest > 0, weights.argmax(axis=-1), -1)}  # fmt: skip
+
+
+def _error(got: dict, want: dict, names: tuple[str, ...]) -> float:
+    return float(max(np.abs(got[name] - want[name]).max() for name in names))
+
+
+def validate_summaries(module, graph: bytes, seed: int | None, report) -> list[dict]:
+    """The summaries graph's answers on CASES against the summaries of the eager module's float64 weights, and its
+    output against the eager output: one record per case, its status pass or fail."""
+    import onnxruntime as ort
+    import torch
+
+    session = ort.InferenceSession(graph, providers=["CPUExecutionProvider"])
+    names = [output.name for output in session.get_outputs()]
+    rng = np.random.default_rng(seed)
+    exact = module.double().eval()
+    results = []
+    try:
+        for batch, q_len, kv_len, kind, scale in CASES:
+            query = (rng.standard_normal((batch, q_len, module.d_model)) * scale).astype(np.float32)
+            key = query if q_len == kv_len else (rng.standard_normal((batch, kv_len, module.d_model)) * scale)
+            key = key.astype(np.float32)
+            mask = np.ones((batch, 1, q_len, kv_len), bool)
+            if kind == "causal":
+                mask[:] = np.tril(np.ones((q_len, kv_len), bool))
+            elif kind == "padded":
+                mask[-1, :, :, kv_len // 2 :] = False
+                mask[-1, :, 1] = False  # a row that may attend no key
+            got = dict(zip(names, session.run(None, {"query": query, "key": key, "value": key, "mask": mask}),
+                           strict=True))  # fmt: skip
+            with torch.no_grad():
+                tensors = (torch.from_numpy(a.astype(np.float64)) for a in (query, key, key))
+                want_output, want_weights = (t.numpy() for t in exact(*tensors, mask=torch.from_numpy(mask)))
+                exact.float()
+                eager = exact(*(torch.from_numpy(a) for a in (query, key, key)), mask=torch.from_numpy(mask))[1]
+                exact.double()
+            want, float32 = exact_summaries(want_weights), exact_summaries(eager.numpy().astype(np.float64))
+            ordered = np.sort(want_weights, axis=-1)
+            clear = ordered[..., -1] - (ordered[..., -2] if kv_len > 1 else 0.0) > WEIGHTS_WITHIN
+            record = {
+                "case": f"[{batch},{q_len},{kv_len}] {kind} x{scale:g}",
+                "entropy_error": _error(got, want, (ATTN_ENTROPY,)),
+                "weights_error": _error(got, want, (ATTN_SINK, ATTN_MAX)),
+                "keys_differing": int(((got[ATTN_MAX_INDEX] != want[ATTN_MAX_INDEX]) & clear).sum()),
+                "output_error": float(np.abs(got[OUTPUT] - want_output).max() / max(np.abs(want_output).max(), 1.0)),
+            }
+            allowed = {
+                "entropy_error": max(ENTROPY_WITHIN, EAGER_ERROR_FACTOR * _error(float32, want, (ATTN_ENTROPY,))),
+                "weights_error": max(WEIGHTS_WITHIN, EAGER_ERROR_FACTOR * _error(float32, want, (ATTN_SINK, ATTN_MAX))),
+            }
+            held = (all(record[name] <= limit for name, limit in allowed.items()) and record["keys_differing"] == 0
+                    and record["output_error"] <= WEIGHTS_WITHIN * max(1.0, scale**2))  # fmt: skip
+            record["status"] = "pass" if held else "fail"
+            results.append(record)
+    finally:
+        module.float()
+    failed = [r["case"] for r in results if r["status"] != "pass"]
+    report(
+        f"summaries graph: {len(results)} cases against float64, entropy within "
+        f"{max(r['entropy_error'] for r in results):.1e} nats, sink and largest weight within "
+        f"{max(r['weights_error'] for r in results):.1e}: " + (f"FAILED {', '.join(failed)}" if failed else "pass")
+    )
+    return results
