@@ -85,10 +85,11 @@ def output_specs(d_model: int, num_heads: int, precision: str = "fp32") -> list[
 
 def graph_outputs_for(requested: tuple[str, ...], summaries_graph: bool = False) -> tuple[str, ...]:
     """The graph outputs a run must fetch to answer ``requested`` (the mean is taken from the weights): where the
-    version has a summaries graph and the run asks for summaries and no weights, that graph's summaries."""
+    version has a summaries graph and the run asks for summaries and no weights, that graph's summaries asked, and
+    the entropy always (a NaN weight makes it NaN: the run's overflow check reads it)."""
     asked = set(requested)
     if summaries_graph and asked & set(SUMMARY_OUTPUT_NAMES) and asked <= {OUTPUT, *SUMMARY_OUTPUT_NAMES}:
-        return tuple(name for name in (OUTPUT, *SUMMARY_OUTPUT_NAMES) if name in asked)
+        return tuple(name for name in (OUTPUT, *SUMMARY_OUTPUT_NAMES) if name in asked or name == ATTN_ENTROPY)
     needed = {*asked, ATTN_WEIGHTS} if asked & set(WEIGHTS_OUTPUT_NAMES) else asked
     return tuple(name for name in GRAPH_OUTPUT_NAMES if name in needed)
 

@@ -79,8 +79,20 @@ def test_summaries_alone_take_the_summaries_graph_and_beside_weights_come_from_t
     assert_summarised(both.summaries, exact_summaries(small_module, query, mask))
     # a run asking for summaries alone fetches them from the graph; one with weights, the weights
     assert graph_outputs_for(("output", *SUMMARIES), summaries_graph=True) == ("output", *SUMMARIES)
+    assert graph_outputs_for(("attn_weights_max_index",), summaries_graph=True) == (  # the overflow check reads it
+        "attn_weights_entropy",
+        "attn_weights_max_index",
+    )
     assert graph_outputs_for(("attn_weights", *SUMMARIES), summaries_graph=True) == ("attn_weights",)
     assert graph_outputs_for(("output", *SUMMARIES), summaries_graph=False) == ("output", "attn_weights")
+
+
+@pytest.mark.parametrize("name", SUMMARIES)
+def test_each_summary_can_be_asked_for_alone(server, small_module, name):
+    query, mask = inputs()
+    want = exact_summaries(small_module, query, mask)[name.removeprefix("attn_weights_")]
+    result = triton_infer(triton_http(server), query, mask, False, outputs=(name,))
+    np.testing.assert_allclose(result.as_numpy(name), want, atol=WITHIN)
 
 
 def test_tritonclient_asks_for_summaries_by_name(server, small_module):
