@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 from threadpoolctl import ThreadpoolController
 
+from mhaserve.contract.signature import ATTN_WEIGHTS, OUTPUT
 from mhaserve.protos.generated import onnx_weights_pb2
 
 from .metrics import PARITY_OUTPUTS
@@ -181,7 +182,7 @@ def _attend(weights: ReferenceWeights, q, k, v, allowed: np.ndarray, dtype) -> t
 def _checked(answers: dict[str, np.ndarray], shaping) -> dict[str, np.ndarray]:
     """The answers a check compares: the output, and the attention weights where the request had them whole."""
     return {name: got for name, got in answers.items()
-            if name == "output" or (name == "attn_weights" and shaping is NO_SHAPING)}  # fmt: skip
+            if name == OUTPUT or (name == ATTN_WEIGHTS and shaping is NO_SHAPING)}  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -58,12 +58,8 @@ def shaped_weights(weights: np.ndarray, outputs: tuple[str, ...], shaping: Weigh
         answer.update(_unranked(weights.shape[:-1], weights.dtype, outputs))
         answer.update(summaries(weights, outputs))
         return answer
-    answer = shaped_summaries(summaries(weights, outputs), outputs, shaping)  # of the chosen heads and rows
-    chosen = weights
-    if shaping.heads is not None:
-        chosen = chosen[:, list(shaping.heads)]
-    if shaping.rows is not None:
-        chosen = chosen[:, :, slice(*shaping.rows)]
+    chosen = _chosen(weights, shaping)
+    answer = _in_precision(summaries(chosen, outputs), shaping.dtype)  # of the chosen heads and rows, every key
     dtype = shaping.dtype or weights.dtype
     if shaping.keys is not None:
         chosen = chosen[..., slice(*shaping.keys)]
@@ -125,17 +121,21 @@ def shaped_summaries(summarised: dict[str, np.ndarray], outputs: tuple[str, ...]
     """The summaries ``outputs`` names, of the heads and query rows ``shaping`` chose (over every key, whatever its
     key window), the sink and the largest weight in its precision: from a run's summaries [B, h, Lq] (the
     summaries graph's, or ``summaries`` of its weights)."""
-    answer = {}
-    for name in SUMMARY_OUTPUT_NAMES:
-        if name not in outputs:
-            continue
-        summary = summarised[name]
-        if shaping.heads is not None:
-            summary = summary[:, list(shaping.heads)]
-        if shaping.rows is not None:
-            summary = summary[:, :, slice(*shaping.rows)]
-        answer[name] = _as(summary, shaping.dtype) if shaping.dtype and name in (ATTN_SINK, ATTN_MAX) else summary
-    return answer
+    asked = {name: _chosen(summarised[name], shaping) for name in SUMMARY_OUTPUT_NAMES if name in outputs}
+    return _in_precision(asked, shaping.dtype)
+
+
+def _chosen(array: np.ndarray, shaping: WeightsShaping) -> np.ndarray:
+    """The heads and query rows ``shaping`` chose of a run's weights [B, h, Lq, Lk] or summaries [B, h, Lq]."""
+    if shaping.heads is not None:
+        array = array[:, list(shaping.heads)]
+    return array if shaping.rows is None else array[:, :, slice(*shaping.rows)]
+
+
+def _in_precision(summarised: dict[str, np.ndarray], dtype) -> dict[str, np.ndarray]:
+    """The sink and the largest weight in the weights' precision asked (None: as computed)."""
+    return {name: _as(summary, dtype) if dtype and name in (ATTN_SINK, ATTN_MAX) else summary
+            for name, summary in summarised.items()}  # fmt: skip
 
 
 def _unranked(rows: tuple[int, ...], dtype: np.dtype, outputs: tuple[str, ...]) -> dict[str, np.ndarray]:

@@ -12,7 +12,6 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from mhaserve.contract.ring import SEQUENCE_HEADER, sequence_header  # noqa: F401 (the clients' names)
 from mhaserve.contract.signature import (
     ATTN_TOP_K_INDICES,
     ATTN_TOP_K_VALUES,

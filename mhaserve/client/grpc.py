@@ -29,11 +29,11 @@ import grpc
 import numpy as np
 
 from mhaserve.contract.datatypes import DATATYPES, datatype_of
+from mhaserve.contract.ring import SEQUENCE_HEADER, sequence_header
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
 
 from .common import (
-    SEQUENCE_HEADER,
     TLS,
     AsyncSequence,
     InferResult,
@@ -43,7 +43,6 @@ from .common import (
     WeightsOptions,
     request_inputs,
     requested_outputs,
-    sequence_header,
     with_remedy,
 )
 from .servers import ServerSet

@@ -17,9 +17,9 @@ import urllib.request
 import numpy as np
 
 from mhaserve.contract.datatypes import DATATYPES, datatype_of
+from mhaserve.contract.ring import SEQUENCE_HEADER, sequence_header
 
 from .common import (
-    SEQUENCE_HEADER,
     TLS,
     InferResult,
     RequestFailed,
@@ -28,7 +28,6 @@ from .common import (
     WeightsOptions,
     request_inputs,
     requested_outputs,
-    sequence_header,
     with_remedy,
 )
 from .shared_memory import SharedMemoryRegions

@@ -32,7 +32,7 @@ from ..errors import RequestError
 from ..grpc.receipt import GRPC_STATUS
 from ..grpc.servicer import ProtocolRpcs, infer_grpc, streamed_refusal
 from .proxy import SERVICER_FUNCTION
-from .router import HELD_SEQUENCES
+from .router import HELD_SEQUENCES, ROUTER_PATH, ROUTING_STATS_PERIOD_S
 
 log = logging.getLogger("mhaserve.server")
 
@@ -295,8 +295,6 @@ def replica_deployment(
         if native_port:  # two replicas on one node cannot both listen on it
             max_replicas_per_node = 1
     from ray.serve.config import RequestRouterConfig
-
-    from .router import ROUTER_PATH, ROUTING_STATS_PERIOD_S
 
     deployment = serve.deployment(
         replica_class,
