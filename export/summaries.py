@@ -3,8 +3,8 @@ every key (signature.SUMMARY_OUTPUT_NAMES) instead of the weights, for requests 
 
 The four reductions read the tensors the full graph computes anyway, the masked softmax's input (the scores with the
 mask's bias) and its output: the entropy without a logarithm per weight, as ln Z + max(s) - sum(p * s) where the
-row's largest weight is 1 / Z; the sink and the largest weight and its key from the weights. So a summary costs a
-few passes over the [Lq, Lk] weights inside the run, not their trip to numpy (BENCHMARKS.md, "Attention
+row's largest weight is 1 / Z; the sink and the largest weight and its key from the softmax's output. So a summary
+costs a few passes over the [Lq, Lk] weights inside the run, not their trip to numpy (BENCHMARKS.md, "Attention
 summaries"). Validated against float64 summaries of the eager module (writer.py), like every exported graph.
 """
 
@@ -31,13 +31,20 @@ from .validate import EAGER_ERROR_FACTOR
 def summaries_graph(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` (the float32 full graph) with the summaries as its outputs after ``output``, the weights no longer
     one: its one Softmax is the masked softmax, whose output times the row's "attends at all" factor is the
-    weights."""
+    weights. The weights are never made whole: the values are weighted by the softmax's output and a row attending
+    no key is zeroed in the heads' context ([Lq, d_k], not [Lq, Lk])."""
     model = onnx.ModelProto.FromString(model.SerializeToString())
     graph = model.graph
     (softmax,) = [node for node in graph.node if node.op_type == "Softmax"]
     (weighting,) = [node for node in graph.node if node.op_type == "Mul" and ATTN_WEIGHTS in node.output]
+    (weighing_values,) = [node for node in graph.node if ATTN_WEIGHTS in node.input]
     scores, raw = softmax.input[0], softmax.output[0]
     attends = next(name for name in weighting.input if name != raw)
+    graph.node.remove(weighting)
+    context = weighing_values.output[0]
+    weighing_values.input[list(weighing_values.input).index(ATTN_WEIGHTS)] = raw
+    weighing_values.output[0] = "summaries.context_of_every_row"
+    at = list(graph.node).index(weighing_values) + 1
     graph.initializer.extend([
         numpy_helper.from_array(np.array([-1], np.int64), "summaries.last_axis"),
         numpy_helper.from_array(np.array([0], np.int64), "summaries.first"),
@@ -50,15 +57,14 @@ def summaries_graph(model: onnx.ModelProto) -> onnx.ModelProto:
         return make.make_node(op, inputs, [output], name=f"summaries.{output}", **attributes)
 
     last = "summaries.last_axis"
+    graph.node.insert(at, node("Mul", ["summaries.context_of_every_row", attends], context))
+    # Each a pass over [Lq, Lk] at most, the cheapest measured in ONNX Runtime's CPU kernels (BENCHMARKS.md,
+    # "Attention summaries"): ReduceMax and ArgMax rather than TopK, the sink sliced before it is weighted.
     graph.node.extend([
         node("Squeeze", [attends, last], "summaries.attends"),  # [B|1, h|1, Lq|1]: 0 on a row attending no key
-        # the largest weight (1 / Z) and its key in one pass, ties to the lower key as ONNX's TopK states
-        make.make_node("TopK", [raw, "summaries.second"], ["summaries.top_raw", "summaries.top_key"], axis=-1,
-                       largest=1, sorted=1, name="summaries.top"),  # fmt: skip
-        node("GatherElements", [scores, "summaries.top_key"], "summaries.top_score_kept", axis=-1),
-        node("Squeeze", ["summaries.top_score_kept", last], "summaries.top_score"),
-        node("Squeeze", ["summaries.top_raw", last], "summaries.largest_raw"),
-        node("Squeeze", ["summaries.top_key", last], "summaries.largest_key"),
+        node("ReduceMax", [raw, last], "summaries.largest_raw", keepdims=0),  # the largest weight, 1 / Z
+        node("ArgMax", [raw], "summaries.largest_key", axis=-1, keepdims=0),  # ties to the lower key, as numpy's
+        node("ReduceMax", [scores, last], "summaries.top_score", keepdims=0),
         node("Mul", [raw, scores], "summaries.weighted_scores"),
         node("ReduceSum", ["summaries.weighted_scores", last], "summaries.mean_score", keepdims=0),
         node("Log", ["summaries.largest_raw"], "summaries.minus_log_z"),
@@ -68,8 +74,9 @@ def summaries_graph(model: onnx.ModelProto) -> onnx.ModelProto:
         node("Mul", ["summaries.largest_raw", "summaries.attends"], ATTN_MAX),
         node("Greater", [ATTN_MAX, "summaries.zero"], "summaries.attending"),
         node("Where", ["summaries.attending", "summaries.largest_key", "summaries.none"], ATTN_MAX_INDEX),
-        node("Slice", [ATTN_WEIGHTS, "summaries.first", "summaries.second", last], "summaries.first_key"),
-        node("Squeeze", ["summaries.first_key", last], ATTN_SINK),
+        node("Slice", [raw, "summaries.first", "summaries.second", last], "summaries.first_key"),
+        node("Squeeze", ["summaries.first_key", last], "summaries.first_key_raw"),
+        node("Mul", ["summaries.first_key_raw", "summaries.attends"], ATTN_SINK),
     ])  # fmt: skip
     types = {ATTN_ENTROPY: TensorProto.FLOAT, ATTN_SINK: TensorProto.FLOAT, ATTN_MAX: TensorProto.FLOAT,
              ATTN_MAX_INDEX: TensorProto.INT64}  # fmt: skip

@@ -419,6 +419,12 @@ class DeviceSettings(Section):
         "run requests that ask for no attention weights on the model folder's output-only graph, where it has "
         "one (faster from about 512 tokens; holds a second copy of the projection weights)",
     )
+    summaries_graph: bool = setting(
+        True,
+        "run requests that ask for attention summaries and no weights on the model folder's summaries graph, where "
+        "it has one (the weights never leave the run; holds another copy of the projection weights); off, the "
+        "summaries are computed from the full graph's weights",
+    )
     warmup_runs: int = setting(2, "model runs at each warm-up shape before reporting ready (0 = none)")
     parity_share: float = setting(
         0.0,

@@ -26,8 +26,8 @@ GraphSet = tuple[ort.InferenceSession, ort.InferenceSession | None, ort.Inferenc
 
 
 class AttentionGraphs:
-    """Runs a folder's full graph, and its output-only graph where the folder has one and ``output_only`` allows
-    it. ``run`` is thread-safe (ONNX Runtime sessions are)."""
+    """Runs a folder's full graph, and its output-only and summaries graphs where the folder has them and
+    ``output_only`` and ``summaries`` allow them. ``run`` is thread-safe (ONNX Runtime sessions are)."""
 
     def __init__(
         self,
@@ -36,6 +36,7 @@ class AttentionGraphs:
         inter_op_threads: int = 1,
         cuda_tf32: bool = False,
         output_only: bool = True,
+        summaries: bool = True,
         intra_op_spin_ms: float = -1.0,
         alone_threads: int = 0,
         alone: Callable[[], bool] | None = None,
@@ -55,7 +56,7 @@ class AttentionGraphs:
         # The device every other graph of this version opens on: the one the full graph got, so all answer alike.
         self.device = "cpu" if self.provider == CPU else folder.device
         output_only_path = folder.output_only_path() if output_only else None
-        summaries_path = folder.summaries_path()
+        summaries_path = folder.summaries_path() if summaries else None
         self._graphs: GraphSet = (
             full,
             self._open(output_only_path, self.options),

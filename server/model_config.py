@@ -61,6 +61,7 @@ class ModelSettings:
     intra_op_spin_ms: float
     length_aware_batching: bool
     output_only_graph: bool
+    summaries_graph: bool
     parity_share: float
     max_q_len: int
     max_kv_len: int

@@ -125,6 +125,7 @@ class BatchedRuntime:
             cuda_tf32=share.settings.cuda_tf32,
             intra_op_spin_ms=model.intra_op_spin_ms,
             output_only=model.output_only_graph,
+            summaries=model.summaries_graph,
             alone_threads=alone_threads,
             alone=alone,
         )

@@ -114,9 +114,10 @@ class VersionFactory:
         graphs = batched.graphs
         log.info(
             "loaded model=%s version=%s d_model=%d heads=%d precision=%s opset=%s provider=%s output_only_graph=%s "
-            "from %s%s",
+            "summaries_graph=%s from %s%s",
             name, version, signature.d_model, signature.num_heads, signature.precision, graphs.info.opset,
-            graphs.provider, "yes" if graphs.has_output_only_graph else "no", model_dir, configured,
+            graphs.provider, "yes" if graphs.has_output_only_graph else "no",
+            "yes" if graphs.has_summaries_graph else "no", model_dir, configured,
             extra={"model": name, "version": str(version)},
         )  # fmt: skip
 

@@ -5,6 +5,7 @@ infer`; a row that may attend no key summarised as zeros and key -1."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 
@@ -124,3 +125,21 @@ def test_the_cli_prints_each_head_s_summary_and_the_metadata_lists_the_outputs(s
         outputs = {o.name: (o.datatype, list(o.shape)) for o in client.metadata().outputs}
     assert outputs["attn_weights_entropy"] == ("FP32", [-1, -1, -1])
     assert outputs["attn_weights_max_index"] == ("INT64", [-1, -1, -1])
+
+
+def test_a_model_may_go_without_the_summaries_graph_and_still_answer_them(start_server, small_model_dir, small_module,
+                                                                            tmp_path):  # fmt: skip
+    # its config.pbtxt turns the graph off (one copy of the projection weights fewer): the summaries come from the
+    # full graph's weights, the same within float32
+    folder = tmp_path / "mha"
+    shutil.copytree(small_model_dir, folder)
+    with (folder / "config.pbtxt").open("a") as config:
+        config.write('parameters { key: "summaries_graph" value { string_value: "false" } }\n')
+    server = start_server(folder, "--warmup-runs", "0")
+    assert "summaries_graph=no" in server.log
+    query, mask = inputs()
+    with Client(server.url) as client:
+        assert client.config().parameters["summaries_graph"].string_value == "false"
+        result = client.infer(query, mask=mask, attn_weights=False, weights=WeightsOptions(summaries=True))
+    assert set(result.outputs) == {"output", *SUMMARIES}
+    assert_summarised(result.summaries, exact_summaries(small_module, query, mask))
