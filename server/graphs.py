@@ -94,6 +94,11 @@ class AttentionGraphs:
         return "cpu:0;gpu:0" if self.provider == CUDA else "cpu:0"
 
     @property
+    def computes_in_tf32(self) -> bool:
+        """Whether the CUDA provider runs the float32 products in TF32 (--cuda-tf32)."""
+        return self.provider == CUDA and self.cuda_tf32
+
+    @property
     def has_output_only_graph(self) -> bool:
         return self._graphs[1] is not None
 

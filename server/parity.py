@@ -201,16 +201,25 @@ class Bound:
         return worst / scale if scale > 0 else worst
 
 
-def bounds_of(manifest: dict) -> dict[str, Bound]:
+# ONNX Runtime's CUDA provider with --cuda-tf32 rounds float32 products' inputs to TF32's 10 bits of mantissa, as
+# float16 does: its answers are held to the export's float16 bound (export/validate.py), relative to their magnitude.
+TF32_BOUND = Bound(4e-3, relative=True)
+
+
+def bounds_of(manifest: dict, tf32: bool = False) -> dict[str, Bound]:
     """Each output's bound from the export's stated tolerance: the output's taken relative to its magnitude
-    (live inputs come at any scale), the weights' as stated."""
+    (live inputs come at any scale), the weights' as stated; where the version runs its products in TF32
+    (``tf32``), no tighter than TF32_BOUND."""
     tolerance = manifest.get("validation", {}).get("tolerance", {})
     output, weights = tolerance.get("output", {}), tolerance.get("weights", {})
-    return {
+    bounds = {
         "output": Bound(output.get("max_rel") or output.get("max_abs") or 1e-5, relative=True),
         "attn_weights": Bound(weights.get("max_abs") or weights.get("max_rel") or 1e-5,
                               relative=weights.get("max_abs") is None),
     }  # fmt: skip
+    if tf32:  # a weight is at most 1: an absolute bound on the weights is compared as it stands
+        bounds = {name: max(bound, TF32_BOUND, key=lambda b: b.limit) for name, bound in bounds.items()}
+    return bounds
 
 
 @dataclass
@@ -239,15 +248,16 @@ class LiveParity:
         self._thread.start()
 
     @classmethod
-    def open(cls, graph_path: Path, manifest: dict, num_heads: int, share: float, figures, label: str):
-        """The checks of the version whose full graph is ``graph_path``; None, with a warning saying why, where its
-        weights cannot be read."""
+    def open(cls, graph_path: Path, manifest: dict, num_heads: int, share: float, figures, label: str,
+             tf32: bool = False):  # fmt: skip
+        """The checks of the version whose full graph is ``graph_path`` (its products in TF32 where ``tf32``); None,
+        with a warning saying why, where its weights cannot be read."""
         try:
             weights = ReferenceWeights.from_onnx(graph_path)
         except ParityUnavailable as why:
             log.warning("%s: live parity off: %s", label, why)
             return None
-        return cls(weights, num_heads, share, bounds_of(manifest), figures, label)
+        return cls(weights, num_heads, share, bounds_of(manifest, tf32), figures, label)
 
     def offer(self, request_id: str, inputs: RunInputs, answers: dict[str, np.ndarray]) -> None:
         """A served answer, checked with probability ``share``: its output, and its attention weights where the

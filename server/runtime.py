@@ -101,10 +101,13 @@ class ProcessShare:
 
 
 class BatchedRuntime:
-    """Stateless requests of one served version, merged into runs of its full graphs by its batcher."""
+    """Stateless requests of one served version, merged into runs of its full graphs by its batcher; ``parity``,
+    where the version has live parity, checks a share of its answers (set once its graphs are open: it is held to
+    the arithmetic they got)."""
 
-    def __init__(self, graphs: AttentionGraphs, batcher: Batcher, parity: LiveParity | None = None):
-        self.graphs, self.batcher, self.parity = graphs, batcher, parity
+    def __init__(self, graphs: AttentionGraphs, batcher: Batcher):
+        self.graphs, self.batcher = graphs, batcher
+        self.parity: LiveParity | None = None
 
     @classmethod
     def build(
@@ -113,11 +116,9 @@ class BatchedRuntime:
         model: ModelSettings,
         share: ProcessShare,
         on_batch: Callable[[BatchResult], None],
-        parity: LiveParity | None = None,
     ) -> BatchedRuntime:
         """The folder's full graphs opened as ``model`` says, warmed up, their run cost fitted where batching is
-        length-aware, and a batcher over them; ``parity`` checks a share of its answers. Slow (seconds): called on
-        the loader's thread."""
+        length-aware, and a batcher over them. Slow (seconds): called on the loader's thread."""
         alone_threads, alone = runs_alone()
         graphs = AttentionGraphs(
             folder,
@@ -148,7 +149,7 @@ class BatchedRuntime:
             board=worker_board(),
             summaries_graph=graphs.has_summaries_graph,
         )
-        return cls(graphs, batcher, parity)
+        return cls(graphs, batcher)
 
     def takes(self, request: InferenceRequest) -> bool:
         return request.sequence_step is None

@@ -82,13 +82,12 @@ class VersionFactory:
         """On the loader's thread: the folder read and checked, and the runtimes built over its graphs (the
         batched one with live parity where ``model`` asks for it)."""
         folder = ModelFolder.read(model_dir, self.settings.device)
-        parity = None
-        if model.parity_share > 0:
+        batched = BatchedRuntime.build(folder, model, self.share, on_batch)
+        if model.parity_share > 0:  # held to the bound of the arithmetic the graphs got (TF32 on CUDA, if asked)
             num_heads = int(folder.manifest["config"]["num_heads"])
-            parity = LiveParity.open(folder.graph_path, folder.manifest, num_heads, model.parity_share, model_metrics,
-                                     label)  # fmt: skip
-        batched = BatchedRuntime.build(folder, model, self.share, on_batch, parity)
-        return batched, SequenceRuntime.build(batched.graphs, model, self.sequences, self.share, parity)
+            batched.parity = LiveParity.open(folder.graph_path, folder.manifest, num_heads, model.parity_share,
+                                             model_metrics, label, tf32=batched.graphs.computes_in_tf32)  # fmt: skip
+        return batched, SequenceRuntime.build(batched.graphs, model, self.sequences, self.share, batched.parity)
 
     def _on_batch(self, stats: ModelStatistics, model_metrics, info) -> Callable[[BatchResult], None]:
         """What each finished run of the version's batcher records: its statistics, metrics and workspace."""

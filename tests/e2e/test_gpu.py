@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import time
 
 import numpy as np
 import onnxruntime as ort
@@ -20,7 +21,7 @@ from mhaserve.client.grpc import Client
 from mhaserve.export.validate import TOLERANCES
 from mhaserve.export.writer import export_model_dir
 from mhaserve.server.process import ServerProcess
-from tests.support import SMALL_D_MODEL, TEST_SERVER_ARGS, assert_within_relative, rand
+from tests.support import SMALL_D_MODEL, TEST_SERVER_ARGS, assert_within_relative, parity_checks, rand
 from tests.support.requests import infer_concurrently, mixed_requests
 
 
@@ -96,6 +97,22 @@ def test_tf32_answers_are_within_its_stated_tolerance(gpu_server, small_module):
     want_out, want_attn = eager_on_gpu(small_module, query)
     assert_within_relative(result.output, want_out, TF32)
     assert_within_relative(result.attn_weights, want_attn, TF32)
+
+
+@pytest.mark.parametrize("tf32", ["false", "true"])
+def test_live_parity_holds_the_gpu_s_answers_to_the_bound_of_their_arithmetic(small_model_dir, tf32):
+    # Exact float32 products within float32's 1e-5 of float64; TF32 ones within float16's bound (TF32_BOUND),
+    # where float32's would count each answer a breach.
+    args = ("--device", "cuda", "--cuda-tf32", tf32, "--parity-share", "1", *TEST_SERVER_ARGS)
+    with ServerProcess(small_model_dir, *args) as server, Client(server.url) as client:
+        for seed in range(8):
+            client.infer(rand(2, 33, SMALL_D_MODEL, seed=seed) * np.float32(3))
+        deadline = time.monotonic() + 60
+        while sum((counted := parity_checks(server)).values()) < 8 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        worst = dict(client.statistics().parity.worst_error)
+    assert counted == {"held": 8, "breached": 0, "dropped": 0}, (counted, worst)
+    print(f"--cuda-tf32 {tf32}: the worst errors against float64 {worst}")
 
 
 def test_float16_export_on_the_gpu_is_within_its_tolerance_of_float32_eager(

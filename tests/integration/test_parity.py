@@ -11,23 +11,10 @@ import pytest
 import requests
 
 from mhaserve.client.grpc import Client
-from tests.support import SMALL_D_MODEL, rand, scrape
+from tests.support import SMALL_D_MODEL, parity_checks, rand, scrape
 from tests.support.exports import drifted_copy
 
 pytest.importorskip("onnx")  # the export extra: the drifted graph is written with it
-
-
-def checks(server) -> dict[str, float]:
-    """The server's parity checks by outcome, once the checks queued have been made."""
-    deadline = time.monotonic() + 30
-    while True:
-        samples = scrape(server.metrics_url)
-        counted = {dict(labels)["outcome"]: value for (name, labels), value in samples.items()
-                   if name == "mhaserve_parity_checks_total"}  # fmt: skip
-        errors = sum(value for (name, labels), value in samples.items() if name == "mhaserve_parity_error_count")
-        if errors >= 2 * (counted.get("held", 0) + counted.get("breached", 0)) or time.monotonic() > deadline:
-            return counted
-        time.sleep(0.1)
 
 
 def asked(server, requests: int, scale: float = 1.0) -> None:
@@ -41,7 +28,7 @@ def test_a_faithful_export_holds_at_every_input_scale(start_server, small_model_
     for scale in (0.01, 1.0, 30.0, 1000.0):
         asked(server, 4, scale)
     deadline = time.monotonic() + 30
-    while (counted := checks(server)).get("held", 0) < 16 and time.monotonic() < deadline:
+    while (counted := parity_checks(server)).get("held", 0) < 16 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert counted == {"held": 16, "breached": 0, "dropped": 0}, counted
     with Client(server.url) as client:  # the version's statistics and metadata say so too
@@ -65,7 +52,7 @@ def test_a_graph_that_drifts_from_its_weights_is_caught_counted_and_logged(start
     with Client(server.url) as client:
         client.infer(rand(2, 9, SMALL_D_MODEL, seed=3), request_id="drift-3")
     deadline = time.monotonic() + 30
-    while not (counted := checks(server)).get("breached") and time.monotonic() < deadline:
+    while not (counted := parity_checks(server)).get("breached") and time.monotonic() < deadline:
         time.sleep(0.1)
     assert counted["breached"] == 1 and counted["held"] == 0, counted
     breach = [line for line in server.log.splitlines() if "parity breached by request 'drift-3'" in line]
@@ -113,7 +100,7 @@ def test_sequence_steps_are_checked_over_the_keys_and_values_the_server_holds(st
     server = start_server(small_model_dir, "--parity-share", "1")
     stepped(server, np.random.default_rng(8))
     deadline = time.monotonic() + 30
-    while (counted := checks(server)).get("held", 0) < 5 and time.monotonic() < deadline:
+    while (counted := parity_checks(server)).get("held", 0) < 5 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert counted == {"held": 5, "breached": 0, "dropped": 0}, counted
 
@@ -122,7 +109,9 @@ def test_a_step_graph_that_drifts_is_caught_and_its_sequence_named(start_server,
     server = start_server(drifted_copy(small_model_dir, tmp_path / "drifted", "model_step.onnx"), "--parity-share", "1")
     stepped(server, np.random.default_rng(9))
     deadline = time.monotonic() + 30
-    while (counted := checks(server)).get("held", 0) + counted.get("breached", 0) < 5 and time.monotonic() < deadline:
+    while (counted := parity_checks(server)).get("held", 0) + counted.get(
+        "breached", 0
+    ) < 5 and time.monotonic() < deadline:
         time.sleep(0.1)
     # The self-attention steps ran on the drifted graph; the cross-attention ones on their own, untouched.
     assert counted == {"held": 2, "breached": 3, "dropped": 0}, counted
@@ -147,7 +136,9 @@ def test_a_float16_model_near_the_edge_of_its_range_shows_its_errors_in_the_hist
             x = rand(2, 9, SMALL_D_MODEL, seed=seed)
             client.infer(x * np.float32(0.999 * edge / np.abs(x).max()))
     deadline = time.monotonic() + 30
-    while (counted := checks(server)).get("held", 0) + counted.get("breached", 0) < 4 and time.monotonic() < deadline:
+    while (counted := parity_checks(server)).get("held", 0) + counted.get(
+        "breached", 0
+    ) < 4 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert counted == {"held": 4, "breached": 0, "dropped": 0}, counted  # within float16's stated tolerance
     buckets = error_buckets(server, "output")

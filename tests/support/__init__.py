@@ -42,6 +42,20 @@ def scrape(url: str) -> dict[tuple[str, tuple], float]:
     }
 
 
+def parity_checks(server) -> dict[str, float]:
+    """The server's live parity checks by outcome (held, breached, dropped), once the checks queued have been
+    made (each made check has observed its outputs' errors), or after 30 s."""
+    deadline = time.monotonic() + 30
+    while True:
+        samples = scrape(server.metrics_url)
+        counted = {dict(labels)["outcome"]: value for (name, labels), value in samples.items()
+                   if name == "mhaserve_parity_checks_total"}  # fmt: skip
+        errors = sum(value for (name, labels), value in samples.items() if name == "mhaserve_parity_error_count")
+        if errors >= 2 * (counted.get("held", 0) + counted.get("breached", 0)) or time.monotonic() > deadline:
+            return counted
+        time.sleep(0.1)
+
+
 def inflight_and_counts(server) -> tuple[float, dict[str, float]]:
     samples = scrape(server.metrics_url)
     counts = {}
