@@ -5,6 +5,9 @@ a second with 1, 2 and 3 workers. A server of the embedded default model (512/8)
         [--workers 2,3] [--duration 6]
 
 Printed:
+- the hop's floor: a one-row step's payload sent to another process and back over a Unix socket, by the forward's
+  own framing on asyncio event loops at both ends, and by blocking sockets (the kernel's round trip): medians over
+  ``--hops`` round trips, what a forward costs before either worker does anything with the step;
 - latency: on a server of 2 workers, one gRPC connection (so one worker, found by a probe), sequences whose home
   is that worker against sequences whose home is the other, their steps alternating one by one on the same
   connection: the p50 and p90 of each, over ``--steps`` steps per round, and the difference at p50;
@@ -20,7 +23,13 @@ Not a test: BENCHMARKS.md records the figures with this command.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import multiprocessing
+import os
+import pickle
+import socket
 import statistics
+import tempfile
 import time
 import urllib.request
 
@@ -32,7 +41,7 @@ from mhaserve.export.default_model import ensure_default_model
 from mhaserve.loadtest.loadgen import LoadGenerator, Point, Workload
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
 from mhaserve.server.process import ServerProcess
-from mhaserve.server.worker_forward import home_of
+from mhaserve.server.worker_forward import _Framed, home_of
 
 D = 512
 
@@ -118,6 +127,67 @@ def quantiles(values: list[float]) -> tuple[float, float]:
     return statistics.median(values), cut[8]
 
 
+def _echo(path: str) -> None:
+    """In another process: the forward's framing on an event loop, answering each message with its payload."""
+
+    async def serve() -> None:
+        def on_message(connection, number: int, sent: dict) -> None:
+            connection.send(number, {"error": None, "outputs": sent["outputs"]})
+
+        await asyncio.get_running_loop().create_unix_server(lambda: _Framed(on_message), path)
+        await asyncio.sleep(3600)
+
+    asyncio.run(serve())
+
+
+def _echo_blocking(connection: socket.socket, size: int) -> None:
+    while data := connection.recv(1 << 16):
+        while len(data) < size:
+            data += connection.recv(1 << 16)
+        connection.sendall(data)
+
+
+def hop_floor_us(hops: int) -> tuple[float, float]:
+    """Median round trips (us) of a one-row step's payload to another process and back: the forward's framing on
+    asyncio at both ends, and blocking sockets."""
+    payload = {"outputs": {"output": np.zeros((1, 1, D), np.float32)}}
+    with tempfile.TemporaryDirectory() as folder:
+        path = f"{folder}/echo.sock"
+        echo = multiprocessing.get_context("spawn").Process(target=_echo, args=(path,), daemon=True)
+        echo.start()
+        while not os.path.exists(path):
+            time.sleep(0.01)
+
+        async def exchanges() -> list[float]:
+            _, peer = await asyncio.get_running_loop().create_unix_connection(_Framed, path)
+            times = []
+            for _ in range(hops):
+                started = time.perf_counter()
+                await peer.exchange(payload)
+                times.append(time.perf_counter() - started)
+            peer.close()
+            return times
+
+        framed = asyncio.run(exchanges())
+        echo.terminate()
+    ours, theirs = socket.socketpair()
+    data = bytes(len(pickle.dumps(payload, protocol=5)))
+    echo = multiprocessing.get_context("fork").Process(target=_echo_blocking, args=(theirs, len(data)), daemon=True)
+    echo.start()
+    blocking = []
+    for _ in range(hops):
+        started = time.perf_counter()
+        ours.sendall(data)
+        received = 0
+        while received < len(data):
+            received += len(ours.recv(1 << 16))
+        blocking.append(time.perf_counter() - started)
+    echo.terminate()
+    ours.close()
+    skip = hops // 10  # the first round trips warm both ends up
+    return statistics.median(framed[skip:]) * 1e6, statistics.median(blocking[skip:]) * 1e6
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -125,9 +195,15 @@ def main() -> None:
     parser.add_argument("--workers", default="2,3")
     parser.add_argument("--duration", type=float, default=6.0)
     parser.add_argument("--sequences", type=int, default=64, help="sequences stepped on new connections (0: none)")
+    parser.add_argument("--hops", type=int, default=2000, help="round trips timed for the hop's floor (0: none)")
     args = parser.parse_args()
     model = ensure_default_model()
     rng = np.random.default_rng(1)
+    if args.hops:
+        for number in range(1, args.rounds + 1):
+            framed, blocking = hop_floor_us(args.hops)
+            print(f"the hop's floor, round {number}: the forward's framing on asyncio {framed:.0f} us, blocking "
+                  f"sockets {blocking:.0f} us (median round trip)", flush=True)  # fmt: skip
     print("latency of one-row steps, one connection (one worker), c=1: at home against forwarded", flush=True)
     with ServerProcess(model, "--workers", "2", "--warmup-runs", "2") as server:
         differences = []
