@@ -26,3 +26,8 @@ bench="$CHECKOUT/benchmarks/gpu/bench_cuda.py"
 { stamp steps; python3 "$bench" --shapes 0 --steps --repeats 50 --out "$OUT/steps.json" 2>&1; } | tee "$OUT/steps.log"
 { stamp workers; python3 "$bench" --only 0 --precisions fp32 --repeats 10 --served "$SERVED" --workers 1,2,4,8 \
     --concurrency 16,64 --out "$OUT/workers.json" 2>&1; stamp done; } | tee "$OUT/workers.log"
+# Last: int8 served with live parity on this host's CPU, where it has 8-bit dot products (they skip, saying why,
+# where it has none).
+{ stamp int8 on the host CPU; grep -o -m1 -w -E 'avx512_vnni|avx_vnni|amx_int8' /proc/cpuinfo;
+  python3 -m pytest -q -p no:cacheprovider -rs tests/integration/test_int8.py 2>&1; stamp done; } \
+  | tee "$OUT/int8_tests.log" | tail -5

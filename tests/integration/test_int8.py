@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 import urllib.request
 
 import numpy as np
@@ -27,7 +28,15 @@ from mhaserve.export.validate import TOLERANCES
 from mhaserve.export.writer import revalidate_model_dir
 from mhaserve.model import seeded_module
 from mhaserve.server.graphs import AttentionGraphs
-from tests.support import SMALL_D_MODEL, SMALL_HEADS, TEST_SERVER_ARGS, assert_within_relative, eager, rand
+from tests.support import (
+    SMALL_D_MODEL,
+    SMALL_HEADS,
+    TEST_SERVER_ARGS,
+    assert_within_relative,
+    eager,
+    parity_checks,
+    rand,
+)
 from tests.support.in_process import InProcessServer, refused_start
 from tests.support.requests import as_attention_request, infer_concurrently, merged_when_all_queued, mixed_requests
 from tests.support.triton import INPUTS, cases, run_triton_client
@@ -94,6 +103,18 @@ def test_a_fully_masked_row_is_zeros_in_int8(int8_server):
     with Client(int8_server.url) as client:
         result = client.infer(query, mask=mask)
     assert not result.output[0, 2].any() and not result.attn_weights[0, :, 2].any()
+
+
+def test_an_int8_model_served_with_live_parity_holds_every_answer_to_its_own_weights(int8_model_dir):
+    # Each answer recomputed in float64 with the int8 values and scales the file holds, within int8's tolerance.
+    with InProcessServer(int8_model_dir, *TEST_SERVER_ARGS, "--parity-share", "1") as server:
+        with Client(server.url) as client:
+            for seed in range(6):
+                client.infer(rand(2, 9, SMALL_D_MODEL, seed=seed) * np.float32(1 + seed))
+        deadline = time.monotonic() + 30
+        while sum((counted := parity_checks(server)).values()) < 6 and time.monotonic() < deadline:
+            time.sleep(0.1)
+    assert counted == {"held": 6, "breached": 0, "dropped": 0}, counted
 
 
 def test_each_answer_in_a_batch_across_lengths_equals_its_unbatched_answer(int8_model_dir, small_module):
