@@ -26,6 +26,7 @@ from mhaserve.contract.model_dir import (
     STEP_CACHE_IN_PLACE,
     STEP_FILES,
     SUMMARIES_FILE,
+    SUMMARIES_WEIGHTS_NEVER_WHOLE,
     WEIGHTS_FILE,
     file_sha256,
     read_manifest,
@@ -272,6 +273,7 @@ def _manifest(identity: dict, graphs: _Graphs, validation: _Validation, module, 
         manifest["validation"]["summaries"] = {
             "passed": all(r["status"] == "pass" for r in validation.summaries),
             "cases": validation.summaries,
+            "graph": SUMMARIES_WEIGHTS_NEVER_WHOLE,
         }
     for kind, step_results in validation.steps.items():
         manifest["files"][kind] = STEP_FILES[kind]

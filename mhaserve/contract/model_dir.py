@@ -14,6 +14,8 @@ MODEL_FILE = "model.onnx"
 # float32 exports; a folder without it, float16 or exported before it existed, serves them from model.onnx).
 OUTPUT_ONLY_FILE = "model_output_only.onnx"
 SUMMARIES_FILE = "model_summaries.onnx"
+# What a current summaries graph does with the weights: never makes them whole (export/summaries.py).
+SUMMARIES_WEIGHTS_NEVER_WHOLE = "the weights never made whole"
 # What a current step graph does with a sequence's cache: returns its new rows, written in place after the others.
 STEP_CACHE_IN_PLACE = "new rows written in place"
 STEP_FILE = "model_step.onnx"  # one step of a growing sequence, over the keys and values the server keeps
@@ -147,6 +149,8 @@ def why_not_current(model_dir: str | Path, wanted: Mapping[str, object] | None =
         return "an older export, without the output-only graph"
     if summaries is None:
         return "an older export, without the summaries graph"
+    if manifest["validation"].get("summaries", {}).get("graph") != SUMMARIES_WEIGHTS_NEVER_WHOLE:
+        return "an older export, whose summaries graph makes the weights whole"
     if step is None:
         return "an older export, without the step graph that serves sequences"
     if manifest.get("validation", {}).get("step", {}).get("cache") != STEP_CACHE_IN_PLACE:

@@ -233,6 +233,18 @@ def test_a_default_cache_whose_step_graph_returns_the_whole_cache_is_exported_ag
     assert exports and "whose step graph returns a sequence's whole cache at every step" in capsys.readouterr().err
 
 
+def test_a_default_cache_whose_summaries_graph_makes_the_weights_whole_is_exported_again(default_cache, capsys):
+    from mhaserve.export.default_model import ensure_default_model
+
+    folder, exports = default_cache
+    # An export from before the summaries graph weighted the values by the softmax's output directly.
+    manifest = json.loads((folder / "manifest.json").read_text())
+    del manifest["validation"]["summaries"]["graph"]
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    ensure_default_model()
+    assert exports and "whose summaries graph makes the weights whole" in capsys.readouterr().err
+
+
 def test_export_keep_current_keeps_a_folder_of_the_same_weights_and_exports_anything_else(
     small_model_dir, tmp_path, monkeypatch, capsys
 ):
