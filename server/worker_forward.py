@@ -7,9 +7,10 @@ that one caller's sequences share a worker and its ``--max-sequences-per-client`
 ``--max-sequence-bytes-per-client`` shares hold for the whole server; a stable hash of its id where they are not,
 so that anonymous sequences spread over the workers. A step that reaches another worker is forwarded home over a
 Unix socket (in a folder only the server's user may enter) and answered from there: one request and its answer
-pickled each way. A forward moves a step's new rows and its answer, a few kilobytes; keeping the caches in shared
-memory instead would share every sequence's keys, values and bookkeeping between processes under one lock. What
-a forward costs is in BENCHMARKS.md, "Worker processes".
+pickled each way. A forward moves a step's new rows and its answer, a few kilobytes, and each sequence's state
+stays private to one process. What a forward costs, and what a step on a cache kept in shared memory costs (no more
+than one on private memory: the faster mechanism per step, were every sequence's bookkeeping shared as well, under
+locks a killed worker cannot leave held), is in BENCHMARKS.md, "Worker processes".
 
 The home worker runs the step as its own call (its statistics, metrics, access log and trace count it there); the
 worker that forwarded it counts it as forwarded. A home worker that is restarting cannot be reached: its sequences
