@@ -351,3 +351,53 @@ def test_a_stream_idle_in_the_only_receiving_turn_gives_way_within_the_hold_and_
     np.testing.assert_allclose(
         parse_infer_response(answer.infer_response).output, eager(small_module, query)[0], atol=1e-5
     )
+
+
+def test_streams_stepping_every_few_seconds_keep_their_turns_where_the_message_limit_leaves_enough(
+    start_server, small_model_dir, small_module
+):
+    """Each turn reserves three times --max-message-bytes: a limit sized to the requests (4 MiB here) leaves
+    --max-receiving-bytes room for a turn per stream, so streams that step with pauses longer than the hold are
+    never ended, while another stream and unary calls come and go."""
+    server = start_server(small_model_dir, "--max-message-bytes", str(4 << 20), "--stream-read-hold-s", "0.5")
+    query = rand(1, 3, D, seed=12)
+    want = eager(small_module, query)[0]
+
+    def stepping(channel, steps: int, pause_s: float, answers: list) -> None:
+        stream = channel.stream_stream(
+            "/inference.GRPCInferenceService/ModelStreamInfer",
+            request_serializer=pb.ModelInferRequest.SerializeToString,
+            response_deserializer=pb.ModelStreamInferResponse.FromString,
+        )
+        requests = queue.Queue()
+        replies = stream(iter(requests.get, None), timeout=60)
+        try:
+            for step in range(steps):
+                if step:
+                    time.sleep(pause_s)  # idle in its turn, past the hold
+                requests.put(build_infer_request("mha", query))
+                answers.append(next(replies))
+        except grpc.RpcError as error:
+            answers.append(error)
+        finally:
+            requests.put(None)
+
+    with grpc.insecure_channel(server.url) as channel, Client(server.url) as client:
+        answers = [[] for _ in range(5)]
+        threads = [threading.Thread(target=stepping, args=(channel, 3, 1.2, answers[n])) for n in range(4)]
+        threads.append(threading.Thread(target=stepping, args=(channel, 6, 0.1, answers[4])))  # another stream
+        for thread in threads:
+            thread.start()
+        unary = [client.infer(query, timeout=30) for _ in range(5)]
+        for thread in threads:
+            thread.join(60)
+    for got in answers:
+        assert not [a for a in got if isinstance(a, grpc.RpcError)], [
+            a.details() for a in got if isinstance(a, grpc.RpcError)
+        ]
+        for answer in got:
+            assert not answer.error_message
+            np.testing.assert_allclose(parse_infer_response(answer.infer_response).output, want, atol=1e-5)
+    assert [len(got) for got in answers] == [3, 3, 3, 3, 6]
+    for result in unary:
+        np.testing.assert_allclose(result.output, want, atol=1e-5)
