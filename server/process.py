@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import random
 import re
 import signal
 import socket
@@ -20,8 +21,29 @@ METRICS_ADDRESS = re.compile(r" metrics=([\d.]+:\d+) ")
 HTTP_ADDRESS = re.compile(r" http=([\d.]+:\d+) ")
 
 
+# The kernel gives outgoing connections their source ports from this range (Linux's ip_local_port_range): a port
+# chosen there for a process to bind later can be taken meanwhile by any connection (a Ray proxy started seconds
+# later once failed "Failed to bind"), so ports are chosen below it.
+EPHEMERAL_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")
+CHOSEN_BELOW_EPHEMERAL = 12000  # how many ports below the range to choose among
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port free on 127.0.0.1 now, for a server to bind: one the kernel does not hand out to connections."""
+    try:
+        first_ephemeral = int(EPHEMERAL_PORTS.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        first_ephemeral = 32768
+    low = max(1024, first_ephemeral - CHOSEN_BELOW_EPHEMERAL)
+    for _ in range(200):
+        port = random.randrange(low, first_ephemeral)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # every one tried was taken: any free port
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
