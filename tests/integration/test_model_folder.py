@@ -221,28 +221,25 @@ def test_a_default_cache_without_the_output_only_graph_is_exported_again(default
     assert "an older export, without the output-only graph" in capsys.readouterr().err
 
 
-def test_a_default_cache_whose_step_graph_returns_the_whole_cache_is_exported_again(default_cache, capsys):
+# Exports from before a current graph: a step graph before a step's new rows were written in place, a summaries
+# graph before it weighted the values by the softmax's output directly; their validation does not say so.
+OLDER_GRAPHS = {
+    "step_cache": (("step", "cache"), "whose step graph returns a sequence's whole cache at every step"),
+    "summaries_weights": (("summaries", "graph"), "whose summaries graph makes the weights whole"),
+}
+
+
+@pytest.mark.parametrize("older", OLDER_GRAPHS.values(), ids=OLDER_GRAPHS.keys())
+def test_a_default_cache_of_an_older_graph_is_exported_again(default_cache, capsys, older):
     from mhaserve.export.default_model import ensure_default_model
 
+    (graph, key), why = older
     folder, exports = default_cache
-    # An export from before a step's new rows were written in place: its validation says nothing of the cache.
     manifest = json.loads((folder / "manifest.json").read_text())
-    del manifest["validation"]["step"]["cache"]
+    del manifest["validation"][graph][key]
     (folder / "manifest.json").write_text(json.dumps(manifest))
     ensure_default_model()
-    assert exports and "whose step graph returns a sequence's whole cache at every step" in capsys.readouterr().err
-
-
-def test_a_default_cache_whose_summaries_graph_makes_the_weights_whole_is_exported_again(default_cache, capsys):
-    from mhaserve.export.default_model import ensure_default_model
-
-    folder, exports = default_cache
-    # An export from before the summaries graph weighted the values by the softmax's output directly.
-    manifest = json.loads((folder / "manifest.json").read_text())
-    del manifest["validation"]["summaries"]["graph"]
-    (folder / "manifest.json").write_text(json.dumps(manifest))
-    ensure_default_model()
-    assert exports and "whose summaries graph makes the weights whole" in capsys.readouterr().err
+    assert exports and why in capsys.readouterr().err
 
 
 def test_export_keep_current_keeps_a_folder_of_the_same_weights_and_exports_anything_else(
