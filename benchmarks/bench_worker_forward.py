@@ -41,7 +41,7 @@ from mhaserve.export.default_model import ensure_default_model
 from mhaserve.loadtest.loadgen import LoadGenerator, Point, Workload
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
 from mhaserve.server.process import ServerProcess
-from mhaserve.server.worker_forward import _Framed, home_of
+from mhaserve.server.worker_forward import FramedConnection, home_of
 
 D = 512
 
@@ -134,7 +134,7 @@ def _echo(path: str) -> None:
         def on_message(connection, number: int, sent: dict) -> None:
             connection.send(number, {"error": None, "outputs": sent["outputs"]})
 
-        await asyncio.get_running_loop().create_unix_server(lambda: _Framed(on_message), path)
+        await asyncio.get_running_loop().create_unix_server(lambda: FramedConnection(on_message), path)
         await asyncio.sleep(3600)
 
     asyncio.run(serve())
@@ -159,7 +159,7 @@ def hop_floor_us(hops: int) -> tuple[float, float]:
             time.sleep(0.01)
 
         async def exchanges() -> list[float]:
-            _, peer = await asyncio.get_running_loop().create_unix_connection(_Framed, path)
+            _, peer = await asyncio.get_running_loop().create_unix_connection(FramedConnection, path)
             times = []
             for _ in range(hops):
                 started = time.perf_counter()

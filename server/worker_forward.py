@@ -59,7 +59,7 @@ class StepForwarder:
 
     def __init__(self, own: int, sockets: list[str]):
         self.own, self.sockets = own, sockets
-        self._peers: dict[int, _Framed] = {}  # one connection to each home, its exchanges interleaved
+        self._peers: dict[int, FramedConnection] = {}  # one connection to each home, its exchanges interleaved
 
     @classmethod
     def from_env(cls, own: int) -> StepForwarder | None:
@@ -135,11 +135,11 @@ class StepForwarder:
             return f"not reached ({type(error).__name__}: it is restarting, and takes the others' state when it is up)"
         return reply["error"] or ""
 
-    async def _peer(self, home: int) -> _Framed:
+    async def _peer(self, home: int) -> FramedConnection:
         peer = self._peers.get(home)
         if peer is None or peer.closed:
             loop = asyncio.get_running_loop()
-            _, peer = await loop.create_unix_connection(_Framed, self.sockets[home])
+            _, peer = await loop.create_unix_connection(FramedConnection, self.sockets[home])
             self._peers[home] = peer
         return peer
 
@@ -149,11 +149,11 @@ class StepForwarder:
         self._peers.clear()
 
 
-class _Framed(asyncio.Protocol):
+class FramedConnection(asyncio.Protocol):
     """One connection between two workers: pickled messages, each framed by its length and numbered, so that
     exchanges interleave (a protocol rather than asyncio's streams: half the round trip's time, measured)."""
 
-    def __init__(self, on_message: Callable[[_Framed, int, dict], None] | None = None):
+    def __init__(self, on_message: Callable[[FramedConnection, int, dict], None] | None = None):
         self._on_message = on_message  # where messages are requests to answer (the home's side)
         self._buffer = bytearray()
         self._pending: dict[int, asyncio.Future] = {}  # the exchanges under way (the forwarding side's)
@@ -213,17 +213,17 @@ async def serve_forwarded(dataplane: DataPlane, path: str) -> asyncio.AbstractSe
     loop = asyncio.get_running_loop()
     answering: set[asyncio.Task] = set()
 
-    def on_message(connection: _Framed, number: int, sent: dict) -> None:
+    def on_message(connection: FramedConnection, number: int, sent: dict) -> None:
         task = loop.create_task(_reply(dataplane, connection, number, sent))
         answering.add(task)  # held until done: a task only the loop references may be collected
         task.add_done_callback(answering.discard)
 
-    server = await loop.create_unix_server(lambda: _Framed(on_message), path)
+    server = await loop.create_unix_server(lambda: FramedConnection(on_message), path)
     os.chmod(path, 0o600)
     return server
 
 
-async def _reply(dataplane: DataPlane, connection: _Framed, number: int, sent: dict) -> None:
+async def _reply(dataplane: DataPlane, connection: FramedConnection, number: int, sent: dict) -> None:
     kind = sent["kind"]
     if kind == "infer":
         reply = await _answer(dataplane, sent)

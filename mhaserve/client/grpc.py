@@ -95,6 +95,18 @@ class RetryPolicy:
     max_backoff_s: float = 2.0
     multiplier: float = 2.0
     retryable: frozenset[str] = frozenset({"UNAVAILABLE"})
+    # An attempt unanswered this long is given up and sent again, within the call's timeout (Envoy's
+    # per_try_timeout): a call in flight on a node that was lost gets no answer until the cluster notices, seconds
+    # later. None: each attempt may take the call's whole timeout. Never for a sequence's step, which a given-up
+    # attempt may still have applied.
+    attempt_timeout_s: float | None = None
+
+    def attempt_timeout(self, deadline: float | None) -> float | None:
+        """The next attempt's timeout: what is left of the call's, or ``attempt_timeout_s`` where that is sooner."""
+        left = _remaining(deadline)
+        if self.attempt_timeout_s is None:
+            return left
+        return self.attempt_timeout_s if left is None else min(left, self.attempt_timeout_s)
 
     def backoff_s(self, retry: int) -> float:
         """How long to wait before retry number ``retry`` (0 for the first)."""
@@ -104,7 +116,8 @@ class RetryPolicy:
         """Seconds to wait before sending again after ``attempt`` (1 for the first) failed with ``error``; None:
         do not, the error stands. A server's retry pushback (a draining server's: once its port has closed)
         replaces the backoff, and a negative one says not to retry, as in gRPC's own retries."""
-        if attempt >= self.max_attempts or error.code().name not in self.retryable:
+        given_up = self.attempt_timeout_s is not None and error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        if attempt >= self.max_attempts or not (given_up or error.code().name in self.retryable):
             return None
         pushback = _pushback_s(error)
         if pushback is not None and pushback < 0:
@@ -121,6 +134,12 @@ RAY_ROUTING_ID = "multiplexed_model_id"  # the gRPC metadata Ray Serve's proxy g
 def _elsewhere(retry: RetryPolicy) -> RetryPolicy:
     """The policy for one of several servers: UNAVAILABLE is tried on the next server at once, not again here."""
     return dataclasses.replace(retry, retryable=retry.retryable - {"UNAVAILABLE"})
+
+
+def _applied_once(retry: RetryPolicy) -> RetryPolicy:
+    """The policy for a call that changes what the server holds (a sequence's step, a registration): never given
+    up for its attempt timeout, since the attempt given up may have been applied."""
+    return dataclasses.replace(retry, attempt_timeout_s=None)
 
 
 class _Refusal(grpc.RpcError):
@@ -328,10 +347,11 @@ class _Connection:
             return [0]
         return self.servers.for_stateless() if sequence is None else self.servers.for_sequence(sequence.id)
 
-    def _retry_for(self, order: list[int]) -> RetryPolicy:
+    def _retry_for(self, order: list[int], sequence: SequenceStep | None) -> RetryPolicy:
         """The retry policy of a call to one of ``order``: UNAVAILABLE tried on the next server, where there are
-        several, rather than again on this one."""
-        return self.retry if len(order) == 1 else _elsewhere(self.retry)
+        several, rather than again on this one; a sequence's step never given up for its attempt timeout."""
+        retry = self.retry if len(order) == 1 else _elsewhere(self.retry)
+        return retry if sequence is None else _applied_once(retry)
 
     def _refusal_left(
         self, error: grpc.RpcError, order: list[int], attempt: int, sequence: SequenceStep | None
@@ -391,7 +411,9 @@ class Client(_Connection):
         order, metadata = self._infer_order(sequence), self._traced(traceparent, sequence)
         for attempt, index in enumerate(order, 1):
             try:
-                answer = self._call(self._stubs[index].ModelInfer, request, timeout, metadata, self._retry_for(order))
+                answer = self._call(
+                    self._stubs[index].ModelInfer, request, timeout, metadata, self._retry_for(order, sequence)
+                )
                 return parse_infer_response(answer, shared_memory)
             except GrpcRequestFailed as error:
                 refusal = self._refusal_left(error, order, attempt, sequence)
@@ -423,23 +445,23 @@ class Client(_Connection):
 
         def register(region: str, key: str, size: int) -> None:
             request = pb.SystemSharedMemoryRegisterRequest(name=region, key=key, byte_size=size)
-            self._call(self._stub.SystemSharedMemoryRegister, request, None)
+            self._call(self._stub.SystemSharedMemoryRegister, request, None, retry=_applied_once(self.retry))
 
         def unregister(region: str) -> None:
             request = pb.SystemSharedMemoryUnregisterRequest(name=region)
-            self._call(self._stub.SystemSharedMemoryUnregister, request, None)
+            self._call(self._stub.SystemSharedMemoryUnregister, request, None, retry=_applied_once(self.retry))
 
         return SharedMemoryRegions(register, unregister, name)
 
     def _call(self, rpc, request, timeout, metadata=None, retry: RetryPolicy | None = None):
         """``rpc(request)`` under the retry policy, every attempt within ``timeout`` in all."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        attempt = 1
+        attempt, policy = 1, retry or self.retry
         while True:
             try:
-                return rpc(request, timeout=_remaining(deadline), metadata=metadata or self._metadata)
+                return rpc(request, timeout=policy.attempt_timeout(deadline), metadata=metadata or self._metadata)
             except grpc.RpcError as error:
-                wait = (retry or self.retry).next_wait(error, attempt, deadline)
+                wait = policy.next_wait(error, attempt, deadline)
                 if wait is None:
                     raise GrpcRequestFailed(error, ", ".join(self.servers.urls)) from None
             time.sleep(wait)
@@ -525,7 +547,7 @@ class AsyncClient(_Connection):
         for attempt, index in enumerate(order, 1):
             try:
                 answer = await self._call(
-                    self._stubs[index].ModelInfer, request, timeout, metadata, self._retry_for(order)
+                    self._stubs[index].ModelInfer, request, timeout, metadata, self._retry_for(order, sequence)
                 )
                 return parse_infer_response(answer)
             except AsyncRequestFailed as error:
@@ -542,12 +564,12 @@ class AsyncClient(_Connection):
     async def _call(self, rpc, request, timeout, metadata=None, retry: RetryPolicy | None = None):
         """As Client._call, awaiting."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        attempt = 1
+        attempt, policy = 1, retry or self.retry
         while True:
             try:
-                return await rpc(request, timeout=_remaining(deadline), metadata=metadata or self._metadata)
+                return await rpc(request, timeout=policy.attempt_timeout(deadline), metadata=metadata or self._metadata)
             except grpc.RpcError as error:
-                wait = (retry or self.retry).next_wait(error, attempt, deadline)
+                wait = policy.next_wait(error, attempt, deadline)
                 if wait is None:
                     raise (
                         AsyncRequestFailed(error, ", ".join(self.servers.urls))

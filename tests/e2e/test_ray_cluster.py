@@ -208,8 +208,9 @@ def test_a_replica_killed_loses_its_sequences_saying_so_and_resume_continues_the
 
 def test_a_worker_node_killed_under_load_costs_no_request(cluster):
     """SIGKILL of one worker node's raylet and workers while four callers send: the replica there is
-    rescheduled on the survivor, no call outlives its deadline, and every refusal during the loss is retryable,
-    so the client's retry policy turns each into a success."""
+    rescheduled on the survivor, no call outlives its deadline, and every refusal during the loss is retryable
+    (or an attempt given up after its attempt timeout), so the client's retry policy turns each into a
+    success."""
     ray = cluster.ray
     stop = threading.Event()
     outcomes: Counter[str] = Counter()
@@ -218,7 +219,8 @@ def test_a_worker_node_killed_under_load_costs_no_request(cluster):
 
     def caller(seed: int) -> None:
         query = rand(1, 8, D, seed=seed)
-        with Client(cluster.url, application=APP, retry=RetryPolicy(max_attempts=8)) as client:
+        # a call in flight on the node killed gets no answer until Ray notices the node gone: given up after 3 s
+        with Client(cluster.url, application=APP, retry=RetryPolicy(max_attempts=8, attempt_timeout_s=3)) as client:
             while not stop.is_set():
                 started = time.monotonic()
                 try:

@@ -298,6 +298,42 @@ def test_the_client_retries_unavailable_with_backoff_until_a_server_comes_up(sma
         server.stop()
 
 
+def test_an_attempt_stuck_on_a_frozen_server_is_given_up_and_answered_by_another(small_model_dir):
+    """A server that stops answering without closing its connection (a node lost under a proxy, a frozen host)
+    keeps a call until its deadline; with an attempt timeout the client gives the attempt up and sends the call
+    again, which the channel's round robin takes to the other server."""
+    servers = [ServerProcess(small_model_dir, *TEST_SERVER_ARGS, port=free_port()) for _ in range(2)]
+    for server in servers:
+        server.start()
+    frozen = servers[0]
+    target = "ipv4:" + ",".join(f"127.0.0.1:{server.port}" for server in servers)  # one channel, round robin
+    query = rand(1, 4, SMALL_D_MODEL)
+    try:
+        with Client(target) as waits, Client(target, retry=RetryPolicy(attempt_timeout_s=0.5)) as gives_up:
+            for client in (waits, gives_up):  # each connected to both servers
+                client.wait_ready(timeout=30)
+                expected = [client.infer(query, timeout=30).output for _ in range(4)][-1]
+            os.kill(frozen.pid, signal.SIGSTOP)
+            with pytest.raises(grpc.RpcError) as waited:  # without one, the call on the frozen server waits it out
+                for _ in range(2):
+                    waits.infer(query, timeout=2)
+            assert waited.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and waits.retries == 0
+            for _ in range(4):
+                started = time.monotonic()
+                np.testing.assert_array_equal(gives_up.infer(query, timeout=10).output, expected)
+                assert time.monotonic() - started < 5
+            assert gives_up.retries >= 1
+            retries = gives_up.retries  # a sequence's step may have been applied by the attempt given up: not resent
+            with pytest.raises(grpc.RpcError) as step:
+                for _ in range(2):
+                    gives_up.sequence().step(query, timeout=2)
+            assert step.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and gives_up.retries == retries
+    finally:
+        os.kill(frozen.pid, signal.SIGCONT)
+        for server in servers:
+            server.stop()
+
+
 @pytest.mark.perf
 def test_a_client_retries_only_retryable_statuses_and_never_past_its_deadline(server):
     with Client(f"127.0.0.1:{free_port()}", retry=RetryPolicy(max_attempts=100)) as client:
