@@ -189,16 +189,15 @@ class FramedConnection(asyncio.Protocol):
         data = pickle.dumps(message, protocol=5)
         self._transport.write(_HEADER.pack(number, len(data)) + data)
 
-    async def exchange(self, message: dict) -> dict:
-        """``message`` sent, and the reply to it."""
+    def exchange(self, message: dict) -> asyncio.Future:
+        """``message`` sent now, and the future of the reply to it (sent here, not in a coroutine that a task would
+        start on the loop's next turn)."""
         number = next(self._numbers)
         future = asyncio.get_running_loop().create_future()
         self._pending[number] = future
-        try:
-            self.send(number, message)
-            return await future
-        finally:
-            self._pending.pop(number, None)
+        future.add_done_callback(lambda _: self._pending.pop(number, None))  # answered, cancelled or timed out
+        self.send(number, message)
+        return future
 
     def close(self) -> None:
         if self._transport is not None:
