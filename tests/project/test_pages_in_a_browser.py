@@ -74,10 +74,15 @@ def test_the_look_finds_what_a_person_would_miss(served):
         '<p style="width:200px"><code style="white-space:nowrap">' + "spills" * 40 + "</code></p>"
         '<div style="width:3000px">wider than the window</div>'
         '<div style="width:200px;overflow-x:auto"><span style="white-space:nowrap">' + "scrolls " * 80 + "</span>"
-        '</div><img src="missing.png" alt="missing"></body></html>'
+        '</div><div style="width:300px;overflow-x:auto"><table><tr><th><code style="white-space:nowrap">'
+        + "a long message "
+        * 30
+        + "</code></th><th>hidden column</th></tr></table></div>"
+        '<img src="missing.png" alt="missing"></body></html>'
     )
     with pytest.raises(AssertionError) as seen:
         assert_shows_whole(f"{url}/bad.html")
     said = str(seen.value)
     assert "the page is 3000px wide" in said and "of its content cut off" in said and "spills" in said
     assert "the image missing.png did not load" in said and '"scrolls' not in said  # a scrollbar reaches it
+    assert 'the table column "hidden column" starts out of sight' in said

@@ -20,7 +20,8 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 # A page's problems as a person would see them, as lines: the page wider than the window (a sideways scrollbar for
 # the whole page), a block whose content is cut (overflow hidden) or spills out of it by more than a margin without
-# a scrollbar of its own or of a block around it, and an image that did not load.
+# a scrollbar of its own or of a block around it, a table whose column starts out of sight in the block that scrolls
+# it (a reader sees no sign of it), and an image that did not load.
 PROBLEMS_JS = """
 async (rootSelector) => {
   await document.fonts.ready;
@@ -48,6 +49,13 @@ async (rootSelector) => {
       problems.push(`${name(el)} "${text(el)}": its content spills ${wider}px out of it, with no scrollbar`);
     else if (el.getBoundingClientRect().right > view + 1)
       problems.push(`${name(el)} "${text(el)}": past the window's right edge`);
+  }
+  for (const cell of root.querySelectorAll("tr:first-child > th, tr:first-child > td")) {
+    let seen = view;  // the right edge of what the blocks that scroll the table sideways show of it
+    for (let up = cell.parentElement; up && up !== root.parentElement; up = up.parentElement)
+      if (scrolls(up)) seen = Math.min(seen, up.getBoundingClientRect().right);
+    if (cell.getBoundingClientRect().left > seen)
+      problems.push(`the table column "${text(cell)}" starts out of sight: it is reached only by scrolling sideways`);
   }
   for (const img of document.images)
     if (!img.complete || img.naturalWidth === 0)
