@@ -88,7 +88,8 @@ def call_metadata(token: str | None = None, application: str | None = None) -> t
 class RetryPolicy:
     """When a refused call is sent again: on a status that says the next try may succeed, with exponential
     backoff (full jitter, so that clients refused together do not return together), never past the call's
-    timeout."""
+    timeout; and, with ``attempt_timeout_s``, when an attempt has gone unanswered that long (a server lost or frozen
+    under it), except a sequence's step or a registration, which the attempt given up may have applied."""
 
     max_attempts: int = 5  # in all, the first included
     initial_backoff_s: float = 0.1
