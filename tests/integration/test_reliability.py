@@ -21,7 +21,7 @@ import grpc
 import numpy as np
 import pytest
 
-from mhaserve.client.grpc import NO_RETRIES, Client, RetryPolicy
+from mhaserve.client.grpc import NO_RETRIES, AsyncClient, Client, RetryPolicy
 from mhaserve.loadtest.checked_load import Reference, Shapes, burst, make_call, mismatch, rss_mib, run_checked_load
 from mhaserve.server.process import ServerProcess, free_port
 from tests.support import SMALL_D_MODEL, TEST_SERVER_ARGS, rand, scrape
@@ -259,7 +259,6 @@ def test_stalled_connections_do_not_keep_others_from_being_served(server):
 
 
 def test_calls_over_the_stream_limit_are_refused_before_any_work_and_the_rest_served(start_server, small_model_dir):
-    from mhaserve.client.grpc import AsyncClient
 
     server = start_server(small_model_dir, *TEST_SERVER_ARGS, "--max-concurrent-streams", "4")
 
@@ -328,6 +327,18 @@ def test_an_attempt_stuck_on_a_frozen_server_is_given_up_and_answered_by_another
                 for _ in range(2):
                     gives_up.sequence().step(query, timeout=2)
             assert step.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and gives_up.retries == retries
+        os.kill(frozen.pid, signal.SIGCONT)
+
+        async def given_up_by_the_async_client() -> int:
+            async with AsyncClient(target, retry=RetryPolicy(attempt_timeout_s=0.5)) as client:
+                for _ in range(4):  # connected to both
+                    await client.infer(query, timeout=30)
+                os.kill(frozen.pid, signal.SIGSTOP)
+                for _ in range(4):
+                    np.testing.assert_array_equal((await client.infer(query, timeout=10)).output, expected)
+                return client.retries
+
+        assert asyncio.run(given_up_by_the_async_client()) >= 1
     finally:
         os.kill(frozen.pid, signal.SIGCONT)
         for server in servers:
