@@ -259,7 +259,6 @@ def test_stalled_connections_do_not_keep_others_from_being_served(server):
 
 
 def test_calls_over_the_stream_limit_are_refused_before_any_work_and_the_rest_served(start_server, small_model_dir):
-
     server = start_server(small_model_dir, *TEST_SERVER_ARGS, "--max-concurrent-streams", "4")
 
     async def many():
