@@ -8,9 +8,10 @@ Printed:
 - the hop's floor: a one-row step's payload sent to another process and back over a Unix socket, by the forward's
   own framing on asyncio event loops at both ends, and by blocking sockets (the kernel's round trip): medians over
   ``--hops`` round trips, what a forward costs before either worker does anything with the step;
-- latency: on a server of 2 workers, one gRPC connection (so one worker, found by a probe), sequences whose home
-  is that worker against sequences whose home is the other, their steps alternating one by one on the same
-  connection: the p50 and p90 of each, over ``--steps`` steps per round, and the difference at p50;
+- latency: on a server of 2 workers, one gRPC connection (so one worker), sequences started over it (living in
+  its worker) against sequences started over a connection that reached the other worker, their steps alternating
+  one by one on the first connection: the p50 and p90 of each, over ``--steps`` steps per round, and the
+  difference at p50;
 - correctness at scale (``--sequences``): with 2 and 3 workers, that many sequences of 4 one-row steps, every
   step on a new connection, half over gRPC and half over HTTP/REST (urllib: no keep-alive): steps refused, and the
   largest difference of a row from the same sequence's rows on a server of one process;
@@ -41,7 +42,7 @@ from mhaserve.export.default_model import ensure_default_model
 from mhaserve.loadtest.loadgen import LoadGenerator, Point, Workload
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
 from mhaserve.server.process import ServerProcess
-from mhaserve.server.worker_forward import FramedConnection, home_of
+from mhaserve.server.worker_forward import FramedConnection
 
 D = 512
 
@@ -53,46 +54,54 @@ def step(name: str, start: bool, rng) -> object:
     return message
 
 
-def forwarded_by_worker(server: ServerProcess) -> dict[str, float]:
+def by_worker(server: ServerProcess, metric: str) -> dict[str, float]:
+    """A metric's samples summed per worker (the label every worker's series carries)."""
     text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
     counts: dict[str, float] = {}
     for line in text.splitlines():
-        if line.startswith("mhaserve_sequence_steps_forwarded_total{"):
+        if line.startswith(metric + "{"):
             worker = line.split('worker="', 1)[1].split('"', 1)[0]
             counts[worker] = counts.get(worker, 0.0) + float(line.rsplit(" ", 1)[1])
     return counts
 
 
-def connected_worker(server: ServerProcess, stub) -> int:
-    """The worker a connection reached: a step of a sequence homed in worker 0, and whether it was forwarded."""
-    name = next(f"probe-{n}" for n in range(64) if home_of("", f"probe-{n}", 2) == 0)
-    before = forwarded_by_worker(server)
-    stub.ModelInfer(step(name, True, np.random.default_rng(0)), timeout=30)
-    after = forwarded_by_worker(server)
-    return 1 if after.get("1", 0) > before.get("1", 0) else 0
+def forwarded_by_worker(server: ServerProcess) -> dict[str, float]:
+    return by_worker(server, "mhaserve_sequence_steps_forwarded_total")
 
 
-def latency_ms(server: ServerProcess, steps: int, rng) -> tuple[list[float], list[float]]:
-    """Step latencies on one connection: of sequences at home in the worker it reached, and of those homed in the
-    other (forwarded), alternating step by step."""
-    channel = grpc.insecure_channel(server.url)
+def start_on(server: ServerProcess, stub, names: list[str], rng) -> int:
+    """Start the sequences ``names`` over ``stub``'s connection: the worker they live in (the connection's)."""
+    before = by_worker(server, "mhaserve_sequences_live")
+    for name in names:
+        stub.ModelInfer(step(name, True, rng), timeout=30)
+    after = by_worker(server, "mhaserve_sequences_live")
+    return int(next(worker for worker in after if after[worker] > before.get(worker, 0)))
+
+
+def latency_ms(server: ServerProcess, steps: int, rng, tag: str) -> tuple[list[float], list[float]]:
+    """Step latencies on one connection: of sequences living in the worker it reached (started over it), and of
+    sequences started over a connection that reached the other worker (forwarded), alternating step by step."""
+    channel = grpc.insecure_channel(server.url, options=[("grpc.use_local_subchannel_pool", 1)])
     stub = pb_grpc.GRPCInferenceServiceStub(channel)
-    here = connected_worker(server, stub)
-    names = {
-        home: [n for n in (f"s{home}-{i}" for i in range(400)) if home_of("", n, 2) == home][:8] for home in (0, 1)
-    }
-    for home in (0, 1):
-        for name in names[home]:
-            stub.ModelInfer(step(name, True, rng), timeout=30)
-    timed: dict[bool, list[float]] = {True: [], False: []}  # at home in the connection's worker: its latencies
+    names = {where: [f"{where}-{tag}-{i}" for i in range(8)] for where in ("here", "away")}
+    here = start_on(server, stub, names["here"], rng)
+    for attempt in range(64):  # new connections until one reaches the other worker
+        with grpc.insecure_channel(server.url, options=[("grpc.use_local_subchannel_pool", 1)]) as other:
+            probe = [f"probe-{tag}-{attempt}"]
+            if start_on(server, pb_grpc.GRPCInferenceServiceStub(other), probe, rng) != here:
+                start_on(server, pb_grpc.GRPCInferenceServiceStub(other), names["away"], rng)
+                break
+    else:
+        raise SystemExit("64 new connections reached the same worker")
+    timed: dict[str, list[float]] = {"here": [], "away": []}
     for i in range(steps):
-        for home in (0, 1):
-            message = step(names[home][i % 8], False, rng)
+        for where in ("here", "away"):
+            message = step(names[where][i % 8], False, rng)
             started = time.perf_counter()
             stub.ModelInfer(message, timeout=30)
-            timed[home == here].append((time.perf_counter() - started) * 1e3)
+            timed[where].append((time.perf_counter() - started) * 1e3)
     channel.close()
-    return timed[True], timed[False]
+    return timed["here"], timed["away"]
 
 
 def stepped_on_new_connections(server: ServerProcess, sequences: int, rng_seed: int) -> tuple[int, dict]:
@@ -208,7 +217,7 @@ def main() -> None:
     with ServerProcess(model, "--workers", "2", "--warmup-runs", "2") as server:
         differences = []
         for number in range(1, args.rounds + 1):
-            home, away = latency_ms(server, args.steps, rng)
+            home, away = latency_ms(server, args.steps, rng, str(number))
             (home_p50, home_p90), (away_p50, away_p90) = quantiles(home), quantiles(away)
             differences.append(away_p50 - home_p50)
             print(

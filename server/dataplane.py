@@ -31,7 +31,7 @@ from .memory import MemoryBudget
 from .metrics import Metrics
 from .registry import ModelRegistry, ServedModel
 from .runtime import Runtime
-from .sequences import Sequences
+from .sequences import SequenceHomes, Sequences
 from .shared_memory import NOTHING_HELD, SharedMemoryRegistry
 from .tensors import Limits, RunInputs
 from .threads import lowered_pool, worker_board
@@ -78,11 +78,13 @@ class ShuttingDown(RequestError):
 class StepForward(Protocol):
     """Where steps of sequences that live in another serving process go (worker_forward.StepForwarder)."""
 
+    homes: SequenceHomes  # where the anonymous sequences live
+
     def home_elsewhere(self, request: InferenceRequest, caller: str) -> int | None:
         """The process that holds the request's sequence, where that is another; else None."""
 
-    async def infer(self, home: int, request: InferenceRequest, call: InferenceCall) -> InferenceResponse:
-        """The request answered there, as a call of ``call``'s caller."""
+    async def infer(self, home: int, request: InferenceRequest, call: InferenceCall) -> InferenceResponse | None:
+        """The request answered there, as a call of ``call``'s caller; None: a start to make here instead."""
 
     async def tell_others(self, action: str, **arguments) -> list[str]:
         """A control call (a model loaded or unloaded, a shared-memory region registered or not) made in every
@@ -128,6 +130,7 @@ class DataPlane:
             settings.max_sequences,
             settings.max_sequences_per_client,
             settings.max_sequence_bytes_per_client,
+            None if forward is None else forward.homes,
         )
         self.metrics.watch_sequences(self.sequences)
         self.accounting = RequestAccounting(budget, self.metrics, self._executor, self._runtimes)
@@ -494,7 +497,10 @@ class InferenceCall(CallRecord):
         if home is not None:  # a step of a sequence another serving process holds: answered there
             dataplane._refuse_while_draining()
             self.forwarded, self.request_id = True, request.id
-            return await dataplane.forward.infer(home, request, self)
+            answered = await dataplane.forward.infer(home, request, self)
+            if answered is not None:
+                return answered
+            self.forwarded = False  # a start its old home could not take: it starts here
         self.served = served = dataplane.served_for(request, self.caller)
         served.enter()  # from here the version is not unloaded under this request
         if dataplane.tracing.active:

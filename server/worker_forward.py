@@ -1,13 +1,13 @@
 """Steps of a sequence reach the worker that holds it, whichever worker their connection reached.
 
 With ``--workers``, the kernel spreads connections over the workers, and a sequence's keys and values live in one
-of them. Every sequence therefore has a home worker, the same for all of its steps and known to every worker
-without asking: a stable hash of its owner where callers are told apart (named tokens, client certificates), so
-that one caller's sequences share a worker and its ``--max-sequences-per-client`` and
-``--max-sequence-bytes-per-client`` shares hold for the whole server; a stable hash of its id where they are not,
-so that anonymous sequences spread over the workers. A step that reaches another worker is forwarded home over a
-Unix socket (in a folder only the server's user may enter) and answered from there: one request and its answer
-pickled each way. A forward moves a step's new rows and its answer, a few kilobytes, and each sequence's state
+of them. Every sequence therefore has a home worker, the same for all of its steps and known to every worker:
+a stable hash of its owner where callers are told apart (named tokens, client certificates), so that one caller's
+sequences share a worker and its ``--max-sequences-per-client`` and ``--max-sequence-bytes-per-client`` shares
+hold for the whole server; where they are not, the worker that answered its first step, found by a link it keeps
+(SequenceHomes), so that a client whose steps share a connection (a channel, a stream) is never forwarded. A step
+that reaches another worker is forwarded home over a Unix socket (in a folder only the server's user may enter)
+and answered from there: one request and its answer pickled each way. A forward moves a step's new rows and its answer, a few kilobytes, and each sequence's state
 stays private to one process. What a forward costs, and what a step on a cache kept in shared memory costs (no more
 than one on private memory: the faster mechanism per step, were every sequence's bookkeeping shared as well, under
 locks a killed worker cannot leave held), is in BENCHMARKS.md, "Worker processes".
@@ -47,11 +47,47 @@ CONTROL_TIMEOUT_S = 600.0  # a load in another worker (its model's sessions and 
 FORWARD_GRACE_S = 5.0  # past the call's own deadline: the home worker answers DEADLINE_EXCEEDED itself first
 
 
-def home_of(caller: str, sequence_id: int | str, workers: int) -> int:
-    """The worker a sequence lives in: by its owner where callers are told apart, else by its id. A stable hash,
-    the same in every worker (Python's own string hash differs from process to process)."""
-    key = f"caller\0{caller}" if caller else f"id\0{type(sequence_id).__name__}\0{sequence_id}"
-    return point(key) % workers
+def home_of(caller: str, workers: int) -> int:
+    """The worker a caller's sequences live in, where callers are told apart. A stable hash, the same in every
+    worker (Python's own string hash differs from process to process)."""
+    return point(f"caller\0{caller}") % workers
+
+
+class SequenceHomes:
+    """Where each anonymous sequence lives: a symbolic link per sequence in a folder every worker reads, named by a
+    hash of its id and pointing at its worker's number. The worker that answers a sequence's first step makes it
+    (a link is made or replaced in one step: no lock), and removes it once it has forgotten the sequence's end; a
+    step reads it (one readlink)."""
+
+    def __init__(self, folder: Path, own: int):
+        self.folder, self.own = folder, own
+        folder.mkdir(mode=0o700, exist_ok=True)
+
+    def _link(self, sequence_id: int | str) -> Path:
+        key = f"{type(sequence_id).__name__}\0{sequence_id}"
+        return self.folder / f"{point(key):016x}"
+
+    def of(self, sequence_id: int | str) -> int | None:
+        """The worker holding the sequence (or that held it and remembers its end); None where none does."""
+        try:
+            return int(os.readlink(self._link(sequence_id)))
+        except FileNotFoundError:
+            return None
+
+    def claim(self, sequence_id: int | str) -> None:
+        """The sequence lives here from now on."""
+        link = self._link(sequence_id)
+        made = link.with_name(f"{link.name}.{self.own}")
+        with contextlib.suppress(FileNotFoundError):
+            made.unlink()
+        os.symlink(str(self.own), made)
+        os.replace(made, link)
+
+    def release(self, sequence_id: int | str) -> None:
+        """This worker no longer knows the sequence: its link goes, unless another worker's start has taken it."""
+        with contextlib.suppress(FileNotFoundError):
+            if self.of(sequence_id) == self.own:
+                self._link(sequence_id).unlink()
 
 
 class StepForwarder:
@@ -60,6 +96,7 @@ class StepForwarder:
     def __init__(self, own: int, sockets: list[str]):
         self.own, self.sockets = own, sockets
         self._peers: dict[int, FramedConnection] = {}  # one connection to each home, its exchanges interleaved
+        self.homes = SequenceHomes(Path(sockets[own]).parent / "homes", own)
 
     @classmethod
     def from_env(cls, own: int) -> StepForwarder | None:
@@ -75,11 +112,15 @@ class StepForwarder:
             return None
         if step is None or request.shared_inputs:
             return None
-        home = home_of(caller, step.id, len(self.sockets))
-        return None if home == self.own else home
+        if caller:  # one home per caller: its shares hold for the whole server
+            home = home_of(caller, len(self.sockets))
+        else:  # where its first step was answered: none for a client whose steps share a connection
+            home = self.homes.of(step.id)
+        return None if home is None or home == self.own else home
 
-    async def infer(self, home: int, request: InferenceRequest, call: InferenceCall) -> InferenceResponse:
-        """``request`` answered by worker ``home`` as a call of ``call``'s caller, protocol and deadline."""
+    async def infer(self, home: int, request: InferenceRequest, call: InferenceCall) -> InferenceResponse | None:
+        """``request`` answered by worker ``home`` as a call of ``call``'s caller, protocol and deadline; None for
+        an anonymous sequence's start that cannot reach it (restarting, the sequence lost with it): it starts here."""
         sent = {
             "kind": "infer",
             "request": _portable(request),
@@ -94,6 +135,8 @@ class StepForwarder:
             peer = await self._peer(home)
             reply = await asyncio.wait_for(peer.exchange(sent), timeout)
         except OSError as error:
+            if request.sequence_step.start and not call.caller:
+                return None
             raise RequestError(
                 ErrorKind.UNAVAILABLE,
                 f"sequence {request.sequence_step.id!r} lives in worker {home} of this server, which cannot be reached "

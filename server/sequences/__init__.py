@@ -26,6 +26,6 @@ it was given (more may come with later steps), on the folder's cross-attention s
 from .graph import Step, StepCache, StepGraph
 from .runs import StepRuns
 from .runtime import SequenceRuntime
-from .state import Sequence, Sequences
+from .state import Sequence, SequenceHomes, Sequences
 
-__all__ = ["Sequence", "SequenceRuntime", "Sequences", "Step", "StepCache", "StepGraph", "StepRuns"]
+__all__ = ["Sequence", "SequenceHomes", "SequenceRuntime", "Sequences", "Step", "StepCache", "StepGraph", "StepRuns"]

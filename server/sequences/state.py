@@ -9,7 +9,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from ..errors import ErrorKind, RequestError, invalid
 from ..memory import MemoryBudget
@@ -21,6 +21,16 @@ if TYPE_CHECKING:
     from ..runtime import ServedVersion
 
 REMEMBERED_ENDS = 4096  # ids recently ended or timed out, to say so when a late step names one
+
+
+class SequenceHomes(Protocol):
+    """Where the anonymous sequences of a server of several workers live (worker_forward.SequenceHomes)."""
+
+    def claim(self, sequence_id: int | str) -> None:
+        """The sequence lives in this worker from now on."""
+
+    def release(self, sequence_id: int | str) -> None:
+        """This worker no longer knows the sequence."""
 
 
 @dataclass
@@ -58,8 +68,12 @@ class Sequences:
         max_sequences: int,
         per_client: int | None = None,
         bytes_per_client: int | None = None,
+        homes: SequenceHomes | None = None,
     ):
+        """``homes``: where this is one of several workers, where they find its anonymous sequences (an identified
+        caller's live in the worker its name hashes to)."""
         self.budget = budget
+        self.homes = homes
         self.max_sequences = max_sequences
         self.per_client = max_sequences if per_client is None else per_client
         self.bytes_per_client = bytes_per_client  # None: no share of its own
@@ -212,6 +226,8 @@ class Sequences:
         self.live[sequence.key] = sequence
         self._count_bytes(sequence.caller, sequence.nbytes)
         self._gone.pop(sequence.key, None)
+        if self.homes is not None and not sequence.caller:
+            self.homes.claim(sequence.id)
 
     def end(self, sequence: Sequence, why: str = "ended (sequence_end)") -> None:
         if self.live.get(sequence.key) is sequence:
@@ -253,4 +269,6 @@ class Sequences:
         sequence.served.unpin()
         self._gone[sequence.key] = why
         while len(self._gone) > REMEMBERED_ENDS:
-            self._gone.popitem(last=False)
+            (caller, sequence_id), _ = self._gone.popitem(last=False)
+            if self.homes is not None and not caller:  # its end forgotten here: later steps are answered anywhere
+                self.homes.release(sequence_id)

@@ -36,14 +36,28 @@ def worker_pids(server) -> dict[int, int]:
     return {int(i): int(pid) for i, pid in WORKER_PID.findall(server.log)}
 
 
-def requests_by_worker(server) -> dict[str, float]:
+def by_worker(server, metric: str, having: str = "") -> dict[str, float]:
+    """A metric's samples summed per worker (the label every worker's series carries), those ``having`` a label."""
     text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
     counts: dict[str, float] = {}
     for line in text.splitlines():
-        if line.startswith("mhaserve_inference_request_total{") and 'status="OK"' in line:
+        if line.startswith(metric + "{") and having in line:
             worker = re.search(r'worker="(\d+)"', line).group(1)
             counts[worker] = counts.get(worker, 0.0) + float(line.rsplit(" ", 1)[1])
     return counts
+
+
+def requests_by_worker(server) -> dict[str, float]:
+    return by_worker(server, "mhaserve_inference_request_total", 'status="OK"')
+
+
+def started_in(server, client: Client, sequence_id: str) -> int:
+    """The worker that took the sequence ``client`` starts (its connection's)."""
+    before = by_worker(server, "mhaserve_sequences_live")
+    client.infer(rand(1, 1, SMALL_D_MODEL), attn_weights=False, sequence=SequenceStep(sequence_id, start=True))
+    after = by_worker(server, "mhaserve_sequences_live")
+    (worker,) = [int(w) for w in after if after[w] > before.get(w, 0)]
+    return worker
 
 
 def answered(url: str, query: np.ndarray) -> np.ndarray:
@@ -254,6 +268,28 @@ def streamed(url: str, row: np.ndarray, step: SequenceStep):
     return SimpleNamespace(output=array)
 
 
+def test_sequences_stepped_over_one_connection_live_in_its_worker_and_are_never_forwarded(
+    start_server_process, small_model_dir, small_module
+):
+    """A client's channel (the Python client's, tritonclient's) or a stream keeps to one connection, so to one
+    worker: its sequences start there, and their steps are answered there, with no hop to another worker."""
+    server = start_server_process(small_model_dir, "--workers", "2", "--metrics-port", "0")
+    rows = {number: rand(1, 4, SMALL_D_MODEL, seed=200 + number) for number in range(8)}
+    with Client(server.url, own_connection=True) as client:
+        for position in range(4):  # eight sequences stepped in turn
+            for number, sent in rows.items():
+                step = SequenceStep(f"one-connection-{number}", start=position == 0, end=position == 3)
+                answer = client.infer(sent[:, position : position + 1], attn_weights=False, sequence=step)
+                want = causal_rows(small_module, sent)[:, position]
+                np.testing.assert_allclose(answer.output[:, 0], want, atol=1e-5)
+    for number in range(4):  # and a stream's sequence, on a connection of its own
+        sent = rand(1, 1, SMALL_D_MODEL, seed=300 + number)
+        streamed(server.url, sent, SequenceStep(f"streamed-{number}", start=True, end=True))
+    assert forwarded_steps(server) == 0
+    with Client(server.url) as client:
+        assert client.statistics().inference_count == 8 * 4 + 4
+
+
 def test_a_clients_share_of_sequences_holds_for_the_whole_server_whichever_worker_its_connections_reach(
     start_server_process, small_model_dir, tmp_path
 ):
@@ -279,33 +315,43 @@ def test_a_step_whose_worker_died_says_its_sequence_was_lost_and_how_to_go_on(
     start_server_process, small_model_dir, small_module
 ):
     server = start_server_process(small_model_dir, "--workers", "2", "--metrics-port", "0")
-    from mhaserve.server.worker_forward import home_of
-
-    name, kept = [f"seq-{n}" for n in range(64) if home_of("", f"seq-{n}", 2) == 1][:2]  # they live in worker 1
+    name = "seq-lost"
     row, rows = rand(1, 1, SMALL_D_MODEL, seed=4), rand(1, 5, SMALL_D_MODEL, seed=5)
-    resumed = Client(server.url, own_connection=True).sequence(kept, resume=True)  # keeps what it sent
-    resumed.step(rows[:, :2])
     with Client(server.url, own_connection=True) as client:
-        client.infer(row, attn_weights=False, sequence=SequenceStep(name, start=True))
-    killed = worker_pids(server)[1]
+        home = started_in(server, client, name)  # it lives where its first step was answered
+        client.infer(row, attn_weights=False, sequence=SequenceStep("seq-again", start=True))  # the same worker
+    for attempt in range(40):  # a resuming client whose connection reached the same worker
+        resumed = Client(server.url, own_connection=True).sequence(f"seq-kept-{attempt}", resume=True)  # keeps rows
+        before = by_worker(server, "mhaserve_sequences_live").get(str(home), 0)
+        resumed.step(rows[:, :2])
+        if by_worker(server, "mhaserve_sequences_live").get(str(home), 0) > before:
+            break
+        resumed.step(rows[:, 2:3], end=True)
+        resumed.client.close()
+    else:
+        pytest.fail("40 connections, none reached the worker holding the first sequence")
+    killed = worker_pids(server)[home]
     os.kill(killed, signal.SIGKILL)
     while alive(killed):
         time.sleep(0.05)
-    with Client(server.url, own_connection=True) as client:  # only worker 0 listens now
+    with Client(server.url, own_connection=True) as client:  # only the other worker listens now
         with pytest.raises(GrpcRequestFailed) as lost:
             client.infer(row, attn_weights=False, sequence=SequenceStep(name))
-    assert lost.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert "lost" in lost.value.details() and "sequence_start" in lost.value.details()
+        assert lost.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "lost" in lost.value.details() and "sequence_start" in lost.value.details()
+        # started again as the message says: in the worker that took the step
+        client.infer(row, attn_weights=False, sequence=SequenceStep("seq-again", start=True))
+        client.infer(row, attn_weights=False, sequence=SequenceStep("seq-again", end=True))
     deadline = time.monotonic() + 60
     exited = f"(pid {killed}) exited"
-    while exited not in server.log or "worker 1 ready:" not in server.log.split(exited, 1)[1]:
+    while exited not in server.log or f"worker {home} ready:" not in server.log.split(exited, 1)[1]:
         assert time.monotonic() < deadline, server.log[-3000:]
         time.sleep(0.2)
     with Client(server.url, own_connection=True) as client:  # restarted: it says the sequence was lost with it
         with pytest.raises(GrpcRequestFailed) as gone:
             client.infer(row, attn_weights=False, sequence=SequenceStep(name))
     assert gone.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "lost when worker 1 of this server restarted" in gone.value.details(), gone.value.details()
+    assert f"lost when worker {home} of this server restarted" in gone.value.details(), gone.value.details()
     answers = [resumed.step(rows[:, 2:4]), resumed.step(rows[:, 4:5], end=True)]  # started again from what it kept
     assert resumed.restarts == 1
     got = np.concatenate([answer.output for answer in answers], axis=1)
