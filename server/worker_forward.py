@@ -7,10 +7,11 @@ sequences share a worker and its ``--max-sequences-per-client`` and ``--max-sequ
 hold for the whole server; where they are not, the worker that answered its first step, found by a link it keeps
 (SequenceHomes), so that a client whose steps share a connection (a channel, a stream) is never forwarded. A step
 that reaches another worker is forwarded home over a Unix socket (in a folder only the server's user may enter)
-and answered from there: one request and its answer pickled each way. A forward moves a step's new rows and its answer, a few kilobytes, and each sequence's state
-stays private to one process. What a forward costs, and what a step on a cache kept in shared memory costs (no more
-than one on private memory: the faster mechanism per step, were every sequence's bookkeeping shared as well, under
-locks a killed worker cannot leave held), is in BENCHMARKS.md, "Worker processes".
+and answered from there: one request and its answer pickled each way. A forward moves a step's new rows and its
+answer, a few kilobytes, and each sequence's state stays private to one process. What a forward costs, and what a
+step on a cache kept in shared memory costs (no more than one on private memory: the faster mechanism per step,
+were every sequence's bookkeeping shared as well, under locks a killed worker cannot leave held), is in
+BENCHMARKS.md, "Worker processes".
 
 The home worker runs the step as its own call (its statistics, metrics, access log and trace count it there); the
 worker that forwarded it counts it as forwarded. A home worker that is restarting cannot be reached: its sequences

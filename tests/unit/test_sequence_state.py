@@ -103,3 +103,18 @@ def test_each_clients_share_of_sequence_bytes_is_checked_as_if_summed_over_its_l
             if not sequence.started:
                 sequences.commit(sequence)
     assert refused > 20 and allowed > 100  # both sides of the share were reached
+
+
+def test_a_worker_keeps_its_anonymous_sequences_links_until_it_forgets_their_end(tmp_path, monkeypatch):
+    from mhaserve.server.sequences import state
+    from mhaserve.server.worker_forward import SequenceHomes
+
+    monkeypatch.setattr(state, "REMEMBERED_ENDS", 2)
+    homes = SequenceHomes(tmp_path, own=1)
+    sequences, model = Sequences(MemoryBudget(1 << 30), max_sequences=8, homes=homes), served()
+    live(sequences, model, "a", "b", "c")
+    assert [homes.of(each) for each in "abc"] == [1, 1, 1]  # every worker finds them here
+    for each in "abc":
+        sequences.end(sequences.live[("", each)])
+    # "a"'s end is forgotten (two remembered): a later step of it is answered by whichever worker takes it
+    assert [homes.of(each) for each in "abc"] == [None, 1, 1]
