@@ -9,6 +9,7 @@ docs/explanation/reliability.md.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import signal
 import socket
@@ -296,6 +297,21 @@ def test_the_client_retries_unavailable_with_backoff_until_a_server_comes_up(sma
         server.stop()
 
 
+def answered_by(server) -> int:
+    with Client(server.url) as client:
+        return client.statistics(timeout=10).inference_count
+
+
+def until_each_answered(servers, call) -> None:
+    """``call()`` again until each server has answered one: the channel is connected to all of them."""
+    before = [answered_by(server) for server in servers]
+    for _ in range(100):
+        call()
+        if all(answered_by(server) > count for server, count in zip(servers, before, strict=True)):
+            return
+    pytest.fail("100 calls over the channel, and a server answered none")
+
+
 def test_an_attempt_stuck_on_a_frozen_server_is_given_up_and_answered_by_another(small_model_dir):
     """A server that stops answering without closing its connection (a node lost under a proxy, a frozen host)
     keeps a call until its deadline; with an attempt timeout the client gives the attempt up and sends the call
@@ -308,9 +324,9 @@ def test_an_attempt_stuck_on_a_frozen_server_is_given_up_and_answered_by_another
     query = rand(1, 4, SMALL_D_MODEL)
     try:
         with Client(target) as waits, Client(target, retry=RetryPolicy(attempt_timeout_s=0.5)) as gives_up:
-            for client in (waits, gives_up):  # each connected to both servers
-                client.wait_ready(timeout=30)
-                expected = [client.infer(query, timeout=30).output for _ in range(4)][-1]
+            expected = waits.infer(query, timeout=30).output
+            for client in (waits, gives_up):
+                until_each_answered(servers, functools.partial(client.infer, query, timeout=30))
             os.kill(frozen.pid, signal.SIGSTOP)
             with pytest.raises(grpc.RpcError) as waited:  # without one, the call on the frozen server waits it out
                 for _ in range(2):
@@ -330,8 +346,9 @@ def test_an_attempt_stuck_on_a_frozen_server_is_given_up_and_answered_by_another
 
         async def given_up_by_the_async_client() -> int:
             async with AsyncClient(target, retry=RetryPolicy(attempt_timeout_s=0.5)) as client:
-                for _ in range(4):  # connected to both
-                    await client.infer(query, timeout=30)
+                before = [answered_by(server) for server in servers]
+                while not all(answered_by(server) > count for server, count in zip(servers, before, strict=True)):
+                    await client.infer(query, timeout=30)  # until connected to both
                 os.kill(frozen.pid, signal.SIGSTOP)
                 for _ in range(4):
                     np.testing.assert_array_equal((await client.infer(query, timeout=10)).output, expected)
