@@ -30,12 +30,13 @@ import os
 import pickle
 import socket
 import statistics
+import sys
 import tempfile
 import time
-import urllib.request
 
 import grpc
 import numpy as np
+from bench_revisions import ROOT
 
 from mhaserve.client.grpc import build_infer_request
 from mhaserve.export.default_model import ensure_default_model
@@ -43,6 +44,9 @@ from mhaserve.loadtest.loadgen import LoadGenerator, Point, Workload
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
 from mhaserve.server.process import ServerProcess
 from mhaserve.server.worker_forward import FramedConnection
+
+sys.path.insert(0, str(ROOT))
+from tests.support import by_worker, worker_that_took  # noqa: E402
 
 D = 512
 
@@ -54,28 +58,18 @@ def step(name: str, start: bool, rng) -> object:
     return message
 
 
-def by_worker(server: ServerProcess, metric: str) -> dict[str, float]:
-    """A metric's samples summed per worker (the label every worker's series carries)."""
-    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
-    counts: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith(metric + "{"):
-            worker = line.split('worker="', 1)[1].split('"', 1)[0]
-            counts[worker] = counts.get(worker, 0.0) + float(line.rsplit(" ", 1)[1])
-    return counts
-
-
 def forwarded_by_worker(server: ServerProcess) -> dict[str, float]:
     return by_worker(server, "mhaserve_sequence_steps_forwarded_total")
 
 
 def start_on(server: ServerProcess, stub, names: list[str], rng) -> int:
     """Start the sequences ``names`` over ``stub``'s connection: the worker they live in (the connection's)."""
-    before = by_worker(server, "mhaserve_sequences_live")
-    for name in names:
-        stub.ModelInfer(step(name, True, rng), timeout=30)
-    after = by_worker(server, "mhaserve_sequences_live")
-    return int(next(worker for worker in after if after[worker] > before.get(worker, 0)))
+
+    def start() -> None:
+        for name in names:
+            stub.ModelInfer(step(name, True, rng), timeout=30)
+
+    return worker_that_took(server, start)
 
 
 def latency_ms(server: ServerProcess, steps: int, rng, tag: str) -> tuple[list[float], list[float]]:

@@ -302,12 +302,17 @@ def answered_by(server) -> int:
         return client.statistics(timeout=10).inference_count
 
 
+def each_answered_since(servers, before: list[int]) -> bool:
+    """Whether every server has answered since its counts were ``before``: a channel is connected to each."""
+    return all(answered_by(server) > count for server, count in zip(servers, before, strict=True))
+
+
 def until_each_answered(servers, call) -> None:
     """``call()`` again until each server has answered one: the channel is connected to all of them."""
     before = [answered_by(server) for server in servers]
     for _ in range(100):
         call()
-        if all(answered_by(server) > count for server, count in zip(servers, before, strict=True)):
+        if each_answered_since(servers, before):
             return
     pytest.fail("100 calls over the channel, and a server answered none")
 
@@ -347,7 +352,7 @@ def test_an_attempt_stuck_on_a_frozen_server_is_given_up_and_answered_by_another
         async def given_up_by_the_async_client() -> int:
             async with AsyncClient(target, retry=RetryPolicy(attempt_timeout_s=0.5)) as client:
                 before = [answered_by(server) for server in servers]
-                while not all(answered_by(server) > count for server, count in zip(servers, before, strict=True)):
+                while not each_answered_since(servers, before):
                     await client.infer(query, timeout=30)  # until connected to both
                 os.kill(frozen.pid, signal.SIGSTOP)
                 for _ in range(4):

@@ -4,13 +4,13 @@ started again, SIGTERM draining every one, and what cannot work across processes
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
 import signal
 import sys
 import time
-import urllib.request
 from types import SimpleNamespace
 
 import grpc
@@ -24,7 +24,7 @@ from mhaserve.loadtest.loadgen import LoadGenerator, Point, Workload
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
 from mhaserve.server.cores import usable_cores
-from tests.support import SMALL_D_MODEL, eager, rand
+from tests.support import SMALL_D_MODEL, by_worker, eager, rand, worker_that_took
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SO_REUSEPORT's spreading is Linux's")
 
@@ -36,28 +36,8 @@ def worker_pids(server) -> dict[int, int]:
     return {int(i): int(pid) for i, pid in WORKER_PID.findall(server.log)}
 
 
-def by_worker(server, metric: str, having: str = "") -> dict[str, float]:
-    """A metric's samples summed per worker (the label every worker's series carries), those ``having`` a label."""
-    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
-    counts: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith(metric + "{") and having in line:
-            worker = re.search(r'worker="(\d+)"', line).group(1)
-            counts[worker] = counts.get(worker, 0.0) + float(line.rsplit(" ", 1)[1])
-    return counts
-
-
 def requests_by_worker(server) -> dict[str, float]:
-    return by_worker(server, "mhaserve_inference_request_total", 'status="OK"')
-
-
-def started_in(server, client: Client, sequence_id: str) -> int:
-    """The worker that took the sequence ``client`` starts (its connection's)."""
-    before = by_worker(server, "mhaserve_sequences_live")
-    client.infer(rand(1, 1, SMALL_D_MODEL), attn_weights=False, sequence=SequenceStep(sequence_id, start=True))
-    after = by_worker(server, "mhaserve_sequences_live")
-    (worker,) = [int(w) for w in after if after[w] > before.get(w, 0)]
-    return worker
+    return by_worker(server, "mhaserve_inference_request_total", status="OK")
 
 
 def answered(url: str, query: np.ndarray) -> np.ndarray:
@@ -223,12 +203,7 @@ def causal_rows(module, rows: np.ndarray) -> np.ndarray:
 
 
 def forwarded_steps(server) -> float:
-    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("mhaserve_sequence_steps_forwarded_total{") and 'status="OK"' in line
-    )
+    return sum(by_worker(server, "mhaserve_sequence_steps_forwarded_total", status="OK").values())
 
 
 def test_a_sequences_steps_reach_the_worker_that_holds_it_from_any_new_connection_grpc_or_http(
@@ -318,13 +293,12 @@ def test_a_step_whose_worker_died_says_its_sequence_was_lost_and_how_to_go_on(
     name = "seq-lost"
     row, rows = rand(1, 1, SMALL_D_MODEL, seed=4), rand(1, 5, SMALL_D_MODEL, seed=5)
     with Client(server.url, own_connection=True) as client:
-        home = started_in(server, client, name)  # it lives where its first step was answered
+        first = SequenceStep(name, start=True)  # it lives where its first step was answered
+        home = worker_that_took(server, functools.partial(client.infer, row, attn_weights=False, sequence=first))
         client.infer(row, attn_weights=False, sequence=SequenceStep("seq-again", start=True))  # the same worker
     for attempt in range(40):  # a resuming client whose connection reached the same worker
         resumed = Client(server.url, own_connection=True).sequence(f"seq-kept-{attempt}", resume=True)  # keeps rows
-        before = by_worker(server, "mhaserve_sequences_live").get(str(home), 0)
-        resumed.step(rows[:, :2])
-        if by_worker(server, "mhaserve_sequences_live").get(str(home), 0) > before:
+        if worker_that_took(server, functools.partial(resumed.step, rows[:, :2])) == home:
             break
         resumed.step(rows[:, 2:3], end=True)
         resumed.client.close()

@@ -42,6 +42,27 @@ def scrape(url: str) -> dict[tuple[str, tuple], float]:
     }
 
 
+def by_worker(server, metric: str, **labels: str) -> dict[str, float]:
+    """A server of --workers: a metric's samples with ``labels``, summed per worker (the label each worker's series
+    carries)."""
+    summed: dict[str, float] = {}
+    for (name, sample_labels), value in scrape(server.metrics_url).items():
+        sample_labels = dict(sample_labels)
+        if name == metric and labels.items() <= sample_labels.items():
+            summed[sample_labels["worker"]] = summed.get(sample_labels["worker"], 0.0) + value
+    return summed
+
+
+def worker_that_took(server, start) -> int:
+    """A server of --workers: the worker the sequences ``start()`` starts live in (the one its connection reached),
+    by the live sequences each worker reports."""
+    before = by_worker(server, "mhaserve_sequences_live")
+    start()
+    after = by_worker(server, "mhaserve_sequences_live")
+    (worker,) = [worker for worker, live in after.items() if live > before.get(worker, 0)]
+    return int(worker)
+
+
 def parity_checks(server) -> dict[str, float]:
     """The server's live parity checks by outcome (held, breached, dropped), once the checks queued have been
     made (each made check has observed its outputs' errors), or after 30 s."""
