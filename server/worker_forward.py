@@ -90,6 +90,11 @@ class SequenceHomes:
             if self.of(sequence_id) == self.own:
                 self._link(sequence_id).unlink()
 
+    def taken_elsewhere(self, sequence_id: int | str) -> bool:
+        """Whether another worker's start has taken the sequence (its link names that worker)."""
+        home = self.of(sequence_id)
+        return home is not None and home != self.own
+
 
 class StepForwarder:
     """What a worker does for a step whose sequence lives in another: finds its home, and forwards it there."""

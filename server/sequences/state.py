@@ -32,6 +32,9 @@ class SequenceHomes(Protocol):
     def release(self, sequence_id: int | str) -> None:
         """This worker no longer knows the sequence."""
 
+    def taken_elsewhere(self, sequence_id: int | str) -> bool:
+        """Whether a start in another worker has taken the sequence since this one claimed it."""
+
 
 @dataclass
 class Sequence:
@@ -173,10 +176,11 @@ class Sequences:
     async def drop_idle_until(self, stopped: Callable[[], bool], timeout_s: float) -> None:
         """Until ``stopped()``: the sequences idle past their timeout are dropped, their memory returned, whether or
         not other steps come (looked at each second: a model's config.pbtxt may give its sequences less than the
-        server's ``timeout_s``)."""
+        server's ``timeout_s``), and so are those another worker's start has taken."""
         while not stopped():
             await asyncio.sleep(min(timeout_s, 1.0))
             self.drop_idle()
+            self.drop_taken_elsewhere()
 
     def _held_by(self, caller: str) -> int:
         """The sequences ``caller`` has live or starting."""
@@ -246,6 +250,16 @@ class Sequences:
         now = time.monotonic()
         for sequence in [s for s in self.live.values() if self._idle(s, now)]:
             self._time_out(sequence)
+
+    def drop_taken_elsewhere(self) -> None:
+        """Drop the anonymous sequences that a start of the same id in another worker has taken since (two starts
+        at once on two workers: the later claim wins, every step goes there, and the copy here would hold its
+        memory until the idle timeout). Looked at each second, not at each start: one readlink per sequence."""
+        if self.homes is None:
+            return
+        for sequence in list(self.live.values()):
+            if not sequence.caller and not sequence.lock.locked() and self.homes.taken_elsewhere(sequence.id):
+                self._drop(sequence, "started again in another worker of this server by a later sequence_start")
 
     def _idle(self, sequence: Sequence, now: float) -> bool:
         """Idle past its model's timeout, and no step of it under way."""

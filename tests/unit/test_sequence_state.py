@@ -118,3 +118,20 @@ def test_a_worker_keeps_its_anonymous_sequences_links_until_it_forgets_their_end
         sequences.end(sequences.live[("", each)])
     # "a"'s end is forgotten (two remembered): a later step of it is answered by whichever worker takes it
     assert [homes.of(each) for each in "abc"] == [None, 1, 1]
+
+
+def test_two_starts_of_one_id_at_once_in_two_workers_leave_it_live_in_the_later_one_only(tmp_path):
+    """Both workers found no link and started the sequence; the later claim wins (every step goes there), and the
+    other worker's copy is dropped at its next look, its memory returned, rather than held until the idle timeout."""
+    from mhaserve.server.worker_forward import SequenceHomes
+
+    budgets = [MemoryBudget(1 << 30), MemoryBudget(1 << 30)]
+    workers = [Sequences(budget, 8, homes=SequenceHomes(tmp_path, own)) for own, budget in enumerate(budgets)]
+    model = served()
+    live(workers[0], model, "chat-1", "chat-2")
+    live(workers[1], model, "chat-1")  # its first step answered after the first worker's
+    for sequences in workers:
+        sequences.drop_taken_elsewhere()
+    assert list(workers[0].live) == [("", "chat-2")] and list(workers[1].live) == [("", "chat-1")]
+    with pytest.raises(RequestError, match="not live: started again in another worker of this server"):
+        workers[0].begin(SequenceParameters("chat-1", start=False, end=False), model, empty_cache, 1)
