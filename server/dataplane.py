@@ -457,6 +457,8 @@ class DataPlane:
         self.sequences.drop_all("the server stopped")
         self._executor.shutdown(wait=True)
         self._decoder.shutdown(wait=True)
+        for runtime in self._runtimes():  # what each holds beyond this process's memory (live parity's process)
+            runtime.close()
         self.versions.shutdown()
         self.shared_memory.close()
 

@@ -2,27 +2,32 @@
 request path, and compared within the tolerance the export states for its precision.
 
 The export proves a graph equal to eager PyTorch on a matrix of cases; served traffic is other lengths, masks and
-scales, maybe another ONNX Runtime or provider. A checked request's inputs and answer are handed to one low
-priority thread through a bounded queue (a check never delays a request: when the queue is full the check is
-dropped and counted); the thread recomputes the attention exactly as the module defines it and records the error
-of each output in the version's metrics, a breach of the tolerance also as one log line naming the request.
+scales, maybe another ONNX Runtime or provider. A checked request's inputs and answer are queued, bounded (a check
+never delays a request: when the queue is full the check is dropped and counted), for a process of their own at
+the lowest priority (CheckProcess), which recomputes the attention exactly as the module defines it; the error of
+each output goes in the version's metrics, a breach of the tolerance also as one log line naming the request.
 """
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import logging
 import math
 import os
+import pickle
 import queue
 import random
+import signal
+import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import numpy as np
-from threadpoolctl import ThreadpoolController
 
 from mhaserve.contract.signature import ATTN_WEIGHTS, OUTPUT
 from mhaserve.protos.generated import onnx_weights_pb2
@@ -33,10 +38,7 @@ from .tensors import RunInputs
 
 log = logging.getLogger("mhaserve.server")
 
-# The process's BLAS libraries, found when this module is imported, as the server starts: finding them walks the
-# loaded libraries under the dynamic loader's lock, which deadlocked with another thread's import once threads ran.
-_BLAS = ThreadpoolController()
-CHECKS_WAITING = 64  # checks queued for the thread at most; past it a check is dropped, and counted
+CHECKS_WAITING = 64  # checks queued for the check process at most; past it a check is dropped, and counted
 PROJECTIONS = ("q", "k", "v", "o")
 # The export's EAGER_ERROR_FACTOR: an answer no further from the exact one than ten times float32 arithmetic of the
 # same module is holds, whatever the tolerance (at large input scales float32 itself is far from exact).
@@ -224,23 +226,154 @@ def bounds_of(manifest: dict, tf32: bool = False) -> dict[str, Bound]:
 
 @dataclass
 class Check:
-    """An answer to check: what it answered (``what``: "request 'id'", and the sequence where it was a step), how to
-    compute it again in a dtype (``computed(np.float64)``: the exact answer), and the outputs to compare."""
+    """An answer to check: what it answered (``what``: "request 'id'", and the sequence where it was a step), which
+    computation it stands for (``kind``: "attention", exact_attention's, or "step", exact_step's) on which inputs
+    (its arguments after the weights and heads), and the outputs to compare. Plain data: it travels to the check
+    process."""
 
     what: str
-    computed: Callable[[type], tuple[np.ndarray, np.ndarray]]
+    kind: str
+    inputs: tuple
     answers: dict[str, np.ndarray]  # output and, where the request had them whole, attn_weights
 
 
-class LiveParity:
-    """One served version's checks: ``offer`` on the event loop (sampled, queued, never waited for), the checks
-    made on a thread of their own at the lowest priority, their figures in the version's metrics."""
+COMPUTATIONS = {"attention": exact_attention, "step": exact_step}
 
-    def __init__(self, weights: ReferenceWeights, num_heads: int, share: float, bounds: dict[str, Bound],
-                 figures, label: str):  # fmt: skip
-        self.weights, self.num_heads, self.share, self.bounds = weights, num_heads, share, bounds
+
+def judge(check: Check, weights: ReferenceWeights, num_heads: int, bounds: dict[str, Bound]) -> dict:
+    """``check``'s answers against the exact ones: each output's error, and a line per output that breached its
+    bound (empty where none did)."""
+
+    def computed(dtype) -> dict[str, np.ndarray]:
+        outputs = COMPUTATIONS[check.kind](weights, num_heads, *check.inputs, dtype=dtype)
+        return dict(zip(PARITY_OUTPUTS, outputs, strict=True))
+
+    exact = computed(np.float64)
+    float32 = None  # float32 arithmetic of the same module, computed only where the tolerance alone is broken
+    errors, breached = {}, []
+    for name, got in check.answers.items():
+        bound = bounds[name]
+        errors[name] = error = bound.error(got, exact[name])
+        # As the export's validation judges every input scale: within the tolerance, or no further from the
+        # exact answer than FLOAT32_FACTOR times float32 arithmetic of the same module is (large inputs).
+        if error <= bound.limit:
+            continue
+        if float32 is None:
+            float32 = computed(np.float32)
+        allowed = max(bound.limit, FLOAT32_FACTOR * bound.error(float32[name], exact[name]))
+        if not error <= allowed:  # NaN breaches
+            worst = np.unravel_index(int(np.nanargmax(np.abs(got - exact[name]))), got.shape)
+            breached.append(f"{name} {error:.3g} over {allowed:.3g} at {list(map(int, worst))} "
+                            f"({float(got[worst]):.6g}, exactly {float(exact[name][worst]):.6g})")  # fmt: skip
+    return {"errors": errors, "breached": breached}
+
+
+# The check process's numpy products on one thread: OpenBLAS's threads spin after each product, and the checks'
+# took ONNX Runtime's cores (1% of requests checked cost a third of the throughput).
+ONE_BLAS_THREAD = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+STOP_WAIT_S = 5.0  # a check process told to stop (its connection closed) ends within this, or is killed
+
+
+class CheckProcess:
+    """The process that recomputes checked answers, at the lowest priority and on one BLAS thread: a process, not a
+    thread of the server's, because a thread holds the server's GIL between numpy calls, and a thread at the lowest
+    priority that the kernel keeps off a busy host's cores while it holds it stalls the event loop (up to 0.3 s:
+    BENCHMARKS.md, "Live parity"). It reads the weights from the served file itself, and ends when its connection
+    closes, the server's exit included. Used from one thread."""
+
+    def __init__(self, graph_path: Path, num_heads: int, bounds: dict[str, Bound]):
+        self._setup = (str(graph_path), num_heads, {name: (b.limit, b.relative) for name, b in bounds.items()})
+        self._connection, self._process = self._start()
+
+    def _start(self) -> tuple[Connection, subprocess.Popen]:
+        """A check process, once it has read the weights; ParityUnavailable, saying why, where it could not."""
+        ours, theirs = socket.socketpair()
+        with ours, theirs:
+            started = f"from mhaserve.server.parity import serve_checks; serve_checks({theirs.fileno()})"
+            process = subprocess.Popen([sys.executable, "-c", started], pass_fds=(theirs.fileno(),),
+                                       stdin=subprocess.DEVNULL, env={**os.environ, **ONE_BLAS_THREAD})  # fmt: skip
+            connection = Connection(os.dup(ours.fileno()))
+        try:
+            connection.send(self._setup)
+            refused = connection.recv()
+        except (OSError, EOFError):
+            refused = f"the check process exited as it started (exit code {process.wait()})"
+        if refused is not None:
+            connection.close()
+            _stopped(process)
+            raise ParityUnavailable(refused)
+        return connection, process
+
+    @property
+    def exit_code(self) -> int | None:
+        """The process's exit code once it has exited (a signal's as minus its number), else None."""
+        return self._process.poll()
+
+    def restart(self) -> None:
+        """Another process in place of one that exited (ParityUnavailable where it cannot start)."""
+        self._connection.close()
+        self._connection, self._process = self._start()
+
+    def judge(self, check: Check) -> dict:
+        """The check process's verdict on ``check`` (judge's); OSError or EOFError where it exits meanwhile."""
+        buffers: list[pickle.PickleBuffer] = []
+        fields = (check.what, check.kind, check.inputs, check.answers)  # builtins and arrays: no class by name
+        header = pickle.dumps(fields, protocol=5, buffer_callback=buffers.append)
+        self._connection.send((header, len(buffers)))
+        for buffer in buffers:  # the arrays' own memory, written as it is (the GIL released while it is)
+            self._connection.send_bytes(buffer.raw())
+        return self._connection.recv()
+
+    def close(self) -> None:
+        self._connection.close()
+        _stopped(self._process)
+
+
+def _stopped(process: subprocess.Popen) -> None:
+    try:
+        process.wait(STOP_WAIT_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def serve_checks(fd: int) -> None:
+    """The check process (CheckProcess): reads the served file's weights, then judges each check it is sent until
+    its connection closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle; this ends when the server does
+    os.setpriority(os.PRIO_PROCESS, 0, 19)  # the checks take what the requests leave of the cores
+    connection = Connection(fd)
+    graph_path, num_heads, bounds = connection.recv()
+    try:
+        weights = ReferenceWeights.from_onnx(Path(graph_path))
+    except ParityUnavailable as why:
+        connection.send(str(why))
+        return
+    connection.send(None)
+    bounds = {name: Bound(*bound) for name, bound in bounds.items()}
+    while True:
+        try:
+            header, count = connection.recv()
+            check = Check(*pickle.loads(header, buffers=[connection.recv_bytes() for _ in range(count)]))
+        except EOFError:
+            return
+        try:
+            verdict = judge(check, weights, num_heads, bounds)
+        except Exception as error:  # said in the server's log; the next check goes on
+            verdict = {"failed": f"{type(error).__name__}: {error}"}
+        connection.send(verdict)
+
+
+class LiveParity:
+    """One served version's checks: ``offer`` on the event loop (sampled, queued, never waited for), each check
+    handed by a thread of the server's to the check process (CheckProcess) and its verdict recorded in the
+    version's metrics."""
+
+    def __init__(self, checker: CheckProcess, share: float, figures, label: str):
+        self.share = share
         self.figures = figures  # metrics.ModelMetrics: parity_checks, parity_error
         self.label = label  # "model 'mha' version 1", for the log
+        self._checker = checker
         self._waiting: queue.Queue[Check | None] = queue.Queue(CHECKS_WAITING)
         self._sampled = random.Random()
         self.worst = dict.fromkeys(PARITY_OUTPUTS, 0.0)  # each output's largest error checked (on the check thread)
@@ -253,20 +386,19 @@ class LiveParity:
         """The checks of the version whose full graph is ``graph_path`` (its products in TF32 where ``tf32``); None,
         with a warning saying why, where its weights cannot be read."""
         try:
-            weights = ReferenceWeights.from_onnx(graph_path)
+            checker = CheckProcess(graph_path, num_heads, bounds_of(manifest, tf32))
         except ParityUnavailable as why:
             log.warning("%s: live parity off: %s", label, why)
             return None
-        return cls(weights, num_heads, share, bounds_of(manifest, tf32), figures, label)
+        return cls(checker, share, figures, label)
 
     def offer(self, request_id: str, inputs: RunInputs, answers: dict[str, np.ndarray]) -> None:
         """A served answer, checked with probability ``share``: its output, and its attention weights where the
-        request had them whole (not cut or ranked); dropped (and counted) when the thread is behind."""
+        request had them whole (not cut or ranked); dropped (and counted) when the checks are behind."""
         if self._sampled.random() >= self.share:
             return
-        query, key, value, mask = inputs.query, inputs.key, inputs.value, inputs.mask
-        computed = functools.partial(exact_attention, self.weights, self.num_heads, query, key, value, mask)
-        self._queue(Check(f"request {request_id!r}", computed, _checked(answers, inputs.shaping)))
+        computed_from = (inputs.query, inputs.key, inputs.value, inputs.mask)
+        self._queue(Check(f"request {request_id!r}", "attention", computed_from, _checked(answers, inputs.shaping)))
 
     def offer_step(
         self, request_id: str, sequence: str, inputs: RunInputs, held: Callable[[], tuple], cross: bool,
@@ -278,8 +410,8 @@ class LiveParity:
         if self._sampled.random() >= self.share:
             return
         new = (inputs.key, inputs.value) if cross and inputs.key is not inputs.query else (None, None)
-        computed = functools.partial(exact_step, self.weights, self.num_heads, inputs.query, *held(), *new, cross)
-        self._queue(Check(f"request {request_id!r} (a step of sequence {sequence!r})", computed,
+        computed_from = (inputs.query, *held(), *new, cross)
+        self._queue(Check(f"request {request_id!r} (a step of sequence {sequence!r})", "step", computed_from,
                           _checked(answers, inputs.shaping)))  # fmt: skip
 
     def _queue(self, check: Check) -> None:
@@ -299,47 +431,38 @@ class LiveParity:
                 "pending": self._waiting.unfinished_tasks, "worst_error": dict(self.worst)}  # fmt: skip
 
     def close(self) -> None:
-        try:
-            self._waiting.put_nowait(None)
-        except queue.Full:  # the thread ends with the process (a daemon); its checks are not waited for
-            pass
+        """No more checks: those waiting are let go, and the check process ends after the one under way."""
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self._waiting.get_nowait()
+                self._waiting.task_done()
+        self._waiting.put_nowait(None)
 
     def _check_all(self) -> None:
-        try:  # this thread only (Linux): the checks take what the requests leave of the cores
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except (AttributeError, OSError):
-            pass
-        # One BLAS thread for the process's numpy products: OpenBLAS's threads spin after each product, and the
-        # checks' took ONNX Runtime's cores (1% of requests checked cost a third of the throughput).
-        _BLAS.limit(limits=1, user_api="blas")
         while (check := self._waiting.get()) is not None:
             try:
-                self._check(check)
+                if (code := self._checker.exit_code) is not None:
+                    log.warning("%s: the parity check process exited (exit code %d); starting another", self.label,
+                                code)  # fmt: skip
+                    self._checker.restart()
+                self._record(check, self._checker.judge(check))
+            except (OSError, EOFError, ParityUnavailable) as error:  # it exited meanwhile, or cannot start again
+                self.figures.parity_checks["dropped"].value += 1
+                log.warning("%s: the parity check of %s was lost: %s", self.label, check.what,
+                            error or f"{type(error).__name__}: the check process exited")  # fmt: skip
             except Exception:  # a check must never end the thread, nor touch the request
                 log.exception("%s: a parity check of %s failed", self.label, check.what)
             finally:
                 self._waiting.task_done()  # no longer pending
+        self._checker.close()
 
-    def _check(self, check: Check) -> None:
-        exact = dict(zip(PARITY_OUTPUTS, check.computed(np.float64), strict=True))
-        float32 = None  # float32 arithmetic of the same module, computed only where the tolerance alone is broken
-        breached = []
-        for name, got in check.answers.items():
-            bound = self.bounds[name]
-            error = bound.error(got, exact[name])
+    def _record(self, check: Check, verdict: dict) -> None:
+        if "failed" in verdict:
+            log.error("%s: a parity check of %s failed: %s", self.label, check.what, verdict["failed"])
+            return
+        for name, error in verdict["errors"].items():
             self.figures.parity_error[name].observe(error)
             self.worst[name] = max(self.worst[name], error)
-            # As the export's validation judges every input scale: within the tolerance, or no further from the
-            # exact answer than FLOAT32_FACTOR times float32 arithmetic of the same module is (large inputs).
-            if error <= bound.limit:
-                continue
-            if float32 is None:
-                float32 = dict(zip(PARITY_OUTPUTS, check.computed(np.float32), strict=True))
-            allowed = max(bound.limit, FLOAT32_FACTOR * bound.error(float32[name], exact[name]))
-            if not error <= allowed:  # NaN breaches
-                worst = np.unravel_index(int(np.nanargmax(np.abs(got - exact[name]))), got.shape)
-                breached.append(f"{name} {error:.3g} over {allowed:.3g} at {list(map(int, worst))} "
-                                f"({float(got[worst]):.6g}, exactly {float(exact[name][worst]):.6g})")  # fmt: skip
-        self.figures.parity_checks["breached" if breached else "held"].value += 1
-        if breached:
-            log.warning("%s: parity breached by %s: %s", self.label, check.what, "; ".join(breached))
+        self.figures.parity_checks["breached" if verdict["breached"] else "held"].value += 1
+        if verdict["breached"]:
+            log.warning("%s: parity breached by %s: %s", self.label, check.what, "; ".join(verdict["breached"]))

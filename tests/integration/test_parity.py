@@ -4,7 +4,11 @@ drifts while its weights stay (its 1/sqrt(d_k) scaling 1% off) is caught, counte
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -165,3 +169,46 @@ def test_an_int8_graph_is_checked_with_its_own_weights(small_model_dir, small_mo
         assert np.all(np.abs(weights.weight(projection) - exact) <= step / 2 * (1 + 1e-6)), projection
         assert not np.array_equal(weights.weight(projection), exact)  # the quantized ones, not the float ones
         np.testing.assert_array_equal(weights.bias[projection], linear.bias.detach().numpy().astype(np.float64))
+
+
+def check_processes(server_pid: int) -> set[int]:
+    """The server's children that make its checks (alive, not yet reaped)."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, IndexError):
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(stat[1]) == server_pid and stat[0] != "Z" and b"serve_checks" in (entry / "cmdline").read_bytes():
+                found.add(int(entry.name))
+    return found
+
+
+def test_checks_run_in_a_process_of_their_own_at_the_lowest_priority_and_one_that_dies_is_replaced(
+    start_server, small_model_dir
+):
+    """Recomputing an answer holds Python's lock between numpy calls; in a thread of the server's at the lowest
+    priority, the kernel kept it off a busy host's cores while it held the lock, and the event loop waited for it.
+    So the checks are a child process's, niced to 19; killed, the next check starts another, and every check
+    goes on."""
+    earlier = set(check_processes(os.getpid()))  # earlier tests' servers in this process: theirs end as they stop
+    server = start_server(small_model_dir, "--parity-share", "1")
+
+    def checks_reach(held: int) -> dict[str, float]:
+        deadline = time.monotonic() + 30
+        while (counted := parity_checks(server)).get("held", 0) < held and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return counted
+
+    asked(server, 2)
+    assert checks_reach(2)["held"] == 2
+    (checker,) = check_processes(server.pid) - earlier
+    niceness = int((Path("/proc") / str(checker) / "stat").read_text().rsplit(")", 1)[1].split()[16])
+    assert niceness == 19
+    os.kill(checker, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while checker in check_processes(server.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    asked(server, 4)
+    assert checks_reach(6) == {"held": 6, "breached": 0, "dropped": 0}
+    (replacement,) = check_processes(server.pid) - earlier
+    assert replacement != checker
+    assert "the parity check process exited (exit code -9); starting another" in server.log
