@@ -275,11 +275,11 @@ STOP_WAIT_S = 5.0  # a check process told to stop (its connection closed) ends w
 
 
 class CheckProcess:
-    """The process that recomputes checked answers, at the lowest priority and on one BLAS thread: a process, not a
-    thread of the server's, because a thread holds the server's GIL between numpy calls, and a thread at the lowest
-    priority that the kernel keeps off a busy host's cores while it holds it stalls the event loop (up to 0.3 s:
-    BENCHMARKS.md, "Live parity"). It reads the weights from the served file itself, and ends when its connection
-    closes, the server's exit included. Used from one thread."""
+    """The process that recomputes checked answers, in the idle scheduling class and on one BLAS thread: a process,
+    not a thread of the server's, because a thread holds the server's GIL between numpy calls, and a thread at the
+    lowest priority that the kernel keeps off a busy host's cores while it holds it stalls the event loop (up to
+    0.4 s: BENCHMARKS.md, "Live parity"). It reads the weights from the served file itself, and ends when its
+    connection closes, the server's exit included. Used from one thread."""
 
     def __init__(self, graph_path: Path, num_heads: int, bounds: dict[str, Bound]):
         self._setup = (str(graph_path), num_heads, {name: (b.limit, b.relative) for name, b in bounds.items()})
@@ -341,7 +341,11 @@ def serve_checks(fd: int) -> None:
     """The check process (CheckProcess): reads the served file's weights, then judges each check it is sent until
     its connection closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle; this ends when the server does
-    os.setpriority(os.PRIO_PROCESS, 0, 19)  # the checks take what the requests leave of the cores
+    # The checks take what the requests leave of the cores: the idle class, which runs only where no other task
+    # waits for a core (the lowest nice value still took a fair share of them from a busy server), where there is one
+    os.setpriority(os.PRIO_PROCESS, 0, 19)
+    with contextlib.suppress(AttributeError, OSError):
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     connection = Connection(fd)
     graph_path, num_heads, bounds = connection.recv()
     try:

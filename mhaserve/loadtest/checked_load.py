@@ -9,6 +9,7 @@ unexpected errors" and "every accepted request answered correctly" are figures, 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from collections import Counter
@@ -158,9 +159,14 @@ def rss_mib(pid: int) -> float:
 
 
 def process_cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process on this machine and its threads so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    """User + system CPU time so far of a process on this machine, its threads and its child processes (a server's
+    worker processes, live parity's check processes), those that have ended included (Linux /proc)."""
+    ticks = 0
+    for each in _with_children(pid):
+        with contextlib.suppress(OSError):  # a child that ended meanwhile: its time is its parent's now
+            fields = Path(f"/proc/{each}/stat").read_text().rsplit(")", 1)[1].split()
+            ticks += sum(int(field) for field in fields[11:15])  # utime, stime, and the ended children's
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def peak_rss_mib(pid: int) -> float:
@@ -176,12 +182,12 @@ def reset_peak_rss(pid: int) -> None:
 
 
 def _with_children(pid: int) -> list[int]:
-    """The process and its child processes (Linux /proc)."""
-    try:
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    except OSError:
-        children = []
-    return [pid, *(int(child) for child in children)]
+    """The process and the processes it started, and theirs (Linux /proc: each thread's own children)."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            children += (task / "children").read_text().split()
+    return [pid, *(each for child in children for each in _with_children(int(child)))]
 
 
 async def send(client: AsyncClient, call: Call, timeout_s: float, sent_at: float | None = None) -> None:
