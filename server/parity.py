@@ -380,7 +380,8 @@ class LiveParity:
         self._checker = checker
         self._waiting: queue.Queue[Check | None] = queue.Queue(CHECKS_WAITING)
         self._sampled = random.Random()
-        self.worst = dict.fromkeys(PARITY_OUTPUTS, 0.0)  # each output's largest error checked (on the check thread)
+        # each output's largest error checked, recorded by the thread that hands the checks to the process
+        self.worst = dict.fromkeys(PARITY_OUTPUTS, 0.0)
         self._thread = threading.Thread(target=self._check_all, name=f"parity {label}", daemon=True)
         self._thread.start()
 
