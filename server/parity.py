@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -272,6 +273,22 @@ def judge(check: Check, weights: ReferenceWeights, num_heads: int, bounds: dict[
 # took ONNX Runtime's cores (1% of requests checked cost a third of the throughput).
 ONE_BLAS_THREAD = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 STOP_WAIT_S = 5.0  # a check process told to stop (its connection closed) ends within this, or is killed
+# A check process that exited is started again at most this often: one that cannot start, or dies at every check,
+# costs the server a start every so often, the checks meanwhile dropped and counted.
+RESTART_EVERY_S = 10.0
+# The check process: the checks take what the requests leave of the cores, in the idle class (it runs only where no
+# other task waits for a core; the lowest nice value alone still took a fair share of them from a busy server), set
+# before anything is imported (numpy's import alone takes a few hundred milliseconds of a core).
+CHECK_PROCESS = """
+import os
+os.setpriority(os.PRIO_PROCESS, 0, 19)
+try:
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+except (AttributeError, OSError):
+    pass
+from mhaserve.server.parity import serve_checks
+serve_checks({fd})
+"""
 
 
 class CheckProcess:
@@ -289,7 +306,7 @@ class CheckProcess:
         """A check process, once it has read the weights; ParityUnavailable, saying why, where it could not."""
         ours, theirs = socket.socketpair()
         with ours, theirs:
-            started = f"from mhaserve.server.parity import serve_checks; serve_checks({theirs.fileno()})"
+            started = CHECK_PROCESS.format(fd=theirs.fileno())
             process = subprocess.Popen([sys.executable, "-c", started], pass_fds=(theirs.fileno(),),
                                        stdin=subprocess.DEVNULL, env={**os.environ, **ONE_BLAS_THREAD})  # fmt: skip
             connection = Connection(os.dup(ours.fileno()))
@@ -341,11 +358,6 @@ def serve_checks(fd: int) -> None:
     """The check process (CheckProcess): reads the served file's weights, then judges each check it is sent until
     its connection closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle; this ends when the server does
-    # The checks take what the requests leave of the cores: the idle class, which runs only where no other task
-    # waits for a core (the lowest nice value still took a fair share of them from a busy server), where there is one
-    os.setpriority(os.PRIO_PROCESS, 0, 19)
-    with contextlib.suppress(AttributeError, OSError):
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     connection = Connection(fd)
     graph_path, num_heads, bounds = connection.recv()
     try:
@@ -378,6 +390,7 @@ class LiveParity:
         self.figures = figures  # metrics.ModelMetrics: parity_checks, parity_error
         self.label = label  # "model 'mha' version 1", for the log
         self._checker = checker
+        self._next_start = 0.0  # when the check process may be started again, should it exit
         self._waiting: queue.Queue[Check | None] = queue.Queue(CHECKS_WAITING)
         self._sampled = random.Random()
         # each output's largest error checked, recorded by the thread that hands the checks to the process
@@ -446,20 +459,36 @@ class LiveParity:
     def _check_all(self) -> None:
         while (check := self._waiting.get()) is not None:
             try:
-                if (code := self._checker.exit_code) is not None:
-                    log.warning("%s: the parity check process exited (exit code %d); starting another", self.label,
-                                code)  # fmt: skip
-                    self._checker.restart()
-                self._record(check, self._checker.judge(check))
-            except (OSError, EOFError, ParityUnavailable) as error:  # it exited meanwhile, or cannot start again
+                if self._checker_up():
+                    self._record(check, self._checker.judge(check))
+                else:
+                    self.figures.parity_checks["dropped"].value += 1
+            except (OSError, EOFError) as error:  # the process exited during the check
                 self.figures.parity_checks["dropped"].value += 1
-                log.warning("%s: the parity check of %s was lost: %s", self.label, check.what,
-                            error or f"{type(error).__name__}: the check process exited")  # fmt: skip
+                log.warning("%s: the parity check of %s was lost: the check process exited (%s)", self.label,
+                            check.what, error or type(error).__name__)  # fmt: skip
             except Exception:  # a check must never end the thread, nor touch the request
                 log.exception("%s: a parity check of %s failed", self.label, check.what)
             finally:
                 self._waiting.task_done()  # no longer pending
         self._checker.close()
+
+    def _checker_up(self) -> bool:
+        """Whether the check process is up: one that exited is started again, once every RESTART_EVERY_S at most."""
+        code = self._checker.exit_code
+        if code is None:
+            return True
+        if time.monotonic() < self._next_start:
+            return False
+        self._next_start = time.monotonic() + RESTART_EVERY_S
+        log.warning("%s: the parity check process exited (exit code %d); starting another", self.label, code)
+        try:
+            self._checker.restart()
+        except ParityUnavailable as why:
+            log.warning("%s: live parity paused, its checks dropped: %s; tried again in %g s", self.label, why,
+                        RESTART_EVERY_S)  # fmt: skip
+            return False
+        return True
 
     def _record(self, check: Check, verdict: dict) -> None:
         if "failed" in verdict:
