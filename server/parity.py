@@ -276,70 +276,64 @@ STOP_WAIT_S = 5.0  # a check process told to stop (its connection closed) ends w
 # A check process that exited is started again at most this often: one that cannot start, or dies at every check,
 # costs the server a start every so often, the checks meanwhile dropped and counted.
 RESTART_EVERY_S = 10.0
-# The check process: the checks take what the requests leave of the cores, in the idle class (it runs only where no
-# other task waits for a core; the lowest nice value alone still took a fair share of them from a busy server), set
-# before anything is imported (numpy's import alone takes a few hundred milliseconds of a core).
-CHECK_PROCESS = """
-import os
-os.setpriority(os.PRIO_PROCESS, 0, 19)
-try:
-    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-except (AttributeError, OSError):
-    pass
-from mhaserve.server.parity import serve_checks
-serve_checks({fd})
-"""
+CHECK_PROCESS = "from mhaserve.server.parity import serve_checks; serve_checks({fd})"
 
 
 class CheckProcess:
-    """The process that recomputes checked answers, in the idle scheduling class and on one BLAS thread: a process,
+    """The process that recomputes checked answers, at the lowest priority and on one BLAS thread: a process,
     not a thread of the server's, because a thread holds the server's GIL between numpy calls, and a thread at the
     lowest priority that the kernel keeps off a busy host's cores while it holds it stalls the event loop (up to
-    0.4 s: BENCHMARKS.md, "Live parity"). It reads the weights from the served file itself, and ends when its
-    connection closes, the server's exit included. Used from one thread."""
+    0.4 s: BENCHMARKS.md, "Live parity"). It reads the weights from the served file itself, and nothing waits for it
+    but the first check (on a busy host it starts only once a core comes free); it ends when its connection closes,
+    the server's exit included. Used from one thread."""
 
     def __init__(self, graph_path: Path, num_heads: int, bounds: dict[str, Bound]):
         self._setup = (str(graph_path), num_heads, {name: (b.limit, b.relative) for name, b in bounds.items()})
-        self._connection, self._process = self._start()
+        self._start()
 
-    def _start(self) -> tuple[Connection, subprocess.Popen]:
-        """A check process, once it has read the weights; ParityUnavailable, saying why, where it could not."""
+    def _start(self) -> None:
         ours, theirs = socket.socketpair()
         with ours, theirs:
-            started = CHECK_PROCESS.format(fd=theirs.fileno())
-            process = subprocess.Popen([sys.executable, "-c", started], pass_fds=(theirs.fileno(),),
-                                       stdin=subprocess.DEVNULL, env={**os.environ, **ONE_BLAS_THREAD})  # fmt: skip
-            connection = Connection(os.dup(ours.fileno()))
-        try:
-            connection.send(self._setup)
-            refused = connection.recv()
-        except (OSError, EOFError):
-            refused = f"the check process exited as it started (exit code {process.wait()})"
-        if refused is not None:
-            connection.close()
-            _stopped(process)
-            raise ParityUnavailable(refused)
-        return connection, process
+            command = [sys.executable, "-c", CHECK_PROCESS.format(fd=theirs.fileno())]
+            self._process = subprocess.Popen(command, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+                                             env={**os.environ, **ONE_BLAS_THREAD})  # fmt: skip
+            self._connection = Connection(os.dup(ours.fileno()))
+        self._ready = False  # until it says it has read the weights
+        self._lost: str | None = None  # its connection, once lost
+        self._connection.send(self._setup)  # a few hundred bytes: they wait in the socket until it reads them
 
     @property
-    def exit_code(self) -> int | None:
-        """The process's exit code once it has exited (a signal's as minus its number), else None."""
-        return self._process.poll()
+    def trouble(self) -> str | None:
+        """Why the process can check no more (its exit, or its connection lost); None while it can."""
+        code = self._process.poll()
+        return f"exit code {code}" if code is not None else self._lost
 
     def restart(self) -> None:
-        """Another process in place of one that exited (ParityUnavailable where it cannot start)."""
+        """Another process in place of this one."""
         self._connection.close()
-        self._connection, self._process = self._start()
+        if self._process.poll() is None:  # its connection lost, or it is exiting
+            self._process.kill()  # reaped later by the subprocess module
+        self._start()
 
     def judge(self, check: Check) -> dict:
-        """The check process's verdict on ``check`` (judge's); OSError or EOFError where it exits meanwhile."""
-        buffers: list[pickle.PickleBuffer] = []
-        fields = (check.what, check.kind, check.inputs, check.answers)  # builtins and arrays: no class by name
-        header = pickle.dumps(fields, protocol=5, buffer_callback=buffers.append)
-        self._connection.send((header, len(buffers)))
-        for buffer in buffers:  # the arrays' own memory, written as it is (the GIL released while it is)
-            self._connection.send_bytes(buffer.raw())
-        return self._connection.recv()
+        """The check process's verdict on ``check`` (judge's), once it has read the weights: ParityUnavailable,
+        saying why, where it could not; OSError or EOFError where it exits meanwhile (``trouble`` says so)."""
+        try:
+            if not self._ready:
+                refused = self._connection.recv()
+                if refused is not None:
+                    raise ParityUnavailable(refused)
+                self._ready = True
+            buffers: list[pickle.PickleBuffer] = []
+            fields = (check.what, check.kind, check.inputs, check.answers)  # builtins and arrays: no class by name
+            header = pickle.dumps(fields, protocol=5, buffer_callback=buffers.append)
+            self._connection.send((header, len(buffers)))
+            for buffer in buffers:  # the arrays' own memory, written as it is (the GIL released while it is)
+                self._connection.send_bytes(buffer.raw())
+            return self._connection.recv()
+        except (OSError, EOFError) as error:
+            self._lost = f"its connection lost: {error or type(error).__name__}"
+            raise
 
     def close(self) -> None:
         self._connection.close()
@@ -365,6 +359,10 @@ def serve_checks(fd: int) -> None:
     except ParityUnavailable as why:
         connection.send(str(why))
         return
+    # The checks take what the requests leave of the cores: the lowest priority, once the weights are read at the
+    # load's (in Linux's idle class from its start, on a host whose cores were all busy, it had not imported numpy a
+    # minute later, and in that class it checked nothing there).
+    os.setpriority(os.PRIO_PROCESS, 0, 19)
     connection.send(None)
     bounds = {name: Bound(*bound) for name, bound in bounds.items()}
     while True:
@@ -402,11 +400,12 @@ class LiveParity:
     def open(cls, graph_path: Path, manifest: dict, num_heads: int, share: float, figures, label: str,
              tf32: bool = False):  # fmt: skip
         """The checks of the version whose full graph is ``graph_path`` (its products in TF32 where ``tf32``); None,
-        with a warning saying why, where its weights cannot be read."""
+        with a warning saying why, where their process cannot start (one whose weights cannot be read turns live
+        parity off at its first check)."""
         try:
             checker = CheckProcess(graph_path, num_heads, bounds_of(manifest, tf32))
-        except ParityUnavailable as why:
-            log.warning("%s: live parity off: %s", label, why)
+        except OSError as why:
+            log.warning("%s: live parity off: its check process could not start: %s", label, why)
             return None
         return cls(checker, share, figures, label)
 
@@ -459,14 +458,16 @@ class LiveParity:
     def _check_all(self) -> None:
         while (check := self._waiting.get()) is not None:
             try:
-                if self._checker_up():
+                if self.share and self._checker_up():
                     self._record(check, self._checker.judge(check))
                 else:
                     self.figures.parity_checks["dropped"].value += 1
-            except (OSError, EOFError) as error:  # the process exited during the check
+            except ParityUnavailable as why:  # the served file's weights cannot be read: nothing to check against
+                self.share = 0.0  # none offered from now on, none of those waiting made
                 self.figures.parity_checks["dropped"].value += 1
-                log.warning("%s: the parity check of %s was lost: the check process exited (%s)", self.label,
-                            check.what, error or type(error).__name__)  # fmt: skip
+                log.warning("%s: live parity off: %s", self.label, why)
+            except (OSError, EOFError):  # the process exited during the check: another starts at the next
+                self.figures.parity_checks["dropped"].value += 1
             except Exception:  # a check must never end the thread, nor touch the request
                 log.exception("%s: a parity check of %s failed", self.label, check.what)
             finally:
@@ -474,19 +475,20 @@ class LiveParity:
         self._checker.close()
 
     def _checker_up(self) -> bool:
-        """Whether the check process is up: one that exited is started again, once every RESTART_EVERY_S at most."""
-        code = self._checker.exit_code
-        if code is None:
+        """Whether the check process can check: one that stopped is started again, once every RESTART_EVERY_S at
+        most (the checks meanwhile dropped)."""
+        trouble = self._checker.trouble
+        if trouble is None:
             return True
         if time.monotonic() < self._next_start:
             return False
         self._next_start = time.monotonic() + RESTART_EVERY_S
-        log.warning("%s: the parity check process exited (exit code %d); starting another", self.label, code)
+        log.warning("%s: the parity check process stopped (%s); starting another", self.label, trouble)
         try:
             self._checker.restart()
-        except ParityUnavailable as why:
-            log.warning("%s: live parity paused, its checks dropped: %s; tried again in %g s", self.label, why,
-                        RESTART_EVERY_S)  # fmt: skip
+        except OSError as why:
+            log.warning("%s: the parity check process could not start (%s); checks dropped, tried again in %g s",
+                        self.label, why, RESTART_EVERY_S)  # fmt: skip
             return False
         return True
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -187,8 +188,8 @@ def test_checks_run_in_a_process_of_their_own_at_the_lowest_priority_and_one_tha
 ):
     """Recomputing an answer holds Python's lock between numpy calls; in a thread of the server's at the lowest
     priority, the kernel kept it off a busy host's cores while it held the lock, and the event loop waited for it.
-    So the checks are a child process's, in the idle class (and nice 19); killed, the next check starts another,
-    and every check goes on."""
+    So the checks are a child process's, niced to 19; killed, the next check starts another, and the checks go
+    on."""
     earlier = set(check_processes(os.getpid()))  # earlier tests' servers in this process: theirs end as they stop
     server = start_server(small_model_dir, "--parity-share", "1")
 
@@ -202,13 +203,12 @@ def test_checks_run_in_a_process_of_their_own_at_the_lowest_priority_and_one_tha
     assert checks_reach(2)["held"] == 2
     (checker,) = check_processes(server.pid) - earlier
     niceness = int((Path("/proc") / str(checker) / "stat").read_text().rsplit(")", 1)[1].split()[16])
-    assert niceness == 19 and os.sched_getscheduler(checker) == os.SCHED_IDLE
+    assert niceness == 19
     os.kill(checker, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while checker in check_processes(server.pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    asked(server, 4)
-    assert checks_reach(6) == {"held": 6, "breached": 0, "dropped": 0}
+    asked(server, 4)  # the first check finds it gone (or going): it is lost, and the next starts another
+    counted = checks_reach(5)
+    assert counted["held"] >= 5 and counted["held"] + counted["dropped"] == 6 and not counted["breached"], counted
     (replacement,) = check_processes(server.pid) - earlier
     assert replacement != checker
-    assert "the parity check process exited (exit code -9); starting another" in server.log
+    assert re.search(r"the parity check process stopped \((exit code -9|its connection lost: .*)\); starting another",
+                     server.log), server.log  # fmt: skip

@@ -1,6 +1,6 @@
-"""Live parity when its check process has exited: started again at the next check, but once every so often at
-most, so that a process that cannot start (or dies at every check) costs the server a start now and then, its checks
-meanwhile dropped and counted."""
+"""Live parity when its check process stops: started again at the next check, but once every so often at most, so
+that a process that dies at every check costs the server a start now and then, its checks meanwhile dropped and
+counted; and turned off where the served file's weights cannot be read."""
 
 from __future__ import annotations
 
@@ -15,18 +15,23 @@ from mhaserve.server.metrics import ModelMetrics
 from mhaserve.server.parameters import NO_SHAPING
 from mhaserve.server.parity import LiveParity, ParityUnavailable
 
+LABEL = "model 'mha' version 1"
 
-class ExitedChecker:
-    """A check process that exited and cannot start again (its served file is gone)."""
 
-    exit_code = 1
+class DyingChecker:
+    """A check process that dies at every check (or, with ``refusal``, says it cannot read the weights)."""
 
-    def __init__(self):
-        self.starts = 0
+    def __init__(self, refusal: str | None = None):
+        self.starts, self.refusal = 0, refusal
+        self.trouble = None if refusal else "exit code -9"
 
     def restart(self) -> None:
         self.starts += 1
-        raise ParityUnavailable("model.onnx is gone")
+
+    def judge(self, check) -> dict:
+        if self.refusal:
+            raise ParityUnavailable(self.refusal)
+        raise EOFError
 
     def close(self) -> None:
         pass
@@ -42,17 +47,33 @@ def offered(checks: LiveParity, count: int) -> None:
         time.sleep(0.01)
 
 
-def test_a_check_process_that_cannot_start_again_is_tried_once_every_so_often(monkeypatch, caplog):
+def warnings_of(caplog, words: str) -> list[str]:
+    return [record.getMessage() for record in caplog.records if words in record.getMessage()]
+
+
+def test_a_check_process_that_dies_at_every_check_is_started_again_once_every_so_often(monkeypatch, caplog):
     monkeypatch.setattr(parity, "RESTART_EVERY_S", 0.5)
-    checker, figures = ExitedChecker(), ModelMetrics(None, "mha", "1")
-    checks = LiveParity(checker, share=1.0, figures=figures, label="model 'mha' version 1")
+    checker = DyingChecker()
+    checks = LiveParity(checker, share=1.0, figures=ModelMetrics(None, "mha", "1"), label=LABEL)
     with caplog.at_level(logging.WARNING, "mhaserve.server"):
         offered(checks, 20)
         assert checker.starts == 1 and checks.summary()["dropped"] == 20
         time.sleep(0.6)
         offered(checks, 20)
     assert checker.starts == 2 and checks.summary()["dropped"] == 40 and checks.summary()["checked"] == 0
-    paused = [record.getMessage() for record in caplog.records if "live parity paused" in record.getMessage()]
-    assert paused == ["model 'mha' version 1: live parity paused, its checks dropped: model.onnx is gone; tried again "
-                      "in 0.5 s"] * 2  # fmt: skip
+    stopped = f"{LABEL}: the parity check process stopped (exit code -9); starting another"
+    assert warnings_of(caplog, "stopped") == [stopped] * 2
+    checks.close()
+
+
+def test_live_parity_turns_off_where_the_served_weights_cannot_be_read(caplog):
+    checker = DyingChecker(refusal="model.onnx has no W_q projection this check can read")
+    checks = LiveParity(checker, share=1.0, figures=ModelMetrics(None, "mha", "1"), label=LABEL)
+    with caplog.at_level(logging.WARNING, "mhaserve.server"):
+        offered(checks, 5)
+        offered(checks, 5)  # offered after it turned off: not even queued
+    assert checks.share == 0.0 and checks.summary()["dropped"] <= 5
+    assert warnings_of(caplog, "live parity off") == [
+        f"{LABEL}: live parity off: model.onnx has no W_q projection this check can read"
+    ]
     checks.close()
