@@ -284,8 +284,7 @@ class CheckProcess:
     not a thread of the server's, because a thread holds the server's GIL between numpy calls, and a thread at the
     lowest priority that the kernel keeps off a busy host's cores while it holds it stalls the event loop (up to
     0.4 s: BENCHMARKS.md, "Live parity"). It reads the weights from the served file itself, and nothing waits for it
-    but the first check (on a busy host it starts only once a core comes free); it ends when its connection closes,
-    the server's exit included. Used from one thread."""
+    but the first check; it ends when its connection closes, the server's exit included. Used from one thread."""
 
     def __init__(self, graph_path: Path, num_heads: int, bounds: dict[str, Bound]):
         self._setup = (str(graph_path), num_heads, {name: (b.limit, b.relative) for name, b in bounds.items()})
@@ -358,6 +357,9 @@ def serve_checks(fd: int) -> None:
         weights = ReferenceWeights.from_onnx(Path(graph_path))
     except ParityUnavailable as why:
         connection.send(str(why))
+        return
+    except Exception as error:  # the file gone or changed since the load: said, not started again and again
+        connection.send(f"{graph_path} could not be read: {type(error).__name__}: {error}")
         return
     # The checks take what the requests leave of the cores: the lowest priority, once the weights are read at the
     # load's (in Linux's idle class from its start, on a host whose cores were all busy, it had not imported numpy a

@@ -9,6 +9,7 @@ import time
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
 from mhaserve.server import parity
 from mhaserve.server.metrics import ModelMetrics
@@ -77,3 +78,12 @@ def test_live_parity_turns_off_where_the_served_weights_cannot_be_read(caplog):
         f"{LABEL}: live parity off: model.onnx has no W_q projection this check can read"
     ]
     checks.close()
+
+
+def test_a_check_process_that_cannot_read_the_served_file_says_why_at_the_first_check(tmp_path):
+    checker = parity.CheckProcess(tmp_path / "model.onnx", 8, {})  # the file gone since the load
+    rows = np.zeros((1, 2, 8), np.float32)
+    with pytest.raises(ParityUnavailable, match=r"model.onnx could not be read: FileNotFoundError"):
+        checker.judge(parity.Check("request 'a'", "attention", (rows, rows, rows, None), {"output": rows}))
+    checker.close()
+    assert checker.trouble == "exit code 0"
