@@ -436,10 +436,6 @@ def run(settings: ServerSettings, model_dir) -> int:
     logs.configure(settings.log_level, settings.log_format, settings.access_log)
     tune_malloc()
     try:
-        if os.environ.get("MHASERVE_UVLOOP_EXPERIMENT"):
-            import uvloop
-
-            return uvloop.run(serve(settings, model_dir))
         return asyncio.run(serve(settings, model_dir))
     except LoadAbandoned:
         # The load runs on in an inference thread (ONNX Runtime cannot be interrupted), and a normal exit
