@@ -28,13 +28,19 @@ def asked(server, requests: int, scale: float = 1.0) -> None:
             client.infer(rand(2, 9, SMALL_D_MODEL, seed=seed) * np.float32(scale))
 
 
+def checks_until(server, reached) -> dict[str, float]:
+    """The server's checks by outcome, once ``reached(counted)`` (or 30 s on)."""
+    deadline = time.monotonic() + 30
+    while not reached(counted := parity_checks(server)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return counted
+
+
 def test_a_faithful_export_holds_at_every_input_scale(start_server, small_model_dir):
     server = start_server(small_model_dir, "--parity-share", "1")
     for scale in (0.01, 1.0, 30.0, 1000.0):
         asked(server, 4, scale)
-    deadline = time.monotonic() + 30
-    while (counted := parity_checks(server)).get("held", 0) < 16 and time.monotonic() < deadline:
-        time.sleep(0.1)
+    counted = checks_until(server, lambda counted: counted.get("held", 0) >= 16)
     assert counted == {"held": 16, "breached": 0, "dropped": 0}, counted
     with Client(server.url) as client:  # the version's statistics and metadata say so too
         parity = client.statistics().parity
@@ -56,9 +62,7 @@ def test_a_graph_that_drifts_from_its_weights_is_caught_counted_and_logged(start
                           "--output-only-graph", "false")  # fmt: skip
     with Client(server.url) as client:
         client.infer(rand(2, 9, SMALL_D_MODEL, seed=3), request_id="drift-3")
-    deadline = time.monotonic() + 30
-    while not (counted := parity_checks(server)).get("breached") and time.monotonic() < deadline:
-        time.sleep(0.1)
+    counted = checks_until(server, lambda counted: counted.get("breached"))
     assert counted["breached"] == 1 and counted["held"] == 0, counted
     breach = [line for line in server.log.splitlines() if "parity breached by request 'drift-3'" in line]
     assert breach and "output" in breach[0] and "attn_weights" in breach[0] and "exactly" in breach[0], server.log
@@ -104,20 +108,14 @@ def stepped(server, rng) -> None:
 def test_sequence_steps_are_checked_over_the_keys_and_values_the_server_holds(start_server, small_model_dir):
     server = start_server(small_model_dir, "--parity-share", "1")
     stepped(server, np.random.default_rng(8))
-    deadline = time.monotonic() + 30
-    while (counted := parity_checks(server)).get("held", 0) < 5 and time.monotonic() < deadline:
-        time.sleep(0.1)
+    counted = checks_until(server, lambda counted: counted.get("held", 0) >= 5)
     assert counted == {"held": 5, "breached": 0, "dropped": 0}, counted
 
 
 def test_a_step_graph_that_drifts_is_caught_and_its_sequence_named(start_server, small_model_dir, tmp_path):
     server = start_server(drifted_copy(small_model_dir, tmp_path / "drifted", "model_step.onnx"), "--parity-share", "1")
     stepped(server, np.random.default_rng(9))
-    deadline = time.monotonic() + 30
-    while (counted := parity_checks(server)).get("held", 0) + counted.get(
-        "breached", 0
-    ) < 5 and time.monotonic() < deadline:
-        time.sleep(0.1)
+    counted = checks_until(server, lambda counted: counted.get("held", 0) + counted.get("breached", 0) >= 5)
     # The self-attention steps ran on the drifted graph; the cross-attention ones on their own, untouched.
     assert counted == {"held": 2, "breached": 3, "dropped": 0}, counted
     assert "parity breached by request 'self-step' (a step of sequence 'self')" in server.log, server.log
@@ -140,11 +138,7 @@ def test_a_float16_model_near_the_edge_of_its_range_shows_its_errors_in_the_hist
         for seed in range(4):  # inputs whose largest magnitude is the edge the export was validated to
             x = rand(2, 9, SMALL_D_MODEL, seed=seed)
             client.infer(x * np.float32(0.999 * edge / np.abs(x).max()))
-    deadline = time.monotonic() + 30
-    while (counted := parity_checks(server)).get("held", 0) + counted.get(
-        "breached", 0
-    ) < 4 and time.monotonic() < deadline:
-        time.sleep(0.1)
+    counted = checks_until(server, lambda counted: counted.get("held", 0) + counted.get("breached", 0) >= 4)
     assert counted == {"held": 4, "breached": 0, "dropped": 0}, counted  # within float16's stated tolerance
     buckets = error_buckets(server, "output")
     # float16's rounding shows: every error above 1e-4 (float32's sit near 1e-7), none past its tolerance (4e-3).
@@ -194,10 +188,7 @@ def test_checks_run_in_a_process_of_their_own_at_the_lowest_priority_and_one_tha
     server = start_server(small_model_dir, "--parity-share", "1")
 
     def checks_reach(held: int) -> dict[str, float]:
-        deadline = time.monotonic() + 30
-        while (counted := parity_checks(server)).get("held", 0) < held and time.monotonic() < deadline:
-            time.sleep(0.1)
-        return counted
+        return checks_until(server, lambda counted: counted.get("held", 0) >= held)
 
     asked(server, 2)
     assert checks_reach(2)["held"] == 2
