@@ -58,13 +58,17 @@ def summaries_graph(model: onnx.ModelProto) -> onnx.ModelProto:
 
     last = "summaries.last_axis"
     graph.node.insert(at, node("Mul", ["summaries.context_of_every_row", attends], context))
-    # Each a pass over [Lq, Lk] at most, the cheapest measured in ONNX Runtime's CPU kernels (BENCHMARKS.md,
-    # "Attention summaries"): ReduceMax and ArgMax rather than TopK, the sink sliced before it is weighted.
+    # Two passes over [Lq, Lk], the cheapest measured in ONNX Runtime's CPU kernels (BENCHMARKS.md, "Attention
+    # summaries"): ArgMax rather than TopK, the top score and the largest weight gathered at its key rather than
+    # reduced again (the softmax keeps the scores' order), the sink sliced before it is weighted.
     graph.node.extend([
         node("Squeeze", [attends, last], "summaries.attends"),  # [B|1, h|1, Lq|1]: 0 on a row attending no key
-        node("ReduceMax", [raw, last], "summaries.largest_raw", keepdims=0),  # the largest weight, 1 / Z
-        node("ArgMax", [raw], "summaries.largest_key", axis=-1, keepdims=0),  # ties to the lower key, as numpy's
-        node("ReduceMax", [scores, last], "summaries.top_score", keepdims=0),
+        node("ArgMax", [scores], "summaries.top_key", axis=-1, keepdims=1),  # ties to the lower key, as numpy's
+        node("Squeeze", ["summaries.top_key", last], "summaries.largest_key"),
+        node("GatherElements", [scores, "summaries.top_key"], "summaries.top_score_kept", axis=-1),
+        node("Squeeze", ["summaries.top_score_kept", last], "summaries.top_score"),
+        node("GatherElements", [raw, "summaries.top_key"], "summaries.largest_raw_kept", axis=-1),
+        node("Squeeze", ["summaries.largest_raw_kept", last], "summaries.largest_raw"),  # the largest weight, 1 / Z
         node("Mul", [raw, scores], "summaries.weighted_scores"),
         node("ReduceSum", ["summaries.weighted_scores", last], "summaries.mean_score", keepdims=0),
         node("Log", ["summaries.largest_raw"], "summaries.minus_log_z"),
