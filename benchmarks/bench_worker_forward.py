@@ -2,7 +2,7 @@
 a second with 1, 2 and 3 workers. A server of the embedded default model (512/8), output only, one-row steps.
 
     flock /tmp/bench.lock .venv/bin/python benchmarks/bench_worker_forward.py [--rounds 3] [--steps 200]
-        [--workers 2,3] [--duration 6]
+        [--workers 2,3] [--duration 6] [--device cuda]
 
 Printed:
 - the hop's floor: a one-row step's payload sent to another process and back over a Unix socket, by the forward's
@@ -199,8 +199,10 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=6.0)
     parser.add_argument("--sequences", type=int, default=64, help="sequences stepped on new connections (0: none)")
     parser.add_argument("--hops", type=int, default=2000, help="round trips timed for the hop's floor (0: none)")
+    parser.add_argument("--device", default="cpu", help="the servers' --device (cuda on a GPU host)")
     args = parser.parse_args()
     model = ensure_default_model()
+    device = ("--device", args.device)
     rng = np.random.default_rng(1)
     if args.hops:
         for number in range(1, args.rounds + 1):
@@ -208,7 +210,7 @@ def main() -> None:
             print(f"the hop's floor, round {number}: the forward's framing on asyncio {framed:.0f} us, blocking "
                   f"sockets {blocking:.0f} us (median round trip)", flush=True)  # fmt: skip
     print("latency of one-row steps, one connection (one worker), c=1: at home against forwarded", flush=True)
-    with ServerProcess(model, "--workers", "2", "--warmup-runs", "2") as server:
+    with ServerProcess(model, *device, "--workers", "2", "--warmup-runs", "2") as server:
         differences = []
         for number in range(1, args.rounds + 1):
             home, away = latency_ms(server, args.steps, rng, str(number))
@@ -222,10 +224,10 @@ def main() -> None:
         print(f"  median difference at p50: {statistics.median(differences):+.3f} ms")
     if args.sequences:
         print(f"{args.sequences} sequences of 4 steps, each step on a new connection (gRPC and HTTP/REST)", flush=True)
-        with ServerProcess(model, "--warmup-runs", "0") as one:
+        with ServerProcess(model, *device, "--warmup-runs", "0") as one:
             _, want = stepped_on_new_connections(one, args.sequences, 7)
         for workers in (int(n) for n in args.workers.split(",")):
-            with ServerProcess(model, "--workers", str(workers), "--warmup-runs", "0") as server:
+            with ServerProcess(model, *device, "--workers", str(workers), "--warmup-runs", "0") as server:
                 refused, got = stepped_on_new_connections(server, args.sequences, 7)
                 before = sum(forwarded_by_worker(server).values())
             worst = max(float(np.abs(got[n] - want[n]).max()) for n in want if got[n] is not None)
@@ -235,7 +237,7 @@ def main() -> None:
     workload = Workload(D, 1, 1, 1, attn_weights=False, sequence_length=64, connections=16)
     point = Point("closed", 64, args.duration, 1.0)
     print(f"steps a second, 64 sequences of 64 one-row steps at once from 16 connections, workers {counts}", flush=True)
-    servers = [ServerProcess(model, "--workers", str(n), "--warmup-runs", "2") for n in counts]
+    servers = [ServerProcess(model, *device, "--workers", str(n), "--warmup-runs", "2") for n in counts]
     for server in servers:
         server.start()
     try:

@@ -26,6 +26,10 @@ bench="$CHECKOUT/benchmarks/gpu/bench_cuda.py"
 { stamp steps; python3 "$bench" --shapes 0 --steps --repeats 50 --out "$OUT/steps.json" 2>&1; } | tee "$OUT/steps.log"
 { stamp workers; python3 "$bench" --only 0 --precisions fp32 --repeats 10 --served "$SERVED" --workers 1,2,4,8 \
     --concurrency 16,64 --out "$OUT/workers.json" 2>&1; stamp done; } | tee "$OUT/workers.log"
+# Sequences across worker processes on this host's cores: a forwarded step's cost, and steps/s by workers.
+{ stamp sequences across workers; python3 "$CHECKOUT/benchmarks/bench_worker_forward.py" --device cuda \
+    --workers 2,4,8 --rounds 2 --steps 100 --sequences 64 --hops 0 --duration 4 2>&1; stamp done; } \
+  | tee "$OUT/worker_forward.log"
 # Last: int8 served with live parity on this host's CPU, where it has 8-bit dot products (they skip, saying why,
 # where it has none).
 { stamp int8 on the host CPU; grep -o -m1 -w -E 'avx512_vnni|avx_vnni|amx_int8' /proc/cpuinfo;
