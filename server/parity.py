@@ -273,9 +273,12 @@ def judge(check: Check, weights: ReferenceWeights, num_heads: int, bounds: dict[
 # took ONNX Runtime's cores (1% of requests checked cost a third of the throughput).
 ONE_BLAS_THREAD = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 STOP_WAIT_S = 5.0  # a check process told to stop (its connection closed) ends within this, or is killed
-# A check process that exited is started again at most this often: one that cannot start, or dies at every check,
-# costs the server a start every so often, the checks meanwhile dropped and counted.
+# A check process that exited is started again at most this often: one that dies at every check costs the server
+# a start every so often, the checks meanwhile dropped and counted.
 RESTART_EVERY_S = 10.0
+# Started this many times in a row without once reading the weights (its imports failing, say): live parity off
+# rather than a start and a log line every RESTART_EVERY_S for as long as the server runs.
+STARTS_UNREADY = 3
 CHECK_PROCESS = "from mhaserve.server.parity import serve_checks; serve_checks({fd})"
 
 
@@ -300,6 +303,11 @@ class CheckProcess:
         self._ready = False  # until it says it has read the weights
         self._lost: str | None = None  # its connection, once lost
         self._connection.send(self._setup)  # a few hundred bytes: they wait in the socket until it reads them
+
+    @property
+    def ready(self) -> bool:
+        """Whether it has said it read the weights (its first check waits for that)."""
+        return self._ready
 
     @property
     def trouble(self) -> str | None:
@@ -391,6 +399,7 @@ class LiveParity:
         self.label = label  # "model 'mha' version 1", for the log
         self._checker = checker
         self._next_start = 0.0  # when the check process may be started again, should it exit
+        self._exited_unready = 0  # check processes in a row that exited before they had read the weights
         self._waiting: queue.Queue[Check | None] = queue.Queue(CHECKS_WAITING)
         self._sampled = random.Random()
         # each output's largest error checked, recorded by the thread that hands the checks to the process
@@ -462,19 +471,30 @@ class LiveParity:
             try:
                 if self.share and self._checker_up():
                     self._record(check, self._checker.judge(check))
+                    self._exited_unready = 0
                 else:
                     self.figures.parity_checks["dropped"].value += 1
             except ParityUnavailable as why:  # the served file's weights cannot be read: nothing to check against
-                self.share = 0.0  # none offered from now on, none of those waiting made
-                self.figures.parity_checks["dropped"].value += 1
-                log.warning("%s: live parity off: %s", self.label, why)
+                self._turn_off(str(why))
             except (OSError, EOFError):  # the process exited during the check: another starts at the next
-                self.figures.parity_checks["dropped"].value += 1
+                self._exited_unready = 0 if self._checker.ready else self._exited_unready + 1
+                if self._exited_unready < STARTS_UNREADY:
+                    self.figures.parity_checks["dropped"].value += 1
+                else:
+                    self._turn_off(
+                        f"its check process exited before it had read the weights, {STARTS_UNREADY} times in a row "
+                        f"({self._checker.trouble}; its own error, if it said one, is in this server's log above)"
+                    )
             except Exception:  # a check must never end the thread, nor touch the request
                 log.exception("%s: a parity check of %s failed", self.label, check.what)
             finally:
                 self._waiting.task_done()  # no longer pending
         self._checker.close()
+
+    def _turn_off(self, why: str) -> None:
+        self.share = 0.0  # none offered from now on, none of those waiting made
+        self.figures.parity_checks["dropped"].value += 1
+        log.warning("%s: live parity off: %s", self.label, why)
 
     def _checker_up(self) -> bool:
         """Whether the check process can check: one that stopped is started again, once every RESTART_EVERY_S at

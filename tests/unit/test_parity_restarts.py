@@ -1,6 +1,7 @@
 """Live parity when its check process stops: started again at the next check, but once every so often at most, so
 that a process that dies at every check costs the server a start now and then, its checks meanwhile dropped and
-counted; and turned off where the served file's weights cannot be read."""
+counted; and turned off where the served file's weights cannot be read, or where its process never gets as far as
+reading them."""
 
 from __future__ import annotations
 
@@ -20,7 +21,10 @@ LABEL = "model 'mha' version 1"
 
 
 class DyingChecker:
-    """A check process that dies at every check (or, with ``refusal``, says it cannot read the weights)."""
+    """A check process that has read the weights and dies at every check (or, with ``refusal``, says it cannot read
+    the weights)."""
+
+    ready = True
 
     def __init__(self, refusal: str | None = None):
         self.starts, self.refusal = 0, refusal
@@ -87,3 +91,23 @@ def test_a_check_process_that_cannot_read_the_served_file_says_why_at_the_first_
         checker.judge(parity.Check("request 'a'", "attention", (rows, rows, rows, None), {"output": rows}))
     checker.close()
     assert checker.trouble == "exit code 0"
+
+
+def test_a_check_process_that_exits_before_reading_the_weights_three_times_turns_live_parity_off(
+    monkeypatch, caplog, tmp_path
+):
+    monkeypatch.setattr(parity, "RESTART_EVERY_S", 0.05)
+    monkeypatch.setattr(parity, "CHECK_PROCESS", "raise SystemExit(3)  # as an import failing would, fd {fd}")
+    checks = LiveParity(parity.CheckProcess(tmp_path / "model.onnx", 8, {}), share=1.0,
+                        figures=ModelMetrics(None, "mha", "1"), label=LABEL)  # fmt: skip
+    with caplog.at_level(logging.WARNING, "mhaserve.server"):
+        deadline = time.monotonic() + 20
+        while checks.share and time.monotonic() < deadline:
+            offered(checks, 1)
+            time.sleep(0.02)
+        offered(checks, 5)  # offered after it turned off: not even queued
+    assert checks.share == 0.0 and checks.summary()["checked"] == 0
+    assert len(warnings_of(caplog, "stopped")) == parity.STARTS_UNREADY - 1  # the first, then two started again
+    (off,) = warnings_of(caplog, "live parity off")
+    assert off.startswith(f"{LABEL}: live parity off: its check process exited before it had read the weights, 3 ")
+    checks.close()
