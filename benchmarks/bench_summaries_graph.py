@@ -5,7 +5,8 @@
 Runs, at [1, L, d_model] (L 512 by default), each of a model folder's graphs in turn in one process, the runs
 interleaved: the output-only graph, the full graph (every weight), the folder's summaries graph as it was exported,
 and the working tree's summaries graph of the folder's full graph (export/summaries.py), where it differs from the
-exported one: so a folder exported by an earlier revision shows that revision's summaries beside today's. Two
+exported one: so a folder exported by an earlier revision shows that revision's summaries beside today's. The
+graphs take turns at going first (a graph run right after a given other one reads up to 0.35 ms slower). Two
 intra-op threads, spinning off (a session's threads spinning after its run would take the cores from the next
 one's). Prints the median of each and its ratio to the output-only graph, then what ONNX Runtime's profile of the
 working tree's summaries graph says each of its summary nodes takes (median of 30 runs). Not a test: BENCHMARKS.md
@@ -60,10 +61,11 @@ def main() -> None:
     rows = np.random.default_rng(0).standard_normal((1, args.length, d_model)).astype(np.float32)
     feed = {"query": rows, "key": rows, "value": rows, "mask": np.ones((1, 1, 1, args.length), bool)}
     times: dict[str, list[float]] = {name: [] for name in graphs}
+    names = list(graphs)
     for run in range(args.runs + 5):
-        for name, graph in graphs.items():
+        for name in names[run % len(names) :] + names[: run % len(names)]:  # each first in turn: no order's bias
             started = time.perf_counter()
-            graph.run(None, feed)
+            graphs[name].run(None, feed)
             if run >= 5:  # the first runs warm up
                 times[name].append(time.perf_counter() - started)
     base = statistics.median(times["output-only graph"])
