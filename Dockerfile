@@ -86,7 +86,7 @@ RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends prometheus \
  && rm -rf /var/lib/apt/lists/* \
  && mkdir -p /prometheus && chown prometheus /prometheus
-COPY deploy/prometheus/prometheus.yml /etc/prometheus/prometheus.yml
+COPY deploy/prometheus/prometheus.yml deploy/prometheus/alerts.yml /etc/prometheus/
 USER prometheus
 EXPOSE 9090
 ENTRYPOINT ["prometheus", "--config.file=/etc/prometheus/prometheus.yml", "--storage.tsdb.path=/prometheus", \

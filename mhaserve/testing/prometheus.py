@@ -1,6 +1,6 @@
-"""A real Prometheus (the ``prometheus`` binary on PATH) scraping one target on a free local port, and the
-Grafana dashboard's queries with its variables filled in: for the tests that check the dashboard against real
-data, and for the script that draws it."""
+"""A real Prometheus (the ``prometheus`` binary on PATH) scraping one target on a free local port and evaluating the
+project's alerts, and the Grafana dashboard's queries with its variables filled in: for the tests that check the
+dashboard and the alerts against real data, and for the script that draws the dashboard."""
 
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ from pathlib import Path
 from mhaserve.server.process import free_port
 
 PROMETHEUS = shutil.which("prometheus")
-DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "mhaserve.json"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+DASHBOARD = DEPLOY / "grafana" / "mhaserve.json"
+ALERT_RULES = DEPLOY / "prometheus" / "alerts.yml"
 
 
 def dashboard_queries(rate_interval: str = "5s") -> list[tuple[dict, list[tuple[dict, str]]]]:
@@ -40,6 +42,7 @@ class Prometheus:
         config = folder / "prometheus.yml"
         config.write_text(
             f"global:\n  scrape_interval: {scrape_ms}ms\n  evaluation_interval: {scrape_ms}ms\n"
+            f"rule_files: ['{ALERT_RULES}']\n"
             f"scrape_configs:\n  - job_name: mhaserve\n    static_configs:\n      - targets: ['{target}']\n"
         )
         self.url = f"http://127.0.0.1:{free_port()}"
@@ -95,6 +98,12 @@ class Prometheus:
             if time.monotonic() > deadline:
                 raise AssertionError(f"{expression} gave {result}, expected {expected}")
             time.sleep(0.1)
+
+    def alerts(self, state: str = "firing") -> list[dict]:
+        """The alerts of ALERT_RULES in ``state`` (firing or pending), each {"labels", "annotations", ...}."""
+        with urllib.request.urlopen(f"{self.url}/api/v1/alerts") as answer:
+            alerts = json.loads(answer.read())["data"]["alerts"]
+        return [alert for alert in alerts if alert["state"] == state]
 
     def stop(self) -> None:
         self.proc.terminate()

@@ -408,6 +408,12 @@ def test_two_replicas_both_serve_a_round_robin_client(docker_engine, stack):
         stored = int(float(result[0]["value"][1])) if result else None
     with urllib.request.urlopen(prometheus + urllib.parse.quote('count(up{job="mhaserve"} == 1)')) as answer:
         assert json.loads(answer.read())["data"]["result"][0]["value"][1] == "2"
+    # It evaluates the alerts of deploy/prometheus/alerts.yml, and none fires on healthy replicas.
+    rules_url = prometheus.replace("/query?query=", "/rules?type=alert")
+    with urllib.request.urlopen(rules_url, timeout=5) as answer:
+        (group,) = json.loads(answer.read())["data"]["groups"]
+    assert group["name"] == "mhaserve" and all(rule["health"] == "ok" for rule in group["rules"]), group
+    assert [rule["name"] for rule in group["rules"] if rule["state"] == "firing"] == [], group
     # The models volume stays: the next tests' export service keeps what it holds (the stack's end drops it).
     compose("--profile", "loadtest", "--profile", "monitoring", "down", timeout=120, env=monitoring_env)
 

@@ -1,11 +1,13 @@
 """A real Prometheus (Debian's, installed by tests/tools/install_prometheus.sh) scraping a real server under load:
-the counters it stores and the rate PromQL computes agree with the requests sent, and every query of the Grafana
-dashboard evaluates on it to data."""
+the counters it stores and the rate PromQL computes agree with the requests sent, every query of the Grafana
+dashboard evaluates on it to data, and the alerts of deploy/prometheus/alerts.yml stay quiet on a healthy server
+and fire on one whose answers drift."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 import time
 import urllib.parse
 import urllib.request
@@ -14,7 +16,8 @@ import pytest
 
 from mhaserve.client.grpc import Client
 from mhaserve.testing.prometheus import PROMETHEUS, Prometheus, dashboard_queries
-from tests.support import SMALL_D_MODEL, TEST_SERVER_ARGS, rand
+from tests.support import SMALL_D_MODEL, TEST_SERVER_ARGS, parity_checks, rand
+from tests.support.exports import drifted_copy
 
 SCRAPE_MS = 500
 SCRAPE_S = SCRAPE_MS / 1000
@@ -24,13 +27,18 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+def scraping(server, folder) -> Prometheus:
+    target = server.metrics_url.removeprefix("http://").removesuffix("/metrics")
+    prometheus = Prometheus(target, folder, SCRAPE_MS)
+    prometheus.wait_until('up{job="mhaserve"}', 1)
+    return prometheus
+
+
 @pytest.fixture
 def scraped_server(start_server, small_model_dir, tmp_path):
     # Every answer checked for parity, so that the dashboard's parity panel has data too.
     server = start_server(small_model_dir, *TEST_SERVER_ARGS, "--parity-share", "1")
-    target = server.metrics_url.removeprefix("http://").removesuffix("/metrics")
-    prometheus = Prometheus(target, tmp_path, SCRAPE_MS)
-    prometheus.wait_until('up{job="mhaserve"}', 1)
+    prometheus = scraping(server, tmp_path)
     yield server, prometheus
     prometheus.stop()
 
@@ -96,3 +104,31 @@ def test_every_dashboard_query_evaluates_to_data_on_a_real_prometheus(scraped_se
             assert all(sample["value"][1] not in ("NaN", "+Inf") for sample in result), (panel["title"], result)
     with urllib.request.urlopen(f"{prometheus.url}/api/v1/label/model/values") as answer:
         assert json.loads(answer.read())["data"] == ["mha"]  # what the dashboard's model variable lists
+    # Every answer checked and held, none refused: no alert fires, none is on its way.
+    assert parity_checks(server)["breached"] == 0
+    assert (prometheus.alerts("firing"), prometheus.alerts("pending")) == ([], [])
+
+
+def test_answers_that_drift_from_the_module_fire_the_parity_alert(start_server, small_model_dir, tmp_path):
+    """A graph whose scaling is 1% off, its weights those of the export: its checked answers breach, and the
+    parity alert fires for its model and version, and it alone."""
+    server = start_server(drifted_copy(small_model_dir, tmp_path / "drifted"), *TEST_SERVER_ARGS, "--parity-share", "1")
+    prometheus = scraping(server, tmp_path)
+    try:
+        wait_for_scrapes()  # the breach counter seen at 0 first, so that its increase counts the first breaches
+        with Client(server.url) as client:
+            for seed in range(4):
+                client.infer(rand(2, 9, SMALL_D_MODEL, seed=seed))
+        deadline = time.monotonic() + 30
+        while not (firing := prometheus.alerts("firing")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        prometheus.stop()
+    assert parity_checks(server)["breached"] == 4
+    assert [alert["labels"]["alertname"] for alert in firing] == ["MhaserveParityBreached"], firing
+    (alert,) = firing
+    labels = alert["labels"]
+    assert (labels["model"], labels["version"], labels["severity"]) == ("mha", "1", "critical")
+    assert alert["annotations"]["summary"] == "Model mha version 1 answered outside the export's tolerance"
+    # how many, as PromQL's increase() extrapolates them over the window
+    assert re.match(r"[1-9]\d* checked answers in the last 10 minutes", alert["annotations"]["description"]), alert
