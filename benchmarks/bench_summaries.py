@@ -1,18 +1,20 @@
 """What attention summaries cost against no weights, served: side by side in one run.
 
-    flock /tmp/bench.lock .venv/bin/python benchmarks/bench_summaries.py [--rounds 5] [--duration 5]
+    flock /tmp/bench.lock .venv/bin/python benchmarks/bench_summaries.py [--rounds 5] [--duration 5] [--model-dir DIR]
 
-One server of the working tree serves the embedded default model (512/8). At [1, 512, 512], one client (gRPC,
-closed loop, `mhaserve bench`'s load generator), each variant in a rotated order from round to round: no weights,
-the summaries (entropy, sink weight, largest weight and its key per head and row), the mean over heads, one head,
-and every head's weights. Prints each round's p50 and, last, the median p50 and its ratio to no weights, with the
-ratio's spread over rounds. Not a test: BENCHMARKS.md records the figures with this command.
+One server of the working tree serves the embedded default model (512/8), or the folder --model-dir names (one
+exported by another revision, to set its summaries graph beside today's in alternating runs). At [1, 512, 512], one
+client (gRPC, closed loop, `mhaserve bench`'s load generator), each variant (--variants) in a rotated order from
+round to round: no weights, the summaries (entropy, sink weight, largest weight and its key per head and row), the
+mean over heads, one head, and every head's weights. Prints each round's p50 and, last, the median p50 and its ratio
+to no weights, with the ratio's spread over rounds. Not a test: BENCHMARKS.md records the figures with this command.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+from pathlib import Path
 
 from mhaserve.client import WeightsOptions
 from mhaserve.export.default_model import ensure_default_model
@@ -35,11 +37,17 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=5.0)
     parser.add_argument("--warmup", type=float, default=1.0)
     parser.add_argument("--length", type=int, default=512)
+    parser.add_argument("--model-dir", type=Path, default=None, help="an exported model folder (the default model)")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="those to measure, comma-separated")
     args = parser.parse_args()
-    p50: dict[str, list[float]] = {name: [] for name in VARIANTS}
-    with ServerProcess(ensure_default_model()) as server, LoadGenerator(server.url, 1) as generator:
+    chosen = ["no weights", *(name for name in args.variants.split(",") if name != "no weights")]
+    unknown = [name for name in chosen if name not in VARIANTS]
+    if unknown:
+        parser.error(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
+    p50: dict[str, list[float]] = {name: [] for name in chosen}
+    with ServerProcess(args.model_dir or ensure_default_model()) as server, LoadGenerator(server.url, 1) as generator:
         for round_number in range(args.rounds):
-            names = list(VARIANTS)
+            names = list(chosen)
             names = names[round_number % len(names) :] + names[: round_number % len(names)]
             for name in names:
                 attn_weights, mean, options = VARIANTS[name]

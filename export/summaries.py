@@ -59,13 +59,13 @@ def summaries_graph(model: onnx.ModelProto) -> onnx.ModelProto:
     last = "summaries.last_axis"
     graph.node.insert(at, node("Mul", ["summaries.context_of_every_row", attends], context))
     # Two passes over [Lq, Lk], the cheapest measured in ONNX Runtime's CPU kernels (BENCHMARKS.md, "Attention
-    # summaries"): ArgMax rather than TopK, the top score and the largest weight gathered at its key rather than
-    # reduced again (the softmax keeps the scores' order), the sink sliced before it is weighted.
+    # summaries"): the top key's search (by blocks where it can), the largest weight gathered at that key rather than
+    # reduced again (the softmax keeps the scores' order), the sink sliced before it is weighted; and the weighted sum
+    # of the scores for the entropy.
     graph.node.extend([
         node("Squeeze", [attends, last], "summaries.attends"),  # [B|1, h|1, Lq|1]: 0 on a row attending no key
-        node("ArgMax", [scores], "summaries.top_key", axis=-1, keepdims=1),  # ties to the lower key, as numpy's
+        *top_key_and_score(scores, "summaries.top_key", "summaries.top_score_kept"),
         node("Squeeze", ["summaries.top_key", last], "summaries.largest_key"),
-        node("GatherElements", [scores, "summaries.top_key"], "summaries.top_score_kept", axis=-1),
         node("Squeeze", ["summaries.top_score_kept", last], "summaries.top_score"),
         node("GatherElements", [raw, "summaries.top_key"], "summaries.largest_raw_kept", axis=-1),
         node("Squeeze", ["summaries.largest_raw_kept", last], "summaries.largest_raw"),  # the largest weight, 1 / Z
@@ -89,6 +89,62 @@ def summaries_graph(model: onnx.ModelProto) -> onnx.ModelProto:
     graph.output.extend(kept)
     graph.output.extend(make.make_tensor_value_info(name, types[name], [None] * 3) for name in SUMMARY_OUTPUT_NAMES)
     return model
+
+
+# Keys in a block of the top key's search: where the keys come in whole blocks, each row's blocks' largest scores
+# are found first (ONNX Runtime's ReduceMax, vectorised), then the first block holding the top score, then the key
+# within it; ArgMax over every key, a scalar loop, took twice as long (BENCHMARKS.md, "Attention summaries"). Other
+# lengths take ArgMax: padding the scores to whole blocks cost more than the search saves.
+TOP_KEY_BLOCK = 32
+
+
+def top_key_and_score(scores: str, key: str, score: str) -> list[onnx.NodeProto]:
+    """Nodes giving each row's first key of the largest score (``key``, ties to the lower key, as numpy's argmax)
+    and that score (``score``), both [B, h, Lq, 1]: by blocks of TOP_KEY_BLOCK keys where Lk is a multiple of it,
+    else by ArgMax over every key."""
+
+    def node(op, inputs, output, **attributes):
+        return make.make_node(op, inputs, [output], name=f"summaries.{output}", **attributes)
+
+    def constant(name, value):
+        return make.make_node("Constant", [], [name], name=f"summaries.{name}",
+                              value=numpy_helper.from_array(np.array(value, np.int64), name))  # fmt: skip
+
+    out = [make.make_tensor_value_info(key, TensorProto.INT64, None),
+           make.make_tensor_value_info(score, TensorProto.FLOAT, None)]  # fmt: skip
+    by_blocks = make.make_graph([
+        node("ReduceProd", ["top_key.rows_shape"], "top_key.rows", keepdims=1),  # [B * h * Lq]
+        node("Concat", ["top_key.rows", "top_key.last", "top_key.block"], "top_key.blocks_shape", axis=0),
+        node("Reshape", [scores, "top_key.blocks_shape"], "top_key.blocks"),  # [N, Lk / block, block]
+        node("ReduceMax", ["top_key.blocks", "top_key.last"], "top_key.block_tops", keepdims=0),  # [N, Lk / block]
+        node("ArgMax", ["top_key.block_tops"], "top_key.top_block", axis=-1, keepdims=1),  # the first holding it
+        node("ReduceMax", ["top_key.block_tops", "top_key.last"], "top_key.top_score", keepdims=1),
+        node("GatherND", ["top_key.blocks", "top_key.top_block"], "top_key.top_block_scores", batch_dims=1),
+        node("ArgMax", ["top_key.top_block_scores"], "top_key.within", axis=-1, keepdims=1),
+        node("Mul", ["top_key.top_block", "top_key.block"], "top_key.block_start"),
+        node("Add", ["top_key.block_start", "top_key.within"], "top_key.top_key"),
+        node("Concat", ["top_key.rows_shape", "top_key.one"], "top_key.kept_shape", axis=0),
+        node("Reshape", ["top_key.top_key", "top_key.kept_shape"], key),
+        node("Reshape", ["top_key.top_score", "top_key.kept_shape"], score),
+    ], "summaries.top_key_by_blocks", [], out)  # fmt: skip
+    by_keys = make.make_graph([
+        node("ArgMax", [scores], key, axis=-1, keepdims=1),
+        node("GatherElements", [scores, key], score, axis=-1),
+    ], "summaries.top_key_by_keys", [], out)  # fmt: skip
+    return [
+        constant("top_key.zero", [0]),
+        constant("top_key.one", [1]),
+        constant("top_key.last", [-1]),
+        constant("top_key.keys_axis", [3]),
+        constant("top_key.block", [TOP_KEY_BLOCK]),
+        node("Shape", [scores], "top_key.scores_shape"),
+        node("Slice", ["top_key.scores_shape", "top_key.zero", "top_key.keys_axis"], "top_key.rows_shape"),
+        node("Gather", ["top_key.scores_shape", "top_key.keys_axis"], "top_key.keys", axis=0),
+        node("Mod", ["top_key.keys", "top_key.block"], "top_key.keys_past_blocks"),
+        node("Equal", ["top_key.keys_past_blocks", "top_key.zero"], "top_key.in_whole_blocks"),
+        make.make_node("If", ["top_key.in_whole_blocks"], [key, score], name="summaries.top_key_search",
+                       then_branch=by_blocks, else_branch=by_keys),
+    ]  # fmt: skip
 
 
 # Cases the summaries graph is validated on: (batch, q_len, kv_len, mask, input scale). A padded batch with a row
