@@ -90,6 +90,36 @@ def test_exact_float32_answers_equal_eager_on_the_gpu(exact_gpu_server, small_mo
         np.testing.assert_allclose(result.attn_weights, want_attn, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("keys", [64, 40], ids=["keys in whole blocks", "keys past the blocks"])
+def test_summaries_from_the_summaries_graph_on_the_gpu_equal_float64(exact_gpu_server, small_module, keys):
+    """The summaries graph on the CUDA provider (its top key searched by blocks, or one by one): each head's row
+    summaries within float32's tolerance of the float64 module's, the largest weight's key wherever the row's two
+    largest weights differ by more."""
+    import torch
+
+    from mhaserve.client import WeightsOptions
+    from mhaserve.export.summaries import ENTROPY_WITHIN, WEIGHTS_WITHIN, exact_summaries
+
+    query = rand(2, keys, SMALL_D_MODEL, seed=keys)
+    mask = np.ones((2, keys, keys), bool)
+    mask[1, :, keys // 2 :] = False
+    mask[1, 3] = False  # a row that may attend no key
+    with Client(exact_gpu_server.url) as client:
+        got = client.infer(query, mask=mask, attn_weights=False, weights=WeightsOptions(summaries=True)).summaries
+    with torch.no_grad():
+        exact = small_module.double()
+        weights = exact(torch.from_numpy(query.astype(np.float64)), mask=torch.from_numpy(mask))[1].numpy()
+        small_module.float()
+    want = {name.removeprefix("attn_weights_"): value for name, value in exact_summaries(weights).items()}
+    np.testing.assert_allclose(got["entropy"], want["entropy"], rtol=0, atol=ENTROPY_WITHIN)
+    for name in ("sink", "max"):
+        np.testing.assert_allclose(got[name], want[name], rtol=0, atol=WEIGHTS_WITHIN, err_msg=name)
+    ordered = np.sort(weights, axis=-1)
+    clear = ordered[..., -1] - ordered[..., -2] > WEIGHTS_WITHIN
+    np.testing.assert_array_equal(got["max_index"][clear], want["max_index"][clear])
+    assert got["max_index"][1, :, 3].tolist() == [-1] * got["max_index"].shape[1]
+
+
 def test_tf32_answers_are_within_its_stated_tolerance(gpu_server, small_module):
     query = rand(2, 33, SMALL_D_MODEL, seed=3)
     with Client(gpu_server.url) as client:
