@@ -585,7 +585,9 @@ class ReceivingTurns:
                 RequestError(
                     ErrorKind.UNAVAILABLE,
                     f"this stream held a receiving turn {self.hold_s:g} s with no request arriving while other "
-                    "requests waited for one (--stream-read-hold-s): ended; reopen it and send",
+                    f"requests waited for one (--stream-read-hold-s): ended; reopen it and send. The server has "
+                    f"{self.count} turn(s), each three times --max-message-bytes of --max-receiving-bytes: a message "
+                    "limit sized to the requests gives streams that pause a turn each",
                 ),
             )
         )

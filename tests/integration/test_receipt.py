@@ -345,6 +345,7 @@ def test_a_stream_idle_in_the_only_receiving_turn_gives_way_within_the_hold_and_
     assert unary_s < 0.3, f"a unary call took {unary_s:.2f} s beside the idle stream"
     np.testing.assert_allclose(unary.output, eager(small_module, query)[0], atol=1e-5)
     assert ended.value.code() == grpc.StatusCode.UNAVAILABLE and "--stream-read-hold-s" in ended.value.details()
+    assert "has 1 turn(s), each three times --max-message-bytes" in ended.value.details()  # and how to have more
     # not before the idle stream's hold is over (however long the unary call took meanwhile), nor long after
     assert held >= 0.5 and waited < 3, f"answered {held:.2f} s after the idle stream opened, after {waited:.2f} s"
     assert not answer.error_message
