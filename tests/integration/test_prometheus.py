@@ -104,9 +104,16 @@ def test_every_dashboard_query_evaluates_to_data_on_a_real_prometheus(scraped_se
             assert all(sample["value"][1] not in ("NaN", "+Inf") for sample in result), (panel["title"], result)
     with urllib.request.urlopen(f"{prometheus.url}/api/v1/label/model/values") as answer:
         assert json.loads(answer.read())["data"] == ["mha"]  # what the dashboard's model variable lists
-    # Every answer checked and held, none refused: no alert fires, none is on its way.
-    assert parity_checks(server)["breached"] == 0
-    assert (prometheus.alerts("firing"), prometheus.alerts("pending")) == ([], [])
+    # Every answer held, none refused: no alert fires. Every answer was chosen for a check, and on a busy host most
+    # checks may drop: the alert for that is on its way (it waits 10 minutes) where over half of them did.
+    counted = parity_checks(server)
+    assert counted["breached"] == 0 and prometheus.alerts("firing") == []
+    pending = [alert["labels"]["alertname"] for alert in prometheus.alerts("pending")]
+    dropped = counted["dropped"] / sum(counted.values())
+    if dropped > 0.6:
+        assert pending == ["MhaserveParityChecksDropped"], (counted, pending)
+    else:
+        assert set(pending) <= ({"MhaserveParityChecksDropped"} if dropped > 0.4 else set()), (counted, pending)
 
 
 def test_answers_that_drift_from_the_module_fire_the_parity_alert(start_server, small_model_dir, tmp_path):
