@@ -91,17 +91,19 @@ def summaries_graph(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
-# Keys in a block of the top key's search: where the keys come in whole blocks, each row's blocks' largest scores
-# are found first (ONNX Runtime's ReduceMax, vectorised), then the first block holding the top score, then the key
-# within it; ArgMax over every key, a scalar loop, took twice as long (BENCHMARKS.md, "Attention summaries"). Other
-# lengths take ArgMax: padding the scores to whole blocks cost more than the search saves.
-TOP_KEY_BLOCK = 32
+# Keys in a block of the top key's search: each row's blocks' largest scores are found first (ONNX Runtime's
+# ReduceMax, vectorised), then the first block holding the top score, then the key within it; ArgMax over every key,
+# a scalar loop, took about twice as long (BENCHMARKS.md, "Attention summaries"). The block is the width here that
+# divides the row's keys into two blocks or more, the nearest to 40 first (24 to 64 keys a block searched fastest,
+# measured at 480 and 500 keys); lengths with none (a prime number of keys, say) take ArgMax: padding the scores to
+# whole blocks cost more than the search saves.
+BLOCK_WIDTHS = tuple(sorted(range(24, 65), key=lambda width: (abs(width - 40), width)))
 
 
 def top_key_and_score(scores: str, key: str, score: str) -> list[onnx.NodeProto]:
     """Nodes giving each row's first key of the largest score (``key``, ties to the lower key, as numpy's argmax)
-    and that score (``score``), both [B, h, Lq, 1]: by blocks of TOP_KEY_BLOCK keys where Lk is a multiple of it,
-    else by ArgMax over every key."""
+    and that score (``score``), both [B, h, Lq, 1]: by blocks, the first of BLOCK_WIDTHS to divide Lk in two or
+    more, else by ArgMax over every key."""
 
     def node(op, inputs, output, **attributes):
         return make.make_node(op, inputs, [output], name=f"summaries.{output}", **attributes)
@@ -114,14 +116,14 @@ def top_key_and_score(scores: str, key: str, score: str) -> list[onnx.NodeProto]
            make.make_tensor_value_info(score, TensorProto.FLOAT, None)]  # fmt: skip
     by_blocks = make.make_graph([
         node("ReduceProd", ["top_key.rows_shape"], "top_key.rows", keepdims=1),  # [B * h * Lq]
-        node("Concat", ["top_key.rows", "top_key.last", "top_key.block"], "top_key.blocks_shape", axis=0),
+        node("Concat", ["top_key.rows", "top_key.last", "top_key.width"], "top_key.blocks_shape", axis=0),
         node("Reshape", [scores, "top_key.blocks_shape"], "top_key.blocks"),  # [N, Lk / block, block]
         node("ReduceMax", ["top_key.blocks", "top_key.last"], "top_key.block_tops", keepdims=0),  # [N, Lk / block]
         node("ArgMax", ["top_key.block_tops"], "top_key.top_block", axis=-1, keepdims=1),  # the first holding it
         node("ReduceMax", ["top_key.block_tops", "top_key.last"], "top_key.top_score", keepdims=1),
         node("GatherND", ["top_key.blocks", "top_key.top_block"], "top_key.top_block_scores", batch_dims=1),
         node("ArgMax", ["top_key.top_block_scores"], "top_key.within", axis=-1, keepdims=1),
-        node("Mul", ["top_key.top_block", "top_key.block"], "top_key.block_start"),
+        node("Mul", ["top_key.top_block", "top_key.width"], "top_key.block_start"),
         node("Add", ["top_key.block_start", "top_key.within"], "top_key.top_key"),
         node("Concat", ["top_key.rows_shape", "top_key.one"], "top_key.kept_shape", axis=0),
         node("Reshape", ["top_key.top_key", "top_key.kept_shape"], key),
@@ -136,13 +138,22 @@ def top_key_and_score(scores: str, key: str, score: str) -> list[onnx.NodeProto]
         constant("top_key.one", [1]),
         constant("top_key.last", [-1]),
         constant("top_key.keys_axis", [3]),
-        constant("top_key.block", [TOP_KEY_BLOCK]),
+        constant("top_key.two", [2]),
+        constant("top_key.widths", list(BLOCK_WIDTHS)),
         node("Shape", [scores], "top_key.scores_shape"),
         node("Slice", ["top_key.scores_shape", "top_key.zero", "top_key.keys_axis"], "top_key.rows_shape"),
         node("Gather", ["top_key.scores_shape", "top_key.keys_axis"], "top_key.keys", axis=0),
-        node("Mod", ["top_key.keys", "top_key.block"], "top_key.keys_past_blocks"),
-        node("Equal", ["top_key.keys_past_blocks", "top_key.zero"], "top_key.in_whole_blocks"),
-        make.make_node("If", ["top_key.in_whole_blocks"], [key, score], name="summaries.top_key_search",
+        node("Mod", ["top_key.keys", "top_key.widths"], "top_key.keys_past_blocks"),
+        node("Equal", ["top_key.keys_past_blocks", "top_key.zero"], "top_key.divides"),
+        node("Mul", ["top_key.widths", "top_key.two"], "top_key.two_blocks"),
+        node("LessOrEqual", ["top_key.two_blocks", "top_key.keys"], "top_key.two_or_more"),
+        node("And", ["top_key.divides", "top_key.two_or_more"], "top_key.fits"),
+        node("Cast", ["top_key.fits"], "top_key.fits_as_number", to=TensorProto.INT32),
+        node("ArgMax", ["top_key.fits_as_number"], "top_key.first_fit", axis=0, keepdims=1),
+        node("Gather", ["top_key.widths", "top_key.first_fit"], "top_key.width", axis=0),
+        node("ReduceMax", ["top_key.fits_as_number"], "top_key.any_fits", keepdims=1),
+        node("Cast", ["top_key.any_fits"], "top_key.in_blocks", to=TensorProto.BOOL),
+        make.make_node("If", ["top_key.in_blocks"], [key, score], name="summaries.top_key_search",
                        then_branch=by_blocks, else_branch=by_keys),
     ]  # fmt: skip
 
