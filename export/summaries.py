@@ -28,6 +28,11 @@ from mhaserve.contract.signature import (
 from .validate import EAGER_ERROR_FACTOR
 
 
+def node(op: str, inputs: list[str], output: str, **attributes) -> onnx.NodeProto:
+    """A node of the summaries graph, named after its one output."""
+    return make.make_node(op, inputs, [output], name=f"summaries.{output}", **attributes)
+
+
 def summaries_graph(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` (the float32 full graph) with the summaries as its outputs after ``output``, the weights no longer
     one: its one Softmax is the masked softmax, whose output times the row's "attends at all" factor is the
@@ -52,9 +57,6 @@ def summaries_graph(model: onnx.ModelProto) -> onnx.ModelProto:
         numpy_helper.from_array(np.array(0.0, np.float32), "summaries.zero"),
         numpy_helper.from_array(np.array(-1, np.int64), "summaries.none"),
     ])  # fmt: skip
-
-    def node(op, inputs, output, **attributes):
-        return make.make_node(op, inputs, [output], name=f"summaries.{output}", **attributes)
 
     last = "summaries.last_axis"
     graph.node.insert(at, node("Mul", ["summaries.context_of_every_row", attends], context))
@@ -104,9 +106,6 @@ def top_key_and_score(scores: str, key: str, score: str) -> list[onnx.NodeProto]
     """Nodes giving each row's first key of the largest score (``key``, ties to the lower key, as numpy's argmax)
     and that score (``score``), both [B, h, Lq, 1]: by blocks, the first of BLOCK_WIDTHS to divide Lk in two or
     more, else by ArgMax over every key."""
-
-    def node(op, inputs, output, **attributes):
-        return make.make_node(op, inputs, [output], name=f"summaries.{output}", **attributes)
 
     def constant(name, value):
         return make.make_node("Constant", [], [name], name=f"summaries.{name}",
