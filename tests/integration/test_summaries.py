@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from mhaserve.client import Client, HttpClient, WeightsOptions
+from mhaserve.export.summaries import exact_summaries as summaries_of_weights
 from tests.support import SMALL_D_MODEL, rand
 from tests.support.triton import triton_http, triton_infer
 
@@ -23,16 +24,13 @@ WITHIN = 1e-5
 
 
 def exact_summaries(module, query, mask):
-    """The summaries of the module's weights computed in float64: -sum p ln p, p[0], max p, argmax p (-1 where the
-    row's weights are all zero)."""
+    """The summaries of the module's weights computed in float64 (-sum p ln p, p[0], max p, argmax p; -1 where the
+    row's weights are all zero), by short name, as the export states them."""
     with torch.no_grad():
         _, weights = module.double()(torch.from_numpy(query.astype(np.float64)), mask=torch.from_numpy(mask))
         module.float()
-    p = weights.numpy()
-    logs = np.log(np.where(p > 0, p, 1.0))
-    largest = p.max(axis=-1)
-    return {"entropy": -(p * logs).sum(axis=-1), "sink": p[..., 0], "max": largest,
-            "max_index": np.where(largest > 0, p.argmax(axis=-1), -1)}  # fmt: skip
+    exact = summaries_of_weights(weights.numpy())
+    return {name.removeprefix("attn_weights_"): value for name, value in exact.items()}
 
 
 def inputs():
