@@ -36,7 +36,8 @@ from torch.export import Dim
 from mhaserve.contract import signature
 from mhaserve.model import MultiHeadAttention
 
-# The opset torch.export's ONNX translation is written for; ReduceMax takes its axes as an input from 18.
+# The opset torch.export's ONNX translation is written for; ReduceMax takes its axes as an input from 18. The lowest
+# an export may ask for: below it the exporter gave an opset-18 graph all the same.
 DEFAULT_OPSET = 18
 INPUT_NAMES = signature.INPUT_NAMES
 OUTPUT_NAMES = signature.GRAPH_OUTPUT_NAMES
@@ -206,6 +207,8 @@ def export_onnx(module: MultiHeadAttention, opset: int = DEFAULT_OPSET, precisio
     in ``precision`` (signature.PRECISIONS)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if opset < DEFAULT_OPSET:
+        raise ValueError(f"the export is written for opset {DEFAULT_OPSET} and later, got {opset}")
     module = module.eval()
     # The exporter reports progress on stdout and warns about its own internals (axis renames, pytree
     # deprecations); none of it concerns the user, whose export is validated case by case instead.

@@ -6,6 +6,7 @@ Precedence: flag, then environment variable, then default.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Callable
 from dataclasses import Field, dataclass, field, fields
@@ -138,8 +139,12 @@ class TransportSettings(Section):
     title: ClassVar[str] = "transport"
 
     host: str = setting("127.0.0.1", "address to listen on")
-    port: int = setting(8001, "gRPC port (0 = any free port)")
-    http_port: int = setting(8000, "HTTP/REST port, the same protocol as gRPC (0 = any free port, -1 = no HTTP)")
+    port: int = setting(8001, "gRPC port (0 = any free port)", rule=between(0, 65535, "a TCP port; 0: any free one"))
+    http_port: int = setting(
+        8000,
+        "HTTP/REST port, the same protocol as gRPC (0 = any free port, -1 = no HTTP)",
+        rule=between(-1, 65535, "a TCP port; 0: any free one; -1: no HTTP"),
+    )
     http_read_timeout_s: float = setting(
         30.0,
         "seconds an HTTP request's body may take to arrive; a slower client is answered 504 and dropped",
@@ -155,7 +160,7 @@ class TransportSettings(Section):
     )
     # Per connection. Above max_queue_size, so a burst meets the queue (RESOURCE_EXHAUSTED, which names the
     # limit) before HTTP/2 refuses streams (the client sees UNAVAILABLE "Stream removed").
-    max_concurrent_streams: int = setting(1024, "concurrent RPCs per client connection")
+    max_concurrent_streams: int = setting(1024, "concurrent RPCs per client connection", rule=at_least(1))
     grpc_max_connections: int = setting(
         1000,
         "gRPC connections open at once; beyond, new ones are closed before they are read (the client sees UNAVAILABLE)",
@@ -219,6 +224,7 @@ class TransportSettings(Section):
     metrics_port: int = setting(
         8002,
         "Prometheus metrics port (0 = any free port, -1 = no endpoint); it serves /metrics only",
+        rule=between(-1, 65535, "a TCP port; 0: any free one; -1: no endpoint"),
     )
     # Plain HTTP with no token: loopback unless asked, whatever --host is (a scraper elsewhere: its address).
     metrics_host: str = setting(
@@ -236,7 +242,11 @@ class LimitSettings(Section):
 
     max_q_len: int = setting(512, "longest query a request may carry", rule=at_least(1))
     max_kv_len: int = setting(512, "longest key/value a request may carry", rule=at_least(1))
-    max_message_bytes: int = setting(0, "gRPC message size limit, both ways (0 = derived from the limits above)")
+    max_message_bytes: int = setting(
+        0,
+        "gRPC message size limit, both ways (0 = derived from the limits above)",
+        rule=between(0, GRPC_MAX_MESSAGE_BYTES, "0: derived; gRPC takes no larger limit"),
+    )
     # grpcio's core would receive every open call's request at once, whole, before any handler could count it;
     # read when the handler asks, a request waits unread in HTTP/2's flow-control window instead.
     max_receiving_bytes: int = setting(
@@ -425,7 +435,9 @@ class DeviceSettings(Section):
         "it has one (the weights never leave the run; holds another copy of the projection weights); off, the "
         "summaries are computed from the full graph's weights",
     )
-    warmup_runs: int = setting(2, "model runs at each warm-up shape before reporting ready (0 = none)")
+    warmup_runs: int = setting(
+        2, "model runs at each warm-up shape before reporting ready (0 = none)", rule=at_least(0)
+    )
     parity_share: float = setting(
         0.0,
         "share of requests (0 to 1) whose answers are recomputed in float64 from the served graph's weights, off "
@@ -591,6 +603,14 @@ def parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+def finite_float(text: str) -> float:
+    """A number a setting takes: infinity and NaN are no timeout or share (a setting that may be off says how)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
 def _optional_path(text: str) -> Path | None:
     return Path(text) if text else None  # empty (an unset compose variable): not given
 
@@ -604,7 +624,7 @@ def reader_of(setting: Field):
     field_type = setting.type if isinstance(setting.type, str) else setting.type.__name__
     if field_type.startswith("tuple"):
         return _names
-    return {"int": int, "float": float, "bool": parse_bool, "str": str}.get(field_type, _optional_path)
+    return {"int": int, "float": finite_float, "bool": parse_bool, "str": str}.get(field_type, _optional_path)
 
 
 def flag_of(name: str) -> str:

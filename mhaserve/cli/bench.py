@@ -17,11 +17,14 @@ from .common import (
     check_writable,
     check_writable_folder,
     connection_of,
-    float_list,
-    int_list,
+    count,
+    count_list,
+    index,
     make_client,
     model_width,
+    rate_list,
     require_extra,
+    seconds,
     weights_options,
 )
 
@@ -75,18 +78,19 @@ def add_bench(sub) -> None:
     p.add_argument("--model", default="mha", help="model name (default mha)")
     p.add_argument("--version", default="", help="model version (default: the newest ready one)")
     load = p.add_mutually_exclusive_group()
-    load.add_argument("--concurrency", type=int_list, default=None, help="closed loop: e.g. 1,4,16,64 (default 1,4,16)")
-    load.add_argument("--rate", type=float_list, default=None, help="open loop: requests/s, e.g. 100,200,400")
+    load.add_argument("--concurrency", type=count_list, default=None,
+                      help="closed loop: e.g. 1,4,16,64 (default 1,4,16)")  # fmt: skip
+    load.add_argument("--rate", type=rate_list, default=None, help="open loop: requests/s, e.g. 100,200,400")
     add_request_arguments(p)
-    p.add_argument("--sequence", type=int, default=0, metavar="LENGTH", help="each caller grows sequences kept on "
+    p.add_argument("--sequence", type=count, default=0, metavar="LENGTH", help="each caller grows sequences kept on "
                    "the server, one row a step, to LENGTH rows, then starts another: steps/s, and each step's latency "
                    "by its position (closed loop)")  # fmt: skip
     add_point_arguments(p, duration_s=10.0, warmup_s=2.0)
-    p.add_argument("--connections", type=int, default=0, metavar="N", help="gRPC connections in all, the callers "
+    p.add_argument("--connections", type=index, default=0, metavar="N", help="gRPC connections in all, the callers "
                    "shared out over them (default: one per client process). A server of several workers spreads "
                    "connections, not calls, over its workers: give at least a few per worker")  # fmt: skip
-    p.add_argument("--timeout", type=float, default=60.0, help="deadline per request, seconds")
-    p.add_argument("--rounds", type=int, default=1, help="measure each point this many times: the median round "
+    p.add_argument("--timeout", type=seconds, default=60.0, help="deadline per request, seconds")
+    p.add_argument("--rounds", type=count, default=1, help="measure each point this many times: the median round "
                    "is reported, each figure's lowest and highest beside it (default 1)")  # fmt: skip
     add_shared_memory_argument(p)
     p.add_argument("--json", type=Path, help="write the results as JSON")
@@ -164,17 +168,9 @@ def _run_bench(args) -> int:
 def _checked_arguments(args) -> list:
     """The SLOs, every argument checked (and every output tried) before the sweep: a path that cannot be written
     would otherwise lose its results."""
-    if args.rounds < 1:
-        raise UsageError(f"--rounds must be at least 1, got {args.rounds}")
-    if args.connections < 0:
-        raise UsageError(
-            f"--connections takes a number of connections (0: one per client process), got {args.connections}"
-        )
     if args.connections and args.protocol == "http":
         raise UsageError("--connections is for gRPC: over HTTP/REST each request in flight has a connection of its own")
     if args.sequence:
-        if args.sequence < 1:
-            raise UsageError(f"--sequence takes a length of at least 1 row, got {args.sequence}")
         if args.rate:
             raise UsageError("--sequence is a closed loop (each caller steps its sequences in order): give "
                              "--concurrency, not --rate")  # fmt: skip

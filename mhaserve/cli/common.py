@@ -4,6 +4,7 @@ what a request asks of the attention weights, and the argument types."""
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -27,6 +28,58 @@ def require_extra(extra: str, for_what: str) -> None:
             f"{for_what} needs the '{extra}' extra ({what}; {', '.join(missing)} not installed): in a clone, "
             f".venv/bin/pip install -e '.[{extra}]'; else pip install 'mhaserve[{extra}]'"
         )
+
+
+def bounded(convert, low: float, *, above: bool = False, high: float | None = None):
+    """An argument type for a number in a range (at least ``low``, or more than it with ``above``; at most ``high``
+    where given), finite: argparse refuses anything else in one line, before the command does anything."""
+    kind = "a whole number" if convert is int else "a number"
+    if high is not None:
+        limits = f"more than {low:g} and at most {high:g}" if above else f"from {low:g} to {high:g}"
+    else:
+        limits = f"more than {low:g}" if above else "of 0 or more" if low == 0 else f"of at least {low:g}"
+
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            value = None
+        in_range = value is not None and math.isfinite(value) and (value > low if above else value >= low)
+        if not in_range or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"expected {kind} {limits}, got {text!r}")
+        return value
+
+    return parse
+
+
+count = bounded(int, 1)  # how many of a thing: calls, rows, processes, heads
+index = bounded(int, 0)  # a position or a seed, from 0
+positive = bounded(float, 0, above=True)  # a rate, a share of CPUs
+seconds = bounded(float, 0, above=True)  # a deadline, a duration
+seconds_or_zero = bounded(float, 0)
+share = bounded(float, 0, above=True, high=1)  # a fraction of a whole, more than none of it
+port = bounded(int, 1, high=65535)
+
+
+def _comma_list(element, example: str):
+    """An argument type for numbers separated by commas, each read by ``element`` (a ``bounded`` type), refusing
+    the whole with what it takes (argparse would otherwise name the function: "invalid _comma_list value")."""
+
+    def parse(text: str) -> list:
+        try:
+            values = [element(x) for x in text.split(",") if x]
+        except argparse.ArgumentTypeError:
+            values = []
+        if not values:
+            raise argparse.ArgumentTypeError(f"expected {example}, got {text!r}")
+        return values
+
+    return parse
+
+
+head_list = _comma_list(index, "head numbers from 0 separated by commas (e.g. 0,3)")
+count_list = _comma_list(count, "whole numbers of at least 1 separated by commas (e.g. 1,4,16)")
+rate_list = _comma_list(positive, "numbers more than 0 separated by commas (e.g. 100,200.5)")
 
 
 def add_model_dir(p, help: str, required: bool) -> None:
@@ -123,13 +176,13 @@ def model_width(client, args, timeout: float) -> int | None:
 
 def add_weights_arguments(p) -> None:
     """What a request asks of the attention weights: the server's attn_* request parameters."""
-    p.add_argument("--heads", type=int_list, default=None, help="only these heads' weights, e.g. 0,3")
+    p.add_argument("--heads", type=head_list, default=None, help="only these heads' weights, e.g. 0,3")
     p.add_argument("--rows", default=None, help="only these query rows, a start:stop range, e.g. 0:32")
     p.add_argument("--keys", default=None, help="only these key positions, a start:stop range")
     ranked = p.add_mutually_exclusive_group()
-    ranked.add_argument("--top-k", type=int, default=None, help="the k highest-weighted keys of each query row "
+    ranked.add_argument("--top-k", type=count, default=None, help="the k highest-weighted keys of each query row "
                         "(values and key positions)")  # fmt: skip
-    ranked.add_argument("--top-p", type=float, default=None, help="each row's fewest keys holding this fraction "
+    ranked.add_argument("--top-p", type=share, default=None, help="each row's fewest keys holding this fraction "
                         "of its weight")  # fmt: skip
     p.add_argument("--weights-precision", choices=("fp32", "fp16"), default=None,
                    help="the weights' datatype (fp16: half the bytes; default: the model's)")  # fmt: skip
@@ -153,27 +206,10 @@ def add_shared_memory_argument(parser) -> None:
     )  # fmt: skip
 
 
-def _comma_list(convert, expected: str):
-    """An argument type for numbers separated by commas, refusing what ``convert`` cannot read as ``expected``
-    says (argparse would otherwise name the function: "invalid int_list value")."""
-
-    def parse(text: str) -> list:
-        try:
-            return [convert(x) for x in text.split(",") if x]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{expected}, got {text!r}") from None
-
-    return parse
-
-
-int_list = _comma_list(int, "expected whole numbers separated by commas (e.g. 1,4,16)")
-float_list = _comma_list(float, "expected numbers separated by commas (e.g. 100,200.5)")
-
-
 def add_request_arguments(p) -> None:
     """What each request of a load looks like (bench and tune): its batch, its lengths, whether it asks for the
     attention weights."""
-    p.add_argument("--batch", type=int, default=1, help="batch of each request (default 1)")
+    p.add_argument("--batch", type=count, default=1, help="batch of each request (default 1)")
     p.add_argument("--lengths", type=length_range, default=(16, 16), help="sequence length, or MIN..MAX drawn "
                    "uniformly per request (default 16)")  # fmt: skip
     p.add_argument("--no-weights", action="store_true", help="ask for the output only, not attn_weights")
@@ -181,11 +217,11 @@ def add_request_arguments(p) -> None:
 
 def add_point_arguments(p, duration_s: float, warmup_s: float) -> None:
     """How long each load point runs, and from how many client processes (bench and tune)."""
-    p.add_argument("--duration", type=float, default=duration_s, help=f"measured seconds per point (default "
+    p.add_argument("--duration", type=seconds, default=duration_s, help=f"measured seconds per point (default "
                    f"{duration_s:g})")  # fmt: skip
-    p.add_argument("--warmup", type=float, default=warmup_s, help=f"seconds per point before measuring (default "
-                   f"{warmup_s:g})")  # fmt: skip
-    p.add_argument("--processes", type=int, default=None, help="client processes (default: cores, at most 4)")
+    p.add_argument("--warmup", type=seconds_or_zero, default=warmup_s, help=f"seconds per point before measuring "
+                   f"(default {warmup_s:g})")  # fmt: skip
+    p.add_argument("--processes", type=count, default=None, help="client processes (default: cores, at most 4)")
 
 
 def length_range(text: str) -> tuple[int, int]:

@@ -9,7 +9,7 @@ from pathlib import Path
 from mhaserve.contract.errors import UsageError
 from mhaserve.contract.signature import PRECISIONS
 
-from .common import add_model_dir, require_extra
+from .common import add_model_dir, count, index, require_extra
 
 
 def add_export(sub) -> None:
@@ -18,11 +18,11 @@ def add_export(sub) -> None:
     where.add_argument("--out", type=Path, default=None, help="model folder to write (default model_repository/mha)")
     where.add_argument("--repository", type=Path, help="write the next version of --name into this model repository "
                        "(DIR/NAME/<n+1>/); a server polling it picks the version up")  # fmt: skip
-    p.add_argument("--d-model", type=int, default=None, help="model width of the seeded module (default 512)")
-    p.add_argument("--heads", type=int, default=None, help="number of heads; must divide d-model (default 8; "
+    p.add_argument("--d-model", type=count, default=None, help="model width of the seeded module (default 512)")
+    p.add_argument("--heads", type=count, default=None, help="number of heads; must divide d-model (default 8; "
                    "with --weights, required unless the file says)")  # fmt: skip
     weights = p.add_mutually_exclusive_group()
-    weights.add_argument("--seed", type=int, default=0, help="seed of the default initialisation (default 0)")
+    weights.add_argument("--seed", type=index, default=0, help="seed of the default initialisation (default 0)")
     weights.add_argument("--weights", type=Path, help="trained weights: a state dict (.pt/.pth/.bin/.safetensors) of "
                          "a module with W_q..W_o or w_q..w_o, nn.MultiheadAttention, a BERT-style encoder, or "
                          "mhaserve's own file")  # fmt: skip
@@ -31,13 +31,13 @@ def add_export(sub) -> None:
                    "(torch.save(model)): also load it as torch.load does, running the code it was saved with (only "
                    "for a file you trust; its classes must be importable), and validate the export against its own "
                    "answers instead of against its weights in mhaserve's module")  # fmt: skip
-    p.add_argument("--opset", type=int, default=None, help="ONNX opset (default 18)")
+    p.add_argument("--opset", type=count, default=None, help="ONNX opset (default 18)")
     p.add_argument("--precision", choices=PRECISIONS, default="fp32", help="what the graph computes in; fp16 "
                    "takes and returns float32 but returns the attention weights in float16; int8 computes the four "
                    "projections in int8, validated within its own tolerance (default fp32)")  # fmt: skip
     p.add_argument("--name", default="mha", help="model name the server registers; with --repository, the model's "
                    "folder (default mha)")  # fmt: skip
-    p.add_argument("--validation-seed", type=int, default=None, help="seed of the validation inputs (default random)")
+    p.add_argument("--validation-seed", type=index, default=None, help="seed of the validation inputs (default random)")
     p.add_argument("--triton-repo", type=Path, help="also write a Triton model repository (config.pbtxt, 1/model.onnx)")
     p.add_argument("--keep-current", action="store_true", help="if --out already holds a valid, intact export of "
                    "these weights and settings, keep it and exit 0 instead of exporting again (Compose's export "
@@ -96,6 +96,8 @@ def _run_export(args) -> int:
     from mhaserve.export.onnx_export import DEFAULT_OPSET
     from mhaserve.export.writer import export_identity, export_model_dir
 
+    if args.opset is not None and args.opset < DEFAULT_OPSET:
+        raise UsageError(f"--opset {args.opset}: the export is written for opset {DEFAULT_OPSET} and later")
     module, source, reference = _module_to_export(args)
     opset = args.opset or DEFAULT_OPSET
     if args.keep_current:
@@ -208,7 +210,7 @@ def _write_triton_repo(args) -> None:
 def add_validate(sub) -> None:
     p = sub.add_parser("validate", help="re-run the validation matrix on an exported model folder")
     add_model_dir(p, "the model folder 'mhaserve export' wrote", required=True)
-    p.add_argument("--seed", type=int, default=None, help="seed of the validation inputs (default random)")
+    p.add_argument("--seed", type=index, default=None, help="seed of the validation inputs (default random)")
     p.add_argument("--inputs", type=Path, help="instead, compare the folder's answers on your own inputs (an .npz "
                    "with query and optionally key, value, mask, as 'mhaserve infer --save' writes) against float32's, "
                    "within the folder's precision's tolerance")  # fmt: skip

@@ -15,9 +15,12 @@ from .common import (
     add_shared_memory_argument,
     add_weights_arguments,
     connection_of,
+    count,
     failure_message,
+    index,
     make_client,
     model_width,
+    seconds,
     weights_options,
 )
 
@@ -55,26 +58,26 @@ def add_infer(sub) -> None:
     add_protocol_argument(p)
     p.add_argument("--model", default="mha", help="model name (default mha)")
     p.add_argument("--version", default="", help="model version (default: the newest ready one)")
-    p.add_argument("--batch", type=int, default=1, help="batch of the random inputs")
-    p.add_argument("--q-len", type=int, default=16, help="query length of the random inputs")
-    p.add_argument("--kv-len", type=int, default=None, help="key/value length: cross-attention (default self)")
+    p.add_argument("--batch", type=count, default=1, help="batch of the random inputs")
+    p.add_argument("--q-len", type=count, default=16, help="query length of the random inputs")
+    p.add_argument("--kv-len", type=count, default=None, help="key/value length: cross-attention (default self)")
     for name in ("query", "key", "value", "mask"):
         p.add_argument(f"--{name}", type=Path, help=f"{name} from a .npy file")
     p.add_argument("--no-weights", action="store_true", help="do not ask for every head's attn_weights")
     p.add_argument("--mean-weights", action="store_true", help="ask for attn_weights_mean [B, Lq, Lk], the weights "
                    "averaged over heads (h times fewer bytes)")  # fmt: skip
-    p.add_argument("--repeat", type=int, default=1, help="calls to time (default 1)")
-    p.add_argument("--steps", type=int, default=0, metavar="N", help="a sequence instead: the query's rows sent one "
+    p.add_argument("--repeat", type=count, default=1, help="calls to time (default 1)")
+    p.add_argument("--steps", type=count, default=0, metavar="N", help="a sequence instead: the query's rows sent one "
                    "step at a time (N rows a step) to a sequence kept on the server, printing each step's newest row's "
                    "strongest keys (--top-k of them, default 3) as it goes")  # fmt: skip
-    p.add_argument("--timeout", type=float, default=30.0, help="deadline per call, seconds")
+    p.add_argument("--timeout", type=seconds, default=30.0, help="deadline per call, seconds")
     add_shared_memory_argument(p)
     p.add_argument("--save", type=Path, help="write inputs and outputs to this .npz")
     p.add_argument("--heatmap", type=Path, help="draw one item's attention weights to this .png (needs the plot extra)")
     p.add_argument("--head", type=_head, default=None, help="head for --heatmap, or 'mean' for the mean over "
                    "heads (default: the first head asked for)")  # fmt: skip
-    p.add_argument("--item", type=int, default=0, help="batch item for --heatmap (default 0)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    p.add_argument("--item", type=index, default=0, help="batch item for --heatmap (default 0)")
+    p.add_argument("--seed", type=index, default=0, help="seed of the random inputs")
     add_weights_arguments(p)
     p.set_defaults(run=_run_infer)
 
@@ -133,7 +136,7 @@ def _run_infer(args) -> int:
         regions = client.shared_memory() if args.shared_memory == "system" else contextlib.nullcontext()
         try:
             with regions:
-                for _ in range(max(1, args.repeat)):
+                for _ in range(args.repeat):
                     started = time.perf_counter()
                     result = client.infer(
                         **arrays,
@@ -217,7 +220,7 @@ def _heatmap_weights(result, args, options, kv_len: int):
 def add_health(sub) -> None:
     p = sub.add_parser("health", help="ask a server's grpc.health.v1 service; exit 0 only when SERVING")
     add_connection_arguments(p)
-    p.add_argument("--timeout", type=float, default=3.0, help="deadline of the health check, seconds")
+    p.add_argument("--timeout", type=seconds, default=3.0, help="deadline of the health check, seconds")
     p.set_defaults(run=_run_health)
 
 

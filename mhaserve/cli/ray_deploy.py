@@ -6,7 +6,7 @@ import sys
 
 from mhaserve.contract.errors import UsageError
 
-from .common import add_model_dir
+from .common import add_model_dir, bounded, count, port, positive
 
 
 def add_ray_deploy(sub) -> None:
@@ -18,19 +18,19 @@ def add_ray_deploy(sub) -> None:
     p.add_argument("--address", default="auto", help="the cluster's address, as 'ray start' printed it (default: auto)")
     p.add_argument("--name", default="mha", help="application and model name; clients send it as 'application' "
                    "metadata (default mha)")  # fmt: skip
-    p.add_argument("--min-replicas", type=int, default=1, help="replicas kept however idle (default 1)")
-    p.add_argument("--max-replicas", type=int, default=2, help="replicas at most, added on load (default 2)")
-    p.add_argument("--target-ongoing-requests", type=float, default=8,
+    p.add_argument("--min-replicas", type=count, default=1, help="replicas kept however idle (default 1)")
+    p.add_argument("--max-replicas", type=count, default=2, help="replicas at most, added on load (default 2)")
+    p.add_argument("--target-ongoing-requests", type=positive, default=8,
                    help="requests in progress per replica that autoscaling aims at (default 8)")  # fmt: skip
-    p.add_argument("--replica-cpus", type=float, default=1, help="CPUs each replica reserves; ONNX Runtime runs as "
+    p.add_argument("--replica-cpus", type=positive, default=1, help="CPUs each replica reserves; ONNX Runtime runs as "
                    "many threads (default 1)")  # fmt: skip
-    p.add_argument("--max-replicas-per-node", type=int, default=None, help="spread replicas over at least "
+    p.add_argument("--max-replicas-per-node", type=count, default=None, help="spread replicas over at least "
                    "replicas/N nodes (default: Ray's spread, no bound)")  # fmt: skip
-    p.add_argument("--grpc-port", type=int, default=9000, help="the proxies' gRPC port (default 9000)")
-    p.add_argument("--http-port", type=int, default=8000, help="the proxies' HTTP port (default 8000)")
+    p.add_argument("--grpc-port", type=port, default=9000, help="the proxies' gRPC port (default 9000)")
+    p.add_argument("--http-port", type=port, default=8000, help="the proxies' HTTP port (default 8000)")
     p.add_argument("--proxy-location", choices=("EveryNode", "HeadOnly"), default="EveryNode",
                    help="a proxy on every node with a replica, or on the head only (default EveryNode)")  # fmt: skip
-    p.add_argument("--replica-port", type=int, default=None, metavar="PORT",
+    p.add_argument("--replica-port", type=bounded(int, 0, high=65535), default=None, metavar="PORT",
                    help="each replica also serves gRPC itself, as 'mhaserve serve' does (no Ray in a request's path), "
                    "on this port of its node, one replica per node; 0: a free port each (default: off)")  # fmt: skip
     p.set_defaults(run=_run_ray_deploy)
@@ -55,10 +55,8 @@ def _run_ray_deploy(args) -> int:
         read_manifest(args.model_dir)
     except (ModelDirError, ValueError) as error:
         raise UsageError(f"{args.model_dir}: {error}") from None
-    if not 1 <= args.min_replicas <= args.max_replicas:
-        raise UsageError(f"need 1 <= --min-replicas <= --max-replicas, got {args.min_replicas} and {args.max_replicas}")
-    if args.replica_port is not None and not 0 <= args.replica_port <= 65535:
-        raise UsageError(f"--replica-port must be a port (0-65535; 0: a free port each), got {args.replica_port}")
+    if args.min_replicas > args.max_replicas:
+        raise UsageError(f"--min-replicas {args.min_replicas} is more than --max-replicas {args.max_replicas}")
     if args.address != "auto" and not _reachable(args.address):
         raise UsageError(f"no Ray cluster answers at --address {args.address} (start one with 'ray start --head')")
     try:

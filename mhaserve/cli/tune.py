@@ -15,8 +15,10 @@ from .common import (
     add_point_arguments,
     add_request_arguments,
     check_writable,
-    float_list,
-    int_list,
+    count,
+    count_list,
+    index,
+    rate_list,
     require_extra,
 )
 
@@ -34,9 +36,9 @@ def add_tune(sub) -> None:
                    help="a target the chosen setting must meet, repeatable, as bench takes it: p99<20ms, "
                    "errors<1%%, throughput>N")  # fmt: skip
     load = p.add_mutually_exclusive_group()
-    load.add_argument("--concurrency", type=int_list, default=None, help="closed loop callers, e.g. 16 or 4,16 "
+    load.add_argument("--concurrency", type=count_list, default=None, help="closed loop callers, e.g. 16 or 4,16 "
                       "(default 16)")  # fmt: skip
-    load.add_argument("--rate", type=float_list, default=None, help="open loop: requests/s, e.g. 500,1000")
+    load.add_argument("--rate", type=rate_list, default=None, help="open loop: requests/s, e.g. 500,1000")
     add_request_arguments(p)
     p.add_argument("--search", choices=("quick", "full"), default="quick", help="quick: every pairing of queue "
                    "delay and batch cap, then one knob at a time (default); full: every distinct setting")  # fmt: skip
@@ -45,9 +47,9 @@ def add_tune(sub) -> None:
                    "where this CPU has 8-bit dot-product instructions (repeatable)")  # fmt: skip
     p.add_argument("--knobs", default=None, metavar="NAME,...", help="search only these settings, e.g. "
                    "max_batch_size,max_queue_delay_us (default: every one that applies here)")  # fmt: skip
-    p.add_argument("--repeats", type=int, default=2, help="measure each candidate's points this many times; the "
+    p.add_argument("--repeats", type=count, default=2, help="measure each candidate's points this many times; the "
                    "median is kept, with its spread (default 2)")  # fmt: skip
-    p.add_argument("--confirm", type=int, default=3, metavar="ROUNDS", help="measure the search's best and the "
+    p.add_argument("--confirm", type=index, default=3, metavar="ROUNDS", help="measure the search's best and the "
                    "defaults again side by side, alternating, this many rounds; the best is kept only if it wins "
                    "most (default 3; 0: keep the search's best as measured)")  # fmt: skip
     add_point_arguments(p, duration_s=4.0, warmup_s=1.0)
@@ -119,12 +121,6 @@ def _checked_arguments(args) -> tuple[list, list[str]]:
         raise UsageError(str(error)) from None
     if not slos:
         raise UsageError("give at least one --slo, e.g. --slo 'p99<20ms': tune looks for the most throughput within it")
-    if args.confirm < 0:
-        raise UsageError(f"--confirm must be 0 or more, got {args.confirm}")
-    if args.repeats < 1:
-        raise UsageError(f"--repeats must be at least 1, got {args.repeats}")
-    if args.duration <= 0 or args.warmup < 0:
-        raise UsageError("--duration must be more than 0 and --warmup 0 or more")
     if args.model_dir is not None and args.model_repository is not None:
         raise UsageError("give a model folder or --model-repository, not both")
     for folder in (args.model_dir, args.model_repository):

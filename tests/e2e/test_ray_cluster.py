@@ -297,8 +297,8 @@ def test_server_metadata_and_health_rpcs_are_the_replicas(cluster):
     [
         (["/nonexistent"], "no manifest"),
         (["{model}", "--address", "127.0.0.1:1"], "no Ray cluster answers at --address 127.0.0.1:1"),
-        (["{model}", "--min-replicas", "3", "--max-replicas", "2"], "need 1 <= --min-replicas <= --max-replicas"),
-        (["{model}", "--replica-port", "70000"], "--replica-port must be a port (0-65535"),
+        (["{model}", "--min-replicas", "3", "--max-replicas", "2"], "--min-replicas 3 is more than --max-replicas 2"),
+        (["{model}", "--replica-port", "70000"], "expected a whole number from 0 to 65535, got '70000'"),
     ],
 )
 def test_ray_deploy_refuses_bad_input_in_one_line(small_model_dir, args, says):
@@ -306,5 +306,6 @@ def test_ray_deploy_refuses_bad_input_in_one_line(small_model_dir, args, says):
     done = subprocess.run(
         [sys.executable, "-m", "mhaserve.cli", "ray-deploy", *args], capture_output=True, text=True, timeout=60
     )
-    assert done.returncode == 2 and says in done.stderr
-    assert done.stderr.count("\n") == 1, done.stderr
+    said, *rest = done.stderr.splitlines()
+    assert done.returncode == 2 and says in said, done.stderr
+    assert rest in ([], ["(the flags: mhaserve ray-deploy --help)"]), done.stderr  # argparse's: where to look

@@ -365,6 +365,17 @@ def test_cli_rejects_bad_sizes(tmp_path, capsys):
     assert "divisible by num_heads" in stderr and len(stderr.strip().splitlines()) == 1, stderr
 
 
+def test_an_opset_below_the_exports_own_is_refused_not_exported_as_18_and_called_what_was_asked(
+    tmp_path, capsys, small_module
+):
+    assert cli(["export", "--opset", "17", "--d-model", "16", "--heads", "2", "--out", str(tmp_path / "x")]) == 2
+    stderr = capsys.readouterr().err.strip()
+    assert stderr == "mhaserve export: error: --opset 17: the export is written for opset 18 and later"
+    assert not (tmp_path / "x").exists()
+    with pytest.raises(ValueError, match="opset 18 and later, got 17"):
+        export_onnx(small_module, opset=17)
+
+
 def test_triton_repo_describes_the_exported_model(small_model_dir, tmp_path):
     import onnxruntime as ort
     from google.protobuf import text_format

@@ -121,8 +121,8 @@ def test_an_argument_error_is_two_lines_not_the_usage(tmp_path):
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 2, done.stderr
     assert lines == [
-        "mhaserve bench: error: argument --concurrency: expected whole numbers separated by commas (e.g. 1,4,16), "
-        "got '1,four'",
+        "mhaserve bench: error: argument --concurrency: expected whole numbers of at least 1 separated by commas "
+        "(e.g. 1,4,16), got '1,four'",
         "(the flags: mhaserve bench --help)",
     ]
     done, _ = mhaserve("serve", "--no-such-flag", tmp_path=tmp_path)
@@ -132,14 +132,15 @@ def test_an_argument_error_is_two_lines_not_the_usage(tmp_path):
 @pytest.mark.parametrize(
     ("args", "said"),
     [
-        (["--connections", "-1"], "--connections takes a number of connections (0: one per client process), got -1"),
+        (["--connections", "-1"], "argument --connections: expected a whole number of 0 or more, got '-1'"),
         (["--connections", "4", "--protocol", "http"], "--connections is for gRPC: over HTTP/REST each request"),
     ],
 )
 def test_connections_bench_cannot_open_are_refused_in_one_line_before_connecting(tmp_path, args, said):
     done, _ = mhaserve("bench", "--url", "127.0.0.1:1", *args, tmp_path=tmp_path)
-    lines = done.stderr.strip().splitlines()
-    assert done.returncode == 2 and len(lines) == 1 and said in lines[0], done.stderr
+    said_first, *rest = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and said in said_first, done.stderr
+    assert rest in ([], ["(the flags: mhaserve bench --help)"]), done.stderr  # argparse's: where to look
 
 
 def start_failure(tmp_path, *args: str) -> subprocess.CompletedProcess:
