@@ -4,3 +4,9 @@
 class UsageError(ValueError):
     """Bad input from the command line or a file the user named. Its message is one line that names
     what was expected and what came; the command line prints it and exits with code 2."""
+
+
+def json_kind(value) -> str:
+    """What a decoded JSON value is, in JSON's words: a refusal names what came as its writer wrote it."""
+    kinds = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
+    return "null" if value is None else kinds.get(type(value), type(value).__name__)

@@ -7,6 +7,7 @@ import json
 from collections.abc import Mapping
 from pathlib import Path
 
+from mhaserve.contract.errors import json_kind
 from mhaserve.contract.signature import PRECISIONS
 
 MODEL_FILE = "model.onnx"
@@ -52,7 +53,7 @@ def read_manifest(model_dir: str | Path) -> dict:
     except json.JSONDecodeError as exc:
         raise ModelDirError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(manifest, dict):
-        raise ModelDirError(f"{path}: holds a JSON {type(manifest).__name__}, expected an object")
+        raise ModelDirError(f"{path}: holds a JSON {json_kind(manifest)}, expected an object")
     if manifest.get("format") != MANIFEST_FORMAT:
         raise ModelDirError(f"{path}: format {manifest.get('format')!r}, expected {MANIFEST_FORMAT!r}")
     config = manifest.get("config")

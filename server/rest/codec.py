@@ -14,6 +14,7 @@ import numpy as np
 import orjson
 
 from mhaserve.contract.datatypes import datatype_of
+from mhaserve.contract.errors import json_kind
 
 from ..dataplane import InferenceCall
 from ..errors import RequestError, invalid
@@ -42,7 +43,7 @@ def decode_rest_request(name: str, version: str, body: bytes, header_length: int
     except orjson.JSONDecodeError as error:
         raise invalid(f"the request body is not valid JSON ({error})") from None
     if not isinstance(document, dict):
-        raise invalid(f"the request body is a JSON {type(document).__name__}, expected an object with 'inputs'")
+        raise invalid(f"the request body is a JSON {json_kind(document)}, expected an object with 'inputs'")
     inputs = document.get("inputs")
     if not isinstance(inputs, list):
         raise invalid("the request has no 'inputs' list")

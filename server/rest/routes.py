@@ -13,6 +13,8 @@ import orjson
 import swagger_ui_bundle
 from aiohttp import web
 
+from mhaserve.contract.errors import json_kind
+
 from .. import describe
 from ..dataplane import DataPlane
 from ..errors import HTTP_STATUS, RequestError, invalid
@@ -167,7 +169,7 @@ class RestTransport:
         except (orjson.JSONDecodeError, AttributeError):
             raise invalid("the load request body must be a JSON object") from None
         if not isinstance(parameters, dict):
-            raise invalid(f"the load request's parameters must be a JSON object, got {type(parameters).__name__}")
+            raise invalid(f"the load request's parameters must be a JSON object, got {json_kind(parameters)}")
         await self.dataplane.load_model(request.match_info["name"], list(parameters))
         return web.Response(status=200)
 
@@ -187,7 +189,7 @@ class RestTransport:
             except orjson.JSONDecodeError as error:
                 raise invalid(f"the trace settings are not JSON: {error}") from None
             if not isinstance(given, dict):
-                raise invalid(f"the trace settings must be a JSON object, got {type(given).__name__}")
+                raise invalid(f"the trace settings must be a JSON object, got {json_kind(given)}")
             for name, value in given.items():
                 if value is None:
                     changes[name] = []

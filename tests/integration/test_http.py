@@ -150,7 +150,7 @@ MALFORMED = {
     "non-finite": ({"inputs": [tensor(shape=(1, 1, D), data=[1e39] * D)]}, 400, ["'query'", "non-finite"]),
     "over max_batch_size": ({"inputs": [tensor(shape=(9, 1, D))]}, 429, ["max_batch_size=8"]),
     "no inputs": ({"id": "x"}, 400, ["'inputs'"]),
-    "not an object": ([1, 2], 400, ["JSON list"]),
+    "not an object": ([1, 2], 400, ["JSON array"]),
     "binary size beyond the body": ({"inputs": [tensor(binary_data_size=99999)]}, 400, ["'query'", "binary_data_size"]),
     "negative dimension": ({"inputs": [tensor(shape=(1, -2, D), data=[])]}, 400, ["'query'", "negative"]),
 }

@@ -118,7 +118,7 @@ def test_a_cut_short_model_file_is_refused(small_model_dir, tmp_path):
 @pytest.mark.parametrize(
     ("damage", "expected"),
     [
-        (lambda m: [m], "holds a JSON list, expected an object"),
+        (lambda m: [m], "holds a JSON array, expected an object"),
         (lambda m: {k: v for k, v in m.items() if k != "config"}, "'config' is None"),
         (lambda m: m | {"config": m["config"] | {"d_model": "64"}}, "config 'd_model' is '64'"),
         (lambda m: m | {"config": m["config"] | {"d_model": 10**30}}, "expected an integer from 1 to 65536"),

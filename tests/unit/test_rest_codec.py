@@ -44,7 +44,8 @@ def test_json_and_binary_inputs_decode_to_the_same_arrays():
 @pytest.mark.parametrize(
     "body, length, words",
     [
-        (b"[1, 2]", None, "the request body is a JSON list, expected an object with 'inputs'"),
+        (b"[1, 2]", None, "the request body is a JSON array, expected an object with 'inputs'"),
+        (b"null", None, "the request body is a JSON null, expected an object with 'inputs'"),
         (b"{", None, "not valid JSON"),
         (b'{"inputs": []}', 99, f"{HEADER_LENGTH} 99 is longer than the body"),
         (b'{"inputs": [{"name": "query", "shape": [2], "datatype": "FP32", "data": [1, [2]]}]}', None, "ragged"),
