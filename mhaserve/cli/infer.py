@@ -76,7 +76,7 @@ def add_infer(sub) -> None:
     p.add_argument("--heatmap", type=Path, help="draw one item's attention weights to this .png (needs the plot extra)")
     p.add_argument("--head", type=_head, default=None, help="head for --heatmap, or 'mean' for the mean over "
                    "heads (default: the first head asked for)")  # fmt: skip
-    p.add_argument("--item", type=index, default=0, help="batch item for --heatmap (default 0)")
+    p.add_argument("--item", type=index, default=0, help="batch item for --heatmap and --summaries (default 0)")
     p.add_argument("--seed", type=index, default=0, help="seed of the random inputs")
     add_weights_arguments(p)
     p.set_defaults(run=_run_infer)
@@ -111,6 +111,8 @@ def _run_infer(args) -> int:
 
     from mhaserve.client import RequestFailed
 
+    if args.head is not None and args.heatmap is None:
+        raise UsageError("--head chooses the head --heatmap draws: give --heatmap FILE.png too")
     weights = weights_options(args)
     ranked = weights is not None and weights.ranked
     # A heatmap of the mean needs only the mean; one of a head needs the heads' weights, or their top keys.
@@ -126,8 +128,10 @@ def _run_infer(args) -> int:
                   if getattr(args, name)}  # fmt: skip
         if "query" not in arrays:
             arrays["query"] = rng.standard_normal((args.batch, args.q_len, d_model), dtype=np.float32)
+        batch = arrays["query"].shape[0]
+        if not args.item < batch:
+            raise UsageError(f"--item {args.item}: the batch has items 0..{batch - 1}")
         if args.kv_len and "key" not in arrays:
-            batch = arrays["query"].shape[0]
             arrays["key"] = rng.standard_normal((batch, args.kv_len, d_model), dtype=np.float32)
             arrays["value"] = rng.standard_normal((batch, args.kv_len, d_model), dtype=np.float32)
         if args.steps:
@@ -168,9 +172,6 @@ def _run_infer(args) -> int:
     if args.heatmap:
         from mhaserve.cli.heatmap import write_heatmap
 
-        batch = result.output.shape[0]
-        if not 0 <= args.item < batch:
-            raise UsageError(f"--item {args.item}: the batch has items 0..{batch - 1}")
         kv_len = arrays.get("key", arrays["query"]).shape[1]
         drawn, what = _heatmap_weights(result, args, weights, kv_len)
         write_heatmap(drawn, args.heatmap, title=f"{args.model}: item {args.item}, {what}")
@@ -179,8 +180,7 @@ def _run_infer(args) -> int:
 
 
 def _summary_lines(summaries: dict, item: int) -> list[str]:
-    """Each head's last query row of batch item ``item`` (0 where there is none such), summarised."""
-    item = item if 0 <= item < summaries["entropy"].shape[0] else 0
+    """Each head's last query row of batch item ``item``, summarised."""
     lines = [f"summaries of item {item}, last query row (entropy in nats; sink: the weight on key 0):"]
     for head in range(summaries["entropy"].shape[1]):
         entropy, sink, largest, key = (summaries[name][item, head, -1] for name in ("entropy", "sink", "max",

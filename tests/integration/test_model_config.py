@@ -115,7 +115,7 @@ BAD_EDITS = {
     "negative batch": (b"max_batch_size: -1", "max_batch_size must be"),
     "absurd batch": (b"max_batch_size: 1000000000000", "not a model configuration"),
     "negative delay": (b"dynamic_batching { max_queue_delay_microseconds: -5 }", "not a model configuration"),
-    "NaN": (spin("nan").encode(), "intra_op_spin_ms must be"),
+    "NaN": (spin("nan").encode(), "parameter 'intra_op_spin_ms': expected a finite number, got 'nan'"),
     "unknown parameter": (b'parameters { key: "warp_drive" value { string_value: "on" } }', "'warp_drive'"),
     "not UTF-8": (b"max_batch_size: 2 # \xff\xfe", "not a model configuration"),
     "another model's name": (b'name: "other"', "name 'other' is not the model it configures, 'a'"),

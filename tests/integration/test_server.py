@@ -520,6 +520,24 @@ def test_infer_cli_asks_for_the_mean_over_heads_alone(server, small_module, tmp_
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--head", "1"], "--head chooses the head --heatmap draws: give --heatmap FILE.png too"),  # was ignored
+        (["--batch", "2", "--summaries", "--item", "2"], "--item 2: the batch has items 0..1"),  # item 0's, silently
+    ],
+)
+def test_infer_cli_refuses_a_choice_it_would_not_honour_before_calling(server, stub, args, said):
+    def inferences() -> int:
+        return stub.ModelStatistics(pb.ModelStatisticsRequest(name="mha")).model_stats[0].inference_count
+
+    before = inferences()
+    done = subprocess.run([sys.executable, "-m", "mhaserve.cli", "infer", "--url", server.url, *args],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 2 and done.stderr.strip() == f"mhaserve infer: error: {said}", done.stderr
+    assert inferences() == before
+
+
 @pytest.mark.parametrize("content", [b"", b"not numpy"], ids=["empty", "garbage"])
 def test_infer_cli_says_in_one_line_that_an_input_file_is_unreadable(server, tmp_path, content):
     bad = tmp_path / "query.npy"
