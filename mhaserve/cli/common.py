@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 from mhaserve.contract.errors import UsageError
@@ -254,6 +256,18 @@ def check_writable_folder(folder: Path, flag: str) -> None:
     except OSError as error:
         raise UsageError(f"{flag} {folder}: cannot be made ({error.strerror})") from None
     _try_writing(folder / ".mhaserve-write-check", flag)
+
+
+def check_folder_can_be_made(folder: Path, flag: str) -> None:
+    """A folder the command writes whole at its end (made beside it, then moved into place) can be: its parent is
+    made where it is missing, as the command would, and takes a new folder."""
+    if folder.exists() and not folder.is_dir():
+        raise UsageError(f"{flag} {folder}: is a file; give a folder")
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        os.rmdir(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    except OSError as error:
+        raise UsageError(f"{flag} {folder}: cannot be made ({error.strerror})") from None
 
 
 def _try_writing(path: Path, flag: str) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 from mhaserve.contract.errors import UsageError
 from mhaserve.contract.signature import PRECISIONS
 
-from .common import add_model_dir, count, index, require_extra
+from .common import add_model_dir, check_folder_can_be_made, check_writable_folder, count, index, require_extra
 
 
 def add_export(sub) -> None:
@@ -91,6 +91,9 @@ def _run_export(args) -> int:
     if args.keep_current and args.repository is not None:
         raise UsageError("--keep-current keeps what --out holds; --repository always writes a new version")
     args.out = _export_dir(args)  # before torch is imported: a wrong path is refused at once
+    check_folder_can_be_made(args.out, "--out" if args.repository is None else "--repository")
+    if args.triton_repo:
+        check_writable_folder(args.triton_repo, "--triton-repo")
     require_extra("export", "mhaserve export")
 
     from mhaserve.export.onnx_export import DEFAULT_OPSET

@@ -127,3 +127,21 @@ def test_every_number_a_command_or_setting_takes_is_bounded():
     unruled = [flag_of(name) for name, f in SETTING_FIELDS.items()
                if reader_of(f) in (int, finite_float) and f.metadata["rule"] is None]  # fmt: skip
     assert bare == [] and unruled == []
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--out", "/proc/self/model"], "--out /proc/self/model: cannot be made"),  # was a traceback after the export
+        (["--repository", "/proc/self/models"], "--repository /proc/self/models/mha/1: cannot be made"),
+        (["--out", __file__], f"--out {__file__}: is a file; give a folder"),
+        (["--triton-repo", "/proc/self/triton"], "--triton-repo /proc/self/triton: cannot be made"),
+    ],
+)
+def test_an_export_folder_that_cannot_be_written_is_refused_before_the_export(argv, said, tmp_path, capsys):
+    # /proc/self exists and its permission bits say root may write; it takes no new file or folder
+    argv = ["export", *argv] if "--triton-repo" not in argv else ["export", "--out", str(tmp_path / "m"), *argv]
+    assert cli(argv) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"mhaserve export: error: {said}"), line
+    assert list(tmp_path.iterdir()) == []
