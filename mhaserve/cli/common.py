@@ -152,16 +152,30 @@ def connection_of(args):
 
     if args.url is None:
         args.url = "127.0.0.1:8000" if getattr(args, "protocol", "grpc") == "http" else "127.0.0.1:8001"
+    scheme, has_scheme, address = args.url.partition("://")
+    if has_scheme and scheme.lower() in ("http", "https"):
+        tls = " with --tls" if scheme.lower() == "https" else ""
+        raise UsageError(f"--url takes host:port, got {args.url!r}: give {address.rstrip('/')}{tls}")
 
     tls = None
     if args.tls or args.tls_ca or args.tls_cert or args.tls_key:
         if (args.tls_cert is None) != (args.tls_key is None):
-            raise SystemExit("--tls-cert and --tls-key go together")
+            raise UsageError("--tls-cert and --tls-key go together")
+        for flag, path in (("--tls-ca", args.tls_ca), ("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
+            _readable(path, flag)
         tls = TLS(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
-    try:
-        return tls, read_token(args.token_file)
-    except OSError as error:
-        raise SystemExit(f"cannot read --token-file {args.token_file}: {error.strerror}") from None
+    _readable(args.token_file, "--token-file")
+    return tls, read_token(args.token_file)
+
+
+def _readable(path: Path | None, flag: str) -> None:
+    """A file a flag names can be read, or the command's one line says why."""
+    if path is not None:
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as error:
+            raise UsageError(f"cannot read {flag} {path}: {error.strerror}") from None
 
 
 def model_width(client, args, timeout: float) -> int | None:

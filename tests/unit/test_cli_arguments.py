@@ -145,3 +145,20 @@ def test_an_export_folder_that_cannot_be_written_is_refused_before_the_export(ar
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith(f"mhaserve export: error: {said}"), line
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--url", "http://127.0.0.1:8001/"], "--url takes host:port, got 'http://127.0.0.1:8001/': give 127.0.0.1"),
+        (["--url", "https://models.example:443"], "give models.example:443 with --tls"),
+        (["--tls-ca", "/no/ca.pem"], "cannot read --tls-ca /no/ca.pem: No such file or directory"),  # a traceback
+        (["--tls-cert", "/no/such/cert.pem"], "--tls-cert and --tls-key go together"),  # exit code 1
+        (["--token-file", "/"], "cannot read --token-file /: Is a directory"),  # exit code 1
+    ],
+)
+@pytest.mark.parametrize("command", ["infer", "bench", "health"])
+def test_connection_flags_that_cannot_work_are_refused_in_one_line_before_connecting(command, flags, said, capsys):
+    assert cli([command, *flags]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"mhaserve {command}: error: ") and said in line, line
