@@ -19,6 +19,25 @@ def planned_ports(settings: ServerSettings) -> list[tuple[str, str, int]]:
     return [(flag, host, port) for flag, host, port in ports if port > 0]
 
 
+def address_problem(settings: ServerSettings) -> str | None:
+    """One line for a --host or --metrics-host that no socket here can listen on: a name that does not resolve, or
+    an address of another machine (the bind's failure would otherwise read as a busy port); None where both can."""
+    hosts = [("--host", settings.host)] + [("--metrics-host", settings.metrics_host)] * (settings.metrics_port >= 0)
+    for flag, host in hosts:
+        try:
+            family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM,
+                                                                 flags=socket.AI_PASSIVE)[0]  # fmt: skip
+        except socket.gaierror as error:
+            return f"{flag} {host}: no such address ({error.strerror})"
+        with socket.socket(family, kind, proto) as probe:
+            try:
+                probe.bind(address)
+            except OSError as error:
+                if error.errno == errno.EADDRNOTAVAIL:
+                    return f"{flag} {host}: not an address of this machine (0.0.0.0 listens on all of them)"
+    return None
+
+
 def busy_port_message(settings: ServerSettings) -> str | None:
     """One line naming every planned port that cannot be bound (all at once, not one per attempt), or None where
     all can."""

@@ -28,10 +28,10 @@ def _run_serve(args) -> int:
 
     end_with_the_parent_if_asked()
     settings = settings_from_args(args)
-    from mhaserve.server.ports import busy_port_message
+    from mhaserve.server.ports import address_problem, busy_port_message
 
-    if (busy := busy_port_message(settings)) is not None:  # before a first run's export, not after it
-        raise UsageError(busy)
+    if (problem := address_problem(settings) or busy_port_message(settings)) is not None:
+        raise UsageError(problem)  # before a first run's export, not after it
     if settings.workers != 1:
         from mhaserve.server.workers import check_workers
 

@@ -1,5 +1,6 @@
 """A port the server would listen on that is already taken is said at once, in one line that names the address,
-what holds it and the flag that picks another, before a first run's export: not after it, not as a traceback."""
+what holds it and the flag that picks another, before a first run's export: not after it, not as a traceback; so
+is an address that is not this machine's."""
 
 from __future__ import annotations
 
@@ -86,3 +87,23 @@ def test_an_ipv6_host_serves_grpc_and_http(start_server, small_model_dir, host):
         metrics_port = server.metrics_url.rsplit(":", 1)[1].split("/")[0]
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as response:
             assert response.status == 200
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--host", "192.0.2.1"], "--host 192.0.2.1: not an address of this machine (0.0.0.0 listens on all of them)"),
+        (["--metrics-host", "192.0.2.1"], "--metrics-host 192.0.2.1: not an address of this machine"),
+        (["--host", "fe80::1%nosuchif"], "--host fe80::1%nosuchif: no such address"),
+    ],
+)
+def test_an_address_that_is_not_this_machine_s_is_named_as_such_not_as_a_busy_port(tmp_path, flags, said):
+    env = {"HOME": str(tmp_path), "XDG_CACHE_HOME": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin"}
+    done = subprocess.run(
+        [sys.executable, "-m", "mhaserve.cli", "serve", "--port", "0", "--http-port", "0", "--metrics-port", "0",
+         *flags],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    (line,) = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and line.startswith(f"mhaserve serve: error: {said}"), line  # "already in use" before
+    assert not any((tmp_path / "cache").rglob("model.onnx"))  # refused before the first run's export
