@@ -21,6 +21,7 @@ from mhaserve.contract.signature import (
     OUTPUT,
     SHAPING_PARAMETERS,
     WEIGHTS_OUTPUT_NAMES,
+    window_ends,
 )
 
 from .errors import invalid
@@ -228,13 +229,11 @@ def _window(value, name: str, length: int, what: str) -> tuple[int, int] | None:
     if value is None:
         return None
     given = text(value, name).strip()
-    parts = given.split(":")
     try:
-        if len(parts) != 2:
-            raise ValueError
-        start, stop = (int(part) if part.strip() else default for part, default in zip(parts, (0, length), strict=True))
+        start, stop = window_ends(given)
     except ValueError:
         raise invalid(f"parameter '{name}' must be a range like \"0:32\" (start:stop), got {quoted(given)}") from None
+    start, stop = 0 if start is None else start, length if stop is None else stop
     start, stop = (index + length if index < 0 else index for index in (start, stop))
     if not 0 <= start < stop <= length:
         raise invalid(

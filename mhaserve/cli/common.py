@@ -79,6 +79,18 @@ def _comma_list(element, example: str):
     return parse
 
 
+def window(text: str) -> str:
+    """An argument type for a start:stop range of rows or keys: its form checked here (the server, which knows the
+    lengths, checks that it fits them)."""
+    from mhaserve.contract.signature import window_ends
+
+    try:
+        window_ends(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
 head_list = _comma_list(index, "head numbers from 0 separated by commas (e.g. 0,3)")
 count_list = _comma_list(count, "whole numbers of at least 1 separated by commas (e.g. 1,4,16)")
 rate_list = _comma_list(positive, "numbers more than 0 separated by commas (e.g. 100,200.5)")
@@ -193,8 +205,8 @@ def model_width(client, args, timeout: float) -> int | None:
 def add_weights_arguments(p) -> None:
     """What a request asks of the attention weights: the server's attn_* request parameters."""
     p.add_argument("--heads", type=head_list, default=None, help="only these heads' weights, e.g. 0,3")
-    p.add_argument("--rows", default=None, help="only these query rows, a start:stop range, e.g. 0:32")
-    p.add_argument("--keys", default=None, help="only these key positions, a start:stop range")
+    p.add_argument("--rows", type=window, default=None, help="only these query rows, a start:stop range, e.g. 0:32")
+    p.add_argument("--keys", type=window, default=None, help="only these key positions, a start:stop range")
     ranked = p.add_mutually_exclusive_group()
     ranked.add_argument("--top-k", type=count, default=None, help="the k highest-weighted keys of each query row "
                         "(values and key positions)")  # fmt: skip

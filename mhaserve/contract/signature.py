@@ -30,6 +30,20 @@ SHAPING_PARAMETERS = ("attn_heads", "attn_rows", "attn_keys", "attn_top_k", "att
 # What a request that names no outputs gets.
 DEFAULT_OUTPUT_NAMES = (OUTPUT, ATTN_WEIGHTS)
 
+
+def window_ends(text: str) -> tuple[int | None, int | None]:
+    """The ends of attn_rows' and attn_keys' Python-style "start:stop" range, either left out (None) and either
+    negative (from the end); ValueError for any other form. The lengths it must fit are the request's."""
+    parts = text.strip().split(":")
+    if len(parts) != 2:
+        raise ValueError(f'expected a range like "0:32" (start:stop), got {text!r}')
+    try:
+        start, stop = (int(part) if part.strip() else None for part in parts)
+    except ValueError:
+        raise ValueError(f'expected a range like "0:32" (start:stop), got {text!r}') from None
+    return start, stop
+
+
 # The precisions a model is exported in, and the datatype its attention weights are returned in. Every
 # model takes FP32 inputs and returns an FP32 output; a float16 model returns its weights in float16,
 # half the bytes of the largest tensor an answer holds (B * h * Lq * Lk values).

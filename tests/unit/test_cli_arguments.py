@@ -162,3 +162,13 @@ def test_connection_flags_that_cannot_work_are_refused_in_one_line_before_connec
     assert cli([command, *flags]) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith(f"mhaserve {command}: error: ") and said in line, line
+
+
+@pytest.mark.parametrize("flag", ["--rows", "--keys"])
+@pytest.mark.parametrize("given", ["a:b", "5", "1:2:3"])
+def test_a_range_of_another_form_is_refused_before_connecting(flag, given, capsys):
+    with pytest.raises(SystemExit) as exit:
+        cli(["infer", "--url", "127.0.0.1:9", flag, given])  # it was the server's refusal, after a call: exit 1
+    assert exit.value.code == 2
+    said = capsys.readouterr().err.splitlines()[0]
+    assert said == f"mhaserve infer: error: argument {flag}: expected a range like \"0:32\" (start:stop), got '{given}'"
