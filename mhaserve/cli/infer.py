@@ -52,6 +52,16 @@ def _infer_steps(client, arrays: dict, args) -> int:
     return 0
 
 
+def _check_steps_flags(args) -> None:
+    """--steps prints each step's strongest keys: the flags that shape or keep a single call's answer do not apply."""
+    shaped = [flag for flag, given in (("--heads", args.heads), ("--rows", args.rows), ("--keys", args.keys),
+              ("--top-p", args.top_p), ("--weights-precision", args.weights_precision), ("--summaries", args.summaries),
+              ("--heatmap", args.heatmap), ("--save", args.save), ("--repeat", args.repeat != 1)) if given]  # fmt: skip
+    if shaped:
+        raise UsageError(f"--steps prints each step's strongest keys (--top-k of them); {', '.join(shaped)} "
+                         "shape a single call: leave out --steps")  # fmt: skip
+
+
 def add_infer(sub) -> None:
     p = sub.add_parser("infer", help="call a server with random or .npy inputs; print shapes and latency")
     add_connection_arguments(p)
@@ -113,6 +123,8 @@ def _run_infer(args) -> int:
 
     if args.head is not None and args.heatmap is None:
         raise UsageError("--head chooses the head --heatmap draws: give --heatmap FILE.png too")
+    if args.steps:
+        _check_steps_flags(args)
     weights = weights_options(args)
     ranked = weights is not None and weights.ranked
     # A heatmap of the mean needs only the mean; one of a head needs the heads' weights, or their top keys.

@@ -172,3 +172,11 @@ def test_a_range_of_another_form_is_refused_before_connecting(flag, given, capsy
     assert exit.value.code == 2
     said = capsys.readouterr().err.splitlines()[0]
     assert said == f"mhaserve infer: error: argument {flag}: expected a range like \"0:32\" (start:stop), got '{given}'"
+
+
+def test_steps_refuse_the_flags_that_shape_a_single_call_before_connecting(capsys):
+    assert cli(["infer", "--url", "127.0.0.1:9", "--steps", "4", "--rows", "0:4", "--summaries"]) == 2  # were ignored
+    assert capsys.readouterr().err.splitlines() == [
+        "mhaserve infer: error: --steps prints each step's strongest keys (--top-k of them); --rows, --summaries shape "
+        "a single call: leave out --steps"
+    ]
