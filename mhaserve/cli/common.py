@@ -161,13 +161,14 @@ def failure_message(error, args=None) -> str:
 def connection_of(args):
     """(TLS or None, token or None) from the connection flags."""
     from mhaserve.client import TLS, read_token
+    from mhaserve.client.servers import address_of
 
     if args.url is None:
         args.url = "127.0.0.1:8000" if getattr(args, "protocol", "grpc") == "http" else "127.0.0.1:8001"
-    scheme, has_scheme, address = args.url.partition("://")
-    if has_scheme and scheme.lower() in ("http", "https"):
-        tls = " with --tls" if scheme.lower() == "https" else ""
-        raise UsageError(f"--url takes host:port, got {args.url!r}: give {address.rstrip('/')}{tls}")
+    try:
+        address_of(args.url)
+    except ValueError as error:
+        raise UsageError(f"--url: {error}") from None
 
     tls = None
     if args.tls or args.tls_ca or args.tls_cert or args.tls_key:

@@ -30,6 +30,7 @@ from .common import (
     requested_outputs,
     with_remedy,
 )
+from .servers import address_of
 from .shared_memory import SharedMemoryRegions
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -144,7 +145,7 @@ class HttpClient:
                  token: str | None = None, version: str = ""):  # fmt: skip
         """A client of the server's HTTP/REST port at ``url`` (host:port) for ``model`` (``version`` empty: its
         newest ready version), over HTTPS with ``tls``, with the bearer ``token`` if the server has one."""
-        self.base = f"{'https' if tls else 'http'}://{url}"
+        self.base = f"{'https' if tls else 'http'}://{address_of(url)}"
         self.model, self.version = model, version
         self._context = ssl_context(tls)
         self._auth = {"Authorization": f"Bearer {token}"} if token else {}

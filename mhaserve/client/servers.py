@@ -13,6 +13,16 @@ from mhaserve.contract.ring import Ring
 DOWN_FOR_S = 5.0  # a server that could not be reached is tried last for this long
 
 
+def address_of(url: str) -> str:
+    """A server's address as the clients take it, host:port: one written as a URL (http://, https://) is refused,
+    naming the address to give (gRPC would look the whole of it up as a host name)."""
+    scheme, has_scheme, rest = url.partition("://")
+    if has_scheme and scheme.lower() in ("http", "https"):
+        tls = " with TLS" if scheme.lower() == "https" else ""
+        raise ValueError(f"a server's address is host:port, got {url!r}: give {rest.rstrip('/')}{tls}")
+    return url
+
+
 class ServerSet:
     """The addresses of servers of one model, and which to call for a request."""
 
@@ -21,7 +31,7 @@ class ServerSet:
             raise ValueError("give at least one server address")
         if len(set(urls)) != len(urls):
             raise ValueError(f"a server address is given twice: {urls}")
-        self.urls = urls
+        self.urls = [address_of(url) for url in urls]
         self._ring = Ring(urls)
         self._down_until = [0.0] * len(urls)
         self._turn = 0

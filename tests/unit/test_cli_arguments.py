@@ -150,8 +150,8 @@ def test_an_export_folder_that_cannot_be_written_is_refused_before_the_export(ar
 @pytest.mark.parametrize(
     ("flags", "said"),
     [
-        (["--url", "http://127.0.0.1:8001/"], "--url takes host:port, got 'http://127.0.0.1:8001/': give 127.0.0.1"),
-        (["--url", "https://models.example:443"], "give models.example:443 with --tls"),
+        (["--url", "http://127.0.0.1:8001/"], "--url: a server's address is host:port, got 'http://127.0.0.1:8001/'"),
+        (["--url", "https://models.example:443"], "give models.example:443 with TLS"),
         (["--tls-ca", "/no/ca.pem"], "cannot read --tls-ca /no/ca.pem: No such file or directory"),  # a traceback
         (["--tls-cert", "/no/such/cert.pem"], "--tls-cert and --tls-key go together"),  # exit code 1
         (["--token-file", "/"], "cannot read --token-file /: Is a directory"),  # exit code 1

@@ -8,6 +8,7 @@ from collections import Counter
 
 import pytest
 
+from mhaserve.client import AsyncClient, Client, HttpClient
 from mhaserve.client.servers import ServerSet
 
 URLS = ["10.0.0.1:8001", "10.0.0.2:8001", "10.0.0.3:8001"]
@@ -52,3 +53,17 @@ def test_stateless_calls_take_the_servers_in_turn_and_one_that_could_not_be_reac
 def test_an_address_given_twice_is_refused():
     with pytest.raises(ValueError, match="given twice"):
         ServerSet([URLS[0], URLS[0]])
+
+
+@pytest.mark.parametrize(
+    ("make", "said"),
+    [
+        (lambda: Client("http://127.0.0.1:8001/"), "got 'http://127.0.0.1:8001/': give 127.0.0.1:8001"),
+        (lambda: AsyncClient(["127.0.0.1:8001", "HTTP://10.0.0.2:8001"]), "give 10.0.0.2:8001"),
+        (lambda: HttpClient("https://models.example:8000"), "give models.example:8000 with TLS"),
+    ],
+)
+def test_an_address_written_as_a_url_is_refused_naming_the_address_to_give(make, said):
+    with pytest.raises(ValueError, match="a server's address is host:port") as refused:  # gRPC looked it all up
+        make()
+    assert said in str(refused.value)
