@@ -3,6 +3,7 @@ outputs it asks for, and the result it gets back."""
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import uuid
@@ -41,6 +42,14 @@ class TLS:
             return Path(path).read_bytes() if path is not None else None
 
         return grpc.ssl_channel_credentials(read(self.ca), read(self.key), read(self.cert))
+
+
+def checked_timeout(timeout: float | None) -> float | None:
+    """A call's timeout in seconds, None for no deadline; anything else but a finite number more than 0 is refused
+    (gRPC took a negative one as no deadline at all)."""
+    if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
+        raise ValueError(f"timeout must be a number of seconds more than 0 (None: no deadline), got {timeout!r}")
+    return timeout
 
 
 def read_token(token_file: str | Path | None = None) -> str | None:

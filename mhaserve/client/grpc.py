@@ -41,6 +41,7 @@ from .common import (
     Sequence,
     SequenceStep,
     WeightsOptions,
+    checked_timeout,
     request_inputs,
     requested_outputs,
     with_remedy,
@@ -456,7 +457,7 @@ class Client(_Connection):
 
     def _call(self, rpc, request, timeout, metadata=None, retry: RetryPolicy | None = None):
         """``rpc(request)`` under the retry policy, every attempt within ``timeout`` in all."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None if checked_timeout(timeout) is None else time.monotonic() + timeout
         attempt, policy = 1, retry or self.retry
         while True:
             try:
@@ -564,7 +565,7 @@ class AsyncClient(_Connection):
 
     async def _call(self, rpc, request, timeout, metadata=None, retry: RetryPolicy | None = None):
         """As Client._call, awaiting."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None if checked_timeout(timeout) is None else time.monotonic() + timeout
         attempt, policy = 1, retry or self.retry
         while True:
             try:

@@ -26,6 +26,7 @@ from .common import (
     Sequence,
     SequenceStep,
     WeightsOptions,
+    checked_timeout,
     request_inputs,
     requested_outputs,
     with_remedy,
@@ -161,7 +162,7 @@ class HttpClient:
             self.base + path, data=body, method=method, headers={**self._auth, **(headers or {})}
         )
         try:
-            with urllib.request.urlopen(request, timeout=timeout, context=self._context) as response:
+            with urllib.request.urlopen(request, timeout=checked_timeout(timeout), context=self._context) as response:
                 return response.read(), response.headers
         except urllib.error.HTTPError as error:
             raise HttpRequestFailed(error.code, error_message(error.read()) or error.reason) from None

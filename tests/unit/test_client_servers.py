@@ -4,8 +4,10 @@ one that could not be reached is tried last."""
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 
+import numpy as np
 import pytest
 
 from mhaserve.client import AsyncClient, Client, HttpClient
@@ -67,3 +69,19 @@ def test_an_address_written_as_a_url_is_refused_naming_the_address_to_give(make,
     with pytest.raises(ValueError, match="a server's address is host:port") as refused:  # gRPC looked it all up
         make()
     assert said in str(refused.value)
+
+
+@pytest.mark.parametrize("timeout", [0, -1, float("nan"), float("inf")])
+def test_a_timeout_that_is_no_deadline_is_refused_before_the_call(timeout):
+    query = np.zeros((1, 1, 8), np.float32)
+    with Client("127.0.0.1:9") as client, pytest.raises(ValueError, match="timeout must be a number of seconds"):
+        client.infer(query, timeout=timeout)  # -1 was taken as no deadline at all
+    with pytest.raises(ValueError, match="timeout must be a number of seconds"):
+        HttpClient("127.0.0.1:9").infer(query, timeout=timeout)
+
+    async def asynchronously():
+        async with AsyncClient("127.0.0.1:9") as client:
+            await client.infer(query, timeout=timeout)
+
+    with pytest.raises(ValueError, match="timeout must be a number of seconds"):
+        asyncio.run(asynchronously())
