@@ -59,7 +59,7 @@ def _check_steps_flags(args) -> None:
               ("--heatmap", args.heatmap), ("--save", args.save), ("--repeat", args.repeat != 1)) if given]  # fmt: skip
     if shaped:
         raise UsageError(f"--steps prints each step's strongest keys (--top-k of them); {', '.join(shaped)} "
-                         "shape a single call: leave out --steps")  # fmt: skip
+                         "are for a single call: leave out --steps")  # fmt: skip
 
 
 def add_infer(sub) -> None:

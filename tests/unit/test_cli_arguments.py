@@ -177,6 +177,6 @@ def test_a_range_of_another_form_is_refused_before_connecting(flag, given, capsy
 def test_steps_refuse_the_flags_that_shape_a_single_call_before_connecting(capsys):
     assert cli(["infer", "--url", "127.0.0.1:9", "--steps", "4", "--rows", "0:4", "--summaries"]) == 2  # were ignored
     assert capsys.readouterr().err.splitlines() == [
-        "mhaserve infer: error: --steps prints each step's strongest keys (--top-k of them); --rows, --summaries shape "
-        "a single call: leave out --steps"
+        "mhaserve infer: error: --steps prints each step's strongest keys (--top-k of them); --rows, --summaries are "
+        "for a single call: leave out --steps"
     ]
