@@ -604,7 +604,8 @@ def parse_bool(text: str) -> bool:
 
 
 def finite_float(text: str) -> float:
-    """A number a setting takes: infinity and NaN are no timeout or share (a setting that may be off says how)."""
+    """A number a setting takes, finite: no setting reads infinity or NaN as "off" (one that can be off says how,
+    0 or -1)."""
     value = float(text)
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
