@@ -25,17 +25,23 @@ def address_problem(settings: ServerSettings) -> str | None:
     hosts = [("--host", settings.host)] + [("--metrics-host", settings.metrics_host)] * (settings.metrics_port >= 0)
     for flag, host in hosts:
         try:
-            family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM,
-                                                                 flags=socket.AI_PASSIVE)[0]  # fmt: skip
+            found = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         except socket.gaierror as error:
             return f"{flag} {host}: no such address ({error.strerror})"
-        with socket.socket(family, kind, proto) as probe:
-            try:
-                probe.bind(address)
-            except OSError as error:
-                if error.errno == errno.EADDRNOTAVAIL:
-                    return f"{flag} {host}: not an address of this machine (0.0.0.0 listens on all of them)"
+        if not any(_can_listen_at(*info) for info in found):  # gRPC listens where it can ("localhost": ::1 or not)
+            return f"{flag} {host}: not an address of this machine (0.0.0.0 listens on all of them)"
     return None
+
+
+def _can_listen_at(family, kind, proto, _, address) -> bool:
+    """Whether a socket here can be bound at ``address`` (any free port): not where it belongs to another machine
+    or a family this one lacks."""
+    try:
+        with socket.socket(family, kind, proto) as probe:
+            probe.bind(address)
+    except OSError as error:
+        return error.errno not in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT)
+    return True
 
 
 def busy_port_message(settings: ServerSettings) -> str | None:
