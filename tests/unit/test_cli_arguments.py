@@ -62,21 +62,21 @@ NUMBERS_OUT_OF_RANGE = [
     (
         ["infer", "--heads", "0,-1"],
         "argument --heads: expected head numbers from 0 separated by commas (e.g. 0,3), got '0,-1'",
-    ),  # noqa: E501
+    ),
     (["bench", "--duration", "0"], "argument --duration: expected a number more than 0, got '0'"),
     (["bench", "--warmup", "-1"], "argument --warmup: expected a number of 0 or more, got '-1'"),
     (
         ["bench", "--concurrency", "4,0"],
         "argument --concurrency: expected whole numbers of at least 1 separated by commas (e.g. 1,4,16), got '4,0'",
-    ),  # noqa: E501
+    ),
     (
         ["bench", "--rate", "-5"],
         "argument --rate: expected numbers more than 0 separated by commas (e.g. 100,200.5), got '-5'",
-    ),  # noqa: E501
+    ),
     (
         ["bench", "--rate", "inf"],
         "argument --rate: expected numbers more than 0 separated by commas (e.g. 100,200.5), got 'inf'",
-    ),  # noqa: E501
+    ),
     (["tune", "--repeats", "0"], "argument --repeats: expected a whole number of at least 1, got '0'"),
     (["export", "--heads", "0"], "argument --heads: expected a whole number of at least 1, got '0'"),
     (["health", "--timeout", "-1"], "argument --timeout: expected a number more than 0, got '-1'"),
@@ -99,7 +99,7 @@ SETTINGS_OUT_OF_RANGE = [
     (
         ["--max-message-bytes", "-5"],
         "--max-message-bytes must be between 0 and 2147483647 (0: derived; gRPC takes no larger limit)",
-    ),  # fmt: skip
+    ),
     (["--warmup-runs", "-1"], "--warmup-runs must be 0 or more"),
     (["--max-concurrent-streams", "0"], "--max-concurrent-streams must be at least 1"),
     (["--grace-seconds", "inf"], "argument --grace-seconds: expected a finite number, got 'inf'"),
