@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mhaserve.contract.errors import json_kind
 from mhaserve.contract.signature import (
     ATTN_TOP_K_INDICES,
     ATTN_TOP_K_VALUES,
@@ -91,11 +92,9 @@ def boolean(value: object, name: str) -> bool:
 
 
 def _kind(value: object) -> str:
-    """The value's type in the words of JSON, which most clients write."""
-    if value is None:
-        return "null"
-    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
-            dict: "an object"}.get(type(value), type(value).__name__)  # fmt: skip
+    """The value's type in the words of JSON, with its article: "an integer", "a string", "null"."""
+    kind = json_kind(value)
+    return kind if value is None else f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}"
 
 
 @dataclass(frozen=True)

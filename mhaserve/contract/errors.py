@@ -7,6 +7,7 @@ class UsageError(ValueError):
 
 
 def json_kind(value) -> str:
-    """What a decoded JSON value is, in JSON's words: a refusal names what came as its writer wrote it."""
-    kinds = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
+    """What a decoded value is, in the words of JSON, which most clients write: a refusal names what came as its
+    writer wrote it (an integer told apart from other numbers, as protobuf's parameters are)."""
+    kinds = {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer", float: "number"}
     return "null" if value is None else kinds.get(type(value), type(value).__name__)

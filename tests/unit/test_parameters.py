@@ -41,7 +41,7 @@ def test_a_number_must_be_finite_and_within_its_span_open_or_closed():
     assert number(1, "attn_top_p", 0, 1, low_open=True) == 1.0
     assert "in (0, 1], got 0" in refusal(lambda: number(0, "attn_top_p", 0, 1, low_open=True))
     assert "in [0, 1], got a string 'nan'" in refusal(lambda: number("nan", "attn_top_p", 0, 1))
-    assert "got a list [1]" in refusal(lambda: number([1], "attn_top_p", 0, 1))
+    assert "got an array [1]" in refusal(lambda: number([1], "attn_top_p", 0, 1))
 
 
 def test_text_takes_strings_and_integers_and_booleans_only_as_booleans():
