@@ -190,7 +190,7 @@ def encode_rest_response(response: InferenceResponse) -> tuple[bytes, int | None
 
 def header_length_of(value: str | None) -> int | None:
     """The Inference-Header-Content-Length header: the JSON header's length, or None (the body is all JSON)."""
-    if value is not None and not value.isdigit():
+    if value is not None and not (value.isascii() and value.isdigit()):  # "²" is a digit to str, not to int
         raise invalid(f"{HEADER_LENGTH}: {value!r}, expected the JSON header's length in bytes")
     return int(value) if value is not None else None
 

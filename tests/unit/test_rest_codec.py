@@ -14,9 +14,9 @@ import pytest
 from mhaserve.contract.signature import ModelSignature
 from mhaserve.server.config import ServerSettings
 from mhaserve.server.dataplane import DataPlane
-from mhaserve.server.errors import RequestError
+from mhaserve.server.errors import ErrorKind, RequestError
 from mhaserve.server.inference import InferenceResponse
-from mhaserve.server.rest.codec import HEADER_LENGTH, decode_rest_request, encode_rest_response
+from mhaserve.server.rest.codec import HEADER_LENGTH, decode_rest_request, encode_rest_response, header_length_of
 from mhaserve.server.rest.routes import RestTransport
 from mhaserve.server.rest.site import start_site
 from tests.support import SMALL_D_MODEL, eager, rand
@@ -152,3 +152,10 @@ def test_refusals_are_json_with_the_http_status_of_their_kind(small_model_dir):
     missing, wrong = serving(scenario, small_model_dir)
     assert missing[0] == 404 and "unknown model 'nope'" in missing[1]
     assert wrong[0] == 400 and "query" in wrong[1]
+
+
+@pytest.mark.parametrize("given", ["-5", "12a", "²", "١٢"])  # "²" passed str.isdigit and failed int(): a 500
+def test_a_header_length_that_is_not_a_count_of_bytes_is_refused(given):
+    with pytest.raises(RequestError, match="expected the JSON header's length in bytes") as refused:
+        header_length_of(given)
+    assert refused.value.kind == ErrorKind.INVALID_ARGUMENT
