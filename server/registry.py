@@ -166,7 +166,7 @@ class ModelRegistry:
             if not ready:
                 raise RequestError(ErrorKind.UNAVAILABLE, f"model '{name}' has no ready version yet (loading)")
             return versions[ready[-1]].served
-        number = int(version) if version.isdigit() and len(version) < 10 else None
+        number = int(version) if version.isascii() and version.isdigit() and len(version) < 10 else None
         entry = versions.get(number) if number is not None else None
         if entry is None or entry.state == UNAVAILABLE:
             listed = ", ".join(f"'{n}'" for n in ready) or "none ready"

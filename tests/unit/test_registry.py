@@ -9,8 +9,11 @@ import os
 import shutil
 from pathlib import Path
 
+import pytest
+
 from mhaserve.contract.model_dir import ModelDirError
 from mhaserve.contract.repository import ModelRepository, VersionPolicy
+from mhaserve.server.errors import ErrorKind, RequestError
 from mhaserve.server.registry import READY, UNAVAILABLE, ModelRegistry, ServedModel
 
 LONG_AGO_NS = 1_000_000_000 * 1_600_000_000  # files exported well before the test rewrites them
@@ -74,6 +77,16 @@ def test_the_policy_serves_the_newest_version_and_an_empty_version_resolves_to_i
     assert states(registry) == {("a", "1"): UNAVAILABLE, ("a", "2"): READY, ("a", "3"): READY}
     assert registry.resolve("a", "").key == ("a", 3) and registry.resolve("a", "2").key == ("a", 2)
     assert sorted(loader.loads) == [("a", 2), ("a", 3)]
+
+
+@pytest.mark.parametrize("version", ["²", "١", "0x1", " 1"])  # "²" passed str.isdigit and failed int(): a 500
+def test_a_version_that_is_not_ascii_digits_is_no_version(tmp_path, version):
+    add_version(tmp_path, "a", 1)
+    registry, _ = registry_over(tmp_path)
+    asyncio.run(registry.poll())
+    with pytest.raises(RequestError, match=f"model 'a' has no version '{version}'; available: '1'") as refused:
+        registry.resolve("a", version)
+    assert refused.value.kind == ErrorKind.NOT_FOUND
 
 
 def test_a_new_version_that_fails_to_load_leaves_the_served_one_serving(tmp_path):
