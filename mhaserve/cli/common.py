@@ -207,7 +207,8 @@ def add_weights_arguments(p) -> None:
     """What a request asks of the attention weights: the server's attn_* request parameters."""
     p.add_argument("--heads", type=head_list, default=None, help="only these heads' weights, e.g. 0,3")
     p.add_argument("--rows", type=window, default=None, help="only these query rows, a start:stop range, e.g. 0:32")
-    p.add_argument("--keys", type=window, default=None, help="only these key positions, a start:stop range")
+    p.add_argument("--keys", type=window, default=None, help="only these key positions, a start:stop range (a "
+                   "negative end counts from the last key; write it with '=': --keys=-8:)")  # fmt: skip
     ranked = p.add_mutually_exclusive_group()
     ranked.add_argument("--top-k", type=count, default=None, help="the k highest-weighted keys of each query row "
                         "(values and key positions)")  # fmt: skip
