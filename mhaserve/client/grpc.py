@@ -401,8 +401,10 @@ class Client(_Connection):
         shared_memory: SharedMemoryRegions | None = None,
         sequence: SequenceStep | None = None,
     ) -> InferResult:
-        """``weights``: what to ask of the attention weights (heads, rows, keys, top-k or top-p, precision);
-        ``traceparent``: a W3C trace context, so that the server's span of this call continues the caller's trace;
+        """``timeout``: seconds the call may take, its retries included (None: no deadline; one that is not more
+        than 0 is refused with ValueError); ``weights``: what to ask of the attention weights (heads, rows, keys,
+        top-k or top-p, precision); ``traceparent``: a W3C trace context, so that the server's span of this call
+        continues the caller's trace;
         ``shared_memory``: regions from ``shared_memory()`` the tensors go through instead of the socket;
         ``sequence``: the request is a step of a sequence the server keeps (``sequence()`` makes the steps)."""
         heads = self.num_heads(timeout) if shared_memory is not None else 0
@@ -529,8 +531,10 @@ class AsyncClient(_Connection):
         traceparent: str = "",
         sequence: SequenceStep | None = None,
     ) -> InferResult:
-        """``weights``: what to ask of the attention weights (heads, rows, keys, top-k or top-p, precision);
-        ``traceparent``: a W3C trace context, so that the server's span of this call continues the caller's trace;
+        """``timeout``: seconds the call may take, its retries included (None: no deadline; one that is not more
+        than 0 is refused with ValueError); ``weights``: what to ask of the attention weights (heads, rows, keys,
+        top-k or top-p, precision); ``traceparent``: a W3C trace context, so that the server's span of this call
+        continues the caller's trace;
         ``sequence``: the request is a step of a sequence the server keeps (``sequence()`` makes the steps)."""
         request = build_infer_request(
             self.model,
