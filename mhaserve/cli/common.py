@@ -177,12 +177,15 @@ def connection_of(args):
         for flag, path in (("--tls-ca", args.tls_ca), ("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
             _readable(path, flag)
         tls = TLS(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
-    _readable(args.token_file, "--token-file")
-    return tls, read_token(args.token_file)
+    try:
+        return tls, read_token(args.token_file)
+    except OSError as error:
+        raise UsageError(f"cannot read --token-file {args.token_file}: {error.strerror}") from None
 
 
 def _readable(path: Path | None, flag: str) -> None:
-    """A file a flag names can be read, or the command's one line says why."""
+    """A file a flag names can be read, or the command's one line says why (the TLS files, which the client reads
+    only when it connects)."""
     if path is not None:
         try:
             with open(path, "rb"):
