@@ -28,20 +28,21 @@ def address_problem(settings: ServerSettings) -> str | None:
             found = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         except socket.gaierror as error:
             return f"{flag} {host}: no such address ({error.strerror})"
-        if not any(_can_listen_at(*info) for info in found):  # gRPC listens where it can ("localhost": ::1 or not)
+        # gRPC listens where it can ("localhost": ::1 or not); another machine's address, or a family this one lacks
+        if all(_bind_error(*info) in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT) for info in found):
             return f"{flag} {host}: not an address of this machine (0.0.0.0 listens on all of them)"
     return None
 
 
-def _can_listen_at(family, kind, proto, _, address) -> bool:
-    """Whether a socket here can be bound at ``address`` (any free port): not where it belongs to another machine
-    or a family this one lacks."""
+def _bind_error(family, kind, proto, _, address) -> int | None:
+    """Why a socket here cannot be bound at ``address`` (an errno), as a server binds it; None where it can."""
     try:
         with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: TIME_WAIT is no clash
             probe.bind(address)
     except OSError as error:
-        return error.errno not in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT)
-    return True
+        return error.errno
+    return None
 
 
 def busy_port_message(settings: ServerSettings) -> str | None:
@@ -74,14 +75,7 @@ def _can_bind(host: str, port: int) -> bool:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror:
         return True  # an address that does not resolve is the bind's to report
-    family, kind, proto, _, address = infos[0]
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: TIME_WAIT is no clash
-        try:
-            probe.bind(address)
-        except OSError as error:
-            return error.errno != errno.EADDRINUSE
-    return True
+    return _bind_error(*infos[0]) != errno.EADDRINUSE
 
 
 def _holder(port: int) -> str | None:
