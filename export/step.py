@@ -326,7 +326,7 @@ class _Errors:
 
     def reported(self, report: Callable[[str], None], what: str, case: dict) -> dict:
         tolerance = TOLERANCES["fp32"]
-        held = tolerance.output.allows(self.output, self.output / self.scale) and tolerance.weights.allows(
+        held = tolerance.output.allows(self.output, self.output / (self.scale or 1.0)) and tolerance.weights.allows(
             self.weights, 1.0
         )
         status = "pass" if held else "FAIL"

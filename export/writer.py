@@ -49,6 +49,7 @@ from .summaries import summaries_graph, validate_summaries
 from .validate import (
     SCALE_TOLERANCES,
     TOLERANCES,
+    ServedModuleReference,
     TorchMultiheadAttentionReference,
     UserModuleReference,
     export_holds,
@@ -378,6 +379,8 @@ def reference_of(module: torch.nn.Module):
     """What an export of ``module``'s weights is validated against: the module's own eager answers."""
     if isinstance(module, torch.nn.MultiheadAttention):
         return TorchMultiheadAttentionReference(module)
+    if isinstance(module, MultiHeadAttention):  # mhaserve's own module, trained: forward(query, key, value, mask)
+        return ServedModuleReference(module)
     return UserModuleReference(module)
 
 

@@ -5,7 +5,12 @@ Layouts read, each under any key prefix (``module.``, ``encoder.layers.3.self_at
 - the design documents' modules: ``W_q, W_k, W_v, W_o`` or ``w_q, w_k, w_v, w_o`` (``.weight``, ``.bias``);
 - ``nn.MultiheadAttention``: ``in_proj_weight``/``in_proj_bias`` (W_q, W_k, W_v stacked) and ``out_proj.*``;
 - BERT-style encoders: ``attention.self.{query,key,value}`` and ``attention.output.dense``;
+- BART-style attention (BART, Marian, OPT, Whisper): ``q_proj, k_proj, v_proj, out_proj``;
+- GPT-2: ``c_attn`` (W_q, W_k, W_v side by side, stored input by output as its Conv1D keeps them) and ``c_proj``;
 - mhaserve's own weights files (``save_weights``: the state dict with ``d_model`` and ``num_heads``).
+
+A projection without a bias (``bias=False``, or Whisper's key projection) is served with a zero bias, the same
+computation.
 
 Files: ``.safetensors`` (the safetensors package) or anything else torch.load reads with
 ``weights_only=True`` (``.pt``, ``.pth``, ``.bin``). Nested dicts (``{"state_dict": ...}``,
@@ -45,18 +50,22 @@ class Layout:
 
     name: str
     query: str  # the key (after the prefix) that marks a layer of this layout
-    names: tuple[str, str, str, str] | None  # W_q, W_k, W_v, W_o modules; None: packed in_proj
+    names: tuple[str, str, str, str] | None  # W_q, W_k, W_v, W_o modules; None: packed (below)
+    # W_q, W_k, W_v in one tensor and W_o: their modules, and whether stored input by output (a Conv1D's)
+    packed: tuple[str, str, bool] | None = None
 
 
 LAYOUTS = (
     Layout("W_q..W_o", "W_q.weight", ("W_q", "W_k", "W_v", "W_o")),
     Layout("w_q..w_o", "w_q.weight", ("w_q", "w_k", "w_v", "w_o")),
-    Layout("nn.MultiheadAttention", "in_proj_weight", None),
+    Layout("nn.MultiheadAttention", "in_proj_weight", None, ("in_proj_", "out_proj.", False)),
     Layout(
         "BERT",
         "attention.self.query.weight",
         ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense"),
     ),
+    Layout("q_proj..out_proj", "q_proj.weight", ("q_proj", "k_proj", "v_proj", "out_proj")),
+    Layout("GPT-2", "c_attn.weight", None, ("c_attn.", "c_proj.", True)),
 )
 MHASERVE_LAYOUT = "mhaserve"
 
@@ -128,6 +137,7 @@ def pick_layer(state: Mapping[str, torch.Tensor], prefix: str | None, where: str
             raise CheckpointError(f"{where}: no attention layer at prefix {prefix!r}; prefixes found: {found}")
         layers = chosen
     if not layers:
+        _refuse_unservable_multihead_attention(state, where)
         keys = list(state)
         sample = ", ".join(keys[:6]) + (f", ... ({len(keys)} keys)" if len(keys) > 6 else "")
         known = "; ".join(f"{layout.name} ({layout.query})" for layout in LAYOUTS)
@@ -141,11 +151,17 @@ def pick_layer(state: Mapping[str, torch.Tensor], prefix: str | None, where: str
 def _tensor(state: Mapping, key: str, where: str, what: str) -> torch.Tensor:
     value = state.get(key)
     if value is None:
-        why = " (the served projections all have a bias)" if what == "bias" else ""
-        raise CheckpointError(f"{where}: {what} '{key}' is missing{why}")
+        raise CheckpointError(f"{where}: {what} '{key}' is missing")
     if not isinstance(value, torch.Tensor) or not value.is_floating_point():
         kind = f"{value.dtype} tensor" if isinstance(value, torch.Tensor) else type(value).__name__
         raise CheckpointError(f"{where}: '{key}' is a {kind}, expected a floating-point tensor")
+    finite = torch.isfinite(value)
+    if not bool(finite.all()):
+        at = tuple(int(i) for i in (~finite).nonzero()[0])
+        raise CheckpointError(
+            f"{where}: '{key}' holds {value[at].item()} at {list(at)} ({int((~finite).sum())} of {value.numel()} "
+            "values not finite): these weights answer nothing (did the training diverge?)"
+        )
     return value
 
 
@@ -153,52 +169,69 @@ def _shape(tensor: torch.Tensor) -> str:
     return "[" + ", ".join(str(d) for d in tensor.shape) + "]"
 
 
-def projections(state: Mapping, layer: AttentionLayer, where: str) -> dict[str, torch.Tensor]:
-    """The layer's W_q..W_o weights and biases as a state dict of the served module, every shape checked."""
-    p = layer.prefix
-    if layer.layout.names is None:  # nn.MultiheadAttention: q, k, v stacked along the output dim
-        for extra in ("q_proj_weight", "bias_k"):
-            if p + extra in state:
-                raise CheckpointError(
-                    f"{where}: '{p + extra}' is set: nn.MultiheadAttention with kdim/vdim != embed_dim or "
-                    "add_bias_kv=True has no equivalent in the served module"
-                )
-        packed_w = _tensor(state, p + "in_proj_weight", where, "weight")
-        packed_b = _tensor(state, p + "in_proj_bias", where, "bias")
-        if packed_w.dim() != 2 or packed_w.shape[0] != 3 * packed_w.shape[1]:
+def _refuse_unservable_multihead_attention(keys, where: str) -> None:
+    """nn.MultiheadAttention's forms the served module has no equivalent of, refused by the keys they add."""
+    for key in keys:
+        if key.endswith(("q_proj_weight", "bias_k")):
             raise CheckpointError(
-                f"{where}: '{p}in_proj_weight' has shape {_shape(packed_w)}, expected [3 * d_model, d_model]"
+                f"{where}: '{key}' is set: nn.MultiheadAttention with kdim/vdim != embed_dim or add_bias_kv=True "
+                "has no equivalent in the served module"
             )
+
+
+def projections(state: Mapping, layer: AttentionLayer, where: str) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """The layer's W_q..W_o weights and biases as a state dict of the served module, every shape checked, and the
+    keys of the biases the file does not hold (a projection without one: served with zeros)."""
+    p = layer.prefix
+    absent: list[str] = []
+
+    def bias(key: str, size: int) -> torch.Tensor:
+        if key not in state:
+            absent.append(key)
+            return torch.zeros(size)
+        return _tensor(state, key, where, "bias")
+
+    if layer.layout.packed is not None:  # q, k, v in one tensor, along its output dim
+        _refuse_unservable_multihead_attention([k for k in (p + "q_proj_weight", p + "bias_k") if k in state], where)
+        qkv, out, conv1d = layer.layout.packed
+        packed_key = p + qkv + "weight"
+        stored = _tensor(state, packed_key, where, "weight")
+        packed_w = stored.T if conv1d and stored.dim() == 2 else stored  # a Conv1D's: stored input by output
+        if packed_w.dim() != 2 or packed_w.shape[0] != 3 * packed_w.shape[1]:
+            expected = "[d_model, 3 * d_model]" if conv1d else "[3 * d_model, d_model]"
+            raise CheckpointError(f"{where}: '{packed_key}' has shape {_shape(stored)}, expected {expected}")
         d = packed_w.shape[1]
+        packed_b = bias(p + qkv + "bias", 3 * d)
         if tuple(packed_b.shape) != (3 * d,):
-            raise CheckpointError(f"{where}: '{p}in_proj_bias' has shape {_shape(packed_b)}, expected [{3 * d}]")
-        pairs = [(w, b) for w, b in zip(packed_w.split(d), packed_b.split(d), strict=True)]
-        pairs.append(
-            (_tensor(state, p + "out_proj.weight", where, "weight"), _tensor(state, p + "out_proj.bias", where, "bias"))
-        )
-        keys = [p + "in_proj_weight"] * 3 + [p + "out_proj.weight"]
+            raise CheckpointError(f"{where}: '{p + qkv}bias' has shape {_shape(packed_b)}, expected [{3 * d}]")
+        out_w = _tensor(state, p + out + "weight", where, "weight")
+        pairs = [*zip(packed_w.split(d), packed_b.split(d), strict=True), (out_w.T if conv1d else out_w, p + out)]
+        keys = [packed_key] * 3 + [p + out + "weight"]
     else:
         keys = [p + name + ".weight" for name in layer.layout.names]
-        pairs = [(_tensor(state, key, where, "weight"), key[: -len("weight")] + "bias") for key in keys]
+        pairs = [(_tensor(state, key, where, "weight"), key[: -len("weight")]) for key in keys]
     first_weight, first_key = pairs[0][0], keys[0]
     d = first_weight.shape[-1]
     served = {}
-    for name, key, (weight, bias) in zip(("W_q", "W_k", "W_v", "W_o"), keys, pairs, strict=True):
+    for name, key, (weight, weight_bias) in zip(("W_q", "W_k", "W_v", "W_o"), keys, pairs, strict=True):
         if weight.dim() != 2 or weight.shape[0] != weight.shape[1]:
+            grouped = ""
+            if name in ("W_k", "W_v") and weight.dim() == 2 and weight.shape[1] == d and d % weight.shape[0] == 0:
+                grouped = " (fewer key/value heads than query heads, grouped-query attention, is not served)"
             raise CheckpointError(
-                f"{where}: '{key}' has shape {_shape(weight)}, expected a square [d_model, d_model] projection"
+                f"{where}: '{key}' has shape {_shape(weight)}, expected a square [d_model, d_model] projection{grouped}"
             )
         if weight.shape[0] != d:
             raise CheckpointError(
                 f"{where}: '{key}' has shape {_shape(weight)} while '{first_key}' has {_shape(first_weight)}; "
                 "the four projections must have one d_model"
             )
-        if isinstance(bias, str):
-            bias = _tensor(state, bias, where, "bias")
-        if tuple(bias.shape) != (d,):
-            raise CheckpointError(f"{where}: the bias of '{key}' has shape {_shape(bias)}, expected [{d}]")
-        served[f"{name}.weight"], served[f"{name}.bias"] = weight, bias
-    return served
+        if isinstance(weight_bias, str):  # the module's prefix: its bias, if it has one
+            weight_bias = bias(weight_bias + "bias", d)
+        if tuple(weight_bias.shape) != (d,):
+            raise CheckpointError(f"{where}: the bias of '{key}' has shape {_shape(weight_bias)}, expected [{d}]")
+        served[f"{name}.weight"], served[f"{name}.bias"] = weight, weight_bias
+    return served, absent
 
 
 def module_from_state_dict(
@@ -206,7 +239,7 @@ def module_from_state_dict(
 ) -> tuple[MultiHeadAttention, AttentionLayer]:
     """The served module holding the weights of the one attention layer in ``state`` (or the one at ``prefix``)."""
     layer = pick_layer(state, prefix, where)
-    served = projections(state, layer, where)
+    served, _ = projections(state, layer, where)
     d_model = served["W_q.weight"].shape[0]
     marker = layer.prefix + layer.layout.query
     if num_heads is None:
@@ -223,6 +256,21 @@ def module_from_state_dict(
         module = MultiHeadAttention(d_model, num_heads)
     module.load_state_dict({k: v.detach().to(torch.float32) for k, v in served.items()}, assign=True)
     return module.eval(), layer
+
+
+def _check_answers(module: MultiHeadAttention, where: str) -> None:
+    """Refuses weights whose own module answers inf or NaN at unit-scale inputs (weights so large that float32
+    overflows): there is no answer to export or validate against."""
+    inputs = torch.randn(1, 4, module.d_model, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        output, weights = module(inputs, inputs, inputs)
+        if torch.isfinite(output).all() and torch.isfinite(weights).all():
+            return
+        largest = max(float(p.abs().max()) for p in module.parameters())
+        raise CheckpointError(
+            f"{where}: the module these weights make answers inf or NaN for unit-scale inputs (its largest weight "
+            f"is {largest:.3g}: float32 overflows): nothing to export"
+        )
 
 
 def read_checkpoint(path: str | Path) -> Checkpoint:
@@ -413,7 +461,8 @@ def load_checkpoint(
     in_file = checkpoint.heads_of(layer)
     if in_file is not None:
         said.append((in_file, "the saved module" if checkpoint.module_class else "the file"))
-    d_model = projections(checkpoint.state, layer, where)["W_q.weight"].shape[0]
+    served, biases_absent = projections(checkpoint.state, layer, where)
+    d_model = served["W_q.weight"].shape[0]
     config = heads_from_config(path, d_model)
     if config is not None:
         said.append((config[0], str(config[1])))
@@ -426,6 +475,7 @@ def load_checkpoint(
         )
     heads, heads_from = said[0] if said else (None, None)
     module, layer = module_from_state_dict(checkpoint.state, heads, layer.prefix, where)
+    _check_answers(module, where)
     source = {
         "kind": "checkpoint",
         "path": str(path),
@@ -437,4 +487,6 @@ def load_checkpoint(
     }
     if checkpoint.module_class:
         source["module_class"] = checkpoint.module_class
+    if biases_absent:
+        source["biases_absent"] = biases_absent
     return module, source

@@ -24,7 +24,8 @@ def add_export(sub) -> None:
     weights = p.add_mutually_exclusive_group()
     weights.add_argument("--seed", type=index, default=0, help="seed of the default initialisation (default 0)")
     weights.add_argument("--weights", type=Path, help="trained weights: a state dict (.pt/.pth/.bin/.safetensors) of "
-                         "a module with W_q..W_o or w_q..w_o, nn.MultiheadAttention, a BERT-style encoder, or "
+                         "a module with W_q..W_o or w_q..w_o, nn.MultiheadAttention, a BERT-style encoder, "
+                         "BART-style q_proj..out_proj (BART, OPT, Whisper), GPT-2's c_attn and c_proj, or "
                          "mhaserve's own file")  # fmt: skip
     p.add_argument("--prefix", help="the key prefix of one attention layer in --weights (e.g. encoder.layers.3.)")
     p.add_argument("--trust-module", action="store_true", help="with --weights of a whole saved module "
@@ -161,6 +162,9 @@ def _module_to_export(args) -> tuple:
         print(f"read {source['layout']} weights at prefix {source['prefix']!r} from {args.weights}{saved}: "
               f"d_model {module.d_model} (from the shapes), {module.num_heads} heads (from {source['heads_from']})",
               file=sys.stderr)  # fmt: skip
+        if "biases_absent" in source:
+            print(f"note: {args.weights} holds no {', '.join(source['biases_absent'])}: those projections have no "
+                  "bias and are served with zeros, the same computation", file=sys.stderr)  # fmt: skip
         if args.trust_module:
             if "module_class" not in source:
                 raise UsageError(f"--trust-module: {args.weights} holds tensors, not a whole saved module")

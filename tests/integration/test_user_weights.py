@@ -117,6 +117,63 @@ class BertModel(nn.Module):
         self.encoder.layer = nn.ModuleList(nn.ModuleDict({"attention": BertAttention()}) for _ in range(2))
 
 
+class WhisperAttention(nn.Module):
+    """Hugging Face's BART-style attention (BART, Marian, OPT, Whisper): q_proj..out_proj, the query scaled before
+    its product with the keys; Whisper's key projection has no bias."""
+
+    def __init__(self):
+        super().__init__()
+        self.q_proj, self.k_proj = nn.Linear(D, D), nn.Linear(D, D, bias=False)
+        self.v_proj, self.out_proj = nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, hidden, key_value_states=None, keep=None):
+        source = hidden if key_value_states is None else key_value_states
+        b, n, _ = hidden.shape
+
+        def heads(x):
+            return x.view(b, -1, H, D // H).transpose(1, 2)
+
+        q = heads(self.q_proj(hidden) * (D // H) ** -0.5)
+        scores = q @ heads(self.k_proj(source)).transpose(-2, -1)
+        if keep is not None:
+            scores = scores.masked_fill(~keep[:, None, None, :], torch.finfo(torch.float32).min)
+        weights = torch.softmax(scores, dim=-1)
+        return self.out_proj((weights @ heads(self.v_proj(source))).transpose(1, 2).reshape(b, n, D)), weights
+
+
+class Conv1D(nn.Module):
+    """GPT-2's projection: a Linear whose weight is stored input by output."""
+
+    def __init__(self, n_out, n_in):
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.randn(n_in, n_out) * 0.1), nn.Parameter(torch.zeros(n_out))
+
+    def forward(self, x):
+        return x @ self.weight + self.bias
+
+
+class GPT2Attention(nn.Module):
+    """GPT-2's names (c_attn: W_q, W_k, W_v side by side; c_proj). GPT-2 masks causally inside the layer; the
+    served layer takes that mask with the request, like any other."""
+
+    def __init__(self):
+        super().__init__()
+        self.c_attn, self.c_proj = Conv1D(3 * D, D), Conv1D(D, D)
+
+    def forward(self, hidden, keep):  # keep: [B, Lq, Lk] bool
+        b, n, _ = hidden.shape
+        q, k, v = (x.view(b, n, H, D // H).transpose(1, 2) for x in self.c_attn(hidden).split(D, dim=2))
+        scores = (q @ k.transpose(-2, -1) / math.sqrt(D // H)).masked_fill(~keep[:, None], float("-inf"))
+        weights = torch.softmax(scores, dim=-1)
+        return self.c_proj((weights @ v).transpose(1, 2).reshape(b, n, D)), weights
+
+
+class GPT2Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.h = nn.ModuleList(nn.ModuleDict({"attn": GPT2Attention(), "ln_1": nn.LayerNorm(D)}) for _ in range(2))
+
+
 def trained(module: nn.Module, steps: int = 5) -> nn.Module:
     """A few Adam steps on random data, so no weight is the default initialisation any more."""
     generator = torch.Generator().manual_seed(7)
@@ -138,6 +195,8 @@ def _call(module, x):
         module = module.layers[1]["self_attn"]
     if isinstance(module, BertModel):
         return module.encoder.layer[1]["attention"](x, torch.ones(x.shape[:2], dtype=torch.bool))[0]
+    if isinstance(module, GPT2Model):
+        return module.h[0]["attn"](x, torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril()[None])[0]
     if isinstance(module, nn.MultiheadAttention):
         return module(x, x, x)[0]
     if isinstance(module, DocAttention):
@@ -150,12 +209,17 @@ def eager_answer(kind, module, arrays):
     query = torch.from_numpy(arrays["query"])
     keep = torch.from_numpy(arrays["mask"])  # [B, Lk], True = may attend
     with torch.no_grad():
-        if kind == "mha":
+        if kind in ("mha", "mha_nobias"):
             attn = module.layers[1]["self_attn"]
             key, value = torch.from_numpy(arrays["key"]), torch.from_numpy(arrays["value"])
             out, weights = attn(query, key, value, key_padding_mask=~keep, average_attn_weights=False)
         elif kind == "bert":
             out, weights = module.encoder.layer[1]["attention"](query, keep)
+        elif kind == "whisper":
+            key = torch.from_numpy(arrays["key"])
+            out, weights = module.layers[1]["self_attn"](query, key, keep)
+        elif kind == "gpt2":
+            out, weights = module.h[0]["attn"](query, keep)
         elif kind == "w_q":
             key, value = torch.from_numpy(arrays["key"]), torch.from_numpy(arrays["value"])
             out, weights = module(query, key, value, keep[:, None, None, :]), None
@@ -166,23 +230,30 @@ def eager_answer(kind, module, arrays):
 
 def request_arrays(kind):
     rng = np.random.default_rng(11)
-    cross = kind in ("mha", "w_q")
+    cross = kind in ("mha", "w_q", "whisper", "mha_nobias")
     kv_len = 9 if cross else 6
     arrays = {"query": rng.standard_normal((2, 6, D), dtype=np.float32)}
     if cross:
         arrays["key"] = rng.standard_normal((2, kv_len, D), dtype=np.float32)
-        arrays["value"] = rng.standard_normal((2, kv_len, D), dtype=np.float32)
+        # Whisper's cross-attention projects the keys and the values from one tensor (the encoder's states)
+        arrays["value"] = arrays["key"] if kind == "whisper" else rng.standard_normal((2, kv_len, D), np.float32)
     arrays["mask"] = np.arange(kv_len)[None, :] < np.array([[kv_len - 2], [kv_len]])  # every row keeps keys
+    if kind == "gpt2":  # causal, as GPT-2 masks
+        arrays["mask"] = np.broadcast_to(np.tril(np.ones((6, 6), dtype=bool)), (2, 6, 6)).copy()
     return arrays
 
 
 def user_module(kind):
-    torch.manual_seed({"W_q": 1, "w_q": 2, "mha": 3, "bert": 4, "mhaserve": 5}[kind])
+    torch.manual_seed({"W_q": 1, "w_q": 2, "mha": 3, "bert": 4, "mhaserve": 5, "whisper": 6, "gpt2": 7,
+                       "mha_nobias": 8}[kind])  # fmt: skip
     return trained(
         {
             "W_q": lambda: DocSelfAttention(D, H),
             "w_q": lambda: DocAttention(D, H),
             "mha": lambda: Encoder(lambda: nn.MultiheadAttention(D, H, batch_first=True)),
+            "mha_nobias": lambda: Encoder(lambda: nn.MultiheadAttention(D, H, bias=False, batch_first=True)),
+            "whisper": lambda: Encoder(WhisperAttention),
+            "gpt2": GPT2Model,
             "bert": BertModel,
             "mhaserve": lambda: MultiHeadAttention(D, H),
         }[kind]()
@@ -199,6 +270,11 @@ MATRIX = [
     ("mha", "nn.MultiheadAttention", "layers.1.self_attn", ".safetensors"),
     ("bert", "BERT", "encoder.layer.1.", ".pt"),
     ("bert", "BERT", "encoder.layer.1.", ".safetensors"),
+    ("mha_nobias", "nn.MultiheadAttention", "layers.1.self_attn.", ".pt"),
+    ("whisper", "q_proj..out_proj", "layers.1.self_attn.", ".bin"),
+    ("whisper", "q_proj..out_proj", "layers.1.self_attn.", ".safetensors"),
+    ("gpt2", "GPT-2", "h.0.attn.", ".pt"),
+    ("gpt2", "GPT-2", "h.0.attn.", ".safetensors"),
     ("mhaserve", "mhaserve", None, ".pt"),
 ]
 
@@ -239,8 +315,13 @@ def test_every_saved_layout_is_read_into_the_served_module_equal_to_its_own(kind
 
 
 # Exported with the command and served, one file of each family: torch.save and safetensors, a prefix with and
-# without its dot, self- and cross-attention, BERT's padding mask.
-SERVED = [m for m in MATRIX if case_id(m) in ("W_q.pt", "w_q.safetensors", "mha.bin", "bert.safetensors")]
+# without its dot, self- and cross-attention, BERT's padding mask, a projection without a bias, GPT-2's causal
+# mask and its weights stored input by output.
+SERVED = [
+    m
+    for m in MATRIX
+    if case_id(m) in ("W_q.pt", "w_q.safetensors", "mha.bin", "bert.safetensors", "whisper.bin", "gpt2.safetensors")
+]
 
 
 @pytest.mark.parametrize(("kind", "layout", "prefix", "suffix"), SERVED, ids=map(case_id, SERVED))
@@ -260,6 +341,11 @@ def test_a_trained_checkpoint_is_served_equal_to_its_module(
     assert f"d_model {D} (from the shapes), {H} heads" in stderr
     source = json.loads((out / "manifest.json").read_text())["source"]
     assert source["layout"] == layout and source["path"] == str(weights)
+    if kind == "whisper":  # its key projection has no bias: served with zeros, and said so
+        assert source["biases_absent"] == ["layers.1.self_attn.k_proj.bias"]
+        assert "holds no layers.1.self_attn.k_proj.bias: those projections have no bias" in stderr
+    else:
+        assert "biases_absent" not in source
     assert source["sha256"] == hashlib.sha256(weights.read_bytes()).hexdigest()
 
     arrays = request_arrays(kind)
@@ -307,6 +393,13 @@ def test_export_module_takes_an_nn_multihead_attention(tmp_path):
     assert manifest["validation"]["counts"]["pass"] > 40
 
 
+def test_export_module_takes_mhaserves_own_module_trained(tmp_path):
+    # forward(query, key=None, value=None, mask=None): called with all four, so the cross-attention cases run too.
+    manifest = export_module(user_module("mhaserve"), tmp_path / "m", validation_seed=0, report=lambda _: None)
+    assert manifest["valid"] is True
+    assert manifest["validation"]["counts"]["skipped"] == 0 and manifest["validation"]["counts"]["fail"] == 0
+
+
 def write(path, state):
     torch.save(state, path)
     return path
@@ -332,8 +425,38 @@ def refusal_cases(tmp_path):
             write(tmp_path / "mix.pt", good | {"W_v.weight": torch.zeros(D // 2, D // 2)}),
             ["--heads", "4"],
         ),
-        "bias 'W_o.bias' is missing": (
-            write(tmp_path / "nobias.pt", {k: v for k, v in good.items() if k != "W_o.bias"}),
+        "weight 'W_o.weight' is missing": (
+            write(tmp_path / "noweight.pt", {k: v for k, v in good.items() if k != "W_o.weight"}),
+            ["--heads", "4"],
+        ),
+        "'W_k.bias' holds nan at [3] (1 of 32 values not finite)": (
+            write(tmp_path / "nan.pt", good | {"W_k.bias": torch.zeros(D).index_fill(0, torch.tensor(3), math.nan)}),
+            ["--heads", "4"],
+        ),
+        # weights whose own module overflows float32: nothing to validate against
+        "answers inf or NaN for unit-scale inputs (its largest weight is 1e+30": (
+            write(tmp_path / "huge.pt", good | {f"W_{p}.weight": torch.full((D, D), 1e30) for p in "qk"}),
+            ["--heads", "4"],
+        ),
+        "'k_proj.weight' has shape [8, 32], expected a square [d_model, d_model] projection (fewer key/value heads "
+        "than query heads, grouped-query attention, is not served)": (
+            write(
+                tmp_path / "gqa.pt",
+                {
+                    "q_proj.weight": torch.zeros(D, D),
+                    "k_proj.weight": torch.zeros(D // 4, D),
+                    "v_proj.weight": torch.zeros(D // 4, D),
+                    "out_proj.weight": torch.zeros(D, D),
+                },
+            ),
+            ["--heads", "4"],
+        ),  # fmt: skip
+        "'q_proj_weight' is set: nn.MultiheadAttention with kdim/vdim != embed_dim": (
+            write(tmp_path / "kdim.pt", nn.MultiheadAttention(D, H, kdim=16, vdim=16).state_dict()),
+            ["--heads", "4"],
+        ),
+        "'bias_k' is set: nn.MultiheadAttention with kdim/vdim != embed_dim or add_bias_kv=True": (
+            write(tmp_path / "bias_kv.pt", nn.MultiheadAttention(D, H, add_bias_kv=True).state_dict()),
             ["--heads", "4"],
         ),
         "d_model 32 (from 'W_q.weight' [32, 32]) is not divisible by 5 heads": (
@@ -381,3 +504,13 @@ def test_a_refusal_from_the_real_command_has_no_traceback(tmp_path):
     )
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines() == [done.stderr.strip()] and "no known attention layout" in done.stderr
+
+
+def test_a_module_whose_weights_are_all_zero_exports_and_validates(tmp_path):
+    # Its every answer is zero: errors are taken against a reference whose largest magnitude is 0.
+    module = MultiHeadAttention(D, H)
+    with torch.no_grad():
+        for parameter in module.parameters():
+            parameter.zero_()
+    manifest = export_module(module, tmp_path / "m", validation_seed=0, report=lambda _: None)
+    assert manifest["valid"] is True
