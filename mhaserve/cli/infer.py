@@ -72,7 +72,8 @@ def add_infer(sub) -> None:
     p.add_argument("--q-len", type=count, default=16, help="query length of the random inputs")
     p.add_argument("--kv-len", type=count, default=None, help="key/value length: cross-attention (default self)")
     for name in ("query", "key", "value", "mask"):
-        p.add_argument(f"--{name}", type=Path, help=f"{name} from a .npy file")
+        help = f"{name} from a .npy file, or an .npz (its one array, or the one named {name}, as --save writes)"
+        p.add_argument(f"--{name}", type=Path, help=help)
     p.add_argument("--no-weights", action="store_true", help="do not ask for every head's attn_weights")
     p.add_argument("--mean-weights", action="store_true", help="ask for attn_weights_mean [B, Lq, Lk], the weights "
                    "averaged over heads (h times fewer bytes)")  # fmt: skip
@@ -102,16 +103,26 @@ def _head(text: str) -> int | str:
 
 
 def _load_array(name: str, path: Path):
-    """One .npy array for --query/--key/--value/--mask, or a one-line usage error."""
+    """One array for --query/--key/--value/--mask: a .npy, or from an .npz its only array or the one named as the
+    flag (``np.savez("in.npz", query=q, mask=m)``); else a one-line usage error."""
+    import zipfile
+
     import numpy as np
 
     try:
-        array = np.load(path)
-    except (OSError, ValueError, EOFError) as error:
-        raise UsageError(f"--{name} {path}: not a readable .npy ({error or type(error).__name__})") from None
-    if not isinstance(array, np.ndarray):
-        raise UsageError(f"--{name} {path}: an .npz of several arrays; pass one .npy per input")
-    return array
+        loaded = np.load(path)
+        if isinstance(loaded, np.ndarray):
+            return loaded
+        with loaded:
+            names = list(loaded.files)
+            if len(names) == 1 or name in names:
+                return loaded[names[0] if len(names) == 1 else name]
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as error:
+        raise UsageError(f"--{name} {path}: not a readable .npy or .npz ({error or type(error).__name__})") from None
+    if not names:
+        raise UsageError(f"--{name} {path}: an .npz that holds no array")
+    held = ", ".join(names)
+    raise UsageError(f"--{name} {path}: an .npz of several arrays ({held}) and none named {name!r}; name it so")
 
 
 def _run_infer(args) -> int:

@@ -538,7 +538,7 @@ def test_infer_cli_refuses_a_choice_it_would_not_honour_before_calling(server, s
     assert inferences() == before
 
 
-@pytest.mark.parametrize("content", [b"", b"not numpy"], ids=["empty", "garbage"])
+@pytest.mark.parametrize("content", [b"", b"not numpy", b"PK\x03\x04 not a zip"], ids=["empty", "garbage", "zip"])
 def test_infer_cli_says_in_one_line_that_an_input_file_is_unreadable(server, tmp_path, content):
     bad = tmp_path / "query.npy"
     bad.write_bytes(content)
@@ -548,6 +548,26 @@ def test_infer_cli_says_in_one_line_that_an_input_file_is_unreadable(server, tmp
     )  # fmt: skip
     assert done.returncode == 2 and f"--query {bad}: not a readable .npy" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_infer_cli_takes_an_input_from_an_npz_by_its_name_and_replays_a_saved_call(server, tmp_path):
+    query, mask = rand(1, 5, D, seed=3), np.array([[True, True, True, False, False]])
+    np.savez(tmp_path / "in.npz", query=query, mask=mask)
+    infer = [sys.executable, "-m", "mhaserve.cli", "infer", "--url", server.url]
+    for source, target in (("in.npz", "first.npz"), ("first.npz", "again.npz")):  # --save's file read back in
+        inputs = ["--query", str(tmp_path / source), "--mask", str(tmp_path / source)]
+        done = subprocess.run([*infer, *inputs, "--save", str(tmp_path / target)], capture_output=True, text=True,
+                              timeout=60)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+    with np.load(tmp_path / "first.npz") as first, np.load(tmp_path / "again.npz") as again:
+        np.testing.assert_array_equal(first["query"], query)
+        np.testing.assert_array_equal(again["mask"], mask)
+        np.testing.assert_array_equal(again["output"], first["output"])
+
+    np.savez(tmp_path / "two.npz", a=query, b=query)
+    done = subprocess.run([*infer, "--query", str(tmp_path / "two.npz")], capture_output=True, text=True, timeout=60)
+    said = f"mhaserve infer: error: --query {tmp_path / 'two.npz'}: an .npz of several arrays (a, b) and none named"
+    assert done.returncode == 2 and done.stderr.startswith(said), done.stderr
 
 
 def test_infer_cli_reports_a_refusal_clearly(server):
