@@ -59,6 +59,9 @@ def decode_rest_request(name: str, version: str, body: bytes, header_length: int
             raise invalid(f"input {input_name!r}: 'name' and 'datatype' must be strings")
         check_input_header(input_name, datatype, arrays.keys() | shared.keys())
         if not isinstance(shape, list) or not all(type(d) is int for d in shape):
+            if isinstance(shape, list) and any(isinstance(d, float) and abs(d) >= 2**63 for d in shape):
+                # a JSON decoder reads an integer past 64 bits as a float: not shown rounded as if it were sent so
+                raise invalid(f"input '{input_name}': 'shape' has a dimension of 2^63 or more")
             raise invalid(f"input '{input_name}': 'shape' is {_as_written(shape)}, expected a list of integers")
         parameters = _parameters(entry, f"input '{input_name}'")
         size = parameters.get("binary_data_size")
@@ -106,13 +109,10 @@ def decode_rest_request(name: str, version: str, body: bytes, header_length: int
 
 
 def _as_written(value) -> str:
-    """A JSON value for a message, as a client would have written it: orjson reads an integer past 64 bits
-    as a float, which is shown as the integer it holds (2^64 as 18446744073709551616, not 1.8e+19)."""
+    """A JSON value for a message, as a client would have written it (a list as JSON writes it)."""
     if isinstance(value, list):
         return "[" + ", ".join(_as_written(v) for v in value) + "]"
-    if isinstance(value, float) and value.is_integer():
-        return str(int(value))
-    return repr(value)
+    return orjson.dumps(value).decode() if isinstance(value, (str, bool)) or value is None else repr(value)
 
 
 def _array_from_json(name: str, datatype: str, shape: list[int], data) -> np.ndarray:
@@ -126,9 +126,12 @@ def _array_from_json(name: str, datatype: str, shape: list[int], data) -> np.nda
         raise _misnested(name, shape)
     values = np.concatenate(pieces) if pieces else np.zeros(0)
     if values.dtype.kind not in "biuf":
-        raise invalid(f"input '{name}': 'data' holds {values.dtype.kind!r}-kind values, not {datatype} numbers")
+        held = "strings" if values.dtype.kind == "U" else "values that are not all numbers (null, objects, mixed)"
+        raise invalid(f"input '{name}': 'data' holds {held}, not {datatype} numbers")
     if datatype == "BOOL" and values.dtype.kind != "b":
         raise invalid(f"input '{name}': BOOL data must be true or false")
+    if datatype != "BOOL" and values.dtype.kind == "b":
+        raise invalid(f"input '{name}': {datatype} data must be numbers, not true or false")
     if datatype != "BOOL" and datatype != "FP32" and values.dtype.kind == "f":
         raise invalid(f"input '{name}': {datatype} data must be integers")
     return array_from_values(name, datatype, shape, values, "data")

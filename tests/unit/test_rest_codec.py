@@ -51,6 +51,37 @@ def test_json_and_binary_inputs_decode_to_the_same_arrays():
         (b'{"inputs": [{"name": "query", "shape": [2], "datatype": "FP32", "data": [1, [2]]}]}', None, "ragged"),
         (b'{"inputs": [], "id": {"a": 1}}', None, "the request's 'id' must be a string"),
         (
+            b'{"inputs": [{"name": "query", "shape": [2], "datatype": "FP32", "data": ["1", "2"]}]}',
+            None,
+            "input 'query': 'data' holds strings, not FP32 numbers",
+        ),
+        (
+            b'{"inputs": [{"name": "query", "shape": [2], "datatype": "FP32", "data": [1, null]}]}',
+            None,
+            "input 'query': 'data' holds values that are not all numbers",
+        ),
+        (
+            b'{"inputs": [{"name": "query", "shape": [2], "datatype": "FP32", "data": [true, false]}]}',
+            None,
+            "input 'query': FP32 data must be numbers, not true or false",
+        ),
+        (
+            b'{"inputs": [{"name": "mask", "shape": [2], "datatype": "INT64", "data": [true, false]}]}',
+            None,
+            "input 'mask': INT64 data must be numbers, not true or false",
+        ),
+        # 1.0 is shown as written; an integer past 64 bits, which JSON decoders read as a float, as too large
+        (
+            b'{"inputs": [{"name": "query", "shape": [1, 1.0], "datatype": "FP32", "data": [1]}]}',
+            None,
+            "'shape' is [1, 1.0], expected a list of integers",
+        ),
+        (
+            b'{"inputs": [{"name": "query", "shape": [1, 99999999999999999999], "datatype": "FP32", "data": [1]}]}',
+            None,
+            "input 'query': 'shape' has a dimension of 2^63 or more",
+        ),
+        (
             b'{"inputs": [{"name": "query", "shape": [1], "datatype": "FP32", "data": [1.0], '
             b'"parameters": {"binary_data_size": 4}}]}\x00\x00\x80\x3f',
             119,
