@@ -7,6 +7,7 @@ import os
 import shutil
 import tempfile
 import time
+import zipfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -432,6 +433,19 @@ def export_module(
     )
 
 
+def _check_same_weights(model_dir: Path, against: Path) -> None:
+    """Refuses an ``against`` folder that is no float32 export of ``model_dir``'s weights: its answers would differ
+    for another reason than precision."""
+    if read_manifest(against).get("precision", "fp32") != "fp32":
+        raise UsageError(f"--against {against}: exported in {read_manifest(against)['precision']}; give a float32 one")
+    ours, theirs = (load_weights(folder / WEIGHTS_FILE).state_dict() for folder in (model_dir, against))
+    for name, tensor in ours.items():
+        other = theirs[name]
+        if tensor.shape != other.shape or not torch.equal(tensor, other):
+            differ = "its shape" if tensor.shape != other.shape else f"up to {float((tensor - other).abs().max()):.3g}"
+            raise UsageError(f"--against {against}: holds other weights than {model_dir} ({name} differs by {differ})")
+
+
 def check_on_inputs(
     model_dir: str | Path,
     inputs: str | Path,
@@ -443,15 +457,18 @@ def check_on_inputs(
     ``query`` and optionally ``key``, ``value`` and ``mask`` (``[B, Lk]``, ``[B, Lq, Lk]`` or the served rank 4), as
     ``mhaserve infer --save`` writes it. Reports the worst errors; True where they are within the folder's
     precision's tolerance (validate.TOLERANCES)."""
-    from mhaserve.model.mha import attention_mask_4d
+    from mhaserve.contract.signature import ModelSignature
+    from mhaserve.server.errors import RequestError
+    from mhaserve.server.tensors import Limits, checked_inputs
 
     report = report or report_to_stderr
     model_dir = Path(model_dir)
-    precision = read_manifest(model_dir).get("precision", "fp32")
+    manifest = read_manifest(model_dir)
+    precision = manifest.get("precision", "fp32")
     tolerance = TOLERANCES[precision]
     try:
         saved = np.load(inputs)
-    except (OSError, ValueError, EOFError) as error:
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as error:
         raise UsageError(f"--inputs {inputs}: not a readable .npz ({error or type(error).__name__})") from None
     if not isinstance(saved, np.lib.npyio.NpzFile):
         raise UsageError(f"--inputs {inputs}: one array, not an .npz of named arrays (query, key, value, mask)")
@@ -459,12 +476,16 @@ def check_on_inputs(
         arrays = {name: saved[name] for name in ("query", "key", "value", "mask") if name in saved}
     if "query" not in arrays:
         raise UsageError(f"--inputs {inputs}: holds no 'query' array (it has {', '.join(arrays) or 'none'})")
-    query = arrays["query"].astype(np.float32)
-    key = arrays.get("key", query).astype(np.float32)
-    value = arrays.get("value", key).astype(np.float32)
-    mask = arrays.get("mask")
-    allowed = np.ones((1, 1, 1, key.shape[1]), bool) if mask is None else attention_mask_4d(torch.from_numpy(mask))
-    feeds = {"query": query, "key": key, "value": value, "mask": np.ascontiguousarray(np.asarray(allowed))}
+    arrays = {n: a.astype(np.float32) if n != "mask" else a for n, a in arrays.items()}
+    # Checked as the server checks a request (shapes, the mask's form, finite values), at no limit of size
+    config = manifest["config"]
+    signature = ModelSignature(model_dir.name, "", config["d_model"], config["num_heads"], precision)
+    try:
+        run = checked_inputs(arrays, (), signature, Limits(*(3 * [np.iinfo(np.int64).max])))
+    except RequestError as refused:
+        raise UsageError(f"--inputs {inputs}: {refused.message}") from None
+    query, key = run.query, run.key
+    feeds = {"query": query, "key": key, "value": run.value, "mask": np.ascontiguousarray(run.mask)}
     session = ort.InferenceSession(str(model_dir / MODEL_FILE), providers=["CPUExecutionProvider"])
     got = session.run(["output", "attn_weights"], feeds)
     if against is None:
@@ -473,6 +494,7 @@ def check_on_inputs(
             want = [t.numpy() for t in module(*(torch.from_numpy(feeds[n]) for n in ("query", "key", "value", "mask")))]
         reference = "eager float32 PyTorch on its weights"
     else:
+        _check_same_weights(model_dir, Path(against))
         other = ort.InferenceSession(str(Path(against) / MODEL_FILE), providers=["CPUExecutionProvider"])
         want = other.run(["output", "attn_weights"], feeds)
         reference = str(against)

@@ -227,9 +227,10 @@ def add_validate(sub) -> None:
 
 
 def _run_validate(args) -> int:
-    if not (args.model_dir / "manifest.json").is_file():
-        what = "no such folder" if not args.model_dir.exists() else "no manifest.json in it"
-        raise UsageError(f"{args.model_dir}: {what}; give a folder 'mhaserve export' wrote")
+    for flag, folder in (("--model-dir", args.model_dir), ("--against", args.against)):
+        if folder is not None and not (folder / "manifest.json").is_file():
+            what = "no such folder" if not folder.exists() else "no manifest.json in it"
+            raise UsageError(f"{folder}: {what}; give {flag} a folder 'mhaserve export' wrote")
     require_extra("export", "mhaserve validate")  # it runs eager PyTorch beside the export
     from mhaserve.export.writer import check_on_inputs, revalidate_model_dir
 

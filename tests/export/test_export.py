@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 import warnings
@@ -27,6 +28,7 @@ from mhaserve.export.validate import (
     validation_session,
 )
 from mhaserve.export.writer import export_model_dir, revalidate_model_dir
+from mhaserve.model import load_weights, save_weights
 from mhaserve.server.config import ServerSettings
 from mhaserve.server.model_config import model_settings
 from tests.support import SMALL_D_MODEL, SMALL_HEADS, eager, rand
@@ -357,6 +359,36 @@ def test_cli_validate_fails_on_a_tampered_model(tmp_path, small_model_dir, capsy
     onnx.save(model, str(folder / "model.onnx"))
     assert cli(["validate", str(folder), "--seed", "0"]) == 1  # the command's own main, in this process
     assert "FAIL" in capsys.readouterr().err
+
+
+def test_cli_validate_inputs_refuses_what_the_server_would_and_a_folder_of_other_weights(
+    tmp_path, small_model_dir, capsys
+):
+    def refused(arrays, *against) -> str:
+        np.savez(tmp_path / "in.npz", **arrays)
+        code = cli(["validate", str(small_model_dir), "--inputs", str(tmp_path / "in.npz"), *against])
+        said = capsys.readouterr().err
+        assert code == 2 and len(said.strip().splitlines()) == 1, said
+        return said
+
+    query = rand(1, 5, D, seed=1)
+    assert f"input 'query': shape [5, {D}], expected rank 3" in refused({"query": query[0]})
+    assert "input 'query': 5 non-finite values" in refused({"query": np.where(np.arange(D) == 0, np.nan, query)})
+    assert "input 'mask': shape [1, 5, 9], expected [1, 5] (key padding) or [1, 5, 5]" in refused(
+        {"query": query, "mask": np.ones((1, 5, 9), bool)}
+    )
+    other = tmp_path / "other"
+    shutil.copytree(small_model_dir, other)
+    module = load_weights(other / "weights.pt")
+    with torch.no_grad():
+        module.W_v.bias[0] += 0.5
+    save_weights(module, other / "weights.pt")
+    said = refused({"query": query}, "--against", str(other))
+    assert f"holds other weights than {small_model_dir} (W_v.bias differs by up to 0.5)" in said
+    manifest = json.loads((other / "manifest.json").read_text())
+    (other / "manifest.json").write_text(json.dumps(manifest | {"precision": "fp16"}))
+    assert "exported in fp16; give a float32 one" in refused({"query": query}, "--against", str(other))
+    assert "give --against a folder 'mhaserve export' wrote" in refused({"query": query}, "--against", "/nonexistent")
 
 
 def test_cli_rejects_bad_sizes(tmp_path, capsys):
