@@ -82,7 +82,12 @@ def check_input_header(name: str, datatype: str, seen) -> None:
         raise invalid(f"input '{name}' is given more than once")
     allowed_types = MASK_DATATYPES if name == "mask" else ("FP32",)
     if datatype not in allowed_types:
-        raise invalid(f"input '{name}': datatype '{datatype}', expected {' or '.join(allowed_types)}")
+        why = ""
+        if name == "mask" and datatype.startswith(("FP", "BF")):
+            # PyTorch's float masks are added to the scores (0 attends, -inf does not): read as 0 = may not attend,
+            # one would mean its opposite
+            why = " (a float mask is not read: 0 means may not attend here, while PyTorch adds a float attn_mask)"
+        raise invalid(f"input '{name}': datatype '{datatype}', expected {' or '.join(allowed_types)}{why}")
 
 
 def element_count(name: str, shape) -> int:

@@ -299,13 +299,26 @@ class AsyncSequence(Sequence):
 
 
 def request_inputs(query, key=None, value=None, mask=None) -> list[tuple[str, np.ndarray]]:
-    """The inputs a request carries, whatever the wire: the given ones, contiguous, FP32 but the mask (as given)."""
+    """The inputs a request carries, whatever the wire: the given ones, contiguous, FP32 but the mask (as given).
+    Each may be a NumPy array, anything NumPy reads as one, or a torch.Tensor as a model leaves it (needing grad, on
+    a GPU, bfloat16)."""
     tensors = {"query": query, "key": key, "value": value, "mask": mask}
     return [
-        (name, np.ascontiguousarray(array, dtype=np.float32 if name != "mask" else None))
+        (name, np.ascontiguousarray(_values_of(array), dtype=np.float32 if name != "mask" else None))
         for name, array in tensors.items()
         if array is not None
     ]
+
+
+def _values_of(array):
+    """A torch.Tensor's values on the host, in a dtype NumPy has (bfloat16 widened to float32); anything else as
+    it is. Read by its methods: the client never imports torch."""
+    if not (hasattr(array, "detach") and hasattr(array, "cpu") and hasattr(array, "numpy")):
+        return array
+    array = array.detach().cpu()
+    if str(array.dtype) == "torch.bfloat16":
+        array = array.float()
+    return array.numpy()
 
 
 def requested_outputs(attn_weights: bool, attn_weights_mean: bool, weights: WeightsOptions | None = None) -> list[str]:

@@ -15,7 +15,7 @@ import grpc
 import numpy as np
 import pytest
 
-from mhaserve.client.grpc import AsyncClient, Client, build_infer_request
+from mhaserve.client.grpc import AsyncClient, Client, GrpcRequestFailed, build_infer_request
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
 from tests.support import SMALL_D_MODEL, SMALL_HEADS, TEST_SERVER_ARGS, eager, rand
@@ -59,6 +59,20 @@ def test_client_answers_equal_eager(client, small_module, index):
     assert result.output.shape == want_out.shape and result.attn_weights.shape == want_attn.shape
     np.testing.assert_allclose(result.output, want_out, rtol=0, atol=1e-5)
     np.testing.assert_allclose(result.attn_weights, want_attn, rtol=0, atol=1e-5)
+
+
+def test_client_takes_torch_tensors_as_a_model_leaves_them(server, small_module):
+    # Needing grad, bfloat16: taken as their values, as NumPy arrays of them would be (torch never imported by it)
+    torch = pytest.importorskip("torch")
+    query = torch.from_numpy(rand(1, 5, D, seed=12))
+    mask = torch.tensor([[True, True, True, False, False]])
+    for given, sent in ((query.clone().requires_grad_(), query), (query.bfloat16(), query.bfloat16().float())):
+        with Client(server.url) as client:
+            got = client.infer(given, mask=mask)
+        np.testing.assert_allclose(got.output, eager(small_module, sent.numpy(), mask=mask.numpy())[0], atol=1e-5)
+    with Client(server.url) as client, pytest.raises(GrpcRequestFailed) as refused:
+        client.infer(query, mask=mask.float())  # PyTorch adds a float mask: 0 would mean the opposite here
+    assert "a float mask is not read: 0 means may not attend here" in refused.value.details()
 
 
 def test_async_client_answers_equal_eager(server, small_module):
