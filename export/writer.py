@@ -436,8 +436,9 @@ def export_module(
 def _check_same_weights(model_dir: Path, against: Path) -> None:
     """Refuses an ``against`` folder that is no float32 export of ``model_dir``'s weights: its answers would differ
     for another reason than precision."""
-    if read_manifest(against).get("precision", "fp32") != "fp32":
-        raise UsageError(f"--against {against}: exported in {read_manifest(against)['precision']}; give a float32 one")
+    precision = read_manifest(against).get("precision", "fp32")
+    if precision != "fp32":
+        raise UsageError(f"--against {against}: exported in {precision}; give a float32 one")
     ours, theirs = (load_weights(folder / WEIGHTS_FILE).state_dict() for folder in (model_dir, against))
     for name, tensor in ours.items():
         other = theirs[name]

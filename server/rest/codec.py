@@ -112,7 +112,7 @@ def _as_written(value) -> str:
     """A JSON value for a message, as a client would have written it (a list as JSON writes it)."""
     if isinstance(value, list):
         return "[" + ", ".join(_as_written(v) for v in value) + "]"
-    return orjson.dumps(value).decode() if isinstance(value, (str, bool)) or value is None else repr(value)
+    return orjson.dumps(value).decode()
 
 
 def _array_from_json(name: str, datatype: str, shape: list[int], data) -> np.ndarray:
