@@ -13,7 +13,9 @@ A projection without a bias (``bias=False``, or Whisper's key projection) is ser
 computation.
 
 Files: ``.safetensors`` (the safetensors package) or anything else torch.load reads with
-``weights_only=True`` (``.pt``, ``.pth``, ``.bin``). Nested dicts (``{"state_dict": ...}``,
+``weights_only=True`` (``.pt``, ``.pth``, ``.bin``); or a folder as Hugging Face's ``save_pretrained`` writes it
+(``model.safetensors`` or ``pytorch_model.bin``, or shards and their ``.index.json``, of which only those holding
+the layer are read). Nested dicts (``{"state_dict": ...}``,
 ``{"model": ...}``) are read as dotted prefixes. A whole module saved with ``torch.save(model)`` is read
 without running any of its code (SavedModuleReader): its tensors, and its attention layer's head count
 from the layer's own attributes. Every shape is checked before a module is built, and every refusal is a
@@ -26,10 +28,11 @@ the file as Hugging Face writes it), and a ``--heads`` that contradicts any of t
 
 from __future__ import annotations
 
+import hashlib
 import json
 import pickle
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -101,6 +104,7 @@ class Checkpoint:
     # a saved module's head counts by module path ("" the module itself, "layers.0.self_attn." one inside it)
     module_heads: dict[str, int] | None = None
     module_class: str | None = None  # a saved module's class, as the file names it
+    files: list[Path] = field(default_factory=list)  # the files read (a folder's shards as their tensors are read)
 
     def heads_of(self, layer: AttentionLayer) -> int | None:
         """The head count the file gives ``layer``: the file's own, or the attribute of the innermost module on the
@@ -273,11 +277,77 @@ def _check_answers(module: MultiHeadAttention, where: str) -> None:
         )
 
 
+# What Hugging Face's save_pretrained writes into a folder, in the order it prefers them; sharded, each with an
+# index (NAME.index.json) mapping every tensor to its shard.
+PRETRAINED_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
 def read_checkpoint(path: str | Path) -> Checkpoint:
-    """The flat state dict of a .safetensors file or a torch.save file (loaded with weights_only=True)."""
+    """The flat state dict of a .safetensors file or a torch.save file (loaded with weights_only=True), or of a
+    folder save_pretrained wrote."""
     path = Path(path)
+    if path.is_dir():
+        return _read_folder(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such file")
+    checkpoint = _read_file(path)
+    checkpoint.files.append(path)
+    return checkpoint
+
+
+def _read_folder(folder: Path) -> Checkpoint:
+    for name in PRETRAINED_FILES:
+        if (folder / name).is_file():
+            return read_checkpoint(folder / name)
+    for name in PRETRAINED_FILES:
+        index = folder / f"{name}.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (OSError, ValueError, KeyError, TypeError) as error:
+                raise CheckpointError(f"{index}: not an index of shards ({type(error).__name__}: {error})") from None
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index}: 'weight_map' is not an object naming each tensor's shard")
+            files: list[Path] = []
+            return Checkpoint(_ShardedState(folder, weight_map, files), None, False, files=files)
+    found = sorted(p.name for p in folder.iterdir() if p.suffix in (".safetensors", ".bin", ".pt", ".pth"))
+    if len(found) == 1:
+        return read_checkpoint(folder / found[0])
+    held = f"; it holds {', '.join(found)}: give one of them" if found else ""
+    raise CheckpointError(f"{folder}: a folder without {' or '.join(PRETRAINED_FILES)} or an index of shards{held}")
+
+
+class _ShardedState(Mapping):
+    """Sharded weights' tensors by key, from their index; a shard is read when one of its tensors is first asked
+    for (a layer's tensors are in one or two shards of many), and listed in ``files``."""
+
+    def __init__(self, folder: Path, weight_map: dict[str, str], files: list[Path]):
+        self._folder, self._map, self._files = folder, weight_map, files
+        self._shards: dict[str, dict] = {}
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        shard = self._map[key]
+        if shard not in self._shards:
+            path = self._folder / shard
+            if not path.is_file():
+                raise CheckpointError(f"{self._folder}: the shard {shard!r} its index names for {key!r} is missing")
+            self._shards[shard] = _read_file(path).state
+            self._files.append(path)
+        if key not in self._shards[shard]:
+            raise CheckpointError(f"{self._folder / shard}: holds no {key!r}, which its index places there")
+        return self._shards[shard][key]
+
+    def __contains__(self, key) -> bool:
+        return key in self._map
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._map)
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+
+def _read_file(path: Path) -> Checkpoint:
     if path.suffix == ".safetensors":
         return _read_safetensors(path)
     try:
@@ -394,9 +464,10 @@ def load_saved_module(path: str | Path, prefix: str) -> torch.nn.Module:
 
 
 def heads_from_config(weights: Path, d_model: int) -> tuple[int, Path] | None:
-    """The head count a ``config.json`` beside ``weights`` gives (Hugging Face's keys), and the file; None without
-    one or without such a key. A config whose size contradicts ``d_model`` is refused: it is not these weights'."""
-    config = weights.parent / "config.json"
+    """The head count a ``config.json`` beside ``weights`` (or in it, a folder) gives (Hugging Face's keys), and the
+    file; None without one or without such a key. A config whose size contradicts ``d_model`` is refused: it is not
+    these weights'."""
+    config = (weights if weights.is_dir() else weights.parent) / "config.json"
     if not config.is_file():
         return None
     try:
@@ -444,6 +515,10 @@ def _flatten(tree: Mapping, prefix: str = "") -> dict:
     return flat
 
 
+def _digest_of(digests) -> str:
+    return hashlib.sha256("".join(digests).encode()).hexdigest()
+
+
 def load_checkpoint(
     path: str | Path, num_heads: int | None = None, prefix: str | None = None
 ) -> tuple[MultiHeadAttention, dict]:
@@ -476,15 +551,19 @@ def load_checkpoint(
     heads, heads_from = said[0] if said else (None, None)
     module, layer = module_from_state_dict(checkpoint.state, heads, layer.prefix, where)
     _check_answers(module, where)
+    files = checkpoint.files  # every file the layer's tensors were read from
     source = {
         "kind": "checkpoint",
         "path": str(path),
-        "format": "safetensors" if path.suffix == ".safetensors" else "torch",
+        "format": "safetensors" if all(f.suffix == ".safetensors" for f in files) else "torch",
         "layout": MHASERVE_LAYOUT if checkpoint.mhaserve_format else layer.layout.name,
         "prefix": layer.prefix,
         "heads_from": heads_from,
-        "sha256": file_sha256(path),
+        # the file's; of several shards, their digests' in the order read
+        "sha256": file_sha256(files[0]) if len(files) == 1 else _digest_of(file_sha256(f) for f in files),
     }
+    if path.is_dir():
+        source["files"] = [f.name for f in files]
     if checkpoint.module_class:
         source["module_class"] = checkpoint.module_class
     if biases_absent:

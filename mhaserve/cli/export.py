@@ -26,7 +26,7 @@ def add_export(sub) -> None:
     weights.add_argument("--weights", type=Path, help="trained weights: a state dict (.pt/.pth/.bin/.safetensors) of "
                          "a module with W_q..W_o or w_q..w_o, nn.MultiheadAttention, a BERT-style encoder, "
                          "BART-style q_proj..out_proj (BART, OPT, Whisper), GPT-2's c_attn and c_proj, or "
-                         "mhaserve's own file")  # fmt: skip
+                         "mhaserve's own file; or a folder Hugging Face's save_pretrained wrote")  # fmt: skip
     p.add_argument("--prefix", help="the key prefix of one attention layer in --weights (e.g. encoder.layers.3.)")
     p.add_argument("--trust-module", action="store_true", help="with --weights of a whole saved module "
                    "(torch.save(model)): also load it as torch.load does, running the code it was saved with (only "

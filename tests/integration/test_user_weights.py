@@ -400,6 +400,45 @@ def test_export_module_takes_mhaserves_own_module_trained(tmp_path):
     assert manifest["validation"]["counts"]["skipped"] == 0 and manifest["validation"]["counts"]["fail"] == 0
 
 
+def test_a_pretrained_folder_is_read_and_of_sharded_weights_only_the_shard_holding_the_layer(tmp_path, capsys):
+    # As Hugging Face's save_pretrained writes a model: its config.json names the heads; the index maps each
+    # tensor to its shard
+    model = user_module("bert")
+    state = {f"bert.{k}": v.contiguous() for k, v in model.state_dict().items()}
+    single = tmp_path / "single"
+    single.mkdir()
+    save_file(state, str(single / "model.safetensors"))
+    (single / "config.json").write_text(json.dumps({"hidden_size": D, "num_attention_heads": H}))
+    served, source = load_checkpoint(single, prefix="bert.encoder.layer.1.")
+    assert source["heads_from"] == str(single / "config.json") and source["files"] == ["model.safetensors"]
+    assert source["sha256"] == hashlib.sha256((single / "model.safetensors").read_bytes()).hexdigest()
+
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    shards = {"model-00001-of-00002.safetensors": ".layer.0.", "model-00002-of-00002.safetensors": ".layer.1."}
+    weight_map = {}
+    for shard, layer in shards.items():
+        save_file({k: v for k, v in state.items() if layer in k}, str(sharded / shard))
+        weight_map |= {k: shard for k in state if layer in k}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (sharded / "config.json").write_text((single / "config.json").read_text())
+    (sharded / "model-00001-of-00002.safetensors").write_bytes(b"never read")  # the other layer's shard
+    from_shards, source = load_checkpoint(sharded, prefix="bert.encoder.layer.1.")
+    assert source["files"] == ["model-00002-of-00002.safetensors"] and source["layout"] == "BERT"
+    for name, tensor in served.state_dict().items():
+        assert torch.equal(tensor, from_shards.state_dict()[name]), name
+
+    # Without a prefix, the layers are listed from the index alone
+    assert cli(["export", "--weights", str(sharded), "--out", str(tmp_path / "out")]) == 2
+    assert "holds 2 attention layers; pick one with --prefix: 'bert.encoder.layer.0.'" in capsys.readouterr().err
+    (tmp_path / "two").mkdir()
+    for name in ("a.pt", "b.pt"):
+        torch.save(model.state_dict(), tmp_path / "two" / name)
+    assert cli(["export", "--weights", str(tmp_path / "two"), "--heads", "4", "--out", str(tmp_path / "out")]) == 2
+    said = capsys.readouterr().err
+    assert "a folder without model.safetensors or pytorch_model.bin or an index of shards; it holds a.pt, b.pt" in said
+
+
 def write(path, state):
     torch.save(state, path)
     return path
