@@ -7,7 +7,6 @@ import os
 import shutil
 import tempfile
 import time
-import zipfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -449,44 +448,21 @@ def _check_same_weights(model_dir: Path, against: Path) -> None:
 
 def check_on_inputs(
     model_dir: str | Path,
-    inputs: str | Path,
+    feeds: dict[str, np.ndarray],
+    inputs: str,
     against: str | Path | None = None,
     report: Callable[[str], None] | None = None,
 ) -> bool:
     """The folder's answers on a user's own inputs against float32's: eager PyTorch on the folder's own weights, or
-    the answers of ``against`` (another folder, a float32 export of the same weights). ``inputs`` is an .npz holding
-    ``query`` and optionally ``key``, ``value`` and ``mask`` (``[B, Lk]``, ``[B, Lq, Lk]`` or the served rank 4), as
-    ``mhaserve infer --save`` writes it. Reports the worst errors; True where they are within the folder's
-    precision's tolerance (validate.TOLERANCES)."""
-    from mhaserve.contract.signature import ModelSignature
-    from mhaserve.server.errors import RequestError
-    from mhaserve.server.tensors import Limits, checked_inputs
-
+    the answers of ``against`` (another folder, a float32 export of the same weights). ``feeds`` are the inputs in
+    the served form (``query``, ``key``, ``value`` FP32 and the rank-4 BOOL ``mask``, as the server checks a
+    request into), read from what ``inputs`` names. Reports the worst errors; True where they are within the
+    folder's precision's tolerance (validate.TOLERANCES)."""
     report = report or report_to_stderr
     model_dir = Path(model_dir)
-    manifest = read_manifest(model_dir)
-    precision = manifest.get("precision", "fp32")
+    precision = read_manifest(model_dir).get("precision", "fp32")
     tolerance = TOLERANCES[precision]
-    try:
-        saved = np.load(inputs)
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as error:
-        raise UsageError(f"--inputs {inputs}: not a readable .npz ({error or type(error).__name__})") from None
-    if not isinstance(saved, np.lib.npyio.NpzFile):
-        raise UsageError(f"--inputs {inputs}: one array, not an .npz of named arrays (query, key, value, mask)")
-    with saved:
-        arrays = {name: saved[name] for name in ("query", "key", "value", "mask") if name in saved}
-    if "query" not in arrays:
-        raise UsageError(f"--inputs {inputs}: holds no 'query' array (it has {', '.join(arrays) or 'none'})")
-    arrays = {n: a.astype(np.float32) if n != "mask" else a for n, a in arrays.items()}
-    # Checked as the server checks a request (shapes, the mask's form, finite values), at no limit of size
-    config = manifest["config"]
-    signature = ModelSignature(model_dir.name, "", config["d_model"], config["num_heads"], precision)
-    try:
-        run = checked_inputs(arrays, (), signature, Limits(*(3 * [np.iinfo(np.int64).max])))
-    except RequestError as refused:
-        raise UsageError(f"--inputs {inputs}: {refused.message}") from None
-    query, key = run.query, run.key
-    feeds = {"query": query, "key": key, "value": run.value, "mask": np.ascontiguousarray(run.mask)}
+    query, key = feeds["query"], feeds["key"]
     session = ort.InferenceSession(str(model_dir / MODEL_FILE), providers=["CPUExecutionProvider"])
     got = session.run(["output", "attn_weights"], feeds)
     if against is None:

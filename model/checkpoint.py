@@ -4,7 +4,8 @@ Layouts read, each under any key prefix (``module.``, ``encoder.layers.3.self_at
 
 - the design documents' modules: ``W_q, W_k, W_v, W_o`` or ``w_q, w_k, w_v, w_o`` (``.weight``, ``.bias``);
 - ``nn.MultiheadAttention``: ``in_proj_weight``/``in_proj_bias`` (W_q, W_k, W_v stacked) and ``out_proj.*``;
-- BERT-style encoders: ``attention.self.{query,key,value}`` and ``attention.output.dense``;
+- BERT-style encoders: ``attention.self.{query,key,value}`` and ``attention.output.dense``; ViT's
+  ``attention.attention.{query,key,value}``; DistilBERT's ``q_lin, k_lin, v_lin, out_lin``;
 - BART-style attention (BART, Marian, OPT, Whisper): ``q_proj, k_proj, v_proj, out_proj``;
 - GPT-2: ``c_attn`` (W_q, W_k, W_v side by side, stored input by output as its Conv1D keeps them) and ``c_proj``;
 - mhaserve's own weights files (``save_weights``: the state dict with ``d_model`` and ``num_heads``).
@@ -67,6 +68,12 @@ LAYOUTS = (
         "attention.self.query.weight",
         ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense"),
     ),
+    Layout(
+        "ViT",
+        "attention.attention.query.weight",
+        ("attention.attention.query", "attention.attention.key", "attention.attention.value", "attention.output.dense"),
+    ),
+    Layout("DistilBERT", "q_lin.weight", ("q_lin", "k_lin", "v_lin", "out_lin")),
     Layout("q_proj..out_proj", "q_proj.weight", ("q_proj", "k_proj", "v_proj", "out_proj")),
     Layout("GPT-2", "c_attn.weight", None, ("c_attn.", "c_proj.", True)),
 )
@@ -86,7 +93,7 @@ class AttentionLayer:
 HEADS_ATTRIBUTES = ("num_heads", "n_heads", "h", "heads", "nhead", "n_head", "num_attention_heads")
 # What a config.json beside the weights may call it (Hugging Face's configs), and d_model.
 CONFIG_HEADS_KEYS = ("num_attention_heads", "num_heads", "n_head", "n_heads", "nhead", "encoder_attention_heads")
-CONFIG_D_MODEL_KEYS = ("hidden_size", "d_model", "n_embd", "embed_dim")
+CONFIG_D_MODEL_KEYS = ("hidden_size", "d_model", "n_embd", "embed_dim", "dim")
 
 
 def declared_heads(module) -> int | None:

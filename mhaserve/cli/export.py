@@ -24,7 +24,7 @@ def add_export(sub) -> None:
     weights = p.add_mutually_exclusive_group()
     weights.add_argument("--seed", type=index, default=0, help="seed of the default initialisation (default 0)")
     weights.add_argument("--weights", type=Path, help="trained weights: a state dict (.pt/.pth/.bin/.safetensors) of "
-                         "a module with W_q..W_o or w_q..w_o, nn.MultiheadAttention, a BERT-style encoder, "
+                         "a module with W_q..W_o or w_q..w_o, nn.MultiheadAttention, BERT, ViT, DistilBERT, "
                          "BART-style q_proj..out_proj (BART, OPT, Whisper), GPT-2's c_attn and c_proj, or "
                          "mhaserve's own file; or a folder Hugging Face's save_pretrained wrote")  # fmt: skip
     p.add_argument("--prefix", help="the key prefix of one attention layer in --weights (e.g. encoder.layers.3.)")
@@ -226,6 +226,42 @@ def add_validate(sub) -> None:
     p.set_defaults(run=_run_validate)
 
 
+def _checked_inputs(model_dir: Path, inputs: Path) -> dict:
+    """An .npz of ``query`` and optionally ``key``, ``value`` and ``mask`` (as ``mhaserve infer --save`` writes
+    it), checked as the server checks a request to the folder's model (shapes, the mask's form, finite values; no
+    limit of size), in the served form: FP32 tensors and the rank-4 BOOL mask."""
+    import zipfile
+
+    import numpy as np
+
+    from mhaserve.contract.model_dir import read_manifest
+    from mhaserve.contract.signature import ModelSignature
+    from mhaserve.server.errors import RequestError
+    from mhaserve.server.tensors import Limits, checked_inputs
+
+    try:
+        saved = np.load(inputs)
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as error:
+        raise UsageError(f"--inputs {inputs}: not a readable .npz ({error or type(error).__name__})") from None
+    if not isinstance(saved, np.lib.npyio.NpzFile):
+        raise UsageError(f"--inputs {inputs}: one array, not an .npz of named arrays (query, key, value, mask)")
+    with saved:
+        arrays = {name: saved[name] for name in ("query", "key", "value", "mask") if name in saved}
+    if "query" not in arrays:
+        raise UsageError(f"--inputs {inputs}: holds no 'query' array (it has {', '.join(arrays) or 'none'})")
+    arrays = {name: array.astype(np.float32) if name != "mask" else array for name, array in arrays.items()}
+    manifest = read_manifest(model_dir)
+    config = manifest["config"]
+    signature = ModelSignature(
+        model_dir.name, "", config["d_model"], config["num_heads"], manifest.get("precision", "fp32")
+    )
+    try:
+        run = checked_inputs(arrays, (), signature, Limits(*(3 * [np.iinfo(np.int64).max])))
+    except RequestError as refused:
+        raise UsageError(f"--inputs {inputs}: {refused.message}") from None
+    return {"query": run.query, "key": run.key, "value": run.value, "mask": np.ascontiguousarray(run.mask)}
+
+
 def _run_validate(args) -> int:
     for flag, folder in (("--model-dir", args.model_dir), ("--against", args.against)):
         if folder is not None and not (folder / "manifest.json").is_file():
@@ -235,7 +271,8 @@ def _run_validate(args) -> int:
     from mhaserve.export.writer import check_on_inputs, revalidate_model_dir
 
     if args.inputs is not None:
-        return 0 if check_on_inputs(args.model_dir, args.inputs, args.against) else 1
+        feeds = _checked_inputs(args.model_dir, args.inputs)
+        return 0 if check_on_inputs(args.model_dir, feeds, str(args.inputs), args.against) else 1
     if args.against is not None:
         raise UsageError("--against compares answers on --inputs; there is no --inputs")
     return 0 if revalidate_model_dir(args.model_dir, seed=args.seed) else 1

@@ -141,6 +141,60 @@ class WhisperAttention(nn.Module):
         return self.out_proj((weights @ heads(self.v_proj(source))).transpose(1, 2).reshape(b, n, D)), weights
 
 
+class DistilBertAttention(nn.Module):
+    """DistilBERT's names (q_lin, k_lin, v_lin, out_lin), the query scaled before its product with the keys."""
+
+    def __init__(self):
+        super().__init__()
+        self.q_lin, self.k_lin, self.v_lin, self.out_lin = (nn.Linear(D, D) for _ in range(4))
+
+    def forward(self, query, key, value, mask):  # mask: [B, Lk], 1 = may attend
+        b = query.shape[0]
+
+        def heads(x):
+            return x.view(b, -1, H, D // H).transpose(1, 2)
+
+        q = heads(self.q_lin(query)) / math.sqrt(D // H)
+        scores = (q @ heads(self.k_lin(key)).transpose(2, 3)).masked_fill(
+            (mask == 0)[:, None, None, :], torch.finfo(torch.float32).min
+        )
+        weights = nn.functional.softmax(scores, dim=-1)
+        return self.out_lin((weights @ heads(self.v_lin(value))).transpose(1, 2).reshape(b, -1, D)), weights
+
+
+class DistilBertModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.transformer = nn.Module()
+        self.transformer.layer = nn.ModuleList(
+            nn.ModuleDict({"attention": DistilBertAttention(), "sa_layer_norm": nn.LayerNorm(D)}) for _ in range(2)
+        )
+
+
+class ViTAttention(nn.Module):
+    """ViT's names (attention.attention.{query,key,value}, attention.output.dense); no mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.attention, self.output = BertSelfAttention(), BertAttentionOutput()
+
+    def forward(self, hidden):
+        b, n, _ = hidden.shape
+        q, k, v = (
+            p(hidden).view(b, n, H, D // H).transpose(1, 2)
+            for p in (self.attention.query, self.attention.key, self.attention.value)
+        )
+        weights = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(D // H), dim=-1)
+        return self.output.dense((weights @ v).transpose(1, 2).reshape(b, n, D)), weights
+
+
+class ViTModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Module()
+        self.encoder.layer = nn.ModuleList(nn.ModuleDict({"attention": ViTAttention()}) for _ in range(2))
+
+
 class Conv1D(nn.Module):
     """GPT-2's projection: a Linear whose weight is stored input by output."""
 
@@ -195,6 +249,10 @@ def _call(module, x):
         module = module.layers[1]["self_attn"]
     if isinstance(module, BertModel):
         return module.encoder.layer[1]["attention"](x, torch.ones(x.shape[:2], dtype=torch.bool))[0]
+    if isinstance(module, DistilBertModel):
+        return module.transformer.layer[1]["attention"](x, x, x, torch.ones(x.shape[:2]))[0]
+    if isinstance(module, ViTModel):
+        return module.encoder.layer[1]["attention"](x)[0]
     if isinstance(module, GPT2Model):
         return module.h[0]["attn"](x, torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril()[None])[0]
     if isinstance(module, nn.MultiheadAttention):
@@ -220,6 +278,11 @@ def eager_answer(kind, module, arrays):
             out, weights = module.layers[1]["self_attn"](query, key, keep)
         elif kind == "gpt2":
             out, weights = module.h[0]["attn"](query, keep)
+        elif kind == "distilbert":
+            key, value = torch.from_numpy(arrays["key"]), torch.from_numpy(arrays["value"])
+            out, weights = module.transformer.layer[1]["attention"](query, key, value, keep.long())
+        elif kind == "vit":
+            out, weights = module.encoder.layer[1]["attention"](query)
         elif kind == "w_q":
             key, value = torch.from_numpy(arrays["key"]), torch.from_numpy(arrays["value"])
             out, weights = module(query, key, value, keep[:, None, None, :]), None
@@ -230,7 +293,7 @@ def eager_answer(kind, module, arrays):
 
 def request_arrays(kind):
     rng = np.random.default_rng(11)
-    cross = kind in ("mha", "w_q", "whisper", "mha_nobias")
+    cross = kind in ("mha", "w_q", "whisper", "mha_nobias", "distilbert")
     kv_len = 9 if cross else 6
     arrays = {"query": rng.standard_normal((2, 6, D), dtype=np.float32)}
     if cross:
@@ -240,12 +303,14 @@ def request_arrays(kind):
     arrays["mask"] = np.arange(kv_len)[None, :] < np.array([[kv_len - 2], [kv_len]])  # every row keeps keys
     if kind == "gpt2":  # causal, as GPT-2 masks
         arrays["mask"] = np.broadcast_to(np.tril(np.ones((6, 6), dtype=bool)), (2, 6, 6)).copy()
+    if kind == "vit":  # every patch attends every patch
+        arrays["mask"] = np.ones((2, kv_len), dtype=bool)
     return arrays
 
 
 def user_module(kind):
     torch.manual_seed({"W_q": 1, "w_q": 2, "mha": 3, "bert": 4, "mhaserve": 5, "whisper": 6, "gpt2": 7,
-                       "mha_nobias": 8}[kind])  # fmt: skip
+                       "mha_nobias": 8, "distilbert": 9, "vit": 10}[kind])  # fmt: skip
     return trained(
         {
             "W_q": lambda: DocSelfAttention(D, H),
@@ -254,6 +319,8 @@ def user_module(kind):
             "mha_nobias": lambda: Encoder(lambda: nn.MultiheadAttention(D, H, bias=False, batch_first=True)),
             "whisper": lambda: Encoder(WhisperAttention),
             "gpt2": GPT2Model,
+            "distilbert": DistilBertModel,
+            "vit": ViTModel,
             "bert": BertModel,
             "mhaserve": lambda: MultiHeadAttention(D, H),
         }[kind]()
@@ -275,6 +342,8 @@ MATRIX = [
     ("whisper", "q_proj..out_proj", "layers.1.self_attn.", ".safetensors"),
     ("gpt2", "GPT-2", "h.0.attn.", ".pt"),
     ("gpt2", "GPT-2", "h.0.attn.", ".safetensors"),
+    ("distilbert", "DistilBERT", "transformer.layer.1.attention.", ".bin"),
+    ("vit", "ViT", "encoder.layer.1.", ".safetensors"),
     ("mhaserve", "mhaserve", None, ".pt"),
 ]
 
