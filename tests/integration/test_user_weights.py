@@ -101,20 +101,26 @@ class BertAttention(nn.Module):
         self.self, self.output = BertSelfAttention(), BertAttentionOutput()
 
     def forward(self, hidden, keep):  # keep: [B, Lk] bool, BERT's attention_mask
-        b, n, _ = hidden.shape
-        q, k, v = (
-            p(hidden).view(b, n, H, D // H).transpose(1, 2) for p in (self.self.query, self.self.key, self.self.value)
-        )
         additive = (1.0 - keep[:, None, None, :].float()) * torch.finfo(torch.float32).min
-        weights = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(D // H) + additive, dim=-1)
-        return self.output.dense((weights @ v).transpose(1, 2).reshape(b, n, D)), weights
+        return bert_attention(self.self, self.output.dense, hidden, additive)
+
+
+def bert_attention(projections: BertSelfAttention, dense: nn.Linear, hidden, additive=0.0):
+    b, n, _ = hidden.shape
+    q, k, v = (
+        p(hidden).view(b, n, H, D // H).transpose(1, 2) for p in (projections.query, projections.key, projections.value)
+    )
+    weights = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(D // H) + additive, dim=-1)
+    return dense((weights @ v).transpose(1, 2).reshape(b, n, D)), weights
 
 
 class BertModel(nn.Module):
+    attention = BertAttention  # what each of its two layers' "attention" is
+
     def __init__(self):
         super().__init__()
         self.encoder = nn.Module()
-        self.encoder.layer = nn.ModuleList(nn.ModuleDict({"attention": BertAttention()}) for _ in range(2))
+        self.encoder.layer = nn.ModuleList(nn.ModuleDict({"attention": self.attention()}) for _ in range(2))
 
 
 class WhisperAttention(nn.Module):
@@ -179,20 +185,11 @@ class ViTAttention(nn.Module):
         self.attention, self.output = BertSelfAttention(), BertAttentionOutput()
 
     def forward(self, hidden):
-        b, n, _ = hidden.shape
-        q, k, v = (
-            p(hidden).view(b, n, H, D // H).transpose(1, 2)
-            for p in (self.attention.query, self.attention.key, self.attention.value)
-        )
-        weights = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(D // H), dim=-1)
-        return self.output.dense((weights @ v).transpose(1, 2).reshape(b, n, D)), weights
+        return bert_attention(self.attention, self.output.dense, hidden)
 
 
-class ViTModel(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.encoder = nn.Module()
-        self.encoder.layer = nn.ModuleList(nn.ModuleDict({"attention": ViTAttention()}) for _ in range(2))
+class ViTModel(BertModel):
+    attention = ViTAttention
 
 
 class Conv1D(nn.Module):
