@@ -244,12 +244,12 @@ def trained(module: nn.Module, steps: int = 5) -> nn.Module:
 def _call(module, x):
     if isinstance(module, Encoder):
         module = module.layers[1]["self_attn"]
+    if isinstance(module, ViTModel):
+        return module.encoder.layer[1]["attention"](x)[0]
     if isinstance(module, BertModel):
         return module.encoder.layer[1]["attention"](x, torch.ones(x.shape[:2], dtype=torch.bool))[0]
     if isinstance(module, DistilBertModel):
         return module.transformer.layer[1]["attention"](x, x, x, torch.ones(x.shape[:2]))[0]
-    if isinstance(module, ViTModel):
-        return module.encoder.layer[1]["attention"](x)[0]
     if isinstance(module, GPT2Model):
         return module.h[0]["attn"](x, torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril()[None])[0]
     if isinstance(module, nn.MultiheadAttention):
