@@ -93,6 +93,7 @@ def serving_settings(served: ServedModel) -> dict[str, str]:
         **served.batched.describe(),
         "max_q_len": served.limits.max_q_len,
         "max_kv_len": served.limits.max_kv_len,
+        **({"max_sequence_length": served.settings.max_sequence_length} if served.signature.serves_sequences else {}),
         # where those came from: the model's config.pbtxt over the server's flags, or the flags alone
         "model_config": served.settings.source or "none",
     }

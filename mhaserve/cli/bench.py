@@ -120,6 +120,7 @@ def _run_bench(args) -> int:
         described = _model_described(client, args) if d_model is not None else {}
     if d_model is None:
         return 1
+    _note_past_limits(args, described.get("served_with", {}))
     workload = Workload(
         d_model,
         args.batch,
@@ -163,6 +164,24 @@ def _run_bench(args) -> int:
     if slos:
         print(f"SLO held at every point: {', '.join(args.slo)}")
     return 0
+
+
+def _note_past_limits(args, served_with: dict) -> None:
+    """Says before the sweep where the load's requests go past the server's limits, naming the limit and the flag
+    that raises it: those requests are refused (RESOURCE_EXHAUSTED), and the run measures the refusals."""
+    asked = [("--batch", args.batch, "max_batch_size")]
+    if args.sequence:
+        asked.append(("--sequence", args.sequence, "max_sequence_length"))
+    else:
+        asked += [("--lengths", args.lengths[1], "max_q_len"), ("--lengths", args.lengths[1], "max_kv_len")]
+    noted = set()
+    for flag, size, limit in asked:
+        served = served_with.get(limit, "")
+        if flag not in noted and served.isdecimal() and size > int(served):
+            print(f"note: {flag} asks for up to {size}, past the server's {limit} of {served} (serve "
+                  f"--{limit.replace('_', '-')} raises it): such requests are refused, and measured as refusals",
+                  file=sys.stderr)  # fmt: skip
+            noted.add(flag)
 
 
 def _checked_arguments(args) -> list:

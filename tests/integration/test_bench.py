@@ -61,6 +61,9 @@ def test_refused_requests_are_counted_by_status(server, tmp_path):
     (point,) = json.loads((tmp_path / "r.json").read_text())["points"]
     assert point["requests"] == 0 and point["errors"] > 0
     assert set(point["errors_by_status"]) == {"RESOURCE_EXHAUSTED"}
+    # said before the sweep, with the limit and the flag that raises it
+    said = "note: --batch asks for up to 9, past the server's max_batch_size of 8 (serve --max-batch-size raises it)"
+    assert said in done.stderr
     assert "RESOURCE_EXHAUSTED:" in done.stdout
     # How fast refusals come back is reported too: the figure behind "fast RESOURCE_EXHAUSTED".
     refused = point["error_latency_ms"]["RESOURCE_EXHAUSTED"]

@@ -167,6 +167,9 @@ def test_model_config_describes_the_model(stub):
             for name in ("attn_weights_entropy", "attn_weights_sink", "attn_weights_max", "attn_weights_max_index")
         ),
     ]
+    # the limits a request (and a sequence, where the version serves them) is refused past
+    limits = {name: config.parameters[name].string_value for name in ("max_q_len", "max_kv_len", "max_sequence_length")}
+    assert limits == {"max_q_len": "64", "max_kv_len": "64", "max_sequence_length": "4096"}, limits  # the tests' server
 
 
 @pytest.mark.parametrize(
