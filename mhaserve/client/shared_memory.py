@@ -56,7 +56,11 @@ class SharedMemoryRegions:
         key = f"{region}-{os.urandom(4).hex()}"
         # Python's resource tracker removes it if this process ends without close.
         self._objects[which] = made = shared_memory.SharedMemory(key, create=True, size=size)
-        self._register(region, "/" + key, made.size)
+        try:
+            self._register(region, "/" + key, made.size)
+        except BaseException:  # refused (a server without --allow-client-shm): the object is not left behind
+            self._remove(which)
+            raise
         return region
 
     def write_inputs(self, inputs: list[tuple[str, np.ndarray]]) -> tuple[str, list[tuple[str, np.ndarray, int]]]:
@@ -107,11 +111,18 @@ class SharedMemoryRegions:
             pass
 
     def close(self) -> None:
+        """Every region unregistered and removed; the first unregistration that failed is raised after all are
+        removed."""
+        failed = None
         for which in list(self._objects):
             try:
                 self._unregister(f"{self.name}-{which}")
+            except Exception as error:
+                failed = failed or error
             finally:
                 self._remove(which)
+        if failed is not None:
+            raise failed
 
     def __enter__(self):
         return self

@@ -372,6 +372,19 @@ def test_the_python_clients_send_tensors_through_shared_memory_and_answer_as_ove
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_a_region_the_server_refuses_is_not_left_on_the_host(server, protocol):
+    from mhaserve.client import Client, HttpClient, RequestFailed
+
+    client = Client(server.url) if protocol == "grpc" else HttpClient(server.http_url.removeprefix("http://"))
+    with client, pytest.raises(RequestFailed) as refused:
+        regions = client.shared_memory()  # and never closed: nothing registered, nothing to close
+        client.infer(rand(1, 3, D, seed=1), shared_memory=regions)
+    assert "--allow-client-shm true" in str(refused.value)
+    assert not [name for name in os.listdir("/dev/shm") if name.startswith(regions.name)]
+    regions.close()  # closes nothing, refuses nothing
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_mhaserve_infer_takes_shared_memory_and_says_in_one_line_when_the_server_refuses_it(
     shm_server, server, tmp_path, protocol
 ):
