@@ -263,10 +263,11 @@ def _checked_inputs(model_dir: Path, inputs: Path) -> dict:
 
 
 def _run_validate(args) -> int:
+    from mhaserve.contract.model_dir import manifest_missing
+
     for flag, folder in (("--model-dir", args.model_dir), ("--against", args.against)):
-        if folder is not None and not (folder / "manifest.json").is_file():
-            what = "no such folder" if not folder.exists() else "no manifest.json in it"
-            raise UsageError(f"{folder}: {what}; give {flag} a folder 'mhaserve export' wrote")
+        if folder is not None and (problem := manifest_missing(folder)):
+            raise UsageError(f"{flag} {problem}")
     require_extra("export", "mhaserve validate")  # it runs eager PyTorch beside the export
     from mhaserve.export.writer import check_on_inputs, revalidate_model_dir
 

@@ -41,13 +41,32 @@ class ModelDirError(Exception):
     """A model folder that cannot be served: missing files, a bad manifest, or a failed validation."""
 
 
+def manifest_missing(folder: Path) -> str | None:
+    """Why ``folder`` is no model folder, naming what was likely meant (a file in one, a repository of them); None
+    where its manifest is there."""
+    if (folder / MANIFEST_FILE).is_file():
+        return None
+    if not folder.exists():
+        return f"{folder}: no such folder; give a model folder 'mhaserve export' wrote"
+    if not folder.is_dir():
+        return f"{folder}: a file, not a model folder; give the folder 'mhaserve export' wrote"
+    versions = sorted(folder.glob(f"*/*/{MANIFEST_FILE}"))
+    if versions:
+        version = versions[0].parent
+        return (
+            f"{folder}: a model repository, not a model folder (its versions are folders like {version}); serve "
+            f"it with --model-repository {folder}"
+        )
+    return f"{folder / MANIFEST_FILE}: no manifest; export a model with 'mhaserve export'"
+
+
 def read_manifest(model_dir: str | Path) -> dict:
     """The folder's manifest, its shape checked: every problem is a ModelDirError naming the field."""
     path = Path(model_dir) / MANIFEST_FILE
     try:
         manifest = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ModelDirError(f"{path}: no manifest; export a model with 'mhaserve export'") from None
+    except (FileNotFoundError, NotADirectoryError):
+        raise ModelDirError(manifest_missing(Path(model_dir)) or f"{path}: gone while read") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ModelDirError(f"{path}: cannot be read ({exc})") from None
     except json.JSONDecodeError as exc:

@@ -295,7 +295,7 @@ def test_server_metadata_and_health_rpcs_are_the_replicas(cluster):
 @pytest.mark.parametrize(
     "args, says",
     [
-        (["/nonexistent"], "no manifest"),
+        (["/nonexistent"], "/nonexistent: no such folder"),
         (["{model}", "--address", "127.0.0.1:1"], "no Ray cluster answers at --address 127.0.0.1:1"),
         (["{model}", "--min-replicas", "3", "--max-replicas", "2"], "--min-replicas 3 is more than --max-replicas 2"),
         (["{model}", "--replica-port", "70000"], "expected a whole number from 0 to 65535, got '70000'"),

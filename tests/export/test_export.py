@@ -388,7 +388,8 @@ def test_cli_validate_inputs_refuses_what_the_server_would_and_a_folder_of_other
     manifest = json.loads((other / "manifest.json").read_text())
     (other / "manifest.json").write_text(json.dumps(manifest | {"precision": "fp16"}))
     assert "exported in fp16; give a float32 one" in refused({"query": query}, "--against", str(other))
-    assert "give --against a folder 'mhaserve export' wrote" in refused({"query": query}, "--against", "/nonexistent")
+    said = refused({"query": query}, "--against", "/nonexistent")
+    assert "--against /nonexistent: no such folder; give a model folder 'mhaserve export' wrote" in said
 
 
 def test_cli_rejects_bad_sizes(tmp_path, capsys):

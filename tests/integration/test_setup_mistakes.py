@@ -56,7 +56,7 @@ def test_validate_of_a_folder_that_is_not_a_model_is_one_line(tmp_path):
     assert_one_line(done, "nope: no such folder", "'mhaserve export'")
     (tmp_path / "empty").mkdir()
     done, _ = mhaserve("validate", str(tmp_path / "empty"), tmp_path=tmp_path)
-    assert_one_line(done, "no manifest.json")
+    assert_one_line(done, "empty/manifest.json: no manifest")
 
 
 def test_a_port_of_the_other_protocol_is_named_as_such(server, tmp_path):
@@ -174,6 +174,18 @@ def test_a_model_folder_given_as_a_repository_is_named_as_such(tmp_path, small_m
     (model / "1").symlink_to(small_model_dir, target_is_directory=True)
     done = start_failure(tmp_path, "--model-repository", str(model))
     assert done.returncode == 3 and "holds version folders (1): it is one model's folder" in done.stderr
+
+
+def test_a_repository_or_a_file_given_as_a_model_folder_is_named_as_such(tmp_path, small_model_dir):
+    repository = tmp_path / "repo"
+    (repository / "mha").mkdir(parents=True)
+    (repository / "mha" / "1").symlink_to(small_model_dir, target_is_directory=True)
+    done = start_failure(tmp_path, "--model-dir", str(repository))
+    assert done.returncode == 3, done.stderr
+    assert f"{repository}: a model repository, not a model folder (its versions are folders like " in done.stderr
+    assert f"serve it with --model-repository {repository}" in done.stderr
+    done = start_failure(tmp_path, "--model-dir", str(small_model_dir / "model.onnx"))
+    assert done.returncode == 3 and "model.onnx: a file, not a model folder" in done.stderr, done.stderr
 
 
 def test_exit_on_error_false_starts_with_nothing_loaded(start_server_process, tmp_path):
