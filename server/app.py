@@ -20,7 +20,7 @@ from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.protos.pool import POOL, add_file
 
 from . import describe, logs
-from .config import ServerSettings
+from .config import ServerSettings, web_origins
 from .cores import limit_said
 from .dataplane import DataPlane
 from .grpc.handlers import add_inference_service
@@ -367,7 +367,14 @@ async def start_rest(settings: ServerSettings, dataplane: DataPlane, callers: Ca
     """The HTTP/REST port: (its runner, "host:port"), or (None, "off")."""
     if settings.http_port < 0:
         return None, "off"
-    transport = RestTransport(dataplane, callers, body_limit, settings.http_read_timeout_s, settings.write_timeout_s)
+    transport = RestTransport(
+        dataplane,
+        callers,
+        body_limit,
+        settings.http_read_timeout_s,
+        settings.write_timeout_s,
+        cors_origins=web_origins(settings.http_cors_origins),
+    )
     context = server_ssl_context(settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file)
     runner, port = await start_site(
         transport.application(),

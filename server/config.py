@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 from collections.abc import Callable
 from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
@@ -54,6 +55,16 @@ def between(low: int, high: int, why: str) -> Rule:
 
 def one_of(*choices: str) -> Rule:
     return Rule(lambda value: value in choices, f"{', '.join(choices[:-1])} or {choices[-1]}", show_value=True)
+
+
+def web_origins(text: str) -> list[str]:
+    """The origins of --http-cors-origins: '*', or scheme://host[:port] each, as a browser sends them in Origin."""
+    return [origin.strip() for origin in text.split(",") if origin.strip()]
+
+
+def _are_web_origins(text: str) -> bool:
+    origins = web_origins(text)
+    return origins == ["*"] or all(re.fullmatch(r"https?://[^/:\s]+(:\d{1,5})?", origin) for origin in origins)
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -157,6 +168,14 @@ class TransportSettings(Section):
         1000,
         "HTTP connections open at once; beyond, new ones are answered 503 and closed",
         rule=at_least(1),
+    )
+    # A page's script may read a cross-origin answer only where the server says so (CORS): a browser page drawing
+    # the attention weights calls the API from its own origin.
+    http_cors_origins: str = setting(
+        "",
+        "web page origins allowed to call the HTTP/REST API from a browser (CORS), comma-separated "
+        "scheme://host[:port], or * for any; none by default",
+        rule=Rule(_are_web_origins, "'*' or origins like https://host:8443, comma-separated", show_value=True),
     )
     # Per connection. Above max_queue_size, so a burst meets the queue (RESOURCE_EXHAUSTED, which names the
     # limit) before HTTP/2 refuses streams (the client sees UNAVAILABLE "Stream removed").

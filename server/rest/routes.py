@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 
+import aiohttp_cors
 import orjson
 import swagger_ui_bundle
 from aiohttp import web
@@ -28,6 +29,11 @@ log = logging.getLogger("mhaserve.server")
 
 RETRY_AFTER_S = 1  # 429 and 503: the queue, the memory budget or loading; worth retrying shortly
 OPEN_PATHS = ("/v2/health/live", "/v2/health/ready")  # probes need no token, as grpc.health.v1
+# What a page's script may send and read across origins (--http-cors-origins): the protocol's headers, the token,
+# and a trace context; the binary extension's header length and a refusal's Retry-After.
+CORS_REQUEST_HEADERS = ("Authorization", "Content-Type", "Content-Encoding", HEADER_LENGTH, "traceparent", "tracestate")
+CORS_RESPONSE_HEADERS = (HEADER_LENGTH, "Retry-After")
+CORS_MAX_AGE_S = 600  # a browser asks again for a route's rules after this
 API_PAGE = """<!doctype html>
 <html><head><meta charset="utf-8"><title>mhaserve REST API</title>
 <link rel="stylesheet" href="/v2/docs/static/swagger-ui.css"></head>
@@ -73,8 +79,10 @@ class RestTransport:
         body_limit: int,
         read_timeout_s: float,
         write_timeout_s: float,
+        cors_origins: list[str] = (),
     ):
         self.dataplane = dataplane
+        self.cors_origins = list(cors_origins)
         self.callers = callers or Callers()
         self.tokens = self.callers.tokens
         self.body_limit = body_limit
@@ -95,6 +103,17 @@ class RestTransport:
                 web.static("/v2/docs/static", swagger_ui_bundle.swagger_ui_path),
             ]
         )
+        if self.cors_origins:
+            rules = aiohttp_cors.ResourceOptions(
+                allow_credentials=False,  # a token is sent as a header a page's script sets, not as a cookie
+                allow_headers=CORS_REQUEST_HEADERS,
+                expose_headers=CORS_RESPONSE_HEADERS,
+                max_age=CORS_MAX_AGE_S,
+            )
+            cors = aiohttp_cors.setup(app, defaults=dict.fromkeys(self.cors_origins, rules))
+            for route in list(app.router.routes()):
+                if not isinstance(route.resource, web.StaticResource):  # Swagger UI's files: same-origin only
+                    cors.add(route)
         return app
 
     @web.middleware
@@ -113,12 +132,21 @@ class RestTransport:
     @web.middleware
     async def _authenticate(self, request: web.Request, handler):
         """Before the body is read: a refused request costs its headers, not its body."""
-        if self.tokens is None or request.path in OPEN_PATHS:
+        if self.tokens is None or request.path in OPEN_PATHS or self._is_preflight(request):
             return await handler(request)
         if self.tokens.holder_of(request.headers.getall("Authorization", [])) is not None:
             return await handler(request)
         self.dataplane.record_unauthenticated(request.path)
         return error_response(401, "missing or wrong bearer token: send the header 'Authorization: Bearer <token>'")
+
+    def _is_preflight(self, request: web.Request) -> bool:
+        """A browser's CORS preflight: it carries no token (the request it asks about will), and answers only what
+        the route allows."""
+        return (
+            bool(self.cors_origins)
+            and request.method == "OPTIONS"
+            and "Access-Control-Request-Method" in request.headers
+        )
 
     def _caller(self, request: web.Request) -> str:
         """Who the request comes from (security.Callers): "" unless the server tells callers apart."""

@@ -239,6 +239,40 @@ def test_a_content_length_shorter_than_the_body_is_refused_without_echoing_the_r
     assert b"not valid HTTP/1.1" in replies and b"check its Content-Length" in replies
 
 
+def test_a_page_on_an_allowed_origin_may_call_the_api_and_read_its_answers_and_no_other_may(
+    start_server, server, small_model_dir, tmp_path
+):
+    (tmp_path / "tokens").write_text("secret\n")
+    page = "https://attention.example:8443"
+    cors = start_server(small_model_dir, *TEST_SERVER_ARGS, "--http-cors-origins", f"{page}, http://localhost:3000",
+                        "--auth-token-file", str(tmp_path / "tokens"))  # fmt: skip
+
+    def preflight(origin):  # what a browser asks before the call, with no token
+        asked = {
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type, inference-header-content-length",
+        }
+        return call(cors, "OPTIONS", "/v2/models/mha/infer", headers={"Origin": origin, **asked})  # fmt: skip
+
+    status, headers, _ = preflight(page)
+    assert status == 200 and headers["Access-Control-Allow-Origin"] == page, headers
+    assert "INFERENCE-HEADER-CONTENT-LENGTH" in headers["Access-Control-Allow-Headers"].upper()
+    with_token = {"Origin": page, "Authorization": "Bearer secret"}
+    status, headers, body = call(cors, "POST", "/v2/models/mha/infer", infer_json(rand(1, 2, D, seed=1)), with_token)
+    assert status == 200 and headers["Access-Control-Allow-Origin"] == page
+    assert "Inference-Header-Content-Length" in headers["Access-Control-Expose-Headers"]  # binary answers readable
+    status, headers, _ = call(cors, "GET", "/v2/models/mha", headers={"Origin": page})  # no token: the page reads why
+    assert status == 401 and headers["Access-Control-Allow-Origin"] == page
+
+    for other in ("https://elsewhere.example", "null", "https://attention.example"):
+        status, headers, _ = preflight(other)
+        assert status == 403 and "Access-Control-Allow-Origin" not in headers, other
+        status, headers, _ = call(cors, "GET", "/v2/models/mha", headers={**with_token, "Origin": other})
+        assert status == 200 and "Access-Control-Allow-Origin" not in headers  # a browser keeps it from the page
+    status, headers, _ = call(server, "GET", "/v2/models/mha", headers={"Origin": page})  # off unless asked for
+    assert status == 200 and "Access-Control-Allow-Origin" not in headers
+
+
 def test_a_shape_past_64_bits_is_refused_as_such_not_as_a_rounded_number(server):
     # JSON decoders read an integer past 64 bits as a float: 99999999999999999999 would read 1e20
     for dim in (b"18446744073709551616", b"99999999999999999999"):

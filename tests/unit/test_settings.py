@@ -44,6 +44,9 @@ def test_flags_set_their_fields_and_repeated_flags_add_up():
         (("--model-repository", "r", "--model-dir", "m"), "not both"),
         (("--model-repository", "r", "--version-policy", "newest"), "--version-policy"),
         (("--http-read-timeout-s", "0"), "--http-read-timeout-s must be more than 0"),
+        (("--http-cors-origins", "app.example"), "--http-cors-origins must be '*' or origins like https://host:8443"),
+        (("--http-cors-origins", "https://a.example/page"), "got 'https://a.example/page'"),
+        (("--http-cors-origins", "*,https://a.example"), "--http-cors-origins must be '*' or origins"),
     ],
 )
 def test_a_setting_that_cannot_work_is_refused_naming_its_flag(flags, words):
