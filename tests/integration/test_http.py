@@ -4,6 +4,7 @@ HTTP requests."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import time
@@ -271,6 +272,61 @@ def test_a_page_on_an_allowed_origin_may_call_the_api_and_read_its_answers_and_n
         assert status == 200 and "Access-Control-Allow-Origin" not in headers  # a browser keeps it from the page
     status, headers, _ = call(server, "GET", "/v2/models/mha", headers={"Origin": page})  # off unless asked for
     assert status == 200 and "Access-Control-Allow-Origin" not in headers
+
+
+# A page's script calling the API as a web app would: the token in a header it sets, JSON in, the output's shape out
+# (or, where the browser keeps the answer from it, the error fetch() rejects with).
+FETCH_JS = """
+fetch(%(url)s, {method: "POST", headers: {"Authorization": "Bearer secret", "Content-Type": "application/json"},
+                body: JSON.stringify(%(request)s)})
+  .then((answer) => answer.json()).then((answer) => answer.outputs[0].shape)
+  .catch((error) => "refused by the browser: " + error)
+"""
+
+
+def test_a_real_browser_lets_a_page_on_an_allowed_origin_call_the_api_and_keeps_it_from_others(
+    start_server, small_model_dir, tmp_path
+):
+    from aiohttp import web
+
+    from tests.support.browser import CHROMIUM, Browser
+
+    if CHROMIUM is None:
+        pytest.skip("needs Chromium (bash tests/tools/install_chromium.sh)")
+    (tmp_path / "tokens").write_text("secret\n")
+    request = json.loads(infer_json(rand(1, 3, D, seed=2)))
+
+    async def fetched_from(page_port: int, api) -> object:
+        async with Browser() as browser:
+            script = FETCH_JS % {
+                "url": json.dumps(api.http_url + "/v2/models/mha/infer"),
+                "request": json.dumps(request),
+            }
+            return await browser.evaluate(f"http://127.0.0.1:{page_port}/", script)
+
+    async def main():
+        async def app_page(_):
+            return web.Response(text="<html><body>app</body></html>", content_type="text/html")
+
+        page = web.Application()  # the web app's own origin: a page of its own
+        page.router.add_get("/", app_page)
+        runner = web.AppRunner(page)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        try:
+            allowing = start_server(small_model_dir, *TEST_SERVER_ARGS, "--auth-token-file", str(tmp_path / "tokens"),
+                                    "--http-cors-origins", f"http://127.0.0.1:{port}")  # fmt: skip
+            other = start_server(small_model_dir, *TEST_SERVER_ARGS, "--auth-token-file", str(tmp_path / "tokens"),
+                                 "--http-cors-origins", "https://elsewhere.example")  # fmt: skip
+            return await fetched_from(port, allowing), await fetched_from(port, other)
+        finally:
+            await runner.cleanup()
+
+    allowed, kept_from = asyncio.run(main())
+    assert allowed == [1, 3, D], allowed
+    assert str(kept_from).startswith("refused by the browser: TypeError"), kept_from
 
 
 def test_a_shape_past_64_bits_is_refused_as_such_not_as_a_rounded_number(server):

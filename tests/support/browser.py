@@ -140,6 +140,23 @@ class Browser:
         finally:
             await self._call("Target.closeTarget", targetId=target)
 
+    async def evaluate(self, url: str, expression: str):
+        """The value of the JavaScript ``expression`` (a promise awaited) run in a page opened at ``url``: what
+        a page's own script there would get."""
+        target = (await self._call("Target.createTarget", url="about:blank"))["targetId"]
+        session = (await self._call("Target.attachToTarget", targetId=target, flatten=True))["sessionId"]
+        try:
+            await self._call("Page.enable", session)
+            await self._call("Page.navigate", session, url=url)
+            await self._event("Page.loadEventFired", session)
+            found = await self._call("Runtime.evaluate", session, expression=expression, awaitPromise=True,
+                                     returnByValue=True)  # fmt: skip
+            if "exceptionDetails" in found:
+                raise RuntimeError(f"{url}: {found['exceptionDetails']}")
+            return found["result"].get("value")
+        finally:
+            await self._call("Target.closeTarget", targetId=target)
+
 
 def assert_shows_whole(url: str, root: str = "body", name: str = "") -> None:
     """Fail with what a person would find cut off or missing on ``url`` (skipped without Chromium)."""
