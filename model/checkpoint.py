@@ -470,10 +470,10 @@ def load_saved_module(path: str | Path, prefix: str) -> torch.nn.Module:
         raise CheckpointError(f"{path}: no module at {prefix!r} to validate against") from None
 
 
-def heads_from_config(weights: Path, d_model: int) -> tuple[int, Path] | None:
-    """The head count a ``config.json`` beside ``weights`` (or in it, a folder) gives (Hugging Face's keys), and the
-    file; None without one or without such a key. A config whose size contradicts ``d_model`` is refused: it is not
-    these weights'."""
+def heads_from_config(weights: Path, d_model: int, prefix: str = "") -> tuple[int, Path] | None:
+    """The head count a ``config.json`` beside ``weights`` (or in it, a folder) gives (Hugging Face's keys; an
+    encoder-decoder's own for the decoder's layers, by the layer's ``prefix``), and the file; None without one or
+    without such a key. A config whose size contradicts ``d_model`` is refused: it is not these weights'."""
     config = (weights if weights.is_dir() else weights.parent) / "config.json"
     if not config.is_file():
         return None
@@ -483,7 +483,10 @@ def heads_from_config(weights: Path, d_model: int) -> tuple[int, Path] | None:
         raise CheckpointError(f"{config}: not readable JSON ({error})") from None
     if not isinstance(fields, dict):
         return None
-    heads = next((fields[k] for k in CONFIG_HEADS_KEYS if k in fields), None)
+    keys = CONFIG_HEADS_KEYS
+    if "decoder" in prefix.split("."):
+        keys = ("decoder_attention_heads", *keys)
+    heads = next((fields[k] for k in keys if k in fields), None)
     if heads is None:
         return None
     size = next((fields[k] for k in CONFIG_D_MODEL_KEYS if k in fields), d_model)
@@ -545,7 +548,7 @@ def load_checkpoint(
         said.append((in_file, "the saved module" if checkpoint.module_class else "the file"))
     served, biases_absent = projections(checkpoint.state, layer, where)
     d_model = served["W_q.weight"].shape[0]
-    config = heads_from_config(path, d_model)
+    config = heads_from_config(path, d_model, layer.prefix)
     if config is not None:
         said.append((config[0], str(config[1])))
     if num_heads is not None:

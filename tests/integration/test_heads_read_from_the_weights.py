@@ -95,6 +95,20 @@ def test_a_config_json_beside_a_state_dict_gives_its_heads(tmp_path):
         load_checkpoint(tmp_path / "attn.pt", num_heads=8)
 
 
+def test_an_encoder_decoders_config_gives_each_side_its_own_heads(tmp_path):
+    # BART's config.json names the encoder's and the decoder's head counts apart
+    layers = {f"model.{side}.layers.0.self_attn.": DocSelfAttention(D, 4) for side in ("encoder", "decoder")}
+    state = {f"{prefix}{proj}.{kind}": getattr(module, f"W_{proj[0]}").get_parameter(kind).detach()
+             for prefix, module in layers.items() for proj in ("q_proj", "k_proj", "v_proj", "out_proj")
+             for kind in ("weight", "bias")}  # fmt: skip
+    save_file(state, str(tmp_path / "model.safetensors"))
+    config = {"d_model": D, "encoder_attention_heads": 4, "decoder_attention_heads": 8}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    for side, heads in (("encoder", 4), ("decoder", 8)):
+        served, _ = load_checkpoint(tmp_path, prefix=f"model.{side}.layers.0.self_attn.")
+        assert served.num_heads == heads, side
+
+
 @pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
 def test_weights_mhaserve_writes_carry_their_heads(tmp_path, suffix):
     save_weights(MultiHeadAttention(D, 8), tmp_path / f"attn{suffix}")
