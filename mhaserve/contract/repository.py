@@ -25,8 +25,10 @@ class RepositoryPathError(ValueError):
 
 def check_model_name(name: str) -> str:
     if not MODEL_NAME.fullmatch(name):
+        # a name past the limit is shown cut, with its length: a refusal does not echo a client's 64 KiB back
+        shown = repr(name) if len(name) <= 128 else f"{name[:40]!r}... ({len(name)} characters)"
         raise RepositoryPathError(
-            f"model name {name!r} is not allowed: expected letters, digits, '_', '.' or '-' (at most 128), "
+            f"model name {shown} is not allowed: expected letters, digits, '_', '.' or '-' (at most 128), "
             "not starting with '.' or '-'"
         )
     return name

@@ -185,9 +185,11 @@ class RestTransport:
     async def repository_index(self, request):
         body = await self._bodies.read(request)
         try:
-            ready = bool((orjson.loads(body) if body else {}).get("ready", False))
+            ready = (orjson.loads(body) if body else {}).get("ready", False)
         except (orjson.JSONDecodeError, AttributeError):
             raise invalid('the index request body must be a JSON object like {"ready": true}') from None
+        if not isinstance(ready, bool):
+            raise invalid(f"the index request's 'ready' must be true or false, got a JSON {json_kind(ready)}")
         return json_response(describe.repository_index(self.dataplane.index(ready_only=ready)))
 
     async def load(self, request):

@@ -60,6 +60,9 @@ def test_every_endpoint_answers_as_the_protocol_says(server):
     assert [(s["name"], s["version"]) for s in stats] == [("mha", "1")]
     index = json.loads(call(server, "POST", "/v2/repository/index", b"{}")[2])
     assert index == [{"name": "mha", "version": "1", "state": "READY", "reason": ""}]
+    assert json.loads(call(server, "POST", "/v2/repository/index", b'{"ready": true}')[2]) == index
+    status, _, body = call(server, "POST", "/v2/repository/index", b'{"ready": "yes"}')
+    assert status == 400 and json.loads(body)["error"].endswith("'ready' must be true or false, got a JSON string")
     # a single-folder server has no repository to load from
     status, _, body = call(server, "POST", "/v2/repository/models/mha/load", b"")
     assert status == 400 and "--model-repository" in json.loads(body)["error"]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from mhaserve.contract.model_dir import ModelDirError
-from mhaserve.contract.repository import ModelRepository, VersionPolicy
+from mhaserve.contract.repository import ModelRepository, RepositoryPathError, VersionPolicy, check_model_name
 from mhaserve.server.errors import ErrorKind, RequestError
 from mhaserve.server.registry import READY, UNAVAILABLE, ModelRegistry, ServedModel
 
@@ -87,6 +87,13 @@ def test_a_version_that_is_not_ascii_digits_is_no_version(tmp_path, version):
     with pytest.raises(RequestError, match=f"model 'a' has no version '{version}'; available: '1'") as refused:
         registry.resolve("a", version)
     assert refused.value.kind == ErrorKind.NOT_FOUND
+
+
+def test_a_model_name_past_the_limit_is_refused_without_echoing_it_whole():
+    with pytest.raises(RepositoryPathError) as refused:
+        check_model_name("a" * 65536)
+    said = str(refused.value)
+    assert said.startswith("model name 'aaaa") and "... (65536 characters) is not allowed" in said and len(said) < 250
 
 
 def test_a_new_version_that_fails_to_load_leaves_the_served_one_serving(tmp_path):
