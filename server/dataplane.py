@@ -91,6 +91,9 @@ class StepForward(Protocol):
         other serving process too; why it failed in any, one line each."""
 
 
+UNLOAD_DEPENDENTS = "unload_dependents"  # Triton's unload parameter: also unload the ensembles using the model
+
+
 class DataPlane:
     """What the transports call: the served versions a request names, the model control calls, and
     ``inference``, one inference call's life. Built from the registry (with the version factory it loads
@@ -256,8 +259,13 @@ class DataPlane:
                 ErrorKind.FAILED_PRECONDITION, f"model '{name}' not loaded: {'; '.join(failures)}; {now}"
             )
 
-    async def unload_model(self, name: str, *, here_only: bool = False) -> None:
-        """RepositoryModelUnload, in every serving process (``here_only``: in this one, told by another)."""
+    async def unload_model(self, name: str, parameters=(), *, here_only: bool = False) -> None:
+        """RepositoryModelUnload, in every serving process (``here_only``: in this one, told by another).
+        ``parameters``: the names of the request's unload parameters: Triton's ``unload_dependents`` (which
+        tritonclient always sends; a model here has no dependents), no other."""
+        unknown = sorted(set(parameters) - {UNLOAD_DEPENDENTS})
+        if unknown:
+            raise invalid(f"unload parameters {unknown} are not supported: only {UNLOAD_DEPENDENTS} (true or false)")
         self.check_control_allowed(f"unload model '{name}'")
         await self.registry.unload_model(name)
         if self.forward is None or here_only:

@@ -17,7 +17,7 @@ from aiohttp import web
 from mhaserve.contract.errors import json_kind
 
 from .. import describe
-from ..dataplane import DataPlane
+from ..dataplane import UNLOAD_DEPENDENTS, DataPlane
 from ..errors import HTTP_STATUS, RequestError, invalid
 from ..parameters import quoted
 from ..security import Callers, certificate_identity
@@ -193,20 +193,30 @@ class RestTransport:
         return json_response(describe.repository_index(self.dataplane.index(ready_only=ready)))
 
     async def load(self, request):
-        body = await self._bodies.read(request)
-        try:
-            parameters = (orjson.loads(body) if body else {}).get("parameters") or {}
-        except (orjson.JSONDecodeError, AttributeError):
-            raise invalid("the load request body must be a JSON object") from None
-        if not isinstance(parameters, dict):
-            raise invalid(f"the load request's parameters must be a JSON object, got {json_kind(parameters)}")
+        parameters = await self._control_parameters(request, "load")
         await self.dataplane.load_model(request.match_info["name"], list(parameters))
         return web.Response(status=200)
 
     async def unload(self, request):
-        await self._bodies.read(request)
-        await self.dataplane.unload_model(request.match_info["name"])
+        parameters = await self._control_parameters(request, "unload")
+        dependents = parameters.get(UNLOAD_DEPENDENTS, False)
+        if not isinstance(dependents, bool):
+            raise invalid(
+                f"the unload parameter {UNLOAD_DEPENDENTS} must be true or false, got {json_kind(dependents)}"
+            )
+        await self.dataplane.unload_model(request.match_info["name"], list(parameters))
         return web.Response(status=200)
+
+    async def _control_parameters(self, request, action: str) -> dict:
+        """A load or unload request's parameters: its body a JSON object (or none), theirs one too."""
+        body = await self._bodies.read(request)
+        try:
+            parameters = (orjson.loads(body) if body else {}).get("parameters") or {}
+        except (orjson.JSONDecodeError, AttributeError):
+            raise invalid(f"the {action} request body must be a JSON object") from None
+        if not isinstance(parameters, dict):
+            raise invalid(f"the {action} request's parameters must be a JSON object, got {json_kind(parameters)}")
+        return parameters
 
     async def trace_setting(self, request):
         """Triton's trace extension: GET the settings, POST ``{"trace_rate": "1", "trace_level": ["TIMESTAMPS"],

@@ -562,6 +562,43 @@ def test_an_unloaded_model_is_not_ready_over_both_transports_and_an_unknown_name
     assert unknown.value.code() == grpc.StatusCode.NOT_FOUND and unknown_over_http == 404
 
 
+def test_an_unload_takes_tritons_unload_dependents_and_refuses_any_other_parameter(exports, tmp_path):
+    import urllib.error
+    import urllib.request
+
+    repository = tmp_path / "repository"
+    add_version(repository, "mha", 1, exports["small_v1"])
+
+    def unload_over_http(parameters) -> tuple[int, str]:
+        body = json.dumps({"parameters": parameters}).encode()
+        request = urllib.request.Request(server.http_url + "/v2/repository/models/mha/unload", body, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return response.status, ""
+        except urllib.error.HTTPError as error:
+            return error.code, json.loads(error.read())["error"]
+
+    with repository_server(repository, "--model-control-mode", "explicit", "--load-model", "mha") as server:
+        assert unload_over_http({"unload_dependents": "yes"}) == (
+            400,
+            "the unload parameter unload_dependents must be true or false, got string",
+        )
+        assert unload_over_http({"cascade": True}) == (
+            400,
+            "unload parameters ['cascade'] are not supported: only unload_dependents (true or false)",
+        )
+        with grpc.insecure_channel(server.url) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            request = pb.RepositoryModelUnloadRequest(model_name="mha")
+            request.parameters["unload_dependents"].string_param = "yes"
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.RepositoryModelUnload(request, timeout=30)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "must be a bool_param, got string_param" in refused.value.details()
+            assert stub.ModelReady(pb.ModelReadyRequest(name="mha"), timeout=10).ready  # nothing refused was done
+        assert unload_over_http({"unload_dependents": False}) == (200, "")  # as tritonclient sends it
+
+
 def test_explicit_mode_rereads_a_changed_version_only_when_asked_to_load(exports, tmp_path):
     import urllib.request
 
