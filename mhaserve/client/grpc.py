@@ -478,6 +478,13 @@ class Client(_Connection):
             self._stub.ModelReady, pb.ModelReadyRequest(name=self.model, version=self.version), timeout
         ).ready
 
+    def server_ready(self, timeout=None) -> bool:
+        """Whether the server is ready for requests (the protocol's ServerReady), False where it cannot be reached."""
+        try:
+            return self._call(self._stub.ServerReady, pb.ServerReadyRequest(), timeout, retry=NO_RETRIES).ready
+        except GrpcRequestFailed:
+            return False
+
     def wait_ready(self, timeout: float = 60.0) -> None:
         """Block until the channel to the server is connected, or raise ``grpc.FutureTimeoutError`` after
         ``timeout`` seconds (a server starting up: its port opens when it is ready to serve)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import http.client
 import json
 import ssl
+import time
 import urllib.error
 import urllib.request
 
@@ -255,6 +256,15 @@ class HttpClient:
             return True
         except HttpRequestFailed:
             return False
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        """Block until the server answers ready, or raise ``TimeoutError`` after ``timeout`` seconds (a server
+        starting up: its port opens when it is ready to serve)."""
+        deadline = time.monotonic() + timeout
+        while not self.server_ready(timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{self.base}: not ready after {timeout:g} s")
+            time.sleep(0.1)
 
     def close(self) -> None:
         """Nothing to close: each call opens and closes its own connection. For symmetry with ``Client``."""

@@ -114,6 +114,26 @@ def test_only_the_requested_outputs_are_returned(stub, client):
     assert result.attn_weights is None and result.output.shape == (1, 8, D)
 
 
+def test_both_clients_say_whether_the_server_is_ready_and_wait_for_it(server):
+    import socket
+
+    from mhaserve.client import HttpClient
+
+    with Client(server.url) as grpc_client, HttpClient(server.http_url.removeprefix("http://")) as http_client:
+        assert grpc_client.server_ready() and http_client.server_ready()
+        grpc_client.wait_ready(timeout=5)
+        http_client.wait_ready(timeout=5)
+    with socket.socket() as unused:  # a port nothing listens on
+        unused.bind(("127.0.0.1", 0))
+        nowhere = f"127.0.0.1:{unused.getsockname()[1]}"
+    with Client(nowhere) as grpc_client, HttpClient(nowhere) as http_client:
+        assert not grpc_client.server_ready(timeout=2) and not http_client.server_ready(timeout=2)
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="not ready after 0.5 s"):
+            http_client.wait_ready(timeout=0.5)
+        assert time.monotonic() - started < 5
+
+
 def test_liveness_readiness_and_server_metadata(stub):
     assert stub.ServerLive(pb.ServerLiveRequest()).live
     assert stub.ServerReady(pb.ServerReadyRequest()).ready
