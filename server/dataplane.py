@@ -14,7 +14,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Protocol, TypeVar
 
@@ -26,9 +26,10 @@ from .accounting import CallMemory, RequestAccounting
 from .calls import CallRecord, ReadHeaders
 from .config import ServerSettings
 from .errors import ErrorKind, RequestError, inference_failed, invalid
-from .inference import OFF_LOOP_BYTES, InferenceRequest, InferenceResponse, run_inputs_of
+from .inference import NO_PARAMETERS, OFF_LOOP_BYTES, InferenceRequest, InferenceResponse, run_inputs_of
 from .memory import MemoryBudget
 from .metrics import Metrics
+from .parameters import boolean
 from .registry import ModelRegistry, ServedModel
 from .runtime import Runtime
 from .sequences import SequenceHomes, Sequences
@@ -259,13 +260,16 @@ class DataPlane:
                 ErrorKind.FAILED_PRECONDITION, f"model '{name}' not loaded: {'; '.join(failures)}; {now}"
             )
 
-    async def unload_model(self, name: str, parameters=(), *, here_only: bool = False) -> None:
+    async def unload_model(
+        self, name: str, parameters: Mapping[str, object] = NO_PARAMETERS, *, here_only: bool = False
+    ) -> None:
         """RepositoryModelUnload, in every serving process (``here_only``: in this one, told by another).
-        ``parameters``: the names of the request's unload parameters: Triton's ``unload_dependents`` (which
+        ``parameters``: the request's unload parameters as plain values: Triton's ``unload_dependents`` (which
         tritonclient always sends; a model here has no dependents), no other."""
         unknown = sorted(set(parameters) - {UNLOAD_DEPENDENTS})
         if unknown:
             raise invalid(f"unload parameters {unknown} are not supported: only {UNLOAD_DEPENDENTS} (true or false)")
+        boolean(parameters.get(UNLOAD_DEPENDENTS, False), UNLOAD_DEPENDENTS)
         self.check_control_allowed(f"unload model '{name}'")
         await self.registry.unload_model(name)
         if self.forward is None or here_only:

@@ -54,7 +54,7 @@ def decode_grpc_request(request: pb.ModelInferRequest) -> InferenceRequest:
     """The tensors, requested outputs and parameters of ``request`` (RequestError on the first problem). Inputs
     in shared memory carry no contents; ``raw_input_contents`` holds one entry per other input, in order."""
     raw_contents = request.raw_input_contents
-    placements = [placement_of(_parameters(t.parameters), f"input '{t.name}'") for t in request.inputs]
+    placements = [placement_of(parameter_values(t.parameters), f"input '{t.name}'") for t in request.inputs]
     sent = placements.count(None)
     if raw_contents and len(raw_contents) != sent:
         raise invalid(
@@ -90,13 +90,13 @@ def decode_grpc_request(request: pb.ModelInferRequest) -> InferenceRequest:
         request.model_version,
         request.id,
         arrays,
-        tuple(RequestedOutput(o.name, _parameters(o.parameters)) for o in request.outputs),
-        _parameters(request.parameters),
+        tuple(RequestedOutput(o.name, parameter_values(o.parameters)) for o in request.outputs),
+        parameter_values(request.parameters),
         shared,
     )
 
 
-def _parameters(parameters) -> Mapping[str, object]:
+def parameter_values(parameters) -> Mapping[str, object]:
     """A protobuf ``map<string, InferParameter>`` as plain values."""
     if not parameters:
         return NO_PARAMETERS
@@ -107,7 +107,7 @@ def _parameters(parameters) -> Mapping[str, object]:
 
 
 def as_infer_parameters(values: Mapping[str, object]) -> dict[str, dict]:
-    """Plain values as a ``map<string, InferParameter>`` in protobuf's JSON form (the inverse of _parameters)."""
+    """Plain values as a ``map<string, InferParameter>`` in protobuf's JSON form (the inverse of parameter_values)."""
 
     def choice(value) -> str:
         if isinstance(value, bool):

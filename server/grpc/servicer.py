@@ -15,10 +15,16 @@ from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
 from mhaserve.protos.generated import model_config_pb2 as mc
 
 from .. import describe
-from ..dataplane import UNLOAD_DEPENDENTS, DataPlane, InferenceCall
-from ..errors import ErrorKind, RequestError, invalid
+from ..dataplane import DataPlane, InferenceCall
+from ..errors import ErrorKind, RequestError
 from ..security import Callers, certificate_identity
-from .protobuf import as_infer_parameters, decode_grpc_request, encode_grpc_response, grpc_decodes_slowly
+from .protobuf import (
+    as_infer_parameters,
+    decode_grpc_request,
+    encode_grpc_response,
+    grpc_decodes_slowly,
+    parameter_values,
+)
 from .receipt import abort_refused
 
 log = logging.getLogger("mhaserve.server")
@@ -121,11 +127,7 @@ class ProtocolRpcs:
 
     async def RepositoryModelUnload(self, request):
         _check_repository_name(request.repository_name)
-        if UNLOAD_DEPENDENTS in request.parameters:
-            given = request.parameters[UNLOAD_DEPENDENTS].WhichOneof("parameter_choice")
-            if given != "bool_param":
-                raise invalid(f"the unload parameter {UNLOAD_DEPENDENTS} must be a bool_param, got {given}")
-        await self.dataplane.unload_model(request.model_name, list(request.parameters))
+        await self.dataplane.unload_model(request.model_name, parameter_values(request.parameters))
         return pb.RepositoryModelUnloadResponse()
 
 

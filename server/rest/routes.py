@@ -17,7 +17,7 @@ from aiohttp import web
 from mhaserve.contract.errors import json_kind
 
 from .. import describe
-from ..dataplane import UNLOAD_DEPENDENTS, DataPlane
+from ..dataplane import DataPlane
 from ..errors import HTTP_STATUS, RequestError, invalid
 from ..parameters import quoted
 from ..security import Callers, certificate_identity
@@ -199,12 +199,7 @@ class RestTransport:
 
     async def unload(self, request):
         parameters = await self._control_parameters(request, "unload")
-        dependents = parameters.get(UNLOAD_DEPENDENTS, False)
-        if not isinstance(dependents, bool):
-            raise invalid(
-                f"the unload parameter {UNLOAD_DEPENDENTS} must be true or false, got {json_kind(dependents)}"
-            )
-        await self.dataplane.unload_model(request.match_info["name"], list(parameters))
+        await self.dataplane.unload_model(request.match_info["name"], parameters)
         return web.Response(status=200)
 
     async def _control_parameters(self, request, action: str) -> dict:

@@ -581,7 +581,7 @@ def test_an_unload_takes_tritons_unload_dependents_and_refuses_any_other_paramet
     with repository_server(repository, "--model-control-mode", "explicit", "--load-model", "mha") as server:
         assert unload_over_http({"unload_dependents": "yes"}) == (
             400,
-            "the unload parameter unload_dependents must be true or false, got string",
+            "parameter 'unload_dependents' must be true or false, got a string 'yes'",
         )
         assert unload_over_http({"cascade": True}) == (
             400,
@@ -594,7 +594,7 @@ def test_an_unload_takes_tritons_unload_dependents_and_refuses_any_other_paramet
             with pytest.raises(grpc.RpcError) as refused:
                 stub.RepositoryModelUnload(request, timeout=30)
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert "must be a bool_param, got string_param" in refused.value.details()
+            assert refused.value.details() == "parameter 'unload_dependents' must be true or false, got a string 'yes'"
             assert stub.ModelReady(pb.ModelReadyRequest(name="mha"), timeout=10).ready  # nothing refused was done
         assert unload_over_http({"unload_dependents": False}) == (200, "")  # as tritonclient sends it
 
