@@ -251,6 +251,13 @@ def module_from_state_dict(
     """The served module holding the weights of the one attention layer in ``state`` (or the one at ``prefix``)."""
     layer = pick_layer(state, prefix, where)
     served, _ = projections(state, layer, where)
+    return _module_of(served, num_heads, state, layer, where), layer
+
+
+def _module_of(
+    served: dict[str, torch.Tensor], num_heads: int | None, state: Mapping, layer: AttentionLayer, where: str
+) -> MultiHeadAttention:
+    """The served module holding ``served`` (the layer's projections, as ``projections`` gives them)."""
     d_model = served["W_q.weight"].shape[0]
     marker = layer.prefix + layer.layout.query
     if num_heads is None:
@@ -266,7 +273,7 @@ def module_from_state_dict(
     with torch.device("meta"):  # no weights drawn only to be overwritten: the shapes are known to fit
         module = MultiHeadAttention(d_model, num_heads)
     module.load_state_dict({k: v.detach().to(torch.float32) for k, v in served.items()}, assign=True)
-    return module.eval(), layer
+    return module.eval()
 
 
 def _check_answers(module: MultiHeadAttention, where: str) -> None:
@@ -559,7 +566,7 @@ def load_checkpoint(
             f"{where}: {disagreeing}; a wrong count exports and validates but answers unlike the trained module"
         )
     heads, heads_from = said[0] if said else (None, None)
-    module, layer = module_from_state_dict(checkpoint.state, heads, layer.prefix, where)
+    module = _module_of(served, heads, checkpoint.state, layer, where)  # the projections read and checked once
     _check_answers(module, where)
     files = checkpoint.files  # every file the layer's tensors were read from
     source = {
