@@ -293,14 +293,11 @@ class ModelRegistry:
             try:
                 if not repository.versions(name):
                     continue
-                failures = await self.load_model(name, retry_failed=False)
+                await self.load_model(name, retry_failed=False)  # each version that fails logs its one line
             except (RequestError, RepositoryPathError) as error:  # the index says why; the rest still load
                 if name not in self._refused:
                     log.warning("model '%s' not served: %s", name, getattr(error, "message", error))
                 self._refused.add(name)
-                continue
-            for failure in failures:
-                log.warning("model '%s' %s", name, failure)
         for name in sorted(set(self.models) - present):
             if any(v.state != UNAVAILABLE for v in self.models[name].values()):
                 await self.unload_model(name)
