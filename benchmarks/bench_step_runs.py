@@ -90,7 +90,7 @@ def main() -> None:
             steps = steps_at(past, sequences)
             together = median_ms(lambda steps=steps: steps_graph.run_steps(steps), calls)
             alone = median_ms(lambda steps=steps: [steps_graph.run_step(step) for step in steps], calls)
-            runs = steps_graph.run_steps(steps)[1]
+            runs = len(steps_graph.run_steps(steps)[1])
             print(f"pasts ~{past:4d} rows, {sequences:2d} sequences: one call {together:7.3f} ms ({runs} runs), "
                   f"a call each {alone:7.3f} ms, ratio {together / alone:5.2f}")  # fmt: skip
     if args.few:

@@ -225,7 +225,7 @@ class _ScrapedFigures:
         yield requests
         for name, text, figure in (
             ("mhaserve_inference_count", "Rows (batch elements) inferred", "rows"),
-            ("mhaserve_inference_exec_count", "Model runs (one per merged batch)", "runs"),
+            ("mhaserve_inference_exec_count", "Model runs (merged batches, and runs of sequences' steps)", "runs"),
         ):
             family = CounterMetricFamily(name, text, labels=LABELS)
             for labels, model in models:

@@ -97,7 +97,6 @@ class ProcessShare:
     limits: Limits
     quiet: Callable[[], bool]  # no other request in the server: a lone small run may be made on the event loop
     fitted_costs: FittedCosts
-    step_runs_made: Callable[[int], None]  # the metrics' count of step-graph runs
 
 
 class BatchedRuntime:

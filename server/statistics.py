@@ -73,12 +73,16 @@ class ModelStatistics:
             self.last_inference_ms = int(time.time() * 1000)
 
     def record_execution(self, run: BatchResult) -> None:
+        self.record_run(run.batch_size, run.merge_ns, run.model_ns, run.split_ns)
+
+    def record_run(self, rows: int, input_ns: int, infer_ns: int, output_ns: int) -> None:
+        """One run of the model (a merged batch, or steps of sequences), of ``rows`` batch rows."""
         with self.lock:
             self.execution_count += 1
-            per_batch = self.batch_sizes.setdefault(run.batch_size, BatchStatistics())
-            per_batch.compute_input.add(run.merge_ns)
-            per_batch.compute_infer.add(run.model_ns)
-            per_batch.compute_output.add(run.split_ns)
+            per_batch = self.batch_sizes.setdefault(rows, BatchStatistics())
+            per_batch.compute_input.add(input_ns)
+            per_batch.compute_infer.add(infer_ns)
+            per_batch.compute_output.add(output_ns)
 
     def record_failure(self, ns: int) -> None:
         with self.lock:

@@ -24,7 +24,7 @@ from .parity import LiveParity
 from .registry import ServedModel
 from .run_cost import FittedCosts
 from .runtime import BatchedRuntime, ProcessShare, signature_of
-from .sequences import SequenceRuntime, Sequences
+from .sequences import SequenceRuntime, Sequences, StepRun
 from .statistics import BatchResult, ModelStatistics
 from .tensors import Limits
 from .threads import lowered_pool
@@ -54,7 +54,7 @@ class VersionFactory:
         # workers for its seconds of session creation and warm-up (at the same lowered priority).
         self._loader = lowered_pool(1, "load", settings.inference_nice)
         fitted_costs = FittedCosts(cache_root() / "run-costs" if settings.run_cost_cache else None)
-        self.share = ProcessShare(settings, executor, limits, quiet, fitted_costs, metrics.step_runs_made)
+        self.share = ProcessShare(settings, executor, limits, quiet, fitted_costs)
 
     async def load(self, name: str, number: int, model_dir: Path, config_dir: Path) -> ServedModel:
         """Version ``number`` of ``name`` from ``model_dir``, served as ``config_dir``'s config.pbtxt says (the
@@ -67,17 +67,24 @@ class VersionFactory:
         batched: BatchedRuntime | None = None
         model_metrics = self.metrics.for_model(name, version, lambda: batched.batcher.queue_depth if batched else 0)
         on_batch = self._on_batch(stats, model_metrics, lambda: batched.graphs.info)
+        on_step_runs = self._on_step_runs(stats, model_metrics)
         loop = asyncio.get_running_loop()
         label = f"model '{name}' version {version}"
         batched, steps = await loop.run_in_executor(
-            self._loader, self._build_runtimes, model_dir, model, on_batch, model_metrics, label
+            self._loader, self._build_runtimes, model_dir, model, on_batch, on_step_runs, model_metrics, label
         )
         signature = signature_of(name, version, batched, steps.serves_sequences)
         self._log_loaded(signature, batched, model, model_dir)
         return ServedModel(signature, model_dir, model, batched, steps, model_metrics, stats)
 
     def _build_runtimes(
-        self, model_dir: Path, model: ModelSettings, on_batch: Callable[[BatchResult], None], model_metrics, label: str
+        self,
+        model_dir: Path,
+        model: ModelSettings,
+        on_batch: Callable[[BatchResult], None],
+        on_step_runs: Callable[[list[StepRun]], None],
+        model_metrics,
+        label: str,
     ) -> tuple[BatchedRuntime, SequenceRuntime]:
         """On the loader's thread: the folder read and checked, and the runtimes built over its graphs (the
         batched one with live parity where ``model`` asks for it)."""
@@ -87,7 +94,8 @@ class VersionFactory:
             num_heads = int(folder.manifest["config"]["num_heads"])
             batched.parity = LiveParity.open(folder.graph_path, folder.manifest, num_heads, model.parity_share,
                                              model_metrics, label, tf32=batched.graphs.computes_in_tf32)  # fmt: skip
-        return batched, SequenceRuntime.build(batched.graphs, model, self.sequences, self.share, batched.parity)
+        steps = SequenceRuntime.build(batched.graphs, model, self.sequences, self.share, batched.parity, on_step_runs)
+        return batched, steps
 
     def _on_batch(self, stats: ModelStatistics, model_metrics, info) -> Callable[[BatchResult], None]:
         """What each finished run of the version's batcher records: its statistics, metrics and workspace."""
@@ -99,6 +107,18 @@ class VersionFactory:
             self.budget.run_made(run_workspace_bytes(run.batch_size, run.q_len, run.kv_len, d_model, num_heads))
 
         return on_batch
+
+    def _on_step_runs(self, stats: ModelStatistics, model_metrics) -> Callable[[list[StepRun]], None]:
+        """What the runs of the version's step graphs record: executions in its statistics and metrics, as its
+        batcher's runs are (Triton counts a sequence batcher's runs the same way)."""
+
+        def on_runs(runs: list[StepRun]) -> None:
+            self.metrics.step_runs_made(len(runs))
+            for run in runs:
+                stats.record_run(run.rows, input_ns=0, infer_ns=run.ns, output_ns=0)
+                model_metrics.batch_done(run.rows)
+
+        return on_runs
 
     def _log_loaded(self, signature, batched: BatchedRuntime, model: ModelSettings, model_dir: Path) -> None:
         name, version = signature.name, signature.version

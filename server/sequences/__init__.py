@@ -23,9 +23,19 @@ it was given (more may come with later steps), on the folder's cross-attention s
 - A sequence keeps the version it started on until it ends or times out, through unloads and swaps.
 """
 
-from .graph import Step, StepCache, StepGraph
+from .graph import Step, StepCache, StepGraph, StepRun
 from .runs import StepRuns
 from .runtime import SequenceRuntime
 from .state import Sequence, SequenceHomes, Sequences
 
-__all__ = ["Sequence", "SequenceHomes", "SequenceRuntime", "Sequences", "Step", "StepCache", "StepGraph", "StepRuns"]
+__all__ = [
+    "Sequence",
+    "SequenceHomes",
+    "SequenceRuntime",
+    "Sequences",
+    "Step",
+    "StepCache",
+    "StepGraph",
+    "StepRun",
+    "StepRuns",
+]

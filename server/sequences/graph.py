@@ -5,6 +5,7 @@ weights over every key, and its new rows' keys and values, written after the cac
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -162,31 +163,34 @@ class StepGraph:
             return {KEY: none, VALUE: none}
         return {name: np.concatenate([getattr(step, name) for step in steps]) for name in (KEY, VALUE)}
 
-    def run_steps(self, steps: list[Step]) -> tuple[list[tuple[np.ndarray, np.ndarray, StepCache | None]], int]:
+    def run_steps(
+        self, steps: list[Step]
+    ) -> tuple[list[tuple[np.ndarray, np.ndarray, StepCache | None]], list[StepRun]]:
         """Steps of several sequences, each of the same number of new rows (and keys), in one call. While the pasts
         are small and of comparable lengths, their pasts copied side by side (contract/steps.py), each answer cut
         back to its own keys, in runs of at most STACKED_STEPS_BYTES of pasts each; else in runs of the grouped step
         graph, each step over its own buffers where they lie (one run after another, copying nothing, where too few
         steps share a call or the folder has no such graph). Either way as few runs as hold them, of sizes as even
         as can be. Returns each step's output, weights and grown cache (None where its new rows overflowed), and
-        how many runs they took."""
+        the runs they took."""
         if len(steps) == 1:
-            return [self.run_step(steps[0])], 1
+            return _runs_of([steps], self._run_alone)
         pasts = [step.cache.length for step in steps]
         longest_bytes = 2 * max(pasts) * self.d_model * np.dtype(np.float32).itemsize  # keys and values
         if longest_bytes <= STACKED_STEP_PAST_BYTES and max(pasts) <= 2 * max(min(pasts), 1):
             per_run = STACKED_STEPS_BYTES // max(longest_bytes, 1)  # first steps have no past: all in one
-            parts = _even_parts(steps, per_run, size=lambda step: step.query.shape[0])
-            answers = [answer for part in parts for answer in self._run_stacked(part)]
-            return answers, len(parts)
+            return _runs_of(_even_parts(steps, per_run, size=lambda step: step.query.shape[0]), self._run_stacked)
         if len(steps) < self._min_grouped or not self._members:
-            return [self.run_step(step) for step in steps], len(steps)
-        parts = _even_parts(steps, self._members)
-        return [answer for part in parts for answer in self._run_grouped(part)], len(parts)
+            return _runs_of([[step] for step in steps], self._run_alone)
+        return _runs_of(_even_parts(steps, self._members), self._run_grouped)
+
+    def _run_alone(self, steps: list[Step]) -> list[tuple[np.ndarray, np.ndarray, StepCache | None]]:
+        (step,) = steps
+        return [self.run_step(step)]
 
     def _run_stacked(self, steps: list[Step]) -> list[tuple[np.ndarray, np.ndarray, StepCache | None]]:
         if len(steps) == 1:
-            return [self.run_step(steps[0])]
+            return self._run_alone(steps)
         keys, lengths = stacked_pasts([(step.cache.key, step.cache.length) for step in steps])
         values, _ = stacked_pasts([(step.cache.value, step.cache.length) for step in steps])
         queries = np.concatenate([step.query for step in steps])
@@ -246,6 +250,25 @@ class StepGraph:
         key = kernels.appended(cache.key, new_key, self._provider, device)
         value = kernels.appended(cache.value, new_value, self._provider, device)
         return output, weights, StepCache.of(key, value, cache.length + new_key.shape()[2])
+
+
+@dataclass(frozen=True)
+class StepRun:
+    """One run of a step graph, for the version's statistics and metrics: its batch rows (every step's), and its
+    time."""
+
+    rows: int
+    ns: int
+
+
+def _runs_of(parts: list[list[Step]], run) -> tuple[list, list[StepRun]]:
+    """Each part's steps answered by ``run(part)``, one run each, in order; the answers and the runs."""
+    answers, runs = [], []
+    for part in parts:
+        started = time.perf_counter_ns()
+        answers += run(part)
+        runs.append(StepRun(sum(step.query.shape[0] for step in part), time.perf_counter_ns() - started))
+    return answers, runs
 
 
 def _even_parts(steps: list[Step], most: int, size=lambda step: 1) -> list[list[Step]]:

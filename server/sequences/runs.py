@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from .graph import Step, StepCache, StepGraph
+from .graph import Step, StepCache, StepGraph, StepRun
 
 # What a step's caller makes of its output and weights, on the inference thread as its call ends
 Answering = Callable[[np.ndarray, np.ndarray], Any]
@@ -26,7 +26,9 @@ class StepRuns:
     batch rows; the session runs them as one batch where that pays, else one after another in that call
     (StepGraph.run_steps). Event loop only."""
 
-    def __init__(self, graph: StepGraph, executor, max_rows: int, on_runs: Callable[[int], None] = lambda runs: None):
+    def __init__(
+        self, graph: StepGraph, executor, max_rows: int, on_runs: Callable[[list[StepRun]], None] = lambda runs: None
+    ):
         self.graph = graph
         self._executor, self._max_rows, self._on_runs = executor, max_rows, on_runs
         self._waiting: list[tuple[Step, Answering, asyncio.Future]] = []
@@ -42,7 +44,7 @@ class StepRuns:
             self._runner = asyncio.create_task(self._run_waiting())
         return await answer
 
-    def _run_and_answer(self, steps: list[Step], answerings: list[Answering]) -> tuple[list, int]:
+    def _run_and_answer(self, steps: list[Step], answerings: list[Answering]) -> tuple[list, list[StepRun]]:
         """On the inference thread: the steps' call, then each one's answer."""
         ran, runs = self.graph.run_steps(steps)
         answered = [(answering(output, weights), cache) for (output, weights, cache), answering in

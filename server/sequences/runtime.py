@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -23,7 +24,7 @@ from ..parameters import SequenceParameters, weights_shaping
 from ..parity import LiveParity
 from ..session import CPU
 from ..tensors import RunInputs
-from .graph import Step, StepGraph
+from .graph import Step, StepGraph, StepRun
 from .runs import StepRuns
 from .state import Sequence, Sequences
 
@@ -80,11 +81,12 @@ class SequenceRuntime:
         sequences: Sequences,
         share: ProcessShare,
         parity: LiveParity | None = None,
+        on_runs: Callable[[list[StepRun]], None] = lambda runs: None,
     ) -> SequenceRuntime:
         """The steps of the folder of ``graphs``, on its step graphs, where it has them; ``parity`` checks a share
-        of them."""
+        of them, and ``on_runs`` is told of the runs each group of steps took (the version's statistics)."""
         runs = [
-            None if graph is None else StepRuns(graph, share.executor, model.max_batch_size, share.step_runs_made)
+            None if graph is None else StepRuns(graph, share.executor, model.max_batch_size, on_runs)
             for graph in open_step_graphs(graphs)
         ]
         return cls(sequences, *runs, computed_in=graphs.info.computed_in, parity=parity)

@@ -43,6 +43,26 @@ def test_metrics_count_requests_rows_runs_and_latency(start_server, small_model_
     assert value("mhaserve_inference_pending_request_count") == 0
 
 
+def test_steps_of_sequences_count_as_runs_of_their_model_as_batched_requests_do(start_server, small_model_dir):
+    server = start_server(small_model_dir, "--warmup-runs", "0")
+    x = rand(1, 6, D)
+    with Client(server.url) as client:
+        before = client.statistics()
+        with client.sequence() as sequence:  # three steps, one after another: a run each
+            for rows in (slice(0, 3), slice(3, 4), slice(4, 6)):
+                sequence.step(x[:, rows], end=rows.stop == 6)
+        after = client.statistics()
+    assert after.inference_count - before.inference_count == 3
+    assert after.execution_count - before.execution_count == 3
+    (one_row,) = [batch for batch in after.batch_stats if batch.batch_size == 1]
+    assert one_row.compute_infer.count == 3 and one_row.compute_infer.ns > 0
+    m = scrape(server.metrics_url)
+    model = (("model", "mha"), ("version", "1"))
+    assert m[("mhaserve_inference_exec_count_total", model)] == 3
+    assert m[("mhaserve_inference_batch_size_count", model)] == 3
+    assert m[("mhaserve_sequence_step_runs_total", ())] == 3
+
+
 def test_metrics_endpoint_can_be_turned_off(start_server, small_model_dir):
     server = start_server(small_model_dir, "--warmup-runs", "0", "--metrics-port", "-1")
     assert server.metrics_url is None and "metrics=off" in server.log

@@ -40,17 +40,20 @@ def grown(session, length: int, seed: int):
     return session.steps.run_step(Step(prompt, session.steps.empty_cache(1)))[2]
 
 
-def run_at_once(session, steps, max_rows=32) -> tuple[list, int]:
-    """The steps sent together, as concurrent requests do; their answers and how many runs they took."""
+def run_at_once(session, steps, max_rows=32) -> tuple[list, list[int]]:
+    """The steps sent together, as concurrent requests do; their answers and the batch rows of each run they took
+    (as the version's statistics count them: every step's rows in one run and one only)."""
     runs = []
 
     async def send():
         with ThreadPoolExecutor(1) as executor:
-            step_runs = StepRuns(session.steps, executor, max_rows, on_runs=runs.append)
+            step_runs = StepRuns(session.steps, executor, max_rows, on_runs=runs.extend)
             return await asyncio.gather(*(step_runs.run(Step(query, cache)) for query, cache in steps))
 
     answers = [(output, weights, cache) for (output, weights), cache in asyncio.run(send())]
-    return answers, sum(runs)
+    assert sum(run.rows for run in runs) == sum(query.shape[0] for query, _ in steps)
+    assert all(run.ns > 0 for run in runs)
+    return answers, [run.rows for run in runs]
 
 
 def rows(count: int, seed: int) -> np.ndarray:
@@ -72,14 +75,14 @@ def assert_equal_to_alone(session, steps, answers):
 def test_steps_of_sequences_of_different_lengths_share_one_run_each_equal_to_its_run_alone(session):
     steps = [(rows(1, 10 + i), grown(session, length, i)) for i, length in enumerate((12, 17, 24, 20))]
     answers, runs = run_at_once(session, steps)
-    assert runs == 1
+    assert runs == [4]
     assert_equal_to_alone(session, steps, answers)
 
 
 def test_first_steps_of_sequences_started_together_share_one_run(session):
     steps = [(rows(2, 120 + i), session.steps.empty_cache(1)) for i in range(3)]  # no past yet
     answers, runs = run_at_once(session, steps)
-    assert runs == 1
+    assert runs == [3]
     for (query, cache), (output, weights, after) in zip(steps, answers, strict=True):
         want_output, want_weights, want = session.steps.run_step(Step(query, cache))
         np.testing.assert_allclose(output, want_output, rtol=0, atol=1e-6)
@@ -96,7 +99,7 @@ def test_steps_of_other_new_rows_or_a_far_longer_past_or_past_the_rows_limit_run
              (rows(1, 6), grown(session, 12, 3)),
              (rows(1, 7), grown(session, 11, 4))]  # fmt: skip
     answers, runs = run_at_once(session, steps, max_rows=2)
-    assert runs == 4
+    assert sorted(runs) == [1, 1, 1, 2]
     assert_equal_to_alone(session, steps, answers)
 
 
@@ -107,7 +110,7 @@ def test_more_short_steps_than_one_batch_holds_run_in_batches_of_as_many_as_one_
     longest_bytes = 2 * (500 + 30) * SMALL_D_MODEL * 4
     assert longest_bytes <= STACKED_STEP_PAST_BYTES and STACKED_STEPS_BYTES // longest_bytes == 15
     answers, runs = run_at_once(session, steps, max_rows=64)
-    assert runs == 3
+    assert runs == [11, 11, 9]
     assert_equal_to_alone(session, steps, answers)
 
 
@@ -124,7 +127,7 @@ def test_steps_over_long_pasts_share_a_run_of_the_grouped_graph_each_over_its_ow
     caches = long_pasts(4)
     steps = [(rows(1, 20 + i), cache) for i, cache in enumerate(caches)]
     answers, runs = run_at_once(session, steps)
-    assert runs == 1
+    assert runs == [4]
     assert_equal_to_alone(session, steps, answers)
     for cache, (_, _, after) in zip(caches, answers, strict=True):  # its new row written where its past lies
         assert after.key is cache.key and after.value is cache.value
@@ -134,7 +137,7 @@ def test_steps_at_far_apart_positions_share_one_run(session):
     far_apart = [grown(session, 3, 30), long_pasts(1)[0], grown(session, 60, 31), grown(session, 700, 32)]
     steps = [(rows(1, 30 + i), cache) for i, cache in enumerate(far_apart)]
     answers, runs = run_at_once(session, steps)
-    assert runs == 1
+    assert runs == [4]
     assert_equal_to_alone(session, steps, answers)
 
 
@@ -143,7 +146,7 @@ def test_more_steps_than_the_grouped_graph_holds_share_as_few_runs_as_hold_them_
     # A full run and the few left over, each alone, would take MIN_GROUPED_STEPS runs; two runs hold them all.
     steps = [(rows(1, 40 + i), cache) for i, cache in enumerate(long_pasts(members + MIN_GROUPED_STEPS - 1))]
     answers, runs = run_at_once(session, steps, max_rows=64)
-    assert runs == 2
+    assert len(runs) == 2
     assert_equal_to_alone(session, steps, answers)
 
 
@@ -151,7 +154,7 @@ def test_a_folder_without_the_grouped_graph_runs_long_pasts_one_after_another(se
     steps_alone = StepGraph(session.steps._session, SMALL_D_MODEL, SMALL_HEADS)
     steps = [Step(rows(1, 50 + i), cache) for i, cache in enumerate(long_pasts(4))]
     answers, runs = steps_alone.run_steps(steps)
-    assert runs == 4
+    assert [run.rows for run in runs] == [1, 1, 1, 1]
     for step, (output, _, _) in zip(steps, answers, strict=True):
         want = session.steps.run_step(
             Step(step.query, StepCache.of(step.cache.key.copy(), step.cache.value.copy(), step.cache.length))
@@ -189,7 +192,7 @@ def test_a_step_whose_rows_overflow_in_a_shared_run_grows_no_cache_and_the_other
     for caches in (short, long_pasts(4)):  # and the grouped graph
         steps = [(huge if i == 2 else rows(1, 110 + i), cache) for i, cache in enumerate(caches)]
         answers, runs = run_at_once(session, steps)
-        assert runs == 1 and answers[2][2] is None
+        assert runs == [4] and answers[2][2] is None
         fine = [0, 1, 3]
         assert_equal_to_alone(session, [steps[i] for i in fine], [answers[i] for i in fine])
 
@@ -232,7 +235,7 @@ def test_cross_attention_steps_over_long_keys_share_a_run_of_the_grouped_cross_g
     caches = long_pasts(4)  # keys given earlier, too many to copy side by side
     steps = [Step(rows(1, 80 + i), cache) for i, cache in enumerate(caches)]
     answers, runs = cross.run_steps(steps)
-    assert runs == 1
+    assert [run.rows for run in runs] == [4]
     for step, (output, weights, after) in zip(steps, answers, strict=True):
         alone = StepCache.of(step.cache.key.copy(), step.cache.value.copy(), step.cache.length)
         want_output, want_weights, want = cross.run_step(Step(step.query, alone))
