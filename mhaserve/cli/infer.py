@@ -47,8 +47,10 @@ def _infer_steps(client, arrays: dict, args) -> int:
                 return 1
             values, keys = result.top_k
             newest = ", ".join(f"{k} ({v:.2f})" for k, v in zip(keys[0, 0, -1], values[0, 0, -1], strict=True))
-            print(f"rows {start}..{start + rows.shape[1] - 1}: {(time.perf_counter() - started) * 1000:7.3f} ms; "
-                  f"row {start + rows.shape[1] - 1} attends most to keys {newest} (head 0)")  # fmt: skip
+            last = start + rows.shape[1] - 1
+            span = f"row {last}" if last == start else f"rows {start}..{last}"
+            print(f"{span}: {(time.perf_counter() - started) * 1000:7.3f} ms; "
+                  f"row {last} attends most to keys {newest} (head 0)")  # fmt: skip
     return 0
 
 

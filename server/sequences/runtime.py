@@ -216,8 +216,10 @@ def _check_position(step: SequenceParameters, sequence: Sequence) -> None:
             f"sequence {step.id!r} holds {sequence.length} rows; this step is for position {step.position}: a step "
             "there was applied already (a resend of one whose answer was lost?), and is not applied twice",
         )
+    missing = step.position - sequence.length
+    span = f"row {sequence.length}" if missing == 1 else f"rows {sequence.length}..{step.position - 1}"
     raise RequestError(
         ErrorKind.FAILED_PRECONDITION,
         f"sequence {step.id!r} holds {sequence.length} rows; this step is for position {step.position}: the steps "
-        f"for rows {sequence.length}..{step.position - 1} never arrived; send them first",
+        f"for {span} never arrived; send them first",
     )
