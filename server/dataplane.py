@@ -21,7 +21,7 @@ from typing import Protocol, TypeVar
 from mhaserve.contract.model_dir import ModelDirError, read_manifest
 from mhaserve.contract.repository import ModelRepository, VersionPolicy
 
-from . import describe
+from . import describe, logs
 from .accounting import CallMemory, RequestAccounting
 from .calls import CallRecord, ReadHeaders
 from .config import ServerSettings
@@ -302,11 +302,12 @@ class DataPlane:
         """What control calls made of this process, for a serving process started again in place of another: the
         models served, and the shared-memory regions registered."""
         return {"models": sorted({m.signature.name for m in self.served_models()}),
-                "regions": self.shared_memory.registrations()}  # fmt: skip
+                "regions": self.shared_memory.registrations(), "logging": logs.switches()}  # fmt: skip
 
     async def take_control_state(self, state: dict) -> None:
-        """Another serving process's ``control_state`` made this one's: its models loaded (explicit control) and
-        its clients' regions registered, as before this process was started again."""
+        """Another serving process's ``control_state`` made this one's: its log settings, its models loaded
+        (explicit control) and its clients' regions registered, as before this process was started again."""
+        logs.switch(state["logging"])
         if self.registry.repository is not None and self.settings.model_control_mode == "explicit":
             for name in state["models"]:
                 if not self.registry.ready_versions(name):
@@ -378,6 +379,29 @@ class DataPlane:
                 raise
             return False
         return not self.draining
+
+    async def log_settings(self, changes: Mapping[str, object], *, here_only: bool = False) -> dict[str, object]:
+        """LogSettings (Triton's logging extension): the log's settings, after ``changes`` if any, made in every
+        serving process (``here_only``: in this one, told by another)."""
+        if not changes:
+            return logs.switches().as_protocol()
+        before = logs.switches()
+        switches = before.updated(changes)
+        # One line, by the process that took the call, written while INFO lines are: before a change that stops
+        # them, after one that starts them.
+        line = "log settings changed: " + ", ".join(f"{name}={value}" for name, value in changes.items())
+        said = switches != before and not here_only
+        if said and not switches.log_info:
+            log.info("%s", line)
+        logs.switch(switches)
+        if said and switches.log_info:
+            log.info("%s", line)
+        if self.forward is not None and not here_only:
+            failures = await self.forward.tell_others("logging", changes=dict(changes))
+            if failures:
+                raise RequestError(ErrorKind.UNAVAILABLE, f"log settings changed here, not in every worker: "
+                                                          f"{'; '.join(failures)}")  # fmt: skip
+        return switches.as_protocol()
 
     def trace_settings(self, model: str, changes: dict[str, list[str]]) -> dict[str, list[str]]:
         """TraceSetting: the settings of ``model`` (or the global ones), updated by ``changes`` if any."""

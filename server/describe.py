@@ -17,7 +17,7 @@ from .shared_memory import RegionStatus
 from .statistics import Duration
 
 PLATFORM = "onnxruntime_onnx"
-EXTENSIONS = ["model_configuration", "model_repository", "statistics", "binary_tensor_data", "trace"]
+EXTENSIONS = ["model_configuration", "model_repository", "statistics", "binary_tensor_data", "trace", "logging"]
 CONFIG_DATA_TYPES = {"FP16": "TYPE_FP16", "FP32": "TYPE_FP32", "BOOL": "TYPE_BOOL", "INT64": "TYPE_INT64"}
 
 

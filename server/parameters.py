@@ -91,6 +91,11 @@ def boolean(value: object, name: str) -> bool:
     return value
 
 
+def described(value: object) -> str:
+    """What came, for a refusal: its kind in JSON's words and the value, "a string 'yes'"."""
+    return "null" if value is None else f"{_kind(value)} {quoted(value)}"
+
+
 def _kind(value: object) -> str:
     """The value's type in the words of JSON, with its article: "an integer", "a string", "null"."""
     kind = json_kind(value)

@@ -296,6 +296,8 @@ async def _controlled(dataplane: DataPlane, sent: dict) -> dict:
             dataplane.shared_memory.register(*arguments)
         elif action == "unregister":
             dataplane.shared_memory.unregister(sent["peer"], sent["owner"], sent["name"])
+        elif action == "logging":
+            await dataplane.log_settings(sent["changes"], here_only=True)
     except RequestError as error:
         return {"error": error.message}
     return {"error": None}

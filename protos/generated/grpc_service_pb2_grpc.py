@@ -100,6 +100,11 @@ class GRPCInferenceServiceStub:
                 request_serializer=grpc__service__pb2.TraceSettingRequest.SerializeToString,
                 response_deserializer=grpc__service__pb2.TraceSettingResponse.FromString,
                 _registered_method=True)
+        self.LogSettings = channel.unary_unary(
+                '/inference.GRPCInferenceService/LogSettings',
+                request_serializer=grpc__service__pb2.LogSettingsRequest.SerializeToString,
+                response_deserializer=grpc__service__pb2.LogSettingsResponse.FromString,
+                _registered_method=True)
         self.SystemSharedMemoryStatus = channel.unary_unary(
                 '/inference.GRPCInferenceService/SystemSharedMemoryStatus',
                 request_serializer=grpc__service__pb2.SystemSharedMemoryStatusRequest.SerializeToString,
@@ -213,6 +218,12 @@ class GRPCInferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LogSettings(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SystemSharedMemoryStatus(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -316,6 +327,11 @@ def add_GRPCInferenceServiceServicer_to_server(servicer, server):
                     servicer.TraceSetting,
                     request_deserializer=grpc__service__pb2.TraceSettingRequest.FromString,
                     response_serializer=grpc__service__pb2.TraceSettingResponse.SerializeToString,
+            ),
+            'LogSettings': grpc.unary_unary_rpc_method_handler(
+                    servicer.LogSettings,
+                    request_deserializer=grpc__service__pb2.LogSettingsRequest.FromString,
+                    response_serializer=grpc__service__pb2.LogSettingsResponse.SerializeToString,
             ),
             'SystemSharedMemoryStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.SystemSharedMemoryStatus,
@@ -699,6 +715,33 @@ class GRPCInferenceService:
             '/inference.GRPCInferenceService/TraceSetting',
             grpc__service__pb2.TraceSettingRequest.SerializeToString,
             grpc__service__pb2.TraceSettingResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LogSettings(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/LogSettings',
+            grpc__service__pb2.LogSettingsRequest.SerializeToString,
+            grpc__service__pb2.LogSettingsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -49,6 +49,16 @@ def answering_errors(method):
     return answer
 
 
+# A log setting's value in LogSettings' SettingValue, by its type.
+_LOG_SETTING_FIELDS = {bool: "bool_param", int: "uint32_param", str: "string_param"}
+
+
+def _log_setting_value(setting) -> bool | int | str | None:
+    """What a LogSettings request's SettingValue holds (None: nothing)."""
+    field = setting.WhichOneof("parameter_choice")
+    return None if field is None else getattr(setting, field)
+
+
 class ProtocolRpcs:
     """The protocol's RPCs other than inference, as plain functions of the request: protobuf in, the data
     plane's answer as protobuf out, refusals raised as RequestErrors. The native servicer and each Ray replica
@@ -86,6 +96,13 @@ class ProtocolRpcs:
         settings = self.dataplane.trace_settings(request.model_name, changes)
         value = pb.TraceSettingResponse.SettingValue
         return pb.TraceSettingResponse(settings={name: value(value=values) for name, values in settings.items()})
+
+    async def LogSettings(self, request):
+        changes = {name: _log_setting_value(setting) for name, setting in request.settings.items()}
+        settings = await self.dataplane.log_settings(changes)
+        value = pb.LogSettingsResponse.SettingValue
+        return pb.LogSettingsResponse(settings={name: value(**{_LOG_SETTING_FIELDS[type(given)]: given})
+                                                for name, given in settings.items()})  # fmt: skip
 
     async def SystemSharedMemoryStatus(self, request, peer: str = "", caller: str = ""):
         rows = describe.shared_memory_status(self.dataplane.shared_memory.status(peer, caller, request.name))

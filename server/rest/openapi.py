@@ -147,6 +147,7 @@ def _model_paths(prefix: str, path_parameters: tuple[str, ...], example_width: i
     }
 
 
+LOG_EXAMPLE = {"log_verbose_level": 1, "access_log": True}
 TRACE_EXAMPLE = {"trace_level": ["TIMESTAMPS"], "trace_rate": "100", "trace_count": "-1"}
 
 
@@ -342,6 +343,33 @@ SCHEMAS = {
             "log_frequency": {"type": "string"},
         },
     },
+    "LogSettings": {
+        "type": "object",
+        "description": "Triton's log settings, and this server's access log",
+        "properties": {
+            "log_file": {"type": "string", "description": "always empty: the log goes to stderr"},
+            "log_info": {"type": "boolean"},
+            "log_warning": {"type": "boolean"},
+            "log_error": {"type": "boolean"},
+            "log_verbose_level": {"type": "integer", "minimum": 0, "description": "above 0: DEBUG lines too"},
+            "log_format": {"type": "string", "enum": ["text", "json"]},
+            "access_log": {"type": "boolean", "description": "one line per inference request"},
+        },
+    },
+    "LogSettingsUpdate": {
+        "type": "object",
+        "description": "the settings to change (log_format also takes Triton's 'default', read as text); the "
+        "others stay as they are",
+        "properties": {
+            "log_info": {"type": "boolean"},
+            "log_warning": {"type": "boolean"},
+            "log_error": {"type": "boolean"},
+            "log_verbose_level": {"type": "integer", "minimum": 0},
+            "log_format": {"type": "string", "enum": ["text", "json", "default"]},
+            "access_log": {"type": "boolean"},
+        },
+        "additionalProperties": False,
+    },
     "TraceSettingsUpdate": {
         "type": "object",
         "description": "settings to change; a setting given null goes back to the global value (or default)",
@@ -355,7 +383,7 @@ SCHEMAS = {
 
 def _server_paths() -> dict:
     """Health, the server's metadata and statistics, the repository and trace settings."""
-    return {**_health_and_server_paths(), **_repository_paths(), **_trace_paths()}
+    return {**_health_and_server_paths(), **_repository_paths(), **_trace_paths(), **_logging_paths()}
 
 
 def _health_and_server_paths() -> dict:
@@ -436,6 +464,27 @@ def _repository_paths() -> dict:
                 "parameters": _parameters("name"),
                 "requestBody": {"content": {JSON: {"schema": {"type": "object"}, "example": {}}}},
                 "responses": {"200": {"description": "unloaded"}, **_errors(400, 404, 503, *COMMON)},
+            },
+        },
+    }
+
+
+def _logging_paths() -> dict:
+    responses = {"200": _json(_ref("LogSettings"), "every setting, as it is now"), **_errors(400, *COMMON)}
+    return {
+        "/v2/logging": {
+            "get": {
+                "summary": "The log settings",
+                "x-handler": "log_setting",
+                "tags": ["logging"],
+                "responses": responses,
+            },
+            "post": {
+                "summary": "Change the log settings (in every worker process)",
+                "x-handler": "log_setting",
+                "tags": ["logging"],
+                "requestBody": {"content": {JSON: {"schema": _ref("LogSettingsUpdate"), "example": LOG_EXAMPLE}}},
+                "responses": responses,
             },
         },
     }

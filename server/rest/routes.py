@@ -241,6 +241,20 @@ class RestTransport:
         answer = {name: values if name == "trace_level" else values[0] for name, values in settings.items()}
         return web.Response(body=orjson.dumps(answer), content_type="application/json")
 
+    async def log_setting(self, request):
+        """Triton's logging extension: GET the settings, POST ``{"log_verbose_level": 1, "log_info": false, ...}`` to
+        change those named (the answer: every setting, as it is now)."""
+        changes = {}
+        if request.method == "POST":
+            body = await self._bodies.read(request)
+            try:
+                changes = orjson.loads(body) if body else {}
+            except orjson.JSONDecodeError as error:
+                raise invalid(f"the log settings are not JSON: {error}") from None
+            if not isinstance(changes, dict):
+                raise invalid(f"the log settings must be a JSON object, got {json_kind(changes)}")
+        return json_response(await self.dataplane.log_settings(changes))
+
     async def shared_memory_status(self, request):
         region, shared_memory = request.match_info.get("region", ""), self.dataplane.shared_memory
         if request.path.startswith("/v2/cuda"):

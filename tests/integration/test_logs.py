@@ -9,6 +9,7 @@ import urllib.error
 import urllib.request
 
 import grpc
+import pytest
 
 from mhaserve.client.grpc import Client
 from tests.support import SMALL_D_MODEL, TEST_SERVER_ARGS, rand
@@ -123,3 +124,72 @@ def test_a_bad_log_format_is_one_line_and_exit_code_2(small_model_dir, capsys):
     assert cli(["serve", "--model-dir", str(small_model_dir), "--log-format", "xml"]) == 2
     stderr = capsys.readouterr().err
     assert "--log-format must be text or json, got 'xml'" in stderr and stderr.strip().count("\n") == 0, stderr
+
+
+def test_the_log_is_switched_while_the_server_runs_as_tritons_clients_ask_over_grpc_and_http(
+    start_server_process, small_model_dir
+):
+    import time
+
+    import tritonclient.grpc as tritongrpc
+    import tritonclient.http as tritonhttp
+    from tritonclient.utils import InferenceServerException
+
+    server = start_server_process(small_model_dir, *TEST_SERVER_ARGS)
+    over_grpc = tritongrpc.InferenceServerClient(server.url)
+    over_http = tritonhttp.InferenceServerClient(server.http_url[len("http://") :])
+
+    def infer(request_id: str) -> None:
+        with Client(server.url) as client:
+            client.infer(rand(1, 2, SMALL_D_MODEL), request_id=request_id)
+        time.sleep(0.3)  # an access line is written once the answer has left
+
+    assert "logging" in over_http.get_server_metadata()["extensions"]
+    assert over_http.get_log_settings() == {"log_file": "", "log_info": True, "log_warning": True,
+                                            "log_error": True, "log_verbose_level": 0, "log_format": "text",
+                                            "access_log": False}  # fmt: skip
+    infer("before")
+    now = over_grpc.update_log_settings({"access_log": True}, as_json=True)["settings"]
+    assert now["log_info"] == {"bool_param": True} and now["access_log"] == {"bool_param": True}
+    assert now["log_verbose_level"] == {"uint32_param": 0} and now["log_format"] == {"string_param": "text"}
+    infer("after-grpc")
+    assert over_http.update_log_settings({"log_format": "json"})["log_format"] == "json"
+    infer("as-json")
+
+    refusals = {}
+    for refused in ({"log_info": "yes"}, {"log_verbose_level": -1}, {"access_log": False, "log_format": "ISO8601"}):
+        with pytest.raises(InferenceServerException) as http_refusal:
+            over_http.update_log_settings(refused)
+        refusals[next(reversed(refused))] = http_refusal.value.message()
+    for refused in ({"log_file": "/var/log/mhaserve.log"}, {"colour": True}):
+        with pytest.raises(InferenceServerException) as grpc_refusal:
+            over_grpc.update_log_settings(refused)
+        assert grpc_refusal.value.status() == "StatusCode.INVALID_ARGUMENT"
+        refusals[next(iter(refused))] = grpc_refusal.value.message()
+    assert over_http.get_log_settings()["access_log"] is True  # a refused change changes nothing
+    back = over_http.update_log_settings({"log_format": "default", "log_verbose_level": 1})  # Triton's name
+    assert (back["log_format"], back["log_verbose_level"]) == ("text", 1)
+    over_http.update_log_settings({"access_log": False, "log_info": False, "log_verbose_level": 0})
+    infer("quiet")
+    server.stop()
+    assert server.stop_line == "(no stop line)"  # an INFO line, and INFO lines are off
+
+    assert "log setting 'log_info' must be true or false, got a string 'yes'" in refusals["log_info"]
+    assert (
+        "log setting 'log_verbose_level' must be an integer of 0 or more, got an integer -1"
+        in refusals["log_verbose_level"]
+    )
+    assert "must be one of text, json" in refusals["log_format"] and "'ISO8601'" in refusals["log_format"]
+    assert "'log_file' cannot be changed: the server writes its log to stderr" in refusals["log_file"]
+    assert "unknown log setting 'colour'" in refusals["colour"]
+    access = {}
+    for line in server.lines:
+        for request_id in ("before", "after-grpc", "as-json", "quiet"):
+            if f"'{request_id}'" in line or f'"{request_id}"' in line:
+                access[request_id] = line
+    assert set(access) == {"after-grpc", "as-json"}, access  # logged only while the access log was on
+    assert " INFO mhaserve.access: grpc mha/1 OK id='after-grpc'" in access["after-grpc"]
+    assert json.loads(access["as-json"])["request_id"] == "as-json"
+    changed = [line for line in server.lines if "log settings changed" in line]
+    assert len(changed) == 4 and "changed: access_log=True" in changed[0]  # each said while INFO lines are written
+    assert "access_log=False, log_info=False, log_verbose_level=0" in changed[3]

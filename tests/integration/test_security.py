@@ -113,6 +113,7 @@ def test_every_inference_rpc_needs_the_token_but_health_does_not(tls_token_serve
             "ModelMetadata": lambda: stub.ModelMetadata(pb.ModelMetadataRequest(name="mha"), timeout=10),
             "ModelConfig": lambda: stub.ModelConfig(pb.ModelConfigRequest(name="mha"), timeout=10),
             "ModelStatistics": lambda: stub.ModelStatistics(pb.ModelStatisticsRequest(name="mha"), timeout=10),
+            "LogSettings": lambda: stub.LogSettings(pb.LogSettingsRequest(), timeout=10),
             "ModelStreamInfer": lambda: list(
                 stub.ModelStreamInfer(iter([build_infer_request("mha", rand(1, 2, SMALL_D_MODEL))]), timeout=10)
             ),

@@ -150,7 +150,7 @@ def test_a_parent_killed_outright_leaves_no_worker_behind(start_server_process, 
         time.sleep(0.1)
 
 
-def test_explicit_model_control_and_client_shared_memory_reach_every_worker_and_a_restarted_one(
+def test_explicit_model_control_shared_memory_and_log_settings_reach_every_worker_and_a_restarted_one(
     start_server_process, small_model_dir, small_module, tmp_path
 ):
     shutil.copytree(small_model_dir, tmp_path / "repository" / "mha" / "1")
@@ -159,14 +159,18 @@ def test_explicit_model_control_and_client_shared_memory_reach_every_worker_and_
                                   "--workers", "2", "--allow-client-shm", "true", "--metrics-port", "0")  # fmt: skip
     query = rand(1, 3, SMALL_D_MODEL, seed=11)
     want = eager(small_module, query)[0]
-    with grpc.insecure_channel(server.url) as channel:  # one connection: one worker takes the call
-        pb_grpc.GRPCInferenceServiceStub(channel).RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="mha"))
+    with grpc.insecure_channel(server.url) as channel:  # one connection: one worker takes the calls
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="mha"))
+        access_on = pb.LogSettingsRequest()
+        access_on.settings["access_log"].bool_param = True
+        stub.LogSettings(access_on)
     before = requests_by_worker(server)
     registering = Client(server.url, own_connection=True)
     regions = registering.shared_memory()  # registered through one worker, used through both
-    for _ in range(12):  # a connection each: the kernel spreads them over both workers
+    for index in range(12):  # a connection each: the kernel spreads them over both workers
         with Client(server.url, own_connection=True) as client:
-            np.testing.assert_allclose(client.infer(query).output, want, atol=1e-5)
+            np.testing.assert_allclose(client.infer(query, request_id=f"a{index}").output, want, atol=1e-5)
             np.testing.assert_allclose(client.infer(query, shared_memory=regions).output, want, atol=1e-5)
     after = requests_by_worker(server)
     assert all(after.get(worker, 0) > before.get(worker, 0) for worker in ("0", "1")), (before, after)
@@ -180,14 +184,21 @@ def test_explicit_model_control_and_client_shared_memory_reach_every_worker_and_
         time.sleep(0.2)
     before = requests_by_worker(server)
     retries = 0
-    for _ in range(48):  # new connections until one reaches the restarted worker (the kernel's hash picks)
+    for index in range(48):  # new connections until one reaches the restarted worker (the kernel's hash picks)
         with Client(server.url, own_connection=True) as client:
-            np.testing.assert_allclose(client.infer(query, shared_memory=regions).output, want, atol=1e-5)
+            answer = client.infer(query, shared_memory=regions, request_id=f"b{index}")
+            np.testing.assert_allclose(answer.output, want, atol=1e-5)
             retries += client.retries
         if requests_by_worker(server).get("1", 0) > before.get("1", 0):
             break
     else:
         raise AssertionError(f"48 connections, none served by the restarted worker ({retries} calls retried)")
+    time.sleep(0.3)  # an access line is written once the answer has left
+    logged = "".join(line for line in server.lines if "mhaserve.access" in line)
+    # every call's line, whichever worker took it, the restarted one's too (the access log on in all)
+    missing = [f"{kind}{i}" for kind, count in (("a", 12), ("b", index + 1)) for i in range(count)
+               if f"id='{kind}{i}'" not in logged]  # fmt: skip
+    assert not missing, missing
 
     with grpc.insecure_channel(server.url) as channel:  # unloaded through one worker: by every one
         pb_grpc.GRPCInferenceServiceStub(channel).RepositoryModelUnload(
