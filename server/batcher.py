@@ -69,6 +69,24 @@ class DeadlineExpiredInQueue(RequestError):
         )
 
 
+@dataclass(frozen=True)
+class QueueTimeout:
+    """How long a request may wait in a model's queue before it is refused, and what set that: the model's
+    (Triton's queue policy, ``default_timeout_microseconds``), or the request's own ``timeout`` parameter where
+    the model lets a request shorten it (``allow_timeout_override``)."""
+
+    seconds: float
+    set_by: str
+
+    def expired(self, waited_s: float) -> RequestError:
+        # UNAVAILABLE, as Triton answers "Request timeout expired": the server was busy, another try may not be
+        return RequestError(
+            ErrorKind.UNAVAILABLE,
+            f"the request waited {waited_s * 1000:.1f} ms in the queue, past its queue timeout of "
+            f"{self.seconds * 1000:g} ms ({self.set_by}); it was not computed: the server is busy, retry",
+        )
+
+
 @dataclass
 class Merged:
     """Several requests as one set of model inputs, and where each request's rows lie."""
@@ -156,8 +174,9 @@ class _Pending:
     request: RunInputs
     future: asyncio.Future
     enqueued_ns: int
-    deadline: float | None  # time.monotonic() by which the answer is due; None: no deadline
+    deadline: float | None  # time.monotonic() by which its run must start; None: no deadline
     trace: RequestTrace | None = None
+    expired: Callable[[float], RequestError] = DeadlineExpiredInQueue  # its refusal then, given how long it waited
 
 
 @dataclass
@@ -237,17 +256,27 @@ class Batcher:
     def queue_depth(self) -> int:
         return len(self._queue)
 
-    async def submit(self, request: RunInputs, timeout_s: float | None = None, trace: RequestTrace | None = None):
+    async def submit(
+        self,
+        request: RunInputs,
+        timeout_s: float | None = None,
+        trace: RequestTrace | None = None,
+        queue_timeout: QueueTimeout | None = None,
+    ):
         """The request's BatchedOutputs, once the run it was merged into is done.
 
-        Raises QueueFull at once when the queue is full, DeadlineExpiredInQueue when ``timeout_s``
-        passes before a worker takes it. Cancelling the caller drops the request from the queue.
+        Raises QueueFull at once when the queue is full, DeadlineExpiredInQueue when ``timeout_s`` (the caller's
+        deadline) passes before a worker takes it, and the ``queue_timeout``'s refusal when that passes first.
+        Cancelling the caller drops the request from the queue.
         """
         if len(self._queue) >= self.max_queue_size:
             raise QueueFull(self.max_queue_size)
         loop = asyncio.get_running_loop()
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        now = time.monotonic()
+        deadline = None if timeout_s is None else now + timeout_s
         pending = _Pending(request, loop.create_future(), time.perf_counter_ns(), deadline, trace)
+        if queue_timeout is not None and (deadline is None or now + queue_timeout.seconds < deadline):
+            pending.deadline, pending.expired = now + queue_timeout.seconds, queue_timeout.expired
         if self._lone(pending):
             self._run_here([pending])
         else:
@@ -286,8 +315,12 @@ class Batcher:
             self._deliver(batch, result, None)
 
     def _should_wait(self) -> bool:
-        """With a queue delay, a partial batch waits until its oldest request has waited that long."""
+        """With a queue delay, a partial batch waits until its oldest request has waited that long; a request
+        whose deadline comes first is refused then, not at the delay's end."""
         if not self.enabled or self.max_queue_delay_s <= 0:
+            return False
+        earliest = self._refuse_expired()
+        if not self._queue:
             return False
         rows = sum(p.request.batch_size for p in self._queue if not p.future.done())
         if rows >= self.max_batch_size:
@@ -295,10 +328,29 @@ class Batcher:
         waited = (time.perf_counter_ns() - self._queue[0].enqueued_ns) / 1e9
         if waited >= self.max_queue_delay_s:
             return False
+        wake_in = self.max_queue_delay_s - waited
+        if earliest is not None:
+            wake_in = min(wake_in, earliest - time.monotonic())
+        loop = asyncio.get_running_loop()
+        if self._timer is not None and self._timer.when() > loop.time() + wake_in:
+            self._timer.cancel()  # a request's deadline comes before the delay's end
+            self._timer = None
         if self._timer is None:
-            loop = asyncio.get_running_loop()
-            self._timer = loop.call_later(self.max_queue_delay_s - waited, self._on_timer)
+            self._timer = loop.call_later(max(wake_in, 0.0), self._on_timer)
         return True
+
+    def _refuse_expired(self) -> float | None:
+        """Requests waiting past their deadline leave the queue, refused; the earliest deadline of those left."""
+        now, earliest, kept = time.monotonic(), None, deque()
+        for pending in self._queue:
+            if pending.deadline is not None and not pending.future.done():
+                if now >= pending.deadline:
+                    pending.future.set_exception(pending.expired((time.perf_counter_ns() - pending.enqueued_ns) / 1e9))
+                    continue
+                earliest = pending.deadline if earliest is None else min(earliest, pending.deadline)
+            kept.append(pending)
+        self._queue = kept
+        return earliest
 
     def _on_timer(self) -> None:
         self._timer = None
@@ -316,7 +368,7 @@ class Batcher:
             if pending.deadline is not None and now >= pending.deadline:
                 self._queue.popleft()
                 waited = (time.perf_counter_ns() - pending.enqueued_ns) / 1e9
-                pending.future.set_exception(DeadlineExpiredInQueue(waited))
+                pending.future.set_exception(pending.expired(waited))
                 continue
             if batch and (not self.enabled or rows + pending.request.batch_size > max_rows):
                 break

@@ -338,6 +338,17 @@ class BatchingSettings(Section):
         "requests allowed to wait for a worker; beyond it RESOURCE_EXHAUSTED at once",
         rule=at_least(1),
     )
+    queue_timeout_us: int = setting(
+        0,
+        "microseconds a request may wait in its model's queue for a run; past it, refused UNAVAILABLE (the server "
+        "is busy: retry) rather than computed late (0: no bound; Triton's default_timeout_microseconds)",
+        rule=at_least(0),
+    )
+    allow_timeout_override: bool = setting(
+        False,
+        "a request's own 'timeout' parameter (microseconds, as tritonclient's infer(timeout=) sends it) may shorten "
+        "--queue-timeout-us, never lengthen it (Triton's allow_timeout_override)",
+    )
 
 
 @dataclass

@@ -83,7 +83,15 @@ def model_config(served: ServedModel) -> dict:
     }
     settings = served.settings
     if settings.dynamic_batching:
-        config["dynamic_batching"] = {"max_queue_delay_microseconds": settings.max_queue_delay_us}
+        config["dynamic_batching"] = {
+            "max_queue_delay_microseconds": settings.max_queue_delay_us,
+            "default_queue_policy": {
+                "timeout_action": "REJECT",
+                "default_timeout_microseconds": settings.queue_timeout_us,
+                "allow_timeout_override": settings.allow_timeout_override,
+                "max_queue_size": settings.max_queue_size,
+            },
+        }
     return config
 
 

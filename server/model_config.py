@@ -8,7 +8,8 @@ then. Triton's fields where they mean the same here:
 
     max_batch_size: 8                                    the batch cap (rows a request and a run may hold)
     dynamic_batching { max_queue_delay_microseconds: 500
-                       default_queue_policy { max_queue_size: 64 } }
+                       default_queue_policy { max_queue_size: 64 default_timeout_microseconds: 100000
+                                              allow_timeout_override: true } }   (timeout_action REJECT only)
     instance_group [ { count: 2 } ]                      model runs at once (the inference workers it uses)
     sequence_batching { max_sequence_idle_microseconds: 60000000 }   (in place of dynamic_batching, as in Triton)
 
@@ -56,6 +57,8 @@ class ModelSettings:
     dynamic_batching: bool
     max_queue_delay_us: int
     max_queue_size: int
+    queue_timeout_us: int
+    allow_timeout_override: bool
     inference_workers: int
     intra_op_threads: int
     intra_op_spin_ms: float
@@ -119,8 +122,17 @@ def model_settings(settings: ServerSettings, folder: Path, name: str | None = No
         batching = config.dynamic_batching
         asked["dynamic_batching"] = True
         asked["max_queue_delay_us"] = batching.max_queue_delay_microseconds
-        if batching.default_queue_policy.max_queue_size:
-            asked["max_queue_size"] = batching.default_queue_policy.max_queue_size
+        policy = batching.default_queue_policy
+        if policy.max_queue_size:
+            asked["max_queue_size"] = policy.max_queue_size
+        if policy.default_timeout_microseconds:
+            asked["queue_timeout_us"] = policy.default_timeout_microseconds
+        if policy.allow_timeout_override:
+            asked["allow_timeout_override"] = True
+        if policy.timeout_action == mc.ModelQueuePolicy.DELAY:
+            raise ModelConfigError(
+                f"{path}: timeout_action DELAY is not supported: a request past its queue timeout is refused (REJECT)"
+            )
     if config.HasField("sequence_batching") and config.sequence_batching.max_sequence_idle_microseconds:
         asked["sequence_idle_timeout_s"] = config.sequence_batching.max_sequence_idle_microseconds / 1e6
     if config.instance_group:

@@ -114,6 +114,12 @@ class SequenceParameters:
     position: int | None = None
 
 
+def request_timeout_us(parameters: Mapping[str, object]) -> int:
+    """Triton's request ``timeout`` parameter (tritonclient's ``infer(timeout=)``), in microseconds; 0: none."""
+    value = parameters.get("timeout")
+    return 0 if value is None else integer(value, "timeout", 0, UINT64_MAX, "microseconds")
+
+
 def sequence_parameters(parameters: Mapping[str, object]) -> SequenceParameters | None:
     """The request's place in a sequence, or None for a request outside any (no id, or id 0 / "" as Triton's
     clients send for none)."""

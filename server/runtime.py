@@ -21,13 +21,13 @@ import numpy as np
 
 from mhaserve.contract.signature import GRAPH_OUTPUT_NAMES, ModelSignature
 
-from .batcher import Batcher
+from .batcher import Batcher, QueueTimeout
 from .config import ServerSettings
 from .graphs import AttentionGraphs
 from .inference import InferenceRequest
 from .model_config import ModelSettings
 from .model_folder import ModelFolder
-from .parameters import weights_shaping
+from .parameters import request_timeout_us, weights_shaping
 from .parity import LiveParity
 from .run_cost import RUN_HERE_MAX_MULTIPLY_ADDS, FittedCosts, RunCost, fit_shapes, multiply_adds
 from .session import CPU
@@ -99,13 +99,34 @@ class ProcessShare:
     fitted_costs: FittedCosts
 
 
-class BatchedRuntime:
-    """Stateless requests of one served version, merged into runs of its full graphs by its batcher; ``parity``,
-    where the version has live parity, checks a share of its answers (set once its graphs are open: it is held to
-    the arithmetic they got)."""
+@dataclass(frozen=True)
+class QueuePolicy:
+    """How long a model's requests may wait in its queue, as Triton's queue policy says it: ``timeout_us`` (0: no
+    bound), which a request's own ``timeout`` parameter may shorten where ``allow_override``, never lengthen (a
+    request's timeout counts only below the model's, as in Triton)."""
 
-    def __init__(self, graphs: AttentionGraphs, batcher: Batcher):
-        self.graphs, self.batcher = graphs, batcher
+    timeout_us: int = 0
+    allow_override: bool = False
+    set_by: str = ""  # where timeout_us is set, for a refusal to name
+
+    @classmethod
+    def of(cls, model: ModelSettings) -> QueuePolicy:
+        return cls(model.queue_timeout_us, model.allow_timeout_override, model.named("queue_timeout_us"))
+
+    def timeout_of(self, request: InferenceRequest) -> QueueTimeout | None:
+        asked = request_timeout_us(request.parameters)  # checked whatever the policy: a malformed one is refused
+        if self.allow_override and 0 < asked < self.timeout_us:
+            return QueueTimeout(asked / 1e6, "the request's 'timeout' parameter")
+        return QueueTimeout(self.timeout_us / 1e6, self.set_by) if self.timeout_us else None
+
+
+class BatchedRuntime:
+    """Stateless requests of one served version, merged into runs of its full graphs by its batcher, each waiting
+    in its queue as long as ``queue`` allows; ``parity``, where the version has live parity, checks a share of its
+    answers (set once its graphs are open: it is held to the arithmetic they got)."""
+
+    def __init__(self, graphs: AttentionGraphs, batcher: Batcher, queue: QueuePolicy):
+        self.graphs, self.batcher, self.queue = graphs, batcher, queue
         self.parity: LiveParity | None = None
 
     @classmethod
@@ -148,7 +169,7 @@ class BatchedRuntime:
             board=worker_board(),
             summaries_graph=graphs.has_summaries_graph,
         )
-        return cls(graphs, batcher)
+        return cls(graphs, batcher, QueuePolicy.of(model))
 
     def takes(self, request: InferenceRequest) -> bool:
         return request.sequence_step is None
@@ -163,7 +184,7 @@ class BatchedRuntime:
         if call.trace is not None:
             call.trace.decoded(attention, request.id)
         call.admit(attention)
-        answer = await self.batcher.submit(attention, call.timeout_s, call.trace)
+        answer = await self.batcher.submit(attention, call.timeout_s, call.trace, self.queue.timeout_of(request))
         call.ran(answer.run_rows, answer.run_started_ns, queue_ns=answer.queue_ns, infer_ns=answer.infer_ns)
         if self.parity is not None:
             self.parity.offer(request.id, attention, answer.outputs)
@@ -185,6 +206,8 @@ class BatchedRuntime:
             "output_only_graph": graphs.has_output_only_graph,
             "summaries_graph": graphs.has_summaries_graph,
             "max_queue_size": batcher.max_queue_size,
+            "queue_timeout_us": self.queue.timeout_us,
+            "allow_timeout_override": self.queue.allow_override,
             "parity_share": self.parity.share if self.parity is not None else 0.0,
         }
 

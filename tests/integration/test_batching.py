@@ -187,3 +187,51 @@ def test_a_later_start_of_the_same_graph_reuses_the_fitted_run_cost_unless_told_
     assert started("--intra-op-threads", "1").startswith("(CPU per run, fitted at warm-up)")  # 2 cores: 2 by default
     assert started("--run-cost-cache", "false").startswith("(CPU per run, fitted at warm-up)")
     assert len(list((tmp_path / "run-costs").glob("*.json"))) == 2
+
+
+def test_a_request_past_its_queue_timeout_is_refused_unavailable_and_may_shorten_it(start_server, small_model_dir):
+    import json
+    import urllib.error
+    import urllib.request
+
+    import tritonclient.grpc as tritongrpc
+    from tritonclient.utils import InferenceServerException
+
+    # A queue delay of 3 s keeps each lone request waiting for company: its queue timeout ends the wait first.
+    server = start_server(small_model_dir, "--max-queue-delay-us", "3000000", "--queue-timeout-us", "100000",
+                          "--allow-timeout-override", "true", "--warmup-runs", "0")  # fmt: skip
+    client = tritongrpc.InferenceServerClient(server.url)
+    query = tritongrpc.InferInput("query", [1, 2, D], "FP32")
+    query.set_data_from_numpy(rand(1, 2, D))
+    refusals = {}
+    for timeout_us in (None, 20_000, 500_000):  # none, shorter than the model's, longer (no say)
+        started = time.monotonic()
+        with pytest.raises(InferenceServerException) as refused:
+            client.infer("mha", [query], timeout=timeout_us)
+        refusals[timeout_us] = (refused.value.status(), refused.value.message(), time.monotonic() - started)
+    for timeout_us, set_by in ((None, "--queue-timeout-us"), (20_000, "the request's 'timeout' parameter"),
+                               (500_000, "--queue-timeout-us")):  # fmt: skip
+        status, message, took_s = refusals[timeout_us]
+        assert status == "StatusCode.UNAVAILABLE" and "it was not computed" in message, message
+        limit_ms = 20 if timeout_us == 20_000 else 100
+        assert f"past its queue timeout of {limit_ms} ms ({set_by})" in message, message
+        assert took_s < 2.0  # refused at its timeout, not at the queue delay's end
+    body = {"inputs": [{"name": "query", "shape": [1, 1, D], "datatype": "FP32", "data": [0.5] * D}],
+            "parameters": {"timeout": "soon"}}  # fmt: skip
+    request = urllib.request.Request(server.http_url + "/v2/models/mha/infer", data=json.dumps(body).encode())
+    with pytest.raises(urllib.error.HTTPError) as malformed:
+        urllib.request.urlopen(request, timeout=30)
+    assert malformed.value.code == 400
+    assert "parameter 'timeout' must be an integer, got a string 'soon'" in json.loads(malformed.value.read())["error"]
+    with Client(server.url) as ours:
+        assert ours.statistics().execution_count == 0  # none of them was computed
+
+
+def test_without_a_queue_timeout_a_requests_timeout_parameter_changes_nothing(start_server, small_model_dir):
+    import tritonclient.grpc as tritongrpc
+
+    server = start_server(small_model_dir, "--allow-timeout-override", "true", "--warmup-runs", "0")
+    query = tritongrpc.InferInput("query", [1, 2, D], "FP32")
+    query.set_data_from_numpy(rand(1, 2, D))
+    answer = tritongrpc.InferenceServerClient(server.url).infer("mha", [query], timeout=1)  # as in Triton
+    assert answer.as_numpy("output").shape == (1, 2, D)

@@ -18,7 +18,8 @@ from tests.support import SMALL_D_MODEL, eager, rand
 
 CONFIGURED = """
 max_batch_size: 4
-dynamic_batching { max_queue_delay_microseconds: 500 default_queue_policy { max_queue_size: 16 } }
+dynamic_batching { max_queue_delay_microseconds: 500 default_queue_policy {
+    max_queue_size: 16 default_timeout_microseconds: 250000 allow_timeout_override: true } }
 parameters { key: "length_aware_batching" value { string_value: "false" } }
 parameters { key: "max_q_len" value { string_value: "32" } }
 """
@@ -51,6 +52,8 @@ def test_each_model_is_served_as_its_config_says_and_the_others_as_the_flags_say
         "4", "500", "16"
     )  # fmt: skip
     assert configured["length_aware_batching"] == "false" and configured["dynamic_batching"] == "true"
+    assert (configured["queue_timeout_us"], configured["allow_timeout_override"]) == ("250000", "true")
+    assert (plain["queue_timeout_us"], plain["allow_timeout_override"]) == ("0", "false")
     assert configured["model_config"] == str(repository / "configured" / "config.pbtxt")
     assert (plain["max_batch_size"], plain["max_queue_delay_us"], plain["model_config"]) == ("16", "0", "none")
     assert plain["length_aware_batching"] == "true"
@@ -73,6 +76,10 @@ def test_each_model_is_served_as_its_config_says_and_the_others_as_the_flags_say
         ('parameters { key: "dynamic_batching" value { string_value: "yes" } }', "expected true or false"),
         ("dynamic_batching { max_queue_delay_microseconds: -5 }", "not a model configuration"),
         ("max_batch_size: [", "not a model configuration in Triton's text format"),
+        (
+            "dynamic_batching { default_queue_policy { timeout_action: DELAY } }",
+            "timeout_action DELAY is not supported",
+        ),
     ],
 )
 def test_a_config_that_cannot_be_served_as_written_keeps_its_model_out_and_says_why(
