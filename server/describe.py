@@ -18,12 +18,19 @@ from .statistics import Duration
 
 PLATFORM = "onnxruntime_onnx"
 EXTENSIONS = ["model_configuration", "model_repository", "statistics", "binary_tensor_data", "trace", "logging"]
+# The gRPC call each extension answers by (binary_tensor_data is HTTP's alone)
+EXTENSION_RPCS = {"model_configuration": "ModelConfig", "model_repository": "RepositoryIndex",
+                  "statistics": "ModelStatistics", "trace": "TraceSetting", "logging": "LogSettings"}  # fmt: skip
 CONFIG_DATA_TYPES = {"FP16": "TYPE_FP16", "FP32": "TYPE_FP32", "BOOL": "TYPE_BOOL", "INT64": "TYPE_INT64"}
 
 
-def server_metadata(shared_memory: bool = False) -> dict:
-    """``shared_memory``: client shared memory is allowed (only then is the extension listed)."""
+def server_metadata(shared_memory: bool = False, rpcs: frozenset[str] | None = None) -> dict:
+    """``shared_memory``: client shared memory is allowed (only then is the extension listed); ``rpcs``: the gRPC
+    calls answered where not every one is (a Ray deployment's proxy): the extensions they do not answer are not
+    listed."""
     extensions = [*EXTENSIONS, "system_shared_memory"] if shared_memory else EXTENSIONS
+    if rpcs is not None:
+        extensions = [name for name in extensions if EXTENSION_RPCS.get(name) in rpcs]
     return {"name": "mhaserve", "version": mhaserve.__version__, "extensions": extensions}
 
 

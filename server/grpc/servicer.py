@@ -64,8 +64,9 @@ class ProtocolRpcs:
     plane's answer as protobuf out, refusals raised as RequestErrors. The native servicer and each Ray replica
     answer them alike, each mapping the refusals to its own call's status."""
 
-    def __init__(self, dataplane: DataPlane):
+    def __init__(self, dataplane: DataPlane, rpcs: frozenset[str] | None = None):
         self.dataplane = dataplane
+        self.rpcs = rpcs  # the calls answered, where not every one is: ServerMetadata lists their extensions alone
 
     async def ServerLive(self, request):
         return pb.ServerLiveResponse(live=True)
@@ -77,7 +78,7 @@ class ProtocolRpcs:
         return pb.ModelReadyResponse(ready=self.dataplane.model_ready(request.name, request.version))
 
     async def ServerMetadata(self, request):
-        metadata = describe.server_metadata(self.dataplane.shared_memory.allowed)
+        metadata = describe.server_metadata(self.dataplane.shared_memory.allowed, self.rpcs)
         return json_format.ParseDict(metadata, pb.ServerMetadataResponse())
 
     async def ModelMetadata(self, request):

@@ -81,7 +81,7 @@ class OipReplica:
         # now lives elsewhere on the router's ring (router.py): said so, the client may start it again.
         self.dataplane.sequences.lost_before("when a replica of this deployment exited or the replicas changed")
         await self.dataplane.start()
-        self.answers = ProtocolRpcs(self.dataplane)
+        self.answers = ProtocolRpcs(self.dataplane, frozenset(UNARY_RPCS))
         signature = next(iter(self.dataplane.served_models())).signature
         log.info("replica serving model=%s version=%s on node %s", signature.name, signature.version, _node_id())
 

@@ -287,7 +287,10 @@ def test_server_metadata_and_health_rpcs_are_the_replicas(cluster):
         metadata = (("application", APP),)
         assert stub.ServerLive(pb.ServerLiveRequest(), timeout=DEADLINE_S, metadata=metadata).live
         assert stub.ServerReady(pb.ServerReadyRequest(), timeout=DEADLINE_S, metadata=metadata).ready
-        assert stub.ServerMetadata(pb.ServerMetadataRequest(), timeout=DEADLINE_S, metadata=metadata).name == "mhaserve"
+        server = stub.ServerMetadata(pb.ServerMetadataRequest(), timeout=DEADLINE_S, metadata=metadata)
+        assert server.name == "mhaserve"
+        # the extensions whose calls Ray's proxy brings to a replica, and no other (no repository, trace or logging)
+        assert sorted(server.extensions) == ["model_configuration", "statistics"]
         config = stub.ModelConfig(pb.ModelConfigRequest(name=APP), timeout=DEADLINE_S, metadata=metadata).config
         assert config.name == APP
 
