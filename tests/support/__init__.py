@@ -65,16 +65,28 @@ def worker_that_took(server, start) -> int:
 
 def parity_checks(server) -> dict[str, float]:
     """The server's live parity checks by outcome (held, breached, dropped), once the checks queued have been
-    made (each made check has observed its outputs' errors), or after 30 s."""
+    made (none pending in any model's statistics, and each made check has observed its outputs' errors), or after
+    30 s."""
+    import grpc
+
+    from mhaserve.protos.generated import grpc_service_pb2 as pb
+    from mhaserve.protos.generated import grpc_service_pb2_grpc as pb_grpc
+
     deadline = time.monotonic() + 30
-    while True:
-        samples = scrape(server.metrics_url)
-        counted = {dict(labels)["outcome"]: value for (name, labels), value in samples.items()
-                   if name == "mhaserve_parity_checks_total"}  # fmt: skip
-        errors = sum(value for (name, labels), value in samples.items() if name == "mhaserve_parity_error_count")
-        if errors >= 2 * (counted.get("held", 0) + counted.get("breached", 0)) or time.monotonic() > deadline:
-            return counted
-        time.sleep(0.1)
+    with grpc.insecure_channel(server.url) as channel:
+        statistics = pb_grpc.GRPCInferenceServiceStub(channel).ModelStatistics
+        while True:
+            pending = sum(
+                model.parity.pending for model in statistics(pb.ModelStatisticsRequest(), timeout=10).model_stats
+            )
+            samples = scrape(server.metrics_url)
+            counted = {dict(labels)["outcome"]: value for (name, labels), value in samples.items()
+                       if name == "mhaserve_parity_checks_total"}  # fmt: skip
+            errors = sum(value for (name, labels), value in samples.items() if name == "mhaserve_parity_error_count")
+            made = errors >= 2 * (counted.get("held", 0) + counted.get("breached", 0))
+            if (made and not pending) or time.monotonic() > deadline:
+                return counted
+            time.sleep(0.1)
 
 
 def inflight_and_counts(server) -> tuple[float, dict[str, float]]:
