@@ -217,26 +217,17 @@ class RestTransport:
         """Triton's trace extension: GET the settings, POST ``{"trace_rate": "1", "trace_level": ["TIMESTAMPS"],
         "trace_count": null, ...}`` to change them (null: back to the global value, or the default)."""
         changes = {}
-        if request.method == "POST":
-            body = await self._bodies.read(request)
-            try:
-                given = orjson.loads(body) if body else {}
-            except orjson.JSONDecodeError as error:
-                raise invalid(f"the trace settings are not JSON: {error}") from None
-            if not isinstance(given, dict):
-                raise invalid(f"the trace settings must be a JSON object, got {json_kind(given)}")
-            for name, value in given.items():
-                if value is None:
-                    changes[name] = []
-                elif isinstance(value, list) and all(_is_trace_value(v) for v in value):
-                    changes[name] = [str(v) for v in value]
-                elif _is_trace_value(value):
-                    changes[name] = [str(value)]
-                else:
-                    raise invalid(
-                        f"trace setting {quoted(name)}: expected a string, a list of strings or null, "
-                        f"got {quoted(value)}"
-                    )
+        for name, value in (await self._settings_changes(request, "trace settings")).items():
+            if value is None:
+                changes[name] = []
+            elif isinstance(value, list) and all(_is_trace_value(v) for v in value):
+                changes[name] = [str(v) for v in value]
+            elif _is_trace_value(value):
+                changes[name] = [str(value)]
+            else:
+                raise invalid(
+                    f"trace setting {quoted(name)}: expected a string, a list of strings or null, got {quoted(value)}"
+                )
         settings = self.dataplane.trace_settings(request.match_info.get("name", ""), changes)
         answer = {name: values if name == "trace_level" else values[0] for name, values in settings.items()}
         return web.Response(body=orjson.dumps(answer), content_type="application/json")
@@ -244,16 +235,21 @@ class RestTransport:
     async def log_setting(self, request):
         """Triton's logging extension: GET the settings, POST ``{"log_verbose_level": 1, "log_info": false, ...}`` to
         change those named (the answer: every setting, as it is now)."""
-        changes = {}
-        if request.method == "POST":
-            body = await self._bodies.read(request)
-            try:
-                changes = orjson.loads(body) if body else {}
-            except orjson.JSONDecodeError as error:
-                raise invalid(f"the log settings are not JSON: {error}") from None
-            if not isinstance(changes, dict):
-                raise invalid(f"the log settings must be a JSON object, got {json_kind(changes)}")
+        changes = await self._settings_changes(request, "log settings")
         return json_response(await self.dataplane.log_settings(changes))
+
+    async def _settings_changes(self, request, what: str) -> dict:
+        """A settings call's changes: a POST's body, a JSON object (none: no change); a GET's, none."""
+        if request.method != "POST":
+            return {}
+        body = await self._bodies.read(request)
+        try:
+            changes = orjson.loads(body) if body else {}
+        except orjson.JSONDecodeError as error:
+            raise invalid(f"the {what} are not JSON: {error}") from None
+        if not isinstance(changes, dict):
+            raise invalid(f"the {what} must be a JSON object, got {json_kind(changes)}")
+        return changes
 
     async def shared_memory_status(self, request):
         region, shared_memory = request.match_info.get("region", ""), self.dataplane.shared_memory
