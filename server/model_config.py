@@ -133,6 +133,11 @@ def model_settings(settings: ServerSettings, folder: Path, name: str | None = No
             raise ModelConfigError(
                 f"{path}: timeout_action DELAY is not supported: a request past its queue timeout is refused (REJECT)"
             )
+        unused = [name for name in ("preferred_batch_size", "priority_levels", "default_priority_level")
+                  if getattr(batching, name)]  # fmt: skip
+        if unused:  # Triton's, set here, and honoured by no server setting: said rather than silently ignored
+            log.warning("%s: dynamic_batching's %s read past: requests are served in the order they come, a free "
+                        "worker taking what is queued", path, ", ".join(unused))  # fmt: skip
     if config.HasField("sequence_batching") and config.sequence_batching.max_sequence_idle_microseconds:
         asked["sequence_idle_timeout_s"] = config.sequence_batching.max_sequence_idle_microseconds / 1e6
     if config.instance_group:

@@ -147,3 +147,12 @@ def test_a_model_asks_for_live_parity_in_its_config_and_a_share_past_one_is_refu
     (tmp_path / "config.pbtxt").write_text('parameters { key: "parity_share" value { string_value: "1.5" } }')
     with pytest.raises(ModelConfigError, match="parity_share"):
         model_settings(ServerSettings(), tmp_path)
+
+
+def test_tritons_batching_fields_this_server_does_not_honour_are_said_in_the_log(tmp_path, caplog):
+    (tmp_path / "config.pbtxt").write_text("dynamic_batching { preferred_batch_size: [4, 8] priority_levels: 2 }")
+    with caplog.at_level("WARNING", logger="mhaserve.server"):
+        settings = model_settings(ServerSettings(), tmp_path)
+    assert settings.dynamic_batching
+    (line,) = [record.getMessage() for record in caplog.records]
+    assert "preferred_batch_size, priority_levels read past: requests are served in the order they come" in line
