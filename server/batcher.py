@@ -87,6 +87,19 @@ class QueueTimeout:
         )
 
 
+@dataclass(frozen=True)
+class QueueTerms:
+    """A request's terms in its model's queue, as the model's queue policy gives them (runtime.QueuePolicy): how
+    long it may wait there, and its priority level (1 first; 0: the queue has no levels, first come first
+    served)."""
+
+    timeout: QueueTimeout | None = None
+    priority: int = 0
+
+
+NO_TERMS = QueueTerms()
+
+
 @dataclass
 class Merged:
     """Several requests as one set of model inputs, and where each request's rows lie."""
@@ -177,6 +190,7 @@ class _Pending:
     deadline: float | None  # time.monotonic() by which its run must start; None: no deadline
     trace: RequestTrace | None = None
     expired: Callable[[float], RequestError] = DeadlineExpiredInQueue  # its refusal then, given how long it waited
+    priority: int = 0  # its level: it waits behind none of a later level (0: no levels)
 
 
 @dataclass
@@ -261,13 +275,14 @@ class Batcher:
         request: RunInputs,
         timeout_s: float | None = None,
         trace: RequestTrace | None = None,
-        queue_timeout: QueueTimeout | None = None,
+        terms: QueueTerms = NO_TERMS,
     ):
         """The request's BatchedOutputs, once the run it was merged into is done.
 
-        Raises QueueFull at once when the queue is full, DeadlineExpiredInQueue when ``timeout_s`` (the caller's
-        deadline) passes before a worker takes it, and the ``queue_timeout``'s refusal when that passes first.
-        Cancelling the caller drops the request from the queue.
+        It waits ahead of every queued request of a later priority level than its ``terms``' (none of an earlier
+        one or its own). Raises QueueFull at once when the queue is full, DeadlineExpiredInQueue when ``timeout_s``
+        (the caller's deadline) passes before a worker takes it, and its terms' timeout's refusal when that passes
+        first. Cancelling the caller drops the request from the queue.
         """
         if len(self._queue) >= self.max_queue_size:
             raise QueueFull(self.max_queue_size)
@@ -275,14 +290,24 @@ class Batcher:
         now = time.monotonic()
         deadline = None if timeout_s is None else now + timeout_s
         pending = _Pending(request, loop.create_future(), time.perf_counter_ns(), deadline, trace)
-        if queue_timeout is not None and (deadline is None or now + queue_timeout.seconds < deadline):
-            pending.deadline, pending.expired = now + queue_timeout.seconds, queue_timeout.expired
+        pending.priority = terms.priority
+        timeout = terms.timeout
+        if timeout is not None and (deadline is None or now + timeout.seconds < deadline):
+            pending.deadline, pending.expired = now + timeout.seconds, timeout.expired
         if self._lone(pending):
             self._run_here([pending])
         else:
-            self._queue.append(pending)
+            self._enqueue(pending)
             self._dispatch()
         return await pending.future
+
+    def _enqueue(self, pending: _Pending) -> None:
+        """At the queue's end, or where levels are used, before the first waiting request of a later level."""
+        if not self._queue or self._queue[-1].priority <= pending.priority:
+            self._queue.append(pending)
+            return
+        place = next(i for i, waiting in enumerate(self._queue) if waiting.priority > pending.priority)
+        self._queue.insert(place, pending)
 
     def _dispatch(self) -> None:
         while self._idle_workers and self._queue:

@@ -303,6 +303,13 @@ class LimitSettings(Section):
     )
 
 
+def priority_problem(levels: int, default: int) -> str:
+    """What is wrong with a default priority level among ``levels`` (as Triton checks it), or ""."""
+    if levels and not 1 <= default <= levels:
+        return f"{default} is not a level of the {levels} (1 to {levels})"
+    return ""
+
+
 @dataclass
 class BatchingSettings(Section):
     """How concurrent requests are merged into model runs."""
@@ -349,6 +356,23 @@ class BatchingSettings(Section):
         "a request's own 'timeout' parameter (microseconds, as tritonclient's infer(timeout=) sends it) may shorten "
         "--queue-timeout-us, never lengthen it (Triton's allow_timeout_override)",
     )
+    priority_levels: int = setting(
+        0,
+        "priority levels of the queue (0: none, requests in the order they come): a request's 'priority' parameter "
+        "(1 first, as tritonclient's infer(priority=) sends it) places it ahead of every waiting request of a later "
+        "level; 0 or a level past the last takes --default-priority-level (Triton's priority_levels)",
+        rule=between(0, 1 << 20, "0: none"),
+    )
+    default_priority_level: int = setting(
+        0,
+        "the level of a request that names none, 1 to --priority-levels (Triton's default_priority_level)",
+        rule=at_least(0),
+    )
+
+    def check(self) -> None:
+        problem = priority_problem(self.priority_levels, self.default_priority_level)
+        if problem:
+            raise UsageError(f"--default-priority-level {problem}")
 
 
 @dataclass

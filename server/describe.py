@@ -98,6 +98,8 @@ def model_config(served: ServedModel) -> dict:
                 "allow_timeout_override": settings.allow_timeout_override,
                 "max_queue_size": settings.max_queue_size,
             },
+            "priority_levels": settings.priority_levels,
+            "default_priority_level": settings.default_priority_level,
         }
     return config
 

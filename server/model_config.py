@@ -9,7 +9,8 @@ then. Triton's fields where they mean the same here:
     max_batch_size: 8                                    the batch cap (rows a request and a run may hold)
     dynamic_batching { max_queue_delay_microseconds: 500
                        default_queue_policy { max_queue_size: 64 default_timeout_microseconds: 100000
-                                              allow_timeout_override: true } }   (timeout_action REJECT only)
+                                              allow_timeout_override: true }     (timeout_action REJECT only)
+                       priority_levels: 2 default_priority_level: 2 }
     instance_group [ { count: 2 } ]                      model runs at once (the inference workers it uses)
     sequence_batching { max_sequence_idle_microseconds: 60000000 }   (in place of dynamic_batching, as in Triton)
 
@@ -36,7 +37,7 @@ from mhaserve.contract.model_dir import ModelDirError
 from mhaserve.contract.repository import MODEL_CONFIG_FILE as CONFIG_FILE
 from mhaserve.protos.generated import model_config_pb2 as mc
 
-from .config import SETTING_FIELDS, ServerSettings, flag_of, reader_of, setting_text
+from .config import SETTING_FIELDS, ServerSettings, flag_of, priority_problem, reader_of, setting_text
 from .tensors import Limits
 
 log = logging.getLogger("mhaserve.server")
@@ -59,6 +60,8 @@ class ModelSettings:
     max_queue_size: int
     queue_timeout_us: int
     allow_timeout_override: bool
+    priority_levels: int
+    default_priority_level: int
     inference_workers: int
     intra_op_threads: int
     intra_op_spin_ms: float
@@ -133,11 +136,12 @@ def model_settings(settings: ServerSettings, folder: Path, name: str | None = No
             raise ModelConfigError(
                 f"{path}: timeout_action DELAY is not supported: a request past its queue timeout is refused (REJECT)"
             )
-        unused = [name for name in ("preferred_batch_size", "priority_levels", "default_priority_level")
-                  if getattr(batching, name)]  # fmt: skip
-        if unused:  # Triton's, set here, and honoured by no server setting: said rather than silently ignored
-            log.warning("%s: dynamic_batching's %s read past: requests are served in the order they come, a free "
-                        "worker taking what is queued", path, ", ".join(unused))  # fmt: skip
+        for name in ("priority_levels", "default_priority_level"):
+            if getattr(batching, name):
+                asked[name] = getattr(batching, name)
+        if batching.preferred_batch_size:  # Triton's, honoured by no setting here: said rather than read past
+            log.warning("%s: dynamic_batching's preferred_batch_size is read past: a free worker takes what is "
+                        "queued, up to max_batch_size rows a run", path)  # fmt: skip
     if config.HasField("sequence_batching") and config.sequence_batching.max_sequence_idle_microseconds:
         asked["sequence_idle_timeout_s"] = config.sequence_batching.max_sequence_idle_microseconds / 1e6
     if config.instance_group:
@@ -163,7 +167,11 @@ def model_settings(settings: ServerSettings, folder: Path, name: str | None = No
                 "model may ask for (the server's memory estimates, message limits and inference workers are sized "
                 "by it)"
             )
-    return replace(server, **asked, source=path, configured=frozenset(asked))
+    served = replace(server, **asked, source=path, configured=frozenset(asked))
+    problem = priority_problem(served.priority_levels, served.default_priority_level)
+    if problem:
+        raise ModelConfigError(f"{path}: {served.named('default_priority_level')} {problem}")
+    return served
 
 
 def _parsed(text: str) -> mc.ModelConfig:

@@ -120,6 +120,12 @@ def request_timeout_us(parameters: Mapping[str, object]) -> int:
     return 0 if value is None else integer(value, "timeout", 0, UINT64_MAX, "microseconds")
 
 
+def request_priority(parameters: Mapping[str, object]) -> int:
+    """Triton's request ``priority`` parameter (tritonclient's ``infer(priority=)``), a level; 0: none named."""
+    value = parameters.get("priority")
+    return 0 if value is None else integer(value, "priority", 0, UINT64_MAX, "a priority level, 1 first")
+
+
 def sequence_parameters(parameters: Mapping[str, object]) -> SequenceParameters | None:
     """The request's place in a sequence, or None for a request outside any (no id, or id 0 / "" as Triton's
     clients send for none)."""

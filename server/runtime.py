@@ -21,13 +21,13 @@ import numpy as np
 
 from mhaserve.contract.signature import GRAPH_OUTPUT_NAMES, ModelSignature
 
-from .batcher import Batcher, QueueTimeout
+from .batcher import NO_TERMS, Batcher, QueueTerms, QueueTimeout
 from .config import ServerSettings
 from .graphs import AttentionGraphs
 from .inference import InferenceRequest
 from .model_config import ModelSettings
 from .model_folder import ModelFolder
-from .parameters import request_timeout_us, weights_shaping
+from .parameters import request_priority, request_timeout_us, weights_shaping
 from .parity import LiveParity
 from .run_cost import RUN_HERE_MAX_MULTIPLY_ADDS, FittedCosts, RunCost, fit_shapes, multiply_adds
 from .session import CPU
@@ -101,23 +101,36 @@ class ProcessShare:
 
 @dataclass(frozen=True)
 class QueuePolicy:
-    """How long a model's requests may wait in its queue, as Triton's queue policy says it: ``timeout_us`` (0: no
-    bound), which a request's own ``timeout`` parameter may shorten where ``allow_override``, never lengthen (a
-    request's timeout counts only below the model's, as in Triton)."""
+    """A model's queue, as Triton's queue policy and priority levels say it: a request may wait ``timeout_us`` (0:
+    no bound), which its own ``timeout`` parameter may shorten where ``allow_override``, never lengthen (a
+    request's timeout counts only below the model's); with ``priority_levels``, a request's ``priority`` parameter
+    (1 first) is its level, 0 or one past the last the default level (as Triton reads it)."""
 
     timeout_us: int = 0
     allow_override: bool = False
     set_by: str = ""  # where timeout_us is set, for a refusal to name
+    priority_levels: int = 0
+    default_priority: int = 0
 
     @classmethod
     def of(cls, model: ModelSettings) -> QueuePolicy:
-        return cls(model.queue_timeout_us, model.allow_timeout_override, model.named("queue_timeout_us"))
+        return cls(model.queue_timeout_us, model.allow_timeout_override, model.named("queue_timeout_us"),
+                   model.priority_levels, model.default_priority_level)  # fmt: skip
 
-    def timeout_of(self, request: InferenceRequest) -> QueueTimeout | None:
-        asked = request_timeout_us(request.parameters)  # checked whatever the policy: a malformed one is refused
-        if self.allow_override and 0 < asked < self.timeout_us:
-            return QueueTimeout(asked / 1e6, "the request's 'timeout' parameter")
-        return QueueTimeout(self.timeout_us / 1e6, self.set_by) if self.timeout_us else None
+    def terms_of(self, request: InferenceRequest) -> QueueTerms:
+        # Both parameters are checked whatever the policy: a malformed one is refused.
+        asked_timeout, asked_priority = request_timeout_us(request.parameters), request_priority(request.parameters)
+        if not (self.timeout_us or self.priority_levels):
+            return NO_TERMS
+        timeout = None
+        if self.allow_override and 0 < asked_timeout < self.timeout_us:
+            timeout = QueueTimeout(asked_timeout / 1e6, "the request's 'timeout' parameter")
+        elif self.timeout_us:
+            timeout = QueueTimeout(self.timeout_us / 1e6, self.set_by)
+        priority = 0
+        if self.priority_levels:
+            priority = asked_priority if 0 < asked_priority <= self.priority_levels else self.default_priority
+        return QueueTerms(timeout, priority)
 
 
 class BatchedRuntime:
@@ -184,7 +197,7 @@ class BatchedRuntime:
         if call.trace is not None:
             call.trace.decoded(attention, request.id)
         call.admit(attention)
-        answer = await self.batcher.submit(attention, call.timeout_s, call.trace, self.queue.timeout_of(request))
+        answer = await self.batcher.submit(attention, call.timeout_s, call.trace, self.queue.terms_of(request))
         call.ran(answer.run_rows, answer.run_started_ns, queue_ns=answer.queue_ns, infer_ns=answer.infer_ns)
         if self.parity is not None:
             self.parity.offer(request.id, attention, answer.outputs)
@@ -208,6 +221,8 @@ class BatchedRuntime:
             "max_queue_size": batcher.max_queue_size,
             "queue_timeout_us": self.queue.timeout_us,
             "allow_timeout_override": self.queue.allow_override,
+            "priority_levels": self.queue.priority_levels,
+            "default_priority_level": self.queue.default_priority,
             "parity_share": self.parity.share if self.parity is not None else 0.0,
         }
 

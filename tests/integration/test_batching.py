@@ -235,3 +235,39 @@ def test_without_a_queue_timeout_a_requests_timeout_parameter_changes_nothing(st
     query.set_data_from_numpy(rand(1, 2, D))
     answer = tritongrpc.InferenceServerClient(server.url).infer("mha", [query], timeout=1)  # as in Triton
     assert answer.as_numpy("output").shape == (1, 2, D)
+
+
+def test_a_request_of_an_earlier_priority_level_goes_ahead_of_those_waiting_at_later_ones(
+    start_server, small_model_dir
+):
+    import threading
+
+    import tritonclient.grpc as tritongrpc
+
+    args = ("--dynamic-batching", "false", "--inference-workers", "1", "--max-batch-size", "16", "--max-q-len", "384",
+            "--max-kv-len", "384", "--priority-levels", "2", "--default-priority-level", "2",
+            "--warmup-runs", "0")  # fmt: skip
+    server = start_server(small_model_dir, *args)
+    finished: list[str] = []
+
+    def send(name: str, priority: int) -> None:
+        client = tritongrpc.InferenceServerClient(server.url)
+        query = tritongrpc.InferInput("query", [16, 384, D], "FP32")
+        query.set_data_from_numpy(slow_query(len(finished)))
+        client.infer("mha", [query], outputs=[tritongrpc.InferRequestedOutput("output")], priority=priority)
+        finished.append(name)
+
+    # two runs hold the one worker while three requests queue at the default level, then one at level 1
+    order = [("busy-1", 0), ("busy-2", 0), ("later-1", 0), ("later-2", 2), ("later-3", 9), ("first", 1)]
+    senders = []
+    for name, priority in order:  # 0 and 9 (past the last level) take the default, 2
+        senders.append(threading.Thread(target=send, args=(name, priority)))
+        senders[-1].start()
+        time.sleep(0.005)
+    for sender in senders:
+        sender.join(60)
+    assert sorted(finished) == sorted(name for name, _ in order)
+    waiting = [name for name in finished if not name.startswith("busy")]
+    # it came last and is served before those of the later level still waiting (the first of them may have
+    # started before it came)
+    assert waiting.index("first") <= 1, finished

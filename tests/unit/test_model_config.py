@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from mhaserve.server.config import ServerSettings
+from mhaserve.contract.errors import UsageError
+from mhaserve.server.config import ServerSettings, check_settings
 from mhaserve.server.model_config import (
     PARAMETERS,
     ModelConfigError,
@@ -149,10 +150,21 @@ def test_a_model_asks_for_live_parity_in_its_config_and_a_share_past_one_is_refu
         model_settings(ServerSettings(), tmp_path)
 
 
-def test_tritons_batching_fields_this_server_does_not_honour_are_said_in_the_log(tmp_path, caplog):
-    (tmp_path / "config.pbtxt").write_text("dynamic_batching { preferred_batch_size: [4, 8] priority_levels: 2 }")
+def test_tritons_preferred_batch_size_is_said_in_the_log_as_read_past(tmp_path, caplog):
+    (tmp_path / "config.pbtxt").write_text("dynamic_batching { preferred_batch_size: [4, 8] }")
     with caplog.at_level("WARNING", logger="mhaserve.server"):
         settings = model_settings(ServerSettings(), tmp_path)
     assert settings.dynamic_batching
     (line,) = [record.getMessage() for record in caplog.records]
-    assert "preferred_batch_size, priority_levels read past: requests are served in the order they come" in line
+    assert "preferred_batch_size is read past: a free worker takes what is queued" in line
+
+
+def test_priority_levels_are_read_as_triton_writes_them_and_a_default_outside_them_refused(tmp_path):
+    (tmp_path / "config.pbtxt").write_text("dynamic_batching { priority_levels: 3 default_priority_level: 2 }")
+    settings = model_settings(ServerSettings(), tmp_path)
+    assert (settings.priority_levels, settings.default_priority_level) == (3, 2)
+    (tmp_path / "config.pbtxt").write_text("dynamic_batching { priority_levels: 3 }")  # its default left at 0
+    with pytest.raises(ModelConfigError, match="config.pbtxt: --default-priority-level 0 is not a level of the 3"):
+        model_settings(ServerSettings(), tmp_path)
+    with pytest.raises(UsageError, match="--default-priority-level 4 is not a level of the 3"):
+        check_settings(ServerSettings(priority_levels=3, default_priority_level=4))
