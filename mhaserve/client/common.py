@@ -321,6 +321,17 @@ def _values_of(array):
     return array.numpy()
 
 
+def request_parameters(
+    weights: WeightsOptions | None, sequence: SequenceStep | None, priority: int = 0
+) -> dict[str, object]:
+    """A request's parameters: how its weights are shaped, its sequence step, and its priority level where one is
+    asked (Triton's ``priority``: 1 first, where the model has levels; 0 asks none, the model's default)."""
+    if isinstance(priority, bool) or not isinstance(priority, int) or priority < 0:
+        raise ValueError(f"priority must be a level, an integer of 0 or more; got {priority!r}")
+    return {**(weights.parameters() if weights else {}), **(sequence.parameters() if sequence else {}),
+            **({"priority": priority} if priority else {})}  # fmt: skip
+
+
 def requested_outputs(attn_weights: bool, attn_weights_mean: bool, weights: WeightsOptions | None = None) -> list[str]:
     """The output, every head's weights unless not wanted, their mean over heads when asked for, and the top-k
     keys' weights and positions when ``weights`` ranks them."""

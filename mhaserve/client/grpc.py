@@ -43,6 +43,7 @@ from .common import (
     WeightsOptions,
     checked_timeout,
     request_inputs,
+    request_parameters,
     requested_outputs,
     with_remedy,
 )
@@ -246,6 +247,7 @@ def build_infer_request(
     shared_memory: SharedMemoryRegions | None = None,
     num_heads: int = 0,
     sequence: SequenceStep | None = None,
+    priority: int = 0,
 ) -> pb.ModelInferRequest:
     """One ModelInferRequest with every input as raw bytes (query, key, value FP32; mask as given), or written
     into ``shared_memory``'s input region, the outputs then asked into its output region (sized for a model of
@@ -270,8 +272,7 @@ def build_infer_request(
             _in_shared_memory(tensor.parameters, in_region, offset, array.nbytes)
         for name in outputs:
             _in_shared_memory(request.outputs.add(name=name).parameters, out_region, *windows[name])
-    parameters = {**(weights.parameters() if weights else {}), **(sequence.parameters() if sequence else {})}
-    for name, value in parameters.items():
+    for name, value in request_parameters(weights, sequence, priority).items():
         parameter = request.parameters[name]
         if isinstance(value, bool):
             parameter.bool_param = value
@@ -400,17 +401,19 @@ class Client(_Connection):
         traceparent: str = "",
         shared_memory: SharedMemoryRegions | None = None,
         sequence: SequenceStep | None = None,
+        priority: int = 0,
     ) -> InferResult:
         """``timeout``: seconds the call may take, its retries included (None: no deadline; one that is not more
         than 0 is refused with ValueError); ``weights``: what to ask of the attention weights (heads, rows, keys,
         top-k or top-p, precision); ``traceparent``: a W3C trace context, so that the server's span of this call
         continues the caller's trace;
         ``shared_memory``: regions from ``shared_memory()`` the tensors go through instead of the socket;
-        ``sequence``: the request is a step of a sequence the server keeps (``sequence()`` makes the steps)."""
+        ``sequence``: the request is a step of a sequence the server keeps (``sequence()`` makes the steps);
+        ``priority``: its level in the model's queue where the model has levels (1 first; 0: the default)."""
         heads = self.num_heads(timeout) if shared_memory is not None else 0
         request = build_infer_request(
             self.model, query, key, value, mask, attn_weights, request_id, attn_weights_mean, self.version, weights,
-            shared_memory, heads, sequence,
+            shared_memory, heads, sequence, priority,
         )  # fmt: skip
         order, metadata = self._infer_order(sequence), self._traced(traceparent, sequence)
         for attempt, index in enumerate(order, 1):
@@ -537,12 +540,9 @@ class AsyncClient(_Connection):
         weights: WeightsOptions | None = None,
         traceparent: str = "",
         sequence: SequenceStep | None = None,
+        priority: int = 0,
     ) -> InferResult:
-        """``timeout``: seconds the call may take, its retries included (None: no deadline; one that is not more
-        than 0 is refused with ValueError); ``weights``: what to ask of the attention weights (heads, rows, keys,
-        top-k or top-p, precision); ``traceparent``: a W3C trace context, so that the server's span of this call
-        continues the caller's trace;
-        ``sequence``: the request is a step of a sequence the server keeps (``sequence()`` makes the steps)."""
+        """As ``Client.infer`` (no shared memory)."""
         request = build_infer_request(
             self.model,
             query,
@@ -555,6 +555,7 @@ class AsyncClient(_Connection):
             self.version,
             weights,
             sequence=sequence,
+            priority=priority,
         )
         order, metadata = self._infer_order(sequence), self._traced(traceparent, sequence)
         for attempt, index in enumerate(order, 1):

@@ -29,6 +29,7 @@ from .common import (
     WeightsOptions,
     checked_timeout,
     request_inputs,
+    request_parameters,
     requested_outputs,
     with_remedy,
 )
@@ -75,6 +76,7 @@ def build_http_infer_body(
     shared_memory: SharedMemoryRegions | None = None,
     num_heads: int = 0,
     sequence: SequenceStep | None = None,
+    priority: int = 0,
 ) -> tuple[bytes, dict[str, str]]:
     """An infer request's body and headers: a JSON header, then every input's bytes; outputs asked as binary,
     the weights shaped as ``weights`` says. With ``shared_memory``, the tensors go through its regions instead
@@ -93,7 +95,7 @@ def build_http_infer_body(
                      for name, array, offset in placed]  # fmt: skip
         outputs = [{"name": n, "parameters": _in_shared_memory(out_region, *windows[n])} for n in names]
     document = {"id": request_id, "inputs": described, "outputs": outputs}
-    parameters = {**(weights.parameters() if weights else {}), **(sequence.parameters() if sequence else {})}
+    parameters = request_parameters(weights, sequence, priority)
     if parameters:
         document["parameters"] = parameters
     header = json.dumps(document).encode()
@@ -177,7 +179,7 @@ class HttpClient:
     def infer(self, query, key=None, value=None, mask=None, attn_weights=True, timeout=None, request_id="",
               attn_weights_mean=False, weights: WeightsOptions | None = None,
               traceparent: str = "", shared_memory: SharedMemoryRegions | None = None,
-              sequence: SequenceStep | None = None) -> InferResult:  # fmt: skip
+              sequence: SequenceStep | None = None, priority: int = 0) -> InferResult:  # fmt: skip
         """As the gRPC client's ``infer``."""
         heads = self.num_heads(timeout) if shared_memory is not None else 0
         body, headers = build_http_infer_body(
@@ -192,6 +194,7 @@ class HttpClient:
             shared_memory,
             heads,
             sequence,
+            priority,
         )
         if traceparent:
             headers["traceparent"] = traceparent
