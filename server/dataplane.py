@@ -441,6 +441,10 @@ class DataPlane:
             call.status = "OK"
         except RequestError as error:
             call.status = error.kind.name
+            if log.isEnabledFor(logging.DEBUG):  # verbose: why, which only the client was told
+                fields = {"request_id": call.request_id, "status": error.kind.name, "protocol": protocol}
+                log.debug("%s request %r refused %s: %s", protocol, call.request_id, error.kind.name, error.message,
+                          extra=fields)  # fmt: skip
             raise
         except asyncio.CancelledError:
             call.status = "CANCELLED"  # the client went away or its deadline passed

@@ -100,8 +100,14 @@ class VersionFactory:
     def _on_batch(self, stats: ModelStatistics, model_metrics, info) -> Callable[[BatchResult], None]:
         """What each finished run of the version's batcher records: its statistics, metrics and workspace."""
 
+        labels = model_metrics.labels  # (model, version)
+
         def on_batch(run: BatchResult) -> None:
             stats.record_execution(run)
+            if log.isEnabledFor(logging.DEBUG):  # verbose: each run's make-up
+                log.debug("model '%s' version %s ran %d rows padded to [%d, %d] (padding %.0f%%) in %.3f ms",
+                          *labels, run.batch_size, run.q_len, run.kv_len, 100 * run.padding_ratio,
+                          run.model_ns / 1e6)  # fmt: skip
             model_metrics.batch_done(run.batch_size, run.padding_ratio)
             d_model, num_heads = info().d_model, info().num_heads
             self.budget.run_made(run_workspace_bytes(run.batch_size, run.q_len, run.kv_len, d_model, num_heads))
@@ -112,11 +118,15 @@ class VersionFactory:
         """What the runs of the version's step graphs record: executions in its statistics and metrics, as its
         batcher's runs are (Triton counts a sequence batcher's runs the same way)."""
 
+        labels = model_metrics.labels  # (model, version)
+
         def on_runs(runs: list[StepRun]) -> None:
             self.metrics.step_runs_made(len(runs))
             for run in runs:
                 stats.record_run(run.rows, input_ns=0, infer_ns=run.ns, output_ns=0)
                 model_metrics.batch_done(run.rows)
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("model '%s' version %s ran steps of %d rows in %.3f ms", *labels, run.rows, run.ns / 1e6)
 
         return on_runs
 

@@ -169,6 +169,9 @@ def test_the_log_is_switched_while_the_server_runs_as_tritons_clients_ask_over_g
     assert over_http.get_log_settings()["access_log"] is True  # a refused change changes nothing
     back = over_http.update_log_settings({"log_format": "default", "log_verbose_level": 1})  # Triton's name
     assert (back["log_format"], back["log_verbose_level"]) == ("text", 1)
+    with Client(server.url) as client, pytest.raises(grpc.RpcError):  # verbose: a refusal says why in the log
+        client.infer(rand(1, 2, SMALL_D_MODEL + 1), request_id="refused-verbose")
+    infer("ran-verbose")  # and a run says what it ran
     over_http.update_log_settings({"access_log": False, "log_info": False, "log_verbose_level": 0})
     infer("quiet")
     server.stop()
@@ -182,6 +185,11 @@ def test_the_log_is_switched_while_the_server_runs_as_tritons_clients_ask_over_g
     assert "must be one of text, json" in refusals["log_format"] and "'ISO8601'" in refusals["log_format"]
     assert "'log_file' cannot be changed: the server writes its log to stderr" in refusals["log_file"]
     assert "unknown log setting 'colour'" in refusals["colour"]
+    debug = [line for line in server.lines if " DEBUG mhaserve.server: " in line]
+    assert any("grpc request 'refused-verbose' refused INVALID_ARGUMENT: input 'query'" in line for line in debug), (
+        debug
+    )
+    assert len([line for line in debug if "model 'mha' version 1 ran 1 rows padded to [2, 2]" in line]) == 1, debug
     access = {}
     for line in server.lines:
         for request_id in ("before", "after-grpc", "as-json", "quiet"):
