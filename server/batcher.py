@@ -366,15 +366,18 @@ class Batcher:
 
     def _refuse_expired(self) -> float | None:
         """Requests waiting past their deadline leave the queue, refused; the earliest deadline of those left."""
-        now, earliest, kept = time.monotonic(), None, deque()
+        now, earliest, expired = time.monotonic(), None, []
         for pending in self._queue:
-            if pending.deadline is not None and not pending.future.done():
-                if now >= pending.deadline:
-                    pending.future.set_exception(pending.expired((time.perf_counter_ns() - pending.enqueued_ns) / 1e9))
-                    continue
-                earliest = pending.deadline if earliest is None else min(earliest, pending.deadline)
-            kept.append(pending)
-        self._queue = kept
+            if pending.deadline is None or pending.future.done():
+                continue
+            if now >= pending.deadline:
+                expired.append(pending)
+            elif earliest is None or pending.deadline < earliest:
+                earliest = pending.deadline
+        if expired:  # the queue is made again only when one leaves it
+            for pending in expired:
+                pending.future.set_exception(pending.expired((time.perf_counter_ns() - pending.enqueued_ns) / 1e9))
+            self._queue = deque(pending for pending in self._queue if not pending.future.done())
         return earliest
 
     def _on_timer(self) -> None:
