@@ -248,6 +248,7 @@ def test_a_request_of_an_earlier_priority_level_goes_ahead_of_those_waiting_at_l
             "--max-kv-len", "384", "--priority-levels", "2", "--default-priority-level", "2",
             "--warmup-runs", "0")  # fmt: skip
     server = start_server(small_model_dir, *args)
+    assert any(" queue_timeout_us=0 priority_levels=2 " in line for line in server.lines if "serving " in line)
     finished: list[str] = []
 
     def send(name: str, priority: int) -> None:
