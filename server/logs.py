@@ -104,8 +104,9 @@ class LogSwitches:
             expected = LOG_SETTINGS[name]
             if expected is bool and not isinstance(value, bool):
                 raise invalid(f"log setting '{name}' must be true or false, got {described(value)}")
-            if expected is int and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-                raise invalid(f"log setting '{name}' must be an integer of 0 or more, got {described(value)}")
+            if expected is int and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 32):
+                # Triton's LogSettings carries it as a uint32: a larger one could not be answered over gRPC
+                raise invalid(f"log setting '{name}' must be an integer from 0 to 2**32 - 1, got {described(value)}")
             if expected is str:
                 value = "text" if value == "default" else value  # Triton's name for its default format
                 if value not in FORMATS:

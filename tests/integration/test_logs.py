@@ -179,7 +179,7 @@ def test_the_log_is_switched_while_the_server_runs_as_tritons_clients_ask_over_g
 
     assert "log setting 'log_info' must be true or false, got a string 'yes'" in refusals["log_info"]
     assert (
-        "log setting 'log_verbose_level' must be an integer of 0 or more, got an integer -1"
+        "log setting 'log_verbose_level' must be an integer from 0 to 2**32 - 1, got an integer -1"
         in refusals["log_verbose_level"]
     )
     assert "must be one of text, json" in refusals["log_format"] and "'ISO8601'" in refusals["log_format"]

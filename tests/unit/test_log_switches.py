@@ -6,6 +6,7 @@ import logging
 
 import pytest
 
+from mhaserve.server.errors import RequestError
 from mhaserve.server.logs import LogSwitches, _Switched
 
 
@@ -30,3 +31,10 @@ def test_each_severity_is_switched_by_itself_and_the_access_log_by_its_own_switc
         True, False, True, False
     ]  # fmt: skip
     assert written(logging.INFO, "mhaserve.access")  # INFO off leaves the access log to its own switch
+
+
+@pytest.mark.parametrize("level", [-1, 1 << 32, 1.0, True, "1"])
+def test_a_verbose_level_is_a_uint32_as_tritons_log_settings_carry_it(level):
+    with pytest.raises(RequestError, match=r"'log_verbose_level' must be an integer from 0 to 2\*\*32 - 1"):
+        LogSwitches().updated({"log_verbose_level": level})
+    assert LogSwitches().updated({"log_verbose_level": (1 << 32) - 1}).log_verbose_level == (1 << 32) - 1
