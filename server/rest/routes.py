@@ -204,11 +204,7 @@ class RestTransport:
 
     async def _control_parameters(self, request, action: str) -> dict:
         """A load or unload request's parameters: its body a JSON object (or none), theirs one too."""
-        body = await self._bodies.read(request)
-        try:
-            parameters = (orjson.loads(body) if body else {}).get("parameters") or {}
-        except (orjson.JSONDecodeError, AttributeError):
-            raise invalid(f"the {action} request body must be a JSON object") from None
+        parameters = (await self._json_object(request, f"the {action} request body")).get("parameters") or {}
         if not isinstance(parameters, dict):
             raise invalid(f"the {action} request's parameters must be a JSON object, got {json_kind(parameters)}")
         return parameters
@@ -240,16 +236,18 @@ class RestTransport:
 
     async def _settings_changes(self, request, what: str) -> dict:
         """A settings call's changes: a POST's body, a JSON object (none: no change); a GET's, none."""
-        if request.method != "POST":
-            return {}
+        return await self._json_object(request, f"the {what} body") if request.method == "POST" else {}
+
+    async def _json_object(self, request, what: str) -> dict:
+        """The request's body, a JSON object (an empty body: an empty one); ``what`` names it in a refusal."""
         body = await self._bodies.read(request)
         try:
-            changes = orjson.loads(body) if body else {}
+            value = orjson.loads(body) if body else {}
         except orjson.JSONDecodeError as error:
-            raise invalid(f"the {what} are not JSON: {error}") from None
-        if not isinstance(changes, dict):
-            raise invalid(f"the {what} must be a JSON object, got {json_kind(changes)}")
-        return changes
+            raise invalid(f"{what} is not JSON: {error}") from None
+        if not isinstance(value, dict):
+            raise invalid(f"{what} must be a JSON object, got {json_kind(value)}")
+        return value
 
     async def shared_memory_status(self, request):
         region, shared_memory = request.match_info.get("region", ""), self.dataplane.shared_memory
