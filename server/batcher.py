@@ -192,6 +192,10 @@ class _Pending:
     expired: Callable[[float], RequestError] = DeadlineExpiredInQueue  # its refusal then, given how long it waited
     priority: int = 0  # its level: it waits behind none of a later level (0: no levels)
 
+    def refuse_expired(self) -> None:
+        """Its deadline passed while it waited: refused, saying how long it waited."""
+        self.future.set_exception(self.expired((time.perf_counter_ns() - self.enqueued_ns) / 1e9))
+
 
 @dataclass
 class BatchedOutputs:
@@ -376,7 +380,7 @@ class Batcher:
                 earliest = pending.deadline
         if expired:  # the queue is made again only when one leaves it
             for pending in expired:
-                pending.future.set_exception(pending.expired((time.perf_counter_ns() - pending.enqueued_ns) / 1e9))
+                pending.refuse_expired()
             self._queue = deque(pending for pending in self._queue if not pending.future.done())
         return earliest
 
@@ -395,8 +399,7 @@ class Batcher:
                 continue
             if pending.deadline is not None and now >= pending.deadline:
                 self._queue.popleft()
-                waited = (time.perf_counter_ns() - pending.enqueued_ns) / 1e9
-                pending.future.set_exception(pending.expired(waited))
+                pending.refuse_expired()
                 continue
             if batch and (not self.enabled or rows + pending.request.batch_size > max_rows):
                 break
