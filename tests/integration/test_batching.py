@@ -258,13 +258,14 @@ def test_a_request_of_an_earlier_priority_level_goes_ahead_of_those_waiting_at_l
         client.infer("mha", [query], outputs=[tritongrpc.InferRequestedOutput("output")], priority=priority)
         finished.append(name)
 
-    # two runs hold the one worker while three requests queue at the default level, then one at level 1
-    order = [("busy-1", 0), ("busy-2", 0), ("later-1", 0), ("later-2", 2), ("later-3", 9), ("first", 1)]
+    # four runs hold the one worker (on a CPU several times this one's speed, still longer than the sends take)
+    # while three requests queue at the default level, then one at level 1
+    order = [*((f"busy-{i}", 0) for i in range(4)), ("later-1", 0), ("later-2", 2), ("later-3", 9), ("first", 1)]
     senders = []
     for name, priority in order:  # 0 and 9 (past the last level) take the default, 2
         senders.append(threading.Thread(target=send, args=(name, priority)))
         senders[-1].start()
-        time.sleep(0.005)
+        time.sleep(0.002)  # each sent after the one before
     for sender in senders:
         sender.join(60)
     assert sorted(finished) == sorted(name for name, _ in order)
