@@ -127,7 +127,11 @@ class RepositorySettings(Section):
     )
     version_policy: str = setting(
         "latest:1",
-        "which versions of each model serve: latest (latest:N for the newest N), all, or specific:V[,V...]",
+        "which versions of each model serve: latest (latest:N for the newest N), all, or specific:V[,V...] (a "
+        "model's config.pbtxt may choose its own)",
+        rule=Rule(
+            VersionPolicy.holds, "latest, latest:N, all or specific:V[,V...] (N and each V 1 or more)", show_value=True
+        ),  # fmt: skip
     )
 
     def check(self) -> None:
@@ -137,10 +141,6 @@ class RepositorySettings(Section):
             raise UsageError("--model-control-mode and --load-model need --model-repository")
         if self.load_model and self.model_control_mode != "explicit":
             raise UsageError("--load-model needs --model-control-mode explicit (the other modes load every model)")
-        try:
-            VersionPolicy.parse(self.version_policy)
-        except ValueError as error:
-            raise UsageError(f"--version-policy: {error}") from None
 
 
 @dataclass

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import copy
 
+from google.protobuf import json_format
+
 import mhaserve
 from mhaserve.contract.signature import COMPUTES_IN, input_specs, output_specs
 
 from .config import setting_text
+from .model_config import policy_message
 from .registry import ServedModel
 from .shared_memory import RegionStatus
 from .statistics import Duration
@@ -89,6 +92,8 @@ def model_config(served: ServedModel) -> dict:
         },
     }
     settings = served.settings
+    config["version_policy"] = json_format.MessageToDict(policy_message(settings.version_policy),
+                                                         preserving_proto_field_name=True)  # fmt: skip
     if settings.dynamic_batching:
         config["dynamic_batching"] = {
             "max_queue_delay_microseconds": settings.max_queue_delay_us,

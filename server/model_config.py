@@ -13,6 +13,8 @@ then. Triton's fields where they mean the same here:
                        priority_levels: 2 default_priority_level: 2 }
     instance_group [ { count: 2 } ]                      model runs at once (the inference workers it uses)
     sequence_batching { max_sequence_idle_microseconds: 60000000 }   (in place of dynamic_batching, as in Triton)
+    version_policy { all { } }                           which versions serve (latest { num_versions: 2 },
+                                                         specific { versions: [1, 3] }); read by the registry
 
 and mhaserve's own settings, named as the server's flags, in ``parameters`` (the limits ``max_q_len`` and
 ``max_kv_len`` among them):
@@ -20,7 +22,7 @@ and mhaserve's own settings, named as the server's flags, in ``parameters`` (the
     parameters { key: "dynamic_batching" value { string_value: "false" } }
 
 Anything else Triton's format holds (inputs, outputs, platform: the model's own folder says those; fields this
-server has no use for, such as version_policy or optimization) is read past.
+server has no use for, such as optimization or model_warmup) is read past.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from google.protobuf import text_format
 
 from mhaserve.contract.model_dir import ModelDirError
 from mhaserve.contract.repository import MODEL_CONFIG_FILE as CONFIG_FILE
+from mhaserve.contract.repository import VersionPolicy
 from mhaserve.protos.generated import model_config_pb2 as mc
 
 from .config import SETTING_FIELDS, ServerSettings, flag_of, priority_problem, reader_of, setting_text
@@ -73,6 +76,7 @@ class ModelSettings:
     max_kv_len: int
     max_sequence_length: int
     sequence_idle_timeout_s: float
+    version_policy: str
     source: Path | None = None  # the config.pbtxt it was read from; None: the server's flags alone
     configured: frozenset[str] = frozenset()  # the settings that file sets; the others are the server's
 
@@ -100,17 +104,20 @@ CEILINGS = ("max_batch_size", "inference_workers", "max_q_len", "max_kv_len")
 PARAMETERS = tuple(f.name for f in fields(ModelSettings) if f.name not in ("source", "configured"))
 
 
-def model_settings(settings: ServerSettings, folder: Path, name: str | None = None) -> ModelSettings:
+def model_settings(
+    settings: ServerSettings, folder: Path, name: str | None = None, *, quiet: bool = False
+) -> ModelSettings:
     """``folder``'s config.pbtxt over the server's settings; the server's alone where there is none. Raises
     ModelConfigError naming the file and the field for a file that cannot be served as written, or one naming
-    a model other than ``name`` (the model served from it)."""
+    a model other than ``name`` (the model served from it). ``quiet``: what it reads past is not logged."""
+    say = log.debug if quiet else log.warning
     path = folder / CONFIG_FILE
     server = ModelSettings.of_server(settings)
     if not path.is_file():
         return server
     try:
         text = path.read_text(encoding="utf-8")
-        config = _parsed(text)
+        config = _parsed(text, say)
     except (text_format.ParseError, UnicodeDecodeError) as error:
         raise ModelConfigError(f"{path}: not a model configuration in Triton's text format ({error})") from None
     if name is not None and config.name and config.name != name:
@@ -140,10 +147,12 @@ def model_settings(settings: ServerSettings, folder: Path, name: str | None = No
             if getattr(batching, name):
                 asked[name] = getattr(batching, name)
         if batching.preferred_batch_size:  # Triton's, honoured by no setting here: said rather than read past
-            log.warning("%s: dynamic_batching's preferred_batch_size is read past: a free worker takes what is "
-                        "queued, up to max_batch_size rows a run", path)  # fmt: skip
+            say("%s: dynamic_batching's preferred_batch_size is read past: a free worker takes what is "
+                "queued, up to max_batch_size rows a run", path)  # fmt: skip
     if config.HasField("sequence_batching") and config.sequence_batching.max_sequence_idle_microseconds:
         asked["sequence_idle_timeout_s"] = config.sequence_batching.max_sequence_idle_microseconds / 1e6
+    if config.HasField("version_policy"):
+        asked["version_policy"] = _policy_text(config.version_policy)
     if config.instance_group:
         asked["inference_workers"] = sum(group.count or 1 for group in config.instance_group)
     for key, parameter in config.parameters.items():
@@ -174,16 +183,51 @@ def model_settings(settings: ServerSettings, folder: Path, name: str | None = No
     return served
 
 
-def _parsed(text: str) -> mc.ModelConfig:
-    """Triton's fields mhaserve has no use for (version_policy, optimization, model_warmup, ...) are read past, so
+def _policy_text(policy: mc.ModelVersionPolicy) -> str:
+    """Triton's version_policy as --version-policy writes it; none chosen is Triton's default, the newest one."""
+    choice = policy.WhichOneof("policy_choice")
+    if choice == "all":
+        return "all"
+    if choice == "specific":
+        return "specific:" + ",".join(map(str, policy.specific.versions))
+    return f"latest:{policy.latest.num_versions if choice == 'latest' else 1}"
+
+
+def policy_message(text: str) -> mc.ModelVersionPolicy:
+    """A --version-policy as Triton's version_policy message (what config.pbtxt and the ModelConfig RPC say)."""
+    policy = VersionPolicy.parse(text)
+    message = mc.ModelVersionPolicy()
+    if policy.kind == "all":
+        message.all.SetInParent()
+    elif policy.kind == "specific":
+        message.specific.versions.extend(policy.versions)
+    else:
+        message.latest.num_versions = policy.count
+    return message
+
+
+def _parsed(text: str, say) -> mc.ModelConfig:
+    """Triton's fields mhaserve has no use for (optimization, model_warmup, ...) are read past, so
     that a Triton repository's file serves as it is; said once in the log, since a misspelt field reads the same."""
     try:
         return text_format.Parse(text, mc.ModelConfig())
     except text_format.ParseError as error:
         if "has no field named" not in str(error):
             raise
-        log.warning("config.pbtxt: fields mhaserve does not read are read past (the first: %s)", error)
-        return text_format.Parse(text, mc.ModelConfig(), allow_unknown_field=True)
+        say("config.pbtxt: fields mhaserve does not read are read past (the first: %s)", error)
+    for _ in range(text.count("[")):
+        try:
+            return text_format.Parse(text, mc.ModelConfig(), allow_unknown_field=True)
+        except text_format.ParseError as error:
+            # protobuf skips an unknown field's list (Triton's `model_warmup [ { ... } ]`) only after a colon,
+            # which the format lets a message field's list leave out: written in, the file means the same.
+            lines = text.split("\n")
+            line, column = error.GetLine() - 1, error.GetColumn() - 1
+            if not (0 <= line < len(lines) and lines[line][column : column + 1] == "["):
+                raise
+            lines[line] = lines[line][:column] + ":" + lines[line][column:]
+            text = "\n".join(lines)
+    return text_format.Parse(text, mc.ModelConfig(), allow_unknown_field=True)
 
 
 def config_text(name: str, values: dict[str, object]) -> str:
@@ -198,6 +242,8 @@ def config_text(name: str, values: dict[str, object]) -> str:
         rest.pop("dynamic_batching", None)
     if "inference_workers" in rest:
         config.instance_group.add(count=rest.pop("inference_workers"))
+    if "version_policy" in rest:
+        config.version_policy.CopyFrom(policy_message(rest.pop("version_policy")))
     for key, value in rest.items():
         config.parameters[key].string_value = setting_text(value)
     return text_format.MessageToString(config)
@@ -237,4 +283,6 @@ def _setting_line(key: str, value) -> str:
     }
     if key == "sequence_idle_timeout_s":
         value = round(value * 1e6)
+    if key == "version_policy":
+        return f"version_policy {{ {text_format.MessageToString(policy_message(value), as_one_line=True)} }}"
     return triton[key].format(value) if key in triton else _parameter(key, value)

@@ -122,6 +122,9 @@ class VersionLoader(Protocol):
 
     async def unload(self, served: ServedModel) -> None: ...
 
+    def version_policy(self, name: str, config_dir: Path) -> VersionPolicy | None:
+        """The policy ``config_dir``'s config.pbtxt sets, or None (ModelDirError: a file that cannot be read)."""
+
 
 class ModelRegistry:
     """(name, version) -> state, and the loading, unloading and swapping of versions.
@@ -142,7 +145,8 @@ class ModelRegistry:
         self._versions = versions
         self.repository = repository
         self.single_dir = single_dir
-        self.policy = policy or VersionPolicy("latest")
+        self.policy = policy or VersionPolicy("latest")  # the server's; a model's config.pbtxt may set its own
+        self._policies: dict[str, VersionPolicy] = {}  # each model's, as its file said when last read
         self.models: dict[str, dict[int, VersionState]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._refused: set[str] = set()  # model folders polling cannot serve (said once in the log)
@@ -261,7 +265,7 @@ class ModelRegistry:
             tried: set[int] = set()  # once per call: a folder still being written is taken up at the next poll
             while True:
                 usable = [n for n in numbers if not self._failed_unchanged(name, n, versions.get(n))]
-                wanted = self.policy.select(usable)
+                wanted = self.policy_of(name).select(usable)
                 to_load = [n for n in wanted if n not in tried and self._needs_load(name, n, versions.get(n))]
                 if not to_load:
                     break
@@ -276,6 +280,16 @@ class ModelRegistry:
             for number in [n for n, v in versions.items() if v.state == UNAVAILABLE and n not in numbers]:
                 del versions[number]
             return failures
+
+    def policy_of(self, name: str) -> VersionPolicy:
+        """The versions of ``name`` served: as its config.pbtxt says, else as the server's --version-policy. While
+        that file cannot be read, the policy read from it last (each version's load then fails, saying why, and
+        a version serving stays serving)."""
+        try:
+            self._policies[name] = self._versions.version_policy(name, self.repository.model_dir(name)) or self.policy
+        except ModelDirError:
+            pass
+        return self._policies.get(name, self.policy)
 
     async def unload_model(self, name: str) -> None:
         versions = self.models.get(name)

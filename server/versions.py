@@ -13,6 +13,7 @@ from concurrent.futures import Executor
 from pathlib import Path
 
 from mhaserve.contract.cache import cache_root
+from mhaserve.contract.repository import VersionPolicy
 
 from .config import ServerSettings
 from .malloc import release_free_memory
@@ -76,6 +77,12 @@ class VersionFactory:
         signature = signature_of(name, version, batched, steps.serves_sequences)
         self._log_loaded(signature, batched, model, model_dir)
         return ServedModel(signature, model_dir, model, batched, steps, model_metrics, stats)
+
+    def version_policy(self, name: str, config_dir: Path) -> VersionPolicy | None:
+        """The versions ``config_dir``'s config.pbtxt serves; None where it sets no policy. Read at every load and
+        poll: said in the log only when a version loads."""
+        model = model_settings(self.settings, config_dir, name, quiet=True)
+        return VersionPolicy.parse(model.version_policy) if "version_policy" in model.configured else None
 
     def _build_runtimes(
         self,

@@ -146,6 +146,14 @@ class VersionPolicy:
             pass
         raise ValueError(f"version policy {text!r}: expected latest, latest:N, all or specific:V[,V...]")
 
+    @classmethod
+    def holds(cls, text: str) -> bool:
+        try:
+            cls.parse(text)
+        except ValueError:
+            return False
+        return True
+
     def select(self, available: list[int]) -> list[int]:
         if self.kind == "all":
             return sorted(available)

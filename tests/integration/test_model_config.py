@@ -112,6 +112,45 @@ def test_a_changed_config_reloads_the_model_in_poll_mode(tmp_path, small_model_d
         assert served_with(server.url, "a")["max_batch_size"] == "2"
 
 
+def test_a_model_s_config_chooses_its_versions_and_an_edited_policy_loads_and_unloads_them(tmp_path, small_model_dir):
+    repository = tmp_path / "repository"
+    for name in ("chosen", "plain"):
+        for number in (1, 2, 3):
+            add_version(repository, name, number, small_model_dir)
+    config = repository / "chosen" / "config.pbtxt"
+    config.write_text("version_policy { specific { versions: [1, 3] } }")
+    ready = ("READY", "")
+
+    def states_within(expected: dict, seconds: float = 30) -> dict:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            states = {key: state for key, (state, _) in index(server).items()}
+            if all(states.get(key) == state for key, state in expected.items()):
+                break
+            time.sleep(0.1)
+        return states
+
+    def policy(model: str) -> dict:
+        config = tritongrpc.InferenceServerClient(server.url).get_model_config(model, as_json=True)["config"]
+        return config["version_policy"]
+
+    # The server's flag: the newest version of each model; "chosen" says which of its own serve.
+    with repository_server(repository, "--model-control-mode", "poll", "--repository-poll-secs", "0.2") as server:
+        started = index(server)
+        policies = policy("chosen"), policy("plain")
+        config.write_text("version_policy { latest { num_versions: 2 } }")
+        edited = states_within({("chosen", "1"): "UNAVAILABLE", ("chosen", "2"): "READY"})
+        config.write_text("version_policy { all { } }")
+        all_of_them = states_within({("chosen", "1"): "READY"})
+    assert started[("chosen", "1")] == ready and started[("chosen", "3")] == ready
+    assert started[("chosen", "2")] == ("UNAVAILABLE", "not loaded")
+    assert [started[("plain", n)][0] for n in "123"] == ["UNAVAILABLE", "UNAVAILABLE", "READY"]
+    assert policies == ({"specific": {"versions": ["1", "3"]}}, {"latest": {"num_versions": 1}})
+    assert [edited[("chosen", n)] for n in "123"] == ["UNAVAILABLE", "READY", "READY"]
+    assert [all_of_them[("chosen", n)] for n in "123"] == ["READY"] * 3
+    assert [all_of_them[("plain", n)] for n in "123"] == ["UNAVAILABLE", "UNAVAILABLE", "READY"]
+
+
 def spin(value: str) -> str:
     return f'parameters {{ key: "intra_op_spin_ms" value {{ string_value: "{value}" }} }}'
 
@@ -131,6 +170,7 @@ BAD_EDITS = {
     "workers past the flag": (b"instance_group [ { count: 9 } ]", "inference_workers 9 is above"),
     "empty boolean": (b'parameters { key: "dynamic_batching" value { string_value: "" } }', "dynamic_batching"),
     "a limit of zero": (b'parameters { key: "max_q_len" value { string_value: "0" } }', "max_q_len"),
+    "a policy of no version": (b"version_policy { latest { num_versions: 0 } }", "version_policy must be"),
 }
 
 

@@ -517,7 +517,7 @@ def test_an_unloaded_version_is_freed_at_once_not_at_the_next_garbage_collection
         (["--model-control-mode", "explicit"], "need --model-repository"),
         (["--model-repository", "r", "--load-model", "mha"], "--load-model needs --model-control-mode explicit"),
         (["--model-repository", "r", "--model-control-mode", "sometimes"], "must be none, poll or explicit"),
-        (["--model-repository", "r", "--version-policy", "newest"], "expected latest, latest:N, all or specific"),
+        (["--model-repository", "r", "--version-policy", "newest"], "must be latest, latest:N, all or specific"),
         (["--model-repository", "r", "--model-dir", "m"], "not both"),
     ],
 )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from mhaserve.contract.errors import UsageError
+from mhaserve.contract.repository import VersionPolicy
 from mhaserve.server.config import ServerSettings, check_settings
 from mhaserve.server.model_config import (
     PARAMETERS,
@@ -80,11 +81,67 @@ def test_a_written_config_reads_back_as_the_setting_it_was_written_from(tmp_path
 
 def test_triton_s_fields_this_server_has_no_use_for_are_read_past(tmp_path, caplog):
     (tmp_path / "config.pbtxt").write_text(
-        "version_policy { latest { num_versions: 2 } }\nmax_batch_size: 8\n"
+        'model_warmup [ { name: "zeros" batch_size: 1 } ]\nmax_batch_size: 8\n'
         "sequence_batching { max_sequence_idle_microseconds: 5000000 }\n"
     )
     assert model_settings(ServerSettings(), tmp_path).max_batch_size == 8
-    assert "read past (the first:" in caplog.text and "version_policy" in caplog.text
+    assert "read past (the first:" in caplog.text and "model_warmup" in caplog.text
+
+
+def test_a_triton_config_with_lists_of_fields_read_past_serves_as_written(tmp_path):
+    """Triton's documents write a list of messages without a colon (`model_warmup [ { ... } ]`), which protobuf
+    cannot skip in a field it does not know: such a file was refused as not Triton's format."""
+    (tmp_path / "config.pbtxt").write_text("""
+        name: "mha"
+        max_batch_size: 4
+        instance_group [ { count: 2 kind: KIND_CPU rate_limiter { resources [ { name: "R1" count: 4 } ] } } ]
+        sequence_batching {
+          max_sequence_idle_microseconds: 5000000
+          control_input [ { name: "START" control [ { kind: CONTROL_SEQUENCE_START fp32_false_true: [ 0, 1 ] } ] } ]
+        }
+        model_warmup [
+          { name: "zeros" batch_size: 1 inputs { key: "query" value { data_type: TYPE_FP32 dims: [ 4, 512 ]
+            zero_data: true } } }
+        ]
+        version_policy: { specific: { versions: [2] } }
+        parameters { key: "max_q_len" value { string_value: "64" } }
+    """)
+    model = model_settings(ServerSettings(inference_workers=2), tmp_path, "mha")
+    assert (model.max_batch_size, model.inference_workers, model.max_q_len) == (4, 2, 64)
+    assert (model.sequence_idle_timeout_s, model.version_policy) == (5.0, "specific:2")
+
+
+@pytest.mark.parametrize(
+    "written, policy",
+    [
+        ("version_policy { all { } }", "all"),
+        ("version_policy { latest { num_versions: 2 } }", "latest:2"),
+        ("version_policy { specific { versions: [3, 1] } }", "specific:1,3"),
+        ("version_policy { }", "latest:1"),  # none chosen: Triton's default
+        ('parameters { key: "version_policy" value { string_value: "all" } }', "all"),
+    ],
+)
+def test_a_model_s_version_policy_is_read_from_triton_s_field_or_its_parameter(tmp_path, written, policy):
+    (tmp_path / "config.pbtxt").write_text(written)
+    model = model_settings(ServerSettings(version_policy="latest:1"), tmp_path)
+    assert str(VersionPolicy.parse(model.version_policy)) == policy and "version_policy" in model.configured
+    (tmp_path / "config.pbtxt").write_text(config_text("mha", {"version_policy": model.version_policy}))
+    assert str(VersionPolicy.parse(model_settings(ServerSettings(), tmp_path).version_policy)) == policy
+
+
+NO_VERSION_POLICIES = (
+    "version_policy { latest { num_versions: 0 } }",
+    "version_policy { specific { } }",
+    "version_policy { specific { versions: -2 } }",
+    'parameters { key: "version_policy" value { string_value: "newest" } }',
+)
+
+
+@pytest.mark.parametrize("written", NO_VERSION_POLICIES)
+def test_a_version_policy_that_serves_nothing_is_refused_naming_the_file(tmp_path, written):
+    (tmp_path / "config.pbtxt").write_text(written)
+    with pytest.raises(ModelConfigError, match=r"config.pbtxt: version_policy must be latest, latest:N, all or "):
+        model_settings(ServerSettings(), tmp_path)
 
 
 def test_a_limit_the_model_sets_is_named_with_its_file_and_the_others_with_the_server_s_flag(tmp_path):

@@ -28,6 +28,7 @@ class Loader:
         self.unloads: list[tuple[str, int]] = []
         self.refuse: dict[tuple[str, int], str] = {}
         self.while_loading = None
+        self.policies: dict[str, VersionPolicy | str] = {}  # a model's config.pbtxt's policy, or why it is unread
 
     async def load(self, name: str, number: int, model_dir: Path, config_dir: Path) -> ServedModel:
         self.loads.append((name, number))
@@ -43,6 +44,12 @@ class Loader:
 
     async def unload(self, served: ServedModel) -> None:
         self.unloads.append(served.key)
+
+    def version_policy(self, name: str, config_dir: Path) -> VersionPolicy | None:
+        policy = self.policies.get(name)
+        if isinstance(policy, str):
+            raise ModelDirError(policy)
+        return policy
 
 
 def add_version(root: Path, name: str, number: int, content: bytes = b"weights v1") -> Path:
@@ -77,6 +84,28 @@ def test_the_policy_serves_the_newest_version_and_an_empty_version_resolves_to_i
     assert states(registry) == {("a", "1"): UNAVAILABLE, ("a", "2"): READY, ("a", "3"): READY}
     assert registry.resolve("a", "").key == ("a", 3) and registry.resolve("a", "2").key == ("a", 2)
     assert sorted(loader.loads) == [("a", 2), ("a", 3)]
+
+
+def test_a_model_s_own_policy_picks_its_versions_and_the_one_read_last_holds_while_its_file_cannot_be_read(tmp_path):
+    for name in ("a", "b"):
+        for number in (1, 2, 3):
+            add_version(tmp_path, name, number)
+    registry, loader = registry_over(tmp_path)  # the server's policy: the newest version
+    loader.policies["a"] = VersionPolicy("specific", versions=(1, 3))
+
+    async def scenario():
+        await registry.poll()
+        picked = dict(states(registry))
+        loader.policies["a"] = "config.pbtxt: not a model configuration"  # edited, and now unreadable
+        await registry.poll()
+        return picked
+
+    picked = asyncio.run(scenario())
+    expected = {("a", "1"): READY, ("a", "2"): UNAVAILABLE, ("a", "3"): READY}
+    expected |= {("b", "1"): UNAVAILABLE, ("b", "2"): UNAVAILABLE, ("b", "3"): READY}
+    assert picked == expected
+    assert states(registry) == expected  # not the server's policy: version 1 of "a" was not unloaded
+    assert str(registry.policy_of("a")) == "specific:1,3" and str(registry.policy_of("b")) == "latest:1"
 
 
 @pytest.mark.parametrize("version", ["²", "١", "0x1", " 1"])  # "²" passed str.isdigit and failed int(): a 500
