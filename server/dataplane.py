@@ -93,6 +93,7 @@ class StepForward(Protocol):
 
 
 UNLOAD_DEPENDENTS = "unload_dependents"  # Triton's unload parameter: also unload the ensembles using the model
+LOAD_CONFIG = "config"  # Triton's load parameter: the model's configuration as JSON, in place of its config.pbtxt
 
 
 class DataPlane:
@@ -240,19 +241,31 @@ class DataPlane:
             f"--model-repository; this server's mode is {mode}",
         )
 
-    async def load_model(self, name: str, parameters=(), *, here_only: bool = False) -> None:
+    async def load_model(
+        self, name: str, parameters: Mapping[str, object] = NO_PARAMETERS, *, here_only: bool = False
+    ) -> None:
         """RepositoryModelLoad: refused, with every failed version's reason, unless the model serves after it (in
         every serving process, where this is one of several; ``here_only``: in this one, told by another).
-        ``parameters``: the names of the request's load parameters, of which none is supported."""
-        if parameters:  # tritonclient's load_model(config=..., files=...): here the folder is the model
+        ``parameters``: the request's load parameters as plain values: Triton's ``config`` (the model's
+        configuration as JSON, served in place of its config.pbtxt until a load without one), no other."""
+        unknown = sorted(set(parameters) - {LOAD_CONFIG})
+        if unknown:  # tritonclient's load_model(files=...): here a version's folder is what 'mhaserve export' wrote
             raise invalid(
-                f"load parameters {sorted(parameters)} are not supported: a version is loaded as 'mhaserve export' "
-                "wrote it"
+                f"load parameters {unknown} are not supported: only '{LOAD_CONFIG}' (the model's configuration as "
+                "JSON); a version is loaded from the files 'mhaserve export' wrote"
             )
+        config_json = parameters.get(LOAD_CONFIG)
+        if config_json is not None and not isinstance(config_json, str):
+            raise invalid(f"load parameter '{LOAD_CONFIG}' must be a string of JSON, got {type(config_json).__name__}")
         self.check_control_allowed(f"load model '{name}'")
-        failures = await self.registry.load_model(name)
+        if config_json is not None:  # refused before anything changes: the versions serving serve on
+            try:
+                self.versions.version_policy(name, self.registry.repository.model_dir(name), config_json)
+            except ModelDirError as error:
+                raise invalid(f"model '{name}': {error}") from None
+        failures = await self.registry.load_model(name, config_json=config_json)
         if self.forward is not None and not here_only:
-            failures += await self.forward.tell_others("load", name=name)
+            failures += await self.forward.tell_others("load", name=name, parameters=dict(parameters))
         if failures:
             serving = self.registry.ready_versions(name)
             now = f"serving version(s) {', '.join(map(str, serving))} unchanged" if serving else "nothing serves"
@@ -301,7 +314,7 @@ class DataPlane:
     def control_state(self) -> dict:
         """What control calls made of this process, for a serving process started again in place of another: the
         models served, and the shared-memory regions registered."""
-        return {"models": sorted({m.signature.name for m in self.served_models()}),
+        return {"models": sorted({m.signature.name for m in self.served_models()}), "configs": self.registry.configs,
                 "regions": self.shared_memory.registrations(), "logging": logs.switches()}  # fmt: skip
 
     async def take_control_state(self, state: dict) -> None:
@@ -311,7 +324,7 @@ class DataPlane:
         if self.registry.repository is not None and self.settings.model_control_mode == "explicit":
             for name in state["models"]:
                 if not self.registry.ready_versions(name):
-                    for failure in await self.registry.load_model(name):
+                    for failure in await self.registry.load_model(name, config_json=state["configs"].get(name)):
                         log.warning("model '%s', loaded in the other workers: %s", name, failure)
         for owner, name, key, offset, byte_size in state["regions"]:
             try:

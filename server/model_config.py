@@ -33,7 +33,7 @@ import logging
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
-from google.protobuf import text_format
+from google.protobuf import json_format, text_format
 
 from mhaserve.contract.model_dir import ModelDirError
 from mhaserve.contract.repository import MODEL_CONFIG_FILE as CONFIG_FILE
@@ -77,7 +77,7 @@ class ModelSettings:
     max_sequence_length: int
     sequence_idle_timeout_s: float
     version_policy: str
-    source: Path | None = None  # the config.pbtxt it was read from; None: the server's flags alone
+    source: Path | str | None = None  # the config.pbtxt it was read from (or LOAD_REQUEST); None: the flags alone
     configured: frozenset[str] = frozenset()  # the settings that file sets; the others are the server's
 
     @classmethod
@@ -104,22 +104,35 @@ CEILINGS = ("max_batch_size", "inference_workers", "max_q_len", "max_kv_len")
 PARAMETERS = tuple(f.name for f in fields(ModelSettings) if f.name not in ("source", "configured"))
 
 
+# Where the settings of a model loaded with a configuration of its own come from (Triton's load "config").
+LOAD_REQUEST = "the load request's config"
+
+
 def model_settings(
-    settings: ServerSettings, folder: Path, name: str | None = None, *, quiet: bool = False
+    settings: ServerSettings,
+    folder: Path,
+    name: str | None = None,
+    *,
+    quiet: bool = False,
+    config_json: str | None = None,
 ) -> ModelSettings:
     """``folder``'s config.pbtxt over the server's settings; the server's alone where there is none. Raises
     ModelConfigError naming the file and the field for a file that cannot be served as written, or one naming
-    a model other than ``name`` (the model served from it). ``quiet``: what it reads past is not logged."""
+    a model other than ``name`` (the model served from it). ``quiet``: what it reads past is not logged.
+    ``config_json``: a configuration given with the model's load, as Triton's JSON, read in place of the file."""
     say = log.debug if quiet else log.warning
-    path = folder / CONFIG_FILE
+    path: Path | str = folder / CONFIG_FILE
     server = ModelSettings.of_server(settings)
-    if not path.is_file():
+    if config_json is not None:
+        path = LOAD_REQUEST
+        config = _parsed_json(config_json, say)
+    elif not path.is_file():
         return server
-    try:
-        text = path.read_text(encoding="utf-8")
-        config = _parsed(text, say)
-    except (text_format.ParseError, UnicodeDecodeError) as error:
-        raise ModelConfigError(f"{path}: not a model configuration in Triton's text format ({error})") from None
+    else:
+        try:
+            config = _parsed(path.read_text(encoding="utf-8"), say)
+        except (text_format.ParseError, UnicodeDecodeError) as error:
+            raise ModelConfigError(f"{path}: not a model configuration in Triton's text format ({error})") from None
     if name is not None and config.name and config.name != name:
         raise ModelConfigError(
             f"{path}: name {config.name!r} is not the model it configures, {name!r} (as in Triton, a repository's "
@@ -204,6 +217,23 @@ def policy_message(text: str) -> mc.ModelVersionPolicy:
     else:
         message.latest.num_versions = policy.count
     return message
+
+
+def _parsed_json(text: str, say) -> mc.ModelConfig:
+    """A load request's configuration, Triton's ModelConfig as JSON; fields it has no use for read past, as the
+    file's are."""
+    try:
+        fields = json.loads(text)
+        if not isinstance(fields, dict):
+            raise ValueError(f"expected a JSON object, got a {type(fields).__name__}")
+        config = json_format.ParseDict(fields, mc.ModelConfig(), ignore_unknown_fields=True)
+    except (ValueError, json_format.ParseError) as error:
+        raise ModelConfigError(f"{LOAD_REQUEST}: not a model configuration in Triton's JSON ({error})") from None
+    known = {name for f in mc.ModelConfig.DESCRIPTOR.fields for name in (f.name, f.json_name)}
+    unread = sorted(set(fields) - known)
+    if unread:
+        say("%s: fields mhaserve does not read are read past: %s", LOAD_REQUEST, ", ".join(unread))
+    return config
 
 
 def _parsed(text: str, say) -> mc.ModelConfig:

@@ -118,12 +118,15 @@ class ModelNotFound(RequestError):
 class VersionLoader(Protocol):
     """What makes and takes apart served versions (server.versions.VersionFactory)."""
 
-    async def load(self, name: str, number: int, model_dir: Path, config_dir: Path) -> ServedModel: ...
+    async def load(
+        self, name: str, number: int, model_dir: Path, config_dir: Path, config_json: str | None = None
+    ) -> ServedModel: ...
 
     async def unload(self, served: ServedModel) -> None: ...
 
-    def version_policy(self, name: str, config_dir: Path) -> VersionPolicy | None:
-        """The policy ``config_dir``'s config.pbtxt sets, or None (ModelDirError: a file that cannot be read)."""
+    def version_policy(self, name: str, config_dir: Path, config_json: str | None = None) -> VersionPolicy | None:
+        """The policy ``config_dir``'s config.pbtxt (or ``config_json``) sets, or None (ModelDirError: one that
+        cannot be read)."""
 
 
 class ModelRegistry:
@@ -147,6 +150,7 @@ class ModelRegistry:
         self.single_dir = single_dir
         self.policy = policy or VersionPolicy("latest")  # the server's; a model's config.pbtxt may set its own
         self._policies: dict[str, VersionPolicy] = {}  # each model's, as its file said when last read
+        self.configs: dict[str, str] = {}  # configurations given with a model's load, in place of its file
         self.models: dict[str, dict[int, VersionState]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._refused: set[str] = set()  # model folders polling cannot serve (said once in the log)
@@ -240,9 +244,11 @@ class ModelRegistry:
         self.models[name][1] = VersionState(READY, served=served)
         return served
 
-    async def load_model(self, name: str, retry_failed: bool = True) -> list[str]:
+    async def load_model(self, name: str, retry_failed: bool = True, config_json: str | None = None) -> list[str]:
         """Serve the versions the policy picks from what the repository holds now; unload the others once
         those are ready (a swap: requests move to the new version, those in flight finish on the old).
+        ``config_json``: a configuration (Triton's ModelConfig as JSON) served in place of the model's config.pbtxt
+        until a load without one; a change of it reloads the versions, as a changed file does.
 
         A version that fails to load is marked with its reason, and the policy picks again without it,
         so a broken new version leaves the serving one untouched. Returns the failures' reasons. Without
@@ -256,6 +262,10 @@ class ModelRegistry:
         if not numbers:
             raise RequestError(ErrorKind.NOT_FOUND, f"model '{name}': no version folders in {repository.root / name}")
         async with self._locks.setdefault(name, asyncio.Lock()):
+            if config_json is None:
+                self.configs.pop(name, None)
+            else:
+                self.configs[name] = config_json
             versions = self.models.setdefault(name, {})
             if retry_failed:
                 for entry in versions.values():
@@ -286,7 +296,8 @@ class ModelRegistry:
         that file cannot be read, the policy read from it last (each version's load then fails, saying why, and
         a version serving stays serving)."""
         try:
-            self._policies[name] = self._versions.version_policy(name, self.repository.model_dir(name)) or self.policy
+            policy = self._versions.version_policy(name, self.repository.model_dir(name), self.configs.get(name))
+            self._policies[name] = policy or self.policy
         except ModelDirError:
             pass
         return self._policies.get(name, self.policy)
@@ -329,9 +340,9 @@ class ModelRegistry:
         try:
             # Taken before loading, whether the load succeeds or fails: a folder still being written while it
             # loads (read half old, half new) differs from this stamp at the next poll, which tries it again.
-            stamp = self.repository.version_stamp(name, number)  # a file linked out of the repository is refused
+            stamp = self._stamp(name, number, refuse=True)  # a file linked out of the repository is refused
             version_dir = self.repository.version_dir(name, number)
-            served = await self._versions.load(name, number, version_dir, version_dir.parent)
+            served = await self._versions.load(name, number, version_dir, version_dir.parent, self.configs.get(name))
         except (ModelDirError, RepositoryPathError, ValueError, RuntimeError) as error:
             reason = str(error)
             if stamp is None:  # the stamp itself was refused: kept as the refusal, compared like any stamp
@@ -401,11 +412,17 @@ class ModelRegistry:
             return True
         return entry.stamp != self._stamp(name, number)
 
-    def _stamp(self, name: str, number: int) -> tuple:
+    def _stamp(self, name: str, number: int, refuse: bool = False) -> tuple:
+        """What a version is served from: its files, and the configuration its load gave, if any. ``refuse``: a
+        folder that cannot be stamped raises (else the error is the stamp, compared like any: a new one is a
+        change)."""
         try:
-            return self.repository.version_stamp(name, number)
-        except (RepositoryPathError, OSError) as error:  # compared like any stamp: a new error is a change
-            return ("unreadable", str(error))
+            files = self.repository.version_stamp(name, number)
+        except (RepositoryPathError, OSError) as error:
+            if refuse:
+                raise
+            files = ("unreadable", str(error))
+        return files, self.configs.get(name)
 
     def _require_repository(self) -> ModelRepository:
         if self.repository is None:

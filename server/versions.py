@@ -57,11 +57,13 @@ class VersionFactory:
         fitted_costs = FittedCosts(cache_root() / "run-costs" if settings.run_cost_cache else None)
         self.share = ProcessShare(settings, executor, limits, quiet, fitted_costs)
 
-    async def load(self, name: str, number: int, model_dir: Path, config_dir: Path) -> ServedModel:
-        """Version ``number`` of ``name`` from ``model_dir``, served as ``config_dir``'s config.pbtxt says (the
-        server's settings where it says nothing): its settings, its folder checked, its runtimes built over the
-        folder's graphs, and the signature they describe."""
-        model = model_settings(self.settings, config_dir, name)
+    async def load(
+        self, name: str, number: int, model_dir: Path, config_dir: Path, config_json: str | None = None
+    ) -> ServedModel:
+        """Version ``number`` of ``name`` from ``model_dir``, served as ``config_dir``'s config.pbtxt (or
+        ``config_json``, the load request's) says, the server's settings where it says nothing: its settings, its
+        folder checked, its runtimes built over the folder's graphs, and the signature they describe."""
+        model = model_settings(self.settings, config_dir, name, config_json=config_json)
         if model.dynamic_batching:
             self.budget.provide_for(model.max_batch_size, padded_runs=not model.length_aware_batching)
         version, stats = str(number), ModelStatistics()
@@ -78,10 +80,10 @@ class VersionFactory:
         self._log_loaded(signature, batched, model, model_dir)
         return ServedModel(signature, model_dir, model, batched, steps, model_metrics, stats)
 
-    def version_policy(self, name: str, config_dir: Path) -> VersionPolicy | None:
-        """The versions ``config_dir``'s config.pbtxt serves; None where it sets no policy. Read at every load and
-        poll: said in the log only when a version loads."""
-        model = model_settings(self.settings, config_dir, name, quiet=True)
+    def version_policy(self, name: str, config_dir: Path, config_json: str | None = None) -> VersionPolicy | None:
+        """The versions ``config_dir``'s config.pbtxt (or ``config_json``) serves; None where it sets no policy.
+        Read at every load and poll: what it reads past is said in the log only when a version loads."""
+        model = model_settings(self.settings, config_dir, name, quiet=True, config_json=config_json)
         return VersionPolicy.parse(model.version_policy) if "version_policy" in model.configured else None
 
     def _build_runtimes(

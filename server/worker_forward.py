@@ -288,7 +288,7 @@ async def _controlled(dataplane: DataPlane, sent: dict) -> dict:
     action = sent["action"]
     try:
         if action == "load":
-            await dataplane.load_model(sent["name"], here_only=True)
+            await dataplane.load_model(sent["name"], sent["parameters"], here_only=True)
         elif action == "unload":
             await dataplane.unload_model(sent["name"], here_only=True)
         elif action == "register":

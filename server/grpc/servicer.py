@@ -140,7 +140,7 @@ class ProtocolRpcs:
 
     async def RepositoryModelLoad(self, request):
         _check_repository_name(request.repository_name)
-        await self.dataplane.load_model(request.model_name, list(request.parameters))
+        await self.dataplane.load_model(request.model_name, parameter_values(request.parameters))
         return pb.RepositoryModelLoadResponse()
 
     async def RepositoryModelUnload(self, request):

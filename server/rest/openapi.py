@@ -53,7 +53,16 @@ LOAD_BODY = {
     "properties": {
         "parameters": {
             "type": "object",
-            "description": "none is supported: a version loads as 'mhaserve export' wrote it",
+            "properties": {
+                "config": {
+                    "type": "string",
+                    "description": "the model's configuration, Triton's ModelConfig as JSON, served in place of its "
+                    "config.pbtxt until a load without one",
+                }
+            },
+            "additionalProperties": False,
+            "description": "Triton's 'config' alone ('files' is not supported: a version loads as 'mhaserve export' "
+            "wrote it)",
         }
     },
 }
@@ -452,7 +461,11 @@ def _repository_paths() -> dict:
                 "x-handler": "load",
                 "tags": ["repository"],
                 "parameters": _parameters("name"),
-                "requestBody": {"content": {JSON: {"schema": LOAD_BODY, "example": {}}}},
+                "requestBody": {
+                    "content": {
+                        JSON: {"schema": LOAD_BODY, "example": {"parameters": {"config": '{"max_batch_size": 4}'}}}
+                    }
+                },
                 "responses": {"200": {"description": "loaded: its versions serve"}, **_errors(400, 404, 503, *COMMON)},
             },
         },

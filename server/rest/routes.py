@@ -194,7 +194,7 @@ class RestTransport:
 
     async def load(self, request):
         parameters = await self._control_parameters(request, "load")
-        await self.dataplane.load_model(request.match_info["name"], list(parameters))
+        await self.dataplane.load_model(request.match_info["name"], parameters)
         return web.Response(status=200)
 
     async def unload(self, request):

@@ -151,6 +151,63 @@ def test_a_model_s_config_chooses_its_versions_and_an_edited_policy_loads_and_un
     assert [all_of_them[("plain", n)] for n in "123"] == ["UNAVAILABLE", "UNAVAILABLE", "READY"]
 
 
+def test_a_load_with_a_config_serves_it_in_place_of_the_file_until_a_load_without_one(tmp_path, small_model_dir):
+    import json
+    import urllib.error
+    import urllib.request
+
+    from tritonclient.utils import InferenceServerException
+
+    repository = tmp_path / "repository"
+    for number in (1, 2):
+        add_version(repository, "a", number, small_model_dir)
+    (repository / "a" / "config.pbtxt").write_text("max_batch_size: 4")
+
+    def load_over_http(parameters: dict) -> tuple[int, str]:
+        body = json.dumps({"parameters": parameters}).encode()
+        request = urllib.request.Request(server.http_url + "/v2/repository/models/a/load", body, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return response.status, ""
+        except urllib.error.HTTPError as error:
+            return error.code, json.loads(error.read())["error"]
+
+    def refusal(call) -> tuple[str, str]:
+        try:
+            call()
+        except InferenceServerException as error:
+            return error.status(), error.message()
+        raise AssertionError("not refused")
+
+    with repository_server(repository, "--model-control-mode", "explicit", "--load-model", "a") as server:
+        triton = tritongrpc.InferenceServerClient(server.url)
+        from_file = served_with(server.url, "a"), index(server)
+        triton.load_model("a", config=json.dumps({"max_batch_size": 2, "version_policy": {"all": {}}}))
+        given = served_with(server.url, "a"), index(server)
+        with Client(server.url, model="a", retry=NO_RETRIES) as client:
+            with pytest.raises(grpc.RpcError) as too_many_rows:
+                client.infer(rand(3, 2, SMALL_D_MODEL))
+        bad = refusal(lambda: triton.load_model("a", config='{"max_batch_size": -1}'))
+        not_json = load_over_http({"config": "max_batch_size: 3"})
+        files = load_over_http({"config": "{}", "file:1/model.onnx": "AAAA"})
+        after_refusals = served_with(server.url, "a")
+        over_http = load_over_http({"config": '{"max_batch_size": 3}'}), served_with(server.url, "a"), index(server)
+        triton.load_model("a")
+        back = served_with(server.url, "a"), index(server)
+    assert from_file[0]["max_batch_size"] == "4" and from_file[1][("a", "1")][0] == "UNAVAILABLE"
+    assert (given[0]["max_batch_size"], given[0]["model_config"]) == ("2", "the load request's config")
+    assert given[1][("a", "1")] == ("READY", "") and given[1][("a", "2")] == ("READY", "")
+    assert "max_batch_size=2 (set by the load request's config)" in too_many_rows.value.details()
+    assert bad == ("StatusCode.INVALID_ARGUMENT",
+                   "model 'a': the load request's config: max_batch_size must be at least 1, got -1")  # fmt: skip
+    assert not_json[0] == 400 and "not a model configuration in Triton's JSON" in not_json[1]
+    assert files[0] == 400 and "load parameters ['file:1/model.onnx'] are not supported: only 'config'" in files[1]
+    assert after_refusals["max_batch_size"] == "2"  # nothing refused was done
+    assert over_http[0] == (200, "") and over_http[1]["max_batch_size"] == "3"
+    assert over_http[2][("a", "1")][0] == "UNAVAILABLE"  # its policy now the server's again: the newest version
+    assert (back[0]["max_batch_size"], back[0]["model_config"]) == ("4", str(repository / "a" / "config.pbtxt"))
+
+
 def spin(value: str) -> str:
     return f'parameters {{ key: "intra_op_spin_ms" value {{ string_value: "{value}" }} }}'
 

@@ -150,7 +150,7 @@ def test_a_parent_killed_outright_leaves_no_worker_behind(start_server_process, 
         time.sleep(0.1)
 
 
-def test_explicit_model_control_shared_memory_and_log_settings_reach_every_worker_and_a_restarted_one(
+def test_explicit_model_control_with_a_config_shared_memory_and_log_settings_reach_every_worker_and_a_restarted_one(
     start_server_process, small_model_dir, small_module, tmp_path
 ):
     shutil.copytree(small_model_dir, tmp_path / "repository" / "mha" / "1")
@@ -159,9 +159,17 @@ def test_explicit_model_control_shared_memory_and_log_settings_reach_every_worke
                                   "--workers", "2", "--allow-client-shm", "true", "--metrics-port", "0")  # fmt: skip
     query = rand(1, 3, SMALL_D_MODEL, seed=11)
     want = eager(small_module, query)[0]
+
+    def refuses_three_rows(client: Client) -> None:
+        with pytest.raises(GrpcRequestFailed) as refused:
+            client.infer(rand(3, 2, SMALL_D_MODEL))
+        assert "max_batch_size=2 (set by the load request's config)" in refused.value.details()
+
     with grpc.insecure_channel(server.url) as channel:  # one connection: one worker takes the calls
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
-        stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="mha"))
+        load = pb.RepositoryModelLoadRequest(model_name="mha")
+        load.parameters["config"].string_param = '{"max_batch_size": 2}'  # in place of its config.pbtxt, in all
+        stub.RepositoryModelLoad(load)
         access_on = pb.LogSettingsRequest()
         access_on.settings["access_log"].bool_param = True
         stub.LogSettings(access_on)
@@ -172,6 +180,7 @@ def test_explicit_model_control_shared_memory_and_log_settings_reach_every_worke
         with Client(server.url, own_connection=True) as client:
             np.testing.assert_allclose(client.infer(query, request_id=f"a{index}").output, want, atol=1e-5)
             np.testing.assert_allclose(client.infer(query, shared_memory=regions).output, want, atol=1e-5)
+            refuses_three_rows(client)
     after = requests_by_worker(server)
     assert all(after.get(worker, 0) > before.get(worker, 0) for worker in ("0", "1")), (before, after)
 
@@ -188,6 +197,7 @@ def test_explicit_model_control_shared_memory_and_log_settings_reach_every_worke
         with Client(server.url, own_connection=True) as client:
             answer = client.infer(query, shared_memory=regions, request_id=f"b{index}")
             np.testing.assert_allclose(answer.output, want, atol=1e-5)
+            refuses_three_rows(client)
             retries += client.retries
         if requests_by_worker(server).get("1", 0) > before.get("1", 0):
             break

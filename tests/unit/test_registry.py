@@ -30,7 +30,7 @@ class Loader:
         self.while_loading = None
         self.policies: dict[str, VersionPolicy | str] = {}  # a model's config.pbtxt's policy, or why it is unread
 
-    async def load(self, name: str, number: int, model_dir: Path, config_dir: Path) -> ServedModel:
+    async def load(self, name: str, number: int, model_dir: Path, config_dir: Path, config_json=None) -> ServedModel:
         self.loads.append((name, number))
         if self.while_loading is not None:
             self.while_loading()
@@ -45,7 +45,7 @@ class Loader:
     async def unload(self, served: ServedModel) -> None:
         self.unloads.append(served.key)
 
-    def version_policy(self, name: str, config_dir: Path) -> VersionPolicy | None:
+    def version_policy(self, name: str, config_dir: Path, config_json=None) -> VersionPolicy | None:
         policy = self.policies.get(name)
         if isinstance(policy, str):
             raise ModelDirError(policy)
