@@ -159,7 +159,7 @@ class RequestAccounting:
             self.outcomes[status] += 1
             self.metrics.step_forwarded(status)
             return release
-        self.record(call.served, status, call.rows, call.timing, call.protocol)
+        self.record(call.served, status, call.rows, call.timing, call.protocol, call.shed_by)
         served = call.served
         trace_id = ""
         if call.trace is not None:
@@ -236,20 +236,27 @@ class RequestAccounting:
         self.budget.workspace_given_back()
 
     def record(
-        self, served: ServedModel | None, status: str, rows: int, timing: RequestTiming, protocol: str = "grpc"
+        self,
+        served: ServedModel | None,
+        status: str,
+        rows: int,
+        timing: RequestTiming,
+        protocol: str = "grpc",
+        shed_by: str = "",
     ) -> None:
         """One request's fate, for the statistics RPC, the metrics endpoint and the stop line. A request that
-        named no served model is counted under empty labels, never under a name it made up."""
+        named no served model is counted under empty labels, never under a name it made up; ``shed_by``, the
+        server's bound that refused it, is counted by the version it would have run on."""
         self.outcomes[status] += 1
         if served is None:
-            self.metrics.request_done("", "", status, protocol)
+            self.metrics.request_done("", "", status, protocol, shed_by)
             return
         if status == "OK":
             served.stats.record_success(rows, timing)
         else:
             served.stats.record_failure(timing.total_ns)
         seconds = timing.total_ns / 1e9, timing.queue_ns / 1e9, timing.infer_ns / 1e9
-        served.metrics.request_done(status, protocol, rows, *seconds)
+        served.metrics.request_done(status, protocol, rows, *seconds, shed_by=shed_by)
 
     def record_unauthenticated(self, method: str) -> None:
         log.debug("refused %s: missing or wrong bearer token", method)

@@ -58,6 +58,7 @@ class QueueFull(RequestError):
         super().__init__(
             ErrorKind.RESOURCE_EXHAUSTED,
             f"the request queue is full ({limit} requests waiting, limit max_queue_size={limit}); retry later",
+            shed_by="queue_full",
         )
 
 
@@ -84,6 +85,7 @@ class QueueTimeout:
             ErrorKind.UNAVAILABLE,
             f"the request waited {waited_s * 1000:.1f} ms in the queue, past its queue timeout of "
             f"{self.seconds * 1000:g} ms ({self.set_by}); it was not computed: the server is busy, retry",
+            shed_by="queue_timeout",
         )
 
 

@@ -32,6 +32,7 @@ class CallRecord:
         self.timing = RequestTiming()
         self.rows = 0
         self.status = "UNKNOWN"
+        self.shed_by = ""  # the bound of the server's that refused it, where one did (errors.SHED_REASONS)
         self.served = None  # the ServedModel (registry.py) it resolved to, once it did
         self.request_id = ""  # the protocol's request id, once decoded
         self.bytes_in = 0  # the request's bytes as received

@@ -453,7 +453,7 @@ class DataPlane:
             yield call
             call.status = "OK"
         except RequestError as error:
-            call.status = error.kind.name
+            call.status, call.shed_by = error.kind.name, error.shed_by
             if log.isEnabledFor(logging.DEBUG):  # verbose: why, which only the client was told
                 fields = {"request_id": call.request_id, "status": error.kind.name, "protocol": protocol}
                 log.debug("%s request %r refused %s: %s", protocol, call.request_id, error.kind.name, error.message,

@@ -39,13 +39,17 @@ HTTP_STATUS = {
 }
 
 
+# The bounds of the server's own by which it sheds load: a request refused by one is counted by it
+# (mhaserve_inference_request_shed_total), apart from the refusals of requests over their own limits.
+SHED_REASONS = ("queue_full", "queue_timeout", "memory", "sequences", "client_share")
+
 MESSAGE_AT_MOST = 2000  # characters; parameters.quoted keeps a client's values far shorter
 
 
 class RequestError(Exception):
     """A request this server refuses: its kind and a message naming what was expected and what came."""
 
-    def __init__(self, kind: ErrorKind, message: str, retry_after_s: float | None = None):
+    def __init__(self, kind: ErrorKind, message: str, retry_after_s: float | None = None, shed_by: str = ""):
         if len(message) > MESSAGE_AT_MOST:  # it travels in gRPC trailers, whose size is limited
             message = f"{message[: MESSAGE_AT_MOST - 40]}... ({len(message)} characters in all)"
         super().__init__(message)
@@ -54,6 +58,7 @@ class RequestError(Exception):
         # When a retry may succeed, where this server knows (a drain: once its port has closed): gRPC's retry
         # pushback, HTTP's Retry-After.
         self.retry_after_s = retry_after_s
+        self.shed_by = shed_by  # the bound of SHED_REASONS that refused it, where the server shed load
 
 
 def invalid(message: str) -> RequestError:

@@ -73,6 +73,7 @@ class InflightBytesExceeded(RequestError):
             ErrorKind.RESOURCE_EXHAUSTED,
             f"this request needs {needed} bytes ({what}) while requests in flight hold "
             f"{held}; together over the limit max_inflight_bytes={limit}; retry later",
+            shed_by="memory",
         )
 
 

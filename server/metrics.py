@@ -2,6 +2,8 @@
 
 Triton name                          here
 nv_inference_request_success/failure mhaserve_inference_request_total{status="OK"|gRPC code, protocol=grpc|http|ray}
+(nv_inference_request_failure         mhaserve_inference_request_shed_total{reason=queue_full|queue_timeout|memory|
+ {reason="REJECTED"})                 sequences|client_share}: refused by a bound of the server's, load shed)
 nv_inference_count                   mhaserve_inference_count_total (rows inferred)
 nv_inference_exec_count              mhaserve_inference_exec_count_total (model runs)
 nv_inference_request_duration_us     mhaserve_inference_request_duration_seconds (histogram)
@@ -27,6 +29,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
+
+from .errors import SHED_REASONS
 
 # 50 µs .. ~3 s, roughly x2 apart: covers a [1,16,512] run and a long queue under overload.
 LATENCY_BUCKETS = (5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
@@ -66,6 +70,7 @@ class Metrics:
         # Requests by (model, version, status, protocol), model and version empty for a request that named no served
         # model; forget() drops an unloaded version's.
         self._requests: dict[tuple[str, str, str, str], _Counted] = {}
+        self._shed: dict[tuple[str, str, str], _Counted] = {}  # requests shed, by (model, version, reason)
         self._queue_depths: dict[tuple[str, str], Callable[[], int]] = {}
         self._models: dict[tuple[str, str], ModelMetrics] = {}
         self.registry.register(_ScrapedFigures(self))
@@ -83,6 +88,8 @@ class Metrics:
         key = (model, version)
         self._queue_depths[key] = queue_depth
         self._models[key] = ModelMetrics(self, model, version)
+        for reason in SHED_REASONS:  # each from 0, so that rate() sees the first
+            self._shed.setdefault((*key, reason), _Counted())
         return self._models[key]
 
     def forget(self, retired: ModelMetrics) -> None:
@@ -93,15 +100,14 @@ class Metrics:
             return
         del self._models[key]
         self._queue_depths.pop(key, None)
-        for labels in [labels for labels in self._requests if labels[:2] == key]:
-            del self._requests[labels]
+        for counts in (self._requests, self._shed):
+            for labels in [labels for labels in counts if labels[:2] == key]:
+                del counts[labels]
 
-    def request_done(self, model: str, version: str, status: str, protocol: str) -> None:
-        labels = (model, version, status, protocol)
-        counted = self._requests.get(labels)
-        if counted is None:
-            counted = self._requests[labels] = _Counted()
-        counted.value += 1
+    def request_done(self, model: str, version: str, status: str, protocol: str, shed_by: str = "") -> None:
+        _count(self._requests, (model, version, status, protocol))
+        if shed_by:
+            _count(self._shed, (model, version, shed_by))
 
     def unauthenticated(self) -> None:
         self._unauthenticated.inc()
@@ -128,11 +134,11 @@ class ModelMetrics:
         self.parity_error = {output: _Histogram(PARITY_ERROR_BUCKETS) for output in PARITY_OUTPUTS}
 
     def request_done(
-        self, status: str, protocol: str, rows: int = 0, total_s=None, queue_s=None, compute_s=None
+        self, status: str, protocol: str, rows: int = 0, total_s=None, queue_s=None, compute_s=None, shed_by: str = ""
     ) -> None:
         if self.retired:
             return
-        self._metrics.request_done(*self.labels, status, protocol)
+        self._metrics.request_done(*self.labels, status, protocol, shed_by)
         if status == "OK":
             self.rows.value += rows
             self.request_seconds.observe(total_s)
@@ -153,6 +159,14 @@ class _Counted:
     def __init__(self):
         self.value = 0
         self.created = time.time()
+
+
+def _count(counts: dict[tuple, _Counted], labels: tuple) -> None:
+    """One more in the counter of ``labels``, made at its first."""
+    counted = counts.get(labels)
+    if counted is None:
+        counted = counts[labels] = _Counted()
+    counted.value += 1
 
 
 class _Histogram:
@@ -223,6 +237,15 @@ class _ScrapedFigures:
         for labels, counted in list(metrics._requests.items()):
             requests.add_metric(labels, counted.value, created=counted.created)
         yield requests
+        shed = CounterMetricFamily(
+            "mhaserve_inference_request_shed",
+            "Inference requests refused by a bound of the server's, by reason (queue_full, queue_timeout, memory, "
+            "sequences, client_share): load shed, where a refusal of a request over its own limits is the client's",
+            labels=(*LABELS, "reason"),
+        )
+        for labels, counted in list(metrics._shed.items()):
+            shed.add_metric(labels, counted.value, created=counted.created)
+        yield shed
         for name, text, figure in (
             ("mhaserve_inference_count", "Rows (batch elements) inferred", "rows"),
             ("mhaserve_inference_exec_count", "Model runs (merged batches, and runs of sequences' steps)", "runs"),

@@ -48,6 +48,8 @@ def draw_dashboard(server, cli: list[str]) -> None:
                                capture_output=True)  # fmt: skip
             # Requests over --max-batch-size: refused with RESOURCE_EXHAUSTED, beside a few that are served.
             subprocess.run([*load, "--concurrency", "8", "--batch", "64", "--duration", "10"], capture_output=True)
+            # 64 callers against a queue of 24: some shed (queue_full).
+            subprocess.run([*load, "--concurrency", "64", "--duration", "10"], capture_output=True)
             time.sleep(10)
             end = time.time()
             scale = {"s": (1e3, "ms"), "bytes": (2.0**-20, "MiB"), "percentunit": (100.0, "%"), "reqps": (1, "/s")}
@@ -70,7 +72,10 @@ def draw_dashboard(server, cli: list[str]) -> None:
                     ax.legend(fontsize=7, loc="upper left")
             for ax in axes.flat[len(panels) - 2 : len(panels)]:
                 ax.set_xlabel("seconds into the run")
-            figure.suptitle("deploy/grafana/mhaserve.json: concurrency 1, 4, 16 over lengths 16..128, then refusals")
+            figure.suptitle(
+                "deploy/grafana/mhaserve.json: concurrency 1, 4, 16 over lengths 16..128, then refusals, "
+                "then 64 callers shed by a queue of 24"
+            )
             figure.tight_layout()
             figure.savefig(HERE / "dashboard.png", dpi=80)
             plt.close(figure)
@@ -83,7 +88,9 @@ def main() -> None:
     from mhaserve.server.process import ServerProcess
 
     # One answer in ten checked against float64 (live parity), for the dashboard's parity panel to show.
-    with ServerProcess(ensure_default_model(), "--warmup-runs", "1", "--parity-share", "0.1") as server:
+    # A queue of 24 sheds some of 64 callers, for the dashboard's shed panel to show.
+    with ServerProcess(ensure_default_model(), "--warmup-runs", "1", "--parity-share", "0.1",
+                       "--max-queue-size", "24") as server:  # fmt: skip
         cli = [sys.executable, "-m", "mhaserve.cli"]
         causal = HERE / "causal-48.npy"
         np.save(causal, np.tril(np.ones((1, 48, 48), dtype=bool)))

@@ -125,6 +125,7 @@ class Sequences:
                     ErrorKind.RESOURCE_EXHAUSTED,
                     f"sequence {step.id!r}: {starting} sequences are live or starting, the limit --max-sequences="
                     f"{self.max_sequences}; end one (sequence_end) or retry later",
+                    shed_by="sequences",
                 )
             own = self._held_by(caller)
             if caller and key not in self.live and own >= self.per_client:
@@ -132,6 +133,7 @@ class Sequences:
                     ErrorKind.RESOURCE_EXHAUSTED,
                     f"sequence {step.id!r}: this client has {own} sequences live or starting, its share "
                     f"--max-sequences-per-client={self.per_client}; end one (sequence_end) or retry later",
+                    shed_by="client_share",
                 )
             cache = empty_cache(batch)
             return Sequence(caller, step.id, served, batch, cache, started=False, cross=cross)
@@ -213,6 +215,7 @@ class Sequences:
                     ErrorKind.RESOURCE_EXHAUSTED,
                     f"sequence {sequence.id!r}: this client's sequences would hold {own + cache.nbytes} bytes of keys "
                     f"and values, past its share --max-sequence-bytes-per-client={self.bytes_per_client}; end one",
+                    shed_by="client_share",
                 )
         self.budget.keep(growth, f"sequence {sequence.id!r}'s keys and values")
         if is_live:

@@ -58,6 +58,13 @@ def slow_query(seed=0):
     return rand(16, 384, D, seed=seed)
 
 
+def shed_by_reason(server) -> dict[str, float]:
+    """mhaserve_inference_request_shed_total of the served model, by reason."""
+    samples = scrape(server.metrics_url)
+    return {dict(labels)["reason"]: value for (name, labels), value in samples.items()
+            if name == "mhaserve_inference_request_shed_total" and dict(labels)["model"] == "mha"}  # fmt: skip
+
+
 def pending_requests(server) -> float:
     samples = scrape(server.metrics_url)
     return sum(value for (name, _), value in samples.items() if name == "mhaserve_inference_pending_request_count")
@@ -84,6 +91,9 @@ def test_full_queue_refuses_at_once_and_serves_what_it_accepted(start_server, sm
     with Client(server.url) as client:
         stats = client.statistics()
         assert client.infer(rand(1, 4, D)).output.shape == (1, 4, D)  # still serving
+        with pytest.raises(grpc.RpcError) as over_its_limit:  # the client's doing: refused, not shed
+            client.infer(rand(17, 2, D))
+    shed = shed_by_reason(server)
     refused = [o for o in outcomes if o[0] == grpc.StatusCode.RESOURCE_EXHAUSTED]
     served = [(q, o) for q, o in zip(queries, outcomes, strict=True) if o[0] == "OK"]
     assert len(refused) + len(served) == len(queries), [o[0] for o in outcomes]
@@ -94,6 +104,8 @@ def test_full_queue_refuses_at_once_and_serves_what_it_accepted(start_server, sm
     for query, (_, result, _) in served:
         np.testing.assert_allclose(result.output, eager(small_module, query)[0], rtol=0, atol=1e-5)
     assert stats.inference_count == 16 * len(served)  # the refused ones were never computed
+    assert over_its_limit.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert shed == {"queue_full": len(refused), "queue_timeout": 0, "memory": 0, "sequences": 0, "client_share": 0}
 
 
 @pytest.mark.parametrize("fault", ["deadline", "cancel"])
@@ -225,6 +237,7 @@ def test_a_request_past_its_queue_timeout_is_refused_unavailable_and_may_shorten
     assert "parameter 'timeout' must be an integer, got a string 'soon'" in json.loads(malformed.value.read())["error"]
     with Client(server.url) as ours:
         assert ours.statistics().execution_count == 0  # none of them was computed
+    assert shed_by_reason(server)["queue_timeout"] == 3  # load shed, told apart from other UNAVAILABLE answers
 
 
 def test_without_a_queue_timeout_a_requests_timeout_parameter_changes_nothing(start_server, small_model_dir):

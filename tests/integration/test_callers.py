@@ -10,7 +10,7 @@ import pytest
 
 from mhaserve.client import TLS, Client
 from mhaserve.client.common import SequenceStep
-from tests.support import SMALL_D_MODEL, TEST_SERVER_ARGS, eager, rand
+from tests.support import SMALL_D_MODEL, TEST_SERVER_ARGS, eager, rand, scrape
 from tests.support.certs import CertificateAuthority
 from tests.support.in_process import InProcessServer
 
@@ -77,6 +77,8 @@ def test_over_http_too_a_sequence_answers_only_the_token_that_started_it(named_t
 def test_each_named_client_holds_its_share_of_the_sequences(named_tokens_server):
     url = named_tokens_server.url
     rows = rand(1, 2, D)
+    shed = ("mhaserve_inference_request_shed_total", (("model", "mha"), ("reason", "client_share"), ("version", "1")))
+    shed_before = scrape(named_tokens_server.metrics_url)[shed]
     with Client(url, token=TOKENS["alice"]) as alice, Client(url, token=TOKENS["bob"]) as bob:
         for sequence_id in ("a1", "a2"):
             alice.infer(rows, sequence=SequenceStep(sequence_id, start=True))
@@ -84,6 +86,7 @@ def test_each_named_client_holds_its_share_of_the_sequences(named_tokens_server)
             alice.infer(rows, sequence=SequenceStep("a3", start=True))
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "--max-sequences-per-client=2" in refused.value.details()
+        assert scrape(named_tokens_server.metrics_url)[shed] == shed_before + 1
         alice.infer(rows, sequence=SequenceStep("a1", start=True))  # restarting one of hers takes no more
         bob.infer(rows, sequence=SequenceStep("b1", start=True, end=True))  # the others are not held back
         for sequence_id in ("a1", "a2"):

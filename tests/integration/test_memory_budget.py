@@ -17,7 +17,7 @@ import pytest
 from mhaserve.client.grpc import Client
 from mhaserve.loadtest.checked_load import peak_rss_mib, reset_peak_rss, rss_mib
 from mhaserve.server.memory import InflightBytesExceeded, MemoryBudget
-from tests.support import SMALL_D_MODEL, budget_once_idle, inflight_and_counts, rand
+from tests.support import SMALL_D_MODEL, budget_once_idle, inflight_and_counts, rand, scrape
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/PID/status")
 
@@ -49,6 +49,8 @@ def test_refused_requests_leave_no_memory_behind(start_server_process, small_mod
         grown = rss_mib(server.proc.pid) - before
     print(f"\n60 refused 4 MiB requests: RSS {grown:+.0f} MiB")
     assert codes == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 80 and all(unparsed)
+    shed = scrape(server.metrics_url)  # refused before they were read: under no model
+    assert shed[("mhaserve_inference_request_shed_total", (("model", ""), ("reason", "memory"), ("version", "")))] == 80
     assert grown < 48, f"60 refused 4 MiB requests left {grown:.0f} MiB behind"
 
 
