@@ -258,6 +258,14 @@ class RequestAccounting:
         seconds = timing.total_ns / 1e9, timing.queue_ns / 1e9, timing.infer_ns / 1e9
         served.metrics.request_done(status, protocol, rows, *seconds, shed_by=shed_by)
 
+    def refused_while_arriving(self, refusal: RequestError) -> None:
+        """A gRPC request refused before its call opened (still arriving, or never whole): counted under no model,
+        as a request that named none, for the metrics and the stop line."""
+        status = refusal.kind.name
+        self.outcomes[status] += 1
+        self.metrics.request_done("", "", status, "grpc", refusal.shed_by)
+        log.debug("a grpc request refused %s while it arrived: %s", status, refusal.message)
+
     def record_unauthenticated(self, method: str) -> None:
         log.debug("refused %s: missing or wrong bearer token", method)
         self.metrics.unauthenticated()

@@ -288,6 +288,7 @@ class Server:
         )
         receive_limit, send_limit = self.dataplane.versions.message_limits
         tls = ("mutual" if settings.tls_client_ca_file else "on") if self._credentials else "off"
+        level_policies = settings.priority_queue_policy and f" priority_queue_policy={settings.priority_queue_policy}"
         return (
             f"serving {models or 'model=none'} repository={settings.model_repository or 'off'} "
             f"control={settings.model_control_mode if settings.model_repository else 'none'} "
@@ -296,7 +297,7 @@ class Server:
             f"workers={settings.inference_workers} batching={'on' if settings.dynamic_batching else 'off'} "
             f"max_batch_size={settings.max_batch_size} max_queue_delay_us={settings.max_queue_delay_us} "
             f"max_queue_size={settings.max_queue_size} queue_timeout_us={settings.queue_timeout_us} "
-            f"priority_levels={settings.priority_levels} max_receive_bytes={receive_limit} "
+            f"priority_levels={settings.priority_levels}{level_policies} max_receive_bytes={receive_limit} "
             f"max_send_bytes={send_limit} max_inflight_bytes={settings.max_inflight_bytes} "
             f"tls={tls} auth={'token' if self._token else 'off'} metrics={self.metrics_address} "
             f"http={self.http_address} address={host_port(settings.host, self.port)}"

@@ -54,12 +54,15 @@ QUIET_BEFORE_RUN_HERE_NS = 150_000
 
 
 class QueueFull(RequestError):
-    def __init__(self, limit: int):
-        super().__init__(
-            ErrorKind.RESOURCE_EXHAUSTED,
-            f"the request queue is full ({limit} requests waiting, limit max_queue_size={limit}); retry later",
-            shed_by="queue_full",
-        )
+    def __init__(self, limit: int, level: int = 0, set_by: str = ""):
+        if level:  # its priority level's own share of the queue
+            said = (
+                f"priority level {level}'s queue is full ({limit} of its requests waiting, its max_queue_size={limit}"
+            )
+            said += f", {set_by})" if set_by else ")"
+        else:
+            said = f"the request queue is full ({limit} requests waiting, limit max_queue_size={limit})"
+        super().__init__(ErrorKind.RESOURCE_EXHAUSTED, f"{said}; retry later", shed_by="queue_full")
 
 
 class DeadlineExpiredInQueue(RequestError):
@@ -97,6 +100,8 @@ class QueueTerms:
 
     timeout: QueueTimeout | None = None
     priority: int = 0
+    level_queue_size: int = 0  # its level's own bound on its requests waiting (0: none but the queue's)
+    level_set_by: str = ""  # where that bound is set, for the refusal to name
 
 
 NO_TERMS = QueueTerms()
@@ -292,6 +297,10 @@ class Batcher:
         """
         if len(self._queue) >= self.max_queue_size:
             raise QueueFull(self.max_queue_size)
+        if terms.level_queue_size:
+            waiting = sum(1 for queued in self._queue if queued.priority == terms.priority)
+            if waiting >= terms.level_queue_size:
+                raise QueueFull(terms.level_queue_size, terms.priority, terms.level_set_by)
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         deadline = None if timeout_s is None else now + timeout_s

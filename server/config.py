@@ -310,6 +310,63 @@ def priority_problem(levels: int, default: int) -> str:
     return ""
 
 
+@dataclass(frozen=True)
+class LevelPolicy:
+    """One priority level's own queue policy (Triton's ModelQueuePolicy in priority_queue_policy): in place of the
+    model's for its requests, 0 meaning no bound as in Triton."""
+
+    max_queue_size: int = 0  # its requests waiting at once (within the queue's --max-queue-size)
+    default_timeout_microseconds: int = 0
+    allow_timeout_override: bool = False
+
+
+LEVEL_POLICY_FORMAT = "LEVEL:max_queue_size=N,default_timeout_microseconds=N,allow_timeout_override=true[;LEVEL:...]"
+
+
+def level_policies(text: str) -> dict[int, LevelPolicy]:
+    """--priority-queue-policy read: each level named and its policy (ValueError saying what is wrong)."""
+    policies: dict[int, LevelPolicy] = {}
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        level_text, _, fields_text = part.partition(":")
+        if not level_text.strip().isdigit() or int(level_text) < 1:
+            raise ValueError(f"{part!r}: expected {LEVEL_POLICY_FORMAT} (levels from 1)")
+        level, values = int(level_text), {}
+        for assignment in filter(None, (a.strip() for a in fields_text.split(","))):
+            name, _, value = assignment.partition("=")
+            if name not in LevelPolicy.__dataclass_fields__:
+                raise ValueError(f"level {level}: {name!r} is not one of {', '.join(LevelPolicy.__dataclass_fields__)}")
+            try:
+                values[name] = parse_bool(value) if name == "allow_timeout_override" else _count(value, name, level)
+            except argparse.ArgumentTypeError as error:
+                raise ValueError(f"level {level}: {name} {error}") from None
+        if level in policies:
+            raise ValueError(f"level {level} is given twice")
+        policies[level] = LevelPolicy(**values)
+    return policies
+
+
+def _count(text: str, name: str, level: int) -> int:
+    if not text.strip().isdigit():
+        raise ValueError(f"level {level}: {name} must be 0 or more, got {text!r}")
+    return int(text)
+
+
+def _are_level_policies(text: str) -> bool:
+    try:
+        level_policies(text)
+    except ValueError:
+        return False
+    return True
+
+
+def level_policy_problem(levels: int, text: str) -> str:
+    """What is wrong with --priority-queue-policy among ``levels``, or ""."""
+    named = sorted(level_policies(text))
+    if named and named[-1] > levels:
+        return f"names level {named[-1]}, past the last of {levels} priority levels"
+    return ""
+
+
 @dataclass
 class BatchingSettings(Section):
     """How concurrent requests are merged into model runs."""
@@ -368,11 +425,21 @@ class BatchingSettings(Section):
         "the level of a request that names none, 1 to --priority-levels (Triton's default_priority_level)",
         rule=at_least(0),
     )
+    priority_queue_policy: str = setting(
+        "",
+        f"levels with a queue policy of their own (Triton's priority_queue_policy), {LEVEL_POLICY_FORMAT}: a level's "
+        "requests wait as its policy says (0: no bound; at most --max-queue-size in all) in place of "
+        "--queue-timeout-us and --allow-timeout-override; the other levels as those say",
+        rule=Rule(_are_level_policies, LEVEL_POLICY_FORMAT, show_value=True),
+    )
 
     def check(self) -> None:
         problem = priority_problem(self.priority_levels, self.default_priority_level)
         if problem:
             raise UsageError(f"--default-priority-level {problem}")
+        problem = level_policy_problem(self.priority_levels, self.priority_queue_policy)
+        if problem:
+            raise UsageError(f"--priority-queue-policy {problem}")
 
 
 @dataclass

@@ -7,13 +7,14 @@ are the protocol's, so one statement serves both transports).
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 from google.protobuf import json_format
 
 import mhaserve
 from mhaserve.contract.signature import COMPUTES_IN, input_specs, output_specs
 
-from .config import setting_text
+from .config import level_policies, setting_text
 from .model_config import policy_message
 from .registry import ServedModel
 from .shared_memory import RegionStatus
@@ -105,6 +106,10 @@ def model_config(served: ServedModel) -> dict:
             },
             "priority_levels": settings.priority_levels,
             "default_priority_level": settings.default_priority_level,
+            "priority_queue_policy": {
+                str(level): {"timeout_action": "REJECT", **dataclasses.asdict(policy)}
+                for level, policy in level_policies(settings.priority_queue_policy).items()
+            },
         }
     return config
 

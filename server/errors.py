@@ -41,7 +41,7 @@ HTTP_STATUS = {
 
 # The bounds of the server's own by which it sheds load: a request refused by one is counted by it
 # (mhaserve_inference_request_shed_total), apart from the refusals of requests over their own limits.
-SHED_REASONS = ("queue_full", "queue_timeout", "memory", "sequences", "client_share")
+SHED_REASONS = ("queue_full", "queue_timeout", "memory", "sequences", "client_share", "receiving")
 
 MESSAGE_AT_MOST = 2000  # characters; parameters.quoted keeps a client's values far shorter
 

@@ -3,7 +3,7 @@
 Triton name                          here
 nv_inference_request_success/failure mhaserve_inference_request_total{status="OK"|gRPC code, protocol=grpc|http|ray}
 (nv_inference_request_failure         mhaserve_inference_request_shed_total{reason=queue_full|queue_timeout|memory|
- {reason="REJECTED"})                 sequences|client_share}: refused by a bound of the server's, load shed)
+ {reason="REJECTED"})                 sequences|client_share|receiving}: refused by a bound of the server's, load shed)
 nv_inference_count                   mhaserve_inference_count_total (rows inferred)
 nv_inference_exec_count              mhaserve_inference_exec_count_total (model runs)
 nv_inference_request_duration_us     mhaserve_inference_request_duration_seconds (histogram)
@@ -240,7 +240,8 @@ class _ScrapedFigures:
         shed = CounterMetricFamily(
             "mhaserve_inference_request_shed",
             "Inference requests refused by a bound of the server's, by reason (queue_full, queue_timeout, memory, "
-            "sequences, client_share): load shed, where a refusal of a request over its own limits is the client's",
+            "sequences, client_share, receiving): load shed, where a refusal of a request over its own limits is the "
+            "client's",
             labels=(*LABELS, "reason"),
         )
         for labels, counted in list(metrics._shed.items()):

@@ -10,7 +10,8 @@ then. Triton's fields where they mean the same here:
     dynamic_batching { max_queue_delay_microseconds: 500
                        default_queue_policy { max_queue_size: 64 default_timeout_microseconds: 100000
                                               allow_timeout_override: true }     (timeout_action REJECT only)
-                       priority_levels: 2 default_priority_level: 2 }
+                       priority_levels: 2 default_priority_level: 2
+                       priority_queue_policy { key: 2 value { max_queue_size: 8 } } }
     instance_group [ { count: 2 } ]                      model runs at once (the inference workers it uses)
     sequence_batching { max_sequence_idle_microseconds: 60000000 }   (in place of dynamic_batching, as in Triton)
     version_policy { all { } }                           which versions serve (latest { num_versions: 2 },
@@ -40,7 +41,15 @@ from mhaserve.contract.repository import MODEL_CONFIG_FILE as CONFIG_FILE
 from mhaserve.contract.repository import VersionPolicy
 from mhaserve.protos.generated import model_config_pb2 as mc
 
-from .config import SETTING_FIELDS, ServerSettings, flag_of, priority_problem, reader_of, setting_text
+from .config import (
+    SETTING_FIELDS,
+    ServerSettings,
+    flag_of,
+    level_policy_problem,
+    priority_problem,
+    reader_of,
+    setting_text,
+)
 from .tensors import Limits
 
 log = logging.getLogger("mhaserve.server")
@@ -65,6 +74,7 @@ class ModelSettings:
     allow_timeout_override: bool
     priority_levels: int
     default_priority_level: int
+    priority_queue_policy: str
     inference_workers: int
     intra_op_threads: int
     intra_op_spin_ms: float
@@ -152,10 +162,12 @@ def model_settings(
             asked["queue_timeout_us"] = policy.default_timeout_microseconds
         if policy.allow_timeout_override:
             asked["allow_timeout_override"] = True
-        if policy.timeout_action == mc.ModelQueuePolicy.DELAY:
-            raise ModelConfigError(
-                f"{path}: timeout_action DELAY is not supported: a request past its queue timeout is refused (REJECT)"
-            )
+        if batching.priority_queue_policy:
+            asked["priority_queue_policy"] = _level_policies_text(batching.priority_queue_policy)
+        for each in (policy, *batching.priority_queue_policy.values()):
+            if each.timeout_action == mc.ModelQueuePolicy.DELAY:
+                raise ModelConfigError(f"{path}: timeout_action DELAY is not supported: a request past its queue "
+                                       "timeout is refused (REJECT)")  # fmt: skip
         for name in ("priority_levels", "default_priority_level"):
             if getattr(batching, name):
                 asked[name] = getattr(batching, name)
@@ -193,7 +205,19 @@ def model_settings(
     problem = priority_problem(served.priority_levels, served.default_priority_level)
     if problem:
         raise ModelConfigError(f"{path}: {served.named('default_priority_level')} {problem}")
+    problem = level_policy_problem(served.priority_levels, served.priority_queue_policy)
+    if problem:
+        raise ModelConfigError(f"{path}: {served.named('priority_queue_policy')} {problem}")
     return served
+
+
+def _level_policies_text(policies) -> str:
+    """Triton's priority_queue_policy map as --priority-queue-policy writes it."""
+    return ";".join(
+        f"{level}:max_queue_size={p.max_queue_size},default_timeout_microseconds={p.default_timeout_microseconds},"
+        f"allow_timeout_override={setting_text(p.allow_timeout_override)}"
+        for level, p in sorted(policies.items())
+    )
 
 
 def _policy_text(policy: mc.ModelVersionPolicy) -> str:

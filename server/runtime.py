@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -22,7 +22,7 @@ import numpy as np
 from mhaserve.contract.signature import GRAPH_OUTPUT_NAMES, ModelSignature
 
 from .batcher import NO_TERMS, Batcher, QueueTerms, QueueTimeout
-from .config import ServerSettings
+from .config import LevelPolicy, ServerSettings, level_policies
 from .graphs import AttentionGraphs
 from .inference import InferenceRequest
 from .model_config import ModelSettings
@@ -104,33 +104,45 @@ class QueuePolicy:
     """A model's queue, as Triton's queue policy and priority levels say it: a request may wait ``timeout_us`` (0:
     no bound), which its own ``timeout`` parameter may shorten where ``allow_override``, never lengthen (a
     request's timeout counts only below the model's); with ``priority_levels``, a request's ``priority`` parameter
-    (1 first) is its level, 0 or one past the last the default level (as Triton reads it)."""
+    (1 first) is its level, 0 or one past the last the default level (as Triton reads it), and a level with a
+    policy of its own in ``levels`` waits as that says instead (its timeout, its override, its share of the
+    queue)."""
 
     timeout_us: int = 0
     allow_override: bool = False
     set_by: str = ""  # where timeout_us is set, for a refusal to name
     priority_levels: int = 0
     default_priority: int = 0
+    levels: dict[int, LevelPolicy] = field(default_factory=dict)
+    levels_set_by: str = ""  # where the levels' policies are set
 
     @classmethod
     def of(cls, model: ModelSettings) -> QueuePolicy:
         return cls(model.queue_timeout_us, model.allow_timeout_override, model.named("queue_timeout_us"),
-                   model.priority_levels, model.default_priority_level)  # fmt: skip
+                   model.priority_levels, model.default_priority_level, level_policies(model.priority_queue_policy),
+                   model.named("priority_queue_policy"))  # fmt: skip
 
     def terms_of(self, request: InferenceRequest) -> QueueTerms:
         # Both parameters are checked whatever the policy: a malformed one is refused.
         asked_timeout, asked_priority = request_timeout_us(request.parameters), request_priority(request.parameters)
         if not (self.timeout_us or self.priority_levels):
             return NO_TERMS
-        timeout = None
-        if self.allow_override and 0 < asked_timeout < self.timeout_us:
-            timeout = QueueTimeout(asked_timeout / 1e6, "the request's 'timeout' parameter")
-        elif self.timeout_us:
-            timeout = QueueTimeout(self.timeout_us / 1e6, self.set_by)
         priority = 0
         if self.priority_levels:
             priority = asked_priority if 0 < asked_priority <= self.priority_levels else self.default_priority
-        return QueueTerms(timeout, priority)
+        own = self.levels.get(priority)
+        timeout_us, allow_override, set_by = self.timeout_us, self.allow_override, self.set_by
+        if own is not None:
+            timeout_us, allow_override = own.default_timeout_microseconds, own.allow_timeout_override
+            set_by = f"priority level {priority}'s, {self.levels_set_by}"
+        timeout = None
+        if allow_override and 0 < asked_timeout < timeout_us:
+            timeout = QueueTimeout(asked_timeout / 1e6, "the request's 'timeout' parameter")
+        elif timeout_us:
+            timeout = QueueTimeout(timeout_us / 1e6, set_by)
+        if own is None or not own.max_queue_size:
+            return QueueTerms(timeout, priority)
+        return QueueTerms(timeout, priority, own.max_queue_size, self.levels_set_by)
 
 
 class BatchedRuntime:

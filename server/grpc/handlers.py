@@ -62,8 +62,12 @@ def _reading_unary(behavior, request_class, off_loop_if_large, reader: RequestRe
                     finally:
                         arrivals.requests_being_read -= 1
             except RequestError as error:
+                if arrivals is not None:
+                    arrivals.refused_while_arriving(error)
                 await abort_refused(context, error)
-            except AlreadyAnswered:
+            except AlreadyAnswered as answered:
+                if arrivals is not None:
+                    arrivals.refused_while_arriving(answered.refusal)
                 return None
             if arrivals is not None:  # parsed in the call, once counted
                 request = ReceivedMessage(raw, request_class, off_loop_if_large)

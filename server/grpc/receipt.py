@@ -152,7 +152,7 @@ class RequestReader:
                 self.turns.give_back()
         if reading.refusal is not None:  # answered by _refuse: once its status is sent, the handler ends
             await reading.answering
-            raise AlreadyAnswered
+            raise AlreadyAnswered(reading.refusal)
         self.turns.bad_standing.discard(connection)
         self.proven.add(connection)
         if raw is grpc.aio.EOF:
@@ -240,6 +240,7 @@ class RequestReader:
                 ErrorKind.RESOURCE_EXHAUSTED,
                 f"the request had not arrived {held_s:.1f} s after it took a receiving turn, while another request "
                 f"waited for the turn (--stream-read-hold-s {self.turns.hold_s:g}): refused as a slow sender; retry",
+                shed_by="receiving",
             ),
         )
 
@@ -270,6 +271,7 @@ class RequestReader:
                 f"the request had not arrived {waited_ms:.0f} ms after its read began (--grpc-first-read-ms), and "
                 f"the {self.turns.count} turn(s) for requests still arriving (--max-receiving-bytes) stayed taken; "
                 "retry",
+                shed_by="receiving",
             ),
         )
 
@@ -313,6 +315,10 @@ class _Read:
 
 class AlreadyAnswered(Exception):
     """The call was answered with its refusal while its request was still arriving."""
+
+    def __init__(self, refusal: RequestError):
+        super().__init__(refusal.message)
+        self.refusal = refusal
 
 
 async def _answer_with(context, refusal: RequestError) -> None:

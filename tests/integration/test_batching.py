@@ -10,7 +10,8 @@ import grpc
 import numpy as np
 import pytest
 
-from mhaserve.client.grpc import AsyncClient, Client
+from mhaserve.client.grpc import NO_RETRIES, AsyncClient, Client
+from mhaserve.server.errors import SHED_REASONS
 from tests.support import SMALL_D_MODEL, eager, rand, scrape
 from tests.support.requests import infer_concurrently, merged_when_all_queued, mixed_requests
 
@@ -56,6 +57,9 @@ def test_batching_off_runs_each_request_alone(start_server, small_model_dir):
 # Slow enough (about 20-60 ms a run at d_model 64) that a queue builds behind it.
 def slow_query(seed=0):
     return rand(16, 384, D, seed=seed)
+
+
+NONE_SHED = dict.fromkeys(SHED_REASONS, 0)
 
 
 def shed_by_reason(server) -> dict[str, float]:
@@ -105,7 +109,7 @@ def test_full_queue_refuses_at_once_and_serves_what_it_accepted(start_server, sm
         np.testing.assert_allclose(result.output, eager(small_module, query)[0], rtol=0, atol=1e-5)
     assert stats.inference_count == 16 * len(served)  # the refused ones were never computed
     assert over_its_limit.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert shed == {"queue_full": len(refused), "queue_timeout": 0, "memory": 0, "sequences": 0, "client_share": 0}
+    assert shed == NONE_SHED | {"queue_full": len(refused)}
 
 
 @pytest.mark.parametrize("fault", ["deadline", "cancel"])
@@ -286,3 +290,36 @@ def test_a_request_of_an_earlier_priority_level_goes_ahead_of_those_waiting_at_l
     # it came last and is served before those of the later level still waiting (the first of them may have
     # started before it came)
     assert waiting.index("first") <= 1, finished
+
+
+def test_a_priority_level_with_a_queue_policy_of_its_own_waits_as_that_says(start_server, small_model_dir):
+    # A queue delay of 2 s keeps requests waiting for company: level 2 may hold two of them, level 1's wait 50 ms.
+    policy = "1:default_timeout_microseconds=50000;2:max_queue_size=2"
+    server = start_server(small_model_dir, "--max-queue-delay-us", "2000000", "--priority-levels", "2",
+                          "--default-priority-level", "2", "--priority-queue-policy", policy,
+                          "--warmup-runs", "0")  # fmt: skip
+    query = rand(1, 2, D, seed=3)
+
+    async def scenario():
+        async with AsyncClient(server.url, retry=NO_RETRIES) as client:  # each refusal once
+            queued = [asyncio.ensure_future(client.infer(query, attn_weights=False)) for _ in range(2)]
+            await asyncio.sleep(0.3)  # both waiting at the default level, 2
+            with pytest.raises(grpc.aio.AioRpcError) as level_full:
+                await client.infer(query, attn_weights=False, priority=2)
+            started = time.monotonic()
+            with pytest.raises(grpc.aio.AioRpcError) as timed_out:
+                await client.infer(query, attn_weights=False, priority=1)
+            waited = time.monotonic() - started
+            return level_full.value, timed_out.value, waited, await asyncio.gather(*queued)
+
+    level_full, timed_out, waited, served = asyncio.run(scenario())
+    assert level_full.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert (
+        "priority level 2's queue is full (2 of its requests waiting, its max_queue_size=2, --priority-queue-policy)"
+        in level_full.details()
+    )
+    assert timed_out.code() == grpc.StatusCode.UNAVAILABLE
+    assert "queue timeout of 50 ms (priority level 1's, --priority-queue-policy)" in timed_out.details()
+    assert waited < 1.5  # refused at its level's timeout, not at the queue delay's end
+    assert [answer.output.shape for answer in served] == [(1, 2, D)] * 2
+    assert shed_by_reason(server) == NONE_SHED | {"queue_full": 1, "queue_timeout": 1}

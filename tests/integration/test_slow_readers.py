@@ -98,6 +98,14 @@ def test_a_grpc_request_that_stops_arriving_is_refused_at_the_read_timeout_and_f
     assert stalled.statuses.get(first) == str(grpc.StatusCode.DEADLINE_EXCEEDED.value[0])
     assert served_in < 0.5, f"served after {served_in:.2f} s, behind the stalled request"
     assert being_read == 1 and accounting.requests_being_read == 0
+    # Both counted, under no model (neither was read): the second shed for the receiving turns, the first not
+    samples = scrape(server.metrics_url)
+    for status in ("RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"):
+        labels = (("model", ""), ("protocol", "grpc"), ("status", status), ("version", ""))
+        assert samples[("mhaserve_inference_request_total", labels)] == 1
+    shed = {dict(labels)["reason"]: value for (name, labels), value in samples.items()
+            if name == "mhaserve_inference_request_shed_total" and dict(labels)["model"] == ""}  # fmt: skip
+    assert shed == {"receiving": 1}
 
 
 @pytest.mark.parametrize("connections,calls", [(1, 1), (4, 1), (1, 4), (16, 1)])

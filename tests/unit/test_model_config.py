@@ -7,7 +7,7 @@ import pytest
 
 from mhaserve.contract.errors import UsageError
 from mhaserve.contract.repository import VersionPolicy
-from mhaserve.server.config import ServerSettings, check_settings
+from mhaserve.server.config import LevelPolicy, ServerSettings, check_settings, level_policies
 from mhaserve.server.model_config import (
     PARAMETERS,
     ModelConfigError,
@@ -225,3 +225,32 @@ def test_priority_levels_are_read_as_triton_writes_them_and_a_default_outside_th
         model_settings(ServerSettings(), tmp_path)
     with pytest.raises(UsageError, match="--default-priority-level 4 is not a level of the 3"):
         check_settings(ServerSettings(priority_levels=3, default_priority_level=4))
+
+
+def test_triton_s_priority_queue_policy_gives_levels_their_own_queue_policy(tmp_path):
+    (tmp_path / "config.pbtxt").write_text("""dynamic_batching { priority_levels: 2 default_priority_level: 2
+        priority_queue_policy { key: 1 value { default_timeout_microseconds: 500 allow_timeout_override: true } }
+        priority_queue_policy { key: 2 value { max_queue_size: 8 } } }""")
+    model = model_settings(ServerSettings(), tmp_path)
+    assert level_policies(model.priority_queue_policy) == {
+        1: LevelPolicy(default_timeout_microseconds=500, allow_timeout_override=True),
+        2: LevelPolicy(max_queue_size=8),
+    }
+    chosen = {"priority_levels": 2, "default_priority_level": 1, "priority_queue_policy": model.priority_queue_policy}
+    (tmp_path / "config.pbtxt").write_text(config_text("mha", chosen))
+    assert model_settings(ServerSettings(), tmp_path).priority_queue_policy == model.priority_queue_policy
+
+
+@pytest.mark.parametrize(
+    "written, says",
+    [
+        ("priority_levels: 2 default_priority_level: 1 priority_queue_policy { key: 3 value { } }",
+         "names level 3, past the last of 2 priority levels"),
+        ("priority_levels: 1 default_priority_level: 1 priority_queue_policy { key: 1 value { timeout_action: 1 } }",
+         "timeout_action DELAY is not supported"),
+    ],
+)  # fmt: skip
+def test_a_level_s_queue_policy_that_cannot_be_served_is_refused_naming_the_file(tmp_path, written, says):
+    (tmp_path / "config.pbtxt").write_text(f"dynamic_batching {{ {written} }}")
+    with pytest.raises(ModelConfigError, match=says):
+        model_settings(ServerSettings(), tmp_path)
