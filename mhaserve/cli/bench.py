@@ -10,6 +10,7 @@ from mhaserve.contract.errors import UsageError
 from .common import (
     add_connection_arguments,
     add_point_arguments,
+    add_priority_argument,
     add_protocol_argument,
     add_request_arguments,
     add_shared_memory_argument,
@@ -93,6 +94,7 @@ def add_bench(sub) -> None:
     p.add_argument("--rounds", type=count, default=1, help="measure each point this many times: the median round "
                    "is reported, each figure's lowest and highest beside it (default 1)")  # fmt: skip
     add_shared_memory_argument(p)
+    add_priority_argument(p)
     p.add_argument("--json", type=Path, help="write the results as JSON")
     p.add_argument("--csv", type=Path, help="write the results as CSV")
     p.add_argument("--plot-dir", type=Path, help="write latency_percentiles.png and latency_histogram.png here")
@@ -134,6 +136,7 @@ def _run_bench(args) -> int:
         shared_memory=args.shared_memory,
         sequence_length=args.sequence,
         connections=args.connections,
+        priority=args.priority,
     )
     if args.rate:
         points = [Point("open", rate, args.duration, args.warmup) for rate in args.rate]

@@ -239,6 +239,12 @@ def add_shared_memory_argument(parser) -> None:
     )  # fmt: skip
 
 
+def add_priority_argument(p) -> None:
+    p.add_argument("--priority", type=index, default=0, metavar="LEVEL", help="the priority level each request asks "
+                   "for (Triton's 'priority' parameter, 1 first, where the model has --priority-levels; default 0: "
+                   "the model's default level)")  # fmt: skip
+
+
 def add_request_arguments(p) -> None:
     """What each request of a load looks like (bench and tune): its batch, its lengths, whether it asks for the
     attention weights."""

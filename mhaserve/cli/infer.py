@@ -11,6 +11,7 @@ from mhaserve.contract.errors import UsageError
 
 from .common import (
     add_connection_arguments,
+    add_priority_argument,
     add_protocol_argument,
     add_shared_memory_argument,
     add_weights_arguments,
@@ -85,6 +86,7 @@ def add_infer(sub) -> None:
                    "strongest keys (--top-k of them, default 3) as it goes")  # fmt: skip
     p.add_argument("--timeout", type=seconds, default=30.0, help="deadline per call, seconds")
     add_shared_memory_argument(p)
+    add_priority_argument(p)
     p.add_argument("--save", type=Path, help="write inputs and outputs to this .npz")
     p.add_argument("--heatmap", type=Path, help="draw one item's attention weights to this .png (needs the plot extra)")
     p.add_argument("--head", type=_head, default=None, help="head for --heatmap, or 'mean' for the mean over "
@@ -174,6 +176,7 @@ def _run_infer(args) -> int:
                         timeout=args.timeout,
                         weights=weights,
                         shared_memory=regions if args.shared_memory == "system" else None,
+                        priority=args.priority,
                     )
                     latencies.append((time.perf_counter() - started) * 1000)
         except RequestFailed as error:

@@ -65,12 +65,14 @@ class Workload:
     # its sequences, keeps to one); 0: one per client process. A server of several workers spreads connections, not
     # calls, over them (SO_REUSEPORT): load from few connections reaches few workers.
     connections: int = 0
+    priority: int = 0  # the priority level each request asks for (0: the model's default)
 
     @property
     def shape_text(self) -> str:
         length = str(self.min_len) if self.min_len == self.max_len else f"{self.min_len}..{self.max_len}"
         steps = f" steps to {self.sequence_length}" if self.sequence_length else ""
-        return f"[{self.batch},{length},{self.d_model}]{steps}"
+        priority = f" at priority {self.priority}" if self.priority else ""
+        return f"[{self.batch},{length},{self.d_model}]{steps}{priority}"
 
 
 @dataclass(frozen=True)
@@ -212,6 +214,7 @@ async def _grpc_sender(url: str, workload: Workload, seed: int, timeout_s: float
             shared_memory=regions,
             num_heads=heads,
             sequence=sequence,
+            priority=workload.priority,
         )
 
     shared = workload.shared_memory == "system"
@@ -269,6 +272,7 @@ async def _http_sender(url: str, workload: Workload, seed: int, timeout_s: float
             shared_memory=regions,
             num_heads=heads,
             sequence=sequence,
+            priority=workload.priority,
         )
 
     shared = workload.shared_memory == "system"

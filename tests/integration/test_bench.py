@@ -308,3 +308,21 @@ def test_a_parity_gate_on_a_server_that_checks_nothing_is_missed_saying_why(serv
     assert "Live parity: the server checked none of these answers" in done.stdout
     bad = bench(server, "--slo", "breaches<0")
     assert bad.returncode == 2 and "a parity target reads like breaches=0" in bad.stderr, bad.stderr
+
+
+def test_bench_and_infer_send_the_priority_level_they_are_given(start_server, small_model_dir, tmp_path):
+    # Level 1 may wait 1 ms, the default level (2) without bound: a request reaches level 1 only by its priority.
+    server = start_server(small_model_dir, "--max-queue-delay-us", "1000000", "--priority-levels", "2",
+                          "--default-priority-level", "2", "--priority-queue-policy",
+                          "1:default_timeout_microseconds=1000", "--warmup-runs", "0")  # fmt: skip
+    done = bench(server, "--protocol", "http", "--url", server.http_url.removeprefix("http://"), "--concurrency", "1",
+                 "--priority", "1", "--json", str(tmp_path / "r.json"))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    (point,) = json.loads((tmp_path / "r.json").read_text())["points"]
+    assert point["shape"] == "[1,16,64] at priority 1" and point["requests"] == 0
+    assert "(priority level 1's, --priority-queue-policy)" in point["error_details"]["UNAVAILABLE"]
+    infer = [sys.executable, "-m", "mhaserve.cli", "infer", "--url", server.url, "--q-len", "2"]
+    refused = subprocess.run([*infer, "--priority", "1"], capture_output=True, text=True, timeout=60)
+    served = subprocess.run(infer, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 1 and "(priority level 1's, --priority-queue-policy)" in refused.stderr
+    assert served.returncode == 0, served.stderr
