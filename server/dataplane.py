@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Protocol, TypeVar
 
 from mhaserve.contract.model_dir import ModelDirError, read_manifest
-from mhaserve.contract.repository import ModelRepository, VersionPolicy
+from mhaserve.contract.repository import ModelRepository, RepositoryPathError, VersionPolicy
 
 from . import describe, logs
 from .accounting import CallMemory, RequestAccounting
@@ -261,7 +261,7 @@ class DataPlane:
         if config_json is not None:  # refused before anything changes: the versions serving serve on
             try:
                 self.versions.version_policy(name, self.registry.repository.model_dir(name), config_json)
-            except ModelDirError as error:
+            except (ModelDirError, RepositoryPathError) as error:
                 raise invalid(f"model '{name}': {error}") from None
         failures = await self.registry.load_model(name, config_json=config_json)
         if self.forward is not None and not here_only:
