@@ -313,6 +313,9 @@ def test_a_priority_level_with_a_queue_policy_of_its_own_waits_as_that_says(star
             return level_full.value, timed_out.value, waited, await asyncio.gather(*queued)
 
     level_full, timed_out, waited, served = asyncio.run(scenario())
+    import tritonclient.grpc as tritongrpc
+
+    config = tritongrpc.InferenceServerClient(server.url).get_model_config("mha", as_json=True)["config"]
     assert level_full.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert (
         "priority level 2's queue is full (2 of its requests waiting, its max_queue_size=2, --priority-queue-policy)"
@@ -323,3 +326,5 @@ def test_a_priority_level_with_a_queue_policy_of_its_own_waits_as_that_says(star
     assert waited < 1.5  # refused at its level's timeout, not at the queue delay's end
     assert [answer.output.shape for answer in served] == [(1, 2, D)] * 2
     assert shed_by_reason(server) == NONE_SHED | {"queue_full": 1, "queue_timeout": 1}
+    levels = config["dynamic_batching"]["priority_queue_policy"]
+    assert (levels["1"]["default_timeout_microseconds"], levels["2"]["max_queue_size"]) == ("50000", 2)
