@@ -13,7 +13,13 @@ import pytest
 import tritonclient.grpc as tritongrpc
 
 from mhaserve.client.grpc import NO_RETRIES, Client
-from tests.integration.test_model_repository import add_version, index, refused, repository_server
+from tests.integration.test_model_repository import (
+    add_version,
+    control_over_http,
+    index,
+    refused,
+    repository_server,
+)
 from tests.support import SMALL_D_MODEL, eager, rand
 
 CONFIGURED = """
@@ -153,8 +159,6 @@ def test_a_model_s_config_chooses_its_versions_and_an_edited_policy_loads_and_un
 
 def test_a_load_with_a_config_serves_it_in_place_of_the_file_until_a_load_without_one(tmp_path, small_model_dir):
     import json
-    import urllib.error
-    import urllib.request
 
     from tritonclient.utils import InferenceServerException
 
@@ -164,13 +168,7 @@ def test_a_load_with_a_config_serves_it_in_place_of_the_file_until_a_load_withou
     (repository / "a" / "config.pbtxt").write_text("max_batch_size: 4")
 
     def load_over_http(parameters: dict) -> tuple[int, str]:
-        body = json.dumps({"parameters": parameters}).encode()
-        request = urllib.request.Request(server.http_url + "/v2/repository/models/a/load", body, method="POST")
-        try:
-            with urllib.request.urlopen(request, timeout=60) as response:
-                return response.status, ""
-        except urllib.error.HTTPError as error:
-            return error.code, json.loads(error.read())["error"]
+        return control_over_http(server, "load", "a", parameters)
 
     def refusal(call) -> tuple[str, str]:
         try:

@@ -73,6 +73,20 @@ def repository_server(repository: Path, *args: str) -> InProcessServer:
     return InProcessServer(None, *TEST_SERVER_ARGS, "--model-repository", str(repository), *args)
 
 
+def control_over_http(server, action: str, model: str, parameters: dict) -> tuple[int, str]:
+    """A repository load or unload over HTTP/REST with ``parameters``: its status, and its error if refused."""
+    import urllib.error
+    import urllib.request
+
+    body = json.dumps({"parameters": parameters}).encode()
+    request = urllib.request.Request(f"{server.http_url}/v2/repository/models/{model}/{action}", body, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, ""
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())["error"]
+
+
 def index(server) -> dict[tuple[str, str], tuple[str, str]]:
     with grpc.insecure_channel(server.url) as channel:
         response = pb_grpc.GRPCInferenceServiceStub(channel).RepositoryIndex(pb.RepositoryIndexRequest(), timeout=10)
@@ -563,20 +577,12 @@ def test_an_unloaded_model_is_not_ready_over_both_transports_and_an_unknown_name
 
 
 def test_an_unload_takes_tritons_unload_dependents_and_refuses_any_other_parameter(exports, tmp_path):
-    import urllib.error
-    import urllib.request
 
     repository = tmp_path / "repository"
     add_version(repository, "mha", 1, exports["small_v1"])
 
     def unload_over_http(parameters) -> tuple[int, str]:
-        body = json.dumps({"parameters": parameters}).encode()
-        request = urllib.request.Request(server.http_url + "/v2/repository/models/mha/unload", body, method="POST")
-        try:
-            with urllib.request.urlopen(request, timeout=30) as response:
-                return response.status, ""
-        except urllib.error.HTTPError as error:
-            return error.code, json.loads(error.read())["error"]
+        return control_over_http(server, "unload", "mha", parameters)
 
     with repository_server(repository, "--model-control-mode", "explicit", "--load-model", "mha") as server:
         assert unload_over_http({"unload_dependents": "yes"}) == (
