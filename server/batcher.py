@@ -56,13 +56,18 @@ QUIET_BEFORE_RUN_HERE_NS = 150_000
 class QueueFull(RequestError):
     def __init__(self, limit: int, level: int = 0, set_by: str = ""):
         if level:  # its priority level's own share of the queue
-            said = (
-                f"priority level {level}'s queue is full ({limit} of its requests waiting, its max_queue_size={limit}"
+            super().__init__(
+                ErrorKind.RESOURCE_EXHAUSTED,
+                f"priority level {level}'s queue is full ({limit} of its requests waiting, its max_queue_size={limit}, "
+                f"{set_by}); retry later",
+                shed_by="queue_full",
             )
-            said += f", {set_by})" if set_by else ")"
-        else:
-            said = f"the request queue is full ({limit} requests waiting, limit max_queue_size={limit})"
-        super().__init__(ErrorKind.RESOURCE_EXHAUSTED, f"{said}; retry later", shed_by="queue_full")
+            return
+        super().__init__(
+            ErrorKind.RESOURCE_EXHAUSTED,
+            f"the request queue is full ({limit} requests waiting, limit max_queue_size={limit}); retry later",
+            shed_by="queue_full",
+        )
 
 
 class DeadlineExpiredInQueue(RequestError):

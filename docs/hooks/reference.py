@@ -144,7 +144,8 @@ KIND_MEANING = {
     ErrorKind.INVALID_ARGUMENT: "the request is malformed (a shape, datatype, name or value): fix it, a retry fails",
     ErrorKind.NOT_FOUND: "no such model, version, region or sequence",
     ErrorKind.RESOURCE_EXHAUSTED: "over a limit, or the queue or the memory budget is full: retry later, or ask less",
-    ErrorKind.UNAVAILABLE: "loading, unloading or draining: retry, here shortly or on another server",
+    ErrorKind.UNAVAILABLE: "loading, unloading or draining, or past its queue timeout (the server is busy): retry, "
+    "here shortly or on another server",
     ErrorKind.DEADLINE_EXCEEDED: "the request's deadline passed before it could be answered",
     ErrorKind.FAILED_PRECONDITION: "the server's configuration or the sequence's state forbids it",
     ErrorKind.PERMISSION_DENIED: "not from where it is allowed (shared memory from another host)",
