@@ -336,7 +336,8 @@ def level_policies(text: str) -> dict[int, LevelPolicy]:
             if name not in LevelPolicy.__dataclass_fields__:
                 raise ValueError(f"level {level}: {name!r} is not one of {', '.join(LevelPolicy.__dataclass_fields__)}")
             try:
-                values[name] = parse_bool(value) if name == "allow_timeout_override" else _count(value, name, level)
+                is_switch = name == "allow_timeout_override"
+                values[name] = parse_bool(value) if is_switch else _whole_number(value, name, level)
             except argparse.ArgumentTypeError as error:
                 raise ValueError(f"level {level}: {name} {error}") from None
         if level in policies:
@@ -345,7 +346,7 @@ def level_policies(text: str) -> dict[int, LevelPolicy]:
     return policies
 
 
-def _count(text: str, name: str, level: int) -> int:
+def _whole_number(text: str, name: str, level: int) -> int:
     if not text.strip().isdigit():
         raise ValueError(f"level {level}: {name} must be 0 or more, got {text!r}")
     return int(text)

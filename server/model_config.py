@@ -143,6 +143,8 @@ def model_settings(
             config = _parsed(path.read_text(encoding="utf-8"), say)
         except (text_format.ParseError, UnicodeDecodeError) as error:
             raise ModelConfigError(f"{path}: not a model configuration in Triton's text format ({error})") from None
+        except RecursionError:
+            raise ModelConfigError(f"{path}: nested deeper than a model configuration is") from None
     if name is not None and config.name and config.name != name:
         raise ModelConfigError(
             f"{path}: name {config.name!r} is not the model it configures, {name!r} (as in Triton, a repository's "
@@ -247,14 +249,16 @@ def _parsed_json(text: str, say) -> mc.ModelConfig:
     """A load request's configuration, Triton's ModelConfig as JSON; fields it has no use for read past, as the
     file's are."""
     try:
-        fields = json.loads(text)
-        if not isinstance(fields, dict):
-            raise ValueError(f"expected a JSON object, got a {type(fields).__name__}")
-        config = json_format.ParseDict(fields, mc.ModelConfig(), ignore_unknown_fields=True)
+        given = json.loads(text)
+        if not isinstance(given, dict):
+            raise ValueError(f"expected a JSON object, got a {type(given).__name__}")
+        config = json_format.ParseDict(given, mc.ModelConfig(), ignore_unknown_fields=True)
     except (ValueError, json_format.ParseError) as error:
         raise ModelConfigError(f"{LOAD_REQUEST}: not a model configuration in Triton's JSON ({error})") from None
+    except RecursionError:
+        raise ModelConfigError(f"{LOAD_REQUEST}: nested deeper than a model configuration is") from None
     known = {name for f in mc.ModelConfig.DESCRIPTOR.fields for name in (f.name, f.json_name)}
-    unread = sorted(set(fields) - known)
+    unread = sorted(set(given) - known)
     if unread:
         say("%s: fields mhaserve does not read are read past: %s", LOAD_REQUEST, ", ".join(unread))
     return config

@@ -189,6 +189,7 @@ def test_a_load_with_a_config_serves_it_in_place_of_the_file_until_a_load_withou
         not_json = load_over_http({"config": "max_batch_size: 3"})
         files = load_over_http({"config": "{}", "file:1/model.onnx": "AAAA"})
         outside = refusal(lambda: triton.load_model("../a", config="{}"))
+        deep = load_over_http({"config": '{"parameters": ' + '{"x": ' * 5000 + "1" + "}" * 5001})
         after_refusals = served_with(server.url, "a")
         over_http = load_over_http({"config": '{"max_batch_size": 3}'}), served_with(server.url, "a"), index(server)
         triton.load_model("a")
@@ -202,6 +203,7 @@ def test_a_load_with_a_config_serves_it_in_place_of_the_file_until_a_load_withou
     assert not_json[0] == 400 and "not a model configuration in Triton's JSON" in not_json[1]
     assert files[0] == 400 and "load parameters ['file:1/model.onnx'] are not supported: only 'config'" in files[1]
     assert outside[0] == "StatusCode.INVALID_ARGUMENT" and "is not allowed" in outside[1], outside
+    assert deep == (400, "model 'a': the load request's config: nested deeper than a model configuration is")
     assert after_refusals["max_batch_size"] == "2"  # nothing refused was done
     assert over_http[0] == (200, "") and over_http[1]["max_batch_size"] == "3"
     assert over_http[2][("a", "1")][0] == "UNAVAILABLE"  # its policy now the server's again: the newest version
@@ -228,6 +230,7 @@ BAD_EDITS = {
     "empty boolean": (b'parameters { key: "dynamic_batching" value { string_value: "" } }', "dynamic_batching"),
     "a limit of zero": (b'parameters { key: "max_q_len" value { string_value: "0" } }', "max_q_len"),
     "a policy of no version": (b"version_policy { latest { num_versions: 0 } }", "version_policy must be"),
+    "nested past reason": (b"optimization " + b"{ a " * 3000 + b"}" * 3000, "nested deeper than a model configuration"),
 }
 
 
