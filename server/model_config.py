@@ -140,7 +140,7 @@ def model_settings(
         return server
     else:
         try:
-            config = _parsed(path.read_text(encoding="utf-8"), say)
+            config = _parsed(path.read_text(encoding="utf-8"), path, say)
         except (text_format.ParseError, UnicodeDecodeError) as error:
             raise ModelConfigError(f"{path}: not a model configuration in Triton's text format ({error})") from None
         except RecursionError:
@@ -264,15 +264,22 @@ def _parsed_json(text: str, say) -> mc.ModelConfig:
     return config
 
 
-def _parsed(text: str, say) -> mc.ModelConfig:
-    """Triton's fields mhaserve has no use for (optimization, model_warmup, ...) are read past, so
-    that a Triton repository's file serves as it is; said once in the log, since a misspelt field reads the same."""
+def _parsed(text: str, path: Path, say) -> mc.ModelConfig:
+    """Triton's fields mhaserve has no use for (optimization, model_warmup, ...) are read past, so that a Triton
+    repository's file serves as it is; said once in the log, each named, since a misspelt field reads the same."""
     try:
         return text_format.Parse(text, mc.ModelConfig())
     except text_format.ParseError as error:
         if "has no field named" not in str(error):
             raise
-        say("config.pbtxt: fields mhaserve does not read are read past (the first: %s)", error)
+        first = error
+    config = _parsed_past_unknown_fields(text)
+    said = ", ".join(_unread_fields(text)) or f"the first: {first}"
+    say("%s: fields mhaserve does not read are read past: %s", path, said)
+    return config
+
+
+def _parsed_past_unknown_fields(text: str) -> mc.ModelConfig:
     for _ in range(text.count("[")):
         try:
             return text_format.Parse(text, mc.ModelConfig(), allow_unknown_field=True)
@@ -286,6 +293,59 @@ def _parsed(text: str, say) -> mc.ModelConfig:
             lines[line] = lines[line][:column] + ":" + lines[line][column:]
             text = "\n".join(lines)
     return text_format.Parse(text, mc.ModelConfig(), allow_unknown_field=True)
+
+
+OPENING, CLOSING = ("{", "<", "["), ("}", ">", "]")
+
+
+def _unread_fields(text: str) -> list[str]:
+    """The fields of a file protobuf has parsed that ModelConfig does not have, as paths in the order they come
+    (model_warmup, instance_group.rate_limiter): its tokens walked against ModelConfig's fields. Empty where the
+    walk does not follow the file (a form it does not know)."""
+    tokenizer = text_format.Tokenizer(text.splitlines())
+    tokens = []
+    while not tokenizer.AtEnd():
+        tokens.append(tokenizer.token)
+        tokenizer.NextToken()
+    unread: list[str] = []
+
+    def past_value(i: int) -> int:
+        """The index past the value at ``i``: a message or list, bracketed, or one scalar (a sign apart)."""
+        if tokens[i] not in OPENING:
+            return i + (2 if tokens[i] == "-" else 1)
+        depth = 0
+        while True:
+            depth += (tokens[i] in OPENING) - (tokens[i] in CLOSING)
+            i += 1
+            if depth == 0:
+                return i
+
+    def walk(i: int, descriptor, path: str) -> int:
+        """The fields of one message from ``i`` to its closing token (or the end): the index of that token."""
+        while i < len(tokens) and tokens[i] not in CLOSING:
+            name, i = tokens[i], i + 1
+            if name in (",", ";"):
+                continue
+            field = descriptor.fields_by_name.get(name)
+            i += tokens[i] == ":"
+            if field is None or field.message_type is None:
+                if field is None and path + name not in unread:
+                    unread.append(path + name)
+                i = past_value(i)
+            elif tokens[i] == "[":  # a list of messages
+                i += 1
+                while tokens[i] != "]":
+                    i = i + 1 if tokens[i] == "," else walk(i + 1, field.message_type, f"{path}{name}.") + 1
+                i += 1
+            else:
+                i = walk(i + 1, field.message_type, f"{path}{name}.") + 1
+        return i
+
+    try:
+        walk(0, mc.ModelConfig.DESCRIPTOR, "")
+    except (IndexError, text_format.ParseError):
+        return []
+    return unread
 
 
 def config_text(name: str, values: dict[str, object]) -> str:
