@@ -303,13 +303,6 @@ class LimitSettings(Section):
     )
 
 
-def priority_problem(levels: int, default: int) -> str:
-    """What is wrong with a default priority level among ``levels`` (as Triton checks it), or ""."""
-    if levels and not 1 <= default <= levels:
-        return f"{default} is not a level of the {levels} (1 to {levels})"
-    return ""
-
-
 @dataclass(frozen=True)
 class LevelPolicy:
     """One priority level's own queue policy (Triton's ModelQueuePolicy in priority_queue_policy): in place of the
@@ -352,20 +345,23 @@ def _whole_number(text: str, name: str, level: int) -> int:
     return int(text)
 
 
+def priority_problem(levels: int, default: int, policies: str) -> tuple[str, str] | None:
+    """The setting of the queue's levels that does not fit ``levels`` (a default level outside them, as Triton checks
+    it, or a level's policy past the last), and what is wrong with it; None where they fit."""
+    if levels and not 1 <= default <= levels:
+        return "default_priority_level", f"{default} is not a level of the {levels} (1 to {levels})"
+    named = sorted(level_policies(policies))
+    if named and named[-1] > levels:
+        return "priority_queue_policy", f"names level {named[-1]}, past the last of {levels} priority levels"
+    return None
+
+
 def _are_level_policies(text: str) -> bool:
     try:
         level_policies(text)
     except ValueError:
         return False
     return True
-
-
-def level_policy_problem(levels: int, text: str) -> str:
-    """What is wrong with --priority-queue-policy among ``levels``, or ""."""
-    named = sorted(level_policies(text))
-    if named and named[-1] > levels:
-        return f"names level {named[-1]}, past the last of {levels} priority levels"
-    return ""
 
 
 @dataclass
@@ -435,12 +431,10 @@ class BatchingSettings(Section):
     )
 
     def check(self) -> None:
-        problem = priority_problem(self.priority_levels, self.default_priority_level)
-        if problem:
-            raise UsageError(f"--default-priority-level {problem}")
-        problem = level_policy_problem(self.priority_levels, self.priority_queue_policy)
-        if problem:
-            raise UsageError(f"--priority-queue-policy {problem}")
+        problem = priority_problem(self.priority_levels, self.default_priority_level, self.priority_queue_policy)
+        if problem is not None:
+            setting, said = problem
+            raise UsageError(f"{flag_of(setting)} {said}")
 
 
 @dataclass

@@ -29,6 +29,7 @@ from .errors import ErrorKind, RequestError, inference_failed, invalid
 from .inference import NO_PARAMETERS, OFF_LOOP_BYTES, InferenceRequest, InferenceResponse, run_inputs_of
 from .memory import MemoryBudget
 from .metrics import Metrics
+from .model_config import model_settings
 from .parameters import boolean
 from .registry import ModelRegistry, ServedModel
 from .runtime import Runtime
@@ -260,7 +261,8 @@ class DataPlane:
         self.check_control_allowed(f"load model '{name}'")
         if config_json is not None:  # refused before anything changes: the versions serving serve on
             try:
-                self.versions.version_policy(name, self.registry.repository.model_dir(name), config_json)
+                model_settings(self.settings, self.registry.repository.model_dir(name), name, quiet=True,
+                               config_json=config_json)  # fmt: skip
             except (ModelDirError, RepositoryPathError) as error:
                 raise invalid(f"model '{name}': {error}") from None
         failures = await self.registry.load_model(name, config_json=config_json)

@@ -14,7 +14,7 @@ from google.protobuf import json_format
 import mhaserve
 from mhaserve.contract.signature import COMPUTES_IN, input_specs, output_specs
 
-from .config import level_policies, setting_text
+from .config import setting_text
 from .model_config import policy_message
 from .registry import ServedModel
 from .shared_memory import RegionStatus
@@ -108,7 +108,7 @@ def model_config(served: ServedModel) -> dict:
             "default_priority_level": settings.default_priority_level,
             "priority_queue_policy": {
                 str(level): {"timeout_action": "REJECT", **dataclasses.asdict(policy)}
-                for level, policy in level_policies(settings.priority_queue_policy).items()
+                for level, policy in served.batched.queue.levels.items()
             },
         }
     return config

@@ -45,7 +45,6 @@ from .config import (
     SETTING_FIELDS,
     ServerSettings,
     flag_of,
-    level_policy_problem,
     priority_problem,
     reader_of,
     setting_text,
@@ -130,17 +129,17 @@ def model_settings(
     ModelConfigError naming the file and the field for a file that cannot be served as written, or one naming
     a model other than ``name`` (the model served from it). ``quiet``: what it reads past is not logged.
     ``config_json``: a configuration given with the model's load, as Triton's JSON, read in place of the file."""
-    say = log.debug if quiet else log.warning
+    level = logging.DEBUG if quiet else logging.WARNING  # of the lines saying what is read past
     path: Path | str = folder / CONFIG_FILE
     server = ModelSettings.of_server(settings)
     if config_json is not None:
         path = LOAD_REQUEST
-        config = _parsed_json(config_json, say)
+        config = _parsed_json(config_json, level)
     elif not path.is_file():
         return server
     else:
         try:
-            config = _parsed(path.read_text(encoding="utf-8"), path, say)
+            config = _parsed(path.read_text(encoding="utf-8"), path, level)
         except (text_format.ParseError, UnicodeDecodeError) as error:
             raise ModelConfigError(f"{path}: not a model configuration in Triton's text format ({error})") from None
         except RecursionError:
@@ -174,8 +173,8 @@ def model_settings(
             if getattr(batching, name):
                 asked[name] = getattr(batching, name)
         if batching.preferred_batch_size:  # Triton's, honoured by no setting here: said rather than read past
-            say("%s: dynamic_batching's preferred_batch_size is read past: a free worker takes what is "
-                "queued, up to max_batch_size rows a run", path)  # fmt: skip
+            log.log(level, "%s: dynamic_batching's preferred_batch_size is read past: a free worker takes what is "
+                           "queued, up to max_batch_size rows a run", path)  # fmt: skip
     if config.HasField("sequence_batching") and config.sequence_batching.max_sequence_idle_microseconds:
         asked["sequence_idle_timeout_s"] = config.sequence_batching.max_sequence_idle_microseconds / 1e6
     if config.HasField("version_policy"):
@@ -204,12 +203,10 @@ def model_settings(
                 "by it)"
             )
     served = replace(server, **asked, source=path, configured=frozenset(asked))
-    problem = priority_problem(served.priority_levels, served.default_priority_level)
-    if problem:
-        raise ModelConfigError(f"{path}: {served.named('default_priority_level')} {problem}")
-    problem = level_policy_problem(served.priority_levels, served.priority_queue_policy)
-    if problem:
-        raise ModelConfigError(f"{path}: {served.named('priority_queue_policy')} {problem}")
+    problem = priority_problem(served.priority_levels, served.default_priority_level, served.priority_queue_policy)
+    if problem is not None:
+        setting, said = problem
+        raise ModelConfigError(f"{path}: {served.named(setting)} {said}")
     return served
 
 
@@ -245,7 +242,7 @@ def policy_message(text: str) -> mc.ModelVersionPolicy:
     return message
 
 
-def _parsed_json(text: str, say) -> mc.ModelConfig:
+def _parsed_json(text: str, level: int) -> mc.ModelConfig:
     """A load request's configuration, Triton's ModelConfig as JSON; fields it has no use for read past, as the
     file's are."""
     try:
@@ -260,11 +257,11 @@ def _parsed_json(text: str, say) -> mc.ModelConfig:
     known = {name for f in mc.ModelConfig.DESCRIPTOR.fields for name in (f.name, f.json_name)}
     unread = sorted(set(given) - known)
     if unread:
-        say("%s: fields mhaserve does not read are read past: %s", LOAD_REQUEST, ", ".join(unread))
+        log.log(level, "%s: fields mhaserve does not read are read past: %s", LOAD_REQUEST, ", ".join(unread))
     return config
 
 
-def _parsed(text: str, path: Path, say) -> mc.ModelConfig:
+def _parsed(text: str, path: Path, level: int) -> mc.ModelConfig:
     """Triton's fields mhaserve has no use for (optimization, model_warmup, ...) are read past, so that a Triton
     repository's file serves as it is; said once in the log, each named, since a misspelt field reads the same."""
     try:
@@ -274,8 +271,9 @@ def _parsed(text: str, path: Path, say) -> mc.ModelConfig:
             raise
         first = error
     config = _parsed_past_unknown_fields(text)
-    said = ", ".join(_unread_fields(text)) or f"the first: {first}"
-    say("%s: fields mhaserve does not read are read past: %s", path, said)
+    if log.isEnabledFor(level):  # the walk over its tokens only for a line that is written
+        said = ", ".join(_unread_fields(text)) or f"the first: {first}"
+        log.log(level, "%s: fields mhaserve does not read are read past: %s", path, said)
     return config
 
 

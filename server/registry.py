@@ -273,9 +273,10 @@ class ModelRegistry:
                         entry.stamp = None
             failures: list[str] = []
             tried: set[int] = set()  # once per call: a folder still being written is taken up at the next poll
+            policy = self.policy_of(name)
             while True:
                 usable = [n for n in numbers if not self._failed_unchanged(name, n, versions.get(n))]
-                wanted = self.policy_of(name).select(usable)
+                wanted = policy.select(usable)
                 to_load = [n for n in wanted if n not in tried and self._needs_load(name, n, versions.get(n))]
                 if not to_load:
                     break
