@@ -293,9 +293,9 @@ def test_a_request_of_an_earlier_priority_level_goes_ahead_of_those_waiting_at_l
 
 
 def test_a_priority_level_with_a_queue_policy_of_its_own_waits_as_that_says(start_server, small_model_dir):
-    # A queue delay of 2 s keeps requests waiting for company: level 2 may hold two of them, level 1's wait 50 ms.
+    # A queue delay of 4 s keeps requests waiting for company: level 2 may hold two of them, level 1's wait 50 ms.
     policy = "1:default_timeout_microseconds=50000;2:max_queue_size=2"
-    server = start_server(small_model_dir, "--max-queue-delay-us", "2000000", "--priority-levels", "2",
+    server = start_server(small_model_dir, "--max-queue-delay-us", "4000000", "--priority-levels", "2",
                           "--default-priority-level", "2", "--priority-queue-policy", policy,
                           "--warmup-runs", "0")  # fmt: skip
     query = rand(1, 2, D, seed=3)
@@ -303,7 +303,8 @@ def test_a_priority_level_with_a_queue_policy_of_its_own_waits_as_that_says(star
     async def scenario():
         async with AsyncClient(server.url, retry=NO_RETRIES) as client:  # each refusal once
             queued = [asyncio.ensure_future(client.infer(query, attn_weights=False)) for _ in range(2)]
-            await asyncio.sleep(0.3)  # both waiting at the default level, 2
+            while await asyncio.to_thread(pending_requests, server) < 2:  # both waiting at the default level, 2
+                await asyncio.sleep(0.01)
             with pytest.raises(grpc.aio.AioRpcError) as level_full:
                 await client.infer(query, attn_weights=False, priority=2)
             started = time.monotonic()
