@@ -190,9 +190,10 @@ class TransportSettings(Section):
     # them up for longer than this.
     grpc_first_read_ms: float = setting(
         25.0,
-        "milliseconds a gRPC request may take to arrive without a receiving turn (see --max-receiving-bytes), and "
-        "then wait for one while all are taken; a few connections' requests are read so at once, so what they take "
-        "is bounded",
+        "milliseconds a gRPC request may take to arrive without a receiving turn (see --max-receiving-bytes); one "
+        "still arriving then waits for a turn, and is refused RESOURCE_EXHAUSTED (retry) only where its connection has "
+        "delivered no request whole yet and another connection's call waits for the read it holds, checked each "
+        "period; a few connections' requests are read so at once, so what they take is bounded",
         rule=more_than(0),
     )
     grpc_read_timeout_s: float = setting(
@@ -207,8 +208,8 @@ class TransportSettings(Section):
         1.0,
         "seconds a read may hold a receiving turn (see --max-receiving-bytes) with its request not arrived while "
         "other requests wait for one: then a ModelStreamInfer stream is ended UNAVAILABLE (reopen it), and a unary "
-        "request that a caller of proven standing waits behind is refused RESOURCE_EXHAUSTED as a slow sender; the "
-        "turn is handed on",
+        "request another connection's request waits behind (a proven connection's only for a proven one) is refused "
+        "RESOURCE_EXHAUSTED as a slow sender; the turn is handed on",
         rule=more_than(0),
     )
     stream_idle_timeout_s: float = setting(
@@ -273,7 +274,8 @@ class LimitSettings(Section):
         "memory gRPC requests still arriving may take: a unary request past --grpc-first-read-ms, and every "
         "ModelStreamInfer stream reading its next request, takes a turn that reserves three times "
         "--max-message-bytes (grpcio's buffers and two copies; one turn at least); with no turn free such a unary "
-        "request is refused RESOURCE_EXHAUSTED (retry) and a stream waits for one, its sender held to its window",
+        "request waits for one in its first read (see --grpc-first-read-ms) and a stream waits in line, its sender "
+        "held to its window",
         rule=at_least(1),
     )
     max_inference_streams: int = setting(

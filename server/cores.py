@@ -50,55 +50,6 @@ def cpu_quota(proc_cgroup: Path = PROC_CGROUP, root: Path = CGROUP_ROOT) -> floa
     return min(quotas) if quotas else None
 
 
-PRESSURE_CPU = Path("/proc/pressure/cpu")
-
-
-class CpuShortage:
-    """Whether this server was short of CPU over a wait, so that a request that did not arrive meanwhile is not taken
-    for a slow sender: its cgroup, or an ancestor, throttled for its CPU quota (``nr_throttled``, counted as each
-    throttled period begins, grew), or its host's tasks kept waiting for a CPU (the kernel's pressure stall information:
-    the time some task waited, ``/proc/pressure/cpu``'s ``some total``, grew by CONTENDED_SHARE of the wait or more; a
-    sender on this host, or the threads that receive its bytes, may not have run). Where neither can be read, never."""
-
-    CONTENDED_SHARE = 0.25
-
-    def __init__(self, proc_cgroup: Path = PROC_CGROUP, root: Path = CGROUP_ROOT, pressure: Path = PRESSURE_CPU):
-        self._stats = [folder / "cpu.stat" for folder, _ in _quota_folders(proc_cgroup, root)]
-        self._pressure = pressure
-
-    def mark(self) -> tuple[int, int]:
-        """Where the counts stand now: read before a wait, given to ``over`` after it."""
-        return self._throttled(), self._stalled_us()
-
-    def over(self, mark: tuple[int, int], seconds: float) -> bool:
-        """Whether the server was short of CPU since ``mark``, a wait of ``seconds``."""
-        throttled, stalled_us = self.mark()
-        return throttled != mark[0] or stalled_us - mark[1] >= self.CONTENDED_SHARE * seconds * 1e6
-
-    def _throttled(self) -> int:
-        total = 0
-        for stat in self._stats:
-            try:
-                for line in stat.read_text().splitlines():
-                    if line.startswith("nr_throttled "):
-                        total += int(line.split()[1])
-            except (OSError, ValueError):
-                pass
-        return total
-
-    def _stalled_us(self) -> int:
-        """Microseconds some task of the host has waited for a CPU so far; 0 where the kernel does not say (PSI off,
-        another platform)."""
-        if self._pressure is None:
-            return 0
-        try:
-            some = self._pressure.read_text().splitlines()[0]
-            return int(some.rpartition("total=")[2])
-        except (OSError, ValueError, IndexError):
-            self._pressure = None  # unreadable here (PSI off): not tried again on every wait
-            return 0
-
-
 def _quota_folders(proc_cgroup: Path, root: Path) -> list[tuple[Path, float]]:
     """The folders of this process's cgroup and its ancestors that set a CPU quota, with their quotas in CPUs."""
     try:

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import grpc
 
-from ..cores import CpuShortage
 from ..errors import ErrorKind, RequestError
 
 # The data plane's refusals as gRPC statuses (the kinds are named after them).
@@ -47,12 +46,6 @@ BUSY_FIRST_READ_S = 0.010
 # query, 62 bytes past 256 KiB with its envelope, arrives whole rather than waiting for a window update
 # (measured when it was chosen: a window update cost a round trip).
 STREAM_WINDOW_BYTES = (256 + 4) << 10
-# A request still arriving that waited its time for a turn while the server was short of CPU (a container's quota
-# spent, or the host's tasks waiting for a core: the holder of the turn, and this request, may have been kept from
-# arriving by their senders or the server's own threads not running) is given the time again rather than refused, so
-# many times at most, while no other call waits for the first read it holds (else 16 stalled senders, each given
-# its wait again on a loaded host, held every other caller's small request for seconds).
-SHORT_OF_CPU_WAITS = 8
 # What a request of n bytes takes while grpcio receives it: n in its core's buffers, then a bytearray it copies
 # them into and the bytes it makes of that.
 GRPCIO_RECEIPT_COPIES = 3
@@ -69,18 +62,19 @@ class RequestReader:
     standing reads at once in a free receiving turn (one of the turns below, so the bound is the same); the others wait
     unread, so what first reads take is bounded, and stalled senders queue behind themselves. A request still arriving
     after its first read needs one of the receiving turns (each reserves three times the receive limit in
-    --max-receiving-bytes). With none free, a call from a connection in good standing waits for one in its first read,
-    up to ``first_read_s`` more (the holder is most often another request nearly arrived), and that wait again while the
-    server is short of CPU and no other call waits for a first read (SHORT_OF_CPU_WAITS, CpuShortage). A call from a
-    proven connection (one that delivered a request whole since its last refusal: an honest caller's) waits on for
-    the turn, never refused for the server's own slowness; the turn's holder, once it has held it ``turns.hold_s``
-    with its request not arrived, is the slow sender and is refused instead (Kestrel's grace for slow bodies,
-    costing the slow sender). Any other call still waiting then, or one from a connection in bad standing, is
-    refused RESOURCE_EXHAUSTED (its bytes would go on arriving while it waited: one first read at a time keeps what
-    such waits hold bounded). One that has not arrived ``timeout_s`` after its read began is refused
-    DEADLINE_EXCEEDED. A refused call puts its connection in bad standing; a request read whole restores it. A stalled
-    sender can hold a turn, and a first read for twice ``first_read_s`` once (longer only while the server is short
-    of CPU and no other call waits for it); never another caller's small request for longer."""
+    --max-receiving-bytes). With none free, it waits for one in its first read (what it takes is the first read's,
+    bounded), and a turn another connection's read has held ``turns.hold_s`` with its request not arrived is taken
+    back for it, that read refused as the slow sender (Kestrel's grace for slow bodies, costing the slow sender): a
+    held read of a connection not proven for any waiter, of a proven one (a connection that delivered a request whole
+    since its last refusal: an honest caller's) only for a proven waiter. A connection's own reads are not taken back
+    for it: one caller's large requests on a busy host wait for each other, never refused for the server's
+    slowness. The wait is refused RESOURCE_EXHAUSTED only to free the first read for another connection's call that
+    waits for it, and only where its own connection is not proven: checked each ``first_read_s`` (the holder is most
+    often another request nearly arrived), at once for a connection in bad standing. One that has not arrived
+    ``timeout_s`` after its read began is refused DEADLINE_EXCEEDED. A refused call puts its connection in bad
+    standing; a request read whole restores it. A stalled sender can hold a turn until another connection's read
+    wants it for ``turns.hold_s``, and a first read until another connection's call wants it for ``first_read_s``
+    (twice once, on a loop that ran late); never another caller's small request for longer."""
 
     def __init__(
         self,
@@ -90,10 +84,8 @@ class RequestReader:
         first_read_s: float,
         first_reads: int = FIRST_READS_AT_ONCE,
         abandoned: Callable[[int], None] = lambda nbytes: None,
-        cpu: CpuShortage | None = None,
     ):
         self.turns = turns
-        self._cpu = cpu if cpu is not None else CpuShortage()
         self._timeout_s = timeout_s
         self._first_read_s = min(first_read_s, timeout_s)
         self._first_reads = FirstReads(first_reads, turns.bad_standing)
@@ -195,7 +187,7 @@ class RequestReader:
             self._arm_read_timeout(reading)
         elif self.turns.take():
             self._turn_taken(reading)
-        elif reading.connection in self.turns.bad_standing:
+        elif reading.connection in self.turns.bad_standing and self._first_reads.others_waiting(reading.connection):
             self._no_turn_came(reading)
         else:
             reading.withdraw = self.turns.wait(lambda: self._turn_taken(reading))
@@ -203,33 +195,30 @@ class RequestReader:
             self._wait_for_turn(reading)
 
     def _wait_for_turn(self, reading: _Read) -> None:
-        reading.cpu_before_wait = self._cpu.mark()
         self._decide_after(reading, self._first_read_s, self._no_turn_decided)
 
     def _no_turn_decided(self, reading: _Read) -> None:
         if reading.finished or reading.turn or reading.refusal is not None:
             return
-        if (
-            reading.waits_again < SHORT_OF_CPU_WAITS
-            and not self._first_reads.anyone_waiting  # it holds a first read: no one else's call waits longer for it
-            and self._cpu.over(reading.cpu_before_wait, self._first_read_s)
-        ):
-            reading.waits_again += 1  # the server was short of CPU: the wait says nothing of the sender
-            self._wait_for_turn(reading)
+        if asyncio.get_running_loop().time() - reading.started >= self._timeout_s:
+            self._no_turn_came(reading, timed_out=True)
             return
-        waited_s = asyncio.get_running_loop().time() - reading.started
-        if reading.connection in self.proven and waited_s < self._timeout_s:
-            # An honest caller's request is not refused for the turn another holds: it waits, and the holder, if it
-            # has held its turn past the hold, is the slow sender and is refused instead.
-            self.turns.take_back_long_holds(1, unary="any")
-            self._wait_for_turn(reading)
+        proven = reading.connection in self.proven
+        others_wait = self._first_reads.others_waiting(reading.connection)
+        if not proven and others_wait:
+            self._no_turn_came(reading)
             return
-        self._no_turn_came(reading)
+        # It waits on: its wait holds up only its own connection's calls, or it is an honest caller's. A turn held
+        # past the hold by another connection's slow sender is taken back for it (a proven one's only for a proven
+        # waiter); its own connection's, only once another connection's call waits for the read it holds.
+        besides = None if others_wait else reading.connection
+        self.turns.take_back_long_holds(1, unary="any" if proven else "unproven", besides=besides)
+        self._wait_for_turn(reading)
 
     def _hold(self, reading: _Read) -> None:
         reading.turn = True
         proven = reading.connection in self.proven
-        self.turns.hold_unary(reading, proven, lambda held_s: self._refuse_slow_sender(reading, held_s))
+        self.turns.hold_unary(reading, reading.connection, proven, lambda s: self._refuse_slow_sender(reading, s))
 
     def _refuse_slow_sender(self, reading: _Read, held_s: float) -> None:
         """Its turn taken back (ReceivingTurns.take_back_long_holds): the slow sender pays, not the call waiting."""
@@ -256,21 +245,25 @@ class RequestReader:
         loop = asyncio.get_running_loop()
         reading.timed_out = loop.call_at(reading.started + self._timeout_s, self._read_timed_out, reading)
 
-    def _no_turn_came(self, reading: _Read) -> None:
+    def _no_turn_came(self, reading: _Read, timed_out: bool = False) -> None:
+        """Refuse a read that waited for a turn, freeing the first read it held at once."""
         if reading.withdraw is not None:
             reading.withdraw()
             reading.withdraw = None
         reading.first = False
         self._first_reads.release(reading.connection)
         self._abandoned(self._receive_limit)
+        if timed_out:
+            self._read_timed_out(reading)
+            return
         waited_ms = (asyncio.get_running_loop().time() - reading.started) * 1000
         self._refuse(
             reading,
             RequestError(
                 ErrorKind.RESOURCE_EXHAUSTED,
-                f"the request had not arrived {waited_ms:.0f} ms after its read began (--grpc-first-read-ms), and "
-                f"the {self.turns.count} turn(s) for requests still arriving (--max-receiving-bytes) stayed taken; "
-                "retry",
+                f"the request had not arrived {waited_ms:.0f} ms after its read began (--grpc-first-read-ms), the "
+                f"{self.turns.count} turn(s) for requests still arriving (--max-receiving-bytes) stayed taken, and "
+                "another connection's call waited for the read it held; retry",
                 shed_by="receiving",
             ),
         )
@@ -309,8 +302,6 @@ class _Read:
     turn: bool = False
     refusal: RequestError | None = None
     answering: asyncio.Future | None = None
-    cpu_before_wait: tuple[int, int] = (0, 0)  # while it waits for a turn: CpuShortage.mark() when the wait began
-    waits_again: int = 0  # waits given again because the server was short of CPU meanwhile
 
 
 class AlreadyAnswered(Exception):
@@ -389,10 +380,9 @@ class FirstReads:
                 self._waiting[suspect].remove(entry)
             raise
 
-    @property
-    def anyone_waiting(self) -> bool:
-        """Whether any call waits for a first read."""
-        return bool(self._waiting[False] or self._waiting[True])
+    def others_waiting(self, connection: str) -> bool:
+        """Whether a call of a connection other than ``connection`` waits for a first read."""
+        return any(waiter != connection for queue in self._waiting.values() for waiter, _ in queue)
 
     def release(self, connection: str) -> None:
         self._free += 1
@@ -476,10 +466,10 @@ class ReceivingTurns:
         self.free += 1
         self._hand_on()
 
-    def hold_unary(self, key, proven: bool, take_back: Callable[[float], None]) -> None:
-        """A unary read holds a turn past its first read; ``take_back(held_s)`` refuses it, should its turn be taken
-        back (its connection ``proven``: taken back only for another proven caller's request)."""
-        self._unary[key] = _UnaryHold(asyncio.get_running_loop().time(), proven, take_back)
+    def hold_unary(self, key, connection: str, proven: bool, take_back: Callable[[float], None]) -> None:
+        """A unary read on ``connection`` holds a turn past its first read; ``take_back(held_s)`` refuses it, should
+        its turn be taken back (its connection ``proven``: taken back only for another proven caller's request)."""
+        self._unary[key] = _UnaryHold(asyncio.get_running_loop().time(), connection, proven, take_back)
         self._arm()
 
     def release_unary(self, key) -> None:
@@ -559,22 +549,28 @@ class ReceivingTurns:
         self.take_back_long_holds(sum(map(len, self._waiting.values())), unary="unproven")
         self._arm()
 
-    def _long_holds(self, unary: str, now: float | None) -> list[tuple[float, object]]:
+    def _long_holds(self, unary: str, now: float | None, besides: str | None = None) -> list[tuple[float, object]]:
         """(since, holder) of the turns held ``hold_s`` by ``now`` (None: every one), longest first: every stream's,
-        and the unary reads' ``unary`` says ("none", "unproven": those of connections not proven, "any")."""
+        and the unary reads' ``unary`` says ("none", "unproven": those of connections not proven, "any"), but for
+        those of connection ``besides``."""
         holds = [(turn.since, turn) for turn in self._streams]
         if unary != "none":
-            holds += [(hold.since, key) for key, hold in self._unary.items() if unary == "any" or not hold.proven]
+            holds += [
+                (hold.since, key)
+                for key, hold in self._unary.items()
+                if (unary == "any" or not hold.proven) and hold.connection != besides
+            ]
         if now is not None:
             holds = [(since, holder) for since, holder in holds if now - since >= self.hold_s]
         return sorted(holds, key=lambda hold: hold[0])
 
-    def take_back_long_holds(self, wanted: int, unary: str) -> None:
+    def take_back_long_holds(self, wanted: int, unary: str, besides: str | None = None) -> None:
         """Take back up to ``wanted`` turns held ``hold_s`` with no request arriving while others wait, longest
-        first: a stream's is ended UNAVAILABLE and its turn handed on at once; a unary read's (``unary``: which
-        may be, as ``_long_holds``) is refused as a slow sender, its turn handed on as its read ends."""
+        first: a stream's is ended UNAVAILABLE and its turn handed on at once; a unary read's (``unary`` and
+        ``besides``: which may be, as ``_long_holds``) is refused as a slow sender, its turn handed on as its read
+        ends."""
         now = asyncio.get_running_loop().time()
-        for since, holder in self._long_holds(unary, now)[:wanted]:
+        for since, holder in self._long_holds(unary, now, besides)[:wanted]:
             if isinstance(holder, _StreamTurn):
                 self._end_stream(holder)
             else:
@@ -606,6 +602,7 @@ class _UnaryHold:
     it if its turn is taken back."""
 
     since: float
+    connection: str
     proven: bool
     take_back: Callable[[float], None]
 

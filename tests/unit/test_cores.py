@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mhaserve.server.cores import CpuShortage, cpu_quota
+from mhaserve.server.cores import cpu_quota
 
 
 def tree(tmp_path, proc_cgroup: str, files: dict[str, str]):
@@ -52,31 +52,3 @@ def test_nothing_readable_is_none(tmp_path):
     assert cpu_quota(tmp_path / "absent", tmp_path) is None
     proc, root = tree(tmp_path, "1:cpu:/\n", {"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"})
     assert cpu_quota(proc, root) is None
-
-
-def test_throttled_periods_are_counted_where_a_quota_is_set_and_nowhere_else(tmp_path):
-    proc, root = tree(tmp_path, "0::/kubepods/pod1/c1\n", {
-        "kubepods/cpu.max": "max 100000\n",
-        "kubepods/cpu.stat": "usage_usec 10\nnr_throttled 7\n",  # no quota here: not counted
-        "kubepods/pod1/cpu.max": "150000 100000\n",
-        "kubepods/pod1/cpu.stat": "usage_usec 10\nnr_periods 40\nnr_throttled 3\nthrottled_usec 900\n",
-        "kubepods/pod1/c1/cpu.max": "max 100000\n",
-    })  # fmt: skip
-    cpu = CpuShortage(proc, root, pressure=tmp_path / "no-psi")
-    before = cpu.mark()
-    assert before == (3, 0) and not cpu.over(before, 0.025)
-    (root / "kubepods/pod1/cpu.stat").write_text("nr_periods 41\nnr_throttled 4\n")
-    assert cpu.over(before, 0.025)
-    assert CpuShortage(tmp_path / "absent", root, pressure=tmp_path / "no-psi").mark() == (0, 0)
-
-
-def test_a_host_whose_tasks_waited_for_a_core_a_quarter_of_the_wait_is_short_of_cpu(tmp_path):
-    pressure = tmp_path / "pressure-cpu"
-    stalled = "some avg10=0.00 avg60=0.00 avg300=0.00 total={}\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
-    pressure.write_text(stalled.format(1_000_000))
-    cpu = CpuShortage(tmp_path / "absent", tmp_path, pressure=pressure)
-    before = cpu.mark()
-    pressure.write_text(stalled.format(1_000_000 + 6_000))  # 6 ms of a 25 ms wait
-    assert not cpu.over(before, 0.025)
-    pressure.write_text(stalled.format(1_000_000 + 7_000))  # 7 ms
-    assert cpu.over(before, 0.025)
