@@ -190,10 +190,10 @@ class TransportSettings(Section):
     # them up for longer than this.
     grpc_first_read_ms: float = setting(
         25.0,
-        "milliseconds a gRPC request may take to arrive without a receiving turn (see --max-receiving-bytes); one "
-        "still arriving then waits for a turn, and is refused RESOURCE_EXHAUSTED (retry) only where its connection has "
-        "delivered no request whole yet and another connection's call waits for the read it holds, checked each "
-        "period; a few connections' requests are read so at once, so what they take is bounded",
+        "milliseconds a gRPC request may take to arrive without a receiving turn (see --max-receiving-bytes), and "
+        "then wait for one while all are taken, longer where its connection has delivered a request whole or its "
+        "connection's own requests hold the turns; a few connections' requests are read so at once, so what they "
+        "take is bounded",
         rule=more_than(0),
     )
     grpc_read_timeout_s: float = setting(
@@ -208,8 +208,8 @@ class TransportSettings(Section):
         1.0,
         "seconds a read may hold a receiving turn (see --max-receiving-bytes) with its request not arrived while "
         "other requests wait for one: then a ModelStreamInfer stream is ended UNAVAILABLE (reopen it), and a unary "
-        "request another connection's request waits behind (a proven connection's only for a proven one) is refused "
-        "RESOURCE_EXHAUSTED as a slow sender; the turn is handed on",
+        "request that a caller of proven standing waits behind is refused RESOURCE_EXHAUSTED as a slow sender; the "
+        "turn is handed on",
         rule=more_than(0),
     )
     stream_idle_timeout_s: float = setting(

@@ -63,18 +63,19 @@ class RequestReader:
     unread, so what first reads take is bounded, and stalled senders queue behind themselves. A request still arriving
     after its first read needs one of the receiving turns (each reserves three times the receive limit in
     --max-receiving-bytes). With none free, it waits for one in its first read (what it takes is the first read's,
-    bounded), and a turn another connection's read has held ``turns.hold_s`` with its request not arrived is taken
-    back for it, that read refused as the slow sender (Kestrel's grace for slow bodies, costing the slow sender): a
-    held read of a connection not proven for any waiter, of a proven one (a connection that delivered a request whole
-    since its last refusal: an honest caller's) only for a proven waiter. A connection's own reads are not taken back
-    for it: one caller's large requests on a busy host wait for each other, never refused for the server's
-    slowness. The wait is refused RESOURCE_EXHAUSTED only to free the first read for another connection's call that
-    waits for it, and only where its own connection is not proven: checked each ``first_read_s`` (the holder is most
-    often another request nearly arrived), at once for a connection in bad standing. One that has not arrived
-    ``timeout_s`` after its read began is refused DEADLINE_EXCEEDED. A refused call puts its connection in bad
-    standing; a request read whole restores it. A stalled sender can hold a turn until another connection's read
-    wants it for ``turns.hold_s``, and a first read until another connection's call wants it for ``first_read_s``
-    (twice once, on a loop that ran late); never another caller's small request for longer."""
+    bounded) where its connection is proven (one that delivered a request whole since its last refusal: an honest
+    caller's), and a turn another read has held ``turns.hold_s`` with its request not arrived is taken back for it,
+    that read refused as the slow sender (Kestrel's grace for slow bodies, costing the slow sender; one of its own
+    connection's only once another connection's call waits for the first read it holds). A call of a connection not
+    proven waits where its connection's calls wait for each other (one of them holds a turn or waits for the first
+    read: one caller's large requests at once on a busy host) and no other connection's call waits for the first
+    read it holds; else it is refused RESOURCE_EXHAUSTED (retry), checked each ``first_read_s`` (the holder is most
+    often another request nearly arrived), at once for a connection in bad standing (its bytes would go on arriving
+    while it waited). One that has not arrived ``timeout_s`` after its read began is refused DEADLINE_EXCEEDED. A
+    refused call puts its connection in bad standing; a request read whole restores it. A stalled sender can hold a
+    turn until a proven caller's read or a stream wants it for ``turns.hold_s``, and a first read for twice
+    ``first_read_s`` once (three times, on a loop that ran late), longer only while its own connection's calls wait
+    behind it and no other connection's; never another caller's small request for longer."""
 
     def __init__(
         self,
@@ -187,10 +188,12 @@ class RequestReader:
             self._arm_read_timeout(reading)
         elif self.turns.take():
             self._turn_taken(reading)
-        elif reading.connection in self.turns.bad_standing and self._first_reads.others_waiting(reading.connection):
-            self._no_turn_came(reading)
+        elif reading.connection in self.turns.bad_standing:
+            # Its bytes would go on arriving while it waited: a stalled sender that reopens its call at once must not
+            # hold a place in line by it.
+            self._no_turn_came(reading, "its connection is in bad standing")
         else:
-            reading.withdraw = self.turns.wait(lambda: self._turn_taken(reading))
+            reading.withdraw = self.turns.wait(lambda: self._turn_taken(reading), reading.connection in self.proven)
             # On a starved loop the turn may be on its way back, from a read whose completion is queued behind this.
             self._wait_for_turn(reading)
 
@@ -203,16 +206,20 @@ class RequestReader:
         if asyncio.get_running_loop().time() - reading.started >= self._timeout_s:
             self._no_turn_came(reading, timed_out=True)
             return
-        proven = reading.connection in self.proven
-        others_wait = self._first_reads.others_waiting(reading.connection)
-        if not proven and others_wait:
-            self._no_turn_came(reading)
+        connection = reading.connection
+        others_wait = self._first_reads.others_waiting(connection)
+        if connection in self.proven:
+            # An honest caller's request is not refused for the turn another holds: it waits, and a holder that has
+            # held its turn past the hold is the slow sender, refused instead (one of its own connection's only once
+            # another connection's call waits for the read this one holds).
+            self.turns.take_back_long_holds(1, unary="any", besides=None if others_wait else connection)
+        elif others_wait:
+            self._no_turn_came(reading, "another connection's call waited for the read it held")
             return
-        # It waits on: its wait holds up only its own connection's calls, or it is an honest caller's. A turn held
-        # past the hold by another connection's slow sender is taken back for it (a proven one's only for a proven
-        # waiter); its own connection's, only once another connection's call waits for the read it holds.
-        besides = None if others_wait else reading.connection
-        self.turns.take_back_long_holds(1, unary="any" if proven else "unproven", besides=besides)
+        elif not (self.turns.holds_of(connection) or self._first_reads.own_waiting(connection)):
+            self._no_turn_came(reading, "they were other connections'")
+            return
+        # Else its connection's calls wait for each other (one caller's large requests at once on a busy host).
         self._wait_for_turn(reading)
 
     def _hold(self, reading: _Read) -> None:
@@ -245,7 +252,7 @@ class RequestReader:
         loop = asyncio.get_running_loop()
         reading.timed_out = loop.call_at(reading.started + self._timeout_s, self._read_timed_out, reading)
 
-    def _no_turn_came(self, reading: _Read, timed_out: bool = False) -> None:
+    def _no_turn_came(self, reading: _Read, why: str = "", timed_out: bool = False) -> None:
         """Refuse a read that waited for a turn, freeing the first read it held at once."""
         if reading.withdraw is not None:
             reading.withdraw()
@@ -261,9 +268,9 @@ class RequestReader:
             reading,
             RequestError(
                 ErrorKind.RESOURCE_EXHAUSTED,
-                f"the request had not arrived {waited_ms:.0f} ms after its read began (--grpc-first-read-ms), the "
-                f"{self.turns.count} turn(s) for requests still arriving (--max-receiving-bytes) stayed taken, and "
-                "another connection's call waited for the read it held; retry",
+                f"the request had not arrived {waited_ms:.0f} ms after its read began (--grpc-first-read-ms), and "
+                f"the {self.turns.count} turn(s) for requests still arriving (--max-receiving-bytes) stayed taken "
+                f"({why}); retry",
                 shed_by="receiving",
             ),
         )
@@ -384,6 +391,10 @@ class FirstReads:
         """Whether a call of a connection other than ``connection`` waits for a first read."""
         return any(waiter != connection for queue in self._waiting.values() for waiter, _ in queue)
 
+    def own_waiting(self, connection: str) -> bool:
+        """Whether another call of ``connection`` waits for a first read."""
+        return any(waiter == connection for queue in self._waiting.values() for waiter, _ in queue)
+
     def release(self, connection: str) -> None:
         self._free += 1
         self._busy.discard(connection)
@@ -421,9 +432,10 @@ class StreamEnded(Exception):
 
 class ReceivingTurns:
     """The receiving turns of --max-receiving-bytes, one per three messages of --max-message-bytes: what requests
-    still arriving may hold at once. A unary request that outlasts its first read takes one, waits briefly for one
-    ahead of streams (its bytes are arriving), or is refused (RequestReader); a ModelStreamInfer stream reads its
-    next request only in one, waiting in line for it, its sender held to the stream's window meanwhile. A stream
+    still arriving may hold at once. A unary request that outlasts its first read takes one, waits for one, or is
+    refused (RequestReader), a proven connection's ahead of streams (its bytes are arriving, and it holds the first
+    read), the others' behind streams of connections in good standing; a ModelStreamInfer stream reads its next
+    request only in one, waiting in line for it, its sender held to the stream's window meanwhile. A stream
     waiting for a request its client has not sent cannot be told from one receiving it, so a stream that has held
     its turn ``hold_s`` without its request arriving while another request waits for one is ended UNAVAILABLE
     (reopen and send) and its turn handed on; its connection is then in bad standing, its streams behind those of
@@ -441,7 +453,11 @@ class ReceivingTurns:
         self._waiting: dict[bool, FairLine] = {False: FairLine(), True: FairLine()}
         self._served: dict[str, int] = {}  # client -> when a stream of its last took a turn, counted in turns
         self._turns_taken = itertools.count(1)
-        self._unary_waiting: collections.deque[Callable[[], None]] = collections.deque()  # what each is told
+        # unary reads waiting for a turn, what each is told once it holds one: those of proven connections, the others
+        self._unary_waiting: dict[bool, collections.deque[Callable[[], None]]] = {
+            True: collections.deque(),
+            False: collections.deque(),
+        }
         self.bad_standing = RecentConnections()
         self.hold_s = hold_s
         self._timer: asyncio.TimerHandle | None = None
@@ -456,11 +472,13 @@ class ReceivingTurns:
         self.free -= 1
         return True
 
-    def wait(self, handed: Callable[[], None]) -> Callable[[], None]:
-        """Line a unary request still arriving up for the next turn given back, ahead of streams: ``handed`` is
-        called once it holds one. Returns what takes it out of line."""
-        self._unary_waiting.append(handed)
-        return lambda: self._unary_waiting.remove(handed) if handed in self._unary_waiting else None
+    def wait(self, handed: Callable[[], None], proven: bool) -> Callable[[], None]:
+        """Line a unary request still arriving up for a turn given back (its connection ``proven``: ahead of streams,
+        else behind those in good standing): ``handed`` is called once it holds one. Returns what takes it out of
+        line."""
+        line = self._unary_waiting[proven]
+        line.append(handed)
+        return lambda: line.remove(handed) if handed in line else None
 
     def give_back(self) -> None:
         self.free += 1
@@ -471,6 +489,10 @@ class ReceivingTurns:
         its turn be taken back (its connection ``proven``: taken back only for another proven caller's request)."""
         self._unary[key] = _UnaryHold(asyncio.get_running_loop().time(), connection, proven, take_back)
         self._arm()
+
+    def holds_of(self, connection: str) -> bool:
+        """Whether a unary read of ``connection`` holds a turn."""
+        return any(hold.connection == connection for hold in self._unary.values())
 
     def release_unary(self, key) -> None:
         self._unary.pop(key, None)
@@ -524,17 +546,26 @@ class ReceivingTurns:
             self.give_back()
 
     def _hand_on(self) -> None:
-        while self._unary_waiting and self.free:
+        """Free turns to those waiting: proven connections' unary reads, streams of connections in good standing,
+        other unary reads, then the streams that held a turn idle."""
+        self._hand_unary(self._unary_waiting[True])
+        self._hand_streams(self._waiting[False])
+        self._hand_unary(self._unary_waiting[False])
+        self._hand_streams(self._waiting[True])
+
+    def _hand_unary(self, line: collections.deque[Callable[[], None]]) -> None:
+        while line and self.free:
             self.free -= 1
-            self._unary_waiting.popleft()()
-        for queue in (self._waiting[False], self._waiting[True]):
-            while queue and self.free:
-                turn = queue.popleft(lambda client: self._served.get(client, 0))
-                if turn.handed.done():
-                    continue
-                self.free -= 1
-                self._hold(turn)
-                turn.handed.set_result(None)
+            line.popleft()()
+
+    def _hand_streams(self, line: FairLine) -> None:
+        while line and self.free:
+            turn = line.popleft(lambda client: self._served.get(client, 0))
+            if turn.handed.done():
+                continue
+            self.free -= 1
+            self._hold(turn)
+            turn.handed.set_result(None)
 
     def _arm(self) -> None:
         """A timer for when the longest-held turn a waiting stream may take back reaches ``hold_s``."""

@@ -304,21 +304,50 @@ def test_one_callers_large_requests_wait_for_each_others_turns_however_busy_the_
     asyncio.run(scenario())
 
 
-def test_a_wait_for_a_turn_is_refused_only_to_free_the_read_for_another_connections_call():
-    """A request whose turn never comes waits while no other connection's call wants the first read it holds; once
-    one does, it is refused (retry) and that call read. Its connection, in bad standing, is then refused after its
-    first read whenever another connection's call waits, until a request of its arrives whole."""
-
+def test_a_request_behind_another_connections_turn_is_refused_after_its_wait_and_its_connection_queues_behind():
     async def scenario():
         turns = ReceivingTurns(receiving_bytes=3, receive_limit=1, hold_s=60)
         # A wait in line (0.3 s) far longer than a busy first read (BUSY_FIRST_READ_S), so that a loaded machine's
         # delays cannot make one look like the other.
         reader = RequestReader(turns, receive_limit=1, timeout_s=5, first_read_s=0.3)
-        stalled, slow, other, another = (f"ipv4:127.0.0.1:{port}" for port in (1, 2, 3, 4))
+        stalled, slow = "ipv4:127.0.0.1:1", "ipv4:127.0.0.1:2"
         _, holder = await holding_the_turn(reader, stalled)
-        refused = Context(slow)
-        waiting = asyncio.create_task(reader.read(refused))
-        await asyncio.sleep(1.0)  # three waits in line, no one else's call behind it
+        loop = asyncio.get_running_loop()
+        started, refused = loop.time(), Context(slow)
+        with pytest.raises(AlreadyAnswered):
+            await reader.read(refused)
+        code, details = refused.refusal
+        assert (
+            code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            and "stayed taken (they were other connections'); retry" in details
+        )
+        assert 0.3 < loop.time() - started < 1.0  # its busy first read (10 ms), then 0.3 s in line for the turn
+        assert slow in turns.bad_standing
+        started, again = loop.time(), Context(slow)
+        with pytest.raises(AlreadyAnswered):  # in bad standing: refused after its first read, not lined up
+            await reader.read(again)
+        assert loop.time() - started < 0.25
+        sent = Context(slow)
+        sent.send()
+        assert await reader.read(sent) == b"request" and slow not in turns.bad_standing
+        holder.cancel()
+        await asyncio.gather(holder, return_exceptions=True)
+
+    asyncio.run(scenario())
+
+
+def test_one_callers_wait_for_its_own_turn_ends_once_another_connections_call_waits_for_the_read_it_holds():
+    """A connection's calls wait for each other's turns while no other connection's call waits for the first read
+    the waiting one holds; once one does, the wait is refused (retry) and that call read."""
+
+    async def scenario():
+        turns = ReceivingTurns(receiving_bytes=3, receive_limit=1, hold_s=60)
+        reader = RequestReader(turns, receive_limit=1, timeout_s=5, first_read_s=0.3)
+        caller, other = "ipv4:127.0.0.1:1", "ipv4:127.0.0.1:2"
+        holder, first = await holding_the_turn(reader, caller)
+        waiter = Context(caller)
+        waiting = asyncio.create_task(reader.read(waiter))
+        await asyncio.sleep(1.0)  # three waits in line, no other connection's call behind it
         assert not waiting.done()
         loop = asyncio.get_running_loop()
         started, sent = loop.time(), Context(other)
@@ -327,23 +356,11 @@ def test_a_wait_for_a_turn_is_refused_only_to_free_the_read_for_another_connecti
         with pytest.raises(AlreadyAnswered):
             await waiting
         assert loop.time() - started < 1.0  # within a wait of 0.3 s
-        code, details = refused.refusal
-        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "another connection's call waited for the read it held; retry" in details
-        assert await behind == b"request" and slow in turns.bad_standing
-        started, again = loop.time(), Context(slow)
-        refused_again = asyncio.create_task(reader.read(again))
-        await asyncio.sleep(0)  # it takes the first read
-        unsent = asyncio.create_task(reader.read(Context(another)))
-        with pytest.raises(AlreadyAnswered):  # in bad standing: refused after its first read, not lined up
-            await refused_again
-        assert loop.time() - started < 0.25
-        sent = Context(slow)
-        sent.send()
-        assert await reader.read(sent) == b"request" and slow not in turns.bad_standing
-        for task in (holder, unsent):
-            task.cancel()
-        await asyncio.gather(holder, unsent, return_exceptions=True)
+        code, details = waiter.refusal
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "another connection's call waited" in details
+        assert await behind == b"request"
+        holder.send()
+        assert await first == b"request"
 
     asyncio.run(scenario())
 
@@ -368,29 +385,6 @@ def test_a_request_waiting_for_a_turn_on_a_starved_loop_is_given_the_turn_on_its
         behind.cancel()
         await asyncio.gather(behind, return_exceptions=True)
         assert waiter.refusal is None and reader.turns.free == 1
-
-    asyncio.run(scenario())
-
-
-def test_a_turn_held_past_the_hold_by_a_stalled_sender_is_taken_back_for_a_new_callers_request():
-    """A new connection's large request waits for the only turn, which a connection not proven holds without its
-    request arriving: after the hold the holder is refused as the slow sender and the new caller's request read."""
-
-    async def scenario():
-        turns = ReceivingTurns(receiving_bytes=3, receive_limit=1, hold_s=0.3)
-        reader = RequestReader(turns, receive_limit=1, timeout_s=10, first_read_s=0.02)
-        holder, first = await holding_the_turn(reader, "ipv4:127.0.0.1:1")
-        loop = asyncio.get_running_loop()
-        started, waiter = loop.time(), Context("ipv4:127.0.0.1:2")
-        second = asyncio.create_task(reader.read(waiter))
-        while holder.refusal is None and loop.time() - started < 5:
-            await asyncio.sleep(0.005)
-        assert loop.time() - started < 1.0  # the hold (0.3 s) and a wait or two, not the read timeout
-        with pytest.raises(AlreadyAnswered):
-            await first
-        assert "refused as a slow sender" in holder.refusal[1]
-        waiter.send()
-        assert await second == b"request" and waiter.refusal is None and turns.free == 1
 
     asyncio.run(scenario())
 
