@@ -139,11 +139,10 @@ def model_settings(
         return server
     else:
         try:
-            config = _parsed(path.read_text(encoding="utf-8"), path, level)
-        except (text_format.ParseError, UnicodeDecodeError) as error:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as error:
             raise ModelConfigError(f"{path}: not a model configuration in Triton's text format ({error})") from None
-        except RecursionError:
-            raise ModelConfigError(f"{path}: nested deeper than a model configuration is") from None
+        config = config_of_text(text, path, level)
     if name is not None and config.name and config.name != name:
         raise ModelConfigError(
             f"{path}: name {config.name!r} is not the model it configures, {name!r} (as in Triton, a repository's "
@@ -261,7 +260,18 @@ def _parsed_json(text: str, level: int) -> mc.ModelConfig:
     return config
 
 
-def _parsed(text: str, path: Path, level: int) -> mc.ModelConfig:
+def config_of_text(text: str, path: Path | str, level: int = logging.DEBUG) -> mc.ModelConfig:
+    """A model configuration in Triton's text format (``path``'s, as config.pbtxt is), the fields mhaserve has no
+    use for read past and named in one log line at ``level``. Raises ModelConfigError naming ``path``."""
+    try:
+        return _parsed(text, path, level)
+    except text_format.ParseError as error:
+        raise ModelConfigError(f"{path}: not a model configuration in Triton's text format ({error})") from None
+    except RecursionError:
+        raise ModelConfigError(f"{path}: nested deeper than a model configuration is") from None
+
+
+def _parsed(text: str, path: Path | str, level: int) -> mc.ModelConfig:
     """Triton's fields mhaserve has no use for (optimization, model_warmup, ...) are read past, so that a Triton
     repository's file serves as it is; said once in the log, each named, since a misspelt field reads the same."""
     try:

@@ -1,4 +1,4 @@
-"""The ``mhaserve`` command: export, validate, serve, infer, bench, tune, health, ray-deploy.
+"""The ``mhaserve`` command: export, validate, serve, infer, bench, tune, health, models, ray-deploy.
 
 Each subcommand imports what it needs when it runs, so ``serve`` and ``infer`` never load torch."""
 
@@ -15,6 +15,7 @@ from .bench import add_bench
 from .common import merge_model_dir
 from .export import add_export, add_validate
 from .infer import add_health, add_infer
+from .models import add_models
 from .ray_deploy import add_ray_deploy
 from .serve import add_serve
 from .tune import add_tune
@@ -52,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench(sub)
     add_tune(sub)
     add_health(sub)
+    add_models(sub)
     add_ray_deploy(sub)
     return parser
 

@@ -7,13 +7,22 @@ lives in ``common``.
         result = client.infer(query)
 """
 
-from .common import TLS, InferResult, RequestFailed, Sequence, SequenceStep, WeightsOptions, read_token
+from .common import (
+    TLS,
+    InferResult,
+    RepositoryEntry,
+    RequestFailed,
+    Sequence,
+    SequenceStep,
+    WeightsOptions,
+    read_token,
+)
 from .grpc import DEFAULT_RETRY, NO_RETRIES, AsyncClient, Client, RetryPolicy
 from .http import HttpClient, HttpRequestFailed
 from .shared_memory import SharedMemoryRegions
 
 __all__ = [
     "DEFAULT_RETRY", "NO_RETRIES", "TLS", "AsyncClient", "Client", "HttpClient", "HttpRequestFailed", "InferResult",
-    "RequestFailed", "RetryPolicy", "Sequence", "SequenceStep", "SharedMemoryRegions", "WeightsOptions",
-    "read_token",
+    "RepositoryEntry", "RequestFailed", "RetryPolicy", "Sequence", "SequenceStep", "SharedMemoryRegions",
+    "WeightsOptions", "read_token",
 ]  # fmt: skip

@@ -93,6 +93,25 @@ class RequestFailed(Exception):
         return f"{self.status_name}: {self.message}"
 
 
+@dataclass(frozen=True)
+class RepositoryEntry:
+    """One row of a server's repository index (Triton's model repository extension): a model's version (empty
+    where the model has none the server could read), its state (READY, UNAVAILABLE, LOADING or UNLOADING) and
+    why."""
+
+    name: str
+    version: str
+    state: str
+    reason: str = ""
+
+
+def config_text(config: str | dict) -> str:
+    """A load's model configuration as the protocol carries it: Triton's ModelConfig as JSON text."""
+    import json
+
+    return config if isinstance(config, str) else json.dumps(config)
+
+
 @dataclass
 class InferResult:
     output: np.ndarray | None

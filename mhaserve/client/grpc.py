@@ -37,11 +37,13 @@ from .common import (
     TLS,
     AsyncSequence,
     InferResult,
+    RepositoryEntry,
     RequestFailed,
     Sequence,
     SequenceStep,
     WeightsOptions,
     checked_timeout,
+    config_text,
     request_inputs,
     request_parameters,
     requested_outputs,
@@ -509,6 +511,29 @@ class Client(_Connection):
         given, the newest served one's."""
         request = pb.ModelStatisticsRequest(name=self.model, version=self.version)
         return self._call(self._stub.ModelStatistics, request, timeout).model_stats[-1]
+
+    def repository_index(self, ready: bool = False, timeout=None) -> list[RepositoryEntry]:
+        """Every model and version the server's repository holds, each with its state and why (Triton's model
+        repository extension); ``ready``: the versions ready for inference only."""
+        reply = self._call(self._stub.RepositoryIndex, pb.RepositoryIndexRequest(ready=ready), timeout)
+        return [RepositoryEntry(m.name, m.version, m.state, m.reason) for m in reply.models]
+
+    def load_model(self, name: str | None = None, config: str | dict | None = None, timeout=None) -> None:
+        """Load model ``name`` (default: this client's), or load it again to read its folder anew, where the
+        server runs with ``--model-control-mode explicit``. ``config``: Triton's ModelConfig as JSON (its text, or
+        a dict), served in place of the model's config.pbtxt until a load without one."""
+        request = pb.RepositoryModelLoadRequest(model_name=name or self.model)
+        if config is not None:
+            request.parameters["config"].string_param = config_text(config)
+        self._call(self._stub.RepositoryModelLoad, request, timeout, retry=_applied_once(self.retry))
+
+    def unload_model(self, name: str | None = None, unload_dependents: bool = False, timeout=None) -> None:
+        """Unload model ``name`` (default: this client's) where the server runs with ``--model-control-mode
+        explicit``: its versions finish what they hold, then stop serving."""
+        request = pb.RepositoryModelUnloadRequest(model_name=name or self.model)
+        if unload_dependents:
+            request.parameters["unload_dependents"].bool_param = True
+        self._call(self._stub.RepositoryModelUnload, request, timeout, retry=_applied_once(self.retry))
 
     def close(self) -> None:
         """Close the channels; the ``with`` block does this on exit."""

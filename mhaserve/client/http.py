@@ -13,6 +13,7 @@ import json
 import ssl
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 import numpy as np
@@ -23,11 +24,13 @@ from mhaserve.contract.ring import SEQUENCE_HEADER, sequence_header
 from .common import (
     TLS,
     InferResult,
+    RepositoryEntry,
     RequestFailed,
     Sequence,
     SequenceStep,
     WeightsOptions,
     checked_timeout,
+    config_text,
     request_inputs,
     request_parameters,
     requested_outputs,
@@ -142,6 +145,9 @@ def ssl_context(tls: TLS | None) -> ssl.SSLContext | None:
     return context
 
 
+JSON_BODY = {"Content-Type": "application/json"}
+
+
 class HttpClient:
     """Blocking HTTP/REST client with the gRPC Client's calls; raises HttpRequestFailed on refusal."""
 
@@ -243,6 +249,26 @@ class HttpClient:
     def model_width(self, timeout=None) -> int:
         """The served model's d_model, from its metadata."""
         return int(self.metadata(timeout)["inputs"][0]["shape"][-1])
+
+    def repository_index(self, ready: bool = False, timeout=None) -> list[RepositoryEntry]:
+        """As the gRPC client's ``repository_index``."""
+        body = json.dumps({"ready": ready}).encode()
+        answer = json.loads(self._call("POST", "/v2/repository/index", body, JSON_BODY, timeout)[0])
+        fields = ("version", "state", "reason")
+        return [RepositoryEntry(m["name"], *(m.get(field, "") for field in fields)) for m in answer]
+
+    def load_model(self, name: str | None = None, config: str | dict | None = None, timeout=None) -> None:
+        """As the gRPC client's ``load_model``."""
+        parameters = {} if config is None else {"config": config_text(config)}
+        self._control(name, "load", parameters, timeout)
+
+    def unload_model(self, name: str | None = None, unload_dependents: bool = False, timeout=None) -> None:
+        """As the gRPC client's ``unload_model``."""
+        self._control(name, "unload", {"unload_dependents": True} if unload_dependents else {}, timeout)
+
+    def _control(self, name: str | None, action: str, parameters: dict, timeout) -> None:
+        path = f"/v2/repository/models/{urllib.parse.quote(name or self.model, safe='')}/{action}"
+        self._call("POST", path, json.dumps({"parameters": parameters}).encode(), JSON_BODY, timeout)
 
     def ready(self, timeout=None) -> bool:
         """Whether the server has a ready version of this client's model (and version, if one was named)."""

@@ -623,3 +623,65 @@ def test_explicit_mode_rereads_a_changed_version_only_when_asked_to_load(exports
             after_load = client.infer(query, attn_weights=False).output
     np.testing.assert_allclose(before_load, reference_output(exports["small_v1"], query), atol=1e-6)
     np.testing.assert_allclose(after_load, reference_output(exports["small_v3"], query), atol=1e-6)
+
+
+def test_mhaserve_models_lists_the_repository_and_loads_with_a_config_file_and_unloads(exports, tmp_path, capsys):
+    """An operator's explicit model control from the command line: the index as a table, a load with a
+    configuration in Triton's text format (a list of a field read past among them) or JSON, over gRPC and HTTP, an
+    unload; what the command cannot read is one line and exit code 2, what the server refuses one line and 1."""
+    from mhaserve.cli import main as cli
+
+    repository = tmp_path / "repository"
+    add_version(repository, "a", 1, exports["small_v1"])
+    add_version(repository, "wide", 1, exports["wide"])
+    pbtxt = tmp_path / "a.pbtxt"
+    pbtxt.write_text('max_batch_size: 2\nmodel_warmup [ { name: "w" batch_size: 1 } ]\n')
+    broken = tmp_path / "broken.pbtxt"
+    broken.write_text("max_batch_size: {{{\n")
+
+    def run(*args: str, protocol: str = "grpc") -> tuple[int, list[str], str]:
+        url = server.url if protocol == "grpc" else server.http_url.removeprefix("http://")
+        code = cli(["models", *args, "--url", url, "--protocol", protocol])
+        out, err = capsys.readouterr()
+        return code, [line.split() for line in out.splitlines()], err
+
+    def rows_accepted(rows: int) -> bool:
+        try:
+            client.infer(rand(rows, 4, SMALL_D_MODEL, seed=rows), attn_weights=False)
+            return True
+        except grpc.RpcError as error:
+            assert "exceeds the limit max_batch_size" in error.details(), error.details()
+            return False
+
+    with repository_server(repository, "--model-control-mode", "explicit", "--load-model", "a") as server:
+        with Client(server.url, model="a", retry=NO_RETRIES) as client:
+            code, table, _ = run()
+            assert code == 0 and table[0] == ["MODEL", "VERSION", "STATE", "REASON"]
+            assert ["a", "1", "READY"] in table and ["wide", "1", "UNAVAILABLE", "not", "loaded"] in table
+            assert rows_accepted(3)
+
+            code, table, err = run("load", "a", "--config", str(pbtxt))
+            assert code == 0, err
+            assert table[1:] == [["a", "1", "READY"]]  # the model's rows only
+            assert rows_accepted(2) and not rows_accepted(3)
+
+            code, _, err = run("load", "a", "--config", '{"max_batch_size": 3}', protocol="http")
+            assert code == 0, err
+            assert rows_accepted(3) and not rows_accepted(4)
+
+            for bad in ("{not json", str(broken), str(tmp_path / "absent.pbtxt")):
+                code, _, err = run("load", "a", "--config", bad)
+                assert code == 2 and err.count("\n") == 1 and "--config" in err, (bad, err)
+            assert "broken.pbtxt" in run("load", "a", "--config", str(broken))[2]
+
+            code, _, err = run("load", "a", "--config", '{"max_batch_size": -1}')
+            assert code == 1 and err.startswith("INVALID_ARGUMENT: ") and err.count("\n") == 1, err
+            assert rows_accepted(3) and not rows_accepted(4)  # the refused load changed nothing
+
+            code, table, err = run("unload", "a")
+            assert code == 0 and table[1][:3] == ["a", "1", "UNAVAILABLE"], (table, err)
+            assert not client.ready()
+            code, table, err = run("list", "wide", "--ready")
+            assert code == 1 and table == [] and "no version of 'wide' is ready" in err
+            code, _, err = run("list", "nothing")
+            assert code == 1 and "no model 'nothing'" in err
