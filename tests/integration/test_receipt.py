@@ -29,6 +29,7 @@ import tritonclient.http as httpclient
 from mhaserve.client.grpc import Client, build_infer_request, parse_infer_response
 from mhaserve.loadtest.checked_load import peak_rss_mib, reset_peak_rss, rss_mib
 from mhaserve.protos.generated import grpc_service_pb2 as pb
+from mhaserve.testing.raw_grpc import ZeroWindowGrpcClient
 from tests.support import SMALL_D_MODEL, eager, rand
 
 D = SMALL_D_MODEL
@@ -351,6 +352,40 @@ def test_a_stream_idle_in_the_only_receiving_turn_gives_way_within_the_hold_and_
     assert not answer.error_message
     np.testing.assert_allclose(
         parse_infer_response(answer.infer_response).output, eager(small_module, query)[0], atol=1e-5
+    )
+
+
+def test_a_connections_requests_still_arriving_wait_for_its_own_turn_until_another_connection_needs_the_read(
+    start_server, small_model_dir, small_module
+):
+    """A connection not yet proven (none of its requests has arrived whole) sends two large requests that arrive
+    slowly, as one caller's do on a busy host. With one receiving turn, the first holds it and the second waits for
+    it, not refused: its wait holds up only its own connection. Once another connection's call waits for the read it
+    holds, it is refused RESOURCE_EXHAUSTED (retry), and that call is answered at once."""
+    server = start_server(small_model_dir, "--max-message-bytes", str(4 << 20), "--max-receiving-bytes",
+                          str(12 << 20), "--grpc-read-timeout-s", "30")  # fmt: skip
+    message = build_infer_request("mha", np.ones((8, 512, D), np.float32)).SerializeToString()  # 1 MiB
+    part = 200 << 10  # within the stream's window: sent at once, the rest never
+    sender = ZeroWindowGrpcClient(server.url)
+    try:
+        holder = sender.call(message, stop_after=part)
+        sender.pump(0.3)  # past its first read: it holds the only turn
+        waiter = sender.call(message, stop_after=part)
+        sender.pump(1.0)  # forty first reads' time
+        assert sender.statuses == {}, "a request refused while only its own connection's calls waited"
+        query = rand(1, 3, D, seed=11)
+        started = time.monotonic()
+        with Client(server.url) as client:
+            answer = client.infer(query, timeout=10)
+        took = time.monotonic() - started
+        sender.pump(0.3)
+    finally:
+        sender.close()
+    assert took < 1.0, f"another connection's small call took {took:.2f} s"
+    np.testing.assert_allclose(answer.output, eager(small_module, query)[0], atol=1e-5)
+    assert (
+        sender.statuses.get(waiter) == str(grpc.StatusCode.RESOURCE_EXHAUSTED.value[0])
+        and holder not in sender.statuses
     )
 
 
