@@ -7,16 +7,7 @@ lives in ``common``.
         result = client.infer(query)
 """
 
-from .common import (
-    TLS,
-    InferResult,
-    RepositoryEntry,
-    RequestFailed,
-    Sequence,
-    SequenceStep,
-    WeightsOptions,
-    read_token,
-)
+from .common import TLS, InferResult, RepositoryEntry, RequestFailed, Sequence, SequenceStep, WeightsOptions, read_token
 from .grpc import DEFAULT_RETRY, NO_RETRIES, AsyncClient, Client, RetryPolicy
 from .http import HttpClient, HttpRequestFailed
 from .shared_memory import SharedMemoryRegions
