@@ -26,12 +26,12 @@ def add_models(sub) -> None:
     p = sub.add_parser(
         "models",
         help="list a server's models and versions with their states; load or unload one (explicit model control)",
-        description="mhaserve models [list [NAME]] | load NAME [--config FILE_OR_JSON] | unload NAME",
+        description="mhaserve models [[list] NAME] | load NAME [--config FILE_OR_JSON] | unload NAME",
     )
-    p.add_argument("action", nargs="?", choices=ACTIONS, default="list",
+    p.add_argument("action", nargs="?", default="list", metavar="{list,load,unload}",
                    help="list (the default): the repository index; load: load NAME, or load it again to read its "
                    "folder anew; unload: stop serving NAME")  # fmt: skip
-    p.add_argument("name", nargs="?", help="the model (list: only its versions)")
+    p.add_argument("name", nargs="?", help="the model (list: only its versions; 'mhaserve models NAME' lists them too)")
     p.add_argument("--ready", action="store_true", help="list: only the versions ready for inference")
     p.add_argument("--config", metavar="FILE_OR_JSON",
                    help="load: the model's configuration for this load, in place of its config.pbtxt until a load "
@@ -47,6 +47,10 @@ def add_models(sub) -> None:
 def _run_models(args) -> int:
     from mhaserve.client import RequestFailed
 
+    if args.action not in ACTIONS:
+        if args.name is not None:
+            raise UsageError(f"{args.action!r} is not list, load or unload")
+        args.action, args.name = "list", args.action  # mhaserve models NAME
     if args.action != "list" and not args.name:
         raise UsageError(f"{args.action} needs the model's name: mhaserve models {args.action} NAME")
     for flag, action, given in (("--ready", "list", args.ready), ("--config", "load", args.config is not None),

@@ -683,5 +683,8 @@ def test_mhaserve_models_lists_the_repository_and_loads_with_a_config_file_and_u
             assert not client.ready()
             code, table, err = run("list", "wide", "--ready")
             assert code == 1 and table == [] and "no version of 'wide' is ready" in err
-            code, _, err = run("list", "nothing")
+            code, _, err = run("nothing")
             assert code == 1 and "no model 'nothing'" in err
+            assert run("wide")[1][1:] == [["wide", "1", "UNAVAILABLE", "not", "loaded"]]
+            code, _, err = run("lod", "a")
+            assert code == 2 and "'lod' is not list, load or unload" in err
