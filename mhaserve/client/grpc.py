@@ -385,6 +385,74 @@ class _Connection:
             added += [(SEQUENCE_HEADER, sequence_header(sequence.id)), (RAY_ROUTING_ID, sequence_header(sequence.id))]
         return (*(self._metadata or ()), *added) if added else None
 
+    # The calls both clients make, each defined once: Client answers them, AsyncClient gives awaitables of the answers
+    # (``await client.config()``), by their ``_ask``.
+
+    def _ask(self, rpc, request, timeout, answer=lambda reply: reply, retry: RetryPolicy | None = None):
+        """``answer(reply)`` of one call under the retry policy: the value (Client) or an awaitable of it
+        (AsyncClient)."""
+        raise NotImplementedError
+
+    def ready(self, timeout=None) -> bool:
+        """Whether the server has a ready version of this client's model (and version, if one was named)."""
+        request = pb.ModelReadyRequest(name=self.model, version=self.version)
+        return self._ask(self._stub.ModelReady, request, timeout, lambda reply: reply.ready)
+
+    def metadata(self, timeout=None) -> pb.ModelMetadataResponse:
+        """The model's metadata (the protocol's ModelMetadataResponse): its versions, platform, and each input
+        and output with datatype and shape (-1 for a dynamic axis)."""
+        return self._ask(
+            self._stub.ModelMetadata, pb.ModelMetadataRequest(name=self.model, version=self.version), timeout
+        )
+
+    def model_width(self, timeout=None) -> int:
+        """The served model's d_model, from its metadata."""
+        request = pb.ModelMetadataRequest(name=self.model, version=self.version)
+        return self._ask(self._stub.ModelMetadata, request, timeout, lambda reply: reply.inputs[0].shape[-1])
+
+    def config(self, timeout=None):
+        """The model's configuration (Triton's ModelConfig): its tensors, and in ``parameters`` its d_model,
+        heads, precision and how the server runs it (provider, batching, threads)."""
+        request = pb.ModelConfigRequest(name=self.model, version=self.version)
+        return self._ask(self._stub.ModelConfig, request, timeout, lambda reply: reply.config)
+
+    def statistics(self, timeout=None) -> pb.ModelStatistics:
+        """The server's counters for this model's version (Triton's statistics extension); with no version
+        given, the newest served one's."""
+        request = pb.ModelStatisticsRequest(name=self.model, version=self.version)
+        return self._ask(self._stub.ModelStatistics, request, timeout, lambda reply: reply.model_stats[-1])
+
+    def repository_index(self, ready: bool = False, timeout=None) -> list[RepositoryEntry]:
+        """Every model and version the server's repository holds, each with its state and why (Triton's model
+        repository extension); ``ready``: the versions ready for inference only."""
+        return self._ask(
+            self._stub.RepositoryIndex,
+            pb.RepositoryIndexRequest(ready=ready),
+            timeout,
+            lambda reply: [RepositoryEntry(m.name, m.version, m.state, m.reason) for m in reply.models],
+        )
+
+    def load_model(self, name: str | None = None, config: str | dict | None = None, timeout=None) -> None:
+        """Load model ``name`` (default: this client's), or load it again to read its folder anew, where the
+        server runs with ``--model-control-mode explicit``. ``config``: Triton's ModelConfig as JSON (its text, or
+        a dict), served in place of the model's config.pbtxt until a load without one."""
+        request = pb.RepositoryModelLoadRequest(model_name=name or self.model)
+        if config is not None:
+            request.parameters["config"].string_param = config_text(config)
+        return self._ask(self._stub.RepositoryModelLoad, request, timeout, _nothing, _applied_once(self.retry))
+
+    def unload_model(self, name: str | None = None, unload_dependents: bool = False, timeout=None) -> None:
+        """Unload model ``name`` (default: this client's) where the server runs with ``--model-control-mode
+        explicit``: its versions finish what they hold, then stop serving."""
+        request = pb.RepositoryModelUnloadRequest(model_name=name or self.model)
+        if unload_dependents:
+            request.parameters["unload_dependents"].bool_param = True
+        return self._ask(self._stub.RepositoryModelUnload, request, timeout, _nothing, _applied_once(self.retry))
+
+
+def _nothing(reply) -> None:
+    return None
+
 
 class Client(_Connection):
     """Blocking client. ``infer`` raises grpc.RpcError with the server's status on refusal."""
@@ -442,12 +510,6 @@ class Client(_Connection):
             self._num_heads = int(self.config(timeout).parameters["num_heads"].string_value)
         return self._num_heads
 
-    def config(self, timeout=None):
-        """The model's configuration (Triton's ModelConfig): its tensors, and in ``parameters`` its d_model,
-        heads, precision and how the server runs it (provider, batching, threads)."""
-        request = pb.ModelConfigRequest(name=self.model, version=self.version)
-        return self._call(self._stub.ModelConfig, request, timeout).config
-
     def shared_memory(self, name: str | None = None) -> SharedMemoryRegions:
         """Regions on this host for ``infer(..., shared_memory=...)``: registered with the server when first used,
         unregistered and removed by their ``close``."""
@@ -477,12 +539,6 @@ class Client(_Connection):
             self.retries += 1
             attempt += 1
 
-    def ready(self, timeout=None) -> bool:
-        """Whether the server has a ready version of this client's model (and version, if one was named)."""
-        return self._call(
-            self._stub.ModelReady, pb.ModelReadyRequest(name=self.model, version=self.version), timeout
-        ).ready
-
     def server_ready(self, timeout=None) -> bool:
         """Whether the server is ready for requests (the protocol's ServerReady), False where it cannot be reached."""
         try:
@@ -495,45 +551,8 @@ class Client(_Connection):
         ``timeout`` seconds (a server starting up: its port opens when it is ready to serve)."""
         grpc.channel_ready_future(self._channel).result(timeout=timeout)
 
-    def model_width(self, timeout=None) -> int:
-        """The served model's d_model, from its metadata."""
-        return self.metadata(timeout).inputs[0].shape[-1]
-
-    def metadata(self, timeout=None) -> pb.ModelMetadataResponse:
-        """The model's metadata (the protocol's ModelMetadataResponse): its versions, platform, and each input
-        and output with datatype and shape (-1 for a dynamic axis)."""
-        return self._call(
-            self._stub.ModelMetadata, pb.ModelMetadataRequest(name=self.model, version=self.version), timeout
-        )
-
-    def statistics(self, timeout=None) -> pb.ModelStatistics:
-        """The server's counters for this model's version (Triton's statistics extension); with no version
-        given, the newest served one's."""
-        request = pb.ModelStatisticsRequest(name=self.model, version=self.version)
-        return self._call(self._stub.ModelStatistics, request, timeout).model_stats[-1]
-
-    def repository_index(self, ready: bool = False, timeout=None) -> list[RepositoryEntry]:
-        """Every model and version the server's repository holds, each with its state and why (Triton's model
-        repository extension); ``ready``: the versions ready for inference only."""
-        reply = self._call(self._stub.RepositoryIndex, pb.RepositoryIndexRequest(ready=ready), timeout)
-        return [RepositoryEntry(m.name, m.version, m.state, m.reason) for m in reply.models]
-
-    def load_model(self, name: str | None = None, config: str | dict | None = None, timeout=None) -> None:
-        """Load model ``name`` (default: this client's), or load it again to read its folder anew, where the
-        server runs with ``--model-control-mode explicit``. ``config``: Triton's ModelConfig as JSON (its text, or
-        a dict), served in place of the model's config.pbtxt until a load without one."""
-        request = pb.RepositoryModelLoadRequest(model_name=name or self.model)
-        if config is not None:
-            request.parameters["config"].string_param = config_text(config)
-        self._call(self._stub.RepositoryModelLoad, request, timeout, retry=_applied_once(self.retry))
-
-    def unload_model(self, name: str | None = None, unload_dependents: bool = False, timeout=None) -> None:
-        """Unload model ``name`` (default: this client's) where the server runs with ``--model-control-mode
-        explicit``: its versions finish what they hold, then stop serving."""
-        request = pb.RepositoryModelUnloadRequest(model_name=name or self.model)
-        if unload_dependents:
-            request.parameters["unload_dependents"].bool_param = True
-        self._call(self._stub.RepositoryModelUnload, request, timeout, retry=_applied_once(self.retry))
+    def _ask(self, rpc, request, timeout, answer=lambda reply: reply, retry: RetryPolicy | None = None):
+        return answer(self._call(rpc, request, timeout, retry=retry))
 
     def close(self) -> None:
         """Close the channels; the ``with`` block does this on exit."""
@@ -548,7 +567,8 @@ class Client(_Connection):
 
 
 class AsyncClient(_Connection):
-    """asyncio client with the same calls as Client."""
+    """asyncio client: ``infer``, ``sequence`` and the calls that describe and control models, as Client's,
+    awaited (``await client.config()``); no shared memory."""
 
     _aio = True
 
@@ -619,16 +639,8 @@ class AsyncClient(_Connection):
             self.retries += 1
             attempt += 1
 
-    async def ready(self, timeout=None) -> bool:
-        """Whether the server has a ready version of this client's model (and version, if one was named)."""
-        request = pb.ModelReadyRequest(name=self.model, version=self.version)
-        return (await self._call(self._stub.ModelReady, request, timeout)).ready
-
-    async def metadata(self, timeout=None) -> pb.ModelMetadataResponse:
-        """The model's metadata (the protocol's ModelMetadataResponse): its versions, platform, and each input
-        and output with datatype and shape (-1 for a dynamic axis)."""
-        request = pb.ModelMetadataRequest(name=self.model, version=self.version)
-        return await self._call(self._stub.ModelMetadata, request, timeout)
+    async def _ask(self, rpc, request, timeout, answer=lambda reply: reply, retry: RetryPolicy | None = None):
+        return answer(await self._call(rpc, request, timeout, retry=retry))
 
     async def close(self) -> None:
         """Close the channels; the ``async with`` block does this on exit."""

@@ -6,6 +6,7 @@ them; answers checked against each version's own model file run in process.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -688,3 +689,36 @@ def test_mhaserve_models_lists_the_repository_and_loads_with_a_config_file_and_u
             assert run("wide")[1][1:] == [["wide", "1", "UNAVAILABLE", "not", "loaded"]]
             code, _, err = run("lod", "a")
             assert code == 2 and "'lod' is not list, load or unload" in err
+
+
+def test_the_async_client_describes_and_controls_models_with_the_blocking_clients_calls(exports, tmp_path):
+    from mhaserve.client import AsyncClient, RepositoryEntry
+
+    repository = tmp_path / "repository"
+    add_version(repository, "a", 1, exports["small_v1"])
+    add_version(repository, "wide", 1, exports["wide"])
+
+    async def calls(url: str) -> dict:
+        async with AsyncClient(url, model="wide") as client:
+            before = await client.repository_index()
+            await client.load_model(config={"max_batch_size": 2})
+            seen = {
+                "ready": await client.ready(),
+                "width": await client.model_width(),
+                "heads": (await client.config()).parameters["num_heads"].string_value,
+                "max_batch_size": (await client.config()).parameters["max_batch_size"].string_value,
+                "statistics": (await client.statistics()).name,
+                "ready_index": await client.repository_index(ready=True),
+            }
+            await client.unload_model()
+            return {"before": before, **seen, "after": await client.ready()}
+
+    with repository_server(repository, "--model-control-mode", "explicit", "--load-model", "a") as server:
+        seen = asyncio.run(calls(server.url))
+        with Client(server.url, model="a") as client:
+            assert client.repository_index(ready=True) == [RepositoryEntry("a", "1", "READY", "")]
+    assert RepositoryEntry("wide", "1", "UNAVAILABLE", "not loaded") in seen["before"]
+    assert seen["ready"] and seen["width"] == WIDE_D_MODEL and seen["heads"] == str(WIDE_HEADS)
+    assert seen["max_batch_size"] == "2" and seen["statistics"] == "wide"
+    assert sorted(entry.name for entry in seen["ready_index"]) == ["a", "wide"]
+    assert seen["after"] is False
