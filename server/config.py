@@ -191,9 +191,9 @@ class TransportSettings(Section):
     grpc_first_read_ms: float = setting(
         25.0,
         "milliseconds a gRPC request may take to arrive without a receiving turn (see --max-receiving-bytes), and "
-        "then wait for one while all are taken, longer where its connection has delivered a request whole or its "
-        "connection's own requests hold the turns; a few connections' requests are read so at once, so what they "
-        "take is bounded",
+        "then wait for one while all are taken (a connection's first requests up to --stream-read-hold-s, longer where "
+        "its own requests hold the turns or it has delivered one whole); a few connections' requests are read so at "
+        "once, so what they take is bounded",
         rule=more_than(0),
     )
     grpc_read_timeout_s: float = setting(

@@ -67,15 +67,17 @@ class RequestReader:
     caller's), and a turn another read has held ``turns.hold_s`` with its request not arrived is taken back for it,
     that read refused as the slow sender (Kestrel's grace for slow bodies, costing the slow sender; one of its own
     connection's only once another connection's call waits for the first read it holds). A call of a connection not
-    proven waits where its connection's calls wait for each other (one of them holds a turn or waits for the first
-    read: one caller's large requests at once on a busy host) and no other connection's call waits for the first
-    read it holds; else it is refused RESOURCE_EXHAUSTED (retry), checked each ``first_read_s`` (the holder is most
-    often another request nearly arrived), at once for a connection in bad standing (its bytes would go on arriving
-    while it waited). One that has not arrived ``timeout_s`` after its read began is refused DEADLINE_EXCEEDED. A
-    refused call puts its connection in bad standing; a request read whole restores it. A stalled sender can hold a
-    turn until a proven caller's read or a stream wants it for ``turns.hold_s``, and a first read for twice
-    ``first_read_s`` once (three times, on a loop that ran late), longer only while its own connection's calls wait
-    behind it and no other connection's; never another caller's small request for longer."""
+    proven waits while no other connection's call waits for the first read it holds (once one does, it is refused
+    RESOURCE_EXHAUSTED at once: FirstReads tells ``_another_waits``): in line for a turn where its connection's calls
+    wait for each other (one of them holds a turn or waits for the first read: one caller's large requests at once
+    on a busy host), else out of line, up to ``turns.hold_s`` (its bytes arrive meanwhile, its read being under
+    way, so a new caller is read, not refused for a stalled sender holding the turns, and takes no turn a stream
+    waits for); then it is refused (retry). A call of a connection in bad standing is refused at once (its bytes
+    would go on arriving while it waited). One that has not arrived ``timeout_s`` after its read began is refused
+    DEADLINE_EXCEEDED. A refused call puts its connection in bad standing; a request read whole restores it. A
+    stalled sender can hold a turn until a proven caller's read or a stream wants it for ``turns.hold_s``, and the
+    first read until another connection's call wants it, ``turns.hold_s`` at most on its connection's first call
+    (longer only while its own connection's calls wait behind it)."""
 
     def __init__(
         self,
@@ -89,7 +91,7 @@ class RequestReader:
         self.turns = turns
         self._timeout_s = timeout_s
         self._first_read_s = min(first_read_s, timeout_s)
-        self._first_reads = FirstReads(first_reads, turns.bad_standing)
+        self._first_reads = FirstReads(first_reads, turns.bad_standing, self._another_waits)
         self._abandoned = abandoned  # told of a read refused part-way: grpcio may have taken up to the limit for it
         self._receive_limit = receive_limit
         # The reads whose time is running (their first read's, then their wait's for a turn), each with when it is
@@ -217,10 +219,28 @@ class RequestReader:
             self._no_turn_came(reading, "another connection's call waited for the read it held")
             return
         elif not (self.turns.holds_of(connection) or self._first_reads.own_waiting(connection)):
-            self._no_turn_came(reading, "they were other connections'")
-            return
+            # The turns are other connections'. Its bytes arrive meanwhile all the same (its read is under way,
+            # bounded as the first read), so it waits out of line, taking no turn a stream or another read waits
+            # for, as long as a turn's hold at most: a new caller's request is read, not refused for a stalled
+            # sender holding the turns.
+            if asyncio.get_running_loop().time() - reading.started > self.turns.hold_s:
+                self._no_turn_came(reading, "they were other connections'")
+                return
+            if reading.withdraw is not None:
+                reading.withdraw()
+                reading.withdraw = None
         # Else its connection's calls wait for each other (one caller's large requests at once on a busy host).
         self._wait_for_turn(reading)
+
+    def _another_waits(self, connection: str) -> None:
+        """A call of ``connection`` waits for a first read: a read holding one while it waits for a turn, of a
+        connection neither proven nor ``connection``, is refused now rather than at its next decision, so that the
+        call waiting is read at once."""
+        for reading, (_, _, decide, _) in list(self._timed.items()):
+            waiting_for_turn = decide == self._no_turn_decided
+            if waiting_for_turn and reading.connection != connection and reading.connection not in self.proven:
+                del self._timed[reading]
+                self._no_turn_came(reading, "another connection's call waited for the read it held")
 
     def _hold(self, reading: _Read) -> None:
         reading.turn = True
@@ -354,12 +374,16 @@ class RecentConnections:
 
 class FirstReads:
     """The first reads under way at once (RequestReader): at most ``limit``, one per connection, those of
-    connections in good standing first. Event loop only."""
+    connections in good standing first; ``another_waits(connection)`` is told as a call of it starts waiting.
+    Event loop only."""
 
-    def __init__(self, limit: int, bad_standing: RecentConnections):
+    def __init__(
+        self, limit: int, bad_standing: RecentConnections, another_waits: Callable[[str], None] = lambda c: None
+    ):
         self._free = limit
         self._busy: set[str] = set()  # connections with a first read under way
         self._bad_standing = bad_standing
+        self._another_waits = another_waits
         self._waiting: dict[bool, collections.deque] = {False: collections.deque(), True: collections.deque()}
 
     def take_now(self, connection: str) -> bool:
@@ -378,6 +402,7 @@ class FirstReads:
         handed = asyncio.get_running_loop().create_future()
         entry = (connection, handed)
         self._waiting[suspect].append(entry)
+        self._another_waits(connection)
         try:
             await handed
         except asyncio.CancelledError:

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
-from mhaserve.client.grpc import Client, build_infer_request, parse_infer_response
+from mhaserve.client.grpc import NO_RETRIES, Client, build_infer_request, parse_infer_response
 from mhaserve.loadtest.checked_load import peak_rss_mib, reset_peak_rss, rss_mib
 from mhaserve.protos.generated import grpc_service_pb2 as pb
 from mhaserve.testing.raw_grpc import ZeroWindowGrpcClient
@@ -437,3 +437,28 @@ def test_streams_stepping_every_few_seconds_keep_their_turns_where_the_message_l
     assert [len(got) for got in answers] == [3, 3, 3, 3, 6]
     for result in unary:
         np.testing.assert_allclose(result.output, want, atol=1e-5)
+
+
+def test_a_new_callers_large_request_behind_a_stalled_sender_is_read_not_refused(
+    start_server, small_model_dir, small_module
+):
+    """A stalled sender holds the only receiving turn; a new caller's large request (its connection proven by
+    nothing yet) that outlasts its first read waits, and arrives meanwhile (its read is under way): it is read and
+    answered, not refused for the turn the stalled sender holds."""
+    # A first read of 1 ms, a busy host's, so that the new caller's request outlasts it (on loopback some MiB
+    # arrive within the default's)
+    server = start_server(small_model_dir, "--max-message-bytes", str(16 << 20), "--max-receiving-bytes",
+                          str(48 << 20), "--grpc-first-read-ms", "1")  # fmt: skip
+    message = build_infer_request("mha", np.ones((8, 512, D), np.float32)).SerializeToString()
+    staller = ZeroWindowGrpcClient(server.url)
+    try:
+        stalled = staller.call(message, stop_after=200 << 10)
+        staller.pump(0.3)  # past its first read: it holds the only turn
+        query = rand(32, 512, D, seed=12)  # 4 MiB: past the stream's window and the first read
+        with Client(server.url, retry=NO_RETRIES) as client:
+            answer = client.infer(query, attn_weights=False, timeout=10)
+        staller.pump(0.1)
+    finally:
+        staller.close()
+    np.testing.assert_allclose(answer.output, eager(small_module, query)[0], atol=1e-5)
+    assert stalled not in staller.statuses  # its turn was not needed: the request arrived while it waited
