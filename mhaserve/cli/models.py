@@ -104,8 +104,10 @@ def _config_json(given: str) -> str:
         try:
             if not isinstance(json.loads(text), dict):
                 raise ValueError("expected a JSON object")
-        except (ValueError, RecursionError) as error:
-            raise UsageError(f"{source}: not a model configuration in JSON ({error or 'nested too deep'})") from None
+        except ValueError as error:
+            raise UsageError(f"{source}: not a model configuration in JSON ({error})") from None
+        except RecursionError:
+            raise UsageError(f"{source}: nested deeper than a model configuration is") from None
         return text
     from google.protobuf import json_format
 

@@ -49,6 +49,8 @@ STREAM_WINDOW_BYTES = (256 + 4) << 10
 # What a request of n bytes takes while grpcio receives it: n in its core's buffers, then a bytearray it copies
 # them into and the bytes it makes of that.
 GRPCIO_RECEIPT_COPIES = 3
+# Why a read of a connection not proven, waiting for a turn, is refused once another connection's call wants its read.
+ANOTHER_CONNECTION_WAITS = "another connection's call waited for the read it held"
 
 
 class RequestReader:
@@ -205,8 +207,10 @@ class RequestReader:
     def _no_turn_decided(self, reading: _Read) -> None:
         if reading.finished or reading.turn or reading.refusal is not None:
             return
-        if asyncio.get_running_loop().time() - reading.started >= self._timeout_s:
-            self._no_turn_came(reading, timed_out=True)
+        waited_s = asyncio.get_running_loop().time() - reading.started
+        if waited_s >= self._timeout_s:
+            self._leave_first_read(reading)
+            self._read_timed_out(reading)
             return
         connection = reading.connection
         others_wait = self._first_reads.others_waiting(connection)
@@ -216,14 +220,14 @@ class RequestReader:
             # another connection's call waits for the read this one holds).
             self.turns.take_back_long_holds(1, unary="any", besides=None if others_wait else connection)
         elif others_wait:
-            self._no_turn_came(reading, "another connection's call waited for the read it held")
+            self._no_turn_came(reading, ANOTHER_CONNECTION_WAITS)
             return
         elif not (self.turns.holds_of(connection) or self._first_reads.own_waiting(connection)):
             # The turns are other connections'. Its bytes arrive meanwhile all the same (its read is under way,
             # bounded as the first read), so it waits out of line, taking no turn a stream or another read waits
             # for, as long as a turn's hold at most: a new caller's request is read, not refused for a stalled
             # sender holding the turns.
-            if asyncio.get_running_loop().time() - reading.started > self.turns.hold_s:
+            if waited_s > self.turns.hold_s:
                 self._no_turn_came(reading, "they were other connections'")
                 return
             if reading.withdraw is not None:
@@ -240,7 +244,7 @@ class RequestReader:
             waiting_for_turn = decide == self._no_turn_decided
             if waiting_for_turn and reading.connection != connection and reading.connection not in self.proven:
                 del self._timed[reading]
-                self._no_turn_came(reading, "another connection's call waited for the read it held")
+                self._no_turn_came(reading, ANOTHER_CONNECTION_WAITS)
 
     def _hold(self, reading: _Read) -> None:
         reading.turn = True
@@ -272,17 +276,18 @@ class RequestReader:
         loop = asyncio.get_running_loop()
         reading.timed_out = loop.call_at(reading.started + self._timeout_s, self._read_timed_out, reading)
 
-    def _no_turn_came(self, reading: _Read, why: str = "", timed_out: bool = False) -> None:
-        """Refuse a read that waited for a turn, freeing the first read it held at once."""
+    def _leave_first_read(self, reading: _Read) -> None:
+        """A read about to be refused while it waits for a turn leaves the line and frees its first read at once."""
         if reading.withdraw is not None:
             reading.withdraw()
             reading.withdraw = None
         reading.first = False
         self._first_reads.release(reading.connection)
         self._abandoned(self._receive_limit)
-        if timed_out:
-            self._read_timed_out(reading)
-            return
+
+    def _no_turn_came(self, reading: _Read, why: str) -> None:
+        """Refuse a read that waited for a turn, saying ``why`` the turns stayed out of its reach."""
+        self._leave_first_read(reading)
         waited_ms = (asyncio.get_running_loop().time() - reading.started) * 1000
         self._refuse(
             reading,

@@ -9,6 +9,7 @@ Real server processes, raw sockets, h2 and tritonclient.http; RSS read from /pro
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import queue
@@ -355,6 +356,25 @@ def test_a_stream_idle_in_the_only_receiving_turn_gives_way_within_the_hold_and_
     )
 
 
+# A large request (1 MiB) a raw connection sends only the start of: within a stream's window, the rest never.
+STALLED_REQUEST = build_infer_request("mha", np.ones((8, 512, D), np.float32)).SerializeToString()
+STALLED_PART = 200 << 10
+
+
+@contextlib.contextmanager
+def holding_the_only_turn(url: str):
+    """A raw HTTP/2 connection whose request sends STALLED_PART and no more, once that request holds the server's
+    only receiving turn (past its first read): the connection, to send more calls on and read refusals from, and
+    that request's stream."""
+    sender = ZeroWindowGrpcClient(url)
+    try:
+        holder = sender.call(STALLED_REQUEST, stop_after=STALLED_PART)
+        sender.pump(0.3)
+        yield sender, holder
+    finally:
+        sender.close()
+
+
 def test_a_connections_requests_still_arriving_wait_for_its_own_turn_until_another_connection_needs_the_read(
     start_server, small_model_dir, small_module
 ):
@@ -364,13 +384,8 @@ def test_a_connections_requests_still_arriving_wait_for_its_own_turn_until_anoth
     holds, it is refused RESOURCE_EXHAUSTED (retry), and that call is answered at once."""
     server = start_server(small_model_dir, "--max-message-bytes", str(4 << 20), "--max-receiving-bytes",
                           str(12 << 20), "--grpc-read-timeout-s", "30")  # fmt: skip
-    message = build_infer_request("mha", np.ones((8, 512, D), np.float32)).SerializeToString()  # 1 MiB
-    part = 200 << 10  # within the stream's window: sent at once, the rest never
-    sender = ZeroWindowGrpcClient(server.url)
-    try:
-        holder = sender.call(message, stop_after=part)
-        sender.pump(0.3)  # past its first read: it holds the only turn
-        waiter = sender.call(message, stop_after=part)
+    with holding_the_only_turn(server.url) as (sender, holder):
+        waiter = sender.call(STALLED_REQUEST, stop_after=STALLED_PART)
         sender.pump(1.0)  # forty first reads' time
         assert sender.statuses == {}, "a request refused while only its own connection's calls waited"
         query = rand(1, 3, D, seed=11)
@@ -379,8 +394,6 @@ def test_a_connections_requests_still_arriving_wait_for_its_own_turn_until_anoth
             answer = client.infer(query, timeout=10)
         took = time.monotonic() - started
         sender.pump(0.3)
-    finally:
-        sender.close()
     assert took < 1.0, f"another connection's small call took {took:.2f} s"
     np.testing.assert_allclose(answer.output, eager(small_module, query)[0], atol=1e-5)
     assert (
@@ -449,16 +462,10 @@ def test_a_new_callers_large_request_behind_a_stalled_sender_is_read_not_refused
     # arrive within the default's)
     server = start_server(small_model_dir, "--max-message-bytes", str(16 << 20), "--max-receiving-bytes",
                           str(48 << 20), "--grpc-first-read-ms", "1")  # fmt: skip
-    message = build_infer_request("mha", np.ones((8, 512, D), np.float32)).SerializeToString()
-    staller = ZeroWindowGrpcClient(server.url)
-    try:
-        stalled = staller.call(message, stop_after=200 << 10)
-        staller.pump(0.3)  # past its first read: it holds the only turn
+    with holding_the_only_turn(server.url) as (staller, stalled):
         query = rand(32, 512, D, seed=12)  # 4 MiB: past the stream's window and the first read
         with Client(server.url, retry=NO_RETRIES) as client:
             answer = client.infer(query, attn_weights=False, timeout=10)
         staller.pump(0.1)
-    finally:
-        staller.close()
     np.testing.assert_allclose(answer.output, eager(small_module, query)[0], atol=1e-5)
     assert stalled not in staller.statuses  # its turn was not needed: the request arrived while it waited
