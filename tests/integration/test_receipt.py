@@ -459,9 +459,9 @@ def test_a_new_callers_large_request_behind_a_stalled_sender_is_read_not_refused
     nothing yet) that outlasts its first read waits, and arrives meanwhile (its read is under way): it is read and
     answered, not refused for the turn the stalled sender holds."""
     # A first read of 1 ms, a busy host's, so that the new caller's request outlasts it (on loopback some MiB
-    # arrive within the default's)
+    # arrive within the default's); a hold of 10 s, its wait's bound, however slow the machine
     server = start_server(small_model_dir, "--max-message-bytes", str(16 << 20), "--max-receiving-bytes",
-                          str(48 << 20), "--grpc-first-read-ms", "1")  # fmt: skip
+                          str(48 << 20), "--grpc-first-read-ms", "1", "--stream-read-hold-s", "10")  # fmt: skip
     with holding_the_only_turn(server.url) as (staller, stalled):
         query = rand(32, 512, D, seed=12)  # 4 MiB: past the stream's window and the first read
         with Client(server.url, retry=NO_RETRIES) as client:
