@@ -1,15 +1,18 @@
 """Honest callers on a busy server: are any refused? Another revision against the working tree's, one after the other.
 
     flock /tmp/bench.lock .venv/bin/python benchmarks/bench_honest_callers.py [--baseline REV] [--runs 3]
-        [--seconds 20] [--steppers 64] [--callers 64] [--stalled 16] [--busy 0] [-- SERVE_FLAGS...]
+        [--seconds 20] [--steppers 64] [--callers 64] [--lengths 16..128] [--weights] [--stalled 16] [--busy 0]
+        [-- SERVE_FLAGS...]
 
 Each revision serves the embedded default model (512/8) with its defaults and SERVE_FLAGS, in its own process
 (``--grpc-first-read-ms 1`` makes every request's first read short for its server, as a busy host does). Per run,
 at once: ``--steppers`` asyncio callers (one process, the project's AsyncClient, no retries), each stepping sequences (a
 first step of [1,8,512], then one-row steps, a new sequence every 16 steps); ``--callers`` tritonclient threads
 in four processes (threads sharing each process's channel, as tritonclient's users call) sending stateless
-[1,16..128,512] rows; ``--stalled`` senders that stall part-way (half their headers only, half half a [1,128,512]
-request, each reopened once refused: benchmarks/bench_hostile.py's); and ``--busy`` busy loops sharing the cores.
+[1,L,512] rows, L drawn from ``--lengths`` (with every head's weights asked for too with ``--weights``: large
+answers, which fill the memory budget); ``--stalled`` senders that stall part-way (half their headers only, half
+half a [1,128,512] request, each reopened once refused: benchmarks/bench_hostile.py's); and ``--busy`` busy loops
+sharing the cores.
 Printed per run: the honest calls answered and refused, by status, with one refusal's message. Not a test:
 BENCHMARKS.md records the figures.
 """
@@ -40,7 +43,7 @@ def busy(stop) -> None:
         pass
 
 
-def stateless(url: str, threads: int, seconds: float, out) -> None:
+def stateless(url: str, threads: int, seconds: float, lengths: tuple[int, int], weights: bool, out) -> None:
     import tritonclient.grpc as triton
 
     client = triton.InferenceServerClient(url)
@@ -50,11 +53,12 @@ def stateless(url: str, threads: int, seconds: float, out) -> None:
     def calls(seed: int) -> None:
         rng, end = random.Random(seed), time.monotonic() + seconds
         while time.monotonic() < end:
-            length = rng.randint(16, 128)
+            length = rng.randint(*lengths)
             query = triton.InferInput("query", [1, length, D], "FP32")
             query.set_data_from_numpy(np.ones((1, length, D), np.float32))
+            outputs = [triton.InferRequestedOutput(name) for name in ("output", "attn_weights")[: 1 + weights]]
             try:
-                client.infer("mha", [query], outputs=[triton.InferRequestedOutput("output")], client_timeout=30)
+                client.infer("mha", [query], outputs=outputs, client_timeout=30)
                 counts["OK"] += 1
             except triton.InferenceServerException as error:
                 counts[str(error.status())] += 1
@@ -105,7 +109,10 @@ def one_run(url: str, args) -> tuple[collections.Counter, collections.Counter, d
     stallers = Stallers(url, args.stalled) if args.stalled else None
     processes = [multiprocessing.Process(target=stepping, args=(url, args.steppers, args.seconds, out))]
     processes += [
-        multiprocessing.Process(target=stateless, args=(url, args.callers // CALLER_PROCESSES, args.seconds, out))
+        multiprocessing.Process(
+            target=stateless,
+            args=(url, args.callers // CALLER_PROCESSES, args.seconds, args.lengths, args.weights, out),
+        )
         for _ in range(CALLER_PROCESSES)
     ]
     for process in [*loops, *processes]:
@@ -126,6 +133,11 @@ def one_run(url: str, args) -> tuple[collections.Counter, collections.Counter, d
     return steps, rows, said
 
 
+def lengths_of(text: str) -> tuple[int, int]:
+    low, _, high = text.partition("..")
+    return int(low), int(high or low)
+
+
 def measure(name: str, server: ServerProcess, args) -> None:
     for run in range(1, args.runs + 1):
         steps, rows, said = one_run(server.url, args)
@@ -142,6 +154,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20)
     parser.add_argument("--steppers", type=int, default=64)
     parser.add_argument("--callers", type=int, default=64)
+    parser.add_argument("--lengths", type=lengths_of, default=(16, 128), help="LO..HI: the stateless rows' lengths")
+    parser.add_argument("--weights", action="store_true", help="the stateless callers ask for every head's weights")
     parser.add_argument("--stalled", type=int, default=16)
     parser.add_argument("--busy", type=int, default=0)
     parser.add_argument("flags", nargs="*", help="flags both servers get (after --)")

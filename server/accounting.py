@@ -13,7 +13,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import TYPE_CHECKING
 
-from .errors import RequestError
+from .errors import ErrorKind, RequestError
 from .logs import access_line
 from .malloc import release_free_memory
 from .memory import MemoryBudget, answer_bytes, input_bytes, request_workspace_bytes
@@ -69,10 +69,15 @@ class Receipt:
             raise
 
     def close(self) -> None:
-        """The request was admitted or refused: its received bytes leave the budget (once)."""
+        """The request was refused, or ended: its received bytes leave the budget (once)."""
         if self.held:
             self._accounting.received_released(self.held)
             self.held = 0
+
+    def handed_over(self) -> None:
+        """The request was admitted, its received bytes given back in the budget for its inputs."""
+        self._accounting.received_handed_over(self.held)
+        self.held = 0
 
 
 class CallMemory:
@@ -87,13 +92,26 @@ class CallMemory:
         self._answer = 0  # of which the answer's
         self._waiting = None  # its run's workspace, until the run ends
 
-    def admit(self, attention: RunInputs, signature: ModelSignature) -> None:
-        """Its decoded inputs and its answer taken, with its run's workspace, or refused; from here its inputs
-        count as decoded, no longer as received."""
-        self.receipt.close()
+    async def admit(self, attention: RunInputs, signature: ModelSignature, timeout_s: float | None) -> None:
+        """Its decoded inputs and its answer taken, with its run's workspace, once they fit (waiting for memory up
+        to ``timeout_s``, its deadline), or refused; from here its inputs count as decoded, no longer as
+        received."""
         inputs, answer = input_bytes(attention), answer_bytes(attention, signature.num_heads, signature.precision)
         workspace = request_workspace_bytes(attention, signature.num_heads)
-        self._waiting = self._accounting.admit(inputs + answer, attention.batch_size, workspace)
+        budget, share = self._accounting.budget, (inputs + answer, attention.batch_size, workspace, self.receipt.held)
+        admitted = budget.admit_now(*share)
+        if admitted is None:
+            started = time.monotonic()
+            try:
+                admitted = await asyncio.wait_for(budget.admit_in_turn(*share), timeout_s)
+            except asyncio.TimeoutError:
+                raise RequestError(
+                    ErrorKind.DEADLINE_EXCEEDED,
+                    f"the deadline passed after {(time.monotonic() - started) * 1000:.1f} ms waiting for memory "
+                    "(--max-inflight-bytes); the request was not computed",
+                ) from None
+        self._waiting = admitted
+        self.receipt.handed_over()
         self.reserved, self._answer = inputs + answer, answer  # (a refusal took nothing)
 
     def run_ended(self) -> None:
@@ -173,6 +191,10 @@ class RequestAccounting:
 
     def _release(self, reserved: int) -> None:
         self.budget.release(reserved)
+        self._released()
+
+    def _released(self) -> None:
+        """Memory left the budget: the idle release is armed where the budget became idle."""
         holding = self.budget.kept_workspace or self._received_since_release >= RECEIVED_BYTES_BEFORE_TRIM
         if self.budget.idle:
             loop = asyncio.get_running_loop()
@@ -184,7 +206,12 @@ class RequestAccounting:
         """A request body's bytes, counted while it was received, leave the budget (admitted, the request's
         inputs are counted instead; refused, they are freed)."""
         self._received_since_release += nbytes
-        self._release(nbytes)
+        self.budget.release_received(nbytes)
+        self._released()
+
+    def received_handed_over(self, nbytes: int) -> None:
+        """A request body's bytes were given back in the budget for the request's inputs, admitted."""
+        self._received_since_release += nbytes
 
     def received_dropped(self, nbytes: int) -> None:
         """A request received (whole, or in part and abandoned) and refused before it was counted: its pages are
@@ -195,14 +222,10 @@ class RequestAccounting:
             self._received_since_trim = 0
             self._trimming = self._executor.submit(release_free_memory)
             self._trimming.add_done_callback(self._trimmed)
-        self._release(0)
+        self._released()
 
     def _trimmed(self, _) -> None:
         self._trimming = None  # a thread's callback: a plain assignment, read on the loop
-
-    def admit(self, request_bytes: int, rows: int, workspace: int) -> object:
-        """Take a request's share of max_inflight_bytes, for every model together, or refuse it."""
-        return self.budget.admit(request_bytes, rows, workspace)
 
     def _idle_release_due(self) -> None:
         """The release, once the budget has been idle for IDLE_RELEASE_S."""

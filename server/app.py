@@ -294,7 +294,7 @@ class Server:
             f"control={settings.model_control_mode if settings.model_repository else 'none'} "
             f"provider={served[0].batched.graphs.provider if served else '-'} "
             f"intra_op_threads={served[0].batched.graphs.intra_op_threads if served else settings.intra_op_threads} "
-            f"workers={settings.inference_workers} batching={'on' if settings.dynamic_batching else 'off'} "
+            f"inference_workers={settings.inference_workers} batching={'on' if settings.dynamic_batching else 'off'} "
             f"max_batch_size={settings.max_batch_size} max_queue_delay_us={settings.max_queue_delay_us} "
             f"max_queue_size={settings.max_queue_size} queue_timeout_us={settings.queue_timeout_us} "
             f"priority_levels={settings.priority_levels}{level_policies} max_receive_bytes={receive_limit} "

@@ -123,7 +123,7 @@ class DataPlane:
             padded_runs=settings.dynamic_batching and not settings.length_aware_batching,
             kept_share=settings.sequence_bytes_share,
         )
-        self.metrics = Metrics(lambda: budget.held, budget.limit)
+        self.metrics = Metrics(lambda: budget.held, budget.limit, lambda: budget.waiting)
         self.started = False  # the models of start-up are loaded (or failed): ServerReady may say yes
         self._port_closes_at: float | None = None  # once draining (drain), when the ports close (time.monotonic())
         # One budget and one set of inference workers for every served version: the memory and the cores
@@ -539,6 +539,7 @@ class InferenceCall(CallRecord):
         self._deliver_later = False
         self._settle: Callable | None = None
         self._regions = NOTHING_HELD  # the shared-memory regions its tensors lie in, until it ends
+        self._admitted_ns = 0  # how long its admission to the memory budget took
 
     async def off_loop(self, function: Callable[..., T], *args) -> T:
         """``function(*args)`` on the decode thread: a transport's decode that would hold the event loop
@@ -584,14 +585,20 @@ class InferenceCall(CallRecord):
         self._regions.read_inputs(request.shared_inputs, request.inputs)
         return run_inputs_of(request, self.served.signature, self.served.limits)
 
-    def admit(self, attention: RunInputs) -> None:
-        """Its decoded inputs, its answer and its run's workspace taken in the budget, or refused."""
-        self.timing.input_ns = time.perf_counter_ns() - self.started
-        self.memory.admit(attention, self.served.signature)
+    async def admit(self, attention: RunInputs) -> None:
+        """Its decoded inputs, its answer and its run's workspace taken in the budget once they fit (up to its
+        deadline), or refused."""
+        admitting = time.perf_counter_ns()
+        self.timing.input_ns = admitting - self.started
+        timeout_s = self.timeout_s
+        if timeout_s is not None:
+            timeout_s = max(0.0, timeout_s - self.timing.input_ns / 1e9)
+        await self.memory.admit(attention, self.served.signature, timeout_s)
+        self._admitted_ns = time.perf_counter_ns() - admitting  # a wait for memory counts as time queued
 
     def ran(self, rows: int, started_ns: int, *, queue_ns: int, infer_ns: int) -> None:
         self.run_rows, self.run_started_ns = rows, started_ns
-        self.timing.queue_ns, self.timing.infer_ns = queue_ns, infer_ns
+        self.timing.queue_ns, self.timing.infer_ns = self._admitted_ns + queue_ns, infer_ns
         self.memory.run_ended()
 
     @contextlib.contextmanager

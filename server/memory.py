@@ -14,12 +14,22 @@ What the arena keeps is what runs really took, not what waiting requests once mi
 most of the latter, kept until idle, only grew under sustained load (a loaded server is never idle).
 Length-aware runs take less than their take's sum; padded runs take more (every row padded to the
 longest), which is why, with length-aware batching off, waiting rows count as padded.
+
+A request that does not fit yet waits its turn for the memory that the requests admitted give back, as a queue
+would hold it (the budget bounds memory, not how many may wait: an honest caller is not refused for a busy
+server). What it holds meanwhile, its request as received, is counted. While a request admitted is in flight, the
+requests admitted hold at most what WAITING_SHARE leaves, so that requests arriving have room to be received and
+to wait; a request larger than that runs alone. A request is refused only where waiting cannot help: it is larger
+than the budget, nothing admitted is in flight to give memory back, or those waiting already hold their share.
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import heapq
 import itertools
+from dataclasses import dataclass
 
 from .errors import ErrorKind, RequestError
 from .shaping import ranking_bytes, weights_answer_bytes
@@ -31,6 +41,10 @@ WORKSPACE_PER_SCORE = 4 * F32  # bytes per query-key pair and head: scores, mask
 WORKSPACE_PER_TOKEN = 4 * F32  # bytes per (row, position, feature) of query, key and value: projections
 INPUT_COPIES = 2  # the message as received, and the arrays decoded from it
 ANSWER_COPIES = 2  # the encoded answer, and the transport's copy while it is written
+# Of the budget, what is kept for requests as received (arriving, or waiting for memory) while a request admitted is
+# in flight: the requests admitted hold the rest, so that a burst of large requests is received and waits in turn
+# rather than being refused for the memory the first of them took.
+WAITING_SHARE = 0.5
 
 
 def run_workspace_bytes(batch: int, q_len: int, kv_len: int, d_model: int, num_heads: int) -> int:
@@ -77,6 +91,27 @@ class InflightBytesExceeded(RequestError):
         )
 
 
+class WaitingLineFull(RequestError):
+    def __init__(self, waiting: int, held: int, limit: int, share: int):
+        super().__init__(
+            ErrorKind.RESOURCE_EXHAUSTED,
+            f"the server is busy: this request, as received, would join the {waiting} waiting for memory, which hold "
+            f"{held} bytes, over their share of max_inflight_bytes={limit} ({share} bytes); retry later",
+            shed_by="memory",
+        )
+
+
+@dataclass(eq=False)
+class _Waiting:
+    """A request waiting for memory: what it will take, what it holds as received, and its admission."""
+
+    request_bytes: int
+    rows: int
+    workspace: int
+    received: int
+    admitted: asyncio.Future
+
+
 class MemoryBudget:
     """The bytes requests hold (``held``) against ``limit``; event loop only.
 
@@ -96,8 +131,13 @@ class MemoryBudget:
         *,
         padded_runs: bool = False,
         kept_share: float = 1.0,
+        waiting_share: float = WAITING_SHARE,
     ):
         self.limit = limit
+        # while a request admitted is in flight, what the requests admitted may hold; the rest is for requests as
+        # received, those waiting for memory at most the rest (0: none waits, each refused at once)
+        self.waiting_limit = int(waiting_share * limit)
+        self.admitted_limit = limit - self.waiting_limit
         self.kept_share = kept_share  # of ``limit``, what state kept between requests may hold together
         self.kept_limit = int(kept_share * limit)
         self.workers = workers
@@ -113,6 +153,9 @@ class MemoryBudget:
         self._per_row: list[tuple[float, int, object]] = []  # (-workspace per row, order, token): a heap
         self._order = itertools.count()
         self._largest_runs: list[int] = []  # the workers' largest run workspaces since the arenas were given back
+        self.received_bytes = 0  # of ``request_bytes``, those of requests as received, not yet admitted
+        self._line: collections.deque[_Waiting] = collections.deque()  # requests waiting for memory, in turn
+        self._line_received = 0  # what they hold as received
 
     @property
     def kept_workspace(self) -> int:
@@ -152,12 +195,86 @@ class MemoryBudget:
             heapq.heappop(heap)
         return -heap[0][0] if heap else 0.0
 
-    def admit(self, request_bytes: int, rows: int, workspace: int) -> object:
-        """Take a request's share, or refuse it (RESOURCE_EXHAUSTED) when that would go over the limit; the
-        token it returns is given to ``run_ended``."""
-        needed = self.request_bytes + self.kept_bytes + request_bytes
-        if needed + max(self.kept_workspace, self._runs_may_need((rows, workspace))) > self.limit:
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for memory."""
+        return len(self._line)
+
+    def _fits(self, request_bytes: int, rows: int, workspace: int, received: int) -> bool:
+        """Whether a request's share fits, its ``received`` bytes given back for it: within the budget, and, while
+        a request admitted is in flight, within what WAITING_SHARE leaves the requests admitted."""
+        workspaces = max(self.kept_workspace, self._runs_may_need((rows, workspace)))
+        admitted = self.request_bytes - self.received_bytes + self.kept_bytes + request_bytes + workspaces
+        if admitted + self.received_bytes - received > self.limit:
+            return False
+        return admitted <= self.admitted_limit or not self._frees_later()
+
+    def admit(self, request_bytes: int, rows: int, workspace: int, received: int = 0) -> object:
+        """Take a request's share, its ``received`` bytes (counted by ``take`` as it arrived) given back for it,
+        or refuse it (RESOURCE_EXHAUSTED) when that would go over the limit; the token it returns is given to
+        ``run_ended``."""
+        if not self._fits(request_bytes, rows, workspace, received):
             raise InflightBytesExceeded(self.held, request_bytes + workspace, self.limit)
+        return self._take_share(request_bytes, rows, workspace, received)
+
+    def admit_now(self, request_bytes: int, rows: int, workspace: int, received: int = 0) -> object | None:
+        """As ``admit`` where the request fits now and no other waits for memory before it; else None."""
+        if not self._line and self._fits(request_bytes, rows, workspace, received):
+            return self._take_share(request_bytes, rows, workspace, received)
+        return None
+
+    async def admit_in_turn(self, request_bytes: int, rows: int, workspace: int, received: int = 0) -> object:
+        """As ``admit``, but a request that does not fit yet waits for the memory the requests admitted give back,
+        after those waiting before it; refused at once only where waiting cannot help (the module's docstring)."""
+        admitted = self.admit_now(request_bytes, rows, workspace, received)
+        if admitted is not None:
+            return admitted
+        if request_bytes + self.kept_bytes + workspace > self.limit or not self._frees_later():
+            raise InflightBytesExceeded(self.held, request_bytes + workspace, self.limit)
+        if self._line_received + received > self.waiting_limit:
+            raise WaitingLineFull(len(self._line), self._line_received, self.limit, self.waiting_limit)
+        entry = _Waiting(request_bytes, rows, workspace, received, asyncio.get_running_loop().create_future())
+        self._line.append(entry)
+        self._line_received += received
+        try:
+            return await entry.admitted
+        except asyncio.CancelledError:  # its caller gone, or its deadline passed
+            if entry in self._line:
+                self._line.remove(entry)
+                self._line_received -= received
+            elif entry.admitted.done() and not entry.admitted.cancelled() and entry.admitted.exception() is None:
+                # admitted as it was cancelled: the share goes back, the bytes as received stay its receipt's
+                self.run_ended(entry.admitted.result())
+                self.request_bytes -= request_bytes - received
+                self.received_bytes += received
+            self._admit_waiting()
+            raise
+
+    def _frees_later(self) -> bool:
+        """Whether a request admitted is in flight, to give memory back as it is answered."""
+        return bool(self._waiting) or self.request_bytes > self.received_bytes
+
+    def _admit_waiting(self) -> None:
+        """Admit the requests waiting, in turn, while they fit; refuse the first where nothing admitted is in flight
+        to give memory back."""
+        while self._line:
+            entry = self._line[0]
+            if entry.admitted.done():  # cancelled
+                pass
+            elif self._fits(entry.request_bytes, entry.rows, entry.workspace, entry.received):
+                share = self._take_share(entry.request_bytes, entry.rows, entry.workspace, entry.received)
+                entry.admitted.set_result(share)
+            elif not self._frees_later():
+                refusal = InflightBytesExceeded(self.held, entry.request_bytes + entry.workspace, self.limit)
+                entry.admitted.set_exception(refusal)
+            else:
+                return
+            self._line.popleft()
+            self._line_received -= entry.received
+
+    def _take_share(self, request_bytes: int, rows: int, workspace: int, received: int) -> object:
+        self.request_bytes -= received
+        self.received_bytes -= received
         token = object()
         self._waiting[token] = (rows, workspace)
         self._waiting_rows += rows
@@ -171,10 +288,17 @@ class MemoryBudget:
 
     def take(self, nbytes: int, what: str) -> None:
         """Count ``nbytes`` more of a request's own (its body as it is received), or refuse them
-        (RESOURCE_EXHAUSTED) when that would go over the limit; ``release`` gives them back."""
+        (RESOURCE_EXHAUSTED) when that would go over the limit; ``release_received`` gives them back."""
         if self.held + nbytes > self.limit:
             raise InflightBytesExceeded(self.held, nbytes, self.limit, what)
         self.request_bytes += nbytes
+        self.received_bytes += nbytes
+
+    def release_received(self, nbytes: int) -> None:
+        """A request's bytes as received, not admitted (refused, or ended), go."""
+        self.request_bytes -= nbytes
+        self.received_bytes -= nbytes
+        self._admit_waiting()
 
     def keep(self, nbytes: int, what: str) -> None:
         """Count ``nbytes`` of state kept between requests (a sequence's cache), or refuse them
@@ -193,6 +317,7 @@ class MemoryBudget:
 
     def let_go(self, nbytes: int) -> None:
         self.kept_bytes -= nbytes
+        self._admit_waiting()
 
     def run_made(self, workspace: int) -> None:
         """A run of this workspace was made: the arena keeps its space for the next runs."""
@@ -203,9 +328,12 @@ class MemoryBudget:
         if ended is not None:
             self._waiting_rows -= ended[0]
             self._waiting_workspace -= ended[1]
+            self._admit_waiting()
 
     def release(self, request_bytes: int) -> None:
+        """An admitted request's bytes (its inputs, or its answer) go."""
         self.request_bytes -= request_bytes
+        self._admit_waiting()
 
     def provide_for(self, max_batch_size: int | None, padded_runs: bool) -> None:
         """A model is served that batches up to ``max_batch_size`` rows (None: it does not batch), padded or
@@ -218,3 +346,4 @@ class MemoryBudget:
     def workspace_given_back(self) -> None:
         """The arenas were shrunk: the workspace kept for later runs is gone."""
         self._largest_runs = []
+        self._admit_waiting()

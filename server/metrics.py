@@ -13,6 +13,7 @@ nv_inference_pending_request_count   mhaserve_inference_pending_request_count (q
 (batch sizes)                        mhaserve_inference_batch_size (histogram of rows per run)
 (memory held by requests)            mhaserve_inference_inflight_bytes (inputs, answers, run workspace)
 (its limit)                          mhaserve_inference_inflight_bytes_limit (--max-inflight-bytes)
+(requests waiting for that memory)   mhaserve_inference_memory_waiting_request_count
 (refused credentials)                mhaserve_unauthenticated_request_total
 
 Durations are in seconds, Prometheus' base unit, rather than Triton's microsecond counters. A request's figures
@@ -42,7 +43,12 @@ class Metrics:
     """The process's metric families; each served version gets its labelled children (``for_model``), which
     ``forget`` removes when it is unloaded, so labels name only models that exist (bounded cardinality)."""
 
-    def __init__(self, inflight_bytes: Callable[[], int] = lambda: 0, inflight_limit: int = 0):
+    def __init__(
+        self,
+        inflight_bytes: Callable[[], int] = lambda: 0,
+        inflight_limit: int = 0,
+        memory_waiting: Callable[[], int] = lambda: 0,
+    ):
         self.registry = CollectorRegistry()
         held = Gauge(
             "mhaserve_inference_inflight_bytes",
@@ -54,6 +60,11 @@ class Metrics:
             "mhaserve_inference_inflight_bytes_limit", "--max-inflight-bytes: the most requests may take",
             registry=self.registry,
         ).set(inflight_limit)  # fmt: skip
+        Gauge(
+            "mhaserve_inference_memory_waiting_request_count",
+            "Requests received and waiting for memory of --max-inflight-bytes, before their model's queue",
+            registry=self.registry,
+        ).set_function(memory_waiting)
         self._unauthenticated = Counter(
             "mhaserve_unauthenticated_request",
             "RPCs refused for a missing or wrong bearer token",

@@ -61,8 +61,9 @@ class Admission(Protocol):
     timeout_s: float | None
     trace: RequestTrace | None
 
-    def admit(self, attention: RunInputs) -> None:
-        """Its inputs, its answer and its run's workspace taken in the memory budget, or RESOURCE_EXHAUSTED."""
+    async def admit(self, attention: RunInputs) -> None:
+        """Its inputs, its answer and its run's workspace taken in the memory budget once they fit (up to its
+        deadline: DEADLINE_EXCEEDED), or RESOURCE_EXHAUSTED where waiting cannot help."""
 
     def ran(self, rows: int, started_ns: int, *, queue_ns: int, infer_ns: int) -> None:
         """Its run is over: the run's rows, when it started, the request's time queued and in it."""
@@ -208,7 +209,7 @@ class BatchedRuntime:
             attention.outputs = outputs
         if call.trace is not None:
             call.trace.decoded(attention, request.id)
-        call.admit(attention)
+        await call.admit(attention)
         answer = await self.batcher.submit(attention, call.timeout_s, call.trace, self.queue.terms_of(request))
         call.ran(answer.run_rows, answer.run_started_ns, queue_ns=answer.queue_ns, infer_ns=answer.infer_ns)
         if self.parity is not None:

@@ -174,7 +174,7 @@ class SequenceRuntime:
         shaping, outputs = weights_shaping(request.parameters, named, num_heads, rows, total)
         # its keys: the sequence's cache and its new ones
         attention = replace(attention, shaping=shaping, attended=total, outputs=outputs or attention.outputs)
-        call.admit(attention)
+        await call.admit(attention)
         started = time.perf_counter_ns()
         runs = self.cross_runs if sequence.cross else self.runs
         asked = attention.outputs

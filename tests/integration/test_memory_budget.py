@@ -7,15 +7,26 @@ run workspace) is in server/memory.py, fitted to benchmarks/bench_memory.py's pe
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import threading
 import time
 
 import grpc
+import numpy as np
 import pytest
 
 from mhaserve.client.grpc import Client
-from mhaserve.loadtest.checked_load import peak_rss_mib, reset_peak_rss, rss_mib
+from mhaserve.loadtest.checked_load import (
+    Reference,
+    Shapes,
+    burst,
+    make_call,
+    mismatch,
+    peak_rss_mib,
+    reset_peak_rss,
+    rss_mib,
+)
 from mhaserve.server.memory import InflightBytesExceeded, MemoryBudget
 from tests.support import SMALL_D_MODEL, budget_once_idle, inflight_and_counts, rand, scrape
 
@@ -132,7 +143,7 @@ def test_a_flood_stays_within_the_budget_and_memory_goes_back_when_idle(start_se
 def test_after_a_burst_the_budget_holds_what_the_runs_took_not_what_the_waiting_requests_might_have():
     # It kept the most workspace that waiting requests had ever needed together until the server was idle,
     # and a server under load is never idle: the mark only grew, while length-aware runs took less.
-    budget = MemoryBudget(limit=100, workers=1, max_batch_size=8)
+    budget = MemoryBudget(limit=100, workers=1, max_batch_size=8, waiting_share=0)
     waiting = [budget.admit(10, 1, 20) for _ in range(3)]  # 30 bytes, and runs that may need 60 together
     for token in waiting:  # length-aware: three runs of one request each, the arena keeps one run's 20
         budget.run_made(20)
@@ -144,10 +155,40 @@ def test_after_a_burst_the_budget_holds_what_the_runs_took_not_what_the_waiting_
 
 def test_with_length_aware_batching_off_waiting_rows_count_as_padded_to_the_longest():
     # Counted unpadded, a long and a short request merged into one run took twice what the budget held.
-    padded = MemoryBudget(limit=150, workers=1, max_batch_size=8, padded_runs=True)
-    split = MemoryBudget(limit=150, workers=1, max_batch_size=8)
+    padded = MemoryBudget(limit=150, workers=1, max_batch_size=8, padded_runs=True, waiting_share=0)
+    split = MemoryBudget(limit=150, workers=1, max_batch_size=8, waiting_share=0)
     for budget in (padded, split):
         budget.admit(0, 1, 100)  # a long request waiting
     split.admit(0, 1, 10)  # a short one beside it: 110 unpadded
     with pytest.raises(InflightBytesExceeded):
         padded.admit(0, 1, 10)  # padded to the long one: 200
+
+
+def test_a_burst_of_honest_large_requests_waits_for_memory_and_every_one_is_answered(start_server, small_model_dir):
+    # 32 callers at once, each request with its weights about 20 MiB of the budget (inputs, answer, workspace): the
+    # budget admits a few at a time. They were refused RESOURCE_EXHAUSTED, most of them (tritonclient does not retry
+    # it); now they wait for the memory the requests before them give back, and each is answered.
+    server = start_server(small_model_dir, *LIMITS, "--max-inflight-bytes", str(96 << 20), "--inference-workers", "1")
+    rng = np.random.default_rng(9)
+    shapes = Shapes(D, 256, 256, max_batch=4, cross_fraction=0, mask_fraction=0, no_weights_fraction=0)
+    calls = [make_call(rng, shapes) for _ in range(32)]
+    waiting_seen, done = [], threading.Event()
+
+    def watch() -> None:
+        name = ("mhaserve_inference_memory_waiting_request_count", ())
+        while not done.is_set():
+            waiting_seen.append(scrape(server.metrics_url)[name])
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        report = asyncio.run(burst(server.url, calls))
+    finally:
+        done.set()
+        watcher.join()
+    assert report.statuses == {"OK": 32}, {call.details for call in calls if call.status != "OK"}
+    reference = Reference(small_model_dir)
+    assert [p for call in calls if (p := mismatch(call, reference))] == []
+    assert max(waiting_seen) >= 8, waiting_seen  # most of them waited for memory, not refused
+    assert budget_once_idle(server) == 0

@@ -7,13 +7,16 @@ import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 
+from mhaserve.contract.signature import ModelSignature
 from mhaserve.server import accounting
 from mhaserve.server.accounting import Receipt, RequestAccounting
 from mhaserve.server.errors import ErrorKind, RequestError
 from mhaserve.server.memory import InflightBytesExceeded, MemoryBudget
 from mhaserve.server.metrics import Metrics
+from mhaserve.server.tensors import RunInputs
 
 
 def test_a_request_is_admitted_within_the_limit_and_refused_beyond_it_naming_the_figures():
@@ -154,5 +157,119 @@ def test_memory_is_given_back_only_once_idle_for_the_whole_wait_since_the_last_r
                 await asyncio.sleep(0.01)
             await asyncio.sleep(0.1)
             assert len(Session.released_at) == 1 and Session.released_at[0] - idle_again >= 0.3
+
+    asyncio.run(scenario())
+
+
+def test_a_request_that_does_not_fit_yet_waits_its_turn_for_the_memory_admitted_requests_give_back():
+    async def scenario():
+        # Of 1000, the requests admitted hold at most 500 while one is in flight; the rest is for requests received.
+        budget = MemoryBudget(limit=1000, workers=1, max_batch_size=None)
+        first = budget.admit_now(request_bytes=300, rows=1, workspace=100)
+        budget.take(50, "the request as received")  # the second and third, received
+        budget.take(50, "the request as received")
+        second = asyncio.ensure_future(budget.admit_in_turn(300, 1, 100, received=50))
+        third = asyncio.ensure_future(budget.admit_in_turn(150, 1, 50, received=50))
+        await asyncio.sleep(0)
+        assert not second.done() and not third.done() and budget.waiting == 2
+        assert budget.admit_now(10, 1, 10) is None  # a small one, that would fit, passes none of those waiting
+        budget.run_ended(first)
+        budget.release(300)  # the first answered: the second fits, the third now waits for it
+        await asyncio.sleep(0)
+        assert second.done() and not third.done() and budget.waiting == 1
+        assert budget.held == 400 + 50 and budget.received_bytes == 50  # its share, for what it held as received
+        budget.run_ended(second.result())
+        budget.release(300)
+        await asyncio.sleep(0)
+        assert third.done() and budget.waiting == 0 and budget.received_bytes == 0
+        budget.run_ended(third.result())
+        budget.release(150)
+        assert budget.held == 0 and budget.idle
+
+    asyncio.run(scenario())
+
+
+def test_a_request_is_refused_at_once_where_waiting_for_memory_cannot_help():
+    async def scenario():
+        budget = MemoryBudget(limit=1000)
+        with pytest.raises(InflightBytesExceeded):  # larger than the whole budget
+            await budget.admit_in_turn(900, 1, 200)
+        budget.keep(600, "a sequence's keys and values")
+        with pytest.raises(InflightBytesExceeded):  # no request admitted is in flight to give memory back
+            await budget.admit_in_turn(300, 1, 200)
+        budget.let_go(600)
+        budget.admit_now(200, 1, 100)  # in flight
+        budget.take(300, "the request as received")
+        waiting = asyncio.ensure_future(budget.admit_in_turn(300, 1, 100, received=300))
+        await asyncio.sleep(0)
+        budget.take(250, "the request as received")
+        with pytest.raises(RequestError) as refused:  # those waiting would hold more than their half
+            await budget.admit_in_turn(10, 1, 10, received=250)
+        assert refused.value.kind is ErrorKind.RESOURCE_EXHAUSTED and refused.value.shed_by == "memory"
+        assert "would join the 1 waiting for memory, which hold 300 bytes" in refused.value.message
+        assert "max_inflight_bytes=1000 (500 bytes)" in refused.value.message
+        waiting.cancel()
+
+    asyncio.run(scenario())
+
+
+def test_the_first_in_line_is_refused_once_nothing_admitted_is_left_to_give_memory_back():
+    async def scenario():
+        budget = MemoryBudget(limit=1000)
+        first = budget.admit_now(100, 1, 100)
+        budget.take(50, "the request as received")
+        waiting = asyncio.ensure_future(budget.admit_in_turn(400, 1, 200, received=50))
+        await asyncio.sleep(0)
+        budget.keep(450, "a sequence's keys and values")  # a sequence grew meanwhile: 450 + 600 leaves no room
+        budget.run_ended(first)
+        budget.release(100)
+        with pytest.raises(InflightBytesExceeded):
+            await waiting
+        assert budget.waiting == 0
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("when", ["waiting", "admitted before it resumed"])
+def test_a_waiting_request_cancelled_leaves_the_budget_as_it_found_it(when):
+    async def scenario():
+        budget = MemoryBudget(limit=1000, workers=1, max_batch_size=None)
+        first = budget.admit_now(300, 1, 100)
+        budget.take(50, "the request as received")
+        held_before = budget.held
+        waiting = asyncio.ensure_future(budget.admit_in_turn(300, 1, 100, received=50))
+        await asyncio.sleep(0)
+        if when != "waiting":
+            budget.run_ended(first)
+            budget.release(300)  # admitted: its share taken, its task not yet resumed
+            held_before = budget.held - 300 - 100 + 50
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert budget.waiting == 0 and budget.held == held_before and budget.received_bytes == 50
+        budget.release_received(50)  # its receipt closed as its call ends
+
+    asyncio.run(scenario())
+
+
+def test_a_call_that_waits_for_memory_past_its_deadline_is_refused_and_gives_back_what_it_held():
+    async def scenario():
+        with ThreadPoolExecutor(1) as executor:
+            requests = RequestAccounting(MemoryBudget(10_000), Metrics(), executor, lambda: [])
+            in_flight = requests.budget.admit_now(5000, 1, 0)
+            call = accounting.CallMemory(requests)
+            call.receipt.add(100)
+            rows = np.zeros((1, 4, 8), np.float32)  # a request of a few hundred bytes, behind one of 5000
+            attention = RunInputs(rows, rows, rows, np.ones((1, 1, 4, 4), bool), ("output",))
+            started = time.monotonic()
+            with pytest.raises(RequestError) as refused:
+                await call.admit(attention, ModelSignature("mha", "1", 8, 2), timeout_s=0.2)
+            assert 0.2 <= time.monotonic() - started < 2
+            assert refused.value.kind is ErrorKind.DEADLINE_EXCEEDED
+            assert "waiting for memory (--max-inflight-bytes); the request was not computed" in refused.value.message
+            call.call_ended()
+            requests.budget.run_ended(in_flight)
+            requests.budget.release(5000)
+            assert requests.budget.held == 0 and requests.budget.waiting == 0
 
     asyncio.run(scenario())
