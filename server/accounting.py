@@ -25,6 +25,7 @@ from .statistics import RequestTiming
 if TYPE_CHECKING:
     from mhaserve.contract.signature import ModelSignature
 
+    from .batcher import QueueTimeout
     from .calls import CallRecord
     from .tensors import RunInputs
 
@@ -92,23 +93,35 @@ class CallMemory:
         self._answer = 0  # of which the answer's
         self._waiting = None  # its run's workspace, until the run ends
 
-    async def admit(self, attention: RunInputs, signature: ModelSignature, timeout_s: float | None) -> None:
+    async def admit(
+        self,
+        attention: RunInputs,
+        signature: ModelSignature,
+        timeout_s: float | None,
+        queue_timeout: QueueTimeout | None = None,
+    ) -> None:
         """Its decoded inputs and its answer taken, with its run's workspace, once they fit (waiting for memory up
-        to ``timeout_s``, its deadline), or refused; from here its inputs count as decoded, no longer as
-        received."""
+        to ``timeout_s``, what is left of its deadline, and its model's ``queue_timeout``), or refused; from here its
+        inputs count as decoded, no longer as received."""
         inputs, answer = input_bytes(attention), answer_bytes(attention, signature.num_heads, signature.precision)
         workspace = request_workspace_bytes(attention, signature.num_heads)
         budget, share = self._accounting.budget, (inputs + answer, attention.batch_size, workspace, self.receipt.held)
         admitted = budget.admit_now(*share)
         if admitted is None:
             started = time.monotonic()
+            queue_first = queue_timeout is not None and (timeout_s is None or queue_timeout.seconds < timeout_s)
             try:
-                admitted = await asyncio.wait_for(budget.admit_in_turn(*share), timeout_s)
+                admitted = await asyncio.wait_for(
+                    budget.admit_in_turn(*share), queue_timeout.seconds if queue_first else timeout_s
+                )
             except asyncio.TimeoutError:
+                waited_s = time.monotonic() - started
+                if queue_first:
+                    raise queue_timeout.expired(waited_s) from None
                 raise RequestError(
                     ErrorKind.DEADLINE_EXCEEDED,
-                    f"the deadline passed after {(time.monotonic() - started) * 1000:.1f} ms waiting for memory "
-                    "(--max-inflight-bytes); the request was not computed",
+                    f"the deadline passed after {waited_s * 1000:.1f} ms waiting for memory (--max-inflight-bytes); "
+                    "the request was not computed",
                 ) from None
         self._waiting = admitted
         self.receipt.handed_over()

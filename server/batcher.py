@@ -269,6 +269,7 @@ class Batcher:
         self._idle_workers = workers
         self.max_batch_size = max_batch_size
         self.max_queue_size = max_queue_size
+        self.admitting = 0  # its requests waiting for memory before they queue: counted as queued
         self.max_queue_delay_s = max_queue_delay_s
         self.enabled = enabled
         self._on_batch = on_batch
@@ -286,34 +287,40 @@ class Batcher:
     def queue_depth(self) -> int:
         return len(self._queue)
 
+    def check_room(self, terms: QueueTerms = NO_TERMS) -> None:
+        """QueueFull where the queue, with the requests waiting for memory to join it, has no room for another."""
+        if len(self._queue) + self.admitting >= self.max_queue_size:
+            raise QueueFull(self.max_queue_size)
+        if terms.level_queue_size:
+            waiting = sum(1 for queued in self._queue if queued.priority == terms.priority)
+            if waiting >= terms.level_queue_size:
+                raise QueueFull(terms.level_queue_size, terms.priority, terms.level_set_by)
+
     async def submit(
         self,
         request: RunInputs,
         timeout_s: float | None = None,
         trace: RequestTrace | None = None,
         terms: QueueTerms = NO_TERMS,
+        waited_s: float = 0.0,
     ):
         """The request's BatchedOutputs, once the run it was merged into is done.
 
         It waits ahead of every queued request of a later priority level than its ``terms``' (none of an earlier
         one or its own). Raises QueueFull at once when the queue is full, DeadlineExpiredInQueue when ``timeout_s``
         (the caller's deadline) passes before a worker takes it, and its terms' timeout's refusal when that passes
-        first. Cancelling the caller drops the request from the queue.
+        first (``waited_s`` of it already spent waiting for memory). Cancelling the caller drops the request from the
+        queue.
         """
-        if len(self._queue) >= self.max_queue_size:
-            raise QueueFull(self.max_queue_size)
-        if terms.level_queue_size:
-            waiting = sum(1 for queued in self._queue if queued.priority == terms.priority)
-            if waiting >= terms.level_queue_size:
-                raise QueueFull(terms.level_queue_size, terms.priority, terms.level_set_by)
+        self.check_room(terms)
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         deadline = None if timeout_s is None else now + timeout_s
         pending = _Pending(request, loop.create_future(), time.perf_counter_ns(), deadline, trace)
         pending.priority = terms.priority
         timeout = terms.timeout
-        if timeout is not None and (deadline is None or now + timeout.seconds < deadline):
-            pending.deadline, pending.expired = now + timeout.seconds, timeout.expired
+        if timeout is not None and (deadline is None or now + timeout.seconds - waited_s < deadline):
+            pending.deadline, pending.expired = now + timeout.seconds - waited_s, timeout.expired
         if self._lone(pending):
             self._run_here([pending])
         else:

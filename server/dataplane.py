@@ -23,6 +23,7 @@ from mhaserve.contract.repository import ModelRepository, RepositoryPathError, V
 
 from . import describe, logs
 from .accounting import CallMemory, RequestAccounting
+from .batcher import QueueTimeout
 from .calls import CallRecord, ReadHeaders
 from .config import ServerSettings
 from .errors import ErrorKind, RequestError, inference_failed, invalid
@@ -123,7 +124,7 @@ class DataPlane:
             padded_runs=settings.dynamic_batching and not settings.length_aware_batching,
             kept_share=settings.sequence_bytes_share,
         )
-        self.metrics = Metrics(lambda: budget.held, budget.limit, lambda: budget.waiting)
+        self.metrics = Metrics(lambda: budget.held, budget.limit, lambda: budget.waiting_for_memory)
         self.started = False  # the models of start-up are loaded (or failed): ServerReady may say yes
         self._port_closes_at: float | None = None  # once draining (drain), when the ports close (time.monotonic())
         # One budget and one set of inference workers for every served version: the memory and the cores
@@ -585,16 +586,17 @@ class InferenceCall(CallRecord):
         self._regions.read_inputs(request.shared_inputs, request.inputs)
         return run_inputs_of(request, self.served.signature, self.served.limits)
 
-    async def admit(self, attention: RunInputs) -> None:
-        """Its decoded inputs, its answer and its run's workspace taken in the budget once they fit (up to its
-        deadline), or refused."""
+    async def admit(self, attention: RunInputs, queue_timeout: QueueTimeout | None = None) -> float:
+        """Its decoded inputs, its answer and its run's workspace taken in the budget once they fit (waiting up to
+        its deadline and ``queue_timeout``), or refused; the seconds it waited."""
         admitting = time.perf_counter_ns()
         self.timing.input_ns = admitting - self.started
         timeout_s = self.timeout_s
         if timeout_s is not None:
             timeout_s = max(0.0, timeout_s - self.timing.input_ns / 1e9)
-        await self.memory.admit(attention, self.served.signature, timeout_s)
+        await self.memory.admit(attention, self.served.signature, timeout_s, queue_timeout)
         self._admitted_ns = time.perf_counter_ns() - admitting  # a wait for memory counts as time queued
+        return self._admitted_ns / 1e9
 
     def ran(self, rows: int, started_ns: int, *, queue_ns: int, infer_ns: int) -> None:
         self.run_rows, self.run_started_ns = rows, started_ns

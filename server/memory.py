@@ -196,7 +196,7 @@ class MemoryBudget:
         return -heap[0][0] if heap else 0.0
 
     @property
-    def waiting(self) -> int:
+    def waiting_for_memory(self) -> int:
         """Requests waiting for memory."""
         return len(self._line)
 

@@ -61,9 +61,10 @@ class Admission(Protocol):
     timeout_s: float | None
     trace: RequestTrace | None
 
-    async def admit(self, attention: RunInputs) -> None:
-        """Its inputs, its answer and its run's workspace taken in the memory budget once they fit (up to its
-        deadline: DEADLINE_EXCEEDED), or RESOURCE_EXHAUSTED where waiting cannot help."""
+    async def admit(self, attention: RunInputs, queue_timeout: QueueTimeout | None = None) -> float:
+        """Its inputs, its answer and its run's workspace taken in the memory budget once they fit, waiting up to
+        its deadline (DEADLINE_EXCEEDED) and its ``queue_timeout`` (that timeout's refusal), or RESOURCE_EXHAUSTED
+        where waiting cannot help; the seconds it waited."""
 
     def ran(self, rows: int, started_ns: int, *, queue_ns: int, infer_ns: int) -> None:
         """Its run is over: the run's rows, when it started, the request's time queued and in it."""
@@ -209,8 +210,14 @@ class BatchedRuntime:
             attention.outputs = outputs
         if call.trace is not None:
             call.trace.decoded(attention, request.id)
-        await call.admit(attention)
-        answer = await self.batcher.submit(attention, call.timeout_s, call.trace, self.queue.terms_of(request))
+        terms = self.queue.terms_of(request)
+        self.batcher.check_room(terms)  # a request waiting for memory counts as queued
+        self.batcher.admitting += 1
+        try:
+            waited_s = await call.admit(attention, terms.timeout)
+        finally:
+            self.batcher.admitting -= 1
+        answer = await self.batcher.submit(attention, call.timeout_s, call.trace, terms, waited_s)
         call.ran(answer.run_rows, answer.run_started_ns, queue_ns=answer.queue_ns, infer_ns=answer.infer_ns)
         if self.parity is not None:
             self.parity.offer(request.id, attention, answer.outputs)

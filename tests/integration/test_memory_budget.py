@@ -192,3 +192,18 @@ def test_a_burst_of_honest_large_requests_waits_for_memory_and_every_one_is_answ
     assert [p for call in calls if (p := mismatch(call, reference))] == []
     assert max(waiting_seen) >= 8, waiting_seen  # most of them waited for memory, not refused
     assert budget_once_idle(server) == 0
+
+
+def test_requests_waiting_for_memory_count_as_queued_against_the_queue_size(start_server, small_model_dir):
+    # Waiting for memory, a request is queued all but in name: a burst larger than --max-queue-size is refused
+    # "queue is full" beyond it, as it was before memory waits, never for memory.
+    args = ("--max-inflight-bytes", str(96 << 20), "--inference-workers", "1", "--max-queue-size", "4")
+    server = start_server(small_model_dir, *LIMITS, *args)
+    rng = np.random.default_rng(10)
+    shapes = Shapes(D, 256, 256, max_batch=4, cross_fraction=0, mask_fraction=0, no_weights_fraction=0)
+    calls = [make_call(rng, shapes) for _ in range(32)]
+    report = asyncio.run(burst(server.url, calls))
+    assert set(report.statuses) == {"OK", "RESOURCE_EXHAUSTED"}, report.statuses
+    refusals = {call.details for call in calls if call.status == "RESOURCE_EXHAUSTED"}
+    assert all("the request queue is full (4 requests waiting" in text for text in refusals), refusals
+    assert budget_once_idle(server) == 0

@@ -13,6 +13,7 @@ import pytest
 from mhaserve.contract.signature import ModelSignature
 from mhaserve.server import accounting
 from mhaserve.server.accounting import Receipt, RequestAccounting
+from mhaserve.server.batcher import QueueTimeout
 from mhaserve.server.errors import ErrorKind, RequestError
 from mhaserve.server.memory import InflightBytesExceeded, MemoryBudget
 from mhaserve.server.metrics import Metrics
@@ -171,17 +172,17 @@ def test_a_request_that_does_not_fit_yet_waits_its_turn_for_the_memory_admitted_
         second = asyncio.ensure_future(budget.admit_in_turn(300, 1, 100, received=50))
         third = asyncio.ensure_future(budget.admit_in_turn(150, 1, 50, received=50))
         await asyncio.sleep(0)
-        assert not second.done() and not third.done() and budget.waiting == 2
+        assert not second.done() and not third.done() and budget.waiting_for_memory == 2
         assert budget.admit_now(10, 1, 10) is None  # a small one, that would fit, passes none of those waiting
         budget.run_ended(first)
         budget.release(300)  # the first answered: the second fits, the third now waits for it
         await asyncio.sleep(0)
-        assert second.done() and not third.done() and budget.waiting == 1
+        assert second.done() and not third.done() and budget.waiting_for_memory == 1
         assert budget.held == 400 + 50 and budget.received_bytes == 50  # its share, for what it held as received
         budget.run_ended(second.result())
         budget.release(300)
         await asyncio.sleep(0)
-        assert third.done() and budget.waiting == 0 and budget.received_bytes == 0
+        assert third.done() and budget.waiting_for_memory == 0 and budget.received_bytes == 0
         budget.run_ended(third.result())
         budget.release(150)
         assert budget.held == 0 and budget.idle
@@ -225,7 +226,7 @@ def test_the_first_in_line_is_refused_once_nothing_admitted_is_left_to_give_memo
         budget.release(100)
         with pytest.raises(InflightBytesExceeded):
             await waiting
-        assert budget.waiting == 0
+        assert budget.waiting_for_memory == 0
 
     asyncio.run(scenario())
 
@@ -246,13 +247,14 @@ def test_a_waiting_request_cancelled_leaves_the_budget_as_it_found_it(when):
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiting
-        assert budget.waiting == 0 and budget.held == held_before and budget.received_bytes == 50
+        assert budget.waiting_for_memory == 0 and budget.held == held_before and budget.received_bytes == 50
         budget.release_received(50)  # its receipt closed as its call ends
 
     asyncio.run(scenario())
 
 
-def test_a_call_that_waits_for_memory_past_its_deadline_is_refused_and_gives_back_what_it_held():
+@pytest.mark.parametrize("bound", ["deadline", "queue timeout"])
+def test_a_call_that_waits_for_memory_past_its_deadline_or_queue_timeout_is_refused_and_gives_back_what_it_held(bound):
     async def scenario():
         with ThreadPoolExecutor(1) as executor:
             requests = RequestAccounting(MemoryBudget(10_000), Metrics(), executor, lambda: [])
@@ -262,14 +264,22 @@ def test_a_call_that_waits_for_memory_past_its_deadline_is_refused_and_gives_bac
             rows = np.zeros((1, 4, 8), np.float32)  # a request of a few hundred bytes, behind one of 5000
             attention = RunInputs(rows, rows, rows, np.ones((1, 1, 4, 4), bool), ("output",))
             started = time.monotonic()
+            signature = ModelSignature("mha", "1", 8, 2)
             with pytest.raises(RequestError) as refused:
-                await call.admit(attention, ModelSignature("mha", "1", 8, 2), timeout_s=0.2)
+                if bound == "deadline":
+                    await call.admit(attention, signature, timeout_s=0.2, queue_timeout=QueueTimeout(5, "its model's"))
+                else:
+                    await call.admit(attention, signature, timeout_s=5, queue_timeout=QueueTimeout(0.2, "its model's"))
             assert 0.2 <= time.monotonic() - started < 2
-            assert refused.value.kind is ErrorKind.DEADLINE_EXCEEDED
-            assert "waiting for memory (--max-inflight-bytes); the request was not computed" in refused.value.message
+            said = refused.value.message
+            if bound == "deadline":
+                assert refused.value.kind is ErrorKind.DEADLINE_EXCEEDED
+                assert "waiting for memory (--max-inflight-bytes); the request was not computed" in said
+            else:  # as Triton answers a queue timeout
+                assert refused.value.kind is ErrorKind.UNAVAILABLE and "past its queue timeout of 200 ms" in said
             call.call_ended()
             requests.budget.run_ended(in_flight)
             requests.budget.release(5000)
-            assert requests.budget.held == 0 and requests.budget.waiting == 0
+            assert requests.budget.held == 0 and requests.budget.waiting_for_memory == 0
 
     asyncio.run(scenario())
