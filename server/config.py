@@ -295,7 +295,7 @@ class LimitSettings(Section):
         1 << 30,
         "memory that requests in flight may take (inputs, answers until written, ONNX Runtime's run workspace), in "
         "each serving process (with --workers N, each worker's own: N times this in all). A request that does not "
-        "fit yet waits, received, for the memory of those before it (while one is in flight, half is kept for "
+        "fit yet waits, received, for the memory of those before it (while requests run, half is kept for "
         "requests received and waiting); RESOURCE_EXHAUSTED where waiting cannot help (larger than this, or those "
         "waiting already hold their half)",
         rule=at_least(1),

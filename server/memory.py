@@ -15,12 +15,15 @@ most of the latter, kept until idle, only grew under sustained load (a loaded se
 Length-aware runs take less than their take's sum; padded runs take more (every row padded to the
 longest), which is why, with length-aware batching off, waiting rows count as padded.
 
-A request that does not fit yet waits its turn for the memory that the requests admitted give back, as a queue
-would hold it (the budget bounds memory, not how many may wait: an honest caller is not refused for a busy
-server). What it holds meanwhile, its request as received, is counted. While a request admitted is in flight, the
-requests admitted hold at most what WAITING_SHARE leaves, so that requests arriving have room to be received and
-to wait; a request larger than that runs alone. A request is refused only where waiting cannot help: it is larger
-than the budget, nothing admitted is in flight to give memory back, or those waiting already hold their share.
+A request that does not fit yet waits its turn for the memory that the requests admitted give back, as a queue would
+hold it (the budget bounds memory, not how many may wait: an honest caller is not refused for a busy server). What
+it holds meanwhile, its request as received, is counted. While requests admitted wait for their runs or run, the
+requests admitted hold at most what WAITING_SHARE leaves, so that requests arriving have room to be received and to
+wait; a request larger than that runs alone. A request is refused only where waiting cannot help: it is larger than
+the budget, no memory is coming back, or those waiting already hold their share. Memory comes back while a request
+admitted waits for its run or runs; once only answers being written hold it, for DELIVERY_GRACE_S at most (a client
+that does not read its answers holds their memory until its connection goes, and must not hold the line of everyone
+else's requests behind it).
 """
 
 from __future__ import annotations
@@ -41,10 +44,13 @@ WORKSPACE_PER_SCORE = 4 * F32  # bytes per query-key pair and head: scores, mask
 WORKSPACE_PER_TOKEN = 4 * F32  # bytes per (row, position, feature) of query, key and value: projections
 INPUT_COPIES = 2  # the message as received, and the arrays decoded from it
 ANSWER_COPIES = 2  # the encoded answer, and the transport's copy while it is written
-# Of the budget, what is kept for requests as received (arriving, or waiting for memory) while a request admitted is
-# in flight: the requests admitted hold the rest, so that a burst of large requests is received and waits in turn
-# rather than being refused for the memory the first of them took.
+# Of the budget, what is kept for requests as received (arriving, or waiting for memory) while requests admitted wait
+# for their runs or run: the requests admitted hold the rest, so that a burst of large requests is received and waits
+# in turn rather than being refused for the memory the first of them took.
 WAITING_SHARE = 0.5
+# How long the requests waiting wait for memory that only answers being written hold (none of the requests admitted
+# waiting for a run): honest clients read theirs within it; past it, those that still do not fit are refused.
+DELIVERY_GRACE_S = 0.5
 
 
 def run_workspace_bytes(batch: int, q_len: int, kv_len: int, d_model: int, num_heads: int) -> int:
@@ -134,8 +140,8 @@ class MemoryBudget:
         waiting_share: float = WAITING_SHARE,
     ):
         self.limit = limit
-        # while a request admitted is in flight, what the requests admitted may hold; the rest is for requests as
-        # received, those waiting for memory at most the rest (0: none waits, each refused at once)
+        # while requests admitted wait for their runs or run, what the requests admitted may hold; the rest is for
+        # requests as received, those waiting for memory at most the rest (0: none waits, each refused at once)
         self.waiting_limit = int(waiting_share * limit)
         self.admitted_limit = limit - self.waiting_limit
         self.kept_share = kept_share  # of ``limit``, what state kept between requests may hold together
@@ -156,6 +162,8 @@ class MemoryBudget:
         self.received_bytes = 0  # of ``request_bytes``, those of requests as received, not yet admitted
         self._line: collections.deque[_Waiting] = collections.deque()  # requests waiting for memory, in turn
         self._line_received = 0  # what they hold as received
+        self._delivery_wait: asyncio.TimerHandle | None = None  # armed while the line waits on answers being written
+        self._delivery_stalled = False  # ... and the grace passed with no memory given back
 
     @property
     def kept_workspace(self) -> int:
@@ -202,12 +210,12 @@ class MemoryBudget:
 
     def _fits(self, request_bytes: int, rows: int, workspace: int, received: int) -> bool:
         """Whether a request's share fits, its ``received`` bytes given back for it: within the budget, and, while
-        a request admitted is in flight, within what WAITING_SHARE leaves the requests admitted."""
+        a request admitted waits for its run or runs, within what WAITING_SHARE leaves the requests admitted."""
         workspaces = max(self.kept_workspace, self._runs_may_need((rows, workspace)))
         admitted = self.request_bytes - self.received_bytes + self.kept_bytes + request_bytes + workspaces
         if admitted + self.received_bytes - received > self.limit:
             return False
-        return admitted <= self.admitted_limit or not self._frees_later()
+        return admitted <= self.admitted_limit or not self._waiting
 
     def admit(self, request_bytes: int, rows: int, workspace: int, received: int = 0) -> object:
         """Take a request's share, its ``received`` bytes (counted by ``take`` as it arrived) given back for it,
@@ -229,13 +237,14 @@ class MemoryBudget:
         admitted = self.admit_now(request_bytes, rows, workspace, received)
         if admitted is not None:
             return admitted
-        if request_bytes + self.kept_bytes + workspace > self.limit or not self._frees_later():
+        if request_bytes + self.kept_bytes + workspace > self.limit or not self._memory_coming_back():
             raise InflightBytesExceeded(self.held, request_bytes + workspace, self.limit)
         if self._line_received + received > self.waiting_limit:
             raise WaitingLineFull(len(self._line), self._line_received, self.limit, self.waiting_limit)
         entry = _Waiting(request_bytes, rows, workspace, received, asyncio.get_running_loop().create_future())
         self._line.append(entry)
         self._line_received += received
+        self._admit_waiting()  # the grace for answers being written armed, where only they hold the memory
         try:
             return await entry.admitted
         except asyncio.CancelledError:  # its caller gone, or its deadline passed
@@ -250,13 +259,26 @@ class MemoryBudget:
             self._admit_waiting()
             raise
 
-    def _frees_later(self) -> bool:
-        """Whether a request admitted is in flight, to give memory back as it is answered."""
-        return bool(self._waiting) or self.request_bytes > self.received_bytes
+    def _memory_coming_back(self) -> bool:
+        """Whether the requests waiting may wait: a request admitted waits for its run or runs, or answers being
+        written hold memory and the grace for them has not passed."""
+        return bool(self._waiting) or (self.request_bytes > self.received_bytes and not self._delivery_stalled)
+
+    def _given_back(self) -> None:
+        """Memory came back: the grace for answers being written starts again, and those waiting are admitted."""
+        self._delivery_stalled = False
+        if self._delivery_wait is not None:
+            self._delivery_wait.cancel()
+            self._delivery_wait = None
+        self._admit_waiting()
+
+    def _grace_passed(self) -> None:
+        self._delivery_wait = None
+        self._delivery_stalled = True
+        self._admit_waiting()
 
     def _admit_waiting(self) -> None:
-        """Admit the requests waiting, in turn, while they fit; refuse the first where nothing admitted is in flight
-        to give memory back."""
+        """Admit the requests waiting, in turn, while they fit; refuse the first where no memory is coming back."""
         while self._line:
             entry = self._line[0]
             if entry.admitted.done():  # cancelled
@@ -264,10 +286,13 @@ class MemoryBudget:
             elif self._fits(entry.request_bytes, entry.rows, entry.workspace, entry.received):
                 share = self._take_share(entry.request_bytes, entry.rows, entry.workspace, entry.received)
                 entry.admitted.set_result(share)
-            elif not self._frees_later():
+            elif not self._memory_coming_back():
                 refusal = InflightBytesExceeded(self.held, entry.request_bytes + entry.workspace, self.limit)
                 entry.admitted.set_exception(refusal)
             else:
+                if not self._waiting and self._delivery_wait is None:  # only answers being written hold it
+                    loop = asyncio.get_running_loop()
+                    self._delivery_wait = loop.call_later(DELIVERY_GRACE_S, self._grace_passed)
                 return
             self._line.popleft()
             self._line_received -= entry.received
@@ -298,7 +323,7 @@ class MemoryBudget:
         """A request's bytes as received, not admitted (refused, or ended), go."""
         self.request_bytes -= nbytes
         self.received_bytes -= nbytes
-        self._admit_waiting()
+        self._admit_waiting()  # room, though none of the memory the line waits on (a refused request's, often)
 
     def keep(self, nbytes: int, what: str) -> None:
         """Count ``nbytes`` of state kept between requests (a sequence's cache), or refuse them
@@ -317,7 +342,7 @@ class MemoryBudget:
 
     def let_go(self, nbytes: int) -> None:
         self.kept_bytes -= nbytes
-        self._admit_waiting()
+        self._given_back()
 
     def run_made(self, workspace: int) -> None:
         """A run of this workspace was made: the arena keeps its space for the next runs."""
@@ -328,12 +353,12 @@ class MemoryBudget:
         if ended is not None:
             self._waiting_rows -= ended[0]
             self._waiting_workspace -= ended[1]
-            self._admit_waiting()
+            self._given_back()
 
     def release(self, request_bytes: int) -> None:
         """An admitted request's bytes (its inputs, or its answer) go."""
         self.request_bytes -= request_bytes
-        self._admit_waiting()
+        self._given_back()
 
     def provide_for(self, max_batch_size: int | None, padded_runs: bool) -> None:
         """A model is served that batches up to ``max_batch_size`` rows (None: it does not batch), padded or
@@ -346,4 +371,4 @@ class MemoryBudget:
     def workspace_given_back(self) -> None:
         """The arenas were shrunk: the workspace kept for later runs is gone."""
         self._largest_runs = []
-        self._admit_waiting()
+        self._given_back()

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from mhaserve.contract.signature import ModelSignature
-from mhaserve.server import accounting
+from mhaserve.server import accounting, memory
 from mhaserve.server.accounting import Receipt, RequestAccounting
 from mhaserve.server.batcher import QueueTimeout
 from mhaserve.server.errors import ErrorKind, RequestError
@@ -281,5 +281,37 @@ def test_a_call_that_waits_for_memory_past_its_deadline_or_queue_timeout_is_refu
             requests.budget.run_ended(in_flight)
             requests.budget.release(5000)
             assert requests.budget.held == 0 and requests.budget.waiting_for_memory == 0
+
+    asyncio.run(scenario())
+
+
+def test_memory_held_only_by_answers_not_read_is_waited_for_a_grace_then_those_waiting_are_refused(monkeypatch):
+    # A client that never reads its answers holds their memory until its connection goes: its other requests, and
+    # everyone's behind them, must not wait on it for ever.
+    monkeypatch.setattr(memory, "DELIVERY_GRACE_S", 0.2)
+
+    async def scenario():
+        budget = MemoryBudget(limit=1000, workers=1, max_batch_size=None)
+        budget.run_ended(budget.admit_now(700, 1, 50))  # run, its answer (700) not yet read
+        budget.take(20, "the request as received")
+        budget.take(20, "the request as received")
+        started = time.monotonic()
+        first = asyncio.ensure_future(budget.admit_in_turn(300, 1, 50, received=20))
+        second = asyncio.ensure_future(budget.admit_in_turn(300, 1, 50, received=20))
+        results = await asyncio.wait_for(asyncio.gather(first, second, return_exceptions=True), 10)
+        assert [type(result) for result in results] == [InflightBytesExceeded, InflightBytesExceeded]
+        assert 0.2 <= time.monotonic() - started < 2  # one grace, for the whole line
+        with pytest.raises(InflightBytesExceeded):  # no memory is coming back: refused at once, as without waits
+            await budget.admit_in_turn(300, 1, 50)
+        small = budget.admit_now(40, 1, 10)  # what fits is admitted
+        assert small is not None
+        budget.release(700)  # the answer read at last: waits are worth it again
+        budget.take(20, "the request as received")
+        waiting = asyncio.ensure_future(budget.admit_in_turn(300, 1, 450, received=20))
+        await asyncio.sleep(0.3)
+        assert not waiting.done()  # a run waits: its memory comes back
+        budget.run_ended(small)
+        budget.release(40)
+        assert (await asyncio.wait_for(waiting, 10)) is not None
 
     asyncio.run(scenario())
