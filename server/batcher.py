@@ -289,10 +289,13 @@ class Batcher:
 
     def check_room(self, terms: QueueTerms = NO_TERMS) -> None:
         """QueueFull where the queue, with the requests waiting for memory to join it, has no room for another."""
-        if len(self._queue) + self.admitting >= self.max_queue_size:
+        self._check_room(len(self._queue) + self.admitting, terms)
+
+    def _check_room(self, queued: int, terms: QueueTerms) -> None:
+        if queued >= self.max_queue_size:
             raise QueueFull(self.max_queue_size)
         if terms.level_queue_size:
-            waiting = sum(1 for queued in self._queue if queued.priority == terms.priority)
+            waiting = sum(1 for pending in self._queue if pending.priority == terms.priority)
             if waiting >= terms.level_queue_size:
                 raise QueueFull(terms.level_queue_size, terms.priority, terms.level_set_by)
 
@@ -312,7 +315,8 @@ class Batcher:
         first (``waited_s`` of it already spent waiting for memory). Cancelling the caller drops the request from the
         queue.
         """
-        self.check_room(terms)
+        # A request that waited for memory had its place counted then: those still waiting do not take it back.
+        self._check_room(len(self._queue), terms)
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         deadline = None if timeout_s is None else now + timeout_s

@@ -313,3 +313,33 @@ def test_a_lone_small_request_runs_on_the_event_loop_and_requests_back_to_back_o
     assert asked == [(1, 5, 5), (1, 7, 7), (1, 40, 40)]  # the last two were not lone
     for answer, length in zip(answers, (5, 40, 6, 4), strict=True):
         assert answer.outputs["output"].shape == (1, length, D)
+
+
+def test_requests_waiting_for_memory_count_as_queued_but_one_that_waited_keeps_its_place(small_model_dir):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mhaserve.server.batcher import Batcher, QueueFull
+
+    session = AttentionGraphs.open(small_model_dir, device="cpu", intra_op_threads=1)
+
+    async def scenario():
+        with ThreadPoolExecutor(1) as executor:
+            batcher = Batcher(session.run, executor, workers=1, max_batch_size=4, max_queue_size=2)
+            batcher.admitting = 2  # two requests wait for memory: the queue has no room for a third
+            with pytest.raises(QueueFull):
+                batcher.check_room()
+            batcher._idle_workers = 0  # hold the worker: requests stay queued
+            queued = asyncio.ensure_future(batcher.submit(as_attention_request(rand(1, 2, D), None, None, None, False)))
+            await asyncio.sleep(0)
+            batcher.admitting = 1  # the other admitted, and queued; this one admitted too: its place was counted
+            admitted = asyncio.ensure_future(
+                batcher.submit(as_attention_request(rand(1, 3, D, seed=1), None, None, None, False))
+            )
+            await asyncio.sleep(0)
+            batcher.admitting = 0
+            batcher._idle_workers = 1
+            batcher._dispatch()
+            return await asyncio.wait_for(asyncio.gather(queued, admitted), 30)
+
+    answers = asyncio.run(scenario())
+    assert [answer.outputs["output"].shape for answer in answers] == [(1, 2, D), (1, 3, D)]
