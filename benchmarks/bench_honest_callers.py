@@ -31,6 +31,7 @@ import numpy as np
 from bench_hostile import Stallers
 from bench_revisions import baseline_checkout
 
+from mhaserve.cli.common import length_range
 from mhaserve.export.default_model import ensure_default_model
 from mhaserve.server.process import ServerProcess
 
@@ -133,11 +134,6 @@ def one_run(url: str, args) -> tuple[collections.Counter, collections.Counter, d
     return steps, rows, said
 
 
-def lengths_of(text: str) -> tuple[int, int]:
-    low, _, high = text.partition("..")
-    return int(low), int(high or low)
-
-
 def measure(name: str, server: ServerProcess, args) -> None:
     for run in range(1, args.runs + 1):
         steps, rows, said = one_run(server.url, args)
@@ -154,7 +150,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20)
     parser.add_argument("--steppers", type=int, default=64)
     parser.add_argument("--callers", type=int, default=64)
-    parser.add_argument("--lengths", type=lengths_of, default=(16, 128), help="LO..HI: the stateless rows' lengths")
+    parser.add_argument("--lengths", type=length_range, default=(16, 128), help="LO..HI: the stateless rows' lengths")
     parser.add_argument("--weights", action="store_true", help="the stateless callers ask for every head's weights")
     parser.add_argument("--stalled", type=int, default=16)
     parser.add_argument("--busy", type=int, default=0)
