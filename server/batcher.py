@@ -28,8 +28,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections import deque
-from collections.abc import Callable
+from collections import Counter, deque
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
@@ -200,13 +200,14 @@ class _Pending:
     future: asyncio.Future
     enqueued_ns: int
     deadline: float | None  # time.monotonic() by which its run must start; None: no deadline
+    submitted_ns: int  # before it waited for memory, if it did: the wait counts as time queued
     trace: RequestTrace | None = None
     expired: Callable[[float], RequestError] = DeadlineExpiredInQueue  # its refusal then, given how long it waited
     priority: int = 0  # its level: it waits behind none of a later level (0: no levels)
 
     def refuse_expired(self) -> None:
         """Its deadline passed while it waited: refused, saying how long it waited."""
-        self.future.set_exception(self.expired((time.perf_counter_ns() - self.enqueued_ns) / 1e9))
+        self.future.set_exception(self.expired((time.perf_counter_ns() - self.submitted_ns) / 1e9))
 
 
 @dataclass
@@ -269,7 +270,7 @@ class Batcher:
         self._idle_workers = workers
         self.max_batch_size = max_batch_size
         self.max_queue_size = max_queue_size
-        self.admitting = 0  # its requests waiting for memory before they queue: counted as queued
+        self._admitting: Counter[int] = Counter()  # by priority level: requests waiting for memory, counted as queued
         self.max_queue_delay_s = max_queue_delay_s
         self.enabled = enabled
         self._on_batch = on_batch
@@ -287,15 +288,14 @@ class Batcher:
     def queue_depth(self) -> int:
         return len(self._queue)
 
-    def check_room(self, terms: QueueTerms = NO_TERMS) -> None:
-        """QueueFull where the queue, with the requests waiting for memory to join it, has no room for another."""
-        self._check_room(len(self._queue) + self.admitting, terms)
-
-    def _check_room(self, queued: int, terms: QueueTerms) -> None:
-        if queued >= self.max_queue_size:
+    def _check_room(self, terms: QueueTerms) -> None:
+        """QueueFull where the queue (or the request's level of it), with the requests waiting for memory to join
+        it, has no room for another."""
+        if len(self._queue) + self._admitting.total() >= self.max_queue_size:
             raise QueueFull(self.max_queue_size)
         if terms.level_queue_size:
-            waiting = sum(1 for pending in self._queue if pending.priority == terms.priority)
+            waiting = self._admitting[terms.priority]
+            waiting += sum(1 for pending in self._queue if pending.priority == terms.priority)
             if waiting >= terms.level_queue_size:
                 raise QueueFull(terms.level_queue_size, terms.priority, terms.level_set_by)
 
@@ -305,26 +305,32 @@ class Batcher:
         timeout_s: float | None = None,
         trace: RequestTrace | None = None,
         terms: QueueTerms = NO_TERMS,
-        waited_s: float = 0.0,
+        admit: Callable[[], Awaitable[object]] | None = None,
     ):
         """The request's BatchedOutputs, once the run it was merged into is done.
 
         It waits ahead of every queued request of a later priority level than its ``terms``' (none of an earlier
         one or its own). Raises QueueFull at once when the queue is full, DeadlineExpiredInQueue when ``timeout_s``
         (the caller's deadline) passes before a worker takes it, and its terms' timeout's refusal when that passes
-        first (``waited_s`` of it already spent waiting for memory). Cancelling the caller drops the request from the
-        queue.
+        first. ``admit`` takes the request's memory, waiting for it where it does not fit yet: meanwhile the request
+        holds its place, counted as queued, and its wait counts against both. Cancelling the caller drops the
+        request from the queue.
         """
-        # A request that waited for memory had its place counted then: those still waiting do not take it back.
-        self._check_room(len(self._queue), terms)
+        self._check_room(terms)
+        now, submitted_ns = time.monotonic(), time.perf_counter_ns()
+        if admit is not None:
+            self._admitting[terms.priority] += 1
+            try:
+                await admit()
+            finally:
+                self._admitting[terms.priority] -= 1
         loop = asyncio.get_running_loop()
-        now = time.monotonic()
         deadline = None if timeout_s is None else now + timeout_s
-        pending = _Pending(request, loop.create_future(), time.perf_counter_ns(), deadline, trace)
+        pending = _Pending(request, loop.create_future(), time.perf_counter_ns(), deadline, submitted_ns, trace)
         pending.priority = terms.priority
         timeout = terms.timeout
-        if timeout is not None and (deadline is None or now + timeout.seconds - waited_s < deadline):
-            pending.deadline, pending.expired = now + timeout.seconds - waited_s, timeout.expired
+        if timeout is not None and (deadline is None or now + timeout.seconds < deadline):
+            pending.deadline, pending.expired = now + timeout.seconds, timeout.expired
         if self._lone(pending):
             self._run_here([pending])
         else:

@@ -211,13 +211,9 @@ class BatchedRuntime:
         if call.trace is not None:
             call.trace.decoded(attention, request.id)
         terms = self.queue.terms_of(request)
-        self.batcher.check_room(terms)  # a request waiting for memory counts as queued
-        self.batcher.admitting += 1
-        try:
-            waited_s = await call.admit(attention, terms.timeout)
-        finally:
-            self.batcher.admitting -= 1
-        answer = await self.batcher.submit(attention, call.timeout_s, call.trace, terms, waited_s)
+        answer = await self.batcher.submit(
+            attention, call.timeout_s, call.trace, terms, admit=lambda: call.admit(attention, terms.timeout)
+        )
         call.ran(answer.run_rows, answer.run_started_ns, queue_ns=answer.queue_ns, infer_ns=answer.infer_ns)
         if self.parity is not None:
             self.parity.offer(request.id, attention, answer.outputs)

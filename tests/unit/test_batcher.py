@@ -315,31 +315,73 @@ def test_a_lone_small_request_runs_on_the_event_loop_and_requests_back_to_back_o
         assert answer.outputs["output"].shape == (1, length, D)
 
 
-def test_requests_waiting_for_memory_count_as_queued_but_one_that_waited_keeps_its_place(small_model_dir):
+def test_requests_waiting_for_memory_count_as_queued_and_keep_their_place_once_admitted(small_model_dir):
     from concurrent.futures import ThreadPoolExecutor
 
     from mhaserve.server.batcher import Batcher, QueueFull
 
     session = AttentionGraphs.open(small_model_dir, device="cpu", intra_op_threads=1)
 
+    def request(length: int, seed: int):
+        return as_attention_request(rand(1, length, D, seed=seed), None, None, None, False)
+
     async def scenario():
+        loop = asyncio.get_running_loop()
         with ThreadPoolExecutor(1) as executor:
-            batcher = Batcher(session.run, executor, workers=1, max_batch_size=4, max_queue_size=2)
-            batcher.admitting = 2  # two requests wait for memory: the queue has no room for a third
-            with pytest.raises(QueueFull):
-                batcher.check_room()
+            batcher = Batcher(session.run, executor, workers=1, max_batch_size=4, max_queue_size=3)
             batcher._idle_workers = 0  # hold the worker: requests stay queued
-            queued = asyncio.ensure_future(batcher.submit(as_attention_request(rand(1, 2, D), None, None, None, False)))
+            memory = [loop.create_future() for _ in range(3)]
+            waiting = [
+                asyncio.ensure_future(batcher.submit(request(2 + i, i), admit=lambda given=given: given))
+                for i, given in enumerate(memory)
+            ]
             await asyncio.sleep(0)
-            batcher.admitting = 1  # the other admitted, and queued; this one admitted too: its place was counted
-            admitted = asyncio.ensure_future(
-                batcher.submit(as_attention_request(rand(1, 3, D, seed=1), None, None, None, False))
-            )
+            with pytest.raises(QueueFull):  # three wait for memory: the queue has no room for a fourth
+                await batcher.submit(request(5, 5))
+            waiting[2].cancel()  # one gives up while it waits: its place is free again
             await asyncio.sleep(0)
-            batcher.admitting = 0
+            queued = asyncio.ensure_future(batcher.submit(request(6, 6)))
+            await asyncio.sleep(0)
+            for given in memory[:2]:  # the other two admitted: they queue in the places they held
+                given.set_result(None)
+            await asyncio.sleep(0)
+            assert batcher.queue_depth == 3
+            with pytest.raises(QueueFull):
+                await batcher.submit(request(7, 7))
             batcher._idle_workers = 1
             batcher._dispatch()
-            return await asyncio.wait_for(asyncio.gather(queued, admitted), 30)
+            return await asyncio.wait_for(asyncio.gather(waiting[0], waiting[1], queued), 30)
 
     answers = asyncio.run(scenario())
-    assert [answer.outputs["output"].shape for answer in answers] == [(1, 2, D), (1, 3, D)]
+    assert [answer.outputs["output"].shape for answer in answers] == [(1, 2, D), (1, 3, D), (1, 6, D)]
+
+
+def test_a_request_waiting_for_memory_counts_against_its_priority_levels_bound(small_model_dir):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mhaserve.server.batcher import Batcher, QueueFull, QueueTerms
+
+    session = AttentionGraphs.open(small_model_dir, device="cpu", intra_op_threads=1)
+    first, second = (QueueTerms(priority=level, level_queue_size=1, level_set_by="the test") for level in (1, 2))
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        with ThreadPoolExecutor(1) as executor:
+            batcher = Batcher(session.run, executor, workers=1, max_batch_size=4, max_queue_size=8)
+            memory = loop.create_future()
+            waiting = asyncio.ensure_future(
+                batcher.submit(
+                    as_attention_request(rand(1, 2, D), None, None, None, False), terms=first, admit=lambda: memory
+                )
+            )
+            await asyncio.sleep(0)
+            with pytest.raises(QueueFull, match="priority level 1"):
+                await batcher.submit(as_attention_request(rand(1, 3, D), None, None, None, False), terms=first)
+            other_level = await asyncio.wait_for(
+                batcher.submit(as_attention_request(rand(1, 4, D), None, None, None, False), terms=second), 30
+            )
+            memory.set_result(None)
+            return await asyncio.wait_for(waiting, 30), other_level
+
+    answers = asyncio.run(scenario())
+    assert [answer.outputs["output"].shape for answer in answers] == [(1, 2, D), (1, 4, D)]
