@@ -586,9 +586,9 @@ class InferenceCall(CallRecord):
         self._regions.read_inputs(request.shared_inputs, request.inputs)
         return run_inputs_of(request, self.served.signature, self.served.limits)
 
-    async def admit(self, attention: RunInputs, queue_timeout: QueueTimeout | None = None) -> float:
+    async def admit(self, attention: RunInputs, queue_timeout: QueueTimeout | None = None) -> None:
         """Its decoded inputs, its answer and its run's workspace taken in the budget once they fit (waiting up to
-        its deadline and ``queue_timeout``), or refused; the seconds it waited."""
+        its deadline and ``queue_timeout``), or refused; its wait counts as time queued."""
         admitting = time.perf_counter_ns()
         self.timing.input_ns = admitting - self.started
         timeout_s = self.timeout_s
@@ -596,7 +596,6 @@ class InferenceCall(CallRecord):
             timeout_s = max(0.0, timeout_s - self.timing.input_ns / 1e9)
         await self.memory.admit(attention, self.served.signature, timeout_s, queue_timeout)
         self._admitted_ns = time.perf_counter_ns() - admitting  # a wait for memory counts as time queued
-        return self._admitted_ns / 1e9
 
     def ran(self, rows: int, started_ns: int, *, queue_ns: int, infer_ns: int) -> None:
         self.run_rows, self.run_started_ns = rows, started_ns

@@ -61,10 +61,10 @@ class Admission(Protocol):
     timeout_s: float | None
     trace: RequestTrace | None
 
-    async def admit(self, attention: RunInputs, queue_timeout: QueueTimeout | None = None) -> float:
+    async def admit(self, attention: RunInputs, queue_timeout: QueueTimeout | None = None) -> None:
         """Its inputs, its answer and its run's workspace taken in the memory budget once they fit, waiting up to
         its deadline (DEADLINE_EXCEEDED) and its ``queue_timeout`` (that timeout's refusal), or RESOURCE_EXHAUSTED
-        where waiting cannot help; the seconds it waited."""
+        where waiting cannot help."""
 
     def ran(self, rows: int, started_ns: int, *, queue_ns: int, infer_ns: int) -> None:
         """Its run is over: the run's rows, when it started, the request's time queued and in it."""
